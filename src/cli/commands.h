@@ -1,0 +1,32 @@
+// Subcommands of the `tandem` binary. Each Register* adds one subcommand to
+// the CLI11 app and sets its callback; the callback stores an exit code.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <string>
+
+namespace tandem::cli {
+
+struct GlobalOptions {
+  std::string log_level;   // empty: the config's, else "info"
+  std::string log_format;  // empty: the config's, else "text"
+  int exit_code = 0;
+};
+
+void RegisterVersion(CLI::App& app, GlobalOptions& g);
+void RegisterConfigCheck(CLI::App& app, GlobalOptions& g);
+void RegisterLaunch(CLI::App& app, GlobalOptions& g);
+void RegisterProxy(CLI::App& app, GlobalOptions& g);
+void RegisterWorker(CLI::App& app, GlobalOptions& g, const std::string& role);
+void RegisterGenerate(CLI::App& app, GlobalOptions& g);
+void RegisterBench(CLI::App& app, GlobalOptions& g);
+
+// The config used when none is given: configs/1p1d.yaml next to the build
+// folder that holds this binary, or under the working directory.
+std::string DefaultConfigPath();
+
+// Prints "tandem <cmd>: not available yet: <what is missing>" and returns 2.
+int NotYetAvailable(const std::string& command, const std::string& missing);
+
+}  // namespace tandem::cli

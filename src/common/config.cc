@@ -1,0 +1,153 @@
+#include "common/config.h"
+
+#include <fmt/format.h>
+#include <yaml-cpp/yaml.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "common/yaml_reader.h"
+
+namespace tandem {
+namespace {
+
+namespace fs = std::filesystem;
+
+void ReadRole(YamlMap m, RoleConfig& r) {
+  m.Read("replicas", r.replicas, 0, 256);
+  m.ReadAddress("grpc", r.grpc);
+  m.ReadAddress("metrics", r.metrics);
+  m.Read("num_blocks", r.num_blocks, 0, 1u << 24);
+  m.Finish();
+}
+
+void ReadAll(YamlMap& top, FleetConfig& c) {
+  top.Require("model");
+  {
+    YamlMap m = top.Sub("model");
+    m.Require("path");
+    m.Read("name", c.model.name);
+    m.Read("path", c.model.path);
+    m.Read("revision", c.model.revision);
+    m.ReadEnum("backend", c.model.backend, {"cpu", "cuda", "sim"});
+    m.ReadEnum("dtype", c.model.dtype, {"f32", "bf16", "f16"});
+    m.Read("max_model_len", c.model.max_model_len, 0, 1u << 20);
+    m.Finish();
+  }
+  {
+    YamlMap m = top.Sub("cache");
+    m.Read("block_size", c.cache.block_size, 1, 1024);
+    m.Read("num_blocks", c.cache.num_blocks, 1, 1u << 24);
+    m.Read("salt", c.cache.salt);
+    m.Finish();
+  }
+  {
+    YamlMap m = top.Sub("scheduler");
+    m.Read("max_num_seqs", c.scheduler.max_num_seqs, 1, 4096);
+    m.Read("max_batched_tokens", c.scheduler.max_batched_tokens, 1, 1u << 20);
+    m.Read("max_waiting", c.scheduler.max_waiting, 0, 1u << 20);
+    m.Read("threads", c.scheduler.threads, 1, 256);
+    m.Finish();
+  }
+  {
+    YamlMap m = top.Sub("proxy");
+    m.ReadAddress("grpc", c.proxy.grpc);
+    m.ReadAddress("http", c.proxy.http);
+    m.ReadAddress("metrics", c.proxy.metrics);
+    m.Read("max_inflight", c.proxy.max_inflight, 1, 1u << 20);
+    m.Read("default_max_tokens", c.proxy.default_max_tokens, 1, 1u << 20);
+    m.Read("max_tokens_limit", c.proxy.max_tokens_limit, 1, 1u << 20);
+    m.Read("api_key", c.proxy.api_key);
+    m.Finish();
+  }
+  {
+    YamlMap m = top.Sub("router");
+    m.ReadEnum("policy", c.router.policy, {"kv_aware", "least_loaded", "round_robin", "random"});
+    m.Read("prefill_weight", c.router.prefill_weight, 0.0, 1e6);
+    m.Read("temperature", c.router.temperature, 0.0, 1e6);
+    m.Read("local_prefill_threshold_tokens", c.router.local_prefill_threshold_tokens, 0,
+           1u << 20);
+    m.Finish();
+  }
+  {
+    YamlMap m = top.Sub("transport");
+    m.ReadEnum("backend", c.transport.backend, {"ucx", "loopback"});
+    m.Read("lease_seconds", c.transport.lease_seconds, 0.1, 86400.0);
+    m.Read("peer_timeout_seconds", c.transport.peer_timeout_seconds, 0.1, 600.0);
+    m.Finish();
+  }
+  {
+    YamlMap m = top.Sub("logging");
+    m.ReadEnum("level", c.logging.level, {"trace", "debug", "info", "warn", "error"});
+    m.ReadEnum("format", c.logging.format, {"text", "json"});
+    m.Finish();
+  }
+  ReadRole(top.Sub("prefill"), c.prefill);
+  ReadRole(top.Sub("decode"), c.decode);
+  ReadRole(top.Sub("both"), c.both);
+  top.Finish();
+}
+
+// Checks that involve more than one key.
+void CrossCheck(const FleetConfig& c, YamlErrors& errors, int line) {
+  if (c.proxy.default_max_tokens > c.proxy.max_tokens_limit) {
+    errors.Add(line, fmt::format("proxy.default_max_tokens ({}) exceeds proxy.max_tokens_limit ({})",
+                                 c.proxy.default_max_tokens, c.proxy.max_tokens_limit));
+  }
+  if ((c.prefill.replicas > 0) != (c.decode.replicas > 0)) {
+    errors.Add(line, fmt::format("a disaggregated fleet needs both prefill and decode workers; "
+                                 "got prefill.replicas={} and decode.replicas={}",
+                                 c.prefill.replicas, c.decode.replicas));
+  }
+  if (c.prefill.replicas + c.decode.replicas + c.both.replicas == 0) {
+    errors.Add(line, "the fleet has no workers: set prefill.replicas and decode.replicas, "
+                     "or both.replicas");
+  }
+  if (c.model.path.empty()) errors.Add(line, "model.path must not be empty");
+}
+
+}  // namespace
+
+Result<FleetConfig> ParseFleetConfig(const std::string& text, const std::string& name,
+                                     const std::string& base_dir) {
+  YamlErrors errors(name);
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    errors.Add(e.mark.line >= 0 ? e.mark.line + 1 : 0, fmt::format("YAML syntax error: {}", e.msg));
+    return InvalidArgumentError(errors.Joined());
+  }
+  if (!root.IsDefined() || root.IsNull()) {
+    return InvalidArgumentError(fmt::format("{}: the file is empty", name));
+  }
+  FleetConfig cfg;
+  YamlMap top(&errors, root, "");
+  ReadAll(top, cfg);
+  if (errors.empty()) CrossCheck(cfg, errors, 0);
+  if (!errors.empty()) return InvalidArgumentError(errors.Joined());
+
+  if (!cfg.model.path.empty() && fs::path(cfg.model.path).is_relative()) {
+    cfg.model.path = (fs::path(base_dir) / cfg.model.path).lexically_normal().string();
+  }
+  if (cfg.model.name.empty()) {
+    cfg.model.name = fs::path(cfg.model.path).lexically_normal().filename().string();
+    if (cfg.model.name.empty()) {
+      cfg.model.name = fs::path(cfg.model.path).lexically_normal().parent_path().filename();
+    }
+  }
+  cfg.source_path = name;
+  return cfg;
+}
+
+Result<FleetConfig> LoadFleetConfig(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return NotFoundError(fmt::format("{}: cannot open the config file", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const fs::path base = fs::absolute(fs::path(path)).parent_path();
+  return ParseFleetConfig(ss.str(), path, base.string());
+}
+
+}  // namespace tandem

@@ -1,0 +1,99 @@
+// The fleet configuration: one YAML file describes a whole fleet (model,
+// cache, scheduler, proxy, router, transport, logging and the prefill /
+// decode / both worker groups). Every key is documented in
+// docs/configuration.md; unknown keys and bad values are errors naming the
+// file, the line and the key.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/status.h"
+
+namespace tandem {
+
+struct ModelConfig {
+  std::string name;      // model id served to clients; default: the folder name
+  std::string path;      // Hugging Face model directory (resolved against the file)
+  std::string revision;  // folded into block hashes; bump when weights change
+  std::string backend = "cpu";  // cpu | cuda | sim
+  std::string dtype = "f32";    // compute/KV dtype: f32 | bf16 | f16
+  uint32_t max_model_len = 0;   // 0 = the model's max_position_embeddings
+};
+
+struct CacheConfig {
+  uint32_t block_size = 16;    // tokens per KV block; must match across a fleet
+  uint32_t num_blocks = 1024;  // KV blocks per worker
+  std::string salt;            // per-fleet secret folded into block hashes
+};
+
+struct SchedulerConfig {
+  uint32_t max_num_seqs = 64;         // running sequences per worker
+  uint32_t max_batched_tokens = 512;  // tokens per engine step (chunked prefill budget)
+  uint32_t max_waiting = 256;         // bounded waiting queue; past it: RESOURCE_EXHAUSTED
+  uint32_t threads = 1;               // compute threads per worker
+};
+
+struct ProxyConfig {
+  std::string grpc = "127.0.0.1:50051";
+  std::string http = "127.0.0.1:8000";
+  std::string metrics = "127.0.0.1:9090";
+  uint32_t max_inflight = 1024;        // admitted requests; past it: RESOURCE_EXHAUSTED
+  uint32_t default_max_tokens = 128;   // when a request leaves max_tokens unset
+  uint32_t max_tokens_limit = 1024;    // largest max_tokens a request may ask for
+  std::string api_key;                 // empty: no authentication
+};
+
+struct RouterConfig {
+  std::string policy = "kv_aware";  // kv_aware | least_loaded | round_robin | random
+  double prefill_weight = 1.0;
+  double temperature = 0.0;                   // 0: pick the minimum cost
+  uint32_t local_prefill_threshold_tokens = 0;  // conditional disaggregation; 0 = off
+};
+
+struct TransportConfig {
+  std::string backend = "ucx";  // ucx | loopback (loopback: single process only)
+  double lease_seconds = 30.0;  // a reservation whose KV never arrives expires after this
+  double peer_timeout_seconds = 3.0;  // peer loss surfaces as an error within this
+};
+
+struct LoggingConfig {
+  std::string level = "info";  // trace | debug | info | warn | error
+  std::string format = "text";  // text | json (one JSON object per line)
+};
+
+// One group of identical workers. A port of 0 picks a free port; a port P
+// with N replicas gives ports P .. P+N-1.
+struct RoleConfig {
+  uint32_t replicas = 0;
+  std::string grpc = "127.0.0.1:0";
+  std::string metrics = "127.0.0.1:0";
+  uint32_t num_blocks = 0;  // 0: cache.num_blocks
+};
+
+struct FleetConfig {
+  ModelConfig model;
+  CacheConfig cache;
+  SchedulerConfig scheduler;
+  ProxyConfig proxy;
+  RouterConfig router;
+  TransportConfig transport;
+  LoggingConfig logging;
+  RoleConfig prefill;
+  RoleConfig decode;
+  RoleConfig both;
+
+  std::string source_path;  // the file this was read from ("" for strings)
+};
+
+// Reads and validates a fleet file. Relative paths inside it resolve against
+// the file's folder. On error the Status message holds one line per problem,
+// each "FILE:LINE: message".
+Result<FleetConfig> LoadFleetConfig(const std::string& path);
+
+// Same, from text; `name` stands for the file in messages, `base_dir`
+// resolves relative paths.
+Result<FleetConfig> ParseFleetConfig(const std::string& text, const std::string& name,
+                                     const std::string& base_dir);
+
+}  // namespace tandem

@@ -1,0 +1,92 @@
+#include "common/logging.h"
+
+#include <fmt/chrono.h>
+#include <fmt/format.h>
+#include <spdlog/formatter.h>
+#include <spdlog/pattern_formatter.h>
+#include <spdlog/sinks/stdout_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+
+namespace tandem {
+namespace {
+
+class JsonFormatter final : public spdlog::formatter {
+ public:
+  explicit JsonFormatter(std::string process) : process_(std::move(process)) {}
+
+  void format(const spdlog::details::log_msg& msg, spdlog::memory_buf_t& dest) override {
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                        msg.time.time_since_epoch()) .count();
+    const std::time_t secs = static_cast<std::time_t>(ms / 1000);
+    std::tm tm{};
+    gmtime_r(&secs, &tm);
+    const auto level = spdlog::level::to_string_view(msg.level);
+    fmt::format_to(std::back_inserter(dest),
+                   R"({{"ts":"{:%Y-%m-%dT%H:%M:%S}.{:03d}Z","level":"{}","proc":"{}","msg":"{}"}})",
+                   tm, static_cast<int>(ms % 1000), std::string_view(level.data(), level.size()),
+                   JsonEscape(process_),
+                   JsonEscape(std::string_view(msg.payload.data(), msg.payload.size())));
+    dest.push_back('\n');
+  }
+
+  std::unique_ptr<spdlog::formatter> clone() const override {
+    return std::make_unique<JsonFormatter>(process_);
+  }
+
+ private:
+  std::string process_;
+};
+
+}  // namespace
+
+std::string JsonEscape(std::string_view s) {
+  std::string out;
+  out.reserve(s.size() + 8);
+  for (const unsigned char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (c < 0x20) {
+          out += fmt::format("\\u{:04x}", c);
+        } else {
+          out.push_back(static_cast<char>(c));
+        }
+    }
+  }
+  return out;
+}
+
+Result<std::unique_ptr<spdlog::formatter>> MakeLogFormatter(const std::string& process,
+                                                            const std::string& format) {
+  if (format == "json") return std::unique_ptr<spdlog::formatter>(new JsonFormatter(process));
+  if (format == "text") {
+    return std::unique_ptr<spdlog::formatter>(new spdlog::pattern_formatter(
+        fmt::format("%Y-%m-%d %H:%M:%S.%e %L [{}] %v", process)));
+  }
+  return InvalidArgumentError(fmt::format("log format '{}' must be 'text' or 'json'", format));
+}
+
+Status SetupLogging(const std::string& process, const std::string& level,
+                    const std::string& format) {
+  const auto lvl = spdlog::level::from_str(level);
+  if (lvl == spdlog::level::off && level != "off") {
+    return InvalidArgumentError(
+        fmt::format("log level '{}' must be one of trace, debug, info, warn, error", level));
+  }
+  TANDEM_ASSIGN_OR_RETURN(auto formatter, MakeLogFormatter(process, format));
+  auto logger = std::make_shared<spdlog::logger>(
+      process, std::make_shared<spdlog::sinks::stderr_sink_mt>());
+  logger->set_formatter(std::move(formatter));
+  logger->set_level(lvl);
+  logger->flush_on(spdlog::level::warn);
+  spdlog::set_default_logger(std::move(logger));
+  return Status::Ok();
+}
+
+}  // namespace tandem

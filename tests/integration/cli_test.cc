@@ -1,0 +1,63 @@
+// Runs the real `tandem` binary.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <string>
+
+namespace {
+
+struct CmdResult {
+  int code;
+  std::string out;  // stdout and stderr together
+};
+
+CmdResult Tandem(const std::string& args) {
+  const std::string cmd = std::string(TANDEM_BINARY_DIR) + "/tandem " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf;
+  while (size_t n = fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
+  const int status = pclose(p);
+  return {WEXITSTATUS(status), out};
+}
+
+TEST(Cli, HelpListsSubcommands) {
+  const CmdResult r = Tandem("--help");
+  EXPECT_EQ(r.code, 0);
+  for (const char* sub : {"launch", "proxy", "prefill", "decode", "both", "generate", "bench",
+                          "version"}) {
+    EXPECT_NE(r.out.find(sub), std::string::npos) << sub << "\n" << r.out;
+  }
+}
+
+TEST(Cli, VersionSaysRevisionAndCuda) {
+  const CmdResult r = Tandem("version");
+  EXPECT_EQ(r.code, 0);
+  EXPECT_NE(r.out.find("tandem 0."), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("git revision: "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("cuda kernels: "), std::string::npos) << r.out;
+}
+
+TEST(Cli, ConfigCheckReportsLineAndKey) {
+  const std::string bad = std::string(TANDEM_BINARY_DIR) + "/cli_test_bad.yaml";
+  FILE* f = fopen(bad.c_str(), "w");
+  fputs("model:\n  path: m\nprefill:\n  replicas: 1\ndecode:\n  replicas: 1\nprefil: {}\n", f);
+  fclose(f);
+  const CmdResult r = Tandem("config-check " + bad);
+  EXPECT_EQ(r.code, 1);
+  EXPECT_EQ(r.out, bad + ":7: unknown key 'prefil' (did you mean 'prefill'?)\n");
+}
+
+TEST(Cli, ShippedConfigIsValid) {
+  const CmdResult r = Tandem(std::string("config-check ") + TANDEM_SOURCE_DIR + "/configs/1p1d.yaml");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("workers: 1 prefill, 1 decode, 0 both"), std::string::npos) << r.out;
+}
+
+TEST(Cli, UnknownSubcommandFails) {
+  const CmdResult r = Tandem("frobnicate");
+  EXPECT_NE(r.code, 0);
+}
+
+}  // namespace

@@ -1,0 +1,155 @@
+#include "common/config.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+namespace tandem {
+namespace {
+
+constexpr const char* kGood = R"(model:
+  path: ../models/tandem-kjv
+cache:
+  block_size: 16
+prefill:
+  replicas: 1
+decode:
+  replicas: 1
+)";
+
+Result<FleetConfig> Parse(const std::string& text) {
+  return ParseFleetConfig(text, "configs/x.yaml", "/repo/configs");
+}
+
+std::string ErrorOf(const std::string& text) {
+  auto r = Parse(text);
+  EXPECT_FALSE(r.ok()) << "expected an error for:\n" << text;
+  return r.ok() ? "" : r.status().message();
+}
+
+TEST(Config, GoodFileWithDefaults) {
+  auto r = Parse(kGood);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->model.path, "/repo/models/tandem-kjv");  // relative to the file's folder
+  EXPECT_EQ(r->model.name, "tandem-kjv");                // default: folder name
+  EXPECT_EQ(r->cache.block_size, 16u);
+  EXPECT_EQ(r->prefill.replicas, 1u);
+  EXPECT_EQ(r->decode.replicas, 1u);
+  EXPECT_EQ(r->both.replicas, 0u);
+  EXPECT_EQ(r->router.policy, "kv_aware");
+  EXPECT_EQ(r->proxy.grpc, "127.0.0.1:50051");
+  EXPECT_DOUBLE_EQ(r->transport.lease_seconds, 30.0);
+}
+
+TEST(Config, UnknownKeyNamesLineAndSuggests) {
+  const std::string text = R"(model:
+  path: m
+prefill:
+  replicas: 1
+decode:
+  replicas: 1
+prefil:
+  replicas: 2
+)";
+  EXPECT_EQ(ErrorOf(text), "configs/x.yaml:7: unknown key 'prefil' (did you mean 'prefill'?)");
+}
+
+TEST(Config, UnknownNestedKey) {
+  const std::string text = std::string(kGood) + "cache:\n  blok_size: 32\n";
+  // The duplicate 'cache' is reported too; both name their lines.
+  const std::string err = ErrorOf(text);
+  EXPECT_NE(err.find("configs/x.yaml:9: duplicate key 'cache' (first at line 3)"), std::string::npos)
+      << err;
+}
+
+TEST(Config, UnknownNestedKeyInSection) {
+  const std::string text = R"(model:
+  path: m
+  backnd: cpu
+both:
+  replicas: 1
+)";
+  EXPECT_EQ(ErrorOf(text),
+            "configs/x.yaml:3: unknown key 'backnd' in 'model' (did you mean 'backend'?)");
+}
+
+TEST(Config, NoSuggestionForFarKeys) {
+  const std::string text = std::string(kGood) + "zzzzzzzz: 1\n";
+  EXPECT_EQ(ErrorOf(text), "configs/x.yaml:9: unknown key 'zzzzzzzz'");
+}
+
+TEST(Config, BadValuesNameKeyAndLimit) {
+  EXPECT_EQ(ErrorOf("model:\n  path: m\ncache:\n  block_size: 0\nboth:\n  replicas: 1\n"),
+            "configs/x.yaml:4: key 'cache.block_size' must be an integer in [1, 1024], got '0'");
+  EXPECT_EQ(ErrorOf("model:\n  path: m\ncache:\n  block_size: sixteen\nboth:\n  replicas: 1\n"),
+            "configs/x.yaml:4: key 'cache.block_size' must be an integer in [1, 1024], got "
+            "'sixteen'");
+  EXPECT_EQ(ErrorOf("model:\n  path: m\nrouter:\n  policy: fastest\nboth:\n  replicas: 1\n"),
+            "configs/x.yaml:4: key 'router.policy' must be one of 'kv_aware', 'least_loaded', "
+            "'round_robin', 'random', got 'fastest'");
+  EXPECT_EQ(ErrorOf("model:\n  path: m\nproxy:\n  grpc: localhost\nboth:\n  replicas: 1\n"),
+            "configs/x.yaml:4: key 'proxy.grpc': address 'localhost' must be host:port (e.g. "
+            "127.0.0.1:50051)");
+  EXPECT_EQ(ErrorOf("model:\n  path: m\nlogging:\n  format: xml\nboth:\n  replicas: 1\n"),
+            "configs/x.yaml:4: key 'logging.format' must be one of 'text', 'json', got 'xml'");
+  EXPECT_EQ(
+      ErrorOf("model:\n  path: m\ntransport:\n  lease_seconds: -1\nboth:\n  replicas: 1\n"),
+      "configs/x.yaml:4: key 'transport.lease_seconds' must be a number in [0.1, 86400], got "
+      "'-1'");
+}
+
+TEST(Config, EveryErrorIsReported) {
+  const std::string err =
+      ErrorOf("model:\n  path: m\ncache:\n  block_size: 0\n  num_blocks: x\nbogus: 1\n");
+  EXPECT_NE(err.find("x.yaml:4:"), std::string::npos) << err;
+  EXPECT_NE(err.find("x.yaml:5:"), std::string::npos) << err;
+  EXPECT_NE(err.find("x.yaml:6: unknown key 'bogus'"), std::string::npos) << err;
+}
+
+TEST(Config, MissingAndStructuralErrors) {
+  EXPECT_EQ(ErrorOf("both:\n  replicas: 1\n"),
+            "configs/x.yaml:1: missing required key 'model'");
+  EXPECT_EQ(ErrorOf("model:\n  name: x\nboth:\n  replicas: 1\n"),
+            "configs/x.yaml:2: missing required key 'model.path'");
+  EXPECT_EQ(ErrorOf("model: [1, 2]\nboth:\n  replicas: 1\n"),
+            "configs/x.yaml:1: 'model' must be a mapping of keys to values");
+  EXPECT_EQ(ErrorOf(""), "configs/x.yaml: the file is empty");
+  const std::string syntax = ErrorOf("model:\n  path: [unclosed\n");
+  EXPECT_EQ(syntax.rfind("configs/x.yaml:", 0), 0u) << syntax;
+  EXPECT_NE(syntax.find("YAML syntax error"), std::string::npos) << syntax;
+}
+
+TEST(Config, CrossFieldChecks) {
+  EXPECT_EQ(ErrorOf("model:\n  path: m\nprefill:\n  replicas: 2\n"),
+            "configs/x.yaml: a disaggregated fleet needs both prefill and decode workers; got "
+            "prefill.replicas=2 and decode.replicas=0");
+  EXPECT_EQ(ErrorOf("model:\n  path: m\n"),
+            "configs/x.yaml: the fleet has no workers: set prefill.replicas and "
+            "decode.replicas, or both.replicas");
+  EXPECT_EQ(ErrorOf("model:\n  path: m\nboth:\n  replicas: 1\nproxy:\n  default_max_tokens: 9\n"
+                    "  max_tokens_limit: 8\n"),
+            "configs/x.yaml: proxy.default_max_tokens (9) exceeds proxy.max_tokens_limit (8)");
+}
+
+TEST(Config, MissingFile) {
+  auto r = LoadFleetConfig("/nonexistent/fleet.yaml");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(r.status().message(), "/nonexistent/fleet.yaml: cannot open the config file");
+}
+
+// The configs shipped in configs/ must all be valid.
+TEST(Config, ShippedConfigsLoad) {
+  namespace fs = std::filesystem;
+  int n = 0;
+  for (const auto& e : fs::directory_iterator(fs::path(TANDEM_SOURCE_DIR) / "configs")) {
+    if (e.path().extension() != ".yaml") continue;
+    auto r = LoadFleetConfig(e.path().string());
+    EXPECT_TRUE(r.ok()) << r.status().message();
+    ++n;
+  }
+  EXPECT_GE(n, 3);
+}
+
+}  // namespace
+}  // namespace tandem
