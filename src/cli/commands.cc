@@ -117,19 +117,4 @@ void RegisterWorker(CLI::App& app, GlobalOptions& g, const std::string& role) {
   });
 }
 
-void RegisterGenerate(CLI::App& app, GlobalOptions& g) {
-  auto* cmd = app.add_subcommand("generate", "Generate in one process, no network");
-  cmd->allow_extras();
-  cmd->callback([&g] { g.exit_code = NotYetAvailable("generate", "the CPU engine (issue #3)"); });
-}
-
-void RegisterBench(CLI::App& app, GlobalOptions& g) {
-  auto* cmd = app.add_subcommand("bench", "Benchmarks: kvtransfer, serve");
-  cmd->allow_extras();
-  cmd->callback([&g] {
-    g.exit_code = NotYetAvailable("bench", "benchmarks arrive with the KV transport (issue #4) "
-                                           "and the load generator (issue #8)");
-  });
-}
-
 }  // namespace tandem::cli

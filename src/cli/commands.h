@@ -21,6 +21,10 @@ void RegisterProxy(CLI::App& app, GlobalOptions& g);
 void RegisterWorker(CLI::App& app, GlobalOptions& g, const std::string& role);
 void RegisterGenerate(CLI::App& app, GlobalOptions& g);
 void RegisterBench(CLI::App& app, GlobalOptions& g);
+// `tandem bench kvtransfer` (bench_kvtransfer.cc) and `tandem bench serve`
+// (bench_serve.cc) register under `bench`.
+void RegisterBenchKvTransfer(CLI::App& bench, GlobalOptions& g);
+void RegisterBenchServe(CLI::App& bench, GlobalOptions& g);
 
 // The config used when none is given: configs/1p1d.yaml next to the build
 // folder that holds this binary, or under the working directory.

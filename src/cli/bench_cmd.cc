@@ -1,0 +1,13 @@
+// `tandem bench`: a parent for the benchmark subcommands.
+#include "cli/commands.h"
+
+namespace tandem::cli {
+
+void RegisterBench(CLI::App& app, GlobalOptions& g) {
+  auto* cmd = app.add_subcommand("bench", "Benchmarks: kvtransfer, serve");
+  cmd->require_subcommand(1);
+  RegisterBenchKvTransfer(*cmd, g);
+  RegisterBenchServe(*cmd, g);
+}
+
+}  // namespace tandem::cli

@@ -1,0 +1,64 @@
+// Byte-level BPE tokenizer read from a Hugging Face tokenizer.json (GPT-2 /
+// Llama-3 / Qwen2 style): added and special tokens, the pre-tokenizer's
+// split regex (PCRE2: Unicode classes and lookaheads), byte-level mapping,
+// merges by rank. Encode/Decode match Hugging Face `tokenizers`.
+//
+// Thread-safety: a loaded Tokenizer is immutable; Encode/Decode may be
+// called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace tandem::model {
+
+class Tokenizer {
+ public:
+  // `path` is a tokenizer.json file or a model directory holding one.
+  static Result<std::unique_ptr<Tokenizer>> Load(const std::string& path);
+  virtual ~Tokenizer() = default;
+
+  // Special tokens written in `text` (e.g. "<|endoftext|>") become their ids.
+  // `add_special_tokens` applies the post-processor (e.g. a BOS token), as
+  // `tokenizers`' encode(text, add_special_tokens=...) does.
+  virtual std::vector<uint32_t> Encode(std::string_view text,
+                                       bool add_special_tokens = false) const = 0;
+  // Bytes of the ids joined; invalid UTF-8 at the end is kept as is (the
+  // incremental detokenizer below is what streams text safely).
+  virtual std::string Decode(std::span<const uint32_t> ids,
+                             bool skip_special_tokens = false) const = 0;
+  // Raw bytes of one token (byte-level decoded); empty for unknown ids.
+  virtual std::string TokenBytes(uint32_t id) const = 0;
+  virtual bool IsSpecial(uint32_t id) const = 0;
+  virtual uint32_t vocab_size() const = 0;  // including added tokens
+  virtual std::optional<uint32_t> TokenToId(std::string_view token) const = 0;
+};
+
+// Turns a stream of token ids into text without ever emitting half a UTF-8
+// character: bytes of an incomplete sequence are held until it completes.
+class IncrementalDetokenizer {
+ public:
+  explicit IncrementalDetokenizer(const Tokenizer* tokenizer, bool skip_special_tokens = true)
+      : tokenizer_(tokenizer), skip_special_(skip_special_tokens) {}
+  // Text that became complete with `id` (may be empty).
+  std::string Push(uint32_t id);
+  // Whatever is held at the end of the stream (invalid bytes become U+FFFD).
+  std::string Flush();
+
+ private:
+  const Tokenizer* tokenizer_;
+  bool skip_special_;
+  std::string pending_;
+};
+
+// True when `s` is valid UTF-8.
+bool IsValidUtf8(std::string_view s);
+
+}  // namespace tandem::model

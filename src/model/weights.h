@@ -1,0 +1,54 @@
+// Model weights, converted once to f32 from the safetensors file(s) of a
+// Hugging Face directory (model.safetensors, or model.safetensors.index.json
+// with shards). f32, f16 and bf16 tensors are accepted. Every malformed
+// file (truncated, overlapping or out-of-range offsets, missing tensor,
+// wrong shape) gives an error naming the file and the tensor.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "model/model_config.h"
+
+namespace tandem::model {
+
+// Row-major matrix in Hugging Face nn.Linear layout: [rows = out_features]
+// [cols = in_features]; y = x * W^T.
+struct Matrix {
+  std::vector<float> data;  // [rows * cols]
+  uint32_t rows = 0;
+  uint32_t cols = 0;
+};
+
+struct LayerWeights {
+  std::vector<float> input_layernorm;  // [hidden]
+  Matrix q_proj;                       // [heads * head_dim][hidden]
+  Matrix k_proj;                       // [kv_heads * head_dim][hidden]
+  Matrix v_proj;                       // [kv_heads * head_dim][hidden]
+  std::vector<float> q_bias;           // [heads * head_dim], empty without bias
+  std::vector<float> k_bias;           // [kv_heads * head_dim], empty without bias
+  std::vector<float> v_bias;           // [kv_heads * head_dim], empty without bias
+  Matrix o_proj;                       // [hidden][heads * head_dim]
+  std::vector<float> post_attention_layernorm;  // [hidden]
+  Matrix gate_proj;                    // [intermediate][hidden]
+  Matrix up_proj;                      // [intermediate][hidden]
+  Matrix down_proj;                    // [hidden][intermediate]
+};
+
+struct ModelWeights {
+  Matrix embed_tokens;  // [vocab][hidden]
+  std::vector<LayerWeights> layers;
+  std::vector<float> norm;  // [hidden]
+  Matrix lm_head;           // [vocab][hidden]; empty (rows == 0) when tied to embed_tokens
+};
+
+// Tensor names follow transformers: model.embed_tokens.weight,
+// model.layers.{i}.self_attn.{q,k,v,o}_proj.weight (+ .bias),
+// model.layers.{i}.mlp.{gate,up,down}_proj.weight,
+// model.layers.{i}.{input,post_attention}_layernorm.weight, model.norm.weight,
+// lm_head.weight (absent or ignored when tied).
+Result<ModelWeights> LoadWeights(const std::string& dir, const ModelConfig& config);
+
+}  // namespace tandem::model
