@@ -40,6 +40,9 @@ struct ModelConfig {
   std::string torch_dtype;      // as stored: float32 | float16 | bfloat16
   std::vector<uint32_t> eos_token_ids;  // from generation_config.json, else config.json
   int64_t bos_token_id = -1;            // -1: none
+  // Sliding-window attention width in tokens (Mistral, Qwen2 with
+  // use_sliding_window); 0: full attention.
+  uint32_t sliding_window = 0;
 };
 
 // Reads DIR/config.json and, when present, DIR/generation_config.json.

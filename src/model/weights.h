@@ -31,6 +31,9 @@ struct LayerWeights {
   std::vector<float> k_bias;           // [kv_heads * head_dim], empty without bias
   std::vector<float> v_bias;           // [kv_heads * head_dim], empty without bias
   Matrix o_proj;                       // [hidden][heads * head_dim]
+  // [hidden]; only Llama with attention_bias = true has it (Qwen2's o_proj
+  // has no bias); empty otherwise.
+  std::vector<float> o_bias;
   std::vector<float> post_attention_layernorm;  // [hidden]
   Matrix gate_proj;                    // [intermediate][hidden]
   Matrix up_proj;                      // [intermediate][hidden]

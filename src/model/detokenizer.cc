@@ -1,0 +1,49 @@
+// IncrementalDetokenizer and IsValidUtf8.
+#include "model/tokenizer.h"
+#include "model/utf8.h"
+
+namespace tandem::model {
+
+using internal::NextUtf8;
+using internal::Utf8Kind;
+
+bool IsValidUtf8(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    // ASCII fast path.
+    if (static_cast<uint8_t>(s[i]) < 0x80) {
+      ++i;
+      continue;
+    }
+    const auto st = NextUtf8(s, i);
+    if (st.kind != Utf8Kind::kValid) return false;
+    i += st.len_bytes;
+  }
+  return true;
+}
+
+std::string IncrementalDetokenizer::Push(uint32_t id) {
+  if (!(skip_special_ && tokenizer_->IsSpecial(id))) pending_ += tokenizer_->TokenBytes(id);
+  std::string out;
+  size_t i = 0;
+  while (i < pending_.size()) {
+    const auto st = NextUtf8(pending_, i);
+    if (st.kind == Utf8Kind::kIncomplete) break;  // wait for the rest of the character
+    if (st.kind == Utf8Kind::kValid) {
+      out.append(pending_, i, st.len_bytes);
+    } else {
+      out += "\xEF\xBF\xBD";  // bytes that can never complete: U+FFFD
+    }
+    i += st.len_bytes;
+  }
+  pending_.erase(0, i);
+  return out;
+}
+
+std::string IncrementalDetokenizer::Flush() {
+  std::string out = internal::SanitizeUtf8(pending_);
+  pending_.clear();
+  return out;
+}
+
+}  // namespace tandem::model
