@@ -72,33 +72,16 @@ void RegisterConfigCheck(CLI::App& app, GlobalOptions& g) {
   });
 }
 
-void RegisterLaunch(CLI::App& app, GlobalOptions& g) {
-  auto* cmd = app.add_subcommand("launch", "Start the fleet described by CONFIG in the foreground");
-  auto config = std::make_shared<std::string>();
-  auto state = std::make_shared<std::string>();
-  cmd->add_option("config", *config, "fleet YAML file (default: configs/1p1d.yaml)");
-  cmd->add_option("--state-file", *state, "write the fleet's real addresses here (JSON) when ready");
-  cmd->callback([&g, config, state] {
-    const std::string path = config->empty() ? DefaultConfigPath() : *config;
-    auto cfg = LoadFleetConfig(path);
-    if (!cfg.ok()) {
-      std::cerr << cfg.status().message() << "\n";
-      g.exit_code = 1;
-      return;
-    }
-    g.exit_code = NotYetAvailable(
-        "launch", fmt::format("{} is valid ({} prefill, {} decode, {} both), but the proxy and "
-                              "worker processes are not built yet (serving-path issue #5)",
-                              path, cfg->prefill.replicas, cfg->decode.replicas,
-                              cfg->both.replicas));
-  });
-}
-
 void RegisterProxy(CLI::App& app, GlobalOptions& g) {
   auto* cmd = app.add_subcommand("proxy", "Run the proxy (public gRPC + HTTP front end) alone");
   auto config = std::make_shared<std::string>();
+  auto ready_fd = std::make_shared<int>(-1);
   cmd->add_option("--config", *config, "fleet YAML file")->required();
-  cmd->callback([&g] { g.exit_code = NotYetAvailable("proxy", "the proxy service (issue #5)"); });
+  cmd->add_option("--ready-fd", *ready_fd, "(tandem launch) write the real addresses here")
+      ->group("");
+  cmd->callback([&g, config, ready_fd] {
+    g.exit_code = NotYetAvailable("proxy", "the proxy service (issue #5)");
+  });
 }
 
 void RegisterWorker(CLI::App& app, GlobalOptions& g, const std::string& role) {
@@ -112,7 +95,12 @@ void RegisterWorker(CLI::App& app, GlobalOptions& g, const std::string& role) {
   cmd->add_option("--join", *join, "proxy gRPC address to register with");
   cmd->add_option("--grpc", *grpc, "host:port to serve gRPC on");
   cmd->add_option("--metrics", *metrics, "host:port to serve /metrics on");
-  cmd->callback([&g, role] {
+  auto name = std::make_shared<std::string>();
+  auto ready_fd = std::make_shared<int>(-1);
+  cmd->add_option("--name", *name, "worker name in logs and metrics (default: ROLE-PORT)");
+  cmd->add_option("--ready-fd", *ready_fd, "(tandem launch) write the real addresses here")
+      ->group("");
+  cmd->callback([&g, role, config, join, grpc, metrics, name, ready_fd] {
     g.exit_code = NotYetAvailable(role, fmt::format("the {} worker service (issue #5)", role));
   });
 }

@@ -61,3 +61,28 @@ TEST(Cli, UnknownSubcommandFails) {
 }
 
 }  // namespace
+
+namespace {
+
+// Every option of the process subcommands parses (a dangling option target
+// once crashed here) and unbuilt pieces say what is missing, with status 2.
+TEST(Cli, ProcessSubcommandsParseEveryOption) {
+  const std::string cfg = std::string(TANDEM_SOURCE_DIR) + "/configs/1p1d.yaml";
+  const CmdResult proxy = Tandem("proxy --config " + cfg + " --ready-fd 9");
+  EXPECT_NE(proxy.code, 139) << proxy.out;
+  for (const char* role : {"prefill", "decode", "both"}) {
+    const CmdResult r = Tandem(std::string(role) + " --config " + cfg +
+                               " --join 127.0.0.1:1 --grpc 127.0.0.1:0 --metrics 127.0.0.1:0"
+                               " --name w-0 --ready-fd 9");
+    EXPECT_TRUE(r.code == 0 || r.code == 2 || r.code == 1) << role << ": " << r.code << r.out;
+    if (r.code == 2) EXPECT_NE(r.out.find("not available yet"), std::string::npos) << r.out;
+  }
+}
+
+TEST(Cli, LaunchRejectsABadConfig) {
+  const CmdResult r = Tandem("launch /nonexistent.yaml");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_EQ(r.out, "/nonexistent.yaml: cannot open the config file\n");
+}
+
+}  // namespace

@@ -1,0 +1,162 @@
+// `tandem launch CONFIG [--state-file PATH]` (DESIGN.md section 7): starts the
+// proxy, then every worker with --join pointing at it, waits until each is
+// ready, writes the state file, prints a table, and stops everything on
+// SIGINT/SIGTERM. A dead worker is logged and the rest keep serving; nothing
+// is restarted silently.
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+
+#include "cli/commands.h"
+#include "cli/supervisor.h"
+#include "common/config.h"
+#include "common/logging.h"
+#include "common/net.h"
+
+namespace tandem::cli {
+namespace {
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+
+// Port 0 stays 0 (each process picks one); port P gives P + index.
+std::string NthAddress(const std::string& base, uint32_t index) {
+  auto hp = ParseHostPort(base);  // validated when the config was loaded
+  if (!hp.ok() || hp->port == 0) return base;
+  hp->port = static_cast<uint16_t>(hp->port + index);
+  return hp->ToString();
+}
+
+std::string SelfExe() {
+  std::error_code ec;
+  const fs::path p = fs::read_symlink("/proc/self/exe", ec);
+  return ec ? "tandem" : p.string();
+}
+
+Status WriteStateFile(const std::string& path, const Supervisor& sup) {
+  nlohmann::json state;
+  state["workers"] = nlohmann::json::array();
+  for (const auto& c : sup.children()) {
+    if (c.spec.role == "proxy") {
+      state["proxy"] = {{"grpc", c.grpc}, {"http", c.http}, {"metrics", c.metrics}};
+    } else {
+      state["workers"].push_back({{"role", c.spec.role},
+                                  {"name", c.spec.name},
+                                  {"grpc", c.grpc},
+                                  {"metrics", c.metrics},
+                                  {"pid", c.pid}});
+    }
+  }
+  // Write then rename, so a reader never sees half a file.
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    if (!out) return InternalError(fmt::format("cannot write the state file {}", tmp));
+    out << state.dump(2) << "\n";
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) return InternalError(fmt::format("cannot rename {} to {}: {}", tmp, path, ec.message()));
+  return Status::Ok();
+}
+
+void PrintTable(const Supervisor& sup) {
+  std::cout << fmt::format("{:<12} {:<8} {:>8}  {:<22} {:<22} {}\n", "process", "role", "pid",
+                           "grpc", "metrics", "http");
+  for (const auto& c : sup.children()) {
+    std::cout << fmt::format("{:<12} {:<8} {:>8}  {:<22} {:<22} {}\n", c.spec.name, c.spec.role,
+                             c.pid, c.grpc, c.metrics, c.http);
+  }
+  std::cout.flush();
+}
+
+int RunLaunch(const std::string& config_path, const std::string& state_file,
+              const GlobalOptions& g) {
+  auto cfg = LoadFleetConfig(config_path);
+  if (!cfg.ok()) {
+    std::cerr << cfg.status().message() << "\n";
+    return 1;
+  }
+  const std::string level = g.log_level.empty() ? cfg->logging.level : g.log_level;
+  const std::string format = g.log_format.empty() ? cfg->logging.format : g.log_format;
+  if (auto s = SetupLogging("launch", level, format); !s.ok()) {
+    std::cerr << s.message() << "\n";
+    return 1;
+  }
+  const std::string exe = SelfExe();
+  std::vector<std::string> common = {"--log-level", level, "--log-format", format};
+
+  // Everything is forked here, before this process touches UCX.
+  Supervisor sup;
+  auto make = [&](const std::string& sub, std::vector<std::string> extra) {
+    std::vector<std::string> argv = {exe};
+    argv.insert(argv.end(), common.begin(), common.end());
+    argv.push_back(sub);
+    argv.push_back("--config");
+    argv.push_back(config_path);
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return argv;
+  };
+  auto proxy = sup.Start({"proxy", "proxy", make("proxy", {})}, 120s);
+  if (!proxy.ok()) {
+    spdlog::error("fleet not started: {}", proxy.status().message());
+    return 1;
+  }
+  const std::string proxy_grpc = (*proxy)->grpc;
+  for (const auto* role : {"decode", "prefill", "both"}) {
+    const RoleConfig& rc = std::string(role) == "prefill" ? cfg->prefill
+                           : std::string(role) == "decode" ? cfg->decode
+                                                           : cfg->both;
+    for (uint32_t i = 0; i < rc.replicas; ++i) {
+      const std::string name = fmt::format("{}-{}", role, i);
+      auto w = sup.Start({name, role,
+                          make(role, {"--join", proxy_grpc, "--name", name, "--grpc",
+                                      NthAddress(rc.grpc, i), "--metrics",
+                                      NthAddress(rc.metrics, i)})},
+                         300s);
+      if (!w.ok()) {
+        spdlog::error("fleet not started: {}", w.status().message());
+        return 1;  // ~Supervisor stops what did start
+      }
+    }
+  }
+  if (!state_file.empty()) {
+    if (auto s = WriteStateFile(state_file, sup); !s.ok()) {
+      spdlog::error("{}", s.message());
+      return 1;
+    }
+  }
+  PrintTable(sup);
+  spdlog::info("fleet ready: send requests to {} (gRPC) or http://{} (HTTP); Ctrl-C stops it",
+               proxy_grpc, (*proxy)->http);
+
+  const int sig = sup.WaitForSignalOrDeath({"proxy"});
+  if (sig == 0) {
+    spdlog::error("the proxy died; stopping the fleet");
+  } else {
+    spdlog::info("signal {}: stopping the fleet", sig);
+  }
+  const int killed = sup.StopAll(30s);
+  if (killed > 0) spdlog::warn("{} process(es) had to be killed", killed);
+  return sig == 0 ? 1 : 0;
+}
+
+}  // namespace
+
+void RegisterLaunch(CLI::App& app, GlobalOptions& g) {
+  auto* cmd = app.add_subcommand("launch", "Start the fleet described by CONFIG in the foreground");
+  auto config = std::make_shared<std::string>();
+  auto state = std::make_shared<std::string>();
+  cmd->add_option("config", *config, "fleet YAML file (default: configs/1p1d.yaml)");
+  cmd->add_option("--state-file", *state, "write the fleet's real addresses here (JSON) when ready");
+  cmd->callback([&g, config, state] {
+    g.exit_code = RunLaunch(config->empty() ? DefaultConfigPath() : *config, *state, g);
+  });
+}
+
+}  // namespace tandem::cli
