@@ -1,0 +1,85 @@
+#include "kvtransfer/transport.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+
+#include "kvtransfer/loopback/loopback_transport.h"
+#include "kvtransfer/ucx/ucx_transport.h"
+
+namespace tandem::kvtransfer {
+
+std::string_view XferStatusName(XferStatus s) {
+  switch (s) {
+    case XferStatus::kPrepared: return "PREPARED";
+    case XferStatus::kInProgress: return "IN_PROGRESS";
+    case XferStatus::kSuccess: return "SUCCESS";
+    case XferStatus::kErrRemoteDisconnect: return "ERR_REMOTE_DISCONNECT";
+    case XferStatus::kErrCanceled: return "ERR_CANCELED";
+    case XferStatus::kErrStaleDescriptor: return "ERR_STALE_DESCRIPTOR";
+    case XferStatus::kErrInvalidArgument: return "ERR_INVALID_ARGUMENT";
+    case XferStatus::kErrBackend: return "ERR_BACKEND";
+  }
+  return "UNKNOWN";
+}
+
+std::vector<Segment> CoalesceBlocks(std::span<const BlockPair> pairs, uint64_t block_bytes) {
+  std::vector<Segment> out;
+  for (const BlockPair& p : pairs) {
+    const uint64_t local = uint64_t{p.local_block} * block_bytes;
+    const uint64_t remote = uint64_t{p.remote_slot} * block_bytes;
+    if (!out.empty()) {
+      Segment& last = out.back();
+      if (last.local_offset_bytes + last.length_bytes == local &&
+          last.remote_offset_bytes + last.length_bytes == remote) {
+        last.length_bytes += block_bytes;
+        continue;
+      }
+    }
+    out.push_back({local, remote, block_bytes});
+  }
+  return out;
+}
+
+Result<XferId> Transport::PrepareBlockWrite(PeerId peer, std::span<const BlockPair> blocks,
+                                            std::optional<std::string> notice) {
+  for (const BlockPair& p : blocks) {
+    if (p.local_block >= num_blocks_) {
+      return OutOfRangeError(fmt::format("local block {} is outside the pool of {} blocks",
+                                         p.local_block, num_blocks_));
+    }
+  }
+  // Remote slots are checked against the peer's pool by PrepareWrite.
+  return PrepareWrite(peer, CoalesceBlocks(blocks, block_bytes_), std::move(notice));
+}
+
+uint64_t NewGeneration() {
+  static std::atomic<uint64_t> last{0};
+  const auto now = static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(
+          std::chrono::system_clock::now().time_since_epoch())
+          .count());
+  uint64_t prev = last.load();
+  uint64_t next = 0;
+  do {
+    next = std::max(now, prev + 1);
+  } while (!last.compare_exchange_weak(prev, next));
+  return next;
+}
+
+Result<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& options) {
+  if (options.agent_name.empty()) return InvalidArgumentError("transport needs an agent_name");
+  if (options.block_bytes == 0 || options.num_blocks == 0) {
+    return InvalidArgumentError(fmt::format("KV pool of {} blocks of {} bytes is empty",
+                                            options.num_blocks, options.block_bytes));
+  }
+  if (options.max_put_bytes == 0) return InvalidArgumentError("max_put_bytes must be > 0");
+  if (options.backend == "ucx") return CreateUcxTransport(options);
+  if (options.backend == "loopback") return CreateLoopbackTransport(options);
+  return InvalidArgumentError(
+      fmt::format("unknown KV transport backend '{}' (expected ucx or loopback)", options.backend));
+}
+
+}  // namespace tandem::kvtransfer

@@ -1,0 +1,529 @@
+#include "kvtransfer/transport_base.h"
+
+#include "common/check.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+
+namespace tandem::kvtransfer::detail {
+namespace {
+
+template <typename T>
+void PutInt(std::string& out, T v) {
+  for (size_t i = 0; i < sizeof(T); ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+template <typename T>
+T GetInt(std::string_view in, size_t pos) {
+  T v = 0;
+  for (size_t i = 0; i < sizeof(T); ++i) {
+    v |= static_cast<T>(static_cast<uint8_t>(in[pos + i])) << (8 * i);
+  }
+  return v;
+}
+
+// Idle rounds (nothing completed, nothing issued) spent spinning before the
+// progress thread starts sleeping 1 ms at a time while transfers wait.
+constexpr int kSpinRoundsBeforeSleep = 2000;
+constexpr auto kReleaseDeadline = std::chrono::seconds(5);
+
+}  // namespace
+
+std::string EncodeNotice(uint64_t target_generation, uint64_t sender_generation,
+                         std::string_view sender, std::string_view payload) {
+  std::string out;
+  out.reserve(20 + sender.size() + payload.size());
+  PutInt<uint64_t>(out, target_generation);
+  PutInt<uint64_t>(out, sender_generation);
+  PutInt<uint32_t>(out, static_cast<uint32_t>(sender.size()));
+  out.append(sender);
+  out.append(payload);
+  return out;
+}
+
+Result<DecodedNotice> DecodeNotice(std::string_view wire) {
+  if (wire.size() < 20) return InvalidArgumentError("KV notice: truncated header");
+  DecodedNotice d;
+  d.target_generation = GetInt<uint64_t>(wire, 0);
+  d.notification.sender_generation = GetInt<uint64_t>(wire, 8);
+  const uint32_t name_bytes = GetInt<uint32_t>(wire, 16);
+  if (wire.size() - 20 < name_bytes) return InvalidArgumentError("KV notice: truncated sender");
+  d.notification.sender.assign(wire.substr(20, name_bytes));
+  d.notification.payload.assign(wire.substr(20 + name_bytes));
+  return d;
+}
+
+TransportBase::TransportBase(const TransportOptions& options)
+    : Transport(options.agent_name, options.generation ? options.generation : NewGeneration(),
+                options.block_bytes, options.num_blocks),
+      options_(options),
+      creator_pid_(getpid()) {}
+
+TransportBase::~TransportBase() {
+  TANDEM_CHECK(shut_down_ || !progress_thread_.joinable(),
+               "backend destructor must call Shutdown() first");
+}
+
+void TransportBase::StartProgressThread() {
+  progress_thread_ = std::jthread([this](std::stop_token stop) { ProgressLoop(stop); });
+}
+
+void TransportBase::Shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  if (!progress_thread_.joinable()) return;
+  std::vector<PeerId> ids;
+  {
+    std::lock_guard lock(mu_);
+    for (const auto& [id, p] : peers_) ids.push_back(id);
+  }
+  for (PeerId id : ids) {
+    Status s = ReleasePeer(id);
+    if (!s.ok()) spdlog::warn("kvtransfer: releasing peer {} at shutdown: {}", id, s.ToString());
+  }
+  progress_thread_.request_stop();
+  Wake();
+  progress_thread_.join();
+}
+
+Status TransportBase::CheckNotForked() const {
+  if (getpid() != creator_pid_) {
+    return FailedPreconditionError(fmt::format(
+        "kvtransfer: transport created in process {} used in forked child {}; transport state "
+        "does not survive fork(): fork/exec workers before creating transports",
+        creator_pid_, getpid()));
+  }
+  return Status::Ok();
+}
+
+Status TransportBase::CheckPeerUsable(const PeerEntry& p) const {
+  if (p.releasing) return CancelledError(fmt::format("peer {} is being released", p.desc.agent_name));
+  auto it = latest_generation_.find(p.desc.agent_name);
+  if (it != latest_generation_.end() && it->second > p.desc.generation) {
+    return FailedPreconditionError(fmt::format(
+        "stale descriptor: peer {} generation {} was replaced by generation {} (it restarted)",
+        p.desc.agent_name, p.desc.generation, it->second));
+  }
+  if (p.failed) return p.failure;
+  return Status::Ok();
+}
+
+Status TransportBase::RunOnProgressThread(std::function<Status()> fn) {
+  if (std::this_thread::get_id() == progress_thread_.get_id()) return fn();
+  auto done = std::make_shared<std::promise<Status>>();
+  std::future<Status> result = done->get_future();
+  {
+    std::lock_guard lock(mu_);
+    commands_.push_back([fn = std::move(fn), done] { done->set_value(fn()); });
+  }
+  Wake();
+  return result.get();
+}
+
+Result<PeerId> TransportBase::ImportPeer(std::string_view descriptor) {
+  TANDEM_RETURN_IF_ERROR(CheckNotForked());
+  TANDEM_ASSIGN_OR_RETURN(PeerDescriptor desc, ParseDescriptor(descriptor));
+  const std::string backend = capabilities().backend;
+  if (desc.backend != backend) {
+    return InvalidArgumentError(fmt::format("KV descriptor is for backend '{}'; this transport is '{}'",
+                                            desc.backend, backend));
+  }
+  if (desc.block_bytes == 0 || desc.num_blocks == 0) {
+    return InvalidArgumentError("KV descriptor describes an empty pool");
+  }
+  PeerId id = 0;
+  {
+    std::lock_guard lock(mu_);
+    auto it = latest_generation_.find(desc.agent_name);
+    if (it != latest_generation_.end() && desc.generation < it->second) {
+      return FailedPreconditionError(fmt::format(
+          "stale descriptor: peer {} generation {} is older than generation {} already imported "
+          "(the peer restarted)",
+          desc.agent_name, desc.generation, it->second));
+    }
+    for (const auto& [pid, p] : peers_) {  // one endpoint per live peer
+      if (p->desc.agent_name == desc.agent_name && p->desc.generation == desc.generation &&
+          !p->failed && !p->releasing) {
+        return pid;
+      }
+    }
+    latest_generation_[desc.agent_name] = desc.generation;
+    id = next_peer_id_++;
+  }
+  auto entry = std::make_shared<std::unique_ptr<PeerEntry>>(std::make_unique<PeerEntry>());
+  (*entry)->id = id;
+  (*entry)->desc = desc;
+  Status s = RunOnProgressThread([this, entry, id] {
+    auto state = ConnectPeer(id, (*entry)->desc);
+    if (!state.ok()) return state.status();
+    (*entry)->state = std::move(state).value();
+    std::lock_guard lock(mu_);
+    peers_[id] = std::move(*entry);
+    return Status::Ok();
+  });
+  if (!s.ok()) return s.WithContext(fmt::format("importing peer {}", desc.agent_name));
+  return id;
+}
+
+Status TransportBase::ReleasePeer(PeerId peer) {
+  TANDEM_RETURN_IF_ERROR(CheckNotForked());
+  if (std::this_thread::get_id() == progress_thread_.get_id()) {
+    return FailedPreconditionError("ReleasePeer may not be called from a transport callback");
+  }
+  std::future<Status> released;
+  {
+    std::lock_guard lock(mu_);
+    auto it = peers_.find(peer);
+    if (it == peers_.end() || it->second->releasing) {
+      return NotFoundError(fmt::format("no peer {}", peer));
+    }
+    it->second->releasing = true;
+    it->second->release_deadline = std::chrono::steady_clock::now() + kReleaseDeadline;
+    released = it->second->released.get_future();
+    for (auto& [xid, x] : xfers_) {
+      if (x->peer == peer) x->abort.store(true);
+    }
+  }
+  Wake();
+  return released.get();
+}
+
+Result<std::string> TransportBase::TransportsInUse(PeerId peer) {
+  TANDEM_RETURN_IF_ERROR(CheckNotForked());
+  auto out = std::make_shared<std::string>();
+  Status s = RunOnProgressThread([this, peer, out]() -> Status {
+    PeerEntry* p = nullptr;
+    {
+      std::lock_guard lock(mu_);
+      auto it = peers_.find(peer);
+      if (it == peers_.end()) return NotFoundError(fmt::format("no peer {}", peer));
+      p = it->second.get();
+    }
+    TANDEM_ASSIGN_OR_RETURN(*out, DescribePeerTransports(*p->state));
+    return Status::Ok();
+  });
+  if (!s.ok()) return s;
+  return *out;
+}
+
+Result<XferId> TransportBase::PrepareWrite(PeerId peer, std::vector<Segment> segments,
+                                           std::optional<std::string> notice) {
+  TANDEM_RETURN_IF_ERROR(CheckNotForked());
+  if (segments.empty() && !notice) {
+    return InvalidArgumentError("a write needs at least one segment or a notice");
+  }
+  const uint64_t max_notice = capabilities().max_notification_bytes;
+  if (notice && notice->size() > max_notice) {
+    return InvalidArgumentError(fmt::format("notice has {} bytes; this transport sends at most {}",
+                                            notice->size(), max_notice));
+  }
+  std::lock_guard lock(mu_);
+  auto it = peers_.find(peer);
+  if (it == peers_.end()) return NotFoundError(fmt::format("no peer {}", peer));
+  const PeerEntry& p = *it->second;
+  TANDEM_RETURN_IF_ERROR(CheckPeerUsable(p));
+  uint64_t total = 0;
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const Segment& s = segments[i];
+    if (s.length_bytes == 0 || s.local_offset_bytes > pool_bytes() ||
+        s.length_bytes > pool_bytes() - s.local_offset_bytes ||
+        s.remote_offset_bytes > p.desc.pool_bytes() ||
+        s.length_bytes > p.desc.pool_bytes() - s.remote_offset_bytes) {
+      return OutOfRangeError(fmt::format(
+          "segment {} (local {} remote {} length {}) is empty or outside the pools (local {} "
+          "bytes, remote {} bytes)",
+          i, s.local_offset_bytes, s.remote_offset_bytes, s.length_bytes, pool_bytes(),
+          p.desc.pool_bytes()));
+    }
+    total += s.length_bytes;
+  }
+  auto x = std::make_unique<Xfer>();
+  x->id = next_xfer_id_++;
+  x->peer = peer;
+  x->segments = std::move(segments);
+  x->notice = std::move(notice);
+  x->total_bytes = total;
+  const XferId id = x->id;
+  xfers_[id] = std::move(x);
+  return id;
+}
+
+Status TransportBase::Post(XferId xfer, XferCallback on_done) {
+  TANDEM_RETURN_IF_ERROR(CheckNotForked());
+  {
+    std::lock_guard lock(mu_);
+    auto it = xfers_.find(xfer);
+    if (it == xfers_.end()) return NotFoundError(fmt::format("no transfer {}", xfer));
+    Xfer* x = it->second.get();
+    if (x->status != XferStatus::kPrepared) {
+      return FailedPreconditionError(fmt::format("transfer {} is {}, not prepared", xfer,
+                                                 XferStatusName(x->status)));
+    }
+    auto pit = peers_.find(x->peer);
+    Status usable = pit == peers_.end() ? CancelledError("peer released") : CheckPeerUsable(*pit->second);
+    if (!usable.ok()) {
+      x->status = usable.code() == StatusCode::kFailedPrecondition ? XferStatus::kErrStaleDescriptor
+                  : usable.code() == StatusCode::kCancelled        ? XferStatus::kErrCanceled
+                                                                   : XferStatus::kErrRemoteDisconnect;
+      x->detail = usable;
+      return usable;
+    }
+    x->status = XferStatus::kInProgress;
+    x->on_done = std::move(on_done);
+    x->in_active = true;
+    ++inflight_;
+    commands_.push_back([this, x] { active_.push_back(x); });
+  }
+  Wake();
+  return Status::Ok();
+}
+
+XferStatus TransportBase::Poll(XferId xfer, Status* detail) {
+  if (Status s = CheckNotForked(); !s.ok()) {
+    if (detail) *detail = s;
+    return XferStatus::kErrBackend;
+  }
+  std::lock_guard lock(mu_);
+  auto it = xfers_.find(xfer);
+  if (it == xfers_.end()) {
+    if (detail) *detail = NotFoundError(fmt::format("no transfer {}", xfer));
+    return XferStatus::kErrInvalidArgument;
+  }
+  if (detail) *detail = it->second->detail;
+  return it->second->status;
+}
+
+uint64_t TransportBase::BytesDone(XferId xfer) {
+  std::lock_guard lock(mu_);
+  auto it = xfers_.find(xfer);
+  return it == xfers_.end() ? 0 : it->second->bytes_done.load();
+}
+
+Status TransportBase::Abort(XferId xfer) {
+  TANDEM_RETURN_IF_ERROR(CheckNotForked());
+  {
+    std::lock_guard lock(mu_);
+    auto it = xfers_.find(xfer);
+    if (it == xfers_.end()) return NotFoundError(fmt::format("no transfer {}", xfer));
+    Xfer* x = it->second.get();
+    if (x->status == XferStatus::kPrepared) {
+      x->status = XferStatus::kErrCanceled;
+      x->detail = CancelledError("aborted before it was posted");
+      return Status::Ok();
+    }
+    if (IsTerminal(x->status)) return Status::Ok();
+    x->abort.store(true);
+  }
+  Wake();
+  return Status::Ok();
+}
+
+Status TransportBase::Release(XferId xfer) {
+  TANDEM_RETURN_IF_ERROR(CheckNotForked());
+  {
+    std::lock_guard lock(mu_);
+    auto it = xfers_.find(xfer);
+    if (it == xfers_.end()) return NotFoundError(fmt::format("no transfer {}", xfer));
+    Xfer* x = it->second.get();
+    if (!x->in_active) {
+      xfers_.erase(it);
+      return Status::Ok();
+    }
+    x->released = true;
+    x->abort.store(true);
+    x->on_done = nullptr;
+  }
+  Wake();
+  return Status::Ok();
+}
+
+std::vector<Notification> TransportBase::TakeNotifications() {
+  std::lock_guard lock(mu_);
+  std::vector<Notification> out(std::make_move_iterator(notices_.begin()),
+                                std::make_move_iterator(notices_.end()));
+  notices_.clear();
+  return out;
+}
+
+void TransportBase::SetNotificationCallback(NotificationCallback cb) {
+  std::lock_guard lock(mu_);
+  notice_cb_ = std::move(cb);
+}
+
+TransportStats TransportBase::stats() const {
+  std::lock_guard lock(mu_);
+  TransportStats s;
+  s.live_peers = peers_.size();
+  s.live_remote_keys = live_remote_keys_.load();
+  s.live_requests = xfers_.size();
+  s.inflight_requests = inflight_;
+  s.bytes_written = bytes_written_.load();
+  s.puts_posted = puts_posted_.load();
+  s.notifications_sent = notifications_sent_.load();
+  s.notifications_received = notifications_received_;
+  s.stale_notifications_dropped = stale_notifications_dropped_;
+  return s;
+}
+
+void TransportBase::Finish(Xfer& x, XferStatus status, Status detail) {
+  if (x.finished) return;
+  x.finished = true;
+  x.phase = Phase::kDone;
+  XferCallback cb;
+  {
+    std::lock_guard lock(mu_);
+    x.status = status;
+    x.detail = detail;
+    cb = std::move(x.on_done);
+    x.on_done = nullptr;
+    --inflight_;
+  }
+  if (cb) cb(x.id, status, detail);
+}
+
+void TransportBase::OnPeerFailed(PeerId peer, const Status& why) {
+  {
+    std::lock_guard lock(mu_);
+    auto it = peers_.find(peer);
+    if (it == peers_.end() || it->second->failed) return;
+    it->second->failed = true;
+    it->second->failed_seen = true;
+    it->second->failure = why;
+  }
+  spdlog::warn("kvtransfer: peer {} failed: {}", peer, why.ToString());
+  for (Xfer* x : active_) {
+    if (x->peer == peer) Finish(*x, XferStatus::kErrRemoteDisconnect, why);
+  }
+}
+
+void TransportBase::DeliverNotice(std::string_view wire) {
+  auto decoded = DecodeNotice(wire);
+  if (!decoded.ok()) {
+    spdlog::warn("kvtransfer: dropping malformed notice: {}", decoded.status().ToString());
+    return;
+  }
+  NotificationCallback cb;
+  {
+    std::lock_guard lock(mu_);
+    if (decoded->target_generation != CurrentGeneration()) {
+      ++stale_notifications_dropped_;
+      return;
+    }
+    ++notifications_received_;
+    if (!notice_cb_) {
+      notices_.push_back(std::move(decoded->notification));
+      return;
+    }
+    cb = notice_cb_;
+  }
+  cb(std::move(decoded->notification));
+}
+
+void TransportBase::RunCommands() {
+  std::deque<std::function<void()>> cmds;
+  {
+    std::lock_guard lock(mu_);
+    cmds.swap(commands_);
+  }
+  for (auto& c : cmds) c();
+}
+
+void TransportBase::SweepActive() {
+  for (Xfer* x : active_) {
+    if (x->finished) continue;
+    PeerEntry* p = nullptr;
+    {
+      std::lock_guard lock(mu_);
+      auto it = peers_.find(x->peer);
+      if (it != peers_.end()) p = it->second.get();
+    }
+    if (p == nullptr) {
+      Finish(*x, XferStatus::kErrCanceled, CancelledError("peer released"));
+    } else if (p->failed_seen) {
+      Finish(*x, XferStatus::kErrRemoteDisconnect, p->failure);
+    } else {
+      Advance(*x, *p);
+    }
+  }
+  // Drop finished transfers with nothing outstanding.
+  auto done = [](const Xfer* x) { return x->finished && x->outstanding == 0; };
+  if (std::none_of(active_.begin(), active_.end(), done)) return;
+  std::lock_guard lock(mu_);
+  std::erase_if(active_, [&](Xfer* x) {
+    if (!done(x)) return false;
+    x->in_active = false;
+    if (x->released) xfers_.erase(x->id);
+    return true;
+  });
+}
+
+void TransportBase::SweepReleasingPeers() {
+  std::vector<PeerEntry*> releasing;
+  {
+    std::lock_guard lock(mu_);
+    for (auto& [id, p] : peers_) {
+      if (p->releasing) releasing.push_back(p.get());
+    }
+  }
+  const auto now = std::chrono::steady_clock::now();
+  for (PeerEntry* p : releasing) {
+    bool busy = false;
+    for (Xfer* x : active_) {
+      if (x->peer != p->id) continue;
+      if (x->outstanding > 0) busy = true;
+      else Finish(*x, XferStatus::kErrCanceled, CancelledError("peer released"));
+    }
+    if (busy && now < p->release_deadline) continue;
+    for (Xfer* x : active_) {
+      if (x->peer == p->id) Finish(*x, XferStatus::kErrCanceled, CancelledError("peer released"));
+    }
+    if (p->state) DisconnectPeer(*p->state);
+    p->state.reset();
+    std::unique_ptr<PeerEntry> gone;
+    {
+      std::lock_guard lock(mu_);
+      auto it = peers_.find(p->id);
+      gone = std::move(it->second);
+      peers_.erase(it);
+    }
+    gone->released.set_value(busy ? DeadlineExceededError("peer released with operations still "
+                                                          "outstanding after 5 s")
+                                  : Status::Ok());
+  }
+}
+
+void TransportBase::ProgressLoop(std::stop_token stop) {
+  int idle_rounds = 0;
+  while (!stop.stop_requested()) {
+    RunCommands();
+    bool busy = false;
+    for (int i = 0; i < 64 && ProgressOnce(); ++i) busy = true;
+    const uint64_t puts_before = puts_posted_.load(std::memory_order_relaxed);
+    const size_t active_before = active_.size();
+    SweepActive();
+    SweepReleasingPeers();
+    busy = busy || puts_posted_.load(std::memory_order_relaxed) != puts_before ||
+           active_.size() != active_before;
+    bool pending_commands = false;
+    {
+      std::lock_guard lock(mu_);
+      pending_commands = !commands_.empty();
+    }
+    if (busy || pending_commands) {
+      idle_rounds = 0;
+      continue;
+    }
+    if (active_.empty()) {
+      WaitForEvents(static_cast<int>(options_.idle_wait_ms));
+    } else if (++idle_rounds > kSpinRoundsBeforeSleep) {
+      WaitForEvents(1);  // transfers wait on the peer (e.g. TCP acks): don't burn a core
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
+
+}  // namespace tandem::kvtransfer::detail
