@@ -1,10 +1,17 @@
 // GEMM, y = x * w^T (+ bias), batch-invariant: every y[i][j] is the fma chain
-// over k in order 0..k-1 starting from +0, then + bias[j], whatever the path.
+// over k in order 0..k-1 starting from +0, then + bias[j] — whatever m, the
+// row's position, the tile, the thread count or the instruction set. Tiles
+// only decide which chains run side by side (register blocking reuses each
+// weight load for R rows and each x broadcast for P panels); k-blocking
+// parks a chain's partial sum in y and resumes it, which changes no bits.
+#include <immintrin.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
-#include "kernels/cpu/isa.h"
 #include "kernels/cpu/ops.h"
 
 namespace tandem::kernels::cpu {
@@ -32,23 +39,199 @@ PackedWeights PackWeights(const float* w, int n, int k) {
 
 namespace {
 
-// Portable path: scalar fma chains, same bits as the vector paths.
-void GemmPanelsPortable(const float* x, const float* packed, const float* bias, float* y, int m,
-                        int n, int k, int panel_begin, int panel_end) {
-  constexpr int kP = PackedWeights::kPanel;
-  for (int i = 0; i < m; ++i) {
-    const float* xr = x + static_cast<size_t>(i) * k;
-    for (int p = panel_begin; p < panel_end; ++p) {
-      const float* wp = packed + static_cast<size_t>(p) * k * kP;
-      float acc[kP] = {};
-      for (int kk = 0; kk < k; ++kk) {
+constexpr int kP = PackedWeights::kPanel;
+// k-block: one block of P panels (P * 16 * kKc floats) stays in L1/L2 while
+// every row block streams past it.
+constexpr int kKc = 256;
+
+struct GemmArgs {
+  const float* x;       // [m][k]
+  const float* packed;  // [panels][k][16]
+  const float* bias;    // [n] or nullptr
+  float* y;             // [m][n]
+  int m, n, k;
+};
+
+// ---------------------------------------------------------------- portable
+// Scalar fma chains in the same order as the vector paths.
+void TilePortable(const GemmArgs& a, int i0, int rows, int p0, int panels, int k0, int k1) {
+  for (int i = i0; i < i0 + rows; ++i) {
+    const float* xr = a.x + static_cast<size_t>(i) * a.k;
+    for (int p = p0; p < p0 + panels; ++p) {
+      const float* wp = a.packed + static_cast<size_t>(p) * a.k * kP;
+      float* yr = a.y + static_cast<size_t>(i) * a.n;
+      float acc[kP];
+      for (int c = 0; c < kP; ++c) {
+        const int col = p * kP + c;
+        acc[c] = (k0 == 0 || col >= a.n) ? 0.0f : yr[col];
+      }
+      for (int kk = k0; kk < k1; ++kk) {
         for (int c = 0; c < kP; ++c) acc[c] = std::fma(xr[kk], wp[kk * kP + c], acc[c]);
       }
-      for (int c = 0; c < kP && p * kP + c < n; ++c) {
+      const bool last = k1 == a.k;
+      for (int c = 0; c < kP && p * kP + c < a.n; ++c) {
         const int col = p * kP + c;
-        y[static_cast<size_t>(i) * n + col] = bias != nullptr ? acc[c] + bias[col] : acc[c];
+        yr[col] = (last && a.bias != nullptr) ? acc[c] + a.bias[col] : acc[c];
       }
     }
+  }
+}
+
+// ----------------------------------------------------------------- AVX-512
+template <int R, int P>
+__attribute__((target("avx512f"))) void TileAvx512(const GemmArgs& a, int i0, int p0, int k0,
+                                                   int k1) {
+  __m512 acc[R][P];
+  __mmask16 mask[P];
+  for (int p = 0; p < P; ++p) {
+    const int valid = std::min(kP, a.n - (p0 + p) * kP);
+    mask[p] = static_cast<__mmask16>(valid >= 16 ? 0xFFFF : ((1u << valid) - 1u));
+  }
+  for (int r = 0; r < R; ++r) {
+    float* yr = a.y + static_cast<size_t>(i0 + r) * a.n;
+    for (int p = 0; p < P; ++p) {
+      acc[r][p] = k0 == 0 ? _mm512_setzero_ps()
+                          : _mm512_maskz_loadu_ps(mask[p], yr + (p0 + p) * kP);
+    }
+  }
+  const float* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = a.x + static_cast<size_t>(i0 + r) * a.k;
+  const float* wp[P];
+  for (int p = 0; p < P; ++p) wp[p] = a.packed + static_cast<size_t>(p0 + p) * a.k * kP;
+  for (int kk = k0; kk < k1; ++kk) {
+    __m512 w[P];
+    for (int p = 0; p < P; ++p) w[p] = _mm512_load_ps(wp[p] + static_cast<size_t>(kk) * kP);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(xr[r][kk]);
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(xb, w[p], acc[r][p]);
+    }
+  }
+  const bool add_bias = k1 == a.k && a.bias != nullptr;
+  for (int p = 0; p < P; ++p) {
+    const __m512 b =
+        add_bias ? _mm512_maskz_loadu_ps(mask[p], a.bias + (p0 + p) * kP) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      float* yr = a.y + static_cast<size_t>(i0 + r) * a.n;
+      const __m512 v = add_bias ? _mm512_add_ps(acc[r][p], b) : acc[r][p];
+      _mm512_mask_storeu_ps(yr + (p0 + p) * kP, mask[p], v);
+    }
+  }
+}
+
+// ------------------------------------------------------------------- AVX2
+// A 16-column panel is two 8-lane halves; lanes are independent, so the bits
+// equal the AVX-512 path's.
+template <int R, int P>
+__attribute__((target("avx2,fma"))) void TileAvx2(const GemmArgs& a, int i0, int p0, int k0,
+                                                  int k1) {
+  __m256 acc[R][P][2];
+  __m256i mask[P][2];
+  for (int p = 0; p < P; ++p) {
+    const int valid = std::min(kP, a.n - (p0 + p) * kP);
+    for (int h = 0; h < 2; ++h) {
+      alignas(32) int32_t m8[8];
+      for (int l = 0; l < 8; ++l) m8[l] = (h * 8 + l) < valid ? -1 : 0;
+      mask[p][h] = _mm256_load_si256(reinterpret_cast<const __m256i*>(m8));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* yr = a.y + static_cast<size_t>(i0 + r) * a.n;
+    for (int p = 0; p < P; ++p) {
+      for (int h = 0; h < 2; ++h) {
+        acc[r][p][h] = k0 == 0 ? _mm256_setzero_ps()
+                               : _mm256_maskload_ps(yr + (p0 + p) * kP + h * 8, mask[p][h]);
+      }
+    }
+  }
+  const float* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = a.x + static_cast<size_t>(i0 + r) * a.k;
+  const float* wp[P];
+  for (int p = 0; p < P; ++p) wp[p] = a.packed + static_cast<size_t>(p0 + p) * a.k * kP;
+  for (int kk = k0; kk < k1; ++kk) {
+    __m256 w[P][2];
+    for (int p = 0; p < P; ++p) {
+      w[p][0] = _mm256_load_ps(wp[p] + static_cast<size_t>(kk) * kP);
+      w[p][1] = _mm256_load_ps(wp[p] + static_cast<size_t>(kk) * kP + 8);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(xr[r] + kk);
+      for (int p = 0; p < P; ++p) {
+        acc[r][p][0] = _mm256_fmadd_ps(xb, w[p][0], acc[r][p][0]);
+        acc[r][p][1] = _mm256_fmadd_ps(xb, w[p][1], acc[r][p][1]);
+      }
+    }
+  }
+  const bool add_bias = k1 == a.k && a.bias != nullptr;
+  for (int p = 0; p < P; ++p) {
+    for (int h = 0; h < 2; ++h) {
+      const __m256 b = add_bias ? _mm256_maskload_ps(a.bias + (p0 + p) * kP + h * 8, mask[p][h])
+                                : _mm256_setzero_ps();
+      for (int r = 0; r < R; ++r) {
+        float* yr = a.y + static_cast<size_t>(i0 + r) * a.n;
+        const __m256 v = add_bias ? _mm256_add_ps(acc[r][p][h], b) : acc[r][p][h];
+        _mm256_maskstore_ps(yr + (p0 + p) * kP + h * 8, mask[p][h], v);
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------- tile dispatch
+using TileFn = void (*)(const GemmArgs&, int i0, int p0, int k0, int k1);
+
+constexpr int kMaxR = 8;
+constexpr int kMaxP = 8;
+
+template <template <int, int> class K, int... Is>
+constexpr auto MakeTable(std::integer_sequence<int, Is...>) {
+  struct Table {
+    TileFn fn[kMaxR][kMaxP];
+  } t{};
+  ((t.fn[Is / kMaxP][Is % kMaxP] = K<Is / kMaxP + 1, Is % kMaxP + 1>::fn), ...);
+  return t;
+}
+template <int R, int P>
+struct Avx512Tile {
+  static constexpr TileFn fn = &TileAvx512<R, P>;
+};
+template <int R, int P>
+struct Avx2Tile {
+  static constexpr TileFn fn = &TileAvx2<R, P>;
+};
+const auto kAvx512Table = MakeTable<Avx512Tile>(std::make_integer_sequence<int, kMaxR * kMaxP>{});
+const auto kAvx2Table = MakeTable<Avx2Tile>(std::make_integer_sequence<int, kMaxR * kMaxP>{});
+
+// Register blocking: rows R x panels P per tile, chosen from m only for speed
+// (the bits do not depend on it).
+void Blocking(Isa isa, int m, int* r, int* p) {
+  if (isa == Isa::kAvx512) {  // 32 zmm: R * P <= 24 accumulators
+    if (m == 1) { *r = 1; *p = 8; }
+    else if (m <= 3) { *r = m; *p = 8; }
+    else if (m <= 5) { *r = m; *p = 24 / m; }
+    else { *r = 6; *p = 4; }
+  } else {  // AVX2, 16 ymm: 2 * R * P <= 12 accumulators
+    if (m == 1) { *r = 1; *p = 4; }
+    else if (m == 2) { *r = 2; *p = 3; }
+    else { *r = 3; *p = 2; }
+  }
+}
+
+void GemmPanels(const GemmArgs& a, Isa isa, int panel_begin, int panel_end) {
+  int rb, pb;
+  Blocking(isa, a.m, &rb, &pb);
+  for (int k0 = 0; k0 < a.k || k0 == 0; k0 += kKc) {
+    const int k1 = std::min(a.k, k0 + kKc);
+    for (int p0 = panel_begin; p0 < panel_end; p0 += pb) {
+      const int np = std::min(pb, panel_end - p0);
+      for (int i0 = 0; i0 < a.m; i0 += rb) {
+        const int nr = std::min(rb, a.m - i0);
+        switch (isa) {
+          case Isa::kAvx512: kAvx512Table.fn[nr - 1][np - 1](a, i0, p0, k0, k1); break;
+          case Isa::kAvx2: kAvx2Table.fn[nr - 1][np - 1](a, i0, p0, k0, k1); break;
+          case Isa::kPortable: TilePortable(a, i0, nr, p0, np, k0, k1); break;
+        }
+      }
+    }
+    if (a.k == 0) break;
   }
 }
 
@@ -56,10 +239,14 @@ void GemmPanelsPortable(const float* x, const float* packed, const float* bias, 
 
 void Gemm(const float* x, const PackedWeights& w, const float* bias, float* y, int m,
           ThreadPool* pool) {
-  const int n = w.n(), k = w.k();
-  if (m <= 0 || n <= 0) return;
-  ParallelFor(pool, w.panels(), 1, [&](int64_t b, int64_t e) {
-    GemmPanelsPortable(x, w.data(), bias, y, m, n, k, static_cast<int>(b), static_cast<int>(e));
+  if (m <= 0 || w.n() <= 0) return;
+  const GemmArgs a{x, w.data(), bias, y, m, w.n(), w.k()};
+  const Isa isa = ActiveIsa();
+  // Threads split the panels (columns): each keeps its own weights hot and
+  // no chain is split. Grain: about 32 KiB of weights per range.
+  const int64_t grain = std::max<int64_t>(1, 2048 / std::max(1, w.k()));
+  ParallelFor(pool, w.panels(), grain, [&](int64_t b, int64_t e) {
+    GemmPanels(a, isa, static_cast<int>(b), static_cast<int>(e));
   });
 }
 

@@ -1,4 +1,4 @@
-#include "kernels/cpu/isa.h"
+#include "kernels/cpu/ops.h"
 
 #include <algorithm>
 #include <atomic>
@@ -33,7 +33,4 @@ const char* IsaName(Isa isa) {
   }
   return "?";
 }
-namespace internal {
-Isa CurrentIsa() { return ActiveIsa(); }
-}  // namespace internal
 }  // namespace tandem::kernels::cpu

@@ -1,0 +1,167 @@
+// GEMM: optimized vs reference over a shape sweep, every instruction set
+// bit-identical, and batch invariance bit for bit (rows across M, row
+// positions and thread counts).
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "kernels/cpu/ops.h"
+#include "kernels/reference/ops.h"
+#include "tests/unit/kernels/test_util.h"
+
+namespace tandem::kernels {
+namespace {
+
+using testing::BitEqual;
+using testing::Guarded;
+using testing::Random;
+
+// Normalized error of one output: |cpu - ref| / (sum_k |x w| + |bias|). An
+// f32 fma chain over k terms stays within a few ulps of that magnitude.
+constexpr double kGemmTol = 1e-5;
+
+const cpu::Isa kIsas[] = {cpu::Isa::kPortable, cpu::Isa::kAvx2, cpu::Isa::kAvx512};
+
+class IsaGuard {
+ public:
+  IsaGuard() : saved_(cpu::ActiveIsa()) {}
+  ~IsaGuard() { cpu::SetIsa(saved_); }
+
+ private:
+  cpu::Isa saved_;
+};
+
+TEST(GemmTest, MatchesReferenceOverShapeSweepOnEveryIsa) {
+  IsaGuard guard;
+  size_t shapes = 0;
+  for (int m : {1, 2, 3, 5, 7, 8, 9, 16, 33}) {
+    for (int n : {1, 15, 16, 17, 48, 100, 129}) {
+      for (int k : {1, 7, 16, 64, 255, 256, 257, 600}) {
+        const auto x = Random(static_cast<size_t>(m) * k, 1000 + m * 7 + k);
+        const auto w = Random(static_cast<size_t>(n) * k, 2000 + n * 13 + k);
+        const auto bias = Random(n, 3000 + n);
+        const bool use_bias = (m + n + k) % 2 == 0;
+        const float* b = use_bias ? bias.data() : nullptr;
+        std::vector<float> want(static_cast<size_t>(m) * n);
+        ref::Gemm(x.data(), w.data(), b, want.data(), m, n, k);
+        // Scale of each output: sum_k |x w| + |bias|.
+        std::vector<float> mag(static_cast<size_t>(m) * n);
+        {
+          std::vector<float> ax(x.size()), aw(w.size()), ab(bias.size());
+          for (size_t i = 0; i < x.size(); ++i) ax[i] = std::fabs(x[i]);
+          for (size_t i = 0; i < w.size(); ++i) aw[i] = std::fabs(w[i]);
+          for (size_t i = 0; i < bias.size(); ++i) ab[i] = std::fabs(bias[i]);
+          ref::Gemm(ax.data(), aw.data(), use_bias ? ab.data() : nullptr, mag.data(), m, n, k);
+        }
+        const cpu::PackedWeights packed = cpu::PackWeights(w.data(), n, k);
+        std::vector<float> first;
+        for (cpu::Isa isa : kIsas) {
+          cpu::SetIsa(isa);
+          if (cpu::ActiveIsa() != isa) continue;  // not on this CPU
+          Guarded got(static_cast<size_t>(m) * n);
+          cpu::Gemm(x.data(), packed, b, got.data(), m);
+          ASSERT_TRUE(got.GuardsIntact()) << m << "x" << n << "x" << k;
+          size_t bad = 0, nans = 0;
+          for (size_t i = 0; i < want.size(); ++i) {
+            if (!std::isfinite(got[i])) ++nans;
+            const double err = std::fabs(static_cast<double>(got[i]) - want[i]) /
+                               std::max(static_cast<double>(mag[i]), 1e-30);
+            if (err > kGemmTol) ++bad;
+          }
+          EXPECT_EQ(nans, 0u) << m << "x" << n << "x" << k << " " << cpu::IsaName(isa);
+          EXPECT_EQ(bad, 0u) << m << "x" << n << "x" << k << " " << cpu::IsaName(isa);
+          if (first.empty()) {
+            first.assign(got.data(), got.data() + got.size());
+          } else {
+            EXPECT_TRUE(BitEqual(first.data(), got.data(), first.size()))
+                << "ISA " << cpu::IsaName(isa) << " differs from portable at " << m << "x" << n
+                << "x" << k;
+          }
+        }
+        ++shapes;
+      }
+    }
+  }
+  EXPECT_EQ(shapes, 9u * 7u * 8u);
+}
+
+TEST(GemmTest, UnpackedEqualsPacked) {
+  const int m = 5, n = 37, k = 300;
+  const auto x = Random(static_cast<size_t>(m) * k, 1);
+  const auto w = Random(static_cast<size_t>(n) * k, 2);
+  std::vector<float> a(static_cast<size_t>(m) * n), b(a.size());
+  cpu::Gemm(x.data(), w.data(), nullptr, a.data(), m, n, k);
+  const auto packed = cpu::PackWeights(w.data(), n, k);
+  cpu::Gemm(x.data(), packed, nullptr, b.data(), m);
+  EXPECT_TRUE(BitEqual(a.data(), b.data(), a.size()));
+}
+
+TEST(GemmTest, NanInputPropagatesOnlyToItsRow) {
+  const int m = 4, n = 20, k = 33;
+  auto x = Random(static_cast<size_t>(m) * k, 3);
+  const auto w = Random(static_cast<size_t>(n) * k, 4);
+  x[2 * k + 5] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> y(static_cast<size_t>(m) * n);
+  cpu::Gemm(x.data(), w.data(), nullptr, y.data(), m, n, k);
+  for (int i = 0; i < m; ++i) {
+    for (int j = 0; j < n; ++j) {
+      EXPECT_EQ(std::isnan(y[static_cast<size_t>(i) * n + j]), i == 2) << i << "," << j;
+    }
+  }
+}
+
+// Each row's bits must equal the M = 1 result for that row, for every M, at
+// every row position, for 1 and 2 threads and every instruction set.
+// The M = 1 reference bits come from the portable path when `with_portable`
+// (slow: scalar fma calls), else from the best instruction set.
+void CheckBatchInvariance(int n, int k, const std::vector<int>& ms, bool with_portable) {
+  IsaGuard guard;
+  const int max_m = 512 + 5;
+  const auto x = Random(static_cast<size_t>(max_m) * k, 77 + n);
+  const auto w = Random(static_cast<size_t>(n) * k, 78 + k);
+  const auto bias = Random(n, 79);
+  const auto packed = cpu::PackWeights(w.data(), n, k);
+  cpu::SetIsa(with_portable ? cpu::Isa::kPortable : cpu::BestIsa());
+  std::vector<float> single(static_cast<size_t>(max_m) * n);
+  for (int i = 0; i < max_m; ++i) {
+    cpu::Gemm(x.data() + static_cast<size_t>(i) * k, packed, bias.data(),
+              single.data() + static_cast<size_t>(i) * n, 1);
+  }
+  cpu::ThreadPool two(2);
+  for (cpu::Isa isa : kIsas) {
+    if (isa == cpu::Isa::kPortable && !with_portable) continue;
+    cpu::SetIsa(isa);
+    if (cpu::ActiveIsa() != isa) continue;
+    for (cpu::ThreadPool* pool : {static_cast<cpu::ThreadPool*>(nullptr), &two}) {
+      for (int m : ms) {
+        for (int start : {0, 5}) {  // shifts every row to another position
+          if (start + m > max_m) continue;
+          Guarded y(static_cast<size_t>(m) * n);
+          cpu::Gemm(x.data() + static_cast<size_t>(start) * k, packed, bias.data(), y.data(), m,
+                    pool);
+          ASSERT_TRUE(y.GuardsIntact());
+          int bad_rows = 0;
+          for (int r = 0; r < m; ++r) {
+            if (!BitEqual(y.data() + static_cast<size_t>(r) * n,
+                          single.data() + static_cast<size_t>(start + r) * n, n)) {
+              ++bad_rows;
+            }
+          }
+          EXPECT_EQ(bad_rows, 0) << "n=" << n << " k=" << k << " M=" << m << " start=" << start
+                                 << " threads=" << (pool ? 2 : 1) << " " << cpu::IsaName(isa);
+        }
+      }
+    }
+  }
+}
+
+TEST(GemmTest, BatchInvariantRaggedShape) { CheckBatchInvariance(100, 300, {1, 2, 7, 16, 33, 512}, true); }
+
+TEST(GemmTest, BatchInvariantModelShapes) {
+  // The bundled model's MLP (hidden 256 -> intermediate 688) and down proj.
+  CheckBatchInvariance(688, 256, {1, 2, 7, 16, 33, 512}, false);
+  CheckBatchInvariance(256, 688, {1, 2, 7, 16, 33, 512}, false);
+}
+
+}  // namespace
+}  // namespace tandem::kernels
