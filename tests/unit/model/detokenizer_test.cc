@@ -1,0 +1,114 @@
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "model/tokenizer.h"
+#include "test_util.h"
+
+namespace tandem::model {
+namespace {
+
+using testing::FixtureDir;
+using testing::ReadAll;
+
+TEST(Utf8, IsValidUtf8) {
+  EXPECT_TRUE(IsValidUtf8(""));
+  EXPECT_TRUE(IsValidUtf8("plain ascii"));
+  EXPECT_TRUE(IsValidUtf8("\xC3\xA9\xE6\x97\xA5\xF0\x9F\x98\x80"));  // é 日 😀
+  EXPECT_TRUE(IsValidUtf8("\xF4\x8F\xBF\xBF"));                      // U+10FFFF
+  EXPECT_FALSE(IsValidUtf8("\xC3"));                                 // truncated
+  EXPECT_FALSE(IsValidUtf8("\xF0\x9F\x98"));                         // truncated
+  EXPECT_FALSE(IsValidUtf8("\x80"));                                 // lone continuation
+  EXPECT_FALSE(IsValidUtf8("\xC0\xAF"));                             // overlong
+  EXPECT_FALSE(IsValidUtf8("\xE0\x80\xAF"));                         // overlong
+  EXPECT_FALSE(IsValidUtf8("\xED\xA0\x80"));                         // surrogate
+  EXPECT_FALSE(IsValidUtf8("\xF4\x90\x80\x80"));                     // > U+10FFFF
+  EXPECT_FALSE(IsValidUtf8("\xFF"));
+  EXPECT_FALSE(IsValidUtf8(std::string("a\0\xFF", 3)));
+}
+
+class Detokenizer : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    auto tok = Tokenizer::Load(FixtureDir() + "/tokenizers/" + GetParam() + "/tokenizer.json");
+    ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+    tok_ = std::move(tok).value();
+  }
+  std::unique_ptr<Tokenizer> tok_;
+};
+
+// Streaming every fixture string token by token: each Push output is valid
+// UTF-8, and all of them together equal Decode.
+TEST_P(Detokenizer, StreamsOnlyWholeCharacters) {
+  const auto cases = nlohmann::json::parse(ReadAll(FixtureDir() + "/tokenizers/cases.json"));
+  size_t split_chars = 0;  // tokens that ended inside a character
+  for (bool skip : {true, false}) {
+    for (const auto& c : cases[GetParam()]["cases"]) {
+      const std::string text = c["text"];
+      SCOPED_TRACE(text);
+      const auto ids = tok_->Encode(text, true);
+      IncrementalDetokenizer detok(tok_.get(), skip);
+      std::string streamed;
+      for (uint32_t id : ids) {
+        const std::string piece = detok.Push(id);
+        EXPECT_TRUE(IsValidUtf8(piece)) << "token " << id;
+        if (!IsValidUtf8(tok_->TokenBytes(id))) ++split_chars;
+        streamed += piece;
+      }
+      const std::string tail = detok.Flush();
+      EXPECT_EQ(tail, "");
+      EXPECT_EQ(streamed + tail, tok_->Decode(ids, skip));
+      // With skipping, what Hugging Face's decode(skip_special_tokens=True) gives.
+      if (skip) {
+        EXPECT_EQ(streamed, c["decoded_skip_special"].get<std::string>());
+      }
+    }
+  }
+  // The fixture really splits multi-byte characters across tokens.
+  EXPECT_GT(split_chars, 10u);
+}
+
+TEST_P(Detokenizer, HoldsPartialCharacterUntilComplete) {
+  // "😀" is four bytes; encode it and feed the tokens one at a time.
+  const auto ids = tok_->Encode("\xF0\x9F\x98\x80!", false);
+  ASSERT_GE(ids.size(), 2u);
+  IncrementalDetokenizer detok(tok_.get());
+  std::string out;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const std::string piece = detok.Push(ids[i]);
+    EXPECT_TRUE(IsValidUtf8(piece));
+    out += piece;
+    if (out.empty()) continue;
+    EXPECT_EQ(out.substr(0, 4), "\xF0\x9F\x98\x80");  // whole or nothing
+  }
+  EXPECT_EQ(out, "\xF0\x9F\x98\x80!");
+}
+
+TEST_P(Detokenizer, InvalidBytesBecomeReplacementCharacters) {
+  // Single-byte tokens: a lone continuation byte, then a truncated sequence.
+  std::vector<uint32_t> ids;
+  for (unsigned char b : std::string("a\x80" "b\xE6\x97")) {
+    // The token whose bytes are exactly `b`.
+    std::optional<uint32_t> id;
+    for (uint32_t i = 0; i < tok_->vocab_size() && !id; ++i) {
+      if (tok_->TokenBytes(i) == std::string(1, static_cast<char>(b))) id = i;
+    }
+    ASSERT_TRUE(id.has_value()) << int(b);
+    ids.push_back(*id);
+  }
+  IncrementalDetokenizer detok(tok_.get());
+  std::string out;
+  for (uint32_t id : ids) {
+    const std::string piece = detok.Push(id);
+    EXPECT_TRUE(IsValidUtf8(piece));
+    out += piece;
+  }
+  EXPECT_EQ(out, "a\xEF\xBF\xBD" "b");  // the incomplete 日 is held
+  EXPECT_EQ(detok.Flush(), "\xEF\xBF\xBD");
+  EXPECT_EQ(detok.Flush(), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, Detokenizer, ::testing::Values("gpt2_style", "llama3_style"));
+
+}  // namespace
+}  // namespace tandem::model
