@@ -1,0 +1,127 @@
+#include "proxy/request.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+
+#include "model/tokenizer.h"
+
+namespace tandem::proxy {
+
+Result<ValidatedRequest> ValidateRequest(const ClientRequest& req, const ServingLimits& limits,
+                                         const EncodeFn& encode, uint64_t random_seed,
+                                         const std::string& assigned_request_id) {
+  ValidatedRequest out;
+  if (req.request_id.size() > limits.max_request_id_bytes) {
+    return InvalidArgumentError(fmt::format("request_id has {} bytes; the limit is {}",
+                                            req.request_id.size(), limits.max_request_id_bytes));
+  }
+  out.request_id = req.request_id.empty() ? assigned_request_id : req.request_id;
+  if (!req.model.empty() && req.model != limits.model) {
+    return NotFoundError(
+        fmt::format("model '{}' is not served here; this fleet serves '{}'", req.model,
+                    limits.model));
+  }
+  out.model = limits.model;
+
+  const bool has_ids = !req.prompt_token_ids.empty();
+  if (req.has_prompt && has_ids) {
+    return InvalidArgumentError("give exactly one of prompt and prompt_token_ids, not both");
+  }
+  if (!req.has_prompt && !has_ids) {
+    return InvalidArgumentError("give exactly one of prompt and prompt_token_ids; neither is set");
+  }
+  if (req.has_prompt) {
+    if (req.prompt.empty()) return InvalidArgumentError("prompt is empty");
+    if (!model::IsValidUtf8(req.prompt)) return InvalidArgumentError("prompt is not valid UTF-8");
+    out.prompt_ids = encode(req.prompt);
+    if (out.prompt_ids.empty()) return InvalidArgumentError("prompt encodes to no tokens");
+  } else {
+    for (size_t i = 0; i < req.prompt_token_ids.size(); ++i) {
+      if (req.prompt_token_ids[i] >= limits.vocab_size) {
+        return InvalidArgumentError(fmt::format(
+            "prompt_token_ids[{}] is {}; token ids must be below the vocabulary size {}", i,
+            req.prompt_token_ids[i], limits.vocab_size));
+      }
+    }
+    out.prompt_ids = req.prompt_token_ids;
+  }
+
+  if (req.max_tokens.has_value()) {
+    if (*req.max_tokens == 0) return InvalidArgumentError("max_tokens must be at least 1, got 0");
+    if (*req.max_tokens > limits.max_tokens_limit) {
+      return InvalidArgumentError(fmt::format("max_tokens is {}; this fleet allows at most {}",
+                                              *req.max_tokens, limits.max_tokens_limit));
+    }
+  }
+  out.max_tokens = req.max_tokens.value_or(limits.default_max_tokens);
+  const size_t prompt_tokens = out.prompt_ids.size();
+  if (prompt_tokens >= limits.max_model_len) {
+    return InvalidArgumentError(
+        fmt::format("prompt has {} tokens; this model accepts at most {} (prompt + completion)",
+                    prompt_tokens, limits.max_model_len));
+  }
+  if (prompt_tokens + out.max_tokens > limits.max_model_len) {
+    if (req.max_tokens.has_value()) {
+      return InvalidArgumentError(fmt::format(
+          "prompt ({} tokens) + max_tokens ({}) = {} exceeds the model's context of {} tokens",
+          prompt_tokens, out.max_tokens, prompt_tokens + out.max_tokens, limits.max_model_len));
+    }
+    // An unset max_tokens shrinks to what fits, as vLLM does.
+    out.max_tokens = static_cast<uint32_t>(limits.max_model_len - prompt_tokens);
+  }
+
+  if (req.temperature.has_value()) {
+    const float t = *req.temperature;
+    if (!std::isfinite(t) || t < 0.0f) {
+      return InvalidArgumentError(
+          fmt::format("sampling.temperature must be >= 0 (0 is greedy), got {}", t));
+    }
+    out.temperature = t;
+  }
+  if (req.top_p.has_value()) {
+    const float p = *req.top_p;
+    if (!std::isfinite(p) || p <= 0.0f || p > 1.0f) {
+      return InvalidArgumentError(fmt::format("sampling.top_p must be in (0, 1], got {}", p));
+    }
+    out.top_p = p;
+  }
+  if (req.top_k.has_value()) {
+    if (*req.top_k > limits.vocab_size) {
+      return InvalidArgumentError(fmt::format(
+          "sampling.top_k is {}; it must be at most the vocabulary size {} (0 = off)",
+          *req.top_k, limits.vocab_size));
+    }
+    out.top_k = *req.top_k;
+  }
+  out.seed = req.seed.value_or(random_seed);
+
+  if (req.stop.size() > limits.max_stop_strings) {
+    return InvalidArgumentError(fmt::format("stop has {} strings; the limit is {}",
+                                            req.stop.size(), limits.max_stop_strings));
+  }
+  for (size_t i = 0; i < req.stop.size(); ++i) {
+    const auto& s = req.stop[i];
+    if (s.empty()) return InvalidArgumentError(fmt::format("stop[{}] is empty", i));
+    if (s.size() > limits.max_stop_string_bytes) {
+      return InvalidArgumentError(fmt::format("stop[{}] has {} bytes; the limit is {}", i,
+                                              s.size(), limits.max_stop_string_bytes));
+    }
+    if (!model::IsValidUtf8(s)) {
+      return InvalidArgumentError(fmt::format("stop[{}] is not valid UTF-8", i));
+    }
+  }
+  out.stop = req.stop;
+  for (size_t i = 0; i < req.stop_token_ids.size(); ++i) {
+    if (req.stop_token_ids[i] >= limits.vocab_size) {
+      return InvalidArgumentError(fmt::format(
+          "stop_token_ids[{}] is {}; token ids must be below the vocabulary size {}", i,
+          req.stop_token_ids[i], limits.vocab_size));
+    }
+  }
+  out.stop_token_ids = req.stop_token_ids;
+  out.ignore_eos = req.ignore_eos;
+  return out;
+}
+
+}  // namespace tandem::proxy

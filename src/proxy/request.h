@@ -1,0 +1,74 @@
+// A client's generation request as the proxy's lifecycle sees it, and its
+// validation. The public proto (and the OpenAI JSON) are converted into
+// `ClientRequest` by their adapters; validation happens once, here, for
+// both front ends, and every error names the field and the limit.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace tandem::proxy {
+
+// Mirrors tandem.v1.GenerateRequest: optional fields stay optional, so
+// "unset" (take the default) and "set to 0" (an error for max_tokens) differ.
+struct ClientRequest {
+  std::string request_id;  // empty: the proxy assigns one
+  std::string model;       // empty: the fleet's default model
+  bool has_prompt = false;
+  std::string prompt;
+  std::vector<uint32_t> prompt_token_ids;  // non-empty means "given"
+  std::optional<uint32_t> max_tokens;
+  std::optional<float> temperature;
+  std::optional<float> top_p;
+  std::optional<uint32_t> top_k;
+  std::optional<uint64_t> seed;
+  std::vector<std::string> stop;
+  std::vector<uint32_t> stop_token_ids;
+  bool ignore_eos = false;
+};
+
+// What the proxy serves and allows.
+struct ServingLimits {
+  std::string model;            // the served model's name
+  uint32_t vocab_size = 0;      // token ids must be below this
+  uint32_t max_model_len = 0;   // prompt + completion tokens
+  uint32_t default_max_tokens = 128;
+  uint32_t max_tokens_limit = 1024;
+  uint32_t max_stop_strings = 16;
+  uint32_t max_stop_string_bytes = 256;
+  uint32_t max_request_id_bytes = 128;
+};
+
+// A request with every default resolved, ready for routing.
+struct ValidatedRequest {
+  std::string request_id;
+  std::string model;
+  std::vector<uint32_t> prompt_ids;
+  uint32_t max_tokens = 0;
+  float temperature = 1.0f;
+  float top_p = 1.0f;
+  uint32_t top_k = 0;  // 0 = off
+  uint64_t seed = 0;
+  std::vector<std::string> stop;
+  std::vector<uint32_t> stop_token_ids;
+  bool ignore_eos = false;
+};
+
+using EncodeFn = std::function<std::vector<uint32_t>(std::string_view text)>;
+
+// Checks `req` against `limits`, tokenizes a text prompt with `encode`, and
+// fills defaults: max_tokens from limits, temperature/top_p 1.0, top_k off,
+// `random_seed` when no seed is given, `request_id` when none is given.
+// INVALID_ARGUMENT names the field and the limit; NOT_FOUND for an unknown
+// model.
+Result<ValidatedRequest> ValidateRequest(const ClientRequest& req, const ServingLimits& limits,
+                                         const EncodeFn& encode, uint64_t random_seed,
+                                         const std::string& assigned_request_id);
+
+}  // namespace tandem::proxy

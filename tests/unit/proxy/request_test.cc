@@ -1,0 +1,153 @@
+#include "proxy/request.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+namespace tandem::proxy {
+namespace {
+
+ServingLimits Limits() {
+  ServingLimits l;
+  l.model = "tandem-kjv";
+  l.vocab_size = 4096;
+  l.max_model_len = 1024;
+  l.default_max_tokens = 128;
+  l.max_tokens_limit = 512;
+  return l;
+}
+
+// One token per byte: enough to count prompt lengths.
+std::vector<uint32_t> ByteEncode(std::string_view s) {
+  return std::vector<uint32_t>(s.begin(), s.end());
+}
+
+Result<ValidatedRequest> V(const ClientRequest& r) {
+  return ValidateRequest(r, Limits(), ByteEncode, 777, "assigned-1");
+}
+
+ClientRequest Text(std::string prompt) {
+  ClientRequest r;
+  r.has_prompt = true;
+  r.prompt = std::move(prompt);
+  return r;
+}
+
+TEST(ValidateRequest, DefaultsAreResolved) {
+  auto v = V(Text("hello"));
+  ASSERT_TRUE(v.ok()) << v.status().ToString();
+  EXPECT_EQ(v->request_id, "assigned-1");
+  EXPECT_EQ(v->model, "tandem-kjv");
+  EXPECT_EQ(v->prompt_ids.size(), 5u);
+  EXPECT_EQ(v->max_tokens, 128u);
+  EXPECT_FLOAT_EQ(v->temperature, 1.0f);
+  EXPECT_FLOAT_EQ(v->top_p, 1.0f);
+  EXPECT_EQ(v->top_k, 0u);
+  EXPECT_EQ(v->seed, 777u);
+}
+
+TEST(ValidateRequest, SetValuesAreKept) {
+  ClientRequest r = Text("hi");
+  r.request_id = "mine";
+  r.model = "tandem-kjv";
+  r.max_tokens = 7;
+  r.temperature = 0.0f;
+  r.top_p = 0.5f;
+  r.top_k = 40;
+  r.seed = 0;
+  r.stop = {"\n\n"};
+  r.stop_token_ids = {3};
+  r.ignore_eos = true;
+  auto v = V(r);
+  ASSERT_TRUE(v.ok()) << v.status().ToString();
+  EXPECT_EQ(v->request_id, "mine");
+  EXPECT_EQ(v->max_tokens, 7u);
+  EXPECT_FLOAT_EQ(v->temperature, 0.0f);
+  EXPECT_EQ(v->top_k, 40u);
+  EXPECT_EQ(v->seed, 0u);  // a set seed of 0 is a seed, not "unset"
+  EXPECT_TRUE(v->ignore_eos);
+}
+
+TEST(ValidateRequest, UnsetMaxTokensShrinksToFit) {
+  auto v = V(Text(std::string(1000, 'a')));
+  ASSERT_TRUE(v.ok());
+  EXPECT_EQ(v->max_tokens, 24u);
+}
+
+struct BadCase {
+  const char* name;
+  ClientRequest req;
+  StatusCode code;
+  const char* message;
+};
+
+std::vector<BadCase> BadCases() {
+  std::vector<BadCase> c;
+  auto add = [&](const char* name, ClientRequest r, StatusCode code, const char* msg) {
+    c.push_back({name, std::move(r), code, msg});
+  };
+  add("empty prompt", Text(""), StatusCode::kInvalidArgument, "prompt is empty");
+  ClientRequest both = Text("x");
+  both.prompt_token_ids = {1};
+  add("both", both, StatusCode::kInvalidArgument,
+      "give exactly one of prompt and prompt_token_ids, not both");
+  add("neither", ClientRequest{}, StatusCode::kInvalidArgument,
+      "give exactly one of prompt and prompt_token_ids; neither is set");
+  ClientRequest ids;
+  ids.prompt_token_ids = {1, 2, 4096};
+  add("token out of vocab", ids, StatusCode::kInvalidArgument,
+      "prompt_token_ids[2] is 4096; token ids must be below the vocabulary size 4096");
+  ClientRequest long_prompt = Text(std::string(1024, 'a'));
+  add("prompt too long", long_prompt, StatusCode::kInvalidArgument,
+      "prompt has 1024 tokens; this model accepts at most 1024 (prompt + completion)");
+  ClientRequest over = Text(std::string(1000, 'a'));
+  over.max_tokens = 100;
+  add("prompt + max_tokens", over, StatusCode::kInvalidArgument,
+      "prompt (1000 tokens) + max_tokens (100) = 1100 exceeds the model's context of 1024 tokens");
+  ClientRequest zero = Text("x");
+  zero.max_tokens = 0;
+  add("max_tokens 0", zero, StatusCode::kInvalidArgument, "max_tokens must be at least 1, got 0");
+  ClientRequest big = Text("x");
+  big.max_tokens = 513;
+  add("max_tokens above limit", big, StatusCode::kInvalidArgument,
+      "max_tokens is 513; this fleet allows at most 512");
+  ClientRequest temp = Text("x");
+  temp.temperature = -0.5f;
+  add("negative temperature", temp, StatusCode::kInvalidArgument,
+      "sampling.temperature must be >= 0 (0 is greedy), got -0.5");
+  ClientRequest nan_temp = Text("x");
+  nan_temp.temperature = std::nanf("");
+  add("NaN temperature", nan_temp, StatusCode::kInvalidArgument,
+      "sampling.temperature must be >= 0 (0 is greedy), got nan");
+  ClientRequest p0 = Text("x");
+  p0.top_p = 0.0f;
+  add("top_p 0", p0, StatusCode::kInvalidArgument, "sampling.top_p must be in (0, 1], got 0");
+  ClientRequest p2 = Text("x");
+  p2.top_p = 1.5f;
+  add("top_p 1.5", p2, StatusCode::kInvalidArgument, "sampling.top_p must be in (0, 1], got 1.5");
+  add("invalid UTF-8", Text("ab\xC3"), StatusCode::kInvalidArgument, "prompt is not valid UTF-8");
+  ClientRequest model = Text("x");
+  model.model = "gpt-9";
+  add("unknown model", model, StatusCode::kNotFound,
+      "model 'gpt-9' is not served here; this fleet serves 'tandem-kjv'");
+  ClientRequest stop = Text("x");
+  stop.stop = {""};
+  add("empty stop", stop, StatusCode::kInvalidArgument, "stop[0] is empty");
+  ClientRequest stop_id = Text("x");
+  stop_id.stop_token_ids = {99999};
+  add("stop id out of vocab", stop_id, StatusCode::kInvalidArgument,
+      "stop_token_ids[0] is 99999; token ids must be below the vocabulary size 4096");
+  return c;
+}
+
+TEST(ValidateRequest, EveryBadInputNamesFieldAndLimit) {
+  for (const auto& c : BadCases()) {
+    auto v = V(c.req);
+    ASSERT_FALSE(v.ok()) << c.name;
+    EXPECT_EQ(v.status().code(), c.code) << c.name;
+    EXPECT_EQ(v.status().message(), c.message) << c.name;
+  }
+}
+
+}  // namespace
+}  // namespace tandem::proxy
