@@ -131,6 +131,28 @@ CASES = [
 ]
 
 
+# Random strings over a pool of awkward pieces (fixed seed): differences
+# between PCRE2 and Oniguruma in \s, \p{L}, \p{N} or lookaheads show up here.
+RANDOM_POOL = [
+    "a", "Z", "hello", "World", "é", "ß", "日本", "中", "한", "Ж", "ω", "ا", "́", "̈",
+    "0", "7", "42", "1234", "٣", "½", "²", "Ⅻ", " ", "  ", "\t", "\n", "\r\n", "\r", "\x0b",
+    "\x0c", "\u00a0", "\u3000", "\u2028", "\u0085", "\u200b", "'s", "'S", "'ll", "'", "’",
+    "-", "_", ".", ",", "!?", "...", "(", ")", "<", ">", "|", "<|", "|>", "\"", "#", "$", "%",
+    "😀", "👍🏽", "👨\u200d👩", "🇺🇸", "❤️", "\U0001F9D1\u200d\U0001F4BB", "\x00", "\x7f",
+    "<|eot_id|>", "<|begin_of_text|>",
+]
+
+
+def random_cases(n, seed=1234):
+    import random
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        k = rng.randint(1, 12)
+        out.append("".join(rng.choice(RANDOM_POOL) for _ in range(k)))
+    return out
+
+
 def training_text():
     texts = []
     for path in sorted(glob.glob("/usr/share/games/fortunes/*.u8"))[:12]:
@@ -195,7 +217,7 @@ def make_llama3_style(texts):
 
 def cases_for(tok):
     out = []
-    for text in CASES:
+    for text in CASES + random_cases(150):
         plain = tok.encode(text, add_special_tokens=False).ids
         with_special = tok.encode(text, add_special_tokens=True).ids
         out.append({
@@ -242,7 +264,7 @@ def make_tokenizers(out):
         cases["tandem-kjv"] = {"path": "models/tandem-kjv/tokenizer.json", "fnv1a64": digest,
                                "vocab_size": tok.get_vocab_size(with_added_tokens=True),
                                "cases": cases_for(tok)}
-    write_json(os.path.join(out, "tokenizers", "cases.json"), cases, indent=1)
+    write_json(os.path.join(out, "tokenizers", "cases.json"), cases)
 
 
 # ---------------------------------------------------------------- models

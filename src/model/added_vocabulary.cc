@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "model/bpe.h"
 #include "model/tokenizer.h"
 #include "model/utf8.h"
 
@@ -20,7 +21,7 @@ Result<std::unique_ptr<AddedVocabulary>> AddedVocabulary::Create(const nlohmann:
     for (const auto& t : list) {
       AddedToken a;
       if (!t.contains("id") || !t["id"].is_number_unsigned() || !t.contains("content") ||
-          !t["content"].is_string() || t["id"].get<uint64_t>() >= UINT32_MAX) {
+          !t["content"].is_string() || t["id"].get<uint64_t>() >= BpeModel::kMaxId) {
         return InvalidArgumentError("added_tokens: entry needs 'id' and 'content': " + t.dump());
       }
       a.id = t["id"].get<uint32_t>();

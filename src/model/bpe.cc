@@ -31,7 +31,7 @@ Result<std::unique_ptr<BpeModel>> BpeModel::Create(const nlohmann::json& m) {
       return InvalidArgumentError("model: missing object 'vocab'");
     }
     for (const auto& [token, id_json] : m["vocab"].items()) {
-      if (!id_json.is_number_unsigned() || id_json.get<uint64_t>() >= UINT32_MAX) {
+      if (!id_json.is_number_unsigned() || id_json.get<uint64_t>() >= kMaxId) {
         return InvalidArgumentError("model.vocab: token '" + token + "' has a bad id " +
                                     id_json.dump());
       }

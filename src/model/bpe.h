@@ -44,6 +44,13 @@ class BpeModel {
   };
   static constexpr uint32_t kNoId = UINT32_MAX;
 
+ public:
+  // Ids at or past this are refused at load (real vocabularies have < 300k
+  // entries; a corrupt id must not size a table of billions).
+  static constexpr uint32_t kMaxId = 1u << 24;
+
+ private:
+
   std::unordered_map<std::string, uint32_t> vocab_;        // token string -> id
   std::unordered_map<std::string, uint32_t> bytes_vocab_;  // raw bytes -> id
   std::vector<std::string> id_to_token_;

@@ -3,8 +3,17 @@
 // split regex (PCRE2: Unicode classes and lookaheads), byte-level mapping,
 // merges by rank. Encode/Decode match Hugging Face `tokenizers`.
 //
-// Thread-safety: a loaded Tokenizer is immutable; Encode/Decode may be
-// called from any thread.
+// Supported tokenizer.json parts: normalizer null (or NFC, accepted but not
+// applied: input is taken to be NFC already); pre_tokenizer Split / Digits /
+// Sequence ending in ByteLevel; model BPE (merges as "a b" or [a, b],
+// ignore_merges); post_processor TemplateProcessing / ByteLevel / Sequence /
+// Roberta / Bert; decoder ByteLevel. Anything else (e.g. SentencePiece-style
+// Metaspace tokenizers) is refused by Load with a message naming the part.
+// Text that is not valid UTF-8 is encoded as if each invalid sequence were
+// U+FFFD (Hugging Face only accepts valid strings).
+//
+// Thread-safety: a loaded Tokenizer is immutable (its word cache is
+// internally synchronized); Encode/Decode may be called from any thread.
 #pragma once
 
 #include <cstdint>
@@ -34,10 +43,13 @@ class Tokenizer {
   // incremental detokenizer below is what streams text safely).
   virtual std::string Decode(std::span<const uint32_t> ids,
                              bool skip_special_tokens = false) const = 0;
-  // Raw bytes of one token (byte-level decoded); empty for unknown ids.
+  // Raw bytes of one token (byte-level decoded, as Hugging Face's ByteLevel
+  // decoder does, added tokens included); empty for unknown ids.
   virtual std::string TokenBytes(uint32_t id) const = 0;
   virtual bool IsSpecial(uint32_t id) const = 0;
-  virtual uint32_t vocab_size() const = 0;  // including added tokens
+  // Largest id + 1, added tokens included (equals Hugging Face's
+  // get_vocab_size(with_added_tokens=True) when ids are dense).
+  virtual uint32_t vocab_size() const = 0;
   virtual std::optional<uint32_t> TokenToId(std::string_view token) const = 0;
 };
 

@@ -178,6 +178,10 @@ TEST(Tokenizer, LoadErrors) {
   EXPECT_NE(LoadError([](auto& j) { j["normalizer"] = {{"type", "Lowercase"}}; })
                 .find("Lowercase"),
             std::string::npos);
+  EXPECT_NE(LoadError([](auto& j) { j["model"]["vocab"]["Ġhuge"] = 4000000000u; }).find("bad id"),
+            std::string::npos);
+  EXPECT_NE(LoadError([](auto& j) { j["post_processor"] = {{"type", "Mystery"}}; }).find("Mystery"),
+            std::string::npos);
   const std::string e = LoadError([](auto& j) { j["model"]["vocab"] = 5; });
   EXPECT_NE(e.find("tokenizer.json"), std::string::npos) << e;
   ScratchDir dir;
