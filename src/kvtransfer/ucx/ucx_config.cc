@@ -2,7 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <regex>
 #include <set>
@@ -29,9 +31,9 @@ std::vector<UcxDefault> UcxDefaults(double peer_timeout_s) {
       // Shared-memory transports do not support UCP_ERR_HANDLING_MODE_PEER
       // unless asked; without this UCX silently picks TCP on one host.
       {"POSIX_ERROR_HANDLING", "y", {"UCX_POSIX_ERROR_HANDLING", "UCX_MM_ERROR_HANDLING"},
-       "lets posix shared memory serve endpoints with peer error handling"},
+       "lets posix shared memory serve endpoints with peer error handling", true},
       {"SYSV_ERROR_HANDLING", "y", {"UCX_SYSV_ERROR_HANDLING", "UCX_MM_ERROR_HANDLING"},
-       "lets sysv shared memory serve endpoints with peer error handling"},
+       "lets sysv shared memory serve endpoints with peer error handling", true},
   };
 }
 
@@ -41,6 +43,14 @@ Result<std::vector<std::string>> ApplyUcxDefaults(ucp_config_t* config, double p
     bool operator_set = false;
     for (const std::string& env : d.env_names) operator_set |= std::getenv(env.c_str()) != nullptr;
     if (operator_set) continue;
+    if (d.via_environment) {
+      const std::string env = "UCX_" + d.key;
+      if (setenv(env.c_str(), d.value.c_str(), /*overwrite=*/0) != 0) {
+        return InternalError(fmt::format("setenv({}): {}", env, std::strerror(errno)));
+      }
+      applied.push_back(fmt::format("{}={}", d.key, d.value));
+      continue;
+    }
     const ucs_status_t s = ucp_config_modify(config, d.key.c_str(), d.value.c_str());
     if (s != UCS_OK) return UcsError(fmt::format("ucp_config_modify({}={})", d.key, d.value), s);
     applied.push_back(fmt::format("{}={}", d.key, d.value));

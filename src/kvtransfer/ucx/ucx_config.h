@@ -25,10 +25,15 @@ struct UcxDefault {
   std::string value;
   std::vector<std::string> env_names;
   std::string why;
+  // Transport-level keys are not accepted by ucp_config_modify in UCX 1.13
+  // ("invalid configurations"); they are set in the environment instead
+  // (setenv without overwrite) before the first ucp_config_read.
+  bool via_environment = false;
 };
 std::vector<UcxDefault> UcxDefaults(double peer_timeout_s);
-// Applies the defaults the environment does not override to `config`;
-// returns "KEY=value" for each one applied.
+// Applies the defaults the environment does not override to `config` (or
+// to the environment, see via_environment); returns "KEY=value" for each
+// one applied. Call before any other thread reads the environment.
 Result<std::vector<std::string>> ApplyUcxDefaults(ucp_config_t* config, double peer_timeout_s);
 
 // "posix/memory sysv/memory tcp/lo": the distinct transport/device pairs of

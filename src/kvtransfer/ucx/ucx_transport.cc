@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <mutex>
 
 #include "kvtransfer/transport_base.h"
 #include "kvtransfer/ucx/ucx_config.h"
@@ -71,7 +72,10 @@ class UcxTransport final : public detail::TransportBase {
       ucp_config_release(config);
       return applied.status();
     }
-    for (const std::string& a : *applied) spdlog::debug("kvtransfer: UCX default {}", a);
+    static std::once_flag logged;
+    std::call_once(logged, [&] {
+      for (const std::string& a : *applied) spdlog::info("kvtransfer: UCX default UCX_{} (not set by the operator)", a);
+    });
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES;
     params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
@@ -270,7 +274,7 @@ class UcxTransport final : public detail::TransportBase {
 
  private:
   void IssuePuts(Xfer& x, UcxPeer& peer) {
-    uint64_t budget = kPutBudgetPerAdvanceBytes;
+    uint64_t budget = std::min(kPutBudgetPerAdvanceBytes, 8 * options().max_put_bytes);
     while (!x.stopping && x.next_segment < x.segments.size() &&
            x.outstanding < kMaxOutstandingPerXfer && budget > 0) {
       const Segment& s = x.segments[x.next_segment];

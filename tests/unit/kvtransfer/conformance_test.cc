@@ -1,0 +1,380 @@
+// The conformance suite every Transport backend passes (TEST_P over
+// "loopback", "ucx" — whatever transports UCX picks here, shared memory on
+// one host — and "ucx_tcp", UCX restricted to TCP with UCX_TLS=tcp).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <set>
+
+#include "kv_test_util.h"
+#include "kvtransfer/descriptor.h"
+#include "kvtransfer/loopback/loopback_transport.h"
+#include "kvtransfer/transport.h"
+
+namespace tandem::kvtransfer {
+namespace {
+
+using testing::Checksum;
+using testing::ChildProcess;
+using testing::FillRandom;
+using testing::WaitFor;
+using namespace std::chrono_literals;
+
+constexpr uint64_t kMiB = 1ull << 20;
+
+class ConformanceTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == "ucx_tcp") setenv("UCX_TLS", "tcp", 1);
+  }
+  void TearDown() override {
+    if (GetParam() == "ucx_tcp") unsetenv("UCX_TLS");
+  }
+  std::string backend() const { return GetParam() == "loopback" ? "loopback" : "ucx"; }
+
+  std::unique_ptr<Transport> Make(const std::string& name, uint64_t block_bytes, uint32_t blocks,
+                                  uint64_t max_put_bytes = 4 * kMiB, uint32_t delay_us = 0) {
+    TransportOptions o;
+    o.backend = backend();
+    o.agent_name = name + "-" + GetParam();
+    o.block_bytes = block_bytes;
+    o.num_blocks = blocks;
+    o.max_put_bytes = max_put_bytes;
+    o.loopback_delay_per_put_us = delay_us;
+    o.peer_timeout_s = 1.5;
+    auto t = CreateTransport(o);
+    EXPECT_TRUE(t.ok()) << t.status().ToString();
+    return t.ok() ? std::move(t).value() : nullptr;
+  }
+
+  static XferStatus WaitDone(Transport& t, XferId x, std::chrono::milliseconds timeout = 30s) {
+    WaitFor([&] { return IsTerminal(t.Poll(x)); }, timeout);
+    return t.Poll(x);
+  }
+
+  // Writes `segments` with an optional notice and waits for the outcome.
+  static XferStatus WriteAndWait(Transport& t, PeerId peer, std::vector<Segment> segments,
+                                 std::optional<std::string> notice = std::nullopt) {
+    auto x = t.PrepareWrite(peer, std::move(segments), std::move(notice));
+    EXPECT_TRUE(x.ok()) << x.status().ToString();
+    if (!x.ok()) return XferStatus::kErrInvalidArgument;
+    EXPECT_TRUE(t.Post(*x).ok());
+    const XferStatus st = WaitDone(t, *x);
+    Status detail;
+    t.Poll(*x, &detail);
+    EXPECT_EQ(st, XferStatus::kSuccess) << detail.ToString();
+    EXPECT_TRUE(t.Release(*x).ok());
+    return st;
+  }
+};
+
+TEST_P(ConformanceTest, CapabilitiesNameTheBackend) {
+  auto a = Make("caps", 4096, 4);
+  ASSERT_NE(a, nullptr);
+  const Capabilities c = a->capabilities();
+  EXPECT_EQ(c.backend, backend());
+  EXPECT_TRUE(c.one_sided_write && c.notifications && c.abort && c.peer_failure_detection);
+  EXPECT_GE(c.max_notification_bytes, 256u);
+  EXPECT_EQ(c.cross_process, backend() == "ucx");
+  ASSERT_NE(a->pool(), nullptr);
+  EXPECT_EQ(a->pool_bytes(), 4 * 4096u);
+}
+
+// Checksums over random data, sizes from 1 byte to 64 MiB, unaligned offsets
+// on both sides, and untouched bytes right outside each destination.
+TEST_P(ConformanceTest, DataIntegrityAcrossSizes) {
+  const uint64_t pool = 66 * kMiB;
+  auto a = Make("integ-a", kMiB, 66);
+  auto b = Make("integ-b", kMiB, 66);
+  ASSERT_TRUE(a && b);
+  FillRandom(a->pool(), pool, 42);
+  auto peer = a->ImportPeer(b->LocalDescriptor());
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  const std::vector<uint64_t> sizes = {1,          2,           3,           7,       63,
+                                       64,         1000,        4095,        4097,    65537,
+                                       kMiB - 1,   kMiB + 3,    4 * kMiB + 1, 17 * kMiB - 5,
+                                       64 * kMiB};
+  uint64_t expect_written = a->stats().bytes_written;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const uint64_t n = sizes[i];
+    const uint64_t lo = 1 + 7 * i, ro = 3 + 13 * i;
+    std::byte* dst = b->pool() + ro;
+    dst[-1] = std::byte{0xAB};
+    dst[n] = std::byte{0xCD};
+    ASSERT_EQ(WriteAndWait(*a, *peer, {{lo, ro, n}}), XferStatus::kSuccess) << "size " << n;
+    EXPECT_EQ(Checksum(dst, n), Checksum(a->pool() + lo, n)) << "size " << n;
+    EXPECT_EQ(dst[-1], std::byte{0xAB}) << "byte before the destination was written, size " << n;
+    EXPECT_EQ(dst[n], std::byte{0xCD}) << "byte after the destination was written, size " << n;
+    expect_written += n;
+  }
+  EXPECT_EQ(a->stats().bytes_written, expect_written);
+}
+
+TEST_P(ConformanceTest, BlockWritesCoalesceContiguousRuns) {
+  const uint64_t bb = 1024;
+  auto a = Make("blocks-a", bb, 16);
+  auto b = Make("blocks-b", bb, 16);
+  ASSERT_TRUE(a && b);
+  FillRandom(a->pool(), a->pool_bytes(), 7);
+  auto peer = a->ImportPeer(b->LocalDescriptor());
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  // Runs: 0-2 -> 5-7, 9 -> 1, 4 -> 3 (local 3 would continue 0-2, remote 8 does not follow 3).
+  const std::vector<BlockPair> pairs = {{0, 5}, {1, 6}, {2, 7}, {9, 1}, {4, 3}};
+  const uint64_t puts_before = a->stats().puts_posted;
+  auto x = a->PrepareBlockWrite(*peer, pairs, "blocks");
+  ASSERT_TRUE(x.ok()) << x.status().ToString();
+  ASSERT_TRUE(a->Post(*x).ok());
+  ASSERT_EQ(WaitDone(*a, *x), XferStatus::kSuccess);
+  EXPECT_EQ(a->stats().puts_posted - puts_before, 3u);
+  for (const BlockPair& p : pairs) {
+    EXPECT_EQ(Checksum(b->block(p.remote_slot), bb), Checksum(a->block(p.local_block), bb))
+        << p.local_block << " -> " << p.remote_slot;
+  }
+  // Out-of-range slots are refused before anything moves.
+  const std::vector<BlockPair> bad = {{0, 16}};
+  EXPECT_EQ(a->PrepareBlockWrite(*peer, bad, std::nullopt).status().code(), StatusCode::kOutOfRange);
+  EXPECT_TRUE(a->Release(*x).ok());
+}
+
+// The receiver checks, inside its notification callback, that the data the
+// notice describes is already in its pool.
+TEST_P(ConformanceTest, NotificationArrivesAfterItsData) {
+  const uint64_t bb = kMiB;
+  constexpr int kRounds = 40;
+  auto a = Make("order-a", bb, 4);
+  auto b = Make("order-b", bb, 4);
+  ASSERT_TRUE(a && b);
+  std::mutex mu;
+  int received = 0, mismatched = 0;
+  b->SetNotificationCallback([&](Notification n) {
+    const uint64_t want = std::stoull(n.payload);
+    const bool ok = Checksum(b->pool(), 4 * bb) == want;
+    std::lock_guard lock(mu);
+    ++received;
+    mismatched += ok ? 0 : 1;
+    EXPECT_EQ(n.sender, a->agent_name());
+    EXPECT_EQ(n.sender_generation, a->generation());
+  });
+  auto peer = a->ImportPeer(b->LocalDescriptor());
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  for (int r = 0; r < kRounds; ++r) {
+    FillRandom(a->pool(), 4 * bb, 100 + r);
+    const uint64_t sum = Checksum(a->pool(), 4 * bb);
+    ASSERT_EQ(WriteAndWait(*a, *peer, {{0, 0, 4 * bb}}, std::to_string(sum)), XferStatus::kSuccess);
+    // The next round overwrites the same bytes: wait for this notice first.
+    ASSERT_TRUE(WaitFor([&] { std::lock_guard l(mu); return received == r + 1; })) << "round " << r;
+  }
+  std::lock_guard lock(mu);
+  EXPECT_EQ(received, kRounds);
+  EXPECT_EQ(mismatched, 0);
+  EXPECT_EQ(b->stats().notifications_received, static_cast<uint64_t>(kRounds));
+}
+
+TEST_P(ConformanceTest, ThousandConcurrentRequests) {
+  constexpr uint32_t kRequests = 1000;
+  const uint64_t bb = 4096;
+  auto a = Make("many-a", bb, kRequests);
+  auto b = Make("many-b", bb, kRequests);
+  ASSERT_TRUE(a && b);
+  FillRandom(a->pool(), a->pool_bytes(), 9);
+  auto peer = a->ImportPeer(b->LocalDescriptor());
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  std::vector<uint32_t> slot(kRequests);
+  std::iota(slot.begin(), slot.end(), 0u);
+  std::shuffle(slot.begin(), slot.end(), std::mt19937(3));
+  std::atomic<int> done{0}, succeeded{0};
+  std::vector<XferId> ids;
+  for (uint32_t i = 0; i < kRequests; ++i) {
+    const BlockPair pair{i, slot[i]};
+    auto x = a->PrepareBlockWrite(*peer, std::span(&pair, 1), std::to_string(i));
+    ASSERT_TRUE(x.ok()) << x.status().ToString();
+    ids.push_back(*x);
+  }
+  for (XferId id : ids) {
+    ASSERT_TRUE(a->Post(id, [&](XferId, XferStatus st, const Status&) {
+                   succeeded += st == XferStatus::kSuccess ? 1 : 0;
+                   ++done;
+                 }).ok());
+  }
+  ASSERT_TRUE(WaitFor([&] { return done.load() == static_cast<int>(kRequests); }, 60s))
+      << done.load() << " of " << kRequests << " finished";
+  EXPECT_EQ(succeeded.load(), static_cast<int>(kRequests));
+  std::set<std::string> payloads;
+  ASSERT_TRUE(WaitFor([&] {
+    for (auto& n : b->TakeNotifications()) payloads.insert(n.payload);
+    return payloads.size() == kRequests;
+  }));
+  EXPECT_EQ(payloads.size(), kRequests);
+  int bad_blocks = 0;
+  for (uint32_t i = 0; i < kRequests; ++i) {
+    bad_blocks += Checksum(b->block(slot[i]), bb) != Checksum(a->block(i), bb);
+  }
+  EXPECT_EQ(bad_blocks, 0);
+  for (XferId id : ids) EXPECT_TRUE(a->Release(id).ok());
+  EXPECT_EQ(a->stats().live_requests, 0u);
+  EXPECT_EQ(a->stats().inflight_requests, 0u);
+}
+
+// Abort takes effect between puts: a 64 MiB write in 64 KiB puts is stopped
+// part way, reports ERR_CANCELED, sends no notice, and the transport goes on.
+TEST_P(ConformanceTest, AbortMidTransfer) {
+  const uint64_t total = 64 * kMiB;
+  auto a = Make("abort-a", kMiB, 64, 64 * 1024, /*delay_us=*/100);
+  auto b = Make("abort-b", kMiB, 64);
+  ASSERT_TRUE(a && b);
+  auto peer = a->ImportPeer(b->LocalDescriptor());
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  bool canceled_mid_way = false;
+  std::set<std::string> canceled_notices;
+  for (int attempt = 0; attempt < 5 && !canceled_mid_way; ++attempt) {
+    const std::string notice = "aborted-" + std::to_string(attempt);
+    auto x = a->PrepareWrite(*peer, {{0, 0, total}}, notice);
+    ASSERT_TRUE(x.ok());
+    ASSERT_TRUE(a->Post(*x).ok());
+    ASSERT_TRUE(WaitFor([&] { return a->BytesDone(*x) > 0 || IsTerminal(a->Poll(*x)); }));
+    ASSERT_TRUE(a->Abort(*x).ok());
+    const XferStatus st = WaitDone(*a, *x, 10s);
+    const uint64_t moved = a->BytesDone(*x);
+    if (st == XferStatus::kErrCanceled) {
+      EXPECT_GT(moved, 0u);
+      EXPECT_LT(moved, total);
+      canceled_mid_way = true;
+      canceled_notices.insert(notice);
+    } else {
+      EXPECT_EQ(st, XferStatus::kSuccess);  // finished before the abort landed; try again
+    }
+    EXPECT_TRUE(a->Release(*x).ok());
+  }
+  EXPECT_TRUE(canceled_mid_way);
+  // A later write works; notices on one endpoint are ordered, so once its
+  // notice is in, a canceled attempt's notice would have been too.
+  ASSERT_EQ(WriteAndWait(*a, *peer, {{0, 0, 4096}}, "after"), XferStatus::kSuccess);
+  std::vector<std::string> seen;
+  ASSERT_TRUE(WaitFor([&] {
+    for (auto& n : b->TakeNotifications()) seen.push_back(n.payload);
+    return !seen.empty() && seen.back() == "after";
+  }));
+  for (const auto& s : seen) EXPECT_EQ(canceled_notices.count(s), 0u) << s;
+  EXPECT_EQ(a->stats().inflight_requests, 0u);
+  EXPECT_EQ(a->stats().live_requests, 0u);
+}
+
+// The peer dies while writes stream to it: an error surfaces within 5 s and
+// nothing stays registered once the peer and requests are released. For ucx
+// the peer is another process killed with SIGKILL.
+TEST_P(ConformanceTest, PeerKilledMidTransfer) {
+  const uint64_t bb = kMiB;
+  const uint32_t blocks = 16;
+  auto a = Make("kill-a", bb, blocks);
+  ASSERT_TRUE(a);
+  std::unique_ptr<ChildProcess> child;
+  std::unique_ptr<Transport> local_peer;
+  std::string desc;
+  if (backend() == "ucx") {
+    child = std::make_unique<ChildProcess>(std::vector<std::string>{
+        KV_PEER_BIN, "target", "backend=ucx", "name=kill-b-" + GetParam(),
+        "block_bytes=" + std::to_string(bb), "blocks=" + std::to_string(blocks)});
+    ASSERT_TRUE(child->ok());
+    auto hex = child->Expect("DESC ");
+    ASSERT_TRUE(hex.has_value()) << "peer did not start";
+    auto bytes = FromHex(*hex);
+    ASSERT_TRUE(bytes.ok());
+    desc = *bytes;
+  } else {
+    local_peer = Make("kill-b", bb, blocks);
+    ASSERT_TRUE(local_peer);
+    desc = local_peer->LocalDescriptor();
+  }
+  auto peer = a->ImportPeer(desc);
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  ASSERT_EQ(WriteAndWait(*a, *peer, {{0, 0, blocks * bb}}, "first"), XferStatus::kSuccess);
+
+  std::vector<XferId> ids;
+  std::chrono::steady_clock::time_point killed_at;
+  XferStatus failure = XferStatus::kSuccess;
+  Status failure_detail;
+  for (int i = 0; i < 100000 && failure == XferStatus::kSuccess; ++i) {
+    auto x = a->PrepareWrite(*peer, {{0, 0, blocks * bb}}, std::to_string(i));
+    if (!x.ok()) {  // the peer is already known dead
+      failure = XferStatus::kErrRemoteDisconnect;
+      failure_detail = x.status();
+      break;
+    }
+    ids.push_back(*x);
+    if (!a->Post(*x).ok()) {
+      failure = a->Poll(*x, &failure_detail);
+      break;
+    }
+    if (i == 2) {  // kill while transfers stream
+      killed_at = std::chrono::steady_clock::now();
+      if (child) child->Kill();
+      else local_peer.reset();
+    }
+    if (i >= 2) {
+      const XferStatus st = WaitDone(*a, *x, 10s);
+      if (st != XferStatus::kSuccess) failure = a->Poll(*x, &failure_detail);
+      if (std::chrono::steady_clock::now() - killed_at > 10s) break;
+    }
+  }
+  const auto noticed_after = std::chrono::steady_clock::now() - killed_at;
+  EXPECT_EQ(failure, XferStatus::kErrRemoteDisconnect) << failure_detail.ToString();
+  EXPECT_LT(noticed_after, 5s) << "peer loss took "
+                               << std::chrono::duration<double>(noticed_after).count() << " s";
+  for (XferId id : ids) {
+    EXPECT_TRUE(IsTerminal(WaitDone(*a, id, 10s)));
+    EXPECT_TRUE(a->Release(id).ok());
+  }
+  EXPECT_TRUE(a->ReleasePeer(*peer).ok());
+  const TransportStats s = a->stats();
+  EXPECT_EQ(s.live_peers, 0u);
+  EXPECT_EQ(s.live_remote_keys, 0u);
+  EXPECT_EQ(s.live_requests, 0u);
+  EXPECT_EQ(s.inflight_requests, 0u);
+}
+
+// A peer restarts under the same name: its old descriptor and the PeerId
+// made from it are refused; the new one works.
+TEST_P(ConformanceTest, StaleDescriptorRejected) {
+  const uint64_t bb = 4096;
+  auto a = Make("stale-a", bb, 4);
+  auto b1 = Make("stale-b", bb, 4);
+  ASSERT_TRUE(a && b1);
+  const std::string old_desc = b1->LocalDescriptor();
+  auto old_peer = a->ImportPeer(old_desc);
+  ASSERT_TRUE(old_peer.ok()) << old_peer.status().ToString();
+  ASSERT_EQ(WriteAndWait(*a, *old_peer, {{0, 0, bb}}), XferStatus::kSuccess);
+  EXPECT_EQ(*a->ImportPeer(old_desc), *old_peer);  // endpoints are cached per peer
+
+  b1.reset();  // "restart"
+  auto b2 = Make("stale-b", bb, 4);
+  ASSERT_TRUE(b2);
+  EXPECT_GT(b2->generation(), ParseDescriptor(old_desc)->generation);
+  auto new_peer = a->ImportPeer(b2->LocalDescriptor());
+  ASSERT_TRUE(new_peer.ok()) << new_peer.status().ToString();
+
+  auto again = a->ImportPeer(old_desc);
+  EXPECT_EQ(again.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(again.status().message().find("stale"), std::string::npos) << again.status().ToString();
+  auto stale_write = a->PrepareWrite(*old_peer, {{0, 0, bb}}, "stale");
+  EXPECT_EQ(stale_write.status().code(), StatusCode::kFailedPrecondition);
+
+  FillRandom(a->pool(), bb, 5);
+  ASSERT_EQ(WriteAndWait(*a, *new_peer, {{0, 0, bb}}, "fresh"), XferStatus::kSuccess);
+  EXPECT_EQ(Checksum(b2->pool(), bb), Checksum(a->pool(), bb));
+  ASSERT_TRUE(WaitFor([&] { return b2->stats().notifications_received == 1; }));
+  EXPECT_EQ(b2->TakeNotifications().at(0).payload, "fresh");
+  EXPECT_TRUE(a->ReleasePeer(*old_peer).ok());
+  EXPECT_TRUE(a->ReleasePeer(*new_peer).ok());
+  EXPECT_EQ(a->stats().live_remote_keys, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, ConformanceTest, ::testing::Values("loopback", "ucx", "ucx_tcp"),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace tandem::kvtransfer
