@@ -1,0 +1,342 @@
+#include "router/prefix_index.h"
+
+#include <algorithm>
+#include <shared_mutex>
+#include <string>
+
+namespace tandem::router {
+
+std::string_view EventResultName(EventResult r) {
+  switch (r) {
+    case EventResult::kApplied: return "applied";
+    case EventResult::kDuplicate: return "duplicate";
+    case EventResult::kStaleEpoch: return "stale_epoch";
+    case EventResult::kNeedsSnapshot: return "needs_snapshot";
+    case EventResult::kAwaitingSnapshot: return "awaiting_snapshot";
+  }
+  return "?";
+}
+
+// One shard: an open-addressing (linear probing) table hash -> WorkerMask.
+// The hashes are XXH3 outputs, so their low bits index the table directly
+// (the top bits chose the shard). Key 0 marks an empty slot; the one real
+// hash equal to 0 lives in `zero_`. A slot whose mask became empty is a
+// tombstone: it keeps its key so probes pass over it, is reused by inserts
+// and is dropped at the next rehash.
+class PrefixIndex::Shard {
+ public:
+  mutable std::shared_mutex mu;
+
+  // Everything below: caller holds `mu` (shared for const methods).
+  WorkerMask Get(uint64_t key) const {
+    if (key == 0) return zero_;
+    if (slots_.empty()) return {};
+    for (uint64_t i = key & mask_;; i = (i + 1) & mask_) {
+      const Slot& s = slots_[i];
+      if (s.key == key) return s.mask;
+      if (s.key == 0) return {};
+    }
+  }
+
+  void Prefetch(uint64_t key) const {
+    if (!slots_.empty()) __builtin_prefetch(&slots_[key & mask_]);
+  }
+
+  void Set(uint64_t key, WorkerId worker) {
+    if (key == 0) {
+      if (!zero_.Any()) ++live_;
+      zero_.Set(worker);
+      return;
+    }
+    if ((used_ + 1) * 10 > slots_.size() * 7) Rehash();
+    uint64_t tomb = UINT64_MAX;
+    uint64_t i = key & mask_;
+    for (;; i = (i + 1) & mask_) {
+      Slot& s = slots_[i];
+      if (s.key == key) {
+        if (!s.mask.Any()) ++live_;
+        s.mask.Set(worker);
+        return;
+      }
+      if (s.key == 0) break;
+      if (tomb == UINT64_MAX && !s.mask.Any()) tomb = i;
+    }
+    if (tomb != UINT64_MAX) {
+      i = tomb;
+    } else {
+      ++used_;
+    }
+    slots_[i].key = key;
+    slots_[i].mask = WorkerMask{};
+    slots_[i].mask.Set(worker);
+    ++live_;
+  }
+
+  void Unset(uint64_t key, WorkerId worker) {
+    if (key == 0) {
+      if (zero_.Test(worker)) {
+        zero_.Clear(worker);
+        if (!zero_.Any()) --live_;
+      }
+      return;
+    }
+    if (slots_.empty()) return;
+    for (uint64_t i = key & mask_;; i = (i + 1) & mask_) {
+      Slot& s = slots_[i];
+      if (s.key == key) {
+        if (s.mask.Test(worker)) {
+          s.mask.Clear(worker);
+          if (!s.mask.Any()) --live_;
+        }
+        return;
+      }
+      if (s.key == 0) return;
+    }
+  }
+
+  // Removes `worker` from every entry (a scan of the shard).
+  void ClearWorker(WorkerId worker) {
+    Unset(0, worker);
+    for (Slot& s : slots_) {
+      if (s.key != 0 && s.mask.Test(worker)) {
+        s.mask.Clear(worker);
+        if (!s.mask.Any()) --live_;
+      }
+    }
+  }
+
+  uint64_t CountWorker(WorkerId worker) const {
+    uint64_t n = zero_.Test(worker) ? 1 : 0;
+    for (const Slot& s : slots_) n += (s.key != 0 && s.mask.Test(worker)) ? 1 : 0;
+    return n;
+  }
+
+  uint64_t live() const { return live_; }
+
+ private:
+  struct Slot {
+    uint64_t key = 0;
+    WorkerMask mask;
+  };
+
+  // Rebuilds with only live entries, at most half full afterwards.
+  void Rehash() {
+    uint64_t cap = 1024;
+    while (cap < (live_ + 1) * 2) cap <<= 1;
+    std::vector<Slot> old;
+    old.swap(slots_);
+    slots_.assign(cap, Slot{});
+    mask_ = cap - 1;
+    used_ = 0;
+    for (const Slot& s : old) {
+      if (s.key == 0 || !s.mask.Any()) continue;
+      uint64_t i = s.key & mask_;
+      while (slots_[i].key != 0) i = (i + 1) & mask_;
+      slots_[i] = s;
+      ++used_;
+    }
+  }
+
+  std::vector<Slot> slots_;  // [capacity], a power of two
+  uint64_t mask_ = 0;        // capacity - 1
+  uint64_t used_ = 0;        // slots with a key (live + tombstones)
+  uint64_t live_ = 0;        // keys with a non-empty mask (zero_ included)
+  WorkerMask zero_;          // holders of the hash 0
+};
+
+PrefixIndex::PrefixIndex() {
+  for (auto& s : shards_) s = std::make_unique<Shard>();
+}
+
+PrefixIndex::~PrefixIndex() = default;
+
+bool PrefixIndex::IsOldEpoch(const WorkerState& s, uint64_t epoch) {
+  return std::find(s.old_epochs.begin(), s.old_epochs.end(), epoch) != s.old_epochs.end();
+}
+
+void PrefixIndex::RetireEpoch(WorkerState& s) {
+  constexpr size_t kKeep = 16;
+  if (s.old_epochs.size() >= kKeep) s.old_epochs.erase(s.old_epochs.begin());
+  s.old_epochs.push_back(s.epoch);
+}
+
+Status PrefixIndex::AddWorker(WorkerId worker, uint64_t epoch) {
+  if (worker >= kMaxWorkers) {
+    return InvalidArgumentError("worker id " + std::to_string(worker) + " is out of range; at most " +
+                                std::to_string(kMaxWorkers) + " workers");
+  }
+  WorkerState& s = workers_[worker];
+  std::lock_guard lock(s.mu);
+  if (s.registered) return AlreadyExistsError("worker " + std::to_string(worker) + " is already in the index");
+  std::erase(s.old_epochs, epoch);
+  s.registered = true;
+  s.awaiting_snapshot = false;
+  s.epoch = epoch;
+  s.last_event_id = 0;
+  return Status::Ok();
+}
+
+Status PrefixIndex::RemoveWorker(WorkerId worker) {
+  if (worker >= kMaxWorkers) return NotFoundError("worker " + std::to_string(worker) + " is not in the index");
+  WorkerState& s = workers_[worker];
+  std::lock_guard lock(s.mu);
+  if (!s.registered) return NotFoundError("worker " + std::to_string(worker) + " is not in the index");
+  DropWorkerEntries(worker);
+  RetireEpoch(s);
+  s.registered = false;
+  return Status::Ok();
+}
+
+Result<EventResult> PrefixIndex::Apply(WorkerId worker, const KvEventView& event) {
+  if (worker >= kMaxWorkers) return NotFoundError("worker " + std::to_string(worker) + " is not in the index");
+  WorkerState& s = workers_[worker];
+  std::lock_guard lock(s.mu);
+  if (!s.registered) return NotFoundError("worker " + std::to_string(worker) + " is not in the index");
+  if (event.epoch != s.epoch) {
+    if (IsOldEpoch(s, event.epoch)) return EventResult::kStaleEpoch;
+    // The worker restarted: what it said before is gone with its cache.
+    RetireEpoch(s);
+    s.epoch = event.epoch;
+    s.last_event_id = 0;
+    DropWorkerEntries(worker);
+    if (event.event_id != 1) {
+      s.awaiting_snapshot = true;
+      return EventResult::kNeedsSnapshot;
+    }
+    s.awaiting_snapshot = false;
+  } else if (s.awaiting_snapshot) {
+    return EventResult::kAwaitingSnapshot;
+  } else if (event.event_id <= s.last_event_id) {
+    return EventResult::kDuplicate;
+  } else if (event.event_id != s.last_event_id + 1) {
+    s.awaiting_snapshot = true;
+    return EventResult::kNeedsSnapshot;
+  }
+  switch (event.kind) {
+    case KvEventKind::kStored: StoreBlocks(worker, event.hashes); break;
+    case KvEventKind::kRemoved: RemoveBlocks(worker, event.hashes); break;
+    case KvEventKind::kCleared: DropWorkerEntries(worker); break;
+  }
+  s.last_event_id = event.event_id;
+  return EventResult::kApplied;
+}
+
+Result<EventResult> PrefixIndex::ApplySnapshot(WorkerId worker, uint64_t epoch, uint64_t last_event_id,
+                                               std::span<const uint64_t> hashes) {
+  if (worker >= kMaxWorkers) return NotFoundError("worker " + std::to_string(worker) + " is not in the index");
+  WorkerState& s = workers_[worker];
+  std::lock_guard lock(s.mu);
+  if (!s.registered) return NotFoundError("worker " + std::to_string(worker) + " is not in the index");
+  if (epoch != s.epoch) {
+    if (IsOldEpoch(s, epoch)) return EventResult::kStaleEpoch;
+    RetireEpoch(s);
+    s.epoch = epoch;
+  }
+  // Replaying events after an older snapshot is harmless (stored/removed
+  // are idempotent), so any snapshot of the current epoch is accepted.
+  DropWorkerEntries(worker);
+  StoreBlocks(worker, hashes);
+  s.last_event_id = last_event_id;
+  s.awaiting_snapshot = false;
+  return EventResult::kApplied;
+}
+
+void PrefixIndex::StoreBlocks(WorkerId worker, std::span<const uint64_t> hashes) {
+  for (uint64_t h : hashes) {
+    Shard& shard = *shards_[ShardOf(h)];
+    std::unique_lock lock(shard.mu);
+    shard.Set(h, worker);
+  }
+}
+
+void PrefixIndex::RemoveBlocks(WorkerId worker, std::span<const uint64_t> hashes) {
+  for (uint64_t h : hashes) {
+    Shard& shard = *shards_[ShardOf(h)];
+    std::unique_lock lock(shard.mu);
+    shard.Unset(h, worker);
+  }
+}
+
+void PrefixIndex::DropWorkerEntries(WorkerId worker) {
+  // One shard at a time, so lookups wait for one shard's scan at most.
+  for (auto& shard : shards_) {
+    std::unique_lock lock(shard->mu);
+    shard->ClearWorker(worker);
+  }
+}
+
+void PrefixIndex::Overlap(std::span<const uint64_t> block_hashes, OverlapBlocks* out) const {
+  out->fill(0);
+  const size_t n = block_hashes.size();
+  // Lookups go in chunks growing from 16 to 256 blocks: within a chunk the
+  // hashes are grouped by shard so that each shard's lock is taken once,
+  // and the walk stops after the chunk where the last worker missed.
+  constexpr size_t kMaxChunk = 256;
+  std::array<WorkerMask, kMaxChunk> masks;     // [chunk]: holders of each block
+  std::array<uint16_t, kMaxChunk> order;       // [chunk]: block positions sorted by shard
+  std::array<uint8_t, kMaxChunk> shard_of;     // [chunk]
+  std::array<uint16_t, kNumShards + 1> start;  // [shards + 1]: group offsets into `order`
+  WorkerMask alive;
+  size_t begin = 0;
+  size_t chunk = 16;
+  while (begin < n) {
+    const size_t len = std::min(n - begin, chunk);
+    const uint64_t* h = block_hashes.data() + begin;
+    start.fill(0);
+    for (size_t i = 0; i < len; ++i) {
+      shard_of[i] = static_cast<uint8_t>(ShardOf(h[i]));
+      ++start[shard_of[i] + 1];
+    }
+    for (uint32_t s = 0; s < kNumShards; ++s) start[s + 1] += start[s];
+    std::array<uint16_t, kNumShards> fill;
+    std::copy(start.begin(), start.end() - 1, fill.begin());
+    for (size_t i = 0; i < len; ++i) order[fill[shard_of[i]]++] = static_cast<uint16_t>(i);
+    for (uint32_t s = 0; s < kNumShards; ++s) {
+      if (start[s] == start[s + 1]) continue;
+      const Shard& shard = *shards_[s];
+      std::shared_lock lock(shard.mu);
+      for (uint32_t k = start[s]; k < start[s + 1]; ++k) shard.Prefetch(h[order[k]]);
+      for (uint32_t k = start[s]; k < start[s + 1]; ++k) masks[order[k]] = shard.Get(h[order[k]]);
+    }
+    for (size_t i = 0; i < len; ++i) {
+      const WorkerMask& m = masks[i];
+      if (begin + i == 0) {
+        alive = m;
+      } else {
+        const uint32_t pos = static_cast<uint32_t>(begin + i);
+        alive.AndNot(m).ForEach([&](WorkerId w) { (*out)[w] = pos; });
+        alive &= m;
+      }
+      if (!alive.Any()) return;
+    }
+    begin += len;
+    chunk = std::min(chunk * 2, kMaxChunk);
+  }
+  alive.ForEach([&](WorkerId w) { (*out)[w] = static_cast<uint32_t>(n); });
+}
+
+WorkerMask PrefixIndex::Holders(uint64_t hash) const {
+  const Shard& shard = *shards_[ShardOf(hash)];
+  std::shared_lock lock(shard.mu);
+  return shard.Get(hash);
+}
+
+uint64_t PrefixIndex::BlocksOf(WorkerId worker) const {
+  uint64_t n = 0;
+  for (const auto& shard : shards_) {
+    std::shared_lock lock(shard->mu);
+    n += shard->CountWorker(worker);
+  }
+  return n;
+}
+
+uint64_t PrefixIndex::size() const {
+  uint64_t n = 0;
+  for (const auto& shard : shards_) {
+    std::shared_lock lock(shard->mu);
+    n += shard->live();
+  }
+  return n;
+}
+
+}  // namespace tandem::router

@@ -1,0 +1,118 @@
+// PrefixIndex: which workers hold which KV blocks, fed by each worker's KV
+// event stream (DESIGN.md sections 4 and 5).
+//
+// Block hashes are chained (h_i depends on every earlier token), so a flat
+// map hash -> set of workers answers "how many leading blocks of this prompt
+// does worker w hold": walk the prompt's hashes in order and stop, per
+// worker, at its first miss. No tree is needed, and a stored event's parent
+// hash is not used.
+//
+// Event stream rules, per worker (state kept per worker):
+//   - events arrive with (epoch, event_id); ids go 1, 2, 3, ... per epoch.
+//   - id <= last applied: duplicate, ignored.
+//   - id  > last + 1: gap. The worker needs a snapshot; its entries are kept
+//     (mostly right, better than nothing) until ApplySnapshot replaces them;
+//     later events are ignored until then.
+//   - a new epoch (the worker restarted): its entries are dropped. Event id 1
+//     of the new epoch starts the history afresh; any other id needs a
+//     snapshot.
+//   - an epoch the worker had before (a late message from before a restart,
+//     or from the previous holder of a reused worker id): ignored.
+//
+// Thread-safety: every method may be called from any thread, concurrently.
+// Entries are sharded by hash, each shard behind a std::shared_mutex;
+// writers hold a shard's lock for one block (or one scan of one shard when a
+// worker is dropped), lookups take each shard's shared lock once per chunk
+// of the prompt. Events of one worker are applied in the order the calls
+// are made (a per-worker mutex); different workers proceed in parallel.
+// A lookup concurrent with writes sees each block either before or after
+// the write: the index is a routing hint, not a transaction.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+#include "router/types.h"
+
+namespace tandem::router {
+
+enum class EventResult {
+  kApplied,
+  kDuplicate,         // id already applied: ignored
+  kStaleEpoch,        // an epoch the worker no longer has: ignored
+  kNeedsSnapshot,     // gap or restart: ask the worker for a snapshot now
+  kAwaitingSnapshot,  // already asked (kNeedsSnapshot returned before): ignored
+};
+std::string_view EventResultName(EventResult r);
+
+// Leading cached blocks per worker, indexed by WorkerId.
+using OverlapBlocks = std::array<uint32_t, kMaxWorkers>;
+
+class PrefixIndex {
+ public:
+  PrefixIndex();
+  ~PrefixIndex();
+  PrefixIndex(const PrefixIndex&) = delete;
+  PrefixIndex& operator=(const PrefixIndex&) = delete;
+
+  // A worker joins with `epoch` and no cached blocks; its history starts at
+  // event id 1. Error if the id is out of range or already registered.
+  Status AddWorker(WorkerId worker, uint64_t epoch);
+  // Drops the worker's entries; its later events are refused (NotFound).
+  // The epochs it had stay remembered as stale for the id's next holder.
+  Status RemoveWorker(WorkerId worker);
+
+  // Applies one event. Error (NotFound) only for an unregistered worker.
+  Result<EventResult> Apply(WorkerId worker, const KvEventView& event);
+
+  // Replaces the worker's entries with `hashes` (every block it caches), as
+  // of `last_event_id` in `epoch`; events after that id then apply. A
+  // snapshot of an epoch the worker no longer has returns kStaleEpoch.
+  Result<EventResult> ApplySnapshot(WorkerId worker, uint64_t epoch, uint64_t last_event_id,
+                                    std::span<const uint64_t> hashes);
+
+  // For each worker, how many leading entries of `block_hashes` it holds
+  // (stops at its first miss). Workers holding none get 0.
+  void Overlap(std::span<const uint64_t> block_hashes, OverlapBlocks* out) const;
+
+  // Workers holding `hash` (tests, debugging).
+  WorkerMask Holders(uint64_t hash) const;
+  // Indexed (hash, worker) pairs of one worker (a scan: tests, debugging).
+  uint64_t BlocksOf(WorkerId worker) const;
+  // Distinct hashes with at least one holder.
+  uint64_t size() const;
+
+  static constexpr uint32_t kShardBits = 6;
+  static constexpr uint32_t kNumShards = 1u << kShardBits;
+
+ private:
+  class Shard;
+  struct WorkerState {
+    std::mutex mu;  // serializes one worker's events; taken before any shard lock
+    bool registered = false;
+    bool awaiting_snapshot = false;
+    uint64_t epoch = 0;
+    uint64_t last_event_id = 0;
+    std::vector<uint64_t> old_epochs;  // epochs now stale, most recent last (bounded)
+  };
+
+  static uint32_t ShardOf(uint64_t hash) {
+    return static_cast<uint32_t>(hash >> (64 - kShardBits));
+  }
+  void StoreBlocks(WorkerId worker, std::span<const uint64_t> hashes);
+  void RemoveBlocks(WorkerId worker, std::span<const uint64_t> hashes);
+  void DropWorkerEntries(WorkerId worker);
+  static bool IsOldEpoch(const WorkerState& s, uint64_t epoch);
+  static void RetireEpoch(WorkerState& s);
+
+  std::array<std::unique_ptr<Shard>, kNumShards> shards_;
+  std::array<WorkerState, kMaxWorkers> workers_;
+};
+
+}  // namespace tandem::router

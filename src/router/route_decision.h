@@ -1,0 +1,60 @@
+// What the router decided for one request, and why: the chosen workers,
+// their predicted cached prefixes, every candidate's cost, and a one-line
+// debug string with the scores (built only when asked for).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "router/router_options.h"
+#include "router/types.h"
+
+namespace tandem::router {
+
+struct RouteRequest {
+  // HashBlocks of the prompt (its full blocks), tenant salt folded in.
+  std::span<const uint64_t> block_hashes;
+  uint32_t prompt_tokens = 0;
+};
+
+// One worker's cost on one side of the pair (lower is better).
+struct WorkerScore {
+  WorkerId worker = kNoWorker;
+  double cost = 0;              // side cost, without transfer
+  uint32_t overlap_blocks = 0;  // leading prompt blocks it caches
+  bool no_room = false;         // decode side: fewer free blocks than needed
+};
+
+struct RouteDecision {
+  Policy policy = Policy::kKvAware;
+  WorkerId prefill = kNoWorker;  // == decode when local_prefill
+  WorkerId decode = kNoWorker;
+  // The decode worker prefills too: an aggregated ('both') worker, or
+  // conditional disaggregation. No prefiller, no KV transfer.
+  bool local_prefill = false;
+  bool conditional_local = false;  // local because the uncached part was short
+  bool hot_prefix_prefill = false;  // guard ignored the cache on the prefill side
+  bool hot_prefix_decode = false;   // ... on the decode side
+
+  uint32_t prompt_tokens = 0;
+  uint32_t prompt_blocks = 0;           // ceil(prompt_tokens / block_size)
+  uint32_t prefill_overlap_blocks = 0;  // predicted cached prefix on the prefiller
+  uint32_t decode_overlap_blocks = 0;   // ... on the decoder
+  uint32_t transfer_blocks = 0;         // blocks the prefiller pushes to the decoder
+
+  double prefill_cost = 0;
+  double decode_cost = 0;
+  double transfer_cost = 0;
+  double cost = 0;  // prefill + decode + transfer
+
+  std::vector<WorkerScore> prefill_scores;  // every prefill candidate, by id
+  std::vector<WorkerScore> decode_scores;   // every decode candidate, by id
+
+  // "policy=kv_aware p=3 d=7 local=0 cost=12.5(p=4 d=8 t=0.5) ovl p=10 d=2/16
+  //  guard=-- | P 3:4.0/10 5:9.0/0 | D 7:8.0/2 9:x/0"
+  std::string DebugString() const;
+};
+
+}  // namespace tandem::router

@@ -1,0 +1,222 @@
+#include "router/router.h"
+
+#include <chrono>
+#include <cmath>
+
+namespace tandem::router {
+namespace {
+
+Status CheckPositive(double v, const char* name) {
+  if (!(v > 0) || !std::isfinite(v)) {
+    return InvalidArgumentError(std::string("router option ") + name + " must be a positive number, got " +
+                                std::to_string(v));
+  }
+  return Status::Ok();
+}
+
+Status CheckNonNegative(double v, const char* name) {
+  if (!(v >= 0) || !std::isfinite(v)) {
+    return InvalidArgumentError(std::string("router option ") + name + " must be >= 0, got " + std::to_string(v));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Router>> Router::Create(const RouterConfig& config, RouterOptions options) {
+  TANDEM_ASSIGN_OR_RETURN(Policy policy, ParsePolicy(config.policy));
+  TANDEM_RETURN_IF_ERROR(CheckNonNegative(config.prefill_weight, "router.prefill_weight"));
+  TANDEM_RETURN_IF_ERROR(CheckNonNegative(config.temperature, "router.temperature"));
+  if (options.block_size_tokens == 0) return InvalidArgumentError("router option block_size_tokens must be > 0");
+  TANDEM_RETURN_IF_ERROR(CheckNonNegative(options.hot_prefix_threshold, "hot_prefix_threshold"));
+  TANDEM_RETURN_IF_ERROR(CheckNonNegative(options.hot_prefix_min_load_blocks, "hot_prefix_min_load_blocks"));
+  TANDEM_RETURN_IF_ERROR(CheckPositive(options.same_node_bandwidth_bytes_per_s, "same_node_bandwidth_bytes_per_s"));
+  TANDEM_RETURN_IF_ERROR(CheckPositive(options.cross_node_bandwidth_bytes_per_s, "cross_node_bandwidth_bytes_per_s"));
+  TANDEM_RETURN_IF_ERROR(CheckPositive(options.cross_zone_bandwidth_bytes_per_s, "cross_zone_bandwidth_bytes_per_s"));
+  TANDEM_RETURN_IF_ERROR(CheckNonNegative(options.transfer_cost_per_ms, "transfer_cost_per_ms"));
+  if (options.report_lag_ns < 0 || options.max_prediction_age_ns <= 0) {
+    return InvalidArgumentError("router options report_lag_ns must be >= 0 and max_prediction_age_ns > 0");
+  }
+  return std::unique_ptr<Router>(new Router(config, policy, std::move(options)));
+}
+
+Router::Router(const RouterConfig& config, Policy policy, RouterOptions options)
+    : config_(config),
+      options_(std::move(options)),
+      policy_(policy),
+      loads_(options_.report_lag_ns, options_.max_prediction_age_ns),
+      policy_state_(options_.seed) {
+  candidates_.reserve(kMaxWorkers);
+}
+
+int64_t Router::Now() const {
+  if (options_.clock) return options_.clock();
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+Result<WorkerId> Router::AddWorker(const WorkerInfo& info) {
+  std::lock_guard lock(mu_);
+  TANDEM_ASSIGN_OR_RETURN(WorkerId id, workers_.Add(info));
+  if (Status st = index_.AddWorker(id, info.epoch); !st.ok()) {
+    workers_.Remove(id).IgnoreError();
+    return st;
+  }
+  loads_.Reset(id, info.num_blocks);
+  WorkerCounters& c = worker_counters_[id];
+  c.prefill_routes = 0;
+  c.decode_routes = 0;
+  c.local_routes = 0;
+  c.predicted_hit_blocks = 0;
+  return id;
+}
+
+Status Router::RemoveWorker(WorkerId id) {
+  {
+    std::lock_guard lock(mu_);
+    TANDEM_RETURN_IF_ERROR(workers_.Remove(id));
+  }
+  // The index scan runs outside the router mutex: routing goes on meanwhile
+  // (the worker is no longer a candidate).
+  return index_.RemoveWorker(id);
+}
+
+std::optional<WorkerId> Router::FindWorker(std::string_view name) const {
+  std::lock_guard lock(mu_);
+  return workers_.IdOf(name);
+}
+
+size_t Router::num_workers() const {
+  std::lock_guard lock(mu_);
+  return workers_.size();
+}
+
+Result<EventResult> Router::ApplyEvent(WorkerId id, const KvEventView& event) {
+  Result<EventResult> r = index_.Apply(id, event);
+  if (r.ok()) {
+    switch (*r) {
+      case EventResult::kApplied: events_applied_.fetch_add(1, std::memory_order_relaxed); break;
+      case EventResult::kNeedsSnapshot: snapshots_requested_.fetch_add(1, std::memory_order_relaxed); break;
+      default: events_ignored_.fetch_add(1, std::memory_order_relaxed); break;
+    }
+  }
+  return r;
+}
+
+Result<EventResult> Router::ApplySnapshot(WorkerId id, uint64_t epoch, uint64_t last_event_id,
+                                          std::span<const uint64_t> hashes) {
+  Result<EventResult> r = index_.ApplySnapshot(id, epoch, last_event_id, hashes);
+  if (r.ok() && *r == EventResult::kApplied) snapshots_applied_.fetch_add(1, std::memory_order_relaxed);
+  return r;
+}
+
+Status Router::ApplyLoadReport(WorkerId id, const LoadReport& report) {
+  std::lock_guard lock(mu_);
+  if (!workers_.Find(id)) return NotFoundError("no worker with id " + std::to_string(id));
+  loads_.ApplyReport(id, report, Now());
+  return Status::Ok();
+}
+
+Status Router::Route(const RouteRequest& request, RouteDecision* out) {
+  const uint32_t bs = options_.block_size_tokens;
+  if (request.prompt_tokens == 0) return InvalidArgumentError("prompt is empty");
+  if (request.block_hashes.size() > request.prompt_tokens / bs) {
+    return InvalidArgumentError("request has " + std::to_string(request.block_hashes.size()) +
+                                " block hashes but its " + std::to_string(request.prompt_tokens) +
+                                " tokens fill at most " + std::to_string(request.prompt_tokens / bs) +
+                                " blocks of " + std::to_string(bs));
+  }
+  OverlapBlocks overlap;  // [kMaxWorkers]
+  index_.Overlap(request.block_hashes, &overlap);
+
+  std::lock_guard lock(mu_);
+  const int64_t now = Now();
+  candidates_.clear();
+  for (WorkerId id : workers_.ids()) {
+    const WorkerSet::Entry& e = *workers_.Find(id);
+    loads_.Expire(id, now);
+    candidates_.push_back(Candidate{id, e.info.role, e.node_id, e.zone_id, e.info.block_bytes, loads_.load(id),
+                                    overlap[id]});
+  }
+  const ScoringParams params{policy_, config_.prefill_weight, config_.temperature,
+                             config_.local_prefill_threshold_tokens, &options_};
+  const size_t pi = static_cast<size_t>(policy_);
+  if (Status st = Score(candidates_, request.prompt_tokens, params, &policy_state_, out); !st.ok()) {
+    route_errors_[pi].fetch_add(1, std::memory_order_relaxed);
+    return st;
+  }
+
+  // Count the request on its workers until their reports do.
+  const int64_t prompt_tokens = request.prompt_tokens;
+  const int64_t new_blocks = std::max<int64_t>(0, int64_t{out->prompt_blocks} - out->decode_overlap_blocks);
+  const int64_t prefill_tokens =
+      std::max<int64_t>(0, prompt_tokens - int64_t{out->prefill_overlap_blocks} * bs);
+  if (out->local_prefill) {
+    loads_.Predict(out->decode, {prefill_tokens, new_blocks, 1}, now);
+  } else {
+    loads_.Predict(out->prefill, {prefill_tokens, 0, 1}, now);
+    loads_.Predict(out->decode, {0, new_blocks, 1}, now);
+  }
+
+  routes_[pi].fetch_add(1, std::memory_order_relaxed);
+  if (out->hot_prefix_prefill || out->hot_prefix_decode) hot_prefix_guards_.fetch_add(1, std::memory_order_relaxed);
+  if (out->local_prefill) {
+    local_prefills_.fetch_add(1, std::memory_order_relaxed);
+    if (out->conditional_local) conditional_local_.fetch_add(1, std::memory_order_relaxed);
+    worker_counters_[out->decode].local_routes.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    worker_counters_[out->prefill].prefill_routes.fetch_add(1, std::memory_order_relaxed);
+    worker_counters_[out->decode].decode_routes.fetch_add(1, std::memory_order_relaxed);
+  }
+  worker_counters_[out->prefill].predicted_hit_blocks.fetch_add(out->prefill_overlap_blocks,
+                                                                std::memory_order_relaxed);
+  return Status::Ok();
+}
+
+Result<RouteDecision> Router::Route(const RouteRequest& request) {
+  RouteDecision d;
+  TANDEM_RETURN_IF_ERROR(Route(request, &d));
+  return d;
+}
+
+void Router::SetPolicy(Policy policy) {
+  std::lock_guard lock(mu_);
+  policy_ = policy;
+}
+
+Policy Router::policy() const {
+  std::lock_guard lock(mu_);
+  return policy_;
+}
+
+Result<WorkerLoad> Router::load(WorkerId id) const {
+  std::lock_guard lock(mu_);
+  if (!workers_.Find(id)) return NotFoundError("no worker with id " + std::to_string(id));
+  return loads_.load(id);
+}
+
+RouterCounters Router::counters() const {
+  RouterCounters c;
+  for (uint32_t i = 0; i < kNumPolicies; ++i) {
+    c.routes[i] = routes_[i].load(std::memory_order_relaxed);
+    c.route_errors[i] = route_errors_[i].load(std::memory_order_relaxed);
+  }
+  c.local_prefills = local_prefills_.load(std::memory_order_relaxed);
+  c.conditional_local = conditional_local_.load(std::memory_order_relaxed);
+  c.hot_prefix_guards = hot_prefix_guards_.load(std::memory_order_relaxed);
+  c.events_applied = events_applied_.load(std::memory_order_relaxed);
+  c.events_ignored = events_ignored_.load(std::memory_order_relaxed);
+  c.snapshots_requested = snapshots_requested_.load(std::memory_order_relaxed);
+  c.snapshots_applied = snapshots_applied_.load(std::memory_order_relaxed);
+  std::lock_guard lock(mu_);
+  for (WorkerId id : workers_.ids()) {
+    const WorkerCounters& wc = worker_counters_[id];
+    c.workers.push_back({id, workers_.Find(id)->info.name, wc.prefill_routes.load(std::memory_order_relaxed),
+                         wc.decode_routes.load(std::memory_order_relaxed),
+                         wc.local_routes.load(std::memory_order_relaxed),
+                         wc.predicted_hit_blocks.load(std::memory_order_relaxed)});
+  }
+  return c;
+}
+
+}  // namespace tandem::router

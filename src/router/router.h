@@ -1,0 +1,138 @@
+// Router: the KV-aware router of DESIGN.md section 5 as one object the proxy
+// holds. It owns the worker registry, the prefix index, load tracking and
+// the policies; it does no I/O. The proxy feeds it (worker membership, KV
+// events and snapshots, load reports, all converted from protobuf to the
+// plain structs of router/types.h) and asks it for a decision per request.
+//
+// Typical use by the proxy:
+//   auto router = Router::Create(fleet.router, options).value();
+//   WorkerId id = router->AddWorker(info).value();        // on Register
+//   switch (router->ApplyEvent(id, event).value()) {       // on each KvEvent
+//     case EventResult::kNeedsSnapshot: /* re-Watch with after_event_id 0 */
+//   }
+//   router->ApplySnapshot(id, epoch, last_id, hashes);     // on a snapshot
+//   router->ApplyLoadReport(id, report);                   // on each LoadReport
+//   RouteDecision d;  router->Route({hashes, n_tokens}, &d); // per request
+//   router->RemoveWorker(id);                              // worker gone
+//
+// Thread-safety: every method may be called from any thread, concurrently.
+// KV events and snapshots go to the prefix index (sharded locks, never the
+// router mutex), so a flood of events does not stall routing. Membership,
+// load reports and the choice itself take the router mutex briefly; Route
+// reads the index before taking it. Counters are atomics.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/config.h"
+#include "common/status.h"
+#include "router/load_tracker.h"
+#include "router/prefix_index.h"
+#include "router/route_decision.h"
+#include "router/router_options.h"
+#include "router/scoring.h"
+#include "router/types.h"
+#include "router/worker_set.h"
+
+namespace tandem::router {
+
+// A copy of the router's counters (the proxy exports them as metrics).
+struct RouterCounters {
+  std::array<uint64_t, kNumPolicies> routes{};        // decisions made, by policy
+  std::array<uint64_t, kNumPolicies> route_errors{};  // no worker / no room, by policy
+  uint64_t local_prefills = 0;        // decisions with local_prefill (aggregated or conditional)
+  uint64_t conditional_local = 0;     // ... of them because the uncached part was short
+  uint64_t hot_prefix_guards = 0;     // decisions where the guard ignored the cache
+  uint64_t events_applied = 0;
+  uint64_t events_ignored = 0;        // duplicate, stale epoch, awaiting snapshot
+  uint64_t snapshots_requested = 0;   // kNeedsSnapshot returned
+  uint64_t snapshots_applied = 0;
+  struct Worker {
+    WorkerId id = kNoWorker;
+    std::string name;
+    uint64_t prefill_routes = 0;   // chosen as prefiller (not counting local prefills)
+    uint64_t decode_routes = 0;    // chosen as decoder
+    uint64_t local_routes = 0;     // chosen to prefill and decode
+    uint64_t predicted_hit_blocks = 0;  // predicted cached blocks where the prefill runs
+  };
+  std::vector<Worker> workers;  // registered workers, by id
+};
+
+class Router {
+ public:
+  // InvalidArgument for an unknown policy or out-of-range numbers.
+  static Result<std::unique_ptr<Router>> Create(const RouterConfig& config, RouterOptions options = {});
+
+  // Membership. AddWorker registers the worker in the index with its epoch
+  // and no cached blocks (the proxy then watches its events from the start
+  // or asks for a snapshot).
+  Result<WorkerId> AddWorker(const WorkerInfo& info);
+  Status RemoveWorker(WorkerId id);
+  std::optional<WorkerId> FindWorker(std::string_view name) const;
+  size_t num_workers() const;
+
+  // KV events; see PrefixIndex for the rules. On kNeedsSnapshot the caller
+  // asks the worker for a snapshot.
+  Result<EventResult> ApplyEvent(WorkerId id, const KvEventView& event);
+  Result<EventResult> ApplySnapshot(WorkerId id, uint64_t epoch, uint64_t last_event_id,
+                                    std::span<const uint64_t> hashes);
+
+  Status ApplyLoadReport(WorkerId id, const LoadReport& report);
+
+  // Chooses the workers for one request and counts its predicted load on
+  // them. `out`'s vectors are reused (no allocation once warm).
+  Status Route(const RouteRequest& request, RouteDecision* out);
+  Result<RouteDecision> Route(const RouteRequest& request);
+
+  // Switches the policy (experiments comparing policies on one fleet).
+  void SetPolicy(Policy policy);
+  Policy policy() const;
+
+  RouterCounters counters() const;
+  const PrefixIndex& index() const { return index_; }
+  // Effective load of a worker (report + predictions), for tests and debug.
+  Result<WorkerLoad> load(WorkerId id) const;
+
+ private:
+  Router(const RouterConfig& config, Policy policy, RouterOptions options);
+  int64_t Now() const;
+
+  struct WorkerCounters {
+    std::atomic<uint64_t> prefill_routes{0};
+    std::atomic<uint64_t> decode_routes{0};
+    std::atomic<uint64_t> local_routes{0};
+    std::atomic<uint64_t> predicted_hit_blocks{0};
+  };
+
+  const RouterConfig config_;
+  const RouterOptions options_;
+  PrefixIndex index_;
+
+  mutable std::mutex mu_;  // guards everything below up to the counters
+  Policy policy_;
+  WorkerSet workers_;
+  LoadTracker loads_;
+  PolicyState policy_state_;
+  std::vector<Candidate> candidates_;  // scratch for Route, [workers]
+
+  std::array<std::atomic<uint64_t>, kNumPolicies> routes_{};
+  std::array<std::atomic<uint64_t>, kNumPolicies> route_errors_{};
+  std::atomic<uint64_t> local_prefills_{0};
+  std::atomic<uint64_t> conditional_local_{0};
+  std::atomic<uint64_t> hot_prefix_guards_{0};
+  std::atomic<uint64_t> events_applied_{0};
+  std::atomic<uint64_t> events_ignored_{0};
+  std::atomic<uint64_t> snapshots_requested_{0};
+  std::atomic<uint64_t> snapshots_applied_{0};
+  std::array<WorkerCounters, kMaxWorkers> worker_counters_;
+};
+
+}  // namespace tandem::router

@@ -1,0 +1,72 @@
+// The policies proper: given every worker's load and cached prefix for one
+// request, choose the (prefiller, decoder) pair. Pure functions of their
+// inputs plus PolicyState (round-robin cursors, the seeded RNG).
+//
+// kv_aware (DESIGN.md section 5), per candidate pair (p, d):
+//   prefill(p)  = prefill_weight * max(0, prompt_blocks - overlap_p) + queued_prefill_blocks_p
+//   decode(d)   = active_blocks_d + new_blocks_d,  new_blocks_d = max(0, prompt_blocks - overlap_d)
+//                 d is rejected when its free blocks < new_blocks_d
+//   transfer    = transfer_cost_per_ms * new_blocks_d * block_bytes / bandwidth(p, d) in ms
+//                 (0 when p == d)
+//   cost        = prefill(p) + decode(d) + transfer
+// The minimum wins; ties go to the pair with fewer running requests, then
+// the lowest prefiller id, then the lowest decoder id. With temperature T > 0
+// the pair is drawn with probability proportional to exp(-cost / T).
+//
+// Pairs: a 'prefill' worker pairs with any decode-capable worker; a 'both'
+// worker that prefills also decodes (aggregated: one worker, no transfer).
+//
+// Thread-safety: none; Router calls Score under its mutex.
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <span>
+#include <vector>
+
+#include "common/status.h"
+#include "router/load_tracker.h"
+#include "router/route_decision.h"
+#include "router/router_options.h"
+#include "router/types.h"
+
+namespace tandem::router {
+
+// One registered worker as the scorer sees it.
+struct Candidate {
+  WorkerId id = kNoWorker;
+  WorkerRole role = WorkerRole::kBoth;
+  uint32_t node_id = 0;
+  uint32_t zone_id = 0;
+  uint64_t block_bytes = 0;
+  WorkerLoad load;
+  uint32_t overlap_blocks = 0;  // leading prompt blocks it caches
+};
+
+struct ScoringParams {
+  Policy policy = Policy::kKvAware;
+  double prefill_weight = 1.0;
+  double temperature = 0.0;
+  uint32_t local_prefill_threshold_tokens = 0;
+  const RouterOptions* options = nullptr;  // never null
+};
+
+struct PolicyState {
+  explicit PolicyState(uint64_t seed) : rng(seed) {}
+  uint64_t rr_prefill = 0;
+  uint64_t rr_decode = 0;
+  std::mt19937_64 rng;
+  struct Pair {
+    uint32_t p;  // index into the candidates
+    uint32_t d;
+    double cost;
+  };
+  std::vector<Pair> scratch;  // temperature sampling
+};
+
+// Fills `out` (vectors reused). Errors: Unavailable when no worker can
+// prefill or decode; ResourceExhausted when no decoder has room.
+Status Score(std::span<const Candidate> workers, uint32_t prompt_tokens, const ScoringParams& params,
+             PolicyState* state, RouteDecision* out);
+
+}  // namespace tandem::router

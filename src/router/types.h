@@ -1,0 +1,101 @@
+// Plain types shared by the router's parts: worker ids and roles, the
+// worker-set bit mask, load reports and KV events as the router sees them.
+// The proxy converts its protobuf messages into these at the RPC edge; the
+// router never sees protobuf.
+#pragma once
+
+#include <bit>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace tandem::router {
+
+// Small dense integers assigned by WorkerSet; reused after a worker leaves.
+using WorkerId = uint32_t;
+inline constexpr WorkerId kNoWorker = UINT32_MAX;
+// One bit per worker in every index entry: 128 workers fit in 16 bytes.
+inline constexpr uint32_t kMaxWorkers = 128;
+
+enum class WorkerRole { kPrefill, kDecode, kBoth };
+std::string_view WorkerRoleName(WorkerRole role);
+inline bool CanPrefill(WorkerRole r) { return r != WorkerRole::kDecode; }
+inline bool CanDecode(WorkerRole r) { return r != WorkerRole::kPrefill; }
+
+// What the router needs to know about a worker (from proto WorkerInfo).
+struct WorkerInfo {
+  std::string name;   // unique in the fleet
+  WorkerRole role = WorkerRole::kBoth;
+  std::string node;   // label "node": workers on one host share a fast link
+  std::string zone;   // label "zone"
+  uint64_t epoch = 0;            // random per process start (KV event epoch)
+  uint32_t num_blocks = 0;       // KV pool size; free blocks until the first report (0: unknown)
+  uint64_t block_bytes = 0;      // bytes of one KV block (all layers), for transfer time
+};
+
+// A worker's own account of its load (proto LoadReport).
+struct LoadReport {
+  uint32_t queued_prefill_tokens = 0;
+  uint32_t active_decode_blocks = 0;
+  uint32_t free_blocks = 0;
+  uint32_t running_requests = 0;
+};
+
+enum class KvEventKind { kStored, kRemoved, kCleared };
+
+// One KV event (DESIGN.md section 4). `hashes` borrows the caller's storage
+// (e.g. a protobuf repeated field) for the duration of the call.
+struct KvEventView {
+  KvEventKind kind = KvEventKind::kStored;
+  uint64_t epoch = 0;
+  uint64_t event_id = 0;              // 1, 2, 3, ... within an epoch
+  uint64_t parent_hash = 0;           // stored only; not needed by a chained-hash index
+  std::span<const uint64_t> hashes;   // stored/removed; empty for cleared
+};
+
+// A set of workers: bit i = worker i.
+class WorkerMask {
+ public:
+  static constexpr uint32_t kWords = kMaxWorkers / 64;
+
+  void Set(WorkerId w) { words_[w >> 6] |= Bit(w); }
+  void Clear(WorkerId w) { words_[w >> 6] &= ~Bit(w); }
+  bool Test(WorkerId w) const { return (words_[w >> 6] & Bit(w)) != 0; }
+  bool Any() const {
+    uint64_t acc = 0;
+    for (uint64_t x : words_) acc |= x;
+    return acc != 0;
+  }
+  uint32_t Count() const {
+    uint32_t n = 0;
+    for (uint64_t x : words_) n += static_cast<uint32_t>(std::popcount(x));
+    return n;
+  }
+  WorkerMask& operator&=(const WorkerMask& o) {
+    for (uint32_t i = 0; i < kWords; ++i) words_[i] &= o.words_[i];
+    return *this;
+  }
+  // this & ~o
+  WorkerMask AndNot(const WorkerMask& o) const {
+    WorkerMask r;
+    for (uint32_t i = 0; i < kWords; ++i) r.words_[i] = words_[i] & ~o.words_[i];
+    return r;
+  }
+  // Calls f(WorkerId) for every set bit, lowest first.
+  template <typename F>
+  void ForEach(F&& f) const {
+    for (uint32_t i = 0; i < kWords; ++i) {
+      for (uint64_t x = words_[i]; x != 0; x &= x - 1) {
+        f(static_cast<WorkerId>(i * 64 + static_cast<uint32_t>(std::countr_zero(x))));
+      }
+    }
+  }
+  friend bool operator==(const WorkerMask&, const WorkerMask&) = default;
+
+ private:
+  static uint64_t Bit(WorkerId w) { return uint64_t{1} << (w & 63); }
+  uint64_t words_[kWords] = {};
+};
+
+}  // namespace tandem::router
