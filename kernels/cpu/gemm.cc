@@ -40,9 +40,11 @@ PackedWeights PackWeights(const float* w, int n, int k) {
 namespace {
 
 constexpr int kP = PackedWeights::kPanel;
-// k-block: one block of P panels (P * 16 * kKc floats) stays in L1/L2 while
-// every row block streams past it.
-constexpr int kKc = 256;
+// k-block: one block of P panels (P * 16 * kKc floats, 32 KiB for P = 4)
+// stays in L1 while every row block streams past it. With few rows there is
+// nothing to reuse: stream each panel once, whole.
+constexpr int kKc = 128;
+constexpr int kFewRows = 4;
 
 struct GemmArgs {
   const float* x;       // [m][k]
@@ -207,6 +209,7 @@ void Blocking(Isa isa, int m, int* r, int* p) {
     if (m == 1) { *r = 1; *p = 8; }
     else if (m <= 3) { *r = m; *p = 8; }
     else if (m <= 5) { *r = m; *p = 24 / m; }
+    else if (m == 7 || m == 8) { *r = m; *p = 3; }
     else { *r = 6; *p = 4; }
   } else {  // AVX2, 16 ymm: 2 * R * P <= 12 accumulators
     if (m == 1) { *r = 1; *p = 4; }
@@ -218,10 +221,13 @@ void Blocking(Isa isa, int m, int* r, int* p) {
 void GemmPanels(const GemmArgs& a, Isa isa, int panel_begin, int panel_end) {
   int rb, pb;
   Blocking(isa, a.m, &rb, &pb);
-  for (int k0 = 0; k0 < a.k || k0 == 0; k0 += kKc) {
-    const int k1 = std::min(a.k, k0 + kKc);
-    for (int p0 = panel_begin; p0 < panel_end; p0 += pb) {
-      const int np = std::min(pb, panel_end - p0);
+  const int kc = a.m < kFewRows ? std::max(1, a.k) : kKc;
+  // Panel group outermost: its weights are read from memory once, in order;
+  // x (m x k) is re-read from cache for every group.
+  for (int p0 = panel_begin; p0 < panel_end; p0 += pb) {
+    const int np = std::min(pb, panel_end - p0);
+    for (int k0 = 0; k0 < a.k || k0 == 0; k0 += kc) {
+      const int k1 = std::min(a.k, k0 + kc);
       for (int i0 = 0; i0 < a.m; i0 += rb) {
         const int nr = std::min(rb, a.m - i0);
         switch (isa) {
@@ -230,8 +236,8 @@ void GemmPanels(const GemmArgs& a, Isa isa, int panel_begin, int panel_end) {
           case Isa::kPortable: TilePortable(a, i0, nr, p0, np, k0, k1); break;
         }
       }
+      if (a.k == 0) break;
     }
-    if (a.k == 0) break;
   }
 }
 
