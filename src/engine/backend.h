@@ -1,0 +1,65 @@
+// The compute backend interface: one forward pass over a batch that mixes
+// prefill chunks and decode tokens, reading and writing the paged KV pool.
+// Backends: `cpu` (real math over kernels/cpu, batch-invariant); `cuda` and
+// `sim` come later behind the same interface.
+//
+// Thread-safety: a backend is driven by one thread at a time (the engine
+// thread); Forward must not run concurrently with itself.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "common/status.h"
+#include "engine/kv_pool.h"
+#include "model/model_config.h"
+#include "model/weights.h"
+
+namespace tandem::engine {
+
+// One sequence's part of a step.
+struct SeqChunk {
+  std::span<const uint32_t> tokens;       // [n] tokens computed this step
+  uint32_t start_pos = 0;                 // position of tokens[0]
+  std::span<const uint32_t> block_table;  // blocks covering positions [0, start_pos + n)
+  uint32_t num_logits = 0;                // logits wanted for the last num_logits tokens
+};
+
+enum class BackendFeature {
+  kRealMath,        // computes the model (sim does not)
+  kBatchInvariant,  // a row's bits never depend on the batch or the chunking
+  kHostKvPool,      // KV lives in the host pool's memory (transport reads it in place)
+};
+
+class ComputeBackend {
+ public:
+  virtual ~ComputeBackend() = default;
+  virtual std::string_view name() const = 0;
+  virtual bool Supports(BackendFeature feature) const = 0;
+  virtual uint32_t vocab_size() const = 0;
+  // Bytes of weights one forward step reads (every layer plus the LM head).
+  virtual size_t weight_bytes() const = 0;
+
+  // Computes the batch: writes every token's K/V into its slot of the pool
+  // and fills `logits` [sum num_logits][vocab], rows in batch order. Every
+  // block of every block table must be held by the caller.
+  virtual Status Forward(std::span<const SeqChunk> batch, std::span<float> logits) = 0;
+};
+
+// Whether backend `name` can run `config` (architecture features, dtype);
+// UNIMPLEMENTED with the reason when not.
+Status BackendSupports(std::string_view name, const model::ModelConfig& config);
+
+// Builds backend `name` ("cpu") for the model; weights are copied (packed)
+// and may be dropped afterwards. `pool` is borrowed. `threads`: compute
+// threads (1 = the engine thread only).
+Result<std::unique_ptr<ComputeBackend>> CreateBackend(std::string_view name,
+                                                      const model::ModelConfig& config,
+                                                      const model::ModelWeights& weights,
+                                                      KvPool* pool, int threads);
+
+}  // namespace tandem::engine

@@ -1,0 +1,349 @@
+// Engine: creation, validation and the thread-safe request API. The step
+// itself (schedule, forward, sample) is in engine_step.cc.
+#include "engine/engine.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <random>
+
+namespace tandem::engine {
+
+std::string_view FinishReasonName(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kNone: return "none";
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kAbort: return "abort";
+    case FinishReason::kDeadline: return "deadline";
+    case FinishReason::kError: return "error";
+    case FinishReason::kPrefillDone: return "prefill_done";
+  }
+  return "unknown";
+}
+
+uint32_t Reservation::num_cached_tokens() const { return num_cached_blocks * block_size; }
+
+EngineOptions EngineOptions::FromFleetConfig(const FleetConfig& fleet) {
+  EngineOptions o;
+  o.backend = fleet.model.backend;
+  o.block_size = fleet.cache.block_size;
+  o.num_blocks = fleet.cache.num_blocks;
+  o.scheduler.max_num_seqs = fleet.scheduler.max_num_seqs;
+  o.scheduler.max_batched_tokens = fleet.scheduler.max_batched_tokens;
+  o.scheduler.max_waiting = fleet.scheduler.max_waiting;
+  o.threads = fleet.scheduler.threads;
+  o.max_model_len = fleet.model.max_model_len;
+  o.hash_context.model_id = fleet.model.name;
+  o.hash_context.revision = fleet.model.revision;
+  o.hash_context.kv_dtype = "f32";  // the CPU backend's KV is f32 whatever the weights were
+  o.hash_context.fleet_salt = fleet.cache.salt;
+  return o;
+}
+
+Engine::Engine(const model::ModelConfig& config, EngineOptions options)
+    : config_(config), options_(std::move(options)) {}
+
+Engine::~Engine() {
+  if (thread_.joinable()) Stop();
+}
+
+Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
+                                               const model::ModelWeights& weights,
+                                               EngineOptions options) {
+  if (options.block_size == 0 || options.num_blocks == 0) {
+    return InvalidArgumentError(fmt::format("block_size ({}) and num_blocks ({}) must be > 0",
+                                            options.block_size, options.num_blocks));
+  }
+  if (options.scheduler.max_num_seqs == 0 || options.scheduler.max_batched_tokens == 0) {
+    return InvalidArgumentError("max_num_seqs and max_batched_tokens must be > 0");
+  }
+  std::unique_ptr<Engine> e(new Engine(config, std::move(options)));
+  EngineOptions& o = e->options_;
+  uint32_t len = config.max_position_embeddings;
+  if (o.max_model_len != 0) len = len == 0 ? o.max_model_len : std::min(len, o.max_model_len);
+  if (len == 0) return InvalidArgumentError("the model's context length is unknown (max_position_embeddings)");
+  e->max_model_len_ = len;
+
+  KvLayout layout;
+  layout.num_layers = config.num_hidden_layers;
+  layout.num_kv_heads = config.num_key_value_heads;
+  layout.head_dim = config.head_dim;
+  layout.block_size = o.block_size;
+  KvPoolAllocator* allocator = o.allocator;
+  if (allocator == nullptr) {
+    e->own_allocator_ = std::make_unique<AlignedKvPoolAllocator>();
+    allocator = e->own_allocator_.get();
+  }
+  TANDEM_ASSIGN_OR_RETURN(e->pool_, KvPool::Create(layout, o.num_blocks, *allocator));
+  TANDEM_ASSIGN_OR_RETURN(e->backend_, CreateBackend(o.backend, config, weights, e->pool_.get(),
+                                                     static_cast<int>(o.threads)));
+  uint64_t epoch = o.epoch;
+  if (epoch == 0) {
+    epoch = static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::microseconds>(
+            std::chrono::system_clock::now().time_since_epoch()).count());
+  }
+  e->events_ = std::make_unique<KvEventPublisher>(epoch);
+  e->blocks_ = std::make_unique<BlockManager>(o.num_blocks, o.block_size, e->events_.get());
+  HashContext ctx = o.hash_context;
+  ctx.block_size = o.block_size;
+  e->root_hash_ = RootHash(ctx);
+  e->scheduler_ = std::make_unique<Scheduler>(o.scheduler, e->blocks_.get(), e->root_hash_);
+  e->counters_.num_blocks = o.num_blocks;
+  return e;
+}
+
+Status Engine::ValidateRequest(const GenerateRequest& r) const {
+  if (r.request_id.empty()) return InvalidArgumentError("request_id is empty");
+  if (r.prompt_ids.empty()) return InvalidArgumentError("the prompt has no tokens");
+  for (uint32_t id : r.prompt_ids) {
+    if (id >= config_.vocab_size) {
+      return InvalidArgumentError(fmt::format(
+          "prompt token id {} is out of range; the vocabulary has {} tokens", id, config_.vocab_size));
+    }
+  }
+  TANDEM_RETURN_IF_ERROR(ValidateSamplingParams(r.sampling));
+  if (!r.sampling.stop.empty() && options_.tokenizer == nullptr) {
+    return InvalidArgumentError("stop strings need a tokenizer, and this engine has none");
+  }
+  const uint64_t prompt = r.prompt_ids.size();
+  if (prompt > max_model_len_) {
+    return InvalidArgumentError(fmt::format("prompt has {} tokens; this model accepts at most {}",
+                                            prompt, max_model_len_));
+  }
+  const uint64_t total = prompt + r.sampling.max_tokens;
+  if (total > max_model_len_) {
+    return InvalidArgumentError(fmt::format(
+        "prompt has {} tokens and max_tokens is {}: {} tokens exceed this model's context of {}",
+        prompt, r.sampling.max_tokens, total, max_model_len_));
+  }
+  const uint64_t need = r.prefill_only ? prompt + 1 : total;
+  const uint64_t blocks = (need + options_.block_size - 1) / options_.block_size;
+  if (blocks > options_.num_blocks) {
+    return InvalidArgumentError(fmt::format(
+        "{} tokens need {} KV blocks; this worker has {} blocks of {} tokens", need, blocks,
+        options_.num_blocks, options_.block_size));
+  }
+  return Status::Ok();
+}
+
+std::unique_ptr<Sequence> Engine::NewSequence(GenerateRequest request) {
+  auto seq = std::make_unique<Sequence>();
+  seq->req = std::move(request);
+  if (seq->req.sampling.seed) {
+    seq->seed = *seq->req.sampling.seed;
+  } else {
+    std::random_device rd;
+    seq->seed = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  }
+  seq->tokens = seq->req.prompt_ids;
+  seq->prompt_len = static_cast<uint32_t>(seq->tokens.size());
+  if (options_.tokenizer != nullptr) {
+    seq->detok = std::make_unique<model::IncrementalDetokenizer>(options_.tokenizer);
+    if (!seq->req.sampling.stop.empty()) {
+      seq->stop_matcher = std::make_unique<StopStringMatcher>(seq->req.sampling.stop);
+    }
+  }
+  return seq;
+}
+
+Status Engine::Submit(GenerateRequest request) {
+  TANDEM_RETURN_IF_ERROR(ValidateRequest(request));
+  auto seq = NewSequence(std::move(request));
+  {
+    std::lock_guard lock(mu_);
+    if (seqs_.count(seq->req.request_id) != 0) {
+      return AlreadyExistsError(fmt::format("request '{}' is already in the engine", seq->req.request_id));
+    }
+    if (scheduler_->waiting_full()) {
+      return ResourceExhaustedError(fmt::format("waiting queue is full ({} requests)",
+                                                scheduler_->limits().max_waiting));
+    }
+    Sequence* raw = seq.get();
+    seqs_.emplace(raw->req.request_id, std::move(seq));
+    scheduler_->AddWaiting(raw);
+  }
+  cv_.notify_all();
+  return Status::Ok();
+}
+
+Status Engine::Abort(const std::string& request_id) {
+  Deliveries out;
+  bool found = false;
+  {
+    std::lock_guard lock(mu_);
+    for (auto it = reservations_.begin(); it != reservations_.end();) {
+      if (it->second.request_id == request_id) {
+        blocks_->Release(it->second.blocks);
+        it = reservations_.erase(it);
+        found = true;
+      } else {
+        ++it;
+      }
+    }
+    if (auto it = seqs_.find(request_id); it != seqs_.end()) {
+      found = true;
+      Sequence& seq = *it->second;
+      if (seq.state == SeqState::kParked) {  // already delivered its last output
+        blocks_->Release(seq.blocks);
+        seqs_.erase(it);
+      } else if (seq.in_flight) {
+        seq.abort_requested = true;  // the engine thread finishes it after the step
+      } else {
+        Finish(seq, FinishReason::kAbort, CancelledError("request aborted"), out);
+        seqs_.erase(it);
+      }
+    }
+  }
+  cv_.notify_all();
+  Deliver(out);
+  return found ? Status::Ok() : NotFoundError(fmt::format("no request '{}'", request_id));
+}
+
+Status Engine::ReleasePrefill(const std::string& request_id) {
+  {
+    std::lock_guard lock(mu_);
+    auto it = seqs_.find(request_id);
+    if (it == seqs_.end() || it->second->state != SeqState::kParked) {
+      return NotFoundError(fmt::format("no finished prefill-only request '{}'", request_id));
+    }
+    blocks_->Release(it->second->blocks);
+    seqs_.erase(it);
+  }
+  cv_.notify_all();
+  return Status::Ok();
+}
+
+Result<Reservation> Engine::Reserve(const std::string& request_id,
+                                    std::span<const uint32_t> prompt_ids) {
+  if (prompt_ids.empty()) return InvalidArgumentError("the prompt has no tokens");
+  if (prompt_ids.size() >= max_model_len_) {
+    return InvalidArgumentError(fmt::format(
+        "prompt has {} tokens; this model accepts at most {} (with room for one generated token)",
+        prompt_ids.size(), max_model_len_ - 1));
+  }
+  const uint32_t bs = options_.block_size;
+  std::vector<uint32_t> prompt(prompt_ids.begin(), prompt_ids.end());
+  std::vector<uint64_t> hashes = HashBlocks(root_hash_, prompt, bs);
+  const uint32_t total = static_cast<uint32_t>((prompt.size() + bs - 1) / bs);
+  std::lock_guard lock(mu_);
+  std::vector<uint32_t> blocks =
+      blocks_->AcquireCachedPrefix(hashes, prompt, static_cast<uint32_t>(hashes.size()));
+  const uint32_t cached = static_cast<uint32_t>(blocks.size());
+  auto fresh = blocks_->Allocate(total - cached);
+  if (!fresh.ok()) {
+    blocks_->Release(blocks);
+    return ResourceExhaustedError(fmt::format(
+        "cannot reserve {} KV blocks for a {}-token prompt: {} of {} blocks free", total - cached,
+        prompt.size(), blocks_->num_free_blocks(), blocks_->num_blocks()));
+  }
+  blocks.insert(blocks.end(), fresh->begin(), fresh->end());
+  scheduler_->CountPrefixQuery(prompt.size(), uint64_t{cached} * bs);
+  Reservation r;
+  r.reservation_id = next_reservation_id_++;
+  r.block_ids = blocks;
+  r.num_cached_blocks = cached;
+  r.block_size = bs;
+  ReservationState st;
+  st.request_id = request_id;
+  st.prompt = std::move(prompt);
+  st.hashes = std::move(hashes);
+  st.blocks = std::move(blocks);
+  st.num_cached_blocks = cached;
+  reservations_.emplace(r.reservation_id, std::move(st));
+  return r;
+}
+
+Status Engine::ReleaseReservation(uint64_t reservation_id) {
+  {
+    std::lock_guard lock(mu_);
+    auto it = reservations_.find(reservation_id);
+    if (it == reservations_.end()) {
+      return NotFoundError(fmt::format("no reservation {}", reservation_id));
+    }
+    blocks_->Release(it->second.blocks);
+    reservations_.erase(it);
+  }
+  cv_.notify_all();
+  return Status::Ok();
+}
+
+Status Engine::AddPrefilled(uint64_t reservation_id, GenerateRequest request,
+                            uint32_t first_token) {
+  if (first_token >= config_.vocab_size) {
+    return InvalidArgumentError(fmt::format("first token {} is out of range; the vocabulary has {}",
+                                            first_token, config_.vocab_size));
+  }
+  Deliveries out;
+  {
+    std::unique_lock lock(mu_);
+    auto it = reservations_.find(reservation_id);
+    if (it == reservations_.end()) {
+      return NotFoundError(fmt::format("no reservation {}", reservation_id));
+    }
+    if (request.prompt_ids.empty()) request.prompt_ids = it->second.prompt;
+    if (request.prompt_ids != it->second.prompt) {
+      return InvalidArgumentError(fmt::format(
+          "request '{}': prompt differs from the one reserved ({} vs {} tokens)",
+          request.request_id, request.prompt_ids.size(), it->second.prompt.size()));
+    }
+    request.prefill_only = false;
+    TANDEM_RETURN_IF_ERROR(ValidateRequest(request));
+    if (seqs_.count(request.request_id) != 0) {
+      return AlreadyExistsError(fmt::format("request '{}' is already in the engine", request.request_id));
+    }
+    ReservationState res = std::move(it->second);
+    reservations_.erase(it);
+    auto seq = NewSequence(std::move(request));
+    seq->blocks = std::move(res.blocks);
+    seq->hashes = std::move(res.hashes);
+    seq->num_computed = seq->prompt_len;
+    seq->num_committed = res.num_cached_blocks;
+    seq->cached_prompt_tokens = std::min(res.num_cached_blocks * options_.block_size, seq->prompt_len);
+    seq->admitted_once = true;
+    CommitFullBlocks(*seq);
+    Sequence* raw = seq.get();
+    auto [pos, inserted] = seqs_.emplace(raw->req.request_id, std::move(seq));
+    if (AppendToken(*raw, first_token, out)) {
+      seqs_.erase(pos);
+    } else {
+      scheduler_->AddWaiting(raw);
+    }
+  }
+  cv_.notify_all();
+  Deliver(out);
+  return Status::Ok();
+}
+
+EngineStats Engine::stats() const {
+  std::lock_guard lock(mu_);
+  EngineStats s = counters_;
+  s.num_blocks = blocks_->num_blocks();
+  s.free_blocks = blocks_->num_free_blocks();
+  s.cached_blocks = blocks_->num_cached_blocks();
+  s.kv_usage_ratio = 1.0 - static_cast<double>(s.free_blocks) / s.num_blocks;
+  s.num_running = static_cast<uint32_t>(scheduler_->num_running());
+  s.num_waiting = static_cast<uint32_t>(scheduler_->num_waiting());
+  s.num_parked = 0;
+  for (const auto& [id, seq] : seqs_) s.num_parked += seq->state == SeqState::kParked;
+  s.num_reservations = static_cast<uint32_t>(reservations_.size());
+  s.prefix_query_tokens = scheduler_->prefix_query_tokens();
+  s.prefix_hit_tokens = scheduler_->prefix_hit_tokens();
+  s.preemptions = scheduler_->preemptions();
+  return s;
+}
+
+KvSnapshot Engine::SnapshotKv() const {
+  std::lock_guard lock(mu_);
+  return blocks_->Snapshot();
+}
+
+void Engine::Deliver(Deliveries& deliveries) {
+  for (auto& [cb, output] : deliveries) {
+    if (cb) cb(output);
+  }
+  deliveries.clear();
+}
+
+}  // namespace tandem::engine

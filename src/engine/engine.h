@@ -1,0 +1,198 @@
+// The engine every prefiller, decoder and `tandem generate` runs: a paged KV
+// pool, block manager with prefix cache and KV events, a continuous-batching
+// scheduler, a compute backend and sampling.
+//
+// Threads:
+// - Start() launches the engine thread, which owns compute: it schedules,
+//   runs the backend and samples. Without Start(), a single caller drives
+//   the engine with Step()/RunUntilIdle() (tests, benchmarks) — never both.
+// - Every other public method is thread-safe and may be called from any
+//   thread, including from inside an OutputCallback. The engine lock is
+//   never held across a forward pass or a callback.
+// - Callbacks run on the engine thread (or on the thread calling Abort,
+//   Stop, AddPrefilled, when the request finishes right there).
+//
+// Serving-path calls:
+// - prefill-only requests (GenerateRequest::prefill_only): stop after the
+//   first sampled token; the finishing output carries the pinned blocks and
+//   the prefix-cache hit count; ReleasePrefill() unpins.
+// - Reserve() on a decoder: blocks for a prompt whose KV will be written
+//   externally, reusing the decoder's own cached prefix; ReleaseReservation()
+//   gives them back; AddPrefilled() turns the reservation into a decoding
+//   sequence given the first token (no compute for the prompt).
+// - Abort(request_id) frees every block of the request in any stage
+//   (waiting, running, parked prefill, reservation).
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <stop_token>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/block_hash.h"
+#include "common/config.h"
+#include "common/status.h"
+#include "engine/backend.h"
+#include "engine/block_manager.h"
+#include "engine/kv_events.h"
+#include "engine/kv_pool.h"
+#include "engine/request.h"
+#include "engine/sampler.h"
+#include "engine/scheduler.h"
+#include "engine/sequence.h"
+#include "model/model_config.h"
+#include "model/tokenizer.h"
+#include "model/weights.h"
+
+namespace tandem::engine {
+
+struct StepStats {
+  double seconds = 0;  // schedule + forward + sampling
+  uint32_t num_seqs = 0;
+  uint32_t num_prefill_tokens = 0;
+  uint32_t num_decode_tokens = 0;
+};
+
+struct EngineOptions {
+  std::string backend = "cpu";
+  uint32_t block_size = 16;
+  uint32_t num_blocks = 1024;
+  SchedulerLimits scheduler;
+  uint32_t threads = 1;        // compute threads
+  uint32_t max_model_len = 0;  // 0: the model's max_position_embeddings
+  // Root of the block hash chain; block_size is taken from above.
+  HashContext hash_context;
+  uint64_t epoch = 0;  // KV event epoch; 0: derived from the clock
+  // Borrowed; must outlive the engine. Null: plain aligned memory.
+  KvPoolAllocator* allocator = nullptr;
+  // Borrowed; enables stop strings and RequestOutput::text. May be null.
+  const model::Tokenizer* tokenizer = nullptr;
+  // Called on the engine thread after every step (for metrics histograms).
+  std::function<void(const StepStats&)> on_step;
+
+  // The fleet file's model/cache/scheduler sections.
+  static EngineOptions FromFleetConfig(const FleetConfig& fleet);
+};
+
+struct EngineStats {
+  uint32_t num_blocks = 0;
+  uint32_t free_blocks = 0;   // reference count zero (free or evictable)
+  uint32_t cached_blocks = 0; // committed blocks in the prefix cache
+  double kv_usage_ratio = 0;  // 1 - free / total
+  uint32_t num_running = 0;
+  uint32_t num_waiting = 0;
+  uint32_t num_parked = 0;        // prefill-only requests holding blocks
+  uint32_t num_reservations = 0;
+  uint64_t prefix_query_tokens = 0;
+  uint64_t prefix_hit_tokens = 0;
+  uint64_t preemptions = 0;
+  uint64_t steps = 0;
+  double prefill_step_seconds = 0;  // total over steps with prefill tokens
+  double decode_step_seconds = 0;   // total over decode-only steps
+  uint64_t generated_tokens = 0;
+};
+
+class Engine {
+ public:
+  static Result<std::unique_ptr<Engine>> Create(const model::ModelConfig& config,
+                                                const model::ModelWeights& weights,
+                                                EngineOptions options);
+  ~Engine();  // Stop()s a started engine
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Engine thread; see the header comment.
+  void Start();
+  // Stops the engine thread; requests still inside finish with kAbort
+  // (UNAVAILABLE) and reservations are released.
+  void Stop();
+  // Manual driving (no engine thread): one step; false when there was nothing to do.
+  bool Step();
+  // Steps until no request is waiting or running (parked ones stay).
+  void RunUntilIdle();
+
+  // Validates and queues a request. INVALID_ARGUMENT for bad input
+  // (messages give the numbers), RESOURCE_EXHAUSTED when the waiting queue
+  // is full, ALREADY_EXISTS for a live request id.
+  Status Submit(GenerateRequest request);
+  // Any stage; NOT_FOUND when the id is unknown. The callback gets kAbort.
+  Status Abort(const std::string& request_id);
+  // Unpins a finished prefill-only request's blocks.
+  Status ReleasePrefill(const std::string& request_id);
+
+  // Decoder side, see the header comment. RESOURCE_EXHAUSTED when the
+  // blocks are not there (nothing is held then).
+  Result<Reservation> Reserve(const std::string& request_id, std::span<const uint32_t> prompt_ids);
+  Status ReleaseReservation(uint64_t reservation_id);
+  // `request.prompt_ids` must equal the reserved prompt (or be empty: the
+  // reserved one is used). The first token is delivered to the callback.
+  Status AddPrefilled(uint64_t reservation_id, GenerateRequest request, uint32_t first_token);
+
+  EngineStats stats() const;
+  KvEventPublisher& events() { return *events_; }
+  KvSnapshot SnapshotKv() const;
+  const KvPool& pool() const { return *pool_; }
+  const model::ModelConfig& model_config() const { return config_; }
+  const ComputeBackend& backend() const { return *backend_; }
+  uint32_t max_model_len() const { return max_model_len_; }
+  uint64_t root_hash() const { return root_hash_; }
+  uint32_t block_size() const { return options_.block_size; }
+
+ private:
+  struct ReservationState {
+    std::string request_id;
+    std::vector<uint32_t> prompt;
+    std::vector<uint64_t> hashes;
+    std::vector<uint32_t> blocks;
+    uint32_t num_cached_blocks = 0;
+  };
+  using Delivery = std::pair<OutputCallback, RequestOutput>;
+  using Deliveries = std::vector<Delivery>;
+
+  Engine(const model::ModelConfig& config, EngineOptions options);
+  void Loop(std::stop_token stop);
+  // One step; deliveries collected for the caller to run without the lock.
+  bool StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out);
+  Status ValidateRequest(const GenerateRequest& request) const;
+  std::unique_ptr<Sequence> NewSequence(GenerateRequest request);
+  // Appends a sampled token; checks stop conditions; queues the delivery.
+  // Returns true when the sequence finished.
+  bool AppendToken(Sequence& seq, uint32_t token, Deliveries& out);
+  void Finish(Sequence& seq, FinishReason reason, Status status, Deliveries& out);
+  RequestOutput MakeOutput(const Sequence& seq) const;
+  void CommitFullBlocks(Sequence& seq);
+  void DropExpired(Deliveries& out);
+  static void Deliver(Deliveries& deliveries);
+
+  model::ModelConfig config_;
+  EngineOptions options_;
+  uint32_t max_model_len_ = 0;
+  uint64_t root_hash_ = 0;
+  std::unique_ptr<AlignedKvPoolAllocator> own_allocator_;
+  std::unique_ptr<KvPool> pool_;
+  std::unique_ptr<ComputeBackend> backend_;
+  std::unique_ptr<KvEventPublisher> events_;
+  Sampler sampler_;                 // engine thread only
+  std::vector<float> logits_;       // engine thread only: [rows][vocab]
+  std::vector<SeqChunk> chunks_;    // engine thread only
+
+  mutable std::mutex mu_;
+  std::condition_variable_any cv_;
+  std::unique_ptr<BlockManager> blocks_;    // guarded by mu_
+  std::unique_ptr<Scheduler> scheduler_;    // guarded by mu_
+  std::map<std::string, std::unique_ptr<Sequence>> seqs_;  // guarded by mu_
+  std::map<uint64_t, ReservationState> reservations_;     // guarded by mu_
+  uint64_t next_reservation_id_ = 1;        // guarded by mu_
+  EngineStats counters_;                    // guarded by mu_ (steps, seconds, tokens)
+  std::jthread thread_;
+};
+
+}  // namespace tandem::engine

@@ -1,0 +1,260 @@
+// Engine: the step (schedule under the lock, forward without it, sample and
+// deliver), the engine thread and stop conditions.
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "common/check.h"
+#include "engine/engine.h"
+
+namespace tandem::engine {
+
+void Engine::Start() {
+  TANDEM_CHECK(!thread_.joinable(), "engine started twice");
+  thread_ = std::jthread([this](std::stop_token stop) { Loop(stop); });
+}
+
+void Engine::Stop() {
+  if (thread_.joinable()) {
+    thread_.request_stop();
+    cv_.notify_all();
+    thread_.join();
+  }
+  Deliveries out;
+  {
+    std::lock_guard lock(mu_);
+    for (auto& [id, seq] : seqs_) {
+      if (seq->state == SeqState::kParked) {
+        blocks_->Release(seq->blocks);
+      } else {
+        Finish(*seq, FinishReason::kAbort, UnavailableError("engine stopped"), out);
+      }
+    }
+    seqs_.clear();
+    for (auto& [id, res] : reservations_) blocks_->Release(res.blocks);
+    reservations_.clear();
+  }
+  Deliver(out);
+}
+
+void Engine::Loop(std::stop_token stop) {
+  while (!stop.stop_requested()) {
+    Deliveries out;
+    bool worked = false;
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, stop, [&] {
+        return scheduler_->num_waiting() > 0 || scheduler_->num_running() > 0;
+      });
+      if (stop.stop_requested()) break;
+      worked = StepLocked(lock, out);
+    }
+    Deliver(out);
+    if (!worked) {
+      // Work is waiting but nothing fits (blocks held by parked requests or
+      // reservations): wait for a release or a new request.
+      std::unique_lock lock(mu_);
+      cv_.wait_for(lock, stop, std::chrono::milliseconds(5), [] { return false; });
+    }
+  }
+}
+
+bool Engine::Step() {
+  Deliveries out;
+  bool worked;
+  {
+    std::unique_lock lock(mu_);
+    worked = StepLocked(lock, out);
+  }
+  Deliver(out);
+  return worked;
+}
+
+void Engine::RunUntilIdle() {
+  while (true) {
+    {
+      std::lock_guard lock(mu_);
+      if (scheduler_->num_waiting() == 0 && scheduler_->num_running() == 0) return;
+    }
+    if (!Step()) return;  // blocked: nothing can run
+  }
+}
+
+void Engine::DropExpired(Deliveries& out) {
+  const auto now = std::chrono::steady_clock::now();
+  std::vector<Sequence*> expired;
+  for (Sequence* s : scheduler_->waiting()) {
+    if (s->req.deadline && *s->req.deadline <= now) expired.push_back(s);
+  }
+  for (Sequence* s : scheduler_->running()) {
+    if (s->req.deadline && *s->req.deadline <= now) expired.push_back(s);
+  }
+  for (Sequence* s : expired) {
+    const bool queued = s->state == SeqState::kWaiting;
+    Finish(*s, FinishReason::kDeadline,
+           DeadlineExceededError(queued ? "deadline passed while queued" : "deadline passed while running"),
+           out);
+    const std::string id = s->req.request_id;
+    seqs_.erase(id);
+  }
+}
+
+bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
+  const auto t0 = std::chrono::steady_clock::now();
+  DropExpired(out);
+  SchedulerOutput plan = scheduler_->Schedule();
+  if (plan.empty()) return false;
+
+  const uint32_t vocab = config_.vocab_size;
+  chunks_.clear();
+  uint32_t rows = 0;
+  for (const ScheduledSeq& s : plan.seqs) {
+    Sequence& seq = *s.seq;
+    seq.in_flight = true;
+    SeqChunk c;
+    c.tokens = std::span<const uint32_t>(seq.tokens).subspan(seq.num_computed, s.num_tokens);
+    c.start_pos = seq.num_computed;
+    c.block_table = seq.blocks;
+    c.num_logits = s.samples ? 1 : 0;
+    rows += c.num_logits;
+    chunks_.push_back(c);
+  }
+  if (logits_.size() < size_t{rows} * vocab) logits_.resize(size_t{rows} * vocab);
+
+  // The scheduled sequences' tokens and blocks change only on this thread;
+  // other threads may queue work or flag aborts meanwhile.
+  lock.unlock();
+  Status status = backend_->Forward(chunks_, logits_);
+  lock.lock();
+
+  uint32_t row = 0;
+  for (const ScheduledSeq& s : plan.seqs) {
+    Sequence& seq = *s.seq;
+    seq.in_flight = false;
+    if (!status.ok()) {
+      Finish(seq, FinishReason::kError, status, out);
+      continue;
+    }
+    seq.num_computed += s.num_tokens;
+    CommitFullBlocks(seq);
+    if (seq.abort_requested) {
+      Finish(seq, FinishReason::kAbort, CancelledError("request aborted"), out);
+      if (s.samples) ++row;
+      continue;
+    }
+    if (!s.samples) continue;
+    const std::span<const float> logits(logits_.data() + size_t{row++} * vocab, vocab);
+    const uint64_t index = uint64_t{seq.req.first_sample_index} + seq.num_output();
+    const uint32_t token = sampler_.Sample(logits, seq.req.sampling, seq.seed, index);
+    AppendToken(seq, token, out);
+  }
+  for (auto it = seqs_.begin(); it != seqs_.end();) {
+    it = it->second->state == SeqState::kFinished ? seqs_.erase(it) : std::next(it);
+  }
+
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ++counters_.steps;
+  (plan.num_prefill_tokens > 0 ? counters_.prefill_step_seconds : counters_.decode_step_seconds) +=
+      seconds;
+  if (options_.on_step) {
+    StepStats st;
+    st.seconds = seconds;
+    st.num_seqs = static_cast<uint32_t>(plan.seqs.size());
+    st.num_prefill_tokens = plan.num_prefill_tokens;
+    st.num_decode_tokens = plan.num_decode_tokens;
+    auto cb = options_.on_step;
+    out.emplace_back([cb, st](const RequestOutput&) { cb(st); }, RequestOutput{});
+  }
+  return true;
+}
+
+void Engine::CommitFullBlocks(Sequence& seq) {
+  const uint32_t full = std::min<uint32_t>(seq.num_computed / options_.block_size,
+                                           static_cast<uint32_t>(seq.blocks.size()));
+  if (full <= seq.num_committed) return;
+  scheduler_->UpdateHashes(seq);
+  blocks_->Commit(seq.blocks, seq.hashes, seq.tokens, seq.num_committed, full - seq.num_committed,
+                  root_hash_);
+  seq.num_committed = full;
+}
+
+bool Engine::AppendToken(Sequence& seq, uint32_t token, Deliveries& out) {
+  seq.tokens.push_back(token);
+  ++counters_.generated_tokens;
+  const SamplingParams& p = seq.req.sampling;
+  bool stop_string = false;
+  if (seq.detok) {
+    std::string piece = seq.detok->Push(token);
+    if (seq.stop_matcher) {
+      auto chunk = seq.stop_matcher->Push(piece);
+      seq.pending_text += chunk.text;
+      stop_string = chunk.stopped;
+      seq.stop_string_hit = chunk.stopped;
+    } else {
+      seq.pending_text += piece;
+    }
+  }
+  FinishReason reason = FinishReason::kNone;
+  const auto& eos = config_.eos_token_ids;
+  if (seq.req.prefill_only) {
+    reason = FinishReason::kPrefillDone;
+  } else if (stop_string ||
+             std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) !=
+                 p.stop_token_ids.end() ||
+             (!p.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end())) {
+    reason = FinishReason::kStop;
+  } else if (seq.num_output() >= p.max_tokens || seq.tokens.size() >= max_model_len_) {
+    reason = FinishReason::kLength;
+  }
+  if (reason != FinishReason::kNone) {
+    Finish(seq, reason, Status::Ok(), out);
+    return true;
+  }
+  out.emplace_back(seq.req.on_output, MakeOutput(seq));
+  seq.num_delivered = seq.num_output();
+  seq.pending_text.clear();
+  return false;
+}
+
+RequestOutput Engine::MakeOutput(const Sequence& seq) const {
+  RequestOutput o;
+  o.request_id = seq.req.request_id;
+  o.token_ids.assign(seq.tokens.begin() + seq.prompt_len + seq.num_delivered, seq.tokens.end());
+  o.text = seq.pending_text;
+  o.prompt_tokens = seq.prompt_len;
+  o.completion_tokens = seq.num_output();
+  o.cached_prompt_tokens = seq.cached_prompt_tokens;
+  return o;
+}
+
+void Engine::Finish(Sequence& seq, FinishReason reason, Status status, Deliveries& out) {
+  scheduler_->Remove(&seq);
+  if (reason == FinishReason::kPrefillDone) {
+    seq.state = SeqState::kParked;  // blocks stay pinned until ReleasePrefill / Abort
+  } else {
+    blocks_->Release(seq.blocks);
+    seq.blocks.clear();
+    seq.state = SeqState::kFinished;
+  }
+  if (seq.detok && !seq.stop_string_hit) {
+    std::string tail = seq.detok->Flush();
+    if (seq.stop_matcher) {
+      auto chunk = seq.stop_matcher->Push(tail);
+      seq.pending_text += chunk.text;
+      if (!chunk.stopped) seq.pending_text += seq.stop_matcher->Flush();
+    } else {
+      seq.pending_text += tail;
+    }
+  }
+  RequestOutput o = MakeOutput(seq);
+  o.finished = true;
+  o.finish_reason = reason;
+  o.status = std::move(status);
+  if (reason == FinishReason::kPrefillDone) o.block_ids = seq.blocks;
+  out.emplace_back(seq.req.on_output, std::move(o));
+  seq.num_delivered = seq.num_output();
+  seq.pending_text.clear();
+}
+
+}  // namespace tandem::engine

@@ -1,0 +1,72 @@
+#include "engine/kv_events.h"
+
+#include <utility>
+
+namespace tandem::engine {
+
+KvEventPublisher::KvEventPublisher(uint64_t epoch, size_t queue_capacity)
+    : epoch_(epoch), queue_capacity_(queue_capacity) {}
+
+uint64_t KvEventPublisher::last_event_id() const {
+  std::lock_guard lock(mu_);
+  return next_id_ - 1;
+}
+
+uint64_t KvEventPublisher::Subscribe(Callback callback) {
+  std::lock_guard lock(mu_);
+  const uint64_t id = next_subscription_++;
+  subscribers_.emplace(id, std::move(callback));
+  return id;
+}
+
+void KvEventPublisher::Unsubscribe(uint64_t subscription) {
+  std::lock_guard lock(mu_);
+  subscribers_.erase(subscription);
+}
+
+std::vector<KvEvent> KvEventPublisher::Drain(size_t max_events) {
+  std::lock_guard lock(mu_);
+  std::vector<KvEvent> out;
+  while (!queue_.empty() && out.size() < max_events) {
+    out.push_back(std::move(queue_.front()));
+    queue_.pop_front();
+  }
+  return out;
+}
+
+void KvEventPublisher::PublishStored(std::vector<uint64_t> hashes, uint64_t parent_hash) {
+  if (hashes.empty()) return;
+  KvEvent e;
+  e.kind = KvEventKind::kStored;
+  e.hashes = std::move(hashes);
+  e.parent_hash = parent_hash;
+  Publish(std::move(e));
+}
+
+void KvEventPublisher::PublishRemoved(std::vector<uint64_t> hashes) {
+  if (hashes.empty()) return;
+  KvEvent e;
+  e.kind = KvEventKind::kRemoved;
+  e.hashes = std::move(hashes);
+  Publish(std::move(e));
+}
+
+void KvEventPublisher::PublishCleared() {
+  KvEvent e;
+  e.kind = KvEventKind::kCleared;
+  Publish(std::move(e));
+}
+
+void KvEventPublisher::Publish(KvEvent event) {
+  // Ids are assigned and subscribers called under one lock so that every
+  // subscriber sees events in id order.
+  std::lock_guard lock(mu_);
+  event.event_id = next_id_++;
+  event.epoch = epoch_;
+  for (auto& [id, cb] : subscribers_) cb(event);
+  if (queue_capacity_ == 0) return;
+  if (queue_.size() >= queue_capacity_) queue_.pop_front();
+  queue_.push_back(std::move(event));
+}
+
+}  // namespace tandem::engine

@@ -1,0 +1,83 @@
+// KV events of DESIGN.md section 4: what a worker's prefix cache gained or
+// lost, so the router's index can follow it.
+//   stored(hashes, parent)  blocks whose chained hashes are `hashes` (in chain
+//                           order) became reusable; `parent` is the hash of
+//                           the block before hashes[0] (the root hash,
+//                           RootHash(context), for a sequence's first block)
+//   removed(hashes)         these blocks were evicted
+//   cleared                 the whole cache was dropped
+// Every event has an id, increasing by one per event from 1, and the worker
+// epoch (a new epoch means the worker restarted: forget what it said
+// before). A subscriber that sees a gap in ids asks for a snapshot.
+//
+// Thread-safety: every method may be called from any thread. Publish is
+// called by the engine (under its lock); subscriber callbacks run on the
+// publishing thread and must be quick and must not call into the engine.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <vector>
+
+namespace tandem::engine {
+
+enum class KvEventKind { kStored, kRemoved, kCleared };
+
+struct KvEvent {
+  uint64_t event_id = 0;  // 1, 2, 3, ... within an epoch
+  uint64_t epoch = 0;
+  KvEventKind kind = KvEventKind::kStored;
+  std::vector<uint64_t> hashes;  // stored/removed: block hashes; cleared: empty
+  uint64_t parent_hash = 0;      // stored only
+};
+
+// All cached blocks at one event id: a subscriber that applies this and
+// then every event with a larger id has the worker's exact state.
+struct KvSnapshot {
+  uint64_t epoch = 0;
+  uint64_t last_event_id = 0;
+  struct Entry {
+    uint64_t hash = 0;
+    uint64_t parent_hash = 0;
+  };
+  std::vector<Entry> blocks;
+};
+
+class KvEventPublisher {
+ public:
+  // `queue_capacity`: events kept for Drain; past it the oldest are dropped
+  // (the drainer sees the gap in ids and resyncs with a snapshot).
+  explicit KvEventPublisher(uint64_t epoch, size_t queue_capacity = 1 << 16);
+
+  uint64_t epoch() const { return epoch_; }
+  uint64_t last_event_id() const;
+
+  using Callback = std::function<void(const KvEvent&)>;
+  // Returns a subscription id for Unsubscribe.
+  uint64_t Subscribe(Callback callback);
+  void Unsubscribe(uint64_t subscription);
+
+  // Takes up to `max_events` queued events, oldest first.
+  std::vector<KvEvent> Drain(size_t max_events = SIZE_MAX);
+
+  // Assigns the next id and delivers the event (called by the block manager).
+  void PublishStored(std::vector<uint64_t> hashes, uint64_t parent_hash);
+  void PublishRemoved(std::vector<uint64_t> hashes);
+  void PublishCleared();
+
+ private:
+  void Publish(KvEvent event);
+
+  const uint64_t epoch_;
+  const size_t queue_capacity_;
+  mutable std::mutex mu_;
+  uint64_t next_id_ = 1;
+  uint64_t next_subscription_ = 1;
+  std::deque<KvEvent> queue_;
+  std::map<uint64_t, Callback> subscribers_;
+};
+
+}  // namespace tandem::engine

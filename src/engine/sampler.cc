@@ -1,0 +1,106 @@
+#include "engine/sampler.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace tandem::engine {
+namespace {
+
+uint64_t SplitMix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+Status ValidateSamplingParams(const SamplingParams& p) {
+  if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature)) {
+    return InvalidArgumentError(fmt::format("temperature is {}; it must be >= 0", p.temperature));
+  }
+  if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) {
+    return InvalidArgumentError(fmt::format("top_p is {}; it must be in (0, 1]", p.top_p));
+  }
+  if (p.max_tokens == 0) return InvalidArgumentError("max_tokens is 0; it must be at least 1");
+  for (const auto& s : p.stop) {
+    if (s.empty()) return InvalidArgumentError("a stop string is empty");
+  }
+  return Status::Ok();
+}
+
+double UniformDraw(uint64_t seed, uint64_t index) {
+  const uint64_t bits = SplitMix64(SplitMix64(seed) ^ SplitMix64(index + 0x632BE59BD9B4E019ull));
+  return static_cast<double>(bits >> 11) * 0x1.0p-53;
+}
+
+uint32_t Sampler::Sample(std::span<const float> logits, const SamplingParams& p, uint64_t seed,
+                         uint64_t index) {
+  const uint32_t vocab = static_cast<uint32_t>(logits.size());
+  auto greedy = [&] {
+    uint32_t best = 0;
+    float best_v = -INFINITY;
+    bool found = false;
+    for (uint32_t i = 0; i < vocab; ++i) {
+      const float v = logits[i];
+      if (std::isnan(v)) continue;
+      if (!found || v > best_v) {
+        best = i;
+        best_v = v;
+        found = true;
+      }
+    }
+    return best;
+  };
+  if (p.temperature == 0.0f || p.top_k == 1) return greedy();
+
+  cand_.clear();
+  for (uint32_t i = 0; i < vocab; ++i) {
+    if (!std::isnan(logits[i])) cand_.emplace_back(logits[i], i);
+  }
+  if (cand_.empty()) return 0;
+  auto by_prob = [](const std::pair<float, uint32_t>& a, const std::pair<float, uint32_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  const bool use_top_k = p.top_k > 0 && p.top_k < cand_.size();
+  if (use_top_k) {
+    std::partial_sort(cand_.begin(), cand_.begin() + p.top_k, cand_.end(), by_prob);
+    cand_.resize(p.top_k);
+  } else if (p.top_p < 1.0f) {
+    std::sort(cand_.begin(), cand_.end(), by_prob);
+  }
+  float max_logit = -INFINITY;
+  for (const auto& c : cand_) max_logit = std::max(max_logit, c.first);
+  if (!std::isfinite(max_logit)) return greedy();
+  const double inv_t = 1.0 / static_cast<double>(p.temperature);
+  probs_.resize(cand_.size());
+  double total = 0.0;
+  for (size_t i = 0; i < cand_.size(); ++i) {
+    probs_[i] = std::exp((static_cast<double>(cand_[i].first) - max_logit) * inv_t);
+    total += probs_[i];
+  }
+  size_t n = cand_.size();
+  if (p.top_p < 1.0f) {
+    // cand_ is sorted by decreasing probability here.
+    const double target = static_cast<double>(p.top_p) * total;
+    double cum = 0.0;
+    size_t keep = 0;
+    while (keep < n) {
+      cum += probs_[keep++];
+      if (cum >= target) break;
+    }
+    n = keep;
+    total = cum;
+  }
+  const double u = UniformDraw(seed, index) * total;
+  double cum = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    cum += probs_[i];
+    if (u < cum) return cand_[i].second;
+  }
+  return cand_[n - 1].second;
+}
+
+}  // namespace tandem::engine

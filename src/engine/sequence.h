@@ -1,0 +1,44 @@
+// One request's state inside the engine.
+//
+// Thread-safety: none; touched under the engine lock, or by the engine
+// thread alone while the sequence is in flight (see Engine).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/request.h"
+#include "engine/stop_strings.h"
+#include "model/tokenizer.h"
+
+namespace tandem::engine {
+
+enum class SeqState { kWaiting, kRunning, kParked, kFinished };
+
+struct Sequence {
+  GenerateRequest req;
+  uint64_t seed = 0;
+  std::vector<uint32_t> tokens;  // prompt + output tokens
+  uint32_t prompt_len = 0;
+  uint32_t num_computed = 0;      // leading tokens whose KV is in `blocks`
+  std::vector<uint32_t> blocks;   // block table
+  std::vector<uint64_t> hashes;   // chained hashes of the full blocks of `tokens` (a prefix)
+  uint32_t num_committed = 0;     // leading blocks registered in (or taken from) the prefix cache
+  uint32_t cached_prompt_tokens = 0;
+  bool admitted_once = false;
+  SeqState state = SeqState::kWaiting;
+  bool in_flight = false;         // part of the step being computed
+  bool abort_requested = false;   // Abort() while in flight
+  uint32_t num_delivered = 0;     // output tokens delivered to the callback
+  std::string pending_text;       // decoded text not yet delivered
+  bool stop_string_hit = false;
+  std::unique_ptr<model::IncrementalDetokenizer> detok;  // with a tokenizer
+  std::unique_ptr<StopStringMatcher> stop_matcher;
+
+  uint32_t num_output() const { return static_cast<uint32_t>(tokens.size()) - prompt_len; }
+  uint32_t num_pending() const { return static_cast<uint32_t>(tokens.size()) - num_computed; }
+};
+
+}  // namespace tandem::engine

@@ -1,0 +1,376 @@
+// Engine behaviour: prefix-cache reuse, abort at every stage, the serving
+// path's prefill-only / reserve / add-prefilled calls, admission limits,
+// deadlines, stop conditions and the engine thread.
+#include "engine/engine.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <future>
+
+#include "test_models.h"
+
+namespace tandem::engine {
+namespace {
+using testing::Collector;
+using testing::MakeEngine;
+using testing::Prompt;
+using testing::TinyModel;
+
+GenerateRequest Req(const std::string& id, std::vector<uint32_t> prompt, uint32_t max_tokens,
+                    Collector* c, float temperature = 0) {
+  GenerateRequest r;
+  r.request_id = id;
+  r.prompt_ids = std::move(prompt);
+  r.sampling.max_tokens = max_tokens;
+  r.sampling.temperature = temperature;
+  r.sampling.seed = 7;
+  r.sampling.ignore_eos = true;
+  if (c) r.on_output = c->Callback();
+  return r;
+}
+
+std::vector<uint32_t> GenerateAlone(const std::vector<uint32_t>& prompt, uint32_t max_tokens,
+                                    float temperature = 0) {
+  auto e = MakeEngine(TinyModel());
+  Collector c;
+  EXPECT_TRUE(e->Submit(Req("alone", prompt, max_tokens, &c, temperature)).ok());
+  e->RunUntilIdle();
+  return c.tokens;
+}
+
+TEST(EngineTest, SecondRequestReusesPrefixBlocksWithUnchangedOutput) {
+  EngineOptions o;
+  o.num_blocks = 64;
+  auto e = MakeEngine(TinyModel(), o);
+  auto shared = Prompt(40, 1);
+  Collector a;
+  ASSERT_TRUE(e->Submit(Req("a", shared, 8, &a)).ok());
+  e->RunUntilIdle();
+  EXPECT_EQ(a.last.cached_prompt_tokens, 0u);
+
+  auto second = shared;
+  second.resize(35);
+  auto tail = Prompt(10, 2);
+  second.insert(second.end(), tail.begin(), tail.end());  // shares 35 tokens: 2 full blocks
+  Collector b;
+  ASSERT_TRUE(e->Submit(Req("b", second, 8, &b)).ok());
+  e->RunUntilIdle();
+  EXPECT_EQ(b.last.cached_prompt_tokens, 32u);
+  EXPECT_EQ(b.tokens, GenerateAlone(second, 8));
+
+  // The same prompt again: all full blocks but the one holding the last
+  // token (always computed for its logits).
+  Collector c;
+  ASSERT_TRUE(e->Submit(Req("c", shared, 8, &c)).ok());
+  e->RunUntilIdle();
+  EXPECT_EQ(c.last.cached_prompt_tokens, 32u);
+  EXPECT_EQ(c.tokens, a.tokens);
+  const auto s = e->stats();
+  EXPECT_EQ(s.prefix_query_tokens, 40u + 45u + 40u);
+  EXPECT_EQ(s.prefix_hit_tokens, 64u);
+  EXPECT_EQ(s.free_blocks, o.num_blocks);
+  EXPECT_GT(s.cached_blocks, 0u);
+}
+
+TEST(EngineTest, KvEventsFollowTheCache) {
+  EngineOptions o;
+  o.num_blocks = 8;
+  o.epoch = 5;
+  auto e = MakeEngine(TinyModel(), o);
+  Collector a;
+  ASSERT_TRUE(e->Submit(Req("a", Prompt(50, 3), 14, &a)).ok());  // 64 tokens: 4 blocks
+  e->RunUntilIdle();
+  auto ev = e->events().Drain();
+  std::vector<uint64_t> stored;
+  uint64_t last_id = 0;
+  for (const auto& x : ev) {
+    EXPECT_EQ(x.event_id, last_id + 1);
+    last_id = x.event_id;
+    EXPECT_EQ(x.epoch, 5u);
+    ASSERT_EQ(x.kind, KvEventKind::kStored);
+    EXPECT_EQ(x.parent_hash, stored.empty() ? e->root_hash() : stored.back());
+    stored.insert(stored.end(), x.hashes.begin(), x.hashes.end());
+  }
+  // 63 tokens have KV (the last sampled token never does): 3 full blocks.
+  ASSERT_EQ(stored.size(), 3u);
+  std::vector<uint32_t> all = Prompt(50, 3);
+  all.insert(all.end(), a.tokens.begin(), a.tokens.end());
+  EXPECT_EQ(stored, HashBlocks(e->root_hash(), std::span<const uint32_t>(all).first(48), 16));
+  auto snap = e->SnapshotKv();
+  EXPECT_EQ(snap.last_event_id, last_id);
+  EXPECT_EQ(snap.blocks.size(), 3u);
+
+  // A different long request evicts them: removed events carry those hashes.
+  Collector b;
+  ASSERT_TRUE(e->Submit(Req("b", Prompt(100, 4), 20, &b)).ok());
+  e->RunUntilIdle();
+  std::vector<uint64_t> removed;
+  for (const auto& x : e->events().Drain()) {
+    EXPECT_EQ(x.event_id, ++last_id);
+    if (x.kind == KvEventKind::kRemoved) removed.insert(removed.end(), x.hashes.begin(), x.hashes.end());
+  }
+  std::sort(removed.begin(), removed.end());
+  auto want = stored;
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(removed, want);
+}
+
+TEST(EngineTest, AbortAtEveryStageFreesEveryBlock) {
+  EngineOptions o;
+  o.num_blocks = 32;
+  o.scheduler.max_batched_tokens = 16;
+  auto e = MakeEngine(TinyModel(), o);
+  const uint32_t idle = e->stats().free_blocks;
+  ASSERT_EQ(idle, 32u);
+  auto expect_idle = [&](const char* stage) {
+    const auto s = e->stats();
+    EXPECT_EQ(s.free_blocks, idle) << stage;
+    EXPECT_EQ(s.num_running + s.num_waiting + s.num_parked + s.num_reservations, 0u) << stage;
+  };
+
+  // Waiting.
+  Collector w;
+  ASSERT_TRUE(e->Submit(Req("w", Prompt(40, 1), 10, &w)).ok());
+  ASSERT_TRUE(e->Abort("w").ok());
+  EXPECT_EQ(w.reason, FinishReason::kAbort);
+  EXPECT_EQ(w.status.code(), StatusCode::kCancelled);
+  expect_idle("waiting");
+
+  // Mid chunked prefill.
+  Collector p;
+  ASSERT_TRUE(e->Submit(Req("p", Prompt(40, 2), 10, &p)).ok());
+  ASSERT_TRUE(e->Step());
+  EXPECT_GT(e->stats().num_running, 0u);
+  ASSERT_TRUE(e->Abort("p").ok());
+  EXPECT_TRUE(p.tokens.empty());
+  expect_idle("prefill");
+
+  // Decoding.
+  Collector d;
+  ASSERT_TRUE(e->Submit(Req("d", Prompt(5, 3), 50, &d)).ok());
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(e->Step());
+  EXPECT_EQ(d.tokens.size(), 4u);
+  ASSERT_TRUE(e->Abort("d").ok());
+  EXPECT_EQ(d.reason, FinishReason::kAbort);
+  expect_idle("decode");
+
+  // Parked prefill-only.
+  Collector f;
+  auto pr = Req("f", Prompt(20, 4), 10, &f);
+  pr.prefill_only = true;
+  ASSERT_TRUE(e->Submit(std::move(pr)).ok());
+  e->RunUntilIdle();
+  EXPECT_EQ(f.reason, FinishReason::kPrefillDone);
+  EXPECT_EQ(e->stats().num_parked, 1u);
+  ASSERT_TRUE(e->Abort("f").ok());
+  expect_idle("parked");
+
+  // Reservation, and a prefilled sequence built from one.
+  auto res = e->Reserve("r", Prompt(30, 5));
+  ASSERT_TRUE(res.ok());
+  EXPECT_LT(e->stats().free_blocks, idle);
+  ASSERT_TRUE(e->Abort("r").ok());
+  expect_idle("reservation");
+  auto res2 = e->Reserve("q", Prompt(30, 6));
+  ASSERT_TRUE(res2.ok());
+  Collector q;
+  ASSERT_TRUE(e->AddPrefilled(res2->reservation_id, Req("q", {}, 10, &q), 9).ok());
+  ASSERT_TRUE(e->Step());
+  ASSERT_TRUE(e->Abort("q").ok());
+  expect_idle("prefilled");
+  EXPECT_EQ(e->Abort("nobody").code(), StatusCode::kNotFound);
+}
+
+TEST(EngineTest, AbortWhileInFlightOnTheEngineThread) {
+  EngineOptions o;
+  o.num_blocks = 64;
+  auto e = MakeEngine(TinyModel(), o);
+  std::promise<void> first;
+  std::atomic<bool> got_first{false};
+  Collector c;
+  auto inner = c.Callback();
+  std::promise<void> done;
+  auto r = Req("long", Prompt(30, 9), 400, nullptr);
+  r.on_output = [&](const RequestOutput& out) {
+    inner(out);
+    if (!got_first.exchange(true)) first.set_value();
+    if (out.finished) done.set_value();
+  };
+  e->Start();
+  ASSERT_TRUE(e->Submit(std::move(r)).ok());
+  first.get_future().wait();
+  ASSERT_TRUE(e->Abort("long").ok());
+  done.get_future().wait();
+  EXPECT_EQ(c.reason, FinishReason::kAbort);
+  EXPECT_LT(c.tokens.size(), 400u);
+  e->Stop();
+  EXPECT_EQ(e->stats().free_blocks, 64u);
+}
+
+// The serving path in one process: a prefill-only request on a "prefiller"
+// engine, its blocks copied into a "decoder" engine's reservation, then
+// decoded there: the tokens equal an aggregated run.
+TEST(EngineTest, PrefillReserveAddPrefilledEqualsAggregated) {
+  const auto& m = TinyModel();
+  EngineOptions o;
+  o.num_blocks = 64;
+  auto prefiller = MakeEngine(m, o);
+  auto decoder = MakeEngine(m, o);
+  auto run = [&](const std::string& id, const std::vector<uint32_t>& prompt, float temperature,
+                 uint32_t expect_cached_blocks) {
+    auto res = decoder->Reserve(id, prompt);
+    EXPECT_TRUE(res.ok()) << res.status().ToString();
+    EXPECT_EQ(res->num_cached_blocks, expect_cached_blocks);
+    EXPECT_EQ(res->block_ids.size(), (prompt.size() + 15) / 16);
+    Collector pc;
+    auto pr = Req(id, prompt, 20, &pc, temperature);
+    pr.prefill_only = true;
+    EXPECT_TRUE(prefiller->Submit(std::move(pr)).ok());
+    prefiller->RunUntilIdle();
+    EXPECT_EQ(pc.reason, FinishReason::kPrefillDone);
+    EXPECT_EQ(pc.tokens.size(), 1u);
+    EXPECT_EQ(pc.last.block_ids.size(), res->block_ids.size());
+    // "Push" the blocks the decoder lacks.
+    const size_t bytes = prefiller->pool().layout().block_bytes();
+    for (size_t i = res->num_cached_blocks; i < res->block_ids.size(); ++i) {
+      std::memcpy(decoder->pool().block(res->block_ids[i]),
+                  prefiller->pool().block(pc.last.block_ids[i]), bytes);
+    }
+    EXPECT_TRUE(prefiller->ReleasePrefill(id).ok());
+    Collector dc;
+    EXPECT_TRUE(decoder->AddPrefilled(res->reservation_id, Req(id, prompt, 20, &dc, temperature),
+                                      pc.tokens[0]).ok());
+    decoder->RunUntilIdle();
+    EXPECT_EQ(dc.reason, FinishReason::kLength);
+    EXPECT_EQ(dc.last.cached_prompt_tokens, expect_cached_blocks * 16);
+    return std::make_pair(pc.last.cached_prompt_tokens, dc.tokens);
+  };
+  const auto p1 = Prompt(45, 11);
+  auto [cached1, t1] = run("x", p1, 0, 0);
+  EXPECT_EQ(cached1, 0u);
+  EXPECT_EQ(t1, GenerateAlone(p1, 20));
+  // Sharing 40 tokens with x: the decoder holds 2 blocks, the prefiller too.
+  auto p2 = p1;
+  p2.resize(40);
+  auto tail = Prompt(9, 12);
+  p2.insert(p2.end(), tail.begin(), tail.end());
+  auto [cached2, t2] = run("y", p2, 0.8f, 2);
+  EXPECT_EQ(cached2, 32u);
+  EXPECT_EQ(t2, GenerateAlone(p2, 20, 0.8f));
+  EXPECT_EQ(prefiller->stats().free_blocks, 64u);
+  EXPECT_EQ(decoder->stats().free_blocks, 64u);
+}
+
+TEST(EngineTest, ReserveRefusesWithoutRoomAndHoldsNothing) {
+  EngineOptions o;
+  o.num_blocks = 4;
+  auto e = MakeEngine(TinyModel(), o);
+  auto a = e->Reserve("a", Prompt(40, 1));  // 3 blocks
+  ASSERT_TRUE(a.ok());
+  auto b = e->Reserve("b", Prompt(40, 2));
+  EXPECT_EQ(b.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(e->stats().free_blocks, 1u);
+  ASSERT_TRUE(e->ReleaseReservation(a->reservation_id).ok());
+  EXPECT_EQ(e->ReleaseReservation(a->reservation_id).code(), StatusCode::kNotFound);
+  EXPECT_EQ(e->stats().free_blocks, 4u);
+}
+
+TEST(EngineTest, ContextLimitsGiveBothNumbers) {
+  EngineOptions o;
+  o.max_model_len = 100;
+  auto e = MakeEngine(TinyModel(), o);
+  Status s1 = e->Submit(Req("a", Prompt(101, 1), 1, nullptr));
+  EXPECT_EQ(s1.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s1.message().find("101"), std::string::npos) << s1.message();
+  EXPECT_NE(s1.message().find("100"), std::string::npos) << s1.message();
+  Status s2 = e->Submit(Req("b", Prompt(90, 1), 20, nullptr));
+  EXPECT_EQ(s2.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s2.message().find("90"), std::string::npos) << s2.message();
+  EXPECT_NE(s2.message().find("20"), std::string::npos) << s2.message();
+  EXPECT_NE(s2.message().find("100"), std::string::npos) << s2.message();
+  EXPECT_EQ(e->Submit(Req("c", {600}, 1, nullptr)).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(e->Submit(Req("d", {}, 1, nullptr)).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(e->Submit(Req("ok", Prompt(90, 1), 10, nullptr)).ok());
+  EXPECT_EQ(e->Submit(Req("ok", Prompt(9, 1), 10, nullptr)).code(), StatusCode::kAlreadyExists);
+}
+
+TEST(EngineTest, FullWaitingQueueIsRefusedAtOnce) {
+  EngineOptions o;
+  o.scheduler.max_waiting = 3;
+  auto e = MakeEngine(TinyModel(), o);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(e->Submit(Req(testing::Id("r", i), Prompt(5, i), 2, nullptr)).ok());
+  }
+  EXPECT_EQ(e->Submit(Req("r3", Prompt(5, 3), 2, nullptr)).code(),
+            StatusCode::kResourceExhausted);
+  e->RunUntilIdle();
+  EXPECT_TRUE(e->Submit(Req("r4", Prompt(5, 3), 2, nullptr)).ok());
+}
+
+TEST(EngineTest, ExpiredQueuedWorkIsDroppedNotComputed) {
+  auto e = MakeEngine(TinyModel());
+  Collector c;
+  auto r = Req("late", Prompt(20, 1), 5, &c);
+  r.deadline = std::chrono::steady_clock::now() - std::chrono::milliseconds(1);
+  ASSERT_TRUE(e->Submit(std::move(r)).ok());
+  EXPECT_FALSE(e->Step());
+  EXPECT_EQ(c.reason, FinishReason::kDeadline);
+  EXPECT_EQ(c.status.code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(e->stats().steps, 0u);
+}
+
+TEST(EngineTest, StopTokenIdsAndMaxTokens) {
+  const auto prompt = Prompt(12, 5);
+  const auto full = GenerateAlone(prompt, 10);
+  auto e = MakeEngine(TinyModel());
+  Collector c;
+  auto r = Req("s", prompt, 10, &c);
+  r.sampling.stop_token_ids = {full[3]};
+  ASSERT_TRUE(e->Submit(std::move(r)).ok());
+  e->RunUntilIdle();
+  const auto first = std::find(full.begin(), full.end(), full[3]) - full.begin();
+  EXPECT_EQ(c.tokens, std::vector<uint32_t>(full.begin(), full.begin() + first + 1));
+  EXPECT_EQ(c.reason, FinishReason::kStop);
+  EXPECT_EQ(c.last.completion_tokens, c.tokens.size());
+  Collector l;
+  ASSERT_TRUE(e->Submit(Req("l", prompt, 3, &l)).ok());
+  e->RunUntilIdle();
+  EXPECT_EQ(l.reason, FinishReason::kLength);
+  EXPECT_EQ(l.tokens, std::vector<uint32_t>(full.begin(), full.begin() + 3));
+}
+
+TEST(EngineTest, ThreadedEngineServesConcurrentSubmitters) {
+  EngineOptions o;
+  o.num_blocks = 128;
+  auto e = MakeEngine(TinyModel(), o);
+  std::atomic<int> steps{0};
+  e->Start();
+  constexpr int kN = 8;
+  std::vector<Collector> col(kN);
+  std::vector<std::promise<void>> done(kN);
+  std::vector<std::thread> submitters;
+  for (int i = 0; i < kN; ++i) {
+    submitters.emplace_back([&, i] {
+      auto r = Req(testing::Id("t", i), Prompt(10 + i, 40 + i), 6, nullptr, 0.7f);
+      auto inner = col[i].Callback();
+      r.on_output = [&, i, inner](const RequestOutput& out) {
+        inner(out);
+        if (out.finished) done[i].set_value();
+      };
+      EXPECT_TRUE(e->Submit(std::move(r)).ok());
+    });
+  }
+  for (auto& t : submitters) t.join();
+  for (auto& d : done) d.get_future().wait();
+  e->Stop();
+  for (int i = 0; i < kN; ++i) {
+    EXPECT_EQ(col[i].tokens, GenerateAlone(Prompt(10 + i, 40 + i), 6, 0.7f)) << i;
+  }
+  EXPECT_EQ(e->stats().free_blocks, 128u);
+  (void)steps;
+}
+
+}  // namespace
+}  // namespace tandem::engine

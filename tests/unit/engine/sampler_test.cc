@@ -1,0 +1,116 @@
+// Sampler (greedy, temperature, top-k, top-p, seeds) and stop strings.
+#include "engine/sampler.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+
+#include "engine/stop_strings.h"
+
+namespace tandem::engine {
+namespace {
+
+TEST(SamplerTest, GreedyPicksLowestIdOnTiesAndSkipsNan) {
+  Sampler s;
+  SamplingParams p;
+  p.temperature = 0;
+  std::vector<float> l = {1.0f, 3.0f, NAN, 3.0f, -2.0f};
+  EXPECT_EQ(s.Sample(l, p, 1, 0), 1u);
+  p.temperature = 1.0f;
+  p.top_k = 1;
+  EXPECT_EQ(s.Sample(l, p, 1, 0), 1u);
+}
+
+TEST(SamplerTest, SameSeedAndIndexSameTokenDifferentIndexVaries) {
+  Sampler s;
+  SamplingParams p;
+  p.temperature = 1.0f;
+  std::vector<float> l(64, 0.0f);  // uniform
+  std::map<uint32_t, int> counts;
+  for (uint64_t i = 0; i < 2000; ++i) {
+    const uint32_t a = s.Sample(l, p, 1234, i);
+    EXPECT_EQ(a, s.Sample(l, p, 1234, i));
+    ++counts[a];
+  }
+  EXPECT_GT(counts.size(), 55u);  // all of 64 ids are hit roughly evenly
+  for (auto& [id, c] : counts) EXPECT_LT(c, 80);
+  int differ = 0;
+  for (uint64_t i = 0; i < 50; ++i) differ += s.Sample(l, p, 1, i) != s.Sample(l, p, 2, i);
+  EXPECT_GT(differ, 30);
+}
+
+TEST(SamplerTest, TemperatureShapesTheDistribution) {
+  Sampler s;
+  SamplingParams p;
+  std::vector<float> l = {0.0f, std::log(3.0f)};  // p = 0.25, 0.75 at T = 1
+  int ones = 0;
+  const int n = 4000;
+  for (int i = 0; i < n; ++i) ones += s.Sample(l, p, 9, i) == 1;
+  EXPECT_NEAR(ones / double(n), 0.75, 0.03);
+  p.temperature = 0.05f;  // nearly greedy
+  ones = 0;
+  for (int i = 0; i < 500; ++i) ones += s.Sample(l, p, 9, i) == 1;
+  EXPECT_EQ(ones, 500);
+}
+
+TEST(SamplerTest, TopKAndTopPRestrictTheSupport) {
+  Sampler s;
+  SamplingParams p;
+  std::vector<float> l = {5.0f, 4.9f, 4.8f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  p.top_k = 2;
+  for (int i = 0; i < 300; ++i) EXPECT_LT(s.Sample(l, p, 3, i), 2u);
+  p.top_k = 0;
+  p.top_p = 0.5f;  // the two largest hold > 0.5 together, the first alone < 0.5
+  std::map<uint32_t, int> c;
+  for (int i = 0; i < 600; ++i) ++c[s.Sample(l, p, 3, i)];
+  EXPECT_EQ(c.size(), 2u);
+  EXPECT_GT(c[0], 0);
+  EXPECT_GT(c[1], 0);
+}
+
+TEST(SamplerTest, ValidateNamesTheField) {
+  SamplingParams p;
+  p.top_p = 0;
+  EXPECT_NE(ValidateSamplingParams(p).message().find("top_p"), std::string::npos);
+  p = {};
+  p.temperature = -1;
+  EXPECT_NE(ValidateSamplingParams(p).message().find("temperature"), std::string::npos);
+  p = {};
+  p.max_tokens = 0;
+  EXPECT_EQ(ValidateSamplingParams(p).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(ValidateSamplingParams(SamplingParams{}).ok());
+}
+
+TEST(StopStringsTest, HoldsPossiblePrefixAndCutsBeforeStop) {
+  StopStringMatcher m({"STOP", "\n\n"});
+  auto a = m.Push("hello S");
+  EXPECT_EQ(a.text, "hello ");
+  EXPECT_FALSE(a.stopped);
+  auto b = m.Push("T");
+  EXPECT_EQ(b.text, "");
+  auto c = m.Push("x");  // "STx" cannot become a stop string
+  EXPECT_EQ(c.text, "STx");
+  auto d = m.Push("yy\n");
+  EXPECT_EQ(d.text, "yy");
+  auto e = m.Push("\nmore");
+  EXPECT_TRUE(e.stopped);
+  EXPECT_EQ(e.text, "");
+  EXPECT_EQ(m.Push("later").text, "");
+  EXPECT_EQ(m.Flush(), "");
+}
+
+TEST(StopStringsTest, StopInsideOneChunkAndFlushWithoutStop) {
+  StopStringMatcher m({"end"});
+  auto a = m.Push("the end of it");
+  EXPECT_TRUE(a.stopped);
+  EXPECT_EQ(a.text, "the ");
+  StopStringMatcher n({"end"});
+  EXPECT_EQ(n.Push("we e").text, "we ");
+  EXPECT_EQ(n.Flush(), "e");
+  StopStringMatcher none({});
+  EXPECT_EQ(none.Push("abc").text, "abc");
+}
+
+}  // namespace
+}  // namespace tandem::engine

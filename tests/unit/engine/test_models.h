@@ -1,0 +1,105 @@
+// Shared helpers for the engine tests: the tiny golden models (loaded once
+// per process) and an engine factory.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "model/model_config.h"
+#include "model/weights.h"
+
+namespace tandem::engine::testing {
+
+struct LoadedModel {
+  model::ModelConfig config;
+  model::ModelWeights weights;
+};
+
+inline std::string RepoPath(const std::string& rel) {
+  return (std::filesystem::path(TANDEM_SOURCE_DIR) / rel).string();
+}
+
+// `name`: a folder under tests/fixtures/golden ("tiny-llama", "tiny-qwen2").
+// Aborts the test on failure.
+inline const LoadedModel& TinyModel(const std::string& name = "tiny-qwen2") {
+  static std::map<std::string, std::unique_ptr<LoadedModel>> cache;
+  auto& slot = cache[name];
+  if (!slot) {
+    const std::string dir = RepoPath("tests/fixtures/golden/" + name);
+    auto cfg = model::LoadModelConfig(dir);
+    if (!cfg.ok()) {
+      ADD_FAILURE() << cfg.status().ToString();
+      std::abort();
+    }
+    auto w = model::LoadWeights(dir, *cfg);
+    if (!w.ok()) {
+      ADD_FAILURE() << w.status().ToString();
+      std::abort();
+    }
+    slot = std::make_unique<LoadedModel>(LoadedModel{*cfg, std::move(*w)});
+  }
+  return *slot;
+}
+
+inline std::unique_ptr<Engine> MakeEngine(const LoadedModel& m, EngineOptions o = {}) {
+  auto e = Engine::Create(m.config, m.weights, std::move(o));
+  if (!e.ok()) {
+    ADD_FAILURE() << e.status().ToString();
+    return nullptr;
+  }
+  return std::move(*e);
+}
+
+// Deterministic pseudo-random prompt of `n` ids in [3, vocab).
+inline std::vector<uint32_t> Prompt(uint32_t n, uint32_t salt, uint32_t vocab = 512) {
+  std::vector<uint32_t> p(n);
+  uint64_t x = 0x9E3779B97F4A7C15ull * (salt + 1);
+  for (auto& t : p) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    t = 3 + static_cast<uint32_t>(x % (vocab - 3));
+  }
+  return p;
+}
+
+// Collects one request's outputs.
+struct Collector {
+  std::vector<uint32_t> tokens;
+  std::string text;
+  bool finished = false;
+  int finished_count = 0;
+  FinishReason reason = FinishReason::kNone;
+  Status status;
+  RequestOutput last;
+  OutputCallback Callback() {
+    return [this](const RequestOutput& o) {
+      tokens.insert(tokens.end(), o.token_ids.begin(), o.token_ids.end());
+      text += o.text;
+      if (o.finished) {
+        finished = true;
+        ++finished_count;
+        reason = o.finish_reason;
+        status = o.status;
+      }
+      last = o;
+    };
+  }
+};
+
+}  // namespace tandem::engine::testing
+
+namespace tandem::engine::testing {
+// "prefix" + n (std::string's operator+ on a literal trips GCC 12's -Wrestrict).
+inline std::string Id(const char* prefix, size_t n) {
+  std::string s(prefix);
+  s += std::to_string(n);
+  return s;
+}
+}  // namespace tandem::engine::testing
