@@ -129,7 +129,12 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
         const double cost = pc[p] + dc[d] + transfer(p, d);
         if (sample) state->scratch.push_back({p, d, cost});
         const int64_t running = w[p].load.running_requests + (p == d ? 0 : w[d].load.running_requests);
-        if (bp == UINT32_MAX || CostLess(cost, best) || (!CostLess(best, cost) && running < best_running)) {
+        const bool better =
+            bp == UINT32_MAX || CostLess(cost, best) ||
+            (!CostLess(best, cost) &&
+             (running < best_running ||
+              (running == best_running && (w[p].id < w[bp].id || (w[p].id == w[bp].id && w[d].id < w[bd].id)))));
+        if (better) {
           bp = p;
           bd = d;
           best = cost;

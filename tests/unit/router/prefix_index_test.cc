@@ -1,0 +1,287 @@
+#include "router/prefix_index.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+#include "common/block_hash.h"
+
+namespace tandem::router {
+namespace {
+
+// Distinct, well-spread fake hashes (the index relies on hashes being XXH3
+// outputs: top bits pick the shard, low bits the slot).
+uint64_t H(uint64_t i) { return (i + 1) * 0x9E3779B97F4A7C15ull; }
+
+std::vector<uint64_t> Chain(uint64_t first, uint64_t n) {
+  std::vector<uint64_t> v(n);
+  for (uint64_t i = 0; i < n; ++i) v[i] = H(first + i);
+  return v;
+}
+
+KvEventView Stored(uint64_t epoch, uint64_t id, std::span<const uint64_t> h) {
+  return {KvEventKind::kStored, epoch, id, 0, h};
+}
+KvEventView Removed(uint64_t epoch, uint64_t id, std::span<const uint64_t> h) {
+  return {KvEventKind::kRemoved, epoch, id, 0, h};
+}
+KvEventView Cleared(uint64_t epoch, uint64_t id) { return {KvEventKind::kCleared, epoch, id, 0, {}}; }
+
+uint32_t OverlapOf(const PrefixIndex& index, WorkerId w, std::span<const uint64_t> h) {
+  OverlapBlocks out;
+  index.Overlap(h, &out);
+  return out[w];
+}
+
+TEST(PrefixIndexTest, OverlapStopsAtEachWorkersFirstMiss) {
+  PrefixIndex index;
+  const std::vector<uint64_t> q = Chain(0, 4);  // a b c d
+  for (WorkerId w : {0u, 1u, 2u, 5u}) ASSERT_TRUE(index.AddWorker(w, 7).ok());
+  const std::vector<uint64_t> w0 = {q[0], q[1], q[3]};  // lacks c
+  const std::vector<uint64_t> w1 = {q[0]};
+  const std::vector<uint64_t> w2 = {q[1], q[2], q[3]};  // lacks a
+  ASSERT_EQ(*index.Apply(0, Stored(7, 1, w0)), EventResult::kApplied);
+  ASSERT_EQ(*index.Apply(1, Stored(7, 1, w1)), EventResult::kApplied);
+  ASSERT_EQ(*index.Apply(2, Stored(7, 1, w2)), EventResult::kApplied);
+  ASSERT_EQ(*index.Apply(5, Stored(7, 1, q)), EventResult::kApplied);
+  OverlapBlocks out;
+  index.Overlap(q, &out);
+  EXPECT_EQ(out[0], 2u);
+  EXPECT_EQ(out[1], 1u);
+  EXPECT_EQ(out[2], 0u);
+  EXPECT_EQ(out[5], 4u);
+  EXPECT_EQ(out[3], 0u);
+  index.Overlap({}, &out);
+  EXPECT_EQ(out[5], 0u);
+}
+
+TEST(PrefixIndexTest, LongPromptsCrossChunkBoundaries) {
+  PrefixIndex index;
+  const std::vector<uint64_t> q = Chain(100, 700);
+  const struct {
+    WorkerId worker;
+    uint32_t held;
+  } kRows[] = {{0, 700}, {1, 300}, {2, 17}, {3, 16}, {4, 1}, {5, 511}, {6, 0}};
+  for (const auto& r : kRows) {
+    ASSERT_TRUE(index.AddWorker(r.worker, 1).ok());
+    ASSERT_EQ(*index.Apply(r.worker, Stored(1, 1, std::span(q).first(r.held))), EventResult::kApplied);
+  }
+  OverlapBlocks out;
+  index.Overlap(q, &out);
+  for (const auto& r : kRows) EXPECT_EQ(out[r.worker], r.held) << "worker " << r.worker;
+  EXPECT_EQ(index.size(), 700u);
+  EXPECT_EQ(index.BlocksOf(1), 300u);
+}
+
+TEST(PrefixIndexTest, HashZeroIsAnOrdinaryKey) {
+  PrefixIndex index;
+  ASSERT_TRUE(index.AddWorker(0, 1).ok());
+  const std::vector<uint64_t> q = {0, H(1)};
+  ASSERT_EQ(*index.Apply(0, Stored(1, 1, q)), EventResult::kApplied);
+  EXPECT_EQ(OverlapOf(index, 0, q), 2u);
+  ASSERT_EQ(*index.Apply(0, Removed(1, 2, std::span(q).first(1))), EventResult::kApplied);
+  EXPECT_EQ(OverlapOf(index, 0, q), 0u);
+  EXPECT_EQ(index.size(), 1u);
+}
+
+TEST(PrefixIndexTest, RemovalsLeaveTombstonesThatInsertsReuse) {
+  PrefixIndex index;
+  ASSERT_TRUE(index.AddWorker(0, 1).ok());
+  ASSERT_TRUE(index.AddWorker(1, 1).ok());
+  const std::vector<uint64_t> all = Chain(0, 20000);
+  ASSERT_EQ(*index.Apply(0, Stored(1, 1, all)), EventResult::kApplied);
+  ASSERT_EQ(*index.Apply(1, Stored(1, 1, std::span(all).first(10))), EventResult::kApplied);
+  uint64_t id = 2;
+  for (int round = 0; round < 5; ++round) {
+    ASSERT_EQ(*index.Apply(0, Removed(1, id++, std::span(all).subspan(5000))), EventResult::kApplied);
+    EXPECT_EQ(index.size(), 5000u);
+    EXPECT_EQ(OverlapOf(index, 0, all), 5000u);
+    ASSERT_EQ(*index.Apply(0, Stored(1, id++, std::span(all).subspan(5000))), EventResult::kApplied);
+    EXPECT_EQ(index.size(), 20000u);
+    EXPECT_EQ(OverlapOf(index, 0, all), 20000u);
+  }
+  EXPECT_EQ(OverlapOf(index, 1, all), 10u);
+  EXPECT_EQ(index.BlocksOf(0), 20000u);
+}
+
+// The event-stream rules, as sequences of events for worker 0 (registered
+// with epoch 1) and what each returns, then the overlap of a query.
+TEST(PrefixIndexTest, EventStreamRules) {
+  const std::vector<uint64_t> a = Chain(0, 2), b = Chain(2, 1), x = Chain(50, 1);
+  std::vector<uint64_t> ab = a;
+  ab.push_back(b[0]);
+  struct Ev {
+    KvEventView view;
+    EventResult want;
+  };
+  const struct {
+    const char* name;
+    std::vector<Ev> events;
+    std::vector<uint64_t> query;
+    uint32_t want_overlap;
+  } kCases[] = {
+      {"in order", {{Stored(1, 1, a), EventResult::kApplied}, {Stored(1, 2, b), EventResult::kApplied}}, ab, 3},
+      {"duplicate id ignored",
+       {{Stored(1, 1, a), EventResult::kApplied}, {Removed(1, 1, a), EventResult::kDuplicate}},
+       a,
+       2},
+      {"first event after 1 is a gap", {{Stored(1, 2, a), EventResult::kNeedsSnapshot}}, a, 0},
+      {"gap keeps entries, later events wait for the snapshot",
+       {{Stored(1, 1, a), EventResult::kApplied},
+        {Stored(1, 3, b), EventResult::kNeedsSnapshot},
+        {Removed(1, 4, a), EventResult::kAwaitingSnapshot}},
+       ab,
+       2},
+      {"restart at id 1 starts afresh",
+       {{Stored(1, 1, a), EventResult::kApplied}, {Stored(2, 1, x), EventResult::kApplied}},
+       a,
+       0},
+      {"restart mid-history drops entries and needs a snapshot",
+       {{Stored(1, 1, a), EventResult::kApplied}, {Stored(2, 9, x), EventResult::kNeedsSnapshot}},
+       a,
+       0},
+      {"late event of the old epoch is stale",
+       {{Stored(1, 1, a), EventResult::kApplied},
+        {Stored(2, 1, x), EventResult::kApplied},
+        {Stored(1, 2, a), EventResult::kStaleEpoch}},
+       a,
+       0},
+      {"removed", {{Stored(1, 1, ab), EventResult::kApplied}, {Removed(1, 2, b), EventResult::kApplied}}, ab, 2},
+      {"removed middle block cuts the prefix",
+       {{Stored(1, 1, ab), EventResult::kApplied},
+        {Removed(1, 2, std::span(a).subspan(1)), EventResult::kApplied}},
+       ab,
+       1},
+      {"cleared", {{Stored(1, 1, ab), EventResult::kApplied}, {Cleared(1, 2), EventResult::kApplied}}, ab, 0},
+  };
+  for (const auto& c : kCases) {
+    SCOPED_TRACE(c.name);
+    PrefixIndex index;
+    ASSERT_TRUE(index.AddWorker(0, 1).ok());
+    for (size_t i = 0; i < c.events.size(); ++i) {
+      Result<EventResult> r = index.Apply(0, c.events[i].view);
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+      EXPECT_EQ(*r, c.events[i].want) << "event " << i << ": got " << EventResultName(*r);
+    }
+    EXPECT_EQ(OverlapOf(index, 0, c.query), c.want_overlap);
+  }
+}
+
+TEST(PrefixIndexTest, SnapshotReplacesEntriesAndResumesEvents) {
+  PrefixIndex index;
+  ASSERT_TRUE(index.AddWorker(0, 1).ok());
+  const std::vector<uint64_t> q = Chain(0, 6);
+  ASSERT_EQ(*index.Apply(0, Stored(1, 1, std::span(q).first(2))), EventResult::kApplied);
+  ASSERT_EQ(*index.Apply(0, Stored(1, 5, std::span(q).subspan(2, 1))), EventResult::kNeedsSnapshot);
+  // The worker's snapshot at event 10: blocks 0..3 (not the stale view).
+  Result<EventResult> r = index.ApplySnapshot(0, 1, 10, std::span(q).first(4));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(*r, EventResult::kApplied);
+  EXPECT_EQ(OverlapOf(index, 0, q), 4u);
+  EXPECT_EQ(*index.Apply(0, Stored(1, 10, std::span(q).subspan(4))), EventResult::kDuplicate);
+  EXPECT_EQ(*index.Apply(0, Stored(1, 11, std::span(q).subspan(4))), EventResult::kApplied);
+  EXPECT_EQ(OverlapOf(index, 0, q), 6u);
+  // A restart, then a snapshot from the new epoch; the old epoch's snapshot
+  // arriving late is refused.
+  EXPECT_EQ(*index.Apply(0, Stored(9, 3, q)), EventResult::kNeedsSnapshot);
+  EXPECT_EQ(OverlapOf(index, 0, q), 0u);
+  EXPECT_EQ(*index.ApplySnapshot(0, 9, 3, std::span(q).first(1)), EventResult::kApplied);
+  EXPECT_EQ(*index.ApplySnapshot(0, 1, 12, q), EventResult::kStaleEpoch);
+  EXPECT_EQ(OverlapOf(index, 0, q), 1u);
+}
+
+TEST(PrefixIndexTest, RemovedWorkerIsForgottenAndItsLateEventsAreRefused) {
+  PrefixIndex index;
+  const std::vector<uint64_t> q = Chain(0, 8);
+  ASSERT_TRUE(index.AddWorker(0, 1).ok());
+  ASSERT_TRUE(index.AddWorker(1, 1).ok());
+  ASSERT_EQ(*index.Apply(0, Stored(1, 1, q)), EventResult::kApplied);
+  ASSERT_EQ(*index.Apply(1, Stored(1, 1, q)), EventResult::kApplied);
+  ASSERT_TRUE(index.RemoveWorker(0).ok());
+  EXPECT_EQ(index.BlocksOf(0), 0u);
+  EXPECT_EQ(OverlapOf(index, 0, q), 0u);
+  EXPECT_EQ(OverlapOf(index, 1, q), 8u);
+  EXPECT_EQ(index.Apply(0, Stored(1, 2, q)).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(index.RemoveWorker(0).code(), StatusCode::kNotFound);
+  // The id goes to a new worker (epoch 2): the old one's late events are stale.
+  ASSERT_TRUE(index.AddWorker(0, 2).ok());
+  EXPECT_EQ(*index.Apply(0, Stored(1, 2, q)), EventResult::kStaleEpoch);
+  EXPECT_EQ(*index.Apply(0, Stored(2, 1, std::span(q).first(3))), EventResult::kApplied);
+  EXPECT_EQ(OverlapOf(index, 0, q), 3u);
+  EXPECT_EQ(index.AddWorker(0, 3).code(), StatusCode::kAlreadyExists);
+  EXPECT_EQ(index.AddWorker(kMaxWorkers, 3).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(PrefixIndexTest, TenantsWithTheSamePromptDoNotShareBlocks) {
+  HashContext a{.model_id = "m", .fleet_salt = "s", .tenant_salt = "tenant-a"};
+  HashContext b = a;
+  b.tenant_salt = "tenant-b";
+  std::vector<uint32_t> tokens(16 * 8);
+  std::iota(tokens.begin(), tokens.end(), 1000u);
+  const std::vector<uint64_t> ha = HashBlocks(RootHash(a), tokens, 16);
+  const std::vector<uint64_t> hb = HashBlocks(RootHash(b), tokens, 16);
+  PrefixIndex index;
+  ASSERT_TRUE(index.AddWorker(0, 1).ok());
+  ASSERT_EQ(*index.Apply(0, Stored(1, 1, ha)), EventResult::kApplied);
+  EXPECT_EQ(OverlapOf(index, 0, ha), 8u);
+  EXPECT_EQ(OverlapOf(index, 0, hb), 0u);
+}
+
+// Writers apply events for their own workers (all storing one shared chain,
+// so they contend on the same entries) while readers look up; one more
+// thread keeps adding and removing a worker (shard scans). Chains are
+// stored in order and never removed, so each reader must see every
+// writer's overlap never decrease, and the end state must be complete.
+TEST(PrefixIndexTest, ConcurrentApplyAndLookup) {
+  constexpr uint64_t kBlocks = 3000, kPerEvent = 10;
+  constexpr WorkerId kWriters = 3, kChurn = 10;
+  PrefixIndex index;
+  const std::vector<uint64_t> chain = Chain(0, kBlocks);
+  for (WorkerId w = 0; w < kWriters; ++w) ASSERT_TRUE(index.AddWorker(w, 1).ok());
+  std::atomic<int> writers_left{kWriters};
+  std::atomic<bool> failed{false};
+  std::vector<std::jthread> threads;
+  for (WorkerId w = 0; w < kWriters; ++w) {
+    threads.emplace_back([&, w] {
+      for (uint64_t e = 0; e < kBlocks / kPerEvent; ++e) {
+        auto r = index.Apply(w, Stored(1, e + 1, std::span(chain).subspan(e * kPerEvent, kPerEvent)));
+        if (!r.ok() || *r != EventResult::kApplied) failed = true;
+      }
+      --writers_left;
+    });
+  }
+  threads.emplace_back([&] {
+    for (uint64_t epoch = 1; writers_left > 0 && epoch < 200; ++epoch) {
+      if (!index.AddWorker(kChurn, epoch).ok()) failed = true;
+      if (!index.Apply(kChurn, Stored(epoch, 1, std::span(chain).first(500))).ok()) failed = true;
+      if (!index.RemoveWorker(kChurn).ok()) failed = true;
+    }
+  });
+  std::vector<std::vector<uint32_t>> last(2, std::vector<uint32_t>(kWriters, 0));
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      for (int i = 0; i < 100000 && writers_left > 0; ++i) {
+        OverlapBlocks out;
+        index.Overlap(chain, &out);
+        for (WorkerId w = 0; w < kWriters; ++w) {
+          if (out[w] < last[r][w]) failed = true;
+          last[r][w] = out[w];
+        }
+      }
+    });
+  }
+  threads.clear();  // joins
+  EXPECT_FALSE(failed);
+  OverlapBlocks out;
+  index.Overlap(chain, &out);
+  for (WorkerId w = 0; w < kWriters; ++w) EXPECT_EQ(out[w], kBlocks);
+  EXPECT_EQ(out[kChurn], 0u);
+  EXPECT_EQ(index.BlocksOf(kChurn), 0u);
+  EXPECT_EQ(index.size(), kBlocks);
+}
+
+}  // namespace
+}  // namespace tandem::router

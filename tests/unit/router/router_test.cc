@@ -1,0 +1,336 @@
+#include "router/router.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <memory>
+#include <vector>
+
+namespace tandem::router {
+namespace {
+
+uint64_t H(uint64_t i) { return (i + 1) * 0x9E3779B97F4A7C15ull; }
+std::vector<uint64_t> Chain(uint64_t first, uint64_t n) {
+  std::vector<uint64_t> v(n);
+  for (uint64_t i = 0; i < n; ++i) v[i] = H(first + i);
+  return v;
+}
+
+// GCC 12 warns (-Wrestrict, a false positive) on "literal" + std::string.
+std::string Name(const char* prefix, uint64_t i) {
+  std::string s(prefix);
+  s += std::to_string(i);
+  return s;
+}
+
+// A router on a fake clock.
+struct Fleet {
+  std::shared_ptr<std::atomic<int64_t>> now = std::make_shared<std::atomic<int64_t>>(1'000'000'000);
+  std::unique_ptr<Router> router;
+
+  explicit Fleet(RouterConfig config = {}, RouterOptions options = {}) {
+    options.clock = [clock = now] { return clock->load(); };
+    router = Router::Create(config, std::move(options)).value();
+  }
+  WorkerId Add(const std::string& name, WorkerRole role, uint32_t num_blocks = 100000, std::string node = "") {
+    WorkerInfo info;
+    info.name = name;
+    info.role = role;
+    info.node = std::move(node);
+    info.epoch = 1;
+    info.num_blocks = num_blocks;
+    return router->AddWorker(info).value();
+  }
+  void Store(WorkerId w, uint64_t event_id, std::span<const uint64_t> hashes) {
+    auto r = router->ApplyEvent(w, {KvEventKind::kStored, 1, event_id, 0, hashes});
+    ASSERT_TRUE(r.ok());
+    ASSERT_EQ(*r, EventResult::kApplied);
+  }
+  RouteDecision Route(std::span<const uint64_t> hashes, uint32_t tokens) {
+    RouteDecision d;
+    Status st = router->Route({hashes, tokens}, &d);
+    EXPECT_TRUE(st.ok()) << st.ToString();
+    return d;
+  }
+  void Advance(int64_t ns) { *now += ns; }
+};
+
+TEST(RouterTest, CreateRejectsBadConfig) {
+  const struct {
+    const char* name;
+    RouterConfig config;
+    RouterOptions options;
+  } kCases[] = {
+      {"unknown policy", {.policy = "fastest"}, {}},
+      {"negative temperature", {.temperature = -1}, {}},
+      {"negative weight", {.prefill_weight = -0.5}, {}},
+      {"zero block size", {}, {.block_size_tokens = 0}},
+      {"zero bandwidth", {}, {.cross_node_bandwidth_bytes_per_s = 0}},
+  };
+  for (const auto& c : kCases) {
+    SCOPED_TRACE(c.name);
+    EXPECT_EQ(Router::Create(c.config, c.options).status().code(), StatusCode::kInvalidArgument);
+  }
+  for (const char* p : {"kv_aware", "least_loaded", "round_robin", "random"}) {
+    auto r = Router::Create({.policy = p});
+    ASSERT_TRUE(r.ok()) << p;
+    EXPECT_EQ(PolicyName((*r)->policy()), p);
+  }
+}
+
+TEST(RouterTest, Membership) {
+  Fleet f;
+  EXPECT_EQ(f.Add("a", WorkerRole::kPrefill), 0u);
+  EXPECT_EQ(f.Add("b", WorkerRole::kDecode), 1u);
+  WorkerInfo dup;
+  dup.name = "a";
+  EXPECT_EQ(f.router->AddWorker(dup).status().code(), StatusCode::kAlreadyExists);
+  ASSERT_TRUE(f.router->RemoveWorker(0).ok());
+  EXPECT_FALSE(f.router->FindWorker("a").has_value());
+  EXPECT_EQ(f.Add("c", WorkerRole::kPrefill), 0u);  // lowest free id is reused
+  for (uint32_t i = 2; i < kMaxWorkers; ++i) f.Add(Name("w", i), WorkerRole::kDecode);
+  WorkerInfo extra;
+  extra.name = "one-too-many";
+  EXPECT_EQ(f.router->AddWorker(extra).status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(f.router->num_workers(), kMaxWorkers);
+}
+
+TEST(RouterTest, RejectsMalformedRequests) {
+  Fleet f;
+  f.Add("p", WorkerRole::kPrefill);
+  f.Add("d", WorkerRole::kDecode);
+  const std::vector<uint64_t> h = Chain(0, 3);
+  RouteDecision d;
+  EXPECT_EQ(f.router->Route({h, 47}, &d).code(), StatusCode::kInvalidArgument);  // 3 hashes, 2 full blocks
+  EXPECT_EQ(f.router->Route({{}, 0}, &d).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(f.router->Route({h, 48}, &d).ok());
+  EXPECT_TRUE(f.router->Route({h, 50}, &d).ok());
+  EXPECT_EQ(d.prompt_blocks, 4u);
+}
+
+// 100 requests at one instant, before any load report: the predictions
+// alone must spread them.
+TEST(RouterTest, BurstSpreadsAcrossWorkers) {
+  const struct {
+    const char* name;
+    Policy policy;
+    uint32_t shared_blocks;  // cached on prefiller 0 and shared by every prompt
+    int min_each, max_each;
+  } kCases[] = {
+      {"kv_aware, nothing cached", Policy::kKvAware, 0, 25, 25},
+      {"kv_aware, shared document on one prefiller", Policy::kKvAware, 24, 5, 60},
+      {"least_loaded", Policy::kLeastLoaded, 0, 25, 25},
+  };
+  for (const auto& c : kCases) {
+    SCOPED_TRACE(c.name);
+    Fleet f;
+    f.router->SetPolicy(c.policy);
+    std::vector<WorkerId> ps, ds;
+    for (int i = 0; i < 4; ++i) ps.push_back(f.Add(Name("p", i), WorkerRole::kPrefill));
+    for (int i = 0; i < 4; ++i) ds.push_back(f.Add(Name("d", i), WorkerRole::kDecode));
+    const std::vector<uint64_t> doc = Chain(1'000'000, c.shared_blocks);
+    if (c.shared_blocks) f.Store(ps[0], 1, doc);
+    std::vector<int> per_worker(8, 0);
+    for (int r = 0; r < 100; ++r) {
+      std::vector<uint64_t> h = doc;
+      const std::vector<uint64_t> own = Chain(uint64_t(r) * 1000, 32 - c.shared_blocks);
+      h.insert(h.end(), own.begin(), own.end());
+      const RouteDecision d = f.Route(h, 32 * 16);
+      ++per_worker[d.prefill];
+      ++per_worker[d.decode];
+      f.Advance(10'000);  // 100 requests in 1 ms
+    }
+    for (WorkerId w : ps) {
+      EXPECT_GE(per_worker[w], c.min_each) << "prefiller " << w;
+      EXPECT_LE(per_worker[w], c.max_each) << "prefiller " << w;
+    }
+    for (WorkerId w : ds) EXPECT_EQ(per_worker[w], 25) << "decoder " << w;
+  }
+}
+
+TEST(RouterTest, LoadReportsReplacePredictionsTheyCover) {
+  Fleet f(RouterConfig{}, RouterOptions{.report_lag_ns = 5'000'000});
+  const WorkerId p = f.Add("p", WorkerRole::kPrefill);
+  const WorkerId d = f.Add("d", WorkerRole::kDecode, 100);
+  for (int i = 0; i < 3; ++i) f.Route(Chain(i * 100, 10), 160);
+  EXPECT_EQ(f.router->load(p)->queued_prefill_tokens, 480);
+  EXPECT_EQ(f.router->load(p)->running_requests, 3);
+  EXPECT_EQ(f.router->load(d)->active_decode_blocks, 30);
+  EXPECT_EQ(f.router->load(d)->free_blocks, 70);
+  // A report 1 ms later may not count them yet: they stay on top of it.
+  f.Advance(1'000'000);
+  ASSERT_TRUE(f.router->ApplyLoadReport(p, {.queued_prefill_tokens = 160, .running_requests = 1}).ok());
+  EXPECT_EQ(f.router->load(p)->queued_prefill_tokens, 160 + 480);
+  // A report 10 ms after the routing covers them.
+  f.Advance(9'000'000);
+  ASSERT_TRUE(f.router->ApplyLoadReport(p, {.queued_prefill_tokens = 160, .running_requests = 1}).ok());
+  ASSERT_TRUE(f.router->ApplyLoadReport(d, {.active_decode_blocks = 30, .free_blocks = 70, .running_requests = 3})
+                  .ok());
+  EXPECT_EQ(f.router->load(p)->queued_prefill_tokens, 160);
+  EXPECT_EQ(f.router->load(p)->running_requests, 1);
+  EXPECT_EQ(f.router->load(d)->active_decode_blocks, 30);
+  EXPECT_EQ(f.router->load(d)->free_blocks, 70);
+  EXPECT_EQ(f.router->ApplyLoadReport(7, {}).code(), StatusCode::kNotFound);
+}
+
+TEST(RouterTest, PredictionsExpireWithoutReports) {
+  Fleet f(RouterConfig{}, RouterOptions{.max_prediction_age_ns = 2'000'000'000});
+  const WorkerId p = f.Add("p", WorkerRole::kPrefill);
+  f.Add("d", WorkerRole::kDecode);
+  f.Route(Chain(0, 10), 160);
+  f.Advance(3'000'000'000);
+  f.Route(Chain(100, 5), 80);
+  EXPECT_EQ(f.router->load(p)->queued_prefill_tokens, 80);
+}
+
+// Three warm prefillers hold the document and carry 50 queued blocks each;
+// a worker that just joined holds nothing and carries nothing.
+TEST(RouterTest, ColdWorkerGetsItsShare) {
+  Fleet f;
+  std::vector<WorkerId> warm;
+  const std::vector<uint64_t> doc = Chain(0, 20);
+  for (int i = 0; i < 3; ++i) {
+    warm.push_back(f.Add(Name("warm", i), WorkerRole::kPrefill));
+    f.Store(warm.back(), 1, doc);
+    ASSERT_TRUE(f.router->ApplyLoadReport(warm.back(), {.queued_prefill_tokens = 800}).ok());
+  }
+  f.Add("d", WorkerRole::kDecode);
+  const WorkerId cold = f.Add("cold", WorkerRole::kPrefill);
+  std::vector<int> count(8, 0);
+  for (int r = 0; r < 20; ++r) {
+    std::vector<uint64_t> h = doc;
+    const std::vector<uint64_t> q = Chain(1000 + r * 10, 4);  // a short question after the document
+    h.insert(h.end(), q.begin(), q.end());
+    const RouteDecision d = f.Route(h, 24 * 16);
+    if (r == 0) {
+      EXPECT_EQ(d.prefill, cold) << d.DebugString();
+      EXPECT_EQ(d.prefill_overlap_blocks, 0u);
+    }
+    ++count[d.prefill];
+  }
+  EXPECT_GE(count[cold], 2);
+  for (WorkerId w : warm) EXPECT_GE(count[w], 1) << w;
+}
+
+TEST(RouterTest, MultiTurnPrefersTheDecoderHoldingTheConversation) {
+  Fleet f;
+  const WorkerId p0 = f.Add("p0", WorkerRole::kPrefill);
+  f.Add("p1", WorkerRole::kPrefill);
+  f.Add("d2", WorkerRole::kDecode);
+  const WorkerId d3 = f.Add("d3", WorkerRole::kDecode);
+  const std::vector<uint64_t> turn2 = Chain(0, 15);
+  const std::span<const uint64_t> turn1 = std::span(turn2).first(10);
+  f.Store(p0, 1, turn1);
+  f.Store(d3, 1, turn1);
+  const RouteDecision d = f.Route(turn2, 15 * 16 + 3);
+  EXPECT_EQ(d.prefill, p0);
+  EXPECT_EQ(d.decode, d3);
+  EXPECT_EQ(d.prefill_overlap_blocks, 10u);
+  EXPECT_EQ(d.decode_overlap_blocks, 10u);
+  EXPECT_EQ(d.transfer_blocks, 6u);  // 5 new full blocks and the partial one
+}
+
+TEST(RouterTest, ConditionalDisaggregationThroughTheRouter) {
+  Fleet f(RouterConfig{.local_prefill_threshold_tokens = 64});
+  f.Add("p", WorkerRole::kPrefill);
+  const WorkerId d = f.Add("d", WorkerRole::kDecode);
+  const std::vector<uint64_t> turn2 = Chain(0, 12);
+  f.Store(d, 1, std::span(turn2).first(10));
+  const RouteDecision r = f.Route(turn2, 12 * 16);
+  EXPECT_TRUE(r.local_prefill);
+  EXPECT_TRUE(r.conditional_local);
+  EXPECT_EQ(r.prefill, d);
+  EXPECT_EQ(f.router->load(d)->queued_prefill_tokens, 32);  // the uncached tail, prefilled locally
+  EXPECT_EQ(f.router->load(d)->active_decode_blocks, 2);
+  const RouterCounters c = f.router->counters();
+  EXPECT_EQ(c.conditional_local, 1u);
+  EXPECT_EQ(c.local_prefills, 1u);
+  EXPECT_EQ(c.workers[d].local_routes, 1u);
+}
+
+TEST(RouterTest, TopologyPrefersSameNodePairs) {
+  RouterOptions o;
+  o.cross_node_bandwidth_bytes_per_s = 1e9;
+  Fleet f({}, o);
+  WorkerInfo info;
+  const char* kNodes[] = {"a", "b", "a", "b"};
+  const WorkerRole kRoles[] = {WorkerRole::kPrefill, WorkerRole::kPrefill, WorkerRole::kDecode, WorkerRole::kDecode};
+  for (int i = 0; i < 4; ++i) {
+    info.name = Name("w", i);
+    info.role = kRoles[i];
+    info.node = kNodes[i];
+    info.block_bytes = 2 << 20;
+    ASSERT_TRUE(f.router->AddWorker(info).ok());
+  }
+  for (int r = 0; r < 40; ++r) {
+    const RouteDecision d = f.Route(Chain(r * 100, 32), 512);
+    EXPECT_EQ(d.prefill % 2, d.decode % 2) << d.DebugString();  // same node
+  }
+}
+
+TEST(RouterTest, RemovedWorkerIsNeverChosen) {
+  Fleet f;
+  const WorkerId p0 = f.Add("p0", WorkerRole::kPrefill);
+  const WorkerId p1 = f.Add("p1", WorkerRole::kPrefill);
+  f.Add("d", WorkerRole::kDecode);
+  const std::vector<uint64_t> h = Chain(0, 16);
+  f.Store(p0, 1, h);
+  EXPECT_EQ(f.Route(h, 256).prefill, p0);
+  ASSERT_TRUE(f.router->RemoveWorker(p0).ok());
+  EXPECT_EQ(f.router->index().BlocksOf(p0), 0u);
+  EXPECT_EQ(f.router->ApplyEvent(p0, {KvEventKind::kStored, 1, 2, 0, h}).status().code(), StatusCode::kNotFound);
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(f.Route(h, 256).prefill, p1);
+  const RouterCounters c = f.router->counters();
+  ASSERT_EQ(c.workers.size(), 2u);
+  EXPECT_EQ(c.workers[0].name, "p1");
+  EXPECT_EQ(c.workers[0].prefill_routes, 5u);
+}
+
+TEST(RouterTest, EventCountersAndResync) {
+  Fleet f;
+  const WorkerId p = f.Add("p", WorkerRole::kPrefill);
+  f.Add("d", WorkerRole::kDecode);
+  const std::vector<uint64_t> h = Chain(0, 8);
+  f.Store(p, 1, std::span(h).first(2));
+  EXPECT_EQ(*f.router->ApplyEvent(p, {KvEventKind::kStored, 1, 3, 0, h}), EventResult::kNeedsSnapshot);
+  EXPECT_EQ(*f.router->ApplyEvent(p, {KvEventKind::kStored, 1, 4, 0, h}), EventResult::kAwaitingSnapshot);
+  EXPECT_EQ(*f.router->ApplySnapshot(p, 1, 4, h), EventResult::kApplied);
+  EXPECT_EQ(f.Route(h, 128).prefill_overlap_blocks, 8u);
+  const RouterCounters c = f.router->counters();
+  EXPECT_EQ(c.events_applied, 1u);
+  EXPECT_EQ(c.snapshots_requested, 1u);
+  EXPECT_EQ(c.events_ignored, 1u);
+  EXPECT_EQ(c.snapshots_applied, 1u);
+  EXPECT_EQ(c.workers[p].predicted_hit_blocks, 8u);
+}
+
+TEST(RouterTest, CountsDecisionsPerPolicyAndWorker) {
+  Fleet f;
+  f.Add("b0", WorkerRole::kBoth, 50);
+  f.Add("b1", WorkerRole::kBoth, 50);
+  const Policy kOrder[] = {Policy::kKvAware, Policy::kRoundRobin, Policy::kRoundRobin, Policy::kRandom,
+                           Policy::kLeastLoaded};
+  for (Policy p : kOrder) {
+    f.router->SetPolicy(p);
+    const RouteDecision d = f.Route(Chain(0, 2), 32);
+    EXPECT_EQ(d.policy, p);
+    EXPECT_TRUE(d.local_prefill);  // aggregated fleet: one worker per request
+    EXPECT_EQ(d.prefill, d.decode);
+  }
+  RouteDecision d;
+  f.router->SetPolicy(Policy::kKvAware);
+  EXPECT_EQ(f.router->Route({{}, 51 * 16}, &d).code(), StatusCode::kResourceExhausted);
+  const RouterCounters c = f.router->counters();
+  EXPECT_EQ(c.routes[static_cast<size_t>(Policy::kKvAware)], 1u);
+  EXPECT_EQ(c.routes[static_cast<size_t>(Policy::kRoundRobin)], 2u);
+  EXPECT_EQ(c.routes[static_cast<size_t>(Policy::kRandom)], 1u);
+  EXPECT_EQ(c.routes[static_cast<size_t>(Policy::kLeastLoaded)], 1u);
+  EXPECT_EQ(c.route_errors[static_cast<size_t>(Policy::kKvAware)], 1u);
+  EXPECT_EQ(c.local_prefills, 5u);
+  EXPECT_EQ(c.workers[0].local_routes + c.workers[1].local_routes, 5u);
+  EXPECT_EQ(c.workers[0].prefill_routes + c.workers[0].decode_routes, 0u);
+}
+
+}  // namespace
+}  // namespace tandem::router
