@@ -153,6 +153,26 @@ def random_cases(n, seed=1234):
     return out
 
 
+def unicode_sweep(step=151, seed=99):
+    """Every step-th code point assigned in this Python's Unicode version,
+    shuffled, with spaces, letters, digits and newlines between. Python 3.11
+    and Debian 12's PCRE2 10.42 both use Unicode 14; Hugging Face's
+    Oniguruma tables are newer, so code points assigned after Unicode 14 are
+    left out (PCRE2 sees them as unassigned and splits around them
+    differently)."""
+    import random
+    import unicodedata
+    rng = random.Random(seed)
+    cps = [c for c in range(1, 0x32000, step)
+           if not (0xD800 <= c <= 0xDFFF) and unicodedata.category(chr(c)) != "Cn"]
+    rng.shuffle(cps)
+    out = []
+    for c in cps:
+        out.append(chr(c))
+        out.append(rng.choice(["", "", "", " ", "a", "1", " \n", "  "]))
+    return "".join(out)
+
+
 def training_text():
     texts = []
     for path in sorted(glob.glob("/usr/share/games/fortunes/*.u8"))[:12]:
@@ -217,16 +237,20 @@ def make_llama3_style(texts):
 
 def cases_for(tok):
     out = []
-    for text in CASES + random_cases(150):
+    for text in CASES + random_cases(150) + [unicode_sweep()]:
         plain = tok.encode(text, add_special_tokens=False).ids
         with_special = tok.encode(text, add_special_tokens=True).ids
-        out.append({
-            "text": text,
-            "ids": plain,
-            "ids_with_special": with_special,
-            "decoded": tok.decode(plain, skip_special_tokens=False),
-            "decoded_skip_special": tok.decode(plain, skip_special_tokens=True),
-        })
+        decoded = tok.decode(plain, skip_special_tokens=False)
+        decoded_skip = tok.decode(plain, skip_special_tokens=True)
+        case = {"text": text, "ids": plain, "ids_with_special": with_special}
+        # Decoded strings are stored only where they differ (size): absent
+        # "decoded" means the text itself, absent "decoded_skip_special"
+        # means the same as "decoded".
+        if decoded != text:
+            case["decoded"] = decoded
+        if decoded_skip != decoded:
+            case["decoded_skip_special"] = decoded_skip
+        out.append(case)
     return out
 
 

@@ -60,7 +60,7 @@ TEST_P(Detokenizer, StreamsOnlyWholeCharacters) {
       EXPECT_EQ(streamed + tail, tok_->Decode(ids, skip));
       // With skipping, what Hugging Face's decode(skip_special_tokens=True) gives.
       if (skip) {
-        EXPECT_EQ(streamed, c["decoded_skip_special"].get<std::string>());
+        EXPECT_EQ(streamed, c.value("decoded_skip_special", c.value("decoded", text)));
       }
     }
   }

@@ -46,6 +46,14 @@ std::string Show(const std::vector<uint32_t>& ids) {
   return s + "]";
 }
 
+// The fixture stores decoded strings only where they differ from the text.
+std::string DecodedOf(const nlohmann::json& c) {
+  return c.value("decoded", c["text"].get<std::string>());
+}
+std::string DecodedSkipOf(const nlohmann::json& c) {
+  return c.value("decoded_skip_special", DecodedOf(c));
+}
+
 // Encode/Decode equal Hugging Face tokenizers' on every fixture string.
 void ExpectMatchesHuggingFace(const std::string& name) {
   const std::string path = TokenizerPath(name);
@@ -68,8 +76,8 @@ void ExpectMatchesHuggingFace(const std::string& name) {
     const auto got = (*tok)->Encode(text, false);
     EXPECT_EQ(got, ids) << "tandem " << Show(got) << "\nhf     " << Show(ids);
     EXPECT_EQ((*tok)->Encode(text, true), c["ids_with_special"].get<std::vector<uint32_t>>());
-    EXPECT_EQ((*tok)->Decode(ids, false), c["decoded"].get<std::string>());
-    EXPECT_EQ((*tok)->Decode(ids, true), c["decoded_skip_special"].get<std::string>());
+    EXPECT_EQ((*tok)->Decode(ids, false), DecodedOf(c));
+    EXPECT_EQ((*tok)->Decode(ids, true), DecodedSkipOf(c));
     ++checked;
   }
   EXPECT_GE(checked, 60u);
