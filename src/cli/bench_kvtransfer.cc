@@ -1,14 +1,395 @@
-// `tandem bench kvtransfer`: KV transfer bandwidth and latency between two
-// processes.
+// `tandem bench kvtransfer`: KV transfer bandwidth and per-request latency
+// between two processes on this machine.
+//
+// The command spawns a copy of itself as the target (`--role target`, a
+// decoder-like process owning the destination pool) with fork/exec *before*
+// creating its own transport — UCX state does not survive fork — then moves
+// `--blocks` blocks of `--block-bytes` per request, `--requests` times,
+// keeping `--concurrency` requests in flight. Each request is PrepareWrite →
+// Post → completion callback (data remotely complete, then the notice sent).
+// `--scatter` writes every other remote slot, so no two blocks coalesce.
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+#include <thread>
+
 #include "cli/commands.h"
+#include "kvtransfer/descriptor.h"
+#include "kvtransfer/transport.h"
+
+extern char** environ;
 
 namespace tandem::cli {
+namespace {
+
+namespace kv = tandem::kvtransfer;
+using Clock = std::chrono::steady_clock;
+
+struct BenchOptions {
+  std::string role = "writer";  // writer | target (internal)
+  std::string backend = "ucx";
+  uint64_t block_bytes = 1 << 20;
+  uint32_t blocks = 64;        // per request
+  uint32_t requests = 200;
+  uint32_t warmup = 5;
+  uint32_t concurrency = 1;
+  bool scatter = false;
+  bool json = false;
+  uint64_t max_put_bytes = 4ull << 20;  // the library default
+  uint32_t pool_blocks = 0;    // target only
+  double timeout_s = 120;      // whole run
+};
+
+// The target process, spoken to over its stdin/stdout.
+class Target {
+ public:
+  Status Start(const BenchOptions& o, uint32_t pool_blocks) {
+    const std::string exe = std::filesystem::read_symlink("/proc/self/exe").string();
+    std::vector<std::string> argv = {exe,
+                                     "bench",
+                                     "kvtransfer",
+                                     "--role",
+                                     "target",
+                                     "--backend",
+                                     o.backend,
+                                     "--block-bytes",
+                                     std::to_string(o.block_bytes),
+                                     "--pool-blocks",
+                                     std::to_string(pool_blocks)};
+    int in[2], out[2];
+    if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0) {
+      return InternalError(fmt::format("pipe: {}", std::strerror(errno)));
+    }
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, in[0], 0);
+    posix_spawn_file_actions_adddup2(&fa, out[1], 1);
+    std::vector<char*> args;
+    for (auto& a : argv) args.push_back(a.data());
+    args.push_back(nullptr);
+    const int rc = posix_spawn(&pid_, exe.c_str(), &fa, nullptr, args.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    close(in[0]);
+    close(out[1]);
+    to_ = in[1];
+    from_ = out[0];
+    if (rc != 0) return InternalError(fmt::format("spawning the target: {}", std::strerror(rc)));
+    return Status::Ok();
+  }
+  ~Target() {
+    if (to_ >= 0) close(to_);
+    if (pid_ > 0) {
+      for (int i = 0; i < 500 && waitpid(pid_, nullptr, WNOHANG) == 0; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      if (kill(pid_, 0) == 0) {
+        kill(pid_, SIGKILL);
+        waitpid(pid_, nullptr, 0);
+      }
+    }
+    if (from_ >= 0) close(from_);
+  }
+  void Send(const std::string& line) {
+    const std::string l = line + "\n";
+    [[maybe_unused]] ssize_t n = write(to_, l.data(), l.size());
+  }
+  void CloseInput() {
+    close(to_);
+    to_ = -1;
+  }
+  // The rest of the next line starting with `prefix`, within `timeout_s`.
+  Result<std::string> Expect(const std::string& prefix, double timeout_s) {
+    const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
+    for (int lines = 0; lines < 10000;) {
+      if (auto nl = buf_.find('\n'); nl != std::string::npos) {
+        std::string line = buf_.substr(0, nl);
+        buf_.erase(0, nl + 1);
+        ++lines;
+        if (line.rfind(prefix, 0) == 0) return line.substr(prefix.size());
+        if (line.rfind("ERROR ", 0) == 0) return InternalError("target: " + line.substr(6));
+        continue;
+      }
+      const auto left_ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      if (left_ms <= 0) break;
+      pollfd p{from_, POLLIN, 0};
+      if (poll(&p, 1, static_cast<int>(left_ms)) <= 0) continue;
+      char chunk[65536];
+      const ssize_t n = read(from_, chunk, sizeof(chunk));
+      if (n <= 0) return UnavailableError("target exited");
+      buf_.append(chunk, static_cast<size_t>(n));
+    }
+    return DeadlineExceededError(fmt::format("target did not say '{}' within {} s", prefix, timeout_s));
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int to_ = -1;
+  int from_ = -1;
+  std::string buf_;
+};
+
+// XXH3 over blocks first, first + stride, ... (count of them).
+uint64_t BlocksChecksum(const kv::Transport& t, uint32_t first, uint32_t stride, uint32_t count) {
+  XXH3_state_t* st = XXH3_createState();
+  XXH3_64bits_reset(st);
+  for (uint32_t j = 0; j < count; ++j) {
+    XXH3_64bits_update(st, t.block(first + j * stride), t.block_bytes());
+  }
+  const uint64_t h = XXH3_64bits_digest(st);
+  XXH3_freeState(st);
+  return h;
+}
+
+int RunTarget(const BenchOptions& o) {
+  kv::TransportOptions to;
+  to.backend = o.backend;
+  to.agent_name = "bench-target";
+  to.block_bytes = o.block_bytes;
+  to.num_blocks = o.pool_blocks;
+  auto t = kv::CreateTransport(to);
+  if (!t.ok()) {
+    std::cout << "ERROR " << t.status().ToString() << std::endl;
+    return 1;
+  }
+  std::memset((*t)->pool(), 0, (*t)->pool_bytes());  // fault the pages in before timing
+  std::atomic<uint64_t> notices{0};
+  (*t)->SetNotificationCallback([&](kv::Notification) { ++notices; });
+  std::cout << "DESC " << kv::ToHex((*t)->LocalDescriptor()) << std::endl;
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    std::istringstream in(line);
+    std::string cmd;
+    uint32_t first = 0, stride = 1, count = 0;
+    in >> cmd >> first >> stride >> count;
+    if (cmd == "SUM" && count > 0 && first + uint64_t{stride} * (count - 1) < (*t)->num_blocks()) {
+      std::cout << "SUM " << BlocksChecksum(**t, first, stride, count) << std::endl;
+    } else if (cmd == "NOTICES") {
+      std::cout << "NOTICES " << notices.load() << std::endl;
+    }
+  }
+  return 0;
+}
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t i = std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size() - 1) + 0.5));
+  return v[i];
+}
+
+int RunWriter(const BenchOptions& o) {
+  const uint32_t groups = std::max(1u, o.concurrency);
+  const uint32_t local_blocks = groups * o.blocks;
+  const uint32_t stride = o.scatter ? 2 : 1;
+  const uint32_t remote_blocks = local_blocks * stride;
+  // 1. The second process first: fork/exec before this process touches UCX.
+  Target target;
+  if (Status s = target.Start(o, remote_blocks); !s.ok()) {
+    std::cerr << s.ToString() << "\n";
+    return 1;
+  }
+  auto desc_hex = target.Expect("DESC ", 60);
+  if (!desc_hex.ok()) {
+    std::cerr << desc_hex.status().ToString() << "\n";
+    return 1;
+  }
+  // 2. Our transport and pool.
+  kv::TransportOptions to;
+  to.backend = o.backend;
+  to.agent_name = "bench-writer";
+  to.block_bytes = o.block_bytes;
+  to.num_blocks = local_blocks;
+  to.max_put_bytes = o.max_put_bytes;
+  auto created = kv::CreateTransport(to);
+  if (!created.ok()) {
+    std::cerr << created.status().ToString() << "\n";
+    return 1;
+  }
+  kv::Transport& t = **created;
+  std::mt19937_64 rng(1);
+  for (uint64_t i = 0; i + 8 <= t.pool_bytes(); i += 8) {
+    const uint64_t v = rng();
+    std::memcpy(t.pool() + i, &v, 8);
+  }
+  auto desc = kv::FromHex(*desc_hex);
+  auto peer = desc.ok() ? t.ImportPeer(*desc) : Result<kv::PeerId>(desc.status());
+  if (!peer.ok()) {
+    std::cerr << peer.status().ToString() << "\n";
+    return 1;
+  }
+  const std::string transports = t.TransportsInUse(*peer).value_or("unknown");
+
+  // Block pairs of each group: local [g*N, (g+1)*N) -> remote slots stride apart.
+  std::vector<std::vector<kv::BlockPair>> pairs(groups);
+  for (uint32_t g = 0; g < groups; ++g) {
+    for (uint32_t j = 0; j < o.blocks; ++j) {
+      const uint32_t local = g * o.blocks + j;
+      pairs[g].push_back({local, local * stride});
+    }
+  }
+  const size_t puts_per_request = kv::CoalesceBlocks(pairs[0], o.block_bytes).size();
+
+  // 3. Requests: `groups` in flight, each re-posted from the completion path.
+  std::mutex mu;
+  std::condition_variable cv;
+  const uint32_t total = o.warmup + o.requests;
+  uint32_t issued = 0, finished = 0, failed = 0;
+  std::vector<double> latency_s;
+  latency_s.reserve(o.requests);
+  Clock::time_point measure_start, measure_end;
+  std::string first_error;
+  std::vector<std::pair<uint32_t, Clock::time_point>> to_post;  // (group, ...)
+
+  auto post = [&](uint32_t group, uint32_t index) -> Status {
+    TANDEM_ASSIGN_OR_RETURN(kv::XferId x, t.PrepareBlockWrite(*peer, pairs[group],
+                                                              "r" + std::to_string(index)));
+    const auto start = Clock::now();
+    return t.Post(x, [&, group, index, start, x](kv::XferId, kv::XferStatus st, const Status& d) {
+      const auto end = Clock::now();
+      t.Release(x).IgnoreError();
+      std::lock_guard lock(mu);
+      ++finished;
+      if (st != kv::XferStatus::kSuccess) {
+        ++failed;
+        if (first_error.empty()) first_error = d.ToString();
+      }
+      if (index >= o.warmup) latency_s.push_back(std::chrono::duration<double>(end - start).count());
+      if (finished == total) measure_end = end;
+      to_post.push_back({group, end});
+      cv.notify_one();
+    });
+  };
+
+  const auto deadline = Clock::now() + std::chrono::duration<double>(o.timeout_s);
+  {
+    std::unique_lock lock(mu);
+    for (uint32_t g = 0; g < groups && issued < total; ++g) to_post.push_back({g, Clock::now()});
+    while (finished < total && failed == 0) {
+      if (!cv.wait_until(lock, deadline, [&] { return !to_post.empty() || finished == total; })) break;
+      auto ready = std::move(to_post);
+      to_post.clear();
+      lock.unlock();
+      for (auto& [g, when] : ready) {
+        if (issued >= total) continue;
+        const uint32_t index = issued++;
+        if (index == o.warmup) measure_start = Clock::now();
+        if (Status s = post(g, index); !s.ok()) {
+          std::lock_guard l2(mu);
+          ++failed;
+          first_error = s.ToString();
+        }
+      }
+      lock.lock();
+    }
+  }
+  std::unique_lock lock(mu);
+  if (finished < total || failed > 0) {
+    std::cerr << fmt::format("kvtransfer bench: {} of {} requests finished, {} failed{}{}\n", finished,
+                             total, failed, first_error.empty() ? "" : ": ", first_error);
+    return 1;
+  }
+  lock.unlock();
+
+  // 4. Check the data and the notices at the target.
+  target.Send(fmt::format("SUM 0 {} {}", stride, o.blocks));
+  auto remote_sum = target.Expect("SUM ", 30);
+  const bool verified = remote_sum.ok() && *remote_sum == std::to_string(BlocksChecksum(t, 0, 1, o.blocks));
+  uint64_t notices = 0;
+  for (int i = 0; i < 100 && notices < total; ++i) {  // the last notices may still be in flight
+    target.Send("NOTICES");
+    auto n = target.Expect("NOTICES ", 30);
+    notices = n.ok() ? std::stoull(*n) : 0;
+    if (notices < total) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  target.CloseInput();
+
+  const double elapsed_s = std::chrono::duration<double>(measure_end - measure_start).count();
+  const uint64_t bytes_per_request = uint64_t{o.blocks} * o.block_bytes;
+  const double bw = static_cast<double>(bytes_per_request) * o.requests / elapsed_s;
+  const double p50 = Percentile(latency_s, 0.50), p99 = Percentile(latency_s, 0.99);
+  double mean = 0;
+  for (double v : latency_s) mean += v / static_cast<double>(latency_s.size());
+  const char* tls = std::getenv("UCX_TLS");
+  if (o.json) {
+    nlohmann::json j = {{"backend", o.backend},
+                        {"block_bytes", o.block_bytes},
+                        {"blocks", o.blocks},
+                        {"requests", o.requests},
+                        {"warmup_requests", o.warmup},
+                        {"concurrency", groups},
+                        {"scatter", o.scatter},
+                        {"bytes_per_request", bytes_per_request},
+                        {"puts_per_request", puts_per_request},
+                        {"elapsed_s", elapsed_s},
+                        {"bandwidth_bytes_per_s", bw},
+                        {"p50_latency_s", p50},
+                        {"p99_latency_s", p99},
+                        {"mean_latency_s", mean},
+                        {"transports", transports},
+                        {"ucx_tls", tls ? tls : ""},
+                        {"notices_received", notices},
+                        {"data_verified", verified}};
+    std::cout << j.dump() << std::endl;
+  } else {
+    std::cout << fmt::format(
+        "kvtransfer bench: backend {} transports [{}]{}\n"
+        "  {} requests x {} blocks x {} bytes ({} puts/request), concurrency {}{}\n"
+        "  bandwidth {:.3f} GB/s ({:.0f} bytes/s) over {:.3f} s\n"
+        "  latency per request: p50 {:.1f} us, p99 {:.1f} us, mean {:.1f} us\n"
+        "  notices received {} of {}; data verified: {}\n",
+        o.backend, transports, tls ? fmt::format(" (UCX_TLS={})", tls) : "", o.requests, o.blocks,
+        o.block_bytes, puts_per_request, groups, o.scatter ? ", scattered slots" : "", bw / 1e9, bw,
+        elapsed_s, p50 * 1e6, p99 * 1e6, mean * 1e6, notices, total, verified ? "yes" : "NO");
+  }
+  return verified && notices == total ? 0 : 1;
+}
+
+}  // namespace
 
 void RegisterBenchKvTransfer(CLI::App& bench, GlobalOptions& g) {
-  auto* cmd = bench.add_subcommand("kvtransfer", "KV transfer bandwidth between two processes");
-  cmd->allow_extras();
-  cmd->callback([&g] {
-    g.exit_code = NotYetAvailable("bench kvtransfer", "the KV transport (issue #4)");
+  auto* cmd = bench.add_subcommand("kvtransfer", "KV transfer bandwidth and latency between two processes");
+  auto o = std::make_shared<BenchOptions>();
+  cmd->add_option("--block-bytes", o->block_bytes, "bytes per KV block")->check(CLI::PositiveNumber);
+  cmd->add_option("--blocks", o->blocks, "blocks per request")->check(CLI::PositiveNumber);
+  cmd->add_option("--requests", o->requests, "measured requests")->check(CLI::PositiveNumber);
+  cmd->add_option("--warmup", o->warmup, "requests before measuring");
+  cmd->add_option("--concurrency", o->concurrency, "requests in flight")->check(CLI::PositiveNumber);
+  cmd->add_flag("--scatter", o->scatter, "write every other remote slot (no coalescing)");
+  cmd->add_option("--backend", o->backend, "ucx | loopback")->check(CLI::IsMember({"ucx"}));
+  cmd->add_option("--max-put-bytes", o->max_put_bytes, "largest single put")->check(CLI::PositiveNumber);
+  cmd->add_option("--timeout", o->timeout_s, "give up after this many seconds");
+  cmd->add_flag("--json", o->json, "print one JSON object");
+  cmd->add_option("--role", o->role, "internal: writer | target")->group("");
+  cmd->add_option("--pool-blocks", o->pool_blocks, "internal: target pool size")->group("");
+  cmd->callback([&g, o] {
+    if (o->role == "target") {
+      g.exit_code = RunTarget(*o);
+      return;
+    }
+    if (uint64_t{o->blocks} * o->concurrency * o->block_bytes * (o->scatter ? 2 : 1) > (16ull << 30)) {
+      std::cerr << "kvtransfer bench: the pools would exceed 16 GiB; lower --blocks, --block-bytes or "
+                   "--concurrency\n";
+      g.exit_code = 2;
+      return;
+    }
+    g.exit_code = RunWriter(*o);
   });
 }
 
