@@ -23,6 +23,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -244,66 +245,67 @@ int RunWriter(const BenchOptions& o) {
       pairs[g].push_back({local, local * stride});
     }
   }
-  const size_t puts_per_request = kv::CoalesceBlocks(pairs[0], o.block_bytes).size();
+  uint64_t puts_per_request = 0;  // after coalescing and splitting at max_put_bytes
+  for (const kv::Segment& s : kv::CoalesceBlocks(pairs[0], o.block_bytes)) {
+    puts_per_request += (s.length_bytes + o.max_put_bytes - 1) / o.max_put_bytes;
+  }
 
-  // 3. Requests: `groups` in flight, each re-posted from the completion path.
+  // 3. Requests: `groups` in flight. Each completion callback (on the
+  // transport's progress thread) posts its group's next request at once, as
+  // a serving path would, so no thread hop sits between requests.
   std::mutex mu;
   std::condition_variable cv;
   const uint32_t total = o.warmup + o.requests;
   uint32_t issued = 0, finished = 0, failed = 0;
+  uint32_t callbacks_returned = 0;  // the frame may only end once every callback is out of it
   std::vector<double> latency_s;
   latency_s.reserve(o.requests);
   Clock::time_point measure_start, measure_end;
   std::string first_error;
-  std::vector<std::pair<uint32_t, Clock::time_point>> to_post;  // (group, ...)
-
-  auto post = [&](uint32_t group, uint32_t index) -> Status {
-    TANDEM_ASSIGN_OR_RETURN(kv::XferId x, t.PrepareBlockWrite(*peer, pairs[group],
-                                                              "r" + std::to_string(index)));
-    const auto start = Clock::now();
-    return t.Post(x, [&, group, index, start, x](kv::XferId, kv::XferStatus st, const Status& d) {
-      const auto end = Clock::now();
-      t.Release(x).IgnoreError();
+  auto fail = [&](const Status& s) {
+    std::lock_guard lock(mu);
+    ++failed;
+    if (first_error.empty()) first_error = s.ToString();
+    cv.notify_one();
+  };
+  std::function<void(uint32_t)> post_next = [&](uint32_t group) {
+    uint32_t index = 0;
+    {
       std::lock_guard lock(mu);
-      ++finished;
-      if (st != kv::XferStatus::kSuccess) {
-        ++failed;
-        if (first_error.empty()) first_error = d.ToString();
+      if (issued >= total || failed > 0) return;
+      index = issued++;
+      if (index == o.warmup) measure_start = Clock::now();
+    }
+    auto x = t.PrepareBlockWrite(*peer, pairs[group], "r" + std::to_string(index));
+    if (!x.ok()) return fail(x.status());
+    const auto start = Clock::now();
+    Status s = t.Post(*x, [&, group, index, start, id = *x](kv::XferId, kv::XferStatus st,
+                                                            const Status& detail) {
+      const auto end = Clock::now();
+      t.Release(id).IgnoreError();
+      if (st != kv::XferStatus::kSuccess) return fail(detail);
+      {
+        std::lock_guard lock(mu);
+        ++finished;
+        if (index >= o.warmup) latency_s.push_back(std::chrono::duration<double>(end - start).count());
+        if (finished == total) measure_end = end;
       }
-      if (index >= o.warmup) latency_s.push_back(std::chrono::duration<double>(end - start).count());
-      if (finished == total) measure_end = end;
-      to_post.push_back({group, end});
+      post_next(group);
+      std::lock_guard lock(mu);
+      ++callbacks_returned;
       cv.notify_one();
     });
+    if (!s.ok()) fail(s);
   };
-
-  const auto deadline = Clock::now() + std::chrono::duration<double>(o.timeout_s);
-  {
-    std::unique_lock lock(mu);
-    for (uint32_t g = 0; g < groups && issued < total; ++g) to_post.push_back({g, Clock::now()});
-    while (finished < total && failed == 0) {
-      if (!cv.wait_until(lock, deadline, [&] { return !to_post.empty() || finished == total; })) break;
-      auto ready = std::move(to_post);
-      to_post.clear();
-      lock.unlock();
-      for (auto& [g, when] : ready) {
-        if (issued >= total) continue;
-        const uint32_t index = issued++;
-        if (index == o.warmup) measure_start = Clock::now();
-        if (Status s = post(g, index); !s.ok()) {
-          std::lock_guard l2(mu);
-          ++failed;
-          first_error = s.ToString();
-        }
-      }
-      lock.lock();
-    }
-  }
+  for (uint32_t g = 0; g < groups; ++g) post_next(g);
   std::unique_lock lock(mu);
+  cv.wait_until(lock, Clock::now() + std::chrono::duration<double>(o.timeout_s),
+                [&] { return callbacks_returned == total || failed > 0; });
   if (finished < total || failed > 0) {
     std::cerr << fmt::format("kvtransfer bench: {} of {} requests finished, {} failed{}{}\n", finished,
                              total, failed, first_error.empty() ? "" : ": ", first_error);
-    return 1;
+    lock.unlock();
+    std::_Exit(1);  // requests may still be in flight and reference this frame
   }
   lock.unlock();
 
@@ -372,7 +374,8 @@ void RegisterBenchKvTransfer(CLI::App& bench, GlobalOptions& g) {
   cmd->add_option("--warmup", o->warmup, "requests before measuring");
   cmd->add_option("--concurrency", o->concurrency, "requests in flight")->check(CLI::PositiveNumber);
   cmd->add_flag("--scatter", o->scatter, "write every other remote slot (no coalescing)");
-  cmd->add_option("--backend", o->backend, "ucx | loopback")->check(CLI::IsMember({"ucx"}));
+  cmd->add_option("--backend", o->backend, "ucx (loopback is in-process only)")
+      ->check(CLI::IsMember({"ucx"}));
   cmd->add_option("--max-put-bytes", o->max_put_bytes, "largest single put")->check(CLI::PositiveNumber);
   cmd->add_option("--timeout", o->timeout_s, "give up after this many seconds");
   cmd->add_flag("--json", o->json, "print one JSON object");
