@@ -1,6 +1,11 @@
 #include "router/prefix_index.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <new>
 #include <shared_mutex>
 #include <string>
 
@@ -16,6 +21,43 @@ std::string_view EventResultName(EventResult r) {
   }
   return "?";
 }
+
+namespace {
+
+// Allocates big tables on 2 MiB boundaries and asks for huge pages: lookups
+// touch random slots of a table of tens of MiB, and with 4 KiB pages nearly
+// every one would also miss the TLB. (A hint; without THP it changes nothing.)
+template <typename T>
+struct HugePageAllocator {
+  using value_type = T;
+  static constexpr size_t kHugeBytes = size_t{2} << 20;
+  HugePageAllocator() = default;
+  template <typename U>
+  HugePageAllocator(const HugePageAllocator<U>&) {}  // NOLINT: rebinding
+
+  T* allocate(size_t n) {
+    const size_t bytes = n * sizeof(T);
+    if (bytes < kHugeBytes) return static_cast<T*>(::operator new(bytes));
+    const size_t rounded = (bytes + kHugeBytes - 1) / kHugeBytes * kHugeBytes;
+    void* p = std::aligned_alloc(kHugeBytes, rounded);
+    if (p == nullptr) throw std::bad_alloc();
+    madvise(p, rounded, MADV_HUGEPAGE);
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t n) {
+    if (n * sizeof(T) < kHugeBytes) {
+      ::operator delete(p);
+    } else {
+      std::free(p);
+    }
+  }
+  template <typename U>
+  bool operator==(const HugePageAllocator<U>&) const {
+    return true;
+  }
+};
+
+}  // namespace
 
 // One shard: an open-addressing (linear probing) table hash -> WorkerMask.
 // The hashes are XXH3 outputs, so their low bits index the table directly
@@ -38,8 +80,18 @@ class PrefixIndex::Shard {
     }
   }
 
-  void Prefetch(uint64_t key) const {
-    if (!slots_.empty()) __builtin_prefetch(&slots_[key & mask_]);
+  // May be called without `mu`: reads the table's address through relaxed
+  // atomics, so a concurrent rehash only makes the hint useless (a prefetch
+  // of a stale address never faults). Lets a lookup start every memory
+  // access of a chunk before it takes any lock.
+  void PrefetchHint(uint64_t key) const {
+    const char* base = hint_base_.load(std::memory_order_relaxed);
+    if (base != nullptr) {
+      // The slot and the next one (linear probing) may span two lines.
+      const char* slot = base + (key & hint_mask_.load(std::memory_order_relaxed)) * sizeof(Slot);
+      __builtin_prefetch(slot);
+      __builtin_prefetch(slot + 2 * sizeof(Slot) - 1);
+    }
   }
 
   void Set(uint64_t key, WorkerId worker) {
@@ -94,16 +146,24 @@ class PrefixIndex::Shard {
     }
   }
 
-  // Removes `worker` from every entry (a scan of the shard).
-  void ClearWorker(WorkerId worker) {
-    Unset(0, worker);
-    for (Slot& s : slots_) {
+  // Removes `worker` from slots [begin, end) (and from the hash 0 with the
+  // first slice). Returns false once begin is past the table.
+  bool ClearWorkerSlice(WorkerId worker, uint64_t begin, uint64_t end) {
+    if (begin == 0) Unset(0, worker);
+    if (begin >= slots_.size()) return false;
+    end = std::min<uint64_t>(end, slots_.size());
+    for (uint64_t i = begin; i < end; ++i) {
+      Slot& s = slots_[i];
       if (s.key != 0 && s.mask.Test(worker)) {
         s.mask.Clear(worker);
         if (!s.mask.Any()) --live_;
       }
     }
+    return true;
   }
+
+  // Bumped by every rehash (entries move): a sliced scan restarts.
+  uint64_t generation() const { return generation_; }
 
   uint64_t CountWorker(WorkerId worker) const {
     uint64_t n = zero_.Test(worker) ? 1 : 0;
@@ -123,11 +183,15 @@ class PrefixIndex::Shard {
   void Rehash() {
     uint64_t cap = 1024;
     while (cap < (live_ + 1) * 2) cap <<= 1;
-    std::vector<Slot> old;
+    std::vector<Slot, HugePageAllocator<Slot>> old;
     old.swap(slots_);
     slots_.assign(cap, Slot{});
     mask_ = cap - 1;
     used_ = 0;
+    ++generation_;
+    hint_base_.store(nullptr, std::memory_order_relaxed);
+    hint_mask_.store(mask_, std::memory_order_relaxed);
+    hint_base_.store(reinterpret_cast<const char*>(slots_.data()), std::memory_order_relaxed);
     for (const Slot& s : old) {
       if (s.key == 0 || !s.mask.Any()) continue;
       uint64_t i = s.key & mask_;
@@ -137,12 +201,40 @@ class PrefixIndex::Shard {
     }
   }
 
-  std::vector<Slot> slots_;  // [capacity], a power of two
+  std::vector<Slot, HugePageAllocator<Slot>> slots_;  // [capacity], a power of two
   uint64_t mask_ = 0;        // capacity - 1
   uint64_t used_ = 0;        // slots with a key (live + tombstones)
   uint64_t live_ = 0;        // keys with a non-empty mask (zero_ included)
   WorkerMask zero_;          // holders of the hash 0
+  uint64_t generation_ = 0;  // rehashes so far
+  std::atomic<const char*> hint_base_{nullptr};  // slots_.data(), for PrefetchHint
+  std::atomic<uint64_t> hint_mask_{0};           // mask_, for PrefetchHint
 };
+
+namespace {
+
+// Positions of up to kMaxChunk hashes grouped by shard (a counting sort),
+// so that each shard's lock is taken once per chunk.
+constexpr size_t kMaxChunk = 512;
+struct ShardGroups {
+  std::array<uint16_t, kMaxChunk> order;                    // [len]: positions, by shard
+  std::array<uint16_t, PrefixIndex::kNumShards + 1> start;  // [shards + 1]: offsets into order
+
+  void Build(const uint64_t* h, size_t len, uint32_t (*shard_of_hash)(uint64_t)) {
+    std::array<uint8_t, kMaxChunk> shard_of;  // [len]
+    start.fill(0);
+    for (size_t i = 0; i < len; ++i) {
+      shard_of[i] = static_cast<uint8_t>(shard_of_hash(h[i]));
+      ++start[shard_of[i] + 1];
+    }
+    for (uint32_t s = 0; s < PrefixIndex::kNumShards; ++s) start[s + 1] += start[s];
+    std::array<uint16_t, PrefixIndex::kNumShards> fill;
+    std::copy(start.begin(), start.end() - 1, fill.begin());
+    for (size_t i = 0; i < len; ++i) order[fill[shard_of[i]]++] = static_cast<uint16_t>(i);
+  }
+};
+
+}  // namespace
 
 PrefixIndex::PrefixIndex() {
   for (auto& s : shards_) s = std::make_unique<Shard>();
@@ -242,61 +334,85 @@ Result<EventResult> PrefixIndex::ApplySnapshot(WorkerId worker, uint64_t epoch, 
 }
 
 void PrefixIndex::StoreBlocks(WorkerId worker, std::span<const uint64_t> hashes) {
-  for (uint64_t h : hashes) {
-    Shard& shard = *shards_[ShardOf(h)];
-    std::unique_lock lock(shard.mu);
-    shard.Set(h, worker);
-  }
+  ForEachByShard(hashes, [worker](Shard& shard, uint64_t h) { shard.Set(h, worker); });
 }
 
 void PrefixIndex::RemoveBlocks(WorkerId worker, std::span<const uint64_t> hashes) {
-  for (uint64_t h : hashes) {
-    Shard& shard = *shards_[ShardOf(h)];
-    std::unique_lock lock(shard.mu);
-    shard.Unset(h, worker);
+  ForEachByShard(hashes, [worker](Shard& shard, uint64_t h) { shard.Unset(h, worker); });
+}
+
+template <typename F>
+void PrefixIndex::ForEachByShard(std::span<const uint64_t> hashes, F&& f) {
+  if (hashes.size() < 8) {  // small events: grouping costs more than it saves
+    for (uint64_t h : hashes) {
+      Shard& shard = *shards_[ShardOf(h)];
+      std::unique_lock lock(shard.mu);
+      f(shard, h);
+    }
+    return;
+  }
+  ShardGroups groups;
+  for (size_t begin = 0; begin < hashes.size(); begin += kMaxChunk) {
+    const size_t len = std::min(hashes.size() - begin, kMaxChunk);
+    const uint64_t* h = hashes.data() + begin;
+    for (size_t i = 0; i < len; ++i) shards_[ShardOf(h[i])]->PrefetchHint(h[i]);
+    groups.Build(h, len, &ShardOf);
+    for (uint32_t s = 0; s < kNumShards; ++s) {
+      if (groups.start[s] == groups.start[s + 1]) continue;
+      Shard& shard = *shards_[s];
+      std::unique_lock lock(shard.mu);
+      for (uint32_t k = groups.start[s]; k < groups.start[s + 1]; ++k) f(shard, h[groups.order[k]]);
+    }
   }
 }
 
 void PrefixIndex::DropWorkerEntries(WorkerId worker) {
-  // One shard at a time, so lookups wait for one shard's scan at most.
+  // A shard at a time and a slice of it at a time, so that a lookup never
+  // waits for more than one slice. The worker's own mutex is held by the
+  // caller, so no new entry of this worker appears meanwhile; entries move
+  // only in a rehash, after which the shard's scan starts over.
+  constexpr uint64_t kSliceSlots = 8192;
   for (auto& shard : shards_) {
-    std::unique_lock lock(shard->mu);
-    shard->ClearWorker(worker);
+    uint64_t begin = 0;
+    uint64_t generation = 0;
+    for (;;) {
+      std::unique_lock lock(shard->mu);
+      if (begin == 0) {
+        generation = shard->generation();
+      } else if (shard->generation() != generation) {
+        begin = 0;
+        generation = shard->generation();
+      }
+      if (!shard->ClearWorkerSlice(worker, begin, begin + kSliceSlots)) break;
+      begin += kSliceSlots;
+    }
   }
 }
 
 void PrefixIndex::Overlap(std::span<const uint64_t> block_hashes, OverlapBlocks* out) const {
   out->fill(0);
   const size_t n = block_hashes.size();
-  // Lookups go in chunks growing from 16 to 256 blocks: within a chunk the
-  // hashes are grouped by shard so that each shard's lock is taken once,
-  // and the walk stops after the chunk where the last worker missed.
-  constexpr size_t kMaxChunk = 256;
-  std::array<WorkerMask, kMaxChunk> masks;     // [chunk]: holders of each block
-  std::array<uint16_t, kMaxChunk> order;       // [chunk]: block positions sorted by shard
-  std::array<uint8_t, kMaxChunk> shard_of;     // [chunk]
-  std::array<uint16_t, kNumShards + 1> start;  // [shards + 1]: group offsets into `order`
+  // Lookups go in chunks growing from 32 to 512 blocks: every block's slot
+  // is prefetched first, then the hashes are grouped by shard so that each
+  // shard's lock is taken once per chunk, and the walk stops after the
+  // chunk where the last worker missed.
+  std::array<WorkerMask, kMaxChunk> masks;  // [chunk]: holders of each block
+  ShardGroups groups;
   WorkerMask alive;
   size_t begin = 0;
-  size_t chunk = 16;
+  size_t chunk = 32;
   while (begin < n) {
     const size_t len = std::min(n - begin, chunk);
     const uint64_t* h = block_hashes.data() + begin;
-    start.fill(0);
-    for (size_t i = 0; i < len; ++i) {
-      shard_of[i] = static_cast<uint8_t>(ShardOf(h[i]));
-      ++start[shard_of[i] + 1];
-    }
-    for (uint32_t s = 0; s < kNumShards; ++s) start[s + 1] += start[s];
-    std::array<uint16_t, kNumShards> fill;
-    std::copy(start.begin(), start.end() - 1, fill.begin());
-    for (size_t i = 0; i < len; ++i) order[fill[shard_of[i]]++] = static_cast<uint16_t>(i);
+    for (size_t i = 0; i < len; ++i) shards_[ShardOf(h[i])]->PrefetchHint(h[i]);
+    groups.Build(h, len, &ShardOf);
     for (uint32_t s = 0; s < kNumShards; ++s) {
-      if (start[s] == start[s + 1]) continue;
+      if (groups.start[s] == groups.start[s + 1]) continue;
       const Shard& shard = *shards_[s];
       std::shared_lock lock(shard.mu);
-      for (uint32_t k = start[s]; k < start[s + 1]; ++k) shard.Prefetch(h[order[k]]);
-      for (uint32_t k = start[s]; k < start[s + 1]; ++k) masks[order[k]] = shard.Get(h[order[k]]);
+      for (uint32_t k = groups.start[s]; k < groups.start[s + 1]; ++k) {
+        masks[groups.order[k]] = shard.Get(h[groups.order[k]]);
+      }
     }
     for (size_t i = 0; i < len; ++i) {
       const WorkerMask& m = masks[i];
@@ -310,7 +426,7 @@ void PrefixIndex::Overlap(std::span<const uint64_t> block_hashes, OverlapBlocks*
       if (!alive.Any()) return;
     }
     begin += len;
-    chunk = std::min(chunk * 2, kMaxChunk);
+    chunk = std::min(chunk * 4, kMaxChunk);
   }
   alive.ForEach([&](WorkerId w) { (*out)[w] = static_cast<uint32_t>(n); });
 }

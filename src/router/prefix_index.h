@@ -21,9 +21,9 @@
 //
 // Thread-safety: every method may be called from any thread, concurrently.
 // Entries are sharded by hash, each shard behind a std::shared_mutex;
-// writers hold a shard's lock for one block (or one scan of one shard when a
-// worker is dropped), lookups take each shard's shared lock once per chunk
-// of the prompt. Events of one worker are applied in the order the calls
+// writers hold a shard's lock for one chunk of an event's blocks (or one
+// slice of 8192 slots when a worker is dropped), lookups take each shard's
+// shared lock once per chunk of the prompt (at most 3 chunks for 512 blocks). Events of one worker are applied in the order the calls
 // are made (a per-worker mutex); different workers proceed in parallel.
 // A lookup concurrent with writes sees each block either before or after
 // the write: the index is a routing hint, not a transaction.
@@ -88,7 +88,7 @@ class PrefixIndex {
   // Distinct hashes with at least one holder.
   uint64_t size() const;
 
-  static constexpr uint32_t kShardBits = 6;
+  static constexpr uint32_t kShardBits = 4;
   static constexpr uint32_t kNumShards = 1u << kShardBits;
 
  private:
@@ -105,6 +105,10 @@ class PrefixIndex {
   static uint32_t ShardOf(uint64_t hash) {
     return static_cast<uint32_t>(hash >> (64 - kShardBits));
   }
+  // Calls f(shard, hash) for each hash under that shard's write lock,
+  // taking each lock once per chunk of hashes.
+  template <typename F>
+  void ForEachByShard(std::span<const uint64_t> hashes, F&& f);
   void StoreBlocks(WorkerId worker, std::span<const uint64_t> hashes);
   void RemoveBlocks(WorkerId worker, std::span<const uint64_t> hashes);
   void DropWorkerEntries(WorkerId worker);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <limits>
 #include <string>
 
 namespace tandem::router {
@@ -12,12 +13,6 @@ struct Side {
   std::array<uint32_t, kMaxWorkers> idx;  // [n]: indices into the candidates
   uint32_t n = 0;
 };
-
-double Bandwidth(const Candidate& p, const Candidate& d, const RouterOptions& o) {
-  if (p.node_id == d.node_id) return o.same_node_bandwidth_bytes_per_s;
-  if (p.zone_id == d.zone_id) return o.cross_node_bandwidth_bytes_per_s;
-  return o.cross_zone_bandwidth_bytes_per_s;
-}
 
 // Hot-prefix guard for one side: true when the worker with the longest
 // cached prefix is loaded past (1 + threshold) x the side's mean and past
@@ -104,12 +99,26 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
                                   " blocks; the most free on any decoder is " + std::to_string(most_free));
   }
 
-  auto transfer = [&](uint32_t p, uint32_t d) {
-    if (p == d || !kv) return 0.0;
+  // Transfer cost per decoder and link class (0: same node, 1: same zone,
+  // 2: across zones), so that the pair loop only adds.
+  std::array<std::array<double, 3>, kMaxWorkers> tcd;  // [workers][class]
+  std::array<uint32_t, kMaxWorkers> roomy;             // decoders with room, [n_roomy]
+  uint32_t n_roomy = 0;
+  for (uint32_t k = 0; k < ds.n; ++k) {
+    const uint32_t d = ds.idx[k];
+    if (!room[d]) continue;
+    roomy[n_roomy++] = d;
     const uint64_t block_bytes = w[d].block_bytes ? w[d].block_bytes : o.default_block_bytes;
-    const double ms = static_cast<double>(need[d]) * static_cast<double>(block_bytes) / Bandwidth(w[p], w[d], o) * 1e3;
-    return o.transfer_cost_per_ms * ms;
+    const double cost_bytes = kv ? o.transfer_cost_per_ms * 1e3 * static_cast<double>(need[d]) *
+                                       static_cast<double>(block_bytes)
+                                 : 0.0;
+    tcd[d] = {cost_bytes / o.same_node_bandwidth_bytes_per_s, cost_bytes / o.cross_node_bandwidth_bytes_per_s,
+              cost_bytes / o.cross_zone_bandwidth_bytes_per_s};
+  }
+  auto link = [&](uint32_t p, uint32_t d) -> uint32_t {
+    return w[p].node_id == w[d].node_id ? 0 : (w[p].zone_id == w[d].zone_id ? 1 : 2);
   };
+  auto transfer = [&](uint32_t p, uint32_t d) { return p == d ? 0.0 : tcd[d][link(p, d)]; };
   // Whether p may prefill for d: a 'both' prefiller keeps the request.
   auto allowed = [&](uint32_t p, uint32_t d) {
     return room[d] && (w[p].role == WorkerRole::kBoth ? p == d : true);
@@ -119,27 +128,60 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
   if (params.policy == Policy::kKvAware || params.policy == Policy::kLeastLoaded) {
     const bool sample = kv && params.temperature > 0;
     if (sample) state->scratch.clear();
-    double best = 0;
+    double best = 0, best_hi = 0;  // best_hi: costs above it cannot tie
     int64_t best_running = 0;
+    auto consider = [&](uint32_t p, uint32_t d, double cost) {
+      if (sample) state->scratch.push_back({p, d, cost});
+      if (bp != UINT32_MAX && cost > best_hi) return;
+      const int64_t running = w[p].load.running_requests + (p == d ? 0 : w[d].load.running_requests);
+      const bool better =
+          bp == UINT32_MAX || CostLess(cost, best) ||
+          (running < best_running ||
+           (running == best_running && (w[p].id < w[bp].id || (w[p].id == w[bp].id && w[d].id < w[bd].id))));
+      if (better) {
+        bp = p;
+        bd = d;
+        best = cost;
+        best_hi = cost + 1e-9 * std::max(1.0, std::abs(cost));
+        best_running = running;
+      }
+    };
+    // Prefillers in increasing prefill cost: once pc[p] plus the cheapest
+    // possible decode side exceeds the best pair (beyond a tie), no later
+    // prefiller can win, so the loop stops (not when sampling: every pair
+    // then has a probability).
+    std::array<uint32_t, kMaxWorkers> by_cost;  // [ps.n]: indices into the candidates
+    std::copy(ps.idx.begin(), ps.idx.begin() + ps.n, by_cost.begin());
+    std::sort(by_cost.begin(), by_cost.begin() + ps.n, [&](uint32_t x, uint32_t y) { return pc[x] < pc[y]; });
+    double decode_floor = std::numeric_limits<double>::infinity();  // cheapest decode side + transfer
+    for (uint32_t b = 0; b < n_roomy; ++b) {
+      const uint32_t d = roomy[b];
+      decode_floor = std::min(decode_floor, dc[d] + std::min({tcd[d][0], tcd[d][1], tcd[d][2]}));
+    }
+    for (uint32_t b = 0; b < ds.n; ++b) {  // a 'both' prefiller keeps the request: no transfer
+      if (room[ds.idx[b]] && w[ds.idx[b]].role == WorkerRole::kBoth) decode_floor = std::min(decode_floor, dc[ds.idx[b]]);
+    }
+    // The decoders with room, packed for the inner loop.
+    std::array<uint32_t, kMaxWorkers> roomy_node, roomy_zone;  // [n_roomy]
+    std::array<std::array<double, 4>, kMaxWorkers> roomy_cost;  // [n_roomy]: dc, then transfer per class
+    for (uint32_t b = 0; b < n_roomy; ++b) {
+      const uint32_t d = roomy[b];
+      roomy_node[b] = w[d].node_id;
+      roomy_zone[b] = w[d].zone_id;
+      roomy_cost[b] = {dc[d], tcd[d][0], tcd[d][1], tcd[d][2]};
+    }
     for (uint32_t a = 0; a < ps.n; ++a) {
-      const uint32_t p = ps.idx[a];
-      for (uint32_t b = 0; b < ds.n; ++b) {
-        const uint32_t d = ds.idx[b];
-        if (!allowed(p, d)) continue;
-        const double cost = pc[p] + dc[d] + transfer(p, d);
-        if (sample) state->scratch.push_back({p, d, cost});
-        const int64_t running = w[p].load.running_requests + (p == d ? 0 : w[d].load.running_requests);
-        const bool better =
-            bp == UINT32_MAX || CostLess(cost, best) ||
-            (!CostLess(best, cost) &&
-             (running < best_running ||
-              (running == best_running && (w[p].id < w[bp].id || (w[p].id == w[bp].id && w[d].id < w[bd].id)))));
-        if (better) {
-          bp = p;
-          bd = d;
-          best = cost;
-          best_running = running;
-        }
+      const uint32_t p = by_cost[a];
+      if (!sample && bp != UINT32_MAX && pc[p] + decode_floor > best_hi) break;
+      if (w[p].role == WorkerRole::kBoth) {
+        if (room[p]) consider(p, p, pc[p] + dc[p]);
+        continue;
+      }
+      const uint32_t p_node = w[p].node_id, p_zone = w[p].zone_id;
+      for (uint32_t b = 0; b < n_roomy; ++b) {
+        const uint32_t cls = roomy_node[b] == p_node ? 0 : (roomy_zone[b] == p_zone ? 1 : 2);
+        const double cost = pc[p] + roomy_cost[b][0] + roomy_cost[b][cls + 1];
+        if (sample || bp == UINT32_MAX || cost <= best_hi) consider(p, roomy[b], cost);
       }
     }
     if (sample && bp != UINT32_MAX) {
