@@ -14,8 +14,11 @@
 // - GEMM: y[i][j] = fma-chain over k = 0, 1, ..., k-1 in order, starting from
 //   0, then + bias[j]. The AVX-512, AVX2 and portable paths give the same bits.
 // - Attention: for query position p and head h, scores s_j (j = 0..p) are
-//   dot products in a fixed 16-lane order, softmax uses max over j, then
-//   sum and weighted V sum in key order j = 0, 1, ..., p.
+//   dot products in a fixed 16-lane order; the softmax uses the max over j,
+//   an exp-sum in 16 fixed lanes (key j in lane j % 16) and a weighted V sum
+//   in 4 fixed parts (key j in part j % 4, in key order within a part) — an
+//   order that depends on p alone, never on t, q_start or the batch.
+// - Row ops (norms, softmax): per-row reductions in 16 fixed lanes.
 // Tolerances against the reference are stated in tests/unit/kernels.
 //
 // Threading: as for the reference; a ThreadPool is driven by one thread at a

@@ -59,13 +59,14 @@ inline __attribute__((always_inline)) float Dot(const float* a, const float* b, 
   return Reduce(acc);
 }
 
-// exp(x) for x <= 0 (softmax weights), ~2 ulp: Cephes' expf polynomial with
-// plain mul/add and an exponent-bits scale; 0 below -87.3. Lane-wise, so the
-// vector and scalar forms give the same bits.
-inline __attribute__((always_inline)) V16 ExpNonPositive(V16 x) {
-  const V16 lo = Splat(-87.3f);
+// exp(x), ~2 ulp: Cephes' expf polynomial with plain mul/add and an
+// exponent-bits scale; 0 below -87.3, exp(88) above 88. Lane-wise, so every
+// vector width gives the same bits.
+inline __attribute__((always_inline)) V16 Exp(V16 x) {
+  const V16 lo = Splat(-87.3f), hi = Splat(88.0f);
   const V16i under = x < lo;
   x = under ? lo : x;
+  x = x > hi ? hi : x;
   const V16 magic = Splat(12582912.0f);  // 1.5 * 2^23: add-and-subtract rounds to integer
   const V16 n = (x * 1.44269504088896341f + magic) - magic;
   V16 r = x - n * 0.693359375f;
@@ -84,6 +85,12 @@ inline __attribute__((always_inline)) V16 ExpNonPositive(V16 x) {
   V16 y;
   std::memcpy(&y, &bits, sizeof(y));
   return under ? V16{} : y;
+}
+inline __attribute__((always_inline)) V16 ExpNonPositive(V16 x) { return Exp(x); }
+
+// Store the first n (< 16) lanes.
+inline __attribute__((always_inline)) void StorePartial(float* p, V16 v, int n) {
+  std::memcpy(p, &v, static_cast<size_t>(n) * sizeof(float));
 }
 
 }  // namespace tandem::kernels::cpu::internal

@@ -191,5 +191,35 @@ TEST(OpsTest, ArgmaxMatchesReferenceTiesAndNaN) {
   }
 }
 
+// The AVX-512, AVX2 and portable bodies give the same bits.
+TEST(OpsTest, EveryIsaGivesTheSameBits) {
+  const cpu::Isa saved = cpu::ActiveIsa();
+  const int m = 3, d = 777;
+  const size_t n = static_cast<size_t>(m) * d;
+  const auto x = Random(n, 71, -10.0f, 10.0f);
+  const auto y = Random(n, 72);
+  const auto w = Random(d, 73);
+  std::vector<std::vector<float>> first;
+  for (cpu::Isa isa : {cpu::Isa::kPortable, cpu::Isa::kAvx2, cpu::Isa::kAvx512}) {
+    cpu::SetIsa(isa);
+    if (cpu::ActiveIsa() != isa) continue;
+    std::vector<std::vector<float>> outs(5, std::vector<float>(n));
+    cpu::RmsNorm(x.data(), w.data(), 1e-5f, outs[0].data(), m, d);
+    outs[1] = x;
+    cpu::AddRmsNorm(outs[1].data(), y.data(), w.data(), 1e-5f, outs[2].data(), m, d);
+    cpu::SiluMul(x.data(), y.data(), outs[3].data(), m, d);
+    cpu::Softmax(x.data(), outs[4].data(), m, d);
+    if (first.empty()) {
+      first = outs;
+      continue;
+    }
+    for (size_t o = 0; o < outs.size(); ++o) {
+      EXPECT_TRUE(BitEqual(first[o].data(), outs[o].data(), n)) << "output " << o << " "
+                                                                 << cpu::IsaName(isa);
+    }
+  }
+  cpu::SetIsa(saved);
+}
+
 }  // namespace
 }  // namespace tandem::kernels
