@@ -53,6 +53,7 @@ struct BenchOptions {
   uint32_t concurrency = 1;
   bool scatter = false;
   bool json = false;
+  bool notice = true;          // send a notice after each request's data
   uint64_t max_put_bytes = 4ull << 20;  // the library default
   uint32_t pool_blocks = 0;    // target only
   double timeout_s = 120;      // whole run
@@ -276,7 +277,9 @@ int RunWriter(const BenchOptions& o) {
       index = issued++;
       if (index == o.warmup) measure_start = Clock::now();
     }
-    auto x = t.PrepareBlockWrite(*peer, pairs[group], "r" + std::to_string(index));
+    auto x = t.PrepareBlockWrite(*peer, pairs[group],
+                                 o.notice ? std::optional<std::string>("r" + std::to_string(index))
+                                          : std::nullopt);
     if (!x.ok()) return fail(x.status());
     const auto start = Clock::now();
     Status s = t.Post(*x, [&, group, index, start, id = *x](kv::XferId, kv::XferStatus st,
@@ -314,11 +317,12 @@ int RunWriter(const BenchOptions& o) {
   auto remote_sum = target.Expect("SUM ", 30);
   const bool verified = remote_sum.ok() && *remote_sum == std::to_string(BlocksChecksum(t, 0, 1, o.blocks));
   uint64_t notices = 0;
-  for (int i = 0; i < 100 && notices < total; ++i) {  // the last notices may still be in flight
+  const uint64_t want_notices = o.notice ? total : 0;
+  for (int i = 0; i < 100 && notices < want_notices; ++i) {  // the last notices may still be in flight
     target.Send("NOTICES");
     auto n = target.Expect("NOTICES ", 30);
     notices = n.ok() ? std::stoull(*n) : 0;
-    if (notices < total) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    if (notices < want_notices) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   target.CloseInput();
 
@@ -358,9 +362,9 @@ int RunWriter(const BenchOptions& o) {
         "  notices received {} of {}; data verified: {}\n",
         o.backend, transports, tls ? fmt::format(" (UCX_TLS={})", tls) : "", o.requests, o.blocks,
         o.block_bytes, puts_per_request, groups, o.scatter ? ", scattered slots" : "", bw / 1e9, bw,
-        elapsed_s, p50 * 1e6, p99 * 1e6, mean * 1e6, notices, total, verified ? "yes" : "NO");
+        elapsed_s, p50 * 1e6, p99 * 1e6, mean * 1e6, notices, want_notices, verified ? "yes" : "NO");
   }
-  return verified && notices == total ? 0 : 1;
+  return verified && notices == want_notices ? 0 : 1;
 }
 
 }  // namespace
@@ -379,6 +383,7 @@ void RegisterBenchKvTransfer(CLI::App& bench, GlobalOptions& g) {
   cmd->add_option("--max-put-bytes", o->max_put_bytes, "largest single put")->check(CLI::PositiveNumber);
   cmd->add_option("--timeout", o->timeout_s, "give up after this many seconds");
   cmd->add_flag("--json", o->json, "print one JSON object");
+  cmd->add_flag("!--no-notice", o->notice, "send no notice after each request");
   cmd->add_option("--role", o->role, "internal: writer | target")->group("");
   cmd->add_option("--pool-blocks", o->pool_blocks, "internal: target pool size")->group("");
   cmd->callback([&g, o] {

@@ -28,6 +28,11 @@ T GetInt(std::string_view in, size_t pos) {
 // Idle rounds (nothing completed, nothing issued) spent spinning before the
 // progress thread starts sleeping 1 ms at a time while transfers wait.
 constexpr int kSpinRoundsBeforeSleep = 2000;
+// With nothing in flight, keep polling this long after the last event before
+// sleeping: a stream of incoming notices is then drained without one
+// sleep/wake-up per notice (which, on a busy host, lets the sender's
+// shared-memory queue fill and stall it).
+constexpr auto kPollAfterActivity = std::chrono::microseconds(200);
 constexpr auto kReleaseDeadline = std::chrono::seconds(5);
 
 }  // namespace
@@ -497,6 +502,7 @@ void TransportBase::SweepReleasingPeers() {
 
 void TransportBase::ProgressLoop(std::stop_token stop) {
   int idle_rounds = 0;
+  auto last_activity = std::chrono::steady_clock::now();
   while (!stop.stop_requested()) {
     RunCommands();
     bool busy = false;
@@ -514,9 +520,14 @@ void TransportBase::ProgressLoop(std::stop_token stop) {
     }
     if (busy || pending_commands) {
       idle_rounds = 0;
+      last_activity = std::chrono::steady_clock::now();
       continue;
     }
     if (active_.empty()) {
+      if (std::chrono::steady_clock::now() - last_activity < kPollAfterActivity) {
+        std::this_thread::yield();
+        continue;
+      }
       WaitForEvents(static_cast<int>(options_.idle_wait_ms));
     } else if (++idle_rounds > kSpinRoundsBeforeSleep) {
       WaitForEvents(1);  // transfers wait on the peer (e.g. TCP acks): don't burn a core
