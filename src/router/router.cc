@@ -72,13 +72,13 @@ Result<WorkerId> Router::AddWorker(const WorkerInfo& info) {
 }
 
 Status Router::RemoveWorker(WorkerId id) {
-  {
-    std::lock_guard lock(mu_);
-    TANDEM_RETURN_IF_ERROR(workers_.Remove(id));
-  }
-  // The index scan runs outside the router mutex: routing goes on meanwhile
-  // (the worker is no longer a candidate).
-  return index_.RemoveWorker(id);
+  // The index scan runs first and outside the router mutex, so routing goes
+  // on meanwhile (the worker stays a candidate, with a shrinking cache).
+  // Its id is released only afterwards, so AddWorker cannot reuse it while
+  // the index still holds it.
+  TANDEM_RETURN_IF_ERROR(index_.RemoveWorker(id));
+  std::lock_guard lock(mu_);
+  return workers_.Remove(id);
 }
 
 std::optional<WorkerId> Router::FindWorker(std::string_view name) const {

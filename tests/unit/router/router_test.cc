@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <memory>
+#include <thread>
 #include <vector>
 
 namespace tandem::router {
@@ -330,6 +331,60 @@ TEST(RouterTest, CountsDecisionsPerPolicyAndWorker) {
   EXPECT_EQ(c.local_prefills, 5u);
   EXPECT_EQ(c.workers[0].local_routes + c.workers[1].local_routes, 5u);
   EXPECT_EQ(c.workers[0].prefill_routes + c.workers[0].decode_routes, 0u);
+}
+
+// Routing, KV events, load reports and membership changes from several
+// threads at once (bounded): every route succeeds and picks a worker that
+// can serve it, and every decision is counted.
+TEST(RouterTest, ConcurrentRoutesEventsAndReports) {
+  Fleet f;
+  const WorkerId p0 = f.Add("p0", WorkerRole::kPrefill);
+  f.Add("p1", WorkerRole::kPrefill);
+  f.Add("d0", WorkerRole::kDecode);
+  f.Add("d1", WorkerRole::kDecode);
+  constexpr int kRoutesPerThread = 2000;
+  std::atomic<bool> failed{false};
+  std::atomic<int> routers_left{2};
+  std::vector<std::jthread> threads;
+  for (int t = 0; t < 2; ++t) {
+    threads.emplace_back([&, t] {
+      RouteDecision d;
+      for (int i = 0; i < kRoutesPerThread; ++i) {
+        const std::vector<uint64_t> h = Chain(uint64_t(i % 50) * 100, 8);
+        if (!f.router->Route({h, 8 * 16}, &d).ok() || d.prefill == kNoWorker || d.decode == kNoWorker ||
+            d.prefill == d.decode) {
+          failed = true;
+        }
+        if (t == 0 && i % 100 == 0) (void)d.DebugString();
+      }
+      --routers_left;
+    });
+  }
+  threads.emplace_back([&] {  // KV events of p0
+    for (uint64_t id = 1; routers_left > 0 && id < 100000; ++id) {
+      const std::vector<uint64_t> h = Chain((id % 50) * 100, 8);
+      const KvEventKind kind = id % 3 == 0 ? KvEventKind::kRemoved : KvEventKind::kStored;
+      auto r = f.router->ApplyEvent(p0, {kind, 1, id, 0, h});
+      if (!r.ok() || *r != EventResult::kApplied) failed = true;
+    }
+  });
+  threads.emplace_back([&] {  // load reports and a decoder that comes and goes
+    for (int i = 0; routers_left > 0 && i < 100000; ++i) {
+      (void)f.router->ApplyLoadReport(p0, {.queued_prefill_tokens = uint32_t(i % 300)}).ok();
+      WorkerInfo info;
+      info.name = "extra";
+      info.role = WorkerRole::kDecode;
+      auto id = f.router->AddWorker(info);
+      if (!id.ok() || !f.router->RemoveWorker(*id).ok()) failed = true;
+    }
+  });
+  threads.clear();
+  EXPECT_FALSE(failed);
+  const RouterCounters c = f.router->counters();
+  EXPECT_EQ(c.routes[static_cast<size_t>(Policy::kKvAware)], 2u * kRoutesPerThread);
+  uint64_t prefills = 0;
+  for (const auto& w : c.workers) prefills += w.prefill_routes;
+  EXPECT_EQ(prefills, 2u * kRoutesPerThread);
 }
 
 }  // namespace
