@@ -334,6 +334,13 @@ EngineStats Engine::stats() const {
   return s;
 }
 
+void Engine::ResetPrefixCache() {
+  std::lock_guard lock(mu_);
+  // Blocks still held lose their registration too (the subscribers forget
+  // everything on `cleared`); their holders keep using them privately.
+  blocks_->ClearCache();
+}
+
 KvSnapshot Engine::SnapshotKv() const {
   std::lock_guard lock(mu_);
   return blocks_->Snapshot();

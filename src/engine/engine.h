@@ -136,6 +136,10 @@ class Engine {
   // reserved one is used). The first token is delivered to the callback.
   Status AddPrefilled(uint64_t reservation_id, GenerateRequest request, uint32_t first_token);
 
+  // Drops every cached block no request holds (publishes `cleared`); for
+  // weight reloads and operators.
+  void ResetPrefixCache();
+
   EngineStats stats() const;
   KvEventPublisher& events() { return *events_; }
   KvSnapshot SnapshotKv() const;

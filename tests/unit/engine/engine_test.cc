@@ -372,5 +372,68 @@ TEST(EngineTest, ThreadedEngineServesConcurrentSubmitters) {
   (void)steps;
 }
 
+// One lowercase letter per token id: enough to exercise text and stop strings.
+class LetterTokenizer final : public model::Tokenizer {
+ public:
+  std::vector<uint32_t> Encode(std::string_view, bool) const override { return {}; }
+  std::string Decode(std::span<const uint32_t> ids, bool) const override {
+    std::string s;
+    for (uint32_t id : ids) s += TokenBytes(id);
+    return s;
+  }
+  std::string TokenBytes(uint32_t id) const override { return std::string(1, char('a' + id % 26)); }
+  bool IsSpecial(uint32_t) const override { return false; }
+  uint32_t vocab_size() const override { return 512; }
+  std::optional<uint32_t> TokenToId(std::string_view) const override { return std::nullopt; }
+};
+
+TEST(EngineTest, StopStringsAreCutFromTheTextAndEndTheRequest) {
+  LetterTokenizer tok;
+  EngineOptions o;
+  o.tokenizer = &tok;
+  auto e = MakeEngine(TinyModel(), o);
+  const auto prompt = Prompt(9, 21);
+  Collector all;
+  ASSERT_TRUE(e->Submit(Req("all", prompt, 20, &all)).ok());
+  e->RunUntilIdle();
+  ASSERT_EQ(all.tokens.size(), 20u);
+  EXPECT_EQ(all.text, tok.Decode(all.tokens, false));
+  const std::string stop = all.text.substr(6, 2);
+  const size_t at = all.text.find(stop);
+  Collector cut;
+  auto r = Req("cut", prompt, 20, &cut);
+  r.sampling.stop = {stop, "never-there"};
+  ASSERT_TRUE(e->Submit(std::move(r)).ok());
+  e->RunUntilIdle();
+  EXPECT_EQ(cut.reason, FinishReason::kStop);
+  EXPECT_EQ(cut.text, all.text.substr(0, at));
+  EXPECT_EQ(cut.tokens, std::vector<uint32_t>(all.tokens.begin(), all.tokens.begin() + at + 2));
+  // Without a tokenizer stop strings are refused.
+  auto plain = MakeEngine(TinyModel());
+  auto r2 = Req("x", prompt, 5, nullptr);
+  r2.sampling.stop = {"a"};
+  EXPECT_EQ(plain->Submit(std::move(r2)).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(EngineTest, ResetPrefixCachePublishesClearedAndForgetsBlocks) {
+  auto e = MakeEngine(TinyModel());
+  const auto prompt = Prompt(40, 2);
+  Collector a, b;
+  ASSERT_TRUE(e->Submit(Req("a", prompt, 4, &a)).ok());
+  e->RunUntilIdle();
+  EXPECT_GT(e->stats().cached_blocks, 0u);
+  e->events().Drain();
+  e->ResetPrefixCache();
+  auto ev = e->events().Drain();
+  ASSERT_EQ(ev.size(), 1u);
+  EXPECT_EQ(ev[0].kind, KvEventKind::kCleared);
+  EXPECT_EQ(e->stats().cached_blocks, 0u);
+  EXPECT_TRUE(e->SnapshotKv().blocks.empty());
+  ASSERT_TRUE(e->Submit(Req("b", prompt, 4, &b)).ok());
+  e->RunUntilIdle();
+  EXPECT_EQ(b.last.cached_prompt_tokens, 0u);
+  EXPECT_EQ(b.tokens, a.tokens);
+}
+
 }  // namespace
 }  // namespace tandem::engine
