@@ -64,7 +64,7 @@ tandem_bench() {
   done
   local cmd="tandem bench kvtransfer ${args[*]} --json"
   local out
-  out=$(env "${envs[@]}" timeout 120 "$TANDEM" --log-level warn bench kvtransfer "${args[@]}" --json 2>/dev/null | tail -1)
+  out=$(env "${envs[@]}" timeout 120 "$TANDEM" --log-level warn bench kvtransfer "${args[@]}" --json 2>/dev/null | grep '^{' | tail -1)
   jq -c --arg cmd "${envs[*]:+${envs[*]} }$cmd" '. + {tool:"tandem", command:$cmd}' <<<"$out"
 }
 

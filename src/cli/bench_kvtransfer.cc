@@ -32,6 +32,7 @@
 #include <thread>
 
 #include "cli/commands.h"
+#include "common/logging.h"
 #include "kvtransfer/descriptor.h"
 #include "kvtransfer/transport.h"
 
@@ -47,16 +48,16 @@ struct BenchOptions {
   std::string role = "writer";  // writer | target (internal)
   std::string backend = "ucx";
   uint64_t block_bytes = 1 << 20;
-  uint32_t blocks = 64;        // per request
+  uint32_t blocks = 64;  // per request
   uint32_t requests = 200;
   uint32_t warmup = 5;
   uint32_t concurrency = 1;
   bool scatter = false;
   bool json = false;
-  bool notice = true;          // send a notice after each request's data
+  bool notice = true;                   // send a notice after each request's data
   uint64_t max_put_bytes = 4ull << 20;  // the library default
-  uint32_t pool_blocks = 0;    // target only
-  double timeout_s = 120;      // whole run
+  uint32_t pool_blocks = 0;             // target only
+  double timeout_s = 120;               // whole run
 };
 
 // The target process, spoken to over its stdin/stdout.
@@ -128,7 +129,8 @@ class Target {
         if (line.rfind("ERROR ", 0) == 0) return InternalError("target: " + line.substr(6));
         continue;
       }
-      const auto left_ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      const auto left_ms =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
       if (left_ms <= 0) break;
       pollfd p{from_, POLLIN, 0};
       if (poll(&p, 1, static_cast<int>(left_ms)) <= 0) continue;
@@ -137,7 +139,8 @@ class Target {
       if (n <= 0) return UnavailableError("target exited");
       buf_.append(chunk, static_cast<size_t>(n));
     }
-    return DeadlineExceededError(fmt::format("target did not say '{}' within {} s", prefix, timeout_s));
+    return DeadlineExceededError(
+        fmt::format("target did not say '{}' within {} s", prefix, timeout_s));
   }
 
  private:
@@ -192,7 +195,8 @@ int RunTarget(const BenchOptions& o) {
 double Percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
-  const size_t i = std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size() - 1) + 0.5));
+  const size_t i =
+      std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size() - 1) + 0.5));
   return v[i];
 }
 
@@ -277,27 +281,28 @@ int RunWriter(const BenchOptions& o) {
       index = issued++;
       if (index == o.warmup) measure_start = Clock::now();
     }
-    auto x = t.PrepareBlockWrite(*peer, pairs[group],
-                                 o.notice ? std::optional<std::string>("r" + std::to_string(index))
-                                          : std::nullopt);
+    auto x = t.PrepareBlockWrite(
+        *peer, pairs[group],
+        o.notice ? std::optional<std::string>("r" + std::to_string(index)) : std::nullopt);
     if (!x.ok()) return fail(x.status());
     const auto start = Clock::now();
-    Status s = t.Post(*x, [&, group, index, start, id = *x](kv::XferId, kv::XferStatus st,
-                                                            const Status& detail) {
-      const auto end = Clock::now();
-      t.Release(id).IgnoreError();
-      if (st != kv::XferStatus::kSuccess) return fail(detail);
-      {
-        std::lock_guard lock(mu);
-        ++finished;
-        if (index >= o.warmup) latency_s.push_back(std::chrono::duration<double>(end - start).count());
-        if (finished == total) measure_end = end;
-      }
-      post_next(group);
-      std::lock_guard lock(mu);
-      ++callbacks_returned;
-      cv.notify_one();
-    });
+    Status s = t.Post(
+        *x, [&, group, index, start, id = *x](kv::XferId, kv::XferStatus st, const Status& detail) {
+          const auto end = Clock::now();
+          t.Release(id).IgnoreError();
+          if (st != kv::XferStatus::kSuccess) return fail(detail);
+          {
+            std::lock_guard lock(mu);
+            ++finished;
+            if (index >= o.warmup)
+              latency_s.push_back(std::chrono::duration<double>(end - start).count());
+            if (finished == total) measure_end = end;
+          }
+          post_next(group);
+          std::lock_guard lock(mu);
+          ++callbacks_returned;
+          cv.notify_one();
+        });
     if (!s.ok()) fail(s);
   };
   for (uint32_t g = 0; g < groups; ++g) post_next(g);
@@ -305,8 +310,8 @@ int RunWriter(const BenchOptions& o) {
   cv.wait_until(lock, Clock::now() + std::chrono::duration<double>(o.timeout_s),
                 [&] { return callbacks_returned == total || failed > 0; });
   if (finished < total || failed > 0) {
-    std::cerr << fmt::format("kvtransfer bench: {} of {} requests finished, {} failed{}{}\n", finished,
-                             total, failed, first_error.empty() ? "" : ": ", first_error);
+    std::cerr << fmt::format("kvtransfer bench: {} of {} requests finished, {} failed{}{}\n",
+                             finished, total, failed, first_error.empty() ? "" : ": ", first_error);
     lock.unlock();
     std::_Exit(1);  // requests may still be in flight and reference this frame
   }
@@ -315,15 +320,18 @@ int RunWriter(const BenchOptions& o) {
   // 4. Check the data and the notices at the target.
   target.Send(fmt::format("SUM 0 {} {}", stride, o.blocks));
   auto remote_sum = target.Expect("SUM ", 30);
-  const bool verified = remote_sum.ok() && *remote_sum == std::to_string(BlocksChecksum(t, 0, 1, o.blocks));
+  const bool verified =
+      remote_sum.ok() && *remote_sum == std::to_string(BlocksChecksum(t, 0, 1, o.blocks));
   uint64_t notices = 0;
   const uint64_t want_notices = o.notice ? total : 0;
-  for (int i = 0; i < 100 && notices < want_notices; ++i) {  // the last notices may still be in flight
+  for (int i = 0; i < 100 && notices < want_notices;
+       ++i) {  // the last notices may still be in flight
     target.Send("NOTICES");
     auto n = target.Expect("NOTICES ", 30);
     notices = n.ok() ? std::stoull(*n) : 0;
     if (notices < want_notices) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
+  t.ReleasePeer(*peer).IgnoreError();  // before the target exits, so no peer-loss warning
   target.CloseInput();
 
   const double elapsed_s = std::chrono::duration<double>(measure_end - measure_start).count();
@@ -362,7 +370,8 @@ int RunWriter(const BenchOptions& o) {
         "  notices received {} of {}; data verified: {}\n",
         o.backend, transports, tls ? fmt::format(" (UCX_TLS={})", tls) : "", o.requests, o.blocks,
         o.block_bytes, puts_per_request, groups, o.scatter ? ", scattered slots" : "", bw / 1e9, bw,
-        elapsed_s, p50 * 1e6, p99 * 1e6, mean * 1e6, notices, want_notices, verified ? "yes" : "NO");
+        elapsed_s, p50 * 1e6, p99 * 1e6, mean * 1e6, notices, want_notices,
+        verified ? "yes" : "NO");
   }
   return verified && notices == want_notices ? 0 : 1;
 }
@@ -370,30 +379,44 @@ int RunWriter(const BenchOptions& o) {
 }  // namespace
 
 void RegisterBenchKvTransfer(CLI::App& bench, GlobalOptions& g) {
-  auto* cmd = bench.add_subcommand("kvtransfer", "KV transfer bandwidth and latency between two processes");
+  auto* cmd =
+      bench.add_subcommand("kvtransfer", "KV transfer bandwidth and latency between two processes");
   auto o = std::make_shared<BenchOptions>();
-  cmd->add_option("--block-bytes", o->block_bytes, "bytes per KV block")->check(CLI::PositiveNumber);
+  cmd->add_option("--block-bytes", o->block_bytes, "bytes per KV block")
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--blocks", o->blocks, "blocks per request")->check(CLI::PositiveNumber);
   cmd->add_option("--requests", o->requests, "measured requests")->check(CLI::PositiveNumber);
   cmd->add_option("--warmup", o->warmup, "requests before measuring");
-  cmd->add_option("--concurrency", o->concurrency, "requests in flight")->check(CLI::PositiveNumber);
+  cmd->add_option("--concurrency", o->concurrency, "requests in flight")
+      ->check(CLI::PositiveNumber);
   cmd->add_flag("--scatter", o->scatter, "write every other remote slot (no coalescing)");
   cmd->add_option("--backend", o->backend, "ucx (loopback is in-process only)")
       ->check(CLI::IsMember({"ucx"}));
-  cmd->add_option("--max-put-bytes", o->max_put_bytes, "largest single put")->check(CLI::PositiveNumber);
+  cmd->add_option("--max-put-bytes", o->max_put_bytes, "largest single put")
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--timeout", o->timeout_s, "give up after this many seconds");
   cmd->add_flag("--json", o->json, "print one JSON object");
   cmd->add_flag("!--no-notice", o->notice, "send no notice after each request");
   cmd->add_option("--role", o->role, "internal: writer | target")->group("");
   cmd->add_option("--pool-blocks", o->pool_blocks, "internal: target pool size")->group("");
   cmd->callback([&g, o] {
+    if (Status s = SetupLogging(o->role == "target" ? "bench-target" : "bench",
+                                g.log_level.empty() ? "warn" : g.log_level,
+                                g.log_format.empty() ? "text" : g.log_format);
+        !s.ok()) {
+      std::cerr << s.ToString() << "\n";
+      g.exit_code = 2;
+      return;
+    }
     if (o->role == "target") {
       g.exit_code = RunTarget(*o);
       return;
     }
-    if (uint64_t{o->blocks} * o->concurrency * o->block_bytes * (o->scatter ? 2 : 1) > (16ull << 30)) {
-      std::cerr << "kvtransfer bench: the pools would exceed 16 GiB; lower --blocks, --block-bytes or "
-                   "--concurrency\n";
+    if (uint64_t{o->blocks} * o->concurrency * o->block_bytes * (o->scatter ? 2 : 1) >
+        (16ull << 30)) {
+      std::cerr
+          << "kvtransfer bench: the pools would exceed 16 GiB; lower --blocks, --block-bytes or "
+             "--concurrency\n";
       g.exit_code = 2;
       return;
     }

@@ -74,8 +74,8 @@ Result<PeerDescriptor> ParseDescriptor(std::string_view bytes) {
   PeerDescriptor d;
   uint32_t version = 0;
   if (!r.Int(version) || version != kVersion) {
-    return InvalidArgumentError(
-        fmt::format("KV descriptor: version {} unsupported (this build reads {})", version, kVersion));
+    return InvalidArgumentError(fmt::format(
+        "KV descriptor: version {} unsupported (this build reads {})", version, kVersion));
   }
   uint64_t checksum = 0;
   if (!r.Bytes(d.backend) || !r.Bytes(d.agent_name) || !r.Int(d.generation) ||

@@ -15,7 +15,7 @@
 namespace tandem::kvtransfer {
 
 struct PeerDescriptor {
-  std::string backend;      // "ucx" | "loopback"
+  std::string backend;  // "ucx" | "loopback"
   std::string agent_name;
   uint64_t generation = 0;
   uint64_t block_bytes = 0;

@@ -13,14 +13,22 @@ namespace tandem::kvtransfer {
 
 std::string_view XferStatusName(XferStatus s) {
   switch (s) {
-    case XferStatus::kPrepared: return "PREPARED";
-    case XferStatus::kInProgress: return "IN_PROGRESS";
-    case XferStatus::kSuccess: return "SUCCESS";
-    case XferStatus::kErrRemoteDisconnect: return "ERR_REMOTE_DISCONNECT";
-    case XferStatus::kErrCanceled: return "ERR_CANCELED";
-    case XferStatus::kErrStaleDescriptor: return "ERR_STALE_DESCRIPTOR";
-    case XferStatus::kErrInvalidArgument: return "ERR_INVALID_ARGUMENT";
-    case XferStatus::kErrBackend: return "ERR_BACKEND";
+    case XferStatus::kPrepared:
+      return "PREPARED";
+    case XferStatus::kInProgress:
+      return "IN_PROGRESS";
+    case XferStatus::kSuccess:
+      return "SUCCESS";
+    case XferStatus::kErrRemoteDisconnect:
+      return "ERR_REMOTE_DISCONNECT";
+    case XferStatus::kErrCanceled:
+      return "ERR_CANCELED";
+    case XferStatus::kErrStaleDescriptor:
+      return "ERR_STALE_DESCRIPTOR";
+    case XferStatus::kErrInvalidArgument:
+      return "ERR_INVALID_ARGUMENT";
+    case XferStatus::kErrBackend:
+      return "ERR_BACKEND";
   }
   return "UNKNOWN";
 }
@@ -57,10 +65,9 @@ Result<XferId> Transport::PrepareBlockWrite(PeerId peer, std::span<const BlockPa
 
 uint64_t NewGeneration() {
   static std::atomic<uint64_t> last{0};
-  const auto now = static_cast<uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(
-          std::chrono::system_clock::now().time_since_epoch())
-          .count());
+  const auto now = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                             std::chrono::system_clock::now().time_since_epoch())
+                                             .count());
   uint64_t prev = last.load();
   uint64_t next = 0;
   do {

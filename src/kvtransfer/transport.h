@@ -40,9 +40,9 @@ namespace tandem::kvtransfer {
 
 // NIXL-style transfer state: > 0 not finished, 0 success, < 0 failed.
 enum class XferStatus : int {
-  kPrepared = 2,    // prepared, not yet posted
-  kInProgress = 1,  // posted, not finished
-  kSuccess = 0,     // every byte is visible at the peer, and the notice was sent after it
+  kPrepared = 2,              // prepared, not yet posted
+  kInProgress = 1,            // posted, not finished
+  kSuccess = 0,               // every byte is visible at the peer, and the notice was sent after it
   kErrRemoteDisconnect = -1,  // the peer died or became unreachable
   kErrCanceled = -2,          // aborted; no byte of it will land after this is reported
   kErrStaleDescriptor = -3,   // the peer restarted; its old descriptor is no longer valid
@@ -76,19 +76,19 @@ std::vector<Segment> CoalesceBlocks(std::span<const BlockPair> pairs, uint64_t b
 // A small message sent after the data of one transfer; the receiver sees it
 // only after every byte of that transfer is visible in its pool.
 struct Notification {
-  std::string sender;               // agent name of the writer
+  std::string sender;  // agent name of the writer
   uint64_t sender_generation = 0;
-  std::string payload;              // opaque to the transport
+  std::string payload;  // opaque to the transport
 };
 
 struct Capabilities {
-  std::string backend;                  // "ucx" | "loopback"
+  std::string backend;  // "ucx" | "loopback"
   bool one_sided_write = true;
   bool notifications = true;
   bool abort = true;
-  bool peer_failure_detection = true;   // peer loss becomes kErrRemoteDisconnect
-  bool cross_process = false;           // a peer may live in another process / host
-  bool device_memory = false;           // pool in GPU memory (CUDA issue)
+  bool peer_failure_detection = true;  // peer loss becomes kErrRemoteDisconnect
+  bool cross_process = false;          // a peer may live in another process / host
+  bool device_memory = false;          // pool in GPU memory (CUDA issue)
   uint64_t max_notification_bytes = 0;
 };
 
@@ -96,11 +96,11 @@ struct Capabilities {
 // return to zero once every request and peer is released.
 struct TransportStats {
   uint64_t live_peers = 0;
-  uint64_t live_remote_keys = 0;    // unpacked remote memory keys
-  uint64_t live_requests = 0;       // prepared and not yet released
-  uint64_t inflight_requests = 0;   // posted and not yet terminal
-  uint64_t bytes_written = 0;       // payload bytes whose puts completed
-  uint64_t puts_posted = 0;         // backend put operations (after coalescing and chunking)
+  uint64_t live_remote_keys = 0;   // unpacked remote memory keys
+  uint64_t live_requests = 0;      // prepared and not yet released
+  uint64_t inflight_requests = 0;  // posted and not yet terminal
+  uint64_t bytes_written = 0;      // payload bytes whose puts completed
+  uint64_t puts_posted = 0;        // backend put operations (after coalescing and chunking)
   uint64_t notifications_sent = 0;
   uint64_t notifications_received = 0;
   uint64_t stale_notifications_dropped = 0;  // addressed to an older generation of this agent
@@ -191,7 +191,9 @@ class Transport {
 
  protected:
   Transport(std::string agent_name, uint64_t generation, uint64_t block_bytes, uint32_t num_blocks)
-      : agent_name_(std::move(agent_name)), generation_(generation), block_bytes_(block_bytes),
+      : agent_name_(std::move(agent_name)),
+        generation_(generation),
+        block_bytes_(block_bytes),
         num_blocks_(num_blocks) {}
   void set_pool(std::byte* pool) { pool_ = pool; }
 

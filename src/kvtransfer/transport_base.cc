@@ -1,13 +1,13 @@
 #include "kvtransfer/transport_base.h"
 
-#include "common/check.h"
-
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+
+#include "common/check.h"
 
 namespace tandem::kvtransfer::detail {
 namespace {
@@ -105,7 +105,8 @@ Status TransportBase::CheckNotForked() const {
 }
 
 Status TransportBase::CheckPeerUsable(const PeerEntry& p) const {
-  if (p.releasing) return CancelledError(fmt::format("peer {} is being released", p.desc.agent_name));
+  if (p.releasing)
+    return CancelledError(fmt::format("peer {} is being released", p.desc.agent_name));
   auto it = latest_generation_.find(p.desc.agent_name);
   if (it != latest_generation_.end() && it->second > p.desc.generation) {
     return FailedPreconditionError(fmt::format(
@@ -133,8 +134,8 @@ Result<PeerId> TransportBase::ImportPeer(std::string_view descriptor) {
   TANDEM_ASSIGN_OR_RETURN(PeerDescriptor desc, ParseDescriptor(descriptor));
   const std::string backend = capabilities().backend;
   if (desc.backend != backend) {
-    return InvalidArgumentError(fmt::format("KV descriptor is for backend '{}'; this transport is '{}'",
-                                            desc.backend, backend));
+    return InvalidArgumentError(fmt::format(
+        "KV descriptor is for backend '{}'; this transport is '{}'", desc.backend, backend));
   }
   if (desc.block_bytes == 0 || desc.num_blocks == 0) {
     return InvalidArgumentError("KV descriptor describes an empty pool");
@@ -264,15 +265,16 @@ Status TransportBase::Post(XferId xfer, XferCallback on_done) {
     if (it == xfers_.end()) return NotFoundError(fmt::format("no transfer {}", xfer));
     Xfer* x = it->second.get();
     if (x->status != XferStatus::kPrepared) {
-      return FailedPreconditionError(fmt::format("transfer {} is {}, not prepared", xfer,
-                                                 XferStatusName(x->status)));
+      return FailedPreconditionError(
+          fmt::format("transfer {} is {}, not prepared", xfer, XferStatusName(x->status)));
     }
     auto pit = peers_.find(x->peer);
-    Status usable = pit == peers_.end() ? CancelledError("peer released") : CheckPeerUsable(*pit->second);
+    Status usable =
+        pit == peers_.end() ? CancelledError("peer released") : CheckPeerUsable(*pit->second);
     if (!usable.ok()) {
       x->status = usable.code() == StatusCode::kFailedPrecondition ? XferStatus::kErrStaleDescriptor
                   : usable.code() == StatusCode::kCancelled        ? XferStatus::kErrCanceled
-                                                                   : XferStatus::kErrRemoteDisconnect;
+                                                            : XferStatus::kErrRemoteDisconnect;
       x->detail = usable;
       return usable;
     }
@@ -478,8 +480,10 @@ void TransportBase::SweepReleasingPeers() {
     bool busy = false;
     for (Xfer* x : active_) {
       if (x->peer != p->id) continue;
-      if (x->outstanding > 0) busy = true;
-      else Finish(*x, XferStatus::kErrCanceled, CancelledError("peer released"));
+      if (x->outstanding > 0)
+        busy = true;
+      else
+        Finish(*x, XferStatus::kErrCanceled, CancelledError("peer released"));
     }
     if (busy && now < p->release_deadline) continue;
     for (Xfer* x : active_) {

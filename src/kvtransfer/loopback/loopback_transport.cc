@@ -25,7 +25,7 @@ struct Endpoint {
   std::mutex mu;
   bool alive = true;
   std::atomic<uint64_t> generation{0};  // changes on a (simulated) restart
-  std::byte* pool = nullptr;  // [pool_bytes]
+  std::byte* pool = nullptr;            // [pool_bytes]
   uint64_t pool_bytes = 0;
   detail::TransportBase* owner = nullptr;
 };
@@ -56,8 +56,8 @@ class LoopbackTransport final : public detail::TransportBase {
   explicit LoopbackTransport(const TransportOptions& options) : TransportBase(options) {}
 
   Status Init() {
-    void* mem = mmap(nullptr, pool_bytes(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                     -1, 0);
+    void* mem =
+        mmap(nullptr, pool_bytes(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (mem == MAP_FAILED) {
       return ResourceExhaustedError(
           fmt::format("loopback: cannot map a KV pool of {} bytes", pool_bytes()));
@@ -114,12 +114,14 @@ class LoopbackTransport final : public detail::TransportBase {
   }
 
  protected:
-  Result<std::unique_ptr<detail::PeerState>> ConnectPeer(PeerId, const PeerDescriptor& desc) override {
+  Result<std::unique_ptr<detail::PeerState>> ConnectPeer(PeerId,
+                                                         const PeerDescriptor& desc) override {
     auto ep = FindEndpoint(desc.agent_name);
     if (!ep) return UnavailableError(fmt::format("loopback: no live agent '{}'", desc.agent_name));
     {
       std::lock_guard lock(ep->mu);
-      if (!ep->alive) return UnavailableError(fmt::format("loopback: agent '{}' is gone", desc.agent_name));
+      if (!ep->alive)
+        return UnavailableError(fmt::format("loopback: agent '{}' is gone", desc.agent_name));
       if (ep->generation != desc.generation || ep->pool_bytes != desc.pool_bytes()) {
         return FailedPreconditionError(fmt::format(
             "stale descriptor: loopback agent '{}' is at generation {}, descriptor says {}",
@@ -146,17 +148,19 @@ class LoopbackTransport final : public detail::TransportBase {
     if (x.phase == Phase::kPut) {
       if (!x.stopping && x.next_segment < x.segments.size()) {
         const Segment& s = x.segments[x.next_segment];
-        const uint64_t chunk = std::min(options().max_put_bytes, s.length_bytes - x.segment_offset_bytes);
+        const uint64_t chunk =
+            std::min(options().max_put_bytes, s.length_bytes - x.segment_offset_bytes);
         if (options().loopback_delay_per_put_us > 0) {
-          std::this_thread::sleep_for(std::chrono::microseconds(options().loopback_delay_per_put_us));
+          std::this_thread::sleep_for(
+              std::chrono::microseconds(options().loopback_delay_per_put_us));
         }
         Endpoint& ep = *peer.endpoint;
         {
           std::unique_lock lock(ep.mu);
           if (!ep.alive) {
             lock.unlock();
-            OnPeerFailed(entry.id, UnavailableError(fmt::format(
-                                       "loopback peer '{}' is gone", entry.desc.agent_name)));
+            OnPeerFailed(entry.id, UnavailableError(fmt::format("loopback peer '{}' is gone",
+                                                                entry.desc.agent_name)));
             return;
           }
           if (ep.generation != peer.generation) {
@@ -182,8 +186,8 @@ class LoopbackTransport final : public detail::TransportBase {
     if (x.phase != Phase::kFlushed) return;
     if (x.stopping) {
       Finish(x, XferStatus::kErrCanceled,
-             CancelledError(fmt::format("aborted after {} of {} bytes", x.bytes_done.load(),
-                                        x.total_bytes)));
+             CancelledError(
+                 fmt::format("aborted after {} of {} bytes", x.bytes_done.load(), x.total_bytes)));
       return;
     }
     if (x.notice) {
@@ -200,7 +204,8 @@ class LoopbackTransport final : public detail::TransportBase {
         Finish(x, XferStatus::kErrStaleDescriptor, StaleError(entry, ep));
         return;
       }
-      ep.owner->DeliverNotice(detail::EncodeNotice(ep.generation.load(), generation(), agent_name(), *x.notice));
+      ep.owner->DeliverNotice(
+          detail::EncodeNotice(ep.generation.load(), generation(), agent_name(), *x.notice));
       notifications_sent_++;
     }
     Finish(x, XferStatus::kSuccess, Status::Ok());
@@ -230,9 +235,9 @@ class LoopbackTransport final : public detail::TransportBase {
 
  private:
   static Status StaleError(const detail::PeerEntry& entry, const Endpoint& ep) {
-    return FailedPreconditionError(fmt::format(
-        "stale descriptor: loopback agent '{}' restarted (generation {} -> {})",
-        entry.desc.agent_name, entry.desc.generation, ep.generation.load()));
+    return FailedPreconditionError(
+        fmt::format("stale descriptor: loopback agent '{}' restarted (generation {} -> {})",
+                    entry.desc.agent_name, entry.desc.generation, ep.generation.load()));
   }
 
   std::shared_ptr<Endpoint> endpoint_;

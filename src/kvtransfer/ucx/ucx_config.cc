@@ -4,8 +4,8 @@
 
 #include <cerrno>
 #include <cstdio>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -26,20 +26,46 @@ Status UcsError(std::string_view what, ucs_status_t s) {
 std::vector<UcxDefault> UcxDefaults(double peer_timeout_s) {
   const int keepalive_ms = std::max(100, static_cast<int>(peer_timeout_s * 1000 / 3));
   return {
-      {"KEEPALIVE_INTERVAL", fmt::format("{}ms", keepalive_ms), {"UCX_KEEPALIVE_INTERVAL"},
+      {"KEEPALIVE_INTERVAL",
+       fmt::format("{}ms", keepalive_ms),
+       {"UCX_KEEPALIVE_INTERVAL"},
        "UCX's 20 s default notices a dead peer late; a third of peer_timeout_s bounds it"},
       // Shared-memory transports do not support UCP_ERR_HANDLING_MODE_PEER
       // unless asked; without this UCX silently picks TCP on one host.
-      {"POSIX_ERROR_HANDLING", "y", {"UCX_POSIX_ERROR_HANDLING", "UCX_MM_ERROR_HANDLING"},
-       "lets posix shared memory serve endpoints with peer error handling", true},
-      {"SYSV_ERROR_HANDLING", "y", {"UCX_SYSV_ERROR_HANDLING", "UCX_MM_ERROR_HANDLING"},
-       "lets sysv shared memory serve endpoints with peer error handling", true},
+      {"POSIX_ERROR_HANDLING",
+       "y",
+       {"UCX_POSIX_ERROR_HANDLING", "UCX_MM_ERROR_HANDLING"},
+       "lets posix shared memory serve endpoints with peer error handling",
+       true},
+      {"SYSV_ERROR_HANDLING",
+       "y",
+       {"UCX_SYSV_ERROR_HANDLING", "UCX_MM_ERROR_HANDLING"},
+       "lets sysv shared memory serve endpoints with peer error handling",
+       true},
   };
 }
 
+namespace {
+// Whether UCX_TLS (unset means "all") lets UCX use shared memory.
+bool SharedMemoryAllowed() {
+  const char* tls = std::getenv("UCX_TLS");
+  if (tls == nullptr) return true;
+  const std::string t = tls;
+  if (!t.empty() && t[0] == '^') return true;  // an exclusion list
+  for (const char* name : {"all", "sm", "shm", "posix", "sysv", "mm"}) {
+    if (t.find(name) != std::string::npos) return true;
+  }
+  return false;
+}
+}  // namespace
+
 Result<std::vector<std::string>> ApplyUcxDefaults(ucp_config_t* config, double peer_timeout_s) {
   std::vector<std::string> applied;
+  const bool shm = SharedMemoryAllowed();
   for (const UcxDefault& d : UcxDefaults(peer_timeout_s)) {
+    // Shared-memory keys with UCX_TLS excluding shared memory would only
+    // trigger UCX's "unused env variables" warning.
+    if (d.via_environment && !shm) continue;
     bool operator_set = false;
     for (const std::string& env : d.env_names) operator_set |= std::getenv(env.c_str()) != nullptr;
     if (operator_set) continue;
@@ -68,7 +94,8 @@ std::string EndpointTransports(ucp_ep_h ep) {
   std::string text(buf, size);
   std::free(buf);
   // Lane lines look like "#   lane[0]:  3:posix/memory.0 md[2]  ... rma_bw#0".
-  static const std::regex kLane(R"(lane\[\d+\]:\s+\d+:([A-Za-z0-9_]+)/([A-Za-z0-9_:.\-]+?)(\.\d+)?\s)");
+  static const std::regex kLane(
+      R"(lane\[\d+\]:\s+\d+:([A-Za-z0-9_]+)/([A-Za-z0-9_:.\-]+?)(\.\d+)?\s)");
   std::set<std::string> seen;
   std::string out;
   std::istringstream lines(text);

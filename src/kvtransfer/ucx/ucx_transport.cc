@@ -74,7 +74,8 @@ class UcxTransport final : public detail::TransportBase {
     }
     static std::once_flag logged;
     std::call_once(logged, [&] {
-      for (const std::string& a : *applied) spdlog::info("kvtransfer: UCX default UCX_{} (not set by the operator)", a);
+      for (const std::string& a : *applied)
+        spdlog::info("kvtransfer: UCX default UCX_{} (not set by the operator)", a);
     });
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES;
@@ -104,7 +105,8 @@ class UcxTransport final : public detail::TransportBase {
     s = ucp_mem_query(memh_, &attr);
     if (s != UCS_OK) return ucx::UcsError("ucp_mem_query", s);
     if (attr.length < pool_bytes()) {
-      return InternalError(fmt::format("ucp_mem_map gave {} bytes, asked {}", attr.length, pool_bytes()));
+      return InternalError(
+          fmt::format("ucp_mem_map gave {} bytes, asked {}", attr.length, pool_bytes()));
     }
     set_pool(static_cast<std::byte*>(attr.address));
 
@@ -174,7 +176,8 @@ class UcxTransport final : public detail::TransportBase {
   std::string LocalDescriptor() const override { return descriptor_; }
 
  protected:
-  Result<std::unique_ptr<detail::PeerState>> ConnectPeer(PeerId id, const PeerDescriptor& desc) override {
+  Result<std::unique_ptr<detail::PeerState>> ConnectPeer(PeerId id,
+                                                         const PeerDescriptor& desc) override {
     auto p = std::make_unique<UcxPeer>();
     p->err_arg = {this, id};
     p->remote_base = desc.remote_base;
@@ -211,8 +214,9 @@ class UcxTransport final : public detail::TransportBase {
     auto& peer = static_cast<UcxPeer&>(*entry.state);
     if (x.abort.load()) x.stopping = true;
     if (!x.op_error.ok()) {
-      Finish(x, x.op_error.code() == StatusCode::kUnavailable ? XferStatus::kErrRemoteDisconnect
-                                                              : XferStatus::kErrBackend,
+      Finish(x,
+             x.op_error.code() == StatusCode::kUnavailable ? XferStatus::kErrRemoteDisconnect
+                                                           : XferStatus::kErrBackend,
              x.op_error);
       return;
     }
@@ -278,18 +282,18 @@ class UcxTransport final : public detail::TransportBase {
     while (!x.stopping && x.next_segment < x.segments.size() &&
            x.outstanding < kMaxOutstandingPerXfer && budget > 0) {
       const Segment& s = x.segments[x.next_segment];
-      const uint64_t chunk = std::min(options().max_put_bytes, s.length_bytes - x.segment_offset_bytes);
+      const uint64_t chunk =
+          std::min(options().max_put_bytes, s.length_bytes - x.segment_offset_bytes);
       auto* op = new PutOp{this, &x, chunk};
       ucp_request_param_t param{};
-      param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                           UCP_OP_ATTR_FIELD_MEMH;
+      param.op_attr_mask =
+          UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
       param.cb.send = &UcxTransport::OnPutDone;
       param.user_data = op;
       param.memh = memh_;
-      ucs_status_ptr_t req =
-          ucp_put_nbx(peer.ep, pool() + s.local_offset_bytes + x.segment_offset_bytes, chunk,
-                      peer.remote_base + s.remote_offset_bytes + x.segment_offset_bytes,
-                      peer.rkey, &param);
+      ucs_status_ptr_t req = ucp_put_nbx(
+          peer.ep, pool() + s.local_offset_bytes + x.segment_offset_bytes, chunk,
+          peer.remote_base + s.remote_offset_bytes + x.segment_offset_bytes, peer.rkey, &param);
       puts_posted_++;
       if (UCS_PTR_IS_ERR(req)) {
         delete op;
@@ -334,10 +338,11 @@ class UcxTransport final : public detail::TransportBase {
 
   void SendNotice(Xfer& x, UcxPeer& peer, const detail::PeerEntry& entry) {
     x.phase = Phase::kNotice;
-    x.notice_wire = detail::EncodeNotice(entry.desc.generation, generation(), agent_name(), *x.notice);
+    x.notice_wire =
+        detail::EncodeNotice(entry.desc.generation, generation(), agent_name(), *x.notice);
     ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                         UCP_OP_ATTR_FIELD_FLAGS;
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
     param.flags = UCP_AM_SEND_FLAG_EAGER;
     param.cb.send = &UcxTransport::OnNoticeSent;
     param.user_data = &x;
@@ -413,7 +418,8 @@ class UcxTransport final : public detail::TransportBase {
                                void* data, size_t length, const ucp_am_recv_param_t* param) {
     auto* self = static_cast<UcxTransport*>(arg);
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-      spdlog::warn("kvtransfer: dropping a rendezvous notice of {} bytes (notices are eager)", length);
+      spdlog::warn("kvtransfer: dropping a rendezvous notice of {} bytes (notices are eager)",
+                   length);
       return UCS_OK;
     }
     self->DeliverNotice(std::string_view(static_cast<const char*>(data), length));

@@ -41,9 +41,14 @@ std::unique_ptr<Transport> Make(const std::string& name, uint64_t block_bytes, u
   return t.ok() ? std::move(t).value() : nullptr;
 }
 
-std::vector<std::string> TargetArgs(const std::string& name, uint64_t block_bytes, uint32_t blocks) {
-  return {KV_PEER_BIN, "target", "backend=ucx", "name=" + name,
-          "block_bytes=" + std::to_string(block_bytes), "blocks=" + std::to_string(blocks)};
+std::vector<std::string> TargetArgs(const std::string& name, uint64_t block_bytes,
+                                    uint32_t blocks) {
+  return {KV_PEER_BIN,
+          "target",
+          "backend=ucx",
+          "name=" + name,
+          "block_bytes=" + std::to_string(block_bytes),
+          "blocks=" + std::to_string(blocks)};
 }
 
 std::string ReadDescriptor(ChildProcess& child) {
@@ -62,8 +67,10 @@ std::string WriteIntoHelperAndVerify(Transport& t, ChildProcess& helper, const s
   EXPECT_TRUE(peer.ok()) << peer.status().ToString();
   if (!peer.ok()) return "";
   FillRandom(t.pool(), t.pool_bytes(), 77);
-  const std::vector<Segment> segments = {
-      {1, 5, 1}, {100, 3000, 4097}, {3 * kMiB + 7, 1 * kMiB + 1, 5 * kMiB + 3}, {0, 10 * kMiB, 6 * kMiB}};
+  const std::vector<Segment> segments = {{1, 5, 1},
+                                         {100, 3000, 4097},
+                                         {3 * kMiB + 7, 1 * kMiB + 1, 5 * kMiB + 3},
+                                         {0, 10 * kMiB, 6 * kMiB}};
   int n = 0;
   for (const Segment& s : segments) {
     auto x = t.PrepareWrite(*peer, {s}, "seg" + std::to_string(n++));
@@ -74,7 +81,8 @@ std::string WriteIntoHelperAndVerify(Transport& t, ChildProcess& helper, const s
     Status detail;
     EXPECT_EQ(t.Poll(*x, &detail), XferStatus::kSuccess) << detail.ToString();
     EXPECT_TRUE(t.Release(*x).ok());
-    helper.Send("SUM " + std::to_string(s.remote_offset_bytes) + " " + std::to_string(s.length_bytes));
+    helper.Send("SUM " + std::to_string(s.remote_offset_bytes) + " " +
+                std::to_string(s.length_bytes));
     auto sum = helper.Expect("SUM ");
     EXPECT_TRUE(sum.has_value());
     EXPECT_EQ(*sum, std::to_string(Checksum(t.pool() + s.local_offset_bytes, s.length_bytes)))
@@ -91,7 +99,8 @@ std::string WriteIntoHelperAndVerify(Transport& t, ChildProcess& helper, const s
 }
 
 bool UsesSharedMemory(const std::string& transports) {
-  return transports.find("posix") != std::string::npos || transports.find("sysv") != std::string::npos;
+  return transports.find("posix") != std::string::npos ||
+         transports.find("sysv") != std::string::npos;
 }
 
 // `tandem launch` order: fork/exec the other process, then start UCX here.
@@ -149,10 +158,15 @@ TEST(TwoProcesses, RestartedWriterAfterKillStillDelivers) {
   ASSERT_TRUE(t);
   const std::string desc_hex = ToHex(t->LocalDescriptor());
   auto writer_args = [&](const std::string& requests, const std::string& seed) {
-    return std::vector<std::string>{KV_PEER_BIN, "writer", "backend=ucx", "name=ip-prefill",
+    return std::vector<std::string>{KV_PEER_BIN,
+                                    "writer",
+                                    "backend=ucx",
+                                    "name=ip-prefill",
                                     "block_bytes=" + std::to_string(bb),
-                                    "blocks=" + std::to_string(blocks), "target=" + desc_hex,
-                                    "requests=" + requests, "seed=" + seed};
+                                    "blocks=" + std::to_string(blocks),
+                                    "target=" + desc_hex,
+                                    "requests=" + requests,
+                                    "seed=" + seed};
   };
   {
     ChildProcess first(writer_args("0", "1"));

@@ -95,10 +95,10 @@ TEST_P(ConformanceTest, DataIntegrityAcrossSizes) {
   FillRandom(a->pool(), pool, 42);
   auto peer = a->ImportPeer(b->LocalDescriptor());
   ASSERT_TRUE(peer.ok()) << peer.status().ToString();
-  const std::vector<uint64_t> sizes = {1,          2,           3,           7,       63,
-                                       64,         1000,        4095,        4097,    65537,
-                                       kMiB - 1,   kMiB + 3,    4 * kMiB + 1, 17 * kMiB - 5,
-                                       64 * kMiB};
+  const std::vector<uint64_t> sizes = {
+      1,        2,    3,     7,        63,       64,           1000,
+      4095,     4097, 65537, kMiB - 1, kMiB + 3, 4 * kMiB + 1, 17 * kMiB - 5,
+      64 * kMiB};
   uint64_t expect_written = a->stats().bytes_written;
   for (size_t i = 0; i < sizes.size(); ++i) {
     const uint64_t n = sizes[i];
@@ -137,7 +137,8 @@ TEST_P(ConformanceTest, BlockWritesCoalesceContiguousRuns) {
   }
   // Out-of-range slots are refused before anything moves.
   const std::vector<BlockPair> bad = {{0, 16}};
-  EXPECT_EQ(a->PrepareBlockWrite(*peer, bad, std::nullopt).status().code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(a->PrepareBlockWrite(*peer, bad, std::nullopt).status().code(),
+            StatusCode::kOutOfRange);
   EXPECT_TRUE(a->Release(*x).ok());
 }
 
@@ -167,7 +168,11 @@ TEST_P(ConformanceTest, NotificationArrivesAfterItsData) {
     const uint64_t sum = Checksum(a->pool(), 4 * bb);
     ASSERT_EQ(WriteAndWait(*a, *peer, {{0, 0, 4 * bb}}, std::to_string(sum)), XferStatus::kSuccess);
     // The next round overwrites the same bytes: wait for this notice first.
-    ASSERT_TRUE(WaitFor([&] { std::lock_guard l(mu); return received == r + 1; })) << "round " << r;
+    ASSERT_TRUE(WaitFor([&] {
+      std::lock_guard l(mu);
+      return received == r + 1;
+    })) << "round "
+        << r;
   }
   std::lock_guard lock(mu);
   EXPECT_EQ(received, kRounds);
@@ -312,8 +317,10 @@ TEST_P(ConformanceTest, PeerKilledMidTransfer) {
     }
     if (i == 2) {  // kill while transfers stream
       killed_at = std::chrono::steady_clock::now();
-      if (child) child->Kill();
-      else local_peer.reset();
+      if (child)
+        child->Kill();
+      else
+        local_peer.reset();
     }
     if (i >= 2) {
       const XferStatus st = WaitDone(*a, *x, 10s);

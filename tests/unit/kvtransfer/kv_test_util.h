@@ -83,7 +83,8 @@ class ChildProcess {
     return write(to_child_, l.data(), l.size()) == static_cast<ssize_t>(l.size());
   }
   // The next line (without '\n'), or nullopt on EOF or timeout.
-  std::optional<std::string> ReadLine(std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
+  std::optional<std::string> ReadLine(
+      std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     while (true) {
       if (auto nl = buf_.find('\n'); nl != std::string::npos) {

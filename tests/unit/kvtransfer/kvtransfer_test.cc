@@ -60,7 +60,8 @@ TEST(Descriptor, RoundTripsAndRejectsCorruption) {
 }
 
 TEST(Coalesce, MergesOnlyRunsContiguousOnBothSides) {
-  const std::vector<BlockPair> pairs = {{0, 10}, {1, 11}, {2, 12}, {3, 20}, {5, 21}, {6, 22}, {6, 23}};
+  const std::vector<BlockPair> pairs = {{0, 10}, {1, 11}, {2, 12}, {3, 20},
+                                        {5, 21}, {6, 22}, {6, 23}};
   const auto segs = CoalesceBlocks(pairs, 100);
   ASSERT_EQ(segs.size(), 4u);
   EXPECT_EQ(segs[0].length_bytes, 300u);
@@ -113,8 +114,10 @@ TEST(Transport, RejectsBadOptionsAndArguments) {
   auto b = Make("loopback", "args-b", 64, 2);
   auto peer = a->ImportPeer(b->LocalDescriptor());
   ASSERT_TRUE(peer.ok());
-  EXPECT_EQ(a->PrepareWrite(*peer, {{0, 0, 129}}, std::nullopt).status().code(), StatusCode::kOutOfRange);
-  EXPECT_EQ(a->PrepareWrite(*peer, {{100, 0, 64}}, std::nullopt).status().code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(a->PrepareWrite(*peer, {{0, 0, 129}}, std::nullopt).status().code(),
+            StatusCode::kOutOfRange);
+  EXPECT_EQ(a->PrepareWrite(*peer, {{100, 0, 64}}, std::nullopt).status().code(),
+            StatusCode::kOutOfRange);
   EXPECT_EQ(a->PrepareWrite(*peer, {}, std::nullopt).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(a->PrepareWrite(*peer, {}, std::string(5000, 'n')).status().code(),
             StatusCode::kInvalidArgument);
