@@ -120,7 +120,9 @@ TEST(RouterTest, BurstSpreadsAcrossWorkers) {
     int min_each, max_each;
   } kCases[] = {
       {"kv_aware, nothing cached", Policy::kKvAware, 0, 25, 25},
-      {"kv_aware, shared document on one prefiller", Policy::kKvAware, 24, 5, 60},
+      // The cache owner takes more (58: its cost grows by 8 blocks a request,
+      // the others by 32) but not all.
+      {"kv_aware, shared document on one prefiller", Policy::kKvAware, 24, 10, 70},
       {"least_loaded", Policy::kLeastLoaded, 0, 25, 25},
   };
   for (const auto& c : kCases) {
