@@ -72,18 +72,6 @@ void RegisterConfigCheck(CLI::App& app, GlobalOptions& g) {
   });
 }
 
-void RegisterProxy(CLI::App& app, GlobalOptions& g) {
-  auto* cmd = app.add_subcommand("proxy", "Run the proxy (public gRPC + HTTP front end) alone");
-  auto config = std::make_shared<std::string>();
-  auto ready_fd = std::make_shared<int>(-1);
-  cmd->add_option("--config", *config, "fleet YAML file")->required();
-  cmd->add_option("--ready-fd", *ready_fd, "(tandem launch) write the real addresses here")
-      ->group("");
-  cmd->callback([&g, config, ready_fd] {
-    g.exit_code = NotYetAvailable("proxy", "the proxy service (issue #5)");
-  });
-}
-
 void RegisterWorker(CLI::App& app, GlobalOptions& g, const std::string& role) {
   auto* cmd = app.add_subcommand(role, fmt::format("Run one {} worker alone", role));
   auto config = std::make_shared<std::string>();

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "common/check.h"
+#include "common/config.h"
 
 namespace tandem {
 namespace {
@@ -20,6 +21,16 @@ void AppendField(std::string& buf, const std::string& s) {
 }
 
 }  // namespace
+
+HashContext HashContextFromFleet(const FleetConfig& fleet) {
+  HashContext c;
+  c.model_id = fleet.model.name;
+  c.revision = fleet.model.revision;
+  c.block_size = fleet.cache.block_size;
+  c.kv_dtype = "f32";  // the KV pool is f32 on every backend today (DESIGN.md section 4)
+  c.fleet_salt = fleet.cache.salt;
+  return c;
+}
 
 uint64_t RootHash(const HashContext& ctx) {
   std::string buf = "tandem.kv.v1";

@@ -24,6 +24,12 @@ struct HashContext {
   std::string tenant_salt;  // optional per tenant / LoRA adapter
 };
 
+struct FleetConfig;
+// The hash context every component of a fleet derives from its fleet file
+// (model name and revision, block size, KV dtype, cache salt), so that the
+// proxy, the router and the workers agree on every block's hash.
+HashContext HashContextFromFleet(const FleetConfig& fleet);
+
 // h_{-1}: XXH3_64 (seed 0) of "tandem.kv.v1" followed by each string field as
 // u32 little-endian length + bytes, and block_size as u32 little-endian, in
 // the order model_id, revision, block_size, kv_dtype, fleet_salt, tenant_salt.

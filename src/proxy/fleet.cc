@@ -1,0 +1,121 @@
+#include "proxy/fleet.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+namespace tandem::proxy {
+
+Fleet::Fleet(FleetRequirements req, std::unique_ptr<router::Router> router)
+    : req_(std::move(req)), router_(std::move(router)) {}
+
+Status Fleet::Register(const WorkerRecord& w) {
+  auto refuse = [&](std::string what) {
+    return FailedPreconditionError(fmt::format("worker '{}' refused: {}", w.name, what));
+  };
+  if (w.name.empty()) return InvalidArgumentError("a worker must have a name");
+  if (w.protocol_version != req_.protocol_version) {
+    return refuse(fmt::format("protocol version {} differs from the fleet's {}",
+                              w.protocol_version, req_.protocol_version));
+  }
+  if (w.model != req_.model) {
+    return refuse(fmt::format("model '{}' differs from the fleet's '{}'", w.model, req_.model));
+  }
+  if (w.revision != req_.revision) {
+    return refuse(fmt::format("revision '{}' differs from the fleet's '{}'", w.revision,
+                              req_.revision));
+  }
+  if (w.block_size != req_.block_size) {
+    return refuse(fmt::format("block_size {} differs from the fleet's {}", w.block_size,
+                              req_.block_size));
+  }
+  if (w.kv_dtype != req_.kv_dtype) {
+    return refuse(fmt::format("KV dtype '{}' differs from the fleet's '{}'", w.kv_dtype,
+                              req_.kv_dtype));
+  }
+  std::lock_guard lock(mu_);
+  if (block_bytes_ != 0 && w.block_bytes != block_bytes_) {
+    return refuse(fmt::format("KV block of {} bytes differs from the fleet's {} bytes",
+                              w.block_bytes, block_bytes_));
+  }
+  if (auto old = router_->FindWorker(w.name)) {
+    router_->RemoveWorker(*old).IgnoreError();
+    names_.erase(*old);
+  }
+  router::WorkerInfo info;
+  info.name = w.name;
+  info.role = w.role;
+  info.node = w.node;
+  info.zone = w.zone;
+  info.epoch = w.epoch;
+  info.num_blocks = w.num_blocks;
+  info.block_bytes = w.block_bytes;
+  auto id = router_->AddWorker(info);
+  if (!id.ok()) return id.status();
+  block_bytes_ = w.block_bytes;
+  workers_[w.name] = w;
+  names_[*id] = w.name;
+  spdlog::info("worker {} ({}) joined at {}", w.name, router::WorkerRoleName(w.role),
+               w.grpc_address);
+  return Status::Ok();
+}
+
+void Fleet::Remove(const std::string& name) {
+  std::lock_guard lock(mu_);
+  if (workers_.erase(name) == 0) return;
+  if (auto id = router_->FindWorker(name)) {
+    router_->RemoveWorker(*id).IgnoreError();
+    names_.erase(*id);
+  }
+  spdlog::warn("worker {} left the fleet", name);
+}
+
+Result<RoutedPair> Fleet::Route(std::span<const uint64_t> hashes, uint32_t prompt_tokens,
+                                const std::set<std::string>& exclude) {
+  // The router has no notion of exclusion; retry a few times and skip
+  // decisions that land on an excluded worker.
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    auto d = router_->Route(router::RouteRequest{hashes, prompt_tokens});
+    if (!d.ok()) {
+      return UnavailableError(fmt::format("no worker can take the request: {}",
+                                          d.status().message()));
+    }
+    RoutedPair out;
+    out.decision = *d;
+    out.local = d->local_prefill;
+    std::lock_guard lock(mu_);
+    auto name_of = [&](router::WorkerId id) -> const WorkerRecord* {
+      auto n = names_.find(id);
+      if (n == names_.end()) return nullptr;
+      auto w = workers_.find(n->second);
+      return w == workers_.end() ? nullptr : &w->second;
+    };
+    const WorkerRecord* dec = name_of(d->decode);
+    const WorkerRecord* pre = out.local ? dec : name_of(d->prefill);
+    if (!dec || !pre) continue;
+    if (exclude.count(dec->name) || exclude.count(pre->name)) continue;
+    out.decode_name = dec->name;
+    out.decode_address = dec->grpc_address;
+    if (!out.local) {
+      out.prefill_name = pre->name;
+      out.prefill_address = pre->grpc_address;
+    }
+    return out;
+  }
+  return ResourceExhaustedError("every worker that could take the request refused it");
+}
+
+std::optional<WorkerRecord> Fleet::Find(const std::string& name) const {
+  std::lock_guard lock(mu_);
+  auto it = workers_.find(name);
+  if (it == workers_.end()) return std::nullopt;
+  return it->second;
+}
+
+std::vector<WorkerRecord> Fleet::Workers() const {
+  std::lock_guard lock(mu_);
+  std::vector<WorkerRecord> out;
+  for (const auto& [_, w] : workers_) out.push_back(w);
+  return out;
+}
+
+}  // namespace tandem::proxy

@@ -1,0 +1,90 @@
+// The proxy's view of the fleet: registered workers with their addresses,
+// the KV-aware router fed by their KV events and load reports, and the
+// compatibility rule every worker must pass to join.
+//
+// Thread-safety: every method may be called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "router/router.h"
+
+namespace tandem::proxy {
+
+// What the proxy needs from a worker's WorkerInfo (plain mirror of the proto).
+struct WorkerRecord {
+  std::string name;
+  router::WorkerRole role = router::WorkerRole::kBoth;
+  std::string grpc_address;
+  std::string metrics_address;
+  uint32_t protocol_version = 0;
+  std::string model;
+  std::string revision;
+  uint32_t block_size = 0;
+  std::string kv_dtype;
+  uint64_t block_bytes = 0;
+  uint32_t num_blocks = 0;
+  uint64_t epoch = 0;
+  std::string node;
+  std::string zone;
+};
+
+// What every worker of this fleet must match.
+struct FleetRequirements {
+  uint32_t protocol_version = 1;
+  std::string model;
+  std::string revision;
+  uint32_t block_size = 16;
+  std::string kv_dtype = "f32";
+};
+
+struct RoutedPair {
+  std::string prefill_name;  // empty when local
+  std::string prefill_address;
+  std::string decode_name;
+  std::string decode_address;
+  bool local = false;
+  router::RouteDecision decision;
+};
+
+class Fleet {
+ public:
+  Fleet(FleetRequirements req, std::unique_ptr<router::Router> router);
+
+  // Checks compatibility (model, revision, block size, dtype, protocol, and
+  // block bytes equal to the fleet's first worker's) and registers. A
+  // worker re-registering under its name replaces the old entry.
+  // FAILED_PRECONDITION says what differs.
+  Status Register(const WorkerRecord& w);
+  void Remove(const std::string& name);
+
+  // Chooses workers for a prompt's block hashes; `exclude` names workers
+  // not to use (e.g. a decoder that just refused). UNAVAILABLE when no live
+  // worker of a needed role exists.
+  Result<RoutedPair> Route(std::span<const uint64_t> hashes, uint32_t prompt_tokens,
+                           const std::set<std::string>& exclude = {});
+
+  router::Router& router() { return *router_; }
+  std::optional<WorkerRecord> Find(const std::string& name) const;
+  std::vector<WorkerRecord> Workers() const;
+  const FleetRequirements& requirements() const { return req_; }
+
+ private:
+  const FleetRequirements req_;
+  std::unique_ptr<router::Router> router_;
+  mutable std::mutex mu_;
+  std::map<std::string, WorkerRecord> workers_;  // guarded by mu_
+  std::map<router::WorkerId, std::string> names_;  // guarded by mu_
+  uint64_t block_bytes_ = 0;                     // guarded by mu_; 0 until the first worker
+};
+
+}  // namespace tandem::proxy

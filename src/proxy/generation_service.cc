@@ -1,0 +1,244 @@
+// RPC adapter for the public API: converts tandem.v1 messages to and from
+// the lifecycle's plain structs, and streams with one write in flight.
+#include "proxy/generation_service.h"
+
+#include <fmt/format.h>
+
+#include <deque>
+#include <mutex>
+#include <random>
+
+#include "common/rpc_server.h"
+
+namespace tandem::proxy {
+namespace {
+
+namespace pb = ::tandem::v1;
+
+ClientRequest FromProto(const pb::GenerateRequest& r) {
+  ClientRequest c;
+  c.request_id = r.request_id();
+  c.model = r.model();
+  c.has_prompt = !r.prompt().empty();
+  c.prompt = r.prompt();
+  c.prompt_token_ids.assign(r.prompt_token_ids().begin(), r.prompt_token_ids().end());
+  if (r.has_max_tokens()) c.max_tokens = r.max_tokens();
+  if (r.has_sampling()) {
+    const auto& s = r.sampling();
+    if (s.has_temperature()) c.temperature = s.temperature();
+    if (s.has_top_p()) c.top_p = s.top_p();
+    if (s.has_top_k()) c.top_k = s.top_k();
+    if (s.has_seed()) c.seed = s.seed();
+  }
+  c.stop.assign(r.stop().begin(), r.stop().end());
+  c.stop_token_ids.assign(r.stop_token_ids().begin(), r.stop_token_ids().end());
+  c.ignore_eos = r.ignore_eos();
+  return c;
+}
+
+// An empty prompt string is "not set" in proto3; say "empty" when the
+// client clearly sent neither ids nor text.
+Status ExplainEmptyPrompt(const pb::GenerateRequest& r) {
+  if (r.prompt().empty() && r.prompt_token_ids().empty()) {
+    return InvalidArgumentError(
+        "prompt is empty and prompt_token_ids is empty: give exactly one of them");
+  }
+  return Status::Ok();
+}
+
+pb::FinishReason ToProto(Finish f) {
+  switch (f) {
+    case Finish::kStop: return pb::FINISH_REASON_STOP;
+    case Finish::kLength: return pb::FINISH_REASON_LENGTH;
+    default: return pb::FINISH_REASON_UNSPECIFIED;
+  }
+}
+
+class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateResponse> {
+ public:
+  GenerateReactor(Frontend* fe, grpc::CallbackServerContext* ctx, const pb::GenerateRequest* req)
+      : fe_(fe), ctx_(ctx) {
+    Status st = Authorize();
+    if (st.ok()) st = ExplainEmptyPrompt(*req);
+    if (st.ok() && fe_->draining()) st = UnavailableError("the fleet is draining");
+    if (!st.ok()) {
+      CountRejected(st);
+      Finish(ToGrpcStatus(st));
+      return;
+    }
+    auto v = fe_->Validate(FromProto(*req));
+    if (!v.ok()) {
+      CountRejected(v.status());
+      Finish(ToGrpcStatus(v.status()));
+      return;
+    }
+    if (auto a = fe_->Admit(); !a.ok()) {
+      CountRejected(a);
+      Finish(ToGrpcStatus(a));
+      return;
+    }
+    admitted_ = true;
+    request_id_ = v->request_id;
+    ResponseSink sink;
+    sink.on_delta = [this](std::vector<uint32_t> ids, std::string text) {
+      pb::GenerateResponse r;
+      r.set_request_id(request_id_);
+      for (uint32_t t : ids) r.add_token_ids(t);
+      r.set_text(std::move(text));
+      Enqueue(std::move(r), std::nullopt);
+    };
+    sink.on_finish = [this](proxy::Finish reason, Usage usage) {
+      pb::GenerateResponse r;
+      r.set_request_id(request_id_);
+      r.set_finish_reason(ToProto(reason));
+      r.mutable_usage()->set_prompt_tokens(usage.prompt_tokens);
+      r.mutable_usage()->set_completion_tokens(usage.completion_tokens);
+      r.mutable_usage()->set_cached_prompt_tokens(usage.cached_prompt_tokens);
+      Enqueue(std::move(r), grpc::Status::OK);
+    };
+    sink.on_error = [this](Status s) { Enqueue(std::nullopt, ToGrpcStatus(s)); };
+    const auto deadline = ctx_->deadline();
+    // Finish (and so OnDone, which deletes this) must wait until the
+    // constructor is done, even if the lifecycle ends at once.
+    {
+      std::lock_guard lock(mu_);
+      starting_ = true;
+    }
+    auto lc = RequestLifecycle::Start(fe_->deps(), std::move(v).value(), std::move(sink),
+                                      deadline);
+    std::lock_guard lock(mu_);
+    lifecycle_ = std::move(lc);
+    starting_ = false;
+    WriteNextLocked();
+  }
+
+  void OnCancel() override {
+    std::shared_ptr<RequestLifecycle> lc;
+    {
+      std::lock_guard lock(mu_);
+      lc = lifecycle_;
+    }
+    if (lc) lc->Cancel();
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::lock_guard lock(mu_);
+    writing_ = false;
+    if (!ok) return;  // the client is gone; OnCancel / OnDone follow
+    WriteNextLocked();
+  }
+
+  void OnDone() override {
+    if (admitted_) fe_->Release();
+    std::shared_ptr<RequestLifecycle> lc;
+    {
+      std::lock_guard lock(mu_);
+      lc = std::move(lifecycle_);
+    }
+    if (lc) lc->Cancel();  // no-op when it finished
+    delete this;
+  }
+
+ private:
+  Status Authorize() const {
+    if (fe_->api_key().empty()) return Status::Ok();
+    const auto& md = ctx_->client_metadata();
+    auto it = md.find("authorization");
+    if (it != md.end()) {
+      const std::string v(it->second.data(), it->second.size());
+      if (v == fe_->api_key() || v == "Bearer " + fe_->api_key()) return Status::Ok();
+    }
+    return UnauthenticatedError("missing or wrong API key: send 'authorization: Bearer KEY'");
+  }
+
+  void CountRejected(const Status& st) {
+    if (auto* m = fe_->deps().metrics) {
+      m->CountOutcome(st.code() == StatusCode::kResourceExhausted ? "rejected" : "invalid");
+    }
+  }
+
+  // Called by the lifecycle (under its lock): queue and write if idle.
+  void Enqueue(std::optional<pb::GenerateResponse> msg, std::optional<grpc::Status> finish) {
+    std::lock_guard lock(mu_);
+    if (msg) queue_.push_back(std::move(*msg));
+    if (finish) finish_ = std::move(finish);
+    WriteNextLocked();
+  }
+
+  void WriteNextLocked() {
+    if (writing_ || finished_) return;
+    if (!queue_.empty()) {
+      current_ = std::move(queue_.front());
+      queue_.pop_front();
+      writing_ = true;
+      StartWrite(&current_);
+      return;
+    }
+    if (finish_ && !starting_) {
+      finished_ = true;
+      Finish(*finish_);
+    }
+  }
+
+  Frontend* fe_;
+  grpc::CallbackServerContext* ctx_;
+  bool admitted_ = false;
+  std::string request_id_;
+  std::mutex mu_;
+  std::shared_ptr<RequestLifecycle> lifecycle_;  // guarded by mu_ after construction
+  std::deque<pb::GenerateResponse> queue_;       // guarded by mu_
+  pb::GenerateResponse current_;                 // the write in flight
+  std::optional<grpc::Status> finish_;           // guarded by mu_
+  bool writing_ = false;                         // guarded by mu_
+  bool finished_ = false;                        // guarded by mu_
+  bool starting_ = false;                        // guarded by mu_
+};
+
+}  // namespace
+
+Frontend::Frontend(ServingLimits limits, LifecycleDeps deps, uint32_t max_inflight,
+                   std::string api_key)
+    : limits_(std::move(limits)), deps_(deps), max_inflight_(max_inflight),
+      api_key_(std::move(api_key)) {}
+
+Result<ValidatedRequest> Frontend::Validate(const ClientRequest& req) {
+  static thread_local std::mt19937_64 rng{std::random_device{}()};
+  const std::string id = fmt::format("req-{}", next_id_.fetch_add(1));
+  return ValidateRequest(
+      req, limits_,
+      [this](std::string_view text) { return deps_.tokenizer->Encode(text, true); }, rng(), id);
+}
+
+Status Frontend::Admit() {
+  uint32_t cur = inflight_.load();
+  do {
+    if (cur >= max_inflight_) {
+      return ResourceExhaustedError(fmt::format(
+          "the proxy is at its limit of {} requests in flight (proxy.max_inflight); retry later",
+          max_inflight_));
+    }
+  } while (!inflight_.compare_exchange_weak(cur, cur + 1));
+  return Status::Ok();
+}
+
+void Frontend::Release() { inflight_.fetch_sub(1); }
+
+grpc::ServerWriteReactor<pb::GenerateResponse>* GenerationService::Generate(
+    grpc::CallbackServerContext* ctx, const pb::GenerateRequest* request) {
+  return new GenerateReactor(frontend_, ctx, request);
+}
+
+grpc::ServerUnaryReactor* GenerationService::ListModels(grpc::CallbackServerContext* ctx,
+                                                        const pb::ListModelsRequest*,
+                                                        pb::ListModelsResponse* response) {
+  auto* m = response->add_models();
+  m->set_id(frontend_->limits().model);
+  m->set_max_model_len(frontend_->limits().max_model_len);
+  m->set_vocab_size(frontend_->limits().vocab_size);
+  m->set_block_size(frontend_->deps().block_size);
+  auto* reactor = ctx->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace tandem::proxy

@@ -1,0 +1,60 @@
+// The public gRPC API (tandem.v1.Generation) over the request lifecycle.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "proxy/lifecycle.h"
+#include "proxy/request.h"
+#include "tandem/v1/generation.grpc.pb.h"
+
+namespace tandem::proxy {
+
+// What both front ends share: validation limits, the lifecycle's
+// dependencies, admission control and request ids.
+class Frontend {
+ public:
+  Frontend(ServingLimits limits, LifecycleDeps deps, uint32_t max_inflight, std::string api_key);
+
+  const ServingLimits& limits() const { return limits_; }
+  const LifecycleDeps& deps() const { return deps_; }
+  const std::string& api_key() const { return api_key_; }
+
+  // Validates (tokenizing a text prompt) and fills defaults.
+  Result<ValidatedRequest> Validate(const ClientRequest& req);
+  // Admission: RESOURCE_EXHAUSTED at once when max_inflight requests run.
+  // On success the caller must call Release() when the request ends.
+  Status Admit();
+  void Release();
+  // While draining, new requests get UNAVAILABLE.
+  void SetDraining(bool draining) { draining_ = draining; }
+  bool draining() const { return draining_; }
+  uint32_t inflight() const { return inflight_; }
+
+ private:
+  const ServingLimits limits_;
+  const LifecycleDeps deps_;
+  const uint32_t max_inflight_;
+  const std::string api_key_;
+  std::atomic<uint32_t> inflight_{0};
+  std::atomic<uint64_t> next_id_{1};
+  std::atomic<bool> draining_{false};
+};
+
+class GenerationService final : public tandem::v1::Generation::CallbackService {
+ public:
+  explicit GenerationService(Frontend* frontend) : frontend_(frontend) {}
+
+  grpc::ServerWriteReactor<tandem::v1::GenerateResponse>* Generate(
+      grpc::CallbackServerContext* ctx, const tandem::v1::GenerateRequest* request) override;
+  grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* ctx,
+                                       const tandem::v1::ListModelsRequest* request,
+                                       tandem::v1::ListModelsResponse* response) override;
+
+ private:
+  Frontend* frontend_;
+};
+
+}  // namespace tandem::proxy

@@ -1,0 +1,293 @@
+#include "proxy/lifecycle.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "common/block_hash.h"
+
+namespace tandem::proxy {
+namespace {
+
+using SteadyClock = std::chrono::steady_clock;
+
+double Seconds(SteadyClock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+EngineArgs ToEngineArgs(const ValidatedRequest& r) {
+  EngineArgs a;
+  a.max_tokens = r.max_tokens;
+  a.temperature = r.temperature;
+  a.top_p = r.top_p;
+  a.top_k = r.top_k;
+  a.seed = r.seed;
+  a.stop_token_ids = r.stop_token_ids;
+  a.ignore_eos = r.ignore_eos;
+  return a;
+}
+
+}  // namespace
+
+std::shared_ptr<RequestLifecycle> RequestLifecycle::Start(
+    const LifecycleDeps& deps, ValidatedRequest request, ResponseSink sink,
+    std::chrono::system_clock::time_point deadline, SteadyClock::time_point arrival) {
+  auto self = std::make_shared<RequestLifecycle>(deps, std::move(request), std::move(sink),
+                                                 deadline, arrival);
+  self->Launch();
+  return self;
+}
+
+RequestLifecycle::RequestLifecycle(const LifecycleDeps& deps, ValidatedRequest request,
+                                   ResponseSink sink,
+                                   std::chrono::system_clock::time_point deadline,
+                                   SteadyClock::time_point arrival)
+    : deps_(deps),
+      req_(std::move(request)),
+      deadline_(deadline),
+      arrival_(arrival),
+      hashes_(HashBlocks(deps.root_hash, req_.prompt_ids, deps.block_size)),
+      sink_(std::move(sink)),
+      out_(deps.tokenizer, req_.stop) {
+  if (deps_.metrics) {
+    deps_.metrics->inflight.Increment();
+    deps_.metrics->prompt_tokens.Increment(static_cast<double>(req_.prompt_ids.size()));
+  }
+}
+
+void RequestLifecycle::Launch() {
+  std::unique_lock lock(mu_);
+  if (done_) return;
+  const uint32_t attempt = ++attempt_;
+  auto route = deps_.fleet->Route(hashes_, static_cast<uint32_t>(req_.prompt_ids.size()),
+                                  excluded_);
+  if (!route.ok()) {
+    // After a refusal, the client hears what went wrong with the last pair.
+    Calls c = FailLocked(last_error_.ok() ? route.status()
+                                          : last_error_.WithContext(route.status().message()));
+    lock.unlock();
+    CancelAll(c);
+    return;
+  }
+  route_ = *route;
+  spdlog::debug("request {}: attempt {} {}", req_.request_id, attempt,
+                route_.decision.DebugString());
+
+  DecodeArgs args;
+  args.request_id = req_.request_id;
+  args.prompt_ids = req_.prompt_ids;
+  args.params = ToEngineArgs(req_);
+  args.deadline = deadline_;
+  args.prefill_locally = route_.local;
+  std::weak_ptr<RequestLifecycle> weak = weak_from_this();
+  DecodeEvents ev;
+  ev.on_registered = [weak, attempt] {
+    if (auto s = weak.lock()) s->OnRegistered(attempt);
+  };
+  ev.on_tokens = [weak, attempt](uint32_t idx, std::vector<uint32_t> ids) {
+    if (auto s = weak.lock()) s->OnTokens(attempt, idx, std::move(ids));
+  };
+  ev.on_finished = [weak, attempt](Finish reason, uint32_t, uint32_t cached) {
+    if (auto s = weak.lock()) s->OnFinished(attempt, reason, cached);
+  };
+  ev.on_error = [weak, attempt](Status st) {
+    if (auto s = weak.lock()) s->OnDecodeError(attempt, std::move(st));
+  };
+  const std::string address = route_.decode_address;
+  lock.unlock();
+  // The callbacks take mu_, so the call starts outside it.
+  auto call = deps_.client->Decode(address, std::move(args), std::move(ev));
+  lock.lock();
+  if (done_ || attempt != attempt_) {
+    lock.unlock();
+    call->Cancel();
+    return;
+  }
+  decode_call_ = std::move(call);
+}
+
+void RequestLifecycle::OnRegistered(uint32_t attempt) {
+  std::unique_lock lock(mu_);
+  if (done_ || attempt != attempt_ || route_.local) return;
+  PrefillArgs args;
+  args.request_id = req_.request_id;
+  args.prompt_ids = req_.prompt_ids;
+  args.params = ToEngineArgs(req_);
+  args.deadline = deadline_;
+  args.decoder_address = route_.decode_address;
+  args.decoder_name = route_.decode_name;
+  const std::string address = route_.prefill_address;
+  lock.unlock();
+  std::weak_ptr<RequestLifecycle> weak = weak_from_this();
+  auto call = deps_.client->Prefill(address, std::move(args),
+                                    [weak, attempt](Result<PrefillResult> r) {
+                                      if (auto s = weak.lock()) {
+                                        s->OnPrefillDone(attempt, std::move(r));
+                                      }
+                                    });
+  lock.lock();
+  if (done_ || attempt != attempt_) {
+    lock.unlock();
+    call->Cancel();
+    return;
+  }
+  prefill_call_ = std::move(call);
+}
+
+void RequestLifecycle::OnPrefillDone(uint32_t attempt, Result<PrefillResult> r) {
+  std::unique_lock lock(mu_);
+  if (done_ || attempt != attempt_) return;
+  Calls to_cancel;
+  if (!r.ok()) {
+    // A decoder without room, or a prefiller that is gone: try another pair.
+    // Anything else (bad input, deadline) is the request's own error.
+    const bool no_room = r.status().code() == StatusCode::kResourceExhausted;
+    const bool lost = r.status().code() == StatusCode::kUnavailable;
+    const std::string culprit = no_room ? route_.decode_name : route_.prefill_name;
+    if (!((no_room || lost) && RetryLocked(r.status(), culprit, to_cancel))) {
+      to_cancel = FailLocked(r.status());
+    }
+    const bool relaunch = !done_;
+    lock.unlock();
+    CancelAll(to_cancel);
+    if (relaunch) Launch();
+    return;
+  }
+  cached_tokens_ = r->cached_prompt_tokens;
+  to_cancel = DeliverLocked(0, {r->first_token_id});
+  lock.unlock();
+  CancelAll(to_cancel);
+}
+
+void RequestLifecycle::OnTokens(uint32_t attempt, uint32_t first_index,
+                                std::vector<uint32_t> ids) {
+  std::unique_lock lock(mu_);
+  if (done_ || attempt != attempt_) return;
+  Calls to_cancel = DeliverLocked(first_index, ids);
+  lock.unlock();
+  CancelAll(to_cancel);
+}
+
+void RequestLifecycle::OnFinished(uint32_t attempt, Finish reason,
+                                  uint32_t decoder_cached_tokens) {
+  std::unique_lock lock(mu_);
+  if (done_ || attempt != attempt_) return;
+  if (route_.local) cached_tokens_ = decoder_cached_tokens;
+  Calls to_cancel = CompleteLocked(reason == Finish::kNone ? Finish::kStop : reason);
+  lock.unlock();
+  CancelAll(to_cancel);
+}
+
+void RequestLifecycle::OnDecodeError(uint32_t attempt, Status st) {
+  std::unique_lock lock(mu_);
+  if (done_ || attempt != attempt_) return;
+  Calls to_cancel;
+  const bool retry = st.code() == StatusCode::kUnavailable ||
+                     st.code() == StatusCode::kResourceExhausted;
+  if (!(retry && RetryLocked(st, route_.decode_name, to_cancel))) to_cancel = FailLocked(st);
+  const bool relaunch = !done_;
+  lock.unlock();
+  CancelAll(to_cancel);
+  if (relaunch) Launch();
+}
+
+bool RequestLifecycle::RetryLocked(const Status& st, const std::string& exclude,
+                                   Calls& to_cancel) {
+  if (out_.next_index() > 0 || attempt_ >= deps_.max_attempts) return false;
+  spdlog::info("request {}: {} on attempt {}; re-routing", req_.request_id, st.ToString(),
+               attempt_);
+  if (!exclude.empty()) excluded_.insert(exclude);
+  last_error_ = st;
+  if (deps_.metrics) deps_.metrics->retries.Increment();
+  to_cancel = TakeCallsLocked();
+  return true;
+}
+
+RequestLifecycle::Calls RequestLifecycle::DeliverLocked(uint32_t first_index,
+                                                        const std::vector<uint32_t>& ids) {
+  auto d = out_.Push(first_index, ids);
+  if (!d.ok()) return FailLocked(d.status());
+  if (d->token_ids.empty()) return {};
+  const auto now = SteadyClock::now();
+  if (deps_.metrics) {
+    for (size_t i = 0; i < d->token_ids.size(); ++i) {
+      if (first_token_at_ == SteadyClock::time_point{}) {
+        first_token_at_ = now;
+        deps_.metrics->ttft.Observe(Seconds(now - arrival_));
+      } else {
+        deps_.metrics->itl.Observe(i == 0 ? Seconds(now - last_token_at_) : 0.0);
+      }
+    }
+    deps_.metrics->generation_tokens.Increment(static_cast<double>(d->token_ids.size()));
+  } else if (first_token_at_ == SteadyClock::time_point{}) {
+    first_token_at_ = now;
+  }
+  last_token_at_ = now;
+  if (sink_.on_delta) sink_.on_delta(std::move(d->token_ids), std::move(d->text));
+  if (d->stopped) return CompleteLocked(Finish::kStop);
+  return {};
+}
+
+RequestLifecycle::Calls RequestLifecycle::CompleteLocked(Finish reason) {
+  std::string tail = out_.Flush();
+  if (!tail.empty() && sink_.on_delta) sink_.on_delta({}, std::move(tail));
+  done_ = true;
+  Usage usage;
+  usage.prompt_tokens = static_cast<uint32_t>(req_.prompt_ids.size());
+  usage.completion_tokens = out_.next_index();
+  usage.cached_prompt_tokens = cached_tokens_;
+  if (deps_.metrics) {
+    const auto now = SteadyClock::now();
+    const double e2e = Seconds(now - arrival_);
+    deps_.metrics->e2e.Observe(e2e);
+    if (usage.completion_tokens > 1) {
+      deps_.metrics->tpot.Observe((e2e - Seconds(first_token_at_ - arrival_)) /
+                                  (usage.completion_tokens - 1));
+    }
+    deps_.metrics->CountOutcome("ok");
+    deps_.metrics->inflight.Decrement();
+  }
+  if (sink_.on_finish) sink_.on_finish(reason, usage);
+  sink_ = {};
+  return TakeCallsLocked();
+}
+
+RequestLifecycle::Calls RequestLifecycle::FailLocked(Status st) {
+  done_ = true;
+  if (deps_.metrics) {
+    deps_.metrics->CountOutcome(st.code() == StatusCode::kResourceExhausted ? "rejected"
+                                : st.code() == StatusCode::kDeadlineExceeded ? "cancelled"
+                                                                             : "failed");
+    deps_.metrics->inflight.Decrement();
+  }
+  spdlog::warn("request {} failed: {}", req_.request_id, st.ToString());
+  if (sink_.on_error) sink_.on_error(std::move(st));
+  sink_ = {};
+  return TakeCallsLocked();
+}
+
+RequestLifecycle::Calls RequestLifecycle::TakeCallsLocked() {
+  Calls c;
+  if (decode_call_) c.push_back(std::move(decode_call_));
+  if (prefill_call_) c.push_back(std::move(prefill_call_));
+  decode_call_.reset();
+  prefill_call_.reset();
+  return c;
+}
+
+void RequestLifecycle::CancelAll(const Calls& calls) {
+  for (const auto& c : calls) c->Cancel();
+}
+
+void RequestLifecycle::Cancel() {
+  std::unique_lock lock(mu_);
+  if (done_) return;
+  done_ = true;
+  sink_ = {};
+  if (deps_.metrics) {
+    deps_.metrics->CountOutcome("cancelled");
+    deps_.metrics->inflight.Decrement();
+  }
+  Calls c = TakeCallsLocked();
+  lock.unlock();
+  CancelAll(c);
+}
+
+}  // namespace tandem::proxy

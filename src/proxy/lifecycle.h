@@ -1,0 +1,113 @@
+// The life of one request at the proxy (DESIGN.md section 2), shared by the
+// gRPC and HTTP front ends:
+//   route → open Decode on the decoder (registered, no KV yet) → Prefill on
+//   the prefiller, naming the decoder → first token from the Prefill reply
+//   or the decode stream, whichever comes first, exactly once → tokens from
+//   the decode stream → finish with usage.
+// Aggregated workers (and conditional disaggregation) get one Decode with
+// prefill_locally. A decoder without room (RESOURCE_EXHAUSTED) or a worker
+// lost before the first token makes the proxy re-route, a bounded number of
+// times, without the client noticing.
+//
+// Thread-safety: Start from any thread; the worker callbacks arrive on gRPC
+// threads and are serialized by the lifecycle's mutex; the sink is called
+// under that mutex, in order, and must only enqueue (never block or call
+// back into the lifecycle). Cancel may be called from any thread, any time.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "model/tokenizer.h"
+#include "proxy/fleet.h"
+#include "proxy/output_assembler.h"
+#include "proxy/proxy_metrics.h"
+#include "proxy/request.h"
+#include "proxy/worker_client.h"
+
+namespace tandem::proxy {
+
+struct Usage {
+  uint32_t prompt_tokens = 0;
+  uint32_t completion_tokens = 0;
+  uint32_t cached_prompt_tokens = 0;
+};
+
+struct ResponseSink {
+  std::function<void(std::vector<uint32_t> token_ids, std::string text)> on_delta;
+  std::function<void(Finish reason, Usage usage)> on_finish;  // last call on success
+  std::function<void(Status status)> on_error;                // last call on failure
+};
+
+struct LifecycleDeps {
+  Fleet* fleet = nullptr;
+  WorkerClient* client = nullptr;
+  const model::Tokenizer* tokenizer = nullptr;
+  ProxyMetrics* metrics = nullptr;  // may be null (tests)
+  uint64_t root_hash = 0;
+  uint32_t block_size = 16;
+  uint32_t max_attempts = 3;  // routes tried before the client gets the error
+};
+
+class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
+ public:
+  static std::shared_ptr<RequestLifecycle> Start(
+      const LifecycleDeps& deps, ValidatedRequest request, ResponseSink sink,
+      std::chrono::system_clock::time_point deadline,
+      std::chrono::steady_clock::time_point arrival = std::chrono::steady_clock::now());
+
+  // The client went away: both workers are told, nothing more reaches the sink.
+  void Cancel();
+
+  RequestLifecycle(const LifecycleDeps& deps, ValidatedRequest request, ResponseSink sink,
+                   std::chrono::system_clock::time_point deadline,
+                   std::chrono::steady_clock::time_point arrival);
+
+ private:
+  using Calls = std::vector<std::shared_ptr<Call>>;
+
+  void Launch();  // one routing attempt
+  void OnRegistered(uint32_t attempt);
+  void OnPrefillDone(uint32_t attempt, Result<PrefillResult> r);
+  void OnTokens(uint32_t attempt, uint32_t first_index, std::vector<uint32_t> ids);
+  void OnFinished(uint32_t attempt, Finish reason, uint32_t decoder_cached_tokens);
+  void OnDecodeError(uint32_t attempt, Status st);
+
+  // With mu_ held. Each returns the calls to cancel once the lock is released.
+  Calls DeliverLocked(uint32_t first_index, const std::vector<uint32_t>& ids);
+  Calls CompleteLocked(Finish reason);
+  Calls FailLocked(Status st);
+  // Re-routes when nothing reached the client yet and attempts remain.
+  bool RetryLocked(const Status& st, const std::string& exclude, Calls& to_cancel);
+  Calls TakeCallsLocked();
+  static void CancelAll(const Calls& calls);
+
+  const LifecycleDeps deps_;
+  const ValidatedRequest req_;
+  const std::chrono::system_clock::time_point deadline_;
+  const std::chrono::steady_clock::time_point arrival_;
+  std::vector<uint64_t> hashes_;
+
+  std::mutex mu_;
+  ResponseSink sink_;                // guarded by mu_
+  OutputAssembler out_;              // guarded by mu_
+  bool done_ = false;                // guarded by mu_
+  uint32_t attempt_ = 0;             // guarded by mu_
+  std::set<std::string> excluded_;   // guarded by mu_
+  Status last_error_;                // guarded by mu_: why the last attempt was abandoned
+  RoutedPair route_;                 // guarded by mu_
+  std::shared_ptr<Call> decode_call_;   // guarded by mu_
+  std::shared_ptr<Call> prefill_call_;  // guarded by mu_
+  uint32_t cached_tokens_ = 0;          // guarded by mu_
+  std::chrono::steady_clock::time_point first_token_at_{};  // guarded by mu_
+  std::chrono::steady_clock::time_point last_token_at_{};   // guarded by mu_
+};
+
+}  // namespace tandem::proxy

@@ -1,0 +1,54 @@
+#include "proxy/proxy_metrics.h"
+
+namespace tandem::proxy {
+namespace {
+
+std::vector<double> TtftBuckets() {
+  return {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+          1.0,   1.5,    2.0,   3.0,  5.0,   7.5,  10.0,  20.0, 40.0, 80.0, 160.0, 320.0, 640.0};
+}
+std::vector<double> ItlBuckets() {
+  return {0.00002, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+          0.05,    0.075,   0.1,    0.15,    0.2,    0.3,   0.5,    0.75,  1.0,  2.5,  5.0};
+}
+std::vector<double> E2eBuckets() {
+  return {0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0};
+}
+
+constexpr const char* kRequests = "tandem_requests_total";
+constexpr const char* kRequestsHelp = "Requests finished, by outcome";
+
+}  // namespace
+
+ProxyMetrics::ProxyMetrics(MetricsRegistry& r)
+    : ttft(r.Histogram("tandem_time_to_first_token_seconds",
+                       "First token at the client side of the proxy minus request arrival",
+                       TtftBuckets())),
+      itl(r.Histogram("tandem_inter_token_latency_seconds",
+                      "Gap between consecutive tokens (every gap, also within one message)",
+                      ItlBuckets())),
+      tpot(r.Histogram("tandem_time_per_output_token_seconds",
+                       "(e2e - TTFT) / (output tokens - 1)", ItlBuckets())),
+      e2e(r.Histogram("tandem_e2e_request_latency_seconds", "Request arrival to last token",
+                      E2eBuckets())),
+      inflight(r.Gauge("tandem_requests_inflight", "Requests admitted and not finished")),
+      ok(r.Counter(kRequests, kRequestsHelp, {{"outcome", "ok"}})),
+      invalid(r.Counter(kRequests, kRequestsHelp, {{"outcome", "invalid"}})),
+      rejected(r.Counter(kRequests, kRequestsHelp, {{"outcome", "rejected"}})),
+      failed(r.Counter(kRequests, kRequestsHelp, {{"outcome", "failed"}})),
+      cancelled(r.Counter(kRequests, kRequestsHelp, {{"outcome", "cancelled"}})),
+      prompt_tokens(r.Counter("tandem_prompt_tokens_total", "Prompt tokens of admitted requests")),
+      generation_tokens(
+          r.Counter("tandem_generation_tokens_total", "Completion tokens sent to clients")),
+      retries(r.Counter("tandem_request_retries_total",
+                        "Requests re-routed after a worker refused or failed")) {}
+
+void ProxyMetrics::CountOutcome(const std::string& outcome) {
+  if (outcome == "ok") ok.Increment();
+  else if (outcome == "invalid") invalid.Increment();
+  else if (outcome == "rejected") rejected.Increment();
+  else if (outcome == "cancelled") cancelled.Increment();
+  else failed.Increment();
+}
+
+}  // namespace tandem::proxy

@@ -1,0 +1,86 @@
+#include "proxy/proxy_server.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <thread>
+
+#include "common/block_hash.h"
+#include "model/model_config.h"
+
+namespace tandem::proxy {
+
+Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet,
+                                                        const std::string& grpc_address,
+                                                        const std::string& metrics_address) {
+  std::unique_ptr<ProxyServer> p(new ProxyServer());
+  TANDEM_ASSIGN_OR_RETURN(p->tokenizer_, model::Tokenizer::Load(fleet.model.path));
+  TANDEM_ASSIGN_OR_RETURN(model::ModelConfig mc, model::LoadModelConfig(fleet.model.path));
+
+  p->metrics_registry_ =
+      std::make_unique<MetricsRegistry>(MetricLabels{fleet.model.name, "proxy", "proxy"});
+  p->metrics_ = std::make_unique<ProxyMetrics>(*p->metrics_registry_);
+  TANDEM_RETURN_IF_ERROR(p->metrics_registry_->Serve(
+      metrics_address.empty() ? fleet.proxy.metrics : metrics_address));
+
+  FleetRequirements req;
+  req.model = fleet.model.name;
+  req.revision = fleet.model.revision;
+  req.block_size = fleet.cache.block_size;
+  req.kv_dtype = HashContextFromFleet(fleet).kv_dtype;
+  router::RouterOptions ropts;
+  ropts.block_size_tokens = fleet.cache.block_size;
+  TANDEM_ASSIGN_OR_RETURN(auto router, router::Router::Create(fleet.router, ropts));
+  p->fleet_ = std::make_unique<Fleet>(req, std::move(router));
+  p->client_ = std::make_unique<GrpcWorkerClient>();
+
+  ServingLimits limits;
+  limits.model = fleet.model.name;
+  limits.vocab_size = mc.vocab_size;
+  limits.max_model_len = fleet.model.max_model_len ? fleet.model.max_model_len
+                                                   : mc.max_position_embeddings;
+  limits.default_max_tokens = fleet.proxy.default_max_tokens;
+  limits.max_tokens_limit = fleet.proxy.max_tokens_limit;
+  LifecycleDeps deps;
+  deps.fleet = p->fleet_.get();
+  deps.client = p->client_.get();
+  deps.tokenizer = p->tokenizer_.get();
+  deps.metrics = p->metrics_.get();
+  deps.root_hash = RootHash(HashContextFromFleet(fleet));
+  deps.block_size = fleet.cache.block_size;
+  p->frontend_ = std::make_unique<Frontend>(limits, deps, fleet.proxy.max_inflight,
+                                            fleet.proxy.api_key);
+  p->generation_ = std::make_unique<GenerationService>(p->frontend_.get());
+  p->registry_ = std::make_unique<RegistryService>(
+      p->fleet_.get(), p->client_.get(),
+      std::chrono::milliseconds(static_cast<int64_t>(fleet.transport.peer_timeout_seconds * 1000)));
+
+  TANDEM_ASSIGN_OR_RETURN(
+      p->server_, RpcServer::Start(grpc_address.empty() ? fleet.proxy.grpc : grpc_address,
+                                   {p->generation_.get(), p->registry_.get()}));
+  p->addresses_.grpc = p->server_->address();
+  p->addresses_.metrics = p->metrics_registry_->bound_address();
+  spdlog::info("proxy serving {} on {} (gRPC), metrics on {}; HTTP API not built yet",
+               fleet.model.name, p->addresses_.grpc, p->addresses_.metrics);
+  return p;
+}
+
+ProxyServer::~ProxyServer() { Shutdown(0); }
+
+void ProxyServer::Drain() {
+  if (frontend_) frontend_->SetDraining(true);
+  if (server_) server_->SetServing(false);
+}
+
+void ProxyServer::Shutdown(int grace_ms) {
+  if (!server_) return;
+  Drain();
+  for (int waited = 0; waited < grace_ms && frontend_->inflight() > 0; waited += 10) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  server_->Shutdown(0);
+  registry_->Shutdown();
+  server_.reset();
+}
+
+}  // namespace tandem::proxy

@@ -1,0 +1,61 @@
+// The proxy process: public gRPC API, worker registry, router, metrics.
+// The HTTP API (issue #9) is not here yet.
+//
+// Thread-safety: Start, Drain and Shutdown from the owning thread.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "common/config.h"
+#include "common/metrics.h"
+#include "common/rpc_server.h"
+#include "common/status.h"
+#include "model/tokenizer.h"
+#include "proxy/fleet.h"
+#include "proxy/generation_service.h"
+#include "proxy/proxy_metrics.h"
+#include "proxy/registry_service.h"
+#include "proxy/worker_client_grpc.h"
+
+namespace tandem::proxy {
+
+struct ProxyAddresses {
+  std::string grpc;
+  std::string http;  // empty until the HTTP API exists
+  std::string metrics;
+};
+
+class ProxyServer {
+ public:
+  // Loads the tokenizer and model shape from the fleet's model directory,
+  // then serves on the fleet's proxy addresses (`grpc`/`metrics` override
+  // them when non-empty).
+  static Result<std::unique_ptr<ProxyServer>> Start(const FleetConfig& fleet,
+                                                    const std::string& grpc_address = "",
+                                                    const std::string& metrics_address = "");
+  ~ProxyServer();
+
+  const ProxyAddresses& addresses() const { return addresses_; }
+  // New requests get UNAVAILABLE; in-flight ones go on. Health: NOT_SERVING.
+  void Drain();
+  // Waits up to `grace_ms` for in-flight requests, then stops.
+  void Shutdown(int grace_ms);
+  uint32_t inflight() const { return frontend_->inflight(); }
+
+ private:
+  ProxyServer() = default;
+
+  std::unique_ptr<model::Tokenizer> tokenizer_;
+  std::unique_ptr<MetricsRegistry> metrics_registry_;
+  std::unique_ptr<ProxyMetrics> metrics_;
+  std::unique_ptr<Fleet> fleet_;
+  std::unique_ptr<GrpcWorkerClient> client_;
+  std::unique_ptr<Frontend> frontend_;
+  std::unique_ptr<GenerationService> generation_;
+  std::unique_ptr<RegistryService> registry_;
+  std::unique_ptr<RpcServer> server_;
+  ProxyAddresses addresses_;
+};
+
+}  // namespace tandem::proxy

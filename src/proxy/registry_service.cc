@@ -1,0 +1,264 @@
+// RPC adapter: Registry.Register and the Worker.Watch client streams.
+#include "proxy/registry_service.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+
+#include "common/rpc_server.h"
+
+namespace tandem::proxy {
+
+namespace pb = ::tandem::v1;
+
+class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
+ public:
+  WorkerWatch(RegistryService* owner, std::string name, std::string address, uint64_t epoch)
+      : owner_(owner), name_(std::move(name)), address_(std::move(address)), epoch_(epoch) {
+    stub_ = pb::Worker::NewStub(owner_->channels_->Channel(address_));
+  }
+
+  void Begin(std::shared_ptr<WorkerWatch> self) {
+    self_ = std::move(self);
+    req_.set_after_event_id(0);  // start with a snapshot
+    req_.set_epoch(epoch_);
+    Touch();
+    stub_->async()->Watch(&ctx_, &req_, this);
+    StartRead(&update_);
+    StartCall();
+  }
+
+  void Stop(std::string why) {
+    {
+      std::lock_guard lock(mu_);
+      if (why_.empty()) why_ = std::move(why);
+    }
+    ctx_.TryCancel();
+  }
+
+  std::chrono::steady_clock::time_point last_seen() const {
+    return std::chrono::steady_clock::time_point(
+        std::chrono::steady_clock::duration(last_seen_.load()));
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return;
+    Touch();
+    auto& router = owner_->fleet_->router();
+    auto id = router.FindWorker(name_);
+    if (id) Apply(router, *id);
+    StartRead(&update_);
+  }
+
+  void OnDone(const grpc::Status& s) override {
+    std::string why;
+    {
+      std::lock_guard lock(mu_);
+      why = why_.empty() ? fmt::format("watch stream ended: {}", s.ok() ? "closed by the worker"
+                                                                         : s.error_message())
+                         : why_;
+    }
+    owner_->WatchEnded(name_, this, why, resync_.load(), address_, epoch_);
+    self_.reset();  // may delete this
+  }
+
+ private:
+  void Touch() {
+    last_seen_.store(std::chrono::steady_clock::now().time_since_epoch().count());
+  }
+
+  void Apply(router::Router& router, router::WorkerId id) {
+    switch (update_.kind_case()) {
+      case pb::WorkerUpdate::kSnapshot: {
+        std::vector<uint64_t> hashes(update_.snapshot().block_hashes().begin(),
+                                     update_.snapshot().block_hashes().end());
+        router.ApplySnapshot(id, update_.epoch(), update_.snapshot_event_id(), hashes)
+            .status()
+            .IgnoreError();
+        break;
+      }
+      case pb::WorkerUpdate::kEvent: {
+        const auto& e = update_.event();
+        router::KvEventView v;
+        v.epoch = e.epoch();
+        v.event_id = e.event_id();
+        std::vector<uint64_t> hashes;
+        if (e.has_stored()) {
+          v.kind = router::KvEventKind::kStored;
+          v.parent_hash = e.stored().parent_hash();
+          hashes.assign(e.stored().block_hashes().begin(), e.stored().block_hashes().end());
+        } else if (e.has_removed()) {
+          v.kind = router::KvEventKind::kRemoved;
+          hashes.assign(e.removed().block_hashes().begin(), e.removed().block_hashes().end());
+        } else {
+          v.kind = router::KvEventKind::kCleared;
+        }
+        v.hashes = hashes;
+        auto r = router.ApplyEvent(id, v);
+        if (r.ok() && *r == router::EventResult::kNeedsSnapshot) {
+          // A gap or a restart: drop the stream; the worker is watched anew
+          // (from a snapshot) when it registers again, or now by the owner.
+          resync_ = true;
+          Stop("KV event gap: resynchronizing from a snapshot");
+        }
+        break;
+      }
+      case pb::WorkerUpdate::kLoad: {
+        const auto& l = update_.load();
+        router::LoadReport rep;
+        rep.queued_prefill_tokens = l.queued_prefill_tokens();
+        rep.active_decode_blocks = l.active_decode_blocks();
+        rep.free_blocks = l.free_blocks();
+        rep.running_requests = l.running_requests();
+        router.ApplyLoadReport(id, rep).IgnoreError();
+        break;
+      }
+      default:
+        break;
+    }
+  }
+
+  RegistryService* owner_;
+  const std::string name_;
+  const std::string address_;
+  const uint64_t epoch_;
+  std::atomic<bool> resync_{false};
+  std::unique_ptr<pb::Worker::Stub> stub_;
+  grpc::ClientContext ctx_;
+  pb::WatchRequest req_;
+  pb::WorkerUpdate update_;
+  std::atomic<int64_t> last_seen_{0};
+  std::mutex mu_;
+  std::string why_;  // guarded by mu_
+  std::shared_ptr<WorkerWatch> self_;
+};
+
+namespace {
+
+router::WorkerRole RoleFromProto(pb::WorkerRole r) {
+  switch (r) {
+    case pb::WORKER_ROLE_PREFILL: return router::WorkerRole::kPrefill;
+    case pb::WORKER_ROLE_DECODE: return router::WorkerRole::kDecode;
+    default: return router::WorkerRole::kBoth;
+  }
+}
+
+}  // namespace
+
+RegistryService::RegistryService(Fleet* fleet, GrpcWorkerClient* channels,
+                                 std::chrono::milliseconds liveness_timeout)
+    : fleet_(fleet), channels_(channels), liveness_timeout_(liveness_timeout) {
+  housekeeping_ = std::jthread([this](std::stop_token st) { Housekeeping(st); });
+}
+
+RegistryService::~RegistryService() { Shutdown(); }
+
+void RegistryService::Shutdown() {
+  housekeeping_.request_stop();
+  if (housekeeping_.joinable()) housekeeping_.join();
+  std::map<std::string, std::shared_ptr<WorkerWatch>> watches;
+  {
+    std::lock_guard lock(mu_);
+    shut_down_ = true;
+    watches = watches_;
+  }
+  for (auto& [_, w] : watches) w->Stop("proxy shutting down");
+  // Wait (bounded) for the streams to end: their reactors point at us.
+  for (int i = 0; i < 200; ++i) {
+    {
+      std::lock_guard lock(mu_);
+      if (watches_.empty()) return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+grpc::ServerUnaryReactor* RegistryService::Register(grpc::CallbackServerContext* ctx,
+                                                    const pb::RegisterRequest* request,
+                                                    pb::RegisterResponse* response) {
+  const auto& w = request->worker();
+  WorkerRecord rec;
+  rec.name = w.name();
+  rec.role = RoleFromProto(w.role());
+  rec.grpc_address = w.grpc_address();
+  rec.metrics_address = w.metrics_address();
+  rec.protocol_version = w.protocol_version();
+  rec.model = w.model();
+  rec.revision = w.revision();
+  rec.block_size = w.block_size();
+  rec.kv_dtype = w.kv_dtype();
+  rec.block_bytes = w.block_bytes();
+  rec.num_blocks = w.num_blocks();
+  rec.epoch = w.epoch();
+  if (auto it = w.labels().find("node"); it != w.labels().end()) rec.node = it->second;
+  if (auto it = w.labels().find("zone"); it != w.labels().end()) rec.zone = it->second;
+
+  Status st = Status::Ok();
+  {
+    std::lock_guard lock(mu_);
+    if (shut_down_) st = UnavailableError("the proxy is shutting down");
+  }
+  if (st.ok()) st = fleet_->Register(rec);
+  if (!st.ok()) {
+    spdlog::warn("{}", st.message());
+    response->mutable_error()->set_code(static_cast<int>(st.code()));
+    response->mutable_error()->set_message(st.message());
+  } else {
+    response->set_heartbeat_interval_ms(200);
+    StartWatch(rec.name, rec.grpc_address, rec.epoch);
+  }
+  auto* reactor = ctx->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+void RegistryService::StartWatch(const std::string& name, const std::string& address,
+                                 uint64_t epoch) {
+  auto watch = std::make_shared<WorkerWatch>(this, name, address, epoch);
+  std::shared_ptr<WorkerWatch> old;
+  {
+    std::lock_guard lock(mu_);
+    old = watches_[name];
+    watches_[name] = watch;
+  }
+  if (old) old->Stop("replaced by a new registration");
+  watch->Begin(watch);
+}
+
+void RegistryService::WatchEnded(const std::string& name, WorkerWatch* watch,
+                                 const std::string& why, bool resync, const std::string& address,
+                                 uint64_t epoch) {
+  {
+    std::lock_guard lock(mu_);
+    auto it = watches_.find(name);
+    if (it == watches_.end() || it->second.get() != watch) return;  // replaced meanwhile
+    watches_.erase(it);
+    if (!resync || shut_down_) {
+      spdlog::warn("worker {} out of routing: {}", name, why);
+      fleet_->Remove(name);
+      return;
+    }
+  }
+  spdlog::info("worker {}: {}", name, why);
+  StartWatch(name, address, epoch);
+}
+
+void RegistryService::Housekeeping(std::stop_token stop) {
+  while (!stop.stop_requested()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::vector<std::shared_ptr<WorkerWatch>> silent;
+    {
+      std::lock_guard lock(mu_);
+      const auto now = std::chrono::steady_clock::now();
+      for (auto& [_, w] : watches_) {
+        if (now - w->last_seen() > liveness_timeout_) silent.push_back(w);
+      }
+    }
+    for (auto& w : silent) {
+      w->Stop(fmt::format("no update for {} ms", liveness_timeout_.count()));
+    }
+  }
+}
+
+}  // namespace tandem::proxy

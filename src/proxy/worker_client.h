@@ -1,0 +1,88 @@
+// How the proxy's request lifecycle talks to workers, in plain structs: the
+// gRPC adapter (worker_client_grpc.cc) is the only place that sees
+// worker.proto. Tests can substitute their own WorkerClient.
+//
+// Thread-safety: calls may be made from any thread; callbacks run on gRPC's
+// callback threads, one at a time per call, and must not block.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace tandem::proxy {
+
+enum class Finish { kNone, kStop, kLength };
+
+struct EngineArgs {
+  uint32_t max_tokens = 0;
+  float temperature = 1.0f;
+  float top_p = 1.0f;
+  uint32_t top_k = 0;
+  uint64_t seed = 0;
+  std::vector<uint32_t> stop_token_ids;
+  bool ignore_eos = false;
+};
+
+struct DecodeArgs {
+  std::string request_id;
+  std::vector<uint32_t> prompt_ids;
+  EngineArgs params;
+  std::chrono::system_clock::time_point deadline;  // max(): none
+  bool prefill_locally = false;
+};
+
+struct DecodeEvents {
+  std::function<void()> on_registered;
+  // `first_index`: index in the completion of ids[0].
+  std::function<void(uint32_t first_index, std::vector<uint32_t> ids)> on_tokens;
+  std::function<void(Finish reason, uint32_t completion_tokens, uint32_t decoder_cached_tokens)>
+      on_finished;
+  // The stream ended without DecodeFinished (error, cancel, worker lost).
+  std::function<void(Status)> on_error;
+};
+
+struct PrefillArgs {
+  std::string request_id;
+  std::vector<uint32_t> prompt_ids;
+  EngineArgs params;
+  std::chrono::system_clock::time_point deadline;
+  std::string decoder_address;
+  std::string decoder_name;
+};
+
+struct PrefillResult {
+  uint32_t first_token_id = 0;
+  uint32_t cached_prompt_tokens = 0;
+  uint32_t decoder_cached_blocks = 0;
+  uint32_t transferred_blocks = 0;
+  uint64_t transferred_bytes = 0;
+  double prefill_seconds = 0;
+  double transfer_seconds = 0;
+};
+
+// A call in flight; Cancel() is idempotent and safe after completion.
+class Call {
+ public:
+  virtual ~Call() = default;
+  virtual void Cancel() = 0;
+};
+
+class WorkerClient {
+ public:
+  virtual ~WorkerClient() = default;
+  // Exactly one of on_finished / on_error runs, last, once.
+  virtual std::shared_ptr<Call> Decode(const std::string& address, DecodeArgs args,
+                                       DecodeEvents events) = 0;
+  // `done` runs once.
+  virtual std::shared_ptr<Call> Prefill(const std::string& address, PrefillArgs args,
+                                        std::function<void(Result<PrefillResult>)> done) = 0;
+};
+
+}  // namespace tandem::proxy

@@ -1,0 +1,175 @@
+// RPC adapter: the only proxy file that builds and reads worker.proto
+// messages for Decode and Prefill.
+#include "proxy/worker_client_grpc.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+
+#include "common/rpc_server.h"
+#include "tandem/v1/worker.grpc.pb.h"
+
+namespace tandem::proxy {
+namespace {
+
+namespace pb = ::tandem::v1;
+
+void FillParams(const EngineArgs& a, pb::EngineParams* p) {
+  p->set_max_tokens(a.max_tokens);
+  p->set_temperature(a.temperature);
+  p->set_top_p(a.top_p);
+  p->set_top_k(a.top_k);
+  p->set_seed(a.seed);
+  for (uint32_t t : a.stop_token_ids) p->add_stop_token_ids(t);
+  p->set_ignore_eos(a.ignore_eos);
+}
+
+int64_t UnixMs(std::chrono::system_clock::time_point t) {
+  if (t == std::chrono::system_clock::time_point::max()) return 0;
+  return std::chrono::duration_cast<std::chrono::milliseconds>(t.time_since_epoch()).count();
+}
+
+Finish FromProto(pb::FinishReason r) {
+  switch (r) {
+    case pb::FINISH_REASON_STOP: return Finish::kStop;
+    case pb::FINISH_REASON_LENGTH: return Finish::kLength;
+    default: return Finish::kNone;
+  }
+}
+
+class DecodeCall final : public grpc::ClientReadReactor<pb::DecodeResponse>, public Call {
+ public:
+  DecodeCall(DecodeArgs args, DecodeEvents events) : events_(std::move(events)) {
+    req_.set_request_id(args.request_id);
+    for (uint32_t t : args.prompt_ids) req_.add_prompt_token_ids(t);
+    FillParams(args.params, req_.mutable_params());
+    req_.set_deadline_unix_ms(UnixMs(args.deadline));
+    req_.set_prefill_locally(args.prefill_locally);
+    if (args.deadline != std::chrono::system_clock::time_point::max()) {
+      ctx_.set_deadline(args.deadline);
+    }
+  }
+
+  void Begin(std::unique_ptr<pb::Decoder::Stub> stub, std::shared_ptr<DecodeCall> self) {
+    self_ = std::move(self);
+    stub_ = std::move(stub);
+    stub_->async()->Decode(&ctx_, &req_, this);
+    StartRead(&resp_);
+    StartCall();
+  }
+
+  void Cancel() override { ctx_.TryCancel(); }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return;  // the stream is over; OnDone follows
+    switch (resp_.kind_case()) {
+      case pb::DecodeResponse::kRegistered:
+        if (events_.on_registered) events_.on_registered();
+        break;
+      case pb::DecodeResponse::kTokens: {
+        std::vector<uint32_t> ids(resp_.tokens().token_ids().begin(),
+                                  resp_.tokens().token_ids().end());
+        if (events_.on_tokens) events_.on_tokens(resp_.tokens().first_index(), std::move(ids));
+        break;
+      }
+      case pb::DecodeResponse::kFinished:
+        if (!done_.exchange(true) && events_.on_finished) {
+          events_.on_finished(FromProto(resp_.finished().finish_reason()),
+                              resp_.finished().completion_tokens(),
+                              resp_.finished().decoder_cached_prompt_tokens());
+        }
+        break;
+      case pb::DecodeResponse::kError:
+        error_ = Status(static_cast<StatusCode>(resp_.error().code()), resp_.error().message());
+        break;
+      default:
+        break;
+    }
+    StartRead(&resp_);
+  }
+
+  void OnDone(const grpc::Status& s) override {
+    if (!done_.exchange(true) && events_.on_error) {
+      Status st = !error_.ok() ? error_
+                  : s.ok()     ? UnavailableError("decode stream ended without finishing")
+                               : FromGrpcStatus(s);
+      events_.on_error(st);
+    }
+    events_ = {};
+    self_.reset();  // may delete this
+  }
+
+ private:
+  std::unique_ptr<pb::Decoder::Stub> stub_;
+  grpc::ClientContext ctx_;
+  pb::DecodeRequest req_;
+  pb::DecodeResponse resp_;
+  DecodeEvents events_;
+  Status error_;
+  std::atomic<bool> done_{false};
+  std::shared_ptr<DecodeCall> self_;  // keeps the reactor alive until OnDone
+};
+
+class PrefillCall final : public Call {
+ public:
+  void Cancel() override { ctx.TryCancel(); }
+  std::unique_ptr<pb::Prefiller::Stub> stub;
+  grpc::ClientContext ctx;
+  pb::PrefillRequest req;
+  pb::PrefillResponse resp;
+};
+
+}  // namespace
+
+std::shared_ptr<grpc::Channel> GrpcWorkerClient::Channel(const std::string& address) {
+  std::lock_guard lock(mu_);
+  auto& ch = channels_[address];
+  if (!ch) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(64 << 20);
+    ch = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  }
+  return ch;
+}
+
+std::shared_ptr<Call> GrpcWorkerClient::Decode(const std::string& address, DecodeArgs args,
+                                               DecodeEvents events) {
+  auto stub = pb::Decoder::NewStub(Channel(address));
+  auto call = std::make_shared<DecodeCall>(std::move(args), std::move(events));
+  call->Begin(std::move(stub), call);
+  return call;
+}
+
+std::shared_ptr<Call> GrpcWorkerClient::Prefill(const std::string& address, PrefillArgs args,
+                                                std::function<void(Result<PrefillResult>)> done) {
+  auto call = std::make_shared<PrefillCall>();
+  call->stub = pb::Prefiller::NewStub(Channel(address));
+  call->req.set_request_id(args.request_id);
+  for (uint32_t t : args.prompt_ids) call->req.add_prompt_token_ids(t);
+  FillParams(args.params, call->req.mutable_params());
+  call->req.set_deadline_unix_ms(UnixMs(args.deadline));
+  call->req.set_decoder_address(args.decoder_address);
+  call->req.set_decoder_name(args.decoder_name);
+  if (args.deadline != std::chrono::system_clock::time_point::max()) {
+    call->ctx.set_deadline(args.deadline);
+  }
+  call->stub->async()->Prefill(&call->ctx, &call->req, &call->resp,
+                         [call, done = std::move(done)](grpc::Status s) {
+                           if (!s.ok()) {
+                             done(FromGrpcStatus(s));
+                             return;
+                           }
+                           PrefillResult r;
+                           r.first_token_id = call->resp.first_token_id();
+                           r.cached_prompt_tokens = call->resp.cached_prompt_tokens();
+                           r.decoder_cached_blocks = call->resp.decoder_cached_blocks();
+                           r.transferred_blocks = call->resp.transferred_blocks();
+                           r.transferred_bytes = call->resp.transferred_bytes();
+                           r.prefill_seconds = call->resp.prefill_seconds();
+                           r.transfer_seconds = call->resp.transfer_seconds();
+                           done(r);
+                         });
+  return call;
+}
+
+}  // namespace tandem::proxy
