@@ -72,25 +72,4 @@ void RegisterConfigCheck(CLI::App& app, GlobalOptions& g) {
   });
 }
 
-void RegisterWorker(CLI::App& app, GlobalOptions& g, const std::string& role) {
-  auto* cmd = app.add_subcommand(role, fmt::format("Run one {} worker alone", role));
-  auto config = std::make_shared<std::string>();
-  auto join = std::make_shared<std::string>();
-  auto grpc = std::make_shared<std::string>();
-  auto metrics = std::make_shared<std::string>();
-  cmd->add_option("--config", *config, "fleet YAML file (its role section gives defaults)")
-      ->required();
-  cmd->add_option("--join", *join, "proxy gRPC address to register with");
-  cmd->add_option("--grpc", *grpc, "host:port to serve gRPC on");
-  cmd->add_option("--metrics", *metrics, "host:port to serve /metrics on");
-  auto name = std::make_shared<std::string>();
-  auto ready_fd = std::make_shared<int>(-1);
-  cmd->add_option("--name", *name, "worker name in logs and metrics (default: ROLE-PORT)");
-  cmd->add_option("--ready-fd", *ready_fd, "(tandem launch) write the real addresses here")
-      ->group("");
-  cmd->callback([&g, role, config, join, grpc, metrics, name, ready_fd] {
-    g.exit_code = NotYetAvailable(role, fmt::format("the {} worker service (issue #5)", role));
-  });
-}
-
 }  // namespace tandem::cli

@@ -1,0 +1,33 @@
+// `tandem prefill|decode|both` (DESIGN.md section 7): one worker process.
+// The runtime lives in src/worker; this file only parses flags.
+#include <fmt/format.h>
+
+#include "cli/commands.h"
+#include "worker/worker_runtime.h"
+
+namespace tandem::cli {
+
+void RegisterWorker(CLI::App& app, GlobalOptions& g, const std::string& role) {
+  auto* cmd = app.add_subcommand(role, fmt::format("Run one {} worker alone", role));
+  auto opts = std::make_shared<worker::WorkerCommand>();
+  opts->role = role;
+  cmd->add_option("--config", opts->config_path, "fleet YAML file (its role section gives defaults)")
+      ->required();
+  cmd->add_option("--join", opts->join, "proxy gRPC address to register with");
+  cmd->add_option("--grpc", opts->grpc, "host:port to serve gRPC on");
+  cmd->add_option("--metrics", opts->metrics, "host:port to serve /metrics on");
+  cmd->add_option("--name", opts->name, "worker name in logs and metrics (default: ROLE-PORT)");
+  cmd->add_option("--drain-seconds", opts->drain_seconds,
+                  "on SIGTERM/SIGINT, how long in-flight requests may take to finish")
+      ->check(CLI::Range(0.0, 3600.0));
+  cmd->add_option("--ready-fd", opts->ready_fd, "(tandem launch) write the real addresses here")
+      ->group("");
+  cmd->callback([&g, opts] {
+    worker::WorkerCommand c = *opts;
+    c.log_level = g.log_level;
+    c.log_format = g.log_format;
+    g.exit_code = worker::RunWorker(c);
+  });
+}
+
+}  // namespace tandem::cli

@@ -1,0 +1,400 @@
+#include "decoder/decoder.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+
+namespace tandem::decoder {
+
+namespace {
+
+using SteadyClock = std::chrono::steady_clock;
+using SystemClock = std::chrono::system_clock;
+
+std::optional<SteadyClock::time_point> ToSteady(
+    const std::optional<SystemClock::time_point>& deadline) {
+  if (!deadline) return std::nullopt;
+  return SteadyClock::now() + (*deadline - SystemClock::now());
+}
+
+Status StatusFor(const engine::RequestOutput& out) {
+  if (!out.status.ok()) return out.status;
+  switch (out.finish_reason) {
+    case engine::FinishReason::kAbort: return CancelledError("request aborted");
+    case engine::FinishReason::kDeadline: return DeadlineExceededError("deadline passed");
+    default: return InternalError(fmt::format("request ended with '{}'",
+                                              engine::FinishReasonName(out.finish_reason)));
+  }
+}
+
+}  // namespace
+
+class Decoder::Emitter {
+ public:
+  explicit Emitter(std::shared_ptr<DecodeSink> sink) : sink_(std::move(sink)) {}
+
+  void Tokens(uint32_t first_index, std::vector<uint32_t> tokens) {
+    std::lock_guard lock(mu_);
+    if (done_) return;
+    pending_.emplace(first_index, std::move(tokens));
+    FlushLocked();
+  }
+  void Finished(const DecodeResult& r) {
+    std::lock_guard lock(mu_);
+    if (done_) return;
+    final_ = r;
+    FlushLocked();
+  }
+  // Errors end the stream at once (tokens still in order before them).
+  void Error(const Status& status) {
+    std::lock_guard lock(mu_);
+    if (done_) return;
+    done_ = true;
+    sink_->OnError(status);
+  }
+  void Drop() {
+    std::lock_guard lock(mu_);
+    done_ = true;
+  }
+
+ private:
+  // The sink is called under mu_ so that its calls stay in order; sinks
+  // only queue (see DecodeSink).
+  void FlushLocked() {
+    while (!pending_.empty() && pending_.begin()->first <= next_index_) {
+      auto node = pending_.extract(pending_.begin());
+      const uint32_t first = node.key();
+      std::vector<uint32_t>& tokens = node.mapped();
+      if (first + tokens.size() <= next_index_) continue;  // duplicate
+      tokens.erase(tokens.begin(), tokens.begin() + (next_index_ - first));
+      const uint32_t n = static_cast<uint32_t>(tokens.size());
+      sink_->OnTokens(next_index_, std::move(tokens));
+      next_index_ += n;
+    }
+    if (final_ && next_index_ >= final_->completion_tokens) {
+      done_ = true;
+      sink_->OnFinished(*final_);
+    }
+  }
+
+  std::mutex mu_;
+  std::shared_ptr<DecodeSink> sink_;
+  uint32_t next_index_ = 0;                               // guarded by mu_
+  std::map<uint32_t, std::vector<uint32_t>> pending_;     // guarded by mu_
+  std::optional<DecodeResult> final_;                     // guarded by mu_
+  bool done_ = false;                                     // guarded by mu_
+};
+
+Decoder::Decoder(engine::Engine& engine, kvtransfer::Transport& transport, DecoderOptions options)
+    : engine_(engine), transport_(transport), options_(std::move(options)),
+      descriptor_(transport.LocalDescriptor()) {}
+
+Decoder::~Decoder() { Stop(); }
+
+void Decoder::Start() {
+  lease_thread_ = std::jthread([this](std::stop_token stop) { LeaseLoop(stop); });
+}
+
+void Decoder::Stop() {
+  if (lease_thread_.joinable()) {
+    lease_thread_.request_stop();
+    lease_thread_.join();
+  }
+  std::vector<uint64_t> release;
+  {
+    std::lock_guard lock(mu_);
+    for (const auto& [id, held] : reservations_) release.push_back(id);
+    reservations_.clear();
+  }
+  for (uint64_t id : release) engine_.ReleaseReservation(id).IgnoreError();
+}
+
+void Decoder::SetDraining() {
+  std::lock_guard lock(mu_);
+  draining_ = true;
+}
+
+DecoderCounts Decoder::counts() const {
+  std::lock_guard lock(mu_);
+  DecoderCounts c = counts_;
+  c.registered = static_cast<uint32_t>(requests_.size());
+  c.reservations = static_cast<uint32_t>(reservations_.size());
+  return c;
+}
+
+engine::GenerateRequest Decoder::MakeEngineRequest(const DecodeSpec& spec,
+                                                   std::shared_ptr<Emitter> emitter) {
+  engine::GenerateRequest r;
+  r.request_id = spec.request_id;
+  r.prompt_ids = spec.prompt_ids;
+  r.sampling = spec.sampling;
+  r.deadline = ToSteady(spec.deadline);
+  const std::string id = spec.request_id;
+  r.on_output = [this, id, emitter = std::move(emitter)](const engine::RequestOutput& out) {
+    OnOutput(id, *emitter, out);
+  };
+  return r;
+}
+
+Status Decoder::Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
+  if (spec.request_id.empty()) return InvalidArgumentError("request_id is empty");
+  if (spec.prompt_ids.empty()) return InvalidArgumentError("the prompt has no tokens");
+  const std::string id = spec.request_id;
+  const bool local = spec.prefill_locally;
+  engine::GenerateRequest req;
+  {
+    std::lock_guard lock(mu_);
+    if (draining_) return UnavailableError("this decoder is shutting down");
+    if (requests_.count(id) != 0) {
+      return AlreadyExistsError(fmt::format("request '{}' is already registered", id));
+    }
+    Entry e;
+    e.emitter = std::make_shared<Emitter>(std::move(sink));
+    if (local) req = MakeEngineRequest(spec, e.emitter);
+    e.spec = std::move(spec);
+    e.stage = local ? Stage::kRunning : Stage::kRegistered;
+    e.submitted = SteadyClock::now();
+    requests_.emplace(id, std::move(e));
+  }
+  if (!local) return Status::Ok();
+  Status s = engine_.Submit(std::move(req));
+  if (!s.ok()) {
+    std::lock_guard lock(mu_);
+    requests_.erase(id);
+  }
+  return s;
+}
+
+Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::string& prefiller,
+                                      std::span<const uint32_t> prompt_ids) {
+  std::string tag;
+  {
+    std::lock_guard lock(mu_);
+    auto it = requests_.find(request_id);
+    if (it == requests_.end()) {
+      return NotFoundError(fmt::format(
+          "request '{}' is not registered on this decoder (never opened, cancelled or finished)",
+          request_id));
+    }
+    if (it->second.stage == Stage::kRunning) {
+      return FailedPreconditionError(
+          fmt::format("request '{}' already has its KV and is decoding", request_id));
+    }
+    const auto& prompt = it->second.spec.prompt_ids;
+    if (!std::equal(prompt.begin(), prompt.end(), prompt_ids.begin(), prompt_ids.end())) {
+      return InvalidArgumentError(fmt::format(
+          "request '{}': the prompt to reserve ({} tokens) differs from the registered one ({})",
+          request_id, prompt_ids.size(), prompt.size()));
+    }
+    tag = fmt::format("{}@r{}", request_id, next_tag_++);
+  }
+  auto res = engine_.Reserve(tag, prompt_ids);
+  if (!res.ok()) {
+    std::lock_guard lock(mu_);
+    ++counts_.reservations_refused;
+    return res.status();
+  }
+  const auto lease = std::chrono::duration_cast<SteadyClock::duration>(
+      std::chrono::duration<double>(options_.lease_seconds));
+  {
+    std::lock_guard lock(mu_);
+    auto it = requests_.find(request_id);
+    if (it != requests_.end() && it->second.stage != Stage::kRunning) {
+      Entry& e = it->second;
+      if (e.stage == Stage::kReserved) {
+        // A second prefiller took over (retry): the first may still write
+        // into its slots, so they wait for its notice or lease.
+        if (auto h = reservations_.find(e.reservation_id); h != reservations_.end()) {
+          h->second.orphaned = true;
+        }
+      }
+      e.stage = Stage::kReserved;
+      e.reservation_id = res->reservation_id;
+      reservations_.emplace(res->reservation_id,
+                            Held{request_id, prefiller, SteadyClock::now() + lease, false});
+    } else {
+      it = requests_.end();
+    }
+    if (it == requests_.end()) {
+      // Cancelled while reserving; no prefiller knows these slots yet.
+      engine_.ReleaseReservation(res->reservation_id).IgnoreError();
+      return CancelledError(fmt::format("request '{}' was cancelled", request_id));
+    }
+  }
+  KvTargetInfo t;
+  t.request_id = request_id;
+  t.reservation_id = res->reservation_id;
+  t.generation = transport_.generation();
+  t.transport_descriptor = descriptor_;
+  t.slots = res->block_ids;
+  t.cached_blocks = res->num_cached_blocks;
+  t.lease_expiry = SystemClock::now() + lease;
+  return t;
+}
+
+void Decoder::OnKvNotice(const KvNoticeInfo& n) {
+  std::shared_ptr<Emitter> emitter;
+  engine::GenerateRequest req;
+  bool release = false;
+  bool add = false;
+  {
+    std::lock_guard lock(mu_);
+    auto h = reservations_.find(n.reservation_id);
+    if (h == reservations_.end() || n.generation != transport_.generation() ||
+        h->second.request_id != n.request_id) {
+      ++counts_.stale_notices;
+      spdlog::debug("ignoring KV notice for '{}' reservation {} generation {} (stale or unknown)",
+                    n.request_id, n.reservation_id, n.generation);
+      return;
+    }
+    const bool orphaned = h->second.orphaned;
+    reservations_.erase(h);
+    auto it = requests_.find(n.request_id);
+    const bool active = !orphaned && it != requests_.end() &&
+                        it->second.stage == Stage::kReserved &&
+                        it->second.reservation_id == n.reservation_id;
+    if (!active) {
+      release = true;
+    } else if (!n.error.ok()) {
+      // The prefiller gave up; the proxy may retry with another one.
+      release = true;
+      it->second.stage = Stage::kRegistered;
+      it->second.reservation_id = 0;
+      spdlog::info("request '{}': prefiller gave up: {}", n.request_id, n.error.message());
+    } else {
+      it->second.stage = Stage::kRunning;
+      it->second.first_token_seen = true;
+      emitter = it->second.emitter;
+      req = MakeEngineRequest(it->second.spec, emitter);
+      add = true;
+    }
+  }
+  if (release) {
+    engine_.ReleaseReservation(n.reservation_id).IgnoreError();
+    return;
+  }
+  if (!add) return;
+  Status s = engine_.AddPrefilled(n.reservation_id, std::move(req), n.first_token_id);
+  if (!s.ok()) {
+    engine_.ReleaseReservation(n.reservation_id).IgnoreError();  // NOT_FOUND if consumed
+    {
+      std::lock_guard lock(mu_);
+      requests_.erase(n.request_id);
+    }
+    Fail(emitter, s.WithContext("adding the prefilled request"));
+  }
+}
+
+void Decoder::OnOutput(const std::string& request_id, Emitter& emitter,
+                       const engine::RequestOutput& out) {
+  double local_prefill_s = -1;
+  {
+    std::lock_guard lock(mu_);
+    auto it = requests_.find(request_id);
+    if (it != requests_.end() && it->second.emitter.get() == &emitter) {
+      if (!it->second.first_token_seen && out.completion_tokens > 0) {
+        it->second.first_token_seen = true;
+        local_prefill_s =
+            std::chrono::duration<double>(SteadyClock::now() - it->second.submitted).count();
+      }
+      if (out.finished) requests_.erase(it);
+    }
+  }
+  if (local_prefill_s >= 0 && options_.on_local_prefill_seconds) {
+    options_.on_local_prefill_seconds(local_prefill_s);
+  }
+  if (!out.token_ids.empty()) {
+    const uint32_t n = static_cast<uint32_t>(out.token_ids.size());
+    emitter.Tokens(out.completion_tokens - n, out.token_ids);
+  }
+  if (!out.finished) return;
+  if (out.finish_reason == engine::FinishReason::kStop ||
+      out.finish_reason == engine::FinishReason::kLength) {
+    DecodeResult r;
+    r.finish_reason = out.finish_reason;
+    r.completion_tokens = out.completion_tokens;
+    r.cached_prompt_tokens = out.cached_prompt_tokens;
+    emitter.Finished(r);
+  } else {
+    emitter.Error(StatusFor(out));
+  }
+}
+
+void Decoder::Cancel(const std::string& request_id) {
+  bool abort = false;
+  {
+    std::lock_guard lock(mu_);
+    auto it = requests_.find(request_id);
+    if (it == requests_.end()) return;
+    if (it->second.stage == Stage::kReserved) {
+      // The prefiller may be writing: the slots wait for its notice or lease.
+      if (auto h = reservations_.find(it->second.reservation_id); h != reservations_.end()) {
+        h->second.orphaned = true;
+      }
+    }
+    abort = it->second.stage == Stage::kRunning;
+    it->second.emitter->Drop();
+    requests_.erase(it);
+  }
+  if (abort) engine_.Abort(request_id).IgnoreError();  // NOT_FOUND if it just finished
+}
+
+void Decoder::Fail(const std::shared_ptr<Emitter>& emitter, const Status& status) {
+  if (emitter) emitter->Error(status);
+}
+
+void Decoder::LeaseLoop(std::stop_token stop) {
+  while (!stop.stop_requested()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    const auto now = SteadyClock::now();
+    const auto wall = SystemClock::now();
+    std::vector<uint64_t> release;
+    std::vector<std::pair<std::shared_ptr<Emitter>, Status>> fail;
+    {
+      std::lock_guard lock(mu_);
+      for (auto h = reservations_.begin(); h != reservations_.end();) {
+        if (h->second.lease_expiry > now) {
+          ++h;
+          continue;
+        }
+        ++counts_.leases_expired;
+        release.push_back(h->first);
+        spdlog::warn("request '{}': reservation {} from '{}' expired after {} s without its KV",
+                     h->second.request_id, h->first, h->second.prefiller, options_.lease_seconds);
+        auto it = requests_.find(h->second.request_id);
+        if (!h->second.orphaned && it != requests_.end() &&
+            it->second.stage == Stage::kReserved && it->second.reservation_id == h->first) {
+          fail.emplace_back(it->second.emitter,
+                            UnavailableError(fmt::format(
+                                "the KV for request '{}' did not arrive within the {} s lease",
+                                h->second.request_id, options_.lease_seconds)));
+          requests_.erase(it);
+        }
+        h = reservations_.erase(h);
+      }
+      // Deadlines of requests still waiting for their KV (running ones are
+      // the engine's).
+      for (auto it = requests_.begin(); it != requests_.end();) {
+        Entry& e = it->second;
+        if (e.stage == Stage::kRunning || !e.spec.deadline || *e.spec.deadline > wall) {
+          ++it;
+          continue;
+        }
+        if (e.stage == Stage::kReserved) {
+          if (auto h = reservations_.find(e.reservation_id); h != reservations_.end()) {
+            h->second.orphaned = true;
+          }
+        }
+        fail.emplace_back(e.emitter, DeadlineExceededError(fmt::format(
+                                      "request '{}': deadline passed before its KV arrived",
+                                      e.spec.request_id)));
+        it = requests_.erase(it);
+      }
+    }
+    for (uint64_t id : release) engine_.ReleaseReservation(id).IgnoreError();
+    for (auto& [emitter, status] : fail) Fail(emitter, status);
+  }
+}
+
+}  // namespace tandem::decoder

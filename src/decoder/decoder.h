@@ -1,0 +1,179 @@
+// The decoder side of DESIGN.md section 2, without gRPC: registered
+// requests, reservations with leases, KV notices, and the engine requests
+// that stream the completion.
+//
+// Lifecycle of one request:
+//   Register (the Decode stream opens)            -> kRegistered
+//   Reserve (a prefiller scheduled it)            -> kReserved (lease starts)
+//   KV notice, success                            -> kRunning (AddPrefilled)
+//   engine finishes                               -> gone (sink told)
+// prefill_locally requests go straight to kRunning through Engine::Submit.
+//
+// Safety of one-sided writes: a reservation whose prefiller may still be
+// writing is released only when that prefiller's notice (success or error)
+// arrives or its lease expires — also when the request was cancelled or
+// re-reserved meanwhile (the old reservation is "orphaned", not released).
+// Engine reservations are made under an internal id ("<request>@r<n>") so
+// that Engine::Abort(request) never frees a reservation early.
+//
+// Threads: every public method may be called from any thread (gRPC
+// callbacks, the transport's progress thread for OnKvNotice). Sinks are
+// called on the engine thread, the progress thread or the lease thread,
+// never under the decoder's lock. The lease thread is started by Start().
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+#include "engine/engine.h"
+#include "kvtransfer/transport.h"
+
+namespace tandem::decoder {
+
+struct DecodeSpec {
+  std::string request_id;
+  std::vector<uint32_t> prompt_ids;
+  engine::SamplingParams sampling;
+  std::optional<std::chrono::system_clock::time_point> deadline;
+  bool prefill_locally = false;
+};
+
+struct DecodeResult {
+  engine::FinishReason finish_reason = engine::FinishReason::kNone;  // kStop | kLength
+  uint32_t completion_tokens = 0;
+  uint32_t cached_prompt_tokens = 0;  // decoder-side: not transferred / prefix hits
+};
+
+// Where one request's stream goes. Calls never overlap for one request and
+// come in order: OnTokens*, then exactly one of OnFinished / OnError.
+// They must not block.
+class DecodeSink {
+ public:
+  virtual ~DecodeSink() = default;
+  // `first_index`: index in the completion of token_ids[0] (first token: 0).
+  virtual void OnTokens(uint32_t first_index, std::vector<uint32_t> token_ids) = 0;
+  virtual void OnFinished(const DecodeResult& result) = 0;
+  virtual void OnError(const Status& status) = 0;
+};
+
+// What a prefiller needs to write a request's KV (KvTarget in worker.proto).
+struct KvTargetInfo {
+  std::string request_id;
+  uint64_t reservation_id = 0;
+  uint64_t generation = 0;
+  std::string transport_descriptor;  // binary, Transport::LocalDescriptor()
+  std::vector<uint32_t> slots;       // [prompt blocks]
+  uint32_t cached_blocks = 0;
+  std::chrono::system_clock::time_point lease_expiry;
+};
+
+// A decoded KvNotice (worker.proto).
+struct KvNoticeInfo {
+  std::string request_id;
+  uint64_t reservation_id = 0;
+  uint64_t generation = 0;
+  uint32_t first_token_id = 0;
+  Status error;  // non-OK: the prefiller gave up on the request
+};
+
+struct DecoderOptions {
+  double lease_seconds = 30.0;
+  // Called on the engine thread with a local prefill's compute time
+  // (submit to first token); may be empty.
+  std::function<void(double)> on_local_prefill_seconds;
+};
+
+struct DecoderCounts {
+  uint32_t registered = 0;    // open requests (any stage)
+  uint32_t reservations = 0;  // held, incl. orphaned ones
+  uint64_t leases_expired = 0;
+  uint64_t stale_notices = 0;
+  uint64_t reservations_refused = 0;
+};
+
+class Decoder {
+ public:
+  // `engine` and `transport` are borrowed and must outlive the decoder.
+  Decoder(engine::Engine& engine, kvtransfer::Transport& transport, DecoderOptions options);
+  ~Decoder();  // Stop()
+  Decoder(const Decoder&) = delete;
+  Decoder& operator=(const Decoder&) = delete;
+
+  void Start();  // lease thread
+  void Stop();   // joins the lease thread; held reservations are released
+
+  // Registers a request whose KV will come from a prefiller (or, with
+  // prefill_locally, submits it to the engine). UNAVAILABLE while draining,
+  // ALREADY_EXISTS for a live id, INVALID_ARGUMENT for bad input.
+  Status Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink);
+
+  // Reserves blocks for a registered request. RESOURCE_EXHAUSTED when there
+  // is no room (nothing held then), NOT_FOUND when the request is not
+  // registered (cancelled, finished or unknown).
+  Result<KvTargetInfo> Reserve(const std::string& request_id, const std::string& prefiller,
+                               std::span<const uint32_t> prompt_ids);
+
+  // A KV notice from a prefiller (after its data).
+  void OnKvNotice(const KvNoticeInfo& notice);
+
+  // The request's stream went away: frees it at any stage (its reservation
+  // when the prefiller can no longer write into it). The sink is not called.
+  void Cancel(const std::string& request_id);
+
+  // New registrations fail with UNAVAILABLE; Reserve for registered ones
+  // still works so that in-flight requests finish.
+  void SetDraining();
+
+  DecoderCounts counts() const;
+
+ private:
+  enum class Stage { kRegistered, kReserved, kRunning };
+  // Puts one request's deliveries back in completion order before they
+  // reach its sink: the engine may deliver AddPrefilled's first token (on
+  // the caller's thread) after the engine thread delivered the next one.
+  class Emitter;
+  struct Entry {
+    DecodeSpec spec;
+    std::shared_ptr<Emitter> emitter;
+    Stage stage = Stage::kRegistered;
+    uint64_t reservation_id = 0;  // the active one (kReserved)
+    std::chrono::steady_clock::time_point submitted;  // prefill_locally: for the prefill time
+    bool first_token_seen = false;
+  };
+  struct Held {
+    std::string request_id;
+    std::string prefiller;
+    std::chrono::steady_clock::time_point lease_expiry;
+    bool orphaned = false;  // its request was cancelled or re-reserved
+  };
+
+  engine::GenerateRequest MakeEngineRequest(const DecodeSpec& spec, std::shared_ptr<Emitter> emitter);
+  void OnOutput(const std::string& request_id, Emitter& emitter, const engine::RequestOutput& out);
+  void LeaseLoop(std::stop_token stop);
+  // Ends a request's stream with an error (outside the lock).
+  static void Fail(const std::shared_ptr<Emitter>& emitter, const Status& status);
+
+  engine::Engine& engine_;
+  kvtransfer::Transport& transport_;
+  const DecoderOptions options_;
+  const std::string descriptor_;  // the transport's, computed once
+
+  mutable std::mutex mu_;
+  std::map<std::string, Entry> requests_;   // guarded by mu_
+  std::map<uint64_t, Held> reservations_;   // guarded by mu_; key: engine reservation id
+  uint64_t next_tag_ = 1;                   // guarded by mu_
+  bool draining_ = false;                   // guarded by mu_
+  DecoderCounts counts_;                    // guarded by mu_ (totals)
+  std::jthread lease_thread_;
+};
+
+}  // namespace tandem::decoder

@@ -1,0 +1,199 @@
+// The RPC edge of the decoder: worker.proto messages <-> decoder structs.
+#include "decoder/decoder_service.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+
+#include "common/rpc_server.h"
+#include "decoder/stream_writer.h"
+#include "tandem/v1/worker.grpc.pb.h"
+
+namespace tandem::decoder {
+
+namespace {
+
+namespace pb = ::tandem::v1;
+
+engine::SamplingParams ToSampling(const pb::EngineParams& p) {
+  engine::SamplingParams s;
+  s.max_tokens = p.max_tokens();
+  s.temperature = p.temperature();
+  s.top_p = p.top_p();
+  s.top_k = p.top_k();
+  s.seed = p.seed();
+  s.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
+  s.ignore_eos = p.ignore_eos();
+  return s;
+}
+
+pb::FinishReason ToProto(engine::FinishReason r) {
+  switch (r) {
+    case engine::FinishReason::kStop: return pb::FINISH_REASON_STOP;
+    case engine::FinishReason::kLength: return pb::FINISH_REASON_LENGTH;
+    default: return pb::FINISH_REASON_UNSPECIFIED;
+  }
+}
+
+// The Decode stream: a reactor plus the sink the decoder writes into. The
+// sink (shared with the engine's callbacks) outlives the reactor safely:
+// StreamWriter drops writes once the stream is finished.
+class DecodeStream final : public grpc::ServerWriteReactor<pb::DecodeResponse> {
+ public:
+  class Sink final : public DecodeSink {
+   public:
+    Sink(DecodeStream* stream, std::string request_id)
+        : writer_(stream), request_id_(std::move(request_id)) {}
+    void OnTokens(uint32_t first_index, std::vector<uint32_t> token_ids) override {
+      pb::DecodeResponse m;
+      m.set_request_id(request_id_);
+      m.mutable_tokens()->set_first_index(first_index);
+      m.mutable_tokens()->mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+      writer_.Write(std::move(m));
+    }
+    void OnFinished(const DecodeResult& r) override {
+      pb::DecodeResponse m;
+      m.set_request_id(request_id_);
+      auto* f = m.mutable_finished();
+      f->set_finish_reason(ToProto(r.finish_reason));
+      f->set_completion_tokens(r.completion_tokens);
+      f->set_decoder_cached_prompt_tokens(r.cached_prompt_tokens);
+      writer_.Write(std::move(m));
+      writer_.Finish(grpc::Status::OK);
+    }
+    void OnError(const Status& status) override {
+      pb::DecodeResponse m;
+      m.set_request_id(request_id_);
+      m.mutable_error()->set_code(static_cast<int>(status.code()));
+      m.mutable_error()->set_message(status.message());
+      writer_.Write(std::move(m));
+      writer_.Finish(ToGrpcStatus(status));
+    }
+    StreamWriter<pb::DecodeResponse>& writer() { return writer_; }
+
+   private:
+    StreamWriter<pb::DecodeResponse> writer_;
+    const std::string request_id_;
+  };
+
+  DecodeStream(Decoder& decoder, const pb::DecodeRequest& req)
+      : decoder_(decoder), request_id_(req.request_id()),
+        sink_(std::make_shared<Sink>(this, req.request_id())) {
+    pb::DecodeResponse first;
+    first.set_request_id(request_id_);
+    first.set_registered(true);
+    sink_->writer().Write(std::move(first));
+
+    DecodeSpec spec;
+    spec.request_id = req.request_id();
+    spec.prompt_ids.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
+    spec.sampling = ToSampling(req.params());
+    if (req.deadline_unix_ms() > 0) {
+      spec.deadline = std::chrono::system_clock::time_point(
+          std::chrono::milliseconds(req.deadline_unix_ms()));
+    }
+    spec.prefill_locally = req.prefill_locally();
+    Status s = decoder_.Register(std::move(spec), sink_);
+    if (!s.ok()) {
+      sink_->writer().Abandon(ToGrpcStatus(s));  // `registered` is never sent
+      return;
+    }
+    registered_ = true;
+    sink_->writer().Open();  // a cancel before this still reaches OnCancel
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok && registered_) decoder_.Cancel(request_id_);
+    sink_->writer().OnWriteDone(ok);
+  }
+  void OnCancel() override {
+    if (registered_) decoder_.Cancel(request_id_);
+    sink_->writer().OnCancel();
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  Decoder& decoder_;
+  const std::string request_id_;
+  std::shared_ptr<Sink> sink_;
+  bool registered_ = false;
+};
+
+class DecoderServiceImpl final : public pb::Decoder::CallbackService {
+ public:
+  DecoderServiceImpl(Decoder& decoder, kvtransfer::Transport& transport)
+      : decoder_(decoder), transport_(transport) {
+    transport_.SetNotificationCallback(
+        [this](kvtransfer::Notification n) { OnNotification(std::move(n)); });
+  }
+  ~DecoderServiceImpl() override { transport_.SetNotificationCallback({}); }
+
+  grpc::ServerWriteReactor<pb::DecodeResponse>* Decode(grpc::CallbackServerContext* /*ctx*/,
+                                                       const pb::DecodeRequest* req) override {
+    return new DecodeStream(decoder_, *req);
+  }
+
+  grpc::ServerUnaryReactor* Reserve(grpc::CallbackServerContext* ctx,
+                                    const pb::ReserveRequest* req,
+                                    pb::ReserveResponse* resp) override {
+    std::vector<uint32_t> prompt(req->prompt_token_ids().begin(), req->prompt_token_ids().end());
+    auto target = decoder_.Reserve(req->request_id(), req->prefiller(), prompt);
+    if (target.ok()) {
+      auto* t = resp->mutable_target();
+      t->set_request_id(target->request_id);
+      t->set_reservation_id(target->reservation_id);
+      t->set_generation(target->generation);
+      t->set_transport_descriptor(target->transport_descriptor);
+      t->mutable_slots()->Add(target->slots.begin(), target->slots.end());
+      t->set_cached_blocks(target->cached_blocks);
+      t->set_lease_expiry_unix_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                      target->lease_expiry.time_since_epoch())
+                                      .count());
+    } else {
+      resp->mutable_error()->set_code(static_cast<int>(target.status().code()));
+      resp->mutable_error()->set_message(target.status().message());
+    }
+    auto* reactor = ctx->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
+ private:
+  void OnNotification(kvtransfer::Notification n) {
+    pb::KvNotice notice;
+    if (!notice.ParseFromString(n.payload)) {
+      spdlog::warn("dropping an unreadable KV notice from '{}' ({} bytes)", n.sender,
+                   n.payload.size());
+      return;
+    }
+    KvNoticeInfo info;
+    info.request_id = notice.request_id();
+    info.reservation_id = notice.reservation_id();
+    info.generation = notice.generation();
+    info.first_token_id = notice.first_token_id();
+    if (notice.has_error()) {
+      const int code = notice.error().code();
+      info.error = Status(code > 0 && code <= 16 ? static_cast<StatusCode>(code)
+                                                 : StatusCode::kUnknown,
+                          notice.error().message());
+      if (info.error.ok()) info.error = UnknownStatus(notice.error().message());
+    }
+    decoder_.OnKvNotice(info);
+  }
+  static Status UnknownStatus(const std::string& message) {
+    return Status(StatusCode::kUnknown, message.empty() ? "prefiller gave up" : message);
+  }
+
+  Decoder& decoder_;
+  kvtransfer::Transport& transport_;
+};
+
+}  // namespace
+
+std::unique_ptr<grpc::Service> MakeDecoderService(Decoder& decoder,
+                                                  kvtransfer::Transport& transport) {
+  return std::make_unique<DecoderServiceImpl>(decoder, transport);
+}
+
+}  // namespace tandem::decoder

@@ -1,0 +1,31 @@
+// gRPC adapter of the Decoder (worker.proto `service Decoder`), callback API.
+//
+//   Decode  (server stream): first message `registered`, then TokenChunk*,
+//           then DecodeFinished — or an in-band ErrorInfo as the last message,
+//           with the same code as the stream's status.
+//   Reserve (unary): KvTarget, or ReserveResponse.error (RESOURCE_EXHAUSTED
+//           when there is no room; NOT_FOUND when the request is not
+//           registered); the RPC status itself is OK then.
+// KV notices arrive through the transport's notification callback, which
+// this adapter installs (KvNotice is serialized worker.proto).
+//
+// Threads: gRPC callback threads and the transport's progress thread;
+// everything is forwarded to the thread-safe Decoder.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/service_type.h>
+
+#include <memory>
+
+#include "decoder/decoder.h"
+
+namespace tandem::decoder {
+
+// The tandem.v1.Decoder callback service around `decoder`; also routes
+// `transport`'s notifications to it. Both are borrowed and must outlive the
+// service. While draining, new Decode streams get UNAVAILABLE.
+std::unique_ptr<grpc::Service> MakeDecoderService(Decoder& decoder,
+                                                  kvtransfer::Transport& transport);
+
+}  // namespace tandem::decoder

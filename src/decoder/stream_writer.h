@@ -1,0 +1,119 @@
+// StreamWriter: the one-write-in-flight queue every server-streaming
+// callback reactor of the workers needs (Decoder.Decode, Worker.Watch).
+//
+// gRPC's callback API allows one StartWrite at a time; producers (the engine
+// thread, the transport's progress thread, a monitor thread) call Write()
+// whenever they have something, and the writer queues it and starts the next
+// write from OnWriteDone. Finish() ends the stream after everything queued.
+//
+// Threads: Write/Finish/Open from any thread. The reactor's OnWriteDone and
+// OnCancel forward here. gRPC calls (StartWrite, Finish) are made without
+// the writer's lock held. The reactor pointer is used only until Finish has
+// been called on it (gRPC calls OnDone, which deletes the reactor, only
+// after that), so producers that outlive the RPC are safe: their writes are
+// dropped.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <deque>
+#include <mutex>
+
+namespace tandem::decoder {
+
+template <class Msg>
+class StreamWriter {
+ public:
+  explicit StreamWriter(grpc::ServerWriteReactor<Msg>* reactor) : reactor_(reactor) {}
+
+  // Writes start only after Open (so a first message queued before the
+  // request is admitted stays first).
+  void Open() {
+    std::unique_lock lock(mu_);
+    opened_ = true;
+    Pump(lock);
+  }
+
+  // Queues `msg`; false when the stream is already finishing or cancelled.
+  bool Write(Msg msg) {
+    std::unique_lock lock(mu_);
+    if (final_) return false;
+    queue_.push_back(std::move(msg));
+    Pump(lock);
+    return true;
+  }
+
+  // Ends the stream with `status` after the queued messages (first call wins).
+  void Finish(const grpc::Status& status) {
+    std::unique_lock lock(mu_);
+    if (final_) return;
+    final_ = true;
+    status_ = status;
+    opened_ = true;
+    Pump(lock);
+  }
+
+  // Drops whatever is queued and ends the stream now.
+  void Abandon(const grpc::Status& status) {
+    std::unique_lock lock(mu_);
+    queue_.clear();
+    if (!final_) {
+      final_ = true;
+      status_ = status;
+    }
+    opened_ = true;
+    Pump(lock);
+  }
+
+  bool finished() const {
+    std::lock_guard lock(mu_);
+    return final_;
+  }
+
+  // ---- from the reactor ----
+  void OnWriteDone(bool ok) {
+    std::unique_lock lock(mu_);
+    writing_ = false;
+    if (!ok) {  // the client went away: nothing more can be written
+      queue_.clear();
+      if (!final_) {
+        final_ = true;
+        status_ = grpc::Status(grpc::StatusCode::CANCELLED, "stream write failed");
+      }
+    }
+    Pump(lock);
+  }
+  void OnCancel() { Abandon(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client")); }
+
+ private:
+  // Starts the next write, or Finish once the queue is empty.
+  void Pump(std::unique_lock<std::mutex>& lock) {
+    if (!opened_ || writing_ || finish_called_) return;
+    if (!queue_.empty()) {
+      writing_ = true;
+      current_ = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      reactor_->StartWrite(&current_);
+      return;
+    }
+    if (final_) {
+      finish_called_ = true;
+      const grpc::Status status = status_;
+      lock.unlock();
+      reactor_->Finish(status);
+    }
+  }
+
+  grpc::ServerWriteReactor<Msg>* const reactor_;
+  mutable std::mutex mu_;
+  std::deque<Msg> queue_;
+  Msg current_;  // the message being written; untouched while writing_
+  bool opened_ = false;
+  bool writing_ = false;
+  bool final_ = false;
+  bool finish_called_ = false;
+  grpc::Status status_;
+};
+
+}  // namespace tandem::decoder

@@ -1,0 +1,420 @@
+#include "prefiller/prefiller.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+namespace tandem::prefiller {
+
+namespace {
+
+using SteadyClock = std::chrono::steady_clock;
+using SystemClock = std::chrono::system_clock;
+
+double SecondsSince(SteadyClock::time_point t) {
+  return std::chrono::duration<double>(SteadyClock::now() - t).count();
+}
+
+Status StatusFor(const engine::RequestOutput& out) {
+  if (!out.status.ok()) return out.status;
+  switch (out.finish_reason) {
+    case engine::FinishReason::kAbort: return CancelledError("prefill aborted");
+    case engine::FinishReason::kDeadline: return DeadlineExceededError("deadline passed");
+    default:
+      return InternalError(fmt::format("prefill ended with '{}' instead of a first token",
+                                       engine::FinishReasonName(out.finish_reason)));
+  }
+}
+
+}  // namespace
+
+Prefiller::Prefiller(engine::Engine& engine, kvtransfer::Transport& transport, DecoderLink& link,
+                     PrefillerOptions options)
+    : engine_(engine), transport_(transport), link_(link), options_(std::move(options)) {}
+
+Prefiller::~Prefiller() { Stop(); }
+
+void Prefiller::Start() {
+  dispatcher_ = std::jthread([this](std::stop_token stop) { DispatchLoop(stop); });
+}
+
+void Prefiller::Stop() {
+  if (dispatcher_.joinable()) {
+    dispatcher_.request_stop();
+    cv_.notify_all();
+    dispatcher_.join();
+  }
+  std::deque<JobPtr> queued;
+  {
+    std::lock_guard lock(mu_);
+    queued.swap(queue_);
+  }
+  for (auto& job : queued) Complete(job, UnavailableError("this prefiller is shutting down"));
+}
+
+void Prefiller::SetDraining() {
+  std::lock_guard lock(mu_);
+  draining_ = true;
+}
+
+PrefillerCounts Prefiller::counts() const {
+  std::lock_guard lock(mu_);
+  PrefillerCounts c = totals_;
+  c.queued = static_cast<uint32_t>(queue_.size());
+  c.inflight = static_cast<uint32_t>(jobs_.size() - queue_.size());
+  c.queued_prompt_tokens = 0;
+  for (const auto& j : queue_) c.queued_prompt_tokens += static_cast<uint32_t>(j->spec.prompt_ids.size());
+  return c;
+}
+
+Status Prefiller::Submit(PrefillJob spec, PrefillDone done) {
+  if (spec.request_id.empty()) return InvalidArgumentError("request_id is empty");
+  if (spec.prompt_ids.empty()) return InvalidArgumentError("the prompt has no tokens");
+  if (spec.decoder_address.empty()) return InvalidArgumentError("decoder_address is empty");
+  auto job = std::make_shared<Job>();
+  if (spec.deadline) {
+    if (*spec.deadline <= SystemClock::now()) {
+      return DeadlineExceededError(fmt::format("request '{}': deadline already passed", spec.request_id));
+    }
+    job->deadline = SteadyClock::now() + (*spec.deadline - SystemClock::now());
+  }
+  job->spec = std::move(spec);
+  job->done = std::move(done);
+  {
+    std::lock_guard lock(mu_);
+    if (draining_) return UnavailableError("this prefiller is shutting down");
+    if (jobs_.count(job->spec.request_id) != 0) {
+      return AlreadyExistsError(fmt::format("request '{}' is already here", job->spec.request_id));
+    }
+    if (queue_.size() >= options_.max_queue) {
+      return ResourceExhaustedError(fmt::format("prefill queue is full ({} requests)", options_.max_queue));
+    }
+    jobs_.emplace(job->spec.request_id, job);
+    queue_.push_back(job);
+  }
+  cv_.notify_all();
+  return Status::Ok();
+}
+
+void Prefiller::DispatchLoop(std::stop_token stop) {
+  while (!stop.stop_requested()) {
+    std::vector<JobPtr> expired;
+    bool candidate = false;
+    {
+      std::unique_lock lock(mu_);
+      if (queue_.empty()) {
+        cv_.wait(lock, stop, [&] { return !queue_.empty(); });
+      } else {
+        cv_.wait_for(lock, stop, std::chrono::milliseconds(2), [] { return false; });
+      }
+      if (stop.stop_requested()) break;
+      const auto now = SteadyClock::now();
+      for (auto it = queue_.begin(); it != queue_.end();) {
+        if ((*it)->deadline && *(*it)->deadline <= now) {
+          expired.push_back(*it);
+          it = queue_.erase(it);
+          ++totals_.expired_in_queue;
+        } else {
+          ++it;
+        }
+      }
+      candidate = !queue_.empty() && admitting_ == 0;
+    }
+    for (auto& job : expired) {
+      Complete(job, DeadlineExceededError(fmt::format(
+                        "request '{}': deadline passed while queued for prefill", job->spec.request_id)));
+    }
+    if (!candidate) continue;
+    // Admit only when the engine would schedule it right away.
+    const engine::EngineStats st = engine_.stats();
+    if (st.num_waiting > 0 || st.num_running >= options_.max_num_seqs) continue;
+    JobPtr job;
+    {
+      std::lock_guard lock(mu_);
+      if (queue_.empty() || admitting_ != 0) continue;
+      job = queue_.front();
+      queue_.pop_front();
+      job->stage = Stage::kReserving;
+      ++admitting_;
+    }
+    link_.Reserve(job->spec, options_.name,
+                  [this, job](Result<ReserveTarget> t) { OnReserved(job, std::move(t)); });
+  }
+}
+
+Result<kvtransfer::PeerId> Prefiller::PeerFor(const std::string& descriptor) {
+  {
+    std::lock_guard lock(peers_mu_);
+    if (auto it = peers_.find(descriptor); it != peers_.end()) return it->second;
+  }
+  TANDEM_ASSIGN_OR_RETURN(kvtransfer::PeerId peer, transport_.ImportPeer(descriptor));
+  std::lock_guard lock(peers_mu_);
+  peers_[descriptor] = peer;
+  return peer;
+}
+
+void Prefiller::OnReserved(const JobPtr& job, Result<ReserveTarget> target) {
+  auto admitted = [this] {
+    {
+      std::lock_guard lock(mu_);
+      --admitting_;
+    }
+    cv_.notify_all();
+  };
+  const std::string& id = job->spec.request_id;
+  if (!target.ok()) {
+    admitted();
+    Status s = target.status();
+    if (s.code() == StatusCode::kResourceExhausted) {
+      std::lock_guard lock(mu_);
+      ++totals_.reservations_refused;
+    }
+    Complete(job, s.WithContext(fmt::format("reserving KV on decoder '{}' ({})",
+                                            job->spec.decoder_name, job->spec.decoder_address)));
+    return;
+  }
+  {
+    std::lock_guard lock(mu_);
+    job->target = *target;
+    job->have_target = true;
+  }
+  auto peer = PeerFor(target->transport_descriptor);
+  if (!peer.ok()) {
+    admitted();  // the decoder frees the reservation when its lease expires
+    Complete(job, UnavailableError(fmt::format("cannot reach the KV transport of decoder '{}': {}",
+                                               job->spec.decoder_name, peer.status().message())));
+    return;
+  }
+  bool cancelled;
+  {
+    std::lock_guard lock(mu_);
+    job->peer = *peer;
+    job->have_peer = true;
+    cancelled = job->cancelled;
+    if (!cancelled) {
+      job->stage = Stage::kPrefilling;
+      job->submitted = SteadyClock::now();
+    }
+  }
+  if (cancelled) {
+    admitted();
+    SendErrorNotice(job, CancelledError("prefill cancelled"));
+    Complete(job, CancelledError(fmt::format("request '{}' was cancelled", id)));
+    return;
+  }
+  engine::GenerateRequest req;
+  req.request_id = id;
+  req.prompt_ids = job->spec.prompt_ids;
+  req.sampling = job->spec.sampling;
+  req.deadline = job->deadline;
+  req.prefill_only = true;
+  req.on_output = [this, job](const engine::RequestOutput& out) { OnOutput(job, out); };
+  Status s = engine_.Submit(std::move(req));
+  admitted();
+  if (!s.ok()) {
+    SendErrorNotice(job, s);
+    Complete(job, s);
+  }
+}
+
+void Prefiller::OnOutput(const JobPtr& job, const engine::RequestOutput& out) {
+  if (!out.finished) return;
+  const std::string& id = job->spec.request_id;
+  if (out.finish_reason != engine::FinishReason::kPrefillDone) {
+    bool cancelled;
+    {
+      std::lock_guard lock(mu_);
+      cancelled = job->cancelled;
+    }
+    Status s = cancelled ? CancelledError(fmt::format("request '{}' was cancelled", id)) : StatusFor(out);
+    SendErrorNotice(job, s);
+    Complete(job, s);
+    return;
+  }
+  const uint32_t bs = engine_.block_size();
+  const uint32_t num_prompt_blocks =
+      static_cast<uint32_t>((job->spec.prompt_ids.size() + bs - 1) / bs);
+  std::vector<kvtransfer::BlockPair> pairs;
+  Status bad;
+  bool cancelled;
+  {
+    std::lock_guard lock(mu_);
+    job->parked = true;
+    cancelled = job->cancelled;
+    const ReserveTarget& t = job->target;
+    if (out.token_ids.empty() || out.block_ids.size() < num_prompt_blocks ||
+        t.slots.size() != num_prompt_blocks || t.cached_blocks > num_prompt_blocks) {
+      bad = InternalError(fmt::format(
+          "request '{}': {} prompt blocks, the engine pinned {}, the decoder gave {} slots "
+          "({} cached)", id, num_prompt_blocks, out.block_ids.size(), t.slots.size(), t.cached_blocks));
+    } else if (!cancelled) {
+      for (uint32_t i = t.cached_blocks; i < num_prompt_blocks; ++i) {
+        pairs.push_back({out.block_ids[i], t.slots[i]});
+      }
+      PrefillResult& r = job->result;
+      r.first_token_id = out.token_ids.back();
+      r.cached_prompt_tokens = out.cached_prompt_tokens;
+      r.decoder_cached_blocks = t.cached_blocks;
+      r.transferred_blocks = static_cast<uint32_t>(pairs.size());
+      r.transferred_bytes = uint64_t{r.transferred_blocks} * transport_.block_bytes();
+      r.prefill_seconds = SecondsSince(job->submitted);
+      job->stage = Stage::kTransferring;
+      job->transfer_started = SteadyClock::now();
+    }
+  }
+  if (cancelled || !bad.ok()) {
+    engine_.ReleasePrefill(id).IgnoreError();  // NOT_FOUND when Abort freed it
+    Status s = cancelled ? CancelledError(fmt::format("request '{}' was cancelled", id)) : bad;
+    SendErrorNotice(job, s);
+    Complete(job, s);
+    return;
+  }
+  NoticeSpec n;
+  n.request_id = id;
+  n.reservation_id = job->target.reservation_id;
+  n.generation = job->target.generation;
+  n.first_token_id = job->result.first_token_id;
+  auto xfer = transport_.PrepareBlockWrite(job->peer, pairs, link_.EncodeNotice(n));
+  if (!xfer.ok()) {
+    engine_.ReleasePrefill(id).IgnoreError();
+    SendErrorNotice(job, xfer.status());
+    Complete(job, xfer.status().WithContext("preparing the KV push"));
+    return;
+  }
+  {
+    std::lock_guard lock(mu_);
+    job->xfer = *xfer;
+    job->have_xfer = true;
+  }
+  Status posted = transport_.Post(*xfer, [this, job](kvtransfer::XferId, kvtransfer::XferStatus st,
+                                                     const Status& detail) {
+    OnTransferDone(job, st, detail);
+  });
+  if (!posted.ok()) {
+    transport_.Release(*xfer).IgnoreError();
+    engine_.ReleasePrefill(id).IgnoreError();
+    SendErrorNotice(job, posted);
+    Complete(job, posted.WithContext("posting the KV push"));
+    return;
+  }
+  bool abort;
+  {
+    std::lock_guard lock(mu_);
+    abort = job->cancelled;  // cancelled between the stage change and here
+  }
+  if (abort) transport_.Abort(*xfer).IgnoreError();
+}
+
+void Prefiller::OnTransferDone(const JobPtr& job, kvtransfer::XferStatus status,
+                               const Status& detail) {
+  const std::string& id = job->spec.request_id;
+  transport_.Release(job->xfer).IgnoreError();
+  engine_.ReleasePrefill(id).IgnoreError();
+  if (status == kvtransfer::XferStatus::kSuccess) {
+    PrefillResult r;
+    {
+      std::lock_guard lock(mu_);
+      job->result.transfer_seconds = SecondsSince(job->transfer_started);
+      r = job->result;
+    }
+    Complete(job, r);
+    return;
+  }
+  bool cancelled;
+  {
+    std::lock_guard lock(mu_);
+    cancelled = job->cancelled;
+  }
+  Status s = cancelled ? CancelledError(fmt::format("request '{}' was cancelled", id))
+                       : UnavailableError(fmt::format(
+                             "KV push to decoder '{}' failed ({}): {}", job->spec.decoder_name,
+                             kvtransfer::XferStatusName(status), detail.message()));
+  // No byte of the aborted push lands after this: the decoder may reuse the slots.
+  if (status != kvtransfer::XferStatus::kErrRemoteDisconnect &&
+      status != kvtransfer::XferStatus::kErrStaleDescriptor) {
+    SendErrorNotice(job, s);
+  }
+  Complete(job, s);
+}
+
+void Prefiller::SendErrorNotice(const JobPtr& job, const Status& why) {
+  NoticeSpec n;
+  kvtransfer::PeerId peer;
+  {
+    std::lock_guard lock(mu_);
+    if (!job->have_target || !job->have_peer) return;
+    peer = job->peer;
+    n.request_id = job->spec.request_id;
+    n.reservation_id = job->target.reservation_id;
+    n.generation = job->target.generation;
+  }
+  n.error = why.ok() ? UnknownError() : why;
+  auto x = transport_.PrepareWrite(peer, {}, link_.EncodeNotice(n));
+  if (!x.ok()) {
+    spdlog::warn("request '{}': cannot tell the decoder we gave up: {}", n.request_id,
+                 x.status().message());
+    return;
+  }
+  kvtransfer::Transport* t = &transport_;
+  Status s = transport_.Post(*x, [t](kvtransfer::XferId id, kvtransfer::XferStatus, const Status&) {
+    t->Release(id).IgnoreError();
+  });
+  if (!s.ok()) transport_.Release(*x).IgnoreError();
+}
+
+Status Prefiller::UnknownError() { return Status(StatusCode::kUnknown, "prefiller gave up"); }
+
+void Prefiller::Complete(const JobPtr& job, Result<PrefillResult> result) {
+  PrefillDone done;
+  {
+    std::lock_guard lock(mu_);
+    if (job->stage == Stage::kDone) return;
+    job->stage = Stage::kDone;
+    auto it = jobs_.find(job->spec.request_id);
+    if (it != jobs_.end() && it->second == job) jobs_.erase(it);
+    done = std::move(job->done);
+  }
+  cv_.notify_all();
+  if (result.ok() && options_.on_complete) options_.on_complete(*result);
+  if (done) done(std::move(result));
+}
+
+void Prefiller::Cancel(const std::string& request_id) {
+  JobPtr job;
+  Stage stage;
+  kvtransfer::XferId xfer = 0;
+  bool have_xfer = false;
+  {
+    std::lock_guard lock(mu_);
+    auto it = jobs_.find(request_id);
+    if (it == jobs_.end()) return;
+    job = it->second;
+    job->cancelled = true;
+    stage = job->stage;
+    xfer = job->xfer;
+    have_xfer = job->have_xfer;
+    if (stage == Stage::kQueued) {
+      for (auto q = queue_.begin(); q != queue_.end(); ++q) {
+        if (*q == job) {
+          queue_.erase(q);
+          break;
+        }
+      }
+    }
+  }
+  switch (stage) {
+    case Stage::kQueued:
+      Complete(job, CancelledError(fmt::format("request '{}' was cancelled while queued", request_id)));
+      break;
+    case Stage::kPrefilling:
+      engine_.Abort(request_id).IgnoreError();
+      break;
+    case Stage::kTransferring:
+      if (have_xfer) transport_.Abort(xfer).IgnoreError();
+      break;
+    case Stage::kReserving:  // OnReserved sees the flag
+    case Stage::kDone:
+      break;
+  }
+}
+
+}  // namespace tandem::prefiller

@@ -1,0 +1,184 @@
+// The prefiller side of DESIGN.md section 2, without gRPC.
+//
+// A request waits in a bounded service queue (full: RESOURCE_EXHAUSTED at
+// once). The dispatcher moves it on only when the engine can schedule it
+// (its waiting queue is empty), and at that moment asks the decoder to
+// reserve KV blocks — decoder memory is the scarce resource, so nothing is
+// reserved while a request queues here. Then:
+//   engine prefill (prefill_only) -> push the blocks the decoder lacks into
+//   its slots, with a KvNotice sent after the data -> ReleasePrefill -> reply.
+// A refused reservation ends the request with RESOURCE_EXHAUSTED (the proxy
+// re-routes). A cancel at any stage stops the work and tells the decoder (a
+// KvNotice with an error, so it frees the reservation) once no byte of ours
+// can land any more.
+//
+// Threads: public methods from any thread. The dispatcher thread (Start)
+// admits; DecoderLink callbacks (gRPC threads), engine callbacks (engine
+// thread) and transfer callbacks (the transport's progress thread) drive the
+// rest. No lock is held across an RPC, a transfer or an engine call. Each
+// request's `done` runs exactly once, on whichever of those threads ends it.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+#include "engine/engine.h"
+#include "kvtransfer/transport.h"
+
+namespace tandem::prefiller {
+
+struct PrefillJob {
+  std::string request_id;
+  std::vector<uint32_t> prompt_ids;
+  engine::SamplingParams sampling;
+  std::optional<std::chrono::system_clock::time_point> deadline;
+  std::string decoder_address;  // gRPC address of the decoder holding the Decode stream
+  std::string decoder_name;
+};
+
+struct PrefillResult {
+  uint32_t first_token_id = 0;
+  uint32_t cached_prompt_tokens = 0;  // prefiller prefix-cache hits
+  uint32_t decoder_cached_blocks = 0;
+  uint32_t transferred_blocks = 0;
+  uint64_t transferred_bytes = 0;
+  double prefill_seconds = 0;   // engine submit -> first token
+  double transfer_seconds = 0;  // post -> every byte and the notice sent
+};
+
+// The decoder's answer to Reserve (KvTarget in worker.proto).
+struct ReserveTarget {
+  uint64_t reservation_id = 0;
+  uint64_t generation = 0;
+  std::string transport_descriptor;  // binary
+  std::vector<uint32_t> slots;       // [prompt blocks]
+  uint32_t cached_blocks = 0;
+};
+
+// A KvNotice to send through the transport (worker.proto).
+struct NoticeSpec {
+  std::string request_id;
+  uint64_t reservation_id = 0;
+  uint64_t generation = 0;
+  uint32_t first_token_id = 0;
+  Status error;  // non-OK: this prefiller gave up on the request
+};
+
+// How the prefiller reaches decoders; the gRPC implementation lives in
+// prefiller_service.cc (proto stays at the RPC edge).
+class DecoderLink {
+ public:
+  virtual ~DecoderLink() = default;
+  using ReserveDone = std::function<void(Result<ReserveTarget>)>;
+  // Asynchronous; `done` runs once, on any thread, never inside this call.
+  virtual void Reserve(const PrefillJob& job, const std::string& prefiller_name,
+                       ReserveDone done) = 0;
+  virtual std::string EncodeNotice(const NoticeSpec& notice) = 0;
+};
+
+struct PrefillerOptions {
+  std::string name;            // this worker, for leases and logs
+  uint32_t max_queue = 256;    // service queue; past it: RESOURCE_EXHAUSTED
+  uint32_t max_num_seqs = 64;  // the engine's: admit only while it has room
+  // Called (on any thread) for every completed prefill with its numbers.
+  std::function<void(const PrefillResult&)> on_complete;
+};
+
+struct PrefillerCounts {
+  uint32_t queued = 0;
+  uint32_t inflight = 0;  // admitted, not yet replied
+  uint32_t queued_prompt_tokens = 0;
+  uint64_t reservations_refused = 0;
+  uint64_t expired_in_queue = 0;
+};
+
+using PrefillDone = std::function<void(Result<PrefillResult>)>;
+
+class Prefiller {
+ public:
+  // All borrowed; they must outlive the prefiller.
+  Prefiller(engine::Engine& engine, kvtransfer::Transport& transport, DecoderLink& link,
+            PrefillerOptions options);
+  ~Prefiller();  // Stop()
+  Prefiller(const Prefiller&) = delete;
+  Prefiller& operator=(const Prefiller&) = delete;
+
+  void Start();  // dispatcher thread
+  void Stop();   // joins it; queued requests end with UNAVAILABLE
+
+  // Queues a request. Returns non-OK (and never calls `done`) when it is
+  // refused at once: RESOURCE_EXHAUSTED (queue full), UNAVAILABLE
+  // (draining), ALREADY_EXISTS, INVALID_ARGUMENT, DEADLINE_EXCEEDED.
+  Status Submit(PrefillJob job, PrefillDone done);
+  // Stops the request at any stage; `done` gets CANCELLED (or its result,
+  // if it had already finished).
+  void Cancel(const std::string& request_id);
+  void SetDraining();
+
+  PrefillerCounts counts() const;
+
+ private:
+  enum class Stage { kQueued, kReserving, kPrefilling, kTransferring, kDone };
+  struct Job {
+    PrefillJob spec;
+    PrefillDone done;
+    Stage stage = Stage::kQueued;
+    bool cancelled = false;
+    std::optional<std::chrono::steady_clock::time_point> deadline;
+    // Known once reserved:
+    ReserveTarget target;
+    bool have_target = false;
+    kvtransfer::PeerId peer = 0;
+    bool have_peer = false;
+    // Engine and transfer:
+    bool parked = false;  // prefill done: blocks pinned until ReleasePrefill
+    kvtransfer::XferId xfer = 0;
+    bool have_xfer = false;
+    std::chrono::steady_clock::time_point submitted, transfer_started;
+    PrefillResult result;
+  };
+  using JobPtr = std::shared_ptr<Job>;
+
+  void DispatchLoop(std::stop_token stop);
+  void OnReserved(const JobPtr& job, Result<ReserveTarget> target);
+  void OnOutput(const JobPtr& job, const engine::RequestOutput& out);
+  void OnTransferDone(const JobPtr& job, kvtransfer::XferStatus status, const Status& detail);
+  Result<kvtransfer::PeerId> PeerFor(const std::string& descriptor);
+  // Tells the decoder we gave up (when it holds a reservation for us);
+  // call only once no data transfer of the job can land any more.
+  void SendErrorNotice(const JobPtr& job, const Status& why);
+  // Ends the job (first call wins) and runs its `done`.
+  void Complete(const JobPtr& job, Result<PrefillResult> result);
+  static Status UnknownError();
+
+  engine::Engine& engine_;
+  kvtransfer::Transport& transport_;
+  DecoderLink& link_;
+  const PrefillerOptions options_;
+
+  mutable std::mutex mu_;
+  std::condition_variable_any cv_;
+  std::deque<JobPtr> queue_;               // guarded by mu_
+  std::map<std::string, JobPtr> jobs_;     // guarded by mu_: every live job by id
+  uint32_t admitting_ = 0;                 // guarded by mu_: reserving, not yet in the engine
+  bool draining_ = false;                  // guarded by mu_
+  PrefillerCounts totals_;                 // guarded by mu_ (the totals)
+
+  std::mutex peers_mu_;
+  std::map<std::string, kvtransfer::PeerId> peers_;  // descriptor -> imported peer
+
+  std::jthread dispatcher_;
+};
+
+}  // namespace tandem::prefiller

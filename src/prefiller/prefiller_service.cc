@@ -1,0 +1,165 @@
+// The RPC edge of the prefiller: worker.proto messages <-> prefiller structs.
+#include "prefiller/prefiller_service.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <map>
+#include <mutex>
+
+#include "common/rpc_server.h"
+#include "tandem/v1/worker.grpc.pb.h"
+
+namespace tandem::prefiller {
+
+namespace {
+
+namespace pb = ::tandem::v1;
+
+engine::SamplingParams ToSampling(const pb::EngineParams& p) {
+  engine::SamplingParams s;
+  s.max_tokens = p.max_tokens();
+  s.temperature = p.temperature();
+  s.top_p = p.top_p();
+  s.top_k = p.top_k();
+  s.seed = p.seed();
+  s.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
+  s.ignore_eos = p.ignore_eos();
+  return s;
+}
+
+Status FromErrorInfo(const pb::ErrorInfo& e) {
+  const int code = e.code();
+  const StatusCode c = code > 0 && code <= 16 ? static_cast<StatusCode>(code) : StatusCode::kUnknown;
+  return Status(c, e.message());
+}
+
+class PrefillReactor final : public grpc::ServerUnaryReactor {
+ public:
+  PrefillReactor(Prefiller& prefiller, std::string request_id)
+      : prefiller_(prefiller), request_id_(std::move(request_id)) {}
+  void OnCancel() override { prefiller_.Cancel(request_id_); }
+  void OnDone() override { delete this; }
+
+ private:
+  Prefiller& prefiller_;
+  const std::string request_id_;
+};
+
+class PrefillerServiceImpl final : public pb::Prefiller::CallbackService {
+ public:
+  explicit PrefillerServiceImpl(Prefiller& prefiller) : prefiller_(prefiller) {}
+
+  grpc::ServerUnaryReactor* Prefill(grpc::CallbackServerContext* /*ctx*/, const pb::PrefillRequest* req,
+                                    pb::PrefillResponse* resp) override {
+    auto* reactor = new PrefillReactor(prefiller_, req->request_id());
+    PrefillJob job;
+    job.request_id = req->request_id();
+    job.prompt_ids.assign(req->prompt_token_ids().begin(), req->prompt_token_ids().end());
+    job.sampling = ToSampling(req->params());
+    if (req->deadline_unix_ms() > 0) {
+      job.deadline = std::chrono::system_clock::time_point(
+          std::chrono::milliseconds(req->deadline_unix_ms()));
+    }
+    job.decoder_address = req->decoder_address();
+    job.decoder_name = req->decoder_name().empty() ? req->decoder_address() : req->decoder_name();
+    const std::string id = req->request_id();
+    Status s = prefiller_.Submit(std::move(job), [reactor, resp, id](Result<PrefillResult> r) {
+      if (!r.ok()) {
+        reactor->Finish(ToGrpcStatus(r.status()));
+        return;
+      }
+      resp->set_request_id(id);
+      resp->set_first_token_id(r->first_token_id);
+      resp->set_cached_prompt_tokens(r->cached_prompt_tokens);
+      resp->set_decoder_cached_blocks(r->decoder_cached_blocks);
+      resp->set_transferred_blocks(r->transferred_blocks);
+      resp->set_transferred_bytes(r->transferred_bytes);
+      resp->set_prefill_seconds(r->prefill_seconds);
+      resp->set_transfer_seconds(r->transfer_seconds);
+      reactor->Finish(grpc::Status::OK);
+    });
+    // A cancel before the reactor is returned still reaches OnCancel later.
+    if (!s.ok()) reactor->Finish(ToGrpcStatus(s));
+    return reactor;
+  }
+
+ private:
+  Prefiller& prefiller_;
+};
+
+class GrpcDecoderLink final : public DecoderLink {
+ public:
+  void Reserve(const PrefillJob& job, const std::string& prefiller_name, ReserveDone done) override {
+    struct Call {
+      grpc::ClientContext ctx;
+      pb::ReserveRequest req;
+      pb::ReserveResponse resp;
+    };
+    auto call = std::make_shared<Call>();
+    call->req.set_request_id(job.request_id);
+    call->req.set_prefiller(prefiller_name);
+    call->req.mutable_prompt_token_ids()->Add(job.prompt_ids.begin(), job.prompt_ids.end());
+    auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(10);
+    if (job.deadline && *job.deadline < deadline) deadline = *job.deadline;
+    call->ctx.set_deadline(deadline);
+    pb::Decoder::Stub* stub = StubFor(job.decoder_address);
+    stub->async()->Reserve(&call->ctx, &call->req, &call->resp,
+                           [call, done = std::move(done)](grpc::Status st) {
+                             if (!st.ok()) {
+                               Status s = FromGrpcStatus(st);
+                               // An unreachable decoder is the proxy's to re-route.
+                               done(s);
+                               return;
+                             }
+                             if (call->resp.has_error()) {
+                               done(FromErrorInfo(call->resp.error()));
+                               return;
+                             }
+                             const pb::KvTarget& t = call->resp.target();
+                             ReserveTarget out;
+                             out.reservation_id = t.reservation_id();
+                             out.generation = t.generation();
+                             out.transport_descriptor = t.transport_descriptor();
+                             out.slots.assign(t.slots().begin(), t.slots().end());
+                             out.cached_blocks = t.cached_blocks();
+                             done(std::move(out));
+                           });
+  }
+
+  std::string EncodeNotice(const NoticeSpec& n) override {
+    pb::KvNotice m;
+    m.set_request_id(n.request_id);
+    m.set_reservation_id(n.reservation_id);
+    m.set_generation(n.generation);
+    m.set_first_token_id(n.first_token_id);
+    if (!n.error.ok()) {
+      m.mutable_error()->set_code(static_cast<int>(n.error.code()));
+      m.mutable_error()->set_message(n.error.message());
+    }
+    return m.SerializeAsString();
+  }
+
+ private:
+  pb::Decoder::Stub* StubFor(const std::string& address) {
+    std::lock_guard lock(mu_);
+    auto& stub = stubs_[address];
+    if (!stub) {
+      stub = pb::Decoder::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    }
+    return stub.get();
+  }
+
+  std::mutex mu_;
+  std::map<std::string, std::unique_ptr<pb::Decoder::Stub>> stubs_;  // never erased
+};
+
+}  // namespace
+
+std::unique_ptr<grpc::Service> MakePrefillerService(Prefiller& prefiller) {
+  return std::make_unique<PrefillerServiceImpl>(prefiller);
+}
+
+std::unique_ptr<DecoderLink> MakeGrpcDecoderLink() { return std::make_unique<GrpcDecoderLink>(); }
+
+}  // namespace tandem::prefiller

@@ -1,0 +1,30 @@
+// gRPC adapters of the prefiller (worker.proto): the tandem.v1.Prefiller
+// callback service, and the DecoderLink that calls decoders' Reserve with
+// the async (callback) stub and encodes KvNotice.
+//
+//   Prefill (unary): PrefillResponse once the KV and the notice reached the
+//   decoder; RESOURCE_EXHAUSTED at once when the service queue is full, and
+//   when the decoder refused the reservation (the proxy re-routes);
+//   DEADLINE_EXCEEDED for work whose deadline passed in the queue; CANCELLED
+//   after the caller cancelled (the work is stopped at any stage).
+//
+// Threads: gRPC callback threads; everything goes to the thread-safe
+// Prefiller.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/service_type.h>
+
+#include <memory>
+
+#include "prefiller/prefiller.h"
+
+namespace tandem::prefiller {
+
+// `prefiller` is borrowed and must outlive the service.
+std::unique_ptr<grpc::Service> MakePrefillerService(Prefiller& prefiller);
+
+// Channels are created per decoder address on first use and kept.
+std::unique_ptr<DecoderLink> MakeGrpcDecoderLink();
+
+}  // namespace tandem::prefiller

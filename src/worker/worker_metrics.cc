@@ -1,0 +1,78 @@
+#include "worker/worker_metrics.h"
+
+namespace tandem::worker {
+
+namespace {
+
+std::vector<double> SecondsBuckets() {
+  return MetricsRegistry::ExponentialBuckets(0.0005, 2.0, 18);  // 0.5 ms .. ~65 s
+}
+std::vector<double> RatioBuckets() {
+  return {0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0};
+}
+
+void Advance(prometheus::Counter& c, uint64_t now, uint64_t before) {
+  if (now > before) c.Increment(static_cast<double>(now - before));
+}
+
+}  // namespace
+
+WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
+    : kv_usage_(r.Gauge("tandem_kv_cache_usage_ratio", "Fraction of KV blocks in use (1 - free/total)")),
+      running_(r.Gauge("tandem_num_requests_running", "Requests in the engine's running batch")),
+      waiting_(r.Gauge("tandem_num_requests_waiting", "Requests in the engine's waiting queue")),
+      prefix_queries_(r.Counter("tandem_prefix_cache_queries_tokens_total",
+                                "Prompt tokens looked up in the prefix cache")),
+      prefix_hits_(r.Counter("tandem_prefix_cache_hits_tokens_total",
+                             "Prompt tokens served by the prefix cache")),
+      transfer_bytes_(r.Counter("tandem_kv_transfer_bytes_total", "KV bytes pushed to decoders")),
+      preemptions_(r.Counter("tandem_preemptions_total", "Sequences preempted (recompute)")),
+      transfer_seconds_(r.Histogram("tandem_kv_transfer_seconds",
+                                    "Time to push one request's KV and notice", SecondsBuckets())),
+      overhead_ratio_(r.Histogram("tandem_kv_transfer_overhead_ratio",
+                                  "KV transfer time over prefill compute time, per request",
+                                  RatioBuckets())),
+      prefill_seconds_(r.Histogram("tandem_prefill_seconds",
+                                   "Prefill compute time per request (to the first token)",
+                                   SecondsBuckets())),
+      decode_step_seconds_(r.Histogram("tandem_decode_step_seconds",
+                                       "Duration of one decode-only engine step", SecondsBuckets())),
+      reservations_(r.Gauge("tandem_kv_reservations",
+                            "Decoder reservations held (incl. ones awaiting a late notice)")),
+      parked_(r.Gauge("tandem_kv_parked_prefills",
+                      "Finished prefills whose blocks stay pinned until their push ends")),
+      queued_(r.Gauge("tandem_prefill_queue_requests", "Requests in the prefiller's service queue")),
+      leases_expired_(r.Counter("tandem_kv_lease_expired_total",
+                                "Reservations freed because their KV never arrived")),
+      stale_notices_(r.Counter("tandem_kv_stale_notices_total",
+                               "KV notices ignored: stale generation or unknown reservation")),
+      refused_(r.Counter("tandem_kv_reservations_refused_total",
+                         "Reservations refused for lack of KV blocks")) {}
+
+void WorkerMetrics::ObservePrefill(double prefill_seconds) { prefill_seconds_.Observe(prefill_seconds); }
+
+void WorkerMetrics::ObserveTransfer(uint64_t bytes, double transfer_seconds, double prefill_seconds) {
+  transfer_bytes_.Increment(static_cast<double>(bytes));
+  transfer_seconds_.Observe(transfer_seconds);
+  if (prefill_seconds > 0) overhead_ratio_.Observe(transfer_seconds / prefill_seconds);
+}
+
+void WorkerMetrics::ObserveDecodeStep(double seconds) { decode_step_seconds_.Observe(seconds); }
+
+void WorkerMetrics::Update(const MetricsSample& s) {
+  kv_usage_.Set(s.engine.kv_usage_ratio);
+  running_.Set(s.engine.num_running);
+  waiting_.Set(s.engine.num_waiting);
+  reservations_.Set(s.reservations);
+  parked_.Set(s.engine.num_parked);
+  queued_.Set(s.queued_prefills);
+  Advance(prefix_queries_, s.engine.prefix_query_tokens, last_.engine.prefix_query_tokens);
+  Advance(prefix_hits_, s.engine.prefix_hit_tokens, last_.engine.prefix_hit_tokens);
+  Advance(preemptions_, s.engine.preemptions, last_.engine.preemptions);
+  Advance(leases_expired_, s.leases_expired, last_.leases_expired);
+  Advance(stale_notices_, s.stale_notices, last_.stale_notices);
+  Advance(refused_, s.reservations_refused, last_.reservations_refused);
+  last_ = s;
+}
+
+}  // namespace tandem::worker

@@ -1,0 +1,66 @@
+// The worker metrics of DESIGN.md section 7, all registered (at zero) at
+// start-up with the labels model, role and worker:
+//   tandem_kv_cache_usage_ratio (gauge), tandem_num_requests_running,
+//   tandem_num_requests_waiting (gauges),
+//   tandem_prefix_cache_queries_tokens_total, tandem_prefix_cache_hits_tokens_total,
+//   tandem_kv_transfer_bytes_total, tandem_preemptions_total (counters),
+//   tandem_kv_transfer_seconds, tandem_kv_transfer_overhead_ratio,
+//   tandem_prefill_seconds, tandem_decode_step_seconds (histograms),
+// plus what shows that a worker is back to idle:
+//   tandem_kv_reservations (gauge), tandem_kv_parked_prefills (gauge),
+//   tandem_prefill_queue_requests (gauge),
+//   tandem_kv_lease_expired_total, tandem_kv_stale_notices_total,
+//   tandem_kv_reservations_refused_total (counters).
+//
+// Threads: Observe* from any thread (engine, progress, gRPC); Update from
+// one thread at a time (the worker's monitor thread).
+#pragma once
+
+#include <cstdint>
+
+#include "common/metrics.h"
+#include "engine/engine.h"
+
+namespace tandem::worker {
+
+// Totals and levels sampled once per monitor tick.
+struct MetricsSample {
+  engine::EngineStats engine;
+  uint32_t reservations = 0;
+  uint32_t queued_prefills = 0;
+  uint64_t leases_expired = 0;  // totals
+  uint64_t stale_notices = 0;
+  uint64_t reservations_refused = 0;
+};
+
+class WorkerMetrics {
+ public:
+  explicit WorkerMetrics(MetricsRegistry& registry);
+
+  void ObservePrefill(double prefill_seconds);
+  void ObserveTransfer(uint64_t bytes, double transfer_seconds, double prefill_seconds);
+  void ObserveDecodeStep(double seconds);
+  void Update(const MetricsSample& s);
+
+ private:
+  prometheus::Gauge& kv_usage_;
+  prometheus::Gauge& running_;
+  prometheus::Gauge& waiting_;
+  prometheus::Counter& prefix_queries_;
+  prometheus::Counter& prefix_hits_;
+  prometheus::Counter& transfer_bytes_;
+  prometheus::Counter& preemptions_;
+  prometheus::Histogram& transfer_seconds_;
+  prometheus::Histogram& overhead_ratio_;
+  prometheus::Histogram& prefill_seconds_;
+  prometheus::Histogram& decode_step_seconds_;
+  prometheus::Gauge& reservations_;
+  prometheus::Gauge& parked_;
+  prometheus::Gauge& queued_;
+  prometheus::Counter& leases_expired_;
+  prometheus::Counter& stale_notices_;
+  prometheus::Counter& refused_;
+  MetricsSample last_;  // Update's thread only: counters advance by the difference
+};
+
+}  // namespace tandem::worker

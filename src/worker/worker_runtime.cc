@@ -1,0 +1,325 @@
+#include "worker/worker_runtime.h"
+
+#include <fmt/format.h>
+#include <signal.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <ctime>
+#include <iostream>
+#include <random>
+#include <thread>
+
+#include "common/config.h"
+#include "common/logging.h"
+#include "common/metrics.h"
+#include "common/net.h"
+#include "common/rpc_server.h"
+#include "decoder/decoder.h"
+#include "decoder/decoder_service.h"
+#include "engine/engine.h"
+#include "kvtransfer/transport.h"
+#include "model/model_config.h"
+#include "model/weights.h"
+#include "prefiller/prefiller.h"
+#include "prefiller/prefiller_service.h"
+#include "worker/worker_metrics.h"
+#include "worker/worker_service.h"
+
+namespace tandem::worker {
+
+namespace {
+
+// The engine's KV pool is the transport's (UCX-allocated) memory.
+class TransportPoolAllocator final : public engine::KvPoolAllocator {
+ public:
+  explicit TransportPoolAllocator(kvtransfer::Transport& t) : transport_(t) {}
+  Result<std::span<std::byte>> Allocate(size_t bytes) override {
+    if (bytes != transport_.pool_bytes()) {
+      return InternalError(fmt::format("the engine wants a {}-byte KV pool; the transport has {}",
+                                       bytes, transport_.pool_bytes()));
+    }
+    if (reinterpret_cast<uintptr_t>(transport_.pool()) % 64 != 0) {
+      return InternalError("the transport's KV pool is not 64-byte aligned");
+    }
+    return std::span<std::byte>(transport_.pool(), bytes);
+  }
+
+ private:
+  kvtransfer::Transport& transport_;
+};
+
+uint64_t RandomEpoch() {
+  std::random_device rd;
+  uint64_t e = 0;
+  while (e == 0) e = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  return e;
+}
+
+void WriteReady(int fd, const std::string& grpc, const std::string& metrics) {
+  if (fd < 0) return;
+  const std::string line = fmt::format("{{\"grpc\":\"{}\",\"metrics\":\"{}\"}}\n",
+                                       JsonEscape(grpc), JsonEscape(metrics));
+  size_t off = 0;
+  while (off < line.size()) {
+    const ssize_t n = write(fd, line.data() + off, line.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    off += static_cast<size_t>(n);
+  }
+  close(fd);
+}
+
+// Everything one worker process runs, in construction order (destroyed in
+// reverse: servers before services before the engine before the transport,
+// whose memory the engine's pool is).
+struct Worker {
+  FleetConfig fleet;
+  model::ModelConfig model_config;
+  model::ModelWeights weights;
+  std::unique_ptr<kvtransfer::Transport> transport;
+  std::unique_ptr<TransportPoolAllocator> allocator;
+  std::unique_ptr<MetricsRegistry> registry;
+  std::unique_ptr<WorkerMetrics> metrics;
+  std::unique_ptr<engine::Engine> engine;
+  std::unique_ptr<decoder::Decoder> decoder;
+  std::unique_ptr<prefiller::DecoderLink> link;
+  std::unique_ptr<prefiller::Prefiller> prefiller;
+  std::unique_ptr<grpc::Service> decoder_service;
+  std::unique_ptr<grpc::Service> prefiller_service;
+  std::unique_ptr<WorkerService> worker_service;
+  std::unique_ptr<RpcServer> server;
+
+  LoadSample Load() const {
+    const engine::EngineStats st = engine->stats();
+    LoadSample s;
+    s.free_blocks = st.free_blocks;
+    s.active_decode_blocks = st.num_blocks - st.free_blocks;
+    s.running_requests = st.num_running;
+    s.waiting_requests = st.num_waiting;
+    s.kv_usage_ratio = st.kv_usage_ratio;
+    s.num_parked_prefills = st.num_parked;
+    if (decoder) {
+      const decoder::DecoderCounts c = decoder->counts();
+      s.num_reservations = c.reservations;
+      s.registered_requests = c.registered;
+      s.leases_expired = c.leases_expired;
+      s.stale_notices = c.stale_notices;
+    }
+    if (prefiller) {
+      const prefiller::PrefillerCounts c = prefiller->counts();
+      s.queued_prefill_requests = c.queued;
+      s.queued_prefill_tokens = c.queued_prompt_tokens;
+    }
+    return s;
+  }
+
+  void UpdateMetrics() const {
+    MetricsSample m;
+    m.engine = engine->stats();
+    if (decoder) {
+      const decoder::DecoderCounts c = decoder->counts();
+      m.reservations = c.reservations;
+      m.leases_expired = c.leases_expired;
+      m.stale_notices = c.stale_notices;
+      m.reservations_refused = c.reservations_refused;
+    }
+    if (prefiller) m.queued_prefills = prefiller->counts().queued;
+    metrics->Update(m);
+  }
+
+  size_t Inflight() const {
+    size_t n = 0;
+    if (decoder) {
+      const auto c = decoder->counts();
+      n += c.registered + c.reservations;
+    }
+    if (prefiller) {
+      const auto c = prefiller->counts();
+      n += c.queued + c.inflight;
+    }
+    return n;
+  }
+};
+
+Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig& rc, Worker& w) {
+  const bool decodes = cmd.role == "decode" || cmd.role == "both";
+  const bool prefills = cmd.role == "prefill" || cmd.role == "both";
+  TANDEM_ASSIGN_OR_RETURN(w.model_config, model::LoadModelConfig(w.fleet.model.path));
+  TANDEM_ASSIGN_OR_RETURN(w.weights, model::LoadWeights(w.fleet.model.path, w.model_config));
+
+  engine::EngineOptions eo = engine::EngineOptions::FromFleetConfig(w.fleet);
+  if (rc.num_blocks != 0) eo.num_blocks = rc.num_blocks;
+  eo.epoch = RandomEpoch();
+  engine::KvLayout layout;
+  layout.num_layers = w.model_config.num_hidden_layers;
+  layout.num_kv_heads = w.model_config.num_key_value_heads;
+  layout.head_dim = w.model_config.head_dim;
+  layout.block_size = eo.block_size;
+
+  // The transport first: it allocates the pool, and nothing may touch UCX before it.
+  kvtransfer::TransportOptions to;
+  to.backend = w.fleet.transport.backend;
+  to.agent_name = name;
+  to.block_bytes = layout.block_bytes();
+  to.num_blocks = eo.num_blocks;
+  to.peer_timeout_s = w.fleet.transport.peer_timeout_seconds;
+  TANDEM_ASSIGN_OR_RETURN(w.transport, kvtransfer::CreateTransport(to));
+  w.allocator = std::make_unique<TransportPoolAllocator>(*w.transport);
+  eo.allocator = w.allocator.get();
+
+  w.registry = std::make_unique<MetricsRegistry>(MetricLabels{w.fleet.model.name, cmd.role, name});
+  w.metrics = std::make_unique<WorkerMetrics>(*w.registry);
+  WorkerMetrics* metrics = w.metrics.get();
+  eo.on_step = [metrics](const engine::StepStats& st) {
+    if (st.num_prefill_tokens == 0 && st.num_decode_tokens > 0) metrics->ObserveDecodeStep(st.seconds);
+  };
+  TANDEM_ASSIGN_OR_RETURN(w.engine, engine::Engine::Create(w.model_config, w.weights, eo));
+  w.engine->Start();
+
+  std::vector<grpc::Service*> services;
+  if (decodes) {
+    decoder::DecoderOptions dopt;
+    dopt.lease_seconds = w.fleet.transport.lease_seconds;
+    dopt.on_local_prefill_seconds = [metrics](double s) { metrics->ObservePrefill(s); };
+    w.decoder = std::make_unique<decoder::Decoder>(*w.engine, *w.transport, dopt);
+    w.decoder->Start();
+    w.decoder_service = decoder::MakeDecoderService(*w.decoder, *w.transport);
+    services.push_back(w.decoder_service.get());
+  }
+  if (prefills) {
+    w.link = prefiller::MakeGrpcDecoderLink();
+    prefiller::PrefillerOptions popt;
+    popt.name = name;
+    popt.max_queue = w.fleet.scheduler.max_waiting;
+    popt.max_num_seqs = w.fleet.scheduler.max_num_seqs;
+    popt.on_complete = [metrics](const prefiller::PrefillResult& r) {
+      metrics->ObservePrefill(r.prefill_seconds);
+      metrics->ObserveTransfer(r.transferred_bytes, r.transfer_seconds, r.prefill_seconds);
+    };
+    w.prefiller = std::make_unique<prefiller::Prefiller>(*w.engine, *w.transport, *w.link, popt);
+    w.prefiller->Start();
+    w.prefiller_service = prefiller::MakePrefillerService(*w.prefiller);
+    services.push_back(w.prefiller_service.get());
+  }
+
+  WorkerIdentity id;
+  id.name = name;
+  id.role = cmd.role;
+  id.model = w.fleet.model.name;
+  id.revision = w.fleet.model.revision;
+  id.block_size = eo.block_size;
+  id.kv_dtype = eo.hash_context.kv_dtype;
+  id.num_layers = layout.num_layers;
+  id.num_kv_heads = layout.num_kv_heads;
+  id.head_dim = layout.head_dim;
+  id.block_bytes = layout.block_bytes();
+  id.num_blocks = eo.num_blocks;
+  id.epoch = w.engine->events().epoch();
+  id.transport_backend = w.transport->capabilities().backend;
+  Worker* self = &w;
+  w.worker_service = std::make_unique<WorkerService>(
+      id, *w.engine, [self] { return self->Load(); }, [self] { self->UpdateMetrics(); });
+  services.push_back(w.worker_service->service());
+  w.UpdateMetrics();  // every series exists (at zero) before anyone scrapes
+
+  const std::string grpc_addr = cmd.grpc.empty() ? rc.grpc : cmd.grpc;
+  const std::string metrics_addr = cmd.metrics.empty() ? rc.metrics : cmd.metrics;
+  TANDEM_ASSIGN_OR_RETURN(w.server, RpcServer::Start(grpc_addr, services));
+  TANDEM_RETURN_IF_ERROR(w.registry->Serve(metrics_addr));
+  w.worker_service->SetAddresses(w.server->address(), w.registry->bound_address());
+  w.worker_service->Start();
+  return Status::Ok();
+}
+
+// Waits for SIGINT/SIGTERM (blocked in every thread); returns the signal.
+int WaitForStopSignal(const sigset_t& set) {
+  while (true) {
+    int sig = 0;
+    if (sigwait(&set, &sig) == 0) return sig;
+  }
+}
+
+void Drain(Worker& w, double drain_seconds) {
+  if (w.server) w.server->SetServing(false);
+  if (w.decoder) w.decoder->SetDraining();
+  if (w.prefiller) w.prefiller->SetDraining();
+  const auto give_up = std::chrono::steady_clock::now() +
+                       std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                           std::chrono::duration<double>(drain_seconds));
+  while (w.engine && w.Inflight() > 0 && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (w.engine && w.Inflight() > 0) {
+    spdlog::warn("{} requests still in flight after {} s; stopping anyway", w.Inflight(), drain_seconds);
+  }
+  if (w.worker_service) w.worker_service->Stop();
+  if (w.server) w.server->Shutdown(1000);
+  if (w.prefiller) w.prefiller->Stop();
+  if (w.decoder) w.decoder->Stop();
+  if (w.engine) w.engine->Stop();
+}
+
+}  // namespace
+
+int RunWorker(const WorkerCommand& cmd) {
+  sigset_t stop_set;
+  sigemptyset(&stop_set);
+  sigaddset(&stop_set, SIGINT);
+  sigaddset(&stop_set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_set, nullptr);
+
+  auto w = std::make_unique<Worker>();
+  auto fleet = LoadFleetConfig(cmd.config_path);
+  if (!fleet.ok()) {
+    std::cerr << fleet.status().message() << "\n";
+    return 1;
+  }
+  w->fleet = std::move(fleet).value();
+  const RoleConfig& rc = cmd.role == "prefill" ? w->fleet.prefill
+                         : cmd.role == "decode" ? w->fleet.decode
+                                                : w->fleet.both;
+  std::string name = cmd.name;
+  if (name.empty()) {
+    auto hp = ParseHostPort(cmd.grpc.empty() ? rc.grpc : cmd.grpc);
+    name = hp.ok() && hp->port != 0 ? fmt::format("{}-{}", cmd.role, hp->port)
+                                    : fmt::format("{}-{}", cmd.role, getpid());
+  }
+  const std::string level = cmd.log_level.empty() ? w->fleet.logging.level : cmd.log_level;
+  const std::string format = cmd.log_format.empty() ? w->fleet.logging.format : cmd.log_format;
+  if (Status s = SetupLogging(name, level, format); !s.ok()) {
+    std::cerr << s.message() << "\n";
+    return 1;
+  }
+
+  if (Status s = Build(cmd, name, rc, *w); !s.ok()) {
+    spdlog::error("{} did not start: {}", name, s.message());
+    std::cerr << fmt::format("tandem {}: {}\n", cmd.role, s.message());
+    Drain(*w, 0);
+    return 1;
+  }
+  if (!cmd.join.empty()) {
+    Status s = RegisterWithProxy(cmd.join, w->worker_service->identity(), std::chrono::seconds(30));
+    if (!s.ok()) {
+      spdlog::error("{}", s.message());
+      std::cerr << fmt::format("tandem {}: {}\n", cmd.role, s.message());
+      Drain(*w, 0);
+      return 1;
+    }
+  }
+  spdlog::info("{} serving: gRPC {} metrics {} (model {}, {} KV blocks of {} bytes, transport {})",
+               name, w->server->address(), w->registry->bound_address(), w->fleet.model.name,
+               w->transport->num_blocks(), w->transport->block_bytes(),
+               w->transport->capabilities().backend);
+  WriteReady(cmd.ready_fd, w->server->address(), w->registry->bound_address());
+
+  const int sig = WaitForStopSignal(stop_set);
+  spdlog::info("{} received signal {}: draining (up to {} s)", name, sig, cmd.drain_seconds);
+  Drain(*w, cmd.drain_seconds);
+  w.reset();
+  spdlog::info("{} stopped", name);
+  return 0;
+}
+
+}  // namespace tandem::worker

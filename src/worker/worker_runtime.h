@@ -1,0 +1,38 @@
+// `tandem prefill|decode|both`: one worker process (DESIGN.md sections 2
+// and 7). Loads the model from the fleet file, creates the KV transport
+// (which allocates the KV pool) before anything else touches UCX, the
+// engine on that pool, the metrics, and serves on one gRPC server:
+//   every role:       tandem.v1.Worker (GetInfo, Watch), health, reflection
+//   decode and both:  tandem.v1.Decoder (Decode, Reserve)
+//   prefill and both: tandem.v1.Prefiller (Prefill)
+// With --join it registers with the proxy (a refusal: message, exit 1).
+// Once serving (and registered) it writes one JSON line
+// {"grpc":"host:port","metrics":"host:port"} to --ready-fd and closes it.
+// SIGTERM/SIGINT: health NOT_SERVING, new work UNAVAILABLE, in-flight work
+// gets `drain_seconds` to finish, then exit 0.
+//
+// Threads: RunWorker runs on the process's main thread and blocks
+// SIGINT/SIGTERM in it (and so in every thread it starts) first.
+#pragma once
+
+#include <string>
+
+namespace tandem::worker {
+
+struct WorkerCommand {
+  std::string role;         // prefill | decode | both
+  std::string config_path;  // fleet YAML
+  std::string join;         // proxy gRPC address; empty: do not register
+  std::string grpc;         // empty: the role section's
+  std::string metrics;      // empty: the role section's
+  std::string name;         // empty: ROLE-PORT (or ROLE-PID with port 0)
+  int ready_fd = -1;
+  std::string log_level;    // empty: the config's
+  std::string log_format;   // empty: the config's
+  double drain_seconds = 5.0;
+};
+
+// Returns the process exit code.
+int RunWorker(const WorkerCommand& command);
+
+}  // namespace tandem::worker

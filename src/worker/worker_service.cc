@@ -1,0 +1,318 @@
+// The RPC edge of the worker runtime: Worker.GetInfo/Watch and
+// Registry.Register (worker.proto).
+#include "worker/worker_service.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "common/rpc_server.h"
+#include "decoder/stream_writer.h"
+#include "tandem/v1/worker.grpc.pb.h"
+
+namespace tandem::worker {
+
+namespace {
+
+namespace pb = ::tandem::v1;
+using decoder::StreamWriter;
+
+pb::WorkerRole RoleToProto(const std::string& role) {
+  if (role == "prefill") return pb::WORKER_ROLE_PREFILL;
+  if (role == "decode") return pb::WORKER_ROLE_DECODE;
+  if (role == "both") return pb::WORKER_ROLE_BOTH;
+  return pb::WORKER_ROLE_UNSPECIFIED;
+}
+
+void FillInfo(const WorkerIdentity& id, pb::WorkerInfo* out) {
+  out->set_name(id.name);
+  out->set_role(RoleToProto(id.role));
+  out->set_grpc_address(id.grpc_address);
+  out->set_metrics_address(id.metrics_address);
+  out->set_protocol_version(1);
+  out->set_model(id.model);
+  out->set_revision(id.revision);
+  out->set_block_size(id.block_size);
+  out->set_kv_dtype(id.kv_dtype);
+  out->set_num_layers(id.num_layers);
+  out->set_num_kv_heads(id.num_kv_heads);
+  out->set_head_dim(id.head_dim);
+  out->set_block_bytes(id.block_bytes);
+  out->set_num_blocks(id.num_blocks);
+  out->set_epoch(id.epoch);
+  out->set_transport_backend(id.transport_backend);
+  for (const auto& [k, v] : id.labels) (*out->mutable_labels())[k] = v;
+}
+
+class WatchStream;
+
+// What the monitor thread keeps per Watch stream.
+struct Watcher {
+  std::shared_ptr<StreamWriter<pb::WorkerUpdate>> writer;
+  bool needs_snapshot = true;
+  uint64_t last_event_id = 0;  // events up to this one are in what it was sent
+};
+
+class WatchStream final : public grpc::ServerWriteReactor<pb::WorkerUpdate> {
+ public:
+  WatchStream() : writer_(std::make_shared<StreamWriter<pb::WorkerUpdate>>(this)) {
+    writer_->Open();
+  }
+  void OnWriteDone(bool ok) override { writer_->OnWriteDone(ok); }
+  void OnCancel() override { writer_->OnCancel(); }
+  void OnDone() override { delete this; }
+  const std::shared_ptr<StreamWriter<pb::WorkerUpdate>>& writer() const { return writer_; }
+
+ private:
+  std::shared_ptr<StreamWriter<pb::WorkerUpdate>> writer_;
+};
+
+}  // namespace
+
+struct WorkerService::Impl final : public pb::Worker::CallbackService {
+  Impl(WorkerIdentity identity, engine::Engine& engine, std::function<LoadSample()> load,
+       std::function<void()> on_tick, std::chrono::milliseconds interval)
+      : identity_(std::move(identity)), engine_(engine), load_(std::move(load)),
+        on_tick_(std::move(on_tick)), interval_(interval) {}
+
+  grpc::ServerUnaryReactor* GetInfo(grpc::CallbackServerContext* ctx, const pb::GetInfoRequest*,
+                                    pb::WorkerInfo* resp) override {
+    {
+      std::lock_guard lock(mu_);
+      FillInfo(identity_, resp);
+    }
+    auto* r = ctx->DefaultReactor();
+    r->Finish(grpc::Status::OK);
+    return r;
+  }
+
+  grpc::ServerWriteReactor<pb::WorkerUpdate>* Watch(grpc::CallbackServerContext*,
+                                                    const pb::WatchRequest*) override {
+    auto* stream = new WatchStream();
+    {
+      std::lock_guard lock(mu_);
+      if (stopped_) {
+        stream->writer()->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "worker stopping"));
+        return stream;
+      }
+      Watcher w;
+      w.writer = stream->writer();
+      watchers_.push_back(std::move(w));
+      wake_ = true;
+    }
+    cv_.notify_all();
+    return stream;
+  }
+
+  static pb::WorkerUpdate EventUpdate(const engine::KvEvent& e) {
+    pb::WorkerUpdate u;
+    u.set_epoch(e.epoch);
+    auto* ev = u.mutable_event();
+    ev->set_event_id(e.event_id);
+    ev->set_epoch(e.epoch);
+    switch (e.kind) {
+      case engine::KvEventKind::kStored: {
+        auto* st = ev->mutable_stored();
+        st->set_parent_hash(e.parent_hash);
+        for (uint64_t h : e.hashes) st->add_block_hashes(h);
+        break;
+      }
+      case engine::KvEventKind::kRemoved:
+        for (uint64_t h : e.hashes) ev->mutable_removed()->add_block_hashes(h);
+        break;
+      case engine::KvEventKind::kCleared: ev->mutable_cleared(); break;
+    }
+    return u;
+  }
+
+  pb::WorkerUpdate LoadUpdate(const LoadSample& s) const {
+    pb::WorkerUpdate u;
+    u.set_epoch(identity_.epoch);
+    auto* l = u.mutable_load();
+    l->set_queued_prefill_tokens(s.queued_prefill_tokens);
+    l->set_active_decode_blocks(s.active_decode_blocks);
+    l->set_free_blocks(s.free_blocks);
+    l->set_running_requests(s.running_requests);
+    l->set_waiting_requests(s.waiting_requests);
+    l->set_kv_usage_ratio(s.kv_usage_ratio);
+    l->set_num_reservations(s.num_reservations);
+    l->set_num_parked_prefills(s.num_parked_prefills);
+    l->set_queued_prefill_requests(s.queued_prefill_requests);
+    l->set_registered_requests(s.registered_requests);
+    l->set_leases_expired(s.leases_expired);
+    l->set_stale_notices(s.stale_notices);
+    return u;
+  }
+
+  void Loop(std::stop_token stop) {
+    using Writes = std::vector<std::pair<std::shared_ptr<StreamWriter<pb::WorkerUpdate>>,
+                                         std::shared_ptr<const pb::WorkerUpdate>>>;
+    auto next_load = std::chrono::steady_clock::now();
+    const uint64_t sub = engine_.events().Subscribe([this](const engine::KvEvent&) {
+      {
+        std::lock_guard lock(mu_);
+        wake_ = true;
+      }
+      cv_.notify_all();
+    });
+    // Events before the first watcher are in its snapshot.
+    const auto initial = engine_.events().Drain();
+    uint64_t last_drained = initial.empty() ? 0 : initial.back().event_id;
+    while (!stop.stop_requested()) {
+      {
+        std::unique_lock lock(mu_);
+        cv_.wait_until(lock, stop, next_load, [&] { return wake_; });
+        wake_ = false;
+      }
+      if (stop.stop_requested()) break;
+      const std::vector<engine::KvEvent> events = engine_.events().Drain();
+      const bool gap = !events.empty() && events.front().event_id != last_drained + 1;
+      if (!events.empty()) last_drained = events.back().event_id;
+
+      bool any_snapshot = false;
+      {
+        std::lock_guard lock(mu_);
+        std::erase_if(watchers_, [](const Watcher& w) { return w.writer->finished(); });
+        for (auto& w : watchers_) {
+          w.needs_snapshot |= gap;
+          any_snapshot |= w.needs_snapshot;
+        }
+      }
+      // Taken after the drain, so it covers every drained event; later
+      // events are filtered by id.
+      std::shared_ptr<const pb::WorkerUpdate> snapshot;
+      uint64_t snapshot_id = 0;
+      if (any_snapshot) {
+        const engine::KvSnapshot snap = engine_.SnapshotKv();
+        auto u = std::make_shared<pb::WorkerUpdate>();
+        u->set_epoch(snap.epoch);
+        u->set_snapshot_event_id(snap.last_event_id);
+        auto* s = u->mutable_snapshot();
+        for (const auto& b : snap.blocks) s->add_block_hashes(b.hash);
+        snapshot = std::move(u);
+        snapshot_id = snap.last_event_id;
+      }
+      std::shared_ptr<const pb::WorkerUpdate> load;
+      if (std::chrono::steady_clock::now() >= next_load) {
+        load = std::make_shared<pb::WorkerUpdate>(LoadUpdate(load_()));
+        if (on_tick_) on_tick_();
+        next_load = std::chrono::steady_clock::now() + interval_;
+      }
+      std::vector<std::shared_ptr<const pb::WorkerUpdate>> updates;
+      for (const auto& e : events) updates.push_back(std::make_shared<pb::WorkerUpdate>(EventUpdate(e)));
+
+      Writes writes;
+      {
+        std::lock_guard lock(mu_);
+        for (auto& w : watchers_) {
+          if (w.needs_snapshot) {
+            if (!snapshot) continue;  // joined after the snapshot: next round
+            w.needs_snapshot = false;
+            w.last_event_id = snapshot_id;
+            writes.emplace_back(w.writer, snapshot);
+          }
+          for (size_t i = 0; i < events.size(); ++i) {
+            if (events[i].event_id <= w.last_event_id) continue;
+            w.last_event_id = events[i].event_id;
+            writes.emplace_back(w.writer, updates[i]);
+          }
+          if (load) writes.emplace_back(w.writer, load);
+        }
+      }
+      for (auto& [writer, update] : writes) writer->Write(*update);
+    }
+    engine_.events().Unsubscribe(sub);
+  }
+
+  void FinishAll() {
+    std::vector<Watcher> ws;
+    {
+      std::lock_guard lock(mu_);
+      stopped_ = true;
+      ws.swap(watchers_);
+    }
+    for (auto& w : ws) w.writer->Finish(grpc::Status::OK);
+  }
+
+  mutable std::mutex mu_;
+  std::condition_variable_any cv_;
+  WorkerIdentity identity_;        // guarded by mu_ (addresses change once)
+  engine::Engine& engine_;
+  std::function<LoadSample()> load_;
+  std::function<void()> on_tick_;
+  const std::chrono::milliseconds interval_;
+  std::vector<Watcher> watchers_;  // guarded by mu_
+  bool wake_ = false;              // guarded by mu_
+  bool stopped_ = false;           // guarded by mu_
+  std::jthread thread_;
+};
+
+WorkerService::WorkerService(WorkerIdentity identity, engine::Engine& engine,
+                             std::function<LoadSample()> load, std::function<void()> on_tick,
+                             std::chrono::milliseconds load_interval)
+    : impl_(std::make_unique<Impl>(std::move(identity), engine, std::move(load), std::move(on_tick),
+                                   load_interval)) {}
+
+WorkerService::~WorkerService() { Stop(); }
+
+grpc::Service* WorkerService::service() { return impl_.get(); }
+
+void WorkerService::SetAddresses(const std::string& grpc_address, const std::string& metrics_address) {
+  std::lock_guard lock(impl_->mu_);
+  impl_->identity_.grpc_address = grpc_address;
+  impl_->identity_.metrics_address = metrics_address;
+}
+
+WorkerIdentity WorkerService::identity() const {
+  std::lock_guard lock(impl_->mu_);
+  return impl_->identity_;
+}
+
+void WorkerService::Start() {
+  impl_->thread_ = std::jthread([this](std::stop_token stop) { impl_->Loop(stop); });
+}
+
+void WorkerService::Stop() {
+  if (impl_->thread_.joinable()) {
+    impl_->thread_.request_stop();
+    impl_->cv_.notify_all();
+    impl_->thread_.join();
+  }
+  impl_->FinishAll();
+}
+
+Status RegisterWithProxy(const std::string& proxy_address, const WorkerIdentity& identity,
+                         std::chrono::milliseconds retry_for) {
+  auto channel = grpc::CreateChannel(proxy_address, grpc::InsecureChannelCredentials());
+  auto stub = pb::Registry::NewStub(channel);
+  pb::RegisterRequest req;
+  FillInfo(identity, req.mutable_worker());
+  const auto give_up = std::chrono::steady_clock::now() + retry_for;
+  Status last;
+  while (true) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    ctx.set_wait_for_ready(true);
+    pb::RegisterResponse resp;
+    grpc::Status st = stub->Register(&ctx, req, &resp);
+    if (st.ok()) {
+      if (resp.has_error()) {
+        return FailedPreconditionError(fmt::format("the proxy at {} refused this worker: {}",
+                                                   proxy_address, resp.error().message()));
+      }
+      return Status::Ok();
+    }
+    last = FromGrpcStatus(st);
+    const bool retryable = st.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                           st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+    if (!retryable || std::chrono::steady_clock::now() >= give_up) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  return last.WithContext(fmt::format("registering with the proxy at {}", proxy_address));
+}
+
+}  // namespace tandem::worker

@@ -1,0 +1,94 @@
+// The tandem.v1.Worker service every worker serves, and registration with
+// the proxy (tandem.v1.Registry), behind proto-free interfaces.
+//
+//   GetInfo: the worker's identity and KV geometry (WorkerInfo).
+//   Watch:   a snapshot of every cached block hash (always first: this
+//            worker keeps no event history, so a resume is answered with a
+//            snapshot too), then each KV event as it happens and a
+//            LoadReport about every `load_interval`; the stream doubles as
+//            the liveness signal. Streams end (OK) when the worker stops.
+//
+// Threads: the monitor thread (Start) drains the engine's KV events, takes
+// snapshots, samples load and runs `on_tick`; gRPC callback threads open
+// and cancel streams. No lock is held across an engine call or a write.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/service_type.h>
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "common/status.h"
+#include "engine/engine.h"
+
+namespace tandem::worker {
+
+struct WorkerIdentity {
+  std::string name;
+  std::string role;  // prefill | decode | both
+  std::string grpc_address;
+  std::string metrics_address;
+  std::string model;
+  std::string revision;
+  uint32_t block_size = 0;
+  std::string kv_dtype;
+  uint32_t num_layers = 0;
+  uint32_t num_kv_heads = 0;
+  uint32_t head_dim = 0;
+  uint64_t block_bytes = 0;
+  uint32_t num_blocks = 0;
+  uint64_t epoch = 0;
+  std::string transport_backend;
+  std::map<std::string, std::string> labels;
+};
+
+// LoadReport of worker.proto as plain numbers.
+struct LoadSample {
+  uint32_t queued_prefill_tokens = 0;
+  uint32_t active_decode_blocks = 0;
+  uint32_t free_blocks = 0;
+  uint32_t running_requests = 0;
+  uint32_t waiting_requests = 0;
+  double kv_usage_ratio = 0;
+  uint32_t num_reservations = 0;
+  uint32_t num_parked_prefills = 0;
+  uint32_t queued_prefill_requests = 0;
+  uint32_t registered_requests = 0;
+  uint64_t leases_expired = 0;
+  uint64_t stale_notices = 0;
+};
+
+class WorkerService {
+ public:
+  // `engine` is borrowed. `load` is sampled on the monitor thread;
+  // `on_tick` (may be empty) runs there after each sample.
+  WorkerService(WorkerIdentity identity, engine::Engine& engine, std::function<LoadSample()> load,
+                std::function<void()> on_tick,
+                std::chrono::milliseconds load_interval = std::chrono::milliseconds(150));
+  ~WorkerService();  // Stop()
+
+  grpc::Service* service();
+  // The addresses are known only once the servers listen.
+  void SetAddresses(const std::string& grpc_address, const std::string& metrics_address);
+  WorkerIdentity identity() const;
+
+  void Start();
+  // Ends every Watch stream (OK) and joins the monitor thread.
+  void Stop();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Registry.Register on the proxy at `proxy_address`, retried while the proxy
+// is unreachable (UNAVAILABLE) for up to `retry_for`. A refusal comes back
+// as FAILED_PRECONDITION with the proxy's reason.
+Status RegisterWithProxy(const std::string& proxy_address, const WorkerIdentity& identity,
+                         std::chrono::milliseconds retry_for);
+
+}  // namespace tandem::worker

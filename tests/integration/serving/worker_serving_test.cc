@@ -1,0 +1,422 @@
+// Real `tandem decode`, `tandem prefill` and `tandem both` processes on
+// loopback with real gRPC and real UCX; this test plays the proxy
+// (DESIGN.md section 2): Decode (registered) -> Prefill(decoder) -> tokens.
+// Outputs must equal the in-process engine, token for token.
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <atomic>
+
+#include "serving_harness.h"
+
+namespace tandem::serving_test {
+namespace {
+
+struct Fleet {
+  fs::path dir;
+  std::string fleet_file;
+  std::unique_ptr<cli::Supervisor> sup;
+  cli::Child* decode = nullptr;
+  cli::Child* prefill = nullptr;
+  cli::Child* both = nullptr;
+  std::unique_ptr<pb::Decoder::Stub> decoder;
+  std::unique_ptr<pb::Prefiller::Stub> prefiller;
+  std::unique_ptr<pb::Decoder::Stub> both_decoder;
+  Reference ref;
+};
+
+Fleet* g_fleet = nullptr;
+std::atomic<int> g_next_id{0};
+
+std::string NewId(const std::string& what) { return what + "-" + std::to_string(g_next_id++); }
+
+class WorkerServingTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    g_fleet = new Fleet();
+    Fleet& f = *g_fleet;
+    f.dir = fs::temp_directory_path() / ("tandem-serving-" + std::to_string(getpid()));
+    f.fleet_file = WriteFleetFile(f.dir);
+    auto cfg = model::LoadModelConfig(ModelDir());
+    ASSERT_TRUE(cfg.ok()) << cfg.status().ToString();
+    f.ref.config = *cfg;
+    auto w = model::LoadWeights(ModelDir(), *cfg);
+    ASSERT_TRUE(w.ok()) << w.status().ToString();
+    f.ref.weights = std::move(w).value();
+
+    f.sup = std::make_unique<cli::Supervisor>();
+    auto d = StartWorker(*f.sup, f.fleet_file, "decode", "decode-0");
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    f.decode = *d;
+    auto p = StartWorker(*f.sup, f.fleet_file, "prefill", "prefill-0");
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    f.prefill = *p;
+    auto b = StartWorker(*f.sup, f.fleet_file, "both", "both-0");
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    f.both = *b;
+    auto ch = [](const std::string& a) { return grpc::CreateChannel(a, grpc::InsecureChannelCredentials()); };
+    f.decoder = pb::Decoder::NewStub(ch(f.decode->grpc));
+    f.prefiller = pb::Prefiller::NewStub(ch(f.prefill->grpc));
+    f.both_decoder = pb::Decoder::NewStub(ch(f.both->grpc));
+  }
+
+  static void TearDownTestSuite() {
+    if (g_fleet != nullptr && g_fleet->sup) {
+      // SIGTERM: every worker drains and exits 0.
+      EXPECT_EQ(g_fleet->sup->StopAll(10s), 0);
+      for (const auto& c : g_fleet->sup->children()) {
+        EXPECT_TRUE(WIFEXITED(c.exit_status) && WEXITSTATUS(c.exit_status) == 0)
+            << cli::DescribeExit(c);
+      }
+    }
+    if (g_fleet != nullptr) {
+      std::error_code ec;
+      fs::remove_all(g_fleet->dir, ec);
+    }
+    delete g_fleet;
+    g_fleet = nullptr;
+  }
+
+  void SetUp() override {
+    ASSERT_NE(g_fleet, nullptr);
+    ASSERT_NE(g_fleet->decode, nullptr);
+    ASSERT_NE(g_fleet->prefill, nullptr);
+  }
+
+  static uint32_t Vocab() { return std::min<uint32_t>(g_fleet->ref.config.vocab_size, 4096); }
+
+  static pb::DecodeRequest MakeDecode(const std::string& id, const std::vector<uint32_t>& prompt,
+                                      uint32_t max_tokens, bool ignore_eos = true) {
+    pb::DecodeRequest r;
+    r.set_request_id(id);
+    r.mutable_prompt_token_ids()->Add(prompt.begin(), prompt.end());
+    *r.mutable_params() = Greedy(max_tokens, ignore_eos);
+    return r;
+  }
+  static pb::PrefillRequest MakePrefill(const std::string& id, const std::vector<uint32_t>& prompt,
+                                        uint32_t max_tokens, bool ignore_eos = true) {
+    pb::PrefillRequest r;
+    r.set_request_id(id);
+    r.mutable_prompt_token_ids()->Add(prompt.begin(), prompt.end());
+    *r.mutable_params() = Greedy(max_tokens, ignore_eos);
+    r.set_decoder_address(g_fleet->decode->grpc);
+    r.set_decoder_name("decode-0");
+    return r;
+  }
+
+  // The proxy's path for one request, disaggregated.
+  static Outcome RunDisaggregated(const std::vector<uint32_t>& prompt, uint32_t max_tokens,
+                                  bool ignore_eos = true) {
+    const std::string id = NewId("req");
+    Outcome out;
+    DecodeCall call(*g_fleet->decoder, MakeDecode(id, prompt, max_tokens, ignore_eos));
+    out.registered = call.ReadRegistered();
+    if (!out.registered) {
+      out.decode_status = call.Finish();
+      return out;
+    }
+    grpc::ClientContext pctx;
+    pctx.set_deadline(std::chrono::system_clock::now() + 60s);
+    out.prefill_status = g_fleet->prefiller->Prefill(&pctx, MakePrefill(id, prompt, max_tokens, ignore_eos),
+                                                    &out.prefill);
+    if (!out.prefill_status.ok()) call.Cancel();
+    call.ReadInto(out);
+    out.decode_status = call.Finish();
+    return out;
+  }
+
+  static void ExpectMatchesReference(const Outcome& o, const std::vector<uint32_t>& prompt,
+                                     uint32_t max_tokens, bool ignore_eos = true) {
+    ASSERT_TRUE(o.registered);
+    ASSERT_TRUE(o.prefill_status.ok()) << o.prefill_status.error_message();
+    ASSERT_TRUE(o.decode_status.ok()) << o.decode_status.error_message();
+    const auto want = g_fleet->ref.Generate(prompt, max_tokens, ignore_eos);
+    EXPECT_EQ(o.tokens, want) << "prompt of " << prompt.size() << " tokens";
+    EXPECT_TRUE(o.indices_ok);
+    ASSERT_TRUE(o.finished.has_value());
+    EXPECT_EQ(o.finished->completion_tokens(), want.size());
+    ASSERT_FALSE(o.tokens.empty());
+    EXPECT_EQ(o.prefill.first_token_id(), o.tokens[0]);
+    const uint32_t blocks = static_cast<uint32_t>((prompt.size() + kBlockSize - 1) / kBlockSize);
+    EXPECT_EQ(o.prefill.transferred_blocks() + o.prefill.decoder_cached_blocks(), blocks);
+    EXPECT_EQ(o.finished->decoder_cached_prompt_tokens(),
+              std::min<uint32_t>(o.prefill.decoder_cached_blocks() * kBlockSize, prompt.size()));
+  }
+};
+
+TEST_F(WorkerServingTest, GreedyOutputEqualsTheEngineTokenForToken) {
+  // Short, exactly one block, several blocks, longer than a prefill chunk
+  // (max_batched_tokens 64), and one that may stop at end of sequence.
+  const std::vector<std::pair<uint32_t, uint32_t>> cases = {{5, 8}, {16, 6}, {37, 10}, {150, 12}, {90, 5}};
+  uint32_t seed = 100;
+  for (auto [len, max_tokens] : cases) {
+    const auto prompt = Prompt(len, seed++, Vocab());
+    const Outcome o = RunDisaggregated(prompt, max_tokens);
+    ExpectMatchesReference(o, prompt, max_tokens);
+    EXPECT_GT(o.prefill.transferred_bytes(), 0u);
+    EXPECT_EQ(o.finished->finish_reason(), pb::FINISH_REASON_LENGTH);
+  }
+  const auto prompt = Prompt(20, 7, Vocab());
+  const Outcome o = RunDisaggregated(prompt, 40, /*ignore_eos=*/false);
+  ExpectMatchesReference(o, prompt, 40, false);
+  EXPECT_EQ(WaitForIdle(g_fleet->decode->metrics), "");
+  EXPECT_EQ(WaitForIdle(g_fleet->prefill->metrics), "");
+}
+
+TEST_F(WorkerServingTest, SharedPrefixIsReusedOnBothSides) {
+  auto a = Prompt(48, 200, Vocab());  // three full blocks in common
+  auto b = a;
+  const auto tail_a = Prompt(10, 201, Vocab());
+  const auto tail_b = Prompt(13, 202, Vocab());
+  a.insert(a.end(), tail_a.begin(), tail_a.end());
+  b.insert(b.end(), tail_b.begin(), tail_b.end());
+  const Outcome first = RunDisaggregated(a, 6);
+  ExpectMatchesReference(first, a, 6);
+  const Outcome second = RunDisaggregated(b, 6);
+  ExpectMatchesReference(second, b, 6);
+  EXPECT_GE(second.prefill.decoder_cached_blocks(), 3u);
+  EXPECT_GE(second.finished->decoder_cached_prompt_tokens(), 48u);
+  EXPECT_GE(second.prefill.cached_prompt_tokens(), 32u);
+  EXPECT_LT(second.prefill.transferred_blocks(), (b.size() + kBlockSize - 1) / kBlockSize);
+  auto positive = [](double v) { return v > 0; };
+  const std::string& dm = g_fleet->decode->metrics;
+  const std::string& pm = g_fleet->prefill->metrics;
+  EXPECT_GT(WaitForMetric(dm, "tandem_prefix_cache_hits_tokens_total", positive).value_or(0), 0);
+  EXPECT_GT(WaitForMetric(pm, "tandem_prefix_cache_hits_tokens_total", positive).value_or(0), 0);
+  EXPECT_GT(WaitForMetric(dm, "tandem_decode_step_seconds_count", positive).value_or(0), 0);
+  EXPECT_GT(WaitForMetric(pm, "tandem_kv_transfer_bytes_total", positive).value_or(0), 0);
+  EXPECT_GT(WaitForMetric(pm, "tandem_kv_transfer_seconds_count", positive).value_or(0), 0);
+  EXPECT_GT(WaitForMetric(pm, "tandem_kv_transfer_overhead_ratio_count", positive).value_or(0), 0);
+  EXPECT_GT(WaitForMetric(pm, "tandem_prefill_seconds_count", positive).value_or(0), 0);
+}
+
+TEST_F(WorkerServingTest, ConcurrentRequestsAllMatch) {
+  constexpr int kN = 8;
+  std::vector<std::vector<uint32_t>> prompts;
+  for (int i = 0; i < kN; ++i) prompts.push_back(Prompt(6 + 5 * i, 300 + i, Vocab()));
+  std::vector<Outcome> outs(kN);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kN; ++i) {
+    threads.emplace_back([&, i] { outs[i] = RunDisaggregated(prompts[i], 8); });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kN; ++i) ExpectMatchesReference(outs[i], prompts[i], 8);
+  EXPECT_EQ(WaitForIdle(g_fleet->decode->metrics), "");
+  EXPECT_EQ(WaitForIdle(g_fleet->prefill->metrics), "");
+}
+
+TEST_F(WorkerServingTest, AggregatedWorkerPrefillsLocally) {
+  ASSERT_NE(g_fleet->both, nullptr);
+  const auto prompt = Prompt(70, 400, Vocab());
+  pb::DecodeRequest req = MakeDecode(NewId("local"), prompt, 9);
+  req.set_prefill_locally(true);
+  DecodeCall call(*g_fleet->both_decoder, req);
+  ASSERT_TRUE(call.ReadRegistered());
+  Outcome o;
+  call.ReadInto(o);
+  ASSERT_TRUE(call.Finish().ok());
+  EXPECT_EQ(o.tokens, g_fleet->ref.Generate(prompt, 9, true));
+  EXPECT_TRUE(o.indices_ok);
+  ASSERT_TRUE(o.finished.has_value());
+  EXPECT_EQ(o.finished->completion_tokens(), 9u);
+  EXPECT_EQ(WaitForIdle(g_fleet->both->metrics), "");
+}
+
+TEST_F(WorkerServingTest, FullDecoderRefusesAndLeasesFreeUnwrittenReservations) {
+  // Two registered requests whose reservations this test takes (as a
+  // prefiller that never writes) fill the decoder.
+  const auto big1 = Prompt(300, 500, Vocab());
+  const auto big2 = Prompt(300, 501, Vocab());
+  std::vector<std::unique_ptr<DecodeCall>> holders;
+  for (const auto* big : {&big1, &big2}) {
+    const std::string id = NewId("hold");
+    holders.push_back(std::make_unique<DecodeCall>(*g_fleet->decoder, MakeDecode(id, *big, 4)));
+    ASSERT_TRUE(holders.back()->ReadRegistered());
+    pb::ReserveRequest rr;
+    rr.set_request_id(id);
+    rr.set_prefiller("test");
+    rr.mutable_prompt_token_ids()->Add(big->begin(), big->end());
+    pb::ReserveResponse resp;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(g_fleet->decoder->Reserve(&ctx, rr, &resp).ok());
+    ASSERT_TRUE(resp.has_target()) << resp.error().message();
+    EXPECT_EQ(resp.target().slots_size(), 19);
+  }
+  // A real request now: the prefiller's reservation is refused, nothing held.
+  const auto prompt = Prompt(100, 502, Vocab());
+  const Outcome o = RunDisaggregated(prompt, 4);
+  EXPECT_EQ(o.prefill_status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << o.prefill_status.error_message();
+  const std::string& dm = g_fleet->decode->metrics;
+  EXPECT_EQ(WaitForMetric(dm, "tandem_kv_reservations", [](double v) { return v == 2; }).value_or(-1), 2);
+  EXPECT_GE(WaitForMetric(dm, "tandem_kv_reservations_refused_total", [](double v) { return v >= 1; })
+                .value_or(0), 1);
+
+  // No KV ever comes: the leases expire, the blocks are freed and the
+  // streams end with UNAVAILABLE.
+  for (auto& h : holders) {
+    Outcome out;
+    h->ReadInto(out);
+    const grpc::Status st = h->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+    ASSERT_TRUE(out.error.has_value());
+    EXPECT_EQ(out.error->code(), static_cast<int>(grpc::StatusCode::UNAVAILABLE));
+  }
+  EXPECT_EQ(WaitForIdle(g_fleet->decode->metrics), "");
+  EXPECT_GE(WaitForMetric(dm, "tandem_kv_lease_expired_total", [](double v) { return v >= 2; })
+                .value_or(0), 2);
+  // And the decoder serves again.
+  const auto again = Prompt(40, 503, Vocab());
+  ExpectMatchesReference(RunDisaggregated(again, 5), again, 5);
+}
+
+TEST_F(WorkerServingTest, CancelAtEveryStageFreesEverything) {
+  // Before the prefill: the stream alone.
+  {
+    DecodeCall call(*g_fleet->decoder, MakeDecode(NewId("c0"), Prompt(30, 600, Vocab()), 8));
+    ASSERT_TRUE(call.ReadRegistered());
+    call.Cancel();
+    EXPECT_EQ(call.Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  // A reservation whose writer gives up: cancel of the stream while this
+  // test holds the reservation, then the prefiller-side error notice is
+  // simulated by the lease (covered above); here: cancel the Prefill RPC.
+  {
+    const auto prompt = Prompt(120, 601, Vocab());
+    const std::string id = NewId("c1");
+    DecodeCall call(*g_fleet->decoder, MakeDecode(id, prompt, 8));
+    ASSERT_TRUE(call.ReadRegistered());
+    grpc::ClientContext pctx;
+    pb::PrefillResponse resp;
+    std::thread canceller([&] { pctx.TryCancel(); });
+    grpc::Status st = g_fleet->prefiller->Prefill(&pctx, MakePrefill(id, prompt, 8), &resp);
+    canceller.join();
+    call.Cancel();
+    (void)call.Finish();
+    (void)st;  // CANCELLED, or OK if it won the race
+  }
+  // Mid-decode: a long completion cancelled after its first tokens.
+  {
+    const auto prompt = Prompt(25, 602, Vocab());
+    const std::string id = NewId("c2");
+    DecodeCall call(*g_fleet->decoder, MakeDecode(id, prompt, 400));
+    ASSERT_TRUE(call.ReadRegistered());
+    grpc::ClientContext pctx;
+    pb::PrefillResponse resp;
+    ASSERT_TRUE(g_fleet->prefiller->Prefill(&pctx, MakePrefill(id, prompt, 400), &resp).ok());
+    Outcome o;
+    call.ReadInto(o, 2);
+    EXPECT_FALSE(o.tokens.empty());
+    call.Cancel();
+    (void)call.Finish();
+  }
+  // A prefill whose deadline has passed is refused, nothing computed.
+  {
+    const auto prompt = Prompt(25, 603, Vocab());
+    pb::PrefillRequest pr = MakePrefill(NewId("c3"), prompt, 4);
+    pr.set_deadline_unix_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                std::chrono::system_clock::now().time_since_epoch()).count() - 1000);
+    grpc::ClientContext pctx;
+    pb::PrefillResponse resp;
+    EXPECT_EQ(g_fleet->prefiller->Prefill(&pctx, pr, &resp).error_code(),
+              grpc::StatusCode::DEADLINE_EXCEEDED);
+  }
+  // A prefill for a request the decoder does not know: the decoder's answer.
+  {
+    const auto prompt = Prompt(25, 604, Vocab());
+    grpc::ClientContext pctx;
+    pb::PrefillResponse resp;
+    EXPECT_EQ(g_fleet->prefiller->Prefill(&pctx, MakePrefill(NewId("c4"), prompt, 4), &resp).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+  }
+  EXPECT_EQ(WaitForIdle(g_fleet->decode->metrics, 15s), "");
+  EXPECT_EQ(WaitForIdle(g_fleet->prefill->metrics), "");
+  const auto again = Prompt(40, 605, Vocab());
+  ExpectMatchesReference(RunDisaggregated(again, 5), again, 5);
+}
+
+TEST_F(WorkerServingTest, WatchDeliversSnapshotEventsAndLoad) {
+  const auto warm = Prompt(64, 700, Vocab());
+  ExpectMatchesReference(RunDisaggregated(warm, 3), warm, 3);
+
+  auto worker = pb::Worker::NewStub(grpc::CreateChannel(g_fleet->decode->grpc,
+                                                        grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ictx;
+  pb::WorkerInfo info;
+  ASSERT_TRUE(worker->GetInfo(&ictx, pb::GetInfoRequest(), &info).ok());
+  EXPECT_EQ(info.name(), "decode-0");
+  EXPECT_EQ(info.role(), pb::WORKER_ROLE_DECODE);
+  EXPECT_EQ(info.block_size(), kBlockSize);
+  EXPECT_EQ(info.num_blocks(), kDecoderBlocks);
+  EXPECT_EQ(info.transport_backend(), "ucx");
+  EXPECT_EQ(info.grpc_address(), g_fleet->decode->grpc);
+  EXPECT_NE(info.epoch(), 0u);
+  EXPECT_GT(info.block_bytes(), 0u);
+
+  grpc::ClientContext wctx;
+  wctx.set_deadline(std::chrono::system_clock::now() + 20s);
+  auto reader = worker->Watch(&wctx, pb::WatchRequest());
+  pb::WorkerUpdate u;
+  ASSERT_TRUE(reader->Read(&u));
+  ASSERT_TRUE(u.has_snapshot());
+  EXPECT_EQ(u.epoch(), info.epoch());
+  EXPECT_GE(u.snapshot().block_hashes_size(), 4);  // the warm prompt's full blocks
+  const uint64_t snapshot_id = u.snapshot_event_id();
+
+  // A new prompt: its blocks arrive as stored events after the snapshot.
+  const auto fresh = Prompt(50, 701, Vocab());
+  std::thread t([&] { ExpectMatchesReference(RunDisaggregated(fresh, 3), fresh, 3); });
+  bool stored = false, load = false;
+  uint64_t last_id = snapshot_id;
+  while ((!stored || !load) && reader->Read(&u)) {
+    if (u.has_event()) {
+      EXPECT_EQ(u.event().event_id(), last_id + 1);
+      last_id = u.event().event_id();
+      stored |= u.event().has_stored() && u.event().stored().block_hashes_size() > 0;
+    }
+    if (u.has_load()) {
+      load = true;
+      EXPECT_EQ(u.load().free_blocks() + u.load().active_decode_blocks(), kDecoderBlocks);
+    }
+  }
+  t.join();
+  EXPECT_TRUE(stored);
+  EXPECT_TRUE(load);
+  wctx.TryCancel();
+  (void)reader->Finish();
+}
+
+TEST(WorkerShutdownTest, SigtermDrainsThenExitsZero) {
+  const fs::path dir = fs::temp_directory_path() / ("tandem-serving-stop-" + std::to_string(getpid()));
+  const std::string fleet = WriteFleetFile(dir);
+  cli::Supervisor sup;
+  auto d = StartWorker(sup, fleet, "decode", "decode-stop");
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  auto stub = pb::Decoder::NewStub(grpc::CreateChannel((*d)->grpc, grpc::InsecureChannelCredentials()));
+  pb::DecodeRequest req;
+  req.set_request_id("inflight");
+  req.add_prompt_token_ids(5);
+  req.add_prompt_token_ids(6);
+  *req.mutable_params() = Greedy(4, true);
+  auto call = std::make_unique<DecodeCall>(*stub, req);
+  ASSERT_TRUE(call->ReadRegistered());
+
+  ASSERT_EQ(kill((*d)->pid, SIGTERM), 0);
+  std::this_thread::sleep_for(500ms);
+  // Draining: new work is refused, the open stream still stands.
+  req.set_request_id("late");
+  DecodeCall late(*stub, req);
+  EXPECT_FALSE(late.ReadRegistered());
+  EXPECT_EQ(late.Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+  call->Cancel();
+  (void)call->Finish();
+  EXPECT_EQ(sup.StopAll(10s), 0);
+  ASSERT_EQ(sup.children().size(), 1u);
+  const auto& c = sup.children().front();
+  EXPECT_TRUE(WIFEXITED(c.exit_status) && WEXITSTATUS(c.exit_status) == 0) << cli::DescribeExit(c);
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
+}  // namespace
+}  // namespace tandem::serving_test
