@@ -160,6 +160,10 @@ TEST_P(GenerationInvarianceTest, ThirtyTwoTogetherEqualEachAlone) {
   EngineStats stats;
   const auto together = Generate(m, cases, o, &stats);
   EXPECT_EQ(stats.preemptions, 0u);
+  // Two compute threads give the same bits.
+  EngineOptions two = o;
+  two.threads = 2;
+  EXPECT_EQ(Generate(m, cases, two), together);
   for (size_t i = 0; i < cases.size(); ++i) {
     EXPECT_EQ(together[i].size(), cases[i].params.max_tokens);
     EngineOptions alone_o;
