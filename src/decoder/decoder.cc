@@ -57,6 +57,7 @@ class Decoder::Emitter {
     std::lock_guard lock(mu_);
     done_ = true;
   }
+  bool Uses(const DecodeSink* sink) const { return sink_.get() == sink; }
 
  private:
   // The sink is called under mu_ so that its calls stay in order; sinks
@@ -143,11 +144,21 @@ Status Decoder::Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
   const std::string id = spec.request_id;
   const bool local = spec.prefill_locally;
   engine::GenerateRequest req;
+  std::shared_ptr<Emitter> superseded;
   {
     std::lock_guard lock(mu_);
     if (draining_) return UnavailableError("this decoder is shutting down");
-    if (requests_.count(id) != 0) {
-      return AlreadyExistsError(fmt::format("request '{}' is already registered", id));
+    if (auto old = requests_.find(id); old != requests_.end()) {
+      if (old->second.stage == Stage::kRunning) {
+        return AlreadyExistsError(fmt::format("request '{}' is already decoding here", id));
+      }
+      if (old->second.stage == Stage::kReserved) {
+        if (auto h = reservations_.find(old->second.reservation_id); h != reservations_.end()) {
+          h->second.orphaned = true;
+        }
+      }
+      superseded = old->second.emitter;
+      requests_.erase(old);
     }
     Entry e;
     e.emitter = std::make_shared<Emitter>(std::move(sink));
@@ -156,6 +167,9 @@ Status Decoder::Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
     e.stage = local ? Stage::kRunning : Stage::kRegistered;
     e.submitted = SteadyClock::now();
     requests_.emplace(id, std::move(e));
+  }
+  if (superseded) {
+    superseded->Error(AbortedError(fmt::format("request '{}': superseded by a new Decode stream", id)));
   }
   if (!local) return Status::Ok();
   Status s = engine_.Submit(std::move(req));
@@ -321,12 +335,13 @@ void Decoder::OnOutput(const std::string& request_id, Emitter& emitter,
   }
 }
 
-void Decoder::Cancel(const std::string& request_id) {
+void Decoder::Cancel(const std::string& request_id, const DecodeSink* sink) {
   bool abort = false;
   {
     std::lock_guard lock(mu_);
     auto it = requests_.find(request_id);
     if (it == requests_.end()) return;
+    if (sink != nullptr && !it->second.emitter->Uses(sink)) return;  // superseded
     if (it->second.stage == Stage::kReserved) {
       // The prefiller may be writing: the slots wait for its notice or lease.
       if (auto h = reservations_.find(it->second.reservation_id); h != reservations_.end()) {

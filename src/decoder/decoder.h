@@ -113,7 +113,10 @@ class Decoder {
 
   // Registers a request whose KV will come from a prefiller (or, with
   // prefill_locally, submits it to the engine). UNAVAILABLE while draining,
-  // ALREADY_EXISTS for a live id, INVALID_ARGUMENT for bad input.
+  // INVALID_ARGUMENT for bad input. A new stream for an id whose KV has not
+  // arrived yet supersedes the old one (the proxy retrying before its
+  // cancel landed): the old stream ends with ABORTED and its reservation is
+  // orphaned. ALREADY_EXISTS when that request is already decoding.
   Status Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink);
 
   // Reserves blocks for a registered request. RESOURCE_EXHAUSTED when there
@@ -127,7 +130,9 @@ class Decoder {
 
   // The request's stream went away: frees it at any stage (its reservation
   // when the prefiller can no longer write into it). The sink is not called.
-  void Cancel(const std::string& request_id);
+  // With `sink`, only the registration that uses that sink is cancelled (a
+  // superseded stream's late cancel leaves its successor alone).
+  void Cancel(const std::string& request_id, const DecodeSink* sink = nullptr);
 
   // New registrations fail with UNAVAILABLE; Reserve for registered ones
   // still works so that in-flight requests finish.

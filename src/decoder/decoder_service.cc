@@ -104,11 +104,11 @@ class DecodeStream final : public grpc::ServerWriteReactor<pb::DecodeResponse> {
   }
 
   void OnWriteDone(bool ok) override {
-    if (!ok && registered_) decoder_.Cancel(request_id_);
+    if (!ok && registered_) decoder_.Cancel(request_id_, sink_.get());
     sink_->writer().OnWriteDone(ok);
   }
   void OnCancel() override {
-    if (registered_) decoder_.Cancel(request_id_);
+    if (registered_) decoder_.Cancel(request_id_, sink_.get());
     sink_->writer().OnCancel();
   }
   void OnDone() override { delete this; }

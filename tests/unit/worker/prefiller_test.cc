@@ -1,0 +1,212 @@
+// The prefiller core without gRPC: a fake DecoderLink answers Reserve with
+// the slots of a second loopback transport ("the decoder's pool"), so the
+// pushed bytes and the notice can be checked.
+#include <cstring>
+#include <future>
+#include <sstream>
+
+#include "prefiller/prefiller.h"
+#include "worker_test_util.h"
+
+namespace tandem::worker_test {
+namespace {
+
+using prefiller::NoticeSpec;
+using prefiller::PrefillerOptions;
+using prefiller::PrefillJob;
+using prefiller::PrefillResult;
+using prefiller::ReserveTarget;
+
+// Encodes notices as "id|reservation|generation|first|code".
+class FakeLink final : public prefiller::DecoderLink {
+ public:
+  void Reserve(const PrefillJob& job, const std::string&, ReserveDone done) override {
+    std::lock_guard lock(mu_);
+    ++reserves;
+    pending.push_back(std::move(done));
+    last_prompt = job.prompt_ids;
+  }
+  std::string EncodeNotice(const NoticeSpec& n) override {
+    std::ostringstream s;
+    s << n.request_id << "|" << n.reservation_id << "|" << n.generation << "|" << n.first_token_id
+      << "|" << static_cast<int>(n.error.code());
+    return s.str();
+  }
+  // Answers the oldest pending Reserve (on another thread, as gRPC would).
+  void Answer(Result<ReserveTarget> r) {
+    ReserveDone done;
+    {
+      std::lock_guard lock(mu_);
+      ASSERT_FALSE(pending.empty());
+      done = std::move(pending.front());
+      pending.erase(pending.begin());
+    }
+    std::thread([done = std::move(done), r = std::move(r)]() mutable { done(std::move(r)); }).join();
+  }
+  size_t NumPending() {
+    std::lock_guard lock(mu_);
+    return pending.size();
+  }
+
+  std::mutex mu_;
+  int reserves = 0;
+  std::vector<ReserveDone> pending;
+  std::vector<uint32_t> last_prompt;
+};
+
+class PrefillerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    node_ = Node::Make("prefill-unit", 64);
+    ASSERT_NE(node_, nullptr);
+    kvtransfer::TransportOptions o;
+    o.backend = "loopback";
+    o.agent_name = "decode-target";
+    o.block_bytes = TinyLayout().block_bytes();
+    o.num_blocks = 16;
+    auto t = kvtransfer::CreateTransport(o);
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    target_ = std::move(t).value();
+    target_->SetNotificationCallback([this](kvtransfer::Notification n) {
+      std::lock_guard lock(mu_);
+      notices_.push_back(n.payload);
+    });
+  }
+  void MakePrefiller(uint32_t max_queue = 8) {
+    PrefillerOptions o;
+    o.name = "prefill-unit";
+    o.max_queue = max_queue;
+    prefiller_ = std::make_unique<prefiller::Prefiller>(*node_->engine, *node_->transport, link_, o);
+    prefiller_->Start();
+  }
+  PrefillJob Job(const std::string& id, const std::vector<uint32_t>& prompt) {
+    PrefillJob j;
+    j.request_id = id;
+    j.prompt_ids = prompt;
+    j.sampling = Greedy(4);
+    j.decoder_address = "fake:1";
+    j.decoder_name = "fake";
+    return j;
+  }
+  ReserveTarget Target(std::vector<uint32_t> slots, uint32_t cached, uint64_t reservation = 42) {
+    ReserveTarget t;
+    t.reservation_id = reservation;
+    t.generation = target_->generation();
+    t.transport_descriptor = target_->LocalDescriptor();
+    t.slots = std::move(slots);
+    t.cached_blocks = cached;
+    return t;
+  }
+  std::vector<std::string> Notices() {
+    std::lock_guard lock(mu_);
+    return notices_;
+  }
+  bool BlockIsZero(uint32_t slot) {
+    const std::byte* p = target_->block(slot);
+    for (uint64_t i = 0; i < target_->block_bytes(); ++i) {
+      if (p[i] != std::byte{0}) return false;
+    }
+    return true;
+  }
+
+  std::unique_ptr<Node> node_;
+  std::unique_ptr<kvtransfer::Transport> target_;
+  FakeLink link_;
+  std::unique_ptr<prefiller::Prefiller> prefiller_;
+  std::mutex mu_;
+  std::vector<std::string> notices_;
+};
+
+TEST_F(PrefillerTest, PushesOnlyTheBlocksTheDecoderLacksThenTheNotice) {
+  MakePrefiller();
+  const auto prompt = Prompt(40, 1);  // 3 blocks, the last one partial
+  std::promise<Result<PrefillResult>> done;
+  ASSERT_TRUE(prefiller_->Submit(Job("a", prompt), [&](Result<PrefillResult> r) {
+    done.set_value(std::move(r));
+  }).ok());
+  ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1; }));
+  EXPECT_EQ(link_.last_prompt, prompt);
+  link_.Answer(Target({5, 6, 7}, /*cached=*/1));
+  auto r = done.get_future().get();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->transferred_blocks, 2u);
+  EXPECT_EQ(r->decoder_cached_blocks, 1u);
+  EXPECT_EQ(r->transferred_bytes, 2 * target_->block_bytes());
+  EXPECT_GT(r->prefill_seconds, 0);
+  EXPECT_TRUE(BlockIsZero(5));  // the decoder had it: not written
+  EXPECT_FALSE(BlockIsZero(6));
+  EXPECT_FALSE(BlockIsZero(7));
+  ASSERT_TRUE(WaitFor([&] { return Notices().size() == 1; }));
+  EXPECT_EQ(Notices()[0], "a|42|" + std::to_string(target_->generation()) + "|" +
+                              std::to_string(r->first_token_id) + "|0");
+  // Everything is released: parked blocks back to the cache.
+  ASSERT_TRUE(WaitFor([&] { return node_->engine->stats().num_parked == 0; }));
+  EXPECT_EQ(node_->engine->stats().free_blocks, 64u);
+  EXPECT_EQ(prefiller_->counts().inflight, 0u);
+}
+
+TEST_F(PrefillerTest, RefusedReservationIsResourceExhaustedAndNothingRuns) {
+  MakePrefiller();
+  std::promise<Result<PrefillResult>> done;
+  ASSERT_TRUE(prefiller_->Submit(Job("a", Prompt(30, 2)), [&](Result<PrefillResult> r) {
+    done.set_value(std::move(r));
+  }).ok());
+  ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1; }));
+  link_.Answer(ResourceExhaustedError("no room"));
+  auto r = done.get_future().get();
+  EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(node_->engine->stats().prefix_query_tokens, 0u);  // never reached the engine
+  EXPECT_EQ(prefiller_->counts().reservations_refused, 1u);
+}
+
+TEST_F(PrefillerTest, OneReservationAtATimeAndAFullQueueRefusesAtOnce) {
+  MakePrefiller(/*max_queue=*/1);
+  std::atomic<int> finished{0};
+  auto count = [&](Result<PrefillResult>) { ++finished; };
+  ASSERT_TRUE(prefiller_->Submit(Job("a", Prompt(20, 3)), count).ok());
+  ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1; }));
+  // "a" is reserving; "b" waits in the queue without a reservation.
+  ASSERT_TRUE(prefiller_->Submit(Job("b", Prompt(20, 4)), count).ok());
+  EXPECT_EQ(prefiller_->Submit(Job("c", Prompt(20, 5)), count).code(),
+            StatusCode::kResourceExhausted);
+  std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(link_.reserves, 1);
+  // Cancel while queued: done at once, never reserved.
+  prefiller_->Cancel("b");
+  EXPECT_EQ(finished.load(), 1);
+  link_.Answer(ResourceExhaustedError("no room"));
+  EXPECT_EQ(finished.load(), 2);
+  EXPECT_EQ(link_.reserves, 1);
+}
+
+TEST_F(PrefillerTest, CancelWhileReservingTellsTheDecoderToFreeTheSlots) {
+  MakePrefiller();
+  std::promise<Result<PrefillResult>> done;
+  ASSERT_TRUE(prefiller_->Submit(Job("a", Prompt(20, 6)), [&](Result<PrefillResult> r) {
+    done.set_value(std::move(r));
+  }).ok());
+  ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1; }));
+  prefiller_->Cancel("a");
+  link_.Answer(Target({1, 2}, 0, /*reservation=*/7));
+  auto r = done.get_future().get();
+  EXPECT_EQ(r.status().code(), StatusCode::kCancelled);
+  ASSERT_TRUE(WaitFor([&] { return Notices().size() == 1; }));
+  EXPECT_EQ(Notices()[0], "a|7|" + std::to_string(target_->generation()) + "|0|" +
+                              std::to_string(static_cast<int>(StatusCode::kCancelled)));
+  EXPECT_TRUE(BlockIsZero(1));
+  EXPECT_TRUE(BlockIsZero(2));
+}
+
+TEST_F(PrefillerTest, ExpiredDeadlineIsRefusedAndDrainingRefusesNewWork) {
+  MakePrefiller();
+  PrefillJob j = Job("late", Prompt(10, 7));
+  j.deadline = std::chrono::system_clock::now() - 1s;
+  EXPECT_EQ(prefiller_->Submit(j, [](Result<PrefillResult>) {}).code(),
+            StatusCode::kDeadlineExceeded);
+  prefiller_->SetDraining();
+  EXPECT_EQ(prefiller_->Submit(Job("x", Prompt(10, 8)), [](Result<PrefillResult>) {}).code(),
+            StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace tandem::worker_test
