@@ -5,9 +5,11 @@
 
 #include <filesystem>
 #include <functional>
+#include <random>
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "model/utf8.h"
 #include "test_util.h"
 
 namespace tandem::model {
@@ -153,6 +155,24 @@ TEST(Tokenizer, LongInputIsNotQuadratic) {
   text += std::string(20000, 'a');  // one 20k-byte word
   const auto ids = (*tok)->Encode(text, false);
   EXPECT_EQ((*tok)->Decode(ids), text);
+}
+
+// Arbitrary bytes: Encode never fails, and decoding gives the input back with
+// invalid sequences as U+FFFD (byte-level BPE loses nothing else).
+TEST(Tokenizer, RandomBytesRoundTrip) {
+  auto tok = Tokenizer::Load(FixtureDir() + "/tokenizers/llama3_style/tokenizer.json");
+  ASSERT_TRUE(tok.ok());
+  std::mt19937 rng(7);
+  for (int i = 0; i < 300; ++i) {
+    std::string s(rng() % 64, '\0');
+    for (char& c : s) {
+      // Mostly ASCII and UTF-8 lead/continuation bytes.
+      const uint32_t r = rng() % 4;
+      c = static_cast<char>(r == 0 ? 0x80 + rng() % 0x40 : r == 1 ? 0xC2 + rng() % 0x33 : rng());
+    }
+    const auto ids = (*tok)->Encode(s, false);
+    EXPECT_EQ((*tok)->Decode(ids), internal::SanitizeUtf8(s));
+  }
 }
 
 // tokenizer.json variants that must be refused with a message.
