@@ -174,6 +174,12 @@ Status ParseConfig(const nlohmann::json& j, const std::string& file, ModelConfig
   TANDEM_ASSIGN_OR_RETURN(std::optional<bool> bias, OptBool(j, "attention_bias", file));
   c->attention_bias = c->architecture == "Qwen2ForCausalLM" ? true : bias.value_or(false);
 
+  // LayerWeights has no MLP biases; refuse rather than silently drop them.
+  TANDEM_ASSIGN_OR_RETURN(std::optional<bool> mlp_bias, OptBool(j, "mlp_bias", file));
+  if (mlp_bias.value_or(false)) {
+    return UnimplementedError(file + ": 'mlp_bias': true is not supported");
+  }
+
   TANDEM_ASSIGN_OR_RETURN(std::optional<std::string> dtype, OptString(j, "torch_dtype", file));
   if (!dtype) {
     TANDEM_ASSIGN_OR_RETURN(dtype, OptString(j, "dtype", file));  // transformers 5

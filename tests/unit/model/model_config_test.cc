@@ -152,6 +152,11 @@ TEST(ModelConfig, Errors) {
   }
   {
     auto j = Base();
+    j["mlp_bias"] = true;
+    EXPECT_NE(ErrorFor(j).find("'mlp_bias'"), std::string::npos);
+  }
+  {
+    auto j = Base();
     j.erase("architectures");
     EXPECT_NE(ErrorFor(j).find("'architectures'"), std::string::npos);
   }

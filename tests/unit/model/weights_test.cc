@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/safetensors.h"
+#include "model/tokenizer.h"
 #include "test_util.h"
 
 namespace tandem::model {
@@ -98,6 +99,24 @@ TEST(Weights, F32SingleFile) { ExpectMatchesFixture("llama_f32"); }
 TEST(Weights, Bf16ThreeShards) { ExpectMatchesFixture("llama_bf16_sharded"); }
 TEST(Weights, F16TiedWithBias) { ExpectMatchesFixture("qwen2_f16_tied"); }
 TEST(Weights, F16TwoShards) { ExpectMatchesFixture("mistral_f16_sharded"); }
+
+// The bundled model (models/tandem-kjv, when present): config, weights and
+// tokenizer load and agree with one another.
+TEST(Weights, BundledModelLoads) {
+  const std::string dir = std::string(TANDEM_SOURCE_DIR) + "/models/tandem-kjv";
+  if (!fs::exists(dir + "/config.json")) GTEST_SKIP() << dir << " is absent";
+  auto config = LoadModelConfig(dir);
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  auto w = LoadWeights(dir, *config);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  EXPECT_EQ(w->layers.size(), config->num_hidden_layers);
+  EXPECT_EQ(w->embed_tokens.rows, config->vocab_size);
+  auto tok = Tokenizer::Load(dir);
+  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+  EXPECT_LE((*tok)->vocab_size(), config->vocab_size);
+  ASSERT_FALSE(config->eos_token_ids.empty());
+  for (uint32_t eos : config->eos_token_ids) EXPECT_TRUE((*tok)->IsSpecial(eos)) << eos;
+}
 
 TEST(Weights, HalfAndBfloat16Conversion) {
   EXPECT_EQ(HalfToFloat(0x3C00), 1.0f);
