@@ -82,7 +82,11 @@ inline __attribute__((always_inline)) void WeightedVSumAny(const KvCacheView& vi
                                                            int keys, const float* w, float* acc) {
   const int hd = view.head_dim, bs = view.block_size;
   const int nc = (hd + internal::kLanes - 1) / internal::kLanes;
-  std::vector<V16> part(static_cast<size_t>(kVParts) * nc, V16{});
+  // Float storage with Load/Store (a std::vector<V16> would not keep the
+  // vector type's 64-byte alignment).
+  thread_local std::vector<float> part;
+  const size_t part_floats = static_cast<size_t>(nc) * internal::kLanes;
+  part.assign(kVParts * part_floats, 0.0f);
   for (int j0 = 0, b = 0; j0 < keys; j0 += bs, ++b) {
     const float* vb = view.V(block_table[b], layer, kvh, 0);
     const int n = std::min(bs, keys - j0);
@@ -90,14 +94,18 @@ inline __attribute__((always_inline)) void WeightedVSumAny(const KvCacheView& vi
       const int j = j0 + t;
       const V16 wj = internal::Splat(w[j]);
       const float* vr = vb + static_cast<size_t>(t) * hd;
-      V16* p = part.data() + static_cast<size_t>(j % kVParts) * nc;
-      for (int c = 0; c < nc; ++c) p[c] += wj * VChunk(vr, c, hd);
+      float* p = part.data() + static_cast<size_t>(j % kVParts) * part_floats;
+      for (int c = 0; c < nc; ++c) {
+        float* pc = p + c * internal::kLanes;
+        internal::Store(pc, internal::Load(pc) + wj * VChunk(vr, c, hd));
+      }
     }
   }
   for (int c = 0; c < nc; ++c) {
+    const float* p = part.data() + c * internal::kLanes;
     internal::Store(acc + c * internal::kLanes,
-                    (part[c] + part[static_cast<size_t>(nc) + c]) +
-                        (part[2 * static_cast<size_t>(nc) + c] + part[3 * static_cast<size_t>(nc) + c]));
+                    (internal::Load(p) + internal::Load(p + part_floats)) +
+                        (internal::Load(p + 2 * part_floats) + internal::Load(p + 3 * part_floats)));
   }
 }
 
