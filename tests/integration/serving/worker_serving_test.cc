@@ -335,6 +335,79 @@ TEST_F(WorkerServingTest, CancelAtEveryStageFreesEverything) {
   ExpectMatchesReference(RunDisaggregated(again, 5), again, 5);
 }
 
+TEST_F(WorkerServingTest, CancelsAtRandomPointsLeaveNothingBehind) {
+  // Concurrent requests, each cancelled at one of: right after
+  // `registered`, while its Prefill runs, after some tokens, or never.
+  constexpr int kN = 32;
+  std::vector<std::thread> threads;
+  std::atomic<int> completed{0};
+  for (int i = 0; i < kN; ++i) {
+    threads.emplace_back([&, i] {
+      const auto prompt = Prompt(10 + (i * 13) % 90, 800 + i, Vocab());
+      const std::string id = NewId("rnd");
+      DecodeCall call(*g_fleet->decoder, MakeDecode(id, prompt, 30));
+      if (!call.ReadRegistered()) return;
+      const int stage = i % 4;
+      if (stage == 0) {
+        call.Cancel();
+        (void)call.Finish();
+        return;
+      }
+      grpc::ClientContext pctx;
+      pb::PrefillResponse resp;
+      if (stage == 1) {
+        std::thread canceller([&] {
+          std::this_thread::sleep_for(std::chrono::microseconds(200 * (i % 7)));
+          pctx.TryCancel();
+          call.Cancel();
+        });
+        (void)g_fleet->prefiller->Prefill(&pctx, MakePrefill(id, prompt, 30), &resp);
+        canceller.join();
+        (void)call.Finish();
+        return;
+      }
+      if (!g_fleet->prefiller->Prefill(&pctx, MakePrefill(id, prompt, 30), &resp).ok()) {
+        call.Cancel();
+        (void)call.Finish();
+        return;
+      }
+      Outcome o;
+      call.ReadInto(o, stage == 2 ? 1 + i % 3 : 0);
+      if (stage == 2) call.Cancel();
+      if (call.Finish().ok()) ++completed;
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_GE(completed.load(), kN / 4 - 1);
+  EXPECT_EQ(WaitForIdle(g_fleet->decode->metrics, 15s), "");
+  EXPECT_EQ(WaitForIdle(g_fleet->prefill->metrics), "");
+  const auto again = Prompt(33, 899, Vocab());
+  ExpectMatchesReference(RunDisaggregated(again, 6), again, 6);
+}
+
+TEST_F(WorkerServingTest, BadInputIsRefusedBeforeAnythingIsReserved) {
+  auto bad = Prompt(10, 900, Vocab());
+  bad[3] = g_fleet->ref.config.vocab_size;  // one past the vocabulary
+  DecodeCall call(*g_fleet->decoder, MakeDecode(NewId("bad"), bad, 4));
+  EXPECT_FALSE(call.ReadRegistered());
+  const grpc::Status st = call.Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("out of range"), std::string::npos) << st.error_message();
+
+  const auto good = Prompt(10, 901, Vocab());
+  const uint32_t too_many = g_fleet->ref.config.max_position_embeddings;
+  DecodeCall call2(*g_fleet->decoder, MakeDecode(NewId("long"), good, too_many));
+  EXPECT_FALSE(call2.ReadRegistered());
+  EXPECT_EQ(call2.Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
+  grpc::ClientContext pctx;
+  pb::PrefillResponse resp;
+  EXPECT_EQ(g_fleet->prefiller->Prefill(&pctx, MakePrefill(NewId("bad"), bad, 4), &resp).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(WaitForIdle(g_fleet->decode->metrics), "");
+  EXPECT_EQ(WaitForIdle(g_fleet->prefill->metrics), "");
+}
+
 TEST_F(WorkerServingTest, WatchDeliversSnapshotEventsAndLoad) {
   const auto warm = Prompt(64, 700, Vocab());
   ExpectMatchesReference(RunDisaggregated(warm, 3), warm, 3);
