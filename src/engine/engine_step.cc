@@ -60,6 +60,7 @@ void Engine::Loop(std::stop_token stop) {
 }
 
 bool Engine::Step() {
+  TANDEM_CHECK(!thread_.joinable(), "Step() on an engine whose thread is running");
   Deliveries out;
   bool worked;
   {
