@@ -1,0 +1,100 @@
+// `--join`: a worker registers with the proxy's Registry before it reports
+// ready, and exits 1 with the proxy's reason when refused. This test serves
+// a Registry itself (the proxy's own tests cover the real one).
+#include <sys/wait.h>
+
+#include <mutex>
+
+#include "common/rpc_server.h"
+#include "serving_harness.h"
+
+namespace tandem::serving_test {
+namespace {
+
+class FakeRegistry final : public pb::Registry::Service {
+ public:
+  explicit FakeRegistry(std::string refuse) : refuse_(std::move(refuse)) {}
+  grpc::Status Register(grpc::ServerContext*, const pb::RegisterRequest* req,
+                        pb::RegisterResponse* resp) override {
+    {
+      std::lock_guard lock(mu_);
+      seen_.push_back(req->worker());
+    }
+    if (!refuse_.empty()) {
+      resp->mutable_error()->set_code(static_cast<int>(grpc::StatusCode::FAILED_PRECONDITION));
+      resp->mutable_error()->set_message(refuse_);
+    }
+    return grpc::Status::OK;
+  }
+  std::vector<pb::WorkerInfo> seen() {
+    std::lock_guard lock(mu_);
+    return seen_;
+  }
+
+ private:
+  const std::string refuse_;
+  std::mutex mu_;
+  std::vector<pb::WorkerInfo> seen_;
+};
+
+class WorkerJoinTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("tandem-join-" + std::to_string(getpid()));
+    fleet_ = WriteFleetFile(dir_);
+  }
+  void TearDown() override {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+  Result<cli::Child*> StartJoining(cli::Supervisor& sup, const std::string& registry) {
+    cli::ChildSpec spec;
+    spec.name = "decode-join";
+    spec.role = "decode";
+    spec.argv = {std::string(TANDEM_BINARY_DIR) + "/tandem", "--log-level", "warn", "decode",
+                 "--config", fleet_, "--name", "decode-join", "--join", registry, "--grpc",
+                 "127.0.0.1:0", "--metrics", "127.0.0.1:0"};
+    return sup.Start(std::move(spec), 60s);
+  }
+  fs::path dir_;
+  std::string fleet_;
+};
+
+TEST_F(WorkerJoinTest, RegistersItsRealAddressesAndGeometryBeforeReady) {
+  FakeRegistry registry("");
+  auto server = RpcServer::Start("127.0.0.1:0", {&registry});
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  cli::Supervisor sup;
+  auto child = StartJoining(sup, (*server)->address());
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+  const auto seen = registry.seen();
+  ASSERT_EQ(seen.size(), 1u);
+  const pb::WorkerInfo& w = seen[0];
+  EXPECT_EQ(w.name(), "decode-join");
+  EXPECT_EQ(w.role(), pb::WORKER_ROLE_DECODE);
+  EXPECT_EQ(w.grpc_address(), (*child)->grpc);
+  EXPECT_EQ(w.metrics_address(), (*child)->metrics);
+  EXPECT_EQ(w.block_size(), kBlockSize);
+  EXPECT_EQ(w.num_blocks(), kDecoderBlocks);
+  EXPECT_EQ(w.kv_dtype(), "f32");
+  EXPECT_EQ(w.transport_backend(), "ucx");
+  EXPECT_EQ(w.protocol_version(), 1u);
+  EXPECT_NE(w.epoch(), 0u);
+  EXPECT_EQ(sup.StopAll(10s), 0);
+}
+
+TEST_F(WorkerJoinTest, RefusalIsPrintedAndExitsOne) {
+  FakeRegistry registry("block_size 16 differs from the fleet's 32");
+  auto server = RpcServer::Start("127.0.0.1:0", {&registry});
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  cli::Supervisor sup;
+  auto child = StartJoining(sup, (*server)->address());
+  ASSERT_FALSE(child.ok());
+  EXPECT_NE(child.status().message().find("exited with status 1"), std::string::npos)
+      << child.status().message();
+  ASSERT_EQ(sup.children().size(), 1u);
+  EXPECT_EQ(WEXITSTATUS(sup.children().front().exit_status), 1);
+}
+
+}  // namespace
+}  // namespace tandem::serving_test
