@@ -254,11 +254,15 @@ void Drain(Worker& w, double drain_seconds) {
   if (w.engine && w.Inflight() > 0) {
     spdlog::warn("{} requests still in flight after {} s; stopping anyway", w.Inflight(), drain_seconds);
   }
+  spdlog::debug("drain: in-flight work done; stopping Watch streams");
   if (w.worker_service) w.worker_service->Stop();
+  spdlog::debug("drain: shutting the gRPC server down");
   if (w.server) w.server->Shutdown(1000);
+  spdlog::debug("drain: stopping the prefiller, decoder and engine");
   if (w.prefiller) w.prefiller->Stop();
   if (w.decoder) w.decoder->Stop();
   if (w.engine) w.engine->Stop();
+  spdlog::debug("drain: done");
 }
 
 }  // namespace
@@ -317,7 +321,7 @@ int RunWorker(const WorkerCommand& cmd) {
   const int sig = WaitForStopSignal(stop_set);
   spdlog::info("{} received signal {}: draining (up to {} s)", name, sig, cmd.drain_seconds);
   Drain(*w, cmd.drain_seconds);
-  w.reset();
+  w.reset();  // then the metrics exposer, the transport (UCX) and the model
   spdlog::info("{} stopped", name);
   return 0;
 }
