@@ -34,8 +34,8 @@ golden.json:
   min_new_tokens=64) with eos disabled (eos_token_id=None): generation runs past
   eos, exactly 64 tokens. For the tiny models, random prompts are redrawn until
   every greedy step wins by at least 2e-3 (so a 1e-3 logit tolerance cannot flip
-  a token). They are cross-checked against an argmax loop over full
-  (cache-free) forward passes. The bundled model's cases also carry "prompt_text"
+  a token). For prompts of <= 100 tokens they are cross-checked against an
+  argmax loop over full (cache-free) forward passes. The bundled model's cases also carry "prompt_text"
   and "add_special_tokens" (whether BOS was prepended by the tokenizer).
 """
 import argparse
@@ -100,12 +100,14 @@ def run_case(model, prompt_ids, positions):
         top2 = torch.topk(step_logits[0].float(), 2).values
         margins.append(r6((top2[0] - top2[1]).item()))
 
-    # Cross-check: argmax over full forward passes, no KV cache.
-    seq = list(prompt_ids)
-    for _ in range(N_NEW):
-        seq.append(int(model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
-    if seq[len(prompt_ids):] != greedy:
-        print("WARNING: generate() and the cache-free argmax loop disagree", file=sys.stderr)
+    # Cross-check: argmax over full forward passes, no KV cache (short prompts
+    # only: for long ones it costs minutes on a small CPU).
+    if len(prompt_ids) <= 100:
+        seq = list(prompt_ids)
+        for _ in range(N_NEW):
+            seq.append(int(model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+        if seq[len(prompt_ids):] != greedy:
+            print("WARNING: generate() and the cache-free argmax loop disagree", file=sys.stderr)
     return rows, greedy, margins
 
 
@@ -229,7 +231,11 @@ def make_kjv():
     prompts = [
         ("single_bos", None, [tok.bos_token_id], False),
         ("in_the_beginning", "In the beginning", None, True),
-        ("lord_said_unto_moses", "And the LORD said unto Moses", None, True),
+        # Text prompts may list candidates: the first whose greedy steps all win
+        # by MIN_MARGIN is used ("And the LORD said unto Moses" has a step won
+        # by 1.4e-4 with the committed weights).
+        ("lord_spake_unto_moses", ["And the LORD said unto Moses", "And the LORD spake unto Moses, saying",
+                                   "And Moses said unto the LORD"], None, True),
         ("no_bos_mid_verse", " and the children of Israel went", None, False),
         ("chatml", None, None, False),
         ("psalm119_350", None, long_ids[:350], True),
@@ -237,6 +243,14 @@ def make_kjv():
     ]
     cases = []
     for name, text, ids, add_special in prompts:
+        if isinstance(text, list):
+            for cand in text:
+                ids = tok(cand, add_special_tokens=add_special)["input_ids"]
+                _, _, margins = run_case(m, ids, [len(ids) - 1])
+                if min(margins) >= MIN_MARGIN:
+                    break
+                print(f"  {name}: skipping {cand!r} (greedy margin {min(margins):.3g})")
+            text = cand
         if name == "chatml":
             text = tok.apply_chat_template([{"role": "user", "content": "Who made the heaven and the earth?"}],
                                            tokenize=False, add_generation_prompt=True)
