@@ -311,14 +311,25 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
   }
   if (!add) return;
   Status s = engine_.AddPrefilled(n.reservation_id, std::move(req), n.first_token_id);
-  if (!s.ok()) {
-    engine_.ReleaseReservation(n.reservation_id).IgnoreError();  // NOT_FOUND if consumed
+  if (s.ok()) {
+    // A cancel that came between the notice and AddPrefilled found nothing
+    // to abort in the engine yet: abort now so the blocks come back.
+    bool cancelled;
     {
       std::lock_guard lock(mu_);
-      requests_.erase(n.request_id);
+      auto it = requests_.find(n.request_id);
+      cancelled = it == requests_.end() || it->second.emitter != emitter;
     }
-    Fail(emitter, s.WithContext("adding the prefilled request"));
+    if (cancelled) engine_.Abort(n.request_id).IgnoreError();  // NOT_FOUND if it finished
+    return;
   }
+  engine_.ReleaseReservation(n.reservation_id).IgnoreError();  // NOT_FOUND if consumed
+  {
+    std::lock_guard lock(mu_);
+    auto it = requests_.find(n.request_id);
+    if (it != requests_.end() && it->second.emitter == emitter) requests_.erase(it);
+  }
+  Fail(emitter, s.WithContext("adding the prefilled request"));
 }
 
 void Decoder::OnOutput(const std::string& request_id, Emitter& emitter,
