@@ -1,0 +1,233 @@
+#include "fleet_harness.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "common/net.h"
+#include "common/rpc_server.h"
+#include "tandem/v1/generation.grpc.pb.h"
+
+namespace tandem::testing {
+
+namespace fs = std::filesystem;
+namespace pb = ::tandem::v1;
+
+std::string BundledModel() { return std::string(TANDEM_SOURCE_DIR) + "/models/tandem-kjv"; }
+
+static std::string Tandem() { return std::string(TANDEM_BINARY_DIR) + "/tandem"; }
+
+Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
+  auto f = std::make_unique<Fleet>();
+  char tmpl[] = "/tmp/tandem-fleet-XXXXXX";
+  if (!mkdtemp(tmpl)) return InternalError("mkdtemp failed");
+  f->dir_ = tmpl;
+  f->config_path_ = f->dir_ + "/fleet.yaml";
+  {
+    std::ofstream y(f->config_path_);
+    y << fmt::format(
+        "model:\n  path: {}\ncache:\n  block_size: 16\n  num_blocks: {}\n"
+        "scheduler:\n  max_num_seqs: {}\n  max_batched_tokens: {}\n  max_waiting: {}\n"
+        "proxy:\n  grpc: 127.0.0.1:0\n  http: 127.0.0.1:0\n  metrics: 127.0.0.1:0\n"
+        "  max_inflight: {}\n  max_tokens_limit: 512\n"
+        "router:\n  policy: {}\n"
+        "logging:\n  level: warn\n",
+        BundledModel(), o.num_blocks, o.max_num_seqs, o.max_batched_tokens, o.max_waiting,
+        o.max_inflight, o.policy);
+    for (auto [role, n] : {std::pair{"prefill", o.prefill}, {"decode", o.decode}, {"both", o.both}}) {
+      y << fmt::format("{}:\n  replicas: {}\n  grpc: 127.0.0.1:0\n  metrics: 127.0.0.1:0\n",
+                       role, n);
+    }
+    y << o.extra_yaml;
+  }
+  const std::string state = f->dir_ + "/state.json";
+  const std::string log = f->dir_ + "/launch.log";
+  f->pid_ = fork();
+  if (f->pid_ == 0) {
+    const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, 1);
+    dup2(fd, 2);
+    const std::string bin = Tandem();
+    execl(bin.c_str(), bin.c_str(), "launch", f->config_path_.c_str(), "--state-file",
+          state.c_str(), nullptr);
+    _exit(127);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!fs::exists(state)) {
+    int st = 0;
+    if (waitpid(f->pid_, &st, WNOHANG) == f->pid_) {
+      f->pid_ = -1;
+      std::ifstream in(log);
+      std::stringstream ss;
+      ss << in.rdbuf();
+      return UnavailableError("tandem launch exited early:\n" + ss.str());
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      return DeadlineExceededError("the fleet was not ready within 120 s");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  std::ifstream in(state);
+  auto j = nlohmann::json::parse(in);
+  f->proxy_grpc_ = j["proxy"]["grpc"];
+  f->proxy_metrics_ = j["proxy"]["metrics"];
+  for (const auto& w : j["workers"]) {
+    f->workers_.push_back({w["role"], w.value("name", ""), w["grpc"], w["metrics"], w["pid"]});
+  }
+  return f;
+}
+
+Result<int> Fleet::Stop(std::chrono::seconds grace) {
+  if (pid_ <= 0) return InternalError("not running");
+  kill(pid_, SIGTERM);
+  const auto deadline = std::chrono::steady_clock::now() + grace;
+  int st = 0;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (waitpid(pid_, &st, WNOHANG) == pid_) {
+      pid_ = -1;
+      return st;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return DeadlineExceededError("the launcher did not stop in time");
+}
+
+Fleet::~Fleet() {
+  if (pid_ > 0) {
+    if (!Stop(std::chrono::seconds(20)).ok()) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+  std::error_code ec;
+  if (!dir_.empty() && !getenv("TANDEM_KEEP_TEST_DIRS")) fs::remove_all(dir_, ec);
+}
+
+Result<Completion> Generate(const std::string& proxy, const GenerateArgs& a) {
+  auto channel = grpc::CreateChannel(proxy, grpc::InsecureChannelCredentials());
+  auto stub = pb::Generation::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + a.timeout);
+  pb::GenerateRequest req;
+  req.set_model(a.model);
+  req.set_prompt(a.prompt);
+  for (uint32_t t : a.prompt_ids) req.add_prompt_token_ids(t);
+  if (a.max_tokens) req.set_max_tokens(*a.max_tokens);
+  if (a.temperature) req.mutable_sampling()->set_temperature(*a.temperature);
+  if (a.top_p) req.mutable_sampling()->set_top_p(*a.top_p);
+  if (a.seed) req.mutable_sampling()->set_seed(*a.seed);
+  for (const auto& s : a.stop) req.add_stop(s);
+  req.set_ignore_eos(a.ignore_eos);
+  auto reader = stub->Generate(&ctx, req);
+  Completion c;
+  pb::GenerateResponse resp;
+  while (reader->Read(&resp)) {
+    ++c.messages;
+    c.token_ids.insert(c.token_ids.end(), resp.token_ids().begin(), resp.token_ids().end());
+    c.text += resp.text();
+    if (resp.finish_reason() != pb::FINISH_REASON_UNSPECIFIED) {
+      c.finish_reason = resp.finish_reason();
+      c.prompt_tokens = resp.usage().prompt_tokens();
+      c.completion_tokens = resp.usage().completion_tokens();
+      c.cached_prompt_tokens = resp.usage().cached_prompt_tokens();
+    }
+  }
+  grpc::Status st = reader->Finish();
+  if (!st.ok()) return FromGrpcStatus(st);
+  return c;
+}
+
+Result<std::vector<uint32_t>> ReferenceGenerate(const std::vector<uint32_t>& prompt_ids,
+                                                uint32_t max_tokens) {
+  std::string ids;
+  for (uint32_t t : prompt_ids) {
+    if (!ids.empty()) ids.push_back(',');
+    ids += std::to_string(t);
+  }
+  const std::string cmd = fmt::format(
+      "{} generate --model {} --prompt-ids {} --max-tokens {} --temperature 0 --ignore-eos "
+      "--json 2>/dev/null",
+      Tandem(), BundledModel(), ids, max_tokens);
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return InternalError("popen failed");
+  std::string out;
+  std::array<char, 4096> buf;
+  while (size_t n = fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
+  const int status = pclose(p);
+  if (status != 0) return InternalError(fmt::format("tandem generate failed ({}): {}", status, out));
+  try {
+    auto j = nlohmann::json::parse(out);
+    return j.at("token_ids").get<std::vector<uint32_t>>();
+  } catch (const std::exception& e) {
+    return InternalError(fmt::format("bad JSON from tandem generate: {}: {}", e.what(), out));
+  }
+}
+
+Result<std::string> Scrape(const std::string& address) {
+  TANDEM_ASSIGN_OR_RETURN(HostPort hp, ParseHostPort(address));
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(hp.port);
+  inet_pton(AF_INET, hp.host.c_str(), &sa.sin_addr);
+  timeval tv{10, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
+    close(fd);
+    return UnavailableError("cannot connect to " + address);
+  }
+  const std::string req = "GET /metrics HTTP/1.0\r\nHost: " + address + "\r\n\r\n";
+  if (write(fd, req.data(), req.size()) < 0) {
+    close(fd);
+    return UnavailableError("write failed");
+  }
+  std::string resp;
+  char buf[8192];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof(buf))) > 0) resp.append(buf, static_cast<size_t>(n));
+  close(fd);
+  const auto body = resp.find("\r\n\r\n");
+  if (body == std::string::npos) return UnavailableError("no HTTP body from " + address);
+  return resp.substr(body + 4);
+}
+
+double MetricValue(const std::string& text, const std::string& metric) {
+  double sum = 0;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(metric, 0) != 0) continue;
+    const char next = line.size() > metric.size() ? line[metric.size()] : '\0';
+    if (next != '{' && next != ' ') continue;
+    sum += std::stod(line.substr(line.rfind(' ') + 1));
+  }
+  return sum;
+}
+
+std::vector<uint32_t> PromptIds(uint32_t seed, uint32_t n, uint32_t vocab, uint32_t prefix_seed,
+                                uint32_t shared) {
+  std::vector<uint32_t> out;
+  std::mt19937 shared_rng(prefix_seed * 7919 + 1);
+  std::mt19937 rng(seed * 104729 + 17);
+  for (uint32_t i = 0; i < n; ++i) {
+    out.push_back(i < shared ? shared_rng() % vocab : rng() % vocab);
+  }
+  return out;
+}
+
+}  // namespace tandem::testing

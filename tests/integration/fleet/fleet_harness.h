@@ -1,0 +1,100 @@
+// Test harness: a real fleet started with `tandem launch` (real processes,
+// real gRPC, real UCX, loopback only), a public-API client, /metrics
+// scraping and `tandem generate` as the reference.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace tandem::testing {
+
+struct FleetOptions {
+  int prefill = 1;
+  int decode = 1;
+  int both = 0;
+  uint32_t num_blocks = 512;
+  uint32_t max_batched_tokens = 128;  // small, so that long prompts are chunked
+  uint32_t max_num_seqs = 64;
+  uint32_t max_waiting = 256;
+  uint32_t max_inflight = 1024;
+  std::string policy = "round_robin";
+  std::string extra_yaml;  // appended verbatim
+};
+
+struct WorkerAddr {
+  std::string role, name, grpc, metrics;
+  pid_t pid = -1;
+};
+
+class Fleet {
+ public:
+  // Writes a fleet file into a fresh temp dir and runs `tandem launch` on it;
+  // waits (bounded) for the state file.
+  static Result<std::unique_ptr<Fleet>> Launch(const FleetOptions& options);
+  ~Fleet();  // SIGTERM to the launcher, SIGKILL after a grace period
+
+  const std::string& proxy_grpc() const { return proxy_grpc_; }
+  const std::string& proxy_metrics() const { return proxy_metrics_; }
+  const std::vector<WorkerAddr>& workers() const { return workers_; }
+  const std::string& config_path() const { return config_path_; }
+  pid_t launcher_pid() const { return pid_; }
+  // Sends SIGTERM to the launcher and waits (bounded) for it; returns its exit status.
+  Result<int> Stop(std::chrono::seconds grace);
+
+ private:
+  pid_t pid_ = -1;
+  std::string dir_, config_path_, proxy_grpc_, proxy_metrics_;
+  std::vector<WorkerAddr> workers_;
+};
+
+// The bundled model's folder.
+std::string BundledModel();
+
+struct Completion {
+  std::vector<uint32_t> token_ids;
+  std::string text;
+  int finish_reason = 0;  // tandem.v1.FinishReason
+  uint32_t prompt_tokens = 0, completion_tokens = 0, cached_prompt_tokens = 0;
+  int messages = 0;
+};
+
+struct GenerateArgs {
+  std::string prompt;
+  std::vector<uint32_t> prompt_ids;
+  std::optional<uint32_t> max_tokens;
+  std::optional<float> temperature = 0.0f;
+  std::optional<float> top_p;
+  std::optional<uint64_t> seed;
+  std::vector<std::string> stop;
+  bool ignore_eos = true;
+  std::string model;
+  std::chrono::milliseconds timeout{60000};
+};
+
+// One Generate call on the public API; non-OK status as the error.
+Result<Completion> Generate(const std::string& proxy, const GenerateArgs& args);
+
+// `tandem generate --json` in a subprocess (the single-process reference).
+Result<std::vector<uint32_t>> ReferenceGenerate(const std::vector<uint32_t>& prompt_ids,
+                                                uint32_t max_tokens);
+
+// GET http://ADDRESS/metrics.
+Result<std::string> Scrape(const std::string& address);
+// Sum of the samples of `metric` (exact name, any labels) in Prometheus text.
+double MetricValue(const std::string& text, const std::string& metric);
+
+// Deterministic prompt token ids: `n` ids from a seeded stream, all below
+// `vocab`; prompts with the same `prefix_seed` share their first
+// `shared` tokens.
+std::vector<uint32_t> PromptIds(uint32_t seed, uint32_t n, uint32_t vocab,
+                                uint32_t prefix_seed = 0, uint32_t shared = 0);
+
+}  // namespace tandem::testing

@@ -1,0 +1,326 @@
+// Issue 5's acceptance tests: greedy output through 1P1D, 2P2D and the
+// aggregated topology equals `tandem generate` token for token, sent one at
+// a time and all at once; 64 concurrent streams; cancels at random points
+// leave no KV block held; every bad input gets its status and the fleet
+// keeps serving.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+
+#include "cli/supervisor.h"
+#include "fleet_harness.h"
+#include "tandem/v1/generation.grpc.pb.h"
+
+namespace tandem::testing {
+namespace {
+
+constexpr uint32_t kVocab = 4096;
+constexpr uint32_t kMaxTokens = 16;
+
+bool HaveModel() { return std::filesystem::exists(BundledModel() + "/model.safetensors"); }
+
+// 64 prompts: lengths 1 .. ~300 tokens, groups of four sharing a 64-token
+// prefix, several longer than one 128-token chunk.
+std::vector<std::vector<uint32_t>> Prompts() {
+  std::vector<std::vector<uint32_t>> p;
+  for (uint32_t i = 0; i < 64; ++i) {
+    const uint32_t len = 1 + (i * 37) % 300;
+    const bool shared = i % 2 == 0 && len > 64;
+    p.push_back(PromptIds(i + 1, len, kVocab, shared ? 1 + (i / 8) : 0, shared ? 64 : 0));
+  }
+  return p;
+}
+
+// `tandem generate` once per prompt, shared by every test of this binary.
+const std::vector<std::vector<uint32_t>>& References() {
+  static std::vector<std::vector<uint32_t>> refs = [] {
+    std::vector<std::vector<uint32_t>> r;
+    for (const auto& p : Prompts()) {
+      auto ids = ReferenceGenerate(p, kMaxTokens);
+      r.push_back(ids.ok() ? *ids : std::vector<uint32_t>{});
+      EXPECT_TRUE(ids.ok()) << ids.status().ToString();
+    }
+    return r;
+  }();
+  return refs;
+}
+
+struct Topology {
+  const char* name;
+  int prefill, decode, both;
+};
+
+class FleetEquivalence : public ::testing::TestWithParam<Topology> {};
+
+void ExpectMatches(const Result<Completion>& c, const std::vector<uint32_t>& prompt,
+                   const std::vector<uint32_t>& ref, size_t i) {
+  ASSERT_TRUE(c.ok()) << "prompt " << i << ": " << c.status().ToString();
+  EXPECT_EQ(c->token_ids, ref) << "prompt " << i << " (" << prompt.size() << " tokens)";
+  EXPECT_EQ(c->finish_reason, 2) << "prompt " << i;  // LENGTH
+  EXPECT_EQ(c->prompt_tokens, prompt.size()) << "prompt " << i;
+  EXPECT_EQ(c->completion_tokens, kMaxTokens) << "prompt " << i;
+}
+
+TEST_P(FleetEquivalence, GreedyOutputEqualsGenerate) {
+  if (!HaveModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
+  const auto& refs = References();
+  const auto prompts = Prompts();
+  FleetOptions o;
+  o.prefill = GetParam().prefill;
+  o.decode = GetParam().decode;
+  o.both = GetParam().both;
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  const std::string proxy = (*fleet)->proxy_grpc();
+
+  // One at a time (the first 50).
+  for (size_t i = 0; i < 50; ++i) {
+    GenerateArgs a;
+    a.prompt_ids = prompts[i];
+    a.max_tokens = kMaxTokens;
+    ExpectMatches(Generate(proxy, a), prompts[i], refs[i], i);
+  }
+  // All 64 at once.
+  std::vector<std::future<Result<Completion>>> futures;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    futures.push_back(std::async(std::launch::async, [&, i] {
+      GenerateArgs a;
+      a.prompt_ids = prompts[i];
+      a.max_tokens = kMaxTokens;
+      return Generate(proxy, a);
+    }));
+  }
+  for (size_t i = 0; i < futures.size(); ++i) ExpectMatches(futures[i].get(), prompts[i], refs[i], i);
+
+  // Prompts sharing a prefix were served from a prefix cache somewhere.
+  double hits = 0;
+  for (const auto& w : (*fleet)->workers()) {
+    auto m = Scrape(w.metrics);
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    hits += MetricValue(*m, "tandem_prefix_cache_hits_tokens_total");
+  }
+  EXPECT_GT(hits, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Topologies, FleetEquivalence,
+                         ::testing::Values(Topology{"1p1d", 1, 1, 0}, Topology{"2p2d", 2, 2, 0},
+                                           Topology{"aggregated", 0, 0, 2}),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// Waits (bounded) until every worker reports an idle KV cache.
+void ExpectWorkersIdle(const Fleet& fleet) {
+  for (const auto& w : fleet.workers()) {
+    double usage = -1, running = -1, waiting = -1;
+    for (int i = 0; i < 200; ++i) {
+      auto m = Scrape(w.metrics);
+      ASSERT_TRUE(m.ok()) << m.status().ToString();
+      usage = MetricValue(*m, "tandem_kv_cache_usage_ratio");
+      running = MetricValue(*m, "tandem_num_requests_running");
+      waiting = MetricValue(*m, "tandem_num_requests_waiting");
+      if (usage == 0 && running == 0 && waiting == 0) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    EXPECT_EQ(usage, 0) << w.name << " still holds KV blocks";
+    EXPECT_EQ(running, 0) << w.name;
+    EXPECT_EQ(waiting, 0) << w.name;
+  }
+}
+
+TEST(Fleet, CancelAtRandomPointsFreesEveryBlock) {
+  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  FleetOptions o;
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  const std::string proxy = (*fleet)->proxy_grpc();
+  auto channel = grpc::CreateChannel(proxy, grpc::InsecureChannelCredentials());
+  auto stub = tandem::v1::Generation::NewStub(channel);
+
+  constexpr int kRequests = 500, kConcurrency = 25;
+  std::atomic<int> next{0}, completed{0}, cancelled{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kConcurrency; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      for (int i = next++; i < kRequests; i = next++) {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+        tandem::v1::GenerateRequest req;
+        for (uint32_t id : PromptIds(1000 + i, 20 + rng() % 250, kVocab)) {
+          req.add_prompt_token_ids(id);
+        }
+        req.set_max_tokens(8 + rng() % 24);
+        req.mutable_sampling()->set_temperature(0);
+        req.set_ignore_eos(true);
+        auto reader = stub->Generate(&ctx, req);
+        // Cancel before anything (0), after the first message, or mid-stream.
+        const int cut = static_cast<int>(rng() % 4);
+        std::thread canceller;
+        if (cut == 0) canceller = std::thread([&ctx, d = rng() % 3000] {
+          std::this_thread::sleep_for(std::chrono::microseconds(d));
+          ctx.TryCancel();
+        });
+        tandem::v1::GenerateResponse resp;
+        int messages = 0;
+        while (reader->Read(&resp)) {
+          if (++messages == cut) ctx.TryCancel();
+        }
+        if (canceller.joinable()) canceller.join();
+        const auto st = reader->Finish();
+        (st.ok() ? completed : cancelled)++;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(completed + cancelled, kRequests);
+  EXPECT_GT(cancelled, 100);
+  ExpectWorkersIdle(**fleet);
+
+  // The fleet still serves, correctly.
+  const auto prompt = Prompts()[3];
+  GenerateArgs a;
+  a.prompt_ids = prompt;
+  a.max_tokens = kMaxTokens;
+  ExpectMatches(Generate(proxy, a), prompt, References()[3], 3);
+}
+
+struct BadInput {
+  const char* name;
+  GenerateArgs args;
+  grpc::StatusCode code;
+  const char* message_part;
+};
+
+TEST(Fleet, BadInputsGetTheirStatusAndTheFleetKeepsServing) {
+  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  FleetOptions o;
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  const std::string proxy = (*fleet)->proxy_grpc();
+  std::vector<BadInput> cases;
+  auto add = [&](const char* name, auto tweak, grpc::StatusCode code, const char* part) {
+    GenerateArgs a;
+    a.prompt = "In the beginning";
+    tweak(a);
+    cases.push_back({name, a, code, part});
+  };
+  const auto inv = grpc::StatusCode::INVALID_ARGUMENT;
+  add("empty prompt", [](GenerateArgs& a) { a.prompt = ""; }, inv, "prompt is empty");
+  add("both prompts", [](GenerateArgs& a) { a.prompt_ids = {1, 2}; }, inv, "not both");
+  add("token out of vocab", [](GenerateArgs& a) { a.prompt = ""; a.prompt_ids = {1, 99999}; },
+      inv, "prompt_token_ids[1] is 99999");
+  add("prompt + max_tokens beyond context",
+      [](GenerateArgs& a) { a.prompt = ""; a.prompt_ids = PromptIds(5, 1000, kVocab); a.max_tokens = 100; },
+      inv, "exceeds the model's context of 1024 tokens");
+  add("max_tokens 0", [](GenerateArgs& a) { a.max_tokens = 0; }, inv, "max_tokens must be at least 1");
+  add("max_tokens above limit", [](GenerateArgs& a) { a.max_tokens = 513; }, inv,
+      "this fleet allows at most 512");
+  add("temperature < 0", [](GenerateArgs& a) { a.temperature = -1.0f; }, inv,
+      "sampling.temperature must be >= 0");
+  add("top_p 0", [](GenerateArgs& a) { a.top_p = 0.0f; }, inv, "sampling.top_p must be in (0, 1]");
+  add("top_p > 1", [](GenerateArgs& a) { a.top_p = 1.5f; }, inv, "sampling.top_p must be in (0, 1]");
+  add("unknown model", [](GenerateArgs& a) { a.model = "gpt-9"; }, grpc::StatusCode::NOT_FOUND,
+      "model 'gpt-9' is not served here");
+  for (const auto& c : cases) {
+    auto r = Generate(proxy, c.args);
+    ASSERT_FALSE(r.ok()) << c.name;
+    EXPECT_EQ(static_cast<int>(r.status().code()), static_cast<int>(c.code))
+        << c.name << ": " << r.status().ToString();
+    EXPECT_NE(r.status().message().find(c.message_part), std::string::npos)
+        << c.name << ": " << r.status().message();
+  }
+  // Invalid UTF-8 in a proto3 string field is refused by protobuf itself
+  // while parsing, before tandem sees the request (gRPC answers
+  // UNIMPLEMENTED with no message; see docs/serving.md). It must still fail
+  // and leave the fleet serving.
+  {
+    GenerateArgs a;
+    a.prompt = "ab\xff";
+    auto r = Generate(proxy, a);
+    EXPECT_FALSE(r.ok());
+  }
+  // Still serving, correctly.
+  const auto prompt = Prompts()[5];
+  GenerateArgs a;
+  a.prompt_ids = prompt;
+  a.max_tokens = kMaxTokens;
+  ExpectMatches(Generate(proxy, a), prompt, References()[5], 5);
+  ExpectWorkersIdle(**fleet);
+}
+
+}  // namespace
+}  // namespace tandem::testing
+
+namespace tandem::testing {
+namespace {
+
+TEST(Fleet, ProxyWithoutWorkersAnswersUnavailable) {
+  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  char dir[] = "/tmp/tandem-proxy-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string cfg = std::string(dir) + "/fleet.yaml";
+  {
+    std::ofstream y(cfg);
+    y << "model:\n  path: " << BundledModel()
+      << "\nproxy:\n  grpc: 127.0.0.1:0\n  metrics: 127.0.0.1:0\n"
+         "prefill:\n  replicas: 1\ndecode:\n  replicas: 1\n";
+  }
+  cli::Supervisor sup;
+  auto proxy = sup.Start({"proxy", "proxy",
+                          {std::string(TANDEM_BINARY_DIR) + "/tandem", "--log-level", "error",
+                           "proxy", "--config", cfg}},
+                         std::chrono::seconds(60));
+  ASSERT_TRUE(proxy.ok()) << proxy.status().ToString();
+  GenerateArgs a;
+  a.prompt = "And God said";
+  auto r = Generate((*proxy)->grpc, a);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("no worker"), std::string::npos) << r.status().message();
+  sup.StopAll(std::chrono::seconds(10));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Fleet, FullProxyAnswersResourceExhaustedAtOnce) {
+  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  FleetOptions o;
+  o.max_inflight = 4;
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  std::vector<std::future<Result<Completion>>> futures;
+  for (int i = 0; i < 24; ++i) {
+    futures.push_back(std::async(std::launch::async, [&, i] {
+      GenerateArgs a;
+      a.prompt_ids = PromptIds(500 + i, 200, kVocab);
+      a.max_tokens = 200;
+      return Generate((*fleet)->proxy_grpc(), a);
+    }));
+  }
+  int ok = 0, exhausted = 0;
+  for (auto& f : futures) {
+    auto r = f.get();
+    if (r.ok()) {
+      ++ok;
+      EXPECT_EQ(r->completion_tokens, 200u);
+    } else {
+      EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted) << r.status().ToString();
+      EXPECT_NE(r.status().message().find("proxy.max_inflight"), std::string::npos);
+      ++exhausted;
+    }
+  }
+  EXPECT_GE(ok, 4);
+  EXPECT_GT(exhausted, 0);
+  EXPECT_EQ(ok + exhausted, 24);
+  ExpectWorkersIdle(**fleet);
+}
+
+}  // namespace
+}  // namespace tandem::testing
