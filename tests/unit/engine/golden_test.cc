@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 
@@ -60,6 +61,8 @@ TEST_P(GoldenTest, LogitsAndGreedyTokensMatchTransformers) {
         bad += !(d <= kLogitTolerance);
       }
     }
+    std::printf("[   INFO   ] %s, prompt of %zu tokens: worst |logit diff| %.3g\n",
+                GetParam().c_str(), prompt.size(), worst);
     EXPECT_EQ(bad, 0u) << GetParam() << " prompt of " << prompt.size()
                        << " tokens: worst |diff| " << worst;
   }
