@@ -121,6 +121,9 @@ for c in cases:
     out.append(f"| {c} | {tb/1e9:.3f} | {pb/1e9:.3f} | {tb/pb:.2f} | {t50*1e6:.0f} us / {t99*1e6:.0f} us "
                f"| {t[0]['transports'] if t else '?'} | {t[0]['puts_per_request'] if t else '?'} |")
 out += ["", "How to read it:", "",
+  "- Each perftest client command below ran against a server started just before it with the "
+  "same environment: `[UCX_TLS=tcp] ucx_perftest -p PORT`. Each tandem command spawns its own "
+  "target process.",
   "- Case A is the issue's yardstick (ratio >= 0.8 wanted). Both sides move 64 MiB per message "
   "from memory that is not cache-resident; tandem splits it into 4 MiB puts (abort granularity), "
   "then flushes and sends the notice.",
