@@ -223,6 +223,12 @@ Result<Reservation> Engine::Reserve(const std::string& request_id,
         "prompt has {} tokens; this model accepts at most {} (with room for one generated token)",
         prompt_ids.size(), max_model_len_ - 1));
   }
+  for (uint32_t id : prompt_ids) {
+    if (id >= config_.vocab_size) {
+      return InvalidArgumentError(fmt::format(
+          "prompt token id {} is out of range; the vocabulary has {} tokens", id, config_.vocab_size));
+    }
+  }
   const uint32_t bs = options_.block_size;
   std::vector<uint32_t> prompt(prompt_ids.begin(), prompt_ids.end());
   std::vector<uint64_t> hashes = HashBlocks(root_hash_, prompt, bs);

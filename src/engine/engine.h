@@ -134,6 +134,7 @@ class Engine {
   Status ReleaseReservation(uint64_t reservation_id);
   // `request.prompt_ids` must equal the reserved prompt (or be empty: the
   // reserved one is used). The first token is delivered to the callback.
+  // On an error the reservation stays (release it); on success it is gone.
   Status AddPrefilled(uint64_t reservation_id, GenerateRequest request, uint32_t first_token);
 
   // Drops every cached block no request holds (publishes `cleared`); for

@@ -272,6 +272,12 @@ TEST(EngineTest, ReserveRefusesWithoutRoomAndHoldsNothing) {
   auto b = e->Reserve("b", Prompt(40, 2));
   EXPECT_EQ(b.status().code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(e->stats().free_blocks, 1u);
+  const std::vector<uint32_t> bad_ids = {1, 2, 600};
+  EXPECT_EQ(e->Reserve("c", bad_ids).status().code(), StatusCode::kInvalidArgument);
+  // A prompt that differs from the reserved one is refused; the reservation stays.
+  EXPECT_EQ(e->AddPrefilled(a->reservation_id, Req("a", Prompt(40, 9), 4, nullptr), 5).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(e->stats().num_reservations, 1u);
   ASSERT_TRUE(e->ReleaseReservation(a->reservation_id).ok());
   EXPECT_EQ(e->ReleaseReservation(a->reservation_id).code(), StatusCode::kNotFound);
   EXPECT_EQ(e->stats().free_blocks, 4u);
