@@ -13,10 +13,12 @@ namespace {
 
 using namespace std::chrono_literals;
 
-// A child that writes its ready line to the fd given as `--ready-fd N` ($2),
-// then runs `then`.
-ChildSpec ShChild(const std::string& name, const std::string& then) {
+// A child that runs `before`, writes its ready line to the fd given as
+// `--ready-fd N` ($2), then runs `then`.
+ChildSpec ShChild(const std::string& name, const std::string& then,
+                  const std::string& before = "") {
   const std::string script =
+      before +
       "printf '{\"grpc\":\"127.0.0.1:1%s\",\"metrics\":\"127.0.0.1:2%s\"}\\n' $$ $$ >&\"$2\"; " +
       then;
   return {name, "prefill", {"/bin/sh", "-c", script, "sh"}};
@@ -24,12 +26,12 @@ ChildSpec ShChild(const std::string& name, const std::string& then) {
 
 TEST(Supervisor, StartsChildrenAndReadsReadyLines) {
   Supervisor sup;
-  auto a = sup.Start(ShChild("prefill-0", "sleep 30"), 10s);
+  auto a = sup.Start(ShChild("prefill-0", "exec sleep 30"), 10s);
   ASSERT_TRUE(a.ok()) << a.status().ToString();
   EXPECT_TRUE((*a)->alive);
   EXPECT_EQ((*a)->grpc, "127.0.0.1:1" + std::to_string((*a)->pid));
   EXPECT_EQ((*a)->metrics, "127.0.0.1:2" + std::to_string((*a)->pid));
-  auto b = sup.Start(ShChild("decode-0", "sleep 30"), 10s);
+  auto b = sup.Start(ShChild("decode-0", "exec sleep 30"), 10s);
   ASSERT_TRUE(b.ok());
   EXPECT_EQ(sup.StopAll(5s), 0);  // both stop on SIGTERM
   for (const auto& c : sup.children()) {
@@ -50,7 +52,7 @@ TEST(Supervisor, ChildDyingBeforeReadyIsAnError) {
 
 TEST(Supervisor, ChildNeverReadyTimesOut) {
   Supervisor sup;
-  auto r = sup.Start({"slow", "decode", {"/bin/sh", "-c", "sleep 30", "sh"}}, 500ms);
+  auto r = sup.Start({"slow", "decode", {"/bin/sh", "-c", "exec sleep 30", "sh"}}, 500ms);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kDeadlineExceeded);
   EXPECT_FALSE(sup.children().back().alive);  // killed and reaped
@@ -58,8 +60,8 @@ TEST(Supervisor, ChildNeverReadyTimesOut) {
 
 TEST(Supervisor, DeathOfOneChildLeavesTheOthers) {
   Supervisor sup;
-  auto a = sup.Start(ShChild("prefill-0", "sleep 30"), 10s);
-  auto b = sup.Start(ShChild("decode-0", "sleep 30"), 10s);
+  auto a = sup.Start(ShChild("prefill-0", "exec sleep 30"), 10s);
+  auto b = sup.Start(ShChild("decode-0", "exec sleep 30"), 10s);
   ASSERT_TRUE(a.ok() && b.ok());
   kill((*a)->pid, SIGKILL);
   EXPECT_EQ(sup.WaitForSignalOrDeath({"prefill-0"}), 0);
@@ -72,7 +74,8 @@ TEST(Supervisor, DeathOfOneChildLeavesTheOthers) {
 
 TEST(Supervisor, StubbornChildIsKilledAfterGrace) {
   Supervisor sup;
-  auto a = sup.Start(ShChild("stubborn", "trap '' TERM; sleep 30"), 10s);
+  // The ignored SIGTERM is set before the ready line and survives exec.
+  auto a = sup.Start(ShChild("stubborn", "exec sleep 30", "trap '' TERM; "), 10s);
   ASSERT_TRUE(a.ok());
   EXPECT_EQ(sup.StopAll(300ms), 1);
   EXPECT_FALSE(sup.children()[0].alive);
@@ -80,7 +83,7 @@ TEST(Supervisor, StubbornChildIsKilledAfterGrace) {
 
 TEST(Supervisor, SigtermToTheLauncherIsReported) {
   Supervisor sup;
-  auto a = sup.Start(ShChild("prefill-0", "sleep 30"), 10s);
+  auto a = sup.Start(ShChild("prefill-0", "exec sleep 30"), 10s);
   ASSERT_TRUE(a.ok());
   kill(getpid(), SIGTERM);  // blocked, delivered through the signalfd
   EXPECT_EQ(sup.WaitForSignalOrDeath({}), SIGTERM);
