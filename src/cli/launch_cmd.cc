@@ -43,7 +43,7 @@ Status WriteStateFile(const std::string& path, const Supervisor& sup) {
   state["workers"] = nlohmann::json::array();
   for (const auto& c : sup.children()) {
     if (c.spec.role == "proxy") {
-      state["proxy"] = {{"grpc", c.grpc}, {"http", c.http}, {"metrics", c.metrics}};
+      state["proxy"] = {{"grpc", c.grpc}, {"http", c.http}, {"metrics", c.metrics}, {"pid", c.pid}};
     } else {
       state["workers"].push_back({{"role", c.spec.role},
                                   {"name", c.spec.name},

@@ -7,7 +7,7 @@
 #include <chrono>
 
 #include "common/rpc_server.h"
-#include "decoder/stream_writer.h"
+#include "common/stream_writer.h"
 #include "tandem/v1/worker.grpc.pb.h"
 
 namespace tandem::decoder {

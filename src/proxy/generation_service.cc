@@ -4,11 +4,11 @@
 
 #include <fmt/format.h>
 
-#include <deque>
 #include <mutex>
 #include <random>
 
 #include "common/rpc_server.h"
+#include "common/stream_writer.h"
 
 namespace tandem::proxy {
 namespace {
@@ -56,25 +56,20 @@ pb::FinishReason ToProto(Finish f) {
 
 class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateResponse> {
  public:
+  // Writes and Finish made here are held by gRPC until the handler returns
+  // this reactor, so nothing can end the call while the constructor runs.
   GenerateReactor(Frontend* fe, grpc::CallbackServerContext* ctx, const pb::GenerateRequest* req)
-      : fe_(fe), ctx_(ctx) {
+      : fe_(fe), ctx_(ctx), writer_(this) {
+    writer_.Open();
     Status st = Authorize();
     if (st.ok()) st = ExplainEmptyPrompt(*req);
     if (st.ok() && fe_->draining()) st = UnavailableError("the fleet is draining");
-    if (!st.ok()) {
-      CountRejected(st);
-      Finish(ToGrpcStatus(st));
-      return;
-    }
-    auto v = fe_->Validate(FromProto(*req));
-    if (!v.ok()) {
-      CountRejected(v.status());
-      Finish(ToGrpcStatus(v.status()));
-      return;
-    }
-    if (auto a = fe_->Admit(); !a.ok()) {
-      CountRejected(a);
-      Finish(ToGrpcStatus(a));
+    Result<ValidatedRequest> v = st.ok() ? fe_->Validate(FromProto(*req)) : Result<ValidatedRequest>(st);
+    if (v.ok()) st = fe_->Admit();
+    if (!v.ok() || !st.ok()) {
+      const Status& why = v.ok() ? st : v.status();
+      CountRejected(why);
+      writer_.Finish(ToGrpcStatus(why));
       return;
     }
     admitted_ = true;
@@ -85,7 +80,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
       r.set_request_id(request_id_);
       for (uint32_t t : ids) r.add_token_ids(t);
       r.set_text(std::move(text));
-      Enqueue(std::move(r), std::nullopt);
+      writer_.Write(std::move(r));
     };
     sink.on_finish = [this](proxy::Finish reason, Usage usage) {
       pb::GenerateResponse r;
@@ -94,52 +89,40 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
       r.mutable_usage()->set_prompt_tokens(usage.prompt_tokens);
       r.mutable_usage()->set_completion_tokens(usage.completion_tokens);
       r.mutable_usage()->set_cached_prompt_tokens(usage.cached_prompt_tokens);
-      Enqueue(std::move(r), grpc::Status::OK);
+      writer_.Write(std::move(r));
+      writer_.Finish(grpc::Status::OK);
     };
-    sink.on_error = [this](Status s) { Enqueue(std::nullopt, ToGrpcStatus(s)); };
-    const auto deadline = ctx_->deadline();
-    // Finish (and so OnDone, which deletes this) must wait until the
-    // constructor is done, even if the lifecycle ends at once.
-    {
-      std::lock_guard lock(mu_);
-      starting_ = true;
-    }
+    sink.on_error = [this](Status s) { writer_.Finish(ToGrpcStatus(s)); };
     auto lc = RequestLifecycle::Start(fe_->deps(), std::move(v).value(), std::move(sink),
-                                      deadline);
+                                      ctx_->deadline());
     std::lock_guard lock(mu_);
     lifecycle_ = std::move(lc);
-    starting_ = false;
-    WriteNextLocked();
   }
 
+  // Every RPC must be finished, cancelled ones too: the writer does it.
   void OnCancel() override {
-    std::shared_ptr<RequestLifecycle> lc;
-    {
-      std::lock_guard lock(mu_);
-      lc = lifecycle_;
-    }
-    if (lc) lc->Cancel();
+    CancelLifecycle();
+    writer_.OnCancel();
   }
 
-  void OnWriteDone(bool ok) override {
-    std::lock_guard lock(mu_);
-    writing_ = false;
-    if (!ok) return;  // the client is gone; OnCancel / OnDone follow
-    WriteNextLocked();
-  }
+  void OnWriteDone(bool ok) override { writer_.OnWriteDone(ok); }
 
   void OnDone() override {
     if (admitted_) fe_->Release();
+    CancelLifecycle();  // no-op when it finished
+    delete this;
+  }
+
+ private:
+  void CancelLifecycle() {
     std::shared_ptr<RequestLifecycle> lc;
     {
       std::lock_guard lock(mu_);
       lc = std::move(lifecycle_);
     }
-    if (lc) lc->Cancel();  // no-op when it finished
-    delete this;
+    if (lc) lc->Cancel();
   }
 
- private:
   Status Authorize() const {
     if (fe_->api_key().empty()) return Status::Ok();
     const auto& md = ctx_->client_metadata();
@@ -157,41 +140,13 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
     }
   }
 
-  // Called by the lifecycle (under its lock): queue and write if idle.
-  void Enqueue(std::optional<pb::GenerateResponse> msg, std::optional<grpc::Status> finish) {
-    std::lock_guard lock(mu_);
-    if (msg) queue_.push_back(std::move(*msg));
-    if (finish) finish_ = std::move(finish);
-    WriteNextLocked();
-  }
-
-  void WriteNextLocked() {
-    if (writing_ || finished_) return;
-    if (!queue_.empty()) {
-      current_ = std::move(queue_.front());
-      queue_.pop_front();
-      writing_ = true;
-      StartWrite(&current_);
-      return;
-    }
-    if (finish_ && !starting_) {
-      finished_ = true;
-      Finish(*finish_);
-    }
-  }
-
   Frontend* fe_;
   grpc::CallbackServerContext* ctx_;
+  StreamWriter<pb::GenerateResponse> writer_;
   bool admitted_ = false;
   std::string request_id_;
   std::mutex mu_;
-  std::shared_ptr<RequestLifecycle> lifecycle_;  // guarded by mu_ after construction
-  std::deque<pb::GenerateResponse> queue_;       // guarded by mu_
-  pb::GenerateResponse current_;                 // the write in flight
-  std::optional<grpc::Status> finish_;           // guarded by mu_
-  bool writing_ = false;                         // guarded by mu_
-  bool finished_ = false;                        // guarded by mu_
-  bool starting_ = false;                        // guarded by mu_
+  std::shared_ptr<RequestLifecycle> lifecycle_;  // guarded by mu_
 };
 
 }  // namespace

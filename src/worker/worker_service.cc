@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "common/rpc_server.h"
-#include "decoder/stream_writer.h"
+#include "common/stream_writer.h"
 #include "tandem/v1/worker.grpc.pb.h"
 
 namespace tandem::worker {
@@ -19,7 +19,7 @@ namespace tandem::worker {
 namespace {
 
 namespace pb = ::tandem::v1;
-using decoder::StreamWriter;
+using tandem::StreamWriter;
 
 pb::WorkerRole RoleToProto(const std::string& role) {
   if (role == "prefill") return pb::WORKER_ROLE_PREFILL;

@@ -46,11 +46,13 @@ class Fleet {
   const std::vector<WorkerAddr>& workers() const { return workers_; }
   const std::string& config_path() const { return config_path_; }
   pid_t launcher_pid() const { return pid_; }
+  pid_t proxy_pid() const { return proxy_pid_; }
   // Sends SIGTERM to the launcher and waits (bounded) for it; returns its exit status.
   Result<int> Stop(std::chrono::seconds grace);
 
  private:
   pid_t pid_ = -1;
+  pid_t proxy_pid_ = -1;
   std::string dir_, config_path_, proxy_grpc_, proxy_metrics_;
   std::vector<WorkerAddr> workers_;
 };

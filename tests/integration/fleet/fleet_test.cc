@@ -5,6 +5,9 @@
 // keeps serving.
 #include <gtest/gtest.h>
 
+#include <signal.h>
+#include <sys/wait.h>
+
 #include <atomic>
 #include <filesystem>
 #include <fstream>
@@ -261,6 +264,35 @@ TEST(Fleet, BadInputsGetTheirStatusAndTheFleetKeepsServing) {
 
 namespace tandem::testing {
 namespace {
+
+// SIGTERM to `tandem launch` while requests run: it exits 0 and leaves no
+// process of the fleet behind.
+TEST(Fleet, SigtermToLaunchStopsEveryProcess) {
+  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  FleetOptions o;
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  std::vector<pid_t> pids = {(*fleet)->proxy_pid()};
+  for (const auto& w : (*fleet)->workers()) pids.push_back(w.pid);
+  ASSERT_GT(pids.front(), 0);
+  std::vector<std::future<Result<Completion>>> load;
+  for (int i = 0; i < 8; ++i) {
+    load.push_back(std::async(std::launch::async, [&, i] {
+      GenerateArgs a;
+      a.prompt_ids = PromptIds(900 + i, 50, kVocab);
+      a.max_tokens = 64;
+      return Generate((*fleet)->proxy_grpc(), a);
+    }));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  auto st = (*fleet)->Stop(std::chrono::seconds(40));
+  ASSERT_TRUE(st.ok()) << st.status().ToString();
+  EXPECT_TRUE(WIFEXITED(*st) && WEXITSTATUS(*st) == 0) << *st;
+  for (auto& f : load) f.get().status().IgnoreError();  // finished or failed; none hangs
+  for (pid_t p : pids) {
+    EXPECT_NE(kill(p, 0), 0) << "process " << p << " outlived tandem launch";
+  }
+}
 
 TEST(Fleet, ProxyWithoutWorkersAnswersUnavailable) {
   if (!HaveModel()) GTEST_SKIP() << "bundled model missing";

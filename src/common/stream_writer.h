@@ -19,7 +19,7 @@
 #include <deque>
 #include <mutex>
 
-namespace tandem::decoder {
+namespace tandem {
 
 template <class Msg>
 class StreamWriter {
@@ -116,4 +116,4 @@ class StreamWriter {
   grpc::Status status_;
 };
 
-}  // namespace tandem::decoder
+}  // namespace tandem
