@@ -5,5 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=${TANDEM_BUILD_JOBS:-$(nproc)}
+# ccache keys on paths relative to the checkout, so a clone elsewhere hits too.
+export CCACHE_BASEDIR="$PWD"
 cmake --preset release -DTANDEM_BUILD_TESTS=${TANDEM_BUILD_TESTS:-ON} >/dev/null
 cmake --build --preset release -j "$jobs"
