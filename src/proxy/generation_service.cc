@@ -15,7 +15,7 @@ namespace {
 
 namespace pb = ::tandem::v1;
 
-ClientRequest FromProto(const pb::GenerateRequest& r) {
+ClientRequest FromProto(const pb::wire::GenerateRequestBytes& r) {
   ClientRequest c;
   c.request_id = r.request_id();
   c.model = r.model();
@@ -38,7 +38,7 @@ ClientRequest FromProto(const pb::GenerateRequest& r) {
 
 // An empty prompt string is "not set" in proto3; say "empty" when the
 // client clearly sent neither ids nor text.
-Status ExplainEmptyPrompt(const pb::GenerateRequest& r) {
+Status ExplainEmptyPrompt(const pb::wire::GenerateRequestBytes& r) {
   if (r.prompt().empty() && r.prompt_token_ids().empty()) {
     return InvalidArgumentError(
         "prompt is empty and prompt_token_ids is empty: give exactly one of them");
@@ -58,7 +58,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
  public:
   // Writes and Finish made here are held by gRPC until the handler returns
   // this reactor, so nothing can end the call while the constructor runs.
-  GenerateReactor(Frontend* fe, grpc::CallbackServerContext* ctx, const pb::GenerateRequest* req)
+  GenerateReactor(Frontend* fe, grpc::CallbackServerContext* ctx,
+                  const pb::wire::GenerateRequestBytes* req)
       : fe_(fe), ctx_(ctx), writer_(this) {
     writer_.Open();
     Status st = Authorize();
@@ -178,8 +179,20 @@ Status Frontend::Admit() {
 
 void Frontend::Release() { inflight_.fetch_sub(1); }
 
-grpc::ServerWriteReactor<pb::GenerateResponse>* GenerationService::Generate(
-    grpc::CallbackServerContext* ctx, const pb::GenerateRequest* request) {
+GenerationService::GenerationService(Frontend* frontend) : frontend_(frontend) {
+  // Method 0 is Generate: replace the generated handler with one that
+  // parses the bytes-typed twin of GenerateRequest.
+  MarkMethodCallback(
+      0, new grpc::internal::CallbackServerStreamingHandler<pb::wire::GenerateRequestBytes,
+                                                            pb::GenerateResponse>(
+             [this](grpc::CallbackServerContext* ctx,
+                    const pb::wire::GenerateRequestBytes* request) {
+               return GenerateBytes(ctx, request);
+             }));
+}
+
+grpc::ServerWriteReactor<pb::GenerateResponse>* GenerationService::GenerateBytes(
+    grpc::CallbackServerContext* ctx, const pb::wire::GenerateRequestBytes* request) {
   return new GenerateReactor(frontend_, ctx, request);
 }
 

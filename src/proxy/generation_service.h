@@ -9,6 +9,7 @@
 #include "proxy/lifecycle.h"
 #include "proxy/request.h"
 #include "tandem/v1/generation.grpc.pb.h"
+#include "tandem/v1/wire/generation_wire.pb.h"
 
 namespace tandem::proxy {
 
@@ -43,12 +44,15 @@ class Frontend {
   std::atomic<bool> draining_{false};
 };
 
+// Serves /tandem.v1.Generation/Generate with the wire-identical
+// GenerateRequestBytes (see generation_wire.proto), so that invalid UTF-8
+// reaches validation instead of failing inside protobuf.
 class GenerationService final : public tandem::v1::Generation::CallbackService {
  public:
-  explicit GenerationService(Frontend* frontend) : frontend_(frontend) {}
+  explicit GenerationService(Frontend* frontend);
 
-  grpc::ServerWriteReactor<tandem::v1::GenerateResponse>* Generate(
-      grpc::CallbackServerContext* ctx, const tandem::v1::GenerateRequest* request) override;
+  grpc::ServerWriteReactor<tandem::v1::GenerateResponse>* GenerateBytes(
+      grpc::CallbackServerContext* ctx, const tandem::v1::wire::GenerateRequestBytes* request);
   grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* ctx,
                                        const tandem::v1::ListModelsRequest* request,
                                        tandem::v1::ListModelsResponse* response) override;

@@ -16,7 +16,11 @@ Result<ValidatedRequest> ValidateRequest(const ClientRequest& req, const Serving
     return InvalidArgumentError(fmt::format("request_id has {} bytes; the limit is {}",
                                             req.request_id.size(), limits.max_request_id_bytes));
   }
+  if (!model::IsValidUtf8(req.request_id)) {
+    return InvalidArgumentError("request_id is not valid UTF-8");
+  }
   out.request_id = req.request_id.empty() ? assigned_request_id : req.request_id;
+  if (!model::IsValidUtf8(req.model)) return InvalidArgumentError("model is not valid UTF-8");
   if (!req.model.empty() && req.model != limits.model) {
     return NotFoundError(
         fmt::format("model '{}' is not served here; this fleet serves '{}'", req.model,

@@ -130,6 +130,13 @@ std::vector<BadCase> BadCases() {
   model.model = "gpt-9";
   add("unknown model", model, StatusCode::kNotFound,
       "model 'gpt-9' is not served here; this fleet serves 'tandem-kjv'");
+  ClientRequest bad_stop = Text("x");
+  bad_stop.stop = {"ok", "\xC0\xAF"};
+  add("invalid UTF-8 stop", bad_stop, StatusCode::kInvalidArgument, "stop[1] is not valid UTF-8");
+  ClientRequest bad_id = Text("x");
+  bad_id.request_id = "id\xFF";
+  add("invalid UTF-8 request_id", bad_id, StatusCode::kInvalidArgument,
+      "request_id is not valid UTF-8");
   ClientRequest stop = Text("x");
   stop.stop = {""};
   add("empty stop", stop, StatusCode::kInvalidArgument, "stop[0] is empty");
