@@ -5,9 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 config=${1:-configs/1p1d.yaml}
 cat <<MSG
-Starting the fleet of $config. Once it says it is ready, in another terminal:
-  build/tandem generate --prompt "In the beginning" --max-tokens 40
-  curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
-       -d '{"prompt": "In the beginning", "max_tokens": 40}'
+Starting the fleet of $config (proxy on 127.0.0.1:50051). Once it prints
+its table, send a request from another terminal:
+  build/tandem client --prompt "In the beginning God created" --max-tokens 40
+The same prompt in one process, no fleet (same tokens, greedy):
+  build/tandem generate --prompt "In the beginning God created" --max-tokens 40 --temperature 0
+Ctrl-C stops the fleet.
 MSG
 exec build/tandem launch "$config"

@@ -21,6 +21,7 @@ void RegisterProxy(CLI::App& app, GlobalOptions& g);
 void RegisterWorker(CLI::App& app, GlobalOptions& g, const std::string& role);
 void RegisterGenerate(CLI::App& app, GlobalOptions& g);
 void RegisterBench(CLI::App& app, GlobalOptions& g);
+void RegisterClient(CLI::App& app, GlobalOptions& g);
 // `tandem bench kvtransfer` (bench_kvtransfer.cc) and `tandem bench serve`
 // (bench_serve.cc) register under `bench`.
 void RegisterBenchKvTransfer(CLI::App& bench, GlobalOptions& g);

@@ -132,8 +132,9 @@ int RunLaunch(const std::string& config_path, const std::string& state_file,
     }
   }
   PrintTable(sup);
-  spdlog::info("fleet ready: send requests to {} (gRPC) or http://{} (HTTP); Ctrl-C stops it",
-               proxy_grpc, (*proxy)->http);
+  spdlog::info("fleet ready: send requests to {} (gRPC{}); Ctrl-C stops it", proxy_grpc,
+               (*proxy)->http.empty() ? "; the HTTP API is not built yet"
+                                      : fmt::format(") or http://{} (HTTP", (*proxy)->http));
 
   const int sig = sup.WaitForSignalOrDeath({"proxy"});
   if (sig == 0) {

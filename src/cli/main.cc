@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   tandem::cli::RegisterWorker(app, g, "both");
   tandem::cli::RegisterGenerate(app, g);
   tandem::cli::RegisterBench(app, g);
+  tandem::cli::RegisterClient(app, g);
   tandem::cli::RegisterVersion(app, g);
   tandem::cli::RegisterConfigCheck(app, g);
 
