@@ -138,30 +138,11 @@ engine::GenerateRequest Decoder::MakeEngineRequest(const DecodeSpec& spec,
   return r;
 }
 
-Status ValidateSpec(const engine::Engine& engine, const std::vector<uint32_t>& prompt,
-                    const engine::SamplingParams& sampling) {
-  if (prompt.empty()) return InvalidArgumentError("the prompt has no tokens");
-  const uint32_t vocab = engine.model_config().vocab_size;
-  for (uint32_t id : prompt) {
-    if (id >= vocab) {
-      return InvalidArgumentError(fmt::format(
-          "prompt token id {} is out of range; the vocabulary has {} tokens", id, vocab));
-    }
-  }
-  TANDEM_RETURN_IF_ERROR(engine::ValidateSamplingParams(sampling));
-  const uint64_t total = prompt.size() + uint64_t{sampling.max_tokens};
-  if (total > engine.max_model_len()) {
-    return InvalidArgumentError(fmt::format(
-        "prompt has {} tokens and max_tokens is {}: {} tokens exceed this model's context of {}",
-        prompt.size(), sampling.max_tokens, total, engine.max_model_len()));
-  }
-  return Status::Ok();
-}
-
 Status Decoder::Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
   if (spec.request_id.empty()) return InvalidArgumentError("request_id is empty");
   // Fail before any prefiller works for it.
-  TANDEM_RETURN_IF_ERROR(ValidateSpec(engine_, spec.prompt_ids, spec.sampling));
+  TANDEM_RETURN_IF_ERROR(
+      engine_.CheckPrompt(spec.prompt_ids, spec.sampling, /*prefill_only=*/false));
   const std::string id = spec.request_id;
   const bool local = spec.prefill_locally;
   engine::GenerateRequest req;

@@ -96,29 +96,34 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
 
 Status Engine::ValidateRequest(const GenerateRequest& r) const {
   if (r.request_id.empty()) return InvalidArgumentError("request_id is empty");
-  if (r.prompt_ids.empty()) return InvalidArgumentError("the prompt has no tokens");
-  for (uint32_t id : r.prompt_ids) {
+  return CheckPrompt(r.prompt_ids, r.sampling, r.prefill_only);
+}
+
+Status Engine::CheckPrompt(std::span<const uint32_t> prompt_ids, const SamplingParams& sampling,
+                           bool prefill_only) const {
+  if (prompt_ids.empty()) return InvalidArgumentError("the prompt has no tokens");
+  for (uint32_t id : prompt_ids) {
     if (id >= config_.vocab_size) {
       return InvalidArgumentError(fmt::format(
           "prompt token id {} is out of range; the vocabulary has {} tokens", id, config_.vocab_size));
     }
   }
-  TANDEM_RETURN_IF_ERROR(ValidateSamplingParams(r.sampling));
-  if (!r.sampling.stop.empty() && options_.tokenizer == nullptr) {
+  TANDEM_RETURN_IF_ERROR(ValidateSamplingParams(sampling));
+  if (!sampling.stop.empty() && options_.tokenizer == nullptr) {
     return InvalidArgumentError("stop strings need a tokenizer, and this engine has none");
   }
-  const uint64_t prompt = r.prompt_ids.size();
+  const uint64_t prompt = prompt_ids.size();
   if (prompt > max_model_len_) {
     return InvalidArgumentError(fmt::format("prompt has {} tokens; this model accepts at most {}",
                                             prompt, max_model_len_));
   }
-  const uint64_t total = prompt + r.sampling.max_tokens;
+  const uint64_t total = prompt + sampling.max_tokens;
   if (total > max_model_len_) {
     return InvalidArgumentError(fmt::format(
         "prompt has {} tokens and max_tokens is {}: {} tokens exceed this model's context of {}",
-        prompt, r.sampling.max_tokens, total, max_model_len_));
+        prompt, sampling.max_tokens, total, max_model_len_));
   }
-  const uint64_t need = r.prefill_only ? prompt + 1 : total;
+  const uint64_t need = prefill_only ? prompt + 1 : total;
   const uint64_t blocks = (need + options_.block_size - 1) / options_.block_size;
   if (blocks > options_.num_blocks) {
     return InvalidArgumentError(fmt::format(
@@ -142,7 +147,7 @@ std::unique_ptr<Sequence> Engine::NewSequence(GenerateRequest request) {
   if (options_.tokenizer != nullptr) {
     seq->detok = std::make_unique<model::IncrementalDetokenizer>(options_.tokenizer);
     if (!seq->req.sampling.stop.empty()) {
-      seq->stop_matcher = std::make_unique<StopStringMatcher>(seq->req.sampling.stop);
+      seq->stop_matcher = std::make_unique<model::StopStringMatcher>(seq->req.sampling.stop);
     }
   }
   return seq;

@@ -141,6 +141,12 @@ class Engine {
   // weight reloads and operators.
   void ResetPrefixCache();
 
+  // The checks Submit makes on a prompt and its sampling parameters
+  // (INVALID_ARGUMENT naming the numbers), for callers that want to refuse
+  // bad input before they commit resources. Any thread.
+  Status CheckPrompt(std::span<const uint32_t> prompt_ids, const SamplingParams& sampling,
+                     bool prefill_only) const;
+
   EngineStats stats() const;
   KvEventPublisher& events() { return *events_; }
   KvSnapshot SnapshotKv() const;

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "engine/request.h"
-#include "engine/stop_strings.h"
+#include "model/stop_strings.h"
 #include "model/tokenizer.h"
 
 namespace tandem::engine {
@@ -35,7 +35,7 @@ struct Sequence {
   std::string pending_text;       // decoded text not yet delivered
   bool stop_string_hit = false;
   std::unique_ptr<model::IncrementalDetokenizer> detok;  // with a tokenizer
-  std::unique_ptr<StopStringMatcher> stop_matcher;
+  std::unique_ptr<model::StopStringMatcher> stop_matcher;
 
   uint32_t num_output() const { return static_cast<uint32_t>(tokens.size()) - prompt_len; }
   uint32_t num_pending() const { return static_cast<uint32_t>(tokens.size()) - num_computed; }

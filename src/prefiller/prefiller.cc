@@ -25,28 +25,6 @@ Status StatusFor(const engine::RequestOutput& out) {
   }
 }
 
-// As the engine will check it (the decoder has the same check), so bad
-// input costs no reservation.
-Status CheckRequest(const engine::Engine& engine, const std::vector<uint32_t>& prompt,
-                    const engine::SamplingParams& sampling) {
-  if (prompt.empty()) return InvalidArgumentError("the prompt has no tokens");
-  const uint32_t vocab = engine.model_config().vocab_size;
-  for (uint32_t id : prompt) {
-    if (id >= vocab) {
-      return InvalidArgumentError(fmt::format(
-          "prompt token id {} is out of range; the vocabulary has {} tokens", id, vocab));
-    }
-  }
-  TANDEM_RETURN_IF_ERROR(engine::ValidateSamplingParams(sampling));
-  const uint64_t total = prompt.size() + uint64_t{sampling.max_tokens};
-  if (total > engine.max_model_len()) {
-    return InvalidArgumentError(fmt::format(
-        "prompt has {} tokens and max_tokens is {}: {} tokens exceed this model's context of {}",
-        prompt.size(), sampling.max_tokens, total, engine.max_model_len()));
-  }
-  return Status::Ok();
-}
-
 }  // namespace
 
 Prefiller::Prefiller(engine::Engine& engine, kvtransfer::Transport& transport, DecoderLink& link,
@@ -92,7 +70,9 @@ Status Prefiller::Submit(PrefillJob spec, PrefillDone done) {
   if (spec.request_id.empty()) return InvalidArgumentError("request_id is empty");
   if (spec.decoder_address.empty()) return InvalidArgumentError("decoder_address is empty");
   // Bad input fails here, before a decoder reserves anything for it.
-  TANDEM_RETURN_IF_ERROR(CheckRequest(engine_, spec.prompt_ids, spec.sampling));
+  // Refused before anything is reserved on the decoder.
+  TANDEM_RETURN_IF_ERROR(
+      engine_.CheckPrompt(spec.prompt_ids, spec.sampling, /*prefill_only=*/true));
   auto job = std::make_shared<Job>();
   if (spec.deadline) {
     if (*spec.deadline <= SystemClock::now()) {

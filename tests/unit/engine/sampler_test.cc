@@ -6,10 +6,12 @@
 #include <cmath>
 #include <map>
 
-#include "engine/stop_strings.h"
+#include "model/stop_strings.h"
 
 namespace tandem::engine {
 namespace {
+
+using model::StopStringMatcher;
 
 TEST(SamplerTest, GreedyPicksLowestIdOnTiesAndSkipsNan) {
   Sampler s;
