@@ -9,6 +9,7 @@
 #include "common/rpc_server.h"
 #include "common/stream_writer.h"
 #include "tandem/v1/worker.grpc.pb.h"
+#include "worker/engine_params.h"
 
 namespace tandem::decoder {
 
@@ -16,17 +17,7 @@ namespace {
 
 namespace pb = ::tandem::v1;
 
-engine::SamplingParams ToSampling(const pb::EngineParams& p) {
-  engine::SamplingParams s;
-  s.max_tokens = p.max_tokens();
-  s.temperature = p.temperature();
-  s.top_p = p.top_p();
-  s.top_k = p.top_k();
-  s.seed = p.seed();
-  s.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
-  s.ignore_eos = p.ignore_eos();
-  return s;
-}
+using worker::ToSampling;
 
 pb::FinishReason ToProto(engine::FinishReason r) {
   switch (r) {

@@ -140,6 +140,25 @@ class LoopbackTransport final : public detail::TransportBase {
     live_remote_keys_--;
   }
 
+  // With `lock` on ep.mu: true when the peer is alive at the generation the
+  // transfer was prepared for. Otherwise releases the lock, fails the peer
+  // or the transfer, and returns false.
+  bool EndpointUsable(std::unique_lock<std::mutex>& lock, Endpoint& ep, const LoopbackPeer& peer,
+                      Xfer& x, detail::PeerEntry& entry) {
+    if (!ep.alive) {
+      lock.unlock();
+      OnPeerFailed(entry.id, UnavailableError(fmt::format("loopback peer '{}' is gone",
+                                                          entry.desc.agent_name)));
+      return false;
+    }
+    if (ep.generation != peer.generation) {
+      lock.unlock();
+      Finish(x, XferStatus::kErrStaleDescriptor, StaleError(entry, ep));
+      return false;
+    }
+    return true;
+  }
+
   // One put (or the notice) per call, so that aborts, peer loss and other
   // transfers interleave with large writes.
   void Advance(Xfer& x, detail::PeerEntry& entry) override {
@@ -157,17 +176,7 @@ class LoopbackTransport final : public detail::TransportBase {
         Endpoint& ep = *peer.endpoint;
         {
           std::unique_lock lock(ep.mu);
-          if (!ep.alive) {
-            lock.unlock();
-            OnPeerFailed(entry.id, UnavailableError(fmt::format("loopback peer '{}' is gone",
-                                                                entry.desc.agent_name)));
-            return;
-          }
-          if (ep.generation != peer.generation) {
-            lock.unlock();
-            Finish(x, XferStatus::kErrStaleDescriptor, StaleError(entry, ep));
-            return;
-          }
+          if (!EndpointUsable(lock, ep, peer, x, entry)) return;
           std::memcpy(ep.pool + s.remote_offset_bytes + x.segment_offset_bytes,
                       pool() + s.local_offset_bytes + x.segment_offset_bytes, chunk);
         }
@@ -193,17 +202,7 @@ class LoopbackTransport final : public detail::TransportBase {
     if (x.notice) {
       Endpoint& ep = *peer.endpoint;
       std::unique_lock lock(ep.mu);
-      if (!ep.alive) {
-        lock.unlock();
-        OnPeerFailed(entry.id, UnavailableError(fmt::format("loopback peer '{}' is gone",
-                                                            entry.desc.agent_name)));
-        return;
-      }
-      if (ep.generation != peer.generation) {
-        lock.unlock();
-        Finish(x, XferStatus::kErrStaleDescriptor, StaleError(entry, ep));
-        return;
-      }
+      if (!EndpointUsable(lock, ep, peer, x, entry)) return;
       ep.owner->DeliverNotice(
           detail::EncodeNotice(ep.generation.load(), generation(), agent_name(), *x.notice));
       notifications_sent_++;
