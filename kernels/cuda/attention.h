@@ -2,7 +2,8 @@
 // heads share one kv head), reading K/V from the block-major cache
 // (DeviceKvView). Counterpart of ref::PagedAttention / PagedAttentionBatch.
 //
-// Supported shapes: head_dim 64 or 128; heads a multiple of kv_heads; q rows
+// Supported shapes: head_dim 64 or 128 (the sizes of real models; 16 and 32
+// also, for the small test models); heads a multiple of kv_heads; q rows
 // and cache blocks 16-byte aligned (q_row_stride and block_stride multiples
 // of 8 elements). Others return kUnsupported.
 //

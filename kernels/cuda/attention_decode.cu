@@ -299,8 +299,8 @@ KernelStatus PagedDecodeAttention(const DeviceKvView& view, int layer, const bf1
   if ((max_context_len + view.block_size - 1) / view.block_size > max_blocks_per_seq) {
     return InvalidArgument("PagedDecodeAttention: max_context_len needs more blocks than max_blocks_per_seq");
   }
-  if (view.head_dim != 64 && view.head_dim != 128) {
-    return Unsupported("PagedDecodeAttention: head_dim must be 64 or 128");
+  if (view.head_dim != 16 && view.head_dim != 32 && view.head_dim != 64 && view.head_dim != 128) {
+    return Unsupported("PagedDecodeAttention: head_dim must be 16, 32, 64 or 128");
   }
   if (q_row_stride % 8 != 0 || view.block_stride % 8 != 0 ||
       reinterpret_cast<uintptr_t>(q) % 16 != 0 || reinterpret_cast<uintptr_t>(view.pool) % 16 != 0) {
@@ -319,14 +319,17 @@ KernelStatus PagedDecodeAttention(const DeviceKvView& view, int layer, const bf1
   float* part_l = need > 0 ? part_m + parts : nullptr;
   const int group = heads / view.kv_heads;
   const int gc = HeadsPerCta(group);
-  if (view.head_dim == 64) {
-    return DispatchGroup<64>(gc, view, layer, q, out, block_tables, context_lens, num_seqs, heads,
-                             group, q_row_stride, max_blocks_per_seq, max_splits, scale, part_o,
-                             part_m, part_l, stream);
+#define TANDEM_DECODE_HD(HD)                                                                   \
+  return DispatchGroup<HD>(gc, view, layer, q, out, block_tables, context_lens, num_seqs, heads, \
+                           group, q_row_stride, max_blocks_per_seq, max_splits, scale, part_o,  \
+                           part_m, part_l, stream)
+  switch (view.head_dim) {
+    case 16: TANDEM_DECODE_HD(16);
+    case 32: TANDEM_DECODE_HD(32);
+    case 64: TANDEM_DECODE_HD(64);
+    default: TANDEM_DECODE_HD(128);
   }
-  return DispatchGroup<128>(gc, view, layer, q, out, block_tables, context_lens, num_seqs, heads,
-                            group, q_row_stride, max_blocks_per_seq, max_splits, scale, part_o,
-                            part_m, part_l, stream);
+#undef TANDEM_DECODE_HD
 }
 
 }  // namespace tandem::kernels::cuda

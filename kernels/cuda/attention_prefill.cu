@@ -224,8 +224,8 @@ KernelStatus PagedPrefillAttention(const DeviceKvView& view, int layer, const bf
   if (q_row_stride < heads * view.head_dim) {
     return InvalidArgument("PagedPrefillAttention: q_row_stride < heads * head_dim");
   }
-  if (view.head_dim != 64 && view.head_dim != 128) {
-    return Unsupported("PagedPrefillAttention: head_dim must be 64 or 128");
+  if (view.head_dim != 16 && view.head_dim != 32 && view.head_dim != 64 && view.head_dim != 128) {
+    return Unsupported("PagedPrefillAttention: head_dim must be 16, 32, 64 or 128");
   }
   if (q_row_stride % 8 != 0 || view.block_stride % 8 != 0 ||
       reinterpret_cast<uintptr_t>(q) % 16 != 0 || reinterpret_cast<uintptr_t>(view.pool) % 16 != 0) {
@@ -235,12 +235,16 @@ KernelStatus PagedPrefillAttention(const DeviceKvView& view, int layer, const bf
   if (num_seqs > 65535 || heads > 65535) {
     return Unsupported("PagedPrefillAttention: at most 65535 sequences and heads");
   }
-  if (view.head_dim == 64) {
-    return Launch<64>(view, layer, q, out, block_tables, q_starts, cu_q_lens, num_seqs, heads,
-                      q_row_stride, max_blocks_per_seq, max_q_len, scale, stream);
+#define TANDEM_PREFILL_HD(HD)                                                                \
+  return Launch<HD>(view, layer, q, out, block_tables, q_starts, cu_q_lens, num_seqs, heads, \
+                    q_row_stride, max_blocks_per_seq, max_q_len, scale, stream)
+  switch (view.head_dim) {
+    case 16: TANDEM_PREFILL_HD(16);
+    case 32: TANDEM_PREFILL_HD(32);
+    case 64: TANDEM_PREFILL_HD(64);
+    default: TANDEM_PREFILL_HD(128);
   }
-  return Launch<128>(view, layer, q, out, block_tables, q_starts, cu_q_lens, num_seqs, heads,
-                     q_row_stride, max_blocks_per_seq, max_q_len, scale, stream);
+#undef TANDEM_PREFILL_HD
 }
 
 }  // namespace tandem::kernels::cuda

@@ -1,0 +1,39 @@
+// The `cuda` compute backend: the Llama forward pass on one CUDA device with
+// kernels/cuda and cuBLASLt. Weights live on the device in bf16 (q/k/v and
+// gate/up fused), the KV cache in a device pool of bf16 blocks with the
+// block order of the host pool (DESIGN.md section 4); activations are bf16,
+// the residual stream f32, logits f32.
+//
+// The host KvPool the engine allocates is not where this backend's KV lives
+// (Supports(kHostKvPool) is false): moving blocks between workers needs the
+// device<->host staging of docs/cuda.md, which the workers do not do yet.
+//
+// Thread-safety: as ComputeBackend. The backend owns one CUDA stream; create,
+// use and destroy it on the engine thread (CUDA's current device is per
+// thread).
+#pragma once
+
+#include <memory>
+
+#include "engine/backend.h"
+
+namespace tandem::engine {
+
+struct CudaBackendOptions {
+  int device = 0;
+  // Fixed reduction orders whatever the batch or the chunking: attention of
+  // decode steps runs in the prefill kernel, whose rows do not depend on
+  // their neighbours, and GEMMs use one split-K-free algorithm per shape.
+  bool batch_invariant = false;
+};
+
+// FAILED_PRECONDITION with the runtime's reason when no CUDA device is
+// usable; INVALID_ARGUMENT / UNIMPLEMENTED for weights or shapes it cannot
+// run (head_dim other than 16, 32, 64 or 128, sliding windows); RESOURCE_EXHAUSTED
+// when weights plus KV pool do not fit in device memory.
+Result<std::unique_ptr<ComputeBackend>> CreateCudaBackend(const model::ModelConfig& config,
+                                                          const model::ModelWeights& weights,
+                                                          KvPool* pool,
+                                                          const CudaBackendOptions& options);
+
+}  // namespace tandem::engine
