@@ -1,6 +1,7 @@
 // CUDA paged attention against ref::PagedAttention on bf16-representable
 // Q/K/V: head dims 64/128, GQA ratios 1/4/8, block sizes 16/32, contexts
-// 1 .. 8192 (decode) and prefill chunks over cached prefixes, batches 1 .. 64.
+// 1 .. 8192 (decode) and prefill chunks over cached prefixes, batches 1 .. 64
+// (and head dims 16/32 for the small test models).
 // Block tables are shuffled; every cache block no sequence owns holds NaN, so
 // a read outside a block table or past a context shows up as NaN. Outputs
 // are convex combinations of V rows in [-1, 1]: tolerance 1e-2 absolute
@@ -192,6 +193,17 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaAttention,
                                   std::to_string(std::get<1>(info.param)) + "_bs" +
                                   std::to_string(std::get<2>(info.param));
                          });
+
+// The small head dims exist for the tiny test models (golden fixtures).
+TEST(CudaAttentionSmallHeads, DecodeAndPrefillMatchReference) {
+  TANDEM_REQUIRE_CUDA_DEVICE();
+  for (int hd : {16, 32}) {
+    for (int group : {2, 4}) {
+      CheckCase(hd, group, 16, {{0, 1}, {15, 1}, {600, 1}, {1100, 1}}, true, 35);
+      CheckCase(hd, group, 16, {{0, 150}, {70, 1}, {30, 65}}, false, 36);
+    }
+  }
+}
 
 TEST(CudaAttentionLong, PrefillOf1024FreshTokens) {
   TANDEM_REQUIRE_CUDA_DEVICE();
