@@ -28,7 +28,7 @@ build_rc=0
 {
   timeout 120 cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DTANDEM_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DTANDEM_BUILD_TESTS=ON -DTANDEM_BUILD_BENCH=ON &&
-  timeout 300 cmake --build "$BUILD" -j "$JOBS" --target kernels_cuda_test bench_kernels_cuda
+  timeout 300 cmake --build "$BUILD" -j "$JOBS" --target kernels_cuda_test engine_cuda_test bench_kernels_cuda
 } > "$OUT_DIR/build.log" 2>&1 || build_rc=$?
 t_build=$(( $(date +%s) - t0 ))
 
