@@ -12,6 +12,8 @@
 namespace tandem {
 namespace {
 
+thread_local std::string t_request_id;
+
 class JsonFormatter final : public spdlog::formatter {
  public:
   explicit JsonFormatter(std::string process) : process_(std::move(process)) {}
@@ -24,9 +26,13 @@ class JsonFormatter final : public spdlog::formatter {
     gmtime_r(&secs, &tm);
     const auto level = spdlog::level::to_string_view(msg.level);
     fmt::format_to(std::back_inserter(dest),
-                   R"({{"ts":"{:%Y-%m-%dT%H:%M:%S}.{:03d}Z","level":"{}","proc":"{}","msg":"{}"}})",
-                   tm, static_cast<int>(ms % 1000), std::string_view(level.data(), level.size()),
-                   JsonEscape(process_),
+                   R"({{"ts":"{:%Y-%m-%dT%H:%M:%S}.{:03d}Z","level":"{}","proc":"{}",)", tm,
+                   static_cast<int>(ms % 1000), std::string_view(level.data(), level.size()),
+                   JsonEscape(process_));
+    if (!t_request_id.empty()) {
+      fmt::format_to(std::back_inserter(dest), R"("request_id":"{}",)", JsonEscape(t_request_id));
+    }
+    fmt::format_to(std::back_inserter(dest), R"("msg":"{}"}})",
                    JsonEscape(std::string_view(msg.payload.data(), msg.payload.size())));
     dest.push_back('\n');
   }
@@ -39,7 +45,27 @@ class JsonFormatter final : public spdlog::formatter {
   std::string process_;
 };
 
+// %* in the text pattern: "[req=ID] " on lines about a request, else nothing.
+class RequestIdFlag final : public spdlog::custom_flag_formatter {
+ public:
+  void format(const spdlog::details::log_msg&, const std::tm&, spdlog::memory_buf_t& dest) override {
+    if (t_request_id.empty()) return;
+    fmt::format_to(std::back_inserter(dest), "[req={}] ", t_request_id);
+  }
+  std::unique_ptr<custom_flag_formatter> clone() const override {
+    return std::make_unique<RequestIdFlag>();
+  }
+};
+
 }  // namespace
+
+LogRequestScope::LogRequestScope(std::string_view request_id) : previous_(std::move(t_request_id)) {
+  t_request_id.assign(request_id.data(), request_id.size());
+}
+
+LogRequestScope::~LogRequestScope() { t_request_id = std::move(previous_); }
+
+const std::string& CurrentLogRequestId() { return t_request_id; }
 
 std::string JsonEscape(std::string_view s) {
   std::string out;
@@ -66,8 +92,10 @@ Result<std::unique_ptr<spdlog::formatter>> MakeLogFormatter(const std::string& p
                                                             const std::string& format) {
   if (format == "json") return std::unique_ptr<spdlog::formatter>(new JsonFormatter(process));
   if (format == "text") {
-    return std::unique_ptr<spdlog::formatter>(new spdlog::pattern_formatter(
-        fmt::format("%Y-%m-%d %H:%M:%S.%e %L [{}] %v", process)));
+    auto f = std::make_unique<spdlog::pattern_formatter>();
+    f->add_flag<RequestIdFlag>('*');
+    f->set_pattern(fmt::format("%Y-%m-%d %H:%M:%S.%e %L [{}] %*%v", process));
+    return std::unique_ptr<spdlog::formatter>(std::move(f));
   }
   return InvalidArgumentError(fmt::format("log format '{}' must be 'text' or 'json'", format));
 }

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <prometheus/text_serializer.h>
 
+#include <algorithm>
 #include <sstream>
 
 #include "common/net.h"
@@ -73,6 +74,48 @@ std::vector<double> MetricsRegistry::ExponentialBuckets(double start, double fac
   double v = start;
   for (int i = 0; i < count; ++i, v *= factor) b.push_back(v);
   return b;
+}
+
+RecentMedianCheck::RecentMedianCheck(Options options) : options_(options) {
+  ring_.reserve(std::max<size_t>(options_.window, 1));
+}
+
+std::optional<double> RecentMedianCheck::Observe(double value, Clock::time_point now) {
+  std::lock_guard lock(mu_);
+  const size_t window = std::max<size_t>(options_.window, 1);
+  if (ring_.size() < window) {
+    ring_.push_back(value);
+  } else {
+    ring_[next_] = value;
+  }
+  next_ = (next_ + 1) % window;
+  if (ring_.size() < std::max<size_t>(options_.min_samples, 1)) return std::nullopt;
+  const double median = MedianLocked();
+  if (!(median > options_.threshold)) return std::nullopt;
+  if (last_warning_ && now - *last_warning_ < options_.min_interval) return std::nullopt;
+  last_warning_ = now;
+  return median;
+}
+
+double RecentMedianCheck::Median() const {
+  std::lock_guard lock(mu_);
+  return MedianLocked();
+}
+
+size_t RecentMedianCheck::size() const {
+  std::lock_guard lock(mu_);
+  return ring_.size();
+}
+
+double RecentMedianCheck::MedianLocked() const {
+  if (ring_.empty()) return 0.0;
+  std::vector<double> v = ring_;
+  const size_t mid = v.size() / 2;
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(mid), v.end());
+  if (v.size() % 2 == 1) return v[mid];
+  const double upper = v[mid];
+  const double lower = *std::max_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(mid));
+  return (lower + upper) / 2.0;
 }
 
 }  // namespace tandem

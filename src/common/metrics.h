@@ -9,8 +9,12 @@
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
+#include <chrono>
+#include <cstddef>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -63,6 +67,39 @@ class MetricsRegistry {
   std::map<std::string, prometheus::Family<prometheus::Counter>*> counters_;
   std::map<std::string, prometheus::Family<prometheus::Gauge>*> gauges_;
   std::map<std::string, prometheus::Family<prometheus::Histogram>*> histograms_;
+};
+
+// The median of the last `window` observations, checked against a threshold
+// with a rate limit: Observe answers "warn now" at most once per
+// `min_interval`, and only while at least `min_samples` observations are in
+// the window and their median is above `threshold`. The proxy uses it for the
+// KV transfer overhead ratio (docs/metrics.md). Thread-safe.
+class RecentMedianCheck {
+ public:
+  using Clock = std::chrono::steady_clock;
+  struct Options {
+    size_t window = 64;
+    size_t min_samples = 8;
+    double threshold = 0.3;
+    Clock::duration min_interval = std::chrono::seconds(60);
+  };
+
+  explicit RecentMedianCheck(Options options);
+
+  // Records `value`; returns the window's median when a warning is due.
+  std::optional<double> Observe(double value, Clock::time_point now = Clock::now());
+  // The median of the window (0 when empty).
+  double Median() const;
+  size_t size() const;
+
+ private:
+  double MedianLocked() const;
+
+  const Options options_;
+  mutable std::mutex mu_;
+  std::vector<double> ring_;             // guarded by mu_: [min(observed, window)]
+  size_t next_ = 0;                      // guarded by mu_: slot of the next observation
+  std::optional<Clock::time_point> last_warning_;  // guarded by mu_
 };
 
 }  // namespace tandem

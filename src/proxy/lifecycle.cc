@@ -151,6 +151,9 @@ void RequestLifecycle::OnPrefillDone(uint32_t attempt, Result<PrefillResult> r) 
     return;
   }
   cached_tokens_ = r->cached_prompt_tokens;
+  if (deps_.metrics) {
+    deps_.metrics->ObservePrefillTimes(req_.request_id, r->prefill_seconds, r->transfer_seconds);
+  }
   to_cancel = DeliverLocked(0, {r->first_token_id});
   lock.unlock();
   CancelAll(to_cancel);

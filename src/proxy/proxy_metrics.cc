@@ -1,5 +1,7 @@
 #include "proxy/proxy_metrics.h"
 
+#include <spdlog/spdlog.h>
+
 namespace tandem::proxy {
 namespace {
 
@@ -41,7 +43,27 @@ ProxyMetrics::ProxyMetrics(MetricsRegistry& r)
       generation_tokens(
           r.Counter("tandem_generation_tokens_total", "Completion tokens sent to clients")),
       retries(r.Counter("tandem_request_retries_total",
-                        "Requests re-routed after a worker refused or failed")) {}
+                        "Requests re-routed after a worker refused or failed")),
+      overhead_ratio_p50(r.Gauge("tandem_kv_transfer_overhead_ratio_recent_p50",
+                                 "Median KV transfer time over prefill compute time of the "
+                                 "last 64 disaggregated requests")),
+      overhead_check_({kOverheadWindow, kOverheadMinSamples, kOverheadWarnRatio,
+                       std::chrono::seconds(60)}) {}
+
+void ProxyMetrics::ObservePrefillTimes(const std::string& request_id, double prefill_seconds,
+                                       double transfer_seconds) {
+  if (!(prefill_seconds > 0) || transfer_seconds < 0) return;
+  const auto warn = overhead_check_.Observe(transfer_seconds / prefill_seconds);
+  overhead_ratio_p50.Set(overhead_check_.Median());
+  if (warn) {
+    spdlog::warn(
+        "KV transfer overhead: median transfer/prefill time of the last {} requests is {:.2f} "
+        "(above {:.1f}: the transfer eats the gain of disaggregation; check the transport, "
+        "e.g. UCX falling back to TCP). Last request {}: prefill {:.4f} s, transfer {:.4f} s",
+        overhead_check_.size(), *warn, kOverheadWarnRatio, request_id, prefill_seconds,
+        transfer_seconds);
+  }
+}
 
 void ProxyMetrics::CountOutcome(const std::string& outcome) {
   if (outcome == "ok") ok.Increment();

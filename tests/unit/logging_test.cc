@@ -6,6 +6,7 @@
 #include <spdlog/spdlog.h>
 
 #include <sstream>
+#include <thread>
 
 namespace tandem {
 namespace {
@@ -49,6 +50,79 @@ TEST(Logging, JsonLinesAreParseableObjects) {
 TEST(Logging, TextLinesNameTheProcess) {
   const std::string line = Emit("text", "hello");
   EXPECT_NE(line.find("I [prefill-0] hello"), std::string::npos) << line;
+}
+
+std::string EmitAbout(const std::string& format, const std::string& request_id,
+                      const std::string& msg) {
+  std::ostringstream out;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(out);
+  auto f = MakeLogFormatter("decode-0", format);
+  EXPECT_TRUE(f.ok());
+  sink->set_formatter(std::move(f).value());
+  auto logger = std::make_shared<spdlog::logger>("test", sink);
+  logger->set_level(spdlog::level::trace);
+  auto previous = spdlog::default_logger();
+  spdlog::set_default_logger(logger);
+  LogRequest(spdlog::level::debug, request_id, "reserved {} blocks", 3);
+  spdlog::info("{}", msg);  // not about a request
+  logger->flush();
+  spdlog::set_default_logger(previous);
+  return out.str();
+}
+
+TEST(Logging, JsonLinesCarryTheRequestId) {
+  const std::string out = EmitAbout("json", "req-\"7\"", "idle");
+  std::istringstream lines(out);
+  std::string first, second;
+  ASSERT_TRUE(std::getline(lines, first));
+  ASSERT_TRUE(std::getline(lines, second));
+  const auto a = nlohmann::json::parse(first);
+  EXPECT_EQ(a.at("request_id"), "req-\"7\"");
+  EXPECT_EQ(a.at("msg"), "reserved 3 blocks");
+  EXPECT_EQ(a.at("level"), "debug");
+  EXPECT_EQ(a.at("proc"), "decode-0");
+  const auto b = nlohmann::json::parse(second);
+  EXPECT_FALSE(b.contains("request_id")) << second;  // the scope ended with the line
+  EXPECT_EQ(b.at("msg"), "idle");
+}
+
+TEST(Logging, TextLinesCarryTheRequestId) {
+  const std::string out = EmitAbout("text", "abc", "idle");
+  EXPECT_NE(out.find("D [decode-0] [req=abc] reserved 3 blocks"), std::string::npos) << out;
+  EXPECT_NE(out.find("I [decode-0] idle"), std::string::npos) << out;
+  EXPECT_EQ(out.find("[req=abc] idle"), std::string::npos) << out;
+}
+
+TEST(Logging, ScopesNestAndRestore) {
+  EXPECT_EQ(CurrentLogRequestId(), "");
+  {
+    LogRequestScope outer("a");
+    EXPECT_EQ(CurrentLogRequestId(), "a");
+    {
+      LogRequestScope inner("b");
+      EXPECT_EQ(CurrentLogRequestId(), "b");
+    }
+    EXPECT_EQ(CurrentLogRequestId(), "a");
+    std::string other_thread = "unset";
+    std::thread([&] { other_thread = CurrentLogRequestId(); }).join();
+    EXPECT_EQ(other_thread, "");  // thread-local
+  }
+  EXPECT_EQ(CurrentLogRequestId(), "");
+}
+
+TEST(Logging, LineBelowTheLevelIsNotFormatted) {
+  std::ostringstream out;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(out);
+  auto logger = std::make_shared<spdlog::logger>("test", sink);
+  logger->set_level(spdlog::level::info);
+  auto previous = spdlog::default_logger();
+  spdlog::set_default_logger(logger);
+  LogRequest(spdlog::level::debug, "x", "hidden {}", 1);
+  LogRequest(spdlog::level::warn, "x", "shown {}", 2);
+  logger->flush();
+  spdlog::set_default_logger(previous);
+  EXPECT_EQ(out.str().find("hidden"), std::string::npos);
+  EXPECT_NE(out.str().find("shown 2"), std::string::npos);
 }
 
 }  // namespace

@@ -2,6 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <vector>
+
 namespace tandem {
 namespace {
 
@@ -45,6 +50,99 @@ TEST(Metrics, ExponentialBuckets) {
   const auto b = MetricsRegistry::ExponentialBuckets(0.001, 2, 4);
   ASSERT_EQ(b.size(), 4u);
   EXPECT_DOUBLE_EQ(b[3], 0.008);
+}
+
+using Check = RecentMedianCheck;
+
+Check::Options Opts(size_t window, size_t min_samples, double threshold, int interval_s) {
+  Check::Options o;
+  o.window = window;
+  o.min_samples = min_samples;
+  o.threshold = threshold;
+  o.min_interval = std::chrono::seconds(interval_s);
+  return o;
+}
+
+TEST(RecentMedianCheck, MedianOfTheWindowOnly) {
+  Check c(Opts(4, 1, 100.0, 60));
+  const auto t = Check::Clock::time_point{} + std::chrono::hours(1);
+  EXPECT_DOUBLE_EQ(c.Median(), 0.0);
+  c.Observe(5.0, t);
+  EXPECT_DOUBLE_EQ(c.Median(), 5.0);
+  c.Observe(1.0, t);
+  EXPECT_DOUBLE_EQ(c.Median(), 3.0);  // even count: mean of the middle two
+  c.Observe(9.0, t);
+  EXPECT_DOUBLE_EQ(c.Median(), 5.0);
+  c.Observe(2.0, t);                  // {5,1,9,2}
+  EXPECT_DOUBLE_EQ(c.Median(), 3.5);
+  c.Observe(10.0, t);                 // 5 drops out: {10,1,9,2}
+  c.Observe(11.0, t);                 // 1 drops out: {10,11,9,2}
+  EXPECT_EQ(c.size(), 4u);
+  EXPECT_DOUBLE_EQ(c.Median(), 9.5);
+}
+
+TEST(RecentMedianCheck, WarnsOnlyAboveThresholdWithEnoughSamples) {
+  Check c(Opts(8, 4, 0.3, 60));
+  const auto t = Check::Clock::time_point{} + std::chrono::hours(1);
+  // Three high samples: not enough to judge.
+  for (int i = 0; i < 3; ++i) EXPECT_FALSE(c.Observe(0.9, t).has_value());
+  // The fourth makes the median 0.9 > 0.3: warn, with the median.
+  auto w = c.Observe(0.9, t);
+  ASSERT_TRUE(w.has_value());
+  EXPECT_DOUBLE_EQ(*w, 0.9);
+}
+
+TEST(RecentMedianCheck, ExactlyAtThresholdDoesNotWarn) {
+  Check c(Opts(4, 1, 0.3, 0));
+  const auto t = Check::Clock::time_point{} + std::chrono::hours(1);
+  for (int i = 0; i < 4; ++i) EXPECT_FALSE(c.Observe(0.3, t).has_value());
+}
+
+TEST(RecentMedianCheck, OneOutlierDoesNotMoveTheMedian) {
+  Check c(Opts(9, 1, 0.3, 0));
+  const auto t = Check::Clock::time_point{} + std::chrono::hours(1);
+  for (int i = 0; i < 8; ++i) EXPECT_FALSE(c.Observe(0.05, t).has_value());
+  EXPECT_FALSE(c.Observe(50.0, t).has_value());  // P50 is robust; a mean would be 5.6
+  EXPECT_DOUBLE_EQ(c.Median(), 0.05);
+}
+
+TEST(RecentMedianCheck, RateLimitedAndRecovers) {
+  Check c(Opts(5, 1, 0.3, 60));
+  auto t = Check::Clock::time_point{} + std::chrono::hours(1);
+  int warnings = 0;
+  // 200 high observations over 100 s (one every 0.5 s): one warning at the
+  // start and one after 60 s, never more.
+  for (int i = 0; i < 200; ++i) {
+    if (c.Observe(0.8, t).has_value()) ++warnings;
+    t += std::chrono::milliseconds(500);
+  }
+  EXPECT_EQ(warnings, 2);
+  // The ratio recovers (within the rate limit): the window fills with low
+  // values; past the interval a low median stays silent.
+  for (int i = 0; i < 5; ++i) EXPECT_FALSE(c.Observe(0.1, t).has_value()) << i;
+  EXPECT_DOUBLE_EQ(c.Median(), 0.1);
+  t += std::chrono::seconds(120);
+  EXPECT_FALSE(c.Observe(0.1, t).has_value());
+  // It degrades again: warns at once (the last warning is long past).
+  t += std::chrono::seconds(61);
+  int again = 0;
+  for (int i = 0; i < 5; ++i) again += c.Observe(0.7, t).has_value() ? 1 : 0;
+  EXPECT_EQ(again, 1);  // once the median crosses (third of five), then rate-limited
+}
+
+TEST(RecentMedianCheck, ConcurrentObserversKeepTheWindowConsistent) {
+  Check c(Opts(64, 8, 0.3, 3600));
+  std::atomic<int> warnings{0};
+  std::vector<std::thread> threads;
+  for (int k = 0; k < 4; ++k) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 1000; ++i) warnings += c.Observe(0.5).has_value() ? 1 : 0;
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(c.size(), 64u);
+  EXPECT_DOUBLE_EQ(c.Median(), 0.5);
+  EXPECT_EQ(warnings.load(), 1);
 }
 
 }  // namespace
