@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# One-shot GPU check for a machine with a CUDA device (sized for one H200 in
-# under 8 minutes: build ~2-3 min on 16 cores, gpu tests ~2 min, benchmarks
-# ~1 min). Builds Release with only what is needed, runs every ctest test
-# labelled `gpu` and the CUDA kernel benchmarks, and writes a JSON summary.
+# One-shot GPU check for a machine with a CUDA device. Builds Release with
+# only what is needed, runs every ctest test labelled `gpu`, the CUDA kernel
+# benchmarks and the end-to-end benchmark, and writes a JSON summary. Sized
+# for one H200 in under 8 minutes (build ~2-3 min on 16 cores, gpu tests
+# ~2 min, kernel benchmarks ~1 min, end-to-end ~1 min: estimates, not yet
+# measured); each step has a timeout so a hang cannot eat the device budget.
 #
 #   tests/gpu/device_check.sh [OUT_DIR]     (default: $OUT, else build-device-check)
+#   DEVICE_CHECK_BUILD=DIR overrides the build folder (default build-device).
 #
 # Writes OUT_DIR/summary.json, gpu_tests.xml (JUnit), gpu_tests.log,
-# bench_kernels_cuda.json, build.log, nvidia-smi.txt. Exit status: 0 when the
-# build succeeded and every gpu test ran and passed (a skip means no usable
-# device), 1 otherwise; the summary is written either way. Each step has a timeout so a hang cannot eat the
-# device budget.
+# bench_kernels_cuda.json, bench_cuda_engine.json (prefill and decode
+# tokens/s of a Llama-3-8B-shaped model with random weights), build.log,
+# nvidia-smi.txt. Exit status: 0 when the build succeeded and every gpu test
+# ran and passed (a skip means no usable device), 1 otherwise; the summary
+# is written either way.
 set -u
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 OUT_DIR="${1:-${OUT:-$ROOT/build-device-check}}"
@@ -28,12 +32,13 @@ build_rc=0
 {
   timeout 120 cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DTANDEM_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DTANDEM_BUILD_TESTS=ON -DTANDEM_BUILD_BENCH=ON &&
-  timeout 300 cmake --build "$BUILD" -j "$JOBS" --target kernels_cuda_test engine_cuda_test bench_kernels_cuda
+  timeout 300 cmake --build "$BUILD" -j "$JOBS" --target kernels_cuda_test engine_cuda_test bench_kernels_cuda bench_cuda_engine
 } > "$OUT_DIR/build.log" 2>&1 || build_rc=$?
 t_build=$(( $(date +%s) - t0 ))
 
 tests_rc=-1
 bench_rc=-1
+e2e_rc=-1
 if [ "$build_rc" -eq 0 ]; then
   stamp "gpu tests"
   # Tests are CPU-bound on their double-precision references: run them in
@@ -47,14 +52,19 @@ if [ "$build_rc" -eq 0 ]; then
     --benchmark_out="$OUT_DIR/bench_kernels_cuda.json" --benchmark_out_format=json \
     > "$OUT_DIR/bench_kernels_cuda.txt" 2>&1
   bench_rc=$?
+  stamp "end-to-end (Llama-3-8B shape, random weights)"
+  timeout 240 "$BUILD/bench/kernels/bench_cuda_engine" > "$OUT_DIR/bench_cuda_engine.json" \
+    2> "$OUT_DIR/bench_cuda_engine.log"
+  e2e_rc=$?
 fi
 t_total=$(( $(date +%s) - t0 ))
 stamp "summary"
 
-python3 - "$OUT_DIR" "$build_rc" "$tests_rc" "$bench_rc" "$t_build" "$t_total" "$ROOT" <<'PY'
+python3 - "$OUT_DIR" "$build_rc" "$tests_rc" "$bench_rc" "$t_build" "$t_total" "$ROOT" "$e2e_rc" <<'PY'
 import json, os, subprocess, sys, xml.etree.ElementTree as ET
-out, build_rc, tests_rc, bench_rc, t_build, t_total, root = sys.argv[1:8]
+out, build_rc, tests_rc, bench_rc, t_build, t_total, root, e2e_rc = sys.argv[1:9]
 s = {"build_rc": int(build_rc), "tests_rc": int(tests_rc), "bench_rc": int(bench_rc),
+     "e2e_rc": int(e2e_rc),
      "build_seconds": int(t_build), "total_seconds": int(t_total)}
 try:
     s["git"] = subprocess.run(["git", "-C", root, "rev-parse", "--short=12", "HEAD"],
@@ -104,6 +114,10 @@ try:
 except (OSError, KeyError, ValueError) as e:
     bench["error"] = str(e)
 s["bench"] = bench
+try:
+    s["end_to_end"] = json.load(open(os.path.join(out, "bench_cuda_engine.json")))
+except (OSError, ValueError) as e:
+    s["end_to_end"] = {"error": str(e)}
 # A skipped gpu test on this machine means the device was not usable.
 s["ok"] = (s["build_rc"] == 0 and s["tests_rc"] == 0 and tests.get("failed", 1) == 0
            and tests.get("skipped", 1) == 0 and tests.get("passed", 0) > 0)
