@@ -9,13 +9,14 @@
 #include "cli/ready.h"
 #include "common/config.h"
 #include "common/logging.h"
+#include "http/http_server.h"
 #include "proxy/proxy_server.h"
 
 namespace tandem::cli {
 namespace {
 
 int RunProxy(const std::string& config_path, const std::string& grpc, const std::string& metrics,
-             int ready_fd, const GlobalOptions& g) {
+             const std::string& http, int ready_fd, const GlobalOptions& g) {
   auto cfg = LoadFleetConfig(config_path);
   if (!cfg.ok()) {
     std::cerr << cfg.status().message() << "\n";
@@ -28,7 +29,7 @@ int RunProxy(const std::string& config_path, const std::string& grpc, const std:
     return 1;
   }
   BlockTerminationSignals();  // before gRPC starts its threads
-  auto server = proxy::ProxyServer::Start(*cfg, grpc, metrics);
+  auto server = proxy::ProxyServer::Start(*cfg, grpc, metrics, http, http::Factory());
   if (!server.ok()) {
     spdlog::error("proxy not started: {}", server.status().ToString());
     return 1;
@@ -48,14 +49,17 @@ void RegisterProxy(CLI::App& app, GlobalOptions& g) {
   auto config = std::make_shared<std::string>();
   auto grpc = std::make_shared<std::string>();
   auto metrics = std::make_shared<std::string>();
+  auto http = std::make_shared<std::string>();
   auto ready_fd = std::make_shared<int>(-1);
   cmd->add_option("--config", *config, "fleet YAML file")->required();
   cmd->add_option("--grpc", *grpc, "host:port of the public gRPC API (default: proxy.grpc)");
   cmd->add_option("--metrics", *metrics, "host:port of /metrics (default: proxy.metrics)");
+  cmd->add_option("--http", *http,
+                  "host:port of the OpenAI-compatible HTTP API (default: proxy.http)");
   cmd->add_option("--ready-fd", *ready_fd, "(tandem launch) write the real addresses here")
       ->group("");
-  cmd->callback([&g, config, grpc, metrics, ready_fd] {
-    g.exit_code = RunProxy(*config, *grpc, *metrics, *ready_fd, g);
+  cmd->callback([&g, config, grpc, metrics, http, ready_fd] {
+    g.exit_code = RunProxy(*config, *grpc, *metrics, *http, *ready_fd, g);
   });
 }
 

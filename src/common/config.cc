@@ -59,6 +59,7 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.Read("default_max_tokens", c.proxy.default_max_tokens, 1, 1u << 20);
     m.Read("max_tokens_limit", c.proxy.max_tokens_limit, 1, 1u << 20);
     m.Read("api_key", c.proxy.api_key);
+    m.ReadEnum("chat_template", c.proxy.chat_template, {"auto", "chatml", "llama3", "mistral"});
     m.Finish();
   }
   {

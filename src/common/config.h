@@ -42,6 +42,7 @@ struct ProxyConfig {
   uint32_t default_max_tokens = 128;   // when a request leaves max_tokens unset
   uint32_t max_tokens_limit = 1024;    // largest max_tokens a request may ask for
   std::string api_key;                 // empty: no authentication
+  std::string chat_template = "auto";  // auto (tokenizer_config.json) | chatml | llama3 | mistral
 };
 
 struct RouterConfig {

@@ -12,7 +12,9 @@ namespace tandem::proxy {
 
 Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet,
                                                         const std::string& grpc_address,
-                                                        const std::string& metrics_address) {
+                                                        const std::string& metrics_address,
+                                                        const std::string& http_address,
+                                                        const HttpFactory& http_factory) {
   std::unique_ptr<ProxyServer> p(new ProxyServer());
   TANDEM_ASSIGN_OR_RETURN(p->tokenizer_, model::Tokenizer::Load(fleet.model.path));
   TANDEM_ASSIGN_OR_RETURN(model::ModelConfig mc, model::LoadModelConfig(fleet.model.path));
@@ -60,8 +62,15 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
                                    {p->generation_.get(), p->registry_.get()}));
   p->addresses_.grpc = p->server_->address();
   p->addresses_.metrics = p->metrics_registry_->bound_address();
-  spdlog::info("proxy serving {} on {} (gRPC), metrics on {}; HTTP API not built yet",
-               fleet.model.name, p->addresses_.grpc, p->addresses_.metrics);
+  if (http_factory) {
+    HttpContext hc{&fleet, p->frontend_.get(), p->fleet_.get(), p->metrics_registry_.get()};
+    TANDEM_ASSIGN_OR_RETURN(
+        p->http_, http_factory(http_address.empty() ? fleet.proxy.http : http_address, hc));
+    p->addresses_.http = p->http_->address();
+  }
+  spdlog::info("proxy serving {} on {} (gRPC), {} (HTTP), metrics on {}", fleet.model.name,
+               p->addresses_.grpc, p->addresses_.http.empty() ? "-" : p->addresses_.http,
+               p->addresses_.metrics);
   return p;
 }
 
@@ -78,6 +87,7 @@ void ProxyServer::Shutdown(int grace_ms) {
   for (int waited = 0; waited < grace_ms && frontend_->inflight() > 0; waited += 10) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
+  if (http_) http_->Shutdown();
   server_->Shutdown(0);
   registry_->Shutdown();
   server_.reset();

@@ -1,9 +1,11 @@
 // The proxy process: public gRPC API, worker registry, router, metrics.
-// The HTTP API (issue #9) is not here yet.
+// The OpenAI HTTP API lives in src/http (it links this library), so the
+// proxy starts it through an HttpFactory that `tandem proxy` passes in.
 //
 // Thread-safety: Start, Drain and Shutdown from the owning thread.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -22,18 +24,39 @@ namespace tandem::proxy {
 
 struct ProxyAddresses {
   std::string grpc;
-  std::string http;  // empty until the HTTP API exists
+  std::string http;  // empty when started without an HttpFactory
   std::string metrics;
 };
+
+// The HTTP front end as the proxy sees it (implemented in src/http).
+class HttpFrontEnd {
+ public:
+  virtual ~HttpFrontEnd() = default;
+  virtual const std::string& address() const = 0;  // the real "host:port"
+  // Stops accepting, cancels open requests, joins the I/O threads.
+  virtual void Shutdown() = 0;
+};
+
+// What the HTTP front end shares with the gRPC one. Pointers outlive it.
+struct HttpContext {
+  const FleetConfig* config = nullptr;
+  Frontend* frontend = nullptr;
+  Fleet* fleet = nullptr;
+  MetricsRegistry* metrics = nullptr;
+};
+using HttpFactory = std::function<Result<std::unique_ptr<HttpFrontEnd>>(
+    const std::string& address, const HttpContext& context)>;
 
 class ProxyServer {
  public:
   // Loads the tokenizer and model shape from the fleet's model directory,
-  // then serves on the fleet's proxy addresses (`grpc`/`metrics` override
-  // them when non-empty).
+  // then serves on the fleet's proxy addresses (`grpc`/`metrics`/`http`
+  // override them when non-empty). Without `http_factory` no HTTP API runs.
   static Result<std::unique_ptr<ProxyServer>> Start(const FleetConfig& fleet,
                                                     const std::string& grpc_address = "",
-                                                    const std::string& metrics_address = "");
+                                                    const std::string& metrics_address = "",
+                                                    const std::string& http_address = "",
+                                                    const HttpFactory& http_factory = nullptr);
   ~ProxyServer();
 
   const ProxyAddresses& addresses() const { return addresses_; }
@@ -55,6 +78,7 @@ class ProxyServer {
   std::unique_ptr<GenerationService> generation_;
   std::unique_ptr<RegistryService> registry_;
   std::unique_ptr<RpcServer> server_;
+  std::unique_ptr<HttpFrontEnd> http_;  // last: stopped before what it uses
   ProxyAddresses addresses_;
 };
 

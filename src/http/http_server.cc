@@ -1,0 +1,594 @@
+#include "http/http_server.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+
+#include <atomic>
+#include <ctime>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "common/net.h"
+#include "http/openai.h"
+#include "model/chat_template.h"
+#include "proxy/generation_service.h"
+
+namespace tandem::http {
+namespace {
+
+namespace beast = boost::beast;
+namespace bhttp = boost::beast::http;
+namespace net = boost::asio;
+using tcp = net::ip::tcp;
+using ErrorCode = boost::system::error_code;
+using Request = bhttp::request<bhttp::string_body>;
+
+class Session;
+
+// What every connection shares; owned by HttpServer::Impl.
+struct Shared {
+  proxy::Frontend* fe = nullptr;
+  proxy::Fleet* fleet = nullptr;
+  MetricsRegistry* metrics = nullptr;
+  std::optional<model::ChatTemplate> chat;
+  std::string chat_error;  // why chat is refused when `chat` is empty
+  int64_t started = 0;
+  ServerOptions opts;
+
+  std::mutex mu;
+  std::set<Session*> sessions;  // guarded by mu
+  bool stopping = false;        // guarded by mu
+};
+
+const char* Reason(int status) {
+  switch (status) {
+    case 100: return "Continue";
+    case 200: return "OK";
+    case 400: return "Bad Request";
+    case 401: return "Unauthorized";
+    case 403: return "Forbidden";
+    case 404: return "Not Found";
+    case 405: return "Method Not Allowed";
+    case 413: return "Payload Too Large";
+    case 429: return "Too Many Requests";
+    case 499: return "Client Closed Request";
+    case 503: return "Service Unavailable";
+    case 504: return "Gateway Timeout";
+    default: return "Internal Server Error";
+  }
+}
+
+std::string Chunk(std::string_view data) {
+  return fmt::format("{:x}\r\n", data.size()) + std::string(data) + "\r\n";
+}
+
+bool ConstantTimeEqual(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+// "" when a request could be served now; otherwise why not.
+std::string Unready(const Shared& sh) {
+  if (sh.fe->draining()) return "draining";
+  bool prefill = false, decode = false, both = false;
+  for (const auto& w : sh.fleet->Workers()) {
+    prefill |= w.role == router::WorkerRole::kPrefill;
+    decode |= w.role == router::WorkerRole::kDecode;
+    both |= w.role == router::WorkerRole::kBoth;
+  }
+  if (both || (prefill && decode)) return "";
+  return "starting: no prefill/decode pair (or aggregated worker) has registered yet";
+}
+
+class Session : public std::enable_shared_from_this<Session> {
+ public:
+  Session(tcp::socket socket, Shared* sh) : socket_(std::move(socket)), sh_(sh) {}
+
+  ~Session() {
+    {
+      std::lock_guard lock(sh_->mu);
+      sh_->sessions.erase(this);
+    }
+    CancelLifecycle();
+    if (active_ && admitted_) sh_->fe->Release();
+  }
+
+  void Start() {
+    {
+      std::lock_guard lock(sh_->mu);
+      sh_->sessions.insert(this);
+    }
+    DoRead();
+  }
+
+  // Any thread (shutdown): the active request is cancelled; nothing more
+  // reaches this session from its lifecycle.
+  void CancelLifecycle() {
+    std::shared_ptr<proxy::RequestLifecycle> lc;
+    {
+      std::lock_guard lock(lc_mu_);
+      lc = std::move(lc_);
+    }
+    if (lc) lc->Cancel();
+  }
+
+ private:
+  // ---- reading ----------------------------------------------------------
+  void DoRead() {
+    reading_ = true;
+    parser_.emplace();
+    parser_->body_limit(sh_->opts.max_body_bytes);
+    parser_->header_limit(static_cast<uint32_t>(sh_->opts.max_header_bytes));
+    bhttp::async_read_header(socket_, buf_, *parser_,
+                             [self = shared_from_this()](ErrorCode ec, size_t) {
+                               self->OnHeader(ec);
+                             });
+  }
+
+  void OnHeader(ErrorCode ec) {
+    if (ec) return OnReadError(ec);
+    const auto& h = parser_->get();
+    if (beast::iequals(h[bhttp::field::expect], "100-continue")) {
+      Enqueue("HTTP/1.1 100 Continue\r\n\r\n");
+    }
+    bhttp::async_read(socket_, buf_, *parser_, [self = shared_from_this()](ErrorCode ec, size_t) {
+      self->OnRead(ec);
+    });
+  }
+
+  void OnRead(ErrorCode ec) {
+    reading_ = false;
+    if (ec) return OnReadError(ec);
+    pending_.push_back(parser_->release());
+    if (pending_.size() < sh_->opts.max_pipelined) DoRead();
+    MaybeServe();
+  }
+
+  void OnReadError(ErrorCode ec) {
+    reading_ = false;
+    if (gone_) return;
+    const bool parse_error = ec.category() == ErrorCode(bhttp::error::end_of_stream).category() &&
+                             ec != bhttp::error::end_of_stream &&
+                             ec != bhttp::error::partial_message;
+    if (parse_error && !busy_) {
+      // Answer what we could not parse, then close (the stream is out of sync).
+      pending_.clear();
+      close_after_ = true;
+      busy_ = true;
+      const int code = ec == bhttp::error::body_limit ? 413 : 400;
+      Respond(code, "application/json",
+              ErrorBody(code, code == 413 ? fmt::format("the request body exceeds the limit of {} "
+                                                        "bytes", sh_->opts.max_body_bytes)
+                                          : fmt::format("malformed HTTP request: {}", ec.message())));
+      return;
+    }
+    Gone();  // closed or reset: the client went away
+  }
+
+  // ---- serving ------------------------------------------------------------
+  void MaybeServe() {
+    if (busy_ || gone_ || pending_.empty()) return;
+    busy_ = true;
+    Request req = std::move(pending_.front());
+    pending_.pop_front();
+    if (!reading_ && !close_after_) DoRead();
+    keep_alive_ = req.keep_alive() && req.version() >= 11;
+    if (!keep_alive_) close_after_ = true;
+    Serve(req);
+  }
+
+  void Serve(const Request& req) {
+    std::string_view target(req.target().data(), req.target().size());
+    target = target.substr(0, target.find('?'));
+    // HEAD is GET without the body (probes such as aiperf's use it).
+    head_ = req.method() == bhttp::verb::head;
+    const auto method = head_ ? bhttp::verb::get : req.method();
+    request_id_header_ = std::string(req["X-Request-Id"]);
+    auto only = [&](bhttp::verb v) {
+      if (method == v) return true;
+      Respond(405, "application/json",
+              ErrorBody(405, fmt::format("{} takes {} only", target,
+                                         std::string_view(bhttp::to_string(v)))));
+      return false;
+    };
+    if (target == "/health") {
+      if (!only(bhttp::verb::get)) return;
+      const std::string why = Unready(*sh_);
+      if (why.empty()) return Respond(200, "application/json", R"({"status":"ok"})");
+      return Respond(503, "application/json", Dump({{"status", why}}));
+    }
+    if (target == "/metrics") {
+      if (!only(bhttp::verb::get)) return;
+      return Respond(200, "text/plain; version=0.0.4; charset=utf-8", sh_->metrics->Render());
+    }
+    const bool v1 = target.rfind("/v1/", 0) == 0;
+    if (v1 && !Authorized(req)) {
+      return Respond(401, "application/json",
+                     ErrorBody(401, "missing or wrong API key: send 'Authorization: Bearer KEY'"));
+    }
+    if (target == "/v1/models") {
+      if (!only(bhttp::verb::get)) return;
+      const auto& lim = sh_->fe->limits();
+      nlohmann::json m = {{"id", lim.model},
+                          {"object", "model"},
+                          {"created", sh_->started},
+                          {"owned_by", "tandem"},
+                          {"root", lim.model},
+                          {"max_model_len", lim.max_model_len}};
+      return Respond(200, "application/json",
+                     Dump({{"object", "list"}, {"data", nlohmann::json::array({m})}}));
+    }
+    if (target == "/v1/completions") {
+      if (!only(bhttp::verb::post)) return;
+      return StartGeneration(Endpoint::kCompletions, req.body());
+    }
+    if (target == "/v1/chat/completions") {
+      if (!only(bhttp::verb::post)) return;
+      return StartGeneration(Endpoint::kChat, req.body());
+    }
+    Respond(404, "application/json",
+            ErrorBody(404, fmt::format("no route {} {}; see docs/http-api.md",
+                                       std::string_view(req.method_string().data(),
+                                                        req.method_string().size()),
+                                       target)));
+  }
+
+  bool Authorized(const Request& req) const {
+    const std::string& key = sh_->fe->api_key();
+    if (key.empty()) return true;
+    const auto v = req[bhttp::field::authorization];
+    std::string_view got(v.data(), v.size());
+    constexpr std::string_view kBearer = "Bearer ";
+    if (got.size() < kBearer.size() || !beast::iequals(got.substr(0, kBearer.size()), kBearer)) {
+      return false;
+    }
+    return ConstantTimeEqual(got.substr(kBearer.size()), key);
+  }
+
+  void CountOutcome(const Status& st) {
+    if (auto* m = sh_->fe->deps().metrics) {
+      m->CountOutcome(st.code() == StatusCode::kResourceExhausted ? "rejected" : "invalid");
+    }
+  }
+
+  void Refuse(const OpenAiRequest* r, const Status& st) {
+    CountOutcome(st);
+    const int code = HttpStatus(st.code());
+    Respond(code, "application/json",
+            ErrorBody(code, r ? ToOpenAiMessage(*r, st.message()) : st.message()));
+  }
+
+  void StartGeneration(Endpoint ep, const std::string& body) {
+    auto parsed = ParseRequest(ep, body);
+    if (!parsed.ok()) return Refuse(nullptr, parsed.status());
+    OpenAiRequest& r = *parsed;
+    if (ep == Endpoint::kChat) {
+      if (!sh_->chat) return Refuse(&r, InvalidArgumentError("messages: " + sh_->chat_error));
+      auto text = sh_->chat->Render(r.messages);
+      if (!text.ok()) return Refuse(&r, text.status());
+      r.request.prompt_token_ids = sh_->fe->deps().tokenizer->Encode(*text, false);
+    }
+    r.request.request_id = request_id_header_;
+    if (sh_->fe->draining()) {
+      return Refuse(&r, UnavailableError("the proxy is draining; send new requests elsewhere"));
+    }
+    auto v = sh_->fe->Validate(r.request);
+    if (!v.ok()) return Refuse(&r, v.status());
+    if (Status st = sh_->fe->Admit(); !st.ok()) return Refuse(&r, st);
+
+    active_ = true;
+    admitted_ = true;
+    headers_sent_ = false;
+    first_delta_ = true;
+    text_.clear();
+    stream_ = r.stream;
+    include_usage_ = r.include_usage;
+    meta_.endpoint = ep;
+    meta_.id = (ep == Endpoint::kChat ? "chatcmpl-" : "cmpl-") + v->request_id;
+    meta_.created = static_cast<int64_t>(std::time(nullptr));
+    meta_.model = v->model;
+    openai_req_ = std::move(r);
+
+    std::weak_ptr<Session> w = weak_from_this();
+    auto ex = socket_.get_executor();
+    proxy::ResponseSink sink;
+    sink.on_delta = [w, ex](std::vector<uint32_t>, std::string text) {
+      net::post(ex, [w, text = std::move(text)]() mutable {
+        if (auto s = w.lock()) s->OnDelta(std::move(text));
+      });
+    };
+    sink.on_finish = [w, ex](proxy::Finish reason, proxy::Usage usage) {
+      net::post(ex, [w, reason, usage] {
+        if (auto s = w.lock()) s->OnFinish(reason, usage);
+      });
+    };
+    sink.on_error = [w, ex](Status st) {
+      net::post(ex, [w, st = std::move(st)] {
+        if (auto s = w.lock()) s->OnError(st);
+      });
+    };
+    auto lc = proxy::RequestLifecycle::Start(sh_->fe->deps(), std::move(v).value(),
+                                             std::move(sink),
+                                             std::chrono::system_clock::time_point::max());
+    {
+      std::lock_guard lock(lc_mu_);
+      lc_ = std::move(lc);
+    }
+    bool stopping;
+    {
+      std::lock_guard lock(sh_->mu);
+      stopping = sh_->stopping;
+    }
+    if (stopping) CancelLifecycle();
+  }
+
+  void SendStreamHeaders() {
+    if (headers_sent_) return;
+    headers_sent_ = true;
+    Enqueue(fmt::format(
+        "HTTP/1.1 200 OK\r\nServer: tandem\r\nContent-Type: text/event-stream\r\n"
+        "Cache-Control: no-cache\r\nX-Request-Id: {}\r\nTransfer-Encoding: chunked\r\n{}\r\n",
+        meta_.id, keep_alive_ ? "" : "Connection: close\r\n"));
+  }
+
+  void OnDelta(std::string text) {
+    if (gone_ || !active_) return;
+    if (!stream_) {
+      text_ += text;
+      return;
+    }
+    SendStreamHeaders();
+    if (text.empty()) return;
+    Enqueue(Chunk(StreamDelta(meta_, text, first_delta_, include_usage_)));
+    first_delta_ = false;
+  }
+
+  void OnFinish(proxy::Finish reason, proxy::Usage usage) {
+    if (gone_ || !active_) return;
+    EndGeneration();
+    if (!stream_) {
+      return Respond(200, "application/json", FullResponse(meta_, text_, reason, usage));
+    }
+    SendStreamHeaders();
+    Enqueue(Chunk(StreamEnd(meta_, reason, usage, include_usage_)) + "0\r\n\r\n");
+    Finished();
+  }
+
+  void OnError(const Status& st) {
+    if (gone_ || !active_) return;
+    EndGeneration();
+    const int code = HttpStatus(st.code());
+    const std::string msg = ToOpenAiMessage(openai_req_, st.message());
+    if (stream_ && headers_sent_) {
+      Enqueue(Chunk(StreamError(code, msg)) + "0\r\n\r\n");
+      return Finished();
+    }
+    Respond(code, "application/json", ErrorBody(code, msg));
+  }
+
+  void EndGeneration() {
+    {
+      std::lock_guard lock(lc_mu_);
+      lc_.reset();
+    }
+    if (admitted_) sh_->fe->Release();
+    admitted_ = false;
+    active_ = false;
+  }
+
+  // ---- writing -------------------------------------------------------------
+  void Respond(int status, std::string_view content_type, const std::string& body) {
+    std::string head = fmt::format(
+        "HTTP/1.1 {} {}\r\nServer: tandem\r\nContent-Type: {}\r\nContent-Length: {}\r\n{}",
+        status, Reason(status), content_type, body.size(),
+        close_after_ ? "Connection: close\r\n" : "");
+    if (status == 503 || status == 429) head += "Retry-After: 1\r\n";
+    Enqueue(head + "\r\n" + (head_ ? std::string() : body));
+    Finished();
+  }
+
+  // The current request is answered (its bytes may still be queued).
+  void Finished() {
+    busy_ = false;
+    if (close_after_) {
+      close_when_written_ = true;
+      if (!writing_) Close();
+      return;
+    }
+    MaybeServe();
+  }
+
+  void Enqueue(std::string bytes) {
+    if (gone_) return;
+    out_.push_back(std::move(bytes));
+    if (!writing_) DoWrite();
+  }
+
+  void DoWrite() {
+    writing_ = true;
+    net::async_write(socket_, net::buffer(out_.front()),
+                     [self = shared_from_this()](ErrorCode ec, size_t) { self->OnWrite(ec); });
+  }
+
+  void OnWrite(ErrorCode ec) {
+    writing_ = false;
+    if (ec) return Gone();
+    out_.pop_front();
+    if (!out_.empty()) return DoWrite();
+    if (close_when_written_) Close();
+  }
+
+  // ---- ending ----------------------------------------------------------------
+  // The client closed or reset the connection: cancel what runs for it.
+  void Gone() {
+    if (gone_) return;
+    gone_ = true;
+    if (active_) {
+      CancelLifecycle();
+      EndGeneration();
+    }
+    out_.clear();
+    pending_.clear();
+    ErrorCode ignored;
+    socket_.close(ignored);
+  }
+
+  void Close() {
+    ErrorCode ignored;
+    socket_.shutdown(tcp::socket::shutdown_send, ignored);
+    // The read loop sees the client's close and ends the session; if the
+    // client lingers, closing here ends it too.
+    gone_ = true;
+    if (active_) {
+      CancelLifecycle();
+      EndGeneration();
+    }
+    socket_.close(ignored);
+  }
+
+  tcp::socket socket_;
+  Shared* sh_;
+  beast::flat_buffer buf_;
+  std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
+  std::deque<Request> pending_;
+  std::deque<std::string> out_;
+  bool reading_ = false, busy_ = false, gone_ = false, writing_ = false;
+  bool keep_alive_ = true, close_after_ = false, close_when_written_ = false;
+  std::string request_id_header_;
+  bool head_ = false;  // the request being answered is a HEAD
+
+  // The request being generated (strand only).
+  bool active_ = false, admitted_ = false, stream_ = false, include_usage_ = false;
+  bool headers_sent_ = false, first_delta_ = true;
+  OpenAiRequest openai_req_;
+  ResponseMeta meta_;
+  std::string text_;
+
+  std::mutex lc_mu_;
+  std::shared_ptr<proxy::RequestLifecycle> lc_;  // guarded by lc_mu_
+};
+
+}  // namespace
+
+struct HttpServer::Impl {
+  Shared shared;  // declared first: outlives the io_context and its sessions
+  net::io_context ioc;
+  std::optional<tcp::acceptor> acceptor;
+  std::vector<std::thread> threads;
+  std::string address;
+  bool stopped = false;
+
+  void Accept() {
+    acceptor->async_accept(net::make_strand(ioc), [this](ErrorCode ec, tcp::socket socket) {
+      if (ec == net::error::operation_aborted) return;
+      if (!ec) {
+        ErrorCode ignored;
+        socket.set_option(tcp::no_delay(true), ignored);
+        std::make_shared<Session>(std::move(socket), &shared)->Start();
+      } else {
+        spdlog::warn("http: accept failed: {}", ec.message());
+      }
+      if (acceptor->is_open()) Accept();
+    });
+  }
+};
+
+HttpServer::HttpServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+HttpServer::~HttpServer() { Shutdown(); }
+
+const std::string& HttpServer::address() const { return impl_->address; }
+
+size_t HttpServer::open_connections() const {
+  std::lock_guard lock(impl_->shared.mu);
+  return impl_->shared.sessions.size();
+}
+
+Result<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string& address,
+                                                      const proxy::HttpContext& context,
+                                                      const ServerOptions& options) {
+  TANDEM_ASSIGN_OR_RETURN(HostPort hp, ParseHostPort(address));
+  auto impl = std::make_unique<Impl>();
+  Shared& sh = impl->shared;
+  sh.fe = context.frontend;
+  sh.fleet = context.fleet;
+  sh.metrics = context.metrics;
+  sh.opts = options;
+  sh.started = static_cast<int64_t>(std::time(nullptr));
+  const std::string tmpl_name =
+      context.config->proxy.chat_template.empty() ? "auto" : context.config->proxy.chat_template;
+  auto chat = model::ChatTemplate::Load(context.config->model.path, tmpl_name);
+  if (chat.ok()) {
+    spdlog::info("http: chat template '{}' (from {})", chat->name(), chat->origin());
+    sh.chat = std::move(chat).value();
+  } else if (tmpl_name == "auto") {
+    sh.chat_error = chat.status().message();
+    spdlog::warn("http: /v1/chat/completions is off: {}", sh.chat_error);
+  } else {
+    return chat.status();
+  }
+
+  ErrorCode ec;
+  tcp::resolver resolver(impl->ioc);
+  auto endpoints = resolver.resolve(hp.host, std::to_string(hp.port), ec);
+  if (ec || endpoints.empty()) {
+    return InvalidArgumentError(fmt::format("proxy.http '{}': cannot resolve '{}': {}", address,
+                                            hp.host, ec.message()));
+  }
+  const tcp::endpoint ep = endpoints.begin()->endpoint();
+  impl->acceptor.emplace(impl->ioc);
+  impl->acceptor->open(ep.protocol(), ec);
+  if (!ec) impl->acceptor->set_option(net::socket_base::reuse_address(true), ec);
+  if (!ec) impl->acceptor->bind(ep, ec);
+  if (!ec) impl->acceptor->listen(net::socket_base::max_listen_connections, ec);
+  if (ec) {
+    return UnavailableError(
+        fmt::format("cannot serve the HTTP API on {}: {}", address, ec.message()));
+  }
+  const tcp::endpoint bound = impl->acceptor->local_endpoint();
+  impl->address = HostPort{hp.host, bound.port()}.ToString();
+  impl->Accept();
+  for (int i = 0; i < std::max(1, options.io_threads); ++i) {
+    impl->threads.emplace_back([ioc = &impl->ioc] { ioc->run(); });
+  }
+  spdlog::info("http: OpenAI-compatible API on http://{} ({} I/O threads)", impl->address,
+               std::max(1, options.io_threads));
+  return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));
+}
+
+void HttpServer::Shutdown() {
+  if (!impl_ || impl_->stopped) return;
+  impl_->stopped = true;
+  {
+    std::lock_guard lock(impl_->shared.mu);
+    impl_->shared.stopping = true;
+    for (Session* s : impl_->shared.sessions) s->CancelLifecycle();
+  }
+  net::post(impl_->ioc, [impl = impl_.get()] {
+    ErrorCode ignored;
+    impl->acceptor->close(ignored);
+  });
+  impl_->ioc.stop();
+  for (auto& t : impl_->threads) t.join();
+  impl_->threads.clear();
+}
+
+proxy::HttpFactory Factory(const ServerOptions& options) {
+  return [options](const std::string& address, const proxy::HttpContext& context)
+             -> Result<std::unique_ptr<proxy::HttpFrontEnd>> {
+    TANDEM_ASSIGN_OR_RETURN(auto server, HttpServer::Start(address, context, options));
+    return std::unique_ptr<proxy::HttpFrontEnd>(std::move(server));
+  };
+}
+
+}  // namespace tandem::http

@@ -1,0 +1,57 @@
+// The OpenAI-compatible HTTP/1.1 API of the proxy (docs/http-api.md):
+// POST /v1/completions, POST /v1/chat/completions (SSE with stream: true),
+// GET /v1/models, GET /health, GET /metrics.
+//
+// Boost.Beast parses requests and Asio runs every connection on a small
+// fixed pool of I/O threads (no thread per connection); each connection's
+// handlers run on its own strand. It is an adapter over the same path as the
+// gRPC front end: proxy::Frontend validates and admits, and
+// proxy::RequestLifecycle runs the request; the lifecycle's sink only posts
+// to the connection's strand.
+//
+// Thread-safety: Start and Shutdown from the owning thread.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "common/status.h"
+#include "proxy/proxy_server.h"
+
+namespace tandem::http {
+
+struct ServerOptions {
+  int io_threads = 2;
+  size_t max_body_bytes = 8u << 20;   // a larger request body gets 413
+  size_t max_header_bytes = 16u << 10;
+  size_t max_pipelined = 8;           // requests read ahead on one connection
+};
+
+class HttpServer final : public proxy::HttpFrontEnd {
+ public:
+  // Listens on `address` ("host:port"; port 0 picks one) and loads the chat
+  // template (proxy.chat_template; "auto" reads the model's
+  // tokenizer_config.json). A model without a usable template still serves
+  // everything but /v1/chat/completions, which answers 400 saying why.
+  static Result<std::unique_ptr<HttpServer>> Start(const std::string& address,
+                                                   const proxy::HttpContext& context,
+                                                   const ServerOptions& options = {});
+  ~HttpServer() override;
+
+  const std::string& address() const override;
+  void Shutdown() override;
+  // Connections open now (tests and the load test's report).
+  size_t open_connections() const;
+
+  struct Impl;
+
+ private:
+  explicit HttpServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// The factory `tandem proxy` hands to proxy::ProxyServer::Start.
+proxy::HttpFactory Factory(const ServerOptions& options = {});
+
+}  // namespace tandem::http

@@ -1,0 +1,123 @@
+"""A real fleet for the HTTP API's Python tests: `tandem launch` on a
+generated config (ports picked by the kernel, loopback only), its state file,
+metric scraping and `tandem generate --json` as the reference."""
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+SOURCE_DIR = os.environ.get("TANDEM_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "../../.."))
+BINARY = os.environ.get("TANDEM_BIN", os.path.join(SOURCE_DIR, "build", "tandem"))
+MODEL = os.path.abspath(os.path.join(SOURCE_DIR, "models", "tandem-kjv"))
+
+
+def config_text(proxy_extra="", num_blocks=512, max_num_seqs=64, http="127.0.0.1:0"):
+    return f"""model:
+  path: {MODEL}
+  backend: cpu
+cache:
+  block_size: 16
+  num_blocks: {num_blocks}
+scheduler:
+  max_num_seqs: {max_num_seqs}
+  max_batched_tokens: 256
+  max_waiting: 1024
+proxy:
+  grpc: 127.0.0.1:0
+  http: {http}
+  metrics: 127.0.0.1:0
+{proxy_extra}
+router:
+  policy: round_robin
+logging:
+  level: warn
+prefill:
+  replicas: 1
+decode:
+  replicas: 1
+"""
+
+
+class Fleet:
+    def __init__(self, proxy_extra="", num_blocks=512, max_num_seqs=64, timeout=90):
+        self.dir = tempfile.mkdtemp(prefix="tandem_http_")
+        self.config = os.path.join(self.dir, "fleet.yaml")
+        with open(self.config, "w") as f:
+            f.write(config_text(proxy_extra, num_blocks, max_num_seqs))
+        self.state_path = os.path.join(self.dir, "state.json")
+        self.log = open(os.path.join(self.dir, "launch.log"), "w")
+        self.proc = subprocess.Popen([BINARY, "launch", self.config, "--state-file", self.state_path],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + timeout
+        while not os.path.exists(self.state_path):
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                raise RuntimeError(f"tandem launch did not become ready; log: {self.log.name}")
+            time.sleep(0.1)
+        time.sleep(0.1)  # the file is written whole, but be safe with a reader racing the rename
+        with open(self.state_path) as f:
+            self.state = json.load(f)
+        self.http = self.state["proxy"]["http"]
+        self.base_url = f"http://{self.http}/v1"
+
+    def worker_metrics(self):
+        return [w["metrics"] for w in self.state["workers"]]
+
+    def stop(self, grace=30):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def scrape(address):
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def metric_value(text, name):
+    """Sum of the samples of `name` (any labels)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        if head == name or head.startswith(name + "{"):
+            total += float(value)
+    return total
+
+
+def wait_workers_idle(fleet, timeout=20):
+    """Waits until no worker holds KV blocks, reservations or requests; returns what is held."""
+    names = ["tandem_kv_cache_usage_ratio", "tandem_num_requests_running",
+             "tandem_num_requests_waiting", "tandem_kv_reservations", "tandem_kv_parked_prefills"]
+    deadline = time.time() + timeout
+    while True:
+        held = {}
+        for addr in fleet.worker_metrics():
+            text = scrape(addr)
+            for n in names:
+                v = metric_value(text, n)
+                if v:
+                    held[f"{addr} {n}"] = v
+        if not held or time.time() > deadline:
+            return held
+        time.sleep(0.1)
+
+
+def reference(prompt=None, prompt_ids=None, max_tokens=16):
+    args = [BINARY, "generate", "--model", MODEL, "--max-tokens", str(max_tokens),
+            "--temperature", "0", "--json"]
+    if prompt is not None:
+        args += ["--prompt", prompt]
+    else:
+        args += ["--prompt-ids", ",".join(map(str, prompt_ids))]
+    out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=120).stdout
+    return json.loads(out.strip().splitlines()[-1])

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates (once) a virtual environment under the build dir with the packages
+# the HTTP API's Python tests need, then runs the given command in it.
+# Usage: venv.sh VENV_DIR -- COMMAND...
+set -euo pipefail
+venv="$1"; shift
+[ "$1" = "--" ] && shift
+pkgs="openai jinja2 tokenizers"
+stamp="$venv/.tandem-$(echo "$pkgs" | tr ' ' '-')"
+if [ ! -f "$stamp" ]; then
+  rm -rf "$venv"
+  python3 -m venv "$venv" || { echo "python3 -m venv failed: install python3-venv (tools/install_deps.sh)"; exit 1; }
+  "$venv/bin/pip" install --quiet --disable-pip-version-check $pkgs
+  touch "$stamp"
+fi
+exec "$venv/bin/python" "$@"
