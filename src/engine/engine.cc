@@ -7,6 +7,10 @@
 #include <algorithm>
 #include <random>
 
+#ifdef TANDEM_HAVE_CUDA
+#include "engine/cuda_backend.h"
+#endif
+
 namespace tandem::engine {
 
 std::string_view FinishReasonName(FinishReason reason) {
@@ -37,6 +41,7 @@ EngineOptions EngineOptions::FromFleetConfig(const FleetConfig& fleet) {
   o.hash_context.model_id = fleet.model.name;
   o.hash_context.revision = fleet.model.revision;
   o.hash_context.kv_dtype = "f32";  // the CPU backend's KV is f32 whatever the weights were
+  if (fleet.model.backend == "cuda") o.hash_context.kv_dtype = "bf16";  // docs/cuda.md
   o.hash_context.fleet_salt = fleet.cache.salt;
   return o;
 }
@@ -76,8 +81,19 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
     allocator = e->own_allocator_.get();
   }
   TANDEM_ASSIGN_OR_RETURN(e->pool_, KvPool::Create(layout, o.num_blocks, *allocator));
-  TANDEM_ASSIGN_OR_RETURN(e->backend_, CreateBackend(o.backend, config, weights, e->pool_.get(),
-                                                     static_cast<int>(o.threads)));
+  if (o.backend == "cuda") {
+#ifdef TANDEM_HAVE_CUDA
+    // No device: FAILED_PRECONDITION naming the runtime's reason (docs/cuda.md).
+    TANDEM_ASSIGN_OR_RETURN(e->backend_, CreateCudaBackend(config, weights, e->pool_.get(), {}));
+#else
+    return UnimplementedError(
+        "backend cuda: this build has no CUDA kernels (configure with -DTANDEM_CUDA=ON where "
+        "nvcc is installed)");
+#endif
+  } else {
+    TANDEM_ASSIGN_OR_RETURN(e->backend_, CreateBackend(o.backend, config, weights, e->pool_.get(),
+                                                       static_cast<int>(o.threads)));
+  }
   uint64_t epoch = o.epoch;
   if (epoch == 0) {
     epoch = static_cast<uint64_t>(
