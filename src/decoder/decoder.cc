@@ -1,4 +1,5 @@
 #include "decoder/decoder.h"
+#include "common/logging.h"
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -173,6 +174,8 @@ Status Decoder::Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
   if (superseded) {
     superseded->Error(AbortedError(fmt::format("request '{}': superseded by a new Decode stream", id)));
   }
+  LogRequest(spdlog::level::debug, id, "registered; waiting for {}",
+             local ? "its local prefill" : "a reservation and its KV");
   if (!local) return Status::Ok();
   Status s = engine_.Submit(std::move(req));
   if (!s.ok()) {
@@ -246,6 +249,9 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
   t.slots = res->block_ids;
   t.cached_blocks = res->num_cached_blocks;
   t.lease_expiry = SystemClock::now() + lease;
+  LogRequest(spdlog::level::debug, request_id,
+             "reserved {} KV blocks for prefiller '{}' ({} already cached), reservation {}",
+             t.slots.size(), prefiller, t.cached_blocks, t.reservation_id);
   return t;
 }
 
@@ -277,7 +283,7 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
       release = true;
       it->second.stage = Stage::kRegistered;
       it->second.reservation_id = 0;
-      spdlog::info("request '{}': prefiller gave up: {}", n.request_id, n.error.message());
+      LogRequest(spdlog::level::info, n.request_id, "prefiller gave up: {}", n.error.message());
     } else {
       it->second.stage = Stage::kRunning;
       it->second.first_token_seen = true;
@@ -292,6 +298,8 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
   }
   if (!add) return;
   Status s = engine_.AddPrefilled(n.reservation_id, std::move(req), n.first_token_id);
+  LogRequest(spdlog::level::debug, n.request_id, "KV notice for reservation {}: decoding ({})",
+             n.reservation_id, s.ok() ? "ok" : s.ToString());
   if (s.ok()) {
     // A cancel that came between the notice and AddPrefilled found nothing
     // to abort in the engine yet: abort now so the blocks come back.
@@ -388,8 +396,9 @@ void Decoder::LeaseLoop(std::stop_token stop) {
         }
         ++counts_.leases_expired;
         release.push_back(h->first);
-        spdlog::warn("request '{}': reservation {} from '{}' expired after {} s without its KV",
-                     h->second.request_id, h->first, h->second.prefiller, options_.lease_seconds);
+        LogRequest(spdlog::level::warn, h->second.request_id,
+                   "reservation {} from '{}' expired after {} s without its KV",
+                   h->first, h->second.prefiller, options_.lease_seconds);
         auto it = requests_.find(h->second.request_id);
         if (!h->second.orphaned && it != requests_.end() &&
             it->second.stage == Stage::kReserved && it->second.reservation_id == h->first) {

@@ -1,4 +1,5 @@
 #include "prefiller/prefiller.h"
+#include "common/logging.h"
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -93,6 +94,9 @@ Status Prefiller::Submit(PrefillJob spec, PrefillDone done) {
     }
     jobs_.emplace(job->spec.request_id, job);
     queue_.push_back(job);
+    LogRequest(spdlog::level::debug, job->spec.request_id,
+               "queued ({} prompt tokens, {} ahead) for decoder '{}'",
+               job->spec.prompt_ids.size(), queue_.size() - 1, job->spec.decoder_name);
   }
   cv_.notify_all();
   return Status::Ok();
@@ -319,6 +323,11 @@ void Prefiller::OnTransferDone(const JobPtr& job, kvtransfer::XferStatus status,
       job->result.transfer_seconds = SecondsSince(job->transfer_started);
       r = job->result;
     }
+    LogRequest(spdlog::level::debug, id,
+               "pushed {} KV blocks ({} bytes, {} cached on the decoder) in {:.4f} s; prefill "
+               "{:.4f} s, {} prompt tokens cached here",
+               r.transferred_blocks, r.transferred_bytes, r.decoder_cached_blocks,
+               r.transfer_seconds, r.prefill_seconds, r.cached_prompt_tokens);
     Complete(job, r);
     return;
   }
@@ -353,7 +362,7 @@ void Prefiller::SendErrorNotice(const JobPtr& job, const Status& why) {
   n.error = why.ok() ? UnknownError() : why;
   auto x = transport_.PrepareWrite(peer, {}, link_.EncodeNotice(n));
   if (!x.ok()) {
-    spdlog::warn("request '{}': cannot tell the decoder we gave up: {}", n.request_id,
+    LogRequest(spdlog::level::warn, n.request_id, "cannot tell the decoder we gave up: {}",
                  x.status().message());
     return;
   }

@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include "common/block_hash.h"
+#include "common/logging.h"
 
 namespace tandem::proxy {
 namespace {
@@ -50,6 +51,8 @@ RequestLifecycle::RequestLifecycle(const LifecycleDeps& deps, ValidatedRequest r
     deps_.metrics->inflight.Increment();
     deps_.metrics->prompt_tokens.Increment(static_cast<double>(req_.prompt_ids.size()));
   }
+  LogRequest(spdlog::level::debug, req_.request_id, "arrived: {} prompt tokens, max_tokens {}",
+             req_.prompt_ids.size(), req_.max_tokens);
 }
 
 void RequestLifecycle::Launch() {
@@ -67,7 +70,7 @@ void RequestLifecycle::Launch() {
     return;
   }
   route_ = *route;
-  spdlog::debug("request {}: attempt {} {}", req_.request_id, attempt,
+  LogRequest(spdlog::level::debug, req_.request_id, "attempt {} {}", attempt,
                 route_.decision.DebugString());
 
   DecodeArgs args;
@@ -194,7 +197,7 @@ void RequestLifecycle::OnDecodeError(uint32_t attempt, Status st) {
 bool RequestLifecycle::RetryLocked(const Status& st, const std::string& exclude,
                                    Calls& to_cancel) {
   if (out_.next_index() > 0 || attempt_ >= deps_.max_attempts) return false;
-  spdlog::info("request {}: {} on attempt {}; re-routing", req_.request_id, st.ToString(),
+  LogRequest(spdlog::level::info, req_.request_id, "{} on attempt {}; re-routing", st.ToString(),
                attempt_);
   if (!exclude.empty()) excluded_.insert(exclude);
   last_error_ = st;
@@ -236,6 +239,11 @@ RequestLifecycle::Calls RequestLifecycle::CompleteLocked(Finish reason) {
   usage.prompt_tokens = static_cast<uint32_t>(req_.prompt_ids.size());
   usage.completion_tokens = out_.next_index();
   usage.cached_prompt_tokens = cached_tokens_;
+  LogRequest(spdlog::level::debug, req_.request_id,
+             "finished: {} prompt tokens ({} cached), {} completion tokens, TTFT {:.4f} s, "
+             "e2e {:.4f} s",
+             usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens,
+             Seconds(first_token_at_ - arrival_), Seconds(SteadyClock::now() - arrival_));
   if (deps_.metrics) {
     const auto now = SteadyClock::now();
     const double e2e = Seconds(now - arrival_);
@@ -260,7 +268,7 @@ RequestLifecycle::Calls RequestLifecycle::FailLocked(Status st) {
                                                                              : "failed");
     deps_.metrics->inflight.Decrement();
   }
-  spdlog::warn("request {} failed: {}", req_.request_id, st.ToString());
+  LogRequest(spdlog::level::warn, req_.request_id, "failed: {}", st.ToString());
   if (sink_.on_error) sink_.on_error(std::move(st));
   sink_ = {};
   return TakeCallsLocked();

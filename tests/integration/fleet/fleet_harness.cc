@@ -46,9 +46,9 @@ Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
         "proxy:\n  grpc: 127.0.0.1:0\n  http: 127.0.0.1:0\n  metrics: 127.0.0.1:0\n"
         "  max_inflight: {}\n  max_tokens_limit: 512\n"
         "router:\n  policy: {}\n"
-        "logging:\n  level: warn\n",
+        "logging:\n  level: {}\n  format: {}\n",
         BundledModel(), o.num_blocks, o.max_num_seqs, o.max_batched_tokens, o.max_waiting,
-        o.max_inflight, o.policy);
+        o.max_inflight, o.policy, o.log_level, o.log_format);
     for (auto [role, n] : {std::pair{"prefill", o.prefill}, {"decode", o.decode}, {"both", o.both}}) {
       y << fmt::format("{}:\n  replicas: {}\n  grpc: 127.0.0.1:0\n  metrics: 127.0.0.1:0\n",
                        role, n);
@@ -126,6 +126,7 @@ Result<Completion> Generate(const std::string& proxy, const GenerateArgs& a) {
   ctx.set_deadline(std::chrono::system_clock::now() + a.timeout);
   pb::GenerateRequest req;
   req.set_model(a.model);
+  req.set_request_id(a.request_id);
   req.set_prompt(a.prompt);
   for (uint32_t t : a.prompt_ids) req.add_prompt_token_ids(t);
   if (a.max_tokens) req.set_max_tokens(*a.max_tokens);

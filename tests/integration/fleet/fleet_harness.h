@@ -27,6 +27,9 @@ struct FleetOptions {
   uint32_t max_inflight = 1024;
   std::string policy = "round_robin";
   std::string extra_yaml;  // appended verbatim
+  // The `logging` section's level and format (every process logs to log_path()).
+  std::string log_level = "warn";
+  std::string log_format = "text";
 };
 
 struct WorkerAddr {
@@ -45,6 +48,8 @@ class Fleet {
   const std::string& proxy_metrics() const { return proxy_metrics_; }
   const std::vector<WorkerAddr>& workers() const { return workers_; }
   const std::string& config_path() const { return config_path_; }
+  // stdout and stderr of the launcher and every process of the fleet.
+  std::string log_path() const { return dir_ + "/launch.log"; }
   pid_t launcher_pid() const { return pid_; }
   pid_t proxy_pid() const { return proxy_pid_; }
   // Sends SIGTERM to the launcher and waits (bounded) for it; returns its exit status.
@@ -78,6 +83,7 @@ struct GenerateArgs {
   std::vector<std::string> stop;
   bool ignore_eos = true;
   std::string model;
+  std::string request_id;  // empty: the proxy assigns one
   std::chrono::milliseconds timeout{60000};
 };
 

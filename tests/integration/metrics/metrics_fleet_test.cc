@@ -360,5 +360,74 @@ TEST(MetricsFleet, EveryDashboardMetricIsExported) {
   EXPECT_EQ(dash.at("uid"), "tandem");
 }
 
+// --log-format json: every process writes JSON lines, and the lines about
+// one request carry its id in every process it passes through.
+TEST(MetricsFleet, RequestIdOnTheLogLinesOfEveryProcess) {
+  FleetOptions o;
+  o.prefill = 1;
+  o.decode = 1;
+  o.log_level = "debug";
+  o.log_format = "json";
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  const std::string id = "obs-trace-7";
+  GenerateArgs a;
+  a.prompt_ids = PromptIds(5, 40, kVocab);
+  a.max_tokens = 4;
+  a.request_id = id;
+  auto c = Generate((*fleet)->proxy_grpc(), a);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+
+  // What each process must say about the request (docs/metrics.md, "Logs").
+  const std::map<std::string, std::vector<std::string>> expected = {
+      {"proxy", {"arrived", "attempt 1", "finished"}},
+      {"prefill-0", {"queued", "pushed"}},
+      {"decode-0", {"registered", "reserved", "KV notice"}},
+  };
+  std::map<std::string, std::vector<std::string>> seen;  // proc -> msgs about `id`
+  int json_lines = 0;
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  auto complete = [&] {
+    for (const auto& [proc, words] : expected) {
+      for (const auto& w : words) {
+        bool found = false;
+        for (const auto& m : seen[proc]) found = found || m.find(w) != std::string::npos;
+        if (!found) return false;
+      }
+    }
+    return true;
+  };
+  while (true) {
+    seen.clear();
+    json_lines = 0;
+    std::ifstream in((*fleet)->log_path());
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.empty() || line[0] != '{') continue;  // the launcher's table on stdout
+      nlohmann::json j;
+      try {
+        j = nlohmann::json::parse(line);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "not JSON: " << line;
+        continue;
+      }
+      ++json_lines;
+      for (const char* k : {"ts", "level", "proc", "msg"}) EXPECT_TRUE(j.contains(k)) << line;
+      if (j.value("request_id", "") == id) seen[j.at("proc")].push_back(j.at("msg"));
+    }
+    if (complete() || std::chrono::steady_clock::now() > give_up) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  EXPECT_GT(json_lines, 0);
+  for (const auto& [proc, words] : expected) {
+    for (const auto& w : words) {
+      bool found = false;
+      for (const auto& m : seen[proc]) found = found || m.find(w) != std::string::npos;
+      EXPECT_TRUE(found) << proc << " logged no line with request_id " << id << " saying '" << w
+                         << "'";
+    }
+  }
+}
+
 }  // namespace
 }  // namespace tandem::testing

@@ -1,5 +1,6 @@
-// The engine's `cuda` backend (label gpu): without a device it refuses to
-// start with a clear error (runs everywhere); with one, the golden fixtures'
+// The engine's `cuda` backend (label gpu): without a device it, and an
+// Engine with backend "cuda", refuse to start with a clear error (runs
+// everywhere); with one, the golden fixtures'
 // greedy continuations (tests/fixtures/golden) are reproduced token for
 // token, the logits stay within a bf16 tolerance of transformers' f32 ones,
 // and in batch-invariant mode a prompt's logits are bit-identical whether it
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "engine/cuda_backend.h"
+#include "engine/engine.h"
 #include "kernels/cuda/device.h"
 #include "model/model_config.h"
 #include "model/weights.h"
@@ -126,6 +128,21 @@ TEST(CudaBackend, WithoutADeviceStartUpFailsWithAClearError) {
   EXPECT_EQ(b.status().code(), StatusCode::kFailedPrecondition) << b.status().ToString();
   EXPECT_NE(b.status().message().find("no usable CUDA device"), std::string::npos)
       << b.status().ToString();
+}
+
+TEST(CudaBackend, EngineWithBackendCudaFailsAtStartUpWithoutADevice) {
+  std::string why;
+  if (HaveDevice(&why)) GTEST_SKIP() << "a CUDA device is present: this test is for machines without one";
+  Fixture f;
+  if (!LoadFixture("tiny-llama", &f, &why)) GTEST_SKIP() << why;
+  EngineOptions o;
+  o.backend = "cuda";
+  o.num_blocks = 8;
+  auto e = Engine::Create(f.config, f.weights, o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kFailedPrecondition) << e.status().ToString();
+  EXPECT_NE(e.status().message().find("no usable CUDA device"), std::string::npos)
+      << e.status().ToString();
 }
 
 class CudaBackendGolden : public ::testing::TestWithParam<std::string> {};
