@@ -422,6 +422,9 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void OnWrite(ErrorCode ec) {
     writing_ = false;
+    // A completed write's handler may run after the read side already saw
+    // the client go (Gone/Close): then there is nothing more to write.
+    if (gone_) return;
     if (ec) return Gone();
     out_.pop_front();
     if (!out_.empty()) return DoWrite();
@@ -437,7 +440,12 @@ class Session : public std::enable_shared_from_this<Session> {
       CancelLifecycle();
       EndGeneration();
     }
-    out_.clear();
+    // The buffer of a write in flight must live until its handler runs.
+    if (writing_) {
+      out_.erase(out_.begin() + 1, out_.end());
+    } else {
+      out_.clear();
+    }
     pending_.clear();
     ErrorCode ignored;
     socket_.close(ignored);

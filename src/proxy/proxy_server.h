@@ -37,7 +37,8 @@ class HttpFrontEnd {
   virtual void Shutdown() = 0;
 };
 
-// What the HTTP front end shares with the gRPC one. Pointers outlive it.
+// What the HTTP front end shares with the gRPC one: `config` is read during
+// the factory call only; the other pointers outlive the HTTP front end.
 struct HttpContext {
   const FleetConfig* config = nullptr;
   Frontend* frontend = nullptr;

@@ -82,8 +82,15 @@ def completion_greedy_equals_tandem_generate():
     assert r.usage.prompt_tokens == 6, r.usage  # BOS + 5 tokens
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     assert r.choices[0].finish_reason == ("length" if len(ref["token_ids"]) == 24 else "stop")
-    # The same prompt again: its full blocks may come from the prefix cache.
-    assert r.usage.prompt_tokens_details.cached_tokens is not None
+    # A 54-token prompt sent twice: the second time the decoder already holds
+    # its 3 full blocks (48 tokens), and usage says so.
+    long = ("And it came to pass in those days, that there went out a decree from Caesar "
+            "Augustus, that all the world should be taxed. And this taxing was first made "
+            "when Cyrenius was governor of Syria.")
+    first = client().completions.create(model="tandem-kjv", prompt=long, max_tokens=2, temperature=0)
+    again = client().completions.create(model="tandem-kjv", prompt=long, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens == 54, first.usage
+    assert again.usage.prompt_tokens_details.cached_tokens == 48, again.usage
     # Prompt given as token ids: the same tokens.
     ids = client().completions.create(model="tandem-kjv", prompt=[1] + [262, 625], max_tokens=8,
                                       temperature=0)
@@ -336,6 +343,29 @@ def metrics_same_as_the_metrics_port():
         assert r.status == 200, (method, r.status)
         assert (body == b"") == (method == "HEAD"), (method, len(body))
     conn.close()
+
+
+@check
+def clients_that_hang_up_early_do_not_hurt_the_server():
+    # Regression: a client closing right after its request (response still
+    # being written) once made the proxy free a write buffer twice.
+    host, port = F.http.rsplit(":", 1)
+
+    def hammer(k):
+        for j in range(40):
+            with socket.create_connection((host, int(port)), timeout=10) as s:
+                method = ("HEAD", "GET")[(k + j) % 2]
+                path = ("/metrics", "/health")[j % 2]
+                s.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+                if j % 3 == 0:
+                    s.recv(64)
+    threads = [threading.Thread(target=hammer, args=(k,)) for k in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert http_get("/health")[0] == 200
+    assert client().models.list().data[0].id == "tandem-kjv"
 
 
 @check
