@@ -86,6 +86,7 @@ Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
   auto j = nlohmann::json::parse(in);
   f->proxy_grpc_ = j["proxy"]["grpc"];
   f->proxy_metrics_ = j["proxy"]["metrics"];
+  f->proxy_http_ = j["proxy"].value("http", "");
   f->proxy_pid_ = j["proxy"].value("pid", -1);
   for (const auto& w : j["workers"]) {
     f->workers_.push_back({w["role"], w.value("name", ""), w["grpc"], w["metrics"], w["pid"]});

@@ -46,6 +46,8 @@ class Fleet {
 
   const std::string& proxy_grpc() const { return proxy_grpc_; }
   const std::string& proxy_metrics() const { return proxy_metrics_; }
+  // The OpenAI-compatible HTTP API ("host:port"; docs/http-api.md).
+  const std::string& proxy_http() const { return proxy_http_; }
   const std::vector<WorkerAddr>& workers() const { return workers_; }
   const std::string& config_path() const { return config_path_; }
   // stdout and stderr of the launcher and every process of the fleet.
@@ -59,6 +61,7 @@ class Fleet {
   pid_t pid_ = -1;
   pid_t proxy_pid_ = -1;
   std::string dir_, config_path_, proxy_grpc_, proxy_metrics_;
+  std::string proxy_http_;
   std::vector<WorkerAddr> workers_;
 };
 
