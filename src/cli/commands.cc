@@ -80,6 +80,8 @@ void RegisterVersion(CLI::App& app, GlobalOptions& g) {
 #else
     std::cout << "cuda kernels: not compiled\n";
 #endif
+    // The sim backend is always built; its fleets say `simulated` everywhere (docs/sim.md).
+    std::cout << "sim backend: built (simulated GPUs, roofline timing: H100, H200, A100, L40S)\n";
     g.exit_code = 0;
   });
 }

@@ -84,6 +84,23 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.ReadEnum("format", c.logging.format, {"text", "json"});
     m.Finish();
   }
+  if (top.Has("sim")) {
+    YamlMap m = top.Sub("sim");
+    c.sim.present = true;
+    // The profiles of src/sim/hardware_profile.cc (a unit test keeps the lists equal).
+    m.ReadEnum("profile", c.sim.profile, {"H100", "H200", "A100", "L40S"});
+    m.Require("model_shape");
+    m.Read("model_shape", c.sim.model_shape);
+    m.Read("tensor_parallel", c.sim.tensor_parallel, 1, 64);
+    m.Read("compute_efficiency", c.sim.compute_efficiency, 0.01, 1.0);
+    m.Read("memory_efficiency", c.sim.memory_efficiency, 0.01, 1.0);
+    m.Read("gpu_memory_utilization", c.sim.gpu_memory_utilization, 0.05, 1.0);
+    m.Read("step_overhead_us", c.sim.step_overhead_us, 0.0, 1e6);
+    m.Read("kv_scale", c.sim.kv_scale, 1, 1u << 20);
+    m.Read("link_gbps", c.sim.link_gbps, 0.0, 1e5);
+    m.Read("link_latency_us", c.sim.link_latency_us, 0.0, 1e6);
+    m.Finish();
+  }
   ReadRole(top.Sub("prefill"), c.prefill);
   ReadRole(top.Sub("decode"), c.decode);
   ReadRole(top.Sub("both"), c.both);
@@ -106,6 +123,14 @@ void CrossCheck(const FleetConfig& c, YamlErrors& errors, int line) {
                      "or both.replicas");
   }
   if (c.model.path.empty()) errors.Add(line, "model.path must not be empty");
+  if (c.model.backend == "sim" && !c.sim.present) {
+    errors.Add(line, "model.backend 'sim' needs a 'sim' section (at least sim.model_shape: the "
+                     "config.json of the simulated model)");
+  }
+  if (c.model.backend != "sim" && c.sim.present) {
+    errors.Add(line, fmt::format("a 'sim' section is only read with model.backend 'sim'; "
+                                 "model.backend is '{}'", c.model.backend));
+  }
 }
 
 }  // namespace
@@ -137,6 +162,14 @@ Result<FleetConfig> ParseFleetConfig(const std::string& text, const std::string&
     if (cfg.model.name.empty()) {
       cfg.model.name = fs::path(cfg.model.path).lexically_normal().parent_path().filename();
     }
+  }
+  if (!cfg.sim.model_shape.empty() && fs::path(cfg.sim.model_shape).is_relative()) {
+    cfg.sim.model_shape = (fs::path(base_dir) / cfg.sim.model_shape).lexically_normal().string();
+  }
+  // Everything a simulated fleet reports carries its model name (metrics
+  // label `model`, logs, bench reports): make it say so.
+  if (cfg.model.backend == "sim" && cfg.model.name.find("simulated") == std::string::npos) {
+    cfg.model.name += "-simulated";
   }
   cfg.source_path = name;
   return cfg;

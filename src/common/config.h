@@ -58,6 +58,24 @@ struct TransportConfig {
   double peer_timeout_seconds = 3.0;  // peer loss surfaces as an error within this
 };
 
+// The simulated GPU of model.backend `sim` (docs/sim.md): a roofline timing
+// model of `profile` running the model shape in `model_shape`; KV moved
+// between workers is the shape's real size divided by `kv_scale`, paced as
+// if it crossed a link of `link_gbps`.
+struct SimConfig {
+  bool present = false;          // the file has a `sim` section
+  std::string profile = "H100";  // H100 | H200 | A100 | L40S
+  std::string model_shape;       // config.json (or its folder) of the simulated model
+  uint32_t tensor_parallel = 1;  // devices per worker
+  double compute_efficiency = 0.5;
+  double memory_efficiency = 0.8;
+  double gpu_memory_utilization = 0.9;
+  double step_overhead_us = 0;
+  uint32_t kv_scale = 256;       // real KV bytes per byte stored and moved
+  double link_gbps = 100;        // 0: KV transfers are not paced
+  double link_latency_us = 10;
+};
+
 struct LoggingConfig {
   std::string level = "info";  // trace | debug | info | warn | error
   std::string format = "text";  // text | json (one JSON object per line)
@@ -80,6 +98,7 @@ struct FleetConfig {
   RouterConfig router;
   TransportConfig transport;
   LoggingConfig logging;
+  SimConfig sim;
   RoleConfig prefill;
   RoleConfig decode;
   RoleConfig both;

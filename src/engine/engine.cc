@@ -1,6 +1,7 @@
 // Engine: creation, validation and the thread-safe request API. The step
 // itself (schedule, forward, sample) is in engine_step.cc.
 #include "engine/engine.h"
+#include "engine/sim_backend.h"
 
 #include <fmt/format.h>
 
@@ -81,7 +82,12 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
     allocator = e->own_allocator_.get();
   }
   TANDEM_ASSIGN_OR_RETURN(e->pool_, KvPool::Create(layout, o.num_blocks, *allocator));
-  if (o.backend == "cuda") {
+  if (o.backend == "sim") {
+    if (o.sim_timing == nullptr) {
+      return InvalidArgumentError("backend 'sim' needs EngineOptions::sim_timing (see PrepareSim)");
+    }
+    e->backend_ = std::make_unique<SimBackend>(config, *o.sim_timing, e->pool_.get());
+  } else if (o.backend == "cuda") {
 #ifdef TANDEM_HAVE_CUDA
     // No device: FAILED_PRECONDITION naming the runtime's reason (docs/cuda.md).
     TANDEM_ASSIGN_OR_RETURN(e->backend_, CreateCudaBackend(config, weights, e->pool_.get(), {}));

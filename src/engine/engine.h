@@ -51,6 +51,7 @@
 #include "model/model_config.h"
 #include "model/tokenizer.h"
 #include "model/weights.h"
+#include "sim/timing_model.h"
 
 namespace tandem::engine {
 
@@ -77,6 +78,9 @@ struct EngineOptions {
   const model::Tokenizer* tokenizer = nullptr;
   // Called on the engine thread after every step (for metrics histograms).
   std::function<void(const StepStats&)> on_step;
+  // Backend "sim" only: the simulated GPU (borrowed; must outlive the
+  // engine). See engine/sim_backend.h.
+  const sim::TimingModel* sim_timing = nullptr;
 
   // The fleet file's model/cache/scheduler sections.
   static EngineOptions FromFleetConfig(const FleetConfig& fleet);

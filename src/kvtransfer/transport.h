@@ -124,6 +124,15 @@ struct TransportOptions {
   uint32_t idle_wait_ms = 100;
   // loopback only, fault injection: sleep before each put.
   uint32_t loopback_delay_per_put_us = 0;
+  // Link pacing (simulated fleets, docs/sim.md): a write that carries data
+  // starts moving bytes only once a modelled link of `pace_bits_per_s`
+  // would have delivered it — its bytes times `pace_byte_scale` (the real
+  // KV size the scaled-down bytes stand for) at that rate, queued behind
+  // this transport's earlier paced writes (one outgoing link), plus
+  // `pace_latency_s`. Notice-only writes are not paced. 0: off.
+  double pace_bits_per_s = 0;
+  double pace_byte_scale = 1.0;
+  double pace_latency_s = 0;
 };
 
 using XferCallback = std::function<void(XferId, XferStatus, const Status& detail)>;

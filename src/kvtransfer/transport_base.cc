@@ -282,7 +282,19 @@ Status TransportBase::Post(XferId xfer, XferCallback on_done) {
     x->on_done = std::move(on_done);
     x->in_active = true;
     ++inflight_;
-    commands_.push_back([this, x] { active_.push_back(x); });
+    if (options_.pace_bits_per_s > 0 && x->total_bytes > 0) {
+      const auto now = std::chrono::steady_clock::now();
+      const double wire_s = static_cast<double>(x->total_bytes) * options_.pace_byte_scale * 8.0 /
+                            options_.pace_bits_per_s;
+      link_free_at_ = std::max(link_free_at_, now) +
+                      std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                          std::chrono::duration<double>(wire_s));
+      const auto due = link_free_at_ + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                           std::chrono::duration<double>(options_.pace_latency_s));
+      commands_.push_back([this, x, due] { paced_.emplace_back(due, x); });
+    } else {
+      commands_.push_back([this, x] { active_.push_back(x); });
+    }
   }
   Wake();
   return Status::Ok();
@@ -504,11 +516,24 @@ void TransportBase::SweepReleasingPeers() {
   }
 }
 
+void TransportBase::ReleaseDuePaced() {
+  if (paced_.empty()) return;
+  const auto now = std::chrono::steady_clock::now();
+  // An aborted (or released) write leaves at once: Advance finishes it
+  // without moving a byte.
+  std::erase_if(paced_, [&](const auto& entry) {
+    if (entry.first > now && !entry.second->abort.load()) return false;
+    active_.push_back(entry.second);
+    return true;
+  });
+}
+
 void TransportBase::ProgressLoop(std::stop_token stop) {
   int idle_rounds = 0;
   auto last_activity = std::chrono::steady_clock::now();
   while (!stop.stop_requested()) {
     RunCommands();
+    ReleaseDuePaced();
     bool busy = false;
     for (int i = 0; i < 64 && ProgressOnce(); ++i) busy = true;
     const uint64_t puts_before = puts_posted_.load(std::memory_order_relaxed);
@@ -532,7 +557,20 @@ void TransportBase::ProgressLoop(std::stop_token stop) {
         std::this_thread::yield();
         continue;
       }
-      WaitForEvents(static_cast<int>(options_.idle_wait_ms));
+      int wait_ms = static_cast<int>(options_.idle_wait_ms);
+      if (!paced_.empty()) {  // wake for the earliest paced write
+        auto due = paced_.front().first;
+        for (const auto& e : paced_) due = std::min(due, e.first);
+        const auto left = due - std::chrono::steady_clock::now();
+        if (left < std::chrono::milliseconds(2)) {
+          if (left > left.zero()) std::this_thread::sleep_for(left);
+          continue;
+        }
+        wait_ms = std::min<int>(
+            wait_ms,
+            static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(left).count()) - 1);
+      }
+      WaitForEvents(wait_ms);
     } else if (++idle_rounds > kSpinRoundsBeforeSleep) {
       WaitForEvents(1);  // transfers wait on the peer (e.g. TCP acks): don't burn a core
     } else {

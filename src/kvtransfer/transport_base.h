@@ -10,6 +10,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -171,6 +172,12 @@ class TransportBase : public Transport {
   uint64_t inflight_ = 0;
   uint64_t notifications_received_ = 0;
   uint64_t stale_notifications_dropped_ = 0;
+
+  // Pacing (TransportOptions::pace_*): posted writes wait here until the
+  // modelled link would have delivered them.
+  void ReleaseDuePaced();
+  std::chrono::steady_clock::time_point link_free_at_{};  // guarded by mu_
+  std::vector<std::pair<std::chrono::steady_clock::time_point, Xfer*>> paced_;  // [progress]
 
   std::vector<Xfer*> active_;  // [progress]
   std::jthread progress_thread_;

@@ -19,6 +19,7 @@
 #include "decoder/decoder.h"
 #include "decoder/decoder_service.h"
 #include "engine/engine.h"
+#include "engine/sim_backend.h"
 #include "kvtransfer/transport.h"
 #include "model/model_config.h"
 #include "model/weights.h"
@@ -78,6 +79,7 @@ struct Worker {
   FleetConfig fleet;
   model::ModelConfig model_config;
   model::ModelWeights weights;
+  engine::SimSetup sim;  // backend sim only
   std::unique_ptr<kvtransfer::Transport> transport;
   std::unique_ptr<TransportPoolAllocator> allocator;
   std::unique_ptr<MetricsRegistry> registry;
@@ -147,9 +149,22 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   const bool decodes = cmd.role == "decode" || cmd.role == "both";
   const bool prefills = cmd.role == "prefill" || cmd.role == "both";
   TANDEM_ASSIGN_OR_RETURN(w.model_config, model::LoadModelConfig(w.fleet.model.path));
-  TANDEM_ASSIGN_OR_RETURN(w.weights, model::LoadWeights(w.fleet.model.path, w.model_config));
+  const bool simulated = w.fleet.model.backend == "sim";
+  if (simulated) {
+    // No weights: a timing model stands in for the GPU; model.path gives
+    // the tokenizer's vocabulary (docs/sim.md).
+    TANDEM_ASSIGN_OR_RETURN(w.sim, engine::PrepareSim(w.fleet.sim, w.model_config,
+                                                      w.fleet.cache.block_size));
+    w.model_config = w.sim.storage_config;
+  } else {
+    TANDEM_ASSIGN_OR_RETURN(w.weights, model::LoadWeights(w.fleet.model.path, w.model_config));
+  }
 
   engine::EngineOptions eo = engine::EngineOptions::FromFleetConfig(w.fleet);
+  if (simulated) {
+    eo.num_blocks = w.sim.num_blocks;  // from the simulated device's memory
+    eo.sim_timing = w.sim.timing.get();
+  }
   if (rc.num_blocks != 0) eo.num_blocks = rc.num_blocks;
   eo.epoch = RandomEpoch();
   engine::KvLayout layout;
@@ -165,12 +180,28 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   to.block_bytes = layout.block_bytes();
   to.num_blocks = eo.num_blocks;
   to.peer_timeout_s = w.fleet.transport.peer_timeout_seconds;
+  if (simulated && w.fleet.sim.link_gbps > 0) {  // the simulated network link
+    to.pace_bits_per_s = w.fleet.sim.link_gbps * 1e9;
+    to.pace_byte_scale = w.sim.kv_scale;
+    to.pace_latency_s = w.fleet.sim.link_latency_us * 1e-6;
+  }
   TANDEM_ASSIGN_OR_RETURN(w.transport, kvtransfer::CreateTransport(to));
   w.allocator = std::make_unique<TransportPoolAllocator>(*w.transport);
   eo.allocator = w.allocator.get();
 
   w.registry = std::make_unique<MetricsRegistry>(MetricLabels{w.fleet.model.name, cmd.role, name});
   w.metrics = std::make_unique<WorkerMetrics>(*w.registry);
+  if (simulated) {
+    w.registry
+        ->Gauge("tandem_simulated_info",
+                "1 on a worker whose GPU is simulated (model.backend sim); labels name the "
+                "hardware profile, the model shape and the KV scale",
+                {{"profile", w.sim.timing->params().hardware.name},
+                 {"model_shape", w.sim.timing->params().shape.name},
+                 {"kv_scale", fmt::format("{:.0f}", w.sim.kv_scale)}})
+        .Set(1);
+    spdlog::info("{}: {}", name, w.sim.summary);
+  }
   WorkerMetrics* metrics = w.metrics.get();
   eo.on_step = [metrics](const engine::StepStats& st) {
     if (st.num_prefill_tokens == 0 && st.num_decode_tokens > 0) metrics->ObserveDecodeStep(st.seconds);

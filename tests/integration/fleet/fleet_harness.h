@@ -27,6 +27,8 @@ struct FleetOptions {
   uint32_t max_inflight = 1024;
   std::string policy = "round_robin";
   std::string extra_yaml;  // appended verbatim
+  // Lines added inside the `model` section, e.g. "  backend: sim\n".
+  std::string model_yaml;
   // The `logging` section's level and format (every process logs to log_path()).
   std::string log_level = "warn";
   std::string log_format = "text";

@@ -1,0 +1,150 @@
+#include "engine/sim_backend.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+namespace tandem::engine {
+
+namespace {
+uint64_t SplitMix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+}  // namespace
+
+uint64_t SimHashStep(uint64_t previous, uint32_t token, uint32_t pos) {
+  return SplitMix(previous ^ SplitMix((uint64_t{pos} << 32) | token));
+}
+
+Result<SimSetup> PrepareSim(const SimConfig& cfg, const model::ModelConfig& tokenizer_model,
+                            uint32_t block_size) {
+  if (cfg.model_shape.empty()) {
+    return InvalidArgumentError("sim.model_shape is required with model.backend 'sim'");
+  }
+  TANDEM_ASSIGN_OR_RETURN(sim::HardwareProfile hw, sim::FindHardwareProfile(cfg.profile));
+  auto shape = sim::LoadModelShape(cfg.model_shape);
+  if (!shape.ok()) return shape.status().WithContext("sim.model_shape");
+  sim::TimingParams tp;
+  tp.hardware = hw;
+  tp.shape = *shape;
+  tp.tensor_parallel = cfg.tensor_parallel;
+  tp.compute_efficiency = cfg.compute_efficiency;
+  tp.memory_efficiency = cfg.memory_efficiency;
+  tp.gpu_memory_utilization = cfg.gpu_memory_utilization;
+  tp.step_overhead_s = cfg.step_overhead_us * 1e-6;
+  auto timing = sim::TimingModel::Create(tp);
+  if (!timing.ok()) return timing.status().WithContext("sim");
+
+  SimSetup s;
+  s.timing = std::make_unique<sim::TimingModel>(std::move(timing).value());
+  s.real_kv_bytes_per_token = shape->kv_bytes_per_token();
+  // K and V of one head: head_dim f32 each, so 8 bytes per head_dim unit;
+  // at least 4 floats per K (the running hash, token and position live there).
+  const uint64_t scaled = (s.real_kv_bytes_per_token + cfg.kv_scale - 1) / cfg.kv_scale;
+  const uint32_t head_dim = static_cast<uint32_t>(std::max<uint64_t>(4, (scaled + 7) / 8));
+  s.stored_kv_bytes_per_token = uint64_t{head_dim} * 8;
+  s.kv_scale = static_cast<double>(s.real_kv_bytes_per_token) /
+               static_cast<double>(s.stored_kv_bytes_per_token);
+  model::ModelConfig& mc = s.storage_config;
+  mc = tokenizer_model;
+  mc.architecture = "sim";
+  mc.num_hidden_layers = 1;
+  mc.num_attention_heads = 1;
+  mc.num_key_value_heads = 1;
+  mc.head_dim = head_dim;
+  mc.hidden_size = head_dim;
+  mc.max_position_embeddings = static_cast<uint32_t>(
+      std::min<uint64_t>(shape->max_position_embeddings, 1u << 20));
+  mc.sliding_window = 0;
+  const uint64_t blocks = s.timing->KvCapacityBlocks(block_size);
+  if (blocks == 0) {
+    return InvalidArgumentError(fmt::format(
+        "sim: {} leaves no device memory for KV after the weights of {}", hw.name, shape->name));
+  }
+  s.num_blocks = static_cast<uint32_t>(std::min<uint64_t>(blocks, 1u << 24));
+  s.summary = fmt::format(
+      "SIMULATED GPU: {}; KV {} tokens ({} blocks); KV moved at 1/{:.0f} of its real size ({} of "
+      "{} bytes per token)",
+      s.timing->Describe(), s.timing->KvCapacityTokens(), s.num_blocks, s.kv_scale,
+      s.stored_kv_bytes_per_token, s.real_kv_bytes_per_token);
+  return s;
+}
+
+SimBackend::SimBackend(const model::ModelConfig& config, const sim::TimingModel& timing,
+                       KvPool* pool)
+    : config_(config), timing_(timing), pool_(pool) {
+  for (uint32_t id = 0; id < config_.vocab_size; ++id) {
+    const bool eos = std::find(config_.eos_token_ids.begin(), config_.eos_token_ids.end(), id) !=
+                     config_.eos_token_ids.end();
+    const bool bos = config_.bos_token_id >= 0 && id == static_cast<uint32_t>(config_.bos_token_id);
+    if (!eos && !bos) allowed_.push_back(id);
+  }
+  if (allowed_.empty()) allowed_.push_back(0);
+}
+
+bool SimBackend::Supports(BackendFeature feature) const {
+  switch (feature) {
+    case BackendFeature::kRealMath: return false;
+    case BackendFeature::kBatchInvariant: return true;
+    case BackendFeature::kHostKvPool: return true;
+  }
+  return false;
+}
+
+uint64_t* SimBackend::Slot(std::span<const uint32_t> block_table, uint32_t pos) const {
+  const KvLayout& l = pool_->layout();
+  float* block = pool_->block(block_table[pos / l.block_size]);
+  // K plane of the only layer and head: [token][head_dim].
+  return reinterpret_cast<uint64_t*>(block + size_t{pos % l.block_size} * l.head_dim);
+}
+
+uint32_t SimBackend::TokenFor(uint64_t hash) const {
+  return allowed_[SplitMix(hash) % allowed_.size()];
+}
+
+Status SimBackend::Forward(std::span<const SeqChunk> batch, std::span<float> logits) {
+  const auto start = std::chrono::steady_clock::now();
+  const uint32_t vocab = config_.vocab_size;
+  work_.clear();
+  size_t row = 0;
+  for (const SeqChunk& c : batch) {
+    if (c.tokens.empty()) continue;
+    const uint32_t end = c.start_pos + static_cast<uint32_t>(c.tokens.size());
+    if (size_t{(end + pool_->layout().block_size - 1) / pool_->layout().block_size} >
+        c.block_table.size()) {
+      return InternalError(fmt::format("sim: block table covers {} blocks; positions up to {}",
+                                       c.block_table.size(), end));
+    }
+    uint64_t h = c.start_pos == 0 ? kSimHashSeed : *Slot(c.block_table, c.start_pos - 1);
+    for (size_t i = 0; i < c.tokens.size(); ++i) {
+      const uint32_t pos = c.start_pos + static_cast<uint32_t>(i);
+      h = SimHashStep(h, c.tokens[i], pos);
+      uint64_t* slot = Slot(c.block_table, pos);
+      slot[0] = h;
+      slot[1] = (uint64_t{pos} << 32) | c.tokens[i];
+    }
+    for (uint32_t k = 0; k < c.num_logits; ++k) {
+      if ((row + 1) * vocab > logits.size()) return InternalError("sim: logits buffer too small");
+      float* r = logits.data() + row * vocab;
+      std::fill(r, r + vocab, -1e30f);
+      // Only the last position's logits are ever sampled; earlier rows (if
+      // asked for) repeat it.
+      r[TokenFor(h)] = 0.0f;
+      ++row;
+    }
+    work_.push_back(sim::SeqWork{c.tokens.size(), c.start_pos, c.num_logits});
+  }
+  last_step_seconds_ = timing_.Step(work_).seconds;
+  if (sleep_) {
+    std::this_thread::sleep_until(start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                              std::chrono::duration<double>(last_step_seconds_)));
+  }
+  return Status::Ok();
+}
+
+}  // namespace tandem::engine

@@ -1,0 +1,83 @@
+// The `sim` compute backend (DESIGN.md section 6, docs/sim.md): no math. A
+// step sleeps for the time the roofline TimingModel gives for its batch on
+// the simulated GPU, so scheduling, batching and queueing behave as on that
+// device, and the KV pool holds the simulated model's per-token KV size
+// divided by `kv_scale` (the bytes the transport really moves).
+//
+// Outputs are deterministic: every token's KV slot stores a 64-bit running
+// hash of the sequence up to it (tokens and positions), and the next token
+// is a function of the last hash, so the same prompt gives the same tokens
+// whatever the batch, the chunking, prefix-cache hits or the topology — and
+// a decoder only continues correctly if the prefiller's KV bytes arrived.
+// Token ids are drawn from the engine's vocabulary (the tokenizer model's)
+// minus its bos/eos ids, so a sim sequence runs to max_tokens. Logits are
+// one-hot, so every sampling setting picks that token.
+//
+// Thread-safety: as ComputeBackend (one driving thread); the setup
+// functions are pure.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/config.h"
+#include "engine/backend.h"
+#include "sim/timing_model.h"
+
+namespace tandem::engine {
+
+// What a worker (or `tandem generate`) needs to run a simulated GPU.
+struct SimSetup {
+  std::unique_ptr<sim::TimingModel> timing;
+  // The engine's model: the tokenizer model's vocabulary and special ids,
+  // the simulated shape's context length, and a KV geometry of one layer,
+  // one head and `head_dim` floats per K (and V) holding the scaled size.
+  model::ModelConfig storage_config;
+  uint32_t num_blocks = 0;         // KV capacity of the simulated device(s)
+  uint64_t real_kv_bytes_per_token = 0;
+  uint64_t stored_kv_bytes_per_token = 0;
+  double kv_scale = 1;             // real / stored bytes
+  std::string summary;             // one line for logs: "SIMULATED H100 x1 ..."
+};
+
+// `tokenizer_model`: the config of fleet.model.path (the tokenizer's
+// model). `block_size`: tokens per block.
+Result<SimSetup> PrepareSim(const SimConfig& sim, const model::ModelConfig& tokenizer_model,
+                            uint32_t block_size);
+
+class SimBackend final : public ComputeBackend {
+ public:
+  // `timing` and `pool` are borrowed.
+  SimBackend(const model::ModelConfig& config, const sim::TimingModel& timing, KvPool* pool);
+
+  std::string_view name() const override { return "sim"; }
+  bool Supports(BackendFeature feature) const override;
+  uint32_t vocab_size() const override { return config_.vocab_size; }
+  size_t weight_bytes() const override { return timing_.params().shape.step_weight_bytes(); }
+  Status Forward(std::span<const SeqChunk> batch, std::span<float> logits) override;
+
+  // The modelled seconds of the last Forward (for tests).
+  double last_step_seconds() const { return last_step_seconds_; }
+  // Off: Forward returns at once (tests of outputs and of the timing alone).
+  void set_sleep(bool sleep) { sleep_ = sleep; }
+
+ private:
+  uint64_t* Slot(std::span<const uint32_t> block_table, uint32_t pos) const;
+  uint32_t TokenFor(uint64_t hash) const;
+
+  model::ModelConfig config_;
+  const sim::TimingModel& timing_;
+  KvPool* pool_;
+  std::vector<uint32_t> allowed_;  // token ids the backend may emit
+  std::vector<sim::SeqWork> work_;
+  double last_step_seconds_ = 0;
+  bool sleep_ = true;
+};
+
+// Running hash of a sequence: h(pos) = Mix(h(pos - 1), token, pos), h(-1) = kSeed.
+uint64_t SimHashStep(uint64_t previous, uint32_t token, uint32_t pos);
+inline constexpr uint64_t kSimHashSeed = 0x73696d2d74616e64ull;  // "sim-tand"
+
+}  // namespace tandem::engine

@@ -1,0 +1,144 @@
+// A sim 1P1D fleet (simulated H100s running Llama-3-8B) launched with
+// `tandem launch`: the same request gives the same tokens, one at a time or
+// all at once; sequences run to max_tokens; KV crossed the transport at the
+// paced link speed; every worker and the proxy say `simulated`.
+#include <gtest/gtest.h>
+
+#include <fmt/format.h>
+
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <future>
+#include <thread>
+
+#include "../fleet/fleet_harness.h"
+
+namespace tandem::testing {
+namespace {
+
+constexpr uint32_t kMaxTokens = 24;
+
+TEST(SimFleet, OneP1DServesDeterministicallyAndSaysSimulated) {
+  FleetOptions o;
+  o.prefill = 1;
+  o.decode = 1;
+  o.max_batched_tokens = 512;
+  o.policy = "kv_aware";
+  o.model_yaml = "  backend: sim\n  name: itest\n  max_model_len: 4096\n";
+  o.extra_yaml = fmt::format(
+      "sim:\n  profile: H100\n  model_shape: {}/configs/sim/models/llama-3-8b\n"
+      "  link_gbps: 100\n  link_latency_us: 10\n  kv_scale: 256\n",
+      TANDEM_SOURCE_DIR);
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  const std::string proxy = (*fleet)->proxy_grpc();
+
+
+  std::vector<std::vector<uint32_t>> prompts;
+  for (uint32_t i = 0; i < 8; ++i) prompts.push_back(PromptIds(100 + i, 60 + 97 * i, 4000));
+  std::vector<std::vector<uint32_t>> first;
+  for (const auto& p : prompts) {
+    GenerateArgs a;
+    a.prompt_ids = p;
+    a.max_tokens = kMaxTokens;
+    a.ignore_eos = false;  // sim tokens are never eos: requests run to max_tokens anyway
+    auto c = Generate(proxy, a);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    ASSERT_EQ(c->token_ids.size(), kMaxTokens);
+    EXPECT_EQ(c->completion_tokens, kMaxTokens);
+    for (uint32_t t : c->token_ids) EXPECT_LT(t, 4096u);
+    first.push_back(c->token_ids);
+  }
+  EXPECT_NE(first[0], first[1]);
+  // Again, all at once (batched on both workers, prompts now cached): same tokens.
+  std::vector<std::future<Result<Completion>>> futures;
+  for (const auto& p : prompts) {
+    futures.push_back(std::async(std::launch::async, [&proxy, p] {
+      GenerateArgs a;
+      a.prompt_ids = p;
+      a.max_tokens = kMaxTokens;
+      a.temperature = 0.9f;  // one-hot logits: sampling settings do not change sim tokens
+      a.seed = 5;
+      return Generate(proxy, a);
+    }));
+  }
+  for (size_t i = 0; i < futures.size(); ++i) {
+    auto c = futures[i].get();
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    EXPECT_EQ(c->token_ids, first[i]) << "prompt " << i;
+  }
+
+  // Everything says simulated.
+  auto pm = Scrape((*fleet)->proxy_metrics());
+  ASSERT_TRUE(pm.ok()) << pm.status().ToString();
+  EXPECT_NE(pm->find("model=\"itest-simulated\""), std::string::npos);
+  double transfer_bytes = 0, transfer_seconds = 0;
+  for (const auto& w : (*fleet)->workers()) {
+    auto m = Scrape(w.metrics);
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    EXPECT_EQ(MetricValue(*m, "tandem_simulated_info"), 1.0) << w.name;
+    EXPECT_NE(m->find("profile=\"H100\""), std::string::npos) << w.name;
+    EXPECT_NE(m->find("kv_scale=\"256\""), std::string::npos) << w.name;
+    EXPECT_NE(m->find("model=\"itest-simulated\""), std::string::npos) << w.name;
+    transfer_bytes += MetricValue(*m, "tandem_kv_transfer_bytes_total");
+    transfer_seconds += MetricValue(*m, "tandem_kv_transfer_seconds_sum");
+  }
+  // Real bytes crossed UCX (8 KiB per block at scale 256), no faster than a
+  // 100 Gb/s link moves their unscaled size (lower bound: the host may be slow).
+  EXPECT_GT(transfer_bytes, 0);
+  EXPECT_GE(transfer_seconds, transfer_bytes * 256 * 8 / 100e9);
+  auto stopped = (*fleet)->Stop(std::chrono::seconds(30));
+  ASSERT_TRUE(stopped.ok());
+  EXPECT_EQ(*stopped, 0);
+}
+
+struct CmdOut {
+  int code = -1;
+  std::string out;
+};
+
+CmdOut RunTandem(const std::string& args) {
+  const std::string cmd = std::string(TANDEM_BINARY_DIR) + "/tandem " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  CmdOut r;
+  if (p == nullptr) return r;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof(buf), p)) r.out.append(buf, n);
+  const int status = pclose(p);
+  r.code = WEXITSTATUS(status);
+  return r;
+}
+
+TEST(SimCli, PlanPrintsItsReasoningAndRefusesBadInput) {
+  const std::string model = std::string(TANDEM_SOURCE_DIR) + "/configs/sim/models/llama-3-8b";
+  // Llama-3-8B on an H100, 4096-token prompts: 537 MB of KV. At 10 Gb/s it
+  // takes 0.43 s against a 0.12 s prefill (ratio 3.4): aggregate.
+  CmdOut slow = RunTandem("plan --model " + model + " --hardware H100 --link-gbps 10 --rate 4 "
+                          "--input-tokens 4096 --output-tokens 256 --itl-slo-ms 25");
+  EXPECT_EQ(slow.code, 0) << slow.out;
+  EXPECT_NE(slow.out.find("simulated"), std::string::npos) << slow.out;
+  EXPECT_NE(slow.out.find("transfer / prefill"), std::string::npos) << slow.out;
+  EXPECT_NE(slow.out.find("aggregated  "), std::string::npos) << slow.out;
+  // At 400 Gb/s (ratio 0.09) the tight ITL SLO makes disaggregation pay.
+  CmdOut fast = RunTandem("plan --model " + model + " --link-gbps 400 --rate 4 "
+                          "--input-tokens 4096 --output-tokens 256 --itl-slo-ms 25 --json");
+  EXPECT_EQ(fast.code, 0) << fast.out;
+  EXPECT_NE(fast.out.find("\"recommendation\": \"disaggregated\""), std::string::npos) << fast.out;
+  EXPECT_NE(fast.out.find("\"simulated\": true"), std::string::npos) << fast.out;
+  // A fleet file gives the defaults.
+  CmdOut cfg = RunTandem("plan --config " + std::string(TANDEM_SOURCE_DIR) +
+                         "/configs/sim-1p1d.yaml --rate 2 --input-tokens 512-2048 --output-tokens 128");
+  EXPECT_EQ(cfg.code, 0) << cfg.out;
+  EXPECT_NE(cfg.out.find("100 Gb/s"), std::string::npos) << cfg.out;
+  CmdOut bad = RunTandem("plan --model " + model + " --rate 1 --input-tokens 10-5 --output-tokens 8");
+  EXPECT_EQ(bad.code, 1);
+  EXPECT_NE(bad.out.find("--input-tokens must be N or MIN-MAX"), std::string::npos) << bad.out;
+  CmdOut hw = RunTandem("plan --model " + model + " --hardware B200 --rate 1 --input-tokens 8 "
+                        "--output-tokens 8");
+  EXPECT_EQ(hw.code, 1);
+  EXPECT_NE(hw.out.find("known: H100, H200, A100, L40S"), std::string::npos) << hw.out;
+}
+
+}  // namespace
+}  // namespace tandem::testing

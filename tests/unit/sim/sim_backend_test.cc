@@ -1,0 +1,220 @@
+// The sim backend inside a real engine: KV geometry and capacity from the
+// simulated device, deterministic tokens (alone, batched, chunked, with
+// prefix hits), a prefill -> copy KV -> decode hand-off that continues only
+// with the right bytes, and steps that last the modelled time.
+#include "engine/sim_backend.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <map>
+
+#include "engine/engine.h"
+#include "model/model_config.h"
+
+namespace tandem::engine {
+namespace {
+
+const std::string kShapes = std::string(TANDEM_SOURCE_DIR) + "/configs/sim/models/";
+
+model::ModelConfig Tokenizer() {
+  auto mc = model::LoadModelConfig(std::string(TANDEM_SOURCE_DIR) + "/models/tandem-kjv");
+  EXPECT_TRUE(mc.ok()) << mc.status().ToString();
+  return *mc;
+}
+
+SimSetup MakeSetup(uint32_t kv_scale = 256) {
+  SimConfig c;
+  c.present = true;
+  c.model_shape = kShapes + "llama-3-8b/config.json";
+  c.kv_scale = kv_scale;
+  auto s = PrepareSim(c, Tokenizer(), 16);
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  return std::move(s).value();
+}
+
+// A device so fast that steps take no time: tests of outputs only.
+sim::TimingModel Instant() {
+  sim::TimingParams p;
+  p.hardware = sim::HardwareProfile{"FAST", "test", 1e30, 1e30, 1e12, "test"};
+  p.shape = *sim::LoadModelShape(kShapes + "llama-3-8b");
+  return *sim::TimingModel::Create(p);
+}
+
+struct Outcome {
+  std::vector<uint32_t> tokens;
+  RequestOutput last;
+};
+
+GenerateRequest Req(const std::string& id, std::vector<uint32_t> prompt, uint32_t max_tokens,
+                    std::map<std::string, Outcome>* runs, float temperature = 0) {
+  GenerateRequest r;
+  r.request_id = id;
+  r.prompt_ids = std::move(prompt);
+  r.sampling.max_tokens = max_tokens;
+  r.sampling.temperature = temperature;
+  r.sampling.seed = 11;
+  r.on_output = [runs, id](const RequestOutput& o) {
+    auto& run = (*runs)[id];
+    run.tokens.insert(run.tokens.end(), o.token_ids.begin(), o.token_ids.end());
+    run.last = o;
+  };
+  return r;
+}
+
+std::unique_ptr<Engine> MakeSimEngine(const SimSetup& s, const sim::TimingModel* timing,
+                                      uint32_t max_batched_tokens = 2048, uint32_t blocks = 512) {
+  EngineOptions o;
+  o.backend = "sim";
+  o.sim_timing = timing;
+  o.num_blocks = blocks;
+  o.scheduler.max_batched_tokens = max_batched_tokens;
+  auto e = Engine::Create(s.storage_config, model::ModelWeights{}, o);
+  EXPECT_TRUE(e.ok()) << e.status().ToString();
+  return std::move(e).value();
+}
+
+std::vector<uint32_t> Prompt(uint32_t n, uint32_t seed) {
+  std::vector<uint32_t> p(n);
+  for (uint32_t i = 0; i < n; ++i) p[i] = 5 + (seed * 7919 + i * 104729) % 4000;
+  return p;
+}
+
+TEST(SimSetup, GeometryAndCapacityFromTheSimulatedDevice) {
+  const SimSetup s = MakeSetup();
+  // 131,072 real bytes per token / 256 = 512 stored: one layer, one head,
+  // head_dim 64 floats for K and 64 for V.
+  EXPECT_EQ(s.real_kv_bytes_per_token, 131072u);
+  EXPECT_EQ(s.stored_kv_bytes_per_token, 512u);
+  EXPECT_DOUBLE_EQ(s.kv_scale, 256.0);
+  EXPECT_EQ(s.storage_config.num_hidden_layers, 1u);
+  EXPECT_EQ(s.storage_config.head_dim, 64u);
+  EXPECT_EQ(s.storage_config.vocab_size, 4096u);  // the tokenizer's vocabulary
+  EXPECT_EQ(s.storage_config.max_position_embeddings, 8192u);  // the simulated model's context
+  EXPECT_EQ(s.num_blocks, 426784u / 16);  // H100: 426,784 tokens of KV (timing_model_test)
+  EXPECT_NE(s.summary.find("SIMULATED"), std::string::npos);
+  EXPECT_NE(s.summary.find("1/256"), std::string::npos);
+  // A 70B model on one H100 is refused with the reason.
+  SimConfig big;
+  big.model_shape = kShapes + "llama-3-70b";
+  auto r = PrepareSim(big, Tokenizer(), 16);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("tensor_parallel"), std::string::npos);
+  big.tensor_parallel = 2;
+  big.profile = "H200";
+  EXPECT_TRUE(PrepareSim(big, Tokenizer(), 16).ok());
+}
+
+TEST(SimBackend, SameRequestSameTokensAloneBatchedChunkedCached) {
+  const SimSetup s = MakeSetup();
+  const sim::TimingModel fast = Instant();
+  const auto eos = s.storage_config.eos_token_ids;
+  std::map<std::string, Outcome> alone, together;
+  {
+    auto e = MakeSimEngine(s, &fast);
+    for (uint32_t i = 0; i < 6; ++i) {
+      ASSERT_TRUE(e->Submit(Req("r" + std::to_string(i), Prompt(40 + 13 * i, i), 24, &alone)).ok());
+      e->RunUntilIdle();
+    }
+    // The same prompt again: served from the prefix cache, same tokens.
+    ASSERT_TRUE(e->Submit(Req("again", Prompt(40 + 13 * 5, 5), 24, &alone)).ok());
+    e->RunUntilIdle();
+    EXPECT_GT(alone["again"].last.cached_prompt_tokens, 0u);
+    EXPECT_EQ(alone["again"].tokens, alone["r5"].tokens);
+  }
+  {
+    auto e = MakeSimEngine(s, &fast, /*max_batched_tokens=*/32);  // chunked, all at once
+    for (uint32_t i = 0; i < 6; ++i) {
+      ASSERT_TRUE(e->Submit(Req("r" + std::to_string(i), Prompt(40 + 13 * i, i), 24, &together,
+                                /*temperature=*/0.8f)).ok());
+    }
+    e->RunUntilIdle();
+  }
+  for (uint32_t i = 0; i < 6; ++i) {
+    const std::string id = "r" + std::to_string(i);
+    ASSERT_EQ(alone[id].tokens.size(), 24u) << id;  // never eos: runs to max_tokens
+    EXPECT_EQ(alone[id].tokens, together[id].tokens) << id;
+    EXPECT_EQ(alone[id].last.finish_reason, FinishReason::kLength);
+    for (uint32_t t : alone[id].tokens) {
+      EXPECT_LT(t, 4096u);
+      EXPECT_EQ(std::count(eos.begin(), eos.end(), t), 0);
+    }
+  }
+  EXPECT_NE(alone["r0"].tokens, alone["r1"].tokens);  // different prompts, different tokens
+}
+
+TEST(SimBackend, DecoderContinuesFromTheTransferredKvBytes) {
+  const SimSetup s = MakeSetup();
+  const sim::TimingModel fast = Instant();
+  const auto prompt = Prompt(70, 3);  // 4 full blocks + 6 tokens
+  std::map<std::string, Outcome> ref, pre, dec;
+  {
+    auto e = MakeSimEngine(s, &fast);
+    ASSERT_TRUE(e->Submit(Req("x", prompt, 16, &ref)).ok());
+    e->RunUntilIdle();
+  }
+  for (bool corrupt : {false, true}) {
+    auto prefiller = MakeSimEngine(s, &fast);
+    auto decoder = MakeSimEngine(s, &fast);
+    pre.clear();
+    dec.clear();
+    GenerateRequest pr = Req("x", prompt, 16, &pre);
+    pr.prefill_only = true;
+    ASSERT_TRUE(prefiller->Submit(pr).ok());
+    prefiller->RunUntilIdle();
+    ASSERT_EQ(pre["x"].last.finish_reason, FinishReason::kPrefillDone);
+    auto res = decoder->Reserve("x", prompt);
+    ASSERT_TRUE(res.ok());
+    // What the transport does: copy every prompt block's bytes.
+    const auto& src = pre["x"].last.block_ids;
+    for (size_t b = 0; b < res->block_ids.size(); ++b) {
+      auto from = prefiller->pool().block_bytes(src[b]);
+      auto to = decoder->pool().block_bytes(res->block_ids[b]);
+      std::memcpy(to.data(), from.data(), from.size());
+    }
+    if (corrupt) {  // one flipped byte in the last prompt token's slot
+      auto last = decoder->pool().block_bytes(res->block_ids.back());
+      last[(prompt.size() - 1) % 16 * 64 * 4] ^= std::byte{1};
+    }
+    ASSERT_TRUE(prefiller->ReleasePrefill("x").ok());
+    const uint32_t first = pre["x"].tokens.at(0);
+    ASSERT_TRUE(decoder->AddPrefilled(res->reservation_id, Req("x", prompt, 16, &dec), first).ok());
+    decoder->RunUntilIdle();
+    ASSERT_EQ(dec["x"].tokens.size(), 16u);
+    if (corrupt) {
+      EXPECT_NE(dec["x"].tokens, ref["x"].tokens) << "the decoder ignored the KV bytes";
+    } else {
+      EXPECT_EQ(dec["x"].tokens, ref["x"].tokens);
+    }
+  }
+}
+
+TEST(SimBackend, StepsLastTheModelledTime) {
+  const SimSetup s = MakeSetup();
+  std::vector<double> step_seconds;
+  EngineOptions o;
+  o.backend = "sim";
+  o.sim_timing = s.timing.get();
+  o.num_blocks = 512;
+  o.scheduler.max_batched_tokens = 2048;
+  o.on_step = [&](const StepStats& st) { step_seconds.push_back(st.seconds); };
+  auto e = Engine::Create(s.storage_config, model::ModelWeights{}, o);
+  ASSERT_TRUE(e.ok());
+  std::map<std::string, Outcome> runs;
+  ASSERT_TRUE((*e)->Submit(Req("p", Prompt(2048, 1), 3, &runs)).ok());
+  (*e)->RunUntilIdle();
+  // Step 1 computes the 2048-token prompt (it fits the budget), steps 2 and
+  // 3 decode one token each after it.
+  ASSERT_GE(step_seconds.size(), 3u);
+  const double prefill = s.timing->Prefill(2048, 0).seconds;  // ~60 ms on an H100
+  EXPECT_GT(prefill, 0.04);
+  EXPECT_GE(step_seconds[0], prefill);  // lower bound only: the host may be slow
+  const double decode = s.timing->Decode(1, 2048).seconds;  // ~5.7 ms
+  EXPECT_GE(step_seconds[1], decode);
+  EXPECT_LT(decode, prefill / 5);
+}
+
+}  // namespace
+}  // namespace tandem::engine
