@@ -19,6 +19,8 @@ void ReadRole(YamlMap m, RoleConfig& r) {
   m.ReadAddress("grpc", r.grpc);
   m.ReadAddress("metrics", r.metrics);
   m.Read("num_blocks", r.num_blocks, 0, 1u << 24);
+  m.Read("node", r.node);
+  m.Read("zone", r.zone);
   m.Finish();
 }
 
@@ -69,6 +71,19 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.Read("temperature", c.router.temperature, 0.0, 1e6);
     m.Read("local_prefill_threshold_tokens", c.router.local_prefill_threshold_tokens, 0,
            1u << 20);
+    m.Read("seed", c.router.seed, 0, UINT64_MAX);
+    m.Read("hot_prefix_threshold", c.router.hot_prefix_threshold, 0.0, 1e6);
+    m.Read("hot_prefix_min_load_blocks", c.router.hot_prefix_min_load_blocks, 0.0, 1e9);
+    m.Read("transfer_cost_per_ms", c.router.transfer_cost_per_ms, 0.0, 1e6);
+    m.Read("load_report_lag_ms", c.router.load_report_lag_ms, 0.0, 60000.0);
+    m.Read("max_prediction_age_s", c.router.max_prediction_age_s, 0.001, 3600.0);
+    {
+      YamlMap t = m.Sub("topology");
+      t.Read("same_node_bandwidth_gbps", c.router.same_node_bandwidth_gbps, 0.001, 1e5);
+      t.Read("cross_node_bandwidth_gbps", c.router.cross_node_bandwidth_gbps, 0.001, 1e5);
+      t.Read("cross_zone_bandwidth_gbps", c.router.cross_zone_bandwidth_gbps, 0.001, 1e5);
+      t.Finish();
+    }
     m.Finish();
   }
   {

@@ -50,6 +50,17 @@ struct RouterConfig {
   double prefill_weight = 1.0;
   double temperature = 0.0;                   // 0: pick the minimum cost
   uint32_t local_prefill_threshold_tokens = 0;  // conditional disaggregation; 0 = off
+  uint64_t seed = 0x7461'6e64'656d'0001;  // temperature sampling and the random policy
+  double hot_prefix_threshold = 1.0;       // guard when the cached worker's load > (1+t) x mean
+  double hot_prefix_min_load_blocks = 64;  // ... and above this many blocks
+  double transfer_cost_per_ms = 1.0;       // cost units per ms of estimated KV transfer
+  double load_report_lag_ms = 5.0;         // a routed request counts until a report this much later
+  double max_prediction_age_s = 10.0;      // predictions expire after this
+  // router.topology: link bandwidths in GB/s (1e9 bytes/s) between a
+  // prefiller and a decoder on the same node, the same zone, other zones.
+  double same_node_bandwidth_gbps = 13.0;
+  double cross_node_bandwidth_gbps = 1.25;
+  double cross_zone_bandwidth_gbps = 0.5;
 };
 
 struct TransportConfig {
@@ -88,6 +99,8 @@ struct RoleConfig {
   std::string grpc = "127.0.0.1:0";
   std::string metrics = "127.0.0.1:0";
   uint32_t num_blocks = 0;  // 0: cache.num_blocks
+  std::string node;  // router label of these workers (same node: fast KV link); "" = unset
+  std::string zone;  // router label "zone"
 };
 
 struct FleetConfig {

@@ -44,8 +44,9 @@ Status Fleet::Register(const WorkerRecord& w) {
   router::WorkerInfo info;
   info.name = w.name;
   info.role = w.role;
-  info.node = w.node;
-  info.zone = w.zone;
+  const auto& defaults = req_.role_labels[static_cast<size_t>(w.role)];
+  info.node = w.node.empty() ? defaults.node : w.node;
+  info.zone = w.zone.empty() ? defaults.zone : w.zone;
   info.epoch = w.epoch;
   info.num_blocks = w.num_blocks;
   info.block_bytes = w.block_bytes;
@@ -54,6 +55,7 @@ Status Fleet::Register(const WorkerRecord& w) {
   block_bytes_ = w.block_bytes;
   workers_[w.name] = w;
   names_[*id] = w.name;
+  if (metrics_) metrics_->AddWorker(w.name, w.role, router_->policy());
   spdlog::info("worker {} ({}) joined at {}", w.name, router::WorkerRoleName(w.role),
                w.grpc_address);
   return Status::Ok();
@@ -76,6 +78,7 @@ Result<RoutedPair> Fleet::Route(std::span<const uint64_t> hashes, uint32_t promp
   for (int attempt = 0; attempt < 8; ++attempt) {
     auto d = router_->Route(router::RouteRequest{hashes, prompt_tokens});
     if (!d.ok()) {
+      if (metrics_) metrics_->CountError(router_->policy());
       return UnavailableError(fmt::format("no worker can take the request: {}",
                                           d.status().message()));
     }
@@ -98,6 +101,11 @@ Result<RoutedPair> Fleet::Route(std::span<const uint64_t> hashes, uint32_t promp
     if (!out.local) {
       out.prefill_name = pre->name;
       out.prefill_address = pre->grpc_address;
+    }
+    if (metrics_) metrics_->CountDecision(*d, out.prefill_name, out.decode_name);
+    if (spdlog::should_log(spdlog::level::debug)) {
+      spdlog::debug("route prefill={} decode={} {}", out.local ? "-" : out.prefill_name,
+                    out.decode_name, d->DebugString());
     }
     return out;
   }

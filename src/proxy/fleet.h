@@ -5,6 +5,7 @@
 // Thread-safety: every method may be called from any thread.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "proxy/proxy_metrics.h"
 #include "router/router.h"
 
 namespace tandem::proxy {
@@ -45,6 +47,12 @@ struct FleetRequirements {
   std::string revision;
   uint32_t block_size = 16;
   std::string kv_dtype = "f32";
+  // Router labels for a worker that registers without its own `node` /
+  // `zone` (the fleet file's role sections), by role: prefill, decode, both.
+  struct Labels {
+    std::string node, zone;
+  };
+  std::array<Labels, 3> role_labels;
 };
 
 struct RoutedPair {
@@ -73,6 +81,10 @@ class Fleet {
   Result<RoutedPair> Route(std::span<const uint64_t> hashes, uint32_t prompt_tokens,
                            const std::set<std::string>& exclude = {});
 
+  // Counts every decision and error from now on (null: none). Call before
+  // workers register (their series are created then).
+  void SetMetrics(RouterMetrics* metrics) { metrics_ = metrics; }
+
   router::Router& router() { return *router_; }
   std::optional<WorkerRecord> Find(const std::string& name) const;
   std::vector<WorkerRecord> Workers() const;
@@ -81,6 +93,7 @@ class Fleet {
  private:
   const FleetRequirements req_;
   std::unique_ptr<router::Router> router_;
+  RouterMetrics* metrics_ = nullptr;
   mutable std::mutex mu_;
   std::map<std::string, WorkerRecord> workers_;  // guarded by mu_
   std::map<router::WorkerId, std::string> names_;  // guarded by mu_

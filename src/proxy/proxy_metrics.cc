@@ -73,4 +73,85 @@ void ProxyMetrics::CountOutcome(const std::string& outcome) {
   else failed.Increment();
 }
 
+namespace {
+
+constexpr const char* kDecisions = "tandem_router_decisions_total";
+constexpr const char* kDecisionsHelp =
+    "Router decisions by policy, side (prefill, decode, local: prefilled and decoded by one "
+    "worker) and chosen worker";
+
+std::string PolicyLabel(router::Policy p) { return std::string(router::PolicyName(p)); }
+
+}  // namespace
+
+RouterMetrics::RouterMetrics(MetricsRegistry& r, uint32_t block_size_tokens)
+    : registry_(r),
+      hot_prefix_guards_(r.Counter("tandem_router_hot_prefix_guards_total",
+                                   "Decisions where the hot-prefix guard let load win over cache")),
+      conditional_local_(r.Counter("tandem_router_conditional_local_prefills_total",
+                                   "Decisions where the decoder prefills a short uncached part "
+                                   "itself (conditional disaggregation)")),
+      hit_tokens_(r.Histogram("tandem_router_predicted_prefix_hit_tokens",
+                              "Prompt tokens the router predicts cached where the prefill runs",
+                              {0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                               32768, 65536, 131072})),
+      hit_ratio_(r.Histogram("tandem_router_predicted_prefix_hit_ratio",
+                             "Predicted cached tokens over prompt tokens where the prefill runs",
+                             {0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0})),
+      block_size_tokens_(block_size_tokens) {
+  for (uint32_t i = 0; i < router::kNumPolicies; ++i) {
+    const std::string policy = PolicyLabel(static_cast<router::Policy>(i));
+    routes_[i] = &r.Counter("tandem_router_routes_total", "Requests routed, by policy",
+                            {{"policy", policy}});
+    errors_[i] = &r.Counter("tandem_router_route_errors_total",
+                            "Route calls that found no worker (none of a role, no room), by policy",
+                            {{"policy", policy}});
+  }
+}
+
+prometheus::Counter& RouterMetrics::Decision(router::Policy policy, const char* side,
+                                             const std::string& worker) {
+  return registry_.Counter(kDecisions, kDecisionsHelp,
+                           {{"policy", PolicyLabel(policy)}, {"side", side}, {"chosen_worker", worker}});
+}
+
+void RouterMetrics::AddWorker(const std::string& name, router::WorkerRole role,
+                              router::Policy policy) {
+  std::lock_guard lock(mu_);
+  Series& s = workers_[{name, policy}];
+  if (router::CanPrefill(role) && !s.prefill) s.prefill = &Decision(policy, "prefill", name);
+  if (router::CanDecode(role) && !s.decode) s.decode = &Decision(policy, "decode", name);
+  if (router::CanDecode(role) && !s.local) s.local = &Decision(policy, "local", name);
+}
+
+void RouterMetrics::CountDecision(const router::RouteDecision& d, const std::string& prefill_name,
+                                  const std::string& decode_name) {
+  const auto pi = static_cast<size_t>(d.policy);
+  routes_[pi]->Increment();
+  if (d.hot_prefix_prefill || d.hot_prefix_decode) hot_prefix_guards_.Increment();
+  if (d.conditional_local) conditional_local_.Increment();
+  const double hit = static_cast<double>(d.prefill_overlap_blocks) * block_size_tokens_;
+  hit_tokens_.Observe(hit);
+  if (d.prompt_tokens > 0) hit_ratio_.Observe(hit / d.prompt_tokens);
+
+  std::lock_guard lock(mu_);
+  auto series = [&](const std::string& name) -> Series& { return workers_[{name, d.policy}]; };
+  if (d.local_prefill) {
+    Series& s = series(decode_name);
+    if (!s.local) s.local = &Decision(d.policy, "local", decode_name);
+    s.local->Increment();
+    return;
+  }
+  Series& p = series(prefill_name);
+  if (!p.prefill) p.prefill = &Decision(d.policy, "prefill", prefill_name);
+  p.prefill->Increment();
+  Series& s = series(decode_name);
+  if (!s.decode) s.decode = &Decision(d.policy, "decode", decode_name);
+  s.decode->Increment();
+}
+
+void RouterMetrics::CountError(router::Policy policy) {
+  errors_[static_cast<size_t>(policy)]->Increment();
+}
+
 }  // namespace tandem::proxy

@@ -3,9 +3,13 @@
 // series exists from start-up. Definitions: docs/metrics.md.
 #pragma once
 
+#include <array>
+#include <map>
+#include <mutex>
 #include <string>
 
 #include "common/metrics.h"
+#include "router/route_decision.h"
 
 namespace tandem::proxy {
 
@@ -45,6 +49,46 @@ struct ProxyMetrics {
 
  private:
   RecentMedianCheck overhead_check_;
+};
+
+// The router's decisions (docs/router.md, "Observability"). Label names
+// avoid the registry's constant `role` and `worker` (the proxy's own):
+//   tandem_router_decisions_total{policy, side=prefill|decode|local, chosen_worker}
+//   tandem_router_routes_total{policy}, tandem_router_route_errors_total{policy}
+//   tandem_router_hot_prefix_guards_total, tandem_router_conditional_local_prefills_total
+//   tandem_router_predicted_prefix_hit_tokens / _ratio (histograms): the
+//     cached prefix the index predicts where the prefill runs.
+// Per-policy series exist from start-up; a worker's series from its
+// registration. Any thread.
+class RouterMetrics {
+ public:
+  RouterMetrics(MetricsRegistry& registry, uint32_t block_size_tokens);
+
+  // Creates the worker's decision series under `policy` (at zero).
+  void AddWorker(const std::string& name, router::WorkerRole role, router::Policy policy);
+  // `prefill_name` is ignored for a local prefill.
+  void CountDecision(const router::RouteDecision& d, const std::string& prefill_name,
+                     const std::string& decode_name);
+  void CountError(router::Policy policy);
+
+ private:
+  struct Series {
+    prometheus::Counter* prefill = nullptr;
+    prometheus::Counter* decode = nullptr;
+    prometheus::Counter* local = nullptr;
+  };
+  prometheus::Counter& Decision(router::Policy policy, const char* side, const std::string& worker);
+
+  MetricsRegistry& registry_;
+  std::array<prometheus::Counter*, router::kNumPolicies> routes_{};
+  std::array<prometheus::Counter*, router::kNumPolicies> errors_{};
+  prometheus::Counter& hot_prefix_guards_;
+  prometheus::Counter& conditional_local_;
+  prometheus::Histogram& hit_tokens_;
+  prometheus::Histogram& hit_ratio_;
+  const uint32_t block_size_tokens_;
+  std::mutex mu_;
+  std::map<std::pair<std::string, router::Policy>, Series> workers_;  // guarded by mu_
 };
 
 }  // namespace tandem::proxy

@@ -30,10 +30,15 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
   req.revision = fleet.model.revision;
   req.block_size = fleet.cache.block_size;
   req.kv_dtype = HashContextFromFleet(fleet).kv_dtype;
-  router::RouterOptions ropts;
-  ropts.block_size_tokens = fleet.cache.block_size;
-  TANDEM_ASSIGN_OR_RETURN(auto router, router::Router::Create(fleet.router, ropts));
+  req.role_labels = {FleetRequirements::Labels{fleet.prefill.node, fleet.prefill.zone},
+                     FleetRequirements::Labels{fleet.decode.node, fleet.decode.zone},
+                     FleetRequirements::Labels{fleet.both.node, fleet.both.zone}};
+  TANDEM_ASSIGN_OR_RETURN(
+      auto router, router::Router::Create(fleet.router, router::RouterOptionsFromConfig(
+                                                            fleet.router, fleet.cache.block_size)));
   p->fleet_ = std::make_unique<Fleet>(req, std::move(router));
+  p->router_metrics_ = std::make_unique<RouterMetrics>(*p->metrics_registry_, fleet.cache.block_size);
+  p->fleet_->SetMetrics(p->router_metrics_.get());
   p->client_ = std::make_unique<GrpcWorkerClient>();
 
   ServingLimits limits;

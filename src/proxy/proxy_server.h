@@ -73,6 +73,7 @@ class ProxyServer {
   std::unique_ptr<model::Tokenizer> tokenizer_;
   std::unique_ptr<MetricsRegistry> metrics_registry_;
   std::unique_ptr<ProxyMetrics> metrics_;
+  std::unique_ptr<RouterMetrics> router_metrics_;  // outlives fleet_, which counts into it
   std::unique_ptr<Fleet> fleet_;
   std::unique_ptr<GrpcWorkerClient> client_;
   std::unique_ptr<Frontend> frontend_;

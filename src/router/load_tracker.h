@@ -5,7 +5,10 @@
 // A prediction is dropped when a report arrives that was received at least
 // `report_lag_ns` after the prediction was made (the request has had time
 // to reach the worker, so the report counts it), or when it is older than
-// `max_prediction_age_ns` (bounds memory if reports stop).
+// `max_prediction_age_ns` (bounds memory if reports stop). A prediction with
+// a key (the prompt's last full block hash) also ends its prefill part when
+// the worker reports that block stored (Complete): the prefill is done, so
+// a request sent right after a short one does not see it as queued.
 //
 // Thread-safety: none. Router owns one and calls it under its mutex.
 #pragma once
@@ -13,6 +16,7 @@
 #include <array>
 #include <cstdint>
 #include <deque>
+#include <span>
 
 #include "router/types.h"
 
@@ -41,7 +45,16 @@ class LoadTracker {
   // A worker joins: no report yet; `num_blocks` free (0: unknown).
   void Reset(WorkerId worker, uint32_t num_blocks);
   void ApplyReport(WorkerId worker, const LoadReport& report, int64_t now_ns);
-  void Predict(WorkerId worker, const LoadDelta& delta, int64_t now_ns);
+  // `key` != 0: the prompt's last full block hash, for Complete.
+  void Predict(WorkerId worker, const LoadDelta& delta, int64_t now_ns, uint64_t key = 0);
+  // The worker stored the blocks `hashes` (a KV event). The oldest pending
+  // keyed prediction whose key is among them has finished its prefill: its
+  // prefill tokens are dropped, and so is the prediction itself unless it
+  // also holds decode blocks (a local prefill: the request goes on running
+  // there). Returns how many predictions completed (0 or 1).
+  uint32_t Complete(WorkerId worker, std::span<const uint64_t> hashes);
+  // Pending predictions with a key (a hint for callers: 0 = Complete is a no-op).
+  uint32_t keyed_predictions(WorkerId worker) const { return workers_[worker].keyed; }
   // Drops predictions past their age (call before reading loads).
   void Expire(WorkerId worker, int64_t now_ns);
 
@@ -52,11 +65,13 @@ class LoadTracker {
   struct Prediction {
     int64_t time_ns;
     LoadDelta delta;
+    uint64_t key = 0;  // 0: none, or completed
   };
   struct State {
     LoadReport report;
     bool free_known = false;
     std::deque<Prediction> pending;  // oldest first
+    uint32_t keyed = 0;              // pending entries with key != 0
     WorkerLoad effective;
   };
   void Recompute(State& s);

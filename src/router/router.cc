@@ -63,6 +63,7 @@ Result<WorkerId> Router::AddWorker(const WorkerInfo& info) {
     return st;
   }
   loads_.Reset(id, info.num_blocks);
+  keyed_pending_[id].store(0, std::memory_order_relaxed);
   WorkerCounters& c = worker_counters_[id];
   c.prefill_routes = 0;
   c.decode_routes = 0;
@@ -93,6 +94,15 @@ size_t Router::num_workers() const {
 
 Result<EventResult> Router::ApplyEvent(WorkerId id, const KvEventView& event) {
   Result<EventResult> r = index_.Apply(id, event);
+  if (r.ok() && *r == EventResult::kApplied && event.kind == KvEventKind::kStored && id < kMaxWorkers &&
+      keyed_pending_[id].load(std::memory_order_relaxed) > 0) {
+    // A prompt's last full block stored: its prefill is done there.
+    std::lock_guard lock(mu_);
+    if (workers_.Find(id)) {
+      if (loads_.Complete(id, event.hashes) > 0) prefills_completed_.fetch_add(1, std::memory_order_relaxed);
+      keyed_pending_[id].store(loads_.keyed_predictions(id), std::memory_order_relaxed);
+    }
+  }
   if (r.ok()) {
     switch (*r) {
       case EventResult::kApplied: events_applied_.fetch_add(1, std::memory_order_relaxed); break;
@@ -114,6 +124,7 @@ Status Router::ApplyLoadReport(WorkerId id, const LoadReport& report) {
   std::lock_guard lock(mu_);
   if (!workers_.Find(id)) return NotFoundError("no worker with id " + std::to_string(id));
   loads_.ApplyReport(id, report, Now());
+  keyed_pending_[id].store(loads_.keyed_predictions(id), std::memory_order_relaxed);
   return Status::Ok();
 }
 
@@ -151,11 +162,19 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
   const int64_t new_blocks = std::max<int64_t>(0, int64_t{out->prompt_blocks} - out->decode_overlap_blocks);
   const int64_t prefill_tokens =
       std::max<int64_t>(0, prompt_tokens - int64_t{out->prefill_overlap_blocks} * bs);
+  // Keyed by the prompt's last full block: its stored event ends the
+  // prefill part early (LoadTracker::Complete). No key when that block is
+  // already cached there (nothing will be stored).
+  const bool all_cached = out->prefill_overlap_blocks >= request.block_hashes.size();
+  const uint64_t key = request.block_hashes.empty() || all_cached ? 0 : request.block_hashes.back();
   if (out->local_prefill) {
-    loads_.Predict(out->decode, {prefill_tokens, new_blocks, 1}, now);
+    loads_.Predict(out->decode, {prefill_tokens, new_blocks, 1}, now, key);
   } else {
-    loads_.Predict(out->prefill, {prefill_tokens, 0, 1}, now);
+    loads_.Predict(out->prefill, {prefill_tokens, 0, 1}, now, key);
     loads_.Predict(out->decode, {0, new_blocks, 1}, now);
+  }
+  if (key != 0) {
+    keyed_pending_[out->prefill].store(loads_.keyed_predictions(out->prefill), std::memory_order_relaxed);
   }
 
   routes_[pi].fetch_add(1, std::memory_order_relaxed);
@@ -208,6 +227,7 @@ RouterCounters Router::counters() const {
   c.events_ignored = events_ignored_.load(std::memory_order_relaxed);
   c.snapshots_requested = snapshots_requested_.load(std::memory_order_relaxed);
   c.snapshots_applied = snapshots_applied_.load(std::memory_order_relaxed);
+  c.prefills_completed = prefills_completed_.load(std::memory_order_relaxed);
   std::lock_guard lock(mu_);
   for (WorkerId id : workers_.ids()) {
     const WorkerCounters& wc = worker_counters_[id];

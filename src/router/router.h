@@ -55,6 +55,7 @@ struct RouterCounters {
   uint64_t events_ignored = 0;        // duplicate, stale epoch, awaiting snapshot
   uint64_t snapshots_requested = 0;   // kNeedsSnapshot returned
   uint64_t snapshots_applied = 0;
+  uint64_t prefills_completed = 0;  // predictions ended early by the prompt's stored event
   struct Worker {
     WorkerId id = kNoWorker;
     std::string name;
@@ -133,6 +134,10 @@ class Router {
   std::atomic<uint64_t> snapshots_requested_{0};
   std::atomic<uint64_t> snapshots_applied_{0};
   std::array<WorkerCounters, kMaxWorkers> worker_counters_;
+  // loads_.keyed_predictions mirrored (may be stale high, never stale low),
+  // so ApplyEvent takes mu_ only when a stored event may complete a prefill.
+  std::array<std::atomic<uint32_t>, kMaxWorkers> keyed_pending_{};
+  std::atomic<uint64_t> prefills_completed_{0};
 };
 
 }  // namespace tandem::router

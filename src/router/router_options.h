@@ -1,13 +1,15 @@
 // Router settings beyond common/config.h's RouterConfig (policy,
-// prefill_weight, temperature, local_prefill_threshold_tokens). Defaults
-// here are what a fleet gets until these become YAML keys (docs/router.md
-// lists the proposed ones).
+// prefill_weight, temperature, local_prefill_threshold_tokens), in the
+// units the router computes with. RouterOptionsFromConfig fills them from
+// the fleet YAML's `router:` section (docs/configuration.md); the defaults
+// below equal the YAML defaults.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <string_view>
 
+#include "common/config.h"
 #include "common/status.h"
 
 namespace tandem::router {
@@ -48,5 +50,10 @@ struct RouterOptions {
   // Monotonic clock in ns; empty: std::chrono::steady_clock. Tests inject one.
   std::function<int64_t()> clock;
 };
+
+// The options a fleet file asks for: `router:` keys converted to the units
+// above (GB/s -> bytes/s, ms/s -> ns) and the fleet's cache.block_size.
+// Range checks are config.cc's and Router::Create's.
+RouterOptions RouterOptionsFromConfig(const RouterConfig& config, uint32_t block_size_tokens);
 
 }  // namespace tandem::router
