@@ -5,10 +5,17 @@ namespace tandem::worker {
 namespace {
 
 std::vector<double> SecondsBuckets() {
-  return MetricsRegistry::ExponentialBuckets(0.0005, 2.0, 18);  // 0.5 ms .. ~65 s
+  return MetricsRegistry::ExponentialBuckets(0.0001, 2.0, 21);  // 0.1 ms .. ~105 s
 }
+// A few blocks over shared memory take tens of microseconds; a large
+// prompt over TCP takes seconds.
+std::vector<double> TransferBuckets() {
+  return MetricsRegistry::ExponentialBuckets(0.00002, 2.0, 23);  // 20 us .. ~84 s
+}
+// 0.3 is a boundary: the share of requests past the point where adding
+// nodes stops paying is exact.
 std::vector<double> RatioBuckets() {
-  return {0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0};
+  return {0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0};
 }
 
 void Advance(prometheus::Counter& c, uint64_t now, uint64_t before) {
@@ -28,7 +35,7 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
       transfer_bytes_(r.Counter("tandem_kv_transfer_bytes_total", "KV bytes pushed to decoders")),
       preemptions_(r.Counter("tandem_preemptions_total", "Sequences preempted (recompute)")),
       transfer_seconds_(r.Histogram("tandem_kv_transfer_seconds",
-                                    "Time to push one request's KV and notice", SecondsBuckets())),
+                                    "Time to push one request's KV and notice", TransferBuckets())),
       overhead_ratio_(r.Histogram("tandem_kv_transfer_overhead_ratio",
                                   "KV transfer time over prefill compute time, per request",
                                   RatioBuckets())),

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <regex>
@@ -349,9 +350,30 @@ TEST(MetricsFleet, EveryDashboardMetricIsExported) {
   o.decode = 1;
   auto fleet = Fleet::Launch(o);
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
-  std::set<std::string> exported = ScrapeOrDie((*fleet)->proxy_metrics()).QueryableNames();
-  for (const auto& w : (*fleet)->workers()) {
-    for (const auto& n : ScrapeOrDie(w.metrics).QueryableNames()) exported.insert(n);
+  // The targets Prometheus would scrape: deploy/prometheus/tandem_file_sd.py
+  // run on the launch state file (next to the fleet file).
+  const std::string dir = (*fleet)->config_path().substr(0, (*fleet)->config_path().rfind('/'));
+  const std::string sd = dir + "/targets.json";
+  const std::string cmd = std::string("python3 ") + TANDEM_SOURCE_DIR +
+                          "/deploy/prometheus/tandem_file_sd.py " + dir + "/state.json --out " + sd +
+                          " --fleet test >/dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::ifstream sd_in(sd);
+  const auto groups = nlohmann::json::parse(sd_in);
+  std::set<std::string> targets, processes;
+  for (const auto& g : groups) {
+    for (const auto& t : g.at("targets")) targets.insert(t.get<std::string>());
+    processes.insert(g.at("labels").at("process").get<std::string>());
+    EXPECT_EQ(g.at("labels").at("fleet"), "test");
+  }
+  std::set<std::string> want_targets = {(*fleet)->proxy_metrics()};
+  for (const auto& w : (*fleet)->workers()) want_targets.insert(w.metrics);
+  EXPECT_EQ(targets, want_targets);
+  EXPECT_EQ(processes, (std::set<std::string>{"proxy", "prefill-0", "decode-0"}));
+
+  std::set<std::string> exported;
+  for (const auto& t : targets) {
+    for (const auto& n : ScrapeOrDie(t).QueryableNames()) exported.insert(n);
   }
   for (const auto& m : wanted) EXPECT_TRUE(exported.count(m)) << m << " is not exported";
   // And the dashboard is the one an operator imports: it has panels and a
