@@ -257,6 +257,58 @@ void BM_ApplyEvents(benchmark::State& state) {
 }
 BENCHMARK(BM_ApplyEvents)->ArgName("blocks_per_event")->Arg(1)->Arg(16)->Arg(64);
 
+// The same stream through Router::ApplyEvent (index + the prefill-completion
+// check), on a 32P32D router with 64 documents indexed. Args: blocks per
+// event; keyed predictions pending on every prefiller (0: the check is one
+// atomic load; 8: every event to a prefiller takes the router mutex and
+// compares its hashes with the 8 keys, none of which it completes: the
+// worst steady state of the check, since a completion would end one).
+void BM_RouterApplyEvents(benchmark::State& state) {
+  const uint32_t per_event = static_cast<uint32_t>(state.range(0));
+  const uint32_t pending = static_cast<uint32_t>(state.range(1));
+  BenchFleet fleet(false, Policy::kRoundRobin, 64);
+  // Round robin over 32 prefillers: `pending` distinct 2-block prompts each.
+  for (uint32_t i = 0; i < 32 * pending; ++i) {
+    const std::vector<uint64_t> h = {Mix(20'000'000'000ull + 2 * i), Mix(20'000'000'001ull + 2 * i)};
+    (void)fleet.router->Route({h, 40}).value();
+  }
+  // Event ids continue each worker's stream (BenchFleet's stored documents).
+  std::vector<uint64_t> last(kWorkers, 0);
+  for (uint32_t d = 0; d < 64; ++d) {
+    for (WorkerId w : {fleet.ids[(2 * d) % kWorkers], fleet.ids[(2 * d + 1 + 2 * (d / kWorkers)) % kWorkers]}) {
+      ++last[w];
+    }
+  }
+  constexpr uint32_t kLag = 256;
+  const uint32_t ring = kLag * per_event;
+  std::vector<uint64_t> hashes(ring * 4);
+  for (size_t i = 0; i < hashes.size(); ++i) hashes[i] = Mix(30'000'000'000ull + i);
+  uint64_t e = 0, blocks = 0;
+  for (auto _ : state) {
+    const WorkerId w = static_cast<WorkerId>(e % kWorkers);
+    const size_t at = (e * per_event) % hashes.size();
+    (void)fleet.router->ApplyEvent(w, {KvEventKind::kStored, 1, ++last[w], 0,
+                                       std::span(hashes).subspan(at, per_event)});
+    blocks += per_event;
+    if (e >= kLag) {
+      const uint64_t old = e - kLag;
+      const WorkerId ow = static_cast<WorkerId>(old % kWorkers);
+      const size_t oat = (old * per_event) % hashes.size();
+      (void)fleet.router->ApplyEvent(ow, {KvEventKind::kRemoved, 1, ++last[ow], 0,
+                                          std::span(hashes).subspan(oat, per_event)});
+      blocks += per_event;
+    }
+    ++e;
+  }
+  state.SetItemsProcessed(static_cast<int64_t>(blocks));
+  const RouterCounters c = fleet.router->counters();
+  state.counters["events_ignored"] = static_cast<double>(c.events_ignored);
+  state.counters["prefills_completed"] = static_cast<double>(c.prefills_completed);
+}
+BENCHMARK(BM_RouterApplyEvents)
+    ->ArgNames({"blocks_per_event", "pending"})
+    ->Args({1, 0})->Args({1, 8})->Args({16, 0})->Args({16, 8})->Args({64, 8});
+
 }  // namespace
 }  // namespace tandem::router
 
