@@ -3,6 +3,12 @@
 // ready, writes the state file, prints a table, and stops everything on
 // SIGINT/SIGTERM. A dead worker is logged and the rest keep serving; nothing
 // is restarted silently.
+//
+// Stopping drains (docs/failure-handling.md): the proxy first (new requests
+// UNAVAILABLE, in-flight ones get proxy.drain_seconds to finish while every
+// worker still serves them), then the workers, which have nothing left by
+// then; whatever is still alive kWorkerStopGrace after the proxy is gone is
+// killed.
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
@@ -23,6 +29,9 @@ namespace {
 
 namespace fs = std::filesystem;
 using namespace std::chrono_literals;
+
+// After the proxy has drained, workers only stop their servers and engines.
+constexpr std::chrono::milliseconds kWorkerStopGrace = 5s;
 
 // Port 0 stays 0 (each process picks one); port P gives P + index.
 std::string NthAddress(const std::string& base, uint32_t index) {
@@ -117,7 +126,8 @@ int RunLaunch(const std::string& config_path, const std::string& state_file,
       auto w = sup.Start({name, role,
                           make(role, {"--join", proxy_grpc, "--name", name, "--grpc",
                                       NthAddress(rc.grpc, i), "--metrics",
-                                      NthAddress(rc.metrics, i)})},
+                                      NthAddress(rc.metrics, i), "--drain-seconds",
+                                      fmt::format("{}", cfg->proxy.drain_seconds)})},
                          300s);
       if (!w.ok()) {
         spdlog::error("fleet not started: {}", w.status().message());
@@ -137,12 +147,19 @@ int RunLaunch(const std::string& config_path, const std::string& state_file,
                                       : fmt::format(") or http://{} (HTTP", (*proxy)->http));
 
   const int sig = sup.WaitForSignalOrDeath({"proxy"});
+  int killed = 0;
   if (sig == 0) {
     spdlog::error("the proxy died; stopping the fleet");
   } else {
-    spdlog::info("signal {}: stopping the fleet", sig);
+    const auto drain = std::chrono::milliseconds(
+        static_cast<int64_t>(cfg->proxy.drain_seconds * 1000));
+    spdlog::info("signal {}: draining the proxy (up to {} s), then stopping the workers", sig,
+                 cfg->proxy.drain_seconds);
+    // The proxy waits up to `drain` for in-flight requests, then cancels
+    // the rest; the margin covers its own shutdown.
+    killed += sup.StopRole("proxy", drain + 2s);
   }
-  const int killed = sup.StopAll(30s);
+  killed += sup.StopAll(kWorkerStopGrace);
   if (killed > 0) spdlog::warn("{} process(es) had to be killed", killed);
   return sig == 0 ? 1 : 0;
 }

@@ -38,7 +38,7 @@ int RunProxy(const std::string& config_path, const std::string& grpc, const std:
   WriteReadyLine(ready_fd, a.grpc, a.metrics, a.http);
   const int sig = WaitForTermination();
   spdlog::info("signal {}: draining ({} requests in flight)", sig, (*server)->inflight());
-  (*server)->Shutdown(/*grace_ms=*/5000);
+  (*server)->Shutdown(static_cast<int>(cfg->proxy.drain_seconds * 1000));  // proxy.drain_seconds
   return 0;
 }
 

@@ -190,22 +190,27 @@ int Supervisor::WaitForSignalOrDeath(const std::vector<std::string>& stop_if_dea
   }
 }
 
-int Supervisor::StopAll(std::chrono::milliseconds grace) {
+int Supervisor::StopAll(std::chrono::milliseconds grace) { return StopRole("", grace); }
+
+int Supervisor::StopRole(const std::string& role, std::chrono::milliseconds grace) {
+  const auto chosen = [&role](const Child& c) {
+    return c.alive && (role.empty() || c.spec.role == role);
+  };
   ReapExited();
   for (auto it = children_.rbegin(); it != children_.rend(); ++it) {
-    if (it->alive) kill(it->pid, SIGTERM);
+    if (chosen(*it)) kill(it->pid, SIGTERM);
   }
   const auto deadline = Clock::now() + grace;
   while (Clock::now() < deadline) {
     ReapExited();
     bool any = false;
-    for (const auto& c : children_) any = any || c.alive;
+    for (const auto& c : children_) any = any || chosen(c);
     if (!any) return 0;
     usleep(20 * 1000);
   }
   int killed = 0;
   for (auto& c : children_) {
-    if (!c.alive) continue;
+    if (!chosen(c)) continue;
     kill(c.pid, SIGKILL);
     waitpid(c.pid, &c.exit_status, 0);
     c.alive = false;

@@ -57,6 +57,8 @@ class Supervisor {
   // SIGTERM to every live child in reverse start order, then SIGKILL to any
   // still alive after `grace`. Returns the number that had to be killed.
   int StopAll(std::chrono::milliseconds grace);
+  // The same for the live children of one role only.
+  int StopRole(const std::string& role, std::chrono::milliseconds grace);
 
   const std::deque<Child>& children() const { return children_; }
 

@@ -131,6 +131,7 @@ engine::GenerateRequest Decoder::MakeEngineRequest(const DecodeSpec& spec,
   r.request_id = spec.request_id;
   r.prompt_ids = spec.prompt_ids;
   r.sampling = spec.sampling;
+  r.first_sample_index = spec.first_sample_index;
   r.deadline = ToSteady(spec.deadline);
   const std::string id = spec.request_id;
   r.on_output = [this, id, emitter = std::move(emitter)](const engine::RequestOutput& out) {

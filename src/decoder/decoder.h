@@ -45,6 +45,7 @@ struct DecodeSpec {
   engine::SamplingParams sampling;
   std::optional<std::chrono::system_clock::time_point> deadline;
   bool prefill_locally = false;
+  uint32_t first_sample_index = 0;  // migration: output tokens produced elsewhere
 };
 
 struct DecodeResult {

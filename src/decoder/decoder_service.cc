@@ -85,6 +85,7 @@ class DecodeStream final : public grpc::ServerWriteReactor<pb::DecodeResponse> {
           std::chrono::milliseconds(req.deadline_unix_ms()));
     }
     spec.prefill_locally = req.prefill_locally();
+    spec.first_sample_index = req.params().first_sample_index();
     Status s = decoder_.Register(std::move(spec), sink_);
     if (!s.ok()) {
       sink_->writer().Abandon(ToGrpcStatus(s));  // `registered` is never sent

@@ -141,6 +141,7 @@ void Prefiller::DispatchLoop(std::stop_token stop) {
       job = queue_.front();
       queue_.pop_front();
       job->stage = Stage::kReserving;
+      job->reserve_sent = SteadyClock::now();
       ++admitting_;
     }
     link_.Reserve(job->spec, options_.name,
@@ -180,12 +181,27 @@ void Prefiller::OnReserved(const JobPtr& job, Result<ReserveTarget> target) {
     return;
   }
   {
+    // The lease as we must assume it: it started no earlier than our
+    // request, and ends no later than the decoder says (clocks may differ
+    // across hosts, so the local bound matters).
+    const auto now = SteadyClock::now();
+    auto deadline = job->reserve_sent + std::chrono::duration_cast<SteadyClock::duration>(
+                                            std::chrono::duration<double>(options_.lease_seconds));
+    if (target->lease_expiry != SystemClock::time_point{}) {
+      deadline = std::min(deadline, now + std::chrono::duration_cast<SteadyClock::duration>(
+                                              target->lease_expiry - SystemClock::now()));
+    }
     std::lock_guard lock(mu_);
     job->target = *target;
     job->have_target = true;
+    job->lease_deadline = deadline;
   }
   auto peer = PeerFor(target->transport_descriptor);
   if (!peer.ok()) {
+    {
+      std::lock_guard lock(mu_);
+      ++totals_.dropped_target_lost;
+    }
     admitted();  // the decoder frees the reservation when its lease expires
     Complete(job, UnavailableError(fmt::format("cannot reach the KV transport of decoder '{}': {}",
                                                job->spec.decoder_name, peer.status().message())));
@@ -214,6 +230,7 @@ void Prefiller::OnReserved(const JobPtr& job, Result<ReserveTarget> target) {
   req.sampling = job->spec.sampling;
   req.deadline = job->deadline;
   req.prefill_only = true;
+  req.first_sample_index = job->spec.first_sample_index;
   req.on_output = [this, job](const engine::RequestOutput& out) { OnOutput(job, out); };
   Status s = engine_.Submit(std::move(req));
   admitted();
@@ -248,7 +265,17 @@ void Prefiller::OnOutput(const JobPtr& job, const engine::RequestOutput& out) {
     job->parked = true;
     cancelled = job->cancelled;
     const ReserveTarget& t = job->target;
-    if (out.token_ids.empty() || out.block_ids.size() < num_prompt_blocks ||
+    // Leave a margin for the push itself: a write that lands after the
+    // lease could corrupt whatever the decoder put in those slots since.
+    const auto margin = std::chrono::duration_cast<SteadyClock::duration>(
+        std::chrono::duration<double>(std::min(1.0, 0.25 * options_.lease_seconds)));
+    if (!cancelled && SteadyClock::now() + margin >= job->lease_deadline) {
+      ++totals_.dropped_lease_expired;
+      bad = UnavailableError(fmt::format(
+          "request '{}': the KV was ready too late for the decoder's lease on its slots "
+          "({} s); dropped without writing (was this prefiller paused?)",
+          id, options_.lease_seconds));
+    } else if (out.token_ids.empty() || out.block_ids.size() < num_prompt_blocks ||
         t.slots.size() != num_prompt_blocks || t.cached_blocks > num_prompt_blocks) {
       bad = InternalError(fmt::format(
           "request '{}': {} prompt blocks, the engine pinned {}, the decoder gave {} slots "
@@ -340,6 +367,11 @@ void Prefiller::OnTransferDone(const JobPtr& job, kvtransfer::XferStatus status,
                        : UnavailableError(fmt::format(
                              "KV push to decoder '{}' failed ({}): {}", job->spec.decoder_name,
                              kvtransfer::XferStatusName(status), detail.message()));
+  if (!cancelled) {
+    std::lock_guard lock(mu_);
+    ++totals_.dropped_target_lost;
+    LogRequest(spdlog::level::warn, id, "push target lost; dropped, blocks freed: {}", s.message());
+  }
   // No byte of the aborted push lands after this: the decoder may reuse the slots.
   if (status != kvtransfer::XferStatus::kErrRemoteDisconnect &&
       status != kvtransfer::XferStatus::kErrStaleDescriptor) {

@@ -45,6 +45,7 @@ struct PrefillJob {
   std::optional<std::chrono::system_clock::time_point> deadline;
   std::string decoder_address;  // gRPC address of the decoder holding the Decode stream
   std::string decoder_name;
+  uint32_t first_sample_index = 0;  // migration: output tokens produced elsewhere
 };
 
 struct PrefillResult {
@@ -64,6 +65,9 @@ struct ReserveTarget {
   std::string transport_descriptor;  // binary
   std::vector<uint32_t> slots;       // [prompt blocks]
   uint32_t cached_blocks = 0;
+  // When the decoder frees the slots if our notice has not come (its
+  // clock); epoch value: unknown.
+  std::chrono::system_clock::time_point lease_expiry{};
 };
 
 // A KvNotice to send through the transport (worker.proto).
@@ -91,6 +95,9 @@ struct PrefillerOptions {
   std::string name;            // this worker, for leases and logs
   uint32_t max_queue = 256;    // service queue; past it: RESOURCE_EXHAUSTED
   uint32_t max_num_seqs = 64;  // the engine's: admit only while it has room
+  // The fleet's transport.lease_seconds: a push that could land after the
+  // decoder's lease expired (it may have reused the slots) is never posted.
+  double lease_seconds = 30.0;
   // Called (on any thread) for every completed prefill with its numbers.
   std::function<void(const PrefillResult&)> on_complete;
 };
@@ -101,6 +108,12 @@ struct PrefillerCounts {
   uint32_t queued_prompt_tokens = 0;
   uint64_t reservations_refused = 0;
   uint64_t expired_in_queue = 0;
+  // Requests dropped (blocks freed, nothing written) because the push
+  // target vanished (decoder unreachable, push failed) ...
+  uint64_t dropped_target_lost = 0;
+  // ... or because the decoder's lease ran out before the KV was ready
+  // (e.g. this process was paused).
+  uint64_t dropped_lease_expired = 0;
 };
 
 using PrefillDone = std::function<void(Result<PrefillResult>)>;
@@ -141,6 +154,7 @@ class Prefiller {
     bool have_target = false;
     kvtransfer::PeerId peer = 0;
     bool have_peer = false;
+    std::chrono::steady_clock::time_point reserve_sent, lease_deadline;
     // Engine and transfer:
     bool parked = false;  // prefill done: blocks pinned until ReleasePrefill
     kvtransfer::XferId xfer = 0;

@@ -48,6 +48,7 @@ class PrefillerServiceImpl final : public pb::Prefiller::CallbackService {
     job.request_id = req->request_id();
     job.prompt_ids.assign(req->prompt_token_ids().begin(), req->prompt_token_ids().end());
     job.sampling = ToSampling(req->params());
+    job.first_sample_index = req->params().first_sample_index();
     if (req->deadline_unix_ms() > 0) {
       job.deadline = std::chrono::system_clock::time_point(
           std::chrono::milliseconds(req->deadline_unix_ms()));
@@ -114,6 +115,10 @@ class GrpcDecoderLink final : public DecoderLink {
                              out.transport_descriptor = t.transport_descriptor();
                              out.slots.assign(t.slots().begin(), t.slots().end());
                              out.cached_blocks = t.cached_blocks();
+                             if (t.lease_expiry_unix_ms() > 0) {
+                               out.lease_expiry = std::chrono::system_clock::time_point(
+                                   std::chrono::milliseconds(t.lease_expiry_unix_ms()));
+                             }
                              done(std::move(out));
                            });
   }

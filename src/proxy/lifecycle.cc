@@ -3,6 +3,9 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <thread>
+
 #include "common/block_hash.h"
 #include "common/logging.h"
 
@@ -13,9 +16,11 @@ using SteadyClock = std::chrono::steady_clock;
 
 double Seconds(SteadyClock::duration d) { return std::chrono::duration<double>(d).count(); }
 
-EngineArgs ToEngineArgs(const ValidatedRequest& r) {
+// `sent`: completion tokens already produced (and part of the prompt).
+EngineArgs ToEngineArgs(const ValidatedRequest& r, uint32_t sent) {
   EngineArgs a;
-  a.max_tokens = r.max_tokens;
+  a.max_tokens = r.max_tokens - sent;
+  a.first_sample_index = sent;
   a.temperature = r.temperature;
   a.top_p = r.top_p;
   a.top_k = r.top_k;
@@ -44,7 +49,6 @@ RequestLifecycle::RequestLifecycle(const LifecycleDeps& deps, ValidatedRequest r
       req_(std::move(request)),
       deadline_(deadline),
       arrival_(arrival),
-      hashes_(HashBlocks(deps.root_hash, req_.prompt_ids, deps.block_size)),
       sink_(std::move(sink)),
       out_(deps.tokenizer, req_.stop) {
   if (deps_.metrics) {
@@ -59,8 +63,30 @@ void RequestLifecycle::Launch() {
   std::unique_lock lock(mu_);
   if (done_) return;
   const uint32_t attempt = ++attempt_;
-  auto route = deps_.fleet->Route(hashes_, static_cast<uint32_t>(req_.prompt_ids.size()),
-                                  excluded_);
+  ++route_attempts_;
+  registered_ = false;
+  if (prompt_.size() != req_.prompt_ids.size() + base_) {
+    // First attempt, or the first after a migration: the prompt grows by
+    // the tokens already sent, and so do its block hashes.
+    prompt_ = req_.prompt_ids;
+    prompt_.insert(prompt_.end(), sent_.begin(), sent_.begin() + base_);
+    hashes_ = HashBlocks(deps_.root_hash, prompt_, deps_.block_size);
+  }
+  auto route = deps_.fleet->Route(hashes_, static_cast<uint32_t>(prompt_.size()), excluded_);
+  // A deterministic policy may keep choosing an excluded worker that is
+  // still registered (a lost decoder's Watch ends at about the same time as
+  // its Decode stream): give the registry a moment to drop it (bounded).
+  // Not after a refusal for lack of room: that answer goes out at once.
+  for (int wait = 0; wait < 10 && !route.ok() && !excluded_.empty() &&
+                     last_error_.code() != StatusCode::kResourceExhausted &&
+                     route.status().code() == StatusCode::kResourceExhausted;
+       ++wait) {
+    lock.unlock();
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    lock.lock();
+    if (done_ || attempt != attempt_) return;
+    route = deps_.fleet->Route(hashes_, static_cast<uint32_t>(prompt_.size()), excluded_);
+  }
   if (!route.ok()) {
     // After a refusal, the client hears what went wrong with the last pair.
     Calls c = FailLocked(last_error_.ok() ? route.status()
@@ -75,8 +101,8 @@ void RequestLifecycle::Launch() {
 
   DecodeArgs args;
   args.request_id = req_.request_id;
-  args.prompt_ids = req_.prompt_ids;
-  args.params = ToEngineArgs(req_);
+  args.prompt_ids = prompt_;
+  args.params = ToEngineArgs(req_, base_);
   args.deadline = deadline_;
   args.prefill_locally = route_.local;
   std::weak_ptr<RequestLifecycle> weak = weak_from_this();
@@ -90,8 +116,8 @@ void RequestLifecycle::Launch() {
   ev.on_finished = [weak, attempt](Finish reason, uint32_t, uint32_t cached) {
     if (auto s = weak.lock()) s->OnFinished(attempt, reason, cached);
   };
-  ev.on_error = [weak, attempt](Status st) {
-    if (auto s = weak.lock()) s->OnDecodeError(attempt, std::move(st));
+  ev.on_error = [weak, attempt](Status st, bool from_worker) {
+    if (auto s = weak.lock()) s->OnDecodeError(attempt, std::move(st), from_worker);
   };
   const std::string address = route_.decode_address;
   lock.unlock();
@@ -108,11 +134,13 @@ void RequestLifecycle::Launch() {
 
 void RequestLifecycle::OnRegistered(uint32_t attempt) {
   std::unique_lock lock(mu_);
-  if (done_ || attempt != attempt_ || route_.local) return;
+  if (done_ || attempt != attempt_) return;
+  registered_ = true;
+  if (route_.local) return;
   PrefillArgs args;
   args.request_id = req_.request_id;
-  args.prompt_ids = req_.prompt_ids;
-  args.params = ToEngineArgs(req_);
+  args.prompt_ids = prompt_;
+  args.params = ToEngineArgs(req_, base_);
   args.deadline = deadline_;
   args.decoder_address = route_.decode_address;
   args.decoder_name = route_.decode_name;
@@ -138,12 +166,27 @@ void RequestLifecycle::OnPrefillDone(uint32_t attempt, Result<PrefillResult> r) 
   std::unique_lock lock(mu_);
   if (done_ || attempt != attempt_) return;
   Calls to_cancel;
+  if (!r.ok() && out_.next_index() > base_) {
+    // The decoder already has the KV and streams: only the reply was lost
+    // (e.g. the prefiller died right after its push). Nothing to do.
+    LogRequest(spdlog::level::info, req_.request_id,
+               "prefill reply lost after the decoder started ({}); going on",
+               r.status().ToString());
+    return;
+  }
   if (!r.ok()) {
     // A decoder without room, or a prefiller that is gone: try another pair.
     // Anything else (bad input, deadline) is the request's own error.
     const bool no_room = r.status().code() == StatusCode::kResourceExhausted;
     const bool lost = r.status().code() == StatusCode::kUnavailable;
-    const std::string culprit = no_room ? route_.decode_name : route_.prefill_name;
+    // The prefiller names the decoder in every error about reaching it
+    // (src/prefiller: "... decoder 'NAME' ..."): then the decoder is the
+    // one to avoid, not the prefiller that reported it.
+    const bool decoder_lost =
+        lost && r.status().message().find(fmt::format("decoder '{}'", route_.decode_name)) !=
+                    std::string::npos;
+    const std::string culprit =
+        no_room || decoder_lost ? route_.decode_name : route_.prefill_name;
     if (!((no_room || lost) && RetryLocked(r.status(), culprit, to_cancel))) {
       to_cancel = FailLocked(r.status());
     }
@@ -153,11 +196,11 @@ void RequestLifecycle::OnPrefillDone(uint32_t attempt, Result<PrefillResult> r) 
     if (relaunch) Launch();
     return;
   }
-  cached_tokens_ = r->cached_prompt_tokens;
+  if (base_ == 0) cached_tokens_ = r->cached_prompt_tokens;
   if (deps_.metrics) {
     deps_.metrics->ObservePrefillTimes(req_.request_id, r->prefill_seconds, r->transfer_seconds);
   }
-  to_cancel = DeliverLocked(0, {r->first_token_id});
+  to_cancel = DeliverLocked(base_, {r->first_token_id});
   lock.unlock();
   CancelAll(to_cancel);
 }
@@ -166,7 +209,7 @@ void RequestLifecycle::OnTokens(uint32_t attempt, uint32_t first_index,
                                 std::vector<uint32_t> ids) {
   std::unique_lock lock(mu_);
   if (done_ || attempt != attempt_) return;
-  Calls to_cancel = DeliverLocked(first_index, ids);
+  Calls to_cancel = DeliverLocked(base_ + first_index, ids);
   lock.unlock();
   CancelAll(to_cancel);
 }
@@ -175,19 +218,37 @@ void RequestLifecycle::OnFinished(uint32_t attempt, Finish reason,
                                   uint32_t decoder_cached_tokens) {
   std::unique_lock lock(mu_);
   if (done_ || attempt != attempt_) return;
-  if (route_.local) cached_tokens_ = decoder_cached_tokens;
+  if (route_.local && base_ == 0) cached_tokens_ = decoder_cached_tokens;
   Calls to_cancel = CompleteLocked(reason == Finish::kNone ? Finish::kStop : reason);
   lock.unlock();
   CancelAll(to_cancel);
 }
 
-void RequestLifecycle::OnDecodeError(uint32_t attempt, Status st) {
+void RequestLifecycle::OnDecodeError(uint32_t attempt, Status st, bool from_worker) {
   std::unique_lock lock(mu_);
   if (done_ || attempt != attempt_) return;
   Calls to_cancel;
-  const bool retry = st.code() == StatusCode::kUnavailable ||
+  // A broken stream (not an in-band error) means the decoder or the way to
+  // it is gone, whatever code gRPC chose for it.
+  const bool lost = !from_worker && st.code() != StatusCode::kCancelled &&
+                    st.code() != StatusCode::kDeadlineExceeded;
+  const bool retry = lost || st.code() == StatusCode::kUnavailable ||
                      st.code() == StatusCode::kResourceExhausted;
-  if (!(retry && RetryLocked(st, route_.decode_name, to_cancel))) to_cancel = FailLocked(st);
+  if (out_.next_index() > base_) {
+    // Tokens of this attempt reached the client: only a migration can go on.
+    if (!(lost || st.code() == StatusCode::kUnavailable) || !MigrateLocked(st, to_cancel)) {
+      if (!done_) to_cancel = FailLocked(st);
+    }
+  } else {
+    // A registered request whose KV never came (the decoder says so, in
+    // band: its lease expired) points at the prefiller; anything else at
+    // the decoder.
+    const std::string culprit =
+        from_worker && registered_ && !route_.local && st.code() == StatusCode::kUnavailable
+            ? route_.prefill_name
+            : route_.decode_name;
+    if (!(retry && RetryLocked(st, culprit, to_cancel))) to_cancel = FailLocked(st);
+  }
   const bool relaunch = !done_;
   lock.unlock();
   CancelAll(to_cancel);
@@ -196,12 +257,54 @@ void RequestLifecycle::OnDecodeError(uint32_t attempt, Status st) {
 
 bool RequestLifecycle::RetryLocked(const Status& st, const std::string& exclude,
                                    Calls& to_cancel) {
-  if (out_.next_index() > 0 || attempt_ >= deps_.max_attempts) return false;
+  if (out_.next_index() > base_ || route_attempts_ >= deps_.max_attempts) return false;
   LogRequest(spdlog::level::info, req_.request_id, "{} on attempt {}; re-routing", st.ToString(),
                attempt_);
   if (!exclude.empty()) excluded_.insert(exclude);
   last_error_ = st;
   if (deps_.metrics) deps_.metrics->retries.Increment();
+  ++attempt_;  // callbacks of the abandoned attempt (e.g. its cancel) are ignored from now
+  to_cancel = TakeCallsLocked();
+  return true;
+}
+
+bool RequestLifecycle::MigrateLocked(const Status& st, Calls& to_cancel) {
+  const uint32_t sent = out_.next_index();
+  const std::string lost = route_.decode_name;
+  // The stream broke after the last token but before its finish message.
+  const uint32_t last = sent_.empty() ? 0 : sent_.back();
+  const auto has = [last](const std::vector<uint32_t>& v) {
+    return std::find(v.begin(), v.end(), last) != v.end();
+  };
+  if (sent >= req_.max_tokens) {
+    to_cancel = CompleteLocked(Finish::kLength);
+    return false;
+  }
+  if (!sent_.empty() && (has(req_.stop_token_ids) || (!req_.ignore_eos && has(deps_.eos_token_ids)))) {
+    to_cancel = CompleteLocked(Finish::kStop);
+    return false;
+  }
+  if (migrations_ >= deps_.max_migrations) {
+    to_cancel = FailLocked(UnavailableError(fmt::format(
+        "decoder '{}' was lost after {} completion tokens ({}); {}", lost, sent, st.message(),
+        deps_.max_migrations == 0
+            ? std::string("migration is off (proxy.max_migrations = 0)")
+            : fmt::format("the request was already migrated {} times (proxy.max_migrations = {})",
+                          migrations_, deps_.max_migrations))));
+    return false;
+  }
+  ++migrations_;
+  LogRequest(spdlog::level::warn, req_.request_id,
+             "decoder '{}' lost after {} tokens ({}); migrating ({} of {})",
+             lost, sent, st.ToString(), migrations_, deps_.max_migrations);
+  base_ = sent;
+  route_attempts_ = 0;
+  excluded_ = {lost};  // earlier refusals may not hold any more; the lost one does
+  last_error_ = UnavailableError(fmt::format(
+      "decoder '{}' was lost after {} completion tokens and no other pair could continue",
+      lost, sent));
+  if (deps_.metrics) deps_.metrics->migrations.Increment();
+  ++attempt_;  // as in RetryLocked
   to_cancel = TakeCallsLocked();
   return true;
 }
@@ -211,6 +314,7 @@ RequestLifecycle::Calls RequestLifecycle::DeliverLocked(uint32_t first_index,
   auto d = out_.Push(first_index, ids);
   if (!d.ok()) return FailLocked(d.status());
   if (d->token_ids.empty()) return {};
+  sent_.insert(sent_.end(), d->token_ids.begin(), d->token_ids.end());
   const auto now = SteadyClock::now();
   if (deps_.metrics) {
     for (size_t i = 0; i < d->token_ids.size(); ++i) {

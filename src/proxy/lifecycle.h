@@ -7,7 +7,11 @@
 // Aggregated workers (and conditional disaggregation) get one Decode with
 // prefill_locally. A decoder without room (RESOURCE_EXHAUSTED) or a worker
 // lost before the first token makes the proxy re-route, a bounded number of
-// times, without the client noticing.
+// times, without the client noticing. A decoder lost mid-stream makes it
+// migrate (docs/failure-handling.md): prompt + the tokens already sent go
+// to a new pair as the prompt, the new decoder's token i is completion token
+// sent + i, and the random stream continues at index `sent`, so the client
+// sees neither a gap nor a duplicate; at most `max_migrations` times.
 //
 // Thread-safety: Start from any thread; the worker callbacks arrive on gRPC
 // threads and are serialized by the lifecycle's mutex; the sink is called
@@ -54,6 +58,9 @@ struct LifecycleDeps {
   uint64_t root_hash = 0;
   uint32_t block_size = 16;
   uint32_t max_attempts = 3;  // routes tried before the client gets the error
+  uint32_t max_migrations = 3;  // proxy.max_migrations
+  // The model's eos ids: a stream that broke right after an eos is complete.
+  std::vector<uint32_t> eos_token_ids;
 };
 
 class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
@@ -78,7 +85,7 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   void OnPrefillDone(uint32_t attempt, Result<PrefillResult> r);
   void OnTokens(uint32_t attempt, uint32_t first_index, std::vector<uint32_t> ids);
   void OnFinished(uint32_t attempt, Finish reason, uint32_t decoder_cached_tokens);
-  void OnDecodeError(uint32_t attempt, Status st);
+  void OnDecodeError(uint32_t attempt, Status st, bool from_worker);
 
   // With mu_ held. Each returns the calls to cancel once the lock is released.
   Calls DeliverLocked(uint32_t first_index, const std::vector<uint32_t>& ids);
@@ -86,6 +93,11 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   Calls FailLocked(Status st);
   // Re-routes when nothing reached the client yet and attempts remain.
   bool RetryLocked(const Status& st, const std::string& exclude, Calls& to_cancel);
+  // The decoder was lost after tokens of this attempt reached the client:
+  // finishes the request when nothing was left to generate, re-routes
+  // prompt + sent tokens when migrations remain (true: Launch again), and
+  // fails it with UNAVAILABLE naming the reason otherwise.
+  bool MigrateLocked(const Status& st, Calls& to_cancel);
   Calls TakeCallsLocked();
   static void CancelAll(const Calls& calls);
 
@@ -99,7 +111,13 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   ResponseSink sink_;                // guarded by mu_
   OutputAssembler out_;              // guarded by mu_
   bool done_ = false;                // guarded by mu_
-  uint32_t attempt_ = 0;             // guarded by mu_
+  uint32_t attempt_ = 0;             // guarded by mu_: every route tried, a generation number
+  uint32_t route_attempts_ = 0;      // guarded by mu_: routes tried since the last migration
+  uint32_t migrations_ = 0;          // guarded by mu_
+  uint32_t base_ = 0;                // guarded by mu_: completion index of this attempt's token 0
+  bool registered_ = false;          // guarded by mu_: this attempt's decoder registered it
+  std::vector<uint32_t> sent_;       // guarded by mu_: completion tokens sent to the client
+  std::vector<uint32_t> prompt_;     // guarded by mu_: this attempt's prompt (+ sent_ when migrated)
   std::set<std::string> excluded_;   // guarded by mu_
   Status last_error_;                // guarded by mu_: why the last attempt was abandoned
   RoutedPair route_;                 // guarded by mu_

@@ -46,6 +46,9 @@ ProxyMetrics::ProxyMetrics(MetricsRegistry& r)
           r.Counter("tandem_generation_tokens_total", "Completion tokens sent to clients")),
       retries(r.Counter("tandem_request_retries_total",
                         "Requests re-routed after a worker refused or failed")),
+      migrations(r.Counter("tandem_request_migrations_total",
+                           "Requests moved to a new prefiller/decoder pair after their decoder "
+                           "was lost mid-stream (prompt + tokens already sent re-prefilled)")),
       overhead_ratio_p50(r.Gauge("tandem_kv_transfer_overhead_ratio_recent_p50",
                                  "Median KV transfer time over prefill compute time of the "
                                  "last 64 disaggregated requests")),

@@ -29,6 +29,7 @@ struct ProxyMetrics {
   prometheus::Counter& prompt_tokens;
   prometheus::Counter& generation_tokens;
   prometheus::Counter& retries;     // re-routed after a worker refused or failed
+  prometheus::Counter& migrations;  // moved to a new pair after the decoder was lost mid-stream
   // Median of the KV transfer overhead ratio (transfer / prefill compute)
   // over the last kOverheadWindow disaggregated requests.
   prometheus::Gauge& overhead_ratio_p50;

@@ -55,12 +55,14 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
   deps.metrics = p->metrics_.get();
   deps.root_hash = RootHash(HashContextFromFleet(fleet));
   deps.block_size = fleet.cache.block_size;
+  deps.max_migrations = fleet.proxy.max_migrations;
+  deps.eos_token_ids = mc.eos_token_ids;
   p->frontend_ = std::make_unique<Frontend>(limits, deps, fleet.proxy.max_inflight,
                                             fleet.proxy.api_key);
   p->generation_ = std::make_unique<GenerationService>(p->frontend_.get());
   p->registry_ = std::make_unique<RegistryService>(
       p->fleet_.get(), p->client_.get(),
-      std::chrono::milliseconds(static_cast<int64_t>(fleet.transport.peer_timeout_seconds * 1000)));
+      std::chrono::milliseconds(static_cast<int64_t>(fleet.proxy.liveness_timeout_seconds * 1000)));
 
   TANDEM_ASSIGN_OR_RETURN(
       p->server_, RpcServer::Start(grpc_address.empty() ? fleet.proxy.grpc : grpc_address,

@@ -14,8 +14,10 @@ namespace pb = ::tandem::v1;
 
 class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
  public:
-  WorkerWatch(RegistryService* owner, std::string name, std::string address, uint64_t epoch)
-      : owner_(owner), name_(std::move(name)), address_(std::move(address)), epoch_(epoch) {
+  WorkerWatch(RegistryService* owner, std::string name, std::string address, uint64_t epoch,
+              std::optional<WorkerRecord> rejoin)
+      : owner_(owner), name_(std::move(name)), address_(std::move(address)), epoch_(epoch),
+        rejoin_(std::move(rejoin)) {
     stub_ = pb::Worker::NewStub(owner_->channels_->Channel(address_));
   }
 
@@ -45,6 +47,15 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
   void OnReadDone(bool ok) override {
     if (!ok) return;
     Touch();
+    if (rejoin_ && !rejoined_) {
+      // A probe: the worker answers again. Back into the fleet first, so
+      // that its snapshot lands in the router.
+      rejoined_ = true;
+      if (!owner_->Rejoin(name_, this, *rejoin_, update_.epoch())) {
+        Stop("probe no longer current");
+        return;
+      }
+    }
     auto& router = owner_->fleet_->router();
     auto id = router.FindWorker(name_);
     if (id) Apply(router, *id);
@@ -53,13 +64,16 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
 
   void OnDone(const grpc::Status& s) override {
     std::string why;
+    bool graceful;
     {
       std::lock_guard lock(mu_);
+      graceful = s.ok() && why_.empty();
       why = why_.empty() ? fmt::format("watch stream ended: {}", s.ok() ? "closed by the worker"
                                                                          : s.error_message())
                          : why_;
     }
-    owner_->WatchEnded(name_, this, why, resync_.load(), address_, epoch_);
+    owner_->WatchEnded(name_, this, why, resync_.load(), graceful, address_, epoch_,
+                       rejoined_ ? std::nullopt : rejoin_);
     self_.reset();  // may delete this
   }
 
@@ -123,6 +137,8 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
   const std::string name_;
   const std::string address_;
   const uint64_t epoch_;
+  const std::optional<WorkerRecord> rejoin_;
+  bool rejoined_ = false;  // read callbacks are serialized
   std::atomic<bool> resync_{false};
   std::unique_ptr<pb::Worker::Stub> stub_;
   grpc::ClientContext ctx_;
@@ -200,6 +216,10 @@ grpc::ServerUnaryReactor* RegistryService::Register(grpc::CallbackServerContext*
     if (shut_down_) st = UnavailableError("the proxy is shutting down");
   }
   if (st.ok()) st = fleet_->Register(rec);
+  if (st.ok()) {
+    std::lock_guard lock(mu_);
+    lost_.erase(rec.name);
+  }
   if (!st.ok()) {
     spdlog::warn("{}", st.message());
     response->mutable_error()->set_code(static_cast<int>(st.code()));
@@ -214,8 +234,8 @@ grpc::ServerUnaryReactor* RegistryService::Register(grpc::CallbackServerContext*
 }
 
 void RegistryService::StartWatch(const std::string& name, const std::string& address,
-                                 uint64_t epoch) {
-  auto watch = std::make_shared<WorkerWatch>(this, name, address, epoch);
+                                 uint64_t epoch, std::optional<WorkerRecord> rejoin) {
+  auto watch = std::make_shared<WorkerWatch>(this, name, address, epoch, std::move(rejoin));
   std::shared_ptr<WorkerWatch> old;
   {
     std::lock_guard lock(mu_);
@@ -227,36 +247,97 @@ void RegistryService::StartWatch(const std::string& name, const std::string& add
 }
 
 void RegistryService::WatchEnded(const std::string& name, WorkerWatch* watch,
-                                 const std::string& why, bool resync, const std::string& address,
-                                 uint64_t epoch) {
+                                 const std::string& why, bool resync, bool graceful,
+                                 const std::string& address, uint64_t epoch,
+                                 const std::optional<WorkerRecord>& probe_of) {
+  bool abandon = false, restart = false;
   {
     std::lock_guard lock(mu_);
     auto it = watches_.find(name);
     if (it == watches_.end() || it->second.get() != watch) return;  // replaced meanwhile
     watches_.erase(it);
-    if (!resync || shut_down_) {
-      spdlog::warn("worker {} out of routing: {}", name, why);
-      fleet_->Remove(name);
+    const auto now = std::chrono::steady_clock::now();
+    if (probe_of) {
+      // A probe that got no answer: try again later (or give up).
+      auto l = lost_.find(name);
+      if (l != lost_.end()) {
+        if (graceful || shut_down_ || now - l->second.since > kForgetAfter) {
+          spdlog::info("worker {}: no longer probed ({})", name, why);
+          lost_.erase(l);
+        } else {
+          l->second.next_probe = now + kProbeInterval;
+          spdlog::debug("worker {}: probe failed: {}", name, why);
+        }
+      }
       return;
     }
+    if (!resync || shut_down_) {
+      spdlog::warn("worker {} out of routing: {}", name, why);
+      auto rec = fleet_->Find(name);
+      fleet_->Remove(name);
+      if (rec && !graceful && !shut_down_) {
+        lost_[name] = Lost{*rec, now, now + kProbeInterval};
+        abandon = true;
+      } else {
+        lost_.erase(name);
+      }
+    } else {
+      restart = true;
+    }
   }
+  if (abandon) {
+    // Calls in flight to a worker that stopped answering would wait for
+    // their deadlines (a paused process keeps its connections open): end
+    // them, so the requests are retried or migrated now.
+    const size_t n = channels_->AbandonCalls(
+        address, fmt::format("worker '{}' stopped answering ({})", name, why));
+    if (n > 0) spdlog::warn("worker {}: {} calls in flight ended; their requests move on", name, n);
+    return;
+  }
+  if (!restart) return;
   spdlog::info("worker {}: {}", name, why);
   StartWatch(name, address, epoch);
+}
+
+bool RegistryService::Rejoin(const std::string& name, WorkerWatch* watch, WorkerRecord rec,
+                             uint64_t epoch) {
+  std::lock_guard lock(mu_);
+  auto it = watches_.find(name);
+  if (shut_down_ || it == watches_.end() || it->second.get() != watch) return false;
+  lost_.erase(name);
+  if (epoch != 0) rec.epoch = epoch;
+  Status st = fleet_->Register(rec);
+  if (!st.ok()) {
+    spdlog::warn("worker {} answers again but cannot rejoin: {}", name, st.message());
+    return false;
+  }
+  spdlog::info("worker {} answers again: back in routing", name);
+  return true;
 }
 
 void RegistryService::Housekeeping(std::stop_token stop) {
   while (!stop.stop_requested()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     std::vector<std::shared_ptr<WorkerWatch>> silent;
+    std::vector<Lost> probe;
     {
       std::lock_guard lock(mu_);
       const auto now = std::chrono::steady_clock::now();
       for (auto& [_, w] : watches_) {
         if (now - w->last_seen() > liveness_timeout_) silent.push_back(w);
       }
+      for (auto& [name, l] : lost_) {
+        if (l.next_probe <= now && watches_.count(name) == 0) {
+          l.next_probe = now + kForgetAfter;  // until this probe ends
+          probe.push_back(l);
+        }
+      }
     }
     for (auto& w : silent) {
       w->Stop(fmt::format("no update for {} ms", liveness_timeout_.count()));
+    }
+    for (auto& l : probe) {
+      StartWatch(l.record.name, l.record.grpc_address, l.record.epoch, l.record);
     }
   }
 }

@@ -1,14 +1,18 @@
 // Membership at the proxy: the Registry service workers join through, and
 // one Watch stream per worker that feeds the router (KV events, snapshots,
 // load reports) and doubles as liveness: a worker whose stream breaks or
-// stays silent past `liveness_timeout` leaves routing until it registers
-// again.
+// stays silent past `liveness_timeout` leaves routing. The proxy keeps
+// probing it (a new Watch every kProbeInterval, for kForgetAfter) and puts
+// it back in routing as soon as a probe delivers its snapshot (a paused or
+// overloaded worker that answers again); registering again also does. A
+// worker that ends its streams itself (OK: it is draining) is forgotten.
 #pragma once
 
 #include <chrono>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -33,13 +37,23 @@ class RegistryService final : public tandem::v1::Registry::CallbackService {
   // Stops watching every worker (at shutdown).
   void Shutdown();
 
+  static constexpr std::chrono::milliseconds kProbeInterval{500};
+  static constexpr std::chrono::minutes kForgetAfter{10};
+
  private:
   friend class WorkerWatch;
-  void StartWatch(const std::string& name, const std::string& address, uint64_t epoch);
+  // `rejoin`: a probe of a worker out of routing; its first update puts
+  // `rejoin` back into the fleet.
+  void StartWatch(const std::string& name, const std::string& address, uint64_t epoch,
+                  std::optional<WorkerRecord> rejoin = std::nullopt);
   // A watch stream ended; `resync` restarts it from a snapshot, otherwise
-  // the worker leaves routing.
+  // the worker leaves routing (and is probed unless it left `graceful`ly).
   void WatchEnded(const std::string& name, WorkerWatch* watch, const std::string& why,
-                  bool resync, const std::string& address, uint64_t epoch);
+                  bool resync, bool graceful, const std::string& address, uint64_t epoch,
+                  const std::optional<WorkerRecord>& probe_of);
+  // A probe's first update arrived: back into the fleet (false: stale probe
+  // or refused).
+  bool Rejoin(const std::string& name, WorkerWatch* watch, WorkerRecord rec, uint64_t epoch);
   void Housekeeping(std::stop_token stop);
 
   Fleet* fleet_;
@@ -48,6 +62,11 @@ class RegistryService final : public tandem::v1::Registry::CallbackService {
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<WorkerWatch>> watches_;  // guarded by mu_
   bool shut_down_ = false;                                       // guarded by mu_
+  struct Lost {
+    WorkerRecord record;
+    std::chrono::steady_clock::time_point since, next_probe;
+  };
+  std::map<std::string, Lost> lost_;  // guarded by mu_: out of routing, being probed
   std::jthread housekeeping_;
 };
 

@@ -28,6 +28,9 @@ struct EngineArgs {
   uint64_t seed = 0;
   std::vector<uint32_t> stop_token_ids;
   bool ignore_eos = false;
+  // Migration: the prompt ends with this many tokens already sent to the
+  // client; the random stream continues at this index.
+  uint32_t first_sample_index = 0;
 };
 
 struct DecodeArgs {
@@ -45,7 +48,9 @@ struct DecodeEvents {
   std::function<void(Finish reason, uint32_t completion_tokens, uint32_t decoder_cached_tokens)>
       on_finished;
   // The stream ended without DecodeFinished (error, cancel, worker lost).
-  std::function<void(Status)> on_error;
+  // `from_worker`: the decoder itself sent the error in-band (it is alive);
+  // false when the stream broke (the decoder or the network is lost).
+  std::function<void(Status, bool from_worker)> on_error;
 };
 
 struct PrefillArgs {

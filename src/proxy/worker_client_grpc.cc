@@ -22,6 +22,7 @@ void FillParams(const EngineArgs& a, pb::EngineParams* p) {
   p->set_seed(a.seed);
   for (uint32_t t : a.stop_token_ids) p->add_stop_token_ids(t);
   p->set_ignore_eos(a.ignore_eos);
+  p->set_first_sample_index(a.first_sample_index);
 }
 
 int64_t UnixMs(std::chrono::system_clock::time_point t) {
@@ -37,7 +38,9 @@ Finish FromProto(pb::FinishReason r) {
   }
 }
 
-class DecodeCall final : public grpc::ClientReadReactor<pb::DecodeResponse>, public Call {
+class DecodeCall final : public grpc::ClientReadReactor<pb::DecodeResponse>,
+                         public Call,
+                         public GrpcWorkerClient::Tracked {
  public:
   DecodeCall(DecodeArgs args, DecodeEvents events) : events_(std::move(events)) {
     req_.set_request_id(args.request_id);
@@ -90,16 +93,23 @@ class DecodeCall final : public grpc::ClientReadReactor<pb::DecodeResponse>, pub
 
   void OnDone(const grpc::Status& s) override {
     if (!done_.exchange(true) && events_.on_error) {
-      Status st = !error_.ok() ? error_
-                  : s.ok()     ? UnavailableError("decode stream ended without finishing")
-                               : FromGrpcStatus(s);
-      events_.on_error(st);
+      const std::string abandoned_why = abandoned();
+      if (!abandoned_why.empty()) {
+        events_.on_error(UnavailableError(abandoned_why), /*from_worker=*/false);
+      } else {
+        Status st = !error_.ok() ? error_
+                    : s.ok()     ? UnavailableError("decode stream ended without finishing")
+                                 : FromGrpcStatus(s);
+        events_.on_error(st, !error_.ok());
+      }
     }
     events_ = {};
     self_.reset();  // may delete this
   }
 
  private:
+  void CancelRpc() override { ctx_.TryCancel(); }
+
   std::unique_ptr<pb::Decoder::Stub> stub_;
   grpc::ClientContext ctx_;
   pb::DecodeRequest req_;
@@ -110,9 +120,10 @@ class DecodeCall final : public grpc::ClientReadReactor<pb::DecodeResponse>, pub
   std::shared_ptr<DecodeCall> self_;  // keeps the reactor alive until OnDone
 };
 
-class PrefillCall final : public Call {
+class PrefillCall final : public Call, public GrpcWorkerClient::Tracked {
  public:
   void Cancel() override { ctx.TryCancel(); }
+  void CancelRpc() override { ctx.TryCancel(); }
   std::unique_ptr<pb::Prefiller::Stub> stub;
   grpc::ClientContext ctx;
   pb::PrefillRequest req;
@@ -120,6 +131,41 @@ class PrefillCall final : public Call {
 };
 
 }  // namespace
+
+void GrpcWorkerClient::Tracked::Abandon(const std::string& why) {
+  {
+    std::lock_guard lock(mu_);
+    if (why_.empty()) why_ = why.empty() ? "worker abandoned" : why;
+  }
+  CancelRpc();
+}
+
+std::string GrpcWorkerClient::Tracked::abandoned() const {
+  std::lock_guard lock(mu_);
+  return why_;
+}
+
+void GrpcWorkerClient::Track(const std::string& address, const std::shared_ptr<Tracked>& call) {
+  std::lock_guard lock(mu_);
+  auto& v = calls_[address];
+  std::erase_if(v, [](const std::weak_ptr<Tracked>& w) { return w.expired(); });
+  v.push_back(call);
+}
+
+size_t GrpcWorkerClient::AbandonCalls(const std::string& address, const std::string& why) {
+  std::vector<std::shared_ptr<Tracked>> live;
+  {
+    std::lock_guard lock(mu_);
+    auto it = calls_.find(address);
+    if (it == calls_.end()) return 0;
+    for (auto& w : it->second) {
+      if (auto c = w.lock()) live.push_back(std::move(c));
+    }
+    calls_.erase(it);
+  }
+  for (auto& c : live) c->Abandon(why);
+  return live.size();
+}
 
 std::shared_ptr<grpc::Channel> GrpcWorkerClient::Channel(const std::string& address) {
   std::lock_guard lock(mu_);
@@ -136,6 +182,7 @@ std::shared_ptr<Call> GrpcWorkerClient::Decode(const std::string& address, Decod
                                                DecodeEvents events) {
   auto stub = pb::Decoder::NewStub(Channel(address));
   auto call = std::make_shared<DecodeCall>(std::move(args), std::move(events));
+  Track(address, call);
   call->Begin(std::move(stub), call);
   return call;
 }
@@ -153,8 +200,13 @@ std::shared_ptr<Call> GrpcWorkerClient::Prefill(const std::string& address, Pref
   if (args.deadline != std::chrono::system_clock::time_point::max()) {
     call->ctx.set_deadline(args.deadline);
   }
+  Track(address, call);
   call->stub->async()->Prefill(&call->ctx, &call->req, &call->resp,
                          [call, done = std::move(done)](grpc::Status s) {
+                           if (const std::string why = call->abandoned(); !why.empty()) {
+                             done(UnavailableError(why));
+                             return;
+                           }
                            if (!s.ok()) {
                              done(FromGrpcStatus(s));
                              return;

@@ -6,6 +6,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "proxy/worker_client.h"
 
@@ -25,9 +26,35 @@ class GrpcWorkerClient final : public WorkerClient {
   // The shared channel to `address` (created on first use).
   std::shared_ptr<grpc::Channel> Channel(const std::string& address);
 
+  // Ends every Decode and Prefill call in flight to `address` as if the
+  // worker had died (UNAVAILABLE with `why`): the proxy's liveness check
+  // decided it is gone, e.g. a paused process whose connections stay open.
+  // Returns how many calls were ended. Any thread; callbacks run later.
+  size_t AbandonCalls(const std::string& address, const std::string& why);
+
+  // A call that AbandonCalls can end.
+  class Tracked {
+   public:
+    virtual ~Tracked() = default;
+    void Abandon(const std::string& why);
+    // Non-empty once abandoned.
+    std::string abandoned() const;
+
+   protected:
+    virtual void CancelRpc() = 0;
+
+   private:
+    mutable std::mutex mu_;
+    std::string why_;  // guarded by mu_
+  };
+
  private:
+  void Track(const std::string& address, const std::shared_ptr<Tracked>& call);
+
   std::mutex mu_;
   std::unordered_map<std::string, std::shared_ptr<grpc::Channel>> channels_;  // guarded by mu_
+  // Calls in flight per worker address (expired entries pruned as we go).
+  std::unordered_map<std::string, std::vector<std::weak_ptr<Tracked>>> calls_;  // guarded by mu_
 };
 
 }  // namespace tandem::proxy

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <ctime>
 #include <iostream>
+#include <mutex>
 #include <random>
 #include <thread>
 
@@ -92,6 +93,13 @@ struct Worker {
   std::unique_ptr<grpc::Service> prefiller_service;
   std::unique_ptr<WorkerService> worker_service;
   std::unique_ptr<RpcServer> server;
+  // Failure-handling counters (docs/failure-handling.md), fed from the
+  // prefiller's totals on every metrics tick.
+  prometheus::Counter* dropped_target_lost = nullptr;
+  prometheus::Counter* dropped_lease_expired = nullptr;
+  mutable std::mutex dropped_mu;
+  mutable uint64_t dropped_target_lost_seen = 0;    // guarded by dropped_mu
+  mutable uint64_t dropped_lease_expired_seen = 0;  // guarded by dropped_mu
 
   LoadSample Load() const {
     const engine::EngineStats st = engine->stats();
@@ -129,6 +137,15 @@ struct Worker {
     }
     if (prefiller) m.queued_prefills = prefiller->counts().queued;
     metrics->Update(m);
+    if (prefiller && dropped_target_lost) {
+      const prefiller::PrefillerCounts c = prefiller->counts();
+      std::lock_guard lock(dropped_mu);
+      dropped_target_lost->Increment(static_cast<double>(c.dropped_target_lost - dropped_target_lost_seen));
+      dropped_lease_expired->Increment(
+          static_cast<double>(c.dropped_lease_expired - dropped_lease_expired_seen));
+      dropped_target_lost_seen = c.dropped_target_lost;
+      dropped_lease_expired_seen = c.dropped_lease_expired;
+    }
   }
 
   size_t Inflight() const {
@@ -225,6 +242,14 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     popt.name = name;
     popt.max_queue = w.fleet.scheduler.max_waiting;
     popt.max_num_seqs = w.fleet.scheduler.max_num_seqs;
+    popt.lease_seconds = w.fleet.transport.lease_seconds;
+    const char* help = "Prefills dropped with their blocks freed and nothing written, by reason "
+                       "(target_lost: the decoder or the push failed; lease_expired: the KV was "
+                       "ready too late for the decoder's lease)";
+    w.dropped_target_lost =
+        &w.registry->Counter("tandem_prefill_dropped_total", help, {{"reason", "target_lost"}});
+    w.dropped_lease_expired =
+        &w.registry->Counter("tandem_prefill_dropped_total", help, {{"reason", "lease_expired"}});
     popt.on_complete = [metrics](const prefiller::PrefillResult& r) {
       metrics->ObservePrefill(r.prefill_seconds);
       metrics->ObserveTransfer(r.transferred_bytes, r.transfer_seconds, r.prefill_seconds);
@@ -274,6 +299,8 @@ int WaitForStopSignal(const sigset_t& set) {
 
 void Drain(Worker& w, double drain_seconds) {
   if (w.server) w.server->SetServing(false);
+  // Out of routing first: the proxy sends nothing new while in-flight work ends.
+  if (w.worker_service) w.worker_service->Leave();
   if (w.decoder) w.decoder->SetDraining();
   if (w.prefiller) w.prefiller->SetDraining();
   const auto give_up = std::chrono::steady_clock::now() +

@@ -285,6 +285,8 @@ void WorkerService::Stop() {
   impl_->FinishAll();
 }
 
+void WorkerService::Leave() { impl_->FinishAll(); }
+
 Status RegisterWithProxy(const std::string& proxy_address, const WorkerIdentity& identity,
                          std::chrono::milliseconds retry_for) {
   auto channel = grpc::CreateChannel(proxy_address, grpc::InsecureChannelCredentials());

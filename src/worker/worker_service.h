@@ -79,6 +79,10 @@ class WorkerService {
   void Start();
   // Ends every Watch stream (OK) and joins the monitor thread.
   void Stop();
+  // Drain: ends every Watch stream with OK, so the proxy takes this worker
+  // out of routing at once, and refuses new ones; load sampling and the
+  // metrics go on until Stop().
+  void Leave();
 
  private:
   struct Impl;

@@ -27,6 +27,8 @@ struct FleetOptions {
   uint32_t max_inflight = 1024;
   std::string policy = "round_robin";
   std::string extra_yaml;  // appended verbatim
+  // Lines added inside the `proxy` section, e.g. "  drain_seconds: 5\n".
+  std::string proxy_yaml;
   // Lines added inside the `model` section, e.g. "  backend: sim\n".
   std::string model_yaml;
   // The `logging` section's level and format (every process logs to log_path()).

@@ -33,10 +33,18 @@ class ScriptedWorkers : public WorkerClient {
   bool decode_first = false;            // stream the decode tokens before the Prefill reply
   std::vector<std::string> decode_addresses, prefill_addresses;
   std::vector<std::shared_ptr<FakeCall>> decode_calls;
+  std::vector<DecodeArgs> decode_args;
+  // The first `dying_decodes` Decode streams break (as a killed decoder's
+  // would) after `die_after` tokens.
+  uint32_t dying_decodes = 0;
+  uint32_t die_after = 0;
 
   std::shared_ptr<Call> Decode(const std::string& address, DecodeArgs args,
                                DecodeEvents events) override {
     decode_addresses.push_back(address);
+    decode_args.push_back(args);
+    base_[address] = args.params.first_sample_index;
+    dies_[address] = decode_addresses.size() <= dying_decodes;
     events_[address] = std::move(events);
     prefill_locally_ = args.prefill_locally;
     auto call = std::make_shared<FakeCall>();
@@ -55,7 +63,7 @@ class ScriptedWorkers : public WorkerClient {
       done(ResourceExhaustedError("decoder has no room"));
     } else {
       PrefillResult r;
-      r.first_token_id = completion.at(0);
+      r.first_token_id = completion.at(base_[args.decoder_address]);
       r.cached_prompt_tokens = 16;
       if (decode_first) Stream(args.decoder_address);
       done(r);
@@ -67,13 +75,23 @@ class ScriptedWorkers : public WorkerClient {
  private:
   void Stream(const std::string& decoder) {
     auto& ev = events_[decoder];
-    for (uint32_t i = 0; i < completion.size(); i += chunk) {
-      const auto end = std::min<size_t>(completion.size(), i + chunk);
-      ev.on_tokens(i, std::vector<uint32_t>(completion.begin() + i, completion.begin() + end));
+    const uint32_t base = base_[decoder];
+    const uint32_t n = static_cast<uint32_t>(completion.size()) - base;
+    const uint32_t stop = dies_[decoder] ? std::min(n, die_after) : n;
+    for (uint32_t i = 0; i < stop; i += chunk) {
+      const auto end = std::min<size_t>(stop, i + chunk);
+      ev.on_tokens(i, std::vector<uint32_t>(completion.begin() + base + i,
+                                            completion.begin() + base + end));
     }
-    ev.on_finished(finish, static_cast<uint32_t>(completion.size()), 32);
+    if (dies_[decoder]) {
+      ev.on_error(UnavailableError("Socket closed"), /*from_worker=*/false);
+      return;
+    }
+    ev.on_finished(finish, n, 32);
   }
   std::map<std::string, DecodeEvents> events_;
+  std::map<std::string, uint32_t> base_;
+  std::map<std::string, bool> dies_;
   bool prefill_locally_ = false;
 };
 
@@ -118,8 +136,10 @@ class LifecycleTest : public ::testing::Test {
     ASSERT_TRUE(fleet_->Register(w).ok());
   }
 
-  std::shared_ptr<RequestLifecycle> Run(Collected& c, std::vector<std::string> stop = {}) {
+  std::shared_ptr<RequestLifecycle> Run(Collected& c, std::vector<std::string> stop = {},
+                                        uint32_t max_migrations = 3) {
     LifecycleDeps deps;
+    deps.max_migrations = max_migrations;
     deps.fleet = fleet_.get();
     deps.client = &workers_;
     deps.tokenizer = tokenizer_.get();
@@ -128,7 +148,7 @@ class LifecycleTest : public ::testing::Test {
     ValidatedRequest req;
     req.request_id = "r1";
     req.prompt_ids = std::vector<uint32_t>(40, 7);
-    req.max_tokens = 64;
+    req.max_tokens = max_tokens_;
     req.stop = std::move(stop);
     ResponseSink sink;
     sink.on_delta = [&c](std::vector<uint32_t> ids, std::string text) {
@@ -148,6 +168,7 @@ class LifecycleTest : public ::testing::Test {
   std::unique_ptr<model::Tokenizer> tokenizer_;
   std::unique_ptr<Fleet> fleet_;
   ScriptedWorkers workers_;
+  uint32_t max_tokens_ = 64;
 };
 
 TEST_F(LifecycleTest, FirstTokenOnceFromPrefillReplyThenStream) {
@@ -250,6 +271,93 @@ TEST_F(LifecycleTest, AggregatedWorkerPrefillsLocally) {
   EXPECT_EQ(c.ids, workers_.completion);
   EXPECT_TRUE(workers_.prefill_addresses.empty());
   EXPECT_EQ(c.usage.cached_prompt_tokens, 32u);  // the decoder's own cache hits
+}
+
+TEST_F(LifecycleTest, DecoderLostMidStreamMigratesWithoutGapOrDuplicate) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  AddWorker("d1", router::WorkerRole::kDecode);
+  workers_.completion = tokenizer_->Encode("In the beginning God created the heaven and the earth");
+  ASSERT_GT(workers_.completion.size(), 8u);
+  workers_.dying_decodes = 1;
+  workers_.die_after = 5;
+  Collected c;
+  Run(c);
+  ASSERT_TRUE(c.finished) << c.error.ToString();
+  EXPECT_EQ(c.ids, workers_.completion);  // token 5 onwards from the new pair, once each
+  EXPECT_EQ(c.text, "In the beginning God created the heaven and the earth");
+  EXPECT_EQ(c.usage.prompt_tokens, 40u);  // the client's prompt, not the migrated one
+  EXPECT_EQ(c.usage.completion_tokens, workers_.completion.size());
+  ASSERT_EQ(workers_.decode_args.size(), 2u);
+  EXPECT_NE(workers_.decode_addresses[0], workers_.decode_addresses[1]);  // the lost one is avoided
+  const DecodeArgs& moved = workers_.decode_args[1];
+  ASSERT_EQ(moved.prompt_ids.size(), 45u);  // prompt + the 5 tokens already sent
+  EXPECT_EQ(std::vector<uint32_t>(moved.prompt_ids.begin() + 40, moved.prompt_ids.end()),
+            std::vector<uint32_t>(workers_.completion.begin(), workers_.completion.begin() + 5));
+  EXPECT_EQ(moved.params.first_sample_index, 5u);
+  EXPECT_EQ(moved.params.max_tokens, 64u - 5u);
+}
+
+TEST_F(LifecycleTest, MigrationLimitEndsWithUnavailableNamingIt) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  AddWorker("d1", router::WorkerRole::kDecode);
+  workers_.completion = tokenizer_->Encode("In the beginning God created the heaven and the earth");
+  workers_.dying_decodes = 100;  // every decoder breaks after 3 tokens
+  workers_.die_after = 3;
+  Collected c;
+  Run(c, {}, /*max_migrations=*/1);
+  EXPECT_FALSE(c.finished);
+  EXPECT_EQ(c.error.code(), StatusCode::kUnavailable) << c.error.ToString();
+  EXPECT_NE(c.error.message().find("proxy.max_migrations = 1"), std::string::npos)
+      << c.error.message();
+  EXPECT_EQ(workers_.decode_args.size(), 2u);
+  // What the client got is a prefix of the right completion: 3 + 3 tokens.
+  EXPECT_EQ(c.ids, std::vector<uint32_t>(workers_.completion.begin(), workers_.completion.begin() + 6));
+}
+
+TEST_F(LifecycleTest, MigrationOffFailsAtOnce) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  AddWorker("d1", router::WorkerRole::kDecode);
+  workers_.completion = tokenizer_->Encode("and God said, Let there be light");
+  workers_.dying_decodes = 1;
+  workers_.die_after = 2;
+  Collected c;
+  Run(c, {}, /*max_migrations=*/0);
+  EXPECT_EQ(c.error.code(), StatusCode::kUnavailable);
+  EXPECT_NE(c.error.message().find("migration is off"), std::string::npos) << c.error.message();
+  EXPECT_EQ(workers_.decode_args.size(), 1u);
+}
+
+TEST_F(LifecycleTest, NoDecoderLeftToMigrateToSaysSo) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  workers_.completion = tokenizer_->Encode("and God said, Let there be light");
+  workers_.dying_decodes = 1;
+  workers_.die_after = 2;
+  Collected c;
+  Run(c);
+  EXPECT_EQ(c.error.code(), StatusCode::kUnavailable);
+  EXPECT_NE(c.error.message().find("was lost after 2 completion tokens"), std::string::npos)
+      << c.error.message();
+}
+
+TEST_F(LifecycleTest, StreamBrokenAfterTheLastTokenCompletes) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  workers_.completion = tokenizer_->Encode("Amen amen amen");
+  workers_.dying_decodes = 1;
+  workers_.die_after = static_cast<uint32_t>(workers_.completion.size());
+  max_tokens_ = static_cast<uint32_t>(workers_.completion.size());
+  Collected c;
+  Run(c);
+  // Nothing was left to generate: no migration (there is no other decoder
+  // anyway), the request ends as it would have.
+  ASSERT_TRUE(c.finished) << c.error.ToString();
+  EXPECT_EQ(c.reason, Finish::kLength);
+  EXPECT_EQ(c.ids, workers_.completion);
+  EXPECT_EQ(workers_.decode_args.size(), 1u);
 }
 
 }  // namespace
