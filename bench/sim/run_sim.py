@@ -63,6 +63,9 @@ def main():
     ap.add_argument("--ready-timeout", type=float, default=120)
     ap.add_argument("--also", default="",
                     help="a second bench serve's arguments, run at the same time (NAME.b.json)")
+    ap.add_argument("--also-delay", type=float, default=2.0,
+                    help="seconds before the second bench starts: both number their requests "
+                         "bench-0, bench-1, ..., and ids in flight at once must differ")
     ap.add_argument("bench", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     bench_args = [x for x in a.bench if x != "--"]
@@ -99,12 +102,15 @@ def main():
         cmd = [a.tandem, "bench", "serve", "--state-file", state, "--json", a.out + ".json",
                "--no-progress"] + bench_args
         cmd_b = None
+        main = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if a.also:
+            time.sleep(a.also_delay)
             cmd_b = [a.tandem, "bench", "serve", "--state-file", state, "--json", a.out + ".b.json",
                      "--no-progress"] + a.also.split()
             bench_b = subprocess.Popen(cmd_b, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        text=True)
-        bench = subprocess.run(cmd, capture_output=True, text=True)
+        out, err = main.communicate()
+        bench = subprocess.CompletedProcess(cmd, main.returncode, out, err)
         if cmd_b:
             out_b = bench_b.communicate()[0]
             with open(a.out + ".b.txt", "w") as f:
