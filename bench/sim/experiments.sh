@@ -2,7 +2,7 @@
 # The sim experiments of issue 11 (docs/sim.md). Each writes
 # bench/results/sim_raw/<name>.{json,txt,cpu.json,launch.log}; the reports
 # bench/results/sim_*.md quote the numbers. Usage:
-#   bench/sim/experiments.sh cpu|interference|bandwidth|routing|pd [BUILD_DIR]
+#   bench/sim/experiments.sh cpu|interference|bandwidth|bandwidth-agg|routing|pd [BUILD_DIR]
 # Every run is bounded (request count and duration); one fleet at a time.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -17,15 +17,15 @@ case "$what" in
 cpu)  # tandem's own CPU per generated token and per routed request, same workload on every layout
   for c in aggregated 1p1d 2p2d 4p4d 8p8d; do
     run --config configs/sim-$c.yaml --out $raw/cpu_$c -- --label cpu-$c --request-rate 4 \
-      --num-requests 120 --duration 60 --input-len 512 --output-len 128 --ignore-eos --seed 1
+      --num-requests 80 --duration 40 --input-len 512 --output-len 128 --ignore-eos --seed 1
   done ;;
 interference)  # decode streams + periodic long prompts; aggregated x2 vs 1P1D (2 devices each)
   for long in 4096 512; do
     for c in aggregated 1p1d; do
       run --config configs/sim-$c.yaml --out $raw/interference_${c}_long$long \
-        --also "--label long-$long --request-rate 1 --num-requests 30 --duration 60 --input-len $long --output-len 8 --ignore-eos --seed 2" \
-        -- --label streams --concurrency 24 --num-requests 96 --duration 60 --input-len 128 \
-        --output-len 384 --ignore-eos --seed 3
+        --also-delay 5 --also "--label long-$long --request-rate 2 --num-requests 60 --duration 30 --input-len $long --output-len 8 --ignore-eos --seed 2" \
+        -- --label streams --concurrency 12 --num-requests 1000 --duration 30 --input-len 128 \
+        --output-len 256 --ignore-eos --seed 3
     done
   done ;;
 bandwidth)  # the 30 % rule: 1P1D, long prompts, link 10..400 Gb/s
@@ -35,7 +35,15 @@ bandwidth)  # the 30 % rule: 1P1D, long prompts, link 10..400 Gb/s
       --output-len 16 --ignore-eos --seed 4
     "$build/tandem" plan --config configs/sim-1p1d.yaml --link-gbps $g --rate 2 \
       --input-tokens 4096 --output-tokens 16 > $raw/bandwidth_${g}gbps.plan.txt
-  done ;;
+  done
+  # The same workload on aggregated x2 (no KV transfer), for comparison.
+  run --config configs/sim-aggregated.yaml --out $raw/bandwidth_aggregated -- \
+    --label aggregated --request-rate 2 --num-requests 30 --duration 60 --input-len 4096 \
+    --output-len 16 --ignore-eos --seed 4 ;;
+bandwidth-agg)  # only the aggregated baseline of `bandwidth`
+  run --config configs/sim-aggregated.yaml --out $raw/bandwidth_aggregated -- \
+    --label aggregated --request-rate 2 --num-requests 30 --duration 60 --input-len 4096 \
+    --output-len 16 --ignore-eos --seed 4 ;;
 routing)  # Mooncake synthetic trace on 4P4D per policy (lengths scaled by 1/32)
   for p in kv_aware least_loaded round_robin; do
     run --config configs/sim-4p4d.yaml --set router.policy=$p --out $raw/routing_$p -- \
