@@ -62,6 +62,7 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.Read("max_tokens_limit", c.proxy.max_tokens_limit, 1, 1u << 20);
     m.Read("api_key", c.proxy.api_key);
     m.ReadEnum("chat_template", c.proxy.chat_template, {"auto", "chatml", "llama3", "mistral"});
+    m.Read("http_idle_timeout_seconds", c.proxy.http_idle_timeout_seconds, 0.1, 3600.0);
     m.Read("max_migrations", c.proxy.max_migrations, 0, 100);
     m.Read("drain_seconds", c.proxy.drain_seconds, 0.0, 3600.0);
     m.Read("liveness_timeout_seconds", c.proxy.liveness_timeout_seconds, 0.2, 600.0);

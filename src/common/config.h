@@ -43,6 +43,7 @@ struct ProxyConfig {
   uint32_t max_tokens_limit = 1024;    // largest max_tokens a request may ask for
   std::string api_key;                 // empty: no authentication
   std::string chat_template = "auto";  // auto (tokenizer_config.json) | chatml | llama3 | mistral
+  double http_idle_timeout_seconds = 60.0;  // an HTTP connection idle this long is closed
   uint32_t max_migrations = 3;         // decoder lost mid-stream: re-routes per request
   double drain_seconds = 30.0;         // SIGTERM: grace for in-flight requests
   double liveness_timeout_seconds = 2.0;  // a worker silent this long leaves routing

@@ -92,7 +92,8 @@ std::string Unready(const Shared& sh) {
 
 class Session : public std::enable_shared_from_this<Session> {
  public:
-  Session(tcp::socket socket, Shared* sh) : socket_(std::move(socket)), sh_(sh) {}
+  Session(tcp::socket socket, Shared* sh)
+      : socket_(std::move(socket)), sh_(sh), idle_timer_(socket_.get_executor()) {}
 
   ~Session() {
     {
@@ -108,6 +109,8 @@ class Session : public std::enable_shared_from_this<Session> {
       std::lock_guard lock(sh_->mu);
       sh_->sessions.insert(this);
     }
+    Touch();
+    ArmIdleTimer(Idle());
     DoRead();
   }
 
@@ -123,6 +126,32 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
  private:
+  // ---- idle connections ----------------------------------------------------
+  // A connection with no request in progress (keep-alive, or a client that
+  // sends its request too slowly) is closed after proxy.http_idle_timeout_seconds.
+  using SteadyClock = std::chrono::steady_clock;
+  SteadyClock::duration Idle() const {
+    return std::chrono::duration_cast<SteadyClock::duration>(
+        std::chrono::duration<double>(sh_->opts.idle_timeout_seconds));
+  }
+  void Touch() { last_activity_ = SteadyClock::now(); }
+
+  void ArmIdleTimer(SteadyClock::duration after) {
+    idle_timer_.expires_after(after);
+    idle_timer_.async_wait([w = weak_from_this()](ErrorCode ec) {
+      if (ec) return;
+      if (auto s = w.lock()) s->OnIdleTimer();
+    });
+  }
+
+  void OnIdleTimer() {
+    if (gone_) return;
+    const auto quiet = SteadyClock::now() - last_activity_;
+    const bool idle = !busy_ && !active_ && !writing_ && pending_.empty();
+    if (idle && quiet >= Idle()) return Gone();
+    ArmIdleTimer(idle ? Idle() - quiet : Idle());
+  }
+
   // ---- reading ----------------------------------------------------------
   void DoRead() {
     reading_ = true;
@@ -137,6 +166,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void OnHeader(ErrorCode ec) {
     if (ec) return OnReadError(ec);
+    Touch();
     const auto& h = parser_->get();
     if (beast::iequals(h[bhttp::field::expect], "100-continue")) {
       Enqueue("HTTP/1.1 100 Continue\r\n\r\n");
@@ -400,6 +430,7 @@ class Session : public std::enable_shared_from_this<Session> {
   // The current request is answered (its bytes may still be queued).
   void Finished() {
     busy_ = false;
+    Touch();
     if (close_after_) {
       close_when_written_ = true;
       if (!writing_) Close();
@@ -466,6 +497,8 @@ class Session : public std::enable_shared_from_this<Session> {
 
   tcp::socket socket_;
   Shared* sh_;
+  net::steady_timer idle_timer_;
+  std::chrono::steady_clock::time_point last_activity_;
   beast::flat_buffer buf_;
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
   std::deque<Request> pending_;
@@ -532,6 +565,7 @@ Result<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string& address
   sh.fleet = context.fleet;
   sh.metrics = context.metrics;
   sh.opts = options;
+  sh.opts.idle_timeout_seconds = context.config->proxy.http_idle_timeout_seconds;
   sh.started = static_cast<int64_t>(std::time(nullptr));
   const std::string tmpl_name =
       context.config->proxy.chat_template.empty() ? "auto" : context.config->proxy.chat_template;

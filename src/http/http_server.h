@@ -26,6 +26,7 @@ struct ServerOptions {
   size_t max_body_bytes = 8u << 20;   // a larger request body gets 413
   size_t max_header_bytes = 16u << 10;
   size_t max_pipelined = 8;           // requests read ahead on one connection
+  double idle_timeout_seconds = 60;  // Start takes proxy.http_idle_timeout_seconds
 };
 
 class HttpServer final : public proxy::HttpFrontEnd {

@@ -378,7 +378,7 @@ def status_503_while_starting():
     http = f"127.0.0.1:{free_port()}"
     cfg = os.path.join(F.dir, "alone.yaml")
     with open(cfg, "w") as f:
-        f.write(fl.config_text())
+        f.write(fl.config_text(proxy_extra="  http_idle_timeout_seconds: 1"))
     p = subprocess.Popen([fl.BINARY, "proxy", "--config", cfg, "--http", http, "--grpc", "127.0.0.1:0",
                           "--metrics", "127.0.0.1:0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -402,6 +402,18 @@ def status_503_while_starting():
             assert e.status_code == 503, (e.status_code, e.message)
         else:
             raise AssertionError("a proxy without workers served a request")
+        # proxy.http_idle_timeout_seconds: an idle keep-alive connection and a
+        # client that never finishes its request are both closed.
+        host, port = http.rsplit(":", 1)
+        idle = socket.create_connection((host, int(port)), timeout=10)
+        slow = socket.create_connection((host, int(port)), timeout=10)
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # headers never end
+        t0 = time.time()
+        assert idle.recv(1) == b"" and slow.recv(1) == b""
+        waited = time.time() - t0
+        assert 0.5 < waited < 5, waited
+        idle.close()
+        slow.close()
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait(30)
