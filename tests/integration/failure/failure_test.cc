@@ -243,9 +243,14 @@ TEST(Failure, KillPrefillerThenDecoderUnderLoad) {
 
   const double migrations = Metric((*fleet)->proxy_metrics(), "tandem_request_migrations_total");
   const double retries = Metric((*fleet)->proxy_metrics(), "tandem_request_retries_total");
+  const WorkerAddr* p1 = FindWorker(**fleet, "prefill-1");
+  const double target_lost =
+      p1 ? LabeledMetric(p1->metrics, "tandem_prefill_dropped_total", "reason=\"target_lost\"") : -1;
   std::printf("[failure] kill -9 prefill-0 then decode-0 under %d streams: completed %d, failed %d, "
-              "longest client-side stall %.0f ms, migrations %.0f, retries %.0f\n",
-              kStreams, completed.load(), failed.load(), longest_stall_ms, migrations, retries);
+              "longest client-side stall %.0f ms, migrations %.0f, retries %.0f, prefill-1 drops "
+              "(push target lost) %.0f\n",
+              kStreams, completed.load(), failed.load(), longest_stall_ms, migrations, retries,
+              target_lost);
   for (const auto& e : errors) std::printf("[failure]   error: %s\n", e.c_str());
   EXPECT_EQ(wrong, 0) << "completed requests whose output differs from tandem generate";
   EXPECT_EQ(late, 0) << "requests that outlived their deadline";

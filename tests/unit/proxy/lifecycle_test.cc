@@ -360,5 +360,41 @@ TEST_F(LifecycleTest, StreamBrokenAfterTheLastTokenCompletes) {
   EXPECT_EQ(workers_.decode_args.size(), 1u);
 }
 
+// --join compatibility: a worker that differs in model, block size or KV
+// dtype is refused with a message naming the field and both values.
+TEST_F(LifecycleTest, FleetRefusesMismatchedWorkersNamingTheField) {
+  auto worker = [] {
+    WorkerRecord w;
+    w.name = "x";
+    w.role = router::WorkerRole::kDecode;
+    w.grpc_address = "x:1";
+    w.protocol_version = 1;
+    w.model = "m";
+    w.block_size = 16;
+    w.kv_dtype = "f32";
+    w.block_bytes = 4096;
+    w.num_blocks = 10;
+    return w;
+  };
+  WorkerRecord w = worker();
+  w.model = "other";
+  Status st = fleet_->Register(w);
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(st.message().find("model 'other' differs from the fleet's 'm'"), std::string::npos)
+      << st.message();
+  w = worker();
+  w.block_size = 32;
+  st = fleet_->Register(w);
+  EXPECT_NE(st.message().find("block_size 32 differs from the fleet's 16"), std::string::npos)
+      << st.message();
+  w = worker();
+  w.kv_dtype = "bf16";
+  st = fleet_->Register(w);
+  EXPECT_NE(st.message().find("KV dtype 'bf16' differs from the fleet's 'f32'"), std::string::npos)
+      << st.message();
+  EXPECT_TRUE(fleet_->Workers().empty());  // none of them joined
+  EXPECT_TRUE(fleet_->Register(worker()).ok());
+}
+
 }  // namespace
 }  // namespace tandem::proxy
