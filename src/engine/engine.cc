@@ -84,7 +84,10 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
   TANDEM_ASSIGN_OR_RETURN(e->pool_, KvPool::Create(layout, o.num_blocks, *allocator));
   if (o.backend == "sim") {
     if (o.sim_timing == nullptr) {
-      return InvalidArgumentError("backend 'sim' needs EngineOptions::sim_timing (see PrepareSim)");
+      return InvalidArgumentError(
+          "model.backend 'sim' runs in fleet workers only (tandem launch, tandem "
+          "prefill|decode|both); this command does not set up a simulated GPU "
+          "(EngineOptions::sim_timing, see engine/sim_backend.h)");
     }
     e->backend_ = std::make_unique<SimBackend>(config, *o.sim_timing, e->pool_.get());
   } else if (o.backend == "cuda") {
