@@ -15,6 +15,7 @@
 
 #include "cli/commands.h"
 #include "loadgen/grpc_client.h"
+#include "loadgen/http_client.h"
 #include "loadgen/mooncake_trace.h"
 #include "loadgen/report.h"
 #include "loadgen/runner.h"
@@ -26,10 +27,11 @@ namespace {
 namespace lg = tandem::loadgen;
 
 struct ServeArgs {
-  std::string proxy = "127.0.0.1:50051";
+  std::string proxy;  // empty: 127.0.0.1:50051 (grpc) or 127.0.0.1:8000 (http)
   std::string state_file;
   std::string api_key;
   std::string backend = "grpc";
+  uint32_t vocab_size = 0;  // http: /v1/models does not list it
   std::string model;
   std::string label;
   // Workload.
@@ -94,18 +96,18 @@ std::string NowUtc() {
 
 Status Fail(const std::string& msg) { return InvalidArgumentError(msg); }
 
-Result<std::string> ProxyFromState(const std::string& path) {
+Result<std::string> ProxyFromState(const std::string& path, const std::string& api) {
   std::ifstream in(path);
   if (!in) return NotFoundError(fmt::format("cannot open --state-file '{}'", path));
   auto j = nlohmann::json::parse(in, nullptr, false);
-  if (j.is_discarded() || !j.contains("proxy") || !j["proxy"].contains("grpc") ||
-      !j["proxy"]["grpc"].is_string()) {
+  if (j.is_discarded() || !j.contains("proxy") || !j["proxy"].contains(api) ||
+      !j["proxy"][api].is_string()) {
     return InvalidArgumentError(
-        fmt::format("--state-file '{}' has no string proxy.grpc (write it with tandem launch "
+        fmt::format("--state-file '{}' has no string proxy.{} (write it with tandem launch "
                     "--state-file)",
-                    path));
+                    path, api));
   }
-  return j["proxy"]["grpc"].get<std::string>();
+  return j["proxy"][api].get<std::string>();
 }
 
 void PrintProgress(const lg::Progress& p, bool final_line) {
@@ -130,26 +132,29 @@ Status WriteFile(const std::string& path, const std::string& text, const char* f
 }
 
 // Returns the exit code: 0 ran (some request succeeded), 1 bad input,
-// 3 the run happened but no request succeeded, 4 the server was unreachable.
+// 3 the run happened but no request succeeded, 4 the server was unreachable
+// (or did not describe its model).
 int RunServe(ServeArgs a) {
   const auto bad = [](const Status& s) {
     std::cerr << "tandem bench serve: " << s.message() << "\n";
     return 1;
   };
   // ---- flags ----
-  if (a.backend != "grpc") {
-    if (a.backend == "http") {
-      std::cerr << "tandem bench serve: not available yet: --backend http (the OpenAI HTTP "
-                   "adapter; use --backend grpc)\n";
-      return 2;
-    }
+  if (a.backend != "grpc" && a.backend != "http") {
     return bad(Fail(fmt::format("--backend must be grpc or http, got '{}'", a.backend)));
   }
+  const bool http = a.backend == "http";
+  if (http && a.turns > 1) {
+    return bad(Fail("--turns > 1 needs --backend grpc: a turn resends the reply's token ids, "
+                    "which the OpenAI HTTP API does not return"));
+  }
   if (!a.state_file.empty()) {
-    auto p = ProxyFromState(a.state_file);
+    if (!a.proxy.empty()) return bad(Fail("give either --proxy or --state-file, not both"));
+    auto p = ProxyFromState(a.state_file, a.backend);
     if (!p.ok()) return bad(p.status());
     a.proxy = *p;
   }
+  if (a.proxy.empty()) a.proxy = http ? "127.0.0.1:8000" : "127.0.0.1:50051";
   lg::RunOptions ro;
   ro.num_requests = a.num_requests;
   ro.duration_s = a.duration_s;
@@ -247,7 +252,9 @@ int RunServe(ServeArgs a) {
   }
 
   // ---- the server ----
-  auto client = lg::MakeGrpcClient({a.proxy, a.api_key, 4});
+  std::unique_ptr<lg::Client> client =
+      http ? lg::MakeHttpClient({a.proxy, a.api_key, a.vocab_size})
+           : lg::MakeGrpcClient({a.proxy, a.api_key, 4});
   auto info_or = client->GetModelInfo(a.model);
   if (!info_or.ok()) {
     std::cerr << "tandem bench serve: " << info_or.status().ToString() << "\n";
@@ -353,11 +360,15 @@ void RegisterBenchServe(CLI::App& bench, GlobalOptions& g) {
   auto* cmd = bench.add_subcommand(
       "serve", "Load generator against a running fleet (docs/bench-serve.md)");
   auto a = std::make_shared<ServeArgs>();
-  cmd->add_option("--proxy", a->proxy, "proxy gRPC address (default 127.0.0.1:50051)");
+  cmd->add_option("--proxy", a->proxy,
+                  "server address (default 127.0.0.1:50051; with --backend http 127.0.0.1:8000)");
   cmd->add_option("--state-file", a->state_file,
                   "read the proxy's address from a tandem launch state file");
   cmd->add_option("--api-key", a->api_key, "sent as 'authorization: Bearer KEY'");
-  cmd->add_option("--backend", a->backend, "API to drive: grpc (default; http later)");
+  cmd->add_option("--backend", a->backend,
+                  "API to drive: grpc (tandem.v1, default) or http (OpenAI /v1/completions, SSE)");
+  cmd->add_option("--vocab-size", a->vocab_size,
+                  "with --backend http: the model's vocabulary size (HTTP does not report it)");
   cmd->add_option("--model", a->model, "model id (default: the fleet's default model)");
   cmd->add_option("--label", a->label, "name of this run in the table, JSON and report");
   cmd->add_option("--trace", a->trace, "replay a Mooncake-format trace (JSONL) instead of "

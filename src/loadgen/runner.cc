@@ -40,7 +40,9 @@ RequestRecord ToRecord(const Finished& f, Clock::time_point start) {
   }
   rec.prompt_tokens = f.prompt_tokens;
   rec.requested_tokens = f.requested_tokens;
-  rec.output_tokens = uint32_t(r.token_ids.size());
+  // HTTP replies carry text, not token ids: their count comes from usage.
+  rec.output_tokens = r.token_ids.empty() && r.has_usage ? r.completion_tokens
+                                                         : uint32_t(r.token_ids.size());
   rec.usage_prompt_tokens = r.prompt_tokens;
   rec.cached_prompt_tokens = r.cached_prompt_tokens;
   rec.finish_reason = r.finish_reason;

@@ -2,6 +2,7 @@
 // bundled model prints the table, writes JSON whose counts equal what was
 // sent and an HTML report with SVG plots; shared prefixes, multi-turn
 // conversations and a Mooncake-format trace show cached prompt tokens;
+// the HTTP backend counts the same;
 // bad input is refused with the field and the limit.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -210,7 +211,25 @@ TEST(BenchServe, OneP1DTableJsonAndReport) {
   for (const auto& x : j["per_request"]) last_send = std::max(last_send, x["send_s"].get<double>());
   EXPECT_GE(last_send, 2.0);
 
-  // 4. A workload that cannot fit the context is refused, naming the limit.
+  // 4. The OpenAI HTTP API (/v1/completions, SSE) through the same runner:
+  //    counts from the final usage event.
+  r = BenchServe(dir, "--backend http --proxy " + (*fleet)->proxy_http() +
+                          " --vocab-size 4096 --num-requests 6 --concurrency 3 --input-len 40 "
+                          "--output-len 7 --ignore-eos --json " + (dir / "h.json"));
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  j = nlohmann::json::parse(Slurp(dir / "h.json"));
+  EXPECT_EQ(j["completed"], 6);
+  EXPECT_EQ(j["failed"], 0);
+  EXPECT_EQ(j["total_output_tokens"], 42);
+  EXPECT_EQ(j["usage_prompt_tokens"], 240);
+  EXPECT_GT(j["median_ttft_ms"].get<double>(), 0.0);
+  EXPECT_NE(j["target"].get<std::string>().find("HTTP"), std::string::npos);
+  r = BenchServe(dir, "--backend http --proxy " + (*fleet)->proxy_http() +
+                          " --num-requests 1 --turns 2 --vocab-size 4096");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--turns > 1 needs --backend grpc"), std::string::npos) << r.err;
+
+  // 5. A workload that cannot fit the context is refused, naming the limit.
   r = BenchServe(dir, proxy + "--num-requests 2 --input-len 1000 --output-len 100");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.err.find("the model accepts at most 1024 (prompt + completion)"),
