@@ -280,6 +280,9 @@ def metric(name):
 
 @check
 def status_429_when_full_and_disconnects_free_everything():
+    deadline = time.time() + 10  # earlier checks' requests are released (gRPC's OnDone lags)
+    while metric("tandem_requests_inflight") > 0 and time.time() < deadline:
+        time.sleep(0.05)
     streams = open_streams(MAX_INFLIGHT)
     try:
         client().completions.create(prompt=PROMPT, model="tandem-kjv", max_tokens=2)
@@ -405,13 +408,13 @@ def status_503_while_starting():
         # proxy.http_idle_timeout_seconds: an idle keep-alive connection and a
         # client that never finishes its request are both closed.
         host, port = http.rsplit(":", 1)
+        t0 = time.time()
         idle = socket.create_connection((host, int(port)), timeout=10)
         slow = socket.create_connection((host, int(port)), timeout=10)
         slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # headers never end
-        t0 = time.time()
         assert idle.recv(1) == b"" and slow.recv(1) == b""
         waited = time.time() - t0
-        assert 0.5 < waited < 5, waited
+        assert 0.9 < waited < 8, waited
         idle.close()
         slow.close()
     finally:
