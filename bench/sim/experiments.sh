@@ -2,7 +2,7 @@
 # The sim experiments of issue 11 (docs/sim.md). Each writes
 # bench/results/sim_raw/<name>.{json,txt,cpu.json,launch.log}; the reports
 # bench/results/sim_*.md quote the numbers. Usage:
-#   bench/sim/experiments.sh cpu|interference|bandwidth|bandwidth-agg|routing|pd [BUILD_DIR]
+#   bench/sim/experiments.sh cpu|interference|bandwidth|bandwidth-agg|routing|routing-reuse|pd [BUILD_DIR]
 # Every run is bounded (request count and duration); one fleet at a time.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -49,6 +49,12 @@ routing)  # Mooncake synthetic trace on 4P4D per policy (lengths scaled by 1/32)
     run --config configs/sim-4p4d.yaml --set router.policy=$p --out $raw/routing_$p -- \
       --label $p --trace "$trace" --trace-block-tokens 16 --num-requests 300 --time-scale 0.5 \
       --duration 90 --ignore-eos --seed 5
+  done ;;
+routing-reuse)  # the same on requests 3601-3900, the trace's window with the most prefix reuse
+  for p in kv_aware least_loaded round_robin; do
+    run --config configs/sim-4p4d.yaml --set router.policy=$p --out $raw/routing_skip3600_$p -- \
+      --label $p-skip3600 --trace "$trace" --trace-skip 3600 --trace-block-tokens 16 \
+      --num-requests 300 --time-scale 0.5 --duration 90 --ignore-eos --seed 5
   done ;;
 pd)  # P:D at 4 devices, one workload, goodput under TTFT and ITL SLOs
   for pd in 1:3 2:2 3:1; do

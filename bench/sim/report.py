@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Turns bench/results/sim_raw/* into the tables of bench/results/sim_*.md.
 
-    bench/sim/report.py cpu|interference|bandwidth|routing|pd
+    bench/sim/report.py cpu|interference|bandwidth|routing [skip3600]|pd
 prints a markdown table (the reports quote it)."""
 import glob, json, os, re, sys
 
@@ -84,10 +84,11 @@ def bandwidth():
 
 
 def routing():
+    window = sys.argv[2] + "_" if len(sys.argv) > 2 else ""  # e.g. skip3600
     rows = []
     for p in ["kv_aware", "least_loaded", "round_robin"]:
         try:
-            b, s = load(f"routing_{p}.json"), load(f"routing_{p}.cpu.json")
+            b, s = load(f"routing_{window}{p}.json"), load(f"routing_{window}{p}.cpu.json")
         except OSError:
             continue
         hit = s["prefix_hits_tokens"] / s["prefix_query_tokens"] if s["prefix_query_tokens"] else None
