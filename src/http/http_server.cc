@@ -299,6 +299,9 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void StartGeneration(Endpoint ep, const std::string& body) {
+    // TTFT and e2e count from here (the body is read): parsing, the chat
+    // template and tokenization included.
+    const auto arrival = std::chrono::steady_clock::now();
     auto parsed = ParseRequest(ep, body);
     if (!parsed.ok()) return Refuse(nullptr, parsed.status());
     OpenAiRequest& r = *parsed;
@@ -349,7 +352,7 @@ class Session : public std::enable_shared_from_this<Session> {
     };
     auto lc = proxy::RequestLifecycle::Start(sh_->fe->deps(), std::move(v).value(),
                                              std::move(sink),
-                                             std::chrono::system_clock::time_point::max());
+                                             std::chrono::system_clock::time_point::max(), arrival);
     {
       std::lock_guard lock(lc_mu_);
       lc_ = std::move(lc);

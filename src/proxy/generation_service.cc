@@ -61,6 +61,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   GenerateReactor(Frontend* fe, grpc::CallbackServerContext* ctx,
                   const pb::wire::GenerateRequestBytes* req)
       : fe_(fe), ctx_(ctx), writer_(this) {
+    // TTFT and e2e count from here: validation and tokenization included.
+    const auto arrival = std::chrono::steady_clock::now();
     writer_.Open();
     Status st = Authorize();
     if (st.ok()) st = ExplainEmptyPrompt(*req);
@@ -95,7 +97,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
     };
     sink.on_error = [this](Status s) { writer_.Finish(ToGrpcStatus(s)); };
     auto lc = RequestLifecycle::Start(fe_->deps(), std::move(v).value(), std::move(sink),
-                                      ctx_->deadline());
+                                      ctx_->deadline(), arrival);
     std::lock_guard lock(mu_);
     lifecycle_ = std::move(lc);
   }
