@@ -213,6 +213,25 @@ def make_tiny_llama():
                  tiny_cases(m, 512, seed=8))
 
 
+def make_tiny_llama_bias():
+    """Llama with attention_bias=True: q/k/v *and* o_proj carry a bias."""
+    out = os.path.join(GOLDEN, "tiny-llama-bias")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, hidden_act="silu",
+                      max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      tie_word_embeddings=True, attention_bias=True, mlp_bias=False,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    m = LlamaForCausalLM(cfg)
+    randomize(m, seed=303, std=0.15)
+    m.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    save_model_dir(m, out)
+    m = load(LlamaForCausalLM, out)
+    assert m.model.layers[0].self_attn.o_proj.bias is not None
+    write_golden(os.path.join(out, "golden.json"), "tests/fixtures/golden/tiny-llama-bias",
+                 tiny_cases(m, 512, seed=9))
+
+
 def make_kjv():
     model_dir_rel = "models/tandem-kjv"
     model_dir = os.path.join(ROOT, model_dir_rel)
@@ -274,7 +293,7 @@ def make_kjv():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=["tiny", "kjv"], default=None)
+    ap.add_argument("--only", choices=["tiny", "tiny-llama-bias", "kjv"], default=None)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -282,6 +301,8 @@ def main():
     if args.only in (None, "tiny"):
         make_tiny_qwen2()
         make_tiny_llama()
+    if args.only in (None, "tiny", "tiny-llama-bias"):
+        make_tiny_llama_bias()
     if args.only in (None, "kjv"):
         make_kjv()
 

@@ -82,6 +82,9 @@ Result<std::unique_ptr<LlamaForward>> LlamaForward::Create(const model::ModelCon
       TANDEM_RETURN_IF_ERROR(CheckVector(lw.k_bias, kvh * hd, p + "self_attn.k_proj.bias"));
       TANDEM_RETURN_IF_ERROR(CheckVector(lw.v_bias, kvh * hd, p + "self_attn.v_proj.bias"));
     }
+    if (!lw.o_bias.empty()) {
+      TANDEM_RETURN_IF_ERROR(CheckVector(lw.o_bias, hidden, p + "self_attn.o_proj.bias"));
+    }
     Layer L;
     L.input_norm = lw.input_layernorm;
     L.post_norm = lw.post_attention_layernorm;
@@ -95,8 +98,9 @@ Result<std::unique_ptr<LlamaForward>> LlamaForward::Create(const model::ModelCon
     L.q_bias = lw.q_bias;
     L.k_bias = lw.k_bias;
     L.v_bias = lw.v_bias;
+    L.o_bias = lw.o_bias;
     f->weight_bytes_ += (L.input_norm.size() + L.post_norm.size() + L.q_bias.size() +
-                         L.k_bias.size() + L.v_bias.size()) * sizeof(float);
+                         L.k_bias.size() + L.v_bias.size() + L.o_bias.size()) * sizeof(float);
     f->layers_.push_back(std::move(L));
   }
   f->lm_head_ = pack(w.lm_head.rows != 0 ? w.lm_head : w.embed_tokens);
@@ -222,7 +226,7 @@ Status LlamaForward::Forward(std::span<const SeqChunk> batch, const KvPool& kv,
     kc::WriteKv(view, li, k_.data(), v_.data(), slots_.data(), T);
     kc::PagedAttentionBatch(view, li, q_.data(), attn_.data(), seqs_.data(),
                             static_cast<int>(seqs_.size()), heads, scale, threads);
-    kc::Gemm(attn_.data(), L.o, nullptr, o_.data(), T, threads);  // [T][hidden]
+    kc::Gemm(attn_.data(), L.o, bias(L.o_bias), o_.data(), T, threads);  // [T][hidden]
     kc::AddRmsNorm(x_.data(), o_.data(), L.post_norm.data(), eps, h_.data(), T, hidden, threads);
     kc::Gemm(h_.data(), L.gate, nullptr, gate_.data(), T, threads);  // [T][inter]
     kc::Gemm(h_.data(), L.up, nullptr, up_.data(), T, threads);      // [T][inter]

@@ -40,7 +40,7 @@ class LlamaForward {
   struct Layer {
     std::vector<float> input_norm, post_norm;  // [hidden]
     kernels::cpu::PackedWeights q, k, v, o, gate, up, down;
-    std::vector<float> q_bias, k_bias, v_bias;  // empty without bias
+    std::vector<float> q_bias, k_bias, v_bias, o_bias;  // empty without bias
   };
   LlamaForward() = default;
 

@@ -93,7 +93,7 @@ TEST_P(GoldenTest, LogitsAndGreedyTokensMatchTransformers) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, GoldenTest,
-                         ::testing::Values("tiny-qwen2", "tiny-llama", "tandem-kjv"),
+                         ::testing::Values("tiny-qwen2", "tiny-llama", "tiny-llama-bias", "tandem-kjv"),
                          [](const auto& info) {
                            std::string n = info.param;
                            for (char& ch : n) ch = ch == '-' ? '_' : ch;
