@@ -1,6 +1,96 @@
 #include "kernels/cuda/gemm.h"
 
 #include <cublasLt.h>
+#include <dlfcn.h>
+
+#include <string>
+
+// cuBLASLt is opened on first use instead of being linked: linked, its
+// ~94 KiB of static TLS is added to the minimum stack of every thread of
+// every tandem process, and civetweb (prometheus-cpp's metrics exposer)
+// starts its threads with a ~100 KiB stack, which pthread_create then
+// refuses with EINVAL: no process could serve /metrics. Only a `cuda`
+// backend needs cuBLASLt, so only it pays for loading it.
+namespace {
+struct LtApi {
+  bool ok = false;
+  decltype(&::cublasLtCreate) Create = nullptr;
+  decltype(&::cublasLtDestroy) Destroy = nullptr;
+  decltype(&::cublasLtMatmul) Matmul = nullptr;
+  decltype(&::cublasLtMatmulAlgoCheck) MatmulAlgoCheck = nullptr;
+  decltype(&::cublasLtMatmulAlgoConfigGetAttribute) MatmulAlgoConfigGetAttribute = nullptr;
+  decltype(&::cublasLtMatmulAlgoGetHeuristic) MatmulAlgoGetHeuristic = nullptr;
+  decltype(&::cublasLtMatmulDescCreate) MatmulDescCreate = nullptr;
+  decltype(&::cublasLtMatmulDescDestroy) MatmulDescDestroy = nullptr;
+  decltype(&::cublasLtMatmulDescSetAttribute) MatmulDescSetAttribute = nullptr;
+  decltype(&::cublasLtMatmulPreferenceCreate) MatmulPreferenceCreate = nullptr;
+  decltype(&::cublasLtMatmulPreferenceDestroy) MatmulPreferenceDestroy = nullptr;
+  decltype(&::cublasLtMatmulPreferenceSetAttribute) MatmulPreferenceSetAttribute = nullptr;
+  decltype(&::cublasLtMatrixLayoutCreate) MatrixLayoutCreate = nullptr;
+  decltype(&::cublasLtMatrixLayoutDestroy) MatrixLayoutDestroy = nullptr;
+};
+
+LtApi LoadLt() {
+  LtApi api;
+  const std::string soname = "libcublasLt.so." + std::to_string(CUBLAS_VER_MAJOR);
+  void* lib = dlopen(soname.c_str(), RTLD_NOW | RTLD_LOCAL);
+#ifdef TANDEM_CUDA_LIBRARY_DIR
+  if (lib == nullptr) {
+    lib = dlopen((std::string(TANDEM_CUDA_LIBRARY_DIR) + "/" + soname).c_str(), RTLD_NOW | RTLD_LOCAL);
+  }
+#endif
+  if (lib == nullptr) return api;
+  api.Create = reinterpret_cast<decltype(&::cublasLtCreate)>(dlsym(lib, "cublasLtCreate"));
+  if (api.Create == nullptr) return api;
+  api.Destroy = reinterpret_cast<decltype(&::cublasLtDestroy)>(dlsym(lib, "cublasLtDestroy"));
+  if (api.Destroy == nullptr) return api;
+  api.Matmul = reinterpret_cast<decltype(&::cublasLtMatmul)>(dlsym(lib, "cublasLtMatmul"));
+  if (api.Matmul == nullptr) return api;
+  api.MatmulAlgoCheck = reinterpret_cast<decltype(&::cublasLtMatmulAlgoCheck)>(dlsym(lib, "cublasLtMatmulAlgoCheck"));
+  if (api.MatmulAlgoCheck == nullptr) return api;
+  api.MatmulAlgoConfigGetAttribute = reinterpret_cast<decltype(&::cublasLtMatmulAlgoConfigGetAttribute)>(dlsym(lib, "cublasLtMatmulAlgoConfigGetAttribute"));
+  if (api.MatmulAlgoConfigGetAttribute == nullptr) return api;
+  api.MatmulAlgoGetHeuristic = reinterpret_cast<decltype(&::cublasLtMatmulAlgoGetHeuristic)>(dlsym(lib, "cublasLtMatmulAlgoGetHeuristic"));
+  if (api.MatmulAlgoGetHeuristic == nullptr) return api;
+  api.MatmulDescCreate = reinterpret_cast<decltype(&::cublasLtMatmulDescCreate)>(dlsym(lib, "cublasLtMatmulDescCreate"));
+  if (api.MatmulDescCreate == nullptr) return api;
+  api.MatmulDescDestroy = reinterpret_cast<decltype(&::cublasLtMatmulDescDestroy)>(dlsym(lib, "cublasLtMatmulDescDestroy"));
+  if (api.MatmulDescDestroy == nullptr) return api;
+  api.MatmulDescSetAttribute = reinterpret_cast<decltype(&::cublasLtMatmulDescSetAttribute)>(dlsym(lib, "cublasLtMatmulDescSetAttribute"));
+  if (api.MatmulDescSetAttribute == nullptr) return api;
+  api.MatmulPreferenceCreate = reinterpret_cast<decltype(&::cublasLtMatmulPreferenceCreate)>(dlsym(lib, "cublasLtMatmulPreferenceCreate"));
+  if (api.MatmulPreferenceCreate == nullptr) return api;
+  api.MatmulPreferenceDestroy = reinterpret_cast<decltype(&::cublasLtMatmulPreferenceDestroy)>(dlsym(lib, "cublasLtMatmulPreferenceDestroy"));
+  if (api.MatmulPreferenceDestroy == nullptr) return api;
+  api.MatmulPreferenceSetAttribute = reinterpret_cast<decltype(&::cublasLtMatmulPreferenceSetAttribute)>(dlsym(lib, "cublasLtMatmulPreferenceSetAttribute"));
+  if (api.MatmulPreferenceSetAttribute == nullptr) return api;
+  api.MatrixLayoutCreate = reinterpret_cast<decltype(&::cublasLtMatrixLayoutCreate)>(dlsym(lib, "cublasLtMatrixLayoutCreate"));
+  if (api.MatrixLayoutCreate == nullptr) return api;
+  api.MatrixLayoutDestroy = reinterpret_cast<decltype(&::cublasLtMatrixLayoutDestroy)>(dlsym(lib, "cublasLtMatrixLayoutDestroy"));
+  if (api.MatrixLayoutDestroy == nullptr) return api;
+  api.ok = true;
+  return api;
+}
+
+const LtApi& Lt() {
+  static const LtApi api = LoadLt();
+  return api;
+}
+}  // namespace
+#define cublasLtCreate Lt().Create
+#define cublasLtDestroy Lt().Destroy
+#define cublasLtMatmul Lt().Matmul
+#define cublasLtMatmulAlgoCheck Lt().MatmulAlgoCheck
+#define cublasLtMatmulAlgoConfigGetAttribute Lt().MatmulAlgoConfigGetAttribute
+#define cublasLtMatmulAlgoGetHeuristic Lt().MatmulAlgoGetHeuristic
+#define cublasLtMatmulDescCreate Lt().MatmulDescCreate
+#define cublasLtMatmulDescDestroy Lt().MatmulDescDestroy
+#define cublasLtMatmulDescSetAttribute Lt().MatmulDescSetAttribute
+#define cublasLtMatmulPreferenceCreate Lt().MatmulPreferenceCreate
+#define cublasLtMatmulPreferenceDestroy Lt().MatmulPreferenceDestroy
+#define cublasLtMatmulPreferenceSetAttribute Lt().MatmulPreferenceSetAttribute
+#define cublasLtMatrixLayoutCreate Lt().MatrixLayoutCreate
+#define cublasLtMatrixLayoutDestroy Lt().MatrixLayoutDestroy
 
 namespace tandem::kernels::cuda {
 namespace {
@@ -71,6 +161,10 @@ struct GemmContext::Algo {
 
 KernelStatus GemmContext::Create(void* workspace, size_t workspace_bytes, bool batch_invariant,
                                  std::unique_ptr<GemmContext>* out) {
+  if (!Lt().ok) {
+    return {KernelCode::kCublasError, static_cast<int>(CUBLAS_STATUS_NOT_INITIALIZED),
+            "cannot load libcublasLt (dlopen)"};
+  }
   std::unique_ptr<GemmContext> ctx(new GemmContext());
   cublasLtHandle_t h = nullptr;
   KernelStatus st = FromCublas(cublasLtCreate(&h), "cublasLtCreate");

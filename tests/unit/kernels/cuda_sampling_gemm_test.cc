@@ -30,6 +30,17 @@ using testing::ToBf16;
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
+TEST(CudaGemm, LoadsCublasLtAtFirstUse) {
+  // Runs without a device: cuBLASLt is dlopen'ed (not linked, see gemm.cc),
+  // so a missing library must surface here as a clear error. Without a
+  // device cublasLtCreate itself may fail, but never the loading.
+  std::unique_ptr<GemmContext> ctx;
+  const KernelStatus st = GemmContext::Create(nullptr, 0, false, &ctx);
+  if (!st.ok()) {
+    EXPECT_EQ(std::string(st.message).find("cannot load libcublasLt"), std::string::npos) << st.message;
+  }
+}
+
 TEST(CudaSampling, UniformDrawMatchesTheEngine) {
   // Host code only: runs without a device.
   for (uint64_t seed : {0ull, 1ull, 42ull, 0xFFFFFFFFFFFFFFFFull}) {
