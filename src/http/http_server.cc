@@ -57,6 +57,7 @@ const char* Reason(int status) {
     case 403: return "Forbidden";
     case 404: return "Not Found";
     case 405: return "Method Not Allowed";
+    case 409: return "Conflict";
     case 413: return "Payload Too Large";
     case 429: return "Too Many Requests";
     case 499: return "Client Closed Request";
@@ -101,7 +102,7 @@ class Session : public std::enable_shared_from_this<Session> {
       sh_->sessions.erase(this);
     }
     CancelLifecycle();
-    if (active_ && admitted_) sh_->fe->Release();
+    if (active_ && admitted_) sh_->fe->Release(admitted_id_);
   }
 
   void Start() {
@@ -317,7 +318,8 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     auto v = sh_->fe->Validate(r.request);
     if (!v.ok()) return Refuse(&r, v.status());
-    if (Status st = sh_->fe->Admit(); !st.ok()) return Refuse(&r, st);
+    if (Status st = sh_->fe->Admit(v->request_id); !st.ok()) return Refuse(&r, st);
+    admitted_id_ = v->request_id;
 
     active_ = true;
     admitted_ = true;
@@ -414,7 +416,7 @@ class Session : public std::enable_shared_from_this<Session> {
       std::lock_guard lock(lc_mu_);
       lc_.reset();
     }
-    if (admitted_) sh_->fe->Release();
+    if (admitted_) sh_->fe->Release(admitted_id_);
     admitted_ = false;
     active_ = false;
   }
@@ -509,6 +511,7 @@ class Session : public std::enable_shared_from_this<Session> {
   bool reading_ = false, busy_ = false, gone_ = false, writing_ = false;
   bool keep_alive_ = true, close_after_ = false, close_when_written_ = false;
   std::string request_id_header_;
+  std::string admitted_id_;  // the id Admit() took; given back by Release()
   bool head_ = false;  // the request being answered is a HEAD
 
   // The request being generated (strand only).

@@ -324,6 +324,7 @@ int HttpStatus(StatusCode code) {
     case StatusCode::kUnauthenticated: return 401;
     case StatusCode::kPermissionDenied: return 403;
     case StatusCode::kNotFound: return 404;
+    case StatusCode::kAlreadyExists: return 409;
     case StatusCode::kResourceExhausted: return 429;
     case StatusCode::kUnavailable: return 503;
     case StatusCode::kDeadlineExceeded: return 504;
@@ -340,6 +341,7 @@ std::string ErrorBody(int http_status, const std::string& message) {
     case 401: type = "invalid_request_error"; code = "invalid_api_key"; break;
     case 404: type = "invalid_request_error"; code = "model_not_found"; break;
     case 405: type = "invalid_request_error"; break;
+    case 409: type = "invalid_request_error"; break;
     case 413: type = "invalid_request_error"; break;
     case 429: type = "rate_limit_error"; code = "rate_limit_exceeded"; break;
     case 503: type = "service_unavailable"; break;

@@ -68,7 +68,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
     if (st.ok()) st = ExplainEmptyPrompt(*req);
     if (st.ok() && fe_->draining()) st = UnavailableError("the fleet is draining");
     Result<ValidatedRequest> v = st.ok() ? fe_->Validate(FromProto(*req)) : Result<ValidatedRequest>(st);
-    if (v.ok()) st = fe_->Admit();
+    if (v.ok()) st = fe_->Admit(v->request_id);
     if (!v.ok() || !st.ok()) {
       const Status& why = v.ok() ? st : v.status();
       CountRejected(why);
@@ -111,7 +111,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   void OnWriteDone(bool ok) override { writer_.OnWriteDone(ok); }
 
   void OnDone() override {
-    if (admitted_) fe_->Release();
+    if (admitted_) fe_->Release(request_id_);
     CancelLifecycle();  // no-op when it finished
     delete this;
   }
@@ -167,19 +167,26 @@ Result<ValidatedRequest> Frontend::Validate(const ClientRequest& req) {
       [this](std::string_view text) { return deps_.tokenizer->Encode(text, true); }, rng(), id);
 }
 
-Status Frontend::Admit() {
-  uint32_t cur = inflight_.load();
-  do {
-    if (cur >= max_inflight_) {
-      return ResourceExhaustedError(fmt::format(
-          "the proxy is at its limit of {} requests in flight (proxy.max_inflight); retry later",
-          max_inflight_));
-    }
-  } while (!inflight_.compare_exchange_weak(cur, cur + 1));
+Status Frontend::Admit(const std::string& request_id) {
+  std::lock_guard lock(ids_mu_);
+  if (ids_.contains(request_id)) {
+    return AlreadyExistsError(fmt::format(
+        "request_id '{}' is already in flight at this proxy; request ids must be unique", request_id));
+  }
+  if (inflight_.load() >= max_inflight_) {
+    return ResourceExhaustedError(fmt::format(
+        "the proxy is at its limit of {} requests in flight (proxy.max_inflight); retry later",
+        max_inflight_));
+  }
+  ids_.insert(request_id);
+  inflight_.fetch_add(1);
   return Status::Ok();
 }
 
-void Frontend::Release() { inflight_.fetch_sub(1); }
+void Frontend::Release(const std::string& request_id) {
+  std::lock_guard lock(ids_mu_);
+  if (ids_.erase(request_id) != 0) inflight_.fetch_sub(1);
+}
 
 GenerationService::GenerationService(Frontend* frontend) : frontend_(frontend) {
   // Method 0 is Generate: replace the generated handler with one that

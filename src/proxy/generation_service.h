@@ -4,7 +4,9 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_set>
 
 #include "proxy/lifecycle.h"
 #include "proxy/request.h"
@@ -25,10 +27,13 @@ class Frontend {
 
   // Validates (tokenizing a text prompt) and fills defaults.
   Result<ValidatedRequest> Validate(const ClientRequest& req);
-  // Admission: RESOURCE_EXHAUSTED at once when max_inflight requests run.
-  // On success the caller must call Release() when the request ends.
-  Status Admit();
-  void Release();
+  // Admission: RESOURCE_EXHAUSTED at once when max_inflight requests run;
+  // ALREADY_EXISTS when a request with the same id is in flight (workers key
+  // their state by it: a duplicate would be refused by them or, worse, take
+  // over the first request's stream). On success the caller must call
+  // Release(request_id) when the request ends.
+  Status Admit(const std::string& request_id);
+  void Release(const std::string& request_id);
   // While draining, new requests get UNAVAILABLE.
   void SetDraining(bool draining) { draining_ = draining; }
   bool draining() const { return draining_; }
@@ -42,6 +47,8 @@ class Frontend {
   std::atomic<uint32_t> inflight_{0};
   std::atomic<uint64_t> next_id_{1};
   std::atomic<bool> draining_{false};
+  std::mutex ids_mu_;
+  std::unordered_set<std::string> ids_;  // guarded by ids_mu_: ids in flight
 };
 
 // Serves /tandem.v1.Generation/Generate with the wire-identical

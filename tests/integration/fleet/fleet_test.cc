@@ -250,6 +250,32 @@ TEST(Fleet, BadInputsGetTheirStatusAndTheFleetKeepsServing) {
     EXPECT_NE(r.status().message().find(c.message_part), std::string::npos)
         << c.name << ": " << r.status().message();
   }
+  // A request id already in flight is refused; the first request with that
+  // id is not disturbed (workers key their state by the id).
+  {
+    GenerateArgs first;
+    first.prompt = "In the beginning";
+    first.max_tokens = 512;
+    first.request_id = "dup-1";
+    auto running = std::async(std::launch::async, [&] { return Generate(proxy, first); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    GenerateArgs second = first;
+    second.max_tokens = 4;
+    auto dup = Generate(proxy, second);
+    ASSERT_FALSE(dup.ok()) << "the first request (512 tokens) ended within 150 ms?";
+    EXPECT_EQ(static_cast<int>(dup.status().code()), static_cast<int>(grpc::StatusCode::ALREADY_EXISTS))
+        << dup.status().ToString();
+    EXPECT_NE(dup.status().message().find("request_id 'dup-1' is already in flight"),
+              std::string::npos) << dup.status().message();
+    auto done = running.get();
+    ASSERT_TRUE(done.ok()) << done.status().ToString();
+    EXPECT_EQ(done->completion_tokens, 512u);
+    EXPECT_EQ(done->token_ids.size(), 512u);
+    // The id is free again once the first request ended.
+    auto again = Generate(proxy, second);
+    ASSERT_TRUE(again.ok()) << again.status().ToString();
+    EXPECT_EQ(again->completion_tokens, 4u);
+  }
   // Still serving, correctly.
   const auto prompt = Prompts()[5];
   GenerateArgs a;
