@@ -33,6 +33,7 @@ struct ServeArgs {
   std::string backend = "grpc";
   uint32_t vocab_size = 0;  // http: /v1/models does not list it
   std::string model;
+  std::string request_id_prefix;  // empty: bench-<pid>
   std::string label;
   // Workload.
   std::string trace;
@@ -227,6 +228,10 @@ int RunServe(ServeArgs a) {
   ro.seed = a.seed;
   ro.ignore_eos = a.ignore_eos;
   ro.model = a.model;
+  // Ids must be unique among the requests in flight at the proxy (it refuses
+  // a duplicate): the pid keeps two generators against one fleet apart.
+  ro.request_id_prefix =
+      a.request_id_prefix.empty() ? fmt::format("bench-{}", getpid()) : a.request_id_prefix;
   ro.request_timeout = std::chrono::milliseconds(int64_t(a.request_timeout_s * 1000));
 
   // ---- what can be checked without the server ----
@@ -401,6 +406,8 @@ void RegisterBenchServe(CLI::App& bench, GlobalOptions& g) {
   cmd->add_option("--seed", a->seed,
                   "seed of the workload and arrivals; request i samples with seed+i (default 0)");
   cmd->add_flag("--ignore-eos", a->ignore_eos, "generate exactly max_tokens per request");
+  cmd->add_option("--request-id-prefix", a->request_id_prefix,
+                  "request ids are PREFIX-i (default bench-<pid>; ids in flight must be unique)");
   cmd->add_option("--request-timeout", a->request_timeout_s,
                   "per-request deadline in seconds (default 300)");
   cmd->add_option("--slo-ttft-ms", a->slo_ttft_ms, "goodput SLO: TTFT at most this");
