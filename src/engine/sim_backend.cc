@@ -6,15 +6,12 @@
 #include <cstring>
 #include <thread>
 
+#include "common/splitmix.h"
+
 namespace tandem::engine {
 
 namespace {
-uint64_t SplitMix(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
+constexpr auto SplitMix = SplitMix64;
 }  // namespace
 
 uint64_t SimHashStep(uint64_t previous, uint32_t token, uint32_t pos) {

@@ -6,15 +6,11 @@
 #include <charconv>
 #include <cmath>
 
+#include "common/splitmix.h"
+
 namespace tandem::loadgen {
 namespace {
 
-uint64_t SplitMix64(uint64_t& state) {
-  uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
 
 std::vector<std::string> Split(const std::string& s, char sep) {
   std::vector<std::string> out;
@@ -73,9 +69,9 @@ class SyntheticSource final : public SessionSource {
  private:
   static uint64_t Mix(uint64_t a, uint64_t b, uint64_t c) {
     uint64_t s = a * 0x9e3779b97f4a7c15ULL ^ (b + 0x632be59bd9b4e019ULL);
-    const uint64_t x = SplitMix64(s);
+    const uint64_t x = SplitMix64Next(s);
     s = x ^ (c * 0xd6e8feb86659fd93ULL);
-    return SplitMix64(s);
+    return SplitMix64Next(s);
   }
 
   SyntheticOptions o_;
@@ -190,7 +186,7 @@ std::vector<uint32_t> SeededTokens(uint64_t seed, uint32_t n, uint32_t vocab) {
   for (uint32_t i = 0; i < n; ++i) {
     // Multiply-shift maps the 64-bit draw onto [0, span) without modulo bias
     // worth mentioning for vocabularies far below 2^32.
-    const uint64_t r = SplitMix64(state);
+    const uint64_t r = SplitMix64Next(state);
     out[i] = kFirstTokenId + static_cast<uint32_t>(((r >> 32) * span) >> 32);
   }
   return out;
