@@ -9,6 +9,8 @@
 #include <fstream>
 #include <string>
 
+#include <unistd.h>
+
 namespace {
 
 struct CmdResult {
@@ -18,7 +20,12 @@ struct CmdResult {
 };
 
 CmdResult Tandem(const std::string& args) {
-  const std::string err_file = std::string(TANDEM_BINARY_DIR) + "/generate_cli_test.err";
+  // One file per process and call: ctest runs each test case as its own
+  // process, in parallel, and a shared file let one case read another's
+  // (empty) stderr.
+  static int calls = 0;
+  const std::string err_file = std::string(TANDEM_BINARY_DIR) + "/generate_cli_test." +
+                               std::to_string(getpid()) + "." + std::to_string(calls++) + ".err";
   const std::string cmd =
       std::string(TANDEM_BINARY_DIR) + "/tandem generate " + args + " 2>" + err_file;
   FILE* p = popen(cmd.c_str(), "r");
@@ -28,6 +35,7 @@ CmdResult Tandem(const std::string& args) {
   const int status = pclose(p);
   std::ifstream e(err_file);
   std::string err((std::istreambuf_iterator<char>(e)), std::istreambuf_iterator<char>());
+  std::filesystem::remove(err_file);
   return {WEXITSTATUS(status), out, err};
 }
 
