@@ -163,7 +163,11 @@ void Supervisor::ReapExited() {
       if (c.pid == pid && c.alive) {
         c.alive = false;
         c.exit_status = status;
-        spdlog::error("{}; the rest of the fleet keeps serving", DescribeExit(c));
+        if (stopping_) {
+          spdlog::info("{} (the fleet is stopping)", DescribeExit(c));
+        } else {
+          spdlog::error("{}; the rest of the fleet keeps serving", DescribeExit(c));
+        }
       }
     }
   }
@@ -196,6 +200,7 @@ int Supervisor::StopRole(const std::string& role, std::chrono::milliseconds grac
   const auto chosen = [&role](const Child& c) {
     return c.alive && (role.empty() || c.spec.role == role);
   };
+  stopping_ = true;
   ReapExited();
   for (auto it = children_.rbegin(); it != children_.rend(); ++it) {
     if (chosen(*it)) kill(it->pid, SIGTERM);

@@ -67,6 +67,7 @@ class Supervisor {
 
   std::deque<Child> children_;  // deque: Child* stays valid as more start
   int signal_fd_ = -1;
+  bool stopping_ = false;  // set by StopRole: exits are then expected
 };
 
 // "prefill-0 (pid 123) exited with status 1" / "... was killed by signal 9".
