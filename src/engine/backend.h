@@ -29,6 +29,13 @@ struct SeqChunk {
   uint32_t num_logits = 0;                // logits wanted for the last num_logits tokens
 };
 
+// What every real-math backend checks before a forward pass: each chunk's
+// num_logits fits its tokens, its block table covers its positions, no
+// position passes `max_positions` (0: unchecked), and `logits_size` floats
+// hold every wanted row of `vocab` logits. INVALID_ARGUMENT naming the limit.
+Status CheckForwardBatch(std::span<const SeqChunk> batch, size_t block_size, size_t max_positions,
+                         size_t vocab, size_t logits_size);
+
 enum class BackendFeature {
   kRealMath,        // computes the model (sim does not)
   kBatchInvariant,  // a row's bits never depend on the batch or the chunking

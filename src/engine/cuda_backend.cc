@@ -314,28 +314,19 @@ Status CudaBackend::Forward(std::span<const SeqChunk> batch, std::span<float> lo
   const int qkv_dim = (heads + 2 * kvh) * hd;
   const float eps = static_cast<float>(c.rms_norm_eps);
 
+  TANDEM_RETURN_IF_ERROR(CheckForwardBatch(batch, static_cast<size_t>(bs),
+                                           c.max_position_embeddings, vocab, logits.size()));
   size_t total = 0, rows = 0, max_blocks = 0;
   int max_q = 0, max_ctx = 0;
   bool all_decode = true;
   for (const SeqChunk& s : batch) {
-    if (s.num_logits > s.tokens.size()) {
-      return InvalidArgumentError("forward: num_logits exceeds the chunk's tokens");
-    }
     const size_t end = size_t{s.start_pos} + s.tokens.size();
-    if (s.block_table.size() * bs < end) {
-      return InvalidArgumentError(fmt::format(
-          "forward: block table of {} blocks cannot hold {} positions", s.block_table.size(), end));
-    }
     total += s.tokens.size();
     rows += s.num_logits;
     max_blocks = std::max(max_blocks, s.block_table.size());
     max_q = std::max(max_q, static_cast<int>(s.tokens.size()));
     max_ctx = std::max(max_ctx, static_cast<int>(end));
     all_decode = all_decode && s.tokens.size() == 1;
-  }
-  if (logits.size() < rows * vocab) {
-    return InvalidArgumentError(
-        fmt::format("forward: logits buffer holds {} floats; {} needed", logits.size(), rows * vocab));
   }
   if (total == 0) return Status::Ok();
   if (max_blocks == 0) max_blocks = 1;

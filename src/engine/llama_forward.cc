@@ -126,6 +126,31 @@ Result<std::unique_ptr<LlamaForward>> LlamaForward::Create(const model::ModelCon
   return f;
 }
 
+Status CheckForwardBatch(std::span<const SeqChunk> batch, size_t block_size, size_t max_positions,
+                         size_t vocab, size_t logits_size) {
+  size_t rows = 0;
+  for (const SeqChunk& s : batch) {
+    if (s.num_logits > s.tokens.size()) {
+      return InvalidArgumentError("forward: num_logits exceeds the chunk's tokens");
+    }
+    const size_t end = size_t{s.start_pos} + s.tokens.size();
+    if (s.block_table.size() * block_size < end) {
+      return InvalidArgumentError(fmt::format(
+          "forward: block table of {} blocks cannot hold {} positions", s.block_table.size(), end));
+    }
+    if (max_positions != 0 && end > max_positions) {
+      return InvalidArgumentError(
+          fmt::format("forward: position {} beyond the model's context {}", end - 1, max_positions));
+    }
+    rows += s.num_logits;
+  }
+  if (logits_size < rows * vocab) {
+    return InvalidArgumentError(
+        fmt::format("forward: logits buffer holds {} floats; {} needed", logits_size, rows * vocab));
+  }
+  return Status::Ok();
+}
+
 Status LlamaForward::Forward(std::span<const SeqChunk> batch, const KvPool& kv,
                              std::span<float> logits, kc::ThreadPool* threads) {
   const auto& c = config_;
@@ -137,27 +162,13 @@ Status LlamaForward::Forward(std::span<const SeqChunk> batch, const KvPool& kv,
   const int bs = static_cast<int>(kv.layout().block_size);
   const float eps = static_cast<float>(c.rms_norm_eps);
 
+  TANDEM_RETURN_IF_ERROR(
+      CheckForwardBatch(batch, bs, c.max_position_embeddings, vocab, logits.size()));
   size_t total = 0, rows = 0, table_len = 0;
   for (const SeqChunk& s : batch) {
-    if (s.num_logits > s.tokens.size()) {
-      return InvalidArgumentError("forward: num_logits exceeds the chunk's tokens");
-    }
-    const size_t end = size_t{s.start_pos} + s.tokens.size();
-    if (s.block_table.size() * bs < end) {
-      return InvalidArgumentError(fmt::format(
-          "forward: block table of {} blocks cannot hold {} positions", s.block_table.size(), end));
-    }
-    if (end > c.max_position_embeddings && c.max_position_embeddings != 0) {
-      return InvalidArgumentError(fmt::format("forward: position {} beyond the model's context {}",
-                                              end - 1, c.max_position_embeddings));
-    }
     total += s.tokens.size();
     rows += s.num_logits;
     table_len += s.block_table.size();
-  }
-  if (logits.size() < rows * vocab) {
-    return InvalidArgumentError(
-        fmt::format("forward: logits buffer holds {} floats; {} needed", logits.size(), rows * vocab));
   }
   if (total == 0) return Status::Ok();
   const int T = static_cast<int>(total);
