@@ -6,16 +6,23 @@
 // documents of 512 blocks (1,048,576 distinct block hashes); each document
 // is cached by one prefiller and one decoder (2M (block, worker) entries).
 // Prompts are 8192 tokens = 512 blocks of 16:
-//   hit      a whole cached document (every block is looked up: worst case)
-//   half     the first 256 blocks of a document, then 256 new ones
-//   miss     512 blocks nobody holds (stops at the first block)
+//   hit        a whole cached document (two holders, no drop-out point
+//              inside: the search reads 17 blocks; the block-by-block walk
+//              would read all 512)
+//   half       the first 256 blocks of a document, then 256 new ones (one
+//              drop-out point: about 33 blocks read)
+//   miss       512 blocks nobody holds (block 0 decides)
+//   staggered  one of 16 extra documents that every one of the 64 workers
+//              holds a different prefix of (8w+1 .. 8w+8 blocks): 64 drop-out
+//              points, the search's worst case here (about 320 blocks read)
 // Each route is timed on its own, twice: wall clock (steady_clock) and this
 // thread's CPU time (CLOCK_THREAD_CPUTIME_ID, which leaves out the time the
 // thread was preempted: the 2-core machine these run on is shared). p50,
 // p99 and max of each go out as counters, in ns.
 // BM_RandomLines is the physical yardstick of the same run: 512 prefetched
-// reads of random cache lines in a 64 MiB buffer (a route of a cached 8k
-// prompt does 512 such lookups).
+// reads of random cache lines in a 64 MiB buffer (what reading every block
+// of a cached 8k prompt costs at least; BM_Overlap compares the search with
+// that block-by-block walk in the same run).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -37,6 +44,7 @@ namespace {
 constexpr uint32_t kBlocksPerPrompt = 512;
 constexpr uint32_t kDocs = 2048;
 constexpr uint32_t kWorkers = 64;
+constexpr uint32_t kStaggeredDocs = 16;  // documents kDocs .. kDocs+15
 
 uint64_t Mix(uint64_t x) {  // splitmix64: stands in for XXH3 outputs
   x += 0x9E3779B97F4A7C15ull;
@@ -84,6 +92,15 @@ struct BenchFleet {
         (void)router->ApplyEvent(w, {KvEventKind::kStored, 1, next_id[w]++, 0, h}).value();
       }
     }
+    if (docs != kDocs) return;
+    for (uint32_t s = 0; s < kStaggeredDocs; ++s) {
+      const std::vector<uint64_t> h = Doc(kDocs + s);
+      for (uint32_t i = 0; i < kWorkers; ++i) {
+        const uint32_t held = 8 * i + 1 + s % 8;
+        (void)router->ApplyEvent(ids[i], {KvEventKind::kStored, 1, next_id[ids[i]]++, 0,
+                                          std::span(h).first(held)}).value();
+      }
+    }
   }
 
   void Report(uint32_t salt) {
@@ -114,7 +131,26 @@ int64_t ThreadCpuNs() {
   return int64_t{ts.tv_sec} * 1'000'000'000 + ts.tv_nsec;
 }
 
-enum Kind : int64_t { kHit = 0, kHalf = 1, kMiss = 2 };
+enum Kind : int64_t { kHit = 0, kHalf = 1, kMiss = 2, kStaggered = 3 };
+
+// 256 prompts of a kind (routed in turn).
+std::vector<std::vector<uint64_t>> Prompts(Kind kind, uint32_t docs) {
+  std::vector<std::vector<uint64_t>> prompts;
+  for (uint32_t i = 0; i < 256; ++i) {
+    const uint64_t doc = Mix(i) % docs;
+    std::vector<uint64_t> h = Doc(doc);
+    if (kind == kHalf) {
+      const std::vector<uint64_t> fresh = Doc(1'000'000 + i);
+      std::copy(fresh.begin() + kBlocksPerPrompt / 2, fresh.end(), h.begin() + kBlocksPerPrompt / 2);
+    } else if (kind == kMiss) {
+      h = Doc(2'000'000 + i);
+    } else if (kind == kStaggered) {
+      h = Doc(kDocs + i % kStaggeredDocs);
+    }
+    prompts.push_back(std::move(h));
+  }
+  return prompts;
+}
 
 // Args: prompt kind, aggregated (0/1), policy.
 void BM_Route(benchmark::State& state) {
@@ -125,19 +161,7 @@ void BM_Route(benchmark::State& state) {
   auto& fleet = fleets[aggregated][static_cast<int>(policy)];
   if (!fleet) fleet = std::make_unique<BenchFleet>(aggregated, policy);
 
-  // 256 prompts of the kind, routed in turn.
-  std::vector<std::vector<uint64_t>> prompts;
-  for (uint32_t i = 0; i < 256; ++i) {
-    const uint64_t doc = Mix(i) % kDocs;
-    std::vector<uint64_t> h = Doc(doc);
-    if (kind == kHalf) {
-      const std::vector<uint64_t> fresh = Doc(1'000'000 + i);
-      std::copy(fresh.begin() + kBlocksPerPrompt / 2, fresh.end(), h.begin() + kBlocksPerPrompt / 2);
-    } else if (kind == kMiss) {
-      h = Doc(2'000'000 + i);
-    }
-    prompts.push_back(std::move(h));
-  }
+  const std::vector<std::vector<uint64_t>> prompts = Prompts(kind, kDocs);
   std::vector<double> ns, cpu_ns;
   ns.reserve(1 << 20);
   cpu_ns.reserve(1 << 20);
@@ -176,31 +200,45 @@ BENCHMARK(BM_Route)
     ->Args({kHit, 0, static_cast<int64_t>(Policy::kKvAware)})
     ->Args({kHalf, 0, static_cast<int64_t>(Policy::kKvAware)})
     ->Args({kMiss, 0, static_cast<int64_t>(Policy::kKvAware)})
+    ->Args({kStaggered, 0, static_cast<int64_t>(Policy::kKvAware)})
     ->Args({kHit, 1, static_cast<int64_t>(Policy::kKvAware)})
     ->Args({kHit, 0, static_cast<int64_t>(Policy::kLeastLoaded)})
     ->Args({kHit, 0, static_cast<int64_t>(Policy::kRoundRobin)})
     ->Unit(benchmark::kMicrosecond);
 
-// Overlap lookup alone (the index part of a route), for a cached 512-block
-// prompt, with the full index (range(0) = 2048 documents, 64 MiB of table)
-// and with one that fits in L2 (32 documents).
+// Overlap lookup alone (the index part of a route) for 512-block prompts,
+// with the full index (2048 documents, 64 MiB of table) or one that fits in
+// L2 (32 documents). Args: documents, prompt kind (hit or staggered),
+// method (0: Overlap's search, 1: OverlapEveryBlock, reading block by block
+// until every holder missed). Items = the prompt's 512 blocks.
 void BM_Overlap(benchmark::State& state) {
   const uint32_t docs = static_cast<uint32_t>(state.range(0));
+  const Kind kind = static_cast<Kind>(state.range(1));
+  const bool every_block = state.range(2) != 0;
   BenchFleet fleet(false, Policy::kKvAware, docs);
-  std::vector<std::vector<uint64_t>> prompts;
-  for (uint32_t i = 0; i < 256; ++i) prompts.push_back(Doc(Mix(i) % docs));
+  const std::vector<std::vector<uint64_t>> prompts = Prompts(kind, docs);
   OverlapBlocks out;
   uint64_t i = 0;
   for (auto _ : state) {
-    fleet.router->index().Overlap(prompts[i++ % prompts.size()], &out);
+    const std::vector<uint64_t>& h = prompts[i++ % prompts.size()];
+    if (every_block) {
+      fleet.router->index().OverlapEveryBlock(h, &out);
+    } else {
+      fleet.router->index().Overlap(h, &out);
+    }
     benchmark::DoNotOptimize(out.data());
   }
   state.SetItemsProcessed(static_cast<int64_t>(state.iterations()) * kBlocksPerPrompt);
 }
-BENCHMARK(BM_Overlap)->ArgName("docs")->Arg(2048)->Arg(32)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Overlap)
+    ->ArgNames({"docs", "prompt", "every_block"})
+    ->Args({2048, kHit, 0})->Args({2048, kHit, 1})
+    ->Args({2048, kStaggered, 0})->Args({2048, kStaggered, 1})
+    ->Args({32, kHit, 0})->Args({32, kHit, 1})
+    ->Unit(benchmark::kMicrosecond);
 
 // Yardstick: 512 prefetched reads of random lines of a 64 MiB buffer on
-// huge pages, the memory floor of a 512-block lookup.
+// huge pages, the memory floor of a block-by-block 512-block lookup.
 void BM_RandomLines(benchmark::State& state) {
   constexpr size_t kBytes = size_t{64} << 20;
   char* buf = static_cast<char*>(std::aligned_alloc(size_t{2} << 20, kBytes));

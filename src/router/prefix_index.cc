@@ -389,21 +389,12 @@ void PrefixIndex::DropWorkerEntries(WorkerId worker) {
   }
 }
 
-void PrefixIndex::Overlap(std::span<const uint64_t> block_hashes, OverlapBlocks* out) const {
-  out->fill(0);
-  const size_t n = block_hashes.size();
-  // Lookups go in chunks growing from 32 to 512 blocks: every block's slot
-  // is prefetched first, then the hashes are grouped by shard so that each
-  // shard's lock is taken once per chunk, and the walk stops after the
-  // chunk where the last worker missed.
-  std::array<WorkerMask, kMaxChunk> masks;  // [chunk]: holders of each block
+void PrefixIndex::LookupMany(const uint64_t* hashes, size_t n, WorkerMask* masks) const {
   ShardGroups groups;
-  WorkerMask alive;
-  size_t begin = 0;
-  size_t chunk = 32;
-  while (begin < n) {
-    const size_t len = std::min(n - begin, chunk);
-    const uint64_t* h = block_hashes.data() + begin;
+  for (size_t begin = 0; begin < n; begin += kMaxChunk) {
+    const size_t len = std::min(n - begin, kMaxChunk);
+    const uint64_t* h = hashes + begin;
+    WorkerMask* m = masks + begin;
     for (size_t i = 0; i < len; ++i) shards_[ShardOf(h[i])]->PrefetchHint(h[i]);
     groups.Build(h, len, &ShardOf);
     for (uint32_t s = 0; s < kNumShards; ++s) {
@@ -411,9 +402,24 @@ void PrefixIndex::Overlap(std::span<const uint64_t> block_hashes, OverlapBlocks*
       const Shard& shard = *shards_[s];
       std::shared_lock lock(shard.mu);
       for (uint32_t k = groups.start[s]; k < groups.start[s + 1]; ++k) {
-        masks[groups.order[k]] = shard.Get(h[groups.order[k]]);
+        m[groups.order[k]] = shard.Get(h[groups.order[k]]);
       }
     }
+  }
+}
+
+void PrefixIndex::OverlapEveryBlock(std::span<const uint64_t> block_hashes, OverlapBlocks* out) const {
+  out->fill(0);
+  const size_t n = block_hashes.size();
+  // Lookups go in chunks growing from 32 to 512 blocks, and the walk stops
+  // after the chunk where the last worker missed.
+  std::array<WorkerMask, kMaxChunk> masks;  // [chunk]: holders of each block
+  WorkerMask alive;
+  size_t begin = 0;
+  size_t chunk = 32;
+  while (begin < n) {
+    const size_t len = std::min(n - begin, chunk);
+    LookupMany(block_hashes.data() + begin, len, masks.data());
     for (size_t i = 0; i < len; ++i) {
       const WorkerMask& m = masks[i];
       if (begin + i == 0) {
@@ -429,6 +435,94 @@ void PrefixIndex::Overlap(std::span<const uint64_t> block_hashes, OverlapBlocks*
     chunk = std::min(chunk * 4, kMaxChunk);
   }
   alive.ForEach([&](WorkerId w) { (*out)[w] = static_cast<uint32_t>(n); });
+}
+
+namespace {
+
+// Workers `who` hold block `lo` and miss block `hi` (hi may be the prompt's
+// length: past the end); each one's answer lies in (lo, hi].
+struct Gap {
+  uint32_t lo = 0, hi = 0;
+  WorkerMask who;
+  uint32_t probes_begin = 0, probes_end = 0;  // its probes in this round
+};
+
+// Gaps each probed interval is cut into per round.
+constexpr uint32_t kFanout = 16;
+
+struct SearchScratch {
+  std::vector<uint32_t> pos;      // [probes]: block positions, ascending within a gap
+  std::vector<uint64_t> keys;     // [probes]: their hashes
+  std::vector<WorkerMask> masks;  // [probes]: their holders
+  std::vector<Gap> gaps, next;
+};
+
+}  // namespace
+
+void PrefixIndex::Overlap(std::span<const uint64_t> block_hashes, OverlapBlocks* out) const {
+  const size_t n = block_hashes.size();
+  if (n <= kEveryBlockMax) {
+    OverlapEveryBlock(block_hashes, out);
+    return;
+  }
+  out->fill(0);
+  thread_local SearchScratch t;  // no allocation once warm
+  const auto lookup = [&] {
+    t.keys.resize(t.pos.size());
+    t.masks.resize(t.pos.size());
+    for (size_t i = 0; i < t.pos.size(); ++i) t.keys[i] = block_hashes[t.pos[i]];
+    LookupMany(t.keys.data(), t.keys.size(), t.masks.data());
+  };
+  // Walks one gap's probes in order: a worker leaves `alive` at its first
+  // missed probe, giving the smaller gap (previous probe, that probe].
+  // Gaps one block wide are answered at once.
+  const auto split = [&](uint32_t lo, WorkerMask alive, uint32_t hi, uint32_t begin, uint32_t end) {
+    uint32_t prev = lo;
+    const auto emit = [&](const WorkerMask& who, uint32_t gap_hi) {
+      if (gap_hi == prev + 1) {
+        who.ForEach([&](WorkerId w) { (*out)[w] = gap_hi; });
+      } else {
+        t.next.push_back(Gap{prev, gap_hi, who});
+      }
+    };
+    for (uint32_t k = begin; k < end; ++k) {
+      const WorkerMask dropped = alive.AndNot(t.masks[k]);
+      if (dropped.Any()) emit(dropped, t.pos[k]);
+      alive &= t.masks[k];
+      if (!alive.Any()) return;
+      prev = t.pos[k];
+    }
+    emit(alive, hi);
+  };
+
+  // Round 1: block 0, the last block and 15 evenly spaced between them.
+  const uint32_t last = static_cast<uint32_t>(n - 1);
+  t.pos.clear();
+  for (uint32_t k = 0; k <= kFanout; ++k) t.pos.push_back(static_cast<uint32_t>(uint64_t{last} * k / kFanout));
+  lookup();
+  t.next.clear();
+  // Workers missing block 0 keep 0; the others start alive at block 0.
+  split(0, t.masks[0], static_cast<uint32_t>(n), 1, static_cast<uint32_t>(t.pos.size()));
+
+  // Later rounds: 15 evenly spaced blocks inside each open gap, or all of
+  // its blocks when it has at most 16; every gap's probes in one lookup.
+  while (!t.next.empty()) {
+    t.gaps.swap(t.next);
+    t.next.clear();
+    t.pos.clear();
+    for (Gap& g : t.gaps) {
+      g.probes_begin = static_cast<uint32_t>(t.pos.size());
+      const uint32_t width = g.hi - g.lo;  // > 1
+      if (width <= kFanout) {
+        for (uint32_t p = g.lo + 1; p < g.hi; ++p) t.pos.push_back(p);
+      } else {
+        for (uint32_t k = 1; k < kFanout; ++k) t.pos.push_back(g.lo + static_cast<uint32_t>(uint64_t{width} * k / kFanout));
+      }
+      g.probes_end = static_cast<uint32_t>(t.pos.size());
+    }
+    lookup();
+    for (const Gap& g : t.gaps) split(g.lo, g.who, g.hi, g.probes_begin, g.probes_end);
+  }
 }
 
 WorkerMask PrefixIndex::Holders(uint64_t hash) const {

@@ -4,6 +4,8 @@
 
 #include <atomic>
 #include <numeric>
+#include <random>
+#include <algorithm>
 #include <thread>
 #include <vector>
 
@@ -105,6 +107,124 @@ TEST(PrefixIndexTest, RemovalsLeaveTombstonesThatInsertsReuse) {
   }
   EXPECT_EQ(OverlapOf(index, 1, all), 10u);
   EXPECT_EQ(index.BlocksOf(0), 20000u);
+}
+
+// Overlap searches (probes a few blocks per round) for prompts longer than
+// kEveryBlockMax. When every worker's blocks of the prompt's chain form a
+// prefix (what the engine's eviction order keeps), the answer must equal
+// the block-by-block walk exactly. Random fleets: per worker a held length
+// drawn to hit the edges (0, 1, n-1, n, next to a probe) and spots between.
+TEST(PrefixIndexTest, SearchEqualsTheBlockByBlockWalkWhenHoldingsArePrefixes) {
+  std::mt19937_64 rng(7);
+  uint64_t checked = 0;
+  for (uint64_t trial = 0; trial < 300; ++trial) {
+    const uint32_t n = std::uniform_int_distribution<uint32_t>(1, 1500)(rng);
+    const uint32_t workers = std::uniform_int_distribution<uint32_t>(1, 40)(rng);
+    PrefixIndex index;
+    const std::vector<uint64_t> q = Chain(trial * 100000, n);
+    std::vector<uint32_t> held(workers);
+    for (WorkerId w = 0; w < workers; ++w) {
+      ASSERT_TRUE(index.AddWorker(w, 1).ok());
+      const uint32_t edges[] = {0, 1, n - 1, n, n / 16, n / 16 + 1, (n - 1) / 16 * 3, n / 2};
+      held[w] = rng() % 2 ? edges[rng() % 8] : std::uniform_int_distribution<uint32_t>(0, n)(rng);
+      held[w] = std::min(held[w], n);
+      // Other chains too, so the table is not just this prompt.
+      const std::vector<uint64_t> other = Chain(trial * 100000 + 50000 + w * 100, 30);
+      ASSERT_EQ(*index.Apply(w, Stored(1, 1, other)), EventResult::kApplied);
+      if (held[w] > 0) {
+        ASSERT_EQ(*index.Apply(w, Stored(1, 2, std::span(q).first(held[w]))), EventResult::kApplied);
+      }
+    }
+    OverlapBlocks search, walk;
+    index.Overlap(q, &search);
+    index.OverlapEveryBlock(q, &walk);
+    for (WorkerId w = 0; w < kMaxWorkers; ++w) {
+      ASSERT_EQ(search[w], walk[w]) << "trial " << trial << " n " << n << " worker " << w;
+      if (w < workers) {
+        ASSERT_EQ(search[w], held[w]) << "trial " << trial << " n " << n << " worker " << w;
+      }
+    }
+    checked += workers;
+  }
+  EXPECT_GT(checked, 3000u);
+}
+
+// With a hole (a worker holds block i+1 but not block i: an event half
+// applied, or the engine corner case of docs/router.md) the search may
+// answer past the hole. What it promises, checked on random holdings with
+// holes: the answer p is a drop-out point of the worker (it holds block p-1
+// or p = 0, and misses block p or p = n), never before the first miss, and
+// it never shrinks as the worker stores more blocks.
+TEST(PrefixIndexTest, SearchWithHolesAnswersADropOutPointThatNeverShrinks) {
+  std::mt19937_64 rng(11);
+  constexpr WorkerId kWorkers = 6;
+  for (uint64_t trial = 0; trial < 40; ++trial) {
+    const uint32_t n = std::uniform_int_distribution<uint32_t>(49, 700)(rng);
+    const std::vector<uint64_t> q = Chain(trial * 10000, n);
+    PrefixIndex index;
+    std::vector<std::vector<bool>> holds(kWorkers, std::vector<bool>(n, false));
+    std::vector<uint64_t> next_id(kWorkers, 1);
+    std::vector<uint32_t> previous(kWorkers, 0);
+    for (WorkerId w = 0; w < kWorkers; ++w) ASSERT_TRUE(index.AddWorker(w, 1).ok());
+    // Blocks arrive in random order, one event each, so every state in
+    // between has holes; check after each few.
+    std::vector<std::pair<WorkerId, uint32_t>> order;
+    for (WorkerId w = 0; w < kWorkers; ++w) {
+      const uint32_t upto = std::uniform_int_distribution<uint32_t>(0, n)(rng);
+      for (uint32_t i = 0; i < upto; ++i) order.emplace_back(w, i);
+    }
+    std::shuffle(order.begin(), order.end(), rng);
+    for (size_t k = 0; k < order.size(); ++k) {
+      const auto [w, i] = order[k];
+      ASSERT_EQ(*index.Apply(w, Stored(1, next_id[w]++, std::span(q).subspan(i, 1))), EventResult::kApplied);
+      holds[w][i] = true;
+      if (k % 7 != 0 && k + 1 != order.size()) continue;
+      OverlapBlocks search, walk;
+      index.Overlap(q, &search);
+      index.OverlapEveryBlock(q, &walk);
+      for (WorkerId v = 0; v < kWorkers; ++v) {
+        const uint32_t p = search[v];
+        ASSERT_LE(p, n);
+        EXPECT_TRUE(p == 0 || holds[v][p - 1]) << "trial " << trial << " worker " << v << " p " << p;
+        EXPECT_TRUE(p == n || !holds[v][p]) << "trial " << trial << " worker " << v << " p " << p;
+        EXPECT_GE(p, walk[v]) << "trial " << trial << " worker " << v;
+        EXPECT_GE(p, previous[v]) << "trial " << trial << " worker " << v << ": answer shrank";
+        previous[v] = p;
+      }
+    }
+    // Every worker's blocks are a prefix again: both agree.
+    OverlapBlocks search, walk;
+    index.Overlap(q, &search);
+    index.OverlapEveryBlock(q, &walk);
+    for (WorkerId v = 0; v < kWorkers; ++v) {
+      uint32_t first_miss = 0;
+      while (first_miss < n && holds[v][first_miss]) ++first_miss;
+      EXPECT_EQ(walk[v], first_miss);
+      if (std::find(holds[v].begin() + first_miss, holds[v].end(), true) == holds[v].end()) {
+        EXPECT_EQ(search[v], first_miss) << "trial " << trial << " worker " << v;
+      }
+    }
+  }
+}
+
+// A known hole the search skips: 100 blocks held except block 5. The
+// block-by-block walk says 5; the search probes blocks 0, 6, 12, ... and
+// answers 100 (documented: a routing hint that over-counts until the hole
+// is filled or the tail is evicted).
+TEST(PrefixIndexTest, SearchSkipsAHoleBetweenProbesWalkDoesNot) {
+  PrefixIndex index;
+  ASSERT_TRUE(index.AddWorker(0, 1).ok());
+  const std::vector<uint64_t> q = Chain(0, 100);
+  std::vector<uint64_t> held = q;
+  held.erase(held.begin() + 5);
+  ASSERT_EQ(*index.Apply(0, Stored(1, 1, held)), EventResult::kApplied);
+  OverlapBlocks search, walk;
+  index.Overlap(q, &search);
+  index.OverlapEveryBlock(q, &walk);
+  EXPECT_EQ(walk[0], 5u);
+  EXPECT_EQ(search[0], 100u);
+  // A short prompt (<= kEveryBlockMax blocks) is read whole.
+  EXPECT_EQ(OverlapOf(index, 0, std::span(q).first(PrefixIndex::kEveryBlockMax)), 5u);
 }
 
 // The event-stream rules, as sequences of events for worker 0 (registered
