@@ -17,6 +17,9 @@ void RegisterWorker(CLI::App& app, GlobalOptions& g, const std::string& role) {
   cmd->add_option("--grpc", opts->grpc, "host:port to serve gRPC on");
   cmd->add_option("--metrics", opts->metrics, "host:port to serve /metrics on");
   cmd->add_option("--name", opts->name, "worker name in logs and metrics (default: ROLE-PORT)");
+  cmd->add_option("--node", opts->node,
+                  "router label: the host this worker runs on (default: the role section's node)");
+  cmd->add_option("--zone", opts->zone, "router label: its zone (default: the role section's zone)");
   cmd->add_option("--drain-seconds", opts->drain_seconds,
                   "on SIGTERM/SIGINT, how long in-flight requests may take to finish")
       ->check(CLI::Range(0.0, 3600.0));

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -14,13 +15,30 @@ namespace {
 
 namespace fs = std::filesystem;
 
+}  // namespace
+
+Status CheckRouterLabel(std::string_view field, std::string_view value) {
+  const bool chars_ok = std::all_of(value.begin(), value.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+           c == '_' || c == '-';
+  });
+  if (value.size() > kMaxLabelChars || !chars_ok) {
+    return InvalidArgumentError(fmt::format(
+        "{} must be at most {} characters of A-Z a-z 0-9 . _ -, got '{}' ({} characters)", field,
+        kMaxLabelChars, value.substr(0, 80), value.size()));
+  }
+  return Status::Ok();
+}
+
+namespace {
+
 void ReadRole(YamlMap m, RoleConfig& r) {
   m.Read("replicas", r.replicas, 0, 256);
   m.ReadAddress("grpc", r.grpc);
   m.ReadAddress("metrics", r.metrics);
   m.Read("num_blocks", r.num_blocks, 0, 1u << 24);
-  m.Read("node", r.node);
-  m.Read("zone", r.zone);
+  m.ReadLabel("node", r.node);
+  m.ReadLabel("zone", r.zone);
   m.Finish();
 }
 

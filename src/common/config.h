@@ -5,8 +5,10 @@
 // file, the line and the key.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "common/status.h"
 
@@ -122,6 +124,12 @@ struct FleetConfig {
 
   std::string source_path;  // the file this was read from ("" for strings)
 };
+
+// A router label value (`node`, `zone`): empty (unset) or 1..63 characters
+// of A-Z a-z 0-9 . _ - (a Kubernetes label value without the
+// start/end rule). InvalidArgument naming `field` and the limit otherwise.
+inline constexpr size_t kMaxLabelChars = 63;
+Status CheckRouterLabel(std::string_view field, std::string_view value);
 
 // Reads and validates a fleet file. Relative paths inside it resolve against
 // the file's folder. On error the Status message holds one line per problem,

@@ -6,6 +6,7 @@
 #include <charconv>
 #include <map>
 
+#include "common/config.h"
 #include "common/net.h"
 
 namespace tandem {
@@ -184,6 +185,22 @@ void YamlMap::ReadAddress(std::string_view key, std::string& out) {
   auto parsed = ParseHostPort(s);
   if (!parsed.ok()) {
     errors_->Add(LineOf(n), fmt::format("key '{}': {}", Dotted(key), parsed.status().message()));
+    return;
+  }
+  out = s;
+}
+
+void YamlMap::ReadLabel(std::string_view key, std::string& out) {
+  YAML::Node n = Get(key);
+  if (!n.IsDefined()) return;
+  std::string s;
+  if (!n.IsScalar()) {
+    errors_->Add(LineOf(n), fmt::format("key '{}': expected a string", Dotted(key)));
+    return;
+  }
+  s = n.Scalar();
+  if (Status st = CheckRouterLabel(fmt::format("key '{}'", Dotted(key)), s); !st.ok()) {
+    errors_->Add(LineOf(n), std::string(st.message()));
     return;
   }
   out = s;

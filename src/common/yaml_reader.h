@@ -50,6 +50,8 @@ class YamlMap {
                 std::initializer_list<std::string_view> allowed);
   // "host:port", port 0..65535 (0 = pick a free port).
   void ReadAddress(std::string_view key, std::string& out);
+  // A router label value (CheckRouterLabel in common/config.h).
+  void ReadLabel(std::string_view key, std::string& out);
   // Marks `key` as required: an error if it is absent.
   void Require(std::string_view key);
   YamlMap Sub(std::string_view key);

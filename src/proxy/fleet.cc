@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include "common/config.h"
+
 namespace tandem::proxy {
 
 Fleet::Fleet(FleetRequirements req, std::unique_ptr<router::Router> router)
@@ -32,6 +34,9 @@ Status Fleet::Register(const WorkerRecord& w) {
     return refuse(fmt::format("KV dtype '{}' differs from the fleet's '{}'", w.kv_dtype,
                               req_.kv_dtype));
   }
+  for (const auto& [label, value] : {std::pair{"label 'node'", &w.node}, std::pair{"label 'zone'", &w.zone}}) {
+    if (Status st = CheckRouterLabel(label, *value); !st.ok()) return refuse(st.message());
+  }
   std::lock_guard lock(mu_);
   if (block_bytes_ != 0 && w.block_bytes != block_bytes_) {
     return refuse(fmt::format("KV block of {} bytes differs from the fleet's {} bytes",
@@ -56,8 +61,8 @@ Status Fleet::Register(const WorkerRecord& w) {
   workers_[w.name] = w;
   names_[*id] = w.name;
   if (metrics_) metrics_->AddWorker(w.name, w.role, router_->policy());
-  spdlog::info("worker {} ({}) joined at {}", w.name, router::WorkerRoleName(w.role),
-               w.grpc_address);
+  spdlog::info("worker {} ({}) joined at {} (node '{}', zone '{}')", w.name,
+               router::WorkerRoleName(w.role), w.grpc_address, info.node, info.zone);
   return Status::Ok();
 }
 

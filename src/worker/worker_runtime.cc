@@ -274,6 +274,10 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   id.num_blocks = eo.num_blocks;
   id.epoch = w.engine->events().epoch();
   id.transport_backend = w.transport->capabilities().backend;
+  // Router labels: the command line's, else the role section's; unset ones
+  // are not sent (the proxy then applies its own fleet file's).
+  if (const std::string& node = cmd.node.empty() ? rc.node : cmd.node; !node.empty()) id.labels["node"] = node;
+  if (const std::string& zone = cmd.zone.empty() ? rc.zone : cmd.zone; !zone.empty()) id.labels["zone"] = zone;
   Worker* self = &w;
   w.worker_service = std::make_unique<WorkerService>(
       id, *w.engine, [self] { return self->Load(); }, [self] { self->UpdateMetrics(); });
@@ -332,6 +336,12 @@ int RunWorker(const WorkerCommand& cmd) {
   sigaddset(&stop_set, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop_set, nullptr);
 
+  for (const auto& [flag, value] : {std::pair{"--node", &cmd.node}, std::pair{"--zone", &cmd.zone}}) {
+    if (Status s = CheckRouterLabel(flag, *value); !s.ok()) {
+      std::cerr << fmt::format("tandem {}: {}\n", cmd.role, s.message());
+      return 1;
+    }
+  }
   auto w = std::make_unique<Worker>();
   auto fleet = LoadFleetConfig(cmd.config_path);
   if (!fleet.ok()) {

@@ -26,6 +26,8 @@ struct WorkerCommand {
   std::string grpc;         // empty: the role section's
   std::string metrics;      // empty: the role section's
   std::string name;         // empty: ROLE-PORT (or ROLE-PID with port 0)
+  std::string node;         // router label; empty: the role section's `node`
+  std::string zone;         // router label; empty: the role section's `zone`
   int ready_fd = -1;
   std::string log_level;    // empty: the config's
   std::string log_format;   // empty: the config's

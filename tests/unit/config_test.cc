@@ -96,6 +96,17 @@ TEST(Config, BadValuesNameKeyAndLimit) {
       ErrorOf("model:\n  path: m\ntransport:\n  lease_seconds: -1\nboth:\n  replicas: 1\n"),
       "configs/x.yaml:4: key 'transport.lease_seconds' must be a number in [0.1, 86400], got "
       "'-1'");
+  EXPECT_EQ(ErrorOf("model:\n  path: m\nboth:\n  replicas: 1\n  node: host a\n"),
+            "configs/x.yaml:5: key 'both.node' must be at most 63 characters of A-Z a-z 0-9 . _ -, "
+            "got 'host a' (6 characters)");
+  EXPECT_EQ(ErrorOf("model:\n  path: m\nboth:\n  replicas: 1\n  zone: " + std::string(64, 'z') + "\n"),
+            "configs/x.yaml:5: key 'both.zone' must be at most 63 characters of A-Z a-z 0-9 . _ -, "
+            "got '" + std::string(64, 'z') + "' (64 characters)");
+  auto ok = Parse("model:\n  path: m\nprefill:\n  replicas: 1\n  node: gpu-node_3.rack-a\n"
+                  "  zone: " + std::string(63, 'z') + "\ndecode:\n  replicas: 1\n");
+  ASSERT_TRUE(ok.ok()) << ok.status().message();
+  EXPECT_EQ(ok->prefill.node, "gpu-node_3.rack-a");
+  EXPECT_EQ(ok->prefill.zone, std::string(63, 'z'));
 }
 
 TEST(Config, EveryErrorIsReported) {

@@ -267,7 +267,9 @@ TEST(Failure, KillPrefillerThenDecoderUnderLoad) {
 // A decoder joins a running fleet and serves; another block size is refused.
 TEST(Failure, JoinedDecoderServesAndMismatchIsRefused) {
   if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
-  auto fleet = Fleet::Launch(FailureFleet(1, 1));
+  FleetOptions o = FailureFleet(1, 1);
+  o.log_level = "info";  // the proxy's "joined" line
+  auto fleet = Fleet::Launch(o);
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
   const std::string dir = std::filesystem::path((*fleet)->config_path()).parent_path();
 
@@ -305,7 +307,8 @@ TEST(Failure, JoinedDecoderServesAndMismatchIsRefused) {
     const std::string bin = Tandem(), ready = std::to_string(fds[1]);
     execl(bin.c_str(), bin.c_str(), "decode", "--config", (*fleet)->config_path().c_str(),
           "--join", (*fleet)->proxy_grpc().c_str(), "--grpc", "127.0.0.1:0", "--metrics",
-          "127.0.0.1:0", "--name", "decode-late", "--ready-fd", ready.c_str(), nullptr);
+          "127.0.0.1:0", "--name", "decode-late", "--node", "host-b", "--zone", "rack-2",
+          "--ready-fd", ready.c_str(), nullptr);
     _exit(127);
   }
   close(fds[1]);
@@ -342,6 +345,12 @@ TEST(Failure, JoinedDecoderServesAndMismatchIsRefused) {
               queried);
   EXPECT_GT(steps, 0) << "the joined decoder decoded nothing";
   EXPECT_GT(queried, 0) << "the joined decoder reserved nothing";
+  // The proxy took the labels it gave on the command line.
+  const std::string proxy_log = ReadFile((*fleet)->log_path());
+  const auto joined = proxy_log.find("worker decode-late (decode) joined at ");
+  ASSERT_NE(joined, std::string::npos) << proxy_log;
+  const std::string joined_line = proxy_log.substr(joined, proxy_log.find('\n', joined) - joined);
+  EXPECT_NE(joined_line.find("(node 'host-b', zone 'rack-2')"), std::string::npos) << joined_line;
 }
 
 // A prefiller stopped (SIGSTOP) while it holds a decoder reservation: the

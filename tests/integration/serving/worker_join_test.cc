@@ -3,6 +3,9 @@
 // a Registry itself (the proxy's own tests cover the real one).
 #include <sys/wait.h>
 
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <mutex>
 
 #include "common/rpc_server.h"
@@ -47,13 +50,15 @@ class WorkerJoinTest : public ::testing::Test {
     std::error_code ec;
     fs::remove_all(dir_, ec);
   }
-  Result<cli::Child*> StartJoining(cli::Supervisor& sup, const std::string& registry) {
+  Result<cli::Child*> StartJoining(cli::Supervisor& sup, const std::string& registry,
+                                   const std::vector<std::string>& extra = {}) {
     cli::ChildSpec spec;
     spec.name = "decode-join";
     spec.role = "decode";
     spec.argv = {std::string(TANDEM_BINARY_DIR) + "/tandem", "--log-level", "warn", "decode",
                  "--config", fleet_, "--name", "decode-join", "--join", registry, "--grpc",
                  "127.0.0.1:0", "--metrics", "127.0.0.1:0"};
+    spec.argv.insert(spec.argv.end(), extra.begin(), extra.end());
     return sup.Start(std::move(spec), 60s);
   }
   fs::path dir_;
@@ -80,7 +85,39 @@ TEST_F(WorkerJoinTest, RegistersItsRealAddressesAndGeometryBeforeReady) {
   EXPECT_EQ(w.transport_backend(), "ucx");
   EXPECT_EQ(w.protocol_version(), 1u);
   EXPECT_NE(w.epoch(), 0u);
+  EXPECT_TRUE(w.labels().empty());  // no --node/--zone and none in the role section
   EXPECT_EQ(sup.StopAll(10s), 0);
+}
+
+// A worker started alone on another host names its node and zone; the
+// proxy's router uses them for the pair's link estimate (docs/router.md).
+TEST_F(WorkerJoinTest, SendsItsNodeAndZoneLabels) {
+  FakeRegistry registry("");
+  auto server = RpcServer::Start("127.0.0.1:0", {&registry});
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  cli::Supervisor sup;
+  auto child = StartJoining(sup, (*server)->address(), {"--node", "host-b", "--zone", "rack-2"});
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+  const auto seen = registry.seen();
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_EQ(seen[0].labels().size(), 2u);
+  EXPECT_EQ(seen[0].labels().at("node"), "host-b");
+  EXPECT_EQ(seen[0].labels().at("zone"), "rack-2");
+  EXPECT_EQ(sup.StopAll(10s), 0);
+}
+
+TEST_F(WorkerJoinTest, BadNodeLabelExitsOneNamingTheFlag) {
+  const fs::path err = dir_ / "stderr.txt";
+  const std::string cmd = std::string(TANDEM_BINARY_DIR) + "/tandem decode --config " + fleet_ +
+                          " --grpc 127.0.0.1:0 --metrics 127.0.0.1:0 --node 'host b' 2> " + err.string();
+  const int rc = std::system(cmd.c_str());
+  ASSERT_TRUE(WIFEXITED(rc));
+  EXPECT_EQ(WEXITSTATUS(rc), 1);
+  std::ifstream in(err);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("--node must be at most 63 characters of A-Z a-z 0-9 . _ -, got 'host b'"),
+            std::string::npos)
+      << text;
 }
 
 TEST_F(WorkerJoinTest, RefusalIsPrintedAndExitsOne) {

@@ -392,8 +392,24 @@ TEST_F(LifecycleTest, FleetRefusesMismatchedWorkersNamingTheField) {
   st = fleet_->Register(w);
   EXPECT_NE(st.message().find("KV dtype 'bf16' differs from the fleet's 'f32'"), std::string::npos)
       << st.message();
+  w = worker();
+  w.node = "rack a";
+  st = fleet_->Register(w);
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(st.message().find("label 'node' must be at most 63 characters of A-Z a-z 0-9 . _ -, got "
+                              "'rack a'"),
+            std::string::npos)
+      << st.message();
+  w = worker();
+  w.zone = std::string(100, 'z');
+  st = fleet_->Register(w);
+  EXPECT_NE(st.message().find("label 'zone' must be at most 63 characters"), std::string::npos)
+      << st.message();
   EXPECT_TRUE(fleet_->Workers().empty());  // none of them joined
-  EXPECT_TRUE(fleet_->Register(worker()).ok());
+  w = worker();
+  w.node = "host-b";
+  w.zone = "zone-1";
+  EXPECT_TRUE(fleet_->Register(w).ok());
 }
 
 }  // namespace
