@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <numeric>
+#include <random>
+#include <set>
 
 #include "common/block_hash.h"
 #include "engine/kv_events.h"
@@ -129,6 +131,89 @@ TEST(BlockManagerTest, DuplicateHashStaysPrivateAndIsFreed) {
   bm.Release(a);
   EXPECT_EQ(bm.num_free_blocks(), 4u);
   EXPECT_EQ(bm.num_cached_blocks(), 1u);
+}
+
+// The router's prefix search (docs/router.md, "Prefix index") relies on
+// this: a worker's cached blocks of one chain form a prefix of it, i.e.
+// every committed block's parent is committed too. Random workload on a
+// small pool (constant eviction): sequences built from 4 documents with
+// random shared lengths and private tails, each committing its blocks as
+// soon as it has them (so none computes a block another one already
+// holds), up to 3 alive at once, released in random order.
+TEST(BlockManagerTest, CachedBlocksOfAChainFormAPrefixUnderEviction) {
+  KvEventPublisher events(1);
+  BlockManager bm(24, kBs, &events);
+  const uint64_t root = 99;
+  std::mt19937 rng(5);
+  struct Live {
+    std::vector<uint32_t> blocks;
+  };
+  std::vector<Live> live;
+  uint64_t evictions = 0, reused = 0;
+  for (int step = 0; step < 3000; ++step) {
+    if (!live.empty() && (live.size() >= 3 || rng() % 2 == 0)) {
+      const size_t k = rng() % live.size();
+      bm.Release(live[k].blocks);
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
+    } else {
+      const uint32_t doc = rng() % 4;
+      const uint32_t shared = kBs * (rng() % 6);
+      std::vector<uint32_t> tokens = Seq(shared, 1000 * (doc + 1));
+      const uint32_t tail = kBs * (1 + rng() % 3);
+      for (uint32_t i = 0; i < tail; ++i) tokens.push_back(50000 + static_cast<uint32_t>(rng() % 7));
+      const auto hashes = HashBlocks(root, tokens, kBs);
+      const uint32_t n = static_cast<uint32_t>(hashes.size());
+      std::vector<uint32_t> blocks = bm.AcquireCachedPrefix(hashes, tokens, n);
+      const uint32_t cached = static_cast<uint32_t>(blocks.size());
+      reused += cached;
+      auto fresh = bm.Allocate(n - cached);
+      if (!fresh.ok()) {
+        bm.Release(blocks);
+        continue;
+      }
+      blocks.insert(blocks.end(), fresh->begin(), fresh->end());
+      bm.Commit(blocks, hashes, tokens, cached, n - cached, root);
+      live.push_back({std::move(blocks)});
+    }
+    for (const auto& e : events.Drain()) evictions += e.kind == KvEventKind::kRemoved ? e.hashes.size() : 0;
+    const KvSnapshot snap = bm.Snapshot();
+    std::set<uint64_t> committed;
+    for (const auto& b : snap.blocks) committed.insert(b.hash);
+    for (const auto& b : snap.blocks) {
+      ASSERT_TRUE(b.parent_hash == root || committed.count(b.parent_hash))
+          << "step " << step << ": block " << b.hash << " cached without its parent " << b.parent_hash;
+    }
+  }
+  EXPECT_GT(evictions, 500u);  // the pool was under pressure
+  EXPECT_GT(reused, 500u);     // and prefixes were shared
+}
+
+// The one way a hole appears (documented in docs/router.md): two sequences
+// compute the same block at the same time; the second one's copy stays
+// private, its next block is committed under the first one's chain, and
+// evicting the first one's blocks leaves that next block without its
+// parent. The engine's own lookup stops at the hole.
+TEST(BlockManagerTest, ConcurrentDuplicateCanLeaveAChildWithoutItsParent) {
+  KvEventPublisher events(1);
+  BlockManager bm(4, kBs, &events);
+  const uint64_t root = 7;
+  auto ta = Seq(4, 1);
+  auto tb = Seq(4, 1);
+  for (uint32_t t : Seq(4, 500)) tb.push_back(t);
+  auto ha = HashBlocks(root, ta, kBs), hb = HashBlocks(root, tb, kBs);
+  auto a = *bm.Allocate(1);
+  auto b = *bm.Allocate(2);
+  bm.Commit(a, ha, ta, 0, 1, root);
+  bm.Commit(b, hb, tb, 0, 2, root);  // b[0] duplicates a[0]: private; b[1] committed
+  EXPECT_FALSE(bm.is_committed(b[0]));
+  EXPECT_TRUE(bm.is_committed(b[1]));
+  bm.Release(a);
+  bm.Release(b);  // frees b[0]; b[1] evictable, more recent than a[0]
+  auto x = *bm.Allocate(3);  // two free blocks, then evicts a[0] (least recent)
+  EXPECT_FALSE(bm.is_committed(a[0]));
+  EXPECT_TRUE(bm.is_committed(b[1]));                 // the child, without its parent
+  EXPECT_EQ(bm.CountCachedPrefix(hb, tb, 2), 0u);     // unreachable for the engine
+  bm.Release(x);
 }
 
 TEST(KvEventsTest, IdsMonotonicStoredRemovedClearedAndSnapshot) {
