@@ -99,8 +99,10 @@ Result<RoutedPair> Fleet::Route(std::span<const uint64_t> hashes, uint32_t promp
     };
     const WorkerRecord* dec = name_of(d->decode);
     const WorkerRecord* pre = out.local ? dec : name_of(d->prefill);
-    if (!dec || !pre) continue;
-    if (exclude.count(dec->name) || exclude.count(pre->name)) continue;
+    if (!dec || !pre || exclude.count(dec->name) || exclude.count(pre->name)) {
+      router_->EndPrefill(d->prefill_ticket);  // not used: its prefill never starts
+      continue;
+    }
     out.decode_name = dec->name;
     out.decode_address = dec->grpc_address;
     if (!out.local) {

@@ -77,7 +77,8 @@ class Fleet {
 
   // Chooses workers for a prompt's block hashes; `exclude` names workers
   // not to use (e.g. a decoder that just refused). UNAVAILABLE when no live
-  // worker of a needed role exists.
+  // worker of a needed role exists. The caller ends the pair's prefill with
+  // router().EndPrefill(decision.prefill_ticket) once it is over.
   Result<RoutedPair> Route(std::span<const uint64_t> hashes, uint32_t prompt_tokens,
                            const std::set<std::string>& exclude = {});
 

@@ -96,6 +96,7 @@ void RequestLifecycle::Launch() {
     return;
   }
   route_ = *route;
+  prefill_open_ = true;
   LogRequest(spdlog::level::debug, req_.request_id, "attempt {} {}", attempt,
                 route_.decision.DebugString());
 
@@ -165,6 +166,7 @@ void RequestLifecycle::OnRegistered(uint32_t attempt) {
 void RequestLifecycle::OnPrefillDone(uint32_t attempt, Result<PrefillResult> r) {
   std::unique_lock lock(mu_);
   if (done_ || attempt != attempt_) return;
+  EndPrefillLocked();
   Calls to_cancel;
   if (!r.ok() && out_.next_index() > base_) {
     // The decoder already has the KV and streams: only the reply was lost
@@ -314,6 +316,7 @@ RequestLifecycle::Calls RequestLifecycle::DeliverLocked(uint32_t first_index,
   auto d = out_.Push(first_index, ids);
   if (!d.ok()) return FailLocked(d.status());
   if (d->token_ids.empty()) return {};
+  EndPrefillLocked();  // a token of this attempt: its prefill is done
   sent_.insert(sent_.end(), d->token_ids.begin(), d->token_ids.end());
   const auto now = SteadyClock::now();
   if (deps_.metrics) {
@@ -378,7 +381,14 @@ RequestLifecycle::Calls RequestLifecycle::FailLocked(Status st) {
   return TakeCallsLocked();
 }
 
+void RequestLifecycle::EndPrefillLocked() {
+  if (!prefill_open_) return;
+  prefill_open_ = false;
+  deps_.fleet->router().EndPrefill(route_.decision.prefill_ticket);
+}
+
 RequestLifecycle::Calls RequestLifecycle::TakeCallsLocked() {
+  EndPrefillLocked();
   Calls c;
   if (decode_call_) c.push_back(std::move(decode_call_));
   if (prefill_call_) c.push_back(std::move(prefill_call_));

@@ -98,7 +98,12 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   // prompt + sent tokens when migrations remain (true: Launch again), and
   // fails it with UNAVAILABLE naming the reason otherwise.
   bool MigrateLocked(const Status& st, Calls& to_cancel);
+  // The calls of this attempt end, and with them its prefill.
   Calls TakeCallsLocked();
+  // Tells the router this attempt's prefill is over (once), so that its
+  // tokens leave the prefiller's predicted queue now: the prefill reply,
+  // a local prefill's first token, or the attempt's end, whichever first.
+  void EndPrefillLocked();
   static void CancelAll(const Calls& calls);
 
   const LifecycleDeps deps_;
@@ -121,6 +126,7 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   std::set<std::string> excluded_;   // guarded by mu_
   Status last_error_;                // guarded by mu_: why the last attempt was abandoned
   RoutedPair route_;                 // guarded by mu_
+  bool prefill_open_ = false;        // guarded by mu_: route_'s prefill not yet ended at the router
   std::shared_ptr<Call> decode_call_;   // guarded by mu_
   std::shared_ptr<Call> prefill_call_;  // guarded by mu_
   uint32_t cached_tokens_ = 0;          // guarded by mu_

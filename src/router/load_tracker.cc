@@ -1,30 +1,30 @@
 #include "router/load_tracker.h"
 
+#include <algorithm>
+
 namespace tandem::router {
 
-void LoadTracker::Recompute(State& s) {
+void LoadTracker::Refresh(State& s) {
   WorkerLoad& e = s.effective;
-  e.queued_prefill_tokens = s.report.queued_prefill_tokens;
-  e.active_decode_blocks = s.report.active_decode_blocks;
-  e.free_blocks = s.report.free_blocks;
-  e.running_requests = s.report.running_requests;
+  e.queued_prefill_tokens = s.foreign_tokens + s.open_tokens;
+  e.active_decode_blocks = s.report.active_decode_blocks + s.timed_sum.decode_blocks;
+  e.free_blocks = s.report.free_blocks - s.timed_sum.decode_blocks;
+  e.running_requests = s.foreign_running + s.open_running + s.timed_sum.running;
   e.free_known = s.free_known;
-  for (const Prediction& p : s.pending) {
-    e.queued_prefill_tokens += p.delta.prefill_tokens;
-    e.active_decode_blocks += p.delta.decode_blocks;
-    e.free_blocks -= p.delta.decode_blocks;
-    e.running_requests += p.delta.running;
-  }
 }
 
-void LoadTracker::Drop(State& s, int64_t cutoff_ns) {
-  bool changed = false;
-  while (!s.pending.empty() && s.pending.front().time_ns < cutoff_ns) {
-    if (s.pending.front().key != 0) --s.keyed;
-    s.pending.pop_front();
-    changed = true;
-  }
-  if (changed) Recompute(s);
+void LoadTracker::EndAt(State& s, Prefill& p) {
+  p.open = false;
+  s.open_tokens -= p.work.tokens;
+  s.open_running -= p.work.running;
+  s.open_reported -= p.work.reported_tokens;
+  s.ended_reported += p.work.reported_tokens;
+  s.ended_running += p.work.running;
+  if (p.work.key != 0) --s.keyed;
+}
+
+void LoadTracker::PopEnded(State& s) {
+  while (!s.prefills.empty() && !s.prefills.front().open) s.prefills.pop_front();
 }
 
 void LoadTracker::Reset(WorkerId worker, uint32_t num_blocks) {
@@ -32,67 +32,88 @@ void LoadTracker::Reset(WorkerId worker, uint32_t num_blocks) {
   s = State{};
   s.report.free_blocks = num_blocks;
   s.free_known = num_blocks > 0;
-  Recompute(s);
+  Refresh(s);
 }
 
 void LoadTracker::ApplyReport(WorkerId worker, const LoadReport& report, int64_t now_ns) {
   State& s = workers_[worker];
+  // What the report counts beyond our own prefills that it may count (open,
+  // or ended after it may have been sampled).
+  s.foreign_tokens = std::max<int64_t>(0, int64_t{report.queued_prefill_tokens} - s.open_reported - s.ended_reported);
+  s.foreign_running = std::max<int64_t>(0, int64_t{report.running_requests} - s.open_running - s.ended_running);
+  s.ended_reported = s.ended_running = 0;
   s.report = report;
   s.free_known = true;
-  Recompute(s);
-  Drop(s, now_ns - report_lag_ns_ + 1);
+  // Timed parts made long enough before it: the report counts them.
+  const int64_t cutoff = now_ns - report_lag_ns_ + 1;
+  while (!s.timed.empty() && s.timed.front().time_ns < cutoff) {
+    s.timed_sum.decode_blocks -= s.timed.front().delta.decode_blocks;
+    s.timed_sum.running -= s.timed.front().delta.running;
+    s.timed.pop_front();
+  }
+  Refresh(s);
 }
 
-void LoadTracker::Predict(WorkerId worker, const LoadDelta& delta, int64_t now_ns, uint64_t key) {
+void LoadTracker::Predict(WorkerId worker, const LoadDelta& delta, int64_t now_ns) {
   State& s = workers_[worker];
-  s.pending.push_back({now_ns, delta, key});
-  if (key != 0) ++s.keyed;
-  WorkerLoad& e = s.effective;
-  e.queued_prefill_tokens += delta.prefill_tokens;
-  e.active_decode_blocks += delta.decode_blocks;
-  e.free_blocks -= delta.decode_blocks;
-  e.running_requests += delta.running;
+  s.timed.push_back({now_ns, delta});
+  s.timed_sum.decode_blocks += delta.decode_blocks;
+  s.timed_sum.running += delta.running;
+  Refresh(s);
+}
+
+void LoadTracker::AddPrefill(WorkerId worker, const PrefillWork& work, int64_t now_ns) {
+  State& s = workers_[worker];
+  s.prefills.push_back({now_ns, work, true});
+  s.open_tokens += work.tokens;
+  s.open_running += work.running;
+  s.open_reported += work.reported_tokens;
+  if (work.key != 0) ++s.keyed;
+  Refresh(s);
+}
+
+bool LoadTracker::End(WorkerId worker, uint64_t ticket) {
+  State& s = workers_[worker];
+  auto it = std::lower_bound(s.prefills.begin(), s.prefills.end(), ticket,
+                             [](const Prefill& p, uint64_t t) { return p.work.ticket < t; });
+  if (it == s.prefills.end() || it->work.ticket != ticket || !it->open) return false;
+  EndAt(s, *it);
+  PopEnded(s);
+  Refresh(s);
+  return true;
 }
 
 uint32_t LoadTracker::Complete(WorkerId worker, std::span<const uint64_t> hashes) {
   State& s = workers_[worker];
   if (s.keyed == 0) return 0;
-  uint32_t done = 0;
-  for (auto it = s.pending.begin(); it != s.pending.end();) {
-    bool hit = false;
-    if (it->key != 0) {
-      for (uint64_t h : hashes) {
-        if (h == it->key) {
-          hit = true;
-          break;
-        }
-      }
-    }
-    if (!hit) {
-      ++it;
-      continue;
-    }
-    // One stored event is one sequence's commit: complete one prediction
-    // (the oldest), not a second identical prompt still computing.
-    ++done;
-    --s.keyed;
-    if (it->delta.decode_blocks == 0) {
-      s.pending.erase(it);
-    } else {
-      it->delta.prefill_tokens = 0;
-      it->key = 0;
-    }
-    break;
+  for (Prefill& p : s.prefills) {
+    if (!p.open || p.work.key == 0) continue;
+    if (std::find(hashes.begin(), hashes.end(), p.work.key) == hashes.end()) continue;
+    EndAt(s, p);
+    PopEnded(s);
+    Refresh(s);
+    return 1;
   }
-  if (done > 0) Recompute(s);
-  return done;
+  return 0;
 }
 
 void LoadTracker::Expire(WorkerId worker, int64_t now_ns) {
   State& s = workers_[worker];
-  if (!s.pending.empty() && s.pending.front().time_ns < now_ns - max_prediction_age_ns_) {
-    Drop(s, now_ns - max_prediction_age_ns_);
+  const int64_t cutoff = now_ns - max_prediction_age_ns_;
+  bool changed = false;
+  while (!s.timed.empty() && s.timed.front().time_ns < cutoff) {
+    s.timed_sum.decode_blocks -= s.timed.front().delta.decode_blocks;
+    s.timed_sum.running -= s.timed.front().delta.running;
+    s.timed.pop_front();
+    changed = true;
   }
+  while (!s.prefills.empty() && s.prefills.front().time_ns < cutoff) {
+    if (s.prefills.front().open) EndAt(s, s.prefills.front());
+    s.prefills.pop_front();
+    PopEnded(s);
+    changed = true;
+  }
+  if (changed) Refresh(s);
 }
 
 }  // namespace tandem::router

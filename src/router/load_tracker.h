@@ -1,14 +1,26 @@
-// LoadTracker: each worker's load as its last report said, plus what the
-// router has sent it since (predictions), so that a burst routed between
-// two reports spreads instead of landing on one worker.
+// LoadTracker: each worker's load as the router sees it, so that a burst
+// routed between two reports spreads instead of landing on one worker, and
+// so that a finished prefill stops counting at once.
 //
-// A prediction is dropped when a report arrives that was received at least
-// `report_lag_ns` after the prediction was made (the request has had time
-// to reach the worker, so the report counts it), or when it is older than
-// `max_prediction_age_ns` (bounds memory if reports stop). A prediction with
-// a key (the prompt's last full block hash) also ends its prefill part when
-// the worker reports that block stored (Complete): the prefill is done, so
-// a request sent right after a short one does not see it as queued.
+// Two kinds of prediction per routed request:
+//
+// - Prefill work (AddPrefill): the request's uncached prompt tokens on the
+//   worker that prefills it. It counts until the prefill ends: End (the
+//   caller's ticket: the proxy got the prefill reply, or gave the attempt
+//   up), Complete (the worker stored the prompt's last full block, keyed by
+//   that hash), or max_prediction_age_ns. Load reports do not end it.
+// - Timed part (Predict): decode blocks and running requests. A report
+//   received at least `report_lag_ns` after the prediction replaces it (the
+//   request has had time to reach the worker, so the report counts it);
+//   max_prediction_age_ns bounds it when reports stop.
+//
+// A report's queued prefill tokens are the whole prompts of the requests
+// waiting at the worker when it sampled them, up to one report interval
+// earlier; the router's own requests among them are better known to the
+// router (their uncached tokens, and when their prefill ended). So a report
+// adds only the tokens beyond the reported size (the whole prompt) of this
+// router's prefill work it may count: open, or ended since the previous
+// report. With one proxy that is the work of nobody else: zero.
 //
 // Thread-safety: none. Router owns one and calls it under its mutex.
 #pragma once
@@ -22,7 +34,7 @@
 
 namespace tandem::router {
 
-// Effective load: last report + predictions since.
+// Effective load: last report + predictions.
 struct WorkerLoad {
   int64_t queued_prefill_tokens = 0;
   int64_t active_decode_blocks = 0;
@@ -31,10 +43,19 @@ struct WorkerLoad {
   bool free_known = false;  // false: no report and no pool size yet
 };
 
+// The timed part of a prediction.
 struct LoadDelta {
-  int64_t prefill_tokens = 0;  // added to queued_prefill_tokens
-  int64_t decode_blocks = 0;   // added to active blocks, taken from free blocks
+  int64_t decode_blocks = 0;  // added to active blocks, taken from free blocks
   int64_t running = 0;
+};
+
+// The prefill a routed request brings to the worker that prefills it.
+struct PrefillWork {
+  uint64_t ticket = 0;           // the router's id for it (RouteDecision::prefill_ticket), > 0
+  uint64_t key = 0;              // the prompt's last full block hash; 0: none (nothing to store)
+  int64_t tokens = 0;            // uncached prompt tokens: the work
+  int64_t reported_tokens = 0;   // what the worker's report counts while it waits (0: never)
+  int64_t running = 0;           // a running request there while it lasts
 };
 
 class LoadTracker {
@@ -42,40 +63,59 @@ class LoadTracker {
   LoadTracker(int64_t report_lag_ns, int64_t max_prediction_age_ns)
       : report_lag_ns_(report_lag_ns), max_prediction_age_ns_(max_prediction_age_ns) {}
 
-  // A worker joins: no report yet; `num_blocks` free (0: unknown).
+  // A worker joins: no report, no predictions; `num_blocks` free (0: unknown).
   void Reset(WorkerId worker, uint32_t num_blocks);
   void ApplyReport(WorkerId worker, const LoadReport& report, int64_t now_ns);
-  // `key` != 0: the prompt's last full block hash, for Complete.
-  void Predict(WorkerId worker, const LoadDelta& delta, int64_t now_ns, uint64_t key = 0);
-  // The worker stored the blocks `hashes` (a KV event). The oldest pending
-  // keyed prediction whose key is among them has finished its prefill: its
-  // prefill tokens are dropped, and so is the prediction itself unless it
-  // also holds decode blocks (a local prefill: the request goes on running
-  // there). Returns how many predictions completed (0 or 1).
+  void Predict(WorkerId worker, const LoadDelta& delta, int64_t now_ns);
+  // Tickets must increase from call to call (Router hands them out in order).
+  void AddPrefill(WorkerId worker, const PrefillWork& work, int64_t now_ns);
+  // The prefill with this ticket is over (done, failed or abandoned).
+  // Returns false when it had already ended (or never was).
+  bool End(WorkerId worker, uint64_t ticket);
+  // The worker stored the blocks `hashes` (a KV event). The oldest open
+  // prefill whose key is among them has finished. Returns how many ended
+  // (0 or 1): one stored event is one sequence's commit, not a second
+  // identical prompt still computing.
   uint32_t Complete(WorkerId worker, std::span<const uint64_t> hashes);
-  // Pending predictions with a key (a hint for callers: 0 = Complete is a no-op).
+  // Open prefills with a key (a hint for callers: 0 = Complete is a no-op).
   uint32_t keyed_predictions(WorkerId worker) const { return workers_[worker].keyed; }
   // Drops predictions past their age (call before reading loads).
   void Expire(WorkerId worker, int64_t now_ns);
 
   const WorkerLoad& load(WorkerId worker) const { return workers_[worker].effective; }
-  size_t pending_predictions(WorkerId worker) const { return workers_[worker].pending.size(); }
+  // Timed parts and prefills not yet dropped (ended ones may linger until
+  // they reach the front of their queue).
+  size_t pending_predictions(WorkerId worker) const {
+    return workers_[worker].timed.size() + workers_[worker].prefills.size();
+  }
 
  private:
-  struct Prediction {
+  struct Timed {
     int64_t time_ns;
     LoadDelta delta;
-    uint64_t key = 0;  // 0: none, or completed
+  };
+  struct Prefill {
+    int64_t time_ns;
+    PrefillWork work;
+    bool open = true;
   };
   struct State {
     LoadReport report;
     bool free_known = false;
-    std::deque<Prediction> pending;  // oldest first
-    uint32_t keyed = 0;              // pending entries with key != 0
+    std::deque<Timed> timed;      // oldest first
+    std::deque<Prefill> prefills;  // by ticket, oldest first
+    uint32_t keyed = 0;            // open prefills with a key
+    // Sums over the live entries, kept as they change (no rescans: a
+    // worker may hold many, e.g. a router fed by a benchmark).
+    LoadDelta timed_sum;
+    int64_t open_tokens = 0, open_running = 0, open_reported = 0;
+    int64_t ended_reported = 0, ended_running = 0;  // ended since the last report
+    int64_t foreign_tokens = 0, foreign_running = 0;  // the report's beyond ours
     WorkerLoad effective;
   };
-  void Recompute(State& s);
-  void Drop(State& s, int64_t cutoff_ns);  // predictions made before cutoff
+  static void Refresh(State& s);
+  void EndAt(State& s, Prefill& p);
+  static void PopEnded(State& s);
 
   const int64_t report_lag_ns_;
   const int64_t max_prediction_age_ns_;

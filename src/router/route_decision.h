@@ -19,6 +19,13 @@ struct RouteRequest {
   uint32_t prompt_tokens = 0;
 };
 
+// Names the prefill work one decision added to its prefilling worker's
+// load (docs/router.md, "Load"), for Router::EndPrefill. id 0: none.
+struct PrefillTicket {
+  WorkerId worker = kNoWorker;
+  uint64_t id = 0;
+};
+
 // One worker's cost on one side of the pair (lower is better).
 struct WorkerScore {
   WorkerId worker = kNoWorker;
@@ -48,6 +55,10 @@ struct RouteDecision {
   double decode_cost = 0;
   double transfer_cost = 0;
   double cost = 0;  // prefill + decode + transfer
+
+  // Set by Router::Route (not by Score): the caller ends it with
+  // Router::EndPrefill once this route's prefill is over.
+  PrefillTicket prefill_ticket;
 
   std::vector<WorkerScore> prefill_scores;  // every prefill candidate, by id
   std::vector<WorkerScore> decode_scores;   // every decode candidate, by id

@@ -130,6 +130,7 @@ Status Router::ApplyLoadReport(WorkerId id, const LoadReport& report) {
 
 Status Router::Route(const RouteRequest& request, RouteDecision* out) {
   const uint32_t bs = options_.block_size_tokens;
+  out->prefill_ticket = {};
   if (request.prompt_tokens == 0) return InvalidArgumentError("prompt is empty");
   if (request.block_hashes.size() > request.prompt_tokens / bs) {
     return InvalidArgumentError("request has " + std::to_string(request.block_hashes.size()) +
@@ -157,23 +158,32 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
     return st;
   }
 
-  // Count the request on its workers until their reports do.
+  // Count the request on its workers: its prefill until that ends
+  // (EndPrefill, its stored event, or age), its decode blocks and running
+  // request until the workers' reports do.
   const int64_t prompt_tokens = request.prompt_tokens;
   const int64_t new_blocks = std::max<int64_t>(0, int64_t{out->prompt_blocks} - out->decode_overlap_blocks);
-  const int64_t prefill_tokens =
-      std::max<int64_t>(0, prompt_tokens - int64_t{out->prefill_overlap_blocks} * bs);
+  PrefillWork work;
+  work.ticket = ++next_ticket_;
+  work.tokens = std::max<int64_t>(0, prompt_tokens - int64_t{out->prefill_overlap_blocks} * bs);
   // Keyed by the prompt's last full block: its stored event ends the
-  // prefill part early (LoadTracker::Complete). No key when that block is
-  // already cached there (nothing will be stored).
+  // prefill (LoadTracker::Complete). No key when that block is already
+  // cached there (nothing will be stored).
   const bool all_cached = out->prefill_overlap_blocks >= request.block_hashes.size();
-  const uint64_t key = request.block_hashes.empty() || all_cached ? 0 : request.block_hashes.back();
+  work.key = request.block_hashes.empty() || all_cached ? 0 : request.block_hashes.back();
   if (out->local_prefill) {
-    loads_.Predict(out->decode, {prefill_tokens, new_blocks, 1}, now, key);
+    // A local prefill waits in the engine, not in a prefill queue that the
+    // worker reports; the decode side counts the running request.
+    loads_.AddPrefill(out->decode, work, now);
+    loads_.Predict(out->decode, {new_blocks, 1}, now);
   } else {
-    loads_.Predict(out->prefill, {prefill_tokens, 0, 1}, now, key);
-    loads_.Predict(out->decode, {0, new_blocks, 1}, now);
+    work.reported_tokens = prompt_tokens;  // a prefiller reports a waiting request's whole prompt
+    work.running = 1;
+    loads_.AddPrefill(out->prefill, work, now);
+    loads_.Predict(out->decode, {new_blocks, 1}, now);
   }
-  if (key != 0) {
+  out->prefill_ticket = {out->prefill, work.ticket};
+  if (work.key != 0) {
     keyed_pending_[out->prefill].store(loads_.keyed_predictions(out->prefill), std::memory_order_relaxed);
   }
 
@@ -190,6 +200,14 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
   worker_counters_[out->prefill].predicted_hit_blocks.fetch_add(out->prefill_overlap_blocks,
                                                                 std::memory_order_relaxed);
   return Status::Ok();
+}
+
+void Router::EndPrefill(const PrefillTicket& ticket) {
+  if (ticket.id == 0 || ticket.worker >= kMaxWorkers) return;
+  std::lock_guard lock(mu_);
+  if (!workers_.Find(ticket.worker)) return;
+  if (loads_.End(ticket.worker, ticket.id)) prefills_ended_.fetch_add(1, std::memory_order_relaxed);
+  keyed_pending_[ticket.worker].store(loads_.keyed_predictions(ticket.worker), std::memory_order_relaxed);
 }
 
 Result<RouteDecision> Router::Route(const RouteRequest& request) {
@@ -228,6 +246,7 @@ RouterCounters Router::counters() const {
   c.snapshots_requested = snapshots_requested_.load(std::memory_order_relaxed);
   c.snapshots_applied = snapshots_applied_.load(std::memory_order_relaxed);
   c.prefills_completed = prefills_completed_.load(std::memory_order_relaxed);
+  c.prefills_ended = prefills_ended_.load(std::memory_order_relaxed);
   std::lock_guard lock(mu_);
   for (WorkerId id : workers_.ids()) {
     const WorkerCounters& wc = worker_counters_[id];

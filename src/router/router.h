@@ -13,6 +13,7 @@
 //   router->ApplySnapshot(id, epoch, last_id, hashes);     // on a snapshot
 //   router->ApplyLoadReport(id, report);                   // on each LoadReport
 //   RouteDecision d;  router->Route({hashes, n_tokens}, &d); // per request
+//   router->EndPrefill(d.prefill_ticket);                  // its prefill is over
 //   router->RemoveWorker(id);                              // worker gone
 //
 // Thread-safety: every method may be called from any thread, concurrently.
@@ -55,7 +56,8 @@ struct RouterCounters {
   uint64_t events_ignored = 0;        // duplicate, stale epoch, awaiting snapshot
   uint64_t snapshots_requested = 0;   // kNeedsSnapshot returned
   uint64_t snapshots_applied = 0;
-  uint64_t prefills_completed = 0;  // predictions ended early by the prompt's stored event
+  uint64_t prefills_completed = 0;  // prefills ended by the prompt's stored event
+  uint64_t prefills_ended = 0;      // ... by EndPrefill (before their stored event, or without one)
   struct Worker {
     WorkerId id = kNoWorker;
     std::string name;
@@ -92,6 +94,12 @@ class Router {
   // them. `out`'s vectors are reused (no allocation once warm).
   Status Route(const RouteRequest& request, RouteDecision* out);
   Result<RouteDecision> Route(const RouteRequest& request);
+  // The prefill of a routed request is over: done (its reply, or for a
+  // local prefill its first token), failed, or the decision was not used.
+  // Its uncached tokens leave the worker's queue now rather than at its
+  // stored event or after max_prediction_age. Idempotent; a ticket of a
+  // worker that left is ignored.
+  void EndPrefill(const PrefillTicket& ticket);
 
   // Switches the policy (experiments comparing policies on one fleet).
   void SetPolicy(Policy policy);
@@ -123,6 +131,7 @@ class Router {
   LoadTracker loads_;
   PolicyState policy_state_;
   std::vector<Candidate> candidates_;  // scratch for Route, [workers]
+  uint64_t next_ticket_ = 0;           // last PrefillTicket id handed out
 
   std::array<std::atomic<uint64_t>, kNumPolicies> routes_{};
   std::array<std::atomic<uint64_t>, kNumPolicies> route_errors_{};
@@ -138,6 +147,7 @@ class Router {
   // so ApplyEvent takes mu_ only when a stored event may complete a prefill.
   std::array<std::atomic<uint32_t>, kMaxWorkers> keyed_pending_{};
   std::atomic<uint64_t> prefills_completed_{0};
+  std::atomic<uint64_t> prefills_ended_{0};
 };
 
 }  // namespace tandem::router

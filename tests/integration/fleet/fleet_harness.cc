@@ -32,6 +32,15 @@ std::string BundledModel() { return std::string(TANDEM_SOURCE_DIR) + "/models/ta
 
 static std::string Tandem() { return std::string(TANDEM_BINARY_DIR) + "/tandem"; }
 
+// TANDEM_TEST_LOG_LEVEL (e.g. debug) overrides the default level, so that a
+// failing fleet test can be rerun with the proxy's per-decision log lines
+// (keep the logs with TANDEM_KEEP_TEST_DIRS=1); a test that chose a level
+// itself keeps it.
+static std::string LogLevel(const FleetOptions& o) {
+  const char* env = getenv("TANDEM_TEST_LOG_LEVEL");
+  return env && *env && o.log_level == FleetOptions{}.log_level ? std::string(env) : o.log_level;
+}
+
 Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
   auto f = std::make_unique<Fleet>();
   char tmpl[] = "/tmp/tandem-fleet-XXXXXX";
@@ -48,7 +57,7 @@ Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
         "router:\n  policy: {}\n"
         "logging:\n  level: {}\n  format: {}\n",
         BundledModel(), o.model_yaml, o.num_blocks, o.max_num_seqs, o.max_batched_tokens, o.max_waiting,
-        o.max_inflight, o.proxy_yaml, o.policy, o.log_level, o.log_format);
+        o.max_inflight, o.proxy_yaml, o.policy, LogLevel(o), o.log_format);
     for (auto [role, n] : {std::pair{"prefill", o.prefill}, {"decode", o.decode}, {"both", o.both}}) {
       y << fmt::format("{}:\n  replicas: {}\n  grpc: 127.0.0.1:0\n  metrics: 127.0.0.1:0\n",
                        role, n);

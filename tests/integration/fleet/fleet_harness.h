@@ -32,6 +32,7 @@ struct FleetOptions {
   // Lines added inside the `model` section, e.g. "  backend: sim\n".
   std::string model_yaml;
   // The `logging` section's level and format (every process logs to log_path()).
+  // TANDEM_TEST_LOG_LEVEL in the environment replaces the default level.
   std::string log_level = "warn";
   std::string log_format = "text";
 };

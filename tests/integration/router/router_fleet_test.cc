@@ -18,6 +18,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -189,6 +190,9 @@ PolicyResult RunPolicy(const std::string& policy, std::chrono::milliseconds gap)
   auto fleet = Fleet::Launch(o);
   EXPECT_TRUE(fleet.ok()) << fleet.status().ToString();
   if (!fleet.ok()) return r;
+  if (getenv("TANDEM_KEEP_TEST_DIRS")) {
+    std::printf("%s fleet log: %s\n", policy.c_str(), (*fleet)->log_path().c_str());
+  }
 
   // The decision series of every worker exist, at zero, before any request.
   {
@@ -267,9 +271,11 @@ TEST(RouterFleet, KvAwareDoublesPrefillCacheHitsOfRoundRobin) {
               100 * kv.documents.prefill_hits / ideal_docs, kv.documents.predicted_hits,
               rr.documents.prefill_hits, 100 * rr.documents.prefill_hits / ideal_docs);
   std::printf("multi-turn (%u conversations x %u turns), prefill hit tokens / KV bytes pushed:\n"
-              "  ideal %.0f | kv_aware %.0f (%.1f%%) / %.0f B | round_robin %.0f (%.1f%%) / %.0f B\n",
+              "  ideal %.0f | kv_aware %.0f (%.1f%%, predicted %.0f) / %.0f B"
+              " | round_robin %.0f (%.1f%%) / %.0f B\n",
               kConversations, kTurns, ideal_turns, kv.multi_turn.prefill_hits,
-              100 * kv.multi_turn.prefill_hits / ideal_turns, kv.multi_turn.transfer_bytes,
+              100 * kv.multi_turn.prefill_hits / ideal_turns, kv.multi_turn.predicted_hits,
+              kv.multi_turn.transfer_bytes,
               rr.multi_turn.prefill_hits, 100 * rr.multi_turn.prefill_hits / ideal_turns,
               rr.multi_turn.transfer_bytes);
 
@@ -281,11 +287,14 @@ TEST(RouterFleet, KvAwareDoublesPrefillCacheHitsOfRoundRobin) {
   // The router's prediction is what the prefillers then found.
   EXPECT_EQ(kv.documents.predicted_hits, kv.documents.prefill_hits);
 
-  // Multi-turn (the issue asks for the numbers of both policies, printed
-  // above): on a quiet machine kv_aware gets 100 % of the ideal every run,
-  // but under CI's parallel load one run got 59 % (304 of 512 tokens; not
-  // yet explained: timing-dependent routing, see docs/router.md), so only
-  // the ordering is asserted.
+  // Multi-turn: kv_aware keeps each conversation on its prefiller. (Under
+  // CI's parallel load one run once got 304 of 512: a prefiller's load
+  // report, sampled while a request waited for admission, kept that whole
+  // prompt in the router's queue estimate after its prefill was done; the
+  // router now counts its own requests' prefills until they end and takes
+  // from a report only what lies beyond them. docs/router.md, "Load".)
+  EXPECT_GE(kv.multi_turn.prefill_hits, 0.9 * ideal_turns);
+  EXPECT_LE(kv.multi_turn.prefill_hits, ideal_turns);
   EXPECT_GE(kv.multi_turn.prefill_hits, rr.multi_turn.prefill_hits);
 }
 

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <map>
 #include <mutex>
 
@@ -31,6 +32,7 @@ class ScriptedWorkers : public WorkerClient {
   std::set<std::string> full_decoders;  // their Prefill fails with RESOURCE_EXHAUSTED
   Status prefill_error;                 // when set, every Prefill fails with it
   bool decode_first = false;            // stream the decode tokens before the Prefill reply
+  bool hold_prefill = false;            // a Prefill never answers (until cancelled)
   std::vector<std::string> decode_addresses, prefill_addresses;
   std::vector<std::shared_ptr<FakeCall>> decode_calls;
   std::vector<DecodeArgs> decode_args;
@@ -57,7 +59,9 @@ class ScriptedWorkers : public WorkerClient {
   std::shared_ptr<Call> Prefill(const std::string& address, PrefillArgs args,
                                 std::function<void(Result<PrefillResult>)> done) override {
     prefill_addresses.push_back(address);
-    if (!prefill_error.ok()) {
+    if (hold_prefill) {
+      // no answer
+    } else if (!prefill_error.ok()) {
       done(prefill_error);
     } else if (full_decoders.count(args.decoder_address)) {
       done(ResourceExhaustedError("decoder has no room"));
@@ -170,6 +174,89 @@ class LifecycleTest : public ::testing::Test {
   ScriptedWorkers workers_;
   uint32_t max_tokens_ = 64;
 };
+
+// Every route puts its prompt's uncached tokens on the prefilling worker's
+// predicted queue (docs/router.md, "Load"); whatever becomes of the
+// attempt, the lifecycle ends that prefill at the router exactly once, so
+// no finished or abandoned request keeps a worker looking busy.
+TEST_F(LifecycleTest, EveryRoutesPrefillEndsAtTheRouter) {
+  using router::WorkerRole;
+  const struct {
+    const char* name;
+    std::vector<std::pair<const char*, WorkerRole>> workers;
+    std::function<void(ScriptedWorkers&)> script;
+    bool cancel;  // the client goes away before anything comes back
+    bool ok;
+  } kCases[] = {
+      {"prefill reply first",
+       {{"p0", WorkerRole::kPrefill}, {"d0", WorkerRole::kDecode}},
+       [](ScriptedWorkers&) {},
+       false,
+       true},
+      {"decode stream first",
+       {{"p0", WorkerRole::kPrefill}, {"d0", WorkerRole::kDecode}},
+       [](ScriptedWorkers& w) { w.decode_first = true; },
+       false,
+       true},
+      {"full decoder, retried",
+       {{"p0", WorkerRole::kPrefill}, {"d0", WorkerRole::kDecode}, {"d1", WorkerRole::kDecode}},
+       [](ScriptedWorkers& w) { w.full_decoders = {"d0:1"}; },
+       false,
+       true},
+      {"every decoder full",
+       {{"p0", WorkerRole::kPrefill}, {"d0", WorkerRole::kDecode}},
+       [](ScriptedWorkers& w) { w.full_decoders = {"d0:1"}; },
+       false,
+       false},
+      {"prefill error",
+       {{"p0", WorkerRole::kPrefill}, {"d0", WorkerRole::kDecode}},
+       [](ScriptedWorkers& w) { w.prefill_error = InvalidArgumentError("bad prompt"); },
+       false,
+       false},
+      {"local prefill", {{"b0", WorkerRole::kBoth}}, [](ScriptedWorkers&) {}, false, true},
+      {"decoder lost mid-stream, migrated",
+       {{"p0", WorkerRole::kPrefill}, {"d0", WorkerRole::kDecode}, {"d1", WorkerRole::kDecode}},
+       [](ScriptedWorkers& w) {
+         w.dying_decodes = 1;
+         w.die_after = 2;
+       },
+       false,
+       true},
+      {"cancelled while the prefill runs",
+       {{"p0", WorkerRole::kPrefill}, {"d0", WorkerRole::kDecode}},
+       [](ScriptedWorkers& w) { w.hold_prefill = true; },
+       true,
+       false},
+  };
+  for (const auto& c : kCases) {
+    SCOPED_TRACE(c.name);
+    SetUp();
+    workers_ = ScriptedWorkers{};
+    workers_.completion = tokenizer_->Encode("In the beginning was the Word");
+    for (const auto& [name, role] : c.workers) AddWorker(name, role);
+    c.script(workers_);
+    Collected col;
+    auto lifecycle = Run(col);
+    if (c.cancel) {
+      const uint64_t routes =
+          fleet_->router().counters().routes[static_cast<size_t>(router::Policy::kRoundRobin)];
+      EXPECT_EQ(routes, 1u);
+      EXPECT_GT(fleet_->router().load(*fleet_->router().FindWorker("p0"))->queued_prefill_tokens,
+                0);
+      lifecycle->Cancel();
+    }
+    EXPECT_EQ(col.finished, c.ok) << col.error.ToString();
+    const router::RouterCounters counters = fleet_->router().counters();
+    const uint64_t routes = counters.routes[static_cast<size_t>(router::Policy::kRoundRobin)];
+    EXPECT_GE(routes, 1u);
+    EXPECT_EQ(counters.prefills_ended, routes);
+    for (const auto& w : fleet_->Workers()) {
+      auto load = fleet_->router().load(*fleet_->router().FindWorker(w.name));
+      ASSERT_TRUE(load.ok());
+      EXPECT_EQ(load->queued_prefill_tokens, 0) << w.name;
+    }
+  }
+}
 
 TEST_F(LifecycleTest, FirstTokenOnceFromPrefillReplyThenStream) {
   AddWorker("p0", router::WorkerRole::kPrefill);

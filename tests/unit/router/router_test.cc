@@ -152,28 +152,54 @@ TEST(RouterTest, BurstSpreadsAcrossWorkers) {
   }
 }
 
-TEST(RouterTest, LoadReportsReplacePredictionsTheyCover) {
+// Decode blocks and running requests: a report received report_lag after
+// the routing replaces the predictions. Prefill work: the router's own
+// counts until it ends; a report adds what it counts beyond it (work this
+// router did not send, e.g. from before a proxy restart).
+TEST(RouterTest, LoadReportsReplaceTimedPredictionsAndAddOnlyForeignPrefills) {
   Fleet f(RouterConfig{}, RouterOptions{.report_lag_ns = 5'000'000});
   const WorkerId p = f.Add("p", WorkerRole::kPrefill);
   const WorkerId d = f.Add("d", WorkerRole::kDecode, 100);
-  for (int i = 0; i < 3; ++i) f.Route(Chain(i * 100, 10), 160);
+  std::vector<PrefillTicket> tickets;
+  for (int i = 0; i < 3; ++i) tickets.push_back(f.Route(Chain(i * 100, 10), 160).prefill_ticket);
   EXPECT_EQ(f.router->load(p)->queued_prefill_tokens, 480);
   EXPECT_EQ(f.router->load(p)->running_requests, 3);
   EXPECT_EQ(f.router->load(d)->active_decode_blocks, 30);
   EXPECT_EQ(f.router->load(d)->free_blocks, 70);
-  // A report 1 ms later may not count them yet: they stay on top of it.
+  // 1 ms later: one of ours waits, one runs. Nothing beyond ours.
   f.Advance(1'000'000);
   ASSERT_TRUE(f.router->ApplyLoadReport(p, {.queued_prefill_tokens = 160, .running_requests = 1}).ok());
-  EXPECT_EQ(f.router->load(p)->queued_prefill_tokens, 160 + 480);
-  // A report 10 ms after the routing covers them.
+  EXPECT_EQ(f.router->load(p)->queued_prefill_tokens, 480);
+  EXPECT_EQ(f.router->load(p)->running_requests, 3);
+  // 10 ms: the prefiller also holds 800 tokens and a request of someone else's.
   f.Advance(9'000'000);
-  ASSERT_TRUE(f.router->ApplyLoadReport(p, {.queued_prefill_tokens = 160, .running_requests = 1}).ok());
+  ASSERT_TRUE(f.router->ApplyLoadReport(p, {.queued_prefill_tokens = 480 + 800, .running_requests = 3 + 1}).ok());
+  EXPECT_EQ(f.router->load(p)->queued_prefill_tokens, 480 + 800);
+  EXPECT_EQ(f.router->load(p)->running_requests, 3 + 1);
+  // The decoder's report covers the three routings: it replaces them.
   ASSERT_TRUE(f.router->ApplyLoadReport(d, {.active_decode_blocks = 30, .free_blocks = 70, .running_requests = 3})
                   .ok());
-  EXPECT_EQ(f.router->load(p)->queued_prefill_tokens, 160);
-  EXPECT_EQ(f.router->load(p)->running_requests, 1);
   EXPECT_EQ(f.router->load(d)->active_decode_blocks, 30);
   EXPECT_EQ(f.router->load(d)->free_blocks, 70);
+  EXPECT_EQ(f.router->load(d)->running_requests, 3);
+  // Our prefills end: only the foreign work stays, until a report says otherwise.
+  for (const PrefillTicket& t : tickets) f.router->EndPrefill(t);
+  EXPECT_EQ(f.router->load(p)->queued_prefill_tokens, 800);
+  EXPECT_EQ(f.router->load(p)->running_requests, 1);
+  // The first report after they ended may have been sampled before: it is
+  // taken as counting them (the foreign part looks smaller for one report).
+  f.Advance(150'000'000);
+  ASSERT_TRUE(f.router->ApplyLoadReport(p, {.queued_prefill_tokens = 800, .running_requests = 1}).ok());
+  EXPECT_EQ(f.router->load(p)->queued_prefill_tokens, 800 - 480);
+  EXPECT_EQ(f.router->load(p)->running_requests, 0);
+  f.Advance(150'000'000);
+  ASSERT_TRUE(f.router->ApplyLoadReport(p, {.queued_prefill_tokens = 800, .running_requests = 1}).ok());
+  EXPECT_EQ(f.router->load(p)->queued_prefill_tokens, 800);
+  EXPECT_EQ(f.router->load(p)->running_requests, 1);
+  ASSERT_TRUE(f.router->ApplyLoadReport(p, {}).ok());
+  EXPECT_EQ(f.router->load(p)->queued_prefill_tokens, 0);
+  EXPECT_EQ(f.router->load(p)->running_requests, 0);
+  EXPECT_EQ(f.router->counters().prefills_ended, 3u);
   EXPECT_EQ(f.router->ApplyLoadReport(7, {}).code(), StatusCode::kNotFound);
 }
 
