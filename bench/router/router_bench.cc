@@ -29,6 +29,7 @@
 #include <sys/mman.h>
 #include <time.h>
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -168,6 +169,10 @@ void BM_Route(benchmark::State& state) {
   RouteDecision decision;
   uint64_t i = 0;
   uint64_t overlap_sum = 0;
+  // As the proxy does, each route's prefill is ended (EndPrefill) once it
+  // is over: here 64 routes later, outside the timing, so that about 64
+  // prefills are open at any time.
+  std::array<PrefillTicket, 64> in_flight{};
   for (auto _ : state) {
     if (i % 512 == 0) {
       state.PauseTiming();
@@ -185,11 +190,15 @@ void BM_Route(benchmark::State& state) {
       break;
     }
     overlap_sum += decision.prefill_overlap_blocks;
+    PrefillTicket& slot = in_flight[i % in_flight.size()];
+    fleet->router->EndPrefill(slot);
+    slot = decision.prefill_ticket;
     if (ns.size() < ns.capacity()) {
       ns.push_back(std::chrono::duration<double, std::nano>(t1 - t0).count());
       cpu_ns.push_back(static_cast<double>(c1 - c0));
     }
   }
+  for (const PrefillTicket& t : in_flight) fleet->router->EndPrefill(t);
   SetPercentiles(state, "", ns);
   SetPercentiles(state, "cpu_", cpu_ns);
   state.counters["mean_prefill_overlap_blocks"] = i ? static_cast<double>(overlap_sum) / i : 0;
