@@ -288,6 +288,7 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
     } else {
       it->second.stage = Stage::kRunning;
       it->second.first_token_seen = true;
+      it->second.prefill_cached_prompt_tokens = n.prefill_cached_prompt_tokens;
       emitter = it->second.emitter;
       req = MakeEngineRequest(it->second.spec, emitter);
       add = true;
@@ -325,10 +326,12 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
 void Decoder::OnOutput(const std::string& request_id, Emitter& emitter,
                        const engine::RequestOutput& out) {
   double local_prefill_s = -1;
+  uint32_t prefill_cached = 0;
   {
     std::lock_guard lock(mu_);
     auto it = requests_.find(request_id);
     if (it != requests_.end() && it->second.emitter.get() == &emitter) {
+      prefill_cached = it->second.prefill_cached_prompt_tokens;
       if (!it->second.first_token_seen && out.completion_tokens > 0) {
         it->second.first_token_seen = true;
         local_prefill_s =
@@ -351,6 +354,7 @@ void Decoder::OnOutput(const std::string& request_id, Emitter& emitter,
     r.finish_reason = out.finish_reason;
     r.completion_tokens = out.completion_tokens;
     r.cached_prompt_tokens = out.cached_prompt_tokens;
+    r.prefill_cached_prompt_tokens = prefill_cached;
     emitter.Finished(r);
   } else {
     emitter.Error(StatusFor(out));

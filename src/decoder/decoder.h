@@ -52,6 +52,7 @@ struct DecodeResult {
   engine::FinishReason finish_reason = engine::FinishReason::kNone;  // kStop | kLength
   uint32_t completion_tokens = 0;
   uint32_t cached_prompt_tokens = 0;  // decoder-side: not transferred / prefix hits
+  uint32_t prefill_cached_prompt_tokens = 0;  // the prefiller's hits, from its KV notice
 };
 
 // Where one request's stream goes. Calls never overlap for one request and
@@ -83,6 +84,7 @@ struct KvNoticeInfo {
   uint64_t reservation_id = 0;
   uint64_t generation = 0;
   uint32_t first_token_id = 0;
+  uint32_t prefill_cached_prompt_tokens = 0;  // the prefiller's prefix-cache hits
   Status error;  // non-OK: the prefiller gave up on the request
 };
 
@@ -159,6 +161,7 @@ class Decoder {
     uint64_t reservation_id = 0;  // the active one (kReserved)
     std::chrono::steady_clock::time_point submitted;  // prefill_locally: for the prefill time
     bool first_token_seen = false;
+    uint32_t prefill_cached_prompt_tokens = 0;  // from the KV notice
   };
   struct Held {
     std::string request_id;

@@ -50,6 +50,7 @@ class DecodeStream final : public grpc::ServerWriteReactor<pb::DecodeResponse> {
       f->set_finish_reason(ToProto(r.finish_reason));
       f->set_completion_tokens(r.completion_tokens);
       f->set_decoder_cached_prompt_tokens(r.cached_prompt_tokens);
+      f->set_prefill_cached_prompt_tokens(r.prefill_cached_prompt_tokens);
       writer_.Write(std::move(m));
       writer_.Finish(grpc::Status::OK);
     }
@@ -164,6 +165,7 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
     info.reservation_id = notice.reservation_id();
     info.generation = notice.generation();
     info.first_token_id = notice.first_token_id();
+    info.prefill_cached_prompt_tokens = notice.prefill_cached_prompt_tokens();
     if (notice.has_error()) {
       const int code = notice.error().code();
       info.error = Status(code > 0 && code <= 16 ? static_cast<StatusCode>(code)

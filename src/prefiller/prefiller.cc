@@ -307,6 +307,7 @@ void Prefiller::OnOutput(const JobPtr& job, const engine::RequestOutput& out) {
   n.reservation_id = job->target.reservation_id;
   n.generation = job->target.generation;
   n.first_token_id = job->result.first_token_id;
+  n.cached_prompt_tokens = job->result.cached_prompt_tokens;
   auto xfer = transport_.PrepareBlockWrite(job->peer, pairs, link_.EncodeNotice(n));
   if (!xfer.ok()) {
     engine_.ReleasePrefill(id).IgnoreError();

@@ -76,6 +76,7 @@ struct NoticeSpec {
   uint64_t reservation_id = 0;
   uint64_t generation = 0;
   uint32_t first_token_id = 0;
+  uint32_t cached_prompt_tokens = 0;  // this prefiller's prefix-cache hits
   Status error;  // non-OK: this prefiller gave up on the request
 };
 

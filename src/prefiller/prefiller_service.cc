@@ -129,6 +129,7 @@ class GrpcDecoderLink final : public DecoderLink {
     m.set_reservation_id(n.reservation_id);
     m.set_generation(n.generation);
     m.set_first_token_id(n.first_token_id);
+    m.set_prefill_cached_prompt_tokens(n.cached_prompt_tokens);
     if (!n.error.ok()) {
       m.mutable_error()->set_code(static_cast<int>(n.error.code()));
       m.mutable_error()->set_message(n.error.message());

@@ -114,8 +114,9 @@ void RequestLifecycle::Launch() {
   ev.on_tokens = [weak, attempt](uint32_t idx, std::vector<uint32_t> ids) {
     if (auto s = weak.lock()) s->OnTokens(attempt, idx, std::move(ids));
   };
-  ev.on_finished = [weak, attempt](Finish reason, uint32_t, uint32_t cached) {
-    if (auto s = weak.lock()) s->OnFinished(attempt, reason, cached);
+  ev.on_finished = [weak, attempt](Finish reason, uint32_t, uint32_t decoder_cached,
+                                   uint32_t prefill_cached) {
+    if (auto s = weak.lock()) s->OnFinished(attempt, reason, decoder_cached, prefill_cached);
   };
   ev.on_error = [weak, attempt](Status st, bool from_worker) {
     if (auto s = weak.lock()) s->OnDecodeError(attempt, std::move(st), from_worker);
@@ -217,10 +218,13 @@ void RequestLifecycle::OnTokens(uint32_t attempt, uint32_t first_index,
 }
 
 void RequestLifecycle::OnFinished(uint32_t attempt, Finish reason,
-                                  uint32_t decoder_cached_tokens) {
+                                  uint32_t decoder_cached_tokens, uint32_t prefill_cached_tokens) {
   std::unique_lock lock(mu_);
   if (done_ || attempt != attempt_) return;
-  if (route_.local && base_ == 0) cached_tokens_ = decoder_cached_tokens;
+  // The usage's cached tokens: the local prefill's hits, or the prefiller's
+  // (relayed by the decoder from the KV notice: with a short completion the
+  // decoder can finish before the prefill reply reaches us).
+  if (base_ == 0) cached_tokens_ = route_.local ? decoder_cached_tokens : prefill_cached_tokens;
   Calls to_cancel = CompleteLocked(reason == Finish::kNone ? Finish::kStop : reason);
   lock.unlock();
   CancelAll(to_cancel);

@@ -84,7 +84,8 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   void OnRegistered(uint32_t attempt);
   void OnPrefillDone(uint32_t attempt, Result<PrefillResult> r);
   void OnTokens(uint32_t attempt, uint32_t first_index, std::vector<uint32_t> ids);
-  void OnFinished(uint32_t attempt, Finish reason, uint32_t decoder_cached_tokens);
+  void OnFinished(uint32_t attempt, Finish reason, uint32_t decoder_cached_tokens,
+                  uint32_t prefill_cached_tokens);
   void OnDecodeError(uint32_t attempt, Status st, bool from_worker);
 
   // With mu_ held. Each returns the calls to cancel once the lock is released.

@@ -45,7 +45,10 @@ struct DecodeEvents {
   std::function<void()> on_registered;
   // `first_index`: index in the completion of ids[0].
   std::function<void(uint32_t first_index, std::vector<uint32_t> ids)> on_tokens;
-  std::function<void(Finish reason, uint32_t completion_tokens, uint32_t decoder_cached_tokens)>
+  // `prefill_cached_tokens`: the prefiller's prefix-cache hits as its KV
+  // notice told the decoder (the prefill reply may arrive later).
+  std::function<void(Finish reason, uint32_t completion_tokens, uint32_t decoder_cached_tokens,
+                     uint32_t prefill_cached_tokens)>
       on_finished;
   // The stream ended without DecodeFinished (error, cancel, worker lost).
   // `from_worker`: the decoder itself sent the error in-band (it is alive);

@@ -79,7 +79,8 @@ class DecodeCall final : public grpc::ClientReadReactor<pb::DecodeResponse>,
         if (!done_.exchange(true) && events_.on_finished) {
           events_.on_finished(FromProto(resp_.finished().finish_reason()),
                               resp_.finished().completion_tokens(),
-                              resp_.finished().decoder_cached_prompt_tokens());
+                              resp_.finished().decoder_cached_prompt_tokens(),
+                              resp_.finished().prefill_cached_prompt_tokens());
         }
         break;
       case pb::DecodeResponse::kError:

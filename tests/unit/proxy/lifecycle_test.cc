@@ -32,6 +32,9 @@ class ScriptedWorkers : public WorkerClient {
   std::set<std::string> full_decoders;  // their Prefill fails with RESOURCE_EXHAUSTED
   Status prefill_error;                 // when set, every Prefill fails with it
   bool decode_first = false;            // stream the decode tokens before the Prefill reply
+  // What a real decoder relays, at the end of its stream, from the
+  // prefiller's KV notice: the prefiller's prefix-cache hits (as its reply).
+  uint32_t notice_cached = 16;
   bool hold_prefill = false;            // a Prefill never answers (until cancelled)
   std::vector<std::string> decode_addresses, prefill_addresses;
   std::vector<std::shared_ptr<FakeCall>> decode_calls;
@@ -91,7 +94,7 @@ class ScriptedWorkers : public WorkerClient {
       ev.on_error(UnavailableError("Socket closed"), /*from_worker=*/false);
       return;
     }
-    ev.on_finished(finish, n, 32);
+    ev.on_finished(finish, n, 32, notice_cached);
   }
   std::map<std::string, DecodeEvents> events_;
   std::map<std::string, uint32_t> base_;
@@ -284,6 +287,10 @@ TEST_F(LifecycleTest, FirstTokenOnceWhenTheStreamWins) {
   Run(c);
   ASSERT_TRUE(c.finished);
   EXPECT_EQ(c.ids, workers_.completion);
+  // The stream finished before the prefill reply came: the usage still has
+  // the prefiller's hits, relayed by the decoder (seen once in CI: the
+  // OpenAI test's repeated prompt reported 0 cached tokens).
+  EXPECT_EQ(c.usage.cached_prompt_tokens, 16u);
 }
 
 TEST_F(LifecycleTest, StopStringEndsTheRequestAndCancelsTheDecoder) {
