@@ -266,6 +266,32 @@ void BM_RandomLines(benchmark::State& state) {
 }
 BENCHMARK(BM_RandomLines)->Unit(benchmark::kMicrosecond);
 
+// Steady event churn, one event per iteration: stored events of
+// `per_event` new blocks for a rotating worker, each removed again 256
+// events later. apply(worker, kind, hashes) applies one event. Returns the
+// blocks stored or removed.
+template <typename Apply>
+uint64_t RunChurn(benchmark::State& state, uint32_t per_event, uint64_t seed, Apply&& apply) {
+  constexpr uint32_t kLag = 256;
+  std::vector<uint64_t> hashes(size_t{kLag} * per_event * 4);
+  for (size_t i = 0; i < hashes.size(); ++i) hashes[i] = Mix(seed + i);
+  const auto event = [&](uint64_t e) {
+    return std::span<const uint64_t>(hashes).subspan((e * per_event) % hashes.size(), per_event);
+  };
+  uint64_t e = 0, blocks = 0;
+  for (auto _ : state) {
+    apply(static_cast<WorkerId>(e % kWorkers), KvEventKind::kStored, event(e));
+    blocks += per_event;
+    if (e >= kLag) {
+      const uint64_t old = e - kLag;
+      apply(static_cast<WorkerId>(old % kWorkers), KvEventKind::kRemoved, event(old));
+      blocks += per_event;
+    }
+    ++e;
+  }
+  return blocks;
+}
+
 // Event application on one thread against an index already holding 1M
 // blocks: stored events of range(0) blocks for a rotating worker, each
 // removed again 256 events later (steady state). Items = blocks stored or
@@ -279,26 +305,10 @@ void BM_ApplyEvents(benchmark::State& state) {
     const WorkerId w = d % kWorkers;
     (void)index.Apply(w, {KvEventKind::kStored, 1, next_id[w]++, 0, Doc(d)}).value();
   }
-  constexpr uint32_t kLag = 256;
-  const uint32_t ring = kLag * per_event;
-  std::vector<uint64_t> hashes(ring * 4);
-  for (size_t i = 0; i < hashes.size(); ++i) hashes[i] = Mix(10'000'000'000ull + i);
-  uint64_t e = 0, blocks = 0;
-  for (auto _ : state) {
-    const WorkerId w = static_cast<WorkerId>(e % kWorkers);
-    const size_t at = (e * per_event) % hashes.size();
-    (void)index.Apply(w, {KvEventKind::kStored, 1, next_id[w]++, 0, std::span(hashes).subspan(at, per_event)});
-    blocks += per_event;
-    if (e >= kLag) {
-      const uint64_t old = e - kLag;
-      const WorkerId ow = static_cast<WorkerId>(old % kWorkers);
-      const size_t oat = (old * per_event) % hashes.size();
-      (void)index.Apply(ow, {KvEventKind::kRemoved, 1, next_id[ow]++, 0,
-                             std::span(hashes).subspan(oat, per_event)});
-      blocks += per_event;
-    }
-    ++e;
-  }
+  const uint64_t blocks = RunChurn(state, per_event, 10'000'000'000ull,
+                                   [&](WorkerId w, KvEventKind kind, std::span<const uint64_t> h) {
+                                     (void)index.Apply(w, {kind, 1, next_id[w]++, 0, h});
+                                   });
   state.SetItemsProcessed(static_cast<int64_t>(blocks));
   state.counters["indexed_hashes"] = static_cast<double>(index.size());
 }
@@ -326,27 +336,10 @@ void BM_RouterApplyEvents(benchmark::State& state) {
       ++last[w];
     }
   }
-  constexpr uint32_t kLag = 256;
-  const uint32_t ring = kLag * per_event;
-  std::vector<uint64_t> hashes(ring * 4);
-  for (size_t i = 0; i < hashes.size(); ++i) hashes[i] = Mix(30'000'000'000ull + i);
-  uint64_t e = 0, blocks = 0;
-  for (auto _ : state) {
-    const WorkerId w = static_cast<WorkerId>(e % kWorkers);
-    const size_t at = (e * per_event) % hashes.size();
-    (void)fleet.router->ApplyEvent(w, {KvEventKind::kStored, 1, ++last[w], 0,
-                                       std::span(hashes).subspan(at, per_event)});
-    blocks += per_event;
-    if (e >= kLag) {
-      const uint64_t old = e - kLag;
-      const WorkerId ow = static_cast<WorkerId>(old % kWorkers);
-      const size_t oat = (old * per_event) % hashes.size();
-      (void)fleet.router->ApplyEvent(ow, {KvEventKind::kRemoved, 1, ++last[ow], 0,
-                                          std::span(hashes).subspan(oat, per_event)});
-      blocks += per_event;
-    }
-    ++e;
-  }
+  const uint64_t blocks = RunChurn(state, per_event, 30'000'000'000ull,
+                                   [&](WorkerId w, KvEventKind kind, std::span<const uint64_t> h) {
+                                     (void)fleet.router->ApplyEvent(w, {kind, 1, ++last[w], 0, h});
+                                   });
   state.SetItemsProcessed(static_cast<int64_t>(blocks));
   const RouterCounters c = fleet.router->counters();
   state.counters["events_ignored"] = static_cast<double>(c.events_ignored);
