@@ -14,6 +14,8 @@ PACKAGES=(
   nlohmann-json3-dev libcli11-dev libboost-dev
   libopenblas-dev libpcre2-dev libxxhash-dev
   curl procps
+  libssl-dev
+  clang-14 libclang-rt-14-dev
 )
 
 SUDO=""

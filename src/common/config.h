@@ -73,6 +73,10 @@ struct TransportConfig {
   std::string backend = "ucx";  // ucx | loopback (loopback: single process only)
   double lease_seconds = 30.0;  // a reservation whose KV never arrives expires after this
   double peer_timeout_seconds = 3.0;  // peer loss surfaces as an error within this
+  // AES-256-GCM over every pushed KV block, per-reservation keys
+  // (docs/security.md, "KV plane"); costs a staging copy of the pool on
+  // prefillers and the seal/open time (bench/results/kv_encrypt.md).
+  bool encrypt = false;
 };
 
 // The simulated GPU of model.backend `sim` (docs/sim.md): a roofline timing

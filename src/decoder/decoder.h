@@ -77,6 +77,7 @@ struct KvTargetInfo {
   uint32_t cached_blocks = 0;
   std::chrono::system_clock::time_point lease_expiry;
   std::string capability;  // kvtransfer::kCapabilityBytes random bytes; the notice must carry them
+  std::string kv_key;      // transport.encrypt: the AES-256-GCM key of this reservation; else empty
 };
 
 // A decoded KvNotice (worker.proto).
@@ -88,10 +89,15 @@ struct KvNoticeInfo {
   uint32_t prefill_cached_prompt_tokens = 0;  // the prefiller's prefix-cache hits
   Status error;  // non-OK: the prefiller gave up on the request
   std::string capability;  // must equal the reservation's (KvTargetInfo::capability)
+  std::string kv_tags;     // transport.encrypt: kKvTagBytes per pushed block, prompt order
 };
 
 struct DecoderOptions {
   double lease_seconds = 30.0;
+  // transport.encrypt (docs/security.md): every reservation gets a key; a
+  // success notice must carry a valid tag for every pushed block, checked
+  // (and the block decrypted in place) before the request may use them.
+  bool encrypt = false;
   // Called on the engine thread with a local prefill's compute time
   // (submit to first token); may be empty.
   std::function<void(double)> on_local_prefill_seconds;
@@ -106,6 +112,7 @@ struct DecoderCounts {
   // KV notices refused (never acted on), by reason (docs/security.md):
   uint64_t notices_refused_capability = 0;  // a known reservation, the wrong capability
   uint64_t notices_refused_unreadable = 0;  // not a KvNotice at all
+  uint64_t notices_refused_decrypt = 0;     // encrypt: a pushed block failed authentication
 };
 
 // Checks a request as the engine will (token ids, sampling, context
@@ -179,7 +186,13 @@ class Decoder {
     std::chrono::steady_clock::time_point lease_expiry;
     bool orphaned = false;  // its request was cancelled or re-reserved
     std::string capability;  // what the KvTarget carried
+    std::string kv_key;      // encrypt: the reservation's key
+    std::vector<uint32_t> slots;  // encrypt: every prompt block's slot ...
+    uint32_t cached_blocks = 0;   // ... of which these first ones were not pushed
   };
+  // encrypt: checks and decrypts the pushed blocks of a reservation in
+  // place; DATA_LOSS (the request must not use them) on any failure.
+  Status OpenPushedBlocks(uint64_t reservation_id, const Held& held, const std::string& tags);
 
   engine::GenerateRequest MakeEngineRequest(const DecodeSpec& spec, std::shared_ptr<Emitter> emitter);
   void OnOutput(const std::string& request_id, Emitter& emitter, const engine::RequestOutput& out);

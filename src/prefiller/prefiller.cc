@@ -30,7 +30,8 @@ Status StatusFor(const engine::RequestOutput& out) {
 
 Prefiller::Prefiller(engine::Engine& engine, kvtransfer::Transport& transport, DecoderLink& link,
                      PrefillerOptions options)
-    : engine_(engine), transport_(transport), link_(link), options_(std::move(options)) {}
+    : engine_(engine), transport_(transport), link_(link), options_(std::move(options)),
+      sealer_(transport) {}
 
 Prefiller::~Prefiller() { Stop(); }
 
@@ -309,6 +310,12 @@ void Prefiller::OnOutput(const JobPtr& job, const engine::RequestOutput& out) {
   n.capability = job->target.capability;
   n.first_token_id = job->result.first_token_id;
   n.cached_prompt_tokens = job->result.cached_prompt_tokens;
+  if (Status sealed = SealPush(job, pairs, n); !sealed.ok()) {
+    engine_.ReleasePrefill(id).IgnoreError();
+    SendErrorNotice(job, sealed);
+    Complete(job, sealed);
+    return;
+  }
   auto xfer = transport_.PrepareBlockWrite(job->peer, pairs, link_.EncodeNotice(n));
   if (!xfer.ok()) {
     engine_.ReleasePrefill(id).IgnoreError();
@@ -410,8 +417,26 @@ void Prefiller::SendErrorNotice(const JobPtr& job, const Status& why) {
 
 Status Prefiller::UnknownError() { return Status(StatusCode::kUnknown, "prefiller gave up"); }
 
+Status Prefiller::SealPush(const JobPtr& job, std::vector<kvtransfer::BlockPair>& pairs,
+                           NoticeSpec& n) {
+  const ReserveTarget& t = job->target;
+  if (t.kv_key.empty()) {
+    if (!options_.encrypt) return Status::Ok();
+    return FailedPreconditionError(fmt::format(
+        "decoder '{}' sent no KV key, but transport.encrypt is on here: refusing to push "
+        "plaintext (the fleet file's transport.encrypt must agree)", job->spec.decoder_name));
+  }
+  auto sealed = sealer_.Seal(t.kv_key, t.reservation_id, t.cached_blocks, pairs);
+  if (!sealed.ok()) return sealed.status().WithContext("sealing the KV push (transport.encrypt)");
+  n.kv_tags = std::move(sealed->tags);
+  std::lock_guard lock(mu_);
+  job->staging = std::move(sealed->staging);
+  return Status::Ok();
+}
+
 void Prefiller::Complete(const JobPtr& job, Result<PrefillResult> result) {
   PrefillDone done;
+  std::vector<uint32_t> staging;
   {
     std::lock_guard lock(mu_);
     if (job->stage == Stage::kDone) return;
@@ -419,7 +444,9 @@ void Prefiller::Complete(const JobPtr& job, Result<PrefillResult> result) {
     auto it = jobs_.find(job->spec.request_id);
     if (it != jobs_.end() && it->second == job) jobs_.erase(it);
     done = std::move(job->done);
+    staging.swap(job->staging);  // no write reads them any more (see SealPush)
   }
+  sealer_.Release(staging);
   cv_.notify_all();
   if (result.ok() && options_.on_complete) options_.on_complete(*result);
   if (done) done(std::move(result));

@@ -35,6 +35,7 @@
 #include "common/status.h"
 #include "engine/engine.h"
 #include "kvtransfer/transport.h"
+#include "prefiller/kv_sealer.h"
 
 namespace tandem::prefiller {
 
@@ -69,6 +70,7 @@ struct ReserveTarget {
   // clock); epoch value: unknown.
   std::chrono::system_clock::time_point lease_expiry{};
   std::string capability;  // the reservation's; every notice for it carries it
+  std::string kv_key;      // transport.encrypt: seal every pushed block with it; else empty
 };
 
 // A KvNotice to send through the transport (worker.proto).
@@ -80,6 +82,7 @@ struct NoticeSpec {
   uint32_t cached_prompt_tokens = 0;  // this prefiller's prefix-cache hits
   Status error;  // non-OK: this prefiller gave up on the request
   std::string capability;  // ReserveTarget::capability
+  std::string kv_tags;     // transport.encrypt: the pushed blocks' GCM tags
 };
 
 // How the prefiller reaches decoders; the gRPC implementation lives in
@@ -101,6 +104,10 @@ struct PrefillerOptions {
   // The fleet's transport.lease_seconds: a push that could land after the
   // decoder's lease expired (it may have reused the slots) is never posted.
   double lease_seconds = 30.0;
+  // transport.encrypt: refuse to push to a decoder that sends no key. (A
+  // key from the decoder is honoured either way, if there are staging
+  // blocks to seal into.)
+  bool encrypt = false;
   // Called (on any thread) for every completed prefill with its numbers.
   std::function<void(const PrefillResult&)> on_complete;
 };
@@ -164,6 +171,7 @@ class Prefiller {
     bool have_xfer = false;
     std::chrono::steady_clock::time_point submitted, transfer_started;
     PrefillResult result;
+    std::vector<uint32_t> staging;  // encrypt: held by the push, freed by Complete
   };
   using JobPtr = std::shared_ptr<Job>;
 
@@ -178,11 +186,15 @@ class Prefiller {
   // Ends the job (first call wins) and runs its `done`.
   void Complete(const JobPtr& job, Result<PrefillResult> result);
   static Status UnknownError();
+  // transport.encrypt: seals the push's blocks (KvSealer) and puts the tags
+  // in the notice; a no-op for a target without a key.
+  Status SealPush(const JobPtr& job, std::vector<kvtransfer::BlockPair>& pairs, NoticeSpec& n);
 
   engine::Engine& engine_;
   kvtransfer::Transport& transport_;
   DecoderLink& link_;
   const PrefillerOptions options_;
+  KvSealer sealer_;
 
   mutable std::mutex mu_;
   std::condition_variable_any cv_;

@@ -19,7 +19,7 @@ std::vector<double> RatioBuckets() {
 }
 
 constexpr const char* kNoticeRefusedHelp =
-    "KV notices refused without acting on them (wrong capability, unreadable)";
+    "KV notices refused without acting on them (wrong capability, unreadable, failed decryption)";
 
 void Advance(prometheus::Counter& c, uint64_t now, uint64_t before) {
   if (now > before) c.Increment(static_cast<double>(now - before));
@@ -61,7 +61,9 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
       notice_refused_capability_(r.Counter("tandem_kv_notice_refused_total", kNoticeRefusedHelp,
                                            {{"reason", "capability"}})),
       notice_refused_unreadable_(r.Counter("tandem_kv_notice_refused_total", kNoticeRefusedHelp,
-                                           {{"reason", "unreadable"}})) {}
+                                           {{"reason", "unreadable"}})),
+      notice_refused_decrypt_(r.Counter("tandem_kv_notice_refused_total", kNoticeRefusedHelp,
+                                        {{"reason", "decrypt"}})) {}
 
 void WorkerMetrics::ObservePrefill(double prefill_seconds) { prefill_seconds_.Observe(prefill_seconds); }
 
@@ -90,6 +92,7 @@ void WorkerMetrics::Update(const MetricsSample& s) {
           last_.notices_refused_capability);
   Advance(notice_refused_unreadable_, s.notices_refused_unreadable,
           last_.notices_refused_unreadable);
+  Advance(notice_refused_decrypt_, s.notices_refused_decrypt, last_.notices_refused_decrypt);
   last_ = s;
 }
 

@@ -13,7 +13,8 @@
 //   tandem_kv_reservations_refused_total (counters),
 // and, for the KV plane's security (docs/security.md):
 //   tandem_kv_notice_refused_total{reason} (counter; reason capability |
-//   unreadable): KV notices a decoder refused without acting on them.
+//   unreadable | decrypt): KV notices a decoder refused without acting on
+//   them (decrypt: transport.encrypt and a pushed block failed its tag).
 //
 // Threads: Observe* from any thread (engine, progress, gRPC); Update from
 // one thread at a time (the worker's monitor thread).
@@ -36,6 +37,7 @@ struct MetricsSample {
   uint64_t reservations_refused = 0;
   uint64_t notices_refused_capability = 0;
   uint64_t notices_refused_unreadable = 0;
+  uint64_t notices_refused_decrypt = 0;
 };
 
 class WorkerMetrics {
@@ -67,6 +69,7 @@ class WorkerMetrics {
   prometheus::Counter& refused_;
   prometheus::Counter& notice_refused_capability_;
   prometheus::Counter& notice_refused_unreadable_;
+  prometheus::Counter& notice_refused_decrypt_;
   MetricsSample last_;  // Update's thread only: counters advance by the difference
 };
 

@@ -136,6 +136,7 @@ struct Worker {
       m.reservations_refused = c.reservations_refused;
       m.notices_refused_capability = c.notices_refused_capability;
       m.notices_refused_unreadable = c.notices_refused_unreadable;
+      m.notices_refused_decrypt = c.notices_refused_decrypt;
     }
     if (prefiller) m.queued_prefills = prefiller->counts().queued;
     metrics->Update(m);
@@ -199,12 +200,19 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   to.block_bytes = layout.block_bytes();
   to.num_blocks = eo.num_blocks;
   to.peer_timeout_s = w.fleet.transport.peer_timeout_seconds;
+  // transport.encrypt: a prefiller seals outgoing blocks into a staging copy.
+  if (w.fleet.transport.encrypt && prefills) to.staging_blocks = eo.num_blocks;
   if (simulated && w.fleet.sim.link_gbps > 0) {  // the simulated network link
     to.pace_bits_per_s = w.fleet.sim.link_gbps * 1e9;
     to.pace_byte_scale = w.sim.kv_scale;
     to.pace_latency_s = w.fleet.sim.link_latency_us * 1e-6;
   }
   TANDEM_ASSIGN_OR_RETURN(w.transport, kvtransfer::CreateTransport(to));
+  if (w.fleet.transport.encrypt && w.transport->capabilities().device_memory) {
+    return FailedPreconditionError(
+        "transport.encrypt: the KV pool is in device memory, which this build cannot seal or "
+        "open; turn transport.encrypt off for GPU pools");
+  }
   w.allocator = std::make_unique<TransportPoolAllocator>(*w.transport);
   eo.allocator = w.allocator.get();
 
@@ -232,6 +240,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   if (decodes) {
     decoder::DecoderOptions dopt;
     dopt.lease_seconds = w.fleet.transport.lease_seconds;
+    dopt.encrypt = w.fleet.transport.encrypt;
     dopt.on_local_prefill_seconds = [metrics](double s) { metrics->ObservePrefill(s); };
     w.decoder = std::make_unique<decoder::Decoder>(*w.engine, *w.transport, dopt);
     w.decoder->Start();
@@ -245,6 +254,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     popt.max_queue = w.fleet.scheduler.max_waiting;
     popt.max_num_seqs = w.fleet.scheduler.max_num_seqs;
     popt.lease_seconds = w.fleet.transport.lease_seconds;
+    popt.encrypt = w.fleet.transport.encrypt;
     const char* help = "Prefills dropped with their blocks freed and nothing written, by reason "
                        "(target_lost: the decoder or the push failed; lease_expired: the KV was "
                        "ready too late for the decoder's lease)";
