@@ -10,8 +10,13 @@
 // - outputs equal `tandem generate` throughout.
 #include <gtest/gtest.h>
 
+#include <iostream>
+
+#include <chrono>
 #include <filesystem>
+#include <functional>
 #include <regex>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -41,6 +46,22 @@ double TierValue(const std::string& text, const std::string& metric, const std::
     pos = end + 1;
   }
   return -1;
+}
+
+// The prefiller's metrics once `done(text)` holds: workers publish their
+// counters on a monitor tick, so the test waits for the tick (bounded).
+std::string WaitForMetrics(const std::string& address, const std::function<bool(const std::string&)>& done) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  std::string last;
+  while (std::chrono::steady_clock::now() < deadline) {
+    auto m = Scrape(address);
+    if (m.ok()) {
+      last = *m;
+      if (done(last)) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return last;
 }
 
 const WorkerAddr& Prefiller(const Fleet& f) {
@@ -114,15 +135,22 @@ TEST(KvTiersFleet, LowerTiersServeEvictedPrefixesAndSurviveARestart) {
     ASSERT_TRUE(again.ok()) << again.status().ToString();
     EXPECT_EQ(again->token_ids, refs[0]);
     EXPECT_EQ(again->cached_prompt_tokens, kCached);
-    auto m = Scrape(Prefiller(f).metrics);
-    ASSERT_TRUE(m.ok());
-    const double host = TierValue(*m, "tandem_kv_tier_hits_tokens_total", "host");
-    const double disk_hits = TierValue(*m, "tandem_kv_tier_hits_tokens_total", "disk");
-    EXPECT_EQ(TierValue(*m, "tandem_kv_tier_hits_tokens_total", "device"), 0);
+    auto lower_hits = [](const std::string& t) {
+      return TierValue(t, "tandem_kv_tier_hits_tokens_total", "host") +
+             TierValue(t, "tandem_kv_tier_hits_tokens_total", "disk");
+    };
+    const std::string m = WaitForMetrics(Prefiller(f).metrics, [&](const std::string& t) {
+      return lower_hits(t) >= kCached && TierValue(t, "tandem_kv_tier_usage_ratio", "disk") > 0;
+    });
+    const double host = TierValue(m, "tandem_kv_tier_hits_tokens_total", "host");
+    const double disk_hits = TierValue(m, "tandem_kv_tier_hits_tokens_total", "disk");
+    EXPECT_EQ(TierValue(m, "tandem_kv_tier_hits_tokens_total", "device"), 0);
     EXPECT_EQ(host + disk_hits, kCached) << "host " << host << ", disk " << disk_hits;
-    EXPECT_GT(TierValue(*m, "tandem_kv_tier_evictions_total", "device"), 0);
-    EXPECT_GT(TierValue(*m, "tandem_kv_tier_evictions_total", "host"), 0);
-    EXPECT_GT(TierValue(*m, "tandem_kv_tier_usage_ratio", "disk"), 0);
+    EXPECT_GT(TierValue(m, "tandem_kv_tier_evictions_total", "device"), 0);
+    EXPECT_GT(TierValue(m, "tandem_kv_tier_evictions_total", "host"), 0);
+    EXPECT_GT(TierValue(m, "tandem_kv_tier_usage_ratio", "disk"), 0);
+    std::cout << "first prompt again: " << host << " cached tokens from host, " << disk_hits
+              << " from disk\n";
     auto st = (*fleet)->Stop(std::chrono::seconds(30));
     ASSERT_TRUE(st.ok()) << st.status().ToString();
   }
@@ -138,9 +166,10 @@ TEST(KvTiersFleet, LowerTiersServeEvictedPrefixesAndSurviveARestart) {
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->token_ids, refs[0]);
   EXPECT_EQ(c->cached_prompt_tokens, kCached);
-  auto m = Scrape(Prefiller(f).metrics);
-  ASSERT_TRUE(m.ok());
-  EXPECT_EQ(TierValue(*m, "tandem_kv_tier_hits_tokens_total", "disk"), kCached);
+  const std::string m = WaitForMetrics(Prefiller(f).metrics, [&](const std::string& t) {
+    return TierValue(t, "tandem_kv_tier_hits_tokens_total", "disk") >= kCached;
+  });
+  EXPECT_EQ(TierValue(m, "tandem_kv_tier_hits_tokens_total", "disk"), kCached);
   // An unknown prompt still computes from scratch, with the right output.
   auto fresh = PromptIds(77, kPromptTokens, kVocab);
   auto ref = ReferenceGenerate(fresh, kMaxTokens);
