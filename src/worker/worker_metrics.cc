@@ -20,6 +20,9 @@ std::vector<double> RatioBuckets() {
   return {0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0};
 }
 
+constexpr const char* kNoticeRefusedHelp =
+    "KV notices refused without acting on them (wrong capability, unreadable)";
+
 void Advance(prometheus::Counter& c, uint64_t now, uint64_t before) {
   if (now > before) c.Increment(static_cast<double>(now - before));
 }
@@ -57,6 +60,10 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
                                "KV notices ignored: stale generation or unknown reservation")),
       refused_(r.Counter("tandem_kv_reservations_refused_total",
                          "Reservations refused for lack of KV blocks")),
+      notice_refused_capability_(r.Counter("tandem_kv_notice_refused_total", kNoticeRefusedHelp,
+                                           {{"reason", "capability"}})),
+      notice_refused_unreadable_(r.Counter("tandem_kv_notice_refused_total", kNoticeRefusedHelp,
+                                           {{"reason", "unreadable"}})),
       onboard_seconds_(r.Histogram("tandem_kv_tier_onboard_seconds",
                                    "Time to onboard one prefix hit's host/disk-tier blocks into the "
                                    "device tier",
@@ -100,6 +107,10 @@ void WorkerMetrics::Update(const MetricsSample& s) {
   Advance(leases_expired_, s.leases_expired, last_.leases_expired);
   Advance(stale_notices_, s.stale_notices, last_.stale_notices);
   Advance(refused_, s.reservations_refused, last_.reservations_refused);
+  Advance(notice_refused_capability_, s.notices_refused_capability,
+          last_.notices_refused_capability);
+  Advance(notice_refused_unreadable_, s.notices_refused_unreadable,
+          last_.notices_refused_unreadable);
   for (uint32_t t = 0; t < engine::kNumKvTiers; ++t) {
     tier_usage_[t]->Set(s.engine.tier_usage_ratio[t]);
     Advance(*tier_hits_[t], s.engine.tier_hit_tokens[t], last_.engine.tier_hit_tokens[t]);

@@ -11,6 +11,9 @@
 //   tandem_prefill_queue_requests (gauge),
 //   tandem_kv_lease_expired_total, tandem_kv_stale_notices_total,
 //   tandem_kv_reservations_refused_total (counters),
+// and, for the KV plane's security (docs/security.md):
+//   tandem_kv_notice_refused_total{reason} (counter; reason capability |
+//   unreadable): KV notices a decoder refused without acting on them,
 // and per KV tier (label tier = device | host | disk; docs/engine.md):
 //   tandem_kv_tier_usage_ratio (gauge), tandem_kv_tier_hits_tokens_total,
 //   tandem_kv_tier_evictions_total (counters), plus
@@ -36,6 +39,8 @@ struct MetricsSample {
   uint64_t leases_expired = 0;  // totals
   uint64_t stale_notices = 0;
   uint64_t reservations_refused = 0;
+  uint64_t notices_refused_capability = 0;
+  uint64_t notices_refused_unreadable = 0;
 };
 
 class WorkerMetrics {
@@ -67,6 +72,8 @@ class WorkerMetrics {
   prometheus::Counter& leases_expired_;
   prometheus::Counter& stale_notices_;
   prometheus::Counter& refused_;
+  prometheus::Counter& notice_refused_capability_;
+  prometheus::Counter& notice_refused_unreadable_;
   std::array<prometheus::Gauge*, engine::kNumKvTiers> tier_usage_{};
   std::array<prometheus::Counter*, engine::kNumKvTiers> tier_hits_{};
   std::array<prometheus::Counter*, engine::kNumKvTiers> tier_evictions_{};
