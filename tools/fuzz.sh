@@ -31,6 +31,8 @@ case "${1:-}" in
     scratch=$(mktemp -d)
     trap 'rm -rf "$scratch"' EXIT
     # New inputs go to the first folder (scratch); the seeds stay as committed.
+    # UCX (linked for the KV formats) must not install its own crash handler.
+    export UCX_HANDLE_ERRORS=none
     "$bin" -runs="$runs" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 "$scratch" "$seeds"
     ;;
   ci)
@@ -42,7 +44,8 @@ case "${1:-}" in
     out="$root/build-fuzz/long/$target"
     mkdir -p "$out/corpus" "$out/artifacts"
     cd "$out"
-    "$root/build-fuzz/tests/fuzz/fuzz_$target" -runs="$runs" -timeout=10 -rss_limit_mb=2048 \
+    export UCX_HANDLE_ERRORS=none
+    "$root/build-fuzz/tests/fuzz/fuzz_$target" -runs="$runs" -max_total_time="${TANDEM_FUZZ_MAX_SECONDS:-0}" -timeout=10 -rss_limit_mb=2048 \
       -print_final_stats=1 -artifact_prefix="$out/artifacts/" \
       corpus "$root/tests/fuzz/corpus/$target"
     ;;
@@ -57,7 +60,7 @@ case "${1:-}" in
       cp "$f" "$c/tokenizer/$(basename "$(dirname "$f")").json"
     done
     for f in "$root"/configs/*.yaml; do cp "$f" "$c/config/"; done
-    "$root/build-fuzz/tests/fuzz/fuzz_make_seeds" "$c/kv_notice"
+    UCX_HANDLE_ERRORS=none "$root/build-fuzz/tests/fuzz/fuzz_make_seeds" "$c/kv_notice"
     ;;
   *)
     echo "usage: tools/fuzz.sh ci | long TARGET RUNS | seeds | run BIN SEEDS RUNS" >&2

@@ -410,11 +410,8 @@ int RunWriter(const BenchOptions& o) {
       const double b = static_cast<double>(e.bytes);
       std::cout << fmt::format(
           "  encrypted (AES-256-GCM, one request at a time, seal -> put -> open): {:.3f} GB/s end "
-          "to end
-    seal {:.3f} GB/s, put+notice {:.3f} GB/s, open {:.3f} GB/s; tag failures {}
-"
-          "  memcpy of {} bytes: {:.3f} GB/s
-",
+          "to end\n    seal {:.3f} GB/s, put+notice {:.3f} GB/s, open {:.3f} GB/s; tag failures {}\n"
+          "  memcpy of {} bytes: {:.3f} GB/s\n",
           b / e.total_s / 1e9, b / e.seal_s / 1e9, b / e.transfer_s / 1e9, b / e.open_s / 1e9,
           e.failures, bytes_per_request, memcpy_bw / 1e9);
     }

@@ -40,6 +40,13 @@ Result<ValidatedRequest> ValidateRequest(const ClientRequest& req, const Serving
     if (!model::IsValidUtf8(req.prompt)) return InvalidArgumentError("prompt is not valid UTF-8");
     out.prompt_ids = encode(req.prompt);
     if (out.prompt_ids.empty()) return InvalidArgumentError("prompt encodes to no tokens");
+    for (uint32_t id : out.prompt_ids) {  // a tokenizer larger than the model (fuzz_request)
+      if (id >= limits.vocab_size) {
+        return InvalidArgumentError(fmt::format(
+            "prompt encodes to token id {}, outside the model's vocabulary of {} (the tokenizer "
+            "and the model disagree)", id, limits.vocab_size));
+      }
+    }
   } else {
     for (size_t i = 0; i < req.prompt_token_ids.size(); ++i) {
       if (req.prompt_token_ids[i] >= limits.vocab_size) {

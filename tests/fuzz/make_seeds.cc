@@ -13,8 +13,15 @@
 
 namespace {
 
+bool g_failed = false;
+
 void Write(const std::string& dir, const std::string& name, const std::string& bytes) {
-  std::ofstream(dir + "/" + name, std::ios::binary) << bytes;
+  std::ofstream out(dir + "/" + name, std::ios::binary);
+  out << bytes;
+  if (!out) {
+    std::fprintf(stderr, "fuzz_make_seeds: cannot write %s/%s\n", dir.c_str(), name.c_str());
+    g_failed = true;
+  }
 }
 
 }  // namespace
@@ -57,5 +64,5 @@ int main(int argc, char** argv) {
   Write(dir, "framed_error",
         kv::detail::EncodeNotice(d.generation, 7, "prefill-0", gave_up.SerializeAsString()));
   Write(dir, "hex", kv::ToHex(kv::SerializeDescriptor(d)));
-  return 0;
+  return g_failed ? 1 : 0;
 }

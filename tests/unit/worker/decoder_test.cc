@@ -176,7 +176,7 @@ std::vector<std::vector<std::byte>> SealIntoSlots(kvtransfer::Transport& t,
 
 TEST_F(DecoderTest, EncryptedPushIsCheckedAndOpenedInPlaceBeforeDecoding) {
   MakeDecoder(30, /*encrypt=*/true);
-  const auto prompt = Prompt(40, 33);
+  const auto prompt = Prompt(48, 33);  // three full blocks: decoding writes only a fourth
   auto sink = Register("a", prompt, 3);
   auto t = decoder_->Reserve("a", "p", prompt);
   ASSERT_TRUE(t.ok());
@@ -190,7 +190,7 @@ TEST_F(DecoderTest, EncryptedPushIsCheckedAndOpenedInPlaceBeforeDecoding) {
   ASSERT_TRUE(WaitFor([&] { return sink->Ended(); }));
   EXPECT_TRUE(sink->finished) << sink->error.ToString();
   EXPECT_EQ(decoder_->counts().notices_refused_decrypt, 0u);
-  // The slots hold the plaintext again (decrypted where they landed).
+  // The prompt's slots hold the plaintext again (decrypted where they landed).
   for (size_t i = 0; i < plain.size(); ++i) {
     EXPECT_EQ(std::memcmp(node_->transport->block(t->slots[i]), plain[i].data(), plain[i].size()), 0)
         << "block " << i;
