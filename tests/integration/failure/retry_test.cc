@@ -16,7 +16,10 @@
 #include <mutex>
 #include <thread>
 
+#include <grpcpp/grpcpp.h>
+
 #include "fleet_harness.h"
+#include "tandem/v1/generation.grpc.pb.h"
 
 namespace tandem::testing {
 namespace {
@@ -149,6 +152,91 @@ TEST(Retry, PausedPrefillerUnder32StreamsEveryRequestCompletes) {
 TEST(Retry, PausedDecoderRetriesReachTheSamePrefiller) {
   if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
   PauseUnderLoad(1, 2, "decode-0");
+}
+
+
+// Seeded (non-greedy) sampling through a migration: decode-0 is killed
+// (SIGKILL) while seeded streams are on it; the proxy re-prefills prompt +
+// sent tokens on decode-1 with the random stream continued at index `sent`
+// (first_sample_index), so every completion equals `tandem generate
+// --temperature T --seed S` for the same request (docs/failure-handling.md).
+TEST(Migration, SeededSamplingThroughAMigrationEqualsTheUnmigratedOutput) {
+  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  namespace pb = ::tandem::v1;
+  constexpr int kStreams = 4;
+  constexpr uint32_t kMaxTokens = 400;
+  constexpr float kTemperature = 0.9f;
+  std::vector<std::vector<uint32_t>> prompts, reference;
+  for (int i = 0; i < kStreams; ++i) {
+    prompts.push_back(PromptIds(2100 + i, 40 + 10 * i, kVocab));
+    auto ref = ReferenceGenerate(prompts.back(), kMaxTokens, kTemperature, 7000 + i);
+    ASSERT_TRUE(ref.ok()) << ref.status().ToString();
+    ASSERT_EQ(ref->size(), kMaxTokens);
+    reference.push_back(*ref);
+  }
+  // Sampling really is random here: the seeds give different completions
+  // than greedy decoding does.
+  auto greedy = ReferenceGenerate(prompts[0], kMaxTokens);
+  ASSERT_TRUE(greedy.ok());
+  ASSERT_NE(*greedy, reference[0]);
+
+  FleetOptions o;
+  o.prefill = 1;
+  o.decode = 2;
+  o.proxy_yaml = "  liveness_timeout_seconds: 1\n  max_migrations: 3\n";
+  o.extra_yaml = "transport:\n  lease_seconds: 2\n  peer_timeout_seconds: 1.5\n";
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  const WorkerAddr* d0 = FindWorker(**fleet, "decode-0");
+  ASSERT_NE(d0, nullptr);
+  auto stub = pb::Generation::NewStub(
+      grpc::CreateChannel((*fleet)->proxy_grpc(), grpc::InsecureChannelCredentials()));
+
+  std::vector<std::vector<uint32_t>> got(kStreams);
+  std::vector<grpc::Status> status(kStreams);
+  std::vector<std::atomic<size_t>> received(kStreams);
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kStreams; ++i) {
+    clients.emplace_back([&, i] {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + 60s);
+      pb::GenerateRequest req;
+      for (uint32_t t : prompts[i]) req.add_prompt_token_ids(t);
+      req.set_max_tokens(kMaxTokens);
+      req.mutable_sampling()->set_temperature(kTemperature);
+      req.mutable_sampling()->set_seed(7000 + i);
+      req.set_ignore_eos(true);
+      auto reader = stub->Generate(&ctx, req);
+      pb::GenerateResponse resp;
+      while (reader->Read(&resp)) {
+        got[i].insert(got[i].end(), resp.token_ids().begin(), resp.token_ids().end());
+        received[i] = got[i].size();
+      }
+      status[i] = reader->Finish();
+    });
+  }
+  // Every stream has produced a few tokens (of 400 each: far from done).
+  const bool streaming = WaitUntil(
+      [&] {
+        for (auto& r : received) {
+          if (r.load() < 4) return false;
+        }
+        return true;
+      },
+      60s);
+  EXPECT_TRUE(streaming) << "the streams never all started";
+  ASSERT_EQ(kill(d0->pid, SIGKILL), 0);
+  for (auto& c : clients) c.join();
+
+  const double migrations = Metric((*fleet)->proxy_metrics(), "tandem_request_migrations_total");
+  std::printf("[migration] seeded (T=%.1f) streams, decode-0 killed mid-stream: %.0f migrations\n",
+              kTemperature, migrations);
+  for (int i = 0; i < kStreams; ++i) {
+    EXPECT_TRUE(status[i].ok()) << i << ": " << status[i].error_message();
+    EXPECT_EQ(got[i], reference[i]) << "stream " << i << " (seed " << 7000 + i << ")";
+  }
+  // Round robin put half of them on decode-0: they were migrated, mid-stream.
+  EXPECT_GE(migrations, 1) << "no stream was on decode-0 when it died";
 }
 
 }  // namespace

@@ -187,15 +187,23 @@ Result<Completion> Generate(const std::string& proxy, const GenerateArgs& a) {
 
 Result<std::vector<uint32_t>> ReferenceGenerate(const std::vector<uint32_t>& prompt_ids,
                                                 uint32_t max_tokens) {
+  return ReferenceGenerate(prompt_ids, max_tokens, 0.0f, 0);
+}
+
+Result<std::vector<uint32_t>> ReferenceGenerate(const std::vector<uint32_t>& prompt_ids,
+                                                uint32_t max_tokens, float temperature,
+                                                uint64_t seed) {
+  const std::string sampling =
+      temperature == 0.0f ? std::string("--temperature 0")
+                          : fmt::format("--temperature {} --seed {}", temperature, seed);
   std::string ids;
   for (uint32_t t : prompt_ids) {
     if (!ids.empty()) ids.push_back(',');
     ids += std::to_string(t);
   }
   const std::string cmd = fmt::format(
-      "{} generate --model {} --prompt-ids {} --max-tokens {} --temperature 0 --ignore-eos "
-      "--json 2>/dev/null",
-      Tandem(), BundledModel(), ids, max_tokens);
+      "{} generate --model {} --prompt-ids {} --max-tokens {} {} --ignore-eos --json 2>/dev/null",
+      Tandem(), BundledModel(), ids, max_tokens, sampling);
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return InternalError("popen failed");
   std::string out;

@@ -108,6 +108,10 @@ Result<Completion> Generate(const std::string& proxy, const GenerateArgs& args);
 // `tandem generate --json` in a subprocess (the single-process reference).
 Result<std::vector<uint32_t>> ReferenceGenerate(const std::vector<uint32_t>& prompt_ids,
                                                 uint32_t max_tokens);
+// The same with seeded sampling (`--temperature T --seed S`).
+Result<std::vector<uint32_t>> ReferenceGenerate(const std::vector<uint32_t>& prompt_ids,
+                                                uint32_t max_tokens, float temperature,
+                                                uint64_t seed);
 
 // GET http://ADDRESS/metrics.
 Result<std::string> Scrape(const std::string& address);
