@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "engine/cuda_device_mem.h"
 #include "engine/cuda_graphs.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/device.h"
@@ -45,50 +46,6 @@ Status FromKernel(const kc::KernelStatus& st, std::string_view what) {
 
 #define TANDEM_CUDA_RETURN(expr, what) TANDEM_RETURN_IF_ERROR(FromCuda((expr), (what)))
 #define TANDEM_KERNEL_RETURN(expr, what) TANDEM_RETURN_IF_ERROR(FromKernel((expr), (what)))
-
-// One device allocation, freed on destruction.
-class DeviceMem {
- public:
-  DeviceMem() = default;
-  ~DeviceMem() { Reset(); }
-  DeviceMem(const DeviceMem&) = delete;
-  DeviceMem& operator=(const DeviceMem&) = delete;
-  DeviceMem(DeviceMem&& o) noexcept : p_(o.p_), bytes_(o.bytes_) { o.p_ = nullptr; o.bytes_ = 0; }
-
-  Status Allocate(size_t bytes, std::string_view what) {
-    Reset();
-    if (bytes == 0) return Status::Ok();
-    const cudaError_t err = cudaMalloc(&p_, bytes);
-    if (err != cudaSuccess) {
-      p_ = nullptr;
-      size_t free_b = 0, total_b = 0;
-      cudaMemGetInfo(&free_b, &total_b);
-      return ResourceExhaustedError(fmt::format(
-          "backend cuda: {} needs {:.2f} GiB of device memory; {:.2f} GiB of {:.2f} GiB free ({})",
-          what, bytes / 1073741824.0, free_b / 1073741824.0, total_b / 1073741824.0,
-          cudaGetErrorString(err)));
-    }
-    bytes_ = bytes;
-    return Status::Ok();
-  }
-  // Grows (never shrinks) to at least `bytes`; contents are not kept.
-  Status Reserve(size_t bytes, std::string_view what) {
-    if (bytes <= bytes_) return Status::Ok();
-    return Allocate(bytes + bytes / 2, what);
-  }
-  void Reset() {
-    if (p_ != nullptr) cudaFree(p_);
-    p_ = nullptr;
-    bytes_ = 0;
-  }
-  template <class T>
-  T* as() const { return static_cast<T*>(p_); }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* p_ = nullptr;
-  size_t bytes_ = 0;
-};
 
 // Host f32 values -> device bf16 (model::FloatToBfloat16: round to nearest
 // even, as the loader's WeightFormat::kBf16), in pieces of at most 16 Mi
@@ -355,7 +312,8 @@ Status CudaBackend::Forward(std::span<const SeqChunk> batch, std::span<float> lo
                                            c.max_position_embeddings, vocab, logits.size()));
   size_t total = 0, rows = 0, max_blocks = 0;
   int max_q = 0, max_ctx = 0;
-  bool all_decode = true;
+  bool all_decode = true;  // one token per sequence: the decode kernel can run it
+  bool graphable = true;   // ... and one logit row each: a decode step, padded
   for (const SeqChunk& s : batch) {
     const size_t end = size_t{s.start_pos} + s.tokens.size();
     total += s.tokens.size();
@@ -363,7 +321,8 @@ Status CudaBackend::Forward(std::span<const SeqChunk> batch, std::span<float> lo
     max_blocks = std::max(max_blocks, s.block_table.size());
     max_q = std::max(max_q, static_cast<int>(s.tokens.size()));
     max_ctx = std::max(max_ctx, static_cast<int>(end));
-    all_decode = all_decode && s.tokens.size() == 1 && s.num_logits == 1;
+    all_decode = all_decode && s.tokens.size() == 1;
+    graphable = graphable && s.tokens.size() == 1 && s.num_logits == 1;
   }
   if (total == 0) return Status::Ok();
   if (max_blocks == 0) max_blocks = 1;
@@ -375,7 +334,7 @@ Status CudaBackend::Forward(std::span<const SeqChunk> batch, std::span<float> lo
   // 0 at position 0, no KV written (slot -1), attending to slot 0 of
   // block 0; their logits are dropped.
   const uint32_t bucket =
-      all_decode ? CudaGraphCache::BatchBucket(static_cast<uint32_t>(batch.size())) : 0;
+      graphable ? CudaGraphCache::BatchBucket(static_cast<uint32_t>(batch.size())) : 0;
   int S = static_cast<int>(batch.size());
   if (bucket != 0) {
     S = static_cast<int>(bucket);
