@@ -134,6 +134,7 @@ tandem::model::ModelWeights RandomWeights(const tandem::model::ModelConfig& c) {
   w.norm.assign(h, 1.0f);
   w.layers.resize(c.num_hidden_layers);
   std::vector<std::thread> fill;
+  fill.reserve(size_t{c.num_hidden_layers} + 2);
   fill.emplace_back([&] { Fill(w.embed_tokens.bf16, 1, 0.02f); });
   fill.emplace_back([&] { Fill(w.lm_head.bf16, 2, 0.02f); });
   for (uint32_t l = 0; l < c.num_hidden_layers; ++l) {

@@ -554,9 +554,11 @@ Result<std::unique_ptr<ComputeBackend>> CreateCudaBackend(const model::ModelConf
       kv.head_dim != config.head_dim) {
     return InvalidArgumentError("backend cuda: KV pool geometry does not match the model");
   }
-  if (!opts.cuda_graphs) spdlog::info("backend cuda: CUDA graphs off; decode steps run eagerly");
   auto backend = std::make_unique<CudaBackend>(config, pool, opts);
   TANDEM_RETURN_IF_ERROR(backend->Init(weights));
+  spdlog::info("backend cuda: device {}, {:.2f} GiB of bf16 weights, batch_invariant {}, decode CUDA graphs {}",
+               opts.device, backend->weight_bytes() / 1073741824.0, opts.batch_invariant,
+               opts.cuda_graphs ? "on" : "off (TANDEM_CUDA_GRAPHS=0): decode steps run eagerly");
   return std::unique_ptr<ComputeBackend>(std::move(backend));
 }
 

@@ -22,7 +22,7 @@
 #   kvtransfer  tandem bench kvtransfer: host-memory UCX path, and the
 #               device-memory path when the bench offers one
 #   e2e         tools/make_random_model.py (Llama-3-8B shape, random bf16,
-#               written during the build, deleted at the end) loaded by
+#               written to $TMPDIR during the build, deleted at exit) loaded by
 #               bench_cuda_engine: prefill/decode tokens/s per mode
 # Exit: 0 when every stage passed; 1 when any failed or mismatched; 2 when
 # there is no GPU (nothing built or measured; the summary says so).
@@ -36,7 +36,8 @@
 # Environment: DEVICE_CHECK_FORCE=1 runs the stages even when no GPU is
 # seen (to test this script); DEVICE_CHECK_SKIP_BUILD=1 skips deps and
 # build (use an existing build/); DEVICE_CHECK_STAGES="gpu_tests kernels"
-# runs only those stages.
+# runs only those stages; DEVICE_CHECK_MODEL_ARGS="--layers 2 ..." makes
+# the e2e model smaller (tools/make_random_model.py flags).
 set -u
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 if [ -n "${OUT:-}" ]; then
@@ -52,7 +53,8 @@ mkdir -p "$WORK"
 BUILD="$ROOT/build"
 BUDGET="${DEVICE_CHECK_BUDGET_S:-470}"
 STAGES="${DEVICE_CHECK_STAGES:-deps build gpu_tests fleet_1p1d kernels kvtransfer e2e}"
-MODEL_DIR="$WORK/llama3-8b-random"
+# Never under $OUT (whatever is there is shipped back): 16 GB.
+MODEL_DIR="${TMPDIR:-/tmp}/tandem-device-check-model.$$"
 T0=$(date +%s)
 
 log() { echo "[device_check $(( $(date +%s) - T0 ))s] $*" >&2; }
@@ -105,8 +107,16 @@ fi
 
 # ---- build (the random model is written meanwhile: disk-bound, one core) ----
 model_pid=""
+cleanup() {
+  if [ -n "$model_pid" ] && kill -0 "$model_pid" 2>/dev/null; then kill "$model_pid"; fi
+  rm -rf "$MODEL_DIR"
+}
+trap cleanup EXIT
 if wanted e2e; then
-  python3 "$ROOT/tools/make_random_model.py" "$MODEL_DIR" > "$WORK/make_random_model.log" 2>&1 &
+  # DEVICE_CHECK_MODEL_ARGS: shape flags for a smaller model (script tests).
+  # shellcheck disable=SC2086  # a flag list, split on purpose
+  python3 "$ROOT/tools/make_random_model.py" "$MODEL_DIR" ${DEVICE_CHECK_MODEL_ARGS:-} \
+    > "$WORK/make_random_model.log" 2>&1 &
   model_pid=$!
 fi
 if [ "${DEVICE_CHECK_SKIP_BUILD:-0}" != 1 ]; then
@@ -140,7 +150,13 @@ fi
 if wanted e2e; then
   if [ -n "$model_pid" ]; then
     log "e2e: waiting for the random model"
-    if ! wait "$model_pid"; then log "make_random_model.py failed (see its log)"; fi
+    while kill -0 "$model_pid" 2>/dev/null && [ "$(left)" -gt 60 ]; do sleep 1; done
+    if kill -0 "$model_pid" 2>/dev/null; then
+      kill "$model_pid"
+      log "e2e: the random model was not written in time"
+    fi
+    if ! wait "$model_pid"; then log "make_random_model.py failed or was stopped (see its log)"; fi
+    model_pid=""
   fi
   stage e2e 240 "$BUILD/bench/kernels/bench_cuda_engine" --model "$MODEL_DIR" --prompt 1024 \
     --batch 64 --prefill-seqs 4 --steps 12

@@ -88,7 +88,8 @@ def kernels(work):
         k["prefill_attention"] = {n: {"TFLOPs": round(v, 1), "fraction_of_gemm": round(v / gemm, 3)}
                                   for n, v in best.items() if n.startswith("BM_PrefillAttention")}
     if errors:
-        k["errors"] = errors
+        unique = list(dict.fromkeys(errors))  # repetitions repeat the same error
+        k["errors"] = unique[:5] + ([f"... and {len(unique) - 5} more"] if len(unique) > 5 else [])
     k["ok"] = not errors and copy is not None and gemm is not None
     return k
 
