@@ -39,11 +39,7 @@ EngineOptions EngineOptions::FromFleetConfig(const FleetConfig& fleet) {
   o.scheduler.max_waiting = fleet.scheduler.max_waiting;
   o.threads = fleet.scheduler.threads;
   o.max_model_len = fleet.model.max_model_len;
-  o.hash_context.model_id = fleet.model.name;
-  o.hash_context.revision = fleet.model.revision;
-  o.hash_context.kv_dtype = "f32";  // the CPU backend's KV is f32 whatever the weights were
-  if (fleet.model.backend == "cuda") o.hash_context.kv_dtype = "bf16";  // docs/cuda.md
-  o.hash_context.fleet_salt = fleet.cache.salt;
+  o.hash_context = HashContextFromFleet(fleet);  // the one builder (common/block_hash.h)
   return o;
 }
 
@@ -93,7 +89,10 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
   } else if (o.backend == "cuda") {
 #ifdef TANDEM_HAVE_CUDA
     // No device: FAILED_PRECONDITION naming the runtime's reason (docs/cuda.md).
-    TANDEM_ASSIGN_OR_RETURN(e->backend_, CreateCudaBackend(config, weights, e->pool_.get(), {}));
+    CudaBackendOptions cuda_options;
+    cuda_options.kv_pool = o.device_kv_pool;
+    cuda_options.kv_pool_bytes = o.device_kv_pool_bytes;
+    TANDEM_ASSIGN_OR_RETURN(e->backend_, CreateCudaBackend(config, weights, e->pool_.get(), cuda_options));
 #else
     return UnimplementedError(
         "backend cuda: this build has no CUDA kernels (configure with -DTANDEM_CUDA=ON where "
