@@ -5,7 +5,11 @@
 
 #include <fmt/format.h>
 
+#include <sys/random.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <random>
 
 #ifdef TANDEM_HAVE_CUDA
@@ -28,6 +32,25 @@ std::string_view FinishReasonName(FinishReason reason) {
 }
 
 uint32_t Reservation::num_cached_tokens() const { return num_cached_blocks * block_size; }
+
+namespace {
+
+// Reservation ids are random (docs/security.md, "KV plane"): a peer that
+// learns one cannot guess another.
+Result<uint64_t> RandomReservationId() {
+  uint64_t v = 0;
+  while (v == 0) {
+    const ssize_t got = getrandom(&v, sizeof(v), 0);
+    if (got == static_cast<ssize_t>(sizeof(v))) continue;
+    if (got < 0 && errno != EINTR) {
+      return InternalError(fmt::format("getrandom failed: {}", std::strerror(errno)));
+    }
+    v = 0;
+  }
+  return v;
+}
+
+}  // namespace
 
 EngineOptions EngineOptions::FromFleetConfig(const FleetConfig& fleet) {
   EngineOptions o;
@@ -262,7 +285,9 @@ Result<Reservation> Engine::Reserve(const std::string& request_id,
   std::vector<uint32_t> prompt(prompt_ids.begin(), prompt_ids.end());
   std::vector<uint64_t> hashes = HashBlocks(root_hash_, prompt, bs);
   const uint32_t total = static_cast<uint32_t>((prompt.size() + bs - 1) / bs);
+  TANDEM_ASSIGN_OR_RETURN(uint64_t reservation_id, RandomReservationId());
   std::lock_guard lock(mu_);
+  while (reservation_id == 0 || reservations_.count(reservation_id) != 0) ++reservation_id;  // 2^-64 odds
   std::vector<uint32_t> blocks =
       blocks_->AcquireCachedPrefix(hashes, prompt, static_cast<uint32_t>(hashes.size()));
   const uint32_t cached = static_cast<uint32_t>(blocks.size());
@@ -276,7 +301,7 @@ Result<Reservation> Engine::Reserve(const std::string& request_id,
   blocks.insert(blocks.end(), fresh->begin(), fresh->end());
   scheduler_->CountPrefixQuery(prompt.size(), uint64_t{cached} * bs);
   Reservation r;
-  r.reservation_id = next_reservation_id_++;
+  r.reservation_id = reservation_id;
   r.block_ids = blocks;
   r.num_cached_blocks = cached;
   r.block_size = bs;

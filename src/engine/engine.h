@@ -209,7 +209,6 @@ class Engine {
   std::unique_ptr<Scheduler> scheduler_;    // guarded by mu_
   std::map<std::string, std::unique_ptr<Sequence>> seqs_;  // guarded by mu_
   std::map<uint64_t, ReservationState> reservations_;     // guarded by mu_
-  uint64_t next_reservation_id_ = 1;        // guarded by mu_
   EngineStats counters_;                    // guarded by mu_ (steps, seconds, tokens)
   std::jthread thread_;
 };

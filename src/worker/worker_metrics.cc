@@ -18,6 +18,9 @@ std::vector<double> RatioBuckets() {
   return {0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0};
 }
 
+constexpr const char* kNoticeRefusedHelp =
+    "KV notices refused without acting on them (wrong capability, unreadable)";
+
 void Advance(prometheus::Counter& c, uint64_t now, uint64_t before) {
   if (now > before) c.Increment(static_cast<double>(now - before));
 }
@@ -54,7 +57,11 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
       stale_notices_(r.Counter("tandem_kv_stale_notices_total",
                                "KV notices ignored: stale generation or unknown reservation")),
       refused_(r.Counter("tandem_kv_reservations_refused_total",
-                         "Reservations refused for lack of KV blocks")) {}
+                         "Reservations refused for lack of KV blocks")),
+      notice_refused_capability_(r.Counter("tandem_kv_notice_refused_total", kNoticeRefusedHelp,
+                                           {{"reason", "capability"}})),
+      notice_refused_unreadable_(r.Counter("tandem_kv_notice_refused_total", kNoticeRefusedHelp,
+                                           {{"reason", "unreadable"}})) {}
 
 void WorkerMetrics::ObservePrefill(double prefill_seconds) { prefill_seconds_.Observe(prefill_seconds); }
 
@@ -79,6 +86,10 @@ void WorkerMetrics::Update(const MetricsSample& s) {
   Advance(leases_expired_, s.leases_expired, last_.leases_expired);
   Advance(stale_notices_, s.stale_notices, last_.stale_notices);
   Advance(refused_, s.reservations_refused, last_.reservations_refused);
+  Advance(notice_refused_capability_, s.notices_refused_capability,
+          last_.notices_refused_capability);
+  Advance(notice_refused_unreadable_, s.notices_refused_unreadable,
+          last_.notices_refused_unreadable);
   last_ = s;
 }
 

@@ -10,7 +10,10 @@
 //   tandem_kv_reservations (gauge), tandem_kv_parked_prefills (gauge),
 //   tandem_prefill_queue_requests (gauge),
 //   tandem_kv_lease_expired_total, tandem_kv_stale_notices_total,
-//   tandem_kv_reservations_refused_total (counters).
+//   tandem_kv_reservations_refused_total (counters),
+// and, for the KV plane's security (docs/security.md):
+//   tandem_kv_notice_refused_total{reason} (counter; reason capability |
+//   unreadable): KV notices a decoder refused without acting on them.
 //
 // Threads: Observe* from any thread (engine, progress, gRPC); Update from
 // one thread at a time (the worker's monitor thread).
@@ -31,6 +34,8 @@ struct MetricsSample {
   uint64_t leases_expired = 0;  // totals
   uint64_t stale_notices = 0;
   uint64_t reservations_refused = 0;
+  uint64_t notices_refused_capability = 0;
+  uint64_t notices_refused_unreadable = 0;
 };
 
 class WorkerMetrics {
@@ -60,6 +65,8 @@ class WorkerMetrics {
   prometheus::Counter& leases_expired_;
   prometheus::Counter& stale_notices_;
   prometheus::Counter& refused_;
+  prometheus::Counter& notice_refused_capability_;
+  prometheus::Counter& notice_refused_unreadable_;
   MetricsSample last_;  // Update's thread only: counters advance by the difference
 };
 

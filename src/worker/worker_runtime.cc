@@ -136,6 +136,8 @@ struct Worker {
       m.leases_expired = c.leases_expired;
       m.stale_notices = c.stale_notices;
       m.reservations_refused = c.reservations_refused;
+      m.notices_refused_capability = c.notices_refused_capability;
+      m.notices_refused_unreadable = c.notices_refused_unreadable;
     }
     if (prefiller) m.queued_prefills = prefiller->counts().queued;
     metrics->Update(m);
