@@ -1,5 +1,7 @@
 #include "worker/worker_metrics.h"
 
+#include <string>
+
 namespace tandem::worker {
 
 namespace {
@@ -61,7 +63,26 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
       notice_refused_capability_(r.Counter("tandem_kv_notice_refused_total", kNoticeRefusedHelp,
                                            {{"reason", "capability"}})),
       notice_refused_unreadable_(r.Counter("tandem_kv_notice_refused_total", kNoticeRefusedHelp,
-                                           {{"reason", "unreadable"}})) {}
+                                           {{"reason", "unreadable"}})),
+      onboard_seconds_(r.Histogram("tandem_kv_tier_onboard_seconds",
+                                   "Time to onboard one prefix hit's host/disk-tier blocks into the "
+                                   "device tier",
+                                   TransferBuckets())) {
+  for (uint32_t t = 0; t < engine::kNumKvTiers; ++t) {
+    const std::string tier(engine::KvTierName(static_cast<engine::KvTier>(t)));
+    tier_usage_[t] = &r.Gauge("tandem_kv_tier_usage_ratio",
+                              "Fraction of the KV tier's capacity holding blocks (0 when the tier is off)",
+                              {{"tier", tier}});
+    tier_hits_[t] = &r.Counter("tandem_kv_tier_hits_tokens_total",
+                               "Prompt tokens of prefix hits, by the tier the blocks were found in",
+                               {{"tier", tier}});
+    tier_evictions_[t] = &r.Counter("tandem_kv_tier_evictions_total",
+                                    "Blocks evicted from the KV tier (moved down, or dropped from the lowest)",
+                                    {{"tier", tier}});
+  }
+}
+
+void WorkerMetrics::ObserveOnboard(double seconds) { onboard_seconds_.Observe(seconds); }
 
 void WorkerMetrics::ObservePrefill(double prefill_seconds) { prefill_seconds_.Observe(prefill_seconds); }
 
@@ -90,6 +111,11 @@ void WorkerMetrics::Update(const MetricsSample& s) {
           last_.notices_refused_capability);
   Advance(notice_refused_unreadable_, s.notices_refused_unreadable,
           last_.notices_refused_unreadable);
+  for (uint32_t t = 0; t < engine::kNumKvTiers; ++t) {
+    tier_usage_[t]->Set(s.engine.tier_usage_ratio[t]);
+    Advance(*tier_hits_[t], s.engine.tier_hit_tokens[t], last_.engine.tier_hit_tokens[t]);
+    Advance(*tier_evictions_[t], s.engine.tier_evictions[t], last_.engine.tier_evictions[t]);
+  }
   last_ = s;
 }
 

@@ -13,12 +13,17 @@
 //   tandem_kv_reservations_refused_total (counters),
 // and, for the KV plane's security (docs/security.md):
 //   tandem_kv_notice_refused_total{reason} (counter; reason capability |
-//   unreadable): KV notices a decoder refused without acting on them.
+//   unreadable): KV notices a decoder refused without acting on them,
+// and per KV tier (label tier = device | host | disk; docs/engine.md):
+//   tandem_kv_tier_usage_ratio (gauge), tandem_kv_tier_hits_tokens_total,
+//   tandem_kv_tier_evictions_total (counters), plus
+//   tandem_kv_tier_onboard_seconds (histogram, no tier label).
 //
 // Threads: Observe* from any thread (engine, progress, gRPC); Update from
 // one thread at a time (the worker's monitor thread).
 #pragma once
 
+#include <array>
 #include <cstdint>
 
 #include "common/metrics.h"
@@ -45,6 +50,8 @@ class WorkerMetrics {
   void ObservePrefill(double prefill_seconds);
   void ObserveTransfer(uint64_t bytes, double transfer_seconds, double prefill_seconds);
   void ObserveDecodeStep(double seconds);
+  // Wall time of one onboarding from the host / disk tier (any thread).
+  void ObserveOnboard(double seconds);
   void Update(const MetricsSample& s);
 
  private:
@@ -67,6 +74,10 @@ class WorkerMetrics {
   prometheus::Counter& refused_;
   prometheus::Counter& notice_refused_capability_;
   prometheus::Counter& notice_refused_unreadable_;
+  std::array<prometheus::Gauge*, engine::kNumKvTiers> tier_usage_{};
+  std::array<prometheus::Counter*, engine::kNumKvTiers> tier_hits_{};
+  std::array<prometheus::Counter*, engine::kNumKvTiers> tier_evictions_{};
+  prometheus::Histogram& onboard_seconds_;
   MetricsSample last_;  // Update's thread only: counters advance by the difference
 };
 
