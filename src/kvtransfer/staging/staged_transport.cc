@@ -52,8 +52,14 @@ Status StagedTransport::Init() {
   staging_base_ = pool_bytes();
   TANDEM_ASSIGN_OR_RETURN(device_pool_, engine_->AllocateDevice(pool_bytes()));
   set_pool(device_pool_);
-  TANDEM_RETURN_IF_ERROR(engine_->PinHost(inner_->pool(), inner_->pool_bytes()));
-  pinned_ = true;
+  if (Status st = engine_->PinHost(inner_->pool(), inner_->pool_bytes()); st.ok()) {
+    pinned_ = true;
+  } else {
+    // Still correct, but every copy is synchronous: said loudly, not hidden.
+    spdlog::warn("kvtransfer staging: the {} byte host pool could not be pinned ({}); copies "
+                 "will not overlap and the transfer will be slower",
+                 inner_->pool_bytes(), st.ToString());
+  }
   buffer_free_.assign(staged_.staging_buffers, true);
   counters_.buffers = staged_.staging_buffers;
   counters_.buffer_bytes = buffer_bytes_;
@@ -299,15 +305,20 @@ void StagedTransport::IssuePut(XferId id, uint32_t ci, std::vector<Segment> segs
     OnPutDone(id, ci, 0, st, inner.status());
     return;
   }
+  bool stopping = false;
   {
     std::lock_guard lock(mu_);
     auto it = xfers_.find(id);
-    if (it != xfers_.end()) it->second->chunks[ci].inner = *inner;
+    if (it != xfers_.end()) {
+      it->second->chunks[ci].inner = *inner;
+      stopping = it->second->stopping;
+    }
   }
   const XferId iid = *inner;
   Status st = inner_->Post(iid, [this, id, ci](XferId i, XferStatus s, const Status& d) {
     OnPutDone(id, ci, i, s, d);
   });
+  if (st.ok() && stopping) inner_->Abort(iid).IgnoreError();  // aborted while it was prepared
   if (!st.ok()) {
     Status detail;
     const XferStatus s = inner_->Poll(iid, &detail);
@@ -520,6 +531,7 @@ StagingStats StagedTransport::staging_stats() const {
   StagingStats s = counters_;
   s.free_buffers = static_cast<uint32_t>(std::count(buffer_free_.begin(), buffer_free_.end(), true));
   s.writes_waiting_for_buffer = waiting_.size();
+  s.host_pool_pinned = pinned_;
   s.notices_held = 0;
   for (const auto& [_, rp] : recv_peers_) s.notices_held += rp.held.size();
   return s;

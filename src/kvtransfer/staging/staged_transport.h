@@ -91,6 +91,7 @@ struct StagingStats {
   uint64_t h2d_failures = 0;        // the sender's notices are then held (never delivered)
   uint64_t notices_held = 0;        // waiting for their host->device copies now
   uint64_t malformed_notices = 0;
+  bool host_pool_pinned = false;   // false: PinHost failed (logged); copies are synchronous
 };
 
 class StagedTransport final : public Transport {

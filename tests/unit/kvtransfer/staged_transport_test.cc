@@ -188,6 +188,8 @@ TEST(StagedTransport, DataIntegrityFromOneTo4096BlocksAtRandomOffsets) {
     EXPECT_TRUE(p.writer->Release(*x).ok());
     const StagingStats ws = p.writer->staging_stats();
     EXPECT_EQ(ws.free_buffers, ws.buffers);
+    EXPECT_TRUE(ws.host_pool_pinned);
+    EXPECT_EQ(p.writer_engine->live_pinned_ranges(), 1u);  // the host pool
     EXPECT_EQ(p.reader->staging_stats().notices_held, 0u);
     EXPECT_EQ(p.writer->stats().live_requests, 0u);
     EXPECT_TRUE(kvt::WaitFor([&] { return p.writer->host_transport().stats().live_requests == 0; }));
