@@ -62,6 +62,7 @@ EngineOptions EngineOptions::FromFleetConfig(const FleetConfig& fleet) {
   o.scheduler.max_waiting = fleet.scheduler.max_waiting;
   o.threads = fleet.scheduler.threads;
   o.max_model_len = fleet.model.max_model_len;
+  o.batch_invariant = fleet.model.batch_invariant;
   o.hash_context = HashContextFromFleet(fleet);  // the one builder (common/block_hash.h)
   o.host_tier_blocks = fleet.cache.host_tier_blocks;
   o.disk_tier_path = fleet.cache.disk_tier_path;
@@ -118,10 +119,11 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
   } else if (o.backend == "cuda") {
 #ifdef TANDEM_HAVE_CUDA
     // No device: FAILED_PRECONDITION naming the runtime's reason (docs/cuda.md).
-    CudaBackendOptions cuda_options;
-    cuda_options.kv_pool = o.device_kv_pool;
-    cuda_options.kv_pool_bytes = o.device_kv_pool_bytes;
-    TANDEM_ASSIGN_OR_RETURN(e->backend_, CreateCudaBackend(config, weights, e->pool_.get(), cuda_options));
+    CudaBackendOptions cuda;
+    cuda.batch_invariant = o.batch_invariant;
+    cuda.kv_pool = o.device_kv_pool;
+    cuda.kv_pool_bytes = o.device_kv_pool_bytes;
+    TANDEM_ASSIGN_OR_RETURN(e->backend_, CreateCudaBackend(config, weights, e->pool_.get(), cuda));
 #else
     return UnimplementedError(
         "backend cuda: this build has no CUDA kernels (configure with -DTANDEM_CUDA=ON where "
