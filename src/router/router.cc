@@ -147,8 +147,9 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
   for (WorkerId id : workers_.ids()) {
     const WorkerSet::Entry& e = *workers_.Find(id);
     loads_.Expire(id, now);
+    const double held = static_cast<double>(index_.HeldBlocks(id));
     candidates_.push_back(Candidate{id, e.info.role, e.node_id, e.zone_id, e.info.block_bytes, loads_.load(id),
-                                    overlap[id]});
+                                    overlap[id], e.info.num_blocks ? held / e.info.num_blocks : held});
   }
   const ScoringParams params{policy_, config_.prefill_weight, config_.temperature,
                              config_.local_prefill_threshold_tokens, &options_};
