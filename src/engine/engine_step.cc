@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "common/check.h"
 #include "engine/engine.h"
@@ -117,6 +118,8 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
     c.start_pos = seq.num_computed;
     c.block_table = seq.blocks;
     c.num_logits = s.samples ? 1 : 0;
+    c.onboarded_host_blocks = std::exchange(seq.onboard_host_blocks, 0);
+    c.onboarded_disk_blocks = std::exchange(seq.onboard_disk_blocks, 0);
     rows += c.num_logits;
     chunks_.push_back(c);
   }
@@ -207,27 +210,28 @@ void Engine::CommitFullBlocks(Sequence& seq) {
                                            static_cast<uint32_t>(seq.blocks.size()));
   if (full <= seq.num_committed || seq.commit_stopped) return;
   scheduler_->UpdateHashes(seq);
-  // Keep every cached chain prefix-closed (a committed block's parent is
-  // cached too), which the router's prefix search relies on
-  // (docs/router.md, "Prefix index"): commit only while this sequence's
-  // committed blocks end the cached run of its chain. If another sequence
-  // committed the next block first (two prefills of one prefix at once),
-  // that block would stay private here and the tail committed after it
-  // could outlive its parent; if the cache was cleared under us, the
-  // parent is gone already. Either way the rest stays private.
-  const uint32_t bs = options_.block_size;
-  const std::span<const uint64_t> hashes(seq.hashes);
-  const std::span<const uint32_t> tokens(seq.tokens);
+  // Keep every cached chain prefix-closed on the device (a committed
+  // block's parent is committed too), which the router's prefix search
+  // relies on (docs/router.md, "Prefix index"). If another sequence
+  // committed block c first (two prefills of one prefix at once), ours
+  // stays private, and a tail committed after it would hang under the
+  // other one's block and could outlive it; if the cache was cleared under
+  // us, our parent block lost its hash. Either way the rest of this
+  // sequence stays private. (Lower tiers do not count: committing to the
+  // device moves a block up, see BlockManager::Commit.)
   const uint32_t c = seq.num_committed;
-  const bool parent_cached =
-      c == 0 || blocks_->CountCachedPrefix(hashes.subspan(c - 1), tokens.subspan(size_t{c - 1} * bs), 1) == 1;
-  const bool next_taken = blocks_->CountCachedPrefix(hashes.subspan(c), tokens.subspan(size_t{c} * bs), 1) == 1;
-  if (!parent_cached || next_taken) {
+  if (c > 0 && !blocks_->is_committed(seq.blocks[c - 1])) {
     seq.commit_stopped = true;
     return;
   }
-  blocks_->Commit(seq.blocks, seq.hashes, seq.tokens, seq.num_committed, full - seq.num_committed,
-                  root_hash_);
+  blocks_->Commit(seq.blocks, seq.hashes, seq.tokens, c, 1, root_hash_);
+  if (!blocks_->is_committed(seq.blocks[c])) {
+    seq.commit_stopped = true;
+    return;
+  }
+  if (full > c + 1) {
+    blocks_->Commit(seq.blocks, seq.hashes, seq.tokens, c + 1, full - c - 1, root_hash_);
+  }
   seq.num_committed = full;
 }
 

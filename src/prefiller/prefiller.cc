@@ -342,6 +342,7 @@ void Prefiller::OnOutput(const JobPtr& job, const engine::RequestOutput& out) {
   n.request_id = id;
   n.reservation_id = job->target.reservation_id;
   n.generation = job->target.generation;
+  n.capability = job->target.capability;
   n.first_token_id = job->result.first_token_id;
   n.cached_prompt_tokens = job->result.cached_prompt_tokens;
   std::vector<uint32_t> blocks(out.block_ids.begin(), out.block_ids.begin() + num_prompt_blocks);
@@ -406,6 +407,7 @@ void Prefiller::SendErrorNotice(const JobPtr& job, const Status& why) {
     n.request_id = job->spec.request_id;
     n.reservation_id = job->target.reservation_id;
     n.generation = job->target.generation;
+    n.capability = job->target.capability;
   }
   n.error = why.ok() ? UnknownError() : why;
   auto x = transport_.PrepareWrite(peer, {}, link_.EncodeNotice(n));
