@@ -32,7 +32,8 @@ std::string_view BackendFeatureName(BackendFeature feature) {
 }
 
 Status CpuBackend::Forward(std::span<const SeqChunk> batch, std::span<float> logits) {
-  return model_->Forward(batch, *pool_, logits, threads_.get());
+  return model_->Forward(batch, *pool_, logits, threads_.get(),
+                         [this](uint32_t layers_done) { ReportLayersDone(layers_done); });
 }
 
 Status BackendSupports(std::string_view name, const model::ModelConfig& config) {
