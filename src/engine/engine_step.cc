@@ -176,7 +176,7 @@ void Engine::CommitFullBlocks(Sequence& seq) {
   if (full <= seq.num_committed) return;
   scheduler_->UpdateHashes(seq);
   blocks_->Commit(seq.blocks, seq.hashes, seq.tokens, seq.num_committed, full - seq.num_committed,
-                  root_hash_);
+                  seq.root_hash);
   seq.num_committed = full;
 }
 

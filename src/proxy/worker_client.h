@@ -39,6 +39,7 @@ struct DecodeArgs {
   EngineArgs params;
   std::chrono::system_clock::time_point deadline;  // max(): none
   bool prefill_locally = false;
+  std::string tenant_salt;  // HashContext::tenant_salt of the request's tenant
 };
 
 struct DecodeEvents {
@@ -63,6 +64,7 @@ struct PrefillArgs {
   std::chrono::system_clock::time_point deadline;
   std::string decoder_address;
   std::string decoder_name;
+  std::string tenant_salt;  // as in DecodeArgs
 };
 
 struct PrefillResult {
