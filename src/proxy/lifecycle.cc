@@ -115,6 +115,7 @@ void RequestLifecycle::Launch() {
   args.deadline = deadline_;
   args.prefill_locally = route_.local;
   args.tenant_salt = req_.tenant_salt;
+  args.attempt = attempt;
   std::weak_ptr<RequestLifecycle> weak = weak_from_this();
   DecodeEvents ev;
   ev.on_registered = [weak, attempt] {
@@ -156,6 +157,7 @@ void RequestLifecycle::OnRegistered(uint32_t attempt) {
   args.decoder_address = route_.decode_address;
   args.decoder_name = route_.decode_name;
   args.tenant_salt = req_.tenant_salt;
+  args.attempt = attempt;
   const std::string address = route_.prefill_address;
   lock.unlock();
   std::weak_ptr<RequestLifecycle> weak = weak_from_this();

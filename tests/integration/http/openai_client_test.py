@@ -384,6 +384,7 @@ def status_503_while_starting():
         f.write(fl.config_text(proxy_extra="  http_idle_timeout_seconds: 1"))
     p = subprocess.Popen([fl.BINARY, "proxy", "--config", cfg, "--http", http, "--grpc", "127.0.0.1:0",
                           "--metrics", "127.0.0.1:0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    fl.reap_on_exit(p.pid)
     try:
         deadline = time.time() + 30
         status, body = None, ""
@@ -420,6 +421,7 @@ def status_503_while_starting():
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait(30)
+        fl.forget(p.pid)
 
 
 @check
