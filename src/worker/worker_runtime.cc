@@ -102,6 +102,12 @@ struct Worker {
   mutable uint64_t dropped_target_lost_seen = 0;    // guarded by dropped_mu
   mutable uint64_t dropped_lease_expired_seen = 0;  // guarded by dropped_mu
 
+  // The engine, decoder and prefiller go before the registry (and its
+  // exposer thread): the scrape hook that reads them goes first.
+  ~Worker() {
+    if (registry) registry->OnScrape({});
+  }
+
   LoadSample Load() const {
     const engine::EngineStats st = engine->stats();
     LoadSample s;
@@ -296,6 +302,9 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
       id, *w.engine, [self] { return self->Load(); }, [self] { self->UpdateMetrics(); });
   services.push_back(w.worker_service->service());
   w.UpdateMetrics();  // every series exists (at zero) before anyone scrapes
+  // And every scrape samples afresh: it includes what happened just before
+  // it, whether a proxy watches this worker or not (docs/metrics.md).
+  w.registry->OnScrape([self] { self->UpdateMetrics(); });
 
   const std::string grpc_addr = cmd.grpc.empty() ? rc.grpc : cmd.grpc;
   const std::string metrics_addr = cmd.metrics.empty() ? rc.metrics : cmd.metrics;

@@ -1,6 +1,7 @@
 // The prefiller core without gRPC: a fake DecoderLink answers Reserve with
 // the slots of a second loopback transport ("the decoder's pool"), so the
 // pushed bytes and the notice can be checked.
+#include <algorithm>
 #include <cstring>
 #include <future>
 #include <sstream>
@@ -24,6 +25,7 @@ class FakeLink final : public prefiller::DecoderLink {
     std::lock_guard lock(mu_);
     ++reserves;
     pending.push_back(std::move(done));
+    max_pending = std::max(max_pending, pending.size());
     last_prompt = job.prompt_ids;
   }
   std::string EncodeNotice(const NoticeSpec& n) override {
@@ -50,6 +52,7 @@ class FakeLink final : public prefiller::DecoderLink {
 
   std::mutex mu_;
   int reserves = 0;
+  size_t max_pending = 0;  // Reserves in flight at once, at most
   std::vector<ReserveDone> pending;
   std::vector<uint32_t> last_prompt;
 };
@@ -169,14 +172,21 @@ TEST_F(PrefillerTest, OneReservationAtATimeAndAFullQueueRefusesAtOnce) {
   ASSERT_TRUE(prefiller_->Submit(Job("b", Prompt(20, 4)), count).ok());
   EXPECT_EQ(prefiller_->Submit(Job("c", Prompt(20, 5)), count).code(),
             StatusCode::kResourceExhausted);
-  std::this_thread::sleep_for(50ms);
-  EXPECT_EQ(link_.reserves, 1);
-  // Cancel while queued: done at once, never reserved.
+  // Cancel while queued: done at once (in Cancel), never reserved.
   prefiller_->Cancel("b");
   EXPECT_EQ(finished.load(), 1);
+  // "d" queues behind "a" and is reserved only once "a"'s answer came:
+  // waiting for its Reserve (the event) shows the order, and the link
+  // never saw two at once.
+  ASSERT_TRUE(prefiller_->Submit(Job("d", Prompt(20, 6)), count).ok());
   link_.Answer(ResourceExhaustedError("no room"));
   EXPECT_EQ(finished.load(), 2);
-  EXPECT_EQ(link_.reserves, 1);
+  ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1 && link_.reserves == 2; }));
+  EXPECT_EQ(link_.max_pending, 1u);
+  EXPECT_EQ(link_.last_prompt, Prompt(20, 6));  // "d", not the cancelled "b"
+  link_.Answer(ResourceExhaustedError("no room"));
+  EXPECT_EQ(finished.load(), 3);
+  EXPECT_EQ(link_.reserves, 2);
 }
 
 TEST_F(PrefillerTest, CancelWhileReservingTellsTheDecoderToFreeTheSlots) {
