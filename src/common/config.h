@@ -82,6 +82,9 @@ struct TransportConfig {
   std::string backend = "ucx";  // ucx | loopback (loopback: single process only)
   double lease_seconds = 30.0;  // a reservation whose KV never arrives expires after this
   double peer_timeout_seconds = 3.0;  // peer loss surfaces as an error within this
+  // streaming: the prefiller pushes KV while it computes it (per chunk and
+  // layer group); after_prefill: once the whole prompt is done.
+  std::string push = "streaming";
 };
 
 // The simulated GPU of model.backend `sim` (docs/sim.md): a roofline timing

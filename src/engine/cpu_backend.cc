@@ -20,7 +20,8 @@ bool CpuBackend::Supports(BackendFeature feature) const {
 }
 
 Status CpuBackend::Forward(std::span<const SeqChunk> batch, std::span<float> logits) {
-  return model_->Forward(batch, *pool_, logits, threads_.get());
+  return model_->Forward(batch, *pool_, logits, threads_.get(),
+                         [this](uint32_t layers_done) { ReportLayersDone(layers_done); });
 }
 
 Status BackendSupports(std::string_view name, const model::ModelConfig& config) {

@@ -85,6 +85,10 @@ struct EngineOptions {
   // Backend "sim" only: the simulated GPU (borrowed; must outlive the
   // engine). See engine/sim_backend.h.
   const sim::TimingModel* sim_timing = nullptr;
+  // Requests with an on_kv_progress callback hear about their KV after
+  // each of this many layer groups of a chunk (backends that report layer
+  // progress; others once per chunk). >= 1.
+  uint32_t kv_progress_layer_groups = 4;
   // Backend "sim" only: lower-tier onboarding links (sim.pcie_gbps,
   // sim.nvme_gbps, in bytes/s) and the real/stored KV size ratio.
   double sim_host_bytes_per_s = 0;
@@ -233,6 +237,13 @@ class Engine {
   Sampler sampler_;                 // engine thread only
   std::vector<float> logits_;       // engine thread only: [rows][vocab]
   std::vector<SeqChunk> chunks_;    // engine thread only
+  // Engine thread only: this step's chunks whose requests want KvProgress.
+  struct ProgressChunk {
+    const KvProgressCallback* callback = nullptr;  // the sequence's; stable during the forward
+    KvProgress progress;
+  };
+  std::vector<ProgressChunk> progress_;
+  void ReportKvProgress(uint32_t layers_done);
 
   mutable std::mutex mu_;
   std::condition_variable_any cv_;

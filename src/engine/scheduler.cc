@@ -39,7 +39,9 @@ void Scheduler::Preempt(Sequence* seq) {
   seq->blocks.clear();
   seq->num_computed = 0;
   seq->num_committed = 0;
+  seq->commit_stopped = false;
   seq->state = SeqState::kWaiting;
+  ++seq->num_preemptions;
   waiting_.push_front(seq);
   ++preemptions_;
 }

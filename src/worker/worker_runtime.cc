@@ -262,6 +262,8 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     popt.max_queue = w.fleet.scheduler.max_waiting;
     popt.max_num_seqs = w.fleet.scheduler.max_num_seqs;
     popt.lease_seconds = w.fleet.transport.lease_seconds;
+    popt.push_mode = w.fleet.transport.push == "after_prefill" ? prefiller::PushMode::kAfterPrefill
+                                                               : prefiller::PushMode::kStreaming;
     const char* help = "Prefills dropped with their blocks freed and nothing written, by reason "
                        "(target_lost: the decoder or the push failed; lease_expired: the KV was "
                        "ready too late for the decoder's lease)";

@@ -39,6 +39,16 @@ TEST(Config, GoodFileWithDefaults) {
   EXPECT_EQ(r->router.policy, "kv_aware");
   EXPECT_EQ(r->proxy.grpc, "127.0.0.1:50051");
   EXPECT_DOUBLE_EQ(r->transport.lease_seconds, 30.0);
+  EXPECT_EQ(r->transport.push, "streaming");
+}
+
+TEST(Config, TransportPushIsStreamingOrAfterPrefill) {
+  auto r = Parse("model:\n  path: m\ntransport:\n  push: after_prefill\nboth:\n  replicas: 1\n");
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->transport.push, "after_prefill");
+  EXPECT_EQ(ErrorOf("model:\n  path: m\ntransport:\n  push: eager\nboth:\n  replicas: 1\n"),
+            "configs/x.yaml:4: key 'transport.push' must be one of 'streaming', 'after_prefill', "
+            "got 'eager'");
 }
 
 TEST(Config, BatchInvariantDefaultsToTrueAndParsesBothValues) {

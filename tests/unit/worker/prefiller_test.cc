@@ -75,10 +75,12 @@ class PrefillerTest : public ::testing::Test {
       notices_.push_back(n.payload);
     });
   }
-  void MakePrefiller(uint32_t max_queue = 8) {
+  void MakePrefiller(uint32_t max_queue = 8,
+                     prefiller::PushMode mode = prefiller::PushMode::kStreaming) {
     PrefillerOptions o;
     o.name = "prefill-unit";
     o.max_queue = max_queue;
+    o.push_mode = mode;
     prefiller_ = std::make_unique<prefiller::Prefiller>(*node_->engine, *node_->transport, link_, o);
     prefiller_->Start();
   }
@@ -146,6 +148,45 @@ TEST_F(PrefillerTest, PushesOnlyTheBlocksTheDecoderLacksThenTheNotice) {
   ASSERT_TRUE(WaitFor([&] { return node_->engine->stats().num_parked == 0; }));
   EXPECT_EQ(node_->engine->stats().free_blocks, 64u);
   EXPECT_EQ(prefiller_->counts().inflight, 0u);
+}
+
+// A prompt of three 64-token chunks: streamed per chunk and layer group, the
+// decoder's slots end up with the same bytes as one push after the prefill.
+TEST_F(PrefillerTest, StreamingPushWritesTheSameBytesAsAfterPrefill) {
+  const auto prompt = Prompt(150, 7);  // 10 blocks, the last one partial
+  auto run = [&](prefiller::PushMode mode, std::vector<uint32_t> slots, const std::string& id) {
+    MakePrefiller(8, mode);
+    std::promise<Result<PrefillResult>> done;
+    EXPECT_TRUE(prefiller_->Submit(Job(id, prompt), [&](Result<PrefillResult> r) {
+      done.set_value(std::move(r));
+    }).ok());
+    EXPECT_TRUE(WaitFor([&] { return link_.NumPending() == 1; }));
+    link_.Answer(Target(std::move(slots), /*cached=*/0));
+    auto r = done.get_future().get();
+    prefiller_.reset();
+    return r;
+  };
+  std::vector<uint32_t> a, b;
+  for (uint32_t i = 0; i < 10; ++i) {
+    a.push_back(i);
+    b.push_back(15 - i);  // reversed: no two slots coalesce
+  }
+  auto s = run(prefiller::PushMode::kStreaming, a, "s");
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  auto f = run(prefiller::PushMode::kAfterPrefill, {10, 11, 12, 13, 14, 15, 6, 7, 8, 9}, "f");
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  EXPECT_EQ(s->first_token_id, f->first_token_id);
+  EXPECT_EQ(s->transferred_bytes, 10 * target_->block_bytes());
+  EXPECT_GE(s->transfers, 3u);  // at least one per chunk
+  EXPECT_EQ(f->transfers, 1u);
+  // Slots 0..9 hold the streamed blocks; the second run overwrote 6..15,
+  // so compare the streamed blocks 0..5 with the second run's 10..15.
+  for (uint32_t i = 0; i < 6; ++i) {
+    EXPECT_EQ(std::memcmp(target_->block(i), target_->block(10 + i), target_->block_bytes()), 0)
+        << "block " << i;
+    EXPECT_FALSE(BlockIsZero(i));
+  }
+  ASSERT_TRUE(WaitFor([&] { return Notices().size() == 2; }));
 }
 
 TEST_F(PrefillerTest, RefusedReservationIsResourceExhaustedAndNothingRuns) {
