@@ -46,7 +46,11 @@ enum class BackendFeature {
   kRealMath,        // computes the model (sim does not)
   kBatchInvariant,  // a row's bits never depend on the batch or the chunking
   kHostKvPool,      // KV lives in the host pool's memory (transport reads it in place)
+  kDeviceKvPool,    // KV lives in device memory: a transfer needs a transport whose pool is
+                    // device memory (UCX with CUDA memory, or the staging path)
 };
+// "real_math", "batch_invariant", "host_kv_pool", "device_kv_pool".
+std::string_view BackendFeatureName(BackendFeature feature);
 
 class ComputeBackend {
  public:

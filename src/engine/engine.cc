@@ -63,11 +63,7 @@ EngineOptions EngineOptions::FromFleetConfig(const FleetConfig& fleet) {
   o.threads = fleet.scheduler.threads;
   o.max_model_len = fleet.model.max_model_len;
   o.batch_invariant = fleet.model.batch_invariant;
-  o.hash_context.model_id = fleet.model.name;
-  o.hash_context.revision = fleet.model.revision;
-  o.hash_context.kv_dtype = "f32";  // the CPU backend's KV is f32 whatever the weights were
-  if (fleet.model.backend == "cuda") o.hash_context.kv_dtype = "bf16";  // docs/cuda.md
-  o.hash_context.fleet_salt = fleet.cache.salt;
+  o.hash_context = HashContextFromFleet(fleet);  // the one builder (common/block_hash.h)
   o.host_tier_blocks = fleet.cache.host_tier_blocks;
   o.disk_tier_path = fleet.cache.disk_tier_path;
   o.disk_tier_max_gib = fleet.cache.disk_tier_max_gib;
@@ -125,6 +121,8 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
     // No device: FAILED_PRECONDITION naming the runtime's reason (docs/cuda.md).
     CudaBackendOptions cuda;
     cuda.batch_invariant = o.batch_invariant;
+    cuda.kv_pool = o.device_kv_pool;
+    cuda.kv_pool_bytes = o.device_kv_pool_bytes;
     TANDEM_ASSIGN_OR_RETURN(e->backend_, CreateCudaBackend(config, weights, e->pool_.get(), cuda));
 #else
     return UnimplementedError(

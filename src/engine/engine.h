@@ -85,6 +85,10 @@ struct EngineOptions {
   // Backend "sim" only: the simulated GPU (borrowed; must outlive the
   // engine). See engine/sim_backend.h.
   const sim::TimingModel* sim_timing = nullptr;
+  // Backend "cuda" only: the device KV pool the KV transport owns (borrowed;
+  // null: the backend allocates one). See CudaBackendOptions::kv_pool.
+  void* device_kv_pool = nullptr;
+  size_t device_kv_pool_bytes = 0;
   // Requests with an on_kv_progress callback hear about their KV after
   // each of this many layer groups of a chunk (backends that report layer
   // progress; others once per chunk). >= 1.

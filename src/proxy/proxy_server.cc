@@ -29,7 +29,10 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
   req.model = fleet.model.name;
   req.revision = fleet.model.revision;
   req.block_size = fleet.cache.block_size;
-  req.kv_dtype = HashContextFromFleet(fleet).kv_dtype;
+  const HashContext hash_context = HashContextFromFleet(fleet);
+  req.kv_dtype = hash_context.kv_dtype;
+  req.fleet_salt_fingerprint = FleetSaltFingerprint(hash_context.fleet_salt);
+  req.hash_root = RootHash(hash_context);
   req.role_labels = {FleetRequirements::Labels{fleet.prefill.node, fleet.prefill.zone},
                      FleetRequirements::Labels{fleet.decode.node, fleet.decode.zone},
                      FleetRequirements::Labels{fleet.both.node, fleet.both.zone}};
@@ -53,8 +56,8 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
   deps.client = p->client_.get();
   deps.tokenizer = p->tokenizer_.get();
   deps.metrics = p->metrics_.get();
-  deps.hash_context = HashContextFromFleet(fleet);
-  deps.root_hash = RootHash(deps.hash_context);
+  deps.hash_context = hash_context;
+  deps.root_hash = req.hash_root;
   deps.block_size = fleet.cache.block_size;
   deps.max_migrations = fleet.proxy.max_migrations;
   deps.eos_token_ids = mc.eos_token_ids;
