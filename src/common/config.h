@@ -108,6 +108,13 @@ struct SimConfig {
   double nvme_gbps = 56;         // disk -> device
 };
 
+// The `security` section (docs/security.md).
+struct SecurityConfig {
+  // YAML list of {key, tenant, group?, rate limits?}; "" = no tenants file
+  // (proxy.api_key, when set, is then the only key). Relative to the file.
+  std::string api_keys_file;
+};
+
 struct LoggingConfig {
   std::string level = "info";  // trace | debug | info | warn | error
   std::string format = "text";  // text | json (one JSON object per line)
@@ -132,6 +139,7 @@ struct FleetConfig {
   RouterConfig router;
   TransportConfig transport;
   LoggingConfig logging;
+  SecurityConfig security;
   SimConfig sim;
   RoleConfig prefill;
   RoleConfig decode;

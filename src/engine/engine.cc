@@ -144,8 +144,9 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
   HashContext ctx = o.hash_context;
   ctx.block_size = o.block_size;
   e->root_hash_ = RootHash(ctx);
+  e->hash_context_ = std::move(ctx);
   TANDEM_RETURN_IF_ERROR(e->AttachTiers());
-  e->scheduler_ = std::make_unique<Scheduler>(o.scheduler, e->blocks_.get(), e->root_hash_);
+  e->scheduler_ = std::make_unique<Scheduler>(o.scheduler, e->blocks_.get());
   e->counters_.num_blocks = o.num_blocks;
   return e;
 }
@@ -232,6 +233,7 @@ std::unique_ptr<Sequence> Engine::NewSequence(GenerateRequest request) {
     std::random_device rd;
     seq->seed = (static_cast<uint64_t>(rd()) << 32) ^ rd();
   }
+  seq->root_hash = RootHashFor(seq->req.cache_salt);
   seq->tokens = seq->req.prompt_ids;
   seq->prompt_len = static_cast<uint32_t>(seq->tokens.size());
   if (options_.tokenizer != nullptr) {
@@ -310,8 +312,16 @@ Status Engine::ReleasePrefill(const std::string& request_id) {
   return Status::Ok();
 }
 
+uint64_t Engine::RootHashFor(const std::string& cache_salt) const {
+  if (cache_salt.empty()) return root_hash_;
+  HashContext ctx = hash_context_;
+  ctx.tenant_salt = cache_salt;
+  return RootHash(ctx);
+}
+
 Result<Reservation> Engine::Reserve(const std::string& request_id,
-                                    std::span<const uint32_t> prompt_ids) {
+                                    std::span<const uint32_t> prompt_ids,
+                                    const std::string& cache_salt) {
   if (prompt_ids.empty()) return InvalidArgumentError("the prompt has no tokens");
   if (prompt_ids.size() >= max_model_len_) {
     return InvalidArgumentError(fmt::format(
@@ -326,7 +336,7 @@ Result<Reservation> Engine::Reserve(const std::string& request_id,
   }
   const uint32_t bs = options_.block_size;
   std::vector<uint32_t> prompt(prompt_ids.begin(), prompt_ids.end());
-  std::vector<uint64_t> hashes = HashBlocks(root_hash_, prompt, bs);
+  std::vector<uint64_t> hashes = HashBlocks(RootHashFor(cache_salt), prompt, bs);
   const uint32_t total = static_cast<uint32_t>((prompt.size() + bs - 1) / bs);
   TANDEM_ASSIGN_OR_RETURN(uint64_t reservation_id, RandomReservationId());
   std::lock_guard lock(mu_);

@@ -169,7 +169,10 @@ class Engine {
 
   // Decoder side, see the header comment. RESOURCE_EXHAUSTED when the
   // blocks are not there (nothing is held then).
-  Result<Reservation> Reserve(const std::string& request_id, std::span<const uint32_t> prompt_ids);
+  // `cache_salt` as in GenerateRequest: the reused prefix must have been
+  // cached under the same salt.
+  Result<Reservation> Reserve(const std::string& request_id, std::span<const uint32_t> prompt_ids,
+                              const std::string& cache_salt = "");
   Status ReleaseReservation(uint64_t reservation_id);
   // `request.prompt_ids` must equal the reserved prompt (or be empty: the
   // reserved one is used). The first token is delivered to the callback.
@@ -193,7 +196,9 @@ class Engine {
   const model::ModelConfig& model_config() const { return config_; }
   const ComputeBackend& backend() const { return *backend_; }
   uint32_t max_model_len() const { return max_model_len_; }
+  // The chain root of requests without a cache salt, and of `cache_salt`.
   uint64_t root_hash() const { return root_hash_; }
+  uint64_t RootHashFor(const std::string& cache_salt) const;
   uint32_t block_size() const { return options_.block_size; }
 
  private:
@@ -228,6 +233,7 @@ class Engine {
   EngineOptions options_;
   uint32_t max_model_len_ = 0;
   uint64_t root_hash_ = 0;
+  HashContext hash_context_;  // options_.hash_context with the block size
   std::unique_ptr<AlignedKvPoolAllocator> own_allocator_;
   std::unique_ptr<KvPool> pool_;
   std::unique_ptr<ComputeBackend> backend_;

@@ -224,13 +224,13 @@ void Engine::CommitFullBlocks(Sequence& seq) {
     seq.commit_stopped = true;
     return;
   }
-  blocks_->Commit(seq.blocks, seq.hashes, seq.tokens, c, 1, root_hash_);
+  blocks_->Commit(seq.blocks, seq.hashes, seq.tokens, c, 1, seq.root_hash);
   if (!blocks_->is_committed(seq.blocks[c])) {
     seq.commit_stopped = true;
     return;
   }
   if (full > c + 1) {
-    blocks_->Commit(seq.blocks, seq.hashes, seq.tokens, c + 1, full - c - 1, root_hash_);
+    blocks_->Commit(seq.blocks, seq.hashes, seq.tokens, c + 1, full - c - 1, seq.root_hash);
   }
   seq.num_committed = full;
 }

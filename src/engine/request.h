@@ -82,6 +82,10 @@ struct GenerateRequest {
   // for the next token is this index, so a migrated request continues the
   // same random stream.
   uint32_t first_sample_index = 0;
+  // The tenant's salt (HashContext::tenant_salt): the request's blocks hash
+  // under RootHash(engine context + this salt), so they are shared only with
+  // requests of the same salt (docs/security.md, "Tenants and limits").
+  std::string cache_salt;
   OutputCallback on_output;
   // Prefill-only requests: told as the prompt's KV becomes final (optional).
   KvProgressCallback on_kv_progress;

@@ -24,6 +24,7 @@ struct Sequence {
   uint32_t prompt_len = 0;
   uint32_t num_computed = 0;      // leading tokens whose KV is in `blocks`
   std::vector<uint32_t> blocks;   // block table
+  uint64_t root_hash = 0;         // chain root: the engine's context + req.cache_salt
   std::vector<uint64_t> hashes;   // chained hashes of the full blocks of `tokens` (a prefix)
   uint32_t num_committed = 0;     // leading blocks registered in (or taken from) the prefix cache
   bool commit_stopped = false;    // its later blocks stay private (Engine::CommitFullBlocks)

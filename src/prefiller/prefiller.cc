@@ -245,6 +245,7 @@ void Prefiller::OnReserved(const JobPtr& job, Result<ReserveTarget> target) {
   req.deadline = job->deadline;
   req.prefill_only = true;
   req.first_sample_index = job->spec.first_sample_index;
+  req.cache_salt = job->spec.cache_salt;
   req.on_output = [this, job](const engine::RequestOutput& out) { OnOutput(job, out); };
   if (options_.push_mode == PushMode::kStreaming) {
     // job->push and lease_deadline are written before Submit and never after.

@@ -49,6 +49,7 @@ struct PrefillJob {
   std::string decoder_address;  // gRPC address of the decoder holding the Decode stream
   std::string decoder_name;
   uint32_t first_sample_index = 0;  // migration: output tokens produced elsewhere
+  std::string cache_salt;  // the tenant's (engine::GenerateRequest::cache_salt)
 };
 
 struct PrefillResult {

@@ -5,7 +5,6 @@
 #include <fmt/format.h>
 
 #include <mutex>
-#include <random>
 
 #include "common/rpc_server.h"
 #include "common/stream_writer.h"
@@ -67,7 +66,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
     Status st = Authorize();
     if (st.ok()) st = ExplainEmptyPrompt(*req);
     if (st.ok() && fe_->draining()) st = UnavailableError("the fleet is draining");
-    Result<ValidatedRequest> v = st.ok() ? fe_->Validate(FromProto(*req)) : Result<ValidatedRequest>(st);
+    Result<ValidatedRequest> v = st.ok() ? fe_->Validate(FromProto(*req), tenant_) : Result<ValidatedRequest>(st);
     if (v.ok()) st = fe_->Admit(v->request_id);
     if (!v.ok() || !st.ok()) {
       const Status& why = v.ok() ? st : v.status();
@@ -126,15 +125,15 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
     if (lc) lc->Cancel();
   }
 
-  Status Authorize() const {
-    if (fe_->api_key().empty()) return Status::Ok();
+  Status Authorize() {
     const auto& md = ctx_->client_metadata();
     auto it = md.find("authorization");
-    if (it != md.end()) {
-      const std::string v(it->second.data(), it->second.size());
-      if (v == fe_->api_key() || v == "Bearer " + fe_->api_key()) return Status::Ok();
-    }
-    return UnauthenticatedError("missing or wrong API key: send 'authorization: Bearer KEY'");
+    const std::string_view v =
+        it == md.end() ? std::string_view() : std::string_view(it->second.data(), it->second.size());
+    auto t = fe_->Authenticate(v);
+    if (!t.ok()) return t.status();
+    tenant_ = *t;
+    return Status::Ok();
   }
 
   void CountRejected(const Status& st) {
@@ -144,6 +143,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   }
 
   Frontend* fe_;
+  const Tenant* tenant_ = nullptr;
   grpc::CallbackServerContext* ctx_;
   StreamWriter<pb::GenerateResponse> writer_;
   bool admitted_ = false;
@@ -153,40 +153,6 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
 };
 
 }  // namespace
-
-Frontend::Frontend(ServingLimits limits, LifecycleDeps deps, uint32_t max_inflight,
-                   std::string api_key)
-    : limits_(std::move(limits)), deps_(deps), max_inflight_(max_inflight),
-      api_key_(std::move(api_key)) {}
-
-Result<ValidatedRequest> Frontend::Validate(const ClientRequest& req) {
-  static thread_local std::mt19937_64 rng{std::random_device{}()};
-  const std::string id = fmt::format("req-{}", next_id_.fetch_add(1));
-  return ValidateRequest(
-      req, limits_,
-      [this](std::string_view text) { return deps_.tokenizer->Encode(text, true); }, rng(), id);
-}
-
-Status Frontend::Admit(const std::string& request_id) {
-  std::lock_guard lock(ids_mu_);
-  if (ids_.contains(request_id)) {
-    return AlreadyExistsError(fmt::format(
-        "request_id '{}' is already in flight at this proxy; request ids must be unique", request_id));
-  }
-  if (inflight_.load() >= max_inflight_) {
-    return ResourceExhaustedError(fmt::format(
-        "the proxy is at its limit of {} requests in flight (proxy.max_inflight); retry later",
-        max_inflight_));
-  }
-  ids_.insert(request_id);
-  inflight_.fetch_add(1);
-  return Status::Ok();
-}
-
-void Frontend::Release(const std::string& request_id) {
-  std::lock_guard lock(ids_mu_);
-  if (ids_.erase(request_id) != 0) inflight_.fetch_sub(1);
-}
 
 GenerationService::GenerationService(Frontend* frontend) : frontend_(frontend) {
   // Method 0 is Generate: replace the generated handler with one that

@@ -56,12 +56,18 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
   deps.client = p->client_.get();
   deps.tokenizer = p->tokenizer_.get();
   deps.metrics = p->metrics_.get();
+  deps.hash_context = hash_context;
   deps.root_hash = req.hash_root;
   deps.block_size = fleet.cache.block_size;
   deps.max_migrations = fleet.proxy.max_migrations;
   deps.eos_token_ids = mc.eos_token_ids;
+  TANDEM_ASSIGN_OR_RETURN(auto tenants,
+                          Tenants::Load(fleet.proxy.api_key, fleet.security.api_keys_file));
+  if (tenants->required()) {
+    spdlog::info("API keys required: {} tenant(s)", tenants->num_tenants());
+  }
   p->frontend_ = std::make_unique<Frontend>(limits, deps, fleet.proxy.max_inflight,
-                                            fleet.proxy.api_key);
+                                            std::move(tenants));
   p->generation_ = std::make_unique<GenerationService>(p->frontend_.get());
   p->registry_ = std::make_unique<RegistryService>(
       p->fleet_.get(), p->client_.get(),

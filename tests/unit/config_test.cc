@@ -167,6 +167,19 @@ TEST(Config, CrossFieldChecks) {
             "configs/x.yaml: proxy.default_max_tokens (9) exceeds proxy.max_tokens_limit (8)");
 }
 
+// security.api_keys_file (issue 19): a path relative to the config file.
+TEST(Config, SecurityApiKeysFile) {
+  auto none = Parse(kGood);
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->security.api_keys_file, "");
+  auto r = Parse(std::string(kGood) + "security:\n  api_keys_file: keys/tenants.yaml\n");
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->security.api_keys_file, "/repo/configs/keys/tenants.yaml");
+  EXPECT_NE(ErrorOf(std::string(kGood) + "security:\n  api_key_file: k.yaml\n")
+                .find("did you mean 'api_keys_file'"),
+            std::string::npos);
+}
+
 // KV tiers (docs/engine.md, "KV tiers"): off by default; the disk tier's
 // path resolves against the file's directory; both keys are range-checked.
 TEST(Config, KvTierKeys) {

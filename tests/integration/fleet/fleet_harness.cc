@@ -155,6 +155,7 @@ Result<Completion> Generate(const std::string& proxy, const GenerateArgs& a) {
   auto stub = pb::Generation::NewStub(channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + a.timeout);
+  if (!a.api_key.empty()) ctx.AddMetadata("authorization", "Bearer " + a.api_key);
   pb::GenerateRequest req;
   req.set_model(a.model);
   req.set_request_id(a.request_id);

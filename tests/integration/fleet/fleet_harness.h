@@ -101,6 +101,7 @@ struct GenerateArgs {
   bool ignore_eos = true;
   std::string model;
   std::string request_id;  // empty: the proxy assigns one
+  std::string api_key;     // sent as `authorization: Bearer KEY` when not empty
   std::chrono::milliseconds timeout{60000};
 };
 

@@ -75,6 +75,45 @@ TEST(EngineTest, SecondRequestReusesPrefixBlocksWithUnchangedOutput) {
   EXPECT_GT(s.cached_blocks, 0u);
 }
 
+// Tenants (docs/security.md): requests with different cache salts never
+// reuse each other's blocks, through Submit or Reserve; the same salt does.
+TEST(EngineTest, CacheSaltSeparatesPrefixCacheEntries) {
+  EngineOptions o;
+  o.num_blocks = 64;
+  auto e = MakeEngine(TinyModel(), o);
+  const auto prompt = Prompt(40, 3);
+  auto salted = [&](const std::string& id, const std::string& salt, Collector* c) {
+    GenerateRequest r = Req(id, prompt, 4, c);
+    r.cache_salt = salt;
+    return r;
+  };
+  Collector a1, b1, b2, none;
+  ASSERT_TRUE(e->Submit(salted("a1", "tenant:a", &a1)).ok());
+  e->RunUntilIdle();
+  ASSERT_TRUE(e->Submit(salted("b1", "tenant:b", &b1)).ok());
+  e->RunUntilIdle();
+  ASSERT_TRUE(e->Submit(salted("b2", "tenant:b", &b2)).ok());
+  e->RunUntilIdle();
+  ASSERT_TRUE(e->Submit(salted("n", "", &none)).ok());
+  e->RunUntilIdle();
+  EXPECT_EQ(b1.last.cached_prompt_tokens, 0u);   // a's blocks are not b's
+  EXPECT_EQ(b2.last.cached_prompt_tokens, 32u);  // b's own are
+  EXPECT_EQ(none.last.cached_prompt_tokens, 0u);
+  EXPECT_EQ(b1.tokens, a1.tokens);  // the output does not depend on the salt
+  EXPECT_NE(e->RootHashFor("tenant:a"), e->root_hash());
+  EXPECT_EQ(e->RootHashFor(""), e->root_hash());
+
+  auto other = e->Reserve("r1", prompt, "tenant:c");
+  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  EXPECT_EQ(other->num_cached_blocks, 0u);
+  auto same = e->Reserve("r2", prompt, "tenant:a");
+  ASSERT_TRUE(same.ok()) << same.status().ToString();
+  EXPECT_EQ(same->num_cached_blocks, 2u);
+  ASSERT_TRUE(e->ReleaseReservation(other->reservation_id).ok());
+  ASSERT_TRUE(e->ReleaseReservation(same->reservation_id).ok());
+  EXPECT_EQ(e->stats().free_blocks, o.num_blocks);
+}
+
 TEST(EngineTest, KvEventsFollowTheCache) {
   EngineOptions o;
   o.num_blocks = 8;
