@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <atomic>
 #include <mutex>
 
 #include "common/rpc_server.h"
@@ -92,9 +93,15 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
       r.mutable_usage()->set_completion_tokens(usage.completion_tokens);
       r.mutable_usage()->set_cached_prompt_tokens(usage.cached_prompt_tokens);
       writer_.Write(std::move(r));
+      // The id is free before the client can see the end of its stream, so a
+      // client reusing it right after is not refused (OnDone runs later).
+      ReleaseId();
       writer_.Finish(grpc::Status::OK);
     };
-    sink.on_error = [this](Status s) { writer_.Finish(ToGrpcStatus(s)); };
+    sink.on_error = [this](Status s) {
+      ReleaseId();
+      writer_.Finish(ToGrpcStatus(s));
+    };
     auto lc = RequestLifecycle::Start(fe_->deps(), std::move(v).value(), std::move(sink),
                                       ctx_->deadline(), arrival);
     std::lock_guard lock(mu_);
@@ -110,12 +117,17 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   void OnWriteDone(bool ok) override { writer_.OnWriteDone(ok); }
 
   void OnDone() override {
-    if (admitted_) fe_->Release(request_id_);
+    ReleaseId();
     CancelLifecycle();  // no-op when it finished
     delete this;
   }
 
  private:
+  // Once per call: after the first release a new request may hold the same id.
+  void ReleaseId() {
+    if (admitted_ && !released_.exchange(true)) fe_->Release(request_id_);
+  }
+
   void CancelLifecycle() {
     std::shared_ptr<RequestLifecycle> lc;
     {
@@ -147,6 +159,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   grpc::CallbackServerContext* ctx_;
   StreamWriter<pb::GenerateResponse> writer_;
   bool admitted_ = false;
+  std::atomic<bool> released_{false};
   std::string request_id_;
   std::mutex mu_;
   std::shared_ptr<RequestLifecycle> lifecycle_;  // guarded by mu_
