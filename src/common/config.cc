@@ -124,12 +124,18 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.Read("lease_seconds", c.transport.lease_seconds, 0.1, 86400.0);
     m.Read("peer_timeout_seconds", c.transport.peer_timeout_seconds, 0.1, 600.0);
     m.Read("encrypt", c.transport.encrypt);
+    m.ReadEnum("push", c.transport.push, {"streaming", "after_prefill"});
     m.Finish();
   }
   {
     YamlMap m = top.Sub("logging");
     m.ReadEnum("level", c.logging.level, {"trace", "debug", "info", "warn", "error"});
     m.ReadEnum("format", c.logging.format, {"text", "json"});
+    m.Finish();
+  }
+  {
+    YamlMap m = top.Sub("security");
+    m.Read("api_keys_file", c.security.api_keys_file);
     m.Finish();
   }
   if (top.Has("sim")) {
@@ -212,6 +218,11 @@ Result<FleetConfig> ParseFleetConfig(const std::string& text, const std::string&
     if (cfg.model.name.empty()) {
       cfg.model.name = fs::path(cfg.model.path).lexically_normal().parent_path().filename();
     }
+  }
+  if (!cfg.security.api_keys_file.empty() &&
+      fs::path(cfg.security.api_keys_file).is_relative()) {
+    cfg.security.api_keys_file =
+        (fs::path(base_dir) / cfg.security.api_keys_file).lexically_normal().string();
   }
   if (!cfg.cache.disk_tier_path.empty() && fs::path(cfg.cache.disk_tier_path).is_relative()) {
     cfg.cache.disk_tier_path = (fs::path(base_dir) / cfg.cache.disk_tier_path).lexically_normal().string();

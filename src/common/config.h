@@ -86,6 +86,9 @@ struct TransportConfig {
   // (docs/security.md, "KV plane"); costs a staging copy of the pool on
   // prefillers and the seal/open time (bench/results/kv_encrypt.md).
   bool encrypt = false;
+  // streaming: the prefiller pushes KV while it computes it (per chunk and
+  // layer group); after_prefill: once the whole prompt is done.
+  std::string push = "streaming";
 };
 
 // The simulated GPU of model.backend `sim` (docs/sim.md): a roofline timing
@@ -107,6 +110,13 @@ struct SimConfig {
   // Onboarding from the lower KV tiers (cache.host_tier_blocks, cache.disk_tier).
   double pcie_gbps = 400;        // host memory -> device
   double nvme_gbps = 56;         // disk -> device
+};
+
+// The `security` section (docs/security.md).
+struct SecurityConfig {
+  // YAML list of {key, tenant, group?, rate limits?}; "" = no tenants file
+  // (proxy.api_key, when set, is then the only key). Relative to the file.
+  std::string api_keys_file;
 };
 
 struct LoggingConfig {
@@ -133,6 +143,7 @@ struct FleetConfig {
   RouterConfig router;
   TransportConfig transport;
   LoggingConfig logging;
+  SecurityConfig security;
   SimConfig sim;
   RoleConfig prefill;
   RoleConfig decode;

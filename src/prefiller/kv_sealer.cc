@@ -2,8 +2,6 @@
 
 #include <fmt/format.h>
 
-#include "kvtransfer/kv_cipher.h"
-
 namespace tandem::prefiller {
 
 KvSealer::KvSealer(kvtransfer::Transport& transport) : transport_(transport) {
@@ -17,40 +15,51 @@ uint32_t KvSealer::free_blocks() const {
   return static_cast<uint32_t>(free_.size());
 }
 
-Result<KvSealer::Sealed> KvSealer::Seal(std::string_view key, uint64_t reservation_id,
-                                        uint32_t first_position,
-                                        std::vector<kvtransfer::BlockPair>& pairs) {
+Result<KvSealer::Sealed> KvSealer::Seal(kvtransfer::KvCipher& cipher,
+                                        std::span<const uint32_t> positions,
+                                        std::span<const uint32_t> local_blocks) {
+  if (positions.size() != local_blocks.size()) {
+    return InvalidArgumentError(fmt::format("{} positions for {} blocks", positions.size(),
+                                            local_blocks.size()));
+  }
   if (transport_.staging_blocks() == 0) {
     return FailedPreconditionError(
         "the decoder wants its KV encrypted but transport.encrypt is off on this prefiller, so it "
         "has no staging blocks to seal into (the fleet file's transport.encrypt must agree)");
   }
-  TANDEM_ASSIGN_OR_RETURN(kvtransfer::KvCipher cipher,
-                          kvtransfer::KvCipher::Create(key, reservation_id));
+  const uint32_t pool_blocks = transport_.num_blocks();
+  for (uint32_t b : local_blocks) {
+    if (b >= pool_blocks) {
+      return OutOfRangeError(fmt::format("block {} is outside the pool of {} blocks", b,
+                                         pool_blocks));
+    }
+  }
+  const size_t n = local_blocks.size();
   Sealed out;
   {
     std::lock_guard lock(mu_);
-    if (free_.size() < pairs.size()) {
+    if (free_.size() < n) {
       return ResourceExhaustedError(fmt::format(
           "transport.encrypt: {} staging blocks needed, {} of {} free (pushes in flight hold the "
-          "rest)", pairs.size(), free_.size(), transport_.staging_blocks()));
+          "rest)", n, free_.size(), transport_.staging_blocks()));
     }
-    out.staging.assign(free_.end() - static_cast<std::ptrdiff_t>(pairs.size()), free_.end());
-    free_.resize(free_.size() - pairs.size());
+    out.staging.reserve(n);
+    for (size_t i = 0; i < n; ++i) {  // lowest first: neighbours coalesce into one put
+      out.staging.push_back(free_.back());
+      free_.pop_back();
+    }
   }
-  out.tags.resize(pairs.size() * kvtransfer::kKvTagBytes);
-  const uint32_t pool_blocks = transport_.num_blocks();
-  for (size_t i = 0; i < pairs.size(); ++i) {
-    const uint32_t staging_block = pool_blocks + out.staging[i];
-    Status s = cipher.Seal(first_position + static_cast<uint32_t>(i),
-                           transport_.block(pairs[i].local_block), transport_.block(staging_block),
-                           transport_.block_bytes(),
+  out.blocks.resize(n);
+  out.tags.resize(n * kvtransfer::kKvTagBytes);
+  for (size_t i = 0; i < n; ++i) {
+    out.blocks[i] = pool_blocks + out.staging[i];
+    Status s = cipher.Seal(positions[i], transport_.block(local_blocks[i]),
+                           transport_.block(out.blocks[i]), transport_.block_bytes(),
                            reinterpret_cast<std::byte*>(out.tags.data()) + i * kvtransfer::kKvTagBytes);
     if (!s.ok()) {
       Release(out.staging);
       return s;
     }
-    pairs[i].local_block = staging_block;
   }
   return out;
 }
@@ -58,7 +67,7 @@ Result<KvSealer::Sealed> KvSealer::Seal(std::string_view key, uint64_t reservati
 void KvSealer::Release(std::vector<uint32_t>& staging) {
   if (staging.empty()) return;
   std::lock_guard lock(mu_);
-  free_.insert(free_.end(), staging.begin(), staging.end());
+  free_.insert(free_.end(), staging.rbegin(), staging.rend());  // lowest on top again
   staging.clear();
 }
 
