@@ -1,0 +1,235 @@
+// Issue 20's chaos suite (docs/failure-handling.md, "Chaos suite"): a 2P2D
+// fleet of the bundled model on the CPU backend (token-exact against
+// `tandem generate`, greedy and seeded), 64 concurrent streams of mixed
+// lengths, and faults injected one after another, each under its own load:
+//   - SIGSTOP of each worker for 1-5 s, then SIGCONT;
+//   - kill -9 of a prefiller, then of a decoder, each restarted with --join;
+//   - network delay/loss on loopback (`tc netem`, or a `tbf` slow link where
+//     the kernel lacks netem) inside the test's own network namespace
+//     (chaos_netns.sh), skipped with the reason where there is none.
+// After each fault: every request either completed with the reference
+// output or ended with a clear status, none hung to its deadline, and once
+// the load stops no worker holds a running or waiting sequence, a
+// reservation, a queued or parked prefill, a KV block or a quarantined block.
+//
+// Environment: TANDEM_CHAOS_ROUNDS=N repeats the whole fault sequence N
+// times (the recorded run of bench/results/chaos.md); TANDEM_CHAOS_REPORT=PATH
+// appends one markdown row per fault to PATH.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <thread>
+
+#include "chaos_load.h"
+#include "fleet_harness.h"
+#include "reaper.h"
+
+namespace tandem::testing::chaos {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr int kStreams = 64;
+constexpr auto kDeadline = 30s;
+
+bool HaveModel() { return std::filesystem::exists(BundledModel() + "/model.safetensors"); }
+
+int EnvInt(const char* name, int fallback) {
+  const char* v = getenv(name);
+  return v && *v ? std::atoi(v) : fallback;
+}
+
+double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+// The fleet of the suite: short leases and liveness so that faults resolve
+// in seconds; KV pushes over UCX's TCP transport (the multi-host path, and
+// the one loopback delay/loss reaches; the shared-memory path is covered by
+// the other fleet tests).
+FleetOptions ChaosFleet() {
+  FleetOptions o;
+  o.prefill = 2;
+  o.decode = 2;
+  o.num_blocks = 1024;
+  o.max_num_seqs = 64;
+  o.proxy_yaml = "  liveness_timeout_seconds: 1\n  max_migrations: 3\n  drain_seconds: 5\n";
+  o.extra_yaml = "transport:\n  lease_seconds: 2\n  peer_timeout_seconds: 1.5\n";
+  return o;
+}
+
+int Run(const std::string& cmd) {
+  const int st = std::system((cmd + " >/dev/null 2>&1").c_str());
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+class ChaosSuite {
+ public:
+  explicit ChaosSuite(Fleet& fleet, const std::vector<Job>& jobs)
+      : fleet_(fleet), jobs_(jobs), live_(fleet.workers()) {}
+  ~ChaosSuite() {
+    for (pid_t p : joined_) StopProcess(p, 10s);
+  }
+
+  WorkerAddr* Find(const std::string& name) {
+    for (auto& w : live_) {
+      if (w.name == name) return &w;
+    }
+    return nullptr;
+  }
+
+  // Work the worker has done so far (prefills or decode steps).
+  static double Work(const WorkerAddr& w) {
+    auto m = Scrape(w.metrics);
+    if (!m.ok()) return -1;
+    return MetricValue(*m, w.role == "prefill" ? "tandem_prefill_seconds_count"
+                                               : "tandem_decode_step_seconds_count");
+  }
+
+  // One fault under a fresh load of kStreams streams. `inject` runs the fault
+  // and returns the worker that must serve again for the fleet to count as
+  // recovered ("" for none), or an error to skip the fault with.
+  void Fault(const std::string& name, const std::function<Result<std::string>()>& inject) {
+    SCOPED_TRACE(name);
+    Load load(fleet_.proxy_grpc(), jobs_, kStreams, kDeadline);
+    load.Start();
+    const bool steady = WaitUntil([&] { return load.Completed() >= kStreams; }, 120s);
+    EXPECT_TRUE(steady) << "no steady load before the fault";
+    auto victim = inject();
+    const auto end = Clock::now();
+    double recovery_ms = -1;
+    std::string note = std::move(note_);
+    note_.clear();
+    if (!victim.ok()) {
+      note = "skipped: " + std::string(victim.status().message()) + (note.empty() ? "" : "; " + note);
+    } else {
+      const WorkerAddr* w = victim->empty() ? nullptr : Find(*victim);
+      const double before = w ? Work(*w) : 0;
+      const bool recovered = WaitUntil(
+          [&] {
+            return load.CompletedStartedAfter(end) >= kStreams && (!w || Work(*w) > before);
+          },
+          90s);
+      EXPECT_TRUE(recovered) << "the fleet did not recover: " << load.Completed() << " completed";
+      if (recovered) recovery_ms = Ms(Clock::now() - end);
+    }
+    load.Stop();
+    FaultStats s = load.Stats(name);
+    s.recovery_ms = recovery_ms;
+    s.note = note;
+    const std::string held = WaitIdle(live_, fleet_.proxy_metrics(), 30s);
+    std::printf("[chaos] %s\n", Row(s).c_str());
+    std::fflush(stdout);
+    EXPECT_EQ(s.hung, 0) << "requests that ran to their deadline";
+    EXPECT_EQ(s.mismatched, 0) << "completed requests whose output differs from tandem generate";
+    EXPECT_EQ(s.unclear, 0) << "requests that failed without a clear status";
+    EXPECT_GT(s.completed, 0);
+    EXPECT_EQ(held, "") << "held after the load stopped";
+    rows_.push_back(s);
+  }
+
+  // SIGSTOP for `seconds`, then SIGCONT.
+  Result<std::string> Pause(const std::string& name, double seconds) {
+    WorkerAddr* w = Find(name);
+    if (!w) return NotFoundError(name);
+    if (kill(w->pid, SIGSTOP) != 0) return InternalError("SIGSTOP failed");
+    std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)));
+    if (kill(w->pid, SIGCONT) != 0) return InternalError("SIGCONT failed");
+    return name;
+  }
+
+  // kill -9, then the same worker restarted with --join (same name).
+  Result<std::string> KillAndRejoin(const std::string& name) {
+    WorkerAddr* w = Find(name);
+    if (!w) return NotFoundError(name);
+    if (kill(w->pid, SIGKILL) != 0) return InternalError("SIGKILL failed");
+    // `tandem launch` reaps it; its pid may be reused from now on.
+    Forget(w->pid);
+    const std::string log =
+        std::filesystem::path(fleet_.config_path()).parent_path().string() + "/" + name + ".log";
+    TANDEM_ASSIGN_OR_RETURN(WorkerAddr joined, JoinWorker(fleet_, w->role, name, log));
+    joined_.push_back(joined.pid);
+    *w = joined;
+    return name;
+  }
+
+  // Delay and loss on the loopback of this test's own network namespace.
+  Result<std::string> NetworkFault(double seconds) {
+    if (!getenv("TANDEM_CHAOS_NETNS")) {
+      const char* why = getenv("TANDEM_CHAOS_NETNS_WHY");
+      return UnavailableError(fmt::format("not in a network namespace of the test's own ({})",
+                                          why ? why : "run through tests/chaos/chaos_netns.sh"));
+    }
+    std::string kind = "netem delay 20ms 10ms loss 1%";
+    if (Run("tc qdisc add dev lo root " + kind) != 0) {
+      // This kernel has no sch_netem: a slow link (token bucket) still delays.
+      kind = "tbf rate 50mbit burst 64kb latency 100ms";
+      if (Run("tc qdisc add dev lo root " + kind) != 0) {
+        return UnavailableError("tc qdisc add (netem, tbf) failed");
+      }
+      note_ = "no sch_netem in this kernel, so no loss: `tc qdisc add dev lo root " + kind + "`";
+    } else {
+      note_ = "`tc qdisc add dev lo root " + kind + "`";
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)));
+    if (Run("tc qdisc del dev lo root") != 0) return InternalError("tc qdisc del failed");
+    return std::string();
+  }
+
+  std::vector<FaultStats>& rows() { return rows_; }
+
+ private:
+  Fleet& fleet_;
+  const std::vector<Job>& jobs_;
+  std::vector<WorkerAddr> live_;
+  std::vector<pid_t> joined_;
+  std::vector<FaultStats> rows_;
+  std::string note_;  // set by a fault, shown in its row
+};
+
+TEST(Chaos, FaultsOneAfterAnotherUnder64Streams) {
+  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  const int rounds = EnvInt("TANDEM_CHAOS_ROUNDS", 1);
+  auto jobs = MakeJobs(16, 20);
+  ASSERT_TRUE(jobs.ok()) << jobs.status().ToString();
+  setenv("UCX_TLS", "tcp", 1);  // for the fleet's processes (see ChaosFleet)
+  auto fleet = Fleet::Launch(ChaosFleet());
+  unsetenv("UCX_TLS");
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  ChaosSuite suite(**fleet, *jobs);
+  std::mt19937 rng(2020);
+  auto pause_s = [&] { return 1.0 + (rng() % 41) / 10.0; };  // 1.0 .. 5.0 s
+  for (int round = 0; round < rounds; ++round) {
+    for (const char* name : {"prefill-0", "prefill-1", "decode-0", "decode-1"}) {
+      const double s = pause_s();
+      suite.Fault(fmt::format("SIGSTOP {} {:.1f} s, SIGCONT", name, s),
+                  [&] { return suite.Pause(name, s); });
+    }
+    suite.Fault("kill -9 prefill-0, restarted with --join",
+                [&] { return suite.KillAndRejoin("prefill-0"); });
+    suite.Fault("kill -9 decode-0, restarted with --join",
+                [&] { return suite.KillAndRejoin("decode-0"); });
+    suite.Fault("loopback delay/loss 4 s", [&] { return suite.NetworkFault(4); });
+  }
+  int total = 0, completed = 0;
+  for (const auto& r : suite.rows()) {
+    total += r.completed + r.mismatched + r.failed + r.hung;
+    completed += r.completed;
+  }
+  std::printf("[chaos] %d rounds: %d of %d requests completed (%.3f %%)\n", rounds, completed, total,
+              100.0 * completed / std::max(total, 1));
+  if (const char* path = getenv("TANDEM_CHAOS_REPORT")) {
+    std::ofstream out(path, std::ios::app);
+    for (const auto& r : suite.rows()) out << Row(r) << "\n";
+    out << fmt::format("| **all ({} rounds)** | {} | {} | | | | | {:.3f} % completed |\n", rounds,
+                       total, completed, 100.0 * completed / std::max(total, 1));
+  }
+}
+
+}  // namespace
+}  // namespace tandem::testing::chaos
