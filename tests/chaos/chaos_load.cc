@@ -107,8 +107,12 @@ void Load::Run(int stream) {
         ok_starts_.push_back(start);
       } else {
         ++stats_.mismatched;
-        stats_.statuses[fmt::format("mismatch: {} of {} tokens, temperature {}", got.size(),
-                                    job.expected.size(), job.temperature)]++;
+        size_t at = 0;
+        while (at < got.size() && at < job.expected.size() && got[at] == job.expected[at]) ++at;
+        stats_.statuses[fmt::format("mismatch: job {} ({} prompt tokens, temperature {}), {} of {} "
+                                    "tokens, first difference at token {}",
+                                    &job - jobs_.data(), job.prompt.size(), job.temperature,
+                                    got.size(), job.expected.size(), at)]++;
       }
     } else {
       ++stats_.failed;

@@ -20,6 +20,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -96,6 +97,8 @@ class ChaosSuite {
   // recovered ("" for none), or an error to skip the fault with.
   void Fault(const std::string& name, const std::function<Result<std::string>()>& inject) {
     SCOPED_TRACE(name);
+    const double leases_before = DecoderSum("tandem_kv_lease_expired_total");
+    const double stale_before = DecoderSum("tandem_kv_stale_notices_total");
     Load load(fleet_.proxy_grpc(), jobs_, kStreams, kDeadline);
     load.Start();
     const bool steady = WaitUntil([&] { return load.Completed() >= kStreams; }, 120s);
@@ -123,6 +126,13 @@ class ChaosSuite {
     s.recovery_ms = recovery_ms;
     s.note = note;
     const std::string held = WaitIdle(live_, fleet_.proxy_metrics(), 30s);
+    // What the decoders saw (a restarted decoder's counters start again at 0).
+    const double leases = DecoderSum("tandem_kv_lease_expired_total") - leases_before;
+    const double stale = DecoderSum("tandem_kv_stale_notices_total") - stale_before;
+    if (leases > 0 || stale > 0) {
+      s.note += fmt::format("{}decoders: {:.0f} leases expired, {:.0f} stale notices",
+                            s.note.empty() ? "" : "; ", leases, stale);
+    }
     std::printf("[chaos] %s\n", Row(s).c_str());
     std::fflush(stdout);
     EXPECT_EQ(s.hung, 0) << "requests that ran to their deadline";
@@ -158,6 +168,74 @@ class ChaosSuite {
     return name;
   }
 
+  // Replaces the process serving `name` by a new one joined under the same
+  // name with `env` (e.g. the KV fault hook), after a drain (SIGTERM) of the
+  // old one.
+  Status Swap(const std::string& name, const std::vector<std::string>& env) {
+    WorkerAddr* w = Find(name);
+    if (!w) return NotFoundError(name);
+    if (std::find(joined_.begin(), joined_.end(), w->pid) != joined_.end()) {
+      StopProcess(w->pid, 20s);
+      joined_.erase(std::find(joined_.begin(), joined_.end(), w->pid));
+    } else {
+      // Started by `tandem launch`, which reaps it: gone once kill(pid, 0) fails.
+      kill(w->pid, SIGTERM);
+      const pid_t pid = w->pid;
+      if (!WaitUntil([&] { return kill(pid, 0) != 0; }, 20s)) kill(pid, SIGKILL);
+      Forget(pid);
+    }
+    TANDEM_ASSIGN_OR_RETURN(WorkerAddr joined, JoinWorker(fleet_, w->role, name, LogOf(name), env));
+    joined_.push_back(joined.pid);
+    *w = joined;
+    return Status::Ok();
+  }
+
+  std::string LogOf(const std::string& name) const {
+    return std::filesystem::path(fleet_.config_path()).parent_path().string() + "/" + name + ".log";
+  }
+
+  static size_t Count(const std::string& text, const std::string& needle) {
+    size_t n = 0;
+    for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+    return n;
+  }
+
+  double DecoderSum(const std::string& metric) {
+    double sum = 0;
+    for (const auto& w : live_) {
+      if (w.role != "decode") continue;
+      auto m = Scrape(w.metrics);
+      if (m.ok()) sum += MetricValue(*m, metric);
+    }
+    return sum;
+  }
+
+  // `name` runs with the KV fault hook set to `spec` (TANDEM_KV_FAULT) until
+  // `done` holds (bounded), then is swapped back for a clean process.
+  Result<std::string> KvFault(const std::string& name, const std::string& spec,
+                              const std::function<bool()>& done) {
+    const size_t log_from = ReadText(LogOf(name)).size();
+    TANDEM_RETURN_IF_ERROR(Swap(name, {"TANDEM_KV_FAULT=" + spec + ",agent=" + name}));
+    const std::string log = ReadText(LogOf(name)).substr(log_from);
+    if (log.find("FAULT INJECTION ON") == std::string::npos) {
+      TANDEM_RETURN_IF_ERROR(Swap(name, {}));
+      return UnavailableError("this build has no KV fault hook (TANDEM_KV_FAULT)");
+    }
+    const bool happened = WaitUntil(done, 30s);
+    const size_t injected = Count(ReadText(LogOf(name)).substr(log_from), "injected fault");
+    note_ = fmt::format("`TANDEM_KV_FAULT={},agent={}`: {} faults injected", spec, name, injected);
+    EXPECT_TRUE(happened) << note_;
+    EXPECT_GT(injected, 0u) << note_;
+    TANDEM_RETURN_IF_ERROR(Swap(name, {}));
+    return name;
+  }
+
+  // The hook's faults seen in `name`'s log since `from`.
+  size_t Injected(const std::string& name, size_t from) {
+    const std::string log = ReadText(LogOf(name));
+    return log.size() > from ? Count(log.substr(from), "injected fault") : 0;
+  }
+
   // Delay and loss on the loopback of this test's own network namespace.
   Result<std::string> NetworkFault(double seconds) {
     if (!getenv("TANDEM_CHAOS_NETNS")) {
@@ -182,6 +260,7 @@ class ChaosSuite {
   }
 
   std::vector<FaultStats>& rows() { return rows_; }
+  void AppendNote(const std::string& more) { note_ += more; }
 
  private:
   Fleet& fleet_;
@@ -215,6 +294,35 @@ TEST(Chaos, FaultsOneAfterAnotherUnder64Streams) {
     suite.Fault("kill -9 decode-0, restarted with --join",
                 [&] { return suite.KillAndRejoin("decode-0"); });
     suite.Fault("loopback delay/loss 4 s", [&] { return suite.NetworkFault(4); });
+    // The KV fault hook (TANDEM_KV_FAULT) in prefill-1: until 8 faults were
+    // injected (it logs each), then prefill-1 is swapped back for a clean one.
+    size_t from = ReadText(suite.LogOf("prefill-1")).size();
+    suite.Fault("KV hook: every 4th data write of prefill-1 fails", [&] {
+      return suite.KvFault("prefill-1", "fail_every=4", [&] { return suite.Injected("prefill-1", from) >= 8; });
+    });
+    // Writes stalled past the 2 s lease: the stale writers that the decoder
+    // must not free (or reuse) slots under before they are confirmed done.
+    from = ReadText(suite.LogOf("prefill-1")).size();
+    suite.Fault("KV hook: prefill-1's first 6 data writes stalled 3 s (lease 2 s)", [&] {
+      return suite.KvFault("prefill-1", "delay_ms=3000,delay_writes=6",
+                           [&] { return suite.Injected("prefill-1", from) >= 6; });
+    });
+    // One byte of one pushed block flipped at the receiver: the checksum must
+    // catch it and the request complete correctly elsewhere.
+    suite.Fault("KV hook: one byte flipped in a block prefill-1 pushed", [&]() -> Result<std::string> {
+      auto m = Scrape(suite.Find("decode-1")->metrics);
+      if (!m.ok() || m->find("tandem_kv_checksum_failures_total") == std::string::npos) {
+        return UnavailableError("this build has no KV checksums (tandem_kv_checksum_failures_total)");
+      }
+      const double before = suite.DecoderSum("tandem_kv_checksum_failures_total");
+      auto r = suite.KvFault("prefill-1", "flip_block=5", [&] {
+        return suite.DecoderSum("tandem_kv_checksum_failures_total") > before;
+      });
+      const double caught = suite.DecoderSum("tandem_kv_checksum_failures_total") - before;
+      EXPECT_GE(caught, 1) << "the flipped byte was not caught by a checksum";
+      suite.AppendNote(fmt::format("; {:.0f} caught by the decoders' checksums", caught));
+      return r;
+    });
   }
   int total = 0, completed = 0;
   for (const auto& r : suite.rows()) {
