@@ -4,6 +4,8 @@
 // lengths, and faults injected one after another, each under its own load:
 //   - SIGSTOP of each worker for 1-5 s, then SIGCONT;
 //   - kill -9 of a prefiller, then of a decoder, each restarted with --join;
+//   - SIGTERM (drain) of a prefiller, then of a decoder, each restarted with
+//     --join (a rolling restart);
 //   - network delay/loss on loopback (`tc netem`, or a `tbf` slow link where
 //     the kernel lacks netem) inside the test's own network namespace
 //     (chaos_netns.sh), skipped with the reason where there is none.
@@ -14,7 +16,8 @@
 //
 // Environment: TANDEM_CHAOS_ROUNDS=N repeats the whole fault sequence N
 // times (the recorded run of bench/results/chaos.md); TANDEM_CHAOS_REPORT=PATH
-// appends one markdown row per fault to PATH.
+// appends one markdown row per fault to PATH; TANDEM_CHAOS_ONLY=TEXT runs only
+// the faults whose name contains TEXT (to chase one).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -96,6 +99,9 @@ class ChaosSuite {
   // and returns the worker that must serve again for the fleet to count as
   // recovered ("" for none), or an error to skip the fault with.
   void Fault(const std::string& name, const std::function<Result<std::string>()>& inject) {
+    if (const char* only = getenv("TANDEM_CHAOS_ONLY"); only && name.find(only) == std::string::npos) {
+      return;
+    }
     SCOPED_TRACE(name);
     const double leases_before = DecoderSum("tandem_kv_lease_expired_total");
     const double stale_before = DecoderSum("tandem_kv_stale_notices_total");
@@ -245,12 +251,15 @@ class ChaosSuite {
     }
     std::string kind = "netem delay 20ms 10ms loss 1%";
     if (Run("tc qdisc add dev lo root " + kind) != 0) {
-      // This kernel has no sch_netem: a slow link (token bucket) still delays.
-      kind = "tbf rate 50mbit burst 64kb latency 100ms";
+      // This kernel has no sch_netem: a congested slow link (token bucket,
+      // 20 Mbit/s) delays packets by queueing and drops what would wait over
+      // 200 ms. (Its burst must exceed lo's 64 KiB MTU, or every full-size
+      // segment is dropped.)
+      kind = "tbf rate 20mbit burst 128kb latency 200ms";
       if (Run("tc qdisc add dev lo root " + kind) != 0) {
         return UnavailableError("tc qdisc add (netem, tbf) failed");
       }
-      note_ = "no sch_netem in this kernel, so no loss: `tc qdisc add dev lo root " + kind + "`";
+      note_ = "no sch_netem in this kernel: `tc qdisc add dev lo root " + kind + "` (delay by queueing, drops past 200 ms)";
     } else {
       note_ = "`tc qdisc add dev lo root " + kind + "`";
     }
@@ -293,6 +302,15 @@ TEST(Chaos, FaultsOneAfterAnotherUnder64Streams) {
                 [&] { return suite.KillAndRejoin("prefill-0"); });
     suite.Fault("kill -9 decode-0, restarted with --join",
                 [&] { return suite.KillAndRejoin("decode-0"); });
+    // A rolling restart: SIGTERM (the worker drains: out of routing, its
+    // in-flight work finishes or is cut and re-routed), then --join again.
+    for (const char* name : {"prefill-1", "decode-1"}) {
+      suite.Fault(fmt::format("SIGTERM {} (drain), restarted with --join", name),
+                  [&]() -> Result<std::string> {
+                    TANDEM_RETURN_IF_ERROR(suite.Swap(name, {}));
+                    return std::string(name);
+                  });
+    }
     suite.Fault("loopback delay/loss 4 s", [&] { return suite.NetworkFault(4); });
     // The KV fault hook (TANDEM_KV_FAULT) in prefill-1: until 8 faults were
     // injected (it logs each), then prefill-1 is swapped back for a clean one.
