@@ -131,7 +131,7 @@ class ChaosSuite {
     FaultStats s = load.Stats(name);
     s.recovery_ms = recovery_ms;
     s.note = note;
-    const std::string held = WaitIdle(live_, fleet_.proxy_metrics(), 30s);
+    const std::string held = WaitFleetIdle(live_, fleet_.proxy_metrics(), 30s);
     // What the decoders saw (a restarted decoder's counters start again at 0).
     const double leases = DecoderSum("tandem_kv_lease_expired_total") - leases_before;
     const double stale = DecoderSum("tandem_kv_stale_notices_total") - stale_before;
