@@ -101,6 +101,7 @@ Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
   f->proxy_metrics_ = j["proxy"]["metrics"];
   f->proxy_http_ = j["proxy"].value("http", "");
   f->proxy_pid_ = j["proxy"].value("pid", -1);
+  f->cache_salt_ = j.value("cache_salt", "");
   for (const auto& w : j["workers"]) {
     f->workers_.push_back({w["role"], w.value("name", ""), w["grpc"], w["metrics"], w["pid"]});
   }
@@ -166,12 +167,14 @@ Result<Completion> Generate(const std::string& proxy, const GenerateArgs& a) {
   if (a.top_p) req.mutable_sampling()->set_top_p(*a.top_p);
   if (a.seed) req.mutable_sampling()->set_seed(*a.seed);
   for (const auto& s : a.stop) req.add_stop(s);
+  for (uint32_t t : a.stop_token_ids) req.add_stop_token_ids(t);
   req.set_ignore_eos(a.ignore_eos);
   auto reader = stub->Generate(&ctx, req);
   Completion c;
   pb::GenerateResponse resp;
   while (reader->Read(&resp)) {
     ++c.messages;
+    c.request_id = resp.request_id();
     c.token_ids.insert(c.token_ids.end(), resp.token_ids().begin(), resp.token_ids().end());
     c.text += resp.text();
     if (resp.finish_reason() != pb::FINISH_REASON_UNSPECIFIED) {
