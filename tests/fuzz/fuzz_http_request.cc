@@ -45,7 +45,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   limits.model = "tandem-kjv";
   limits.vocab_size = 256;
   limits.max_model_len = 4096;
-  auto v = tandem::proxy::ValidateRequest(req, limits, ByteTokens, 1, "req-fuzz");
+  auto v = tandem::proxy::ValidateRequest(req, limits, ByteTokens, 1);
   if (!v.ok()) (void)http::ToOpenAiMessage(*r, v.status().message());
   return 0;
 }

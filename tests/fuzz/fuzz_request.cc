@@ -30,6 +30,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   limits.max_model_len = 256;
   limits.default_max_tokens = 16;
   limits.max_tokens_limit = 64;
+  // proxy.limits, small so that inputs cross them.
+  limits.max_prompt_tokens = in.ConsumeIntegralInRange<uint32_t>(0, 300);
+  limits.max_stop_strings = 4;
+  limits.max_stop_string_bytes = 32;
+  limits.max_stop_token_ids = 8;
+  limits.max_request_id_bytes = 64;
   tandem::proxy::ClientRequest r;
   r.request_id = in.ConsumeRandomLengthString(200);
   r.model = in.ConsumeBool() ? "" : in.ConsumeRandomLengthString(40);
@@ -51,7 +57,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     r.stop_token_ids.push_back(in.ConsumeIntegralInRange<uint32_t>(0, 1200));
   }
   r.ignore_eos = in.ConsumeBool();
-  auto v = tandem::proxy::ValidateRequest(r, limits, ByteTokens, 7, "req-fuzz");
+  auto v = tandem::proxy::ValidateRequest(r, limits, ByteTokens, 7);
   if (!v.ok()) {
     if (v.status().message().empty()) __builtin_trap();
     return 0;
@@ -59,8 +65,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // What passed must respect the limits it was checked against.
   if (v->prompt_ids.empty() || v->max_tokens == 0 || v->max_tokens > limits.max_tokens_limit ||
       v->prompt_ids.size() + v->max_tokens > limits.max_model_len ||
-      v->stop.size() > limits.max_stop_strings || v->request_id.empty()) {
+      v->stop.size() > limits.max_stop_strings || v->request_id.empty() ||
+      v->stop_token_ids.size() > limits.max_stop_token_ids ||
+      v->client_request_id.size() > limits.max_request_id_bytes ||
+      v->request_id == v->client_request_id ||
+      (limits.max_prompt_tokens > 0 && v->prompt_ids.size() > limits.max_prompt_tokens)) {
     __builtin_trap();
+  }
+  for (const std::string& s : v->stop) {
+    if (s.size() > limits.max_stop_string_bytes) __builtin_trap();
   }
   for (uint32_t id : v->prompt_ids) {
     if (id >= limits.vocab_size) __builtin_trap();
