@@ -39,8 +39,10 @@ class ConformanceTest : public ::testing::TestWithParam<std::string> {
   std::string backend() const { return GetParam() == "loopback" ? "loopback" : "ucx"; }
 
   std::unique_ptr<Transport> Make(const std::string& name, uint64_t block_bytes, uint32_t blocks,
-                                  uint64_t max_put_bytes = 4 * kMiB, uint32_t delay_us = 0) {
+                                  uint64_t max_put_bytes = 4 * kMiB, uint32_t delay_us = 0,
+                                  KvFaultOptions fault = {}) {
     TransportOptions o;
+    o.fault = fault;
     o.backend = backend();
     o.agent_name = name + "-" + GetParam();
     o.block_bytes = block_bytes;
@@ -223,6 +225,116 @@ TEST_P(ConformanceTest, ThousandConcurrentRequests) {
   EXPECT_EQ(bad_blocks, 0);
   for (XferId id : ids) EXPECT_TRUE(a->Release(id).ok());
   EXPECT_EQ(a->stats().live_requests, 0u);
+  EXPECT_EQ(a->stats().inflight_requests, 0u);
+}
+
+// The fault hook (KvFaultOptions), on every backend: every 2nd data write
+// fails before a byte moves (notice-only writes do not count), and the 3rd
+// block written reaches the receiver with exactly one byte changed, before
+// the write's notice; the sender's pool stays as it was.
+TEST_P(ConformanceTest, FaultHookFailsWritesAndFlipsOneByte) {
+  const uint64_t bb = 4096;
+  KvFaultOptions fault;
+  fault.fail_every = 2;
+  fault.flip_block = 3;
+  auto a = Make("fault-a", bb, 8, 4 * kMiB, 0, fault);
+  auto b = Make("fault-b", bb, 8);
+  ASSERT_TRUE(a && b);
+  FillRandom(a->pool(), a->pool_bytes(), 21);
+  const uint64_t source_sum = Checksum(a->pool(), a->pool_bytes());
+  std::memset(b->pool(), 0, b->pool_bytes());
+  auto peer = a->ImportPeer(b->LocalDescriptor());
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  auto post = [&](std::vector<BlockPair> pairs, std::optional<std::string> notice) {
+    auto x = pairs.empty() ? a->PrepareWrite(*peer, {}, notice)
+                           : a->PrepareBlockWrite(*peer, pairs, notice);
+    EXPECT_TRUE(x.ok()) << x.status().ToString();
+    EXPECT_TRUE(a->Post(*x).ok());
+    const XferStatus st = WaitDone(*a, *x);
+    EXPECT_TRUE(a->Release(*x).ok());
+    return st;
+  };
+  EXPECT_EQ(post({{0, 0}, {1, 1}}, "w1"), XferStatus::kSuccess);  // data write 1: blocks 1-2
+  EXPECT_EQ(post({}, "notice-only"), XferStatus::kSuccess);      // not a data write
+  EXPECT_EQ(post({{2, 2}}, "w2"), XferStatus::kErrBackend);       // data write 2: fails
+  std::vector<std::byte> zero(bb);
+  EXPECT_EQ(std::memcmp(b->block(2), zero.data(), bb), 0) << "the failed write moved bytes";
+  // Data write 3 carries block 3 of the count (the failed one did not count).
+  std::optional<uint64_t> sum_at_notice;
+  std::mutex mu;
+  b->SetNotificationCallback([&](Notification n) {
+    if (n.payload != "w3") return;
+    std::lock_guard lock(mu);
+    sum_at_notice = Checksum(b->block(4), bb);
+  });
+  EXPECT_EQ(post({{4, 4}, {5, 5}}, "w3"), XferStatus::kSuccess);
+  ASSERT_TRUE(WaitFor([&] {
+    std::lock_guard lock(mu);
+    return sum_at_notice.has_value();
+  }));
+  int differing = 0, first_diff = -1;
+  for (uint64_t i = 0; i < bb; ++i) {
+    if (b->block(4)[i] != a->block(4)[i]) {
+      ++differing;
+      if (first_diff < 0) first_diff = static_cast<int>(i);
+    }
+  }
+  EXPECT_EQ(differing, 1);
+  EXPECT_EQ(first_diff, 0);
+  EXPECT_EQ(*sum_at_notice, Checksum(b->block(4), bb)) << "the flip landed after the notice";
+  EXPECT_EQ(Checksum(b->block(5), bb), Checksum(a->block(5), bb));
+  EXPECT_EQ(Checksum(b->block(0), 2 * bb), Checksum(a->block(0), 2 * bb));
+  EXPECT_EQ(post({{6, 6}}, "w4"), XferStatus::kErrBackend);  // data write 4
+  EXPECT_EQ(post({{6, 6}}, "w5"), XferStatus::kSuccess);     // the flip happens once
+  EXPECT_EQ(Checksum(b->block(6), bb), Checksum(a->block(6), bb));
+  EXPECT_EQ(Checksum(a->pool(), a->pool_bytes()), source_sum) << "the sender's pool changed";
+  EXPECT_EQ(a->stats().faults_injected, 3u);
+  EXPECT_EQ(a->stats().inflight_requests, 0u);
+}
+
+// A delayed write (delay_ms, only the first data write) moves no byte while
+// it waits and cannot be recalled: an abort meanwhile ends it ERR_CANCELED
+// only after its data landed, without its notice. The next write is not
+// delayed and overtakes it.
+TEST_P(ConformanceTest, FaultHookDelaysAWriteThatLandsDespiteAnAbort) {
+  const uint64_t bb = 4096;
+  KvFaultOptions fault;
+  fault.delay_ms = 300;
+  fault.delay_writes = 1;
+  auto a = Make("delay-a", bb, 4, 4 * kMiB, 0, fault);
+  auto b = Make("delay-b", bb, 4);
+  ASSERT_TRUE(a && b);
+  FillRandom(a->pool(), a->pool_bytes(), 5);
+  std::memset(b->pool(), 0, b->pool_bytes());
+  std::vector<std::string> notices;
+  std::mutex mu;
+  b->SetNotificationCallback([&](Notification n) {
+    std::lock_guard lock(mu);
+    notices.push_back(n.payload);
+  });
+  auto peer = a->ImportPeer(b->LocalDescriptor());
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  auto x = a->PrepareWrite(*peer, {{0, 0, 2 * bb}}, "delayed");
+  ASSERT_TRUE(x.ok());
+  ASSERT_TRUE(a->Post(*x).ok());
+  ASSERT_TRUE(a->Abort(*x).ok());  // cannot recall it: it is on the wire
+  EXPECT_EQ(WaitDone(*a, *x), XferStatus::kErrCanceled);
+  EXPECT_EQ(a->BytesDone(*x), 2 * bb) << "the write on the wire did not land";
+  EXPECT_EQ(Checksum(b->pool(), 2 * bb), Checksum(a->pool(), 2 * bb));
+  EXPECT_TRUE(a->Release(*x).ok());
+  // The next write is not delayed; its notice is the only one (notices on
+  // one endpoint are ordered: the aborted write's would have come first).
+  ASSERT_EQ(WriteAndWait(*a, *peer, {{2 * bb, 2 * bb, bb}}, "second"), XferStatus::kSuccess);
+  EXPECT_EQ(Checksum(b->block(2), bb), Checksum(a->block(2), bb));
+  ASSERT_TRUE(WaitFor([&] {
+    std::lock_guard lock(mu);
+    return !notices.empty();
+  }));
+  {
+    std::lock_guard lock(mu);
+    EXPECT_EQ(notices, std::vector<std::string>{"second"});
+  }
+  EXPECT_EQ(a->stats().faults_injected, 1u);
   EXPECT_EQ(a->stats().inflight_requests, 0u);
 }
 
