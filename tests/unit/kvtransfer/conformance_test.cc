@@ -385,6 +385,47 @@ TEST_P(ConformanceTest, AbortMidTransfer) {
 // The peer dies while writes stream to it: an error surfaces within 5 s and
 // nothing stays registered once the peer and requests are released. For ucx
 // the peer is another process killed with SIGKILL.
+// A peer killed while its endpoint is idle (no transfer in flight): the
+// keepalive declares it dead and the peer-failure callback names its agent
+// and generation — what a decoder watching a prefiller relies on to end a
+// quarantine (docs/failure-handling.md).
+TEST_P(ConformanceTest, IdlePeerKilledIsReportedByTheKeepalive) {
+  if (backend() != "ucx") GTEST_SKIP() << "loopback has no keepalive (its peers die only by LoopbackDropPeer)";
+  auto a = Make("idle-a", 4096, 4);
+  ASSERT_TRUE(a);
+  auto child = std::make_unique<ChildProcess>(std::vector<std::string>{
+      KV_PEER_BIN, "target", "backend=ucx", "name=idle-b-" + GetParam(), "block_bytes=4096",
+      "blocks=4"});
+  ASSERT_TRUE(child->ok());
+  auto hex = child->Expect("DESC ");
+  ASSERT_TRUE(hex.has_value()) << "peer did not start";
+  auto bytes = FromHex(*hex);
+  ASSERT_TRUE(bytes.ok());
+  auto desc = ParseDescriptor(*bytes);
+  ASSERT_TRUE(desc.ok());
+  std::mutex mu;
+  std::vector<std::pair<std::string, uint64_t>> lost;
+  a->SetPeerFailureCallback([&](const std::string& agent, uint64_t generation, const Status&) {
+    std::lock_guard lock(mu);
+    lost.emplace_back(agent, generation);
+  });
+  auto peer = a->ImportPeer(*bytes);
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  child->Kill();
+  const bool reported = WaitFor(
+      [&] {
+        std::lock_guard lock(mu);
+        return !lost.empty();
+      },
+      30s);
+  a->SetPeerFailureCallback({});
+  ASSERT_TRUE(reported) << "an idle dead peer was never reported";
+  std::lock_guard lock(mu);
+  ASSERT_EQ(lost.size(), 1u);
+  EXPECT_EQ(lost[0].first, desc->agent_name);
+  EXPECT_EQ(lost[0].second, desc->generation);
+}
+
 TEST_P(ConformanceTest, PeerKilledMidTransfer) {
   const uint64_t bb = kMiB;
   const uint32_t blocks = 16;
