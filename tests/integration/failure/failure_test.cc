@@ -519,7 +519,10 @@ TEST(Failure, SigtermToLaunchDrainsUnderLoad) {
   std::printf("[failure] SIGTERM under load: in-flight done after %.0f ms, launcher exited after "
               "%.0f ms (grace %.0f s)\n",
               drained_ms, exited_ms, kDrainSeconds);
-  EXPECT_LT(exited_ms, kDrainSeconds * 1000);
+  // Every process exited by itself within its grace: the launcher had to
+  // kill none (it says so when it does). No wall-clock bound in the test.
+  const std::string launch_log = ReadFile((*fleet)->log_path());
+  EXPECT_EQ(launch_log.find("had to be killed"), std::string::npos) << launch_log;
   for (pid_t p : pids) EXPECT_NE(kill(p, 0), 0) << "process " << p << " outlived tandem launch";
 }
 

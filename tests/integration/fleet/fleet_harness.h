@@ -139,4 +139,18 @@ std::string ReadText(const std::string& path);
 std::optional<size_t> WaitForLogLine(const std::string& path, const std::string& needle,
                                      std::chrono::milliseconds limit, size_t from = 0);
 
+// `tandem ROLE --config <the fleet's file> --join <its proxy> --name NAME`
+// (a worker restarted into a running fleet, e.g. after a kill -9), with
+// `env` ("KEY=VALUE") added to its environment and stdout+stderr appended
+// to `log`. Waits (bounded) for its ready line, which it writes once the
+// proxy registered it; registered with the reaper. Stop it with
+// StopProcess (Fleet's destructor does not know it).
+Result<WorkerAddr> JoinWorker(const Fleet& fleet, const std::string& role, const std::string& name,
+                              const std::string& log, const std::vector<std::string>& env = {},
+                              std::chrono::seconds limit = std::chrono::seconds(60));
+// SIGTERM (SIGCONT first, in case it is stopped), a bounded wait for the
+// exit, SIGKILL after it; then forgets it in the reaper. Returns the wait
+// status (or -1 when it was not our child or already gone).
+int StopProcess(pid_t pid, std::chrono::seconds grace);
+
 }  // namespace tandem::testing

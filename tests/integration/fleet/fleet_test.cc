@@ -123,17 +123,18 @@ INSTANTIATE_TEST_SUITE_P(Topologies, FleetEquivalence,
 void ExpectWorkersIdle(const Fleet& fleet) {
   for (const auto& w : fleet.workers()) {
     double usage = -1, running = -1, waiting = -1, reserved = -1, parked = -1;
-    for (int i = 0; i < 200; ++i) {
-      auto m = Scrape(w.metrics);
-      ASSERT_TRUE(m.ok()) << m.status().ToString();
-      usage = MetricValue(*m, "tandem_kv_cache_usage_ratio");
-      running = MetricValue(*m, "tandem_num_requests_running");
-      waiting = MetricValue(*m, "tandem_num_requests_waiting");
-      reserved = MetricValue(*m, "tandem_kv_reservations");
-      parked = MetricValue(*m, "tandem_kv_parked_prefills");
-      if (usage == 0 && running == 0 && waiting == 0 && reserved == 0 && parked == 0) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
+    WaitUntil(
+        [&] {
+          auto m = Scrape(w.metrics);
+          if (!m.ok()) return false;
+          usage = MetricValue(*m, "tandem_kv_cache_usage_ratio");
+          running = MetricValue(*m, "tandem_num_requests_running");
+          waiting = MetricValue(*m, "tandem_num_requests_waiting");
+          reserved = MetricValue(*m, "tandem_kv_reservations");
+          parked = MetricValue(*m, "tandem_kv_parked_prefills");
+          return usage == 0 && running == 0 && waiting == 0 && reserved == 0 && parked == 0;
+        },
+        std::chrono::seconds(10));
     EXPECT_EQ(usage, 0) << w.name << " still holds KV blocks";
     EXPECT_EQ(running, 0) << w.name;
     EXPECT_EQ(waiting, 0) << w.name;
@@ -258,11 +259,17 @@ TEST(Fleet, BadInputsGetTheirStatusAndTheFleetKeepsServing) {
     first.max_tokens = 512;
     first.request_id = "dup-1";
     auto running = std::async(std::launch::async, [&] { return Generate(proxy, first); });
-    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    // The event: the proxy has it in flight.
+    ASSERT_TRUE(WaitUntil(
+        [&] {
+          auto m = Scrape((*fleet)->proxy_metrics());
+          return m.ok() && MetricValue(*m, "tandem_requests_inflight") >= 1;
+        },
+        std::chrono::seconds(20)));
     GenerateArgs second = first;
     second.max_tokens = 4;
     auto dup = Generate(proxy, second);
-    ASSERT_FALSE(dup.ok()) << "the first request (512 tokens) ended within 150 ms?";
+    ASSERT_FALSE(dup.ok()) << "the first request (512 tokens) ended before its duplicate arrived?";
     EXPECT_EQ(static_cast<int>(dup.status().code()), static_cast<int>(grpc::StatusCode::ALREADY_EXISTS))
         << dup.status().ToString();
     EXPECT_NE(dup.status().message().find("request_id 'dup-1' is already in flight"),
@@ -310,7 +317,13 @@ TEST(Fleet, SigtermToLaunchStopsEveryProcess) {
       return Generate((*fleet)->proxy_grpc(), a);
     }));
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  // The event: requests are in flight at the proxy when the signal comes.
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        auto m = Scrape((*fleet)->proxy_metrics());
+        return m.ok() && MetricValue(*m, "tandem_requests_inflight") >= 1;
+      },
+      std::chrono::seconds(20)));
   auto st = (*fleet)->Stop(std::chrono::seconds(40));
   ASSERT_TRUE(st.ok()) << st.status().ToString();
   EXPECT_TRUE(WIFEXITED(*st) && WEXITSTATUS(*st) == 0) << *st;
