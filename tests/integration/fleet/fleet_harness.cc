@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <filesystem>
@@ -101,6 +102,7 @@ Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
   f->proxy_metrics_ = j["proxy"]["metrics"];
   f->proxy_http_ = j["proxy"].value("http", "");
   f->proxy_pid_ = j["proxy"].value("pid", -1);
+  f->cache_salt_ = j.value("cache_salt", "");
   for (const auto& w : j["workers"]) {
     f->workers_.push_back({w["role"], w.value("name", ""), w["grpc"], w["metrics"], w["pid"]});
   }
@@ -166,12 +168,14 @@ Result<Completion> Generate(const std::string& proxy, const GenerateArgs& a) {
   if (a.top_p) req.mutable_sampling()->set_top_p(*a.top_p);
   if (a.seed) req.mutable_sampling()->set_seed(*a.seed);
   for (const auto& s : a.stop) req.add_stop(s);
+  for (uint32_t t : a.stop_token_ids) req.add_stop_token_ids(t);
   req.set_ignore_eos(a.ignore_eos);
   auto reader = stub->Generate(&ctx, req);
   Completion c;
   pb::GenerateResponse resp;
   while (reader->Read(&resp)) {
     ++c.messages;
+    c.request_id = resp.request_id();
     c.token_ids.insert(c.token_ids.end(), resp.token_ids().begin(), resp.token_ids().end());
     c.text += resp.text();
     if (resp.finish_reason() != pb::FINISH_REASON_UNSPECIFIED) {
@@ -316,6 +320,13 @@ Result<WorkerAddr> JoinWorker(const Fleet& fleet, const std::string& role, const
   std::vector<std::string> envs;
   for (char** e = environ; *e; ++e) envs.emplace_back(*e);
   envs.insert(envs.end(), env.begin(), env.end());
+  // The fleet's random salt (Fleet::cache_salt), unless `env` sets one.
+  const bool own_salt = std::any_of(env.begin(), env.end(), [](const std::string& e) {
+    return e.rfind("TANDEM_CACHE_SALT=", 0) == 0;
+  });
+  if (!own_salt && !fleet.cache_salt().empty()) {
+    envs.insert(envs.begin(), "TANDEM_CACHE_SALT=" + fleet.cache_salt());
+  }
   std::vector<char*> argv, envp;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);

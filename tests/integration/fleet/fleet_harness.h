@@ -62,6 +62,9 @@ class Fleet {
   const std::string& proxy_http() const { return proxy_http_; }
   const std::vector<WorkerAddr>& workers() const { return workers_; }
   const std::string& config_path() const { return config_path_; }
+  // The random fleet salt `tandem launch` made (state file `cache_salt`):
+  // a worker joining by hand needs it in TANDEM_CACHE_SALT.
+  const std::string& cache_salt() const { return cache_salt_; }
   // stdout and stderr of the launcher and every process of the fleet.
   std::string log_path() const { return dir_ + "/launch.log"; }
   pid_t launcher_pid() const { return pid_; }
@@ -76,6 +79,7 @@ class Fleet {
   pid_t proxy_pid_ = -1;
   std::string dir_, config_path_, proxy_grpc_, proxy_metrics_;
   std::string proxy_http_;
+  std::string cache_salt_;
   std::vector<WorkerAddr> workers_;
 };
 
@@ -88,6 +92,7 @@ struct Completion {
   int finish_reason = 0;  // tandem.v1.FinishReason
   uint32_t prompt_tokens = 0, completion_tokens = 0, cached_prompt_tokens = 0;
   int messages = 0;
+  std::string request_id;  // as the responses echo it
 };
 
 struct GenerateArgs {
@@ -98,6 +103,7 @@ struct GenerateArgs {
   std::optional<float> top_p;
   std::optional<uint64_t> seed;
   std::vector<std::string> stop;
+  std::vector<uint32_t> stop_token_ids;
   bool ignore_eos = true;
   std::string model;
   std::string request_id;  // empty: the proxy assigns one
