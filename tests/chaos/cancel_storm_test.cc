@@ -225,7 +225,7 @@ TEST(CancelStorm, EveryBlockIsFreedOnEveryWorker) {
 
   // The event: every worker back at zero (bounded far below the 30 s lease).
   const auto idle_from = Clock::now();
-  const std::string held = WaitIdle((*fleet)->workers(), (*fleet)->proxy_metrics(), 15s);
+  const std::string held = WaitFleetIdle((*fleet)->workers(), (*fleet)->proxy_metrics(), 15s);
   const double idle_ms = std::chrono::duration<double, std::milli>(Clock::now() - idle_from).count();
   auto pm = Scrape((*fleet)->proxy_metrics());
   ASSERT_TRUE(pm.ok());

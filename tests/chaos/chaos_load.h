@@ -78,16 +78,6 @@ class Load {
   std::vector<std::thread> threads_;
 };
 
-// The gauges that must read 0 on an idle worker.
-const std::vector<std::string>& HeldGauges();
-
-// Waits (bounded) until no worker in `workers` holds a running or waiting
-// sequence, a reservation, a parked prefill, a queued prefill, a used KV
-// block or a quarantined block, and the proxy has nothing in flight.
-// Returns what is still held ("" when idle).
-std::string WaitIdle(const std::vector<WorkerAddr>& workers, const std::string& proxy_metrics,
-                     std::chrono::milliseconds limit);
-
 // One markdown table row for bench/results/chaos.md.
 std::string Row(const FaultStats& s);
 

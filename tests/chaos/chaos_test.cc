@@ -131,7 +131,7 @@ class ChaosSuite {
     FaultStats s = load.Stats(name);
     s.recovery_ms = recovery_ms;
     s.note = note;
-    const std::string held = WaitIdle(live_, fleet_.proxy_metrics(), 30s);
+    const std::string held = WaitFleetIdle(live_, fleet_.proxy_metrics(), 30s);
     // What the decoders saw (a restarted decoder's counters start again at 0).
     const double leases = DecoderSum("tandem_kv_lease_expired_total") - leases_before;
     const double stale = DecoderSum("tandem_kv_stale_notices_total") - stale_before;
@@ -347,8 +347,16 @@ TEST(Chaos, FaultsOneAfterAnotherUnder64Streams) {
     total += r.completed + r.mismatched + r.failed + r.hung;
     completed += r.completed;
   }
-  std::printf("[chaos] %d rounds: %d of %d requests completed (%.3f %%)\n", rounds, completed, total,
-              100.0 * completed / std::max(total, 1));
+  // The idle check reads tandem_kv_quarantined_blocks as 0 where a build
+  // lacks it: say which it was.
+  auto dm = Scrape(suite.Find("decode-1")->metrics);
+  const bool quarantine = dm.ok() && dm->find("tandem_kv_quarantined_blocks") != std::string::npos;
+  std::printf("[chaos] %d rounds: %d of %d requests completed (%.3f %%); quarantine metric %s\n",
+              rounds, completed, total, 100.0 * completed / std::max(total, 1),
+              quarantine ? "present" : "absent in this build");
+  // Issue 20: at least 99.9 % of all requests complete (the rest end with a
+  // clear status, checked per fault).
+  EXPECT_GE(completed, 0.999 * total) << "completed " << completed << " of " << total;
   if (const char* path = getenv("TANDEM_CHAOS_REPORT")) {
     std::ofstream out(path, std::ios::app);
     for (const auto& r : suite.rows()) out << Row(r) << "\n";

@@ -377,6 +377,42 @@ Result<WorkerAddr> JoinWorker(const Fleet& fleet, const std::string& role, const
   return w;
 }
 
+const std::vector<std::string>& HeldGauges() {
+  static const std::vector<std::string> names = {
+      "tandem_num_requests_running", "tandem_num_requests_waiting",  "tandem_kv_reservations",
+      "tandem_kv_parked_prefills",   "tandem_prefill_queue_requests", "tandem_kv_cache_usage_ratio",
+      "tandem_kv_quarantined_blocks"};
+  return names;
+}
+
+std::string WaitFleetIdle(const std::vector<WorkerAddr>& workers, const std::string& proxy_metrics,
+                          std::chrono::milliseconds limit) {
+  std::string held;
+  WaitUntil(
+      [&] {
+        held.clear();
+        for (const auto& w : workers) {
+          auto m = Scrape(w.metrics);
+          if (!m.ok()) {
+            held += fmt::format("{}: no metrics ({}); ", w.name, m.status().ToString());
+            continue;
+          }
+          for (const auto& g : HeldGauges()) {
+            const double v = MetricValue(*m, g);
+            if (v != 0) held += fmt::format("{} {}={}; ", w.name, g, v);
+          }
+        }
+        if (!proxy_metrics.empty()) {
+          auto p = Scrape(proxy_metrics);
+          const double inflight = p.ok() ? MetricValue(*p, "tandem_requests_inflight") : -1;
+          if (inflight != 0) held += fmt::format("proxy tandem_requests_inflight={}; ", inflight);
+        }
+        return held.empty();
+      },
+      limit);
+  return held;
+}
+
 int StopProcess(pid_t pid, std::chrono::seconds grace) {
   if (pid <= 0) return -1;
   kill(pid, SIGCONT);

@@ -154,6 +154,16 @@ std::optional<size_t> WaitForLogLine(const std::string& path, const std::string&
 Result<WorkerAddr> JoinWorker(const Fleet& fleet, const std::string& role, const std::string& name,
                               const std::string& log, const std::vector<std::string>& env = {},
                               std::chrono::seconds limit = std::chrono::seconds(60));
+// The gauges that read 0 on an idle worker: running and waiting sequences,
+// reservations, parked and queued prefills, KV blocks used, quarantined
+// blocks (a build without a gauge reads 0 for it).
+const std::vector<std::string>& HeldGauges();
+// Waits (bounded) until no worker in `workers` holds anything of
+// HeldGauges() and, when `proxy_metrics` is not empty, the proxy has no
+// request in flight. Returns what is still held ("" when idle).
+std::string WaitFleetIdle(const std::vector<WorkerAddr>& workers, const std::string& proxy_metrics,
+                          std::chrono::milliseconds limit);
+
 // SIGTERM (SIGCONT first, in case it is stopped), a bounded wait for the
 // exit, SIGKILL after it; then forgets it in the reaper. Returns the wait
 // status (or -1 when it was not our child or already gone).

@@ -119,28 +119,10 @@ INSTANTIATE_TEST_SUITE_P(Topologies, FleetEquivalence,
                                            Topology{"aggregated", 0, 0, 2}),
                          [](const auto& info) { return std::string(info.param.name); });
 
-// Waits (bounded) until every worker reports an idle KV cache.
+// Waits (bounded) until every worker is idle: no KV block used, no
+// reservation, no parked or queued prefill, no running or waiting sequence.
 void ExpectWorkersIdle(const Fleet& fleet) {
-  for (const auto& w : fleet.workers()) {
-    double usage = -1, running = -1, waiting = -1, reserved = -1, parked = -1;
-    WaitUntil(
-        [&] {
-          auto m = Scrape(w.metrics);
-          if (!m.ok()) return false;
-          usage = MetricValue(*m, "tandem_kv_cache_usage_ratio");
-          running = MetricValue(*m, "tandem_num_requests_running");
-          waiting = MetricValue(*m, "tandem_num_requests_waiting");
-          reserved = MetricValue(*m, "tandem_kv_reservations");
-          parked = MetricValue(*m, "tandem_kv_parked_prefills");
-          return usage == 0 && running == 0 && waiting == 0 && reserved == 0 && parked == 0;
-        },
-        std::chrono::seconds(10));
-    EXPECT_EQ(usage, 0) << w.name << " still holds KV blocks";
-    EXPECT_EQ(running, 0) << w.name;
-    EXPECT_EQ(waiting, 0) << w.name;
-    EXPECT_EQ(reserved, 0) << w.name << " still holds a reservation";
-    EXPECT_EQ(parked, 0) << w.name << " still pins a prefilled request";
-  }
+  EXPECT_EQ(WaitFleetIdle(fleet.workers(), "", std::chrono::seconds(10)), "");
 }
 
 TEST(Fleet, CancelAtRandomPointsFreesEveryBlock) {
