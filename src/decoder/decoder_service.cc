@@ -136,7 +136,8 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
                                     const pb::ReserveRequest* req,
                                     pb::ReserveResponse* resp) override {
     std::vector<uint32_t> prompt(req->prompt_token_ids().begin(), req->prompt_token_ids().end());
-    auto target = decoder_.Reserve(req->request_id(), req->prefiller(), prompt);
+    auto target = decoder_.Reserve(req->request_id(), req->prefiller(), prompt,
+                                   req->prefiller_transport_descriptor());
     if (target.ok()) {
       auto* t = resp->mutable_target();
       t->set_request_id(target->request_id);

@@ -19,6 +19,7 @@ Result<KvNoticeInfo> ParseKvNotice(std::string_view payload) {
   info.prefill_cached_prompt_tokens = notice.prefill_cached_prompt_tokens();
   info.capability = notice.capability();
   info.kv_tags = notice.kv_tags();
+  info.block_checksums.assign(notice.block_checksums().begin(), notice.block_checksums().end());
   if (notice.has_error()) {
     const int code = notice.error().code();
     const std::string& message = notice.error().message();

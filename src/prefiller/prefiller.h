@@ -92,6 +92,7 @@ struct NoticeSpec {
   Status error;  // non-OK: this prefiller gave up on the request
   std::string capability;  // ReserveTarget::capability
   std::string kv_tags;     // transport.encrypt: the pushed blocks' GCM tags
+  std::vector<uint64_t> block_checksums;  // XXH3-64 of each pushed block (transport.checksum)
 };
 
 // How the prefiller reaches decoders; the gRPC implementation lives in
@@ -119,6 +120,8 @@ struct PrefillerOptions {
   bool encrypt = false;
   // The fleet's transport.push.
   PushMode push_mode = PushMode::kStreaming;
+  // transport.checksum: the notice carries XXH3-64 of every pushed block.
+  bool checksum = true;
   // Called (on any thread) for every completed prefill with its numbers.
   std::function<void(const PrefillResult&)> on_complete;
 };
