@@ -224,7 +224,6 @@ class Decoder {
     bool quarantined = false;  // the lease expired: waits for the notice or the writer's death
     std::string writer_agent;  // from the prefiller's descriptor ("" when unknown)
     uint64_t writer_generation = 0;
->>>>>>> main
   };
   // encrypt: checks and decrypts the pushed blocks of a reservation in
   // place; DATA_LOSS (the request must not use them) on any failure.
