@@ -8,6 +8,7 @@
 #include <string>
 
 #include "kvtransfer/descriptor.h"
+#include "kvtransfer/staging/staging_notice.h"
 #include "kvtransfer/transport_base.h"
 #include "tandem/v1/worker.pb.h"
 
@@ -64,5 +65,22 @@ int main(int argc, char** argv) {
   Write(dir, "framed_error",
         kv::detail::EncodeNotice(d.generation, 7, "prefill-0", gave_up.SerializeAsString()));
   Write(dir, "hex", kv::ToHex(kv::SerializeDescriptor(d)));
+  // transport.encrypt's tags and transport.checksum's sums, 3 pushed blocks.
+  tandem::v1::KvNotice sealed = ok;
+  sealed.set_kv_tags(std::string(3 * 16, '\x3c'));
+  for (uint64_t i = 0; i < 3; ++i) sealed.add_block_checksums(0x0123456789abcdefull * (i + 1));
+  Write(dir, "notice_sealed", sealed.SerializeAsString());
+  // The staging path's notices (cuda workers): a manifest and a user notice.
+  namespace stg = kv::staging;
+  stg::StagingNotice m;
+  m.kind = stg::StagingNotice::Kind::kManifest;
+  m.count = 3;
+  m.ranges = {{0, 65536}, {131072, 196608}};
+  Write(dir, "staging_manifest", stg::EncodeStagingNotice(m));
+  stg::StagingNotice u;
+  u.kind = stg::StagingNotice::Kind::kUser;
+  u.count = 4;
+  u.payload = sealed.SerializeAsString();
+  Write(dir, "staging_user", stg::EncodeStagingNotice(u));
   return g_failed ? 1 : 0;
 }
