@@ -8,6 +8,7 @@
 #include <boost/beast/http.hpp>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <ctime>
@@ -166,6 +167,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void OnHeader(ErrorCode ec) {
     if (ec) return OnReadError(ec);
+    if (gone_) return Linger(0);  // closing: what comes now is discarded
     Touch();
     const auto& h = parser_->get();
     if (beast::iequals(h[bhttp::field::expect], "100-continue")) {
@@ -179,17 +181,24 @@ class Session : public std::enable_shared_from_this<Session> {
   void OnRead(ErrorCode ec) {
     reading_ = false;
     if (ec) return OnReadError(ec);
+    if (gone_) return Linger(0);
     // A request read ahead past proxy.limits.max_pipelined_requests waiting
     // ones is answered 429 in its turn, and the connection closes after it.
     const bool over = pending_.size() >= sh_->opts.max_pipelined;
     pending_.push_back(Pending{parser_->release(), over});
-    if (!over) DoRead();
+    if (over) {
+      stop_reading_ = true;  // nothing after it is read
+      // No read in flight holds the session now: hold it until it closes.
+      hold_ = shared_from_this();
+    } else {
+      DoRead();
+    }
     MaybeServe();
   }
 
   void OnReadError(ErrorCode ec) {
     reading_ = false;
-    if (gone_) return;
+    if (gone_) return EndLinger();  // closing, and the client closed too
     const bool parse_error = ec.category() == ErrorCode(bhttp::error::end_of_stream).category() &&
                              ec != bhttp::error::end_of_stream &&
                              ec != bhttp::error::partial_message;
@@ -241,7 +250,7 @@ class Session : public std::enable_shared_from_this<Session> {
       if (auto* m = sh_->fe->deps().metrics) m->CountOutcome("rejected");
       return Respond(429, "application/json", ErrorBody(429, why));
     }
-    if (!reading_ && !close_after_) DoRead();
+    if (!reading_ && !close_after_ && !stop_reading_) DoRead();
     Serve(req);
   }
 
@@ -510,6 +519,7 @@ class Session : public std::enable_shared_from_this<Session> {
   void Gone() {
     if (gone_) return;
     gone_ = true;
+    hold_.reset();
     if (active_) {
       CancelLifecycle();
       EndGeneration();
@@ -525,16 +535,46 @@ class Session : public std::enable_shared_from_this<Session> {
     socket_.close(ignored);
   }
 
+  // Our side is done: half-close, then read and discard what the client
+  // still sends (a body we refused, requests pipelined past a limit) until
+  // its close, kLingerBytes or kLingerTime, whichever first. Closing with
+  // unread bytes would make the kernel answer with a reset, which destroys
+  // our last response before the client has read it.
+  static constexpr size_t kLingerBytes = 1u << 20;
+  static constexpr auto kLingerTime = std::chrono::seconds(2);
+
   void Close() {
+    hold_.reset();  // the linger's handlers hold it from here
     ErrorCode ignored;
     socket_.shutdown(tcp::socket::shutdown_send, ignored);
-    // The read loop sees the client's close and ends the session; if the
-    // client lingers, closing here ends it too.
     gone_ = true;
     if (active_) {
       CancelLifecycle();
       EndGeneration();
     }
+    idle_timer_.cancel();
+    idle_timer_.expires_after(kLingerTime);
+    idle_timer_.async_wait([self = shared_from_this()](ErrorCode ec) {
+      if (ec) return;
+      ErrorCode ignored;
+      self->socket_.close(ignored);
+    });
+    // A read in flight (the parser's) ends with the client's close too.
+    if (!reading_) Linger(0);
+  }
+
+  void Linger(size_t discarded) {
+    if (discarded >= kLingerBytes) return EndLinger();
+    socket_.async_read_some(net::buffer(linger_buf_),
+                            [self = shared_from_this(), discarded](ErrorCode ec, size_t n) {
+                              if (ec) return self->EndLinger();
+                              self->Linger(discarded + n);
+                            });
+  }
+
+  void EndLinger() {
+    ErrorCode ignored;
+    idle_timer_.cancel();
     socket_.close(ignored);
   }
 
@@ -543,6 +583,7 @@ class Session : public std::enable_shared_from_this<Session> {
   net::steady_timer idle_timer_;
   std::chrono::steady_clock::time_point last_activity_;
   beast::flat_buffer buf_;
+  std::array<char, 4096> linger_buf_{};
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
   struct Pending {
     Request req;
@@ -554,6 +595,8 @@ class Session : public std::enable_shared_from_this<Session> {
   bool keep_alive_ = true, close_after_ = false, close_when_written_ = false;
   std::string request_id_header_;
   bool over_connections_ = false;  // opened past proxy.limits.max_connections
+  bool stop_reading_ = false;  // a request over max_pipelined_requests is queued
+  std::shared_ptr<Session> hold_;  // this, while no read holds it (stop_reading_)
   double retry_after_seconds_ = 0;  // the next 429/503's Retry-After (0: 1 s)
   bool head_ = false;  // the request being answered is a HEAD
 
