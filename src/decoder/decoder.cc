@@ -492,13 +492,18 @@ void Decoder::LeaseLoop(std::stop_token stop) {
         // Acknowledge-or-dead: the prefiller may still be writing (a slow
         // push, a paused process). The blocks stay out of the free list
         // until its notice comes or it is declared dead.
-        const bool dead = WriterDeadLocked(h->second);
+        // A writer the decoder cannot watch (no or unusable descriptor: an
+        // older prefiller, a test client) would hold the blocks forever:
+        // freed at expiry as before the quarantine existed.
+        const bool unwatched = h->second.writer_agent.empty();
+        const bool dead = unwatched || WriterDeadLocked(h->second);
         LogRequest(spdlog::level::warn, h->second.request_id,
                    "reservation {} from '{}' expired after {} s without its KV; {}", h->first,
                    h->second.prefiller, options_.lease_seconds,
-                   dead ? "its prefiller is dead: blocks freed"
-                        : "blocks quarantined until the prefiller confirms no write is "
-                          "outstanding or is declared dead");
+                   unwatched ? "its prefiller cannot be watched: blocks freed"
+                   : dead    ? "its prefiller is dead: blocks freed"
+                             : "blocks quarantined until the prefiller confirms no write is "
+                               "outstanding or is declared dead");
         auto it = requests_.find(h->second.request_id);
         if (!h->second.orphaned && it != requests_.end() &&
             it->second.stage == Stage::kReserved && it->second.reservation_id == h->first) {
@@ -509,7 +514,7 @@ void Decoder::LeaseLoop(std::stop_token stop) {
           requests_.erase(it);
         }
         if (dead) {
-          ++counts_.quarantine_released_dead;
+          if (!unwatched) ++counts_.quarantine_released_dead;
           release.push_back(h->first);
           h = reservations_.erase(h);
         } else {
@@ -577,14 +582,16 @@ void Decoder::WatchPrefiller(std::string_view descriptor, std::string* agent, ui
                  desc.status().message());
     return;
   }
-  if (desc->agent_name == transport_.agent_name()) return;  // ourselves (role both)
   *agent = desc->agent_name;
   *generation = desc->generation;
+  if (desc->agent_name == transport_.agent_name()) return;  // ourselves (role both): alive while we are
   std::string key(descriptor);
   uint64_t older = 0;
   {
     std::lock_guard lock(watch_mu_);
-    if (watched_.count(key) != 0) return;
+    if (auto w = watched_.find(key); w != watched_.end()) {
+      return;
+    }
     // A newer generation of the same agent: the older process is gone.
     for (const auto& [d, peer] : watched_) {
       auto old = kvtransfer::ParseDescriptor(d);
@@ -599,8 +606,10 @@ void Decoder::WatchPrefiller(std::string_view descriptor, std::string* agent, ui
   std::lock_guard lock(watch_mu_);
   if (!peer.ok()) {
     spdlog::warn("cannot watch prefiller '{}' through the KV transport ({}); its expired "
-                 "reservations wait for its notice",
+                 "reservations are freed at expiry",
                  desc->agent_name, peer.status().message());
+    watched_.erase(key);  // tried again with its next reservation
+    agent->clear();
     return;
   }
   watched_[key] = *peer;
