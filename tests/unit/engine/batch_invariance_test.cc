@@ -4,6 +4,9 @@
 // preemption or on prefix-cache hits.
 #include <gtest/gtest.h>
 
+#include <sched.h>
+
+#include <algorithm>
 #include <cstring>
 
 #include "forward_harness.h"
@@ -293,6 +296,29 @@ TEST(BatchInvariantKey, FalseIsAcceptedAndTheCpuBackendStaysInvariant) {
     alone.num_blocks = 16;
     EXPECT_EQ(Generate(m, {cases[i]}, alone)[0], together[i]) << "request " << i;
   }
+}
+
+// scheduler.threads unset (0): the CPUs of this process's affinity mask
+// shared among the workers the fleet file lists; a value given is kept.
+TEST(SchedulerThreads, DefaultSharesTheCoresAmongTheFleetsWorkers) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  ASSERT_EQ(sched_getaffinity(0, sizeof(set), &set), 0);
+  const uint32_t cpus = static_cast<uint32_t>(CPU_COUNT(&set));
+  auto threads = [](const std::string& yaml) {
+    auto fleet = ParseFleetConfig(yaml, "x.yaml", "/tmp");
+    EXPECT_TRUE(fleet.ok()) << fleet.status().ToString();
+    return fleet.ok() ? EngineOptions::FromFleetConfig(*fleet).threads : 0u;
+  };
+  EXPECT_EQ(threads("model:\n  path: m\nboth:\n  replicas: 1\n"), cpus);
+  EXPECT_EQ(threads("model:\n  path: m\nprefill:\n  replicas: 1\ndecode:\n  replicas: 1\n"),
+            std::max(1u, cpus / 2));
+  EXPECT_EQ(threads("model:\n  path: m\nprefill:\n  replicas: 64\ndecode:\n  replicas: 64\n"),
+            std::max(1u, cpus / 128));
+  EXPECT_EQ(threads("model:\n  path: m\nscheduler:\n  threads: 3\nboth:\n  replicas: 1\n"), 3u);
+  auto bad = ParseFleetConfig("model:\n  path: m\nscheduler:\n  threads: 257\n", "x.yaml", "/tmp");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("threads"), std::string::npos) << bad.status().ToString();
 }
 
 INSTANTIATE_TEST_SUITE_P(GreedyAndSeeded, GenerationInvarianceTest, ::testing::Bool(),
