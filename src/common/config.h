@@ -45,7 +45,7 @@ struct SchedulerConfig {
   uint32_t max_num_seqs = 64;         // running sequences per worker
   uint32_t max_batched_tokens = 512;  // tokens per engine step (chunked prefill budget)
   uint32_t max_waiting = 256;         // bounded waiting queue; past it: RESOURCE_EXHAUSTED
-  uint32_t threads = 0;               // compute threads per worker; 0: auto (docs/configuration.md)
+  uint32_t threads = 1;               // compute threads per worker
 };
 
 // proxy.limits: what one client may send (docs/configuration.md, "proxy.limits";
