@@ -143,6 +143,7 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.Read("lease_seconds", c.transport.lease_seconds, 0.1, 86400.0);
     m.Read("peer_timeout_seconds", c.transport.peer_timeout_seconds, 0.1, 600.0);
     m.ReadEnum("push", c.transport.push, {"streaming", "after_prefill"});
+    m.Read("checksum", c.transport.checksum);
     m.Finish();
   }
   {

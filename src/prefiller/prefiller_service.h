@@ -25,6 +25,9 @@ namespace tandem::prefiller {
 std::unique_ptr<grpc::Service> MakePrefillerService(Prefiller& prefiller);
 
 // Channels are created per decoder address on first use and kept.
-std::unique_ptr<DecoderLink> MakeGrpcDecoderLink();
+// `prefiller_descriptor`: this prefiller's KV transport descriptor (binary),
+// sent with every Reserve so that the decoder can watch this prefiller's
+// liveness (docs/failure-handling.md, "Quarantine").
+std::unique_ptr<DecoderLink> MakeGrpcDecoderLink(std::string prefiller_descriptor = {});
 
 }  // namespace tandem::prefiller
