@@ -287,28 +287,11 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
 }
 
 void Decoder::OnKvNotice(const KvNoticeInfo& n) {
-  // Checksums first, outside the lock (hashing the pushed blocks): the
-  // reservation cannot be freed meanwhile, only this notice frees it.
-  Status integrity;
-  if (options_.verify_checksums && n.error.ok()) {
-    Held copy;
-    bool found = false;
-    {
-      std::lock_guard lock(mu_);
-      auto h = reservations_.find(n.reservation_id);
-      found = h != reservations_.end() && n.generation == transport_.generation() &&
-              h->second.request_id == n.request_id &&
-              kvtransfer::SecretEquals(n.capability, h->second.capability) && !h->second.orphaned &&
-              !h->second.quarantined;
-      if (found) copy = h->second;
-    }
-    if (found) integrity = VerifyChecksums(copy, n.block_checksums);
-  }
   std::shared_ptr<Emitter> emitter;
   engine::GenerateRequest req;
   bool release = false;
   bool add = false;
-  std::shared_ptr<Emitter> failed;
+  Held held;  // the reservation this notice ends
   {
     std::lock_guard lock(mu_);
     auto h = reservations_.find(n.reservation_id);
@@ -329,7 +312,6 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
       return;
     }
     const bool orphaned = h->second.orphaned;
-    const std::string prefiller = h->second.prefiller;
     if (h->second.quarantined) {
       ++counts_.quarantine_released_ack;
       LogRequest(spdlog::level::info, n.request_id,
@@ -337,6 +319,7 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
                  "outstanding ({})",
                  n.reservation_id, h->second.prefiller, n.error.ok() ? "push completed" : "push ended");
     }
+    held = std::move(h->second);
     reservations_.erase(h);
     auto it = requests_.find(n.request_id);
     const bool active = !orphaned && it != requests_.end() &&
@@ -350,16 +333,6 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
       it->second.stage = Stage::kRegistered;
       it->second.reservation_id = 0;
       LogRequest(spdlog::level::info, n.request_id, "prefiller gave up: {}", n.error.message());
-    } else if (!integrity.ok()) {
-      // Fail closed: never decode from bad KV. The notice proves no write of
-      // that prefiller is outstanding, so the slots go back.
-      release = true;
-      ++counts_.checksum_failures;
-      failed = it->second.emitter;
-      requests_.erase(it);
-      LogRequest(spdlog::level::err, n.request_id,
-                 "KV from prefiller '{}' failed verification: {}; the request is prefilled again",
-                 prefiller, integrity.message());
     } else {
       it->second.stage = Stage::kRunning;
       it->second.first_token_seen = true;
@@ -371,16 +344,14 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
   }
   if (release) {
     engine_.ReleaseReservation(n.reservation_id).IgnoreError();
-    if (failed) {
-      Fail(failed, UnavailableError(fmt::format(
-                       "request '{}': the KV pushed by the prefiller failed its checksum ({}); "
-                       "not decoded",
-                       n.request_id, integrity.message())));
-    }
     return;
   }
   if (!add) return;
-  Status s = engine_.AddPrefilled(n.reservation_id, std::move(req), n.first_token_id);
+  // Fail closed: nothing pushed is decoded before every block's checksum
+  // (transport.checksum) checked out. Hashing runs outside the lock; only
+  // this notice could free the reservation.
+  Status s = options_.verify_checksums ? CheckPushedBlocks(n, held) : Status::Ok();
+  if (s.ok()) s = engine_.AddPrefilled(n.reservation_id, std::move(req), n.first_token_id);
   LogRequest(spdlog::level::debug, n.request_id, "KV notice for reservation {}: decoding ({})",
              n.reservation_id, s.ok() ? "ok" : s.ToString());
   if (s.ok()) {
@@ -401,7 +372,24 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
     auto it = requests_.find(n.request_id);
     if (it != requests_.end() && it->second.emitter == emitter) requests_.erase(it);
   }
-  Fail(emitter, s.WithContext("adding the prefilled request"));
+  Fail(emitter, s.code() == StatusCode::kUnavailable ? s : s.WithContext("adding the prefilled request"));
+}
+
+Status Decoder::CheckPushedBlocks(const KvNoticeInfo& n, const Held& held) {
+  Status bad = VerifyChecksums(held, n.block_checksums);
+  if (bad.ok()) return bad;
+  {
+    std::lock_guard lock(mu_);
+    ++counts_.checksum_failures;
+  }
+  LogRequest(spdlog::level::err, n.request_id,
+             "KV from prefiller '{}' failed verification: {}; the request is prefilled again",
+             held.prefiller, bad.message());
+  // UNAVAILABLE: the proxy prefills it again (a retry, or a migration when
+  // the first token already went out).
+  return UnavailableError(fmt::format(
+      "request '{}': the KV pushed by prefiller '{}' failed its checksum ({}); not decoded",
+      n.request_id, held.prefiller, bad.message()));
 }
 
 void Decoder::OnUnreadableNotice(const std::string& sender, size_t bytes) {
