@@ -259,7 +259,10 @@ void PagedAttentionBatch(const KvCacheView& view, int layer, const float* q, flo
   auto* attend = isa == Isa::kAvx512 ? &AttendGroupAvx512
                  : isa == Isa::kAvx2 ? &AttendGroupAvx2
                                      : &AttendGroupPortable;
-  ParallelFor(pool, tasks, 1, [&](int64_t b, int64_t e) {
+  // Rows late in a causal prompt cost more than early ones: small chunks,
+  // claimed one by one, balance the threads (each task is computed whole by
+  // one thread, so the cut does not change any bits).
+  ParallelForChunked(pool, tasks, std::max<int64_t>(1, tasks / 64), [&](int64_t b, int64_t e) {
     thread_local Scratch scratch;
     for (int64_t task = b; task < e; ++task) {
       const int64_t row = task / kvh;

@@ -117,6 +117,9 @@ class Session : public std::enable_shared_from_this<Session> {
     DoRead();
   }
 
+  // Shutdown, once the I/O threads are joined: the self-reference (hold_).
+  std::shared_ptr<Session> TakeHold() { return std::move(hold_); }
+
   // Any thread (shutdown): the active request is cancelled; nothing more
   // reaches this session from its lifecycle.
   void CancelLifecycle() {
@@ -781,6 +784,16 @@ void HttpServer::Shutdown() {
   // A request still on the work pool posts its result to the io_context:
   // it must live until the last one has (they always finish: bounded input).
   while (impl_->shared.jobs.load() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  // Sessions that hold themselves (a request queued past the pipelining
+  // limit) let go, so that they end with the io_context's handlers.
+  std::vector<std::shared_ptr<Session>> held;
+  {
+    std::lock_guard lock(impl_->shared.mu);
+    for (Session* s : impl_->shared.sessions) {
+      if (auto h = s->TakeHold()) held.push_back(std::move(h));
+    }
+  }
+  held.clear();
 }
 
 proxy::HttpFactory Factory(const ServerOptions& options) {
