@@ -28,6 +28,8 @@ void RegisterPlan(CLI::App& app, GlobalOptions& g);
 // (bench_serve.cc) register under `bench`.
 void RegisterBenchKvTransfer(CLI::App& bench, GlobalOptions& g);
 void RegisterBenchServe(CLI::App& bench, GlobalOptions& g);
+// `tandem bench engine` (bench_engine.cc): cpu engine tokens/s + bandwidth.
+void RegisterBenchEngine(CLI::App& bench, GlobalOptions& g);
 
 // The config used when none is given: configs/1p1d.yaml next to the build
 // folder that holds this binary, or under the working directory.

@@ -296,34 +296,11 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
 }
 
 void Decoder::OnKvNotice(const KvNoticeInfo& n) {
-  // Decryption (transport.encrypt) and then checksums (over the plaintext)
-  // first, outside the lock (both read every pushed block): the reservation
-  // cannot be freed meanwhile, only this notice frees it. Only a notice
-  // with the reservation's capability gets this far.
-  Status integrity;
-  Status opened;  // encrypt: DATA_LOSS when a pushed block failed its tag
-  if ((options_.verify_checksums || options_.encrypt) && n.error.ok()) {
-    Held copy;
-    bool found = false;
-    {
-      std::lock_guard lock(mu_);
-      auto h = reservations_.find(n.reservation_id);
-      found = h != reservations_.end() && n.generation == transport_.generation() &&
-              h->second.request_id == n.request_id &&
-              kvtransfer::SecretEquals(n.capability, h->second.capability) && !h->second.orphaned &&
-              !h->second.quarantined;
-      if (found) copy = h->second;
-    }
-    if (found && !copy.kv_key.empty()) opened = OpenPushedBlocks(n.reservation_id, copy, n.kv_tags);
-    if (found && opened.ok() && options_.verify_checksums) {
-      integrity = VerifyChecksums(copy, n.block_checksums);
-    }
-  }
   std::shared_ptr<Emitter> emitter;
   engine::GenerateRequest req;
   bool release = false;
   bool add = false;
-  std::shared_ptr<Emitter> failed;
+  Held held;  // the reservation this notice ends
   {
     std::lock_guard lock(mu_);
     auto h = reservations_.find(n.reservation_id);
@@ -344,7 +321,6 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
       return;
     }
     const bool orphaned = h->second.orphaned;
-    const std::string prefiller = h->second.prefiller;
     if (h->second.quarantined) {
       ++counts_.quarantine_released_ack;
       LogRequest(spdlog::level::info, n.request_id,
@@ -352,6 +328,7 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
                  "outstanding ({})",
                  n.reservation_id, h->second.prefiller, n.error.ok() ? "push completed" : "push ended");
     }
+    held = std::move(h->second);
     reservations_.erase(h);
     auto it = requests_.find(n.request_id);
     const bool active = !orphaned && it != requests_.end() &&
@@ -365,22 +342,6 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
       it->second.stage = Stage::kRegistered;
       it->second.reservation_id = 0;
       LogRequest(spdlog::level::info, n.request_id, "prefiller gave up: {}", n.error.message());
-    } else if (!opened.ok()) {
-      // Fail closed (transport.encrypt): tampered or misdirected KV is never
-      // used; counted in OpenPushedBlocks. The slots go back.
-      release = true;
-      failed = it->second.emitter;
-      requests_.erase(it);
-    } else if (!integrity.ok()) {
-      // Fail closed: never decode from bad KV. The notice proves no write of
-      // that prefiller is outstanding, so the slots go back.
-      release = true;
-      ++counts_.checksum_failures;
-      failed = it->second.emitter;
-      requests_.erase(it);
-      LogRequest(spdlog::level::err, n.request_id,
-                 "KV from prefiller '{}' failed verification: {}; the request is prefilled again",
-                 prefiller, integrity.message());
     } else {
       it->second.stage = Stage::kRunning;
       it->second.first_token_seen = true;
@@ -392,18 +353,17 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
   }
   if (release) {
     engine_.ReleaseReservation(n.reservation_id).IgnoreError();
-    if (failed && !opened.ok()) {
-      Fail(failed, opened);
-    } else if (failed) {
-      Fail(failed, UnavailableError(fmt::format(
-                       "request '{}': the KV pushed by the prefiller failed its checksum ({}); "
-                       "not decoded",
-                       n.request_id, integrity.message())));
-    }
     return;
   }
   if (!add) return;
-  Status s = engine_.AddPrefilled(n.reservation_id, std::move(req), n.first_token_id);
+  // Fail closed: nothing pushed is decoded before every block's tag
+  // (transport.encrypt; the block is decrypted in place) and then its
+  // checksum over the plaintext (transport.checksum) checked out. Both run
+  // outside the lock; only this notice could free the reservation.
+  Status s = held.kv_key.empty() ? Status::Ok()
+                                 : OpenPushedBlocks(n.reservation_id, held, n.kv_tags);
+  if (s.ok() && options_.verify_checksums) s = CheckPushedBlocks(n, held);
+  if (s.ok()) s = engine_.AddPrefilled(n.reservation_id, std::move(req), n.first_token_id);
   LogRequest(spdlog::level::debug, n.request_id, "KV notice for reservation {}: decoding ({})",
              n.reservation_id, s.ok() ? "ok" : s.ToString());
   if (s.ok()) {
@@ -424,7 +384,26 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
     auto it = requests_.find(n.request_id);
     if (it != requests_.end() && it->second.emitter == emitter) requests_.erase(it);
   }
-  Fail(emitter, s.code() == StatusCode::kDataLoss ? s : s.WithContext("adding the prefilled request"));
+  Fail(emitter, s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDataLoss
+                    ? s
+                    : s.WithContext("adding the prefilled request"));
+}
+
+Status Decoder::CheckPushedBlocks(const KvNoticeInfo& n, const Held& held) {
+  Status bad = VerifyChecksums(held, n.block_checksums);
+  if (bad.ok()) return bad;
+  {
+    std::lock_guard lock(mu_);
+    ++counts_.checksum_failures;
+  }
+  LogRequest(spdlog::level::err, n.request_id,
+             "KV from prefiller '{}' failed verification: {}; the request is prefilled again",
+             held.prefiller, bad.message());
+  // UNAVAILABLE: the proxy prefills it again (a retry, or a migration when
+  // the first token already went out).
+  return UnavailableError(fmt::format(
+      "request '{}': the KV pushed by prefiller '{}' failed its checksum ({}); not decoded",
+      n.request_id, held.prefiller, bad.message()));
 }
 
 Status Decoder::OpenPushedBlocks(uint64_t reservation_id, const Held& held,
@@ -544,13 +523,18 @@ void Decoder::LeaseLoop(std::stop_token stop) {
         // Acknowledge-or-dead: the prefiller may still be writing (a slow
         // push, a paused process). The blocks stay out of the free list
         // until its notice comes or it is declared dead.
-        const bool dead = WriterDeadLocked(h->second);
+        // A writer the decoder cannot watch (no or unusable descriptor: an
+        // older prefiller, a test client) would hold the blocks forever:
+        // freed at expiry as before the quarantine existed.
+        const bool unwatched = h->second.writer_agent.empty();
+        const bool dead = unwatched || WriterDeadLocked(h->second);
         LogRequest(spdlog::level::warn, h->second.request_id,
                    "reservation {} from '{}' expired after {} s without its KV; {}", h->first,
                    h->second.prefiller, options_.lease_seconds,
-                   dead ? "its prefiller is dead: blocks freed"
-                        : "blocks quarantined until the prefiller confirms no write is "
-                          "outstanding or is declared dead");
+                   unwatched ? "its prefiller cannot be watched: blocks freed"
+                   : dead    ? "its prefiller is dead: blocks freed"
+                             : "blocks quarantined until the prefiller confirms no write is "
+                               "outstanding or is declared dead");
         auto it = requests_.find(h->second.request_id);
         if (!h->second.orphaned && it != requests_.end() &&
             it->second.stage == Stage::kReserved && it->second.reservation_id == h->first) {
@@ -561,7 +545,7 @@ void Decoder::LeaseLoop(std::stop_token stop) {
           requests_.erase(it);
         }
         if (dead) {
-          ++counts_.quarantine_released_dead;
+          if (!unwatched) ++counts_.quarantine_released_dead;
           release.push_back(h->first);
           h = reservations_.erase(h);
         } else {
@@ -629,14 +613,16 @@ void Decoder::WatchPrefiller(std::string_view descriptor, std::string* agent, ui
                  desc.status().message());
     return;
   }
-  if (desc->agent_name == transport_.agent_name()) return;  // ourselves (role both)
   *agent = desc->agent_name;
   *generation = desc->generation;
+  if (desc->agent_name == transport_.agent_name()) return;  // ourselves (role both): alive while we are
   std::string key(descriptor);
   uint64_t older = 0;
   {
     std::lock_guard lock(watch_mu_);
-    if (watched_.count(key) != 0) return;
+    if (auto w = watched_.find(key); w != watched_.end()) {
+      return;
+    }
     // A newer generation of the same agent: the older process is gone.
     for (const auto& [d, peer] : watched_) {
       auto old = kvtransfer::ParseDescriptor(d);
@@ -651,8 +637,10 @@ void Decoder::WatchPrefiller(std::string_view descriptor, std::string* agent, ui
   std::lock_guard lock(watch_mu_);
   if (!peer.ok()) {
     spdlog::warn("cannot watch prefiller '{}' through the KV transport ({}); its expired "
-                 "reservations wait for its notice",
+                 "reservations are freed at expiry",
                  desc->agent_name, peer.status().message());
+    watched_.erase(key);  // tried again with its next reservation
+    agent->clear();
     return;
   }
   watched_[key] = *peer;

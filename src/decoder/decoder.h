@@ -240,6 +240,9 @@ class Decoder {
   // Verifies the pushed blocks of reservation `h` against `checksums`;
   // the error names the first bad block.
   Status VerifyChecksums(const Held& h, const std::vector<uint64_t>& checksums) const;
+  // VerifyChecksums for a success notice, counted and logged on failure;
+  // the error (UNAVAILABLE) is what the request's stream ends with.
+  Status CheckPushedBlocks(const KvNoticeInfo& n, const Held& held);
   // Ends a request's stream with an error (outside the lock).
   static void Fail(const std::shared_ptr<Emitter>& emitter, const Status& status);
 

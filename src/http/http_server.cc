@@ -46,6 +46,8 @@ struct Shared {
   int64_t started = 0;
   ServerOptions opts;
 
+  std::atomic<int> jobs{0};  // requests on the work pool (Shutdown waits for them)
+
   std::mutex mu;
   std::set<Session*> sessions;  // guarded by mu
   bool stopping = false;        // guarded by mu
@@ -114,6 +116,9 @@ class Session : public std::enable_shared_from_this<Session> {
     ArmIdleTimer(Idle());
     DoRead();
   }
+
+  // Shutdown, once the I/O threads are joined: the self-reference (hold_).
+  std::shared_ptr<Session> TakeHold() { return std::move(hold_); }
 
   // Any thread (shutdown): the active request is cancelled; nothing more
   // reaches this session from its lifecycle.
@@ -332,6 +337,51 @@ class Session : public std::enable_shared_from_this<Session> {
             ErrorBody(code, r ? ToOpenAiMessage(*r, st.message()) : st.message()));
   }
 
+  // What the work pool hands back: the parsed request and its validation.
+  struct Prepared {
+    Endpoint endpoint = Endpoint::kCompletions;
+    Status error;          // parse, chat template or validation; ok otherwise
+    bool parsed = false;   // `request` holds the parsed request
+    OpenAiRequest request;
+    std::optional<proxy::ValidatedRequest> validated;
+    double retry_after = 0;
+  };
+
+  // On a work-pool thread: JSON, chat template, tokenization, validation.
+  static Prepared Prepare(Shared* sh, Endpoint ep, const std::string& body,
+                          const proxy::Tenant* tenant, const std::string& request_id) {
+    Prepared p;
+    p.endpoint = ep;
+    auto parsed = ParseRequest(ep, body);
+    if (!parsed.ok()) {
+      p.error = parsed.status();
+      return p;
+    }
+    p.parsed = true;
+    p.request = std::move(parsed).value();
+    OpenAiRequest& r = p.request;
+    if (ep == Endpoint::kChat) {
+      if (!sh->chat) {
+        p.error = InvalidArgumentError("messages: " + sh->chat_error);
+        return p;
+      }
+      auto text = sh->chat->Render(r.messages);
+      if (!text.ok()) {
+        p.error = text.status();
+        return p;
+      }
+      r.request.prompt_token_ids = sh->fe->deps().tokenizer->Encode(*text, false);
+    }
+    r.request.request_id = request_id;
+    auto v = sh->fe->Validate(r.request, tenant, &p.retry_after);
+    if (!v.ok()) {
+      p.error = v.status();
+      return p;
+    }
+    p.validated = std::move(v).value();
+    return p;
+  }
+
   void StartGeneration(Endpoint ep, const std::string& body, const proxy::Tenant* tenant) {
     // TTFT and e2e count from here (the body is read): parsing, the chat
     // template and tokenization included.
@@ -347,22 +397,33 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     if (Status st = sh_->fe->Admit(); !st.ok()) return Refuse(nullptr, st);
     admitted_ = true;
-    auto parsed = ParseRequest(ep, body);
-    if (!parsed.ok()) return Refuse(nullptr, parsed.status());
-    OpenAiRequest& r = *parsed;
-    if (ep == Endpoint::kChat) {
-      if (!sh_->chat) return Refuse(&r, InvalidArgumentError("messages: " + sh_->chat_error));
-      auto text = sh_->chat->Render(r.messages);
-      if (!text.ok()) return Refuse(&r, text.status());
-      r.request.prompt_token_ids = sh_->fe->deps().tokenizer->Encode(*text, false);
+    // The work runs on the proxy's work pool, off this I/O thread; the
+    // result comes back to this connection's strand (busy_ stays set, so
+    // pipelined requests wait their turn).
+    sh_->jobs.fetch_add(1);
+    sh_->fe->work().Submit([self = shared_from_this(), sh = sh_, ex = socket_.get_executor(), ep,
+                            body, tenant, id = request_id_header_, arrival] {
+      Prepared p = Prepare(sh, ep, body, tenant, id);
+      net::post(ex, [self, p = std::move(p), arrival]() mutable {
+        self->OnPrepared(std::move(p), arrival);
+      });
+      sh->jobs.fetch_sub(1);
+    });
+  }
+
+  void OnPrepared(Prepared p, std::chrono::steady_clock::time_point arrival) {
+    if (gone_) {  // the client left meanwhile
+      if (admitted_) sh_->fe->Release();
+      admitted_ = false;
+      return;
     }
-    r.request.request_id = request_id_header_;
-    double retry_after = 0;
-    auto v = sh_->fe->Validate(r.request, tenant, &retry_after);
-    if (!v.ok()) {
-      retry_after_seconds_ = retry_after;
-      return Refuse(&r, v.status());
+    if (!p.error.ok()) {
+      retry_after_seconds_ = p.retry_after;
+      return Refuse(p.parsed ? &p.request : nullptr, p.error);
     }
+    OpenAiRequest& r = p.request;
+    proxy::ValidatedRequest* v = &*p.validated;
+    const Endpoint ep = p.endpoint;
 
     active_ = true;
     headers_sent_ = false;
@@ -394,7 +455,7 @@ class Session : public std::enable_shared_from_this<Session> {
         if (auto s = w.lock()) s->OnError(st);
       });
     };
-    auto lc = proxy::RequestLifecycle::Start(sh_->fe->deps(), std::move(v).value(),
+    auto lc = proxy::RequestLifecycle::Start(sh_->fe->deps(), std::move(*v),
                                              std::move(sink),
                                              std::chrono::system_clock::time_point::max(), arrival);
     {
@@ -720,6 +781,19 @@ void HttpServer::Shutdown() {
   impl_->ioc.stop();
   for (auto& t : impl_->threads) t.join();
   impl_->threads.clear();
+  // A request still on the work pool posts its result to the io_context:
+  // it must live until the last one has (they always finish: bounded input).
+  while (impl_->shared.jobs.load() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  // Sessions that hold themselves (a request queued past the pipelining
+  // limit) let go, so that they end with the io_context's handlers.
+  std::vector<std::shared_ptr<Session>> held;
+  {
+    std::lock_guard lock(impl_->shared.mu);
+    for (Session* s : impl_->shared.sessions) {
+      if (auto h = s->TakeHold()) held.push_back(std::move(h));
+    }
+  }
+  held.clear();
 }
 
 proxy::HttpFactory Factory(const ServerOptions& options) {

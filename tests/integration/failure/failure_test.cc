@@ -398,7 +398,10 @@ TEST(Failure, LeaseExpiryWithStoppedPrefiller) {
     const double before = Metric(d0->metrics, "tandem_kv_lease_expired_total");
     std::vector<std::thread> load;
     for (uint32_t s = 800; s < 806; ++s) load.emplace_back([&, s] { run(s, 700); });
-    std::this_thread::sleep_for(std::chrono::milliseconds(150 + 100 * attempt));
+    // Stop it while it prefills: the event is its engine running a request
+    // (a prefiller reserves decoder blocks only when its engine can start at
+    // once, so it holds a reservation then).
+    WaitFor([&] { return Metric(p0->metrics, "tandem_num_requests_running") >= 1; }, 10s);
     ASSERT_EQ(kill(p0->pid, SIGSTOP), 0);
     // Requests keep being served meanwhile, by prefill-1.
     for (auto& t : load) t.join();

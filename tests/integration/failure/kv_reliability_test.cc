@@ -9,6 +9,7 @@
 //     before decoding, and the request completes elsewhere with
 //     `tandem generate`'s output.
 #include <gtest/gtest.h>
+#include <signal.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -176,6 +177,63 @@ TEST(KvReliability, SlowPushPastTheLeaseKeepsItsBlocksQuarantinedUntilConfirmed)
     ASSERT_TRUE(c.ok()) << c.status().ToString();
     EXPECT_EQ(c->token_ids, Reference(prompts[i], kMaxTokens));
   }
+}
+
+// The other way out of quarantine: the writer dies. prefill-0's push is
+// held on the wire past the lease; kill -9 of prefill-0 is reported by the
+// decoder's UCX endpoint to it (keepalive), and the blocks are released as
+// peer_dead — the process that could have written is gone.
+TEST(KvReliability, KilledWriterEndsItsQuarantine) {
+  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  constexpr uint32_t kMaxTokens = 8;
+  FleetOptions o;
+  o.prefill = 2;
+  o.decode = 1;
+  o.num_blocks = 256;
+  o.proxy_yaml = "  liveness_timeout_seconds: 2\n  max_migrations: 3\n";
+  o.extra_yaml =
+      "transport:\n  lease_seconds: 1.5\n  peer_timeout_seconds: 1.5\n  push: after_prefill\n";
+  std::vector<std::vector<uint32_t>> prompts;
+  for (uint32_t i = 0; i < 3; ++i) prompts.push_back(PromptIds(4000 + i, 90, kVocab));
+  for (const auto& p : prompts) ASSERT_FALSE(Reference(p, kMaxTokens).empty());
+  auto fleet = LaunchWithFault(o, "delay_ms=600000,delay_writes=1,agent=prefill-0");
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  const WorkerAddr* p0 = FindWorker(**fleet, "prefill-0");
+  const WorkerAddr* d0 = FindWorker(**fleet, "decode-0");
+  ASSERT_TRUE(p0 && d0);
+  const std::string proxy = (*fleet)->proxy_grpc();
+  auto run = [&](const std::vector<uint32_t>& prompt) {
+    GenerateArgs a;
+    a.prompt_ids = prompt;
+    a.max_tokens = kMaxTokens;
+    a.timeout = 60s;
+    return Generate(proxy, a);
+  };
+  std::vector<std::future<Result<Completion>>> calls;
+  bool quarantined = false;
+  for (size_t i = 0; i < prompts.size() && !quarantined; ++i) {
+    calls.push_back(std::async(std::launch::async, run, prompts[i]));
+    quarantined = WaitUntil(
+        [&] {
+          return Metric(d0->metrics, "tandem_kv_quarantined_blocks") > 0 ||
+                 calls.back().wait_for(0s) == std::future_status::ready;
+        },
+        20s) &&
+        Metric(d0->metrics, "tandem_kv_quarantined_blocks") > 0;
+  }
+  ASSERT_TRUE(quarantined) << "no reservation went to quarantine (was prefill-0's push held?)";
+  ASSERT_EQ(kill(p0->pid, SIGKILL), 0);
+  const bool released = WaitUntil(
+      [&] { return Metric(d0->metrics, "tandem_kv_quarantined_blocks") == 0; }, 30s);
+  EXPECT_TRUE(released) << "the dead writer's blocks stayed quarantined";
+  EXPECT_EQ(LabeledMetric(d0->metrics, "tandem_kv_quarantine_released_total", "peer_dead"), 1);
+  EXPECT_EQ(LabeledMetric(d0->metrics, "tandem_kv_quarantine_released_total", "acknowledged"), 0);
+  for (size_t i = 0; i < calls.size(); ++i) {  // retried on prefill-1
+    auto c = calls[i].get();
+    ASSERT_TRUE(c.ok()) << "prompt " << i << ": " << c.status().ToString();
+    EXPECT_EQ(c->token_ids, Reference(prompts[i], kMaxTokens)) << "prompt " << i;
+  }
+  EXPECT_TRUE(WaitUntil([&] { return Metric(d0->metrics, "tandem_kv_reservations") == 0; }, 10s));
 }
 
 // A byte flipped at the decoder in the 2nd block prefill-0 pushes: the

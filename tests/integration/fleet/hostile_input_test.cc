@@ -79,6 +79,12 @@ std::string Post(const std::string& body, const std::string& key = "",
          "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
 }
 
+std::string ChatPost(const std::string& body, const std::string& key) {
+  return "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nConnection: close\r\n"
+         "Content-Type: application/json\r\nAuthorization: Bearer " + key +
+         "\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+}
+
 int StatusOf(const std::string& response) {
   if (response.rfind("HTTP/1.1 ", 0) != 0) return -1;
   return std::stoi(response.substr(9, 3));
@@ -266,6 +272,9 @@ TEST_F(HostileInput, EveryLimitIsRefusedWithItsNameOnBothApis) {
   const std::vector<HttpCase> http_cases = {
       {"proxy.limits.max_prompt_tokens", 400,
        Post(R"({"prompt": ")" + words + R"(", "max_tokens": 2})", "key-alice")},
+      {"proxy.limits.max_prompt_tokens", 400,
+       ChatPost(R"({"messages": [{"role": "user", "content": ")" + words +
+                    R"("}], "max_tokens": 2})", "key-alice")},
       {"proxy.limits.max_stop_strings", 400,
        Post(R"({"prompt": "In the", "max_tokens": 2, "stop": ["a", "b", "c"]})", "key-alice")},
       {"proxy.limits.max_stop_string_bytes", 400,

@@ -5,6 +5,9 @@
 // but not the reservation's capability. Its notices travel through real UCX
 // and must be refused and counted, never acted on.
 #include <sys/wait.h>
+#include <xxhash.h>
+
+#include <cstring>
 
 #include "kvtransfer/descriptor.h"
 #include "kvtransfer/kv_cipher.h"
@@ -42,9 +45,11 @@ double WaitForLabeled(const std::string& address, const std::string& name,
   return v;
 }
 
-// Sends `payload` as a notice-only write and waits for it to be delivered.
-kv::XferStatus SendNotice(kv::Transport& t, kv::PeerId peer, const std::string& payload) {
-  auto x = t.PrepareWrite(peer, {}, payload);
+// Sends `payload` as a notice-only write (after `blocks`, if any) and waits
+// for it to be delivered.
+kv::XferStatus SendNotice(kv::Transport& t, kv::PeerId peer, const std::string& payload,
+                          const std::vector<kv::BlockPair>& blocks = {}) {
+  auto x = blocks.empty() ? t.PrepareWrite(peer, {}, payload) : t.PrepareBlockWrite(peer, blocks, payload);
   EXPECT_TRUE(x.ok()) << x.status().ToString();
   if (!x.ok()) return kv::XferStatus::kErrInvalidArgument;
   EXPECT_TRUE(t.Post(*x).ok());
@@ -140,9 +145,17 @@ TEST(KvSecurityTest, NoticeWithAWrongCapabilityIsRefusedAndCountedThroughRealUcx
   EXPECT_EQ(MetricValue(after, "tandem_kv_stale_notices_total"), 0.0);
 
   // The genuine notice (same fields plus the capability) starts decoding.
+  // Like a prefiller, its writer pushes the slots (zeros here) before it and
+  // carries their XXH3-64 (transport.checksum, on by default).
   pb::KvNotice genuine = forged;
   genuine.set_capability(target.capability());
-  EXPECT_EQ(SendNotice(**intruder, *peer, genuine.SerializeAsString()), kv::XferStatus::kSuccess);
+  std::memset((*intruder)->block(0), 0, (*intruder)->block_bytes());
+  std::vector<kv::BlockPair> zeros;
+  for (int i = static_cast<int>(target.cached_blocks()); i < target.slots_size(); ++i) {
+    zeros.push_back({0, target.slots(i)});
+    genuine.add_block_checksums(XXH3_64bits((*intruder)->block(0), (*intruder)->block_bytes()));
+  }
+  EXPECT_EQ(SendNotice(**intruder, *peer, genuine.SerializeAsString(), zeros), kv::XferStatus::kSuccess);
   Outcome out;
   call.ReadInto(out);
   EXPECT_TRUE(call.Finish().ok());
@@ -167,7 +180,8 @@ TEST(KvSecurityTest, NoticeWithAWrongCapabilityIsRefusedAndCountedThroughRealUcx
 // and pushes sealed KV through its own UCX agent. A network that flips a
 // bit of the ciphertext, or of a tag, makes the decoder refuse the KV
 // (DATA_LOSS, counted reason="decrypt") and free everything; untouched
-// sealed KV decodes.
+// sealed KV decodes (and its transport.checksum sums, over the plaintext,
+// verify after decryption).
 enum class Tamper { kNone, kCiphertext, kTag };
 
 struct SealedPush {
@@ -214,10 +228,12 @@ SealedPush PushSealed(pb::Decoder::Stub& stub, const std::string& id,
   auto cipher = kv::KvCipher::Create(t.kv_key(), t.reservation_id());
   EXPECT_TRUE(cipher.ok());
   std::string tags(r.pushed_blocks * kv::kKvTagBytes, '\0');
+  std::vector<uint64_t> sums;  // transport.checksum (on): XXH3-64 of the plaintext
   std::vector<kv::BlockPair> pairs;
   for (uint32_t b = cached; b < n; ++b) {
     float* f = reinterpret_cast<float*>(tr.block(b));
     for (uint64_t i = 0; i < desc->block_bytes / sizeof(float); ++i) f[i] = 0.01f * float((i + b) % 97);
+    sums.push_back(XXH3_64bits(tr.block(b), desc->block_bytes));
     EXPECT_TRUE(cipher->Seal(b, tr.block(b), tr.block(b), desc->block_bytes,
                              reinterpret_cast<std::byte*>(tags.data()) + (b - cached) * kv::kKvTagBytes)
                     .ok());
@@ -233,6 +249,7 @@ SealedPush PushSealed(pb::Decoder::Stub& stub, const std::string& id,
   notice.set_first_token_id(prompt[0]);
   notice.set_capability(t.capability());
   notice.set_kv_tags(tags);
+  for (uint64_t sum : sums) notice.add_block_checksums(sum);
   auto peer = tr.ImportPeer(t.transport_descriptor());
   EXPECT_TRUE(peer.ok()) << peer.status().ToString();
   if (!peer.ok()) return r;

@@ -54,6 +54,22 @@ class DecoderTest : public ::testing::Test {
     return n;
   }
   uint32_t FreeBlocks() { return node_->engine->stats().free_blocks; }
+  // A prefiller's transport the decoder can watch (its descriptor goes with
+  // Reserve, as a real prefiller's does).
+  std::string WriterDescriptor() {
+    if (!writer_) {
+      kvtransfer::TransportOptions o;
+      o.backend = "loopback";
+      o.agent_name = "writer-" + std::to_string(reinterpret_cast<uintptr_t>(this));
+      o.block_bytes = TinyLayout().block_bytes();
+      o.num_blocks = 2;
+      auto t = kvtransfer::CreateTransport(o);
+      EXPECT_TRUE(t.ok()) << t.status().ToString();
+      writer_ = std::move(t).value();
+    }
+    return writer_->LocalDescriptor();
+  }
+  std::unique_ptr<kvtransfer::Transport> writer_;
   // XXH3-64 of the pushed slots of `t`, as a prefiller computes them.
   std::vector<uint64_t> Sums(const decoder::KvTargetInfo& t) {
     std::vector<uint64_t> out;
@@ -362,7 +378,7 @@ TEST_F(DecoderTest, LeaseExpiryQuarantinesTheBlocksUntilTheWriterAcknowledges) {
   MakeDecoder(/*lease_seconds=*/0.2);
   const auto prompt = Prompt(40, 8);
   auto sink = Register("a", prompt);
-  auto t = decoder_->Reserve("a", "p", prompt);
+  auto t = decoder_->Reserve("a", "p", prompt, WriterDescriptor());
   ASSERT_TRUE(t.ok());
   ASSERT_TRUE(WaitFor([&] { return sink->Ended(); }));
   EXPECT_TRUE(sink->errored);
@@ -375,7 +391,7 @@ TEST_F(DecoderTest, LeaseExpiryQuarantinesTheBlocksUntilTheWriterAcknowledges) {
   // Scheduled meanwhile: never one of the quarantined slots.
   const auto other = Prompt(40, 80);
   auto sink_b = Register("b", other);
-  auto b = decoder_->Reserve("b", "p", other);
+  auto b = decoder_->Reserve("b", "p", other, WriterDescriptor());
   ASSERT_TRUE(b.ok());
   for (uint32_t slot : b->slots) {
     EXPECT_EQ(std::count(t->slots.begin(), t->slots.end(), slot), 0) << "slot " << slot << " reused";
@@ -400,7 +416,7 @@ TEST_F(DecoderTest, QuarantinedBlocksAreNotReusedEvenWhenThePoolIsFull) {
   MakeDecoder(/*lease_seconds=*/0.2);
   const auto big = Prompt(300, 3);  // 19 of 32 blocks
   auto sink = Register("a", big);
-  auto t = decoder_->Reserve("a", "p", big);
+  auto t = decoder_->Reserve("a", "p", big, WriterDescriptor());
   ASSERT_TRUE(t.ok());
   ASSERT_TRUE(WaitFor([&] { return sink->Ended(); }));
   EXPECT_EQ(decoder_->counts().quarantined_blocks, 19u);
@@ -418,6 +434,24 @@ TEST_F(DecoderTest, QuarantinedBlocksAreNotReusedEvenWhenThePoolIsFull) {
 // The writer declared dead (the transport's keepalive, or a newer
 // generation of the same agent reserving) ends its quarantine; a notice of
 // another agent does not.
+// A writer the decoder cannot watch (no descriptor: an older prefiller, a
+// test client) would hold its blocks forever: freed at expiry as before.
+TEST_F(DecoderTest, UnwatchableWritersBlocksAreFreedAtExpiry) {
+  MakeDecoder(/*lease_seconds=*/0.2);
+  const auto prompt = Prompt(40, 18);
+  auto sink = Register("a", prompt);
+  auto t = decoder_->Reserve("a", "p", prompt);
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE(WaitFor([&] { return sink->Ended(); }));
+  EXPECT_EQ(sink->error.code(), StatusCode::kUnavailable);
+  ASSERT_TRUE(WaitFor([&] { return decoder_->counts().reservations == 0; }));
+  EXPECT_EQ(decoder_->counts().quarantined_blocks, 0u);
+  EXPECT_EQ(decoder_->counts().leases_expired, 1u);
+  EXPECT_EQ(FreeBlocks(), 32u);
+  decoder_->OnKvNotice(Notice(*t, 5));  // a late notice is stale
+  EXPECT_EQ(decoder_->counts().stale_notices, 1u);
+}
+
 TEST_F(DecoderTest, QuarantineEndsWhenTheWriterIsDeclaredDead) {
   MakeDecoder(/*lease_seconds=*/0.2);
   auto writer = Node::Make("prefill-unit", 4);
