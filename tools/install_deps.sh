@@ -12,7 +12,7 @@ PACKAGES=(
   libspdlog-dev libfmt-dev libyaml-cpp-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libcli11-dev libboost-dev
-  libopenblas-dev libpcre2-dev libxxhash-dev
+  libopenblas-dev libpcre2-dev libxxhash-dev libssl-dev
   curl procps
 )
 

@@ -29,6 +29,10 @@ void RegisterPlan(CLI::App& app, GlobalOptions& g);
 void RegisterBenchKvTransfer(CLI::App& bench, GlobalOptions& g);
 void RegisterBenchServe(CLI::App& bench, GlobalOptions& g);
 
+// --tls-ca/--tls-cert/--tls-key: a process's internal-plane identity
+// (docs/security.md); all three or none.
+void AddTlsOptions(CLI::App& cmd, std::string& ca, std::string& cert, std::string& key);
+
 // The config used when none is given: configs/1p1d.yaml next to the build
 // folder that holds this binary, or under the working directory.
 std::string DefaultConfigPath();

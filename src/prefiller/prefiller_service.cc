@@ -82,6 +82,8 @@ class PrefillerServiceImpl final : public pb::Prefiller::CallbackService {
 
 class GrpcDecoderLink final : public DecoderLink {
  public:
+  explicit GrpcDecoderLink(RpcCredentials credentials) : credentials_(std::move(credentials)) {}
+
   void Reserve(const PrefillJob& job, const std::string& prefiller_name, ReserveDone done) override {
     struct Call {
       grpc::ClientContext ctx;
@@ -142,11 +144,12 @@ class GrpcDecoderLink final : public DecoderLink {
     std::lock_guard lock(mu_);
     auto& stub = stubs_[address];
     if (!stub) {
-      stub = pb::Decoder::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+      stub = pb::Decoder::NewStub(credentials_.Dial(address));
     }
     return stub.get();
   }
 
+  const RpcCredentials credentials_;
   std::mutex mu_;
   std::map<std::string, std::unique_ptr<pb::Decoder::Stub>> stubs_;  // never erased
 };
@@ -157,6 +160,8 @@ std::unique_ptr<grpc::Service> MakePrefillerService(Prefiller& prefiller) {
   return std::make_unique<PrefillerServiceImpl>(prefiller);
 }
 
-std::unique_ptr<DecoderLink> MakeGrpcDecoderLink() { return std::make_unique<GrpcDecoderLink>(); }
+std::unique_ptr<DecoderLink> MakeGrpcDecoderLink(const RpcCredentials& credentials) {
+  return std::make_unique<GrpcDecoderLink>(credentials);
+}
 
 }  // namespace tandem::prefiller

@@ -17,6 +17,7 @@
 
 #include <memory>
 
+#include "common/tls.h"
 #include "prefiller/prefiller.h"
 
 namespace tandem::prefiller {
@@ -24,7 +25,8 @@ namespace tandem::prefiller {
 // `prefiller` is borrowed and must outlive the service.
 std::unique_ptr<grpc::Service> MakePrefillerService(Prefiller& prefiller);
 
-// Channels are created per decoder address on first use and kept.
-std::unique_ptr<DecoderLink> MakeGrpcDecoderLink();
+// Channels are created per decoder address on first use and kept; all use
+// `credentials` (the internal plane's).
+std::unique_ptr<DecoderLink> MakeGrpcDecoderLink(const RpcCredentials& credentials);
 
 }  // namespace tandem::prefiller

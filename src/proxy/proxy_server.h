@@ -24,6 +24,7 @@ namespace tandem::proxy {
 
 struct ProxyAddresses {
   std::string grpc;
+  std::string internal;  // the Registry workers join through (internal plane)
   std::string http;  // empty when started without an HttpFactory
   std::string metrics;
 };
@@ -48,16 +49,26 @@ struct HttpContext {
 using HttpFactory = std::function<Result<std::unique_ptr<HttpFrontEnd>>(
     const std::string& address, const HttpContext& context)>;
 
+// How one proxy process listens; empty addresses take the fleet file's.
+struct ProxyStartOptions {
+  std::string grpc;      // public gRPC API (proxy.grpc)
+  std::string metrics;   // /metrics (proxy.metrics)
+  std::string http;      // OpenAI-compatible HTTP API (proxy.http)
+  std::string internal;  // Registry for workers (proxy.internal)
+  HttpFactory http_factory;  // null: no HTTP API
+  // The internal plane: the Registry listener and every call to a worker.
+  RpcCredentials internal_credentials;
+  // The public gRPC listener.
+  RpcCredentials public_credentials;
+};
+
 class ProxyServer {
  public:
   // Loads the tokenizer and model shape from the fleet's model directory,
-  // then serves on the fleet's proxy addresses (`grpc`/`metrics`/`http`
-  // override them when non-empty). Without `http_factory` no HTTP API runs.
+  // then serves the public API on one listener and the Registry on another
+  // (workers never register on the public port).
   static Result<std::unique_ptr<ProxyServer>> Start(const FleetConfig& fleet,
-                                                    const std::string& grpc_address = "",
-                                                    const std::string& metrics_address = "",
-                                                    const std::string& http_address = "",
-                                                    const HttpFactory& http_factory = nullptr);
+                                                    const ProxyStartOptions& options);
   ~ProxyServer();
 
   const ProxyAddresses& addresses() const { return addresses_; }
@@ -79,7 +90,8 @@ class ProxyServer {
   std::unique_ptr<Frontend> frontend_;
   std::unique_ptr<GenerationService> generation_;
   std::unique_ptr<RegistryService> registry_;
-  std::unique_ptr<RpcServer> server_;
+  std::unique_ptr<RpcServer> server_;           // public
+  std::unique_ptr<RpcServer> internal_server_;  // Registry
   std::unique_ptr<HttpFrontEnd> http_;  // last: stopped before what it uses
   ProxyAddresses addresses_;
 };

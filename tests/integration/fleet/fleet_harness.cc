@@ -97,10 +97,24 @@ Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
   f->proxy_metrics_ = j["proxy"]["metrics"];
   f->proxy_http_ = j["proxy"].value("http", "");
   f->proxy_pid_ = j["proxy"].value("pid", -1);
+  f->proxy_internal_ = j["proxy"].value("internal", "");
+  if (j.contains("tls")) {
+    f->tls_ca_ = j["tls"]["ca_file"];
+    f->tls_cert_ = j["tls"]["cert_file"];
+    f->tls_key_ = j["tls"]["key_file"];
+  }
   for (const auto& w : j["workers"]) {
     f->workers_.push_back({w["role"], w.value("name", ""), w["grpc"], w["metrics"], w["pid"]});
   }
   return f;
+}
+
+std::vector<std::string> Fleet::JoinArgs() const {
+  std::vector<std::string> a = {"--join", proxy_internal_};
+  if (!tls_ca_.empty()) {
+    a.insert(a.end(), {"--tls-ca", tls_ca_, "--tls-cert", tls_cert_, "--tls-key", tls_key_});
+  }
+  return a;
 }
 
 Result<int> Fleet::Stop(std::chrono::seconds grace) {

@@ -41,6 +41,15 @@ decode:
 """
 
 
+def tls_args(state):
+    """--tls-ca/--tls-cert/--tls-key from a state file's `tls` entry (the
+    internal plane's mutual TLS; none when security.internal_tls is off)."""
+    t = state.get("tls")
+    if not t:
+        return []
+    return ["--tls-ca", t["ca_file"], "--tls-cert", t["cert_file"], "--tls-key", t["key_file"]]
+
+
 class Fleet:
     def __init__(self, proxy_extra="", num_blocks=512, max_num_seqs=64, timeout=90):
         self.dir = tempfile.mkdtemp(prefix="tandem_http_")
