@@ -22,6 +22,8 @@ void RegisterWorker(CLI::App& app, GlobalOptions& g, const std::string& role);
 void RegisterGenerate(CLI::App& app, GlobalOptions& g);
 void RegisterBench(CLI::App& app, GlobalOptions& g);
 void RegisterClient(CLI::App& app, GlobalOptions& g);
+// `tandem certs` (certs_cmd.cc): a certificate of a tandem CA.
+void RegisterCerts(CLI::App& app, GlobalOptions& g);
 // `tandem plan` (plan_cmd.cc): aggregated vs disaggregated from the sim timing model.
 void RegisterPlan(CLI::App& app, GlobalOptions& g);
 // `tandem bench kvtransfer` (bench_kvtransfer.cc) and `tandem bench serve`

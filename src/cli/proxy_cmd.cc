@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <signal.h>
+
 #include <iostream>
 
 #include "cli/commands.h"
@@ -48,14 +50,14 @@ int RunProxy(const ProxyArgs& a, const GlobalOptions& g) {
     return 1;
   }
   o.internal_credentials = std::move(internal).value();
-  auto pub = PublicCredentials(cfg->security, {"", a.public_cert, a.public_key});
+  auto pub = PublicTlsFiles(cfg->security, {"", a.public_cert, a.public_key});
   if (!pub.ok()) {
     spdlog::error("proxy not started: {}", pub.status().message());
     std::cerr << "tandem proxy: " << pub.status().message() << "\n";
     return 1;
   }
-  o.public_credentials = std::move(pub).value();
-  BlockTerminationSignals();  // before gRPC starts its threads
+  o.public_tls = std::move(pub).value();
+  BlockTerminationSignals();  // before gRPC starts its threads (SIGHUP too: reload)
   auto server = proxy::ProxyServer::Start(*cfg, o);
   if (!server.ok()) {
     spdlog::error("proxy not started: {}", server.status().ToString());
@@ -63,7 +65,17 @@ int RunProxy(const ProxyArgs& a, const GlobalOptions& g) {
   }
   const auto& addr = (*server)->addresses();
   WriteReadyLine(a.ready_fd, addr.grpc, addr.metrics, addr.http, addr.internal);
-  const int sig = WaitForTermination();
+  int sig = 0;
+  while ((sig = WaitForTermination()) == SIGHUP) {
+    const Status s = (*server)->ReloadPublicTls();
+    if (s.ok()) {
+      spdlog::info("SIGHUP: public TLS certificates reloaded{}",
+                   o.public_tls.empty() ? " (none: public_tls is off)" : "");
+    } else {
+      spdlog::error("SIGHUP: public TLS certificates not reloaded (the old ones stay): {}",
+                    s.message());
+    }
+  }
   spdlog::info("signal {}: draining ({} requests in flight)", sig, (*server)->inflight());
   (*server)->Shutdown(static_cast<int>(cfg->proxy.drain_seconds * 1000));  // proxy.drain_seconds
   return 0;

@@ -11,8 +11,9 @@ namespace tandem::cli {
 void WriteReadyLine(int fd, const std::string& grpc, const std::string& metrics,
                     const std::string& http = "", const std::string& internal = "");
 
-// Blocks SIGINT and SIGTERM in this thread (call before starting other
-// threads, so they inherit the mask) and waits for one; returns its number.
+// Blocks SIGINT, SIGTERM and SIGHUP in this thread (call before starting
+// other threads, so they inherit the mask) and waits for one; returns its
+// number (SIGHUP: the caller reloads and waits again).
 int WaitForTermination();
 void BlockTerminationSignals();
 

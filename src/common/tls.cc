@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 #include <grpcpp/security/auth_context.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/security/tls_certificate_provider.h>
+#include <grpcpp/security/tls_credentials_options.h>
 #include <openssl/bio.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
@@ -97,12 +100,18 @@ Result<RpcCredentials> RpcCredentials::ServerTls(const TlsFiles& files) {
   TANDEM_ASSIGN_OR_RETURN(TlsPem pem, ReadTlsFiles(files));
   RpcCredentials c;
   c.secure_ = true;
-  grpc::SslServerCredentialsOptions so(pem.ca.empty()
-                                           ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
-                                           : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-  so.pem_root_certs = pem.ca;
-  so.pem_key_cert_pairs.push_back({pem.key, pem.cert});
-  c.server_ = grpc::SslServerCredentials(so);
+  // A file-watching provider: renewed files are served without a restart.
+  auto provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+      files.key_file, files.cert_file, files.ca_file, kReloadSeconds);
+  grpc::experimental::TlsServerCredentialsOptions so(provider);
+  so.watch_identity_key_cert_pairs();
+  if (!files.ca_file.empty()) {
+    so.watch_root_certs();
+    so.set_cert_request_type(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  } else {
+    so.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  }
+  c.server_ = grpc::experimental::TlsServerCredentials(so);
   grpc::SslCredentialsOptions co;
   co.pem_root_certs = pem.ca;
   c.channel_ = grpc::SslCredentials(co);
@@ -134,23 +143,28 @@ Result<RpcCredentials> InternalCredentials(const SecurityConfig& security, const
       "security.internal_tls: {ca_file, cert_file, key_file}, or security.internal_tls: off");
 }
 
-Result<RpcCredentials> PublicCredentials(const SecurityConfig& security, const TlsFiles& flags) {
+Result<TlsFiles> PublicTlsFiles(const SecurityConfig& security, const TlsFiles& flags) {
+  TlsFiles files;
+  std::string origin;
   if (!flags.cert_file.empty() || !flags.key_file.empty()) {
-    auto c = RpcCredentials::ServerTls({security.public_client_ca_file, flags.cert_file, flags.key_file});
-    if (!c.ok()) return c.status().WithContext("--public-tls-cert/--public-tls-key");
-    return c;
+    files = {security.public_client_ca_file, flags.cert_file, flags.key_file};
+    origin = "--public-tls-cert/--public-tls-key";
+  } else if (security.public_tls == "off") {
+    return TlsFiles{};
+  } else if (security.public_tls == "files") {
+    files = {security.public_client_ca_file, security.public_cert_file, security.public_key_file};
+    origin = "security.public_tls";
+  } else {
+    return FailedPreconditionError(
+        "security.public_tls is 'auto': `tandem launch` issues the proxy's certificate; a proxy "
+        "started by hand needs --public-tls-cert/--public-tls-key, security.public_tls: "
+        "{cert_file, key_file}, or security.public_tls: off");
   }
-  if (security.public_tls == "off") return RpcCredentials();
-  if (security.public_tls == "files") {
-    auto c = RpcCredentials::ServerTls({security.public_client_ca_file, security.public_cert_file,
-                                        security.public_key_file});
-    if (!c.ok()) return c.status().WithContext("security.public_tls");
-    return c;
+  if (files.cert_file.empty() || files.key_file.empty()) {
+    return InvalidArgumentError(origin + ": needs a certificate file and a key file");
   }
-  return FailedPreconditionError(
-      "security.public_tls is 'auto': `tandem launch` issues the proxy's certificate; a proxy "
-      "started by hand needs --public-tls-cert/--public-tls-key, security.public_tls: "
-      "{cert_file, key_file}, or security.public_tls: off");
+  if (auto pem = ReadTlsFiles(files); !pem.ok()) return pem.status().WithContext(origin);
+  return files;
 }
 
 std::string PeerIdentity(const grpc::ServerContextBase& ctx) {

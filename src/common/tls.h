@@ -50,8 +50,11 @@ class RpcCredentials {
   static Result<RpcCredentials> MutualTls(const TlsFiles& files);
   // Server TLS for the public plane: cert_file/key_file; ca_file (may be
   // empty) is the CA client certificates must chain to. Clients built from
-  // it verify the server against ca_file.
+  // it verify the server against ca_file. The server re-reads the files
+  // every kReloadSeconds (replace them by rename), so renewed certificates
+  // take effect without a restart and without dropping open streams.
   static Result<RpcCredentials> ServerTls(const TlsFiles& files);
+  static constexpr unsigned kReloadSeconds = 1;
 
   bool secure() const { return secure_; }
   std::shared_ptr<grpc::ServerCredentials> server() const { return server_; }
@@ -73,11 +76,13 @@ class RpcCredentials {
 // passes them to its children; a process started by hand needs them.
 Result<RpcCredentials> InternalCredentials(const SecurityConfig& security, const TlsFiles& flags);
 
-// The public gRPC listener's credentials: --public-tls-cert/--public-tls-key
-// when given (tandem launch with public_tls auto), else the config's
-// security.public_tls (off: plaintext; files: cert_file, key_file and the
-// optional client_ca_file). `auto` without flags is an error.
-Result<RpcCredentials> PublicCredentials(const SecurityConfig& security, const TlsFiles& flags);
+// The public listeners' TLS files (gRPC and HTTP): --public-tls-cert/
+// --public-tls-key when given (tandem launch with public_tls auto), else the
+// config's security.public_tls (off: empty files = plaintext; files:
+// cert_file, key_file); ca_file is security.public_tls.client_ca_file
+// (empty: no client certificate asked for). `auto` without flags is an
+// error. The files are checked (readable PEM, key matches).
+Result<TlsFiles> PublicTlsFiles(const SecurityConfig& security, const TlsFiles& flags);
 
 // The verified identity of the peer of a call: the common name of its
 // client certificate; "" on a plaintext connection or without one.

@@ -67,21 +67,25 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
   TANDEM_ASSIGN_OR_RETURN(p->internal_server_,
                           RpcServer::Start(pick(options.internal, fleet.proxy.internal),
                                            {p->registry_.get()}, options.internal_credentials));
+  RpcCredentials public_credentials;
+  if (!options.public_tls.empty()) {
+    TANDEM_ASSIGN_OR_RETURN(public_credentials, RpcCredentials::ServerTls(options.public_tls));
+  }
   TANDEM_ASSIGN_OR_RETURN(p->server_, RpcServer::Start(pick(options.grpc, fleet.proxy.grpc),
-                                                       {p->generation_.get()},
-                                                       options.public_credentials));
+                                                       {p->generation_.get()}, public_credentials));
   p->addresses_.grpc = p->server_->address();
   p->addresses_.internal = p->internal_server_->address();
   p->addresses_.metrics = p->metrics_registry_->bound_address();
   if (options.http_factory) {
-    HttpContext hc{&fleet, p->frontend_.get(), p->fleet_.get(), p->metrics_registry_.get()};
+    HttpContext hc{&fleet, p->frontend_.get(), p->fleet_.get(), p->metrics_registry_.get(),
+                   options.public_tls};
     TANDEM_ASSIGN_OR_RETURN(p->http_, options.http_factory(pick(options.http, fleet.proxy.http), hc));
     p->addresses_.http = p->http_->address();
   }
   spdlog::info("proxy serving {} on {} (gRPC{}), {} (HTTP), metrics on {}; workers register on {} "
                "({})",
                fleet.model.name, p->addresses_.grpc,
-               options.public_credentials.secure() ? ", TLS" : "",
+               options.public_tls.empty() ? "" : ", TLS",
                p->addresses_.http.empty() ? "-" : p->addresses_.http, p->addresses_.metrics,
                p->addresses_.internal,
                options.internal_credentials.secure() ? "mutual TLS" : "plaintext");
@@ -89,6 +93,8 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
 }
 
 ProxyServer::~ProxyServer() { Shutdown(0); }
+
+Status ProxyServer::ReloadPublicTls() { return http_ ? http_->ReloadTls() : Status::Ok(); }
 
 void ProxyServer::Drain() {
   if (frontend_) frontend_->SetDraining(true);

@@ -36,6 +36,9 @@ class HttpFrontEnd {
   virtual const std::string& address() const = 0;  // the real "host:port"
   // Stops accepting, cancels open requests, joins the I/O threads.
   virtual void Shutdown() = 0;
+  // Re-reads the public TLS files (SIGHUP): new connections get them, open
+  // ones keep theirs. No-op without TLS.
+  virtual Status ReloadTls() = 0;
 };
 
 // What the HTTP front end shares with the gRPC one: `config` is read during
@@ -45,6 +48,7 @@ struct HttpContext {
   Frontend* frontend = nullptr;
   Fleet* fleet = nullptr;
   MetricsRegistry* metrics = nullptr;
+  TlsFiles public_tls;  // security.public_tls; empty: plaintext
 };
 using HttpFactory = std::function<Result<std::unique_ptr<HttpFrontEnd>>(
     const std::string& address, const HttpContext& context)>;
@@ -58,8 +62,8 @@ struct ProxyStartOptions {
   HttpFactory http_factory;  // null: no HTTP API
   // The internal plane: the Registry listener and every call to a worker.
   RpcCredentials internal_credentials;
-  // The public gRPC listener.
-  RpcCredentials public_credentials;
+  // The public gRPC and HTTP listeners' TLS (PublicTlsFiles); empty: plaintext.
+  TlsFiles public_tls;
 };
 
 class ProxyServer {
@@ -77,6 +81,9 @@ class ProxyServer {
   // Waits up to `grace_ms` for in-flight requests, then stops.
   void Shutdown(int grace_ms);
   uint32_t inflight() const { return frontend_->inflight(); }
+  // SIGHUP: the HTTP API re-reads its TLS files now (the gRPC listener
+  // watches them on its own: RpcCredentials::ServerTls).
+  Status ReloadPublicTls();
 
  private:
   ProxyServer() = default;

@@ -14,7 +14,7 @@ BINARY = os.environ.get("TANDEM_BIN", os.path.join(SOURCE_DIR, "build", "tandem"
 MODEL = os.path.abspath(os.path.join(SOURCE_DIR, "models", "tandem-kjv"))
 
 
-def config_text(proxy_extra="", num_blocks=512, max_num_seqs=64, http="127.0.0.1:0"):
+def config_text(proxy_extra="", num_blocks=512, max_num_seqs=64, http="127.0.0.1:0", extra=""):
     return f"""model:
   path: {MODEL}
   backend: cpu
@@ -38,7 +38,7 @@ prefill:
   replicas: 1
 decode:
   replicas: 1
-"""
+{extra}"""
 
 
 def tls_args(state):
@@ -51,11 +51,11 @@ def tls_args(state):
 
 
 class Fleet:
-    def __init__(self, proxy_extra="", num_blocks=512, max_num_seqs=64, timeout=90):
+    def __init__(self, proxy_extra="", num_blocks=512, max_num_seqs=64, timeout=90, extra=""):
         self.dir = tempfile.mkdtemp(prefix="tandem_http_")
         self.config = os.path.join(self.dir, "fleet.yaml")
         with open(self.config, "w") as f:
-            f.write(config_text(proxy_extra, num_blocks, max_num_seqs))
+            f.write(config_text(proxy_extra, num_blocks, max_num_seqs, extra=extra))
         self.state_path = os.path.join(self.dir, "state.json")
         self.log = open(os.path.join(self.dir, "launch.log"), "w")
         self.proc = subprocess.Popen([BINARY, "launch", self.config, "--state-file", self.state_path],
