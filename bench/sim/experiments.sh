@@ -2,7 +2,7 @@
 # The sim experiments of issue 11 (docs/sim.md). Each writes
 # bench/results/sim_raw/<name>.{json,txt,cpu.json,launch.log}; the reports
 # bench/results/sim_*.md quote the numbers. Usage:
-#   bench/sim/experiments.sh cpu|interference|bandwidth|bandwidth-agg|routing|routing-reuse|pd [BUILD_DIR]
+#   bench/sim/experiments.sh cpu|interference|bandwidth|bandwidth-agg|routing|routing-reuse|pd|kv-tiers [BUILD_DIR]
 # Every run is bounded (request count and duration); one fleet at a time.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -56,6 +56,17 @@ routing-reuse)  # the same on requests 3601-3900, the trace's window with the mo
       --label $p-skip3600 --trace "$trace" --trace-skip 3600 --trace-block-tokens 16 \
       --num-requests 300 --time-scale 0.5 --duration 90 --ignore-eos --seed 5
   done ;;
+kv-tiers)  # issue 17: host KV tiers 0, 2x, 8x the device; kv_aware vs round_robin; unscaled trace, 128k model
+  # WINDOW="--trace-skip N --num-requests M" (default: the trace's last 993 requests)
+  win=${WINDOW:---trace-skip 3000 --num-requests 993}
+  for t in 0 53348 213392; do
+    for p in kv_aware round_robin; do
+      run --config configs/sim-4p4d-128k.yaml --set router.policy=$p --set cache.host_tier_blocks=$t \
+        --out $raw/kv_tiers_host${t}_$p -- --label $p-host$t --trace "$trace" $win \
+        --trace-block-tokens 512 --duration 600 --ignore-eos --seed 17
+    done
+  done
+  python3 bench/sim/kv_tiers_ideal.py $win > $raw/kv_tiers_ideal.txt 2>&1 || true ;;
 pd)  # P:D at 4 devices, one workload, goodput under TTFT and ITL SLOs
   for pd in 1:3 2:2 3:1; do
     p=${pd%:*}; d=${pd#*:}

@@ -46,6 +46,15 @@ def metric_sum(text, name):
     return total
 
 
+def metric_sum_labeled(text, name, label):
+    """Sum of `name{...label...}` samples, e.g. label 'tier="host"'."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and label in line.split("}", 1)[0]:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def override(cfg, key, value):
     node = cfg
     parts = key.split(".")
@@ -164,6 +173,13 @@ def main():
         "overhead_ratio_count": sum(metric_sum(t, "tandem_kv_transfer_overhead_ratio_count") for t in pre),
         "prefix_hits_tokens": sum(metric_sum(t, "tandem_prefix_cache_hits_tokens_total") for t in metrics.values()),
         "prefix_query_tokens": sum(metric_sum(t, "tandem_prefix_cache_queries_tokens_total") for t in metrics.values()),
+        # KV tiers (issue 17), prefillers only: hit tokens and evictions by tier.
+        "prefill_tier_hits_tokens": {tier: sum(metric_sum_labeled(t, "tandem_kv_tier_hits_tokens_total", f'tier="{tier}"')
+                                               for t in pre) for tier in ("device", "host", "disk")},
+        "prefill_tier_evictions": {tier: sum(metric_sum_labeled(t, "tandem_kv_tier_evictions_total", f'tier="{tier}"')
+                                             for t in pre) for tier in ("device", "host", "disk")},
+        "prefill_onboard_seconds_sum": sum(metric_sum(t, "tandem_kv_tier_onboard_seconds_sum") for t in pre),
+        "prefill_onboard_count": sum(metric_sum(t, "tandem_kv_tier_onboard_seconds_count") for t in pre),
     }
     with open(a.out + ".cpu.json", "w") as f:
         json.dump(summary, f, indent=2)

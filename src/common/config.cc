@@ -88,6 +88,15 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.Read("block_size", c.cache.block_size, 1, 1024);
     m.Read("num_blocks", c.cache.num_blocks, 1, 1u << 24);
     m.Read("salt", c.cache.salt);
+    m.Read("host_tier_blocks", c.cache.host_tier_blocks, 0, 1u << 30);
+    if (m.Has("disk_tier")) {
+      YamlMap d = m.Sub("disk_tier");
+      d.Require("path");
+      d.Require("max_gib");
+      d.Read("path", c.cache.disk_tier_path);
+      d.Read("max_gib", c.cache.disk_tier_max_gib, 0.0001, 1e6);
+      d.Finish();
+    }
     m.Finish();
   }
   {
@@ -166,6 +175,8 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.Read("kv_scale", c.sim.kv_scale, 1, 1u << 20);
     m.Read("link_gbps", c.sim.link_gbps, 0.0, 1e5);
     m.Read("link_latency_us", c.sim.link_latency_us, 0.0, 1e6);
+    m.Read("pcie_gbps", c.sim.pcie_gbps, 0.001, 1e5);
+    m.Read("nvme_gbps", c.sim.nvme_gbps, 0.001, 1e5);
     m.Finish();
   }
   ReadRole(top.Sub("prefill"), c.prefill);
@@ -237,6 +248,9 @@ Result<FleetConfig> ParseFleetConfig(const std::string& text, const std::string&
     if (!p->empty() && fs::path(*p).is_relative()) {
       *p = (fs::path(base_dir) / *p).lexically_normal().string();
     }
+  }
+  if (!cfg.cache.disk_tier_path.empty() && fs::path(cfg.cache.disk_tier_path).is_relative()) {
+    cfg.cache.disk_tier_path = (fs::path(base_dir) / cfg.cache.disk_tier_path).lexically_normal().string();
   }
   if (!cfg.sim.model_shape.empty() && fs::path(cfg.sim.model_shape).is_relative()) {
     cfg.sim.model_shape = (fs::path(base_dir) / cfg.sim.model_shape).lexically_normal().string();

@@ -27,6 +27,10 @@ struct CacheConfig {
   uint32_t block_size = 16;    // tokens per KV block; must match across a fleet
   uint32_t num_blocks = 1024;  // KV blocks per worker
   std::string salt;            // per-fleet secret folded into block hashes
+  // Lower KV tiers (docs/engine.md, "KV tiers").
+  uint32_t host_tier_blocks = 0;  // host-memory tier, in blocks; 0: off
+  std::string disk_tier_path;     // cache.disk_tier.path; empty: no disk tier
+  double disk_tier_max_gib = 0;   // cache.disk_tier.max_gib
 };
 
 struct SchedulerConfig {
@@ -109,6 +113,9 @@ struct SimConfig {
   uint32_t kv_scale = 256;       // real KV bytes per byte stored and moved
   double link_gbps = 100;        // 0: KV transfers are not paced
   double link_latency_us = 10;
+  // Onboarding from the lower KV tiers (cache.host_tier_blocks, cache.disk_tier).
+  double pcie_gbps = 400;        // host memory -> device
+  double nvme_gbps = 56;         // disk -> device
 };
 
 struct LoggingConfig {

@@ -1,5 +1,6 @@
 #include "decoder/decoder.h"
 #include "common/logging.h"
+#include "kvtransfer/kv_secret.h"
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -209,6 +210,8 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
     }
     tag = fmt::format("{}@r{}", request_id, next_tag_++);
   }
+  auto capability = kvtransfer::NewCapability();
+  if (!capability.ok()) return capability.status().WithContext("reserving KV blocks");
   auto res = engine_.Reserve(tag, prompt_ids);
   if (!res.ok()) {
     std::lock_guard lock(mu_);
@@ -231,8 +234,8 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
       }
       e.stage = Stage::kReserved;
       e.reservation_id = res->reservation_id;
-      reservations_.emplace(res->reservation_id,
-                            Held{request_id, prefiller, SteadyClock::now() + lease, false});
+      reservations_.emplace(res->reservation_id, Held{request_id, prefiller,
+                                                      SteadyClock::now() + lease, false, *capability});
     } else {
       it = requests_.end();
     }
@@ -250,6 +253,7 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
   t.slots = res->block_ids;
   t.cached_blocks = res->num_cached_blocks;
   t.lease_expiry = SystemClock::now() + lease;
+  t.capability = std::move(*capability);
   LogRequest(spdlog::level::debug, request_id,
              "reserved {} KV blocks for prefiller '{}' ({} already cached), reservation {}",
              t.slots.size(), prefiller, t.cached_blocks, t.reservation_id);
@@ -269,6 +273,15 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
       ++counts_.stale_notices;
       spdlog::debug("ignoring KV notice for '{}' reservation {} generation {} (stale or unknown)",
                     n.request_id, n.reservation_id, n.generation);
+      return;
+    }
+    if (!kvtransfer::SecretEquals(n.capability, h->second.capability)) {
+      // Forged or misdirected: not acted on in any way (not even an error
+      // notice may free the reservation), only counted.
+      ++counts_.notices_refused_capability;
+      LogRequest(spdlog::level::warn, n.request_id,
+                 "refused a KV notice for reservation {}: wrong capability ({} bytes)",
+                 n.reservation_id, n.capability.size());
       return;
     }
     const bool orphaned = h->second.orphaned;
@@ -321,6 +334,14 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
     if (it != requests_.end() && it->second.emitter == emitter) requests_.erase(it);
   }
   Fail(emitter, s.WithContext("adding the prefilled request"));
+}
+
+void Decoder::OnUnreadableNotice(const std::string& sender, size_t bytes) {
+  {
+    std::lock_guard lock(mu_);
+    ++counts_.notices_refused_unreadable;
+  }
+  spdlog::warn("refused an unreadable KV notice from '{}' ({} bytes)", sender, bytes);
 }
 
 void Decoder::OnOutput(const std::string& request_id, Emitter& emitter,

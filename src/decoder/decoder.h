@@ -76,6 +76,7 @@ struct KvTargetInfo {
   std::vector<uint32_t> slots;       // [prompt blocks]
   uint32_t cached_blocks = 0;
   std::chrono::system_clock::time_point lease_expiry;
+  std::string capability;  // kvtransfer::kCapabilityBytes random bytes; the notice must carry them
 };
 
 // A decoded KvNotice (worker.proto).
@@ -86,6 +87,7 @@ struct KvNoticeInfo {
   uint32_t first_token_id = 0;
   uint32_t prefill_cached_prompt_tokens = 0;  // the prefiller's prefix-cache hits
   Status error;  // non-OK: the prefiller gave up on the request
+  std::string capability;  // must equal the reservation's (KvTargetInfo::capability)
 };
 
 struct DecoderOptions {
@@ -101,6 +103,9 @@ struct DecoderCounts {
   uint64_t leases_expired = 0;
   uint64_t stale_notices = 0;
   uint64_t reservations_refused = 0;
+  // KV notices refused (never acted on), by reason (docs/security.md):
+  uint64_t notices_refused_capability = 0;  // a known reservation, the wrong capability
+  uint64_t notices_refused_unreadable = 0;  // not a KvNotice at all
 };
 
 // Checks a request as the engine will (token ids, sampling, context
@@ -133,8 +138,13 @@ class Decoder {
   Result<KvTargetInfo> Reserve(const std::string& request_id, const std::string& prefiller,
                                std::span<const uint32_t> prompt_ids);
 
-  // A KV notice from a prefiller (after its data).
+  // A KV notice from a prefiller (after its data). One for an unknown or
+  // stale reservation is counted in stale_notices; one whose capability is
+  // not the reservation's is refused (notices_refused_capability): the
+  // reservation stays as it was, the request is not started.
   void OnKvNotice(const KvNoticeInfo& notice);
+  // A notice that could not be parsed: counted, nothing else.
+  void OnUnreadableNotice(const std::string& sender, size_t bytes);
 
   // The request's stream went away: frees it at any stage (its reservation
   // when the prefiller can no longer write into it). The sink is not called.
@@ -168,6 +178,7 @@ class Decoder {
     std::string prefiller;
     std::chrono::steady_clock::time_point lease_expiry;
     bool orphaned = false;  // its request was cancelled or re-reserved
+    std::string capability;  // what the KvTarget carried
   };
 
   engine::GenerateRequest MakeEngineRequest(const DecodeSpec& spec, std::shared_ptr<Emitter> emitter);

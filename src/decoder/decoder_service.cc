@@ -143,6 +143,7 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
       t->set_lease_expiry_unix_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
                                       target->lease_expiry.time_since_epoch())
                                       .count());
+      t->set_capability(target->capability);
     } else {
       resp->mutable_error()->set_code(static_cast<int>(target.status().code()));
       resp->mutable_error()->set_message(target.status().message());
@@ -156,8 +157,7 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
   void OnNotification(kvtransfer::Notification n) {
     pb::KvNotice notice;
     if (!notice.ParseFromString(n.payload)) {
-      spdlog::warn("dropping an unreadable KV notice from '{}' ({} bytes)", n.sender,
-                   n.payload.size());
+      decoder_.OnUnreadableNotice(n.sender, n.payload.size());
       return;
     }
     KvNoticeInfo info;
@@ -166,6 +166,7 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
     info.generation = notice.generation();
     info.first_token_id = notice.first_token_id();
     info.prefill_cached_prompt_tokens = notice.prefill_cached_prompt_tokens();
+    info.capability = notice.capability();
     if (notice.has_error()) {
       const int code = notice.error().code();
       info.error = Status(code > 0 && code <= 16 ? static_cast<StatusCode>(code)

@@ -27,6 +27,11 @@ struct SeqChunk {
   uint32_t start_pos = 0;                 // position of tokens[0]
   std::span<const uint32_t> block_table;  // blocks covering positions [0, start_pos + n)
   uint32_t num_logits = 0;                // logits wanted for the last num_logits tokens
+  // Blocks of this sequence onboarded from the host / disk KV tier just
+  // before this step (already in the pool; the sim backend charges their
+  // modelled copy time, overlapped with the step's compute).
+  uint32_t onboarded_host_blocks = 0;
+  uint32_t onboarded_disk_blocks = 0;
 };
 
 // What every real-math backend checks before a forward pass: each chunk's

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 
 #include "common/check.h"
 
@@ -23,6 +24,27 @@ bool BlockManager::Matches(uint32_t block, std::span<const uint32_t> tokens) con
   return b.committed && std::equal(b.tokens.begin(), b.tokens.end(), tokens.begin(), tokens.end());
 }
 
+void BlockManager::AttachTiers(std::unique_ptr<TieredKvStore> tiers, const KvPool* pool,
+                               std::function<void(double)> on_onboard) {
+  TANDEM_CHECK(pool != nullptr && pool->num_blocks() == num_blocks_, "tiers need the device pool");
+  tiers_ = std::move(tiers);
+  pool_ = pool;
+  on_onboard_ = std::move(on_onboard);
+}
+
+uint64_t BlockManager::evictions(KvTier tier) const {
+  if (tier == KvTier::kDevice) return device_evictions_;
+  return tiers_ ? tiers_->evictions(tier) : 0;
+}
+
+void BlockManager::CountHit(const PrefixHit& hit) {
+  for (size_t t = 0; t < kNumKvTiers; ++t) hit_tokens_[t] += uint64_t{hit.blocks[t]} * block_size_;
+}
+
+void BlockManager::FlushTierEvents() {
+  if (tiers_) tiers_->Flush();
+}
+
 uint32_t BlockManager::CountCachedPrefix(std::span<const uint64_t> hashes,
                                          std::span<const uint32_t> tokens,
                                          uint32_t max_blocks) const {
@@ -31,24 +53,73 @@ uint32_t BlockManager::CountCachedPrefix(std::span<const uint64_t> hashes,
        static_cast<uint32_t>(tokens.size() / block_size_)});
   uint32_t n = 0;
   for (; n < limit; ++n) {
+    auto toks = tokens.subspan(size_t{n} * block_size_, block_size_);
     auto block = cache_.Lookup(hashes[n]);
-    if (!block || !Matches(*block, tokens.subspan(size_t{n} * block_size_, block_size_))) break;
+    if (block && Matches(*block, toks)) continue;
+    if (tiers_ && tiers_->Find(hashes[n], toks)) continue;
+    break;
   }
   return n;
 }
 
 std::vector<uint32_t> BlockManager::AcquireCachedPrefix(std::span<const uint64_t> hashes,
                                                         std::span<const uint32_t> tokens,
-                                                        uint32_t max_blocks) {
-  const uint32_t n = CountCachedPrefix(hashes, tokens, max_blocks);
+                                                        uint32_t max_blocks, PrefixHit* hit) {
+  const uint32_t limit = std::min<uint32_t>(
+      {max_blocks, static_cast<uint32_t>(hashes.size()),
+       static_cast<uint32_t>(tokens.size() / block_size_)});
+  PrefixHit local;
   std::vector<uint32_t> out;
-  out.reserve(n);
-  for (uint32_t i = 0; i < n; ++i) {
-    const uint32_t block = *cache_.Lookup(hashes[i]);
-    if (blocks_[block].ref == 0) cache_.RemoveEvictable(block);
-    ++blocks_[block].ref;
+  std::vector<uint64_t> removed;  // device evictions made room for onboarded blocks
+  std::vector<uint64_t> run;      // onboarded blocks committed on the device, one stored event
+  uint64_t run_parent = 0;
+  auto flush_run = [&] {
+    if (events_ != nullptr && !run.empty()) events_->PublishStored(std::move(run), run_parent);
+    run.clear();
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  for (uint32_t i = 0; i < limit; ++i) {
+    auto toks = tokens.subspan(size_t{i} * block_size_, block_size_);
+    auto cached = cache_.Lookup(hashes[i]);
+    if (cached && Matches(*cached, toks)) {
+      flush_run();
+      if (blocks_[*cached].ref == 0) cache_.RemoveEvictable(*cached);
+      ++blocks_[*cached].ref;
+      out.push_back(*cached);
+      ++local.blocks[static_cast<size_t>(KvTier::kDevice)];
+      continue;
+    }
+    if (cached || !tiers_ || !tiers_->Find(hashes[i], toks) || !CanAllocate(1)) break;
+    const uint32_t block = TakeBlock(removed);
+    KvTier from = KvTier::kDevice;
+    uint64_t parent = 0;
+    // Re-checked inside Load: making room may have moved the block down a tier.
+    if (!tiers_->Load(hashes[i], toks, pool_->block_bytes(block), &from, &parent).ok()) {
+      free_.push_back(block);
+      break;
+    }
+    Block& b = blocks_[block];
+    b.ref = 1;
+    b.committed = true;
+    b.hash = hashes[i];
+    b.parent = parent;
+    b.tokens.assign(toks.begin(), toks.end());
+    const bool inserted = cache_.Insert(hashes[i], block);
+    TANDEM_CHECK(inserted, "onboarded block {:x} already on the device", hashes[i]);
+    if (run.empty()) run_parent = b.parent;
+    run.push_back(hashes[i]);
     out.push_back(block);
+    ++local.blocks[static_cast<size_t>(from)];
   }
+  if (events_ != nullptr) events_->PublishRemoved(std::move(removed));
+  flush_run();
+  FlushTierEvents();
+  if (local.onboarded() > 0) {
+    local.onboard_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (on_onboard_) on_onboard_(local.onboard_seconds);
+  }
+  if (hit != nullptr) *hit = local;
   return out;
 }
 
@@ -56,8 +127,23 @@ void BlockManager::Evict(uint32_t block, std::vector<uint64_t>& removed) {
   Block& b = blocks_[block];
   cache_.Erase(b.hash);
   removed.push_back(b.hash);
+  ++device_evictions_;
+  if (tiers_) tiers_->Offload({b.hash, b.parent, b.tokens}, pool_->block_bytes(block));
   b.committed = false;
   b.tokens.clear();
+}
+
+uint32_t BlockManager::TakeBlock(std::vector<uint64_t>& removed) {
+  uint32_t block;
+  if (!free_.empty()) {
+    block = free_.back();
+    free_.pop_back();
+  } else {
+    block = *cache_.PopLeastRecent();
+    Evict(block, removed);
+  }
+  TANDEM_CHECK(blocks_[block].ref == 0, "allocating block {} with ref {}", block, blocks_[block].ref);
+  return block;
 }
 
 Result<std::vector<uint32_t>> BlockManager::Allocate(uint32_t n) {
@@ -69,20 +155,12 @@ Result<std::vector<uint32_t>> BlockManager::Allocate(uint32_t n) {
   out.reserve(n);
   std::vector<uint64_t> removed;
   for (uint32_t i = 0; i < n; ++i) {
-    uint32_t block;
-    if (!free_.empty()) {
-      block = free_.back();
-      free_.pop_back();
-    } else {
-      block = *cache_.PopLeastRecent();
-      Evict(block, removed);
-    }
-    TANDEM_CHECK(blocks_[block].ref == 0, "allocating block {} with ref {}", block,
-                 blocks_[block].ref);
+    const uint32_t block = TakeBlock(removed);
     blocks_[block].ref = 1;
     out.push_back(block);
   }
   if (events_ != nullptr) events_->PublishRemoved(std::move(removed));
+  FlushTierEvents();
   return out;
 }
 
@@ -129,20 +207,25 @@ void BlockManager::Commit(std::span<const uint32_t> blocks, std::span<const uint
     b.committed = true;
     b.hash = hashes[i];
     b.parent = parent;
+    if (tiers_) tiers_->DropHostCopy(hashes[i]);  // host and device hold disjoint sets
     auto toks = tokens.subspan(size_t{i} * block_size_, block_size_);
     b.tokens.assign(toks.begin(), toks.end());
     if (run.empty()) run_parent = parent;
     run.push_back(hashes[i]);
   }
   flush();
+  FlushTierEvents();
 }
 
 void BlockManager::ClearCache() {
   while (auto block = cache_.PopLeastRecent()) {
-    std::vector<uint64_t> ignored;
-    Evict(*block, ignored);
+    Block& b = blocks_[*block];
+    cache_.Erase(b.hash);
+    b.committed = false;
+    b.tokens.clear();
     free_.push_back(*block);
   }
+  if (tiers_) tiers_->Clear();
   for (uint32_t i = 0; i < num_blocks_; ++i) {
     Block& b = blocks_[i];
     if (!b.committed) continue;
@@ -160,8 +243,9 @@ KvSnapshot BlockManager::Snapshot() const {
     snap.last_event_id = events_->last_event_id();
   }
   for (const Block& b : blocks_) {
-    if (b.committed) snap.blocks.push_back({b.hash, b.parent});
+    if (b.committed) snap.blocks.push_back({b.hash, b.parent, KvTier::kDevice});
   }
+  if (tiers_) tiers_->AppendTo(&snap);
   return snap;
 }
 

@@ -10,18 +10,39 @@
 // and the tokens match. Committing publishes stored(...), eviction
 // removed(...), ClearCache cleared.
 //
+// With lower tiers attached (AttachTiers: host memory, disk; see
+// tiered_kv_store.h) an evicted committed block moves down instead of
+// vanishing, and a prefix walk that misses on the device continues in the
+// lower tiers: such a block is onboarded (copied into a fresh device block
+// and committed there) by AcquireCachedPrefix.
+//
 // Thread-safety: none; the engine calls it under its lock.
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <span>
 #include <vector>
 
 #include "common/status.h"
 #include "engine/kv_events.h"
+#include "engine/kv_pool.h"
+#include "engine/kv_tier.h"
 #include "engine/prefix_cache.h"
+#include "engine/tiered_kv_store.h"
 
 namespace tandem::engine {
+
+// Where the blocks of one prefix hit came from, and how long onboarding
+// the lower-tier ones took (wall time of the copies / reads).
+struct PrefixHit {
+  std::array<uint32_t, kNumKvTiers> blocks{};  // [tier]
+  double onboard_seconds = 0;
+  uint32_t total() const { return blocks[0] + blocks[1] + blocks[2]; }
+  uint32_t onboarded() const { return blocks[1] + blocks[2]; }
+};
 
 class BlockManager {
  public:
@@ -35,19 +56,39 @@ class BlockManager {
   uint32_t num_free_blocks() const {
     return static_cast<uint32_t>(free_.size()) + cache_.num_evictable();
   }
+  // Blocks on the free list (no KV kept).
+  uint32_t num_empty_blocks() const { return static_cast<uint32_t>(free_.size()); }
   uint32_t num_used_blocks() const { return num_blocks_ - num_free_blocks(); }
   uint32_t num_cached_blocks() const { return static_cast<uint32_t>(cache_.size()); }
   uint32_t ref_count(uint32_t block) const { return blocks_[block].ref; }
+
+  // Lower tiers below the device pool `pool` (borrowed; its blocks are the
+  // ones this manager hands out). `on_onboard(seconds)` is called after
+  // each acquisition that onboarded blocks (may be empty).
+  void AttachTiers(std::unique_ptr<TieredKvStore> tiers, const KvPool* pool,
+                   std::function<void(double)> on_onboard = {});
+  const TieredKvStore* tiers() const { return tiers_.get(); }
+  // Counters by tier (engine/kv_tier.h): evicted blocks (device: evicted
+  // from the pool, moved down or dropped) and prefix-hit tokens counted by
+  // CountHit.
+  uint64_t evictions(KvTier tier) const;
+  uint64_t hit_tokens(KvTier tier) const { return hit_tokens_[static_cast<size_t>(tier)]; }
+  // Counts an admitted request's hit (the scheduler, Reserve).
+  void CountHit(const PrefixHit& hit);
   bool is_committed(uint32_t block) const { return blocks_[block].committed; }
 
   // Number of leading blocks of `tokens` (full blocks only, at most
-  // max_blocks) whose hash and tokens are cached. hashes[i] is the chained
-  // hash of block i.
+  // max_blocks) whose hash and tokens are cached in some tier. hashes[i] is
+  // the chained hash of block i.
   uint32_t CountCachedPrefix(std::span<const uint64_t> hashes, std::span<const uint32_t> tokens,
                              uint32_t max_blocks) const;
-  // The same blocks, each with its reference count raised.
+  // The same blocks, each with its reference count raised; lower-tier ones
+  // are onboarded into fresh device blocks first (the walk stops early when
+  // no device block is free or a lower-tier read fails). `hit` (optional)
+  // says which tier each came from.
   std::vector<uint32_t> AcquireCachedPrefix(std::span<const uint64_t> hashes,
-                                            std::span<const uint32_t> tokens, uint32_t max_blocks);
+                                            std::span<const uint32_t> tokens, uint32_t max_blocks,
+                                            PrefixHit* hit = nullptr);
 
   bool CanAllocate(uint32_t n) const { return n <= num_free_blocks(); }
   // `n` fresh blocks (ref 1), all or nothing: evicts least recently used
@@ -85,6 +126,9 @@ class BlockManager {
   };
   bool Matches(uint32_t block, std::span<const uint32_t> tokens) const;
   void Evict(uint32_t block, std::vector<uint64_t>& removed);
+  // One block off the free list or evicted (requires CanAllocate(1)).
+  uint32_t TakeBlock(std::vector<uint64_t>& removed);
+  void FlushTierEvents();
 
   const uint32_t num_blocks_;
   const uint32_t block_size_;
@@ -92,6 +136,11 @@ class BlockManager {
   std::vector<Block> blocks_;     // [num_blocks]
   std::vector<uint32_t> free_;    // stack; back() is allocated next
   PrefixCache cache_;
+  std::unique_ptr<TieredKvStore> tiers_;  // null: device only
+  const KvPool* pool_ = nullptr;
+  std::function<void(double)> on_onboard_;
+  uint64_t device_evictions_ = 0;
+  std::array<uint64_t, kNumKvTiers> hit_tokens_{};
 };
 
 }  // namespace tandem::engine

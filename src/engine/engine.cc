@@ -5,7 +5,11 @@
 
 #include <fmt/format.h>
 
+#include <sys/random.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <random>
 
 #ifdef TANDEM_HAVE_CUDA
@@ -29,6 +33,25 @@ std::string_view FinishReasonName(FinishReason reason) {
 
 uint32_t Reservation::num_cached_tokens() const { return num_cached_blocks * block_size; }
 
+namespace {
+
+// Reservation ids are random (docs/security.md, "KV plane"): a peer that
+// learns one cannot guess another.
+Result<uint64_t> RandomReservationId() {
+  uint64_t v = 0;
+  while (v == 0) {
+    const ssize_t got = getrandom(&v, sizeof(v), 0);
+    if (got == static_cast<ssize_t>(sizeof(v))) continue;
+    if (got < 0 && errno != EINTR) {
+      return InternalError(fmt::format("getrandom failed: {}", std::strerror(errno)));
+    }
+    v = 0;
+  }
+  return v;
+}
+
+}  // namespace
+
 EngineOptions EngineOptions::FromFleetConfig(const FleetConfig& fleet) {
   EngineOptions o;
   o.backend = fleet.model.backend;
@@ -44,6 +67,9 @@ EngineOptions EngineOptions::FromFleetConfig(const FleetConfig& fleet) {
   o.hash_context.kv_dtype = "f32";  // the CPU backend's KV is f32 whatever the weights were
   if (fleet.model.backend == "cuda") o.hash_context.kv_dtype = "bf16";  // docs/cuda.md
   o.hash_context.fleet_salt = fleet.cache.salt;
+  o.host_tier_blocks = fleet.cache.host_tier_blocks;
+  o.disk_tier_path = fleet.cache.disk_tier_path;
+  o.disk_tier_max_gib = fleet.cache.disk_tier_max_gib;
   return o;
 }
 
@@ -89,7 +115,10 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
           "prefill|decode|both); this command does not set up a simulated GPU "
           "(EngineOptions::sim_timing, see engine/sim_backend.h)");
     }
-    e->backend_ = std::make_unique<SimBackend>(config, *o.sim_timing, e->pool_.get());
+    auto sim = std::make_unique<SimBackend>(config, *o.sim_timing, e->pool_.get());
+    sim->set_tier_links(o.sim_host_bytes_per_s, o.sim_disk_bytes_per_s,
+                        static_cast<double>(layout.block_bytes()) * o.sim_kv_scale);
+    e->backend_ = std::move(sim);
   } else if (o.backend == "cuda") {
 #ifdef TANDEM_HAVE_CUDA
     // No device: FAILED_PRECONDITION naming the runtime's reason (docs/cuda.md).
@@ -114,9 +143,44 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
   HashContext ctx = o.hash_context;
   ctx.block_size = o.block_size;
   e->root_hash_ = RootHash(ctx);
+  TANDEM_RETURN_IF_ERROR(e->AttachTiers());
   e->scheduler_ = std::make_unique<Scheduler>(o.scheduler, e->blocks_.get(), e->root_hash_);
   e->counters_.num_blocks = o.num_blocks;
   return e;
+}
+
+Status Engine::AttachTiers() {
+  const EngineOptions& o = options_;
+  if (o.host_tier_blocks == 0 && o.disk_tier_path.empty()) return Status::Ok();
+  if (!backend_->Supports(BackendFeature::kHostKvPool)) {
+    return UnimplementedError(fmt::format(
+        "cache.host_tier_blocks / cache.disk_tier: backend {} keeps its KV pool in device memory; "
+        "onboarding into it (pinned host memory, a copy stream) is not built yet — use the cpu "
+        "or sim backend, or turn the tiers off",
+        backend_->name()));
+  }
+  const size_t block_bytes = pool_->layout().block_bytes();
+  std::unique_ptr<HostKvTier> host;
+  if (o.host_tier_blocks > 0) {
+    auto h = HostKvTier::Create(o.host_tier_blocks, block_bytes, o.block_size, o.host_tier_allocator);
+    if (!h.ok()) return h.status().WithContext("cache.host_tier_blocks");
+    host = std::move(h).value();
+  }
+  std::unique_ptr<DiskKvTier> disk;
+  if (!o.disk_tier_path.empty()) {
+    DiskTierOptions d;
+    d.path = o.disk_tier_path;
+    d.max_bytes = static_cast<uint64_t>(o.disk_tier_max_gib * 1024.0 * 1024.0 * 1024.0);
+    d.block_size = o.block_size;
+    d.block_bytes = block_bytes;
+    d.fingerprint = DiskTierFingerprint(root_hash_, block_bytes, o.block_size);
+    auto t = DiskKvTier::Open(d);
+    if (!t.ok()) return t.status().WithContext("cache.disk_tier");
+    disk = std::move(t).value();
+  }
+  blocks_->AttachTiers(std::make_unique<TieredKvStore>(std::move(host), std::move(disk), events_.get()),
+                       pool_.get(), o.on_onboard);
+  return Status::Ok();
 }
 
 Status Engine::ValidateRequest(const GenerateRequest& r) const {
@@ -263,9 +327,12 @@ Result<Reservation> Engine::Reserve(const std::string& request_id,
   std::vector<uint32_t> prompt(prompt_ids.begin(), prompt_ids.end());
   std::vector<uint64_t> hashes = HashBlocks(root_hash_, prompt, bs);
   const uint32_t total = static_cast<uint32_t>((prompt.size() + bs - 1) / bs);
+  TANDEM_ASSIGN_OR_RETURN(uint64_t reservation_id, RandomReservationId());
   std::lock_guard lock(mu_);
+  while (reservation_id == 0 || reservations_.count(reservation_id) != 0) ++reservation_id;  // 2^-64 odds
+  PrefixHit hit;
   std::vector<uint32_t> blocks =
-      blocks_->AcquireCachedPrefix(hashes, prompt, static_cast<uint32_t>(hashes.size()));
+      blocks_->AcquireCachedPrefix(hashes, prompt, static_cast<uint32_t>(hashes.size()), &hit);
   const uint32_t cached = static_cast<uint32_t>(blocks.size());
   auto fresh = blocks_->Allocate(total - cached);
   if (!fresh.ok()) {
@@ -276,8 +343,9 @@ Result<Reservation> Engine::Reserve(const std::string& request_id,
   }
   blocks.insert(blocks.end(), fresh->begin(), fresh->end());
   scheduler_->CountPrefixQuery(prompt.size(), uint64_t{cached} * bs);
+  blocks_->CountHit(hit);
   Reservation r;
-  r.reservation_id = next_reservation_id_++;
+  r.reservation_id = reservation_id;
   r.block_ids = blocks;
   r.num_cached_blocks = cached;
   r.block_size = bs;
@@ -367,6 +435,14 @@ EngineStats Engine::stats() const {
   s.prefix_query_tokens = scheduler_->prefix_query_tokens();
   s.prefix_hit_tokens = scheduler_->prefix_hit_tokens();
   s.preemptions = scheduler_->preemptions();
+  s.tier_usage_ratio[0] =
+      1.0 - static_cast<double>(blocks_->num_empty_blocks()) / s.num_blocks;
+  for (uint32_t t = 0; t < kNumKvTiers; ++t) {
+    const auto tier = static_cast<KvTier>(t);
+    if (t > 0 && blocks_->tiers() != nullptr) s.tier_usage_ratio[t] = blocks_->tiers()->usage_ratio(tier);
+    s.tier_hit_tokens[t] = blocks_->hit_tokens(tier);
+    s.tier_evictions[t] = blocks_->evictions(tier);
+  }
   return s;
 }
 

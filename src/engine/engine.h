@@ -24,6 +24,7 @@
 //   (waiting, running, parked prefill, reservation).
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -81,6 +82,24 @@ struct EngineOptions {
   // Backend "sim" only: the simulated GPU (borrowed; must outlive the
   // engine). See engine/sim_backend.h.
   const sim::TimingModel* sim_timing = nullptr;
+  // Backend "sim" only: lower-tier onboarding links (sim.pcie_gbps,
+  // sim.nvme_gbps, in bytes/s) and the real/stored KV size ratio.
+  double sim_host_bytes_per_s = 0;
+  double sim_disk_bytes_per_s = 0;
+  double sim_kv_scale = 1;
+
+  // Lower KV tiers (docs/engine.md, "KV tiers"): cache.host_tier_blocks and
+  // cache.disk_tier. The disk tier's files go straight under
+  // disk_tier_path (a fleet worker passes <cache.disk_tier.path>/<name>).
+  uint32_t host_tier_blocks = 0;
+  std::string disk_tier_path;    // empty: no disk tier
+  double disk_tier_max_gib = 0;
+  // Borrowed; the host tier's memory (pinned host memory on cuda). Null:
+  // an anonymous mapping, touched as it fills.
+  KvPoolAllocator* host_tier_allocator = nullptr;
+  // Called (under the engine lock; be quick) with the wall seconds of each
+  // onboarding from a lower tier.
+  std::function<void(double)> on_onboard;
 
   // The fleet file's model/cache/scheduler sections.
   static EngineOptions FromFleetConfig(const FleetConfig& fleet);
@@ -102,6 +121,11 @@ struct EngineStats {
   double prefill_step_seconds = 0;  // total over steps with prefill tokens
   double decode_step_seconds = 0;   // total over decode-only steps
   uint64_t generated_tokens = 0;
+  // By tier (engine/kv_tier.h: device, host, disk). Usage: blocks holding
+  // KV / capacity (0 for a tier that is off).
+  std::array<double, kNumKvTiers> tier_usage_ratio{};
+  std::array<uint64_t, kNumKvTiers> tier_hit_tokens{};   // prefix hits, totals
+  std::array<uint64_t, kNumKvTiers> tier_evictions{};    // blocks evicted from the tier, totals
 };
 
 class Engine {
@@ -177,6 +201,8 @@ class Engine {
   // One step; deliveries collected for the caller to run without the lock.
   bool StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out);
   Status ValidateRequest(const GenerateRequest& request) const;
+  // Creates the lower KV tiers the options ask for (Create).
+  Status AttachTiers();
   std::unique_ptr<Sequence> NewSequence(GenerateRequest request);
   // Appends a sampled token; checks stop conditions; queues the delivery.
   // Returns true when the sequence finished.
@@ -205,7 +231,6 @@ class Engine {
   std::unique_ptr<Scheduler> scheduler_;    // guarded by mu_
   std::map<std::string, std::unique_ptr<Sequence>> seqs_;  // guarded by mu_
   std::map<uint64_t, ReservationState> reservations_;     // guarded by mu_
-  uint64_t next_reservation_id_ = 1;        // guarded by mu_
   EngineStats counters_;                    // guarded by mu_ (steps, seconds, tokens)
   std::jthread thread_;
 };

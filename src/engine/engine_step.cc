@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "common/check.h"
 #include "engine/engine.h"
@@ -117,6 +118,8 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
     c.start_pos = seq.num_computed;
     c.block_table = seq.blocks;
     c.num_logits = s.samples ? 1 : 0;
+    c.onboarded_host_blocks = std::exchange(seq.onboard_host_blocks, 0);
+    c.onboarded_disk_blocks = std::exchange(seq.onboard_disk_blocks, 0);
     rows += c.num_logits;
     chunks_.push_back(c);
   }

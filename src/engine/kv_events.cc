@@ -34,18 +34,21 @@ std::vector<KvEvent> KvEventPublisher::Drain(size_t max_events) {
   return out;
 }
 
-void KvEventPublisher::PublishStored(std::vector<uint64_t> hashes, uint64_t parent_hash) {
+void KvEventPublisher::PublishStored(std::vector<uint64_t> hashes, uint64_t parent_hash,
+                                     KvTier tier) {
   if (hashes.empty()) return;
   KvEvent e;
+  e.tier = tier;
   e.kind = KvEventKind::kStored;
   e.hashes = std::move(hashes);
   e.parent_hash = parent_hash;
   Publish(std::move(e));
 }
 
-void KvEventPublisher::PublishRemoved(std::vector<uint64_t> hashes) {
+void KvEventPublisher::PublishRemoved(std::vector<uint64_t> hashes, KvTier tier) {
   if (hashes.empty()) return;
   KvEvent e;
+  e.tier = tier;
   e.kind = KvEventKind::kRemoved;
   e.hashes = std::move(hashes);
   Publish(std::move(e));

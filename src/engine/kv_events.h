@@ -5,7 +5,11 @@
 //                           the block before hashes[0] (the root hash,
 //                           RootHash(context), for a sequence's first block)
 //   removed(hashes)         these blocks were evicted
-//   cleared                 the whole cache was dropped
+//   cleared                 the whole cache was dropped (every tier)
+// stored/removed name the tier (device, host, disk; engine/kv_tier.h) the
+// blocks entered or left: a block the device evicts to host memory is
+// removed(device) + stored(host); a lower-tier block onboarded for a
+// prefix hit is stored(device) (+ removed(host) when it came from host).
 // Every event has an id, increasing by one per event from 1, and the worker
 // epoch (a new epoch means the worker restarted: forget what it said
 // before). A subscriber that sees a gap in ids asks for a snapshot.
@@ -22,6 +26,8 @@
 #include <mutex>
 #include <vector>
 
+#include "engine/kv_tier.h"
+
 namespace tandem::engine {
 
 enum class KvEventKind { kStored, kRemoved, kCleared };
@@ -32,6 +38,7 @@ struct KvEvent {
   KvEventKind kind = KvEventKind::kStored;
   std::vector<uint64_t> hashes;  // stored/removed: block hashes; cleared: empty
   uint64_t parent_hash = 0;      // stored only
+  KvTier tier = KvTier::kDevice; // stored/removed
 };
 
 // All cached blocks at one event id: a subscriber that applies this and
@@ -42,6 +49,7 @@ struct KvSnapshot {
   struct Entry {
     uint64_t hash = 0;
     uint64_t parent_hash = 0;
+    KvTier tier = KvTier::kDevice;
   };
   std::vector<Entry> blocks;
 };
@@ -64,8 +72,9 @@ class KvEventPublisher {
   std::vector<KvEvent> Drain(size_t max_events = SIZE_MAX);
 
   // Assigns the next id and delivers the event (called by the block manager).
-  void PublishStored(std::vector<uint64_t> hashes, uint64_t parent_hash);
-  void PublishRemoved(std::vector<uint64_t> hashes);
+  void PublishStored(std::vector<uint64_t> hashes, uint64_t parent_hash,
+                     KvTier tier = KvTier::kDevice);
+  void PublishRemoved(std::vector<uint64_t> hashes, KvTier tier = KvTier::kDevice);
   void PublishCleared();
 
  private:

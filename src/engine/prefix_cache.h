@@ -30,6 +30,11 @@ class PrefixCache {
   bool IsEvictable(uint32_t block) const { return in_lru_[block]; }
   // Least recently used evictable block, removed from the LRU.
   std::optional<uint32_t> PopLeastRecent();
+  // The same without removing it.
+  std::optional<uint32_t> LeastRecent() const {
+    if (head_ == kNone) return std::nullopt;
+    return head_;
+  }
   uint32_t num_evictable() const { return num_evictable_; }
 
  private:

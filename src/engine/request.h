@@ -67,7 +67,7 @@ struct GenerateRequest {
 // A decoder's reservation of KV blocks for a prompt whose KV is written
 // externally (by a prefiller's push).
 struct Reservation {
-  uint64_t reservation_id = 0;     // never reused by an engine
+  uint64_t reservation_id = 0;     // random, unique among the engine's live reservations
   std::vector<uint32_t> block_ids;  // [ceil(prompt / block_size)]
   uint32_t num_cached_blocks = 0;   // leading blocks already holding the prompt's KV
   uint32_t num_cached_tokens() const;  // num_cached_blocks * block_size

@@ -85,10 +85,13 @@ SchedulerOutput Scheduler::Schedule() {
   while (!waiting_.empty() && budget > 0 && running_.size() < limits_.max_num_seqs) {
     Sequence* s = waiting_.front();
     bool took_prefix = false;
+    PrefixHit hit;
     if (s->blocks.empty() && s->num_computed == 0) {
       UpdateHashes(*s);
       const uint32_t max_blocks = (static_cast<uint32_t>(s->tokens.size()) - 1) / bs;
-      s->blocks = blocks_->AcquireCachedPrefix(s->hashes, s->tokens, max_blocks);
+      s->blocks = blocks_->AcquireCachedPrefix(s->hashes, s->tokens, max_blocks, &hit);
+      s->onboard_host_blocks += hit.blocks[static_cast<size_t>(KvTier::kHost)];
+      s->onboard_disk_blocks += hit.blocks[static_cast<size_t>(KvTier::kDisk)];
       s->num_computed = static_cast<uint32_t>(s->blocks.size()) * bs;
       s->num_committed = static_cast<uint32_t>(s->blocks.size());
       took_prefix = true;
@@ -109,6 +112,7 @@ SchedulerOutput Scheduler::Schedule() {
       s->cached_prompt_tokens = std::min(s->num_computed, s->prompt_len);
       prefix_query_tokens_ += s->prompt_len;
       prefix_hit_tokens_ += s->cached_prompt_tokens;
+      blocks_->CountHit(hit);
     }
     s->admitted_once = true;
     auto fresh = blocks_->Allocate(need);

@@ -27,6 +27,10 @@ struct Sequence {
   std::vector<uint64_t> hashes;   // chained hashes of the full blocks of `tokens` (a prefix)
   uint32_t num_committed = 0;     // leading blocks registered in (or taken from) the prefix cache
   uint32_t cached_prompt_tokens = 0;
+  // Blocks onboarded from the host / disk tier at admission, not yet
+  // reported to the backend (the sim backend models their copy time).
+  uint32_t onboard_host_blocks = 0;
+  uint32_t onboard_disk_blocks = 0;
   bool admitted_once = false;
   SeqState state = SeqState::kWaiting;
   bool in_flight = false;         // part of the step being computed

@@ -109,6 +109,7 @@ Status SimBackend::Forward(std::span<const SeqChunk> batch, std::span<float> log
   const uint32_t vocab = config_.vocab_size;
   work_.clear();
   size_t row = 0;
+  double onboard_seconds = 0;
   for (const SeqChunk& c : batch) {
     if (c.tokens.empty()) continue;
     const uint32_t end = c.start_pos + static_cast<uint32_t>(c.tokens.size());
@@ -135,8 +136,10 @@ Status SimBackend::Forward(std::span<const SeqChunk> batch, std::span<float> log
       ++row;
     }
     work_.push_back(sim::SeqWork{c.tokens.size(), c.start_pos, c.num_logits});
+    if (host_bytes_per_s_ > 0) onboard_seconds += c.onboarded_host_blocks * real_block_bytes_ / host_bytes_per_s_;
+    if (disk_bytes_per_s_ > 0) onboard_seconds += c.onboarded_disk_blocks * real_block_bytes_ / disk_bytes_per_s_;
   }
-  last_step_seconds_ = timing_.Step(work_).seconds;
+  last_step_seconds_ = std::max(timing_.Step(work_).seconds, onboard_seconds);
   if (sleep_) {
     std::this_thread::sleep_until(start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                               std::chrono::duration<double>(last_step_seconds_)));

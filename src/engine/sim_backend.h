@@ -62,6 +62,14 @@ class SimBackend final : public ComputeBackend {
   double last_step_seconds() const { return last_step_seconds_; }
   // Off: Forward returns at once (tests of outputs and of the timing alone).
   void set_sleep(bool sleep) { sleep_ = sleep; }
+  // Onboarding from the lower KV tiers: a step that onboarded blocks lasts
+  // max(compute, Σ real block bytes / link bandwidth) — the copies overlap
+  // the compute (layer by layer on a GPU). Bytes per second; 0: free.
+  void set_tier_links(double host_bytes_per_s, double disk_bytes_per_s, double real_block_bytes) {
+    host_bytes_per_s_ = host_bytes_per_s;
+    disk_bytes_per_s_ = disk_bytes_per_s;
+    real_block_bytes_ = real_block_bytes;
+  }
 
  private:
   uint64_t* Slot(std::span<const uint32_t> block_table, uint32_t pos) const;
@@ -74,6 +82,9 @@ class SimBackend final : public ComputeBackend {
   std::vector<sim::SeqWork> work_;
   double last_step_seconds_ = 0;
   bool sleep_ = true;
+  double host_bytes_per_s_ = 0;
+  double disk_bytes_per_s_ = 0;
+  double real_block_bytes_ = 0;
 };
 
 // Running hash of a sequence: h(pos) = Mix(h(pos - 1), token, pos), h(-1) = kSeed.

@@ -306,6 +306,7 @@ void Prefiller::OnOutput(const JobPtr& job, const engine::RequestOutput& out) {
   n.request_id = id;
   n.reservation_id = job->target.reservation_id;
   n.generation = job->target.generation;
+  n.capability = job->target.capability;
   n.first_token_id = job->result.first_token_id;
   n.cached_prompt_tokens = job->result.cached_prompt_tokens;
   auto xfer = transport_.PrepareBlockWrite(job->peer, pairs, link_.EncodeNotice(n));
@@ -391,6 +392,7 @@ void Prefiller::SendErrorNotice(const JobPtr& job, const Status& why) {
     n.request_id = job->spec.request_id;
     n.reservation_id = job->target.reservation_id;
     n.generation = job->target.generation;
+    n.capability = job->target.capability;
   }
   n.error = why.ok() ? UnknownError() : why;
   auto x = transport_.PrepareWrite(peer, {}, link_.EncodeNotice(n));

@@ -68,6 +68,7 @@ struct ReserveTarget {
   // When the decoder frees the slots if our notice has not come (its
   // clock); epoch value: unknown.
   std::chrono::system_clock::time_point lease_expiry{};
+  std::string capability;  // the reservation's; every notice for it carries it
 };
 
 // A KvNotice to send through the transport (worker.proto).
@@ -78,6 +79,7 @@ struct NoticeSpec {
   uint32_t first_token_id = 0;
   uint32_t cached_prompt_tokens = 0;  // this prefiller's prefix-cache hits
   Status error;  // non-OK: this prefiller gave up on the request
+  std::string capability;  // ReserveTarget::capability
 };
 
 // How the prefiller reaches decoders; the gRPC implementation lives in

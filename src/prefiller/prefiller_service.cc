@@ -117,6 +117,7 @@ class GrpcDecoderLink final : public DecoderLink {
                              out.transport_descriptor = t.transport_descriptor();
                              out.slots.assign(t.slots().begin(), t.slots().end());
                              out.cached_blocks = t.cached_blocks();
+                             out.capability = t.capability();
                              if (t.lease_expiry_unix_ms() > 0) {
                                out.lease_expiry = std::chrono::system_clock::time_point(
                                    std::chrono::milliseconds(t.lease_expiry_unix_ms()));
@@ -132,6 +133,7 @@ class GrpcDecoderLink final : public DecoderLink {
     m.set_generation(n.generation);
     m.set_first_token_id(n.first_token_id);
     m.set_prefill_cached_prompt_tokens(n.cached_prompt_tokens);
+    m.set_capability(n.capability);
     if (!n.error.ok()) {
       m.mutable_error()->set_code(static_cast<int>(n.error.code()));
       m.mutable_error()->set_message(n.error.message());

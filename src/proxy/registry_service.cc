@@ -88,7 +88,11 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
       case pb::WorkerUpdate::kSnapshot: {
         std::vector<uint64_t> hashes(update_.snapshot().block_hashes().begin(),
                                      update_.snapshot().block_hashes().end());
-        router.ApplySnapshot(id, update_.epoch(), update_.snapshot_event_id(), hashes)
+        std::vector<uint64_t> host(update_.snapshot_host_hashes().begin(),
+                                   update_.snapshot_host_hashes().end());
+        std::vector<uint64_t> disk(update_.snapshot_disk_hashes().begin(),
+                                   update_.snapshot_disk_hashes().end());
+        router.ApplySnapshot(id, update_.epoch(), update_.snapshot_event_id(), hashes, host, disk)
             .status()
             .IgnoreError();
         break;
@@ -102,9 +106,11 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
         if (e.has_stored()) {
           v.kind = router::KvEventKind::kStored;
           v.parent_hash = e.stored().parent_hash();
+          v.tier = static_cast<router::KvTier>(e.stored().tier());
           hashes.assign(e.stored().block_hashes().begin(), e.stored().block_hashes().end());
         } else if (e.has_removed()) {
           v.kind = router::KvEventKind::kRemoved;
+          v.tier = static_cast<router::KvTier>(e.removed().tier());
           hashes.assign(e.removed().block_hashes().begin(), e.removed().block_hashes().end());
         } else {
           v.kind = router::KvEventKind::kCleared;

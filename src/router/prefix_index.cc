@@ -308,10 +308,14 @@ Result<EventResult> PrefixIndex::Apply(WorkerId worker, const KvEventView& event
     s.awaiting_snapshot = true;
     return EventResult::kNeedsSnapshot;
   }
-  switch (event.kind) {
-    case KvEventKind::kStored: StoreBlocks(worker, event.hashes); break;
-    case KvEventKind::kRemoved: RemoveBlocks(worker, event.hashes); break;
-    case KvEventKind::kCleared: DropWorkerEntries(worker); break;
+  // Events about the host/disk tiers only advance the id here; the
+  // router's TierIndex keeps those blocks.
+  if (event.tier == KvTier::kDevice || event.kind == KvEventKind::kCleared) {
+    switch (event.kind) {
+      case KvEventKind::kStored: StoreBlocks(worker, event.hashes); break;
+      case KvEventKind::kRemoved: RemoveBlocks(worker, event.hashes); break;
+      case KvEventKind::kCleared: DropWorkerEntries(worker); break;
+    }
   }
   s.last_event_id = event.event_id;
   return EventResult::kApplied;

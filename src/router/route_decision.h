@@ -49,6 +49,7 @@ struct RouteDecision {
   uint32_t prompt_blocks = 0;           // ceil(prompt_tokens / block_size)
   uint32_t prefill_overlap_blocks = 0;  // predicted cached prefix on the prefiller
   uint32_t decode_overlap_blocks = 0;   // ... on the decoder
+  uint32_t prefill_tier_blocks = 0;     // host/disk-tier blocks after the prefiller's overlap
   uint32_t transfer_blocks = 0;         // blocks the prefiller pushes to the decoder
 
   double prefill_cost = 0;

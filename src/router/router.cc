@@ -1,6 +1,7 @@
 #include "router/router.h"
 
 #include <chrono>
+#include <algorithm>
 #include <cmath>
 
 namespace tandem::router {
@@ -34,6 +35,8 @@ Result<std::unique_ptr<Router>> Router::Create(const RouterConfig& config, Route
   TANDEM_RETURN_IF_ERROR(CheckPositive(options.cross_node_bandwidth_bytes_per_s, "cross_node_bandwidth_bytes_per_s"));
   TANDEM_RETURN_IF_ERROR(CheckPositive(options.cross_zone_bandwidth_bytes_per_s, "cross_zone_bandwidth_bytes_per_s"));
   TANDEM_RETURN_IF_ERROR(CheckNonNegative(options.transfer_cost_per_ms, "transfer_cost_per_ms"));
+  TANDEM_RETURN_IF_ERROR(CheckNonNegative(options.host_tier_onboard_cost, "host_tier_onboard_cost"));
+  TANDEM_RETURN_IF_ERROR(CheckNonNegative(options.disk_tier_onboard_cost, "disk_tier_onboard_cost"));
   if (options.report_lag_ns < 0 || options.max_prediction_age_ns <= 0) {
     return InvalidArgumentError("router options report_lag_ns must be >= 0 and max_prediction_age_ns > 0");
   }
@@ -63,6 +66,7 @@ Result<WorkerId> Router::AddWorker(const WorkerInfo& info) {
     return st;
   }
   loads_.Reset(id, info.num_blocks);
+  tiers_.Replace(id, info.epoch, {}, {});
   keyed_pending_[id].store(0, std::memory_order_relaxed);
   WorkerCounters& c = worker_counters_[id];
   c.prefill_routes = 0;
@@ -78,6 +82,7 @@ Status Router::RemoveWorker(WorkerId id) {
   // Its id is released only afterwards, so AddWorker cannot reuse it while
   // the index still holds it.
   TANDEM_RETURN_IF_ERROR(index_.RemoveWorker(id));
+  tiers_.Clear(id);
   std::lock_guard lock(mu_);
   return workers_.Remove(id);
 }
@@ -94,7 +99,14 @@ size_t Router::num_workers() const {
 
 Result<EventResult> Router::ApplyEvent(WorkerId id, const KvEventView& event) {
   Result<EventResult> r = index_.Apply(id, event);
-  if (r.ok() && *r == EventResult::kApplied && event.kind == KvEventKind::kStored && id < kMaxWorkers &&
+  if (r.ok() && (*r == EventResult::kApplied || *r == EventResult::kNeedsSnapshot)) {
+    tiers_.SetEpoch(id, event.epoch);  // a restarted worker's lower tiers are forgotten too
+    if (*r == EventResult::kApplied && (event.tier != KvTier::kDevice || event.kind == KvEventKind::kCleared)) {
+      tiers_.Apply(id, event.kind, event.tier, event.hashes);
+    }
+  }
+  if (r.ok() && *r == EventResult::kApplied && event.kind == KvEventKind::kStored &&
+      event.tier == KvTier::kDevice && id < kMaxWorkers &&
       keyed_pending_[id].load(std::memory_order_relaxed) > 0) {
     // A prompt's last full block stored: its prefill is done there.
     std::lock_guard lock(mu_);
@@ -114,9 +126,14 @@ Result<EventResult> Router::ApplyEvent(WorkerId id, const KvEventView& event) {
 }
 
 Result<EventResult> Router::ApplySnapshot(WorkerId id, uint64_t epoch, uint64_t last_event_id,
-                                          std::span<const uint64_t> hashes) {
+                                          std::span<const uint64_t> hashes,
+                                          std::span<const uint64_t> host_hashes,
+                                          std::span<const uint64_t> disk_hashes) {
   Result<EventResult> r = index_.ApplySnapshot(id, epoch, last_event_id, hashes);
-  if (r.ok() && *r == EventResult::kApplied) snapshots_applied_.fetch_add(1, std::memory_order_relaxed);
+  if (r.ok() && *r == EventResult::kApplied) {
+    tiers_.Replace(id, epoch, host_hashes, disk_hashes);
+    snapshots_applied_.fetch_add(1, std::memory_order_relaxed);
+  }
   return r;
 }
 
@@ -140,6 +157,8 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
   }
   OverlapBlocks overlap;  // [kMaxWorkers]
   index_.Overlap(request.block_hashes, &overlap);
+  TierOverlap lower;      // host/disk blocks after each worker's device overlap
+  tiers_.Extend(request.block_hashes, overlap, &lower);
 
   std::lock_guard lock(mu_);
   const int64_t now = Now();
@@ -148,7 +167,9 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
     const WorkerSet::Entry& e = *workers_.Find(id);
     loads_.Expire(id, now);
     candidates_.push_back(Candidate{id, e.info.role, e.node_id, e.zone_id, e.info.block_bytes, loads_.load(id),
-                                    overlap[id]});
+                                    overlap[id], lower.host[id] + lower.disk[id],
+                                    lower.host[id] * std::max(0.0, 1.0 - options_.host_tier_onboard_cost) +
+                                        lower.disk[id] * std::max(0.0, 1.0 - options_.disk_tier_onboard_cost)});
   }
   const ScoringParams params{policy_, config_.prefill_weight, config_.temperature,
                              config_.local_prefill_threshold_tokens, &options_};

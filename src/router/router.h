@@ -40,6 +40,7 @@
 #include "router/route_decision.h"
 #include "router/router_options.h"
 #include "router/scoring.h"
+#include "router/tier_index.h"
 #include "router/types.h"
 #include "router/worker_set.h"
 
@@ -85,8 +86,11 @@ class Router {
   // KV events; see PrefixIndex for the rules. On kNeedsSnapshot the caller
   // asks the worker for a snapshot.
   Result<EventResult> ApplyEvent(WorkerId id, const KvEventView& event);
+  // `host_hashes` / `disk_hashes`: the worker's lower-tier blocks.
   Result<EventResult> ApplySnapshot(WorkerId id, uint64_t epoch, uint64_t last_event_id,
-                                    std::span<const uint64_t> hashes);
+                                    std::span<const uint64_t> hashes,
+                                    std::span<const uint64_t> host_hashes = {},
+                                    std::span<const uint64_t> disk_hashes = {});
 
   Status ApplyLoadReport(WorkerId id, const LoadReport& report);
 
@@ -107,6 +111,7 @@ class Router {
 
   RouterCounters counters() const;
   const PrefixIndex& index() const { return index_; }
+  const TierIndex& tier_index() const { return tiers_; }
   // Effective load of a worker (report + predictions), for tests and debug.
   Result<WorkerLoad> load(WorkerId id) const;
 
@@ -124,6 +129,7 @@ class Router {
   const RouterConfig config_;
   const RouterOptions options_;
   PrefixIndex index_;
+  TierIndex tiers_;  // host/disk tiers of the workers that have them
 
   mutable std::mutex mu_;  // guards everything below up to the counters
   Policy policy_;

@@ -40,6 +40,14 @@ struct RouterOptions {
   // Block size in bytes when a worker did not say (WorkerInfo.block_bytes 0).
   uint64_t default_block_bytes = 0;
 
+  // KV tiers (docs/router.md, "Tiers"): onboarding one block from a
+  // worker's host / disk tier costs this many blocks of prefill work, so a
+  // lower-tier hit counts as 1 - cost cached blocks (device > host > disk).
+  // Defaults: a Llama-3-8B block (2 MiB) over PCIe 5 (~50 GB/s) or from
+  // NVMe (~7 GB/s) against ~0.47 ms of H100 prefill per 16 tokens.
+  double host_tier_onboard_cost = 0.1;
+  double disk_tier_onboard_cost = 0.6;
+
   // Load prediction: a routed request's load counts on its workers until a
   // load report that was produced at least this long after the routing
   // arrives (the request had time to reach the worker), or until it is

@@ -63,7 +63,7 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
     const Candidate& c = w[i];
     prefill_load[i] = static_cast<double>(std::max<int64_t>(0, c.load.queued_prefill_tokens)) / bs;
     decode_load[i] = static_cast<double>(std::max<int64_t>(0, c.load.active_decode_blocks));
-    need[i] = std::max<int64_t>(0, prompt_blocks - c.overlap_blocks);
+    need[i] = std::max<int64_t>(0, prompt_blocks - c.overlap_blocks - (kv ? c.tier_blocks : 0));
     room[i] = !c.load.free_known || c.load.free_blocks >= need[i];
     if (CanPrefill(c.role)) ps.idx[ps.n++] = i;
     if (CanDecode(c.role)) ds.idx[ds.n++] = i;
@@ -78,8 +78,8 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
   std::array<double, kMaxWorkers> pc, dc;  // [workers]: side costs
   for (uint32_t k = 0; k < ps.n; ++k) {
     const uint32_t i = ps.idx[k];
-    const int64_t ovl = out->hot_prefix_prefill ? 0 : w[i].overlap_blocks;
-    pc[i] = kv ? params.prefill_weight * static_cast<double>(std::max<int64_t>(0, prompt_blocks - ovl)) +
+    const double ovl = out->hot_prefix_prefill ? 0 : w[i].overlap_blocks + w[i].tier_credit_blocks;
+    pc[i] = kv ? params.prefill_weight * std::max(0.0, static_cast<double>(prompt_blocks) - ovl) +
                      prefill_load[i]
                : prefill_load[i];
     out->prefill_scores.push_back({w[i].id, pc[i], w[i].overlap_blocks, false});
@@ -88,8 +88,8 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
   uint32_t with_room = 0;
   for (uint32_t k = 0; k < ds.n; ++k) {
     const uint32_t i = ds.idx[k];
-    const int64_t ovl = out->hot_prefix_decode ? 0 : w[i].overlap_blocks;
-    dc[i] = kv ? decode_load[i] + static_cast<double>(std::max<int64_t>(0, prompt_blocks - ovl)) : decode_load[i];
+    const double ovl = out->hot_prefix_decode ? 0 : w[i].overlap_blocks + w[i].tier_credit_blocks;
+    dc[i] = kv ? decode_load[i] + std::max(0.0, static_cast<double>(prompt_blocks) - ovl) : decode_load[i];
     out->decode_scores.push_back({w[i].id, dc[i], w[i].overlap_blocks, !room[i]});
     most_free = std::max(most_free, w[i].load.free_blocks);
     with_room += room[i] ? 1 : 0;
@@ -230,6 +230,7 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
   out->decode = w[bd].id;
   out->prefill_overlap_blocks = w[bp].overlap_blocks;
   out->decode_overlap_blocks = w[bd].overlap_blocks;
+  out->prefill_tier_blocks = w[bp].tier_blocks;
   out->prefill_cost = pc[bp];
   out->decode_cost = dc[bd];
   out->transfer_cost = transfer(bp, bd);

@@ -3,8 +3,12 @@
 // inputs plus PolicyState (round-robin cursors, the seeded RNG).
 //
 // kv_aware (DESIGN.md section 5), per candidate pair (p, d):
-//   prefill(p)  = prefill_weight * max(0, prompt_blocks - overlap_p) + queued_prefill_blocks_p
-//   decode(d)   = active_blocks_d + new_blocks_d,  new_blocks_d = max(0, prompt_blocks - overlap_d)
+//   prefill(p)  = prefill_weight * max(0, prompt_blocks - overlap_p - tier_credit_p) + queued_prefill_blocks_p
+//   decode(d)   = active_blocks_d + max(0, prompt_blocks - overlap_d - tier_credit_d)
+//                 new_blocks_d = max(0, prompt_blocks - overlap_d - tier_blocks_d)
+//   (tier_credit: the host/disk-tier blocks right after the device overlap,
+//    each worth 1 - its onboarding cost in blocks of prefill; tier_blocks:
+//    their number — the decoder onboards them instead of receiving them)
 //                 d is rejected when its free blocks < new_blocks_d
 //   transfer    = transfer_cost_per_ms * new_blocks_d * block_bytes / bandwidth(p, d) in ms
 //                 (0 when p == d)
@@ -40,7 +44,9 @@ struct Candidate {
   uint32_t zone_id = 0;
   uint64_t block_bytes = 0;
   WorkerLoad load;
-  uint32_t overlap_blocks = 0;  // leading prompt blocks it caches
+  uint32_t overlap_blocks = 0;  // leading prompt blocks it caches (device tier)
+  uint32_t tier_blocks = 0;     // host/disk-tier blocks right after those
+  double tier_credit_blocks = 0;  // tier_blocks weighted by 1 - onboarding cost
 };
 
 struct ScoringParams {

@@ -43,6 +43,8 @@ struct LoadReport {
 };
 
 enum class KvEventKind { kStored, kRemoved, kCleared };
+// The KV memory tier an event is about (docs/engine.md, "KV tiers").
+enum class KvTier : uint8_t { kDevice = 0, kHost = 1, kDisk = 2 };
 
 // One KV event (DESIGN.md section 4). `hashes` borrows the caller's storage
 // (e.g. a protobuf repeated field) for the duration of the call.
@@ -52,6 +54,7 @@ struct KvEventView {
   uint64_t event_id = 0;              // 1, 2, 3, ... within an epoch
   uint64_t parent_hash = 0;           // stored only; not needed by a chained-hash index
   std::span<const uint64_t> hashes;   // stored/removed; empty for cleared
+  KvTier tier = KvTier::kDevice;      // stored/removed: the tier entered / left
 };
 
 // A set of workers: bit i = worker i.

@@ -1,5 +1,7 @@
 #include "worker/worker_metrics.h"
 
+#include <string>
+
 namespace tandem::worker {
 
 namespace {
@@ -17,6 +19,9 @@ std::vector<double> TransferBuckets() {
 std::vector<double> RatioBuckets() {
   return {0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0};
 }
+
+constexpr const char* kNoticeRefusedHelp =
+    "KV notices refused without acting on them (wrong capability, unreadable)";
 
 void Advance(prometheus::Counter& c, uint64_t now, uint64_t before) {
   if (now > before) c.Increment(static_cast<double>(now - before));
@@ -54,7 +59,30 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
       stale_notices_(r.Counter("tandem_kv_stale_notices_total",
                                "KV notices ignored: stale generation or unknown reservation")),
       refused_(r.Counter("tandem_kv_reservations_refused_total",
-                         "Reservations refused for lack of KV blocks")) {}
+                         "Reservations refused for lack of KV blocks")),
+      notice_refused_capability_(r.Counter("tandem_kv_notice_refused_total", kNoticeRefusedHelp,
+                                           {{"reason", "capability"}})),
+      notice_refused_unreadable_(r.Counter("tandem_kv_notice_refused_total", kNoticeRefusedHelp,
+                                           {{"reason", "unreadable"}})),
+      onboard_seconds_(r.Histogram("tandem_kv_tier_onboard_seconds",
+                                   "Time to onboard one prefix hit's host/disk-tier blocks into the "
+                                   "device tier",
+                                   TransferBuckets())) {
+  for (uint32_t t = 0; t < engine::kNumKvTiers; ++t) {
+    const std::string tier(engine::KvTierName(static_cast<engine::KvTier>(t)));
+    tier_usage_[t] = &r.Gauge("tandem_kv_tier_usage_ratio",
+                              "Fraction of the KV tier's capacity holding blocks (0 when the tier is off)",
+                              {{"tier", tier}});
+    tier_hits_[t] = &r.Counter("tandem_kv_tier_hits_tokens_total",
+                               "Prompt tokens of prefix hits, by the tier the blocks were found in",
+                               {{"tier", tier}});
+    tier_evictions_[t] = &r.Counter("tandem_kv_tier_evictions_total",
+                                    "Blocks evicted from the KV tier (moved down, or dropped from the lowest)",
+                                    {{"tier", tier}});
+  }
+}
+
+void WorkerMetrics::ObserveOnboard(double seconds) { onboard_seconds_.Observe(seconds); }
 
 void WorkerMetrics::ObservePrefill(double prefill_seconds) { prefill_seconds_.Observe(prefill_seconds); }
 
@@ -79,6 +107,15 @@ void WorkerMetrics::Update(const MetricsSample& s) {
   Advance(leases_expired_, s.leases_expired, last_.leases_expired);
   Advance(stale_notices_, s.stale_notices, last_.stale_notices);
   Advance(refused_, s.reservations_refused, last_.reservations_refused);
+  Advance(notice_refused_capability_, s.notices_refused_capability,
+          last_.notices_refused_capability);
+  Advance(notice_refused_unreadable_, s.notices_refused_unreadable,
+          last_.notices_refused_unreadable);
+  for (uint32_t t = 0; t < engine::kNumKvTiers; ++t) {
+    tier_usage_[t]->Set(s.engine.tier_usage_ratio[t]);
+    Advance(*tier_hits_[t], s.engine.tier_hit_tokens[t], last_.engine.tier_hit_tokens[t]);
+    Advance(*tier_evictions_[t], s.engine.tier_evictions[t], last_.engine.tier_evictions[t]);
+  }
   last_ = s;
 }
 

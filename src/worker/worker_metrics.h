@@ -10,12 +10,20 @@
 //   tandem_kv_reservations (gauge), tandem_kv_parked_prefills (gauge),
 //   tandem_prefill_queue_requests (gauge),
 //   tandem_kv_lease_expired_total, tandem_kv_stale_notices_total,
-//   tandem_kv_reservations_refused_total (counters).
+//   tandem_kv_reservations_refused_total (counters),
+// and, for the KV plane's security (docs/security.md):
+//   tandem_kv_notice_refused_total{reason} (counter; reason capability |
+//   unreadable): KV notices a decoder refused without acting on them,
+// and per KV tier (label tier = device | host | disk; docs/engine.md):
+//   tandem_kv_tier_usage_ratio (gauge), tandem_kv_tier_hits_tokens_total,
+//   tandem_kv_tier_evictions_total (counters), plus
+//   tandem_kv_tier_onboard_seconds (histogram, no tier label).
 //
 // Threads: Observe* from any thread (engine, progress, gRPC); Update from
 // one thread at a time (the worker's monitor thread).
 #pragma once
 
+#include <array>
 #include <cstdint>
 
 #include "common/metrics.h"
@@ -31,6 +39,8 @@ struct MetricsSample {
   uint64_t leases_expired = 0;  // totals
   uint64_t stale_notices = 0;
   uint64_t reservations_refused = 0;
+  uint64_t notices_refused_capability = 0;
+  uint64_t notices_refused_unreadable = 0;
 };
 
 class WorkerMetrics {
@@ -40,6 +50,8 @@ class WorkerMetrics {
   void ObservePrefill(double prefill_seconds);
   void ObserveTransfer(uint64_t bytes, double transfer_seconds, double prefill_seconds);
   void ObserveDecodeStep(double seconds);
+  // Wall time of one onboarding from the host / disk tier (any thread).
+  void ObserveOnboard(double seconds);
   void Update(const MetricsSample& s);
 
  private:
@@ -60,6 +72,12 @@ class WorkerMetrics {
   prometheus::Counter& leases_expired_;
   prometheus::Counter& stale_notices_;
   prometheus::Counter& refused_;
+  prometheus::Counter& notice_refused_capability_;
+  prometheus::Counter& notice_refused_unreadable_;
+  std::array<prometheus::Gauge*, engine::kNumKvTiers> tier_usage_{};
+  std::array<prometheus::Counter*, engine::kNumKvTiers> tier_hits_{};
+  std::array<prometheus::Counter*, engine::kNumKvTiers> tier_evictions_{};
+  prometheus::Histogram& onboard_seconds_;
   MetricsSample last_;  // Update's thread only: counters advance by the difference
 };
 

@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <ctime>
+#include <filesystem>
 #include <iostream>
 #include <mutex>
 #include <random>
@@ -135,6 +136,8 @@ struct Worker {
       m.leases_expired = c.leases_expired;
       m.stale_notices = c.stale_notices;
       m.reservations_refused = c.reservations_refused;
+      m.notices_refused_capability = c.notices_refused_capability;
+      m.notices_refused_unreadable = c.notices_refused_unreadable;
     }
     if (prefiller) m.queued_prefills = prefiller->counts().queued;
     metrics->Update(m);
@@ -182,8 +185,13 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   if (simulated) {
     eo.num_blocks = w.sim.num_blocks;  // from the simulated device's memory
     eo.sim_timing = w.sim.timing.get();
+    eo.sim_host_bytes_per_s = w.fleet.sim.pcie_gbps * 1e9 / 8;
+    eo.sim_disk_bytes_per_s = w.fleet.sim.nvme_gbps * 1e9 / 8;
+    eo.sim_kv_scale = w.sim.kv_scale;
   }
   if (rc.num_blocks != 0) eo.num_blocks = rc.num_blocks;
+  // One disk-tier directory per worker (its name is stable across restarts).
+  if (!eo.disk_tier_path.empty()) eo.disk_tier_path = (std::filesystem::path(eo.disk_tier_path) / name).string();
   eo.epoch = RandomEpoch();
   engine::KvLayout layout;
   layout.num_layers = w.model_config.num_hidden_layers;
@@ -221,6 +229,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     spdlog::info("{}: {}", name, w.sim.summary);
   }
   WorkerMetrics* metrics = w.metrics.get();
+  eo.on_onboard = [metrics](double seconds) { metrics->ObserveOnboard(seconds); };
   eo.on_step = [metrics](const engine::StepStats& st) {
     if (st.num_prefill_tokens == 0 && st.num_decode_tokens > 0) metrics->ObserveDecodeStep(st.seconds);
   };

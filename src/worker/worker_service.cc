@@ -119,10 +119,12 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
       case engine::KvEventKind::kStored: {
         auto* st = ev->mutable_stored();
         st->set_parent_hash(e.parent_hash);
+        st->set_tier(static_cast<pb::KvTier>(e.tier));
         for (uint64_t h : e.hashes) st->add_block_hashes(h);
         break;
       }
       case engine::KvEventKind::kRemoved:
+        ev->mutable_removed()->set_tier(static_cast<pb::KvTier>(e.tier));
         for (uint64_t h : e.hashes) ev->mutable_removed()->add_block_hashes(h);
         break;
       case engine::KvEventKind::kCleared: ev->mutable_cleared(); break;
@@ -193,7 +195,13 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
         u->set_epoch(snap.epoch);
         u->set_snapshot_event_id(snap.last_event_id);
         auto* s = u->mutable_snapshot();
-        for (const auto& b : snap.blocks) s->add_block_hashes(b.hash);
+        for (const auto& b : snap.blocks) {
+          switch (b.tier) {
+            case engine::KvTier::kDevice: s->add_block_hashes(b.hash); break;
+            case engine::KvTier::kHost: u->add_snapshot_host_hashes(b.hash); break;
+            case engine::KvTier::kDisk: u->add_snapshot_disk_hashes(b.hash); break;
+          }
+        }
         snapshot = std::move(u);
         snapshot_id = snap.last_event_id;
       }

@@ -142,6 +142,29 @@ TEST(Config, CrossFieldChecks) {
             "configs/x.yaml: proxy.default_max_tokens (9) exceeds proxy.max_tokens_limit (8)");
 }
 
+// KV tiers (docs/engine.md, "KV tiers"): off by default; the disk tier's
+// path resolves against the file's directory; both keys are range-checked.
+TEST(Config, KvTierKeys) {
+  auto d = Parse(kGood);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->cache.host_tier_blocks, 0u);
+  EXPECT_TRUE(d->cache.disk_tier_path.empty());
+  auto r = Parse("model:\n  path: m\ncache:\n  host_tier_blocks: 4096\n  disk_tier:\n"
+                 "    path: kv\n    max_gib: 2.5\nboth:\n  replicas: 1\n");
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->cache.host_tier_blocks, 4096u);
+  EXPECT_EQ(r->cache.disk_tier_path, "/repo/configs/kv");
+  EXPECT_DOUBLE_EQ(r->cache.disk_tier_max_gib, 2.5);
+  EXPECT_EQ(ErrorOf("model:\n  path: m\ncache:\n  disk_tier:\n    path: kv\nboth:\n  replicas: 1\n"),
+            "configs/x.yaml:5: missing required key 'cache.disk_tier.max_gib'");
+  EXPECT_EQ(ErrorOf("model:\n  path: m\ncache:\n  disk_tier:\n    path: kv\n    max_gib: 0\n"
+                    "both:\n  replicas: 1\n"),
+            "configs/x.yaml:6: key 'cache.disk_tier.max_gib' must be a number in [0.0001, 1000000], got '0'");
+  EXPECT_NE(ErrorOf("model:\n  path: m\ncache:\n  host_tier_blocks: -1\nboth:\n  replicas: 1\n")
+                .find("cache.host_tier_blocks"),
+            std::string::npos);
+}
+
 TEST(Config, MissingFile) {
   auto r = LoadFleetConfig("/nonexistent/fleet.yaml");
   ASSERT_FALSE(r.ok());

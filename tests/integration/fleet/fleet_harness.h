@@ -31,6 +31,8 @@ struct FleetOptions {
   std::string proxy_yaml;
   // Lines added inside the `model` section, e.g. "  backend: sim\n".
   std::string model_yaml;
+  // Lines added inside the `cache` section, e.g. "  host_tier_blocks: 64\n".
+  std::string cache_yaml;
   // The `logging` section's level and format (every process logs to log_path()).
   // TANDEM_TEST_LOG_LEVEL in the environment replaces the default level.
   std::string log_level = "warn";

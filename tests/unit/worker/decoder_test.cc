@@ -37,6 +37,7 @@ class DecoderTest : public ::testing::Test {
     n.reservation_id = t.reservation_id;
     n.generation = t.generation;
     n.first_token_id = first_token;
+    n.capability = t.capability;
     return n;
   }
   uint32_t FreeBlocks() { return node_->engine->stats().free_blocks; }
@@ -95,6 +96,56 @@ TEST_F(DecoderTest, CancelledReservationWaitsForThePrefillersNotice) {
   EXPECT_EQ(decoder_->counts().reservations, 0u);
   EXPECT_EQ(FreeBlocks(), 32u);
   EXPECT_FALSE(sink->Ended());  // a cancelled stream hears nothing
+}
+
+TEST_F(DecoderTest, EachReservationHasItsOwnRandomCapabilityAndId) {
+  MakeDecoder();
+  const auto pa = Prompt(20, 30), pb = Prompt(20, 31);
+  Register("a", pa);
+  Register("b", pb);
+  auto a = decoder_->Reserve("a", "p", pa);
+  auto b = decoder_->Reserve("b", "p", pb);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->capability.size(), 16u);
+  EXPECT_EQ(b->capability.size(), 16u);
+  EXPECT_NE(a->capability, b->capability);
+  EXPECT_NE(a->capability, std::string(16, '\0'));
+  // Not a counter: neither id follows from the other.
+  EXPECT_NE(b->reservation_id, a->reservation_id + 1);
+  EXPECT_NE(a->reservation_id, 0u);
+}
+
+TEST_F(DecoderTest, NoticeWithTheWrongCapabilityIsRefusedCountedAndChangesNothing) {
+  MakeDecoder();
+  const auto prompt = Prompt(20, 32);
+  auto sink = Register("a", prompt, 3);
+  auto t = decoder_->Reserve("a", "p", prompt);
+  ASSERT_TRUE(t.ok());
+  // Wrong bytes, no capability, a truncated one, and an error notice that
+  // would free the reservation if it were believed.
+  KvNoticeInfo wrong = Notice(*t, 9);
+  wrong.capability[0] = static_cast<char>(wrong.capability[0] ^ 1);
+  decoder_->OnKvNotice(wrong);
+  KvNoticeInfo none = Notice(*t, 9);
+  none.capability.clear();
+  decoder_->OnKvNotice(none);
+  KvNoticeInfo shorter = Notice(*t, 9);
+  shorter.capability.pop_back();
+  decoder_->OnKvNotice(shorter);
+  KvNoticeInfo forged_error = wrong;
+  forged_error.error = CancelledError("forged");
+  decoder_->OnKvNotice(forged_error);
+  EXPECT_EQ(decoder_->counts().notices_refused_capability, 4u);
+  EXPECT_EQ(decoder_->counts().stale_notices, 0u);
+  EXPECT_EQ(decoder_->counts().reservations, 1u);
+  EXPECT_EQ(FreeBlocks(), 32u - 2u);
+  EXPECT_FALSE(sink->Ended());
+  // The genuine notice still works.
+  decoder_->OnKvNotice(Notice(*t, 9));
+  ASSERT_TRUE(WaitFor([&] { return sink->Ended(); }));
+  EXPECT_TRUE(sink->finished);
+  ASSERT_EQ(sink->tokens.size(), 3u);
+  EXPECT_EQ(sink->tokens[0], 9u);
 }
 
 TEST_F(DecoderTest, StaleOrUnknownNoticesAreIgnoredAndCounted) {
