@@ -8,12 +8,14 @@
 // Thread-safety: as tcp::socket (use from the connection's strand).
 #pragma once
 
-#include <boost/asio.hpp>
-#include <boost/asio/ssl.hpp>
-
+// <utility> before Asio: Boost 1.74's awaitable.hpp uses std::exchange
+// without including it (an error under C++20).
 #include <memory>
 #include <optional>
 #include <utility>
+
+#include <boost/asio.hpp>
+#include <boost/asio/ssl.hpp>
 
 #include "common/status.h"
 #include "common/tls.h"
