@@ -108,9 +108,10 @@ void RegisterConfigCheck(CLI::App& app, GlobalOptions& g) {
       return;
     }
     std::cout << fmt::format(
-        "{}: ok\nmodel: {} ({}), backend {}\nworkers: {} prefill, {} decode, {} both\n"
+        "{}: ok\nmodel: {} ({}), backend {}, batch_invariant {}\nworkers: {} prefill, {} decode, {} both\n"
         "proxy: grpc {} http {} metrics {}\nrouter: {}\n",
-        *path, cfg->model.name, cfg->model.path, cfg->model.backend, cfg->prefill.replicas,
+        *path, cfg->model.name, cfg->model.path, cfg->model.backend, cfg->model.batch_invariant,
+        cfg->prefill.replicas,
         cfg->decode.replicas, cfg->both.replicas, cfg->proxy.grpc, cfg->proxy.http,
         cfg->proxy.metrics, cfg->router.policy);
     g.exit_code = 0;

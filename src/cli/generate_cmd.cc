@@ -102,7 +102,11 @@ Status Run(const GenerateArgs& a) {
   } else {
     TANDEM_ASSIGN_OR_RETURN(prompt, ParseIds(*a.prompt_ids));
   }
-  TANDEM_ASSIGN_OR_RETURN(model::ModelWeights weights, model::LoadWeights(model_dir, config));
+  // cuda: matrices straight to bf16 (half the host memory; docs/cuda.md).
+  const auto format =
+      options.backend == "cuda" ? model::WeightFormat::kBf16 : model::WeightFormat::kF32;
+  TANDEM_ASSIGN_OR_RETURN(model::ModelWeights weights,
+                          model::LoadWeights(model_dir, config, format));
 
   // One request: the pool needs no more than its own blocks (plus a spare).
   const uint64_t tokens = prompt.size() + uint64_t{a.max_tokens};

@@ -81,6 +81,7 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.ReadEnum("backend", c.model.backend, {"cpu", "cuda", "sim"});
     m.ReadEnum("dtype", c.model.dtype, {"f32", "bf16", "f16"});
     m.Read("max_model_len", c.model.max_model_len, 0, 1u << 20);
+    m.Read("batch_invariant", c.model.batch_invariant);
     m.Finish();
   }
   {

@@ -21,6 +21,11 @@ struct ModelConfig {
   std::string backend = "cpu";  // cpu | cuda | sim
   std::string dtype = "f32";    // compute/KV dtype: f32 | bf16 | f16
   uint32_t max_model_len = 0;   // 0 = the model's max_position_embeddings
+  // Bit-identical rows whatever the batch and the chunking (docs/cuda.md).
+  // cuda: selects the invariant kernels (default, the product's determinism
+  // promise); false trades it for speed. cpu: always invariant, false is
+  // accepted and changes nothing. sim: no math, ignored.
+  bool batch_invariant = true;
 };
 
 struct CacheConfig {

@@ -9,6 +9,7 @@
 #include "common/rpc_server.h"
 #include "common/stream_writer.h"
 #include "tandem/v1/worker.grpc.pb.h"
+#include "worker/attempt_key.h"
 #include "worker/engine_params.h"
 
 namespace tandem::decoder {
@@ -70,15 +71,17 @@ class DecodeStream final : public grpc::ServerWriteReactor<pb::DecodeResponse> {
   };
 
   DecodeStream(Decoder& decoder, const pb::DecodeRequest& req)
-      : decoder_(decoder), request_id_(req.request_id()),
+      : decoder_(decoder), request_id_(worker::AttemptKey(req.request_id(), req.attempt())),
         sink_(std::make_shared<Sink>(this, req.request_id())) {
     pb::DecodeResponse first;
-    first.set_request_id(request_id_);
+    first.set_request_id(req.request_id());
     first.set_registered(true);
     sink_->writer().Write(std::move(first));
 
     DecodeSpec spec;
-    spec.request_id = req.request_id();
+    // Registered under the attempt's key (worker/attempt_key.h); the
+    // prefiller reserves and notifies under the same key.
+    spec.request_id = request_id_;
     spec.prompt_ids.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
     spec.sampling = ToSampling(req.params());
     if (req.deadline_unix_ms() > 0) {

@@ -2,16 +2,23 @@
 
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <vector>
 
+#include "engine/cuda_device_mem.h"
+#include "engine/cuda_graphs.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/reference/ops.h"
+#include "model/safetensors.h"
 
 namespace tandem::engine {
 namespace {
@@ -40,72 +47,28 @@ Status FromKernel(const kc::KernelStatus& st, std::string_view what) {
 #define TANDEM_CUDA_RETURN(expr, what) TANDEM_RETURN_IF_ERROR(FromCuda((expr), (what)))
 #define TANDEM_KERNEL_RETURN(expr, what) TANDEM_RETURN_IF_ERROR(FromKernel((expr), (what)))
 
-// One device allocation, freed on destruction.
-class DeviceMem {
- public:
-  DeviceMem() = default;
-  ~DeviceMem() { Reset(); }
-  DeviceMem(const DeviceMem&) = delete;
-  DeviceMem& operator=(const DeviceMem&) = delete;
-  DeviceMem(DeviceMem&& o) noexcept : p_(o.p_), bytes_(o.bytes_) { o.p_ = nullptr; o.bytes_ = 0; }
-
-  Status Allocate(size_t bytes, std::string_view what) {
-    Reset();
-    if (bytes == 0) return Status::Ok();
-    const cudaError_t err = cudaMalloc(&p_, bytes);
-    if (err != cudaSuccess) {
-      p_ = nullptr;
-      size_t free_b = 0, total_b = 0;
-      cudaMemGetInfo(&free_b, &total_b);
-      return ResourceExhaustedError(fmt::format(
-          "backend cuda: {} needs {:.2f} GiB of device memory; {:.2f} GiB of {:.2f} GiB free ({})",
-          what, bytes / 1073741824.0, free_b / 1073741824.0, total_b / 1073741824.0,
-          cudaGetErrorString(err)));
-    }
-    bytes_ = bytes;
-    return Status::Ok();
-  }
-  // Grows (never shrinks) to at least `bytes`; contents are not kept.
-  Status Reserve(size_t bytes, std::string_view what) {
-    if (bytes <= bytes_) return Status::Ok();
-    return Allocate(bytes + bytes / 2, what);
-  }
-  void Reset() {
-    if (p_ != nullptr) cudaFree(p_);
-    p_ = nullptr;
-    bytes_ = 0;
-  }
-  template <class T>
-  T* as() const { return static_cast<T*>(p_); }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* p_ = nullptr;
-  size_t bytes_ = 0;
-};
-
-// Host f32 rows -> device bf16, appended after `offset` elements of dst.
+// Host f32 values -> device bf16 (model::FloatToBfloat16: round to nearest
+// even, as the loader's WeightFormat::kBf16), in pieces of at most 16 Mi
+// values so the temporary stays small.
 Status UploadBf16(const float* src, size_t n, bf16* dst) {
-  std::vector<uint16_t> tmp(n);
-  for (size_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, &src[i], 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-      tmp[i] = 0x7fc0;
-    } else {
-      u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-      tmp[i] = static_cast<uint16_t>(u >> 16);
-    }
+  constexpr size_t kPiece = size_t{16} << 20;
+  std::vector<uint16_t> tmp(std::min(n, kPiece));
+  for (size_t at = 0; at < n; at += kPiece) {
+    const size_t len = std::min(kPiece, n - at);
+    for (size_t i = 0; i < len; ++i) tmp[i] = model::FloatToBfloat16(src[at + i]);
+    TANDEM_RETURN_IF_ERROR(FromCuda(
+        cudaMemcpy(dst + at, tmp.data(), len * sizeof(uint16_t), cudaMemcpyHostToDevice),
+        "uploading weights"));
   }
-  return FromCuda(cudaMemcpy(dst, tmp.data(), n * sizeof(uint16_t), cudaMemcpyHostToDevice),
-                  "uploading weights");
+  return Status::Ok();
 }
 
 class CudaBackend final : public ComputeBackend {
  public:
   CudaBackend(const model::ModelConfig& config, KvPool* pool, const CudaBackendOptions& options)
-      : config_(config), pool_(pool), options_(options) {}
+      : config_(config), pool_(pool), options_(options), graphs_(options.cuda_graphs) {}
   ~CudaBackend() override {
+    if (stream_ != nullptr) cudaStreamSynchronize(stream_);
     gemm_.reset();
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
     if (host_meta_ != nullptr) cudaFreeHost(host_meta_);
@@ -125,6 +88,7 @@ class CudaBackend final : public ComputeBackend {
 
   Status Init(const model::ModelWeights& w);
   Status Forward(std::span<const SeqChunk> batch, std::span<float> logits) override;
+  const CudaGraphStats& graph_stats() const { return graphs_.stats(); }
 
  private:
   struct Layer {
@@ -139,6 +103,19 @@ class CudaBackend final : public ComputeBackend {
                 std::string_view what);
   Status UploadVec(const std::vector<const std::vector<float>*>& parts, DeviceMem* dst,
                    std::string_view what);
+  // What a step's launches depend on; a decode step's is fixed by its
+  // graph key (batch bucket, table bucket).
+  struct StepShape {
+    int T = 0, R = 0, S = 0;  // tokens, logit rows, sequences
+    int max_blocks = 0, max_q = 0, max_ctx = 0;
+    bool decode_kernel = false;
+    size_t ws_bytes = 0;  // decode attention workspace
+  };
+  // Every launch of a step on stream_, from meta_ and the scratch buffers;
+  // no allocation, copy or synchronization (it is what a graph captures).
+  Status Enqueue(const StepShape& sh);
+  // Reserve that counts reallocations (graphs hold the old pointers).
+  Status Grow(DeviceMem& m, size_t bytes, std::string_view what);
 
   model::ModelConfig config_;
   KvPool* pool_;  // borrowed: only its geometry and block count are used
@@ -166,13 +143,17 @@ class CudaBackend final : public ComputeBackend {
   DeviceMem meta_;     // int32 metadata, layout below
   int32_t* host_meta_ = nullptr;  // pinned mirror of meta_
   size_t host_meta_elems_ = 0;
+  uint64_t scratch_generation_ = 0;  // bumped when a scratch buffer moves
+  CudaGraphCache graphs_;
 };
 
 Status CudaBackend::Upload(const std::vector<const model::Matrix*>& parts, uint32_t cols,
                            DeviceMem* dst, std::string_view what) {
   size_t rows = 0;
   for (const model::Matrix* m : parts) {
-    if (m->cols != cols || m->data.size() != size_t{m->rows} * m->cols) {
+    const size_t n = size_t{m->rows} * m->cols;
+    // Either f32 (`data`) or bf16 bits (`bf16`, WeightFormat::kBf16).
+    if (m->cols != cols || (m->data.size() != n && m->bf16.size() != n)) {
       return InvalidArgumentError(fmt::format("weights: {} is [{}][{}]; expected {} columns", what,
                                               m->rows, m->cols, cols));
     }
@@ -181,8 +162,15 @@ Status CudaBackend::Upload(const std::vector<const model::Matrix*>& parts, uint3
   TANDEM_RETURN_IF_ERROR(dst->Allocate(rows * cols * sizeof(bf16), what));
   size_t at = 0;
   for (const model::Matrix* m : parts) {
-    TANDEM_RETURN_IF_ERROR(UploadBf16(m->data.data(), m->data.size(), dst->as<bf16>() + at));
-    at += m->data.size();
+    const size_t n = size_t{m->rows} * m->cols;
+    if (m->bf16.size() == n) {  // already bf16: bit copy
+      TANDEM_CUDA_RETURN(cudaMemcpy(dst->as<bf16>() + at, m->bf16.data(), n * sizeof(uint16_t),
+                                    cudaMemcpyHostToDevice),
+                         "uploading weights");
+    } else {
+      TANDEM_RETURN_IF_ERROR(UploadBf16(m->data.data(), n, dst->as<bf16>() + at));
+    }
+    at += n;
   }
   weight_bytes_ += rows * cols * sizeof(bf16);
   return Status::Ok();
@@ -303,6 +291,13 @@ Status CudaBackend::Init(const model::ModelWeights& w) {
   return FromCuda(cudaDeviceSynchronize(), "initialization");
 }
 
+Status CudaBackend::Grow(DeviceMem& m, size_t bytes, std::string_view what) {
+  const void* before = m.as<void>();
+  TANDEM_RETURN_IF_ERROR(m.Reserve(bytes, what));
+  if (m.as<void>() != before) ++scratch_generation_;  // captured graphs point at the old one
+  return Status::Ok();
+}
+
 Status CudaBackend::Forward(std::span<const SeqChunk> batch, std::span<float> logits) {
   const auto& c = config_;
   const int hidden = static_cast<int>(c.hidden_size), hd = static_cast<int>(c.head_dim);
@@ -312,13 +307,13 @@ Status CudaBackend::Forward(std::span<const SeqChunk> batch, std::span<float> lo
   const int vocab = static_cast<int>(c.vocab_size);
   const int bs = view_.block_size;
   const int qkv_dim = (heads + 2 * kvh) * hd;
-  const float eps = static_cast<float>(c.rms_norm_eps);
 
   TANDEM_RETURN_IF_ERROR(CheckForwardBatch(batch, static_cast<size_t>(bs),
                                            c.max_position_embeddings, vocab, logits.size()));
   size_t total = 0, rows = 0, max_blocks = 0;
   int max_q = 0, max_ctx = 0;
-  bool all_decode = true;
+  bool all_decode = true;  // one token per sequence: the decode kernel can run it
+  bool graphable = true;   // ... and one logit row each: a decode step, padded
   for (const SeqChunk& s : batch) {
     const size_t end = size_t{s.start_pos} + s.tokens.size();
     total += s.tokens.size();
@@ -327,11 +322,27 @@ Status CudaBackend::Forward(std::span<const SeqChunk> batch, std::span<float> lo
     max_q = std::max(max_q, static_cast<int>(s.tokens.size()));
     max_ctx = std::max(max_ctx, static_cast<int>(end));
     all_decode = all_decode && s.tokens.size() == 1;
+    graphable = graphable && s.tokens.size() == 1 && s.num_logits == 1;
   }
   if (total == 0) return Status::Ok();
   if (max_blocks == 0) max_blocks = 1;
+  const size_t real_rows = rows;
+  // A decode step (one token and one logit row per sequence) is padded to
+  // its batch bucket, and its block tables to their bucket, graphs or not:
+  // the step's launches then depend on the key only, and turning graphs off
+  // changes launch overhead, never bits (docs/cuda.md). Padding rows: token
+  // 0 at position 0, no KV written (slot -1), attending to slot 0 of
+  // block 0; their logits are dropped.
+  const uint32_t bucket =
+      graphable ? CudaGraphCache::BatchBucket(static_cast<uint32_t>(batch.size())) : 0;
+  int S = static_cast<int>(batch.size());
+  if (bucket != 0) {
+    S = static_cast<int>(bucket);
+    total = rows = bucket;
+    max_blocks = CudaGraphCache::BlockBucket(static_cast<uint32_t>(max_blocks));
+    max_ctx = static_cast<int>(max_blocks) * bs;
+  }
   const int T = static_cast<int>(total), R = static_cast<int>(rows);
-  const int S = static_cast<int>(batch.size());
   TANDEM_CUDA_RETURN(cudaSetDevice(options_.device), "cudaSetDevice");
 
   // Metadata, one int32 array: tokens[T] positions[T] slots[T] rows[R]
@@ -356,6 +367,17 @@ Status CudaBackend::Forward(std::span<const SeqChunk> batch, std::span<float> lo
   size_t t = 0, r = 0;
   cu[0] = 0;
   for (int si = 0; si < S; ++si) {
+    if (static_cast<size_t>(si) >= batch.size()) {  // padding row
+      std::fill_n(tables + size_t(si) * max_blocks, max_blocks, 0);
+      q_starts[si] = 0;
+      cu[si + 1] = cu[si] + 1;
+      ctx_lens[si] = 1;
+      tokens[t] = 0;
+      positions[t] = 0;
+      slots[t] = -1;
+      row_ids[r++] = static_cast<int32_t>(t++);
+      continue;
+    }
     const SeqChunk& s = batch[si];
     for (size_t b = 0; b < max_blocks; ++b) {
       if (b < s.block_table.size() && s.block_table[b] >= pool_->num_blocks()) {
@@ -382,29 +404,64 @@ Status CudaBackend::Forward(std::span<const SeqChunk> batch, std::span<float> lo
     for (size_t i = 0; i < s.num_logits; ++i) row_ids[r++] = static_cast<int32_t>(first_logit + i);
   }
 
-  TANDEM_RETURN_IF_ERROR(meta_.Reserve(n_meta * sizeof(int32_t), "step metadata"));
-  TANDEM_RETURN_IF_ERROR(x_.Reserve(size_t{total} * hidden * sizeof(float), "activations"));
-  TANDEM_RETURN_IF_ERROR(h_.Reserve(size_t{total} * hidden * sizeof(bf16), "activations"));
-  TANDEM_RETURN_IF_ERROR(qkv_act_.Reserve(size_t{total} * qkv_dim * sizeof(bf16), "activations"));
-  TANDEM_RETURN_IF_ERROR(attn_.Reserve(size_t{total} * heads * hd * sizeof(bf16), "activations"));
-  TANDEM_RETURN_IF_ERROR(o_act_.Reserve(size_t{total} * hidden * sizeof(bf16), "activations"));
-  TANDEM_RETURN_IF_ERROR(gu_act_.Reserve(size_t{total} * 2 * inter * sizeof(bf16), "activations"));
-  TANDEM_RETURN_IF_ERROR(act_.Reserve(size_t{total} * inter * sizeof(bf16), "activations"));
-  const bool use_decode_kernel = all_decode && !options_.batch_invariant;
-  size_t ws_bytes = 0;
-  if (use_decode_kernel) {
-    ws_bytes = kc::DecodeAttentionWorkspaceBytes(S, heads, hd, max_ctx);
-    TANDEM_RETURN_IF_ERROR(attn_ws_.Reserve(ws_bytes, "attention workspace"));
+  TANDEM_RETURN_IF_ERROR(Grow(meta_, n_meta * sizeof(int32_t), "step metadata"));
+  TANDEM_RETURN_IF_ERROR(Grow(x_, size_t{total} * hidden * sizeof(float), "activations"));
+  TANDEM_RETURN_IF_ERROR(Grow(h_, size_t{total} * hidden * sizeof(bf16), "activations"));
+  TANDEM_RETURN_IF_ERROR(Grow(qkv_act_, size_t{total} * qkv_dim * sizeof(bf16), "activations"));
+  TANDEM_RETURN_IF_ERROR(Grow(attn_, size_t{total} * heads * hd * sizeof(bf16), "activations"));
+  TANDEM_RETURN_IF_ERROR(Grow(o_act_, size_t{total} * hidden * sizeof(bf16), "activations"));
+  TANDEM_RETURN_IF_ERROR(Grow(gu_act_, size_t{total} * 2 * inter * sizeof(bf16), "activations"));
+  TANDEM_RETURN_IF_ERROR(Grow(act_, size_t{total} * inter * sizeof(bf16), "activations"));
+  StepShape sh;
+  sh.T = T;
+  sh.R = R;
+  sh.S = S;
+  sh.max_blocks = static_cast<int>(max_blocks);
+  sh.max_q = max_q;
+  sh.max_ctx = max_ctx;
+  sh.decode_kernel = all_decode && !options_.batch_invariant;
+  if (sh.decode_kernel) {
+    sh.ws_bytes = kc::DecodeAttentionWorkspaceBytes(S, heads, hd, max_ctx);
+    TANDEM_RETURN_IF_ERROR(Grow(attn_ws_, sh.ws_bytes, "attention workspace"));
+  }
+  if (R > 0) {
+    TANDEM_RETURN_IF_ERROR(Grow(rows_, size_t(R) * hidden * sizeof(bf16), "logit rows"));
+    TANDEM_RETURN_IF_ERROR(Grow(logits_, size_t(R) * vocab * sizeof(float), "logits"));
   }
   TANDEM_CUDA_RETURN(cudaMemcpyAsync(meta_.as<void>(), host_meta_, n_meta * sizeof(int32_t),
                                      cudaMemcpyHostToDevice, stream_),
                      "uploading step metadata");
+  if (bucket != 0) {
+    TANDEM_RETURN_IF_ERROR(graphs_.Run({bucket, static_cast<uint32_t>(max_blocks)},
+                                       scratch_generation_, stream_, [&] { return Enqueue(sh); }));
+  } else {
+    TANDEM_RETURN_IF_ERROR(Enqueue(sh));
+  }
+  if (real_rows > 0) {
+    TANDEM_CUDA_RETURN(cudaMemcpyAsync(logits.data(), logits_.as<void>(),
+                                       real_rows * vocab * sizeof(float), cudaMemcpyDeviceToHost,
+                                       stream_),
+                       "copying logits");
+  }
+  return FromCuda(cudaStreamSynchronize(stream_), "forward step");
+}
+
+Status CudaBackend::Enqueue(const StepShape& sh) {
+  const auto& c = config_;
+  const int hidden = static_cast<int>(c.hidden_size), hd = static_cast<int>(c.head_dim);
+  const int heads = static_cast<int>(c.num_attention_heads);
+  const int kvh = static_cast<int>(c.num_key_value_heads);
+  const int inter = static_cast<int>(c.intermediate_size);
+  const int vocab = static_cast<int>(c.vocab_size);
+  const int qkv_dim = (heads + 2 * kvh) * hd;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  const int T = sh.T, R = sh.R, S = sh.S;
   const int32_t* d_meta = meta_.as<int32_t>();
   const int32_t* d_tokens = d_meta;
-  const int32_t* d_positions = d_tokens + total;
-  const int32_t* d_slots = d_positions + total;
-  const int32_t* d_rows = d_slots + total;
-  const int32_t* d_q_starts = d_rows + rows;
+  const int32_t* d_positions = d_tokens + T;
+  const int32_t* d_slots = d_positions + T;
+  const int32_t* d_rows = d_slots + T;
+  const int32_t* d_q_starts = d_rows + R;
   const int32_t* d_cu = d_q_starts + S;
   const int32_t* d_ctx = d_cu + S + 1;
   const int32_t* d_tables = d_ctx + S;
@@ -425,7 +482,7 @@ Status CudaBackend::Forward(std::span<const SeqChunk> batch, std::span<float> lo
 
   // The residual stream x starts as the embeddings (bf16 -> f32).
   TANDEM_KERNEL_RETURN(kc::EmbeddingGather(embed_.as<bf16>(), d_tokens, h, T, hidden, vocab, stream_), "embedding");
-  TANDEM_KERNEL_RETURN(kc::Bf16ToF32(h, x, size_t{total} * hidden, stream_), "embedding");
+  TANDEM_KERNEL_RETURN(kc::Bf16ToF32(h, x, size_t(T) * hidden, stream_), "embedding");
   const bf16* residual_in = nullptr;  // what AddRmsNorm adds to x first
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& L = layers_[l];
@@ -437,14 +494,14 @@ Status CudaBackend::Forward(std::span<const SeqChunk> batch, std::span<float> lo
     bf16* v = k + kvh * hd;
     TANDEM_KERNEL_RETURN(kc::Rope(q, k, d_positions, inv_freq_.as<float>(), T, heads, kvh, hd, qkv_dim, qkv_dim, stream_), "RoPE");
     TANDEM_KERNEL_RETURN(kc::WriteKv(view_, li, k, v, d_slots, T, qkv_dim, stream_), "KV write");
-    if (use_decode_kernel) {
+    if (sh.decode_kernel) {
       TANDEM_KERNEL_RETURN(kc::PagedDecodeAttention(view_, li, q, attn, d_tables, d_ctx, S, heads, qkv_dim,
-                                                    static_cast<int>(max_blocks), max_ctx, scale,
-                                                    attn_ws_.as<void>(), ws_bytes, stream_),
+                                                    sh.max_blocks, sh.max_ctx, scale,
+                                                    attn_ws_.as<void>(), sh.ws_bytes, stream_),
                            "decode attention");
     } else {
       TANDEM_KERNEL_RETURN(kc::PagedPrefillAttention(view_, li, q, attn, d_tables, d_q_starts, d_cu, S, heads,
-                                                     qkv_dim, static_cast<int>(max_blocks), max_q, scale, stream_),
+                                                     qkv_dim, sh.max_blocks, sh.max_q, scale, stream_),
                            "prefill attention");
     }
     TANDEM_RETURN_IF_ERROR(gemm(attn, L.o, L.o_bias, o, hidden, heads * hd));
@@ -457,18 +514,13 @@ Status CudaBackend::Forward(std::span<const SeqChunk> batch, std::span<float> lo
   // Final residual add and norm, then the logit rows only.
   TANDEM_KERNEL_RETURN(kc::AddRmsNorm(x, residual_in, final_norm_.as<bf16>(), eps, h, T, hidden, stream_), "final norm");
   if (R > 0) {
-    TANDEM_RETURN_IF_ERROR(rows_.Reserve(size_t(R) * hidden * sizeof(bf16), "logit rows"));
-    TANDEM_RETURN_IF_ERROR(logits_.Reserve(size_t(R) * vocab * sizeof(float), "logits"));
     TANDEM_KERNEL_RETURN(kc::EmbeddingGather(h, d_rows, rows_.as<bf16>(), R, hidden, T, stream_), "row gather");
     const DeviceMem& head = lm_head_.bytes() ? lm_head_ : embed_;
     TANDEM_KERNEL_RETURN(gemm_->Gemm(rows_.as<bf16>(), head.as<bf16>(), nullptr, logits_.as<void>(),
                                      kc::GemmOutType::kF32, R, vocab, hidden, stream_),
                          "LM head");
-    TANDEM_CUDA_RETURN(cudaMemcpyAsync(logits.data(), logits_.as<void>(), size_t(R) * vocab * sizeof(float),
-                                       cudaMemcpyDeviceToHost, stream_),
-                       "copying logits");
   }
-  return FromCuda(cudaStreamSynchronize(stream_), "forward step");
+  return Status::Ok();
 }
 
 }  // namespace
@@ -477,13 +529,23 @@ Result<std::unique_ptr<ComputeBackend>> CreateCudaBackend(const model::ModelConf
                                                           const model::ModelWeights& weights,
                                                           KvPool* pool,
                                                           const CudaBackendOptions& options) {
+  // The graph switch first: a bad value is a configuration error anywhere.
+  CudaBackendOptions opts = options;
+  if (const char* env = std::getenv("TANDEM_CUDA_GRAPHS"); env != nullptr) {
+    const std::string_view v(env);
+    if (v != "0" && v != "1") {
+      return InvalidArgumentError(fmt::format(
+          "backend cuda: TANDEM_CUDA_GRAPHS must be 0 (decode steps eager) or 1, got '{}'", v));
+    }
+    if (v == "0") opts.cuda_graphs = false;
+  }
   char why[256] = "";
   const int n = kc::DeviceCount(why, sizeof(why));
   if (n == 0) {
     return FailedPreconditionError(fmt::format(
         "backend cuda: no usable CUDA device ({}); use model.backend: cpu on this machine", why));
   }
-  if (options.device < 0 || options.device >= n) {
+  if (opts.device < 0 || opts.device >= n) {
     return InvalidArgumentError(fmt::format("backend cuda: device {} does not exist ({} found)",
                                             options.device, n));
   }
@@ -492,9 +554,17 @@ Result<std::unique_ptr<ComputeBackend>> CreateCudaBackend(const model::ModelConf
       kv.head_dim != config.head_dim) {
     return InvalidArgumentError("backend cuda: KV pool geometry does not match the model");
   }
-  auto backend = std::make_unique<CudaBackend>(config, pool, options);
+  auto backend = std::make_unique<CudaBackend>(config, pool, opts);
   TANDEM_RETURN_IF_ERROR(backend->Init(weights));
+  spdlog::info("backend cuda: device {}, {:.2f} GiB of bf16 weights, batch_invariant {}, decode CUDA graphs {}",
+               opts.device, backend->weight_bytes() / 1073741824.0, opts.batch_invariant,
+               opts.cuda_graphs ? "on" : "off (TANDEM_CUDA_GRAPHS=0): decode steps run eagerly");
   return std::unique_ptr<ComputeBackend>(std::move(backend));
+}
+
+CudaGraphStats GetCudaGraphStats(const ComputeBackend& backend) {
+  const auto* cuda = dynamic_cast<const CudaBackend*>(&backend);
+  return cuda != nullptr ? cuda->graph_stats() : CudaGraphStats{};
 }
 
 }  // namespace tandem::engine

@@ -25,6 +25,11 @@ struct CudaBackendOptions {
   // decode steps runs in the prefill kernel, whose rows do not depend on
   // their neighbours, and GEMMs use one split-K-free algorithm per shape.
   bool batch_invariant = false;
+  // Decode steps through CUDA graphs, one per batch bucket (engine/cuda_graphs.h).
+  // The environment variable TANDEM_CUDA_GRAPHS=0 turns them off (for
+  // comparison); padding to the bucket happens either way, so the switch
+  // never changes a bit of the output.
+  bool cuda_graphs = true;
 };
 
 // FAILED_PRECONDITION with the runtime's reason when no CUDA device is
@@ -35,5 +40,20 @@ Result<std::unique_ptr<ComputeBackend>> CreateCudaBackend(const model::ModelConf
                                                           const model::ModelWeights& weights,
                                                           KvPool* pool,
                                                           const CudaBackendOptions& options);
+
+// CUDA graphs of decode steps (engine/cuda_graphs.h).
+struct CudaGraphStats {
+  bool enabled = false;
+  uint64_t captures = 0;        // graphs captured and instantiated
+  uint64_t replays = 0;         // steps run through a graph
+  uint64_t eager_steps = 0;     // decode steps run eagerly (first sight, fallback or disabled)
+  uint64_t failed_captures = 0; // keys that fell back to eager, reason logged
+  uint64_t invalidations = 0;   // times every graph was dropped (buffers moved)
+  std::string last_failure;     // CUDA's reason for the latest failed capture
+};
+
+// The graph counters of a backend made by CreateCudaBackend (zeros for any
+// other backend): tests and benchmarks check that graphs really ran.
+CudaGraphStats GetCudaGraphStats(const ComputeBackend& backend);
 
 }  // namespace tandem::engine

@@ -99,9 +99,12 @@ Result<std::unique_ptr<DiskKvTier>> DiskKvTier::Open(const DiskTierOptions& o) {
   if (t->buf_ == nullptr) return ResourceExhaustedError("disk KV tier: cannot allocate its buffer");
   std::memset(t->buf_, 0, t->file_bytes_);
 
-  // O_DIRECT probe: tmpfs and some others refuse it (EINVAL).
+  // O_DIRECT probe: old tmpfs and some others refuse it (EINVAL).
   const std::string probe = (fs::path(o.path) / ".odirect-probe").string();
-  int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_DIRECT | O_CLOEXEC, 0644);
+  int fd = o.try_direct_io
+               ? ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_DIRECT | O_CLOEXEC, 0644)
+               : -1;
+  if (!o.try_direct_io) errno = 0;
   if (fd >= 0) {
     const ssize_t n = ::pwrite(fd, t->buf_, kAlign, 0);
     t->direct_io_ = n == static_cast<ssize_t>(kAlign);
@@ -118,8 +121,10 @@ Result<std::unique_ptr<DiskKvTier>> DiskKvTier::Open(const DiskTierOptions& o) {
                                                  o.path, std::strerror(errno)));
     }
     ::close(fd);
-    spdlog::info("disk KV tier at {}: O_DIRECT not supported here ({}); using buffered I/O",
-                 o.path, std::strerror(err));
+    if (o.try_direct_io) {
+      spdlog::info("disk KV tier at {}: O_DIRECT not supported here ({}); using buffered I/O",
+                   o.path, std::strerror(err));
+    }
   }
   ::unlink(probe.c_str());
   TANDEM_RETURN_IF_ERROR(t->Scan());

@@ -1,8 +1,9 @@
 // The disk KV tier: one file per block under a directory, written in one
 // sequential write of the whole file (header + payload) with O_DIRECT where
-// the file system supports it (tmpfs does not: buffered I/O, with the reason
-// logged once), to a temporary name and renamed into place, so a crash
-// leaves either no file or a whole one.
+// the file system supports it (a probe at Open; tmpfs before Linux 6.6 and
+// some network file systems refuse it: buffered I/O, with the reason logged
+// once), to a temporary name and renamed into place, so a crash leaves
+// either no file or a whole one.
 //
 // File `<hash as 16 hex digits>.kvb`, all integers little-endian:
 //   0   magic "TANDEMKV"           8 bytes
@@ -51,6 +52,7 @@ struct DiskTierOptions {
   uint32_t block_size = 16;    // tokens per block
   size_t block_bytes = 0;      // KV bytes per block
   uint64_t fingerprint = 0;    // DiskTierFingerprint(...)
+  bool try_direct_io = true;   // false: buffered I/O without probing (tests)
 };
 
 // Fingerprint of what makes a stored block valid for this worker: the root

@@ -62,6 +62,7 @@ EngineOptions EngineOptions::FromFleetConfig(const FleetConfig& fleet) {
   o.scheduler.max_waiting = fleet.scheduler.max_waiting;
   o.threads = fleet.scheduler.threads;
   o.max_model_len = fleet.model.max_model_len;
+  o.batch_invariant = fleet.model.batch_invariant;
   o.hash_context.model_id = fleet.model.name;
   o.hash_context.revision = fleet.model.revision;
   o.hash_context.kv_dtype = "f32";  // the CPU backend's KV is f32 whatever the weights were
@@ -122,7 +123,9 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
   } else if (o.backend == "cuda") {
 #ifdef TANDEM_HAVE_CUDA
     // No device: FAILED_PRECONDITION naming the runtime's reason (docs/cuda.md).
-    TANDEM_ASSIGN_OR_RETURN(e->backend_, CreateCudaBackend(config, weights, e->pool_.get(), {}));
+    CudaBackendOptions cuda;
+    cuda.batch_invariant = o.batch_invariant;
+    TANDEM_ASSIGN_OR_RETURN(e->backend_, CreateCudaBackend(config, weights, e->pool_.get(), cuda));
 #else
     return UnimplementedError(
         "backend cuda: this build has no CUDA kernels (configure with -DTANDEM_CUDA=ON where "

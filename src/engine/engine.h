@@ -70,6 +70,9 @@ struct EngineOptions {
   SchedulerLimits scheduler;
   uint32_t threads = 1;        // compute threads
   uint32_t max_model_len = 0;  // 0: the model's max_position_embeddings
+  // model.batch_invariant: the cuda backend's invariant mode; the cpu
+  // backend is invariant either way (docs/cuda.md).
+  bool batch_invariant = true;
   // Root of the block hash chain; block_size is taken from above.
   HashContext hash_context;
   uint64_t epoch = 0;  // KV event epoch; 0: derived from the clock

@@ -12,6 +12,11 @@ namespace kc = kernels::cpu;
 namespace {
 
 Status CheckMatrix(const model::Matrix& m, uint32_t rows, uint32_t cols, const std::string& name) {
+  if (!m.bf16.empty()) {
+    return InvalidArgumentError(fmt::format(
+        "weights: {} was loaded as bf16, which only backend cuda takes (the cpu backend needs f32)",
+        name));
+  }
   if (m.rows != rows || m.cols != cols || m.data.size() != size_t{rows} * cols) {
     return InvalidArgumentError(fmt::format("weights: {} is [{}][{}] ({} floats); expected [{}][{}]",
                                             name, m.rows, m.cols, m.data.size(), rows, cols));

@@ -76,7 +76,6 @@ class TieredKvStore {
   KvEventPublisher* events_;
   std::vector<Pending> pending_;
   std::array<uint64_t, kNumKvTiers> evictions_{};
-  TierBlockMeta scratch_meta_;
 };
 
 }  // namespace tandem::engine

@@ -60,6 +60,19 @@ float Bfloat16ToFloat(uint16_t b) {
   return f;
 }
 
+uint16_t FloatToBfloat16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    return static_cast<uint16_t>((u >> 16) | 0x0040u);  // NaN: sign kept, quiet
+  }
+  // Round to nearest, ties to even: add half an ulp of the kept part, minus
+  // one when the kept part is even. A carry into the exponent is the right
+  // result (the next binade, or infinity past the largest finite value).
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
 std::string ShapeToString(std::span<const uint64_t> shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) {
@@ -197,7 +210,7 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string
   return f;
 }
 
-Result<std::vector<float>> SafetensorsFile::ReadF32(
+Result<const SafetensorsTensor*> SafetensorsFile::Check(
     const std::string& name, std::span<const uint64_t> expected_shape) const {
   const SafetensorsTensor* t = Find(name);
   if (t == nullptr) return NotFoundError(path_ + ": missing tensor '" + name + "'");
@@ -207,6 +220,40 @@ Result<std::vector<float>> SafetensorsFile::ReadF32(
                                 ShapeToString(t->shape) + ", the config needs " +
                                 ShapeToString(expected_shape));
   }
+  return t;
+}
+
+Result<std::vector<uint16_t>> SafetensorsFile::ReadBf16(
+    const std::string& name, std::span<const uint64_t> expected_shape) const {
+  TANDEM_ASSIGN_OR_RETURN(const SafetensorsTensor* t, Check(name, expected_shape));
+  const uint64_t n = t->numel();
+  std::vector<uint16_t> out(n);
+  const uint8_t* src = map_ + data_offset_bytes_ + t->begin_bytes;  // [n * dtype bytes]
+  switch (t->dtype) {
+    case SafetensorsDtype::kF32:
+      for (uint64_t i = 0; i < n; ++i) {
+        float f;
+        std::memcpy(&f, src + 4 * i, 4);
+        out[i] = FloatToBfloat16(f);
+      }
+      break;
+    case SafetensorsDtype::kF16:
+      for (uint64_t i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, src + 2 * i, 2);
+        out[i] = FloatToBfloat16(HalfToFloat(h));  // exact to f32, then one rounding
+      }
+      break;
+    case SafetensorsDtype::kBF16:
+      std::memcpy(out.data(), src, n * 2);
+      break;
+  }
+  return out;
+}
+
+Result<std::vector<float>> SafetensorsFile::ReadF32(
+    const std::string& name, std::span<const uint64_t> expected_shape) const {
+  TANDEM_ASSIGN_OR_RETURN(const SafetensorsTensor* t, Check(name, expected_shape));
   const uint64_t n = t->numel();
   std::vector<float> out(n);
   const uint8_t* src = map_ + data_offset_bytes_ + t->begin_bytes;  // [n * dtype bytes]

@@ -1,7 +1,8 @@
 // One safetensors file, memory-mapped and validated when opened: the 8-byte
 // little-endian header length, the JSON header, and every tensor's dtype,
 // shape and data offsets (inside the file, in order, not overlapping, sized
-// exactly numel * dtype bytes). Reads convert f32 / f16 / bf16 to f32.
+// exactly numel * dtype bytes). Reads convert f32 / f16 / bf16 to f32 or
+// to bf16.
 //
 // Thread-safety: immutable after Open; reads may run on any thread.
 #pragma once
@@ -45,9 +46,15 @@ class SafetensorsFile {
   // the file and the tensor.
   Result<std::vector<float>> ReadF32(const std::string& name,
                                      std::span<const uint64_t> expected_shape) const;
+  // The same, converted to bfloat16 bits (FloatToBfloat16 of the stored
+  // value: bf16 is copied, f32 and f16 are rounded to nearest even once).
+  Result<std::vector<uint16_t>> ReadBf16(const std::string& name,
+                                         std::span<const uint64_t> expected_shape) const;
 
  private:
   SafetensorsFile() = default;
+  Result<const SafetensorsTensor*> Check(const std::string& name,
+                                         std::span<const uint64_t> expected_shape) const;
   std::string path_;
   const uint8_t* map_ = nullptr;  // [file_size_bytes_]
   uint64_t file_size_bytes_ = 0;
@@ -58,6 +65,9 @@ class SafetensorsFile {
 // IEEE half and bfloat16 to float (exact).
 float HalfToFloat(uint16_t h);
 float Bfloat16ToFloat(uint16_t b);
+// float to bfloat16, round to nearest, ties to even (as __float2bfloat16_rn):
+// overflow gives infinity, NaN stays NaN (quiet, sign kept).
+uint16_t FloatToBfloat16(float f);
 
 std::string ShapeToString(std::span<const uint64_t> shape);
 

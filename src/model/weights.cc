@@ -60,26 +60,40 @@ class TensorSource {
 
   bool Has(const std::string& name) const { return where_.count(name) != 0; }
 
-  Result<std::vector<float>> Read(const std::string& name,
-                                  std::initializer_list<uint64_t> shape) const {
+  Result<const SafetensorsFile*> FileOf(const std::string& name) const {
     auto it = where_.find(name);
     if (it == where_.end()) {
       const std::string file = single_ != nullptr ? single_->path() : index_path_;
       return NotFoundError(file + ": missing tensor '" + name + "'");
     }
+    return it->second;
+  }
+
+  Result<std::vector<float>> Read(const std::string& name,
+                                  std::initializer_list<uint64_t> shape) const {
+    TANDEM_ASSIGN_OR_RETURN(const SafetensorsFile* file, FileOf(name));
     const std::vector<uint64_t> want(shape);
-    return it->second->ReadF32(name, want);
+    return file->ReadF32(name, want);
   }
 
   Result<Matrix> ReadMatrix(const std::string& name, uint32_t rows, uint32_t cols) const {
     Matrix m;
-    TANDEM_ASSIGN_OR_RETURN(m.data, Read(name, {rows, cols}));
+    if (format_ == WeightFormat::kBf16) {
+      TANDEM_ASSIGN_OR_RETURN(const SafetensorsFile* file, FileOf(name));
+      const std::vector<uint64_t> want = {rows, cols};
+      TANDEM_ASSIGN_OR_RETURN(m.bf16, file->ReadBf16(name, want));
+    } else {
+      TANDEM_ASSIGN_OR_RETURN(m.data, Read(name, {rows, cols}));
+    }
     m.rows = rows;
     m.cols = cols;
     return m;
   }
 
+  void set_format(WeightFormat f) { format_ = f; }
+
  private:
+  WeightFormat format_ = WeightFormat::kF32;
   std::string index_path_;
   SafetensorsFile* single_ = nullptr;
   std::map<std::string, std::unique_ptr<SafetensorsFile>> files_;  // by shard name
@@ -88,8 +102,10 @@ class TensorSource {
 
 }  // namespace
 
-Result<ModelWeights> LoadWeights(const std::string& dir, const ModelConfig& c) {
+Result<ModelWeights> LoadWeights(const std::string& dir, const ModelConfig& c,
+                                 WeightFormat format) {
   TANDEM_ASSIGN_OR_RETURN(TensorSource src, TensorSource::Open(dir));
+  src.set_format(format);
   const uint32_t hidden = c.hidden_size;
   const uint32_t q_dim = c.num_attention_heads * c.head_dim;
   const uint32_t kv_dim = c.num_key_value_heads * c.head_dim;

@@ -1,6 +1,7 @@
-// Model weights, converted once to f32 from the safetensors file(s) of a
-// Hugging Face directory (model.safetensors, or model.safetensors.index.json
-// with shards). f32, f16 and bf16 tensors are accepted. Every malformed
+// Model weights, converted once to f32 (or, for the cuda backend, the
+// matrices to bf16) from the safetensors file(s) of a Hugging Face
+// directory (model.safetensors, or model.safetensors.index.json with
+// shards). f32, f16 and bf16 tensors are accepted. Every malformed
 // file (truncated, overlapping or out-of-range offsets, missing tensor,
 // wrong shape) gives an error naming the file and the tensor.
 #pragma once
@@ -17,10 +18,19 @@ namespace tandem::model {
 // Row-major matrix in Hugging Face nn.Linear layout: [rows = out_features]
 // [cols = in_features]; y = x * W^T.
 struct Matrix {
-  std::vector<float> data;  // [rows * cols]
+  std::vector<float> data;  // [rows * cols]; empty when loaded as bf16
   uint32_t rows = 0;
   uint32_t cols = 0;
+  // [rows * cols] bfloat16 bits when loaded with WeightFormat::kBf16 (then
+  // `data` is empty): half the host memory of f32 for the cuda backend.
+  std::vector<uint16_t> bf16;
 };
+
+// How LoadWeights stores matrices. kBf16: every Matrix in `bf16`, rounded
+// to nearest even once from the stored dtype (bf16 files are copied bit for
+// bit); vectors (norms, biases) stay f32 either way. Only the cuda backend
+// takes kBf16 weights; the cpu backend refuses them (its packs need f32).
+enum class WeightFormat { kF32, kBf16 };
 
 struct LayerWeights {
   std::vector<float> input_layernorm;  // [hidden]
@@ -52,6 +62,7 @@ struct ModelWeights {
 // model.layers.{i}.mlp.{gate,up,down}_proj.weight,
 // model.layers.{i}.{input,post_attention}_layernorm.weight, model.norm.weight,
 // lm_head.weight (absent or ignored when tied).
-Result<ModelWeights> LoadWeights(const std::string& dir, const ModelConfig& config);
+Result<ModelWeights> LoadWeights(const std::string& dir, const ModelConfig& config,
+                                 WeightFormat format = WeightFormat::kF32);
 
 }  // namespace tandem::model

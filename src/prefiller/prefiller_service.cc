@@ -9,6 +9,7 @@
 
 #include "common/rpc_server.h"
 #include "tandem/v1/worker.grpc.pb.h"
+#include "worker/attempt_key.h"
 #include "worker/engine_params.h"
 
 namespace tandem::prefiller {
@@ -43,9 +44,12 @@ class PrefillerServiceImpl final : public pb::Prefiller::CallbackService {
 
   grpc::ServerUnaryReactor* Prefill(grpc::CallbackServerContext* /*ctx*/, const pb::PrefillRequest* req,
                                     pb::PrefillResponse* resp) override {
-    auto* reactor = new PrefillReactor(prefiller_, req->request_id());
+    // Each attempt is its own job (worker/attempt_key.h): a retry reaching
+    // us before the abandoned attempt's cancel never collides with it.
+    const std::string key = worker::AttemptKey(req->request_id(), req->attempt());
+    auto* reactor = new PrefillReactor(prefiller_, key);
     PrefillJob job;
-    job.request_id = req->request_id();
+    job.request_id = key;
     job.prompt_ids.assign(req->prompt_token_ids().begin(), req->prompt_token_ids().end());
     job.sampling = ToSampling(req->params());
     job.first_sample_index = req->params().first_sample_index();

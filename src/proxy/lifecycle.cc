@@ -106,6 +106,7 @@ void RequestLifecycle::Launch() {
   args.params = ToEngineArgs(req_, base_);
   args.deadline = deadline_;
   args.prefill_locally = route_.local;
+  args.attempt = attempt;
   std::weak_ptr<RequestLifecycle> weak = weak_from_this();
   DecodeEvents ev;
   ev.on_registered = [weak, attempt] {
@@ -146,6 +147,7 @@ void RequestLifecycle::OnRegistered(uint32_t attempt) {
   args.deadline = deadline_;
   args.decoder_address = route_.decode_address;
   args.decoder_name = route_.decode_name;
+  args.attempt = attempt;
   const std::string address = route_.prefill_address;
   lock.unlock();
   std::weak_ptr<RequestLifecycle> weak = weak_from_this();

@@ -39,6 +39,9 @@ struct DecodeArgs {
   EngineArgs params;
   std::chrono::system_clock::time_point deadline;  // max(): none
   bool prefill_locally = false;
+  // The routing attempt (from 1): workers key the request by it, so a
+  // retry never meets an earlier attempt's state (worker/attempt_key.h).
+  uint32_t attempt = 0;
 };
 
 struct DecodeEvents {
@@ -63,6 +66,7 @@ struct PrefillArgs {
   std::chrono::system_clock::time_point deadline;
   std::string decoder_address;
   std::string decoder_name;
+  uint32_t attempt = 0;  // as in DecodeArgs: the same for both calls of one attempt
 };
 
 struct PrefillResult {

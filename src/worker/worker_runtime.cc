@@ -178,7 +178,11 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
                                                       w.fleet.cache.block_size));
     w.model_config = w.sim.storage_config;
   } else {
-    TANDEM_ASSIGN_OR_RETURN(w.weights, model::LoadWeights(w.fleet.model.path, w.model_config));
+    // cuda: matrices straight to bf16 (half the host memory; docs/cuda.md).
+    const auto format = w.fleet.model.backend == "cuda" ? model::WeightFormat::kBf16
+                                                        : model::WeightFormat::kF32;
+    TANDEM_ASSIGN_OR_RETURN(w.weights,
+                            model::LoadWeights(w.fleet.model.path, w.model_config, format));
   }
 
   engine::EngineOptions eo = engine::EngineOptions::FromFleetConfig(w.fleet);

@@ -1,127 +1,167 @@
 #!/usr/bin/env bash
-# One-shot GPU check for a machine with a CUDA device. Builds Release with
-# only what is needed, runs every ctest test labelled `gpu`, the CUDA kernel
-# benchmarks and the end-to-end benchmark, and writes a JSON summary. Sized
-# for one H200 in under 8 minutes (build ~2-3 min on 16 cores, gpu tests
-# ~2 min, kernel benchmarks ~1 min, end-to-end ~1 min: estimates, not yet
-# measured); each step has a timeout so a hang cannot eat the device budget.
+# The one GPU check (docs/cuda.md): on a machine with one CUDA device it
+# builds what it needs with the project's own scripts and proves the whole
+# GPU path in one run, writing a JSON summary.
 #
-#   tests/gpu/device_check.sh [OUT_DIR]     (default: $OUT, else build-device-check)
-#   DEVICE_CHECK_BUILD=DIR overrides the build folder (default build-device).
+#   tests/gpu/device_check.sh [SUMMARY.json]
+#     summary: $OUT/device_check.json when $OUT is set (the device runner),
+#     else the argument, else build-device-check/device_check.json.
+#     Logs and raw results go to device_check_files/ next to the summary.
 #
-# Writes OUT_DIR/summary.json, gpu_tests.xml (JUnit), gpu_tests.log,
-# bench_kernels_cuda.json, bench_cuda_engine.json (prefill and decode
-# tokens/s of a Llama-3-8B-shaped model with random weights), build.log,
-# nvidia-smi.txt. Exit status: 0 when the build succeeded and every gpu test
-# ran and passed (a skip means no usable device), 1 otherwise; the summary
-# is written either way.
+# Stages, in order (each one's exit status, time and result recorded; a
+# failed stage does not stop later ones):
+#   deps        tools/install_deps.sh
+#   build       tools/build.sh, only the targets below (release preset, build/)
+#   gpu_tests   ctest -L gpu: CUDA kernels vs kernels/reference, golden
+#               fixtures on the cuda backend, graph vs eager decode bits
+#   fleet_1p1d  tests/gpu/fleet_check.py: configs/cuda-1p1d.yaml launched
+#               (prefiller and decoder on the same GPU), 16 prompts at once,
+#               greedy text == `tandem generate --config` for each
+#   kernels     bench_kernels_cuda: device copy (D2D) bandwidth, cuBLASLt bf16
+#               GEMM rate, decode attention bandwidth, prefill attention TFLOP/s
+#   kvtransfer  tandem bench kvtransfer: host-memory UCX path, and the
+#               device-memory path when the bench offers one
+#   e2e         tools/make_random_model.py (Llama-3-8B shape, random bf16,
+#               written to $TMPDIR during the build, deleted at exit) loaded by
+#               bench_cuda_engine: prefill/decode tokens/s per mode
+# Exit: 0 when every stage passed; 1 when any failed or mismatched; 2 when
+# there is no GPU (nothing built or measured; the summary says so).
+#
+# Time: sized for about 8 minutes on one H200 with 16 cores (build ~4-5 min
+# from scratch, the rest ~3-4 min) -- an estimate: no GPU has run it yet.
+# DEVICE_CHECK_BUDGET_S (default 470) caps the whole run: a stage gets at
+# most what is left, and stages with no time left are recorded as skipped
+# (which fails the run). A rerun on the same machine finds build/ warm.
+#
+# Environment: DEVICE_CHECK_FORCE=1 runs the stages even when no GPU is
+# seen (to test this script); DEVICE_CHECK_SKIP_BUILD=1 skips deps and
+# build (use an existing build/); DEVICE_CHECK_STAGES="gpu_tests kernels"
+# runs only those stages; DEVICE_CHECK_MODEL_ARGS="--layers 2 ..." makes
+# the e2e model smaller (tools/make_random_model.py flags).
 set -u
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-OUT_DIR="${1:-${OUT:-$ROOT/build-device-check}}"
-BUILD="${DEVICE_CHECK_BUILD:-$ROOT/build-device}"
-JOBS="$(nproc 2>/dev/null || echo 4)"
-mkdir -p "$OUT_DIR"
-t0=$(date +%s)
-stamp() { echo "[device_check $(( $(date +%s) - t0 ))s] $*"; }
-
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv \
-  > "$OUT_DIR/nvidia-smi.txt" 2>&1 || echo "nvidia-smi failed" >> "$OUT_DIR/nvidia-smi.txt"
-
-stamp "configure + build ($JOBS jobs)"
-build_rc=0
-{
-  timeout 120 cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DTANDEM_CUDA=ON \
-    -DCMAKE_CUDA_ARCHITECTURES=90 -DTANDEM_BUILD_TESTS=ON -DTANDEM_BUILD_BENCH=ON &&
-  timeout 300 cmake --build "$BUILD" -j "$JOBS" --target kernels_cuda_test engine_cuda_test bench_kernels_cuda bench_cuda_engine
-} > "$OUT_DIR/build.log" 2>&1 || build_rc=$?
-t_build=$(( $(date +%s) - t0 ))
-
-tests_rc=-1
-bench_rc=-1
-e2e_rc=-1
-if [ "$build_rc" -eq 0 ]; then
-  stamp "gpu tests"
-  # Tests are CPU-bound on their double-precision references: run them in
-  # parallel (one device is shared fine by several processes).
-  timeout 240 ctest --test-dir "$BUILD" -L gpu -j "$JOBS" --timeout 200 \
-    --output-on-failure --output-junit "$OUT_DIR/gpu_tests.xml" > "$OUT_DIR/gpu_tests.log" 2>&1
-  tests_rc=$?
-  stamp "benchmarks"
-  timeout 150 "$BUILD/bench/kernels/bench_kernels_cuda" --benchmark_repetitions=3 \
-    --benchmark_report_aggregates_only=false \
-    --benchmark_out="$OUT_DIR/bench_kernels_cuda.json" --benchmark_out_format=json \
-    > "$OUT_DIR/bench_kernels_cuda.txt" 2>&1
-  bench_rc=$?
-  stamp "end-to-end (Llama-3-8B shape, random weights)"
-  timeout 240 "$BUILD/bench/kernels/bench_cuda_engine" > "$OUT_DIR/bench_cuda_engine.json" \
-    2> "$OUT_DIR/bench_cuda_engine.log"
-  e2e_rc=$?
+if [ -n "${OUT:-}" ]; then
+  SUMMARY="$OUT/device_check.json"
+else
+  SUMMARY="${1:-$ROOT/build-device-check/device_check.json}"
 fi
-t_total=$(( $(date +%s) - t0 ))
-stamp "summary"
+mkdir -p "$(dirname "$SUMMARY")"
+SUMMARY="$(cd "$(dirname "$SUMMARY")" && pwd)/$(basename "$SUMMARY")"
+WORK="$(dirname "$SUMMARY")/device_check_files"
+rm -rf "$WORK"
+mkdir -p "$WORK"
+BUILD="$ROOT/build"
+BUDGET="${DEVICE_CHECK_BUDGET_S:-470}"
+STAGES="${DEVICE_CHECK_STAGES:-deps build gpu_tests fleet_1p1d kernels kvtransfer e2e}"
+# Never under $OUT (whatever is there is shipped back): 16 GB.
+MODEL_DIR="${TMPDIR:-/tmp}/tandem-device-check-model.$$"
+T0=$(date +%s)
 
-python3 - "$OUT_DIR" "$build_rc" "$tests_rc" "$bench_rc" "$t_build" "$t_total" "$ROOT" "$e2e_rc" <<'PY'
-import json, os, subprocess, sys, xml.etree.ElementTree as ET
-out, build_rc, tests_rc, bench_rc, t_build, t_total, root, e2e_rc = sys.argv[1:9]
-s = {"build_rc": int(build_rc), "tests_rc": int(tests_rc), "bench_rc": int(bench_rc),
-     "e2e_rc": int(e2e_rc),
-     "build_seconds": int(t_build), "total_seconds": int(t_total)}
-try:
-    s["git"] = subprocess.run(["git", "-C", root, "rev-parse", "--short=12", "HEAD"],
-                              capture_output=True, text=True).stdout.strip()
-except OSError:
-    pass
-try:
-    s["gpu"] = open(os.path.join(out, "nvidia-smi.txt")).read().strip().splitlines()[-1]
-except (OSError, IndexError):
-    s["gpu"] = "unknown"
-tests = {"passed": 0, "failed": 0, "skipped": 0, "failed_names": []}
-try:
-    for tc in ET.parse(os.path.join(out, "gpu_tests.xml")).getroot().iter("testcase"):
-        st = tc.get("status", "")
-        if tc.find("failure") is not None or st == "fail":
-            tests["failed"] += 1
-            tests["failed_names"].append(tc.get("name"))
-        elif tc.find("skipped") is not None or st in ("notrun", "disabled"):
-            tests["skipped"] += 1
-        else:
-            tests["passed"] += 1
-except (OSError, ET.ParseError) as e:
-    tests["error"] = str(e)
-s["gpu_tests"] = tests
-bench = {}
-try:
-    data = json.load(open(os.path.join(out, "bench_kernels_cuda.json")))
-    best = {}
-    for b in data["benchmarks"]:
-        if b.get("run_type") != "iteration" or b.get("error_occurred"):
-            continue
-        name = b["run_name"]
-        rate = b.get("bytes_per_second") or b.get("TFLOP/s")
-        if rate is not None and rate > best.get(name, 0):
-            best[name] = rate
-    bench["best_of_repetitions"] = best
-    copy = next((v for k, v in best.items() if k.startswith("BM_CudaCopy")), None)
-    gemm = next((v for k, v in best.items() if k.startswith("BM_CudaGemmBf16")), None)
-    if copy:
-        bench["copy_GBps_read_plus_write"] = copy / 1e9
-        bench["decode_fraction_of_copy"] = {k: v / copy for k, v in best.items()
-                                            if k.startswith("BM_DecodeAttention")}
-    if gemm:
-        bench["gemm_bf16_TFLOPs"] = gemm
-        bench["prefill_fraction_of_gemm"] = {k: v / gemm for k, v in best.items()
-                                             if k.startswith("BM_PrefillAttention")}
-except (OSError, KeyError, ValueError) as e:
-    bench["error"] = str(e)
-s["bench"] = bench
-try:
-    s["end_to_end"] = json.load(open(os.path.join(out, "bench_cuda_engine.json")))
-except (OSError, ValueError) as e:
-    s["end_to_end"] = {"error": str(e)}
-# A skipped gpu test on this machine means the device was not usable.
-s["ok"] = (s["build_rc"] == 0 and s["tests_rc"] == 0 and tests.get("failed", 1) == 0
-           and tests.get("skipped", 1) == 0 and tests.get("passed", 0) > 0)
-json.dump(s, open(os.path.join(out, "summary.json"), "w"), indent=2)
-print(json.dumps(s, indent=2))
-sys.exit(0 if s["ok"] else 1)
-PY
+log() { echo "[device_check $(( $(date +%s) - T0 ))s] $*" >&2; }
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+wanted() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+summarize() {
+  python3 "$ROOT/tests/gpu/device_summary.py" "$WORK" "$SUMMARY" "$ROOT"
+}
+
+# stage NAME MAX_SECONDS CMD... : runs CMD under a timeout of at most what
+# is left of the budget (minus 15 s for the summary), output in NAME.log,
+# status in NAME.stage.json.
+stage() {
+  local name="$1" max="$2"
+  shift 2
+  wanted "$name" || return 0
+  local budget_left=$(( $(left) - 15 ))
+  local limit=$(( max < budget_left ? max : budget_left ))
+  if [ "$limit" -lt 10 ]; then
+    log "$name: skipped, ${budget_left}s of the budget left"
+    printf '{"name": "%s", "rc": null, "seconds": 0, "skipped": "no time left in the %ss budget"}\n' \
+      "$name" "$BUDGET" > "$WORK/$name.stage.json"
+    return 0
+  fi
+  log "$name (limit ${limit}s)"
+  local t rc
+  t=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" > "$WORK/$name.log" 2>&1
+  rc=$?
+  local timed_out=false
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then timed_out=true; fi
+  printf '{"name": "%s", "rc": %d, "seconds": %d, "limit_s": %d, "timed_out": %s}\n' \
+    "$name" "$rc" $(( $(date +%s) - t )) "$limit" "$timed_out" > "$WORK/$name.stage.json"
+  log "$name: exit $rc"
+}
+
+# ---- is there a GPU at all? ----
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 \
+    || echo "nvidia-smi failed or is absent"; } > "$WORK/nvidia-smi.txt"
+gpu_seen=false
+if nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then gpu_seen=true; fi
+if [ "$gpu_seen" = false ] && ls /dev/nvidia[0-9]* >/dev/null 2>&1; then gpu_seen=true; fi
+if [ "$gpu_seen" = false ] && [ "${DEVICE_CHECK_FORCE:-0}" != 1 ]; then
+  msg="no GPU on this machine: nvidia-smi lists no device and there is no /dev/nvidia0; nothing was built or measured"
+  echo "device_check: $msg" >&2
+  printf '{"no_gpu": true, "reason": "%s"}\n' "$msg" > "$WORK/no_gpu.json"
+  summarize > /dev/null
+  exit 2
+fi
+
+# ---- build (the random model is written meanwhile: disk-bound, one core) ----
+model_pid=""
+cleanup() {
+  if [ -n "$model_pid" ] && kill -0 "$model_pid" 2>/dev/null; then kill "$model_pid"; fi
+  rm -rf "$MODEL_DIR"
+}
+trap cleanup EXIT
+if wanted e2e; then
+  # DEVICE_CHECK_MODEL_ARGS: shape flags for a smaller model (script tests).
+  # shellcheck disable=SC2086  # a flag list, split on purpose
+  python3 "$ROOT/tools/make_random_model.py" "$MODEL_DIR" ${DEVICE_CHECK_MODEL_ARGS:-} \
+    > "$WORK/make_random_model.log" 2>&1 &
+  model_pid=$!
+fi
+if [ "${DEVICE_CHECK_SKIP_BUILD:-0}" != 1 ]; then
+  stage deps 150 bash "$ROOT/tools/install_deps.sh"
+  stage build 360 env TANDEM_BUILD_TARGETS="tandem kernels_cuda_test engine_cuda_test bench_kernels_cuda bench_cuda_engine" \
+    bash "$ROOT/tools/build.sh"
+fi
+
+# ---- correctness ----
+# The gpu tests' references run on the CPU: several test processes at once.
+stage gpu_tests 170 ctest --test-dir "$BUILD" -L gpu -j "$(nproc)" --timeout 150 \
+  --output-on-failure --output-junit "$WORK/gpu_tests.xml"
+# Both workers of the fleet (and the reference processes) on the same GPU.
+stage fleet_1p1d 150 env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" \
+  python3 "$ROOT/tests/gpu/fleet_check.py" --tandem "$BUILD/tandem" \
+  --config "$ROOT/configs/cuda-1p1d.yaml" --out "$WORK/fleet" --prompts 16 --max-tokens 32 \
+  --timeout 140
+
+# ---- speed, each next to its yardstick from the same run ----
+stage kernels 120 "$BUILD/bench/kernels/bench_kernels_cuda" --benchmark_repetitions=2 \
+  --benchmark_out="$WORK/bench_kernels_cuda.json" --benchmark_out_format=json
+# Each bench prints one JSON line last in its log (the summary reads it).
+kv_args=(bench kvtransfer --json --block-bytes 2097152 --blocks 64 --requests 40 --warmup 4
+         --concurrency 4 --timeout 50)
+stage kvtransfer 60 "$BUILD/tandem" "${kv_args[@]}"
+# The device-memory mode, when this build's bench has one (docs/kvtransfer.md).
+if wanted kvtransfer && "$BUILD/tandem" bench kvtransfer --help 2>/dev/null | grep -q -- '--memory'; then
+  STAGES="$STAGES kvtransfer_device"
+  stage kvtransfer_device 60 "$BUILD/tandem" "${kv_args[@]}" --memory device
+fi
+if wanted e2e; then
+  if [ -n "$model_pid" ]; then
+    log "e2e: waiting for the random model"
+    while kill -0 "$model_pid" 2>/dev/null && [ "$(left)" -gt 60 ]; do sleep 1; done
+    if kill -0 "$model_pid" 2>/dev/null; then
+      kill "$model_pid"
+      log "e2e: the random model was not written in time"
+    fi
+    if ! wait "$model_pid"; then log "make_random_model.py failed or was stopped (see its log)"; fi
+    model_pid=""
+  fi
+  stage e2e 240 "$BUILD/bench/kernels/bench_cuda_engine" --model "$MODEL_DIR" --prompt 1024 \
+    --batch 64 --prefill-seqs 4 --steps 12
+  rm -rf "$MODEL_DIR"
+fi
+
+log "summary: $SUMMARY"
+summarize

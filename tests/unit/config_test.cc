@@ -41,6 +41,21 @@ TEST(Config, GoodFileWithDefaults) {
   EXPECT_DOUBLE_EQ(r->transport.lease_seconds, 30.0);
 }
 
+TEST(Config, BatchInvariantDefaultsToTrueAndParsesBothValues) {
+  auto d = Parse(kGood);
+  ASSERT_TRUE(d.ok()) << d.status().message();
+  EXPECT_TRUE(d->model.batch_invariant);  // docs/cuda.md: determinism by default
+  const std::string base = "model:\n  path: m\n  backend: cuda\n  batch_invariant: ";
+  auto off = Parse(base + "false\nboth:\n  replicas: 1\n");
+  ASSERT_TRUE(off.ok()) << off.status().message();
+  EXPECT_FALSE(off->model.batch_invariant);
+  auto on = Parse(base + "true\nboth:\n  replicas: 1\n");
+  ASSERT_TRUE(on.ok()) << on.status().message();
+  EXPECT_TRUE(on->model.batch_invariant);
+  EXPECT_EQ(ErrorOf(base + "sometimes\nboth:\n  replicas: 1\n"),
+            "configs/x.yaml:4: key 'model.batch_invariant' must be true or false, got 'sometimes'");
+}
+
 TEST(Config, UnknownKeyNamesLineAndSuggests) {
   const std::string text = R"(model:
   path: m

@@ -21,6 +21,7 @@
 
 #include "common/net.h"
 #include "common/rpc_server.h"
+#include "reaper.h"
 #include "tandem/v1/generation.grpc.pb.h"
 
 namespace tandem::testing {
@@ -76,10 +77,13 @@ Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
           state.c_str(), nullptr);
     _exit(127);
   }
+  // If this test process dies, the reaper kills the fleet (reaper.h).
+  ReapOnExit(f->pid_);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   while (!fs::exists(state)) {
     int st = 0;
     if (waitpid(f->pid_, &st, WNOHANG) == f->pid_) {
+      Forget(f->pid_);
       f->pid_ = -1;
       std::ifstream in(log);
       std::stringstream ss;
@@ -106,6 +110,8 @@ Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
   for (const auto& w : j["workers"]) {
     f->workers_.push_back({w["role"], w.value("name", ""), w["grpc"], w["metrics"], w["pid"]});
   }
+  ReapOnExit(f->proxy_pid_);
+  for (const auto& w : f->workers_) ReapOnExit(w.pid);
   return f;
 }
 
@@ -124,7 +130,7 @@ Result<int> Fleet::Stop(std::chrono::seconds grace) {
   int st = 0;
   while (std::chrono::steady_clock::now() < deadline) {
     if (waitpid(pid_, &st, WNOHANG) == pid_) {
-      pid_ = -1;
+      ForgetAll();
       return st;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -132,11 +138,26 @@ Result<int> Fleet::Stop(std::chrono::seconds grace) {
   return DeadlineExceededError("the launcher did not stop in time");
 }
 
+// The launcher has exited: it stopped (or, killed, left to their
+// PR_SET_PDEATHSIG) its proxy and workers. Their pids may be reused from
+// now on, so the reaper must not hit them.
+void Fleet::ForgetAll() {
+  Forget(pid_);
+  Forget(proxy_pid_);
+  for (const auto& w : workers_) Forget(w.pid);
+  pid_ = -1;
+}
+
 Fleet::~Fleet() {
   if (pid_ > 0) {
     if (!Stop(std::chrono::seconds(20)).ok()) {
+      // Whatever is left (a stopped worker ignores SIGTERM): SIGKILL, as
+      // the reaper would.
+      for (const auto& w : workers_) kill(w.pid, SIGKILL);
+      kill(proxy_pid_, SIGKILL);
       kill(pid_, SIGKILL);
       waitpid(pid_, nullptr, 0);
+      ForgetAll();
     }
   }
   std::error_code ec;
@@ -180,15 +201,23 @@ Result<Completion> Generate(const std::string& proxy, const GenerateArgs& a) {
 
 Result<std::vector<uint32_t>> ReferenceGenerate(const std::vector<uint32_t>& prompt_ids,
                                                 uint32_t max_tokens) {
+  return ReferenceGenerate(prompt_ids, max_tokens, 0.0f, 0);
+}
+
+Result<std::vector<uint32_t>> ReferenceGenerate(const std::vector<uint32_t>& prompt_ids,
+                                                uint32_t max_tokens, float temperature,
+                                                uint64_t seed) {
+  const std::string sampling =
+      temperature == 0.0f ? std::string("--temperature 0")
+                          : fmt::format("--temperature {} --seed {}", temperature, seed);
   std::string ids;
   for (uint32_t t : prompt_ids) {
     if (!ids.empty()) ids.push_back(',');
     ids += std::to_string(t);
   }
   const std::string cmd = fmt::format(
-      "{} generate --model {} --prompt-ids {} --max-tokens {} --temperature 0 --ignore-eos "
-      "--json 2>/dev/null",
-      Tandem(), BundledModel(), ids, max_tokens);
+      "{} generate --model {} --prompt-ids {} --max-tokens {} {} --ignore-eos --json 2>/dev/null",
+      Tandem(), BundledModel(), ids, max_tokens, sampling);
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return InternalError("popen failed");
   std::string out;
@@ -254,6 +283,36 @@ std::vector<uint32_t> PromptIds(uint32_t seed, uint32_t n, uint32_t vocab, uint3
     out.push_back(i < shared ? shared_rng() % vocab : rng() % vocab);
   }
   return out;
+}
+
+bool WaitUntil(const std::function<bool()>& pred, std::chrono::milliseconds limit) {
+  const auto give_up = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < give_up) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return pred();
+}
+
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::optional<size_t> WaitForLogLine(const std::string& path, const std::string& needle,
+                                     std::chrono::milliseconds limit, size_t from) {
+  std::optional<size_t> at;
+  WaitUntil(
+      [&] {
+        const std::string text = ReadText(path);
+        const size_t pos = text.size() > from ? text.find(needle, from) : std::string::npos;
+        if (pos != std::string::npos) at = pos + needle.size();
+        return at.has_value();
+      },
+      limit);
+  return at;
 }
 
 }  // namespace tandem::testing

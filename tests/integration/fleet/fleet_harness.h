@@ -6,6 +6,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -47,7 +48,9 @@ struct WorkerAddr {
 class Fleet {
  public:
   // Writes a fleet file into a fresh temp dir and runs `tandem launch` on it;
-  // waits (bounded) for the state file.
+  // waits (bounded) for the state file. Every process of the fleet is
+  // registered with the test's reaper (reaper.h): if the test process dies,
+  // the fleet is killed.
   static Result<std::unique_ptr<Fleet>> Launch(const FleetOptions& options);
   ~Fleet();  // SIGTERM to the launcher, SIGKILL after a grace period
 
@@ -75,6 +78,8 @@ class Fleet {
   Result<int> Stop(std::chrono::seconds grace);
 
  private:
+  void ForgetAll();
+
   pid_t pid_ = -1;
   pid_t proxy_pid_ = -1;
   std::string dir_, config_path_, proxy_grpc_, proxy_metrics_;
@@ -114,6 +119,10 @@ Result<Completion> Generate(const std::string& proxy, const GenerateArgs& args);
 // `tandem generate --json` in a subprocess (the single-process reference).
 Result<std::vector<uint32_t>> ReferenceGenerate(const std::vector<uint32_t>& prompt_ids,
                                                 uint32_t max_tokens);
+// The same with seeded sampling (`--temperature T --seed S`).
+Result<std::vector<uint32_t>> ReferenceGenerate(const std::vector<uint32_t>& prompt_ids,
+                                                uint32_t max_tokens, float temperature,
+                                                uint64_t seed);
 
 // GET http://ADDRESS/metrics.
 Result<std::string> Scrape(const std::string& address);
@@ -125,5 +134,17 @@ double MetricValue(const std::string& text, const std::string& metric);
 // `shared` tokens.
 std::vector<uint32_t> PromptIds(uint32_t seed, uint32_t n, uint32_t vocab,
                                 uint32_t prefix_seed = 0, uint32_t shared = 0);
+
+// Polls `pred` every 20 ms until it holds or `limit` passed; returns
+// whether it held (the bound keeps a broken fleet from hanging a test).
+bool WaitUntil(const std::function<bool()>& pred, std::chrono::milliseconds limit);
+
+// The whole file ("" when it cannot be read).
+std::string ReadText(const std::string& path);
+
+// Waits (bounded) until the file at `path` contains `needle` at or after
+// byte `from`; returns the offset just past the match, or nullopt.
+std::optional<size_t> WaitForLogLine(const std::string& path, const std::string& needle,
+                                     std::chrono::milliseconds limit, size_t from = 0);
 
 }  // namespace tandem::testing

@@ -64,13 +64,14 @@ std::string WaitForMetrics(const std::string& address, const std::function<bool(
   return last;
 }
 
-const WorkerAddr& Prefiller(const Fleet& f) {
+const WorkerAddr& Worker(const Fleet& f, const std::string& role) {
   for (const auto& w : f.workers()) {
-    if (w.role == "prefill") return w;
+    if (w.role == role) return w;
   }
-  ADD_FAILURE() << "no prefiller";
+  ADD_FAILURE() << "no " << role << " worker";
   return f.workers().front();
 }
+const WorkerAddr& Prefiller(const Fleet& f) { return Worker(f, "prefill"); }
 
 FleetOptions Options(const std::string& disk_dir) {
   FleetOptions o;
@@ -151,6 +152,12 @@ TEST(KvTiersFleet, LowerTiersServeEvictedPrefixesAndSurviveARestart) {
     EXPECT_GT(TierValue(m, "tandem_kv_tier_usage_ratio", "disk"), 0);
     std::cout << "first prompt again: " << host << " cached tokens from host, " << disk_hits
               << " from disk\n";
+    // Decoder-side reuse: its reservation found the prompt's full blocks in
+    // its own lower tiers (it keeps the prompts it decoded, evicted likewise).
+    const std::string dm = WaitForMetrics(Worker(f, "decode").metrics, [&](const std::string& t) {
+      return lower_hits(t) >= kPromptTokens / 16 * 16;
+    });
+    EXPECT_EQ(lower_hits(dm), kPromptTokens / 16 * 16);
     auto st = (*fleet)->Stop(std::chrono::seconds(30));
     ASSERT_TRUE(st.ok()) << st.status().ToString();
   }

@@ -1,17 +1,69 @@
 """A real fleet for the HTTP API's Python tests: `tandem launch` on a
 generated config (ports picked by the kernel, loopback only), its state file,
-metric scraping and `tandem generate --json` as the reference."""
+metric scraping and `tandem generate --json` as the reference.
+
+Every process started here is registered with this test process's reaper
+(as tests/integration/fleet/reaper.h does for the C++ tests): a small Python
+process reading a pipe whose only write end is here. When the test process
+dies, however, the pipe ends and the reaper SIGKILLs what is still
+registered (and its process group), stopped processes included."""
 import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
 SOURCE_DIR = os.environ.get("TANDEM_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "../../.."))
 BINARY = os.environ.get("TANDEM_BIN", os.path.join(SOURCE_DIR, "build", "tandem"))
 MODEL = os.path.abspath(os.path.join(SOURCE_DIR, "models", "tandem-kjv"))
+
+
+_REAPER = r"""
+import os, signal, sys
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+    signal.signal(s, signal.SIG_IGN)
+pids = set()
+for line in sys.stdin:  # until end of file: the test process is gone
+    line = line.strip()
+    if line[:1] == "+":
+        pids.add(int(line[1:]))
+    elif line[:1] == "-":
+        pids.discard(int(line[1:]))
+for pid in pids:
+    for kill, target in ((os.killpg, pid), (os.kill, pid)):  # its group when it leads one
+        try:
+            kill(target, signal.SIGKILL)
+        except OSError:
+            pass
+"""
+_reaper = None
+_reaper_lock = threading.Lock()
+
+
+def _tell_reaper(line):
+    global _reaper
+    with _reaper_lock:
+        if _reaper is None:
+            # Its own session: a ^C to the test's process group does not reach it.
+            _reaper = subprocess.Popen([sys.executable, "-c", _REAPER], stdin=subprocess.PIPE,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                       start_new_session=True, text=True)
+        _reaper.stdin.write(line + "\n")
+        _reaper.stdin.flush()
+
+
+def reap_on_exit(pid):
+    """SIGKILL `pid` (and its process group) if this test process dies first."""
+    _tell_reaper(f"+{pid}")
+
+
+def forget(pid):
+    """`pid` was stopped and reaped normally: its number may be reused."""
+    _tell_reaper(f"-{pid}")
 
 
 def config_text(proxy_extra="", num_blocks=512, max_num_seqs=64, http="127.0.0.1:0", extra=""):
@@ -60,6 +112,8 @@ class Fleet:
         self.log = open(os.path.join(self.dir, "launch.log"), "w")
         self.proc = subprocess.Popen([BINARY, "launch", self.config, "--state-file", self.state_path],
                                      stdout=self.log, stderr=subprocess.STDOUT)
+        self.pids = [self.proc.pid]
+        reap_on_exit(self.proc.pid)
         deadline = time.time() + timeout
         while not os.path.exists(self.state_path):
             if self.proc.poll() is not None or time.time() > deadline:
@@ -69,6 +123,10 @@ class Fleet:
         time.sleep(0.1)  # the file is written whole, but be safe with a reader racing the rename
         with open(self.state_path) as f:
             self.state = json.load(f)
+        for p in [self.state["proxy"].get("pid")] + [w.get("pid") for w in self.state["workers"]]:
+            if p and p > 0:
+                self.pids.append(p)
+                reap_on_exit(p)
         self.http = self.state["proxy"]["http"]
         self.base_url = f"http://{self.http}/v1"
 
@@ -81,8 +139,17 @@ class Fleet:
             try:
                 self.proc.wait(grace)
             except subprocess.TimeoutExpired:
+                for p in self.pids[1:]:  # what is left (a stopped worker ignores SIGTERM)
+                    try:
+                        os.kill(p, signal.SIGKILL)
+                    except OSError:
+                        pass
                 self.proc.kill()
                 self.proc.wait()
+        # The launcher is gone and has stopped its proxy and workers.
+        for p in self.pids:
+            forget(p)
+        self.pids = []
         self.log.close()
 
 

@@ -386,6 +386,7 @@ def status_503_while_starting():
     p = subprocess.Popen([fl.BINARY, "proxy", "--config", cfg, "--http", http, "--grpc", "127.0.0.1:0",
                           "--metrics", "127.0.0.1:0", *fl.tls_args(F.state)],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    fl.reap_on_exit(p.pid)
     try:
         deadline = time.time() + 30
         status, body = None, ""
@@ -422,6 +423,7 @@ def status_503_while_starting():
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait(30)
+        fl.forget(p.pid)
 
 
 @check

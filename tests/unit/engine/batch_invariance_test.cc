@@ -190,6 +190,32 @@ TEST_P(GenerationInvarianceTest, ForcedPreemptionGivesIdenticalTokens) {
   EXPECT_EQ(squeezed, reference);
 }
 
+// model.batch_invariant: false asks for nothing the cpu backend lacks: the
+// key reaches the engine, the backend still reports invariance, and the
+// 32-together-equal-alone result holds unchanged.
+TEST(BatchInvariantKey, FalseIsAcceptedAndTheCpuBackendStaysInvariant) {
+  auto fleet = ParseFleetConfig("model:\n  path: m\n  batch_invariant: false\nboth:\n  replicas: 1\n",
+                                "x.yaml", "/tmp");
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  EngineOptions o = EngineOptions::FromFleetConfig(*fleet);
+  EXPECT_FALSE(o.batch_invariant);
+  EXPECT_EQ(o.backend, "cpu");
+  o.num_blocks = 256;
+  o.scheduler.max_batched_tokens = 96;
+  const auto& m = TinyModel("tiny-qwen2");
+  auto engine = MakeEngine(m, o);
+  ASSERT_NE(engine, nullptr);
+  EXPECT_TRUE(engine->backend().Supports(BackendFeature::kBatchInvariant));
+  engine.reset();
+  const auto cases = Cases(6, /*sampled=*/true);
+  const auto together = Generate(m, cases, o);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    EngineOptions alone = o;
+    alone.num_blocks = 16;
+    EXPECT_EQ(Generate(m, {cases[i]}, alone)[0], together[i]) << "request " << i;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(GreedyAndSeeded, GenerationInvarianceTest, ::testing::Bool(),
                          [](const auto& info) {
                            return info.param ? std::string("seeded") : std::string("greedy");

@@ -441,5 +441,21 @@ TEST(EngineTest, ResetPrefixCachePublishesClearedAndForgetsBlocks) {
   EXPECT_EQ(b.tokens, a.tokens);
 }
 
+// Weights loaded as bf16 (WeightFormat::kBf16, for backend cuda) are
+// refused by the cpu backend with an error naming the tensor, not computed.
+TEST(EngineTest, CpuBackendRefusesBf16Weights) {
+  const std::string dir = testing::RepoPath("tests/fixtures/golden/tiny-llama");
+  auto cfg = model::LoadModelConfig(dir);
+  ASSERT_TRUE(cfg.ok()) << cfg.status().ToString();
+  auto w = model::LoadWeights(dir, *cfg, model::WeightFormat::kBf16);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  EngineOptions o;
+  o.num_blocks = 8;
+  auto e = Engine::Create(*cfg, *w, o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument) << e.status().ToString();
+  EXPECT_NE(e.status().message().find("loaded as bf16"), std::string::npos) << e.status().ToString();
+}
+
 }  // namespace
 }  // namespace tandem::engine

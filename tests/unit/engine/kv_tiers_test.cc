@@ -255,6 +255,35 @@ TEST(KvTiersTest, DiskCapacityEvictsTheOldestFile) {
   EXPECT_EQ(removed_disk, 2u);
 }
 
+// Both I/O paths work: O_DIRECT where the probe succeeds (here: /tmp) and
+// buffered I/O (forced here; what a file system refusing O_DIRECT gets).
+TEST(KvTiersTest, DiskTierWorksWithAndWithoutODirect) {
+  for (bool direct : {true, false}) {
+    SCOPED_TRACE(direct ? "O_DIRECT allowed" : "buffered");
+    TempDir dir;
+    Fixture f(4, 0, "");
+    DiskTierOptions d;
+    d.path = dir.str();
+    d.block_size = kBs;
+    d.block_bytes = f.layout_.block_bytes();
+    d.fingerprint = DiskTierFingerprint(kRoot, d.block_bytes, kBs);
+    d.max_bytes = 1 << 20;
+    d.try_direct_io = direct;
+    auto t = DiskKvTier::Open(d);
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    if (!direct) {
+      EXPECT_FALSE((*t)->direct_io());
+    }
+    std::vector<std::byte> block(d.block_bytes), back(d.block_bytes);
+    for (size_t i = 0; i < block.size(); ++i) block[i] = static_cast<std::byte>(i * 7 + 1);
+    TierBlockMeta meta{0xabcdef, 0x1234, Seq(kBs, 3)};
+    ASSERT_TRUE((*t)->Write(meta, block).ok());
+    ASSERT_TRUE((*t)->Read(meta.hash, meta.tokens, back).ok());
+    EXPECT_EQ(back, block);
+    EXPECT_EQ((*t)->Read(meta.hash, Seq(kBs, 4), back).code(), StatusCode::kDataLoss);  // other tokens
+  }
+}
+
 TEST(KvTiersTest, ClearCacheEmptiesEveryTier) {
   TempDir dir;
   Fixture f(4, 4, dir.str(), 16);

@@ -1,22 +1,27 @@
 // The engine's `cuda` backend (label gpu): without a device it, and an
-// Engine with backend "cuda", refuse to start with a clear error (runs
-// everywhere); with one, the golden fixtures'
-// greedy continuations (tests/fixtures/golden) are reproduced token for
+// Engine with backend "cuda", refuse to start with a clear error, and the
+// graph cache's buckets and capture fallback work (these run everywhere);
+// with one, the golden fixtures' greedy continuations (tests/fixtures/golden,
+// weights loaded as bf16 the way workers load them) are reproduced token for
 // token, the logits stay within a bf16 tolerance of transformers' f32 ones,
-// and in batch-invariant mode a prompt's logits are bit-identical whether it
-// runs whole, in chunks, or beside other sequences.
+// in batch-invariant mode a prompt's logits are bit-identical whether it
+// runs whole, in chunks, or beside other sequences, and decode steps through
+// CUDA graphs give the same logit bits as eager steps.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
 
 #include "engine/cuda_backend.h"
+#include "engine/cuda_graphs.h"
 #include "engine/engine.h"
 #include "kernels/cuda/device.h"
 #include "model/model_config.h"
@@ -58,7 +63,7 @@ bool LoadFixture(const std::string& name, Fixture* f, std::string* why) {
     *why = cfg.status().ToString();
     return false;
   }
-  auto w = model::LoadWeights(dir, *cfg);
+  auto w = model::LoadWeights(dir, *cfg, model::WeightFormat::kBf16);  // as workers load for cuda
   if (!w.ok()) {
     *why = w.status().ToString();
     return false;
@@ -71,13 +76,15 @@ bool LoadFixture(const std::string& name, Fixture* f, std::string* why) {
 // A backend over its own pool, handing out fresh blocks.
 class Harness {
  public:
-  Harness(const Fixture& f, bool batch_invariant, uint32_t num_blocks = 512) : vocab_(f.config.vocab_size) {
+  Harness(const Fixture& f, bool batch_invariant, uint32_t num_blocks = 512, bool graphs = true)
+      : vocab_(f.config.vocab_size) {
     KvLayout l{f.config.num_hidden_layers, f.config.num_key_value_heads, f.config.head_dim, 16};
     auto pool = KvPool::Create(l, num_blocks, alloc_);
     EXPECT_TRUE(pool.ok()) << pool.status().ToString();
     pool_ = std::move(*pool);
     CudaBackendOptions o;
     o.batch_invariant = batch_invariant;
+    o.cuda_graphs = graphs;
     auto b = CreateCudaBackend(f.config, f.weights, pool_.get(), o);
     EXPECT_TRUE(b.ok()) << b.status().ToString();
     if (b.ok()) backend_ = std::move(*b);
@@ -97,6 +104,7 @@ class Harness {
     return logits;
   }
   uint32_t vocab() const { return vocab_; }
+  const ComputeBackend& backend() const { return *backend_; }
 
  private:
   uint32_t vocab_;
@@ -234,6 +242,155 @@ TEST(CudaBackendInvariance, BatchInvariantModeGivesTheSameLogitsWholeChunkedAndB
   const std::vector<float> c_row(c.begin() + h.vocab(), c.end());
   EXPECT_EQ(a, b) << "whole vs chunked";
   EXPECT_EQ(a, c_row) << "alone vs batched";
+}
+
+// ---- CUDA graphs of decode steps ----
+
+TEST(CudaGraphCache, Buckets) {
+  EXPECT_EQ(CudaGraphCache::BatchBucket(0), 0u);
+  EXPECT_EQ(CudaGraphCache::BatchBucket(1), 1u);
+  EXPECT_EQ(CudaGraphCache::BatchBucket(3), 4u);
+  EXPECT_EQ(CudaGraphCache::BatchBucket(64), 64u);
+  EXPECT_EQ(CudaGraphCache::BatchBucket(65), 128u);
+  EXPECT_EQ(CudaGraphCache::BatchBucket(512), 512u);
+  EXPECT_EQ(CudaGraphCache::BatchBucket(513), 0u);  // eager
+  EXPECT_EQ(CudaGraphCache::BlockBucket(1), 32u);
+  EXPECT_EQ(CudaGraphCache::BlockBucket(33), 64u);
+  EXPECT_EQ(CudaGraphCache::BlockBucket(8192), 8192u);
+}
+
+// A capture that cannot happen (here: on the legacy default stream, which
+// CUDA never captures; without a device, because there is none) falls back
+// to eager steps with the reason recorded, and every step still runs.
+TEST(CudaGraphCache, ImpossibleCaptureFallsBackToEagerWithTheReason) {
+  CudaGraphCache cache(/*enabled=*/true);
+  int runs = 0;
+  auto enqueue = [&] {
+    ++runs;
+    return Status::Ok();
+  };
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(cache.Run({4, 32}, 0, nullptr, enqueue).ok());
+  // First sight eager; the capture's enqueue (no launch) then its fallback; two more eager.
+  EXPECT_EQ(cache.stats().failed_captures, 1u);
+  EXPECT_EQ(cache.stats().replays, 0u);
+  EXPECT_EQ(cache.stats().eager_steps, 4u);
+  EXPECT_NE(cache.stats().last_failure.find("cudaStreamBeginCapture"), std::string::npos)
+      << cache.stats().last_failure;
+  EXPECT_EQ(runs, 4);
+  CudaGraphCache off(/*enabled=*/false);
+  ASSERT_TRUE(off.Run({4, 32}, 0, nullptr, enqueue).ok());
+  EXPECT_EQ(off.stats().eager_steps, 1u);
+  EXPECT_EQ(off.stats().failed_captures, 0u);
+}
+
+TEST(CudaBackend, BadGraphSwitchIsRefusedNamingTheVariable) {
+  Fixture f;
+  std::string why;
+  if (!LoadFixture("tiny-llama", &f, &why)) GTEST_SKIP() << why;
+  AlignedKvPoolAllocator alloc;
+  KvLayout l{f.config.num_hidden_layers, f.config.num_key_value_heads, f.config.head_dim, 16};
+  auto pool = KvPool::Create(l, 8, alloc);
+  ASSERT_TRUE(pool.ok());
+  ::setenv("TANDEM_CUDA_GRAPHS", "sometimes", 1);
+  auto b = CreateCudaBackend(f.config, f.weights, pool->get(), {});
+  ::unsetenv("TANDEM_CUDA_GRAPHS");
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), StatusCode::kInvalidArgument) << b.status().ToString();
+  EXPECT_NE(b.status().message().find("TANDEM_CUDA_GRAPHS"), std::string::npos)
+      << b.status().ToString();
+}
+
+bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// Decode steps of batches 1, 3, 8, 13 and 33 (padded to 1, 4, 8, 16, 64),
+// one context past a 512-token decode split and past the 32-block table
+// bucket: graph replays give the eager steps' logits bit for bit, in both
+// modes. The graph backend must really have replayed graphs.
+class CudaGraphsVsEager : public ::testing::TestWithParam<bool> {};
+
+TEST_P(CudaGraphsVsEager, DecodeLogitsAreBitIdentical) {
+  std::string why;
+  if (!HaveDevice(&why)) GTEST_SKIP() << "no CUDA device (" << why << "): GPU test not run";
+  Fixture f;
+  if (!LoadFixture("tandem-kjv", &f, &why)) GTEST_SKIP() << why;
+  Harness graph(f, GetParam(), 4096, /*graphs=*/true);
+  Harness eager(f, GetParam(), 4096, /*graphs=*/false);
+  ASSERT_TRUE(graph.ok() && eager.ok());
+  const uint32_t vocab = graph.vocab();
+  for (uint32_t n : {1u, 3u, 8u, 13u, 33u}) {
+    SCOPED_TRACE("batch " + std::to_string(n));
+    std::vector<std::vector<uint32_t>> seqs(n), tables(n);
+    for (uint32_t i = 0; i < n; ++i) {
+      const uint32_t len = i == 1 ? 600 : 5 + (i * 13) % 70;  // one context > 512 and > 32 blocks
+      for (uint32_t k = 0; k < len; ++k) seqs[i].push_back(3 + (k * 31 + i * 7) % 4000);
+      tables[i] = graph.Blocks(len + 8);
+      ASSERT_EQ(eager.Blocks(len + 8), tables[i]);
+    }
+    std::vector<SeqChunk> pre;
+    for (uint32_t i = 0; i < n; ++i) pre.push_back(SeqChunk{seqs[i], 0, tables[i], 1});
+    auto lg = graph.Run(pre);
+    ASSERT_TRUE(SameBits(lg, eager.Run(pre))) << "prefill";
+    for (int step = 0; step < 5; ++step) {  // eager, capture, replays
+      std::vector<SeqChunk> dec;
+      for (uint32_t i = 0; i < n; ++i) {
+        seqs[i].push_back(Greedy(&lg[size_t{i} * vocab], vocab));
+        const uint32_t pos = static_cast<uint32_t>(seqs[i].size() - 1);
+        dec.push_back(SeqChunk{std::span<const uint32_t>(seqs[i]).subspan(pos, 1), pos, tables[i], 1});
+      }
+      lg = graph.Run(dec);
+      ASSERT_TRUE(SameBits(lg, eager.Run(dec))) << "decode step " << step;
+    }
+  }
+  const CudaGraphStats gs = GetCudaGraphStats(graph.backend());
+  const CudaGraphStats es = GetCudaGraphStats(eager.backend());
+  EXPECT_TRUE(gs.enabled);
+  EXPECT_EQ(gs.failed_captures, 0u) << gs.last_failure;
+  EXPECT_GE(gs.captures, 5u);
+  EXPECT_GE(gs.replays, 15u);
+  EXPECT_FALSE(es.enabled);
+  EXPECT_EQ(es.replays, 0u);
+  EXPECT_EQ(es.eager_steps, 25u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, CudaGraphsVsEager, ::testing::Bool(), [](const auto& info) {
+  return info.param ? std::string("batch_invariant") : std::string("default");
+});
+
+// Batch-invariant mode through graphs: every decode step's logits (a batch
+// of 3 padded to 4) equal a fresh whole-prompt prefill of the same tokens.
+TEST(CudaBackendInvariance, GraphDecodeStepsEqualWholePrefill) {
+  std::string why;
+  if (!HaveDevice(&why)) GTEST_SKIP() << "no CUDA device (" << why << "): GPU test not run";
+  Fixture f;
+  if (!LoadFixture("tandem-kjv", &f, &why)) GTEST_SKIP() << why;
+  Harness h(f, /*batch_invariant=*/true, 1024);
+  ASSERT_TRUE(h.ok());
+  const uint32_t vocab = h.vocab();
+  std::vector<std::vector<uint32_t>> seqs(3), tables(3);
+  for (uint32_t i = 0; i < 3; ++i) {
+    for (uint32_t k = 0; k < 20 + 17 * i; ++k) seqs[i].push_back(3 + (k * 53 + i) % 4000);
+    tables[i] = h.Blocks(static_cast<uint32_t>(seqs[i].size()) + 8);
+  }
+  std::vector<SeqChunk> pre;
+  for (uint32_t i = 0; i < 3; ++i) pre.push_back(SeqChunk{seqs[i], 0, tables[i], 1});
+  auto lg = h.Run(pre);
+  for (int step = 0; step < 6; ++step) {
+    std::vector<SeqChunk> dec;
+    for (uint32_t i = 0; i < 3; ++i) {
+      seqs[i].push_back(Greedy(&lg[size_t{i} * vocab], vocab));
+      const uint32_t pos = static_cast<uint32_t>(seqs[i].size() - 1);
+      dec.push_back(SeqChunk{std::span<const uint32_t>(seqs[i]).subspan(pos, 1), pos, tables[i], 1});
+    }
+    lg = h.Run(dec);
+    for (uint32_t i = 0; i < 3; ++i) {
+      const auto fresh = h.Run({SeqChunk{seqs[i], 0, h.Blocks(static_cast<uint32_t>(seqs[i].size())), 1}});
+      ASSERT_EQ(0, std::memcmp(fresh.data(), &lg[size_t{i} * vocab], vocab * sizeof(float)))
+          << "sequence " << i << ", step " << step;
+    }
+  }
+  EXPECT_GT(GetCudaGraphStats(h.backend()).replays, 0u);
 }
 
 }  // namespace

@@ -39,6 +39,7 @@ class ScriptedWorkers : public WorkerClient {
   std::vector<std::string> decode_addresses, prefill_addresses;
   std::vector<std::shared_ptr<FakeCall>> decode_calls;
   std::vector<DecodeArgs> decode_args;
+  std::vector<PrefillArgs> prefill_args;
   // The first `dying_decodes` Decode streams break (as a killed decoder's
   // would) after `die_after` tokens.
   uint32_t dying_decodes = 0;
@@ -62,6 +63,7 @@ class ScriptedWorkers : public WorkerClient {
   std::shared_ptr<Call> Prefill(const std::string& address, PrefillArgs args,
                                 std::function<void(Result<PrefillResult>)> done) override {
     prefill_addresses.push_back(address);
+    prefill_args.push_back(args);
     if (hold_prefill) {
       // no answer
     } else if (!prefill_error.ok()) {
@@ -324,6 +326,32 @@ TEST_F(LifecycleTest, FullDecoderIsAvoidedOnRetry) {
   if (workers_.decode_addresses.size() == 2) {
     EXPECT_EQ(workers_.decode_addresses[0], "d0:1");
     EXPECT_TRUE(workers_.decode_calls[0]->cancelled);  // the refused attempt is closed
+  }
+}
+
+// Each route is its own attempt on the workers (worker/attempt_key.h): the
+// Decode and Prefill of one attempt carry the same number, a retry a new
+// one, so a worker still holding the abandoned attempt never meets it.
+TEST_F(LifecycleTest, EveryAttemptHasItsOwnNumber) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("p1", router::WorkerRole::kPrefill);
+  AddWorker("p2", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  workers_.completion = tokenizer_->Encode("Amen");
+  workers_.prefill_error = UnavailableError("prefiller lost");  // every route is retried
+  Collected c;
+  Run(c);
+  EXPECT_EQ(c.error.code(), StatusCode::kUnavailable) << c.error.ToString();
+  ASSERT_EQ(workers_.decode_args.size(), 3u);  // max_attempts
+  ASSERT_EQ(workers_.prefill_args.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_GE(workers_.decode_args[i].attempt, 1u);
+    EXPECT_EQ(workers_.prefill_args[i].attempt, workers_.decode_args[i].attempt) << i;
+    EXPECT_EQ(workers_.prefill_args[i].request_id, "r1");
+    EXPECT_EQ(workers_.decode_args[i].request_id, "r1");
+    if (i > 0) {
+      EXPECT_GT(workers_.decode_args[i].attempt, workers_.decode_args[i - 1].attempt);
+    }
   }
 }
 

@@ -216,5 +216,64 @@ TEST(SimBackend, StepsLastTheModelledTime) {
   EXPECT_LT(decode, prefill / 5);
 }
 
+// KV tiers on the sim backend: a prefix onboarded from the host tier gives
+// the same tokens as computing it (the sim's tokens follow the KV bytes),
+// and a step that onboards lasts at least the modelled PCIe copy.
+TEST(SimBackend, HostTierPrefixGivesTheSameTokensAndChargesTheCopy) {
+  const SimSetup s = MakeSetup();
+  const sim::TimingModel fast = Instant();
+  EngineOptions o;
+  o.backend = "sim";
+  o.sim_timing = &fast;
+  o.num_blocks = 40;  // one 512-token prompt (33 blocks) at a time
+  o.host_tier_blocks = 64;
+  o.sim_host_bytes_per_s = 50e9;
+  o.sim_kv_scale = s.kv_scale;
+  auto e = Engine::Create(s.storage_config, model::ModelWeights{}, o);
+  ASSERT_TRUE(e.ok()) << e.status().ToString();
+  std::map<std::string, Outcome> runs;
+  ASSERT_TRUE((*e)->Submit(Req("a", Prompt(512, 1), 4, &runs)).ok());
+  (*e)->RunUntilIdle();
+  ASSERT_TRUE((*e)->Submit(Req("b", Prompt(512, 2), 4, &runs)).ok());  // pushes a's blocks to host
+  (*e)->RunUntilIdle();
+  ASSERT_TRUE((*e)->Submit(Req("a2", Prompt(512, 1), 4, &runs)).ok());
+  (*e)->RunUntilIdle();
+  EXPECT_EQ(runs["a2"].tokens, runs["a"].tokens);
+  EXPECT_EQ(runs["a2"].last.cached_prompt_tokens, 496u);  // 31 full blocks of 16, the last token computed
+  const EngineStats st = (*e)->stats();
+  // a's head stayed on the device, its tail (evicted first) came from host.
+  EXPECT_GT(st.tier_hit_tokens[static_cast<size_t>(KvTier::kHost)], 0u);
+  EXPECT_EQ(st.tier_hit_tokens[static_cast<size_t>(KvTier::kHost)] +
+                st.tier_hit_tokens[static_cast<size_t>(KvTier::kDevice)],
+            496u);
+  EXPECT_GT(st.tier_evictions[static_cast<size_t>(KvTier::kDevice)], 0u);
+
+  // The copy time alone: 1000 host blocks of the real size over 50 GB/s.
+  KvLayout layout;
+  layout.num_layers = 1;
+  layout.num_kv_heads = 1;
+  layout.head_dim = s.storage_config.head_dim;
+  layout.block_size = 16;
+  AlignedKvPoolAllocator alloc;
+  auto pool = KvPool::Create(layout, 4, alloc);
+  ASSERT_TRUE(pool.ok());
+  SimBackend b(s.storage_config, fast, pool->get());
+  b.set_sleep(false);
+  const double real_block = static_cast<double>(layout.block_bytes()) * s.kv_scale;
+  b.set_tier_links(50e9, 7e9, real_block);
+  const std::vector<uint32_t> tok = {7};
+  const std::vector<uint32_t> table = {0};
+  SeqChunk c;
+  c.tokens = tok;
+  c.block_table = table;
+  c.num_logits = 1;
+  c.onboarded_host_blocks = 1000;
+  c.onboarded_disk_blocks = 10;
+  std::vector<float> logits(s.storage_config.vocab_size);
+  ASSERT_TRUE(b.Forward(std::span<const SeqChunk>(&c, 1), logits).ok());
+  EXPECT_NEAR(b.last_step_seconds(), 1000 * real_block / 50e9 + 10 * real_block / 7e9, 1e-9);
+  EXPECT_NEAR(real_block, 16.0 * 128 * 1024, 16.0 * 128 * 1024 * 0.01);  // Llama-3-8B: 2 MiB a block
+}
+
 }  // namespace
 }  // namespace tandem::engine
