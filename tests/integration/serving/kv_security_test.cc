@@ -66,7 +66,7 @@ TEST(KvSecurityTest, NoticeWithAWrongCapabilityIsRefusedAndCountedThroughRealUcx
   auto d = StartWorker(sup, fleet, "decode", "decode-0");
   ASSERT_TRUE(d.ok()) << d.status().ToString();
   const std::string metrics = (*d)->metrics;
-  auto stub = pb::Decoder::NewStub(grpc::CreateChannel((*d)->grpc, grpc::InsecureChannelCredentials()));
+  auto stub = pb::Decoder::NewStub(InternalChannel(fleet, (*d)->grpc));
 
   // Every refusal series exists at zero from start-up.
   const std::string scrape = Scrape(metrics);
