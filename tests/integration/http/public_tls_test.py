@@ -14,7 +14,6 @@ import threading
 import time
 import urllib.request
 
-import httpx
 import openai
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -57,7 +56,7 @@ def main():
 
         # The official client over HTTPS (certificate verified against the CA, host 127.0.0.1).
         client = openai.OpenAI(base_url=f"https://{http}/v1", api_key="x", max_retries=0, timeout=60,
-                               http_client=httpx.Client(verify=ssl.create_default_context(cafile=ca)))
+                               http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=ca)))
         r = client.completions.create(model="tandem-kjv", prompt=PROMPT, max_tokens=5, temperature=0)
         assert r.usage.completion_tokens == 5, r.usage
         print("openai over https:", repr(r.choices[0].text))
