@@ -2,7 +2,7 @@
 # The sim experiments of issue 11 (docs/sim.md). Each writes
 # bench/results/sim_raw/<name>.{json,txt,cpu.json,launch.log}; the reports
 # bench/results/sim_*.md quote the numbers. Usage:
-#   bench/sim/experiments.sh cpu|interference|bandwidth|bandwidth-agg|routing|routing-reuse|pd|kv-tiers [BUILD_DIR]
+#   bench/sim/experiments.sh cpu|interference|bandwidth|bandwidth-agg|streaming|routing|routing-reuse|pd|kv-tiers [BUILD_DIR]
 # Every run is bounded (request count and duration); one fleet at a time.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -40,6 +40,14 @@ bandwidth)  # the 30 % rule: 1P1D, long prompts, link 10..400 Gb/s
   run --config configs/sim-aggregated.yaml --out $raw/bandwidth_aggregated -- \
     --label aggregated --request-rate 2 --num-requests 30 --duration 60 --input-len 4096 \
     --output-len 16 --ignore-eos --seed 4 ;;
+streaming)  # issue 17: transport.push streaming vs after_prefill, ~8k-token prompts one at a time
+  for g in 25 50 100; do
+    for m in streaming after_prefill; do
+      run --config configs/sim-1p1d.yaml --set sim.link_gbps=$g --set transport.push=$m \
+        --out $raw/streaming_${m}_${g}gbps -- --label $m-${g}gbps --concurrency 1 \
+        --num-requests ${N:-12} --duration 90 --input-len 8000 --output-len 16 --ignore-eos --seed 6
+    done
+  done ;;
 bandwidth-agg)  # only the aggregated baseline of `bandwidth`
   run --config configs/sim-aggregated.yaml --out $raw/bandwidth_aggregated -- \
     --label aggregated --request-rate 2 --num-requests 30 --duration 60 --input-len 4096 \

@@ -8,9 +8,8 @@
 
 #include "common/config.h"
 #include "common/version.h"
+#include "kvtransfer/staging/device_path.h"
 #ifdef TANDEM_HAVE_CUDA
-#include <ucp/api/ucp.h>
-
 #include "kernels/cuda/device.h"
 #endif
 
@@ -18,35 +17,6 @@ namespace tandem::cli {
 
 namespace fs = std::filesystem;
 
-#ifdef TANDEM_HAVE_CUDA
-// How KV in device memory (the cuda backend) would move between workers:
-// registered with UCX directly when this UCX build supports CUDA memory
-// (cuda_copy / cuda_ipc / GPUDirect RDMA), otherwise staged through pinned
-// host buffers (docs/cuda.md).
-std::string DeviceKvTransferPath() {
-  ucp_config_t* config = nullptr;
-  if (ucp_config_read(nullptr, nullptr, &config) != UCS_OK) return "unknown (ucp_config_read failed)";
-  ucp_params_t params{};
-  params.field_mask = UCP_PARAM_FIELD_FEATURES;
-  params.features = UCP_FEATURE_RMA;
-  ucp_context_h context = nullptr;
-  const ucs_status_t st = ucp_init(&params, config, &context);
-  ucp_config_release(config);
-  if (st != UCS_OK) return fmt::format("unknown (ucp_init: {})", ucs_status_string(st));
-  ucp_context_attr_t attr{};
-  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
-  const bool cuda = ucp_context_query(context, &attr) == UCS_OK &&
-                    (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
-  ucp_cleanup(context);
-  unsigned major = 0, minor = 0, release = 0;
-  ucp_get_version(&major, &minor, &release);
-  return cuda ? fmt::format("UCX {}.{}.{} with CUDA memory support (device KV registered directly)",
-                            major, minor, release)
-              : fmt::format("staging through pinned host memory (UCX {}.{}.{} has no CUDA memory "
-                            "support)",
-                            major, minor, release);
-}
-#endif
 
 void AddTlsOptions(CLI::App& cmd, std::string& ca, std::string& cert, std::string& key) {
   auto* a = cmd.add_option("--tls-ca", ca, "internal plane: the fleet CA certificate (PEM)");
@@ -86,7 +56,7 @@ void RegisterVersion(CLI::App& app, GlobalOptions& g) {
     std::cout << fmt::format("cuda kernels: compiled (sm_{})\ncuda devices: {}{}\n",
                              kernels::cuda::CompiledArchitectures(), n,
                              n == 0 ? fmt::format(" ({})", why) : "");
-    std::cout << fmt::format("cuda kv transfer path: {}\n", DeviceKvTransferPath());
+    std::cout << fmt::format("cuda kv transfer path: {}\n", kvtransfer::DetectDeviceTransferPath().detail);
 #else
     std::cout << "cuda kernels: not compiled\n";
 #endif

@@ -24,6 +24,9 @@
 #include "common/config.h"
 #include "common/logging.h"
 #include "common/net.h"
+#ifdef TANDEM_HAVE_CUDA
+#include "kernels/cuda/device.h"
+#endif
 
 namespace tandem::cli {
 namespace {
@@ -40,6 +43,28 @@ std::string NthAddress(const std::string& base, uint32_t index) {
   if (!hp.ok() || hp->port == 0) return base;
   hp->port = static_cast<uint16_t>(hp->port + index);
   return hp->ToString();
+}
+
+// A cuda fleet on a machine without a usable device: refused before any
+// process starts, in one line naming the device (not as a worker that dies
+// later). Asking the CUDA runtime here is safe: children exec right after
+// fork, so no CUDA state is inherited.
+Status CheckBackendDevice(const FleetConfig& cfg) {
+  if (cfg.model.backend != "cuda") return Status::Ok();
+#ifdef TANDEM_HAVE_CUDA
+  char why[256] = "";
+  if (kernels::cuda::DeviceCount(why, sizeof(why)) == 0) {
+    return FailedPreconditionError(fmt::format(
+        "model.backend is cuda but this machine has no usable CUDA device ({}); use "
+        "model.backend: cpu here",
+        why));
+  }
+  return Status::Ok();
+#else
+  return FailedPreconditionError(
+      "model.backend is cuda but this tandem build has no CUDA kernels, so no CUDA device can be "
+      "used (configure with -DTANDEM_CUDA=ON where nvcc is installed)");
+#endif
 }
 
 std::string SelfExe() {
@@ -99,6 +124,10 @@ int RunLaunch(const std::string& config_path, const std::string& state_file,
   const std::string format = g.log_format.empty() ? cfg->logging.format : g.log_format;
   if (auto s = SetupLogging("launch", level, format); !s.ok()) {
     std::cerr << s.message() << "\n";
+    return 1;
+  }
+  if (auto s = CheckBackendDevice(*cfg); !s.ok()) {
+    spdlog::error("fleet not started: {}", s.message());
     return 1;
   }
   const std::string exe = SelfExe();

@@ -1,5 +1,6 @@
 #include "common/block_hash.h"
 
+#include <openssl/evp.h>
 #include <xxhash.h>
 
 #include <bit>
@@ -27,9 +28,34 @@ HashContext HashContextFromFleet(const FleetConfig& fleet) {
   c.model_id = fleet.model.name;
   c.revision = fleet.model.revision;
   c.block_size = fleet.cache.block_size;
-  c.kv_dtype = "f32";  // the KV pool is f32 on every backend today (DESIGN.md section 4)
+  c.kv_dtype = KvDtypeForBackend(fleet.model.backend);
   c.fleet_salt = fleet.cache.salt;
   return c;
+}
+
+std::string KvDtypeForBackend(std::string_view backend) {
+  // The cuda backend keeps bf16 KV (docs/cuda.md); cpu and sim keep f32.
+  return backend == "cuda" ? "bf16" : "f32";
+}
+
+std::string FleetSaltFingerprint(std::string_view salt) {
+  static constexpr std::string_view kDomain = "tandem.fleet-salt.v1";
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
+  const bool ok = ctx != nullptr && EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr) == 1 &&
+                  EVP_DigestUpdate(ctx, kDomain.data(), kDomain.size()) == 1 &&
+                  EVP_DigestUpdate(ctx, salt.data(), salt.size()) == 1 &&
+                  EVP_DigestFinal_ex(ctx, digest, &len) == 1 && len >= 16;
+  EVP_MD_CTX_free(ctx);
+  TANDEM_CHECK(ok);  // SHA-256 of a few bytes fails only if OpenSSL itself is broken
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned int i = 0; i < 16; ++i) {
+    out.push_back(kHex[digest[i] >> 4]);
+    out.push_back(kHex[digest[i] & 15]);
+  }
+  return out;
 }
 
 uint64_t RootHash(const HashContext& ctx) {

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace tandem {
@@ -25,10 +26,21 @@ struct HashContext {
 };
 
 struct FleetConfig;
-// The hash context every component of a fleet derives from its fleet file
-// (model name and revision, block size, KV dtype, cache salt), so that the
-// proxy, the router and the workers agree on every block's hash.
+// THE hash context builder: the proxy, the workers and the tools all derive
+// their context from the fleet file with this function and nothing else
+// (model name and revision, block size, the KV dtype of model.backend, the
+// fleet salt cache.salt), so that they agree on every block's hash. The
+// tenant salt is per request: it stays empty here and the caller sets it.
 HashContext HashContextFromFleet(const FleetConfig& fleet);
+
+// The element type of the KV cache a backend keeps: "bf16" for `cuda`
+// (docs/cuda.md), "f32" for `cpu` and `sim`.
+std::string KvDtypeForBackend(std::string_view backend);
+
+// A fingerprint of the fleet salt that can be compared without revealing
+// it: the first 16 bytes of SHA-256("tandem.fleet-salt.v1" || salt), as 32
+// hex digits. Workers send this at registration, never the salt.
+std::string FleetSaltFingerprint(std::string_view salt);
 
 // h_{-1}: XXH3_64 (seed 0) of "tandem.kv.v1" followed by each string field as
 // u32 little-endian length + bytes, and block_size as u32 little-endian, in

@@ -67,6 +67,7 @@ void ReadSecurity(YamlMap m, SecurityConfig& s) {
     m.ReadEnum("public_tls", s.public_tls, {"off", "auto"});
   }
   m.Read("dir", s.dir);
+  m.Read("api_keys_file", s.api_keys_file);
   m.Finish();
 }
 
@@ -152,6 +153,7 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.ReadEnum("backend", c.transport.backend, {"ucx", "loopback"});
     m.Read("lease_seconds", c.transport.lease_seconds, 0.1, 86400.0);
     m.Read("peer_timeout_seconds", c.transport.peer_timeout_seconds, 0.1, 600.0);
+    m.ReadEnum("push", c.transport.push, {"streaming", "after_prefill"});
     m.Finish();
   }
   {
@@ -245,7 +247,7 @@ Result<FleetConfig> ParseFleetConfig(const std::string& text, const std::string&
   for (std::string* p : {&cfg.security.internal_ca_file, &cfg.security.internal_cert_file,
                          &cfg.security.internal_key_file, &cfg.security.public_cert_file,
                          &cfg.security.public_key_file, &cfg.security.public_client_ca_file,
-                         &cfg.security.dir}) {
+                         &cfg.security.dir, &cfg.security.api_keys_file}) {
     if (!p->empty() && fs::path(*p).is_relative()) {
       *p = (fs::path(base_dir) / *p).lexically_normal().string();
     }

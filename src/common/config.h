@@ -83,6 +83,9 @@ struct TransportConfig {
   std::string backend = "ucx";  // ucx | loopback (loopback: single process only)
   double lease_seconds = 30.0;  // a reservation whose KV never arrives expires after this
   double peer_timeout_seconds = 3.0;  // peer loss surfaces as an error within this
+  // streaming: the prefiller pushes KV while it computes it (per chunk and
+  // layer group); after_prefill: once the whole prompt is done.
+  std::string push = "streaming";
 };
 
 // security (docs/security.md). The TLS keys take a word or a mapping of
@@ -100,6 +103,9 @@ struct SecurityConfig {
   std::string public_key_file;        // ... its private key
   std::string public_client_ca_file;  // ... optional: clients must present a certificate of it
   std::string dir;  // where tandem launch keeps CA and certificates; "" = next to the state file
+  // Tenants: YAML list of {key, tenant, group?, rate limits?}; "" = no tenants
+  // file (proxy.api_key, when set, is then the only key). Relative to the file.
+  std::string api_keys_file;
 };
 
 // The simulated GPU of model.backend `sim` (docs/sim.md): a roofline timing

@@ -7,6 +7,7 @@
 #include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <chrono>
 
 namespace tandem {
@@ -30,7 +31,18 @@ class JsonFormatter final : public spdlog::formatter {
                    static_cast<int>(ms % 1000), std::string_view(level.data(), level.size()),
                    JsonEscape(process_));
     if (!t_request_id.empty()) {
-      fmt::format_to(std::back_inserter(dest), R"("request_id":"{}",)", JsonEscape(t_request_id));
+      // Workers key a request by "<request_id>#<attempt>" (worker/attempt_key.h):
+      // JSON lines carry the client's id and the attempt as separate fields, so
+      // one id finds every line of a request on every process.
+      std::string_view id = t_request_id;
+      const size_t hash = id.rfind('#');
+      const std::string_view suffix = hash == std::string_view::npos ? "" : id.substr(hash + 1);
+      const bool has_attempt =
+          !suffix.empty() && suffix.size() <= 9 &&
+          std::all_of(suffix.begin(), suffix.end(), [](char c) { return c >= '0' && c <= '9'; });
+      if (has_attempt) id = id.substr(0, hash);
+      fmt::format_to(std::back_inserter(dest), R"("request_id":"{}",)", JsonEscape(id));
+      if (has_attempt) fmt::format_to(std::back_inserter(dest), R"("attempt":{},)", suffix);
     }
     fmt::format_to(std::back_inserter(dest), R"("msg":"{}"}})",
                    JsonEscape(std::string_view(msg.payload.data(), msg.payload.size())));

@@ -10,8 +10,36 @@
 
 namespace tandem {
 
+class MetricsRegistry::Refreshing final : public prometheus::Collectable {
+ public:
+  explicit Refreshing(std::shared_ptr<prometheus::Registry> registry)
+      : registry_(std::move(registry)) {}
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    {
+      // Held while it runs: once Set({}) returns, no refresh is running
+      // (the owner may then tear down what it reads).
+      std::lock_guard lock(mu_);
+      if (refresh_) refresh_();
+    }
+    return registry_->Collect();
+  }
+  void Set(std::function<void()> refresh) {
+    std::lock_guard lock(mu_);
+    refresh_ = std::move(refresh);
+  }
+
+ private:
+  const std::shared_ptr<prometheus::Registry> registry_;
+  mutable std::mutex mu_;
+  std::function<void()> refresh_;  // guarded by mu_
+};
+
 MetricsRegistry::MetricsRegistry(MetricLabels labels)
-    : labels_(std::move(labels)), registry_(std::make_shared<prometheus::Registry>()) {}
+    : labels_(std::move(labels)),
+      registry_(std::make_shared<prometheus::Registry>()),
+      refreshing_(std::make_shared<Refreshing>(registry_)) {}
+
+void MetricsRegistry::OnScrape(std::function<void()> refresh) { refreshing_->Set(std::move(refresh)); }
 
 MetricsRegistry::~MetricsRegistry() = default;
 
@@ -23,7 +51,7 @@ Status MetricsRegistry::Serve(const std::string& address) {
   } catch (const std::exception& e) {
     return UnavailableError(fmt::format("metrics exposer cannot listen on {}: {}", address, e.what()));
   }
-  exposer_->RegisterCollectable(registry_);
+  exposer_->RegisterCollectable(refreshing_);
   const auto ports = exposer_->GetListeningPorts();
   hp.port = ports.empty() ? hp.port : static_cast<uint16_t>(ports.front());
   bound_address_ = hp.ToString();
@@ -64,7 +92,7 @@ prometheus::Histogram& MetricsRegistry::Histogram(const std::string& name,
 
 std::string MetricsRegistry::Render() const {
   std::ostringstream out;
-  prometheus::TextSerializer().Serialize(out, registry_->Collect());
+  prometheus::TextSerializer().Serialize(out, refreshing_->Collect());
   return out.str();
 }
 

@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -52,6 +53,13 @@ class MetricsRegistry {
   // on the HTTP API).
   std::string Render() const;
 
+  // Called before every scrape (Render and /metrics), on the scraping
+  // thread: values sampled from elsewhere (engine and worker counts) are
+  // brought up to date there, so a scrape includes everything that
+  // happened before it, watched by a proxy or not. Must be thread-safe.
+  // OnScrape({}) returns once no refresh runs any more.
+  void OnScrape(std::function<void()> refresh);
+
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
 
   // Bucket helpers: `count` boundaries from `start`, each `factor` times the last.
@@ -60,8 +68,11 @@ class MetricsRegistry {
  private:
   std::map<std::string, std::string> Labels(const std::map<std::string, std::string>& extra) const;
 
+  class Refreshing;  // the collectable the exposer serves: refresh, then collect
+
   MetricLabels labels_;
   std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<Refreshing> refreshing_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::string bound_address_;
   std::map<std::string, prometheus::Family<prometheus::Counter>*> counters_;

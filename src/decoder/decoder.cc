@@ -133,6 +133,7 @@ engine::GenerateRequest Decoder::MakeEngineRequest(const DecodeSpec& spec,
   r.prompt_ids = spec.prompt_ids;
   r.sampling = spec.sampling;
   r.first_sample_index = spec.first_sample_index;
+  r.cache_salt = spec.cache_salt;
   r.deadline = ToSteady(spec.deadline);
   const std::string id = spec.request_id;
   r.on_output = [this, id, emitter = std::move(emitter)](const engine::RequestOutput& out) {
@@ -190,6 +191,7 @@ Status Decoder::Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
 Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::string& prefiller,
                                       std::span<const uint32_t> prompt_ids) {
   std::string tag;
+  std::string cache_salt;
   {
     std::lock_guard lock(mu_);
     auto it = requests_.find(request_id);
@@ -209,10 +211,11 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
           request_id, prompt_ids.size(), prompt.size()));
     }
     tag = fmt::format("{}@r{}", request_id, next_tag_++);
+    cache_salt = it->second.spec.cache_salt;  // the registered request's, not the prefiller's word
   }
   auto capability = kvtransfer::NewCapability();
   if (!capability.ok()) return capability.status().WithContext("reserving KV blocks");
-  auto res = engine_.Reserve(tag, prompt_ids);
+  auto res = engine_.Reserve(tag, prompt_ids, cache_salt);
   if (!res.ok()) {
     std::lock_guard lock(mu_);
     ++counts_.reservations_refused;

@@ -46,6 +46,7 @@ struct DecodeSpec {
   std::optional<std::chrono::system_clock::time_point> deadline;
   bool prefill_locally = false;
   uint32_t first_sample_index = 0;  // migration: output tokens produced elsewhere
+  std::string cache_salt;  // the tenant's (engine::GenerateRequest::cache_salt)
 };
 
 struct DecodeResult {

@@ -90,6 +90,7 @@ class DecodeStream final : public grpc::ServerWriteReactor<pb::DecodeResponse> {
     }
     spec.prefill_locally = req.prefill_locally();
     spec.first_sample_index = req.params().first_sample_index();
+    spec.cache_salt = req.tenant_salt();
     Status s = decoder_.Register(std::move(spec), sink_);
     if (!s.ok()) {
       sink_->writer().Abandon(ToGrpcStatus(s));  // `registered` is never sent

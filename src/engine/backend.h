@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -45,7 +46,11 @@ enum class BackendFeature {
   kRealMath,        // computes the model (sim does not)
   kBatchInvariant,  // a row's bits never depend on the batch or the chunking
   kHostKvPool,      // KV lives in the host pool's memory (transport reads it in place)
+  kDeviceKvPool,    // KV lives in device memory: a transfer needs a transport whose pool is
+                    // device memory (UCX with CUDA memory, or the staging path)
 };
+// "real_math", "batch_invariant", "host_kv_pool", "device_kv_pool".
+std::string_view BackendFeatureName(BackendFeature feature);
 
 class ComputeBackend {
  public:
@@ -60,6 +65,23 @@ class ComputeBackend {
   // and fills `logits` [sum num_logits][vocab], rows in batch order. Every
   // block of every block table must be held by the caller.
   virtual Status Forward(std::span<const SeqChunk> batch, std::span<float> logits) = 0;
+
+  // Layer progress, for the streaming KV push (docs/kvtransfer.md): while
+  // set, a backend that can calls `fn(layers_done)` from inside Forward (on
+  // the engine thread) once layers [0, layers_done) of every token of the
+  // batch are final in the pool. Optional: the engine reports every layer
+  // itself once Forward returns, so a backend that never calls it (sim,
+  // cuda) streams per chunk instead of per layer group.
+  using LayerProgressFn = std::function<void(uint32_t layers_done)>;
+  void set_layer_progress(LayerProgressFn fn) { layer_progress_ = std::move(fn); }
+
+ protected:
+  void ReportLayersDone(uint32_t layers_done) const {
+    if (layer_progress_) layer_progress_(layers_done);
+  }
+
+ private:
+  LayerProgressFn layer_progress_;
 };
 
 // Whether backend `name` can run `config` (architecture features, dtype);

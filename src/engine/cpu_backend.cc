@@ -15,12 +15,25 @@ bool CpuBackend::Supports(BackendFeature feature) const {
     case BackendFeature::kBatchInvariant:
     case BackendFeature::kHostKvPool:
       return true;
+    case BackendFeature::kDeviceKvPool:
+      return false;
   }
   return false;
 }
 
+std::string_view BackendFeatureName(BackendFeature feature) {
+  switch (feature) {
+    case BackendFeature::kRealMath: return "real_math";
+    case BackendFeature::kBatchInvariant: return "batch_invariant";
+    case BackendFeature::kHostKvPool: return "host_kv_pool";
+    case BackendFeature::kDeviceKvPool: return "device_kv_pool";
+  }
+  return "unknown";
+}
+
 Status CpuBackend::Forward(std::span<const SeqChunk> batch, std::span<float> logits) {
-  return model_->Forward(batch, *pool_, logits, threads_.get());
+  return model_->Forward(batch, *pool_, logits, threads_.get(),
+                         [this](uint32_t layers_done) { ReportLayersDone(layers_done); });
 }
 
 Status BackendSupports(std::string_view name, const model::ModelConfig& config) {

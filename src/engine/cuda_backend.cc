@@ -80,6 +80,7 @@ class CudaBackend final : public ComputeBackend {
       case BackendFeature::kRealMath: return true;
       case BackendFeature::kBatchInvariant: return options_.batch_invariant;
       case BackendFeature::kHostKvPool: return false;
+      case BackendFeature::kDeviceKvPool: return true;
     }
     return false;
   }
@@ -284,10 +285,19 @@ Status CudaBackend::Init(const model::ModelWeights& w) {
   view_.head_dim = static_cast<int>(kl.head_dim);
   view_.block_size = static_cast<int>(kl.block_size);
   view_.block_stride = kl.block_floats();
-  TANDEM_RETURN_IF_ERROR(kv_.Allocate(view_.block_stride * pool_->num_blocks() * sizeof(bf16),
-                                      fmt::format("the KV pool ({} blocks)", pool_->num_blocks())));
-  TANDEM_CUDA_RETURN(cudaMemset(kv_.as<void>(), 0, kv_.bytes()), "clearing the KV pool");
-  view_.pool = kv_.as<bf16>();
+  const size_t kv_bytes = view_.block_stride * pool_->num_blocks() * sizeof(bf16);
+  if (options_.kv_pool != nullptr) {  // the transport's device pool (kvtransfer/staging)
+    if (options_.kv_pool_bytes < kv_bytes) {
+      return InvalidArgumentError(fmt::format(
+          "backend cuda: the transport's device KV pool has {} bytes; {} blocks need {}",
+          options_.kv_pool_bytes, pool_->num_blocks(), kv_bytes));
+    }
+    view_.pool = static_cast<bf16*>(options_.kv_pool);
+  } else {
+    TANDEM_RETURN_IF_ERROR(kv_.Allocate(kv_bytes, fmt::format("the KV pool ({} blocks)", pool_->num_blocks())));
+    TANDEM_CUDA_RETURN(cudaMemset(kv_.as<void>(), 0, kv_.bytes()), "clearing the KV pool");
+    view_.pool = kv_.as<bf16>();
+  }
   return FromCuda(cudaDeviceSynchronize(), "initialization");
 }
 

@@ -5,8 +5,9 @@
 // the residual stream f32, logits f32.
 //
 // The host KvPool the engine allocates is not where this backend's KV lives
-// (Supports(kHostKvPool) is false): moving blocks between workers needs the
-// device<->host staging of docs/cuda.md, which the workers do not do yet.
+// (Supports(kHostKvPool) is false, kDeviceKvPool true): a prefill or decode
+// worker hands it the KV transport's device pool (CudaBackendOptions::kv_pool,
+// kvtransfer/staging), so blocks move device to device (docs/cuda.md).
 //
 // Thread-safety: as ComputeBackend. The backend owns one CUDA stream; create,
 // use and destroy it on the engine thread (CUDA's current device is per
@@ -25,6 +26,12 @@ struct CudaBackendOptions {
   // decode steps runs in the prefill kernel, whose rows do not depend on
   // their neighbours, and GEMMs use one split-K-free algorithm per shape.
   bool batch_invariant = false;
+  // The device KV pool, when the KV transport owns it (a prefill or decode
+  // worker: the transport's pool is device memory, kvtransfer/staging):
+  // at least num_blocks * block_floats bf16 elements, on `device`. Null:
+  // the backend allocates its own (aggregated serving, `tandem generate`).
+  void* kv_pool = nullptr;
+  size_t kv_pool_bytes = 0;
   // Decode steps through CUDA graphs, one per batch bucket (engine/cuda_graphs.h).
   // The environment variable TANDEM_CUDA_GRAPHS=0 turns them off (for
   // comparison); padding to the bucket happens either way, so the switch

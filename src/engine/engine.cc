@@ -63,11 +63,7 @@ EngineOptions EngineOptions::FromFleetConfig(const FleetConfig& fleet) {
   o.threads = fleet.scheduler.threads;
   o.max_model_len = fleet.model.max_model_len;
   o.batch_invariant = fleet.model.batch_invariant;
-  o.hash_context.model_id = fleet.model.name;
-  o.hash_context.revision = fleet.model.revision;
-  o.hash_context.kv_dtype = "f32";  // the CPU backend's KV is f32 whatever the weights were
-  if (fleet.model.backend == "cuda") o.hash_context.kv_dtype = "bf16";  // docs/cuda.md
-  o.hash_context.fleet_salt = fleet.cache.salt;
+  o.hash_context = HashContextFromFleet(fleet);  // the one builder (common/block_hash.h)
   o.host_tier_blocks = fleet.cache.host_tier_blocks;
   o.disk_tier_path = fleet.cache.disk_tier_path;
   o.disk_tier_max_gib = fleet.cache.disk_tier_max_gib;
@@ -125,6 +121,8 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
     // No device: FAILED_PRECONDITION naming the runtime's reason (docs/cuda.md).
     CudaBackendOptions cuda;
     cuda.batch_invariant = o.batch_invariant;
+    cuda.kv_pool = o.device_kv_pool;
+    cuda.kv_pool_bytes = o.device_kv_pool_bytes;
     TANDEM_ASSIGN_OR_RETURN(e->backend_, CreateCudaBackend(config, weights, e->pool_.get(), cuda));
 #else
     return UnimplementedError(
@@ -146,8 +144,9 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
   HashContext ctx = o.hash_context;
   ctx.block_size = o.block_size;
   e->root_hash_ = RootHash(ctx);
+  e->hash_context_ = std::move(ctx);
   TANDEM_RETURN_IF_ERROR(e->AttachTiers());
-  e->scheduler_ = std::make_unique<Scheduler>(o.scheduler, e->blocks_.get(), e->root_hash_);
+  e->scheduler_ = std::make_unique<Scheduler>(o.scheduler, e->blocks_.get());
   e->counters_.num_blocks = o.num_blocks;
   return e;
 }
@@ -234,6 +233,7 @@ std::unique_ptr<Sequence> Engine::NewSequence(GenerateRequest request) {
     std::random_device rd;
     seq->seed = (static_cast<uint64_t>(rd()) << 32) ^ rd();
   }
+  seq->root_hash = RootHashFor(seq->req.cache_salt);
   seq->tokens = seq->req.prompt_ids;
   seq->prompt_len = static_cast<uint32_t>(seq->tokens.size());
   if (options_.tokenizer != nullptr) {
@@ -312,8 +312,16 @@ Status Engine::ReleasePrefill(const std::string& request_id) {
   return Status::Ok();
 }
 
+uint64_t Engine::RootHashFor(const std::string& cache_salt) const {
+  if (cache_salt.empty()) return root_hash_;
+  HashContext ctx = hash_context_;
+  ctx.tenant_salt = cache_salt;
+  return RootHash(ctx);
+}
+
 Result<Reservation> Engine::Reserve(const std::string& request_id,
-                                    std::span<const uint32_t> prompt_ids) {
+                                    std::span<const uint32_t> prompt_ids,
+                                    const std::string& cache_salt) {
   if (prompt_ids.empty()) return InvalidArgumentError("the prompt has no tokens");
   if (prompt_ids.size() >= max_model_len_) {
     return InvalidArgumentError(fmt::format(
@@ -328,7 +336,7 @@ Result<Reservation> Engine::Reserve(const std::string& request_id,
   }
   const uint32_t bs = options_.block_size;
   std::vector<uint32_t> prompt(prompt_ids.begin(), prompt_ids.end());
-  std::vector<uint64_t> hashes = HashBlocks(root_hash_, prompt, bs);
+  std::vector<uint64_t> hashes = HashBlocks(RootHashFor(cache_salt), prompt, bs);
   const uint32_t total = static_cast<uint32_t>((prompt.size() + bs - 1) / bs);
   TANDEM_ASSIGN_OR_RETURN(uint64_t reservation_id, RandomReservationId());
   std::lock_guard lock(mu_);

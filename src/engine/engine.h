@@ -85,6 +85,14 @@ struct EngineOptions {
   // Backend "sim" only: the simulated GPU (borrowed; must outlive the
   // engine). See engine/sim_backend.h.
   const sim::TimingModel* sim_timing = nullptr;
+  // Backend "cuda" only: the device KV pool the KV transport owns (borrowed;
+  // null: the backend allocates one). See CudaBackendOptions::kv_pool.
+  void* device_kv_pool = nullptr;
+  size_t device_kv_pool_bytes = 0;
+  // Requests with an on_kv_progress callback hear about their KV after
+  // each of this many layer groups of a chunk (backends that report layer
+  // progress; others once per chunk). >= 1.
+  uint32_t kv_progress_layer_groups = 4;
   // Backend "sim" only: lower-tier onboarding links (sim.pcie_gbps,
   // sim.nvme_gbps, in bytes/s) and the real/stored KV size ratio.
   double sim_host_bytes_per_s = 0;
@@ -161,7 +169,10 @@ class Engine {
 
   // Decoder side, see the header comment. RESOURCE_EXHAUSTED when the
   // blocks are not there (nothing is held then).
-  Result<Reservation> Reserve(const std::string& request_id, std::span<const uint32_t> prompt_ids);
+  // `cache_salt` as in GenerateRequest: the reused prefix must have been
+  // cached under the same salt.
+  Result<Reservation> Reserve(const std::string& request_id, std::span<const uint32_t> prompt_ids,
+                              const std::string& cache_salt = "");
   Status ReleaseReservation(uint64_t reservation_id);
   // `request.prompt_ids` must equal the reserved prompt (or be empty: the
   // reserved one is used). The first token is delivered to the callback.
@@ -185,7 +196,9 @@ class Engine {
   const model::ModelConfig& model_config() const { return config_; }
   const ComputeBackend& backend() const { return *backend_; }
   uint32_t max_model_len() const { return max_model_len_; }
+  // The chain root of requests without a cache salt, and of `cache_salt`.
   uint64_t root_hash() const { return root_hash_; }
+  uint64_t RootHashFor(const std::string& cache_salt) const;
   uint32_t block_size() const { return options_.block_size; }
 
  private:
@@ -220,6 +233,7 @@ class Engine {
   EngineOptions options_;
   uint32_t max_model_len_ = 0;
   uint64_t root_hash_ = 0;
+  HashContext hash_context_;  // options_.hash_context with the block size
   std::unique_ptr<AlignedKvPoolAllocator> own_allocator_;
   std::unique_ptr<KvPool> pool_;
   std::unique_ptr<ComputeBackend> backend_;
@@ -227,6 +241,13 @@ class Engine {
   Sampler sampler_;                 // engine thread only
   std::vector<float> logits_;       // engine thread only: [rows][vocab]
   std::vector<SeqChunk> chunks_;    // engine thread only
+  // Engine thread only: this step's chunks whose requests want KvProgress.
+  struct ProgressChunk {
+    const KvProgressCallback* callback = nullptr;  // the sequence's; stable during the forward
+    KvProgress progress;
+  };
+  std::vector<ProgressChunk> progress_;
+  void ReportKvProgress(uint32_t layers_done);
 
   mutable std::mutex mu_;
   std::condition_variable_any cv_;

@@ -124,11 +124,36 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
     chunks_.push_back(c);
   }
   if (logits_.size() < size_t{rows} * vocab) logits_.resize(size_t{rows} * vocab);
+  progress_.clear();
+  for (size_t i = 0; i < plan.seqs.size(); ++i) {
+    const Sequence& seq = *plan.seqs[i].seq;
+    if (!seq.req.on_kv_progress || chunks_[i].tokens.empty()) continue;
+    ProgressChunk pc;
+    pc.callback = &seq.req.on_kv_progress;
+    pc.progress.final_tokens = chunks_[i].start_pos;
+    pc.progress.chunk_end = chunks_[i].start_pos + static_cast<uint32_t>(chunks_[i].tokens.size());
+    pc.progress.num_layers = pool_->layout().num_layers;
+    pc.progress.attempt = seq.num_preemptions;
+    pc.progress.block_table = chunks_[i].block_table;
+    progress_.push_back(pc);
+  }
+  if (progress_.empty()) {
+    backend_->set_layer_progress({});
+  } else {
+    const uint32_t layers = pool_->layout().num_layers;
+    const uint32_t groups = std::clamp<uint32_t>(options_.kv_progress_layer_groups, 1, layers);
+    const uint32_t per_group = (layers + groups - 1) / groups;
+    backend_->set_layer_progress([this, layers, per_group](uint32_t done) {
+      // The last group is reported after Forward returns.
+      if (done < layers && done % per_group == 0) ReportKvProgress(done);
+    });
+  }
 
   // The scheduled sequences' tokens and blocks change only on this thread;
   // other threads may queue work or flag aborts meanwhile.
   lock.unlock();
   Status status = backend_->Forward(chunks_, logits_);
+  if (status.ok() && !progress_.empty()) ReportKvProgress(pool_->layout().num_layers);
   lock.lock();
 
   uint32_t row = 0;
@@ -173,13 +198,40 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
   return true;
 }
 
+void Engine::ReportKvProgress(uint32_t layers_done) {
+  for (ProgressChunk& pc : progress_) {
+    pc.progress.layers_done = layers_done;
+    (*pc.callback)(pc.progress);
+  }
+}
+
 void Engine::CommitFullBlocks(Sequence& seq) {
   const uint32_t full = std::min<uint32_t>(seq.num_computed / options_.block_size,
                                            static_cast<uint32_t>(seq.blocks.size()));
-  if (full <= seq.num_committed) return;
+  if (full <= seq.num_committed || seq.commit_stopped) return;
   scheduler_->UpdateHashes(seq);
-  blocks_->Commit(seq.blocks, seq.hashes, seq.tokens, seq.num_committed, full - seq.num_committed,
-                  root_hash_);
+  // Keep every cached chain prefix-closed on the device (a committed
+  // block's parent is committed too), which the router's prefix search
+  // relies on (docs/router.md, "Prefix index"). If another sequence
+  // committed block c first (two prefills of one prefix at once), ours
+  // stays private, and a tail committed after it would hang under the
+  // other one's block and could outlive it; if the cache was cleared under
+  // us, our parent block lost its hash. Either way the rest of this
+  // sequence stays private. (Lower tiers do not count: committing to the
+  // device moves a block up, see BlockManager::Commit.)
+  const uint32_t c = seq.num_committed;
+  if (c > 0 && !blocks_->is_committed(seq.blocks[c - 1])) {
+    seq.commit_stopped = true;
+    return;
+  }
+  blocks_->Commit(seq.blocks, seq.hashes, seq.tokens, c, 1, seq.root_hash);
+  if (!blocks_->is_committed(seq.blocks[c])) {
+    seq.commit_stopped = true;
+    return;
+  }
+  if (full > c + 1) {
+    blocks_->Commit(seq.blocks, seq.hashes, seq.tokens, c + 1, full - c - 1, seq.root_hash);
+  }
   seq.num_committed = full;
 }
 

@@ -157,7 +157,8 @@ Status CheckForwardBatch(std::span<const SeqChunk> batch, size_t block_size, siz
 }
 
 Status LlamaForward::Forward(std::span<const SeqChunk> batch, const KvPool& kv,
-                             std::span<float> logits, kc::ThreadPool* threads) {
+                             std::span<float> logits, kc::ThreadPool* threads,
+                             const std::function<void(uint32_t)>& on_layer_done) {
   const auto& c = config_;
   const int hidden = static_cast<int>(c.hidden_size), hd = static_cast<int>(c.head_dim);
   const int heads = static_cast<int>(c.num_attention_heads);
@@ -240,6 +241,7 @@ Status LlamaForward::Forward(std::span<const SeqChunk> batch, const KvPool& kv,
     kc::Gemm(h_.data(), L.v, bias(L.v_bias), v_.data(), T, threads);  // [T][kvh*hd]
     kc::Rope(q_.data(), k_.data(), positions_.data(), inv_freq_.data(), T, heads, kvh, hd, threads);
     kc::WriteKv(view, li, k_.data(), v_.data(), slots_.data(), T);
+    if (on_layer_done) on_layer_done(static_cast<uint32_t>(l + 1));
     kc::PagedAttentionBatch(view, li, q_.data(), attn_.data(), seqs_.data(),
                             static_cast<int>(seqs_.size()), heads, scale, threads);
     kc::Gemm(attn_.data(), L.o, bias(L.o_bias), o_.data(), T, threads);  // [T][hidden]

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -33,8 +34,11 @@ class LlamaForward {
   const model::ModelConfig& config() const { return config_; }
   size_t weight_bytes() const { return weight_bytes_; }
 
+  // `on_layer_done` (optional) runs after each layer with the number of
+  // layers whose K/V are written for every token of the batch.
   Status Forward(std::span<const SeqChunk> batch, const KvPool& kv, std::span<float> logits,
-                 kernels::cpu::ThreadPool* threads);
+                 kernels::cpu::ThreadPool* threads,
+                 const std::function<void(uint32_t)>& on_layer_done = {});
 
  private:
   struct Layer {

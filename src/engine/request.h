@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -49,6 +50,26 @@ struct RequestOutput {
 // for long (it holds up every other request).
 using OutputCallback = std::function<void(const RequestOutput&)>;
 
+// Which of a prefill-only request's prompt KV bytes are final (the
+// streaming KV push, docs/kvtransfer.md). After a call: every layer of
+// positions [0, final_tokens) is final, and layers [0, layers_done) of
+// positions [final_tokens, chunk_end). Reported after each layer group of
+// each prefill chunk, and once more with layers_done == num_layers when the
+// chunk's forward pass returned.
+struct KvProgress {
+  uint32_t final_tokens = 0;
+  uint32_t chunk_end = 0;
+  uint32_t layers_done = 0;
+  uint32_t num_layers = 0;
+  // Bumped when the engine preempted the request (its blocks were freed and
+  // it recomputes): everything reported under an earlier attempt is void.
+  uint32_t attempt = 0;
+  std::span<const uint32_t> block_table;  // [blocks covering chunk_end]; valid during the call
+};
+// Runs on the engine thread inside the step, without the engine lock; it
+// must be quick (it delays the forward pass) and must not call the engine.
+using KvProgressCallback = std::function<void(const KvProgress&)>;
+
 struct GenerateRequest {
   std::string request_id;  // unique among the engine's live requests
   std::vector<uint32_t> prompt_ids;
@@ -61,7 +82,13 @@ struct GenerateRequest {
   // for the next token is this index, so a migrated request continues the
   // same random stream.
   uint32_t first_sample_index = 0;
+  // The tenant's salt (HashContext::tenant_salt): the request's blocks hash
+  // under RootHash(engine context + this salt), so they are shared only with
+  // requests of the same salt (docs/security.md, "Tenants and limits").
+  std::string cache_salt;
   OutputCallback on_output;
+  // Prefill-only requests: told as the prompt's KV becomes final (optional).
+  KvProgressCallback on_kv_progress;
 };
 
 // A decoder's reservation of KV blocks for a prompt whose KV is written

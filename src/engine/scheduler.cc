@@ -7,8 +7,8 @@
 
 namespace tandem::engine {
 
-Scheduler::Scheduler(const SchedulerLimits& limits, BlockManager* blocks, uint64_t root_hash)
-    : limits_(limits), blocks_(blocks), root_hash_(root_hash) {}
+Scheduler::Scheduler(const SchedulerLimits& limits, BlockManager* blocks)
+    : limits_(limits), blocks_(blocks) {}
 
 void Scheduler::AddWaiting(Sequence* seq) {
   seq->state = SeqState::kWaiting;
@@ -28,7 +28,7 @@ void Scheduler::UpdateHashes(Sequence& seq) const {
   const uint32_t bs = blocks_->block_size();
   const size_t full = seq.tokens.size() / bs;
   for (size_t i = seq.hashes.size(); i < full; ++i) {
-    const uint64_t parent = i == 0 ? root_hash_ : seq.hashes[i - 1];
+    const uint64_t parent = i == 0 ? seq.root_hash : seq.hashes[i - 1];
     seq.hashes.push_back(
         HashBlock(parent, std::span<const uint32_t>(seq.tokens).subspan(i * bs, bs)));
   }
@@ -39,7 +39,9 @@ void Scheduler::Preempt(Sequence* seq) {
   seq->blocks.clear();
   seq->num_computed = 0;
   seq->num_committed = 0;
+  seq->commit_stopped = false;
   seq->state = SeqState::kWaiting;
+  ++seq->num_preemptions;
   waiting_.push_front(seq);
   ++preemptions_;
 }

@@ -43,7 +43,7 @@ struct SchedulerOutput {
 
 class Scheduler {
  public:
-  Scheduler(const SchedulerLimits& limits, BlockManager* blocks, uint64_t root_hash);
+  Scheduler(const SchedulerLimits& limits, BlockManager* blocks);
 
   const SchedulerLimits& limits() const { return limits_; }
   bool waiting_full() const { return waiting_.size() >= limits_.max_waiting; }
@@ -58,7 +58,7 @@ class Scheduler {
 
   SchedulerOutput Schedule();
 
-  // Extends seq->hashes to every full block of seq->tokens.
+  // Extends seq->hashes to every full block of seq->tokens (chained from seq->root_hash).
   void UpdateHashes(Sequence& seq) const;
 
   uint64_t preemptions() const { return preemptions_; }
@@ -78,7 +78,6 @@ class Scheduler {
 
   SchedulerLimits limits_;
   BlockManager* blocks_;  // borrowed
-  uint64_t root_hash_;
   std::deque<Sequence*> waiting_;
   std::vector<Sequence*> running_;
   uint64_t preemptions_ = 0;

@@ -24,14 +24,17 @@ struct Sequence {
   uint32_t prompt_len = 0;
   uint32_t num_computed = 0;      // leading tokens whose KV is in `blocks`
   std::vector<uint32_t> blocks;   // block table
+  uint64_t root_hash = 0;         // chain root: the engine's context + req.cache_salt
   std::vector<uint64_t> hashes;   // chained hashes of the full blocks of `tokens` (a prefix)
   uint32_t num_committed = 0;     // leading blocks registered in (or taken from) the prefix cache
+  bool commit_stopped = false;    // its later blocks stay private (Engine::CommitFullBlocks)
   uint32_t cached_prompt_tokens = 0;
   // Blocks onboarded from the host / disk tier at admission, not yet
   // reported to the backend (the sim backend models their copy time).
   uint32_t onboard_host_blocks = 0;
   uint32_t onboard_disk_blocks = 0;
   bool admitted_once = false;
+  uint32_t num_preemptions = 0;   // KvProgress::attempt
   SeqState state = SeqState::kWaiting;
   bool in_flight = false;         // part of the step being computed
   bool abort_requested = false;   // Abort() while in flight

@@ -89,6 +89,7 @@ bool SimBackend::Supports(BackendFeature feature) const {
     case BackendFeature::kRealMath: return false;
     case BackendFeature::kBatchInvariant: return true;
     case BackendFeature::kHostKvPool: return true;
+    case BackendFeature::kDeviceKvPool: return false;
   }
   return false;
 }

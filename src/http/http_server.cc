@@ -76,13 +76,6 @@ std::string Chunk(std::string_view data) {
   return fmt::format("{:x}\r\n", data.size()) + std::string(data) + "\r\n";
 }
 
-bool ConstantTimeEqual(std::string_view a, std::string_view b) {
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
-}
-
 // "" when a request could be served now; otherwise why not.
 std::string Unready(const Shared& sh) {
   if (sh.fe->draining()) return "draining";
@@ -251,9 +244,13 @@ class Session : public std::enable_shared_from_this<Session> {
       return Respond(200, "text/plain; version=0.0.4; charset=utf-8", sh_->metrics->Render());
     }
     const bool v1 = target.rfind("/v1/", 0) == 0;
-    if (v1 && !Authorized(req)) {
-      return Respond(401, "application/json",
-                     ErrorBody(401, "missing or wrong API key: send 'Authorization: Bearer KEY'"));
+    const proxy::Tenant* tenant = nullptr;
+    if (v1) {
+      // proxy::Tenants owns the check (the gRPC front end asks it too).
+      const auto h = req[bhttp::field::authorization];
+      auto t = sh_->fe->Authenticate(std::string_view(h.data(), h.size()));
+      if (!t.ok()) return Respond(401, "application/json", ErrorBody(401, t.status().message()));
+      tenant = *t;
     }
     if (target == "/v1/models") {
       if (!only(bhttp::verb::get)) return;
@@ -269,29 +266,17 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     if (target == "/v1/completions") {
       if (!only(bhttp::verb::post)) return;
-      return StartGeneration(Endpoint::kCompletions, req.body());
+      return StartGeneration(Endpoint::kCompletions, req.body(), tenant);
     }
     if (target == "/v1/chat/completions") {
       if (!only(bhttp::verb::post)) return;
-      return StartGeneration(Endpoint::kChat, req.body());
+      return StartGeneration(Endpoint::kChat, req.body(), tenant);
     }
     Respond(404, "application/json",
             ErrorBody(404, fmt::format("no route {} {}; see docs/http-api.md",
                                        std::string_view(req.method_string().data(),
                                                         req.method_string().size()),
                                        target)));
-  }
-
-  bool Authorized(const Request& req) const {
-    const std::string& key = sh_->fe->api_key();
-    if (key.empty()) return true;
-    const auto v = req[bhttp::field::authorization];
-    std::string_view got(v.data(), v.size());
-    constexpr std::string_view kBearer = "Bearer ";
-    if (got.size() < kBearer.size() || !beast::iequals(got.substr(0, kBearer.size()), kBearer)) {
-      return false;
-    }
-    return ConstantTimeEqual(got.substr(kBearer.size()), key);
   }
 
   void CountOutcome(const Status& st) {
@@ -307,7 +292,7 @@ class Session : public std::enable_shared_from_this<Session> {
             ErrorBody(code, r ? ToOpenAiMessage(*r, st.message()) : st.message()));
   }
 
-  void StartGeneration(Endpoint ep, const std::string& body) {
+  void StartGeneration(Endpoint ep, const std::string& body, const proxy::Tenant* tenant) {
     // TTFT and e2e count from here (the body is read): parsing, the chat
     // template and tokenization included.
     const auto arrival = std::chrono::steady_clock::now();
@@ -324,7 +309,7 @@ class Session : public std::enable_shared_from_this<Session> {
     if (sh_->fe->draining()) {
       return Refuse(&r, UnavailableError("the proxy is draining; send new requests elsewhere"));
     }
-    auto v = sh_->fe->Validate(r.request);
+    auto v = sh_->fe->Validate(r.request, tenant);
     if (!v.ok()) return Refuse(&r, v.status());
     if (Status st = sh_->fe->Admit(v->request_id); !st.ok()) return Refuse(&r, st);
     admitted_id_ = v->request_id;

@@ -224,6 +224,20 @@ void Prefiller::OnReserved(const JobPtr& job, Result<ReserveTarget> target) {
     Complete(job, CancelledError(fmt::format("request '{}' was cancelled", id)));
     return;
   }
+  {
+    PushPlan plan;
+    plan.peer = *peer;
+    plan.slots = target->slots;
+    plan.cached_blocks = target->cached_blocks;
+    plan.prompt_tokens = static_cast<uint32_t>(job->spec.prompt_ids.size());
+    plan.block_size = engine_.block_size();
+    plan.block_bytes = transport_.block_bytes();
+    plan.num_layers = engine_.pool().layout().num_layers;
+    // Layer runs need whole layers per block; otherwise whole blocks only.
+    if (plan.num_layers == 0 || plan.block_bytes % plan.num_layers != 0) plan.num_layers = 1;
+    std::lock_guard lock(mu_);
+    job->push = PushStream::Create(transport_, std::move(plan), options_.push_mode);
+  }
   engine::GenerateRequest req;
   req.request_id = id;
   req.prompt_ids = job->spec.prompt_ids;
@@ -231,12 +245,47 @@ void Prefiller::OnReserved(const JobPtr& job, Result<ReserveTarget> target) {
   req.deadline = job->deadline;
   req.prefill_only = true;
   req.first_sample_index = job->spec.first_sample_index;
+  req.cache_salt = job->spec.cache_salt;
   req.on_output = [this, job](const engine::RequestOutput& out) { OnOutput(job, out); };
+  if (options_.push_mode == PushMode::kStreaming) {
+    // job->push and lease_deadline are written before Submit and never after.
+    req.on_kv_progress = [this, job](const engine::KvProgress& p) {
+      job->push->OnProgress(p, LeaseAllowsPost(*job));
+    };
+  }
   Status s = engine_.Submit(std::move(req));
   admitted();
   if (!s.ok()) {
     SendErrorNotice(job, s);
     Complete(job, s);
+  }
+}
+
+bool Prefiller::LeaseAllowsPost(const Job& job) const {
+  // Leave a margin for the push itself: a write that lands after the
+  // lease could corrupt whatever the decoder put in those slots since.
+  const auto margin = std::chrono::duration_cast<SteadyClock::duration>(
+      std::chrono::duration<double>(std::min(1.0, 0.25 * options_.lease_seconds)));
+  return SteadyClock::now() + margin < job.lease_deadline;
+}
+
+void Prefiller::GiveUp(const JobPtr& job, Status why, bool release_prefill) {
+  auto finish = [this, job, why, release_prefill] {
+    if (release_prefill) engine_.ReleasePrefill(job->spec.request_id).IgnoreError();
+    SendErrorNotice(job, why);
+    Complete(job, why);
+  };
+  std::shared_ptr<PushStream> push;
+  {
+    std::lock_guard lock(mu_);
+    push = job->push;
+  }
+  if (push) {
+    // Bytes already streamed may still be landing: tell the decoder to free
+    // the slots only once none can.
+    push->Abort(std::move(finish));
+  } else {
+    finish();
   }
 }
 
@@ -250,14 +299,12 @@ void Prefiller::OnOutput(const JobPtr& job, const engine::RequestOutput& out) {
       cancelled = job->cancelled;
     }
     Status s = cancelled ? CancelledError(fmt::format("request '{}' was cancelled", id)) : StatusFor(out);
-    SendErrorNotice(job, s);
-    Complete(job, s);
+    GiveUp(job, s, /*release_prefill=*/false);
     return;
   }
   const uint32_t bs = engine_.block_size();
   const uint32_t num_prompt_blocks =
       static_cast<uint32_t>((job->spec.prompt_ids.size() + bs - 1) / bs);
-  std::vector<kvtransfer::BlockPair> pairs;
   Status bad;
   bool cancelled;
   {
@@ -265,11 +312,7 @@ void Prefiller::OnOutput(const JobPtr& job, const engine::RequestOutput& out) {
     job->parked = true;
     cancelled = job->cancelled;
     const ReserveTarget& t = job->target;
-    // Leave a margin for the push itself: a write that lands after the
-    // lease could corrupt whatever the decoder put in those slots since.
-    const auto margin = std::chrono::duration_cast<SteadyClock::duration>(
-        std::chrono::duration<double>(std::min(1.0, 0.25 * options_.lease_seconds)));
-    if (!cancelled && SteadyClock::now() + margin >= job->lease_deadline) {
+    if (!cancelled && !LeaseAllowsPost(*job)) {
       ++totals_.dropped_lease_expired;
       bad = UnavailableError(fmt::format(
           "request '{}': the KV was ready too late for the decoder's lease on its slots "
@@ -281,25 +324,19 @@ void Prefiller::OnOutput(const JobPtr& job, const engine::RequestOutput& out) {
           "request '{}': {} prompt blocks, the engine pinned {}, the decoder gave {} slots "
           "({} cached)", id, num_prompt_blocks, out.block_ids.size(), t.slots.size(), t.cached_blocks));
     } else if (!cancelled) {
-      for (uint32_t i = t.cached_blocks; i < num_prompt_blocks; ++i) {
-        pairs.push_back({out.block_ids[i], t.slots[i]});
-      }
       PrefillResult& r = job->result;
       r.first_token_id = out.token_ids.back();
       r.cached_prompt_tokens = out.cached_prompt_tokens;
       r.decoder_cached_blocks = t.cached_blocks;
-      r.transferred_blocks = static_cast<uint32_t>(pairs.size());
-      r.transferred_bytes = uint64_t{r.transferred_blocks} * transport_.block_bytes();
+      r.transferred_blocks = num_prompt_blocks - t.cached_blocks;
       r.prefill_seconds = SecondsSince(job->submitted);
       job->stage = Stage::kTransferring;
       job->transfer_started = SteadyClock::now();
     }
   }
   if (cancelled || !bad.ok()) {
-    engine_.ReleasePrefill(id).IgnoreError();  // NOT_FOUND when Abort freed it
-    Status s = cancelled ? CancelledError(fmt::format("request '{}' was cancelled", id)) : bad;
-    SendErrorNotice(job, s);
-    Complete(job, s);
+    GiveUp(job, cancelled ? CancelledError(fmt::format("request '{}' was cancelled", id)) : bad,
+           /*release_prefill=*/true);
     return;
   }
   NoticeSpec n;
@@ -309,53 +346,32 @@ void Prefiller::OnOutput(const JobPtr& job, const engine::RequestOutput& out) {
   n.capability = job->target.capability;
   n.first_token_id = job->result.first_token_id;
   n.cached_prompt_tokens = job->result.cached_prompt_tokens;
-  auto xfer = transport_.PrepareBlockWrite(job->peer, pairs, link_.EncodeNotice(n));
-  if (!xfer.ok()) {
-    engine_.ReleasePrefill(id).IgnoreError();
-    SendErrorNotice(job, xfer.status());
-    Complete(job, xfer.status().WithContext("preparing the KV push"));
-    return;
-  }
-  {
-    std::lock_guard lock(mu_);
-    job->xfer = *xfer;
-    job->have_xfer = true;
-  }
-  Status posted = transport_.Post(*xfer, [this, job](kvtransfer::XferId, kvtransfer::XferStatus st,
-                                                     const Status& detail) {
-    OnTransferDone(job, st, detail);
-  });
-  if (!posted.ok()) {
-    transport_.Release(*xfer).IgnoreError();
-    engine_.ReleasePrefill(id).IgnoreError();
-    SendErrorNotice(job, posted);
-    Complete(job, posted.WithContext("posting the KV push"));
-    return;
-  }
-  bool abort;
-  {
-    std::lock_guard lock(mu_);
-    abort = job->cancelled;  // cancelled between the stage change and here
-  }
-  if (abort) transport_.Abort(*xfer).IgnoreError();
+  std::vector<uint32_t> blocks(out.block_ids.begin(), out.block_ids.begin() + num_prompt_blocks);
+  // The notice goes after every byte of the reservation (push_stream.h);
+  // a cancel from here on aborts the push (Cancel, stage kTransferring).
+  job->push->Finish(std::move(blocks), link_.EncodeNotice(n),
+                    [this, job](kvtransfer::XferStatus st, const Status& detail) {
+                      OnTransferDone(job, st, detail);
+                    });
 }
 
 void Prefiller::OnTransferDone(const JobPtr& job, kvtransfer::XferStatus status,
                                const Status& detail) {
   const std::string& id = job->spec.request_id;
-  transport_.Release(job->xfer).IgnoreError();
   engine_.ReleasePrefill(id).IgnoreError();
   if (status == kvtransfer::XferStatus::kSuccess) {
     PrefillResult r;
     {
       std::lock_guard lock(mu_);
       job->result.transfer_seconds = SecondsSince(job->transfer_started);
+      job->result.transferred_bytes = job->push->bytes_posted();
+      job->result.transfers = job->push->transfers_posted();
       r = job->result;
     }
     LogRequest(spdlog::level::debug, id,
-               "pushed {} KV blocks ({} bytes, {} cached on the decoder) in {:.4f} s; prefill "
-               "{:.4f} s, {} prompt tokens cached here",
-               r.transferred_blocks, r.transferred_bytes, r.decoder_cached_blocks,
+               "pushed {} KV blocks ({} bytes, {} cached on the decoder) in {} transfers, {:.4f} s "
+               "of it after the prefill; prefill {:.4f} s, {} prompt tokens cached here",
+               r.transferred_blocks, r.transferred_bytes, r.decoder_cached_blocks, r.transfers,
                r.transfer_seconds, r.prefill_seconds, r.cached_prompt_tokens);
     Complete(job, r);
     return;
@@ -428,8 +444,7 @@ void Prefiller::Complete(const JobPtr& job, Result<PrefillResult> result) {
 void Prefiller::Cancel(const std::string& request_id) {
   JobPtr job;
   Stage stage;
-  kvtransfer::XferId xfer = 0;
-  bool have_xfer = false;
+  std::shared_ptr<PushStream> push;
   {
     std::lock_guard lock(mu_);
     auto it = jobs_.find(request_id);
@@ -437,8 +452,7 @@ void Prefiller::Cancel(const std::string& request_id) {
     job = it->second;
     job->cancelled = true;
     stage = job->stage;
-    xfer = job->xfer;
-    have_xfer = job->have_xfer;
+    push = job->push;
     if (stage == Stage::kQueued) {
       for (auto q = queue_.begin(); q != queue_.end(); ++q) {
         if (*q == job) {
@@ -456,7 +470,7 @@ void Prefiller::Cancel(const std::string& request_id) {
       engine_.Abort(request_id).IgnoreError();
       break;
     case Stage::kTransferring:
-      if (have_xfer) transport_.Abort(xfer).IgnoreError();
+      if (push) push->Abort({});  // the push's done (OnTransferDone) ends the job
       break;
     case Stage::kReserving:  // OnReserved sees the flag
     case Stage::kDone:

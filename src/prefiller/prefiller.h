@@ -6,7 +6,9 @@
 // reserve KV blocks — decoder memory is the scarce resource, so nothing is
 // reserved while a request queues here. Then:
 //   engine prefill (prefill_only) -> push the blocks the decoder lacks into
-//   its slots, with a KvNotice sent after the data -> ReleasePrefill -> reply.
+//   its slots (streaming: while the engine computes them; after_prefill:
+//   once it is done; see push_stream.h), with a KvNotice sent after all the
+//   data -> ReleasePrefill -> reply.
 // A refused reservation ends the request with RESOURCE_EXHAUSTED (the proxy
 // re-routes). A cancel at any stage stops the work and tells the decoder (a
 // KvNotice with an error, so it frees the reservation) once no byte of ours
@@ -35,6 +37,7 @@
 #include "common/status.h"
 #include "engine/engine.h"
 #include "kvtransfer/transport.h"
+#include "prefiller/push_stream.h"
 
 namespace tandem::prefiller {
 
@@ -46,6 +49,7 @@ struct PrefillJob {
   std::string decoder_address;  // gRPC address of the decoder holding the Decode stream
   std::string decoder_name;
   uint32_t first_sample_index = 0;  // migration: output tokens produced elsewhere
+  std::string cache_salt;  // the tenant's (engine::GenerateRequest::cache_salt)
 };
 
 struct PrefillResult {
@@ -54,8 +58,12 @@ struct PrefillResult {
   uint32_t decoder_cached_blocks = 0;
   uint32_t transferred_blocks = 0;
   uint64_t transferred_bytes = 0;
+  uint32_t transfers = 0;  // data transfers posted (streaming: per chunk and layer group)
   double prefill_seconds = 0;   // engine submit -> first token
-  double transfer_seconds = 0;  // post -> every byte and the notice sent
+  // The push's part of TTFT that no compute hid: first token -> every byte
+  // and the notice sent (after_prefill: the whole push; streaming: what
+  // was left when the prefill finished).
+  double transfer_seconds = 0;
 };
 
 // The decoder's answer to Reserve (KvTarget in worker.proto).
@@ -101,6 +109,8 @@ struct PrefillerOptions {
   // The fleet's transport.lease_seconds: a push that could land after the
   // decoder's lease expired (it may have reused the slots) is never posted.
   double lease_seconds = 30.0;
+  // The fleet's transport.push.
+  PushMode push_mode = PushMode::kStreaming;
   // Called (on any thread) for every completed prefill with its numbers.
   std::function<void(const PrefillResult&)> on_complete;
 };
@@ -160,8 +170,7 @@ class Prefiller {
     std::chrono::steady_clock::time_point reserve_sent, lease_deadline;
     // Engine and transfer:
     bool parked = false;  // prefill done: blocks pinned until ReleasePrefill
-    kvtransfer::XferId xfer = 0;
-    bool have_xfer = false;
+    std::shared_ptr<PushStream> push;  // set once the peer is known
     std::chrono::steady_clock::time_point submitted, transfer_started;
     PrefillResult result;
   };
@@ -171,6 +180,11 @@ class Prefiller {
   void OnReserved(const JobPtr& job, Result<ReserveTarget> target);
   void OnOutput(const JobPtr& job, const engine::RequestOutput& out);
   void OnTransferDone(const JobPtr& job, kvtransfer::XferStatus status, const Status& detail);
+  // Aborts the job's push; once no byte of it can land, frees the engine's
+  // blocks, tells the decoder and completes the job with `why`.
+  void GiveUp(const JobPtr& job, Status why, bool release_prefill);
+  // Whether a put posted now still lands well inside the decoder's lease.
+  bool LeaseAllowsPost(const Job& job) const;
   Result<kvtransfer::PeerId> PeerFor(const std::string& descriptor);
   // Tells the decoder we gave up (when it holds a reservation for us);
   // call only once no data transfer of the job can land any more.

@@ -53,6 +53,7 @@ class PrefillerServiceImpl final : public pb::Prefiller::CallbackService {
     job.prompt_ids.assign(req->prompt_token_ids().begin(), req->prompt_token_ids().end());
     job.sampling = ToSampling(req->params());
     job.first_sample_index = req->params().first_sample_index();
+    job.cache_salt = req->tenant_salt();
     if (req->deadline_unix_ms() > 0) {
       job.deadline = std::chrono::system_clock::time_point(
           std::chrono::milliseconds(req->deadline_unix_ms()));

@@ -34,6 +34,20 @@ Status Fleet::Register(const WorkerRecord& w) {
     return refuse(fmt::format("KV dtype '{}' differs from the fleet's '{}'", w.kv_dtype,
                               req_.kv_dtype));
   }
+  if (w.fleet_salt_fingerprint != req_.fleet_salt_fingerprint) {
+    // Fingerprints only: the salt itself never travels (common/block_hash.h).
+    return refuse(fmt::format(
+        "fleet salt (cache.salt) differs from the fleet's (fingerprint {} vs {}); every process "
+        "of a fleet must use the same fleet file",
+        w.fleet_salt_fingerprint.empty() ? "none" : w.fleet_salt_fingerprint,
+        req_.fleet_salt_fingerprint.empty() ? "none" : req_.fleet_salt_fingerprint));
+  }
+  if (w.hash_root != req_.hash_root) {
+    return refuse(fmt::format(
+        "block-hash root {:016x} differs from the fleet's {:016x} although model, revision, "
+        "block_size, KV dtype and fleet salt match (a tandem build with another hash function?)",
+        w.hash_root, req_.hash_root));
+  }
   for (const auto& [label, value] : {std::pair{"label 'node'", &w.node}, std::pair{"label 'zone'", &w.zone}}) {
     if (Status st = CheckRouterLabel(label, *value); !st.ok()) return refuse(st.message());
   }

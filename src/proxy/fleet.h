@@ -33,6 +33,8 @@ struct WorkerRecord {
   std::string revision;
   uint32_t block_size = 0;
   std::string kv_dtype;
+  std::string fleet_salt_fingerprint;  // FleetSaltFingerprint of its cache.salt
+  uint64_t hash_root = 0;              // RootHash of its hash context, tenant salt empty
   uint64_t block_bytes = 0;
   uint32_t num_blocks = 0;
   uint64_t epoch = 0;
@@ -47,6 +49,9 @@ struct FleetRequirements {
   std::string revision;
   uint32_t block_size = 16;
   std::string kv_dtype = "f32";
+  // From the same HashContextFromFleet as the workers' (proxy_server.cc).
+  std::string fleet_salt_fingerprint;
+  uint64_t hash_root = 0;
   // Router labels for a worker that registers without its own `node` /
   // `zone` (the fleet file's role sections), by role: prefill, decode, both.
   struct Labels {
@@ -68,8 +73,9 @@ class Fleet {
  public:
   Fleet(FleetRequirements req, std::unique_ptr<router::Router> router);
 
-  // Checks compatibility (model, revision, block size, dtype, protocol, and
-  // block bytes equal to the fleet's first worker's) and registers. A
+  // Checks compatibility (model, revision, block size, dtype, fleet salt
+  // fingerprint, block-hash root, protocol, and block bytes equal to the
+  // fleet's first worker's) and registers. A
   // worker re-registering under its name replaces the old entry.
   // FAILED_PRECONDITION says what differs.
   Status Register(const WorkerRecord& w);

@@ -4,8 +4,8 @@
 
 #include <fmt/format.h>
 
+#include <atomic>
 #include <mutex>
-#include <random>
 
 #include "common/rpc_server.h"
 #include "common/stream_writer.h"
@@ -67,7 +67,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
     Status st = Authorize();
     if (st.ok()) st = ExplainEmptyPrompt(*req);
     if (st.ok() && fe_->draining()) st = UnavailableError("the fleet is draining");
-    Result<ValidatedRequest> v = st.ok() ? fe_->Validate(FromProto(*req)) : Result<ValidatedRequest>(st);
+    Result<ValidatedRequest> v = st.ok() ? fe_->Validate(FromProto(*req), tenant_) : Result<ValidatedRequest>(st);
     if (v.ok()) st = fe_->Admit(v->request_id);
     if (!v.ok() || !st.ok()) {
       const Status& why = v.ok() ? st : v.status();
@@ -93,9 +93,15 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
       r.mutable_usage()->set_completion_tokens(usage.completion_tokens);
       r.mutable_usage()->set_cached_prompt_tokens(usage.cached_prompt_tokens);
       writer_.Write(std::move(r));
+      // The id is free before the client can see the end of its stream, so a
+      // client reusing it right after is not refused (OnDone runs later).
+      ReleaseId();
       writer_.Finish(grpc::Status::OK);
     };
-    sink.on_error = [this](Status s) { writer_.Finish(ToGrpcStatus(s)); };
+    sink.on_error = [this](Status s) {
+      ReleaseId();
+      writer_.Finish(ToGrpcStatus(s));
+    };
     auto lc = RequestLifecycle::Start(fe_->deps(), std::move(v).value(), std::move(sink),
                                       ctx_->deadline(), arrival);
     std::lock_guard lock(mu_);
@@ -111,12 +117,17 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   void OnWriteDone(bool ok) override { writer_.OnWriteDone(ok); }
 
   void OnDone() override {
-    if (admitted_) fe_->Release(request_id_);
+    ReleaseId();
     CancelLifecycle();  // no-op when it finished
     delete this;
   }
 
  private:
+  // Once per call: after the first release a new request may hold the same id.
+  void ReleaseId() {
+    if (admitted_ && !released_.exchange(true)) fe_->Release(request_id_);
+  }
+
   void CancelLifecycle() {
     std::shared_ptr<RequestLifecycle> lc;
     {
@@ -126,15 +137,15 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
     if (lc) lc->Cancel();
   }
 
-  Status Authorize() const {
-    if (fe_->api_key().empty()) return Status::Ok();
+  Status Authorize() {
     const auto& md = ctx_->client_metadata();
     auto it = md.find("authorization");
-    if (it != md.end()) {
-      const std::string v(it->second.data(), it->second.size());
-      if (v == fe_->api_key() || v == "Bearer " + fe_->api_key()) return Status::Ok();
-    }
-    return UnauthenticatedError("missing or wrong API key: send 'authorization: Bearer KEY'");
+    const std::string_view v =
+        it == md.end() ? std::string_view() : std::string_view(it->second.data(), it->second.size());
+    auto t = fe_->Authenticate(v);
+    if (!t.ok()) return t.status();
+    tenant_ = *t;
+    return Status::Ok();
   }
 
   void CountRejected(const Status& st) {
@@ -144,49 +155,17 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   }
 
   Frontend* fe_;
+  const Tenant* tenant_ = nullptr;
   grpc::CallbackServerContext* ctx_;
   StreamWriter<pb::GenerateResponse> writer_;
   bool admitted_ = false;
+  std::atomic<bool> released_{false};
   std::string request_id_;
   std::mutex mu_;
   std::shared_ptr<RequestLifecycle> lifecycle_;  // guarded by mu_
 };
 
 }  // namespace
-
-Frontend::Frontend(ServingLimits limits, LifecycleDeps deps, uint32_t max_inflight,
-                   std::string api_key)
-    : limits_(std::move(limits)), deps_(deps), max_inflight_(max_inflight),
-      api_key_(std::move(api_key)) {}
-
-Result<ValidatedRequest> Frontend::Validate(const ClientRequest& req) {
-  static thread_local std::mt19937_64 rng{std::random_device{}()};
-  const std::string id = fmt::format("req-{}", next_id_.fetch_add(1));
-  return ValidateRequest(
-      req, limits_,
-      [this](std::string_view text) { return deps_.tokenizer->Encode(text, true); }, rng(), id);
-}
-
-Status Frontend::Admit(const std::string& request_id) {
-  std::lock_guard lock(ids_mu_);
-  if (ids_.contains(request_id)) {
-    return AlreadyExistsError(fmt::format(
-        "request_id '{}' is already in flight at this proxy; request ids must be unique", request_id));
-  }
-  if (inflight_.load() >= max_inflight_) {
-    return ResourceExhaustedError(fmt::format(
-        "the proxy is at its limit of {} requests in flight (proxy.max_inflight); retry later",
-        max_inflight_));
-  }
-  ids_.insert(request_id);
-  inflight_.fetch_add(1);
-  return Status::Ok();
-}
-
-void Frontend::Release(const std::string& request_id) {
-  std::lock_guard lock(ids_mu_);
-  if (ids_.erase(request_id) != 0) inflight_.fetch_sub(1);
-}
 
 GenerationService::GenerationService(Frontend* frontend) : frontend_(frontend) {
   // Method 0 is Generate: replace the generated handler with one that

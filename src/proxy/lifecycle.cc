@@ -16,6 +16,13 @@ using SteadyClock = std::chrono::steady_clock;
 
 double Seconds(SteadyClock::duration d) { return std::chrono::duration<double>(d).count(); }
 
+uint64_t TenantRoot(const LifecycleDeps& deps, const std::string& tenant_salt) {
+  if (tenant_salt.empty()) return deps.root_hash;
+  HashContext ctx = deps.hash_context;
+  ctx.tenant_salt = tenant_salt;
+  return RootHash(ctx);
+}
+
 // `sent`: completion tokens already produced (and part of the prompt).
 EngineArgs ToEngineArgs(const ValidatedRequest& r, uint32_t sent) {
   EngineArgs a;
@@ -49,6 +56,7 @@ RequestLifecycle::RequestLifecycle(const LifecycleDeps& deps, ValidatedRequest r
       req_(std::move(request)),
       deadline_(deadline),
       arrival_(arrival),
+      root_hash_(TenantRoot(deps_, req_.tenant_salt)),
       sink_(std::move(sink)),
       out_(deps.tokenizer, req_.stop) {
   if (deps_.metrics) {
@@ -70,7 +78,7 @@ void RequestLifecycle::Launch() {
     // the tokens already sent, and so do its block hashes.
     prompt_ = req_.prompt_ids;
     prompt_.insert(prompt_.end(), sent_.begin(), sent_.begin() + base_);
-    hashes_ = HashBlocks(deps_.root_hash, prompt_, deps_.block_size);
+    hashes_ = HashBlocks(root_hash_, prompt_, deps_.block_size);
   }
   auto route = deps_.fleet->Route(hashes_, static_cast<uint32_t>(prompt_.size()), excluded_);
   // A deterministic policy may keep choosing an excluded worker that is
@@ -106,6 +114,7 @@ void RequestLifecycle::Launch() {
   args.params = ToEngineArgs(req_, base_);
   args.deadline = deadline_;
   args.prefill_locally = route_.local;
+  args.tenant_salt = req_.tenant_salt;
   args.attempt = attempt;
   std::weak_ptr<RequestLifecycle> weak = weak_from_this();
   DecodeEvents ev;
@@ -147,6 +156,7 @@ void RequestLifecycle::OnRegistered(uint32_t attempt) {
   args.deadline = deadline_;
   args.decoder_address = route_.decode_address;
   args.decoder_name = route_.decode_name;
+  args.tenant_salt = req_.tenant_salt;
   args.attempt = attempt;
   const std::string address = route_.prefill_address;
   lock.unlock();

@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "common/block_hash.h"
 #include "common/status.h"
 #include "model/tokenizer.h"
 #include "proxy/fleet.h"
@@ -55,7 +56,8 @@ struct LifecycleDeps {
   WorkerClient* client = nullptr;
   const model::Tokenizer* tokenizer = nullptr;
   ProxyMetrics* metrics = nullptr;  // may be null (tests)
-  uint64_t root_hash = 0;
+  uint64_t root_hash = 0;  // RootHash(hash_context): requests without a tenant salt
+  HashContext hash_context;  // the fleet's; a request's tenant salt is added to it
   uint32_t block_size = 16;
   uint32_t max_attempts = 3;  // routes tried before the client gets the error
   uint32_t max_migrations = 3;  // proxy.max_migrations
@@ -111,6 +113,7 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   const ValidatedRequest req_;
   const std::chrono::system_clock::time_point deadline_;
   const std::chrono::steady_clock::time_point arrival_;
+  const uint64_t root_hash_;  // deps_.root_hash, or the tenant-salted root
   std::vector<uint64_t> hashes_;
 
   std::mutex mu_;

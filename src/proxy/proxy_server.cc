@@ -29,7 +29,10 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
   req.model = fleet.model.name;
   req.revision = fleet.model.revision;
   req.block_size = fleet.cache.block_size;
-  req.kv_dtype = HashContextFromFleet(fleet).kv_dtype;
+  const HashContext hash_context = HashContextFromFleet(fleet);
+  req.kv_dtype = hash_context.kv_dtype;
+  req.fleet_salt_fingerprint = FleetSaltFingerprint(hash_context.fleet_salt);
+  req.hash_root = RootHash(hash_context);
   req.role_labels = {FleetRequirements::Labels{fleet.prefill.node, fleet.prefill.zone},
                      FleetRequirements::Labels{fleet.decode.node, fleet.decode.zone},
                      FleetRequirements::Labels{fleet.both.node, fleet.both.zone}};
@@ -53,12 +56,18 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
   deps.client = p->client_.get();
   deps.tokenizer = p->tokenizer_.get();
   deps.metrics = p->metrics_.get();
-  deps.root_hash = RootHash(HashContextFromFleet(fleet));
+  deps.hash_context = hash_context;
+  deps.root_hash = req.hash_root;
   deps.block_size = fleet.cache.block_size;
   deps.max_migrations = fleet.proxy.max_migrations;
   deps.eos_token_ids = mc.eos_token_ids;
+  TANDEM_ASSIGN_OR_RETURN(auto tenants,
+                          Tenants::Load(fleet.proxy.api_key, fleet.security.api_keys_file));
+  if (tenants->required()) {
+    spdlog::info("API keys required: {} tenant(s)", tenants->num_tenants());
+  }
   p->frontend_ = std::make_unique<Frontend>(limits, deps, fleet.proxy.max_inflight,
-                                            fleet.proxy.api_key);
+                                            std::move(tenants));
   p->generation_ = std::make_unique<GenerationService>(p->frontend_.get());
   p->registry_ = std::make_unique<RegistryService>(
       p->fleet_.get(), p->client_.get(),

@@ -211,6 +211,8 @@ grpc::ServerUnaryReactor* RegistryService::Register(grpc::CallbackServerContext*
   rec.revision = w.revision();
   rec.block_size = w.block_size();
   rec.kv_dtype = w.kv_dtype();
+  rec.fleet_salt_fingerprint = w.fleet_salt_fingerprint();
+  rec.hash_root = w.hash_root();
   rec.block_bytes = w.block_bytes();
   rec.num_blocks = w.num_blocks();
   rec.epoch = w.epoch();

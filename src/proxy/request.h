@@ -58,6 +58,9 @@ struct ValidatedRequest {
   std::vector<std::string> stop;
   std::vector<uint32_t> stop_token_ids;
   bool ignore_eos = false;
+  // The tenant's cache salt (HashContext::tenant_salt); "" for the default
+  // tenant. Set by the front end after authentication, not by validation.
+  std::string tenant_salt;
 };
 
 using EncodeFn = std::function<std::vector<uint32_t>(std::string_view text)>;

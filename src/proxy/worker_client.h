@@ -39,6 +39,7 @@ struct DecodeArgs {
   EngineArgs params;
   std::chrono::system_clock::time_point deadline;  // max(): none
   bool prefill_locally = false;
+  std::string tenant_salt;  // HashContext::tenant_salt of the request's tenant
   // The routing attempt (from 1): workers key the request by it, so a
   // retry never meets an earlier attempt's state (worker/attempt_key.h).
   uint32_t attempt = 0;
@@ -66,6 +67,7 @@ struct PrefillArgs {
   std::chrono::system_clock::time_point deadline;
   std::string decoder_address;
   std::string decoder_name;
+  std::string tenant_salt;  // as in DecodeArgs
   uint32_t attempt = 0;  // as in DecodeArgs: the same for both calls of one attempt
 };
 

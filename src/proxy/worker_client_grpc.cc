@@ -48,6 +48,7 @@ class DecodeCall final : public grpc::ClientReadReactor<pb::DecodeResponse>,
     FillParams(args.params, req_.mutable_params());
     req_.set_deadline_unix_ms(UnixMs(args.deadline));
     req_.set_prefill_locally(args.prefill_locally);
+    req_.set_tenant_salt(args.tenant_salt);
     req_.set_attempt(args.attempt);
     if (args.deadline != std::chrono::system_clock::time_point::max()) {
       ctx_.set_deadline(args.deadline);
@@ -199,6 +200,7 @@ std::shared_ptr<Call> GrpcWorkerClient::Prefill(const std::string& address, Pref
   call->req.set_deadline_unix_ms(UnixMs(args.deadline));
   call->req.set_decoder_address(args.decoder_address);
   call->req.set_decoder_name(args.decoder_name);
+  call->req.set_tenant_salt(args.tenant_salt);
   call->req.set_attempt(args.attempt);
   if (args.deadline != std::chrono::system_clock::time_point::max()) {
     call->ctx.set_deadline(args.deadline);

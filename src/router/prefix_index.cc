@@ -94,11 +94,13 @@ class PrefixIndex::Shard {
     }
   }
 
-  void Set(uint64_t key, WorkerId worker) {
+  // True when the worker did not hold `key` before.
+  bool Set(uint64_t key, WorkerId worker) {
     if (key == 0) {
+      const bool added = !zero_.Test(worker);
       if (!zero_.Any()) ++live_;
       zero_.Set(worker);
-      return;
+      return added;
     }
     if ((used_ + 1) * 2 > slots_.size()) Rehash();  // over half full (tombstones count)
     uint64_t tomb = UINT64_MAX;
@@ -106,9 +108,10 @@ class PrefixIndex::Shard {
     for (;; i = (i + 1) & mask_) {
       Slot& s = slots_[i];
       if (s.key == key) {
+        const bool added = !s.mask.Test(worker);
         if (!s.mask.Any()) ++live_;
         s.mask.Set(worker);
-        return;
+        return added;
       }
       if (s.key == 0) break;
       if (tomb == UINT64_MAX && !s.mask.Any()) tomb = i;
@@ -122,34 +125,39 @@ class PrefixIndex::Shard {
     slots_[i].mask = WorkerMask{};
     slots_[i].mask.Set(worker);
     ++live_;
+    return true;
   }
 
-  void Unset(uint64_t key, WorkerId worker) {
+  // True when the worker held `key`.
+  bool Unset(uint64_t key, WorkerId worker) {
     if (key == 0) {
       if (zero_.Test(worker)) {
         zero_.Clear(worker);
         if (!zero_.Any()) --live_;
+        return true;
       }
-      return;
+      return false;
     }
-    if (slots_.empty()) return;
+    if (slots_.empty()) return false;
     for (uint64_t i = key & mask_;; i = (i + 1) & mask_) {
       Slot& s = slots_[i];
       if (s.key == key) {
         if (s.mask.Test(worker)) {
           s.mask.Clear(worker);
           if (!s.mask.Any()) --live_;
+          return true;
         }
-        return;
+        return false;
       }
-      if (s.key == 0) return;
+      if (s.key == 0) return false;
     }
   }
 
   // Removes `worker` from slots [begin, end) (and from the hash 0 with the
   // first slice). Returns false once begin is past the table.
-  bool ClearWorkerSlice(WorkerId worker, uint64_t begin, uint64_t end) {
-    if (begin == 0) Unset(0, worker);
+  // `cleared` counts the entries the worker lost.
+  bool ClearWorkerSlice(WorkerId worker, uint64_t begin, uint64_t end, uint64_t* cleared) {
+    if (begin == 0 && Unset(0, worker)) ++*cleared;
     if (begin >= slots_.size()) return false;
     end = std::min<uint64_t>(end, slots_.size());
     for (uint64_t i = begin; i < end; ++i) {
@@ -157,6 +165,7 @@ class PrefixIndex::Shard {
       if (s.key != 0 && s.mask.Test(worker)) {
         s.mask.Clear(worker);
         if (!s.mask.Any()) --live_;
+        ++*cleared;
       }
     }
     return true;
@@ -342,11 +351,19 @@ Result<EventResult> PrefixIndex::ApplySnapshot(WorkerId worker, uint64_t epoch, 
 }
 
 void PrefixIndex::StoreBlocks(WorkerId worker, std::span<const uint64_t> hashes) {
-  ForEachByShard(hashes, [worker](Shard& shard, uint64_t h) { shard.Set(h, worker); });
+  uint64_t added = 0;
+  ForEachByShard(hashes, [worker, &added](Shard& shard, uint64_t h) { added += shard.Set(h, worker); });
+  held_[worker].fetch_add(added, std::memory_order_relaxed);
 }
 
 void PrefixIndex::RemoveBlocks(WorkerId worker, std::span<const uint64_t> hashes) {
-  ForEachByShard(hashes, [worker](Shard& shard, uint64_t h) { shard.Unset(h, worker); });
+  uint64_t removed = 0;
+  ForEachByShard(hashes, [worker, &removed](Shard& shard, uint64_t h) { removed += shard.Unset(h, worker); });
+  held_[worker].fetch_sub(removed, std::memory_order_relaxed);
+}
+
+uint64_t PrefixIndex::HeldBlocks(WorkerId worker) const {
+  return worker < kMaxWorkers ? held_[worker].load(std::memory_order_relaxed) : 0;
 }
 
 template <typename F>
@@ -391,7 +408,10 @@ void PrefixIndex::DropWorkerEntries(WorkerId worker) {
         begin = 0;
         generation = shard->generation();
       }
-      if (!shard->ClearWorkerSlice(worker, begin, begin + kSliceSlots)) break;
+      uint64_t cleared = 0;
+      const bool more = shard->ClearWorkerSlice(worker, begin, begin + kSliceSlots, &cleared);
+      held_[worker].fetch_sub(cleared, std::memory_order_relaxed);
+      if (!more) break;
       begin += kSliceSlots;
     }
   }

@@ -31,6 +31,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -103,6 +104,9 @@ class PrefixIndex {
   void OverlapEveryBlock(std::span<const uint64_t> block_hashes, OverlapBlocks* out) const;
   static constexpr size_t kEveryBlockMax = 48;
 
+  // Blocks the worker holds right now, as its events said (a counter kept
+  // with every store and removal: O(1), for placement).
+  uint64_t HeldBlocks(WorkerId worker) const;
   // Workers holding `hash` (tests, debugging).
   WorkerMask Holders(uint64_t hash) const;
   // Indexed (hash, worker) pairs of one worker (a scan: tests, debugging).
@@ -142,6 +146,7 @@ class PrefixIndex {
 
   std::array<std::unique_ptr<Shard>, kNumShards> shards_;
   std::array<WorkerState, kMaxWorkers> workers_;
+  std::array<std::atomic<uint64_t>, kMaxWorkers> held_{};  // [worker]: HeldBlocks
 };
 
 }  // namespace tandem::router

@@ -166,10 +166,12 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
   for (WorkerId id : workers_.ids()) {
     const WorkerSet::Entry& e = *workers_.Find(id);
     loads_.Expire(id, now);
+    const double held = static_cast<double>(index_.HeldBlocks(id));
     candidates_.push_back(Candidate{id, e.info.role, e.node_id, e.zone_id, e.info.block_bytes, loads_.load(id),
                                     overlap[id], lower.host[id] + lower.disk[id],
                                     lower.host[id] * std::max(0.0, 1.0 - options_.host_tier_onboard_cost) +
-                                        lower.disk[id] * std::max(0.0, 1.0 - options_.disk_tier_onboard_cost)});
+                                        lower.disk[id] * std::max(0.0, 1.0 - options_.disk_tier_onboard_cost),
+                                    e.info.num_blocks ? held / e.info.num_blocks : held});
   }
   const ScoringParams params{policy_, config_.prefill_weight, config_.temperature,
                              config_.local_prefill_threshold_tokens, &options_};

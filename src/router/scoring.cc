@@ -134,10 +134,15 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
       if (sample) state->scratch.push_back({p, d, cost});
       if (bp != UINT32_MAX && cost > best_hi) return;
       const int64_t running = w[p].load.running_requests + (p == d ? 0 : w[d].load.running_requests);
-      const bool better =
-          bp == UINT32_MAX || CostLess(cost, best) ||
-          (running < best_running ||
-           (running == best_running && (w[p].id < w[bp].id || (w[p].id == w[bp].id && w[d].id < w[bd].id))));
+      // Among equal costs: fewer running requests, then the emptier caches
+      // (cold prefixes spread), then the lower ids.
+      auto tie_better = [&] {
+        if (running != best_running) return running < best_running;
+        if (w[p].cache_fill != w[bp].cache_fill) return w[p].cache_fill < w[bp].cache_fill;
+        if (p != d && bp != bd && w[d].cache_fill != w[bd].cache_fill) return w[d].cache_fill < w[bd].cache_fill;
+        return w[p].id < w[bp].id || (w[p].id == w[bp].id && w[d].id < w[bd].id);
+      };
+      const bool better = bp == UINT32_MAX || CostLess(cost, best) || tie_better();
       if (better) {
         bp = p;
         bd = d;

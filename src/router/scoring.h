@@ -14,7 +14,10 @@
 //                 (0 when p == d)
 //   cost        = prefill(p) + decode(d) + transfer
 // The minimum wins; ties go to the pair with fewer running requests, then
-// the lowest prefiller id, then the lowest decoder id. With temperature T > 0
+// the prefiller whose cache is least full, then the decoder likewise (so
+// prefixes no worker holds yet spread over the fleet's capacity instead of
+// all landing on the lowest id; once cached, the overlap keeps them where
+// they are), then the lowest prefiller id, then the lowest decoder id. With temperature T > 0
 // the pair is drawn with probability proportional to exp(-cost / T).
 //
 // Pairs: a 'prefill' worker pairs with any decode-capable worker; a 'both'
@@ -47,6 +50,10 @@ struct Candidate {
   uint32_t overlap_blocks = 0;  // leading prompt blocks it caches (device tier)
   uint32_t tier_blocks = 0;     // host/disk-tier blocks right after those
   double tier_credit_blocks = 0;  // tier_blocks weighted by 1 - onboarding cost
+  // Share of its KV pool its cached (device-tier) blocks fill: the index's
+  // count over the registered pool size (the raw count when the size is
+  // unknown). Breaks ties between equal-cost pairs, so cold prefixes spread.
+  double cache_fill = 0;
 };
 
 struct ScoringParams {

@@ -1,5 +1,6 @@
 #include "router/tier_index.h"
 
+#include <algorithm>
 #include <mutex>
 
 namespace tandem::router {
@@ -82,19 +83,38 @@ void TierIndex::Extend(std::span<const uint64_t> hashes, const OverlapBlocks& de
   out->disk.fill(0);
   if (empty()) return;
   std::shared_lock lock(mu_);
+  // One pass over the blocks (one map lookup each): a worker joins at its
+  // device overlap and drops out at the first block it holds in no tier.
+  std::array<WorkerId, kMaxWorkers> joiners;  // [n]: workers with lower-tier blocks, by device overlap
+  uint32_t n = 0;
   for (WorkerId w = 0; w < kMaxWorkers; ++w) {
-    if (count_[w] == 0) continue;
-    for (size_t i = device[w]; i < hashes.size(); ++i) {
-      auto it = map_.find(hashes[i]);
-      if (it == map_.end()) break;
-      if (it->second.host.Test(w)) {
+    if (count_[w] != 0 && device[w] < hashes.size()) joiners[n++] = w;
+  }
+  std::sort(joiners.begin(), joiners.begin() + n,
+            [&](WorkerId a, WorkerId b) { return device[a] < device[b]; });
+  WorkerMask alive;
+  uint32_t next = 0;
+  for (size_t i = n > 0 ? device[joiners[0]] : hashes.size(); i < hashes.size(); ++i) {
+    while (next < n && device[joiners[next]] == i) alive.Set(joiners[next++]);
+    if (!alive.Any()) {
+      if (next == n) break;
+      continue;
+    }
+    auto it = map_.find(hashes[i]);
+    if (it == map_.end()) {
+      alive = WorkerMask{};
+      continue;
+    }
+    const Entry& e = it->second;
+    alive.ForEach([&](WorkerId w) {
+      if (e.host.Test(w)) {
         ++out->host[w];
-      } else if (it->second.disk.Test(w)) {
+      } else if (e.disk.Test(w)) {
         ++out->disk[w];
       } else {
-        break;
+        alive.Clear(w);
       }
-    }
+    });
   }
 }
 

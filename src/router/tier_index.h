@@ -46,7 +46,8 @@ class TierIndex {
 
   // out->host[w] / out->disk[w]: for each worker holding lower-tier blocks,
   // the blocks from device[w] on that it holds on host / disk, up to the
-  // first it holds nowhere (host preferred when both). Others: 0.
+  // first it holds nowhere (host preferred when both). Others: 0. One pass
+  // over the blocks, one map lookup each, whatever the number of workers.
   void Extend(std::span<const uint64_t> block_hashes, const OverlapBlocks& device,
               TierOverlap* out) const;
 

@@ -95,6 +95,7 @@ void WorkerMetrics::ObserveTransfer(uint64_t bytes, double transfer_seconds, dou
 void WorkerMetrics::ObserveDecodeStep(double seconds) { decode_step_seconds_.Observe(seconds); }
 
 void WorkerMetrics::Update(const MetricsSample& s) {
+  std::lock_guard lock(update_mu_);
   kv_usage_.Set(s.engine.kv_usage_ratio);
   running_.Set(s.engine.num_running);
   waiting_.Set(s.engine.num_waiting);

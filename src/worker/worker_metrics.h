@@ -19,12 +19,13 @@
 //   tandem_kv_tier_evictions_total (counters), plus
 //   tandem_kv_tier_onboard_seconds (histogram, no tier label).
 //
-// Threads: Observe* from any thread (engine, progress, gRPC); Update from
-// one thread at a time (the worker's monitor thread).
+// Threads: Observe* and Update from any thread (Update: the worker's
+// monitor tick and every scrape, docs/metrics.md).
 #pragma once
 
 #include <array>
 #include <cstdint>
+#include <mutex>
 
 #include "common/metrics.h"
 #include "engine/engine.h"
@@ -78,7 +79,8 @@ class WorkerMetrics {
   std::array<prometheus::Counter*, engine::kNumKvTiers> tier_hits_{};
   std::array<prometheus::Counter*, engine::kNumKvTiers> tier_evictions_{};
   prometheus::Histogram& onboard_seconds_;
-  MetricsSample last_;  // Update's thread only: counters advance by the difference
+  std::mutex update_mu_;
+  MetricsSample last_;  // guarded by update_mu_: counters advance by the difference
 };
 
 }  // namespace tandem::worker

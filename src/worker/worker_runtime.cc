@@ -27,6 +27,8 @@
 #include "model/weights.h"
 #include "prefiller/prefiller.h"
 #include "prefiller/prefiller_service.h"
+#include "worker/kv_transport_setup.h"
+#include "worker/role_capabilities.h"
 #include "worker/worker_metrics.h"
 #include "worker/worker_service.h"
 
@@ -102,6 +104,12 @@ struct Worker {
   mutable std::mutex dropped_mu;
   mutable uint64_t dropped_target_lost_seen = 0;    // guarded by dropped_mu
   mutable uint64_t dropped_lease_expired_seen = 0;  // guarded by dropped_mu
+
+  // The engine, decoder and prefiller go before the registry (and its
+  // exposer thread): the scrape hook that reads them goes first.
+  ~Worker() {
+    if (registry) registry->OnScrape({});
+  }
 
   LoadSample Load() const {
     const engine::EngineStats st = engine->stats();
@@ -215,9 +223,19 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     to.pace_byte_scale = w.sim.kv_scale;
     to.pace_latency_s = w.fleet.sim.link_latency_us * 1e-6;
   }
-  TANDEM_ASSIGN_OR_RETURN(w.transport, kvtransfer::CreateTransport(to));
-  w.allocator = std::make_unique<TransportPoolAllocator>(*w.transport);
-  eo.allocator = w.allocator.get();
+  // cuda: the transport's pool is the device KV pool (kv_transport_setup.h).
+  const uint64_t bf16_block_bytes = layout.block_floats() * 2;
+  TANDEM_ASSIGN_OR_RETURN(WorkerTransport wt,
+                          CreateWorkerTransport(w.fleet.model.backend, to, bf16_block_bytes));
+  w.transport = std::move(wt.transport);
+  if (wt.device_kv_pool != nullptr) {
+    eo.device_kv_pool = wt.device_kv_pool;
+    eo.device_kv_pool_bytes = wt.device_kv_pool_bytes;
+  } else {
+    w.allocator = std::make_unique<TransportPoolAllocator>(*w.transport);
+    eo.allocator = w.allocator.get();
+  }
+  spdlog::info("{}: KV transfer path: {}", name, wt.detail);
 
   w.registry = std::make_unique<MetricsRegistry>(MetricLabels{w.fleet.model.name, cmd.role, name});
   w.metrics = std::make_unique<WorkerMetrics>(*w.registry);
@@ -238,6 +256,9 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     if (st.num_prefill_tokens == 0 && st.num_decode_tokens > 0) metrics->ObserveDecodeStep(st.seconds);
   };
   TANDEM_ASSIGN_OR_RETURN(w.engine, engine::Engine::Create(w.model_config, w.weights, eo));
+  // No silent fallback: a backend whose KV the transport cannot move is refused here.
+  TANDEM_RETURN_IF_ERROR(
+      CheckRoleCapabilities(w.engine->backend(), cmd.role, w.transport->capabilities()));
   w.engine->Start();
 
   std::vector<grpc::Service*> services;
@@ -257,6 +278,8 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     popt.max_queue = w.fleet.scheduler.max_waiting;
     popt.max_num_seqs = w.fleet.scheduler.max_num_seqs;
     popt.lease_seconds = w.fleet.transport.lease_seconds;
+    popt.push_mode = w.fleet.transport.push == "after_prefill" ? prefiller::PushMode::kAfterPrefill
+                                                               : prefiller::PushMode::kStreaming;
     const char* help = "Prefills dropped with their blocks freed and nothing written, by reason "
                        "(target_lost: the decoder or the push failed; lease_expired: the KV was "
                        "ready too late for the decoder's lease)";
@@ -281,10 +304,12 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   id.revision = w.fleet.model.revision;
   id.block_size = eo.block_size;
   id.kv_dtype = eo.hash_context.kv_dtype;
+  id.fleet_salt_fingerprint = FleetSaltFingerprint(eo.hash_context.fleet_salt);
+  id.hash_root = w.engine->root_hash();
   id.num_layers = layout.num_layers;
   id.num_kv_heads = layout.num_kv_heads;
   id.head_dim = layout.head_dim;
-  id.block_bytes = layout.block_bytes();
+  id.block_bytes = w.transport->block_bytes();  // what travels: bf16 blocks on cuda
   id.num_blocks = eo.num_blocks;
   id.epoch = w.engine->events().epoch();
   id.transport_backend = w.transport->capabilities().backend;
@@ -297,6 +322,9 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
       id, *w.engine, [self] { return self->Load(); }, [self] { self->UpdateMetrics(); });
   services.push_back(w.worker_service->service());
   w.UpdateMetrics();  // every series exists (at zero) before anyone scrapes
+  // And every scrape samples afresh: it includes what happened just before
+  // it, whether a proxy watches this worker or not (docs/metrics.md).
+  w.registry->OnScrape([self] { self->UpdateMetrics(); });
 
   const std::string grpc_addr = cmd.grpc.empty() ? rc.grpc : cmd.grpc;
   const std::string metrics_addr = cmd.metrics.empty() ? rc.metrics : cmd.metrics;

@@ -46,6 +46,8 @@ void FillInfo(const WorkerIdentity& id, pb::WorkerInfo* out) {
   out->set_num_blocks(id.num_blocks);
   out->set_epoch(id.epoch);
   out->set_transport_backend(id.transport_backend);
+  out->set_fleet_salt_fingerprint(id.fleet_salt_fingerprint);
+  out->set_hash_root(id.hash_root);
   for (const auto& [k, v] : id.labels) (*out->mutable_labels())[k] = v;
 }
 

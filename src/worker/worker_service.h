@@ -44,6 +44,8 @@ struct WorkerIdentity {
   uint32_t num_blocks = 0;
   uint64_t epoch = 0;
   std::string transport_backend;
+  std::string fleet_salt_fingerprint;  // FleetSaltFingerprint(cache.salt)
+  uint64_t hash_root = 0;              // RootHash of the hash context (tenant salt empty)
   std::map<std::string, std::string> labels;
 };
 

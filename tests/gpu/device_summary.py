@@ -176,6 +176,10 @@ def main():
             s[key] = kvtransfer(work, name, copy_moved)
             if not s[key]["ok"]:
                 failures.append(f"{name}: " + s[key].get("error", "no verified bandwidth"))
+    notes = []
+    if os.path.exists(os.path.join(work, "kvtransfer_device.absent")):
+        notes.append("kvtransfer: no device-memory mode in this build's `tandem bench kvtransfer` "
+                     "(--memory device): the device-to-device KV path was not measured")
     if "e2e" in stages:
         s["e2e"] = e2e(work)
         if not s["e2e"]["ok"]:
@@ -184,6 +188,7 @@ def main():
     s["stages"] = stages
     s["total_seconds"] = sum(st.get("seconds", 0) for st in stages.values())
     s["failures"] = failures
+    s["notes"] = notes
     s["ok"] = bool(stages) and not failures
     json.dump(s, open(summary_path, "w"), indent=2)
     print(json.dumps(s, indent=2))

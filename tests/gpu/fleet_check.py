@@ -153,7 +153,6 @@ def main():
             if time.time() > deadline:
                 raise RuntimeError("tandem launch did not write its state file in time")
             time.sleep(0.5)
-        time.sleep(0.2)  # the state file is renamed into place complete; read it once settled
         http = json.load(open(state))["proxy"]["http"]
         wait_health(http, deadline, launcher)
         result["fleet_start_seconds"] = round(time.time() - t1, 1)

@@ -1,5 +1,6 @@
 // Runs the real `tandem` binary.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
 #include <array>
 #include <cstdio>
@@ -53,6 +54,42 @@ TEST(Cli, ShippedConfigIsValid) {
   const CmdResult r = Tandem(std::string("config-check ") + TANDEM_SOURCE_DIR + "/configs/1p1d.yaml");
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("workers: 1 prefill, 1 decode, 0 both"), std::string::npos) << r.out;
+}
+
+// Issue 16: the shipped cuda fleet is valid, and on a machine without a GPU
+// `tandem launch` refuses it at once with one line naming the missing CUDA
+// device (before, every cuda worker was refused at --join for its KV dtype).
+// `timeout 30` is the test's limit; the test waits on the process's exit.
+TEST(Cli, CudaFleetWithoutAGpuIsRefusedNamingTheDevice) {
+  const std::string config = std::string(TANDEM_SOURCE_DIR) + "/configs/cuda-1p1d.yaml";
+  const CmdResult check = Tandem("config-check " + config);
+  EXPECT_EQ(check.code, 0) << check.out;
+  EXPECT_NE(check.out.find("backend cuda"), std::string::npos) << check.out;
+  EXPECT_NE(check.out.find("workers: 1 prefill, 1 decode, 0 both"), std::string::npos) << check.out;
+  const CmdResult version = Tandem("version");
+  if (version.out.find("cuda devices: 0") == std::string::npos &&
+      version.out.find("cuda kernels: not compiled") == std::string::npos) {
+    GTEST_SKIP() << "this machine has a CUDA device; tests/gpu/device_check.sh runs the cuda fleet";
+  }
+  const std::string cmd = "timeout 30 " + std::string(TANDEM_BINARY_DIR) + "/tandem launch " +
+                          config + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  std::array<char, 4096> buf;
+  while (size_t n = fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
+  const int status = pclose(p);
+  ASSERT_TRUE(WIFEXITED(status)) << out;
+  EXPECT_NE(WEXITSTATUS(status), 124) << "still running after 30 s:\n" << out;
+  EXPECT_NE(WEXITSTATUS(status), 0) << out;
+  size_t lines = 0;
+  for (char c : out) lines += c == '\n';
+  EXPECT_EQ(lines, 1u) << out;
+  EXPECT_NE(out.find("fleet not started: model.backend is cuda but "), std::string::npos) << out;
+  EXPECT_NE(out.find("CUDA device"), std::string::npos) << out;
+  for (const char* wrong : {"kv_dtype", "KV dtype", "refused", "join"}) {
+    EXPECT_EQ(out.find(wrong), std::string::npos) << wrong << " in:\n" << out;
+  }
 }
 
 TEST(Cli, UnknownSubcommandFails) {

@@ -32,6 +32,18 @@ TEST(BlockHash, RootFoldsSaltAndBlockSize) {
   EXPECT_NE(RootHash(tenant), RootHash(Ctx()));
 }
 
+TEST(BlockHash, FleetSaltFingerprintHidesTheSalt) {
+  const std::string fp = FleetSaltFingerprint("pepper");
+  EXPECT_EQ(fp.size(), 32u);
+  EXPECT_EQ(fp.find_first_not_of("0123456789abcdef"), std::string::npos) << fp;
+  EXPECT_EQ(fp, FleetSaltFingerprint("pepper"));
+  EXPECT_NE(fp, FleetSaltFingerprint("peppers"));
+  EXPECT_NE(FleetSaltFingerprint(""), FleetSaltFingerprint("x"));
+  // Pinned: SHA-256("tandem.fleet-salt.v1" "pepper"), first 16 bytes
+  // (python3 -c "import hashlib;print(hashlib.sha256(b'tandem.fleet-salt.v1pepper').hexdigest()[:32])").
+  EXPECT_EQ(fp, "5eea54f34f6e7af6fb35122f2e1b80bd");
+}
+
 TEST(BlockHash, ChainValuesPinned) {
   std::vector<uint32_t> tokens(40);
   std::iota(tokens.begin(), tokens.end(), 1u);

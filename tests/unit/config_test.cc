@@ -39,6 +39,16 @@ TEST(Config, GoodFileWithDefaults) {
   EXPECT_EQ(r->router.policy, "kv_aware");
   EXPECT_EQ(r->proxy.grpc, "127.0.0.1:50051");
   EXPECT_DOUBLE_EQ(r->transport.lease_seconds, 30.0);
+  EXPECT_EQ(r->transport.push, "streaming");
+}
+
+TEST(Config, TransportPushIsStreamingOrAfterPrefill) {
+  auto r = Parse("model:\n  path: m\ntransport:\n  push: after_prefill\nboth:\n  replicas: 1\n");
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->transport.push, "after_prefill");
+  EXPECT_EQ(ErrorOf("model:\n  path: m\ntransport:\n  push: eager\nboth:\n  replicas: 1\n"),
+            "configs/x.yaml:4: key 'transport.push' must be one of 'streaming', 'after_prefill', "
+            "got 'eager'");
 }
 
 TEST(Config, BatchInvariantDefaultsToTrueAndParsesBothValues) {
@@ -155,6 +165,19 @@ TEST(Config, CrossFieldChecks) {
   EXPECT_EQ(ErrorOf("model:\n  path: m\nboth:\n  replicas: 1\nproxy:\n  default_max_tokens: 9\n"
                     "  max_tokens_limit: 8\n"),
             "configs/x.yaml: proxy.default_max_tokens (9) exceeds proxy.max_tokens_limit (8)");
+}
+
+// security.api_keys_file (issue 19): a path relative to the config file.
+TEST(Config, SecurityApiKeysFile) {
+  auto none = Parse(kGood);
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->security.api_keys_file, "");
+  auto r = Parse(std::string(kGood) + "security:\n  api_keys_file: keys/tenants.yaml\n");
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->security.api_keys_file, "/repo/configs/keys/tenants.yaml");
+  EXPECT_NE(ErrorOf(std::string(kGood) + "security:\n  api_key_file: k.yaml\n")
+                .find("did you mean 'api_keys_file'"),
+            std::string::npos);
 }
 
 // KV tiers (docs/engine.md, "KV tiers"): off by default; the disk tier's

@@ -86,6 +86,19 @@ TEST(Logging, JsonLinesCarryTheRequestId) {
   EXPECT_EQ(b.at("msg"), "idle");
 }
 
+TEST(Logging, JsonLinesSplitAWorkersAttemptKey) {
+  // Workers key requests by "<id>#<attempt>" (worker/attempt_key.h).
+  auto first_line = [](const std::string& out) {
+    return nlohmann::json::parse(out.substr(0, out.find('\n')));
+  };
+  const auto a = first_line(EmitAbout("json", "obs#7#12", "idle"));
+  EXPECT_EQ(a.at("request_id"), "obs#7");
+  EXPECT_EQ(a.at("attempt"), 12);
+  const auto b = first_line(EmitAbout("json", "plain#x", "idle"));
+  EXPECT_EQ(b.at("request_id"), "plain#x");
+  EXPECT_FALSE(b.contains("attempt"));
+}
+
 TEST(Logging, TextLinesCarryTheRequestId) {
   const std::string out = EmitAbout("text", "abc", "idle");
   EXPECT_NE(out.find("D [decode-0] [req=abc] reserved 3 blocks"), std::string::npos) << out;

@@ -367,6 +367,7 @@ TEST(Failure, LeaseExpiryWithStoppedPrefiller) {
   constexpr uint32_t kMaxTokens = 16;
   FleetOptions o = FailureFleet(2, 1);
   o.max_batched_tokens = 8;  // long prompts prefill in many chunks: a wide window to stop in
+  o.log_level = "info";      // the proxy's "answers again" line
   auto fleet = Fleet::Launch(o);
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
   const WorkerAddr* p0 = FindWorker(**fleet, "prefill-0");
@@ -401,8 +402,10 @@ TEST(Failure, LeaseExpiryWithStoppedPrefiller) {
     expired = WaitFor([&] { return Metric(d0->metrics, "tandem_kv_lease_expired_total") > before; },
                       4s);
     if (!expired) {
+      const size_t log_at = ReadText((*fleet)->log_path()).size();
       ASSERT_EQ(kill(p0->pid, SIGCONT), 0);
-      std::this_thread::sleep_for(3s);  // back in routing
+      // Back in routing (when it had left it): the proxy says so.
+      WaitForLogLine((*fleet)->log_path(), "worker prefill-0 answers again", 5s, log_at);
     }
   }
   ASSERT_TRUE(expired) << "never caught prefill-0 holding a reservation";
@@ -473,9 +476,15 @@ TEST(Failure, SigtermToLaunchDrainsUnderLoad) {
   }, 20s));
   const auto t0 = Clock::now();
   ASSERT_EQ(kill((*fleet)->launcher_pid(), SIGTERM), 0);
-  std::this_thread::sleep_for(300ms);
-  // A new request now is refused.
-  Streamed refused = Stream(*stub, prompts[0], 8, 10s);
+  // New requests are refused once the proxy has the signal: the first
+  // refusal is the event (ones admitted before it just complete).
+  Streamed refused;
+  WaitFor(
+      [&] {
+        refused = Stream(*stub, prompts[0], 1, 10s);
+        return !refused.status.ok();
+      },
+      10s);
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE)
       << refused.status.error_message();
   std::printf("[failure] new request during the drain: %d %s\n",

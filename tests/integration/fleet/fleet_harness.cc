@@ -55,10 +55,10 @@ Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
         "scheduler:\n  max_num_seqs: {}\n  max_batched_tokens: {}\n  max_waiting: {}\n"
         "proxy:\n  grpc: 127.0.0.1:0\n  http: 127.0.0.1:0\n  metrics: 127.0.0.1:0\n"
         "  max_inflight: {}\n  max_tokens_limit: 512\n{}"
-        "router:\n  policy: {}\n"
+        "router:\n  policy: {}\n{}"
         "logging:\n  level: {}\n  format: {}\n",
         BundledModel(), o.model_yaml, o.num_blocks, o.cache_yaml, o.max_num_seqs, o.max_batched_tokens, o.max_waiting,
-        o.max_inflight, o.proxy_yaml, o.policy, LogLevel(o), o.log_format);
+        o.max_inflight, o.proxy_yaml, o.policy, o.router_yaml, LogLevel(o), o.log_format);
     for (auto [role, n] : {std::pair{"prefill", o.prefill}, {"decode", o.decode}, {"both", o.both}}) {
       y << fmt::format("{}:\n  replicas: {}\n  grpc: 127.0.0.1:0\n  metrics: 127.0.0.1:0\n",
                        role, n);
@@ -169,6 +169,7 @@ Result<Completion> Generate(const std::string& proxy, const GenerateArgs& a) {
   auto stub = pb::Generation::NewStub(channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + a.timeout);
+  if (!a.api_key.empty()) ctx.AddMetadata("authorization", "Bearer " + a.api_key);
   pb::GenerateRequest req;
   req.set_model(a.model);
   req.set_request_id(a.request_id);

@@ -30,6 +30,8 @@ struct FleetOptions {
   std::string extra_yaml;  // appended verbatim
   // Lines added inside the `proxy` section, e.g. "  drain_seconds: 5\n".
   std::string proxy_yaml;
+  // Lines added inside the `router` section, e.g. "  max_prediction_age_s: 0.05\n".
+  std::string router_yaml;
   // Lines added inside the `model` section, e.g. "  backend: sim\n".
   std::string model_yaml;
   // Lines added inside the `cache` section, e.g. "  host_tier_blocks: 64\n".
@@ -110,6 +112,7 @@ struct GenerateArgs {
   bool ignore_eos = true;
   std::string model;
   std::string request_id;  // empty: the proxy assigns one
+  std::string api_key;     // sent as `authorization: Bearer KEY` when not empty
   std::chrono::milliseconds timeout{60000};
 };
 

@@ -78,6 +78,11 @@ FleetOptions Options(const std::string& disk_dir) {
   o.prefill = 1;
   o.decode = 1;
   o.num_blocks = 64;
+  // Requests here follow each other within one load-report interval (150 ms)
+  // on a 64-block decoder: the router's decode-block predictions of finished
+  // requests would add up to "no decoder has room" (they end only with a
+  // report). Let them expire quickly; routing is not what this test checks.
+  o.router_yaml = "  max_prediction_age_s: 0.05\n";
   o.cache_yaml = "  host_tier_blocks: 16\n  disk_tier:\n    path: " + disk_dir + "\n    max_gib: 0.5\n";
   return o;
 }

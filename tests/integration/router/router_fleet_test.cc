@@ -141,6 +141,7 @@ struct Counts {
   double transfer_bytes = 0;    // prefillers' tandem_kv_transfer_bytes_total
   double predicted_hits = 0;    // proxy's tandem_router_predicted_prefix_hit_tokens_sum
   double routes = 0;            // proxy's tandem_router_routes_total
+  std::map<std::string, double> prefill_hits_by_worker;  // per prefiller
 };
 
 // Workers refresh their metrics with each load report (every 150 ms):
@@ -152,12 +153,23 @@ Counts Read(const Fleet& fleet) {
   c.transfer_bytes = RoleMetric(fleet, "prefill", "tandem_kv_transfer_bytes_total");
   c.predicted_hits = ProxyMetric(fleet, "tandem_router_predicted_prefix_hit_tokens_sum");
   c.routes = ProxyMetric(fleet, "tandem_router_routes_total");
+  for (const auto& w : fleet.workers()) {
+    if (w.role != "prefill") continue;
+    auto text = Scrape(w.metrics);
+    c.prefill_hits_by_worker[w.name] =
+        text.ok() ? MetricValue(*text, "tandem_prefix_cache_hits_tokens_total") : 0;
+  }
   return c;
 }
 
 Counts Delta(const Counts& after, const Counts& before) {
-  return {after.prefill_hits - before.prefill_hits, after.transfer_bytes - before.transfer_bytes,
-          after.predicted_hits - before.predicted_hits, after.routes - before.routes};
+  Counts d{after.prefill_hits - before.prefill_hits, after.transfer_bytes - before.transfer_bytes,
+           after.predicted_hits - before.predicted_hits, after.routes - before.routes, {}};
+  for (const auto& [name, hits] : after.prefill_hits_by_worker) {
+    auto it = before.prefill_hits_by_worker.find(name);
+    d.prefill_hits_by_worker[name] = hits - (it == before.prefill_hits_by_worker.end() ? 0 : it->second);
+  }
+  return d;
 }
 
 // Value of the one sample of `metric` whose label set contains every
@@ -286,6 +298,16 @@ TEST(RouterFleet, KvAwareDoublesPrefillCacheHitsOfRoundRobin) {
   EXPECT_EQ(kv.documents.routes, kDocs * kQuestions);
   // The router's prediction is what the prefillers then found.
   EXPECT_EQ(kv.documents.predicted_hits, kv.documents.prefill_hits);
+  // Issue 17, cold-prefix placement: the five documents (cold when their
+  // first question comes) spread over both prefillers — at least two each,
+  // i.e. each prefiller served the two later questions of two documents —
+  // and every later question still hit its document: the ideal total.
+  EXPECT_EQ(kv.documents.prefill_hits, ideal_docs);
+  ASSERT_EQ(kv.documents.prefill_hits_by_worker.size(), 2u);
+  for (const auto& [name, hits] : kv.documents.prefill_hits_by_worker) {
+    std::printf("  kv_aware documents: %s hit %.0f tokens\n", name.c_str(), hits);
+    EXPECT_GE(hits, 2.0 * (kQuestions - 1) * kDocTokens) << name << " holds fewer than two documents";
+  }
 
   // Multi-turn: kv_aware keeps each conversation on its prefiller. (Under
   // CI's parallel load one run once got 304 of 512: a prefiller's load

@@ -8,6 +8,8 @@
 #include <iterator>
 #include <mutex>
 
+#include "common/block_hash.h"
+#include "common/config.h"
 #include "common/rpc_server.h"
 #include "serving_harness.h"
 
@@ -96,6 +98,11 @@ TEST_F(WorkerJoinTest, RegistersItsRealAddressesAndGeometryBeforeReady) {
   EXPECT_EQ(w.block_size(), kBlockSize);
   EXPECT_EQ(w.num_blocks(), kDecoderBlocks);
   EXPECT_EQ(w.kv_dtype(), "f32");
+  // The rest of the hash context, from the one builder the proxy uses too.
+  auto fleet = LoadFleetConfig(fleet_);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  EXPECT_EQ(w.fleet_salt_fingerprint(), FleetSaltFingerprint(fleet->cache.salt));
+  EXPECT_EQ(w.hash_root(), RootHash(HashContextFromFleet(*fleet)));
   EXPECT_EQ(w.transport_backend(), "ucx");
   EXPECT_EQ(w.protocol_version(), 1u);
   EXPECT_NE(w.epoch(), 0u);

@@ -28,7 +28,11 @@ TEST(SimFleet, OneP1DServesDeterministicallyAndSaysSimulated) {
   o.model_yaml = "  backend: sim\n  name: itest\n  max_model_len: 4096\n";
   o.extra_yaml = fmt::format(
       "sim:\n  profile: H100\n  model_shape: {}/configs/sim/models/llama-3-8b\n"
-      "  link_gbps: 100\n  link_latency_us: 10\n  kv_scale: 256\n",
+      "  link_gbps: 100\n  link_latency_us: 10\n  kv_scale: 256\n"
+      // The whole push after the prefill, so that tandem_kv_transfer_seconds
+      // times every byte (streaming times only what is left after the first
+      // token; kv_streaming_test covers sim streaming).
+      "transport:\n  push: after_prefill\n",
       TANDEM_SOURCE_DIR);
   auto fleet = Fleet::Launch(o);
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();

@@ -13,6 +13,9 @@
 //     killed, at most 60 s), each with the notice "<name>:<r>", printing
 //     "DONE <r> <status>" after each; then "TRANSPORTS <list>" and "END", and
 //     waits for stdin to close.
+//   staged=1 (either mode): the transport is a StagedTransport over the
+//     backend with the host stand-in copy engine; SUM then reads its
+//     "device" pool, i.e. what the host->device copies delivered.
 // Exit code 0 on success, 1 on a setup error.
 #include <chrono>
 #include <iostream>
@@ -24,6 +27,8 @@
 
 #include "kv_test_util.h"
 #include "kvtransfer/descriptor.h"
+#include "kvtransfer/staging/host_copy_engine.h"
+#include "kvtransfer/staging/staged_transport.h"
 #include "kvtransfer/transport.h"
 
 namespace kv = tandem::kvtransfer;
@@ -120,7 +125,17 @@ int main(int argc, char** argv) {
   o.agent_name = kvs.count("name") ? kvs["name"] : "peer";
   o.block_bytes = std::stoull(kvs.count("block_bytes") ? kvs["block_bytes"] : "4096");
   o.num_blocks = static_cast<uint32_t>(std::stoul(kvs.count("blocks") ? kvs["blocks"] : "16"));
-  auto t = kv::CreateTransport(o);
+  tandem::Result<std::unique_ptr<kv::Transport>> t = tandem::InternalError("unset");
+  if (kvs.count("staged") && kvs["staged"] == "1") {
+    auto st = kv::CreateStagedTransport(o, std::make_unique<kv::HostCopyEngine>());
+    if (st.ok()) {
+      t = std::unique_ptr<kv::Transport>(std::move(st).value());
+    } else {
+      t = st.status();
+    }
+  } else {
+    t = kv::CreateTransport(o);
+  }
   if (!t.ok()) return Fail(t.status().ToString());
   if (mode == "target") return RunTarget(**t);
   if (mode == "writer") {

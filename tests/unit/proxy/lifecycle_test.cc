@@ -10,6 +10,7 @@
 #include <map>
 #include <mutex>
 
+#include "common/block_hash.h"
 #include "common/config.h"
 
 namespace tandem::proxy {
@@ -532,6 +533,59 @@ TEST_F(LifecycleTest, FleetRefusesMismatchedWorkersNamingTheField) {
   w.node = "host-b";
   w.zone = "zone-1";
   EXPECT_TRUE(fleet_->Register(w).ok());
+}
+
+// The rest of the block-hash context: the fleet salt is compared as a
+// fingerprint (the salt itself never travels), then the root hash itself.
+TEST(FleetHashContext, RefusesAnotherSaltOrRootNamingTheField) {
+  RouterConfig rc;
+  rc.policy = "round_robin";
+  auto router = router::Router::Create(rc, router::RouterOptions{});
+  ASSERT_TRUE(router.ok());
+  HashContext ctx{.model_id = "m", .block_size = 16, .kv_dtype = "bf16", .fleet_salt = "s3cret"};
+  FleetRequirements req;
+  req.model = "m";
+  req.kv_dtype = "bf16";
+  req.fleet_salt_fingerprint = FleetSaltFingerprint(ctx.fleet_salt);
+  req.hash_root = RootHash(ctx);
+  Fleet fleet(req, std::move(router).value());
+  auto worker = [&] {
+    WorkerRecord w;
+    w.name = "x";
+    w.role = router::WorkerRole::kPrefill;
+    w.grpc_address = "x:1";
+    w.protocol_version = 1;
+    w.model = "m";
+    w.block_size = 16;
+    w.kv_dtype = "bf16";
+    w.fleet_salt_fingerprint = FleetSaltFingerprint("s3cret");
+    w.hash_root = RootHash(ctx);
+    w.block_bytes = 4096;
+    w.num_blocks = 10;
+    return w;
+  };
+  WorkerRecord w = worker();
+  w.fleet_salt_fingerprint = FleetSaltFingerprint("other");
+  Status st = fleet.Register(w);
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(st.message().find("fleet salt (cache.salt) differs from the fleet's (fingerprint " +
+                              FleetSaltFingerprint("other") + " vs " +
+                              FleetSaltFingerprint("s3cret") + ")"),
+            std::string::npos)
+      << st.message();
+  EXPECT_EQ(st.message().find("s3cret"), std::string::npos) << "the salt itself leaked";
+  w = worker();
+  w.fleet_salt_fingerprint.clear();  // a worker that sends none
+  st = fleet.Register(w);
+  EXPECT_NE(st.message().find("fingerprint none vs"), std::string::npos) << st.message();
+  w = worker();
+  w.hash_root ^= 1;
+  st = fleet.Register(w);
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(st.message().find("block-hash root"), std::string::npos) << st.message();
+  EXPECT_TRUE(fleet.Workers().empty());
+  EXPECT_TRUE(fleet.Register(worker()).ok());
+  EXPECT_EQ(fleet.Workers().size(), 1u);
 }
 
 }  // namespace

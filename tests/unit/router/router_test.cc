@@ -242,6 +242,41 @@ TEST(RouterTest, ColdWorkerGetsItsShare) {
   for (WorkerId w : warm) EXPECT_GE(count[w], 1) << w;
 }
 
+// Issue 17: prefixes nobody holds go to the emptier caches (equal load),
+// one at a time, and later questions follow their document.
+TEST(RouterTest, ColdPrefixesSpreadByCacheFillAndKeepAffinity) {
+  Fleet f;
+  const WorkerId p0 = f.Add("p0", WorkerRole::kPrefill, 1000);
+  const WorkerId p1 = f.Add("p1", WorkerRole::kPrefill, 1000);
+  const WorkerId d2 = f.Add("d2", WorkerRole::kDecode, 1000);
+  const WorkerId d3 = f.Add("d3", WorkerRole::kDecode, 1000);
+  std::vector<uint64_t> event(8, 0);  // next event id per worker
+  std::vector<WorkerId> doc_prefill;
+  for (uint64_t doc = 0; doc < 5; ++doc) {
+    const std::vector<uint64_t> h = Chain(doc * 100, 12);
+    const RouteDecision d = f.Route(h, 12 * 16 + 5);
+    EXPECT_EQ(d.prefill_overlap_blocks, 0u) << d.DebugString();
+    doc_prefill.push_back(d.prefill);
+    // The prefill and the decode store the document (as their events would).
+    f.Store(d.prefill, ++event[d.prefill], h);
+    f.Store(d.decode, ++event[d.decode], h);
+    f.router->EndPrefill(d.prefill_ticket);
+  }
+  // p0, p1, p0, p1, p0: the emptier cache each time (ties on equal fill: lower id).
+  EXPECT_EQ(doc_prefill, (std::vector<WorkerId>{p0, p1, p0, p1, p0}));
+  // A question on a cached document goes where the document is.
+  for (uint64_t doc = 0; doc < 5; ++doc) {
+    std::vector<uint64_t> h = Chain(doc * 100, 12);
+    const std::vector<uint64_t> q = Chain(5000 + doc, 1);
+    h.insert(h.end(), q.begin(), q.end());
+    const RouteDecision d = f.Route(h, 13 * 16 + 2);
+    EXPECT_EQ(d.prefill, doc_prefill[doc]) << d.DebugString();
+    EXPECT_EQ(d.prefill_overlap_blocks, 12u);
+    EXPECT_TRUE(d.decode == d2 || d.decode == d3);
+    f.router->EndPrefill(d.prefill_ticket);
+  }
+}
+
 TEST(RouterTest, MultiTurnPrefersTheDecoderHoldingTheConversation) {
   Fleet f;
   const WorkerId p0 = f.Add("p0", WorkerRole::kPrefill);

@@ -20,6 +20,7 @@ struct W {
   int64_t running = 0;
   uint32_t node = 0;
   uint32_t zone = 0;
+  double fill = 0;
 };
 
 std::vector<Candidate> Make(const std::vector<W>& ws, uint64_t block_bytes = 0) {
@@ -33,6 +34,7 @@ std::vector<Candidate> Make(const std::vector<W>& ws, uint64_t block_bytes = 0) 
     c.block_bytes = block_bytes;
     c.overlap_blocks = w.overlap;
     c.load = {w.queued_tokens, w.active_blocks, w.free_blocks, w.running, true};
+    c.cache_fill = w.fill;
     out.push_back(c);
   }
   return out;
@@ -65,6 +67,14 @@ TEST(ScoringTest, KvAwareCostsAndTieBreaks) {
        10 + 52},
       {"tie: fewer running wins", {{0, P, 0, 0, 0, 1000, 3}, {1, P, 0, 0, 0, 1000, 1}, {2, D}}, 1, 1, 2, false, 20},
       {"tie: lowest ids win", {{4, P}, {1, P}, {7, D}, {3, D}}, 1, 1, 3, false, 20},
+      {"tie: emptier caches win",
+       {{0, P, 0, 0, 0, 1000, 0, 0, 0, 0.5}, {1, P, 0, 0, 0, 1000, 0, 0, 0, 0.1},
+        {2, D, 0, 0, 0, 1000, 0, 0, 0, 0.3}, {3, D, 0, 0, 0, 1000, 0, 0, 0, 0.2}},
+       1, 1, 3, false, 20},
+      {"tie: running before cache fill", {{0, P, 0, 0, 0, 1000, 0, 0, 0, 0.9}, {1, P, 0, 0, 0, 1000, 2}, {2, D}},
+       1, 0, 2, false, 20},
+      {"cache fill never outweighs cost", {{0, P, 1, 0, 0, 1000, 0, 0, 0, 0.9}, {1, P}, {2, D}}, 1, 0, 2, false,
+       9 + 10},
       {"aggregated: one both worker keeps the request", {{0, B, 0}, {1, B, 8}}, 1, 1, 1, true, 2 + 2},
       {"prefill worker may feed a both worker", {{0, P, 8}, {1, B, 0, 0, 30}}, 1, 0, 1, false, 2 + 40},
   };

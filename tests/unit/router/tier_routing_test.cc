@@ -105,5 +105,33 @@ TEST(TierRoutingTest, KvAwarePrefersDeviceThenHostThenDisk) {
   EXPECT_EQ(f.Route(chain).prefill, p3);  // 40 device blocks > 64 * (1 - 0.6) disk credit
 }
 
+// Extend directly: workers join at their own device overlap, stop at their
+// first block in no tier, host preferred when a block is on both.
+TEST(TierRoutingTest, ExtendFollowsEachWorkerFromItsDeviceOverlap) {
+  TierIndex t;
+  const auto chain = Chain(0, 40);
+  auto part = [&](size_t a, size_t b) { return std::span<const uint64_t>(chain.data() + a, b - a); };
+  t.Apply(1, KvEventKind::kStored, KvTier::kHost, part(10, 30));   // w1: device 0..10, host 10..30
+  t.Apply(2, KvEventKind::kStored, KvTier::kDisk, part(0, 25));    // w2: disk 0..25
+  t.Apply(2, KvEventKind::kStored, KvTier::kHost, part(5, 8));     //     and host 5..8
+  t.Apply(3, KvEventKind::kStored, KvTier::kHost, part(20, 40));   // w3: device 0..15, host 20..40
+  OverlapBlocks device{};
+  device[1] = 10;
+  device[2] = 0;
+  device[3] = 15;
+  device[4] = 40;  // no lower-tier entries: untouched
+  TierOverlap out;
+  t.Extend(chain, device, &out);
+  EXPECT_EQ(out.host[1], 20u);
+  EXPECT_EQ(out.disk[1], 0u);
+  EXPECT_EQ(out.host[2], 3u);
+  EXPECT_EQ(out.disk[2], 22u);
+  EXPECT_EQ(out.host[3], 0u);  // block 15 is in no tier of w3
+  EXPECT_EQ(out.host[4] + out.disk[4], 0u);
+  t.Apply(2, KvEventKind::kRemoved, KvTier::kDisk, part(12, 13));  // a hole: w2 stops at 12
+  t.Extend(chain, device, &out);
+  EXPECT_EQ(out.host[2] + out.disk[2], 12u);
+}
+
 }  // namespace
 }  // namespace tandem::router

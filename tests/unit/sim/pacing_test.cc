@@ -68,12 +68,14 @@ TEST(Pacing, WriteTakesTheModelledLinkTimeAndQueues) {
 }
 
 TEST(Pacing, NoticesAloneAndAbortsDoNotWaitForTheLink) {
-  // 256 KiB * 1000 at 1 Gb/s would take 2.1 s.
-  auto a = Make("pace-c", 1e9, 1000, 0);
+  // 256 KiB * 1e7 at 1 Gb/s would take ~6 hours on the modelled link: a
+  // notice paced like data, or an abort that waited for the link, would
+  // not end within WaitTerminal's 10 s bound, so ending at all shows they
+  // do not (no wall-clock assertion).
+  auto a = Make("pace-c", 1e9, 1e7, 0);
   auto b = Make("pace-d", 0, 1, 0);
   auto peer = a->ImportPeer(b->LocalDescriptor());
   ASSERT_TRUE(peer.ok());
-  const auto t0 = Clock::now();
   auto notice = a->PrepareWrite(*peer, {}, "just a notice");
   ASSERT_TRUE(notice.ok());
   ASSERT_TRUE(a->Post(*notice).ok());
@@ -82,12 +84,10 @@ TEST(Pacing, NoticesAloneAndAbortsDoNotWaitForTheLink) {
   auto big = a->PrepareWrite(*peer, {{0, 0, 64 * 4096}}, "big");
   ASSERT_TRUE(big.ok());
   ASSERT_TRUE(a->Post(*big).ok());
-  std::this_thread::sleep_for(20ms);
-  EXPECT_EQ(a->Poll(*big), XferStatus::kInProgress);
+  EXPECT_EQ(a->Poll(*big), XferStatus::kInProgress);  // hours to go
   ASSERT_TRUE(a->Abort(*big).ok());
-  ASSERT_TRUE(WaitTerminal(*a, *big, 1500ms));
+  ASSERT_TRUE(WaitTerminal(*a, *big));
   EXPECT_EQ(a->Poll(*big), XferStatus::kErrCanceled);
-  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 2.0);
   EXPECT_EQ(b->stats().notifications_received, 1u);  // the aborted write sent none
   EXPECT_TRUE(a->Release(*notice).ok());
   EXPECT_TRUE(a->Release(*big).ok());

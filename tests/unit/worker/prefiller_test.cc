@@ -1,6 +1,7 @@
 // The prefiller core without gRPC: a fake DecoderLink answers Reserve with
 // the slots of a second loopback transport ("the decoder's pool"), so the
 // pushed bytes and the notice can be checked.
+#include <algorithm>
 #include <cstring>
 #include <future>
 #include <sstream>
@@ -24,6 +25,7 @@ class FakeLink final : public prefiller::DecoderLink {
     std::lock_guard lock(mu_);
     ++reserves;
     pending.push_back(std::move(done));
+    max_pending = std::max(max_pending, pending.size());
     last_prompt = job.prompt_ids;
   }
   std::string EncodeNotice(const NoticeSpec& n) override {
@@ -50,6 +52,7 @@ class FakeLink final : public prefiller::DecoderLink {
 
   std::mutex mu_;
   int reserves = 0;
+  size_t max_pending = 0;  // Reserves in flight at once, at most
   std::vector<ReserveDone> pending;
   std::vector<uint32_t> last_prompt;
 };
@@ -72,10 +75,12 @@ class PrefillerTest : public ::testing::Test {
       notices_.push_back(n.payload);
     });
   }
-  void MakePrefiller(uint32_t max_queue = 8) {
+  void MakePrefiller(uint32_t max_queue = 8,
+                     prefiller::PushMode mode = prefiller::PushMode::kStreaming) {
     PrefillerOptions o;
     o.name = "prefill-unit";
     o.max_queue = max_queue;
+    o.push_mode = mode;
     prefiller_ = std::make_unique<prefiller::Prefiller>(*node_->engine, *node_->transport, link_, o);
     prefiller_->Start();
   }
@@ -145,6 +150,45 @@ TEST_F(PrefillerTest, PushesOnlyTheBlocksTheDecoderLacksThenTheNotice) {
   EXPECT_EQ(prefiller_->counts().inflight, 0u);
 }
 
+// A prompt of three 64-token chunks: streamed per chunk and layer group, the
+// decoder's slots end up with the same bytes as one push after the prefill.
+TEST_F(PrefillerTest, StreamingPushWritesTheSameBytesAsAfterPrefill) {
+  const auto prompt = Prompt(150, 7);  // 10 blocks, the last one partial
+  auto run = [&](prefiller::PushMode mode, std::vector<uint32_t> slots, const std::string& id) {
+    MakePrefiller(8, mode);
+    std::promise<Result<PrefillResult>> done;
+    EXPECT_TRUE(prefiller_->Submit(Job(id, prompt), [&](Result<PrefillResult> r) {
+      done.set_value(std::move(r));
+    }).ok());
+    EXPECT_TRUE(WaitFor([&] { return link_.NumPending() == 1; }));
+    link_.Answer(Target(std::move(slots), /*cached=*/0));
+    auto r = done.get_future().get();
+    prefiller_.reset();
+    return r;
+  };
+  std::vector<uint32_t> a, b;
+  for (uint32_t i = 0; i < 10; ++i) {
+    a.push_back(i);
+    b.push_back(15 - i);  // reversed: no two slots coalesce
+  }
+  auto s = run(prefiller::PushMode::kStreaming, a, "s");
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  auto f = run(prefiller::PushMode::kAfterPrefill, {10, 11, 12, 13, 14, 15, 6, 7, 8, 9}, "f");
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  EXPECT_EQ(s->first_token_id, f->first_token_id);
+  EXPECT_EQ(s->transferred_bytes, 10 * target_->block_bytes());
+  EXPECT_GE(s->transfers, 3u);  // at least one per chunk
+  EXPECT_EQ(f->transfers, 1u);
+  // Slots 0..9 hold the streamed blocks; the second run overwrote 6..15,
+  // so compare the streamed blocks 0..5 with the second run's 10..15.
+  for (uint32_t i = 0; i < 6; ++i) {
+    EXPECT_EQ(std::memcmp(target_->block(i), target_->block(10 + i), target_->block_bytes()), 0)
+        << "block " << i;
+    EXPECT_FALSE(BlockIsZero(i));
+  }
+  ASSERT_TRUE(WaitFor([&] { return Notices().size() == 2; }));
+}
+
 TEST_F(PrefillerTest, RefusedReservationIsResourceExhaustedAndNothingRuns) {
   MakePrefiller();
   std::promise<Result<PrefillResult>> done;
@@ -169,14 +213,21 @@ TEST_F(PrefillerTest, OneReservationAtATimeAndAFullQueueRefusesAtOnce) {
   ASSERT_TRUE(prefiller_->Submit(Job("b", Prompt(20, 4)), count).ok());
   EXPECT_EQ(prefiller_->Submit(Job("c", Prompt(20, 5)), count).code(),
             StatusCode::kResourceExhausted);
-  std::this_thread::sleep_for(50ms);
-  EXPECT_EQ(link_.reserves, 1);
-  // Cancel while queued: done at once, never reserved.
+  // Cancel while queued: done at once (in Cancel), never reserved.
   prefiller_->Cancel("b");
   EXPECT_EQ(finished.load(), 1);
+  // "d" queues behind "a" and is reserved only once "a"'s answer came:
+  // waiting for its Reserve (the event) shows the order, and the link
+  // never saw two at once.
+  ASSERT_TRUE(prefiller_->Submit(Job("d", Prompt(20, 6)), count).ok());
   link_.Answer(ResourceExhaustedError("no room"));
   EXPECT_EQ(finished.load(), 2);
-  EXPECT_EQ(link_.reserves, 1);
+  ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1 && link_.reserves == 2; }));
+  EXPECT_EQ(link_.max_pending, 1u);
+  EXPECT_EQ(link_.last_prompt, Prompt(20, 6));  // "d", not the cancelled "b"
+  link_.Answer(ResourceExhaustedError("no room"));
+  EXPECT_EQ(finished.load(), 3);
+  EXPECT_EQ(link_.reserves, 2);
 }
 
 TEST_F(PrefillerTest, CancelWhileReservingTellsTheDecoderToFreeTheSlots) {

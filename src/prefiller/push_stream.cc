@@ -1,0 +1,202 @@
+#include "prefiller/push_stream.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace tandem::prefiller {
+
+namespace kv = kvtransfer;
+
+std::shared_ptr<PushStream> PushStream::Create(kv::Transport& transport, PushPlan plan,
+                                               PushMode mode) {
+  return std::shared_ptr<PushStream>(new PushStream(transport, std::move(plan), mode));
+}
+
+PushStream::PushStream(kv::Transport& transport, PushPlan plan, PushMode mode)
+    : transport_(transport),
+      plan_(std::move(plan)),
+      mode_(mode),
+      layer_bytes_(plan_.num_layers == 0 ? plan_.block_bytes : plan_.block_bytes / plan_.num_layers),
+      pushed_(plan_.slots.size(), 0) {}
+
+uint64_t PushStream::bytes_posted() const {
+  std::lock_guard lock(mu_);
+  return bytes_posted_;
+}
+
+uint32_t PushStream::transfers_posted() const {
+  std::lock_guard lock(mu_);
+  return transfers_posted_;
+}
+
+std::vector<kv::Segment> PushStream::TakeFinal(std::span<const uint32_t> block_table,
+                                               const std::vector<uint32_t>& final_layers) {
+  std::vector<kv::Segment> segs;
+  const uint32_t n = static_cast<uint32_t>(std::min(block_table.size(), pushed_.size()));
+  for (uint32_t b = plan_.cached_blocks; b < n; ++b) {
+    const uint32_t from = pushed_[b], to = final_layers[b];
+    if (to <= from) continue;
+    kv::Segment s;
+    s.local_offset_bytes = uint64_t{block_table[b]} * plan_.block_bytes + from * layer_bytes_;
+    s.remote_offset_bytes = uint64_t{plan_.slots[b]} * plan_.block_bytes + from * layer_bytes_;
+    s.length_bytes = uint64_t{to - from} * layer_bytes_;
+    pushed_[b] = to;
+    if (!segs.empty()) {
+      kv::Segment& prev = segs.back();
+      if (prev.local_offset_bytes + prev.length_bytes == s.local_offset_bytes &&
+          prev.remote_offset_bytes + prev.length_bytes == s.remote_offset_bytes) {
+        prev.length_bytes += s.length_bytes;
+        continue;
+      }
+    }
+    segs.push_back(s);
+  }
+  return segs;
+}
+
+void PushStream::OnProgress(const engine::KvProgress& p, bool posting_allowed) {
+  if (mode_ != PushMode::kStreaming) return;
+  std::unique_lock lock(mu_);
+  if (ended_ || aborted_ || failure_ != kv::XferStatus::kSuccess || pending_) return;
+  if (attempt_ && *attempt_ != p.attempt) resend_all_ = true;  // preempted: blocks were freed
+  attempt_ = p.attempt;
+  if (resend_all_ || !posting_allowed) return;
+  const uint32_t bs = plan_.block_size;
+  std::vector<uint32_t> final_layers(pushed_.size(), 0);
+  for (uint32_t b = plan_.cached_blocks; b < final_layers.size(); ++b) {
+    const uint32_t end = std::min((b + 1) * bs, plan_.prompt_tokens);
+    if (end <= p.final_tokens) {
+      final_layers[b] = plan_.num_layers;
+    } else if (end <= p.chunk_end) {
+      final_layers[b] = std::min(p.layers_done, plan_.num_layers);
+    }
+  }
+  std::vector<kv::Segment> segs = TakeFinal(p.block_table, final_layers);
+  if (segs.empty()) return;
+  PostLocked(lock, std::move(segs), std::nullopt, /*is_final=*/false);
+  Advance(lock);
+}
+
+void PushStream::Finish(std::vector<uint32_t> block_ids, std::string notice, DoneFn done) {
+  std::unique_lock lock(mu_);
+  if (pending_ || ended_) return;  // Finish twice: the first one stands
+  pending_ = Pending{std::move(block_ids), std::move(notice)};
+  done_ = std::move(done);
+  Advance(lock);
+}
+
+void PushStream::Abort(std::function<void()> then) {
+  std::vector<kv::XferId> ids;
+  {
+    std::unique_lock lock(mu_);
+    aborted_ = true;
+    Fail(kv::XferStatus::kErrCanceled, CancelledError("KV push aborted"));
+    if (then) abort_waiters_.push_back(std::move(then));
+    ids.assign(inflight_.begin(), inflight_.end());
+  }
+  for (kv::XferId x : ids) transport_.Abort(x).IgnoreError();  // NOT_FOUND once released
+  std::unique_lock lock(mu_);
+  Advance(lock);
+}
+
+void PushStream::Fail(kv::XferStatus st, Status why) {
+  if (failure_ != kv::XferStatus::kSuccess) return;  // the first failure stands
+  failure_ = st == kv::XferStatus::kSuccess ? kv::XferStatus::kErrBackend : st;
+  failure_detail_ = std::move(why);
+}
+
+bool PushStream::PostLocked(std::unique_lock<std::mutex>& lock, std::vector<kv::Segment> segments,
+                            std::optional<std::string> notice, bool is_final) {
+  uint64_t bytes = 0;
+  for (const kv::Segment& s : segments) bytes += s.length_bytes;
+  ++outstanding_;
+  // Counted before the post: its completion may run before Post returns.
+  bytes_posted_ += bytes;
+  ++transfers_posted_;
+  lock.unlock();
+  auto x = transport_.PrepareWrite(plan_.peer, std::move(segments), std::move(notice));
+  lock.lock();
+  if (!x.ok()) {
+    --outstanding_;
+    bytes_posted_ -= bytes;
+    --transfers_posted_;
+    Fail(kv::XferStatus::kErrInvalidArgument, x.status().WithContext("preparing the KV push"));
+    return false;
+  }
+  inflight_.insert(*x);
+  const bool abort_now = aborted_;
+  lock.unlock();
+  auto self = shared_from_this();
+  Status posted = transport_.Post(*x, [self, is_final](kv::XferId id, kv::XferStatus st,
+                                                       const Status& detail) {
+    self->OnDone(id, st, detail, is_final);
+  });
+  if (!posted.ok()) {
+    transport_.Release(*x).IgnoreError();
+    lock.lock();
+    inflight_.erase(*x);
+    --outstanding_;
+    bytes_posted_ -= bytes;
+    --transfers_posted_;
+    Fail(kv::XferStatus::kErrBackend, posted.WithContext("posting the KV push"));
+    return false;
+  }
+  if (abort_now) transport_.Abort(*x).IgnoreError();
+  lock.lock();
+  return true;
+}
+
+void PushStream::OnDone(kv::XferId x, kv::XferStatus st, const Status& detail, bool is_final) {
+  transport_.Release(x).IgnoreError();
+  std::unique_lock lock(mu_);
+  inflight_.erase(x);
+  --outstanding_;
+  if (st != kv::XferStatus::kSuccess) {
+    Fail(st, detail.ok() ? Status(StatusCode::kUnavailable, std::string(kv::XferStatusName(st)))
+                         : detail);
+  } else if (is_final && !ended_) {
+    ended_ = true;
+    DoneFn done = std::move(done_);
+    lock.unlock();
+    if (done) done(kv::XferStatus::kSuccess, Status::Ok());
+    lock.lock();
+  }
+  Advance(lock);
+}
+
+void PushStream::Advance(std::unique_lock<std::mutex>& lock) {
+  while (outstanding_ == 0) {
+    const bool failed = failure_ != kv::XferStatus::kSuccess;
+    if (failed) {
+      // Nothing of ours can land any more: report, then release abort waiters.
+      if (pending_ && !ended_) {
+        ended_ = true;
+        DoneFn done = std::move(done_);
+        const kv::XferStatus st = failure_;
+        const Status why = failure_detail_;
+        lock.unlock();
+        if (done) done(st, why);
+        lock.lock();
+        continue;
+      }
+      if (abort_waiters_.empty()) return;
+      auto waiters = std::move(abort_waiters_);
+      abort_waiters_.clear();
+      lock.unlock();
+      for (auto& w : waiters) w();
+      lock.lock();
+      continue;
+    }
+    if (!pending_ || final_posted_ || ended_) return;
+    // Every earlier transfer completed: the rest, then the notice.
+    final_posted_ = true;
+    std::vector<uint32_t> all(pushed_.size(), plan_.num_layers);
+    if (resend_all_) std::fill(pushed_.begin(), pushed_.end(), 0);
+    std::vector<kv::Segment> segs = TakeFinal(pending_->block_ids, all);
+    PostLocked(lock, std::move(segs), pending_->notice, /*is_final=*/true);
+    // A failed post leaves failure_ set and outstanding_ at 0: the loop reports it.
+  }
+}
+
+}  // namespace tandem::prefiller

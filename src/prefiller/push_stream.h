@@ -1,0 +1,127 @@
+// One request's KV push into a decoder's reservation (docs/kvtransfer.md,
+// "Streaming push"): which bytes go when, and the rule that the notice
+// travels only after every byte of the reservation landed.
+//
+// Streaming (transport.push: streaming): the engine reports KvProgress
+// while it prefills (after each layer group of each chunk); every report
+// posts the newly final bytes of the blocks the decoder lacks. Granularity:
+// a block's bytes are pushed only once final for the tokens the block will
+// ever hold in the prompt — a block is final for layer l once layer l of
+// every prompt token in it was written, so a block the chunk boundary cuts
+// waits for the next chunk. The unit of a put is one block's run of final
+// layers: in the block layout [layer][K,V][kv_head][token][head_dim] a run
+// of whole layers is one contiguous byte range (token rows would be strided
+// per K/V and head). Runs that are contiguous both here and at the decoder
+// (whole consecutive blocks) are merged into one segment.
+// after_prefill: nothing moves before Finish, which pushes every block.
+//
+// Finish posts whatever is left together with the notice, as one transfer
+// posted only once every earlier transfer of the stream has completed; if
+// any failed, or the engine preempted the request (its blocks were freed
+// while puts may have read them), the notice's transfer re-sends every
+// block the decoder lacks instead (after the earlier ones ended), or the
+// stream fails.
+//
+// Threads: OnProgress on the engine thread; Finish and Abort on any thread;
+// transfer callbacks on the transport's progress thread. `done` runs once,
+// on whichever thread ends the stream. No lock is held across a transport
+// call.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "engine/request.h"
+#include "kvtransfer/transport.h"
+
+namespace tandem::prefiller {
+
+enum class PushMode { kStreaming, kAfterPrefill };
+
+struct PushPlan {
+  kvtransfer::PeerId peer = 0;
+  std::vector<uint32_t> slots;   // [prompt blocks] at the decoder
+  uint32_t cached_blocks = 0;    // leading blocks the decoder already holds
+  uint32_t prompt_tokens = 0;
+  uint32_t block_size = 0;       // tokens per block
+  uint32_t num_layers = 0;       // the block layout's; block_bytes % num_layers == 0
+  uint64_t block_bytes = 0;
+};
+
+class PushStream : public std::enable_shared_from_this<PushStream> {
+ public:
+  // kSuccess: the notice's transfer completed (every byte, then the
+  // notice). Otherwise the first failure (or kErrCanceled after Abort), and
+  // no byte of the stream can land any more.
+  using DoneFn = std::function<void(kvtransfer::XferStatus, const Status&)>;
+
+  // Held by shared_ptr: transfer callbacks keep it alive.
+  static std::shared_ptr<PushStream> Create(kvtransfer::Transport& transport, PushPlan plan,
+                                            PushMode mode);
+  PushStream(const PushStream&) = delete;
+  PushStream& operator=(const PushStream&) = delete;
+
+  // Engine thread. Posts the bytes that became final (streaming only).
+  // `posting_allowed` false (e.g. the decoder's lease is too close) posts
+  // nothing and leaves the bytes to Finish.
+  void OnProgress(const engine::KvProgress& progress, bool posting_allowed = true);
+  // Every prompt block is final in `block_ids` [prompt blocks]; pushes the
+  // rest and then `notice`. `done` runs once (possibly inside this call).
+  void Finish(std::vector<uint32_t> block_ids, std::string notice, DoneFn done);
+  // Stops every transfer; `then` runs once none of this stream's bytes can
+  // land any more (possibly inside this call). A pending Finish's `done`
+  // gets kErrCanceled instead. Later calls only add nothing.
+  void Abort(std::function<void()> then);
+
+  uint64_t bytes_posted() const;      // payload bytes posted so far
+  uint32_t transfers_posted() const;  // data transfers, the notice's included
+
+ private:
+  PushStream(kvtransfer::Transport& transport, PushPlan plan, PushMode mode);
+  struct Pending {  // what Finish left for the notice's transfer
+    std::vector<uint32_t> block_ids;
+    std::string notice;
+  };
+  // Segments of layers [pushed_[b], final) of each block, merged; updates pushed_.
+  std::vector<kvtransfer::Segment> TakeFinal(std::span<const uint32_t> block_table,
+                                             const std::vector<uint32_t>& final_layers);
+  // Posts one transfer counted in outstanding_; false when it could not.
+  bool PostLocked(std::unique_lock<std::mutex>& lock, std::vector<kvtransfer::Segment> segments,
+                  std::optional<std::string> notice, bool is_final);
+  void OnDone(kvtransfer::XferId x, kvtransfer::XferStatus st, const Status& detail, bool is_final);
+  // Runs what became due (the final transfer, `done`, the abort's `then`).
+  void Advance(std::unique_lock<std::mutex>& lock);
+  void Fail(kvtransfer::XferStatus st, Status why);  // under mu_
+
+  kvtransfer::Transport& transport_;
+  const PushPlan plan_;
+  const PushMode mode_;
+  const uint64_t layer_bytes_;
+
+  mutable std::mutex mu_;
+  std::vector<uint32_t> pushed_;  // [prompt blocks] leading layers posted per block
+  std::optional<uint32_t> attempt_;
+  bool resend_all_ = false;       // an earlier post may hold stale bytes: the final one re-sends
+  std::set<kvtransfer::XferId> inflight_;
+  uint32_t outstanding_ = 0;      // posted or being posted, not yet terminal
+  std::optional<Pending> pending_;
+  bool final_posted_ = false;
+  DoneFn done_;
+  bool aborted_ = false;
+  std::vector<std::function<void()>> abort_waiters_;
+  kvtransfer::XferStatus failure_ = kvtransfer::XferStatus::kSuccess;
+  Status failure_detail_;
+  bool ended_ = false;            // done_ ran (or is running)
+  uint64_t bytes_posted_ = 0;
+  uint32_t transfers_posted_ = 0;
+};
+
+}  // namespace tandem::prefiller
