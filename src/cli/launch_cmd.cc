@@ -12,6 +12,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -24,6 +26,7 @@
 #include "common/config.h"
 #include "common/logging.h"
 #include "common/net.h"
+#include "common/request_id.h"
 #ifdef TANDEM_HAVE_CUDA
 #include "kernels/cuda/device.h"
 #endif
@@ -73,8 +76,10 @@ std::string SelfExe() {
   return ec ? "tandem" : p.string();
 }
 
+// `cache_salt`: the fleet salt this launcher made ("" when the config or
+// the environment gave one), for workers joined by hand (docs/security.md).
 Status WriteStateFile(const std::string& path, const Supervisor& sup,
-                      const LaunchCertificates& certs) {
+                      const LaunchCertificates& certs, const std::string& cache_salt) {
   nlohmann::json state;
   state["workers"] = nlohmann::json::array();
   certs.AddToState(state);
@@ -90,12 +95,18 @@ Status WriteStateFile(const std::string& path, const Supervisor& sup,
                                   {"pid", c.pid}});
     }
   }
-  // Write then rename, so a reader never sees half a file.
+  if (!cache_salt.empty()) state["cache_salt"] = cache_salt;
+  // Write then rename, so a reader never sees half a file. Owner-only: it
+  // may hold the fleet salt, a secret.
   const std::string tmp = path + ".tmp";
   {
-    std::ofstream out(tmp);
-    if (!out) return InternalError(fmt::format("cannot write the state file {}", tmp));
-    out << state.dump(2) << "\n";
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0) return InternalError(fmt::format("cannot write the state file {}", tmp));
+    ::fchmod(fd, 0600);  // an existing file keeps its mode otherwise
+    const std::string text = state.dump(2) + "\n";
+    const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+    ::close(fd);
+    if (!ok) return InternalError(fmt::format("cannot write the state file {}", tmp));
   }
   std::error_code ec;
   fs::rename(tmp, path, ec);
@@ -129,6 +140,14 @@ int RunLaunch(const std::string& config_path, const std::string& state_file,
   if (auto s = CheckBackendDevice(*cfg); !s.ok()) {
     spdlog::error("fleet not started: {}", s.message());
     return 1;
+  }
+  // The fleet salt (cache.salt; docs/security.md): unless the file or
+  // $TANDEM_CACHE_SALT gives one, a random one for this fleet, handed to
+  // every child in its environment.
+  std::string made_salt;
+  if (cfg->cache.salt.empty()) {
+    made_salt = RandomHex128();
+    ::setenv(kCacheSaltEnv, made_salt.c_str(), 1);
   }
   const std::string exe = SelfExe();
   std::vector<std::string> common = {"--log-level", level, "--log-format", format};
@@ -191,7 +210,7 @@ int RunLaunch(const std::string& config_path, const std::string& state_file,
     }
   }
   if (!state_file.empty()) {
-    if (auto s = WriteStateFile(state_file, sup, *certs); !s.ok()) {
+    if (auto s = WriteStateFile(state_file, sup, *certs, made_salt); !s.ok()) {
       spdlog::error("{}", s.message());
       return 1;
     }

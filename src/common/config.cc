@@ -4,6 +4,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -124,6 +125,20 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.Read("max_migrations", c.proxy.max_migrations, 0, 100);
     m.Read("drain_seconds", c.proxy.drain_seconds, 0.0, 3600.0);
     m.Read("liveness_timeout_seconds", c.proxy.liveness_timeout_seconds, 0.2, 600.0);
+    {
+      YamlMap l = m.Sub("limits");
+      ProxyLimitsConfig& x = c.proxy.limits;
+      l.Read("max_request_bytes", x.max_request_bytes, 1024, uint64_t{64} << 20);
+      l.Read("max_prompt_tokens", x.max_prompt_tokens, 0, 1u << 24);
+      l.Read("max_stop_strings", x.max_stop_strings, 0, 1024);
+      l.Read("max_stop_string_bytes", x.max_stop_string_bytes, 1, 1u << 16);
+      l.Read("max_stop_token_ids", x.max_stop_token_ids, 0, 1u << 16);
+      l.Read("max_http_header_bytes", x.max_http_header_bytes, 1024, uint64_t{1} << 24);
+      l.Read("max_http_body_bytes", x.max_http_body_bytes, 1024, uint64_t{64} << 20);
+      l.Read("max_connections", x.max_connections, 1, 1u << 20);
+      l.Read("max_pipelined_requests", x.max_pipelined_requests, 1, 1024);
+      l.Finish();
+    }
     m.Finish();
   }
   {
@@ -273,7 +288,12 @@ Result<FleetConfig> LoadFleetConfig(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   const fs::path base = fs::absolute(fs::path(path)).parent_path();
-  return ParseFleetConfig(ss.str(), path, base.string());
+  auto cfg = ParseFleetConfig(ss.str(), path, base.string());
+  if (cfg.ok() && cfg->cache.salt.empty()) {
+    // `tandem launch` hands its children the random salt it made (docs/security.md).
+    if (const char* env = std::getenv(kCacheSaltEnv); env != nullptr) cfg->cache.salt = env;
+  }
+  return cfg;
 }
 
 }  // namespace tandem

@@ -31,7 +31,10 @@ struct ModelConfig {
 struct CacheConfig {
   uint32_t block_size = 16;    // tokens per KV block; must match across a fleet
   uint32_t num_blocks = 1024;  // KV blocks per worker
-  std::string salt;            // per-fleet secret folded into block hashes
+  // Per-fleet secret folded into block hashes. Empty in the file: the
+  // loader takes $TANDEM_CACHE_SALT (`tandem launch` sets a random one for
+  // its children; kCacheSaltEnv).
+  std::string salt;
   // Lower KV tiers (docs/engine.md, "KV tiers").
   uint32_t host_tier_blocks = 0;  // host-memory tier, in blocks; 0: off
   std::string disk_tier_path;     // cache.disk_tier.path; empty: no disk tier
@@ -43,6 +46,20 @@ struct SchedulerConfig {
   uint32_t max_batched_tokens = 512;  // tokens per engine step (chunked prefill budget)
   uint32_t max_waiting = 256;         // bounded waiting queue; past it: RESOURCE_EXHAUSTED
   uint32_t threads = 1;               // compute threads per worker
+};
+
+// proxy.limits: what one client may send (docs/configuration.md, "proxy.limits";
+// docs/security.md, "Hostile input"). Every refusal names the key.
+struct ProxyLimitsConfig {
+  uint64_t max_request_bytes = 4u << 20;     // one encoded gRPC Generate request
+  uint32_t max_prompt_tokens = 0;            // 0: the model's context (max_model_len - 1)
+  uint32_t max_stop_strings = 16;
+  uint32_t max_stop_string_bytes = 256;
+  uint32_t max_stop_token_ids = 64;
+  uint64_t max_http_header_bytes = 16u << 10;  // past it: 431
+  uint64_t max_http_body_bytes = 4u << 20;     // past it: 413
+  uint32_t max_connections = 1024;             // open HTTP connections; past it: 429
+  uint32_t max_pipelined_requests = 8;         // HTTP requests read ahead on one connection
 };
 
 struct ProxyConfig {
@@ -59,6 +76,7 @@ struct ProxyConfig {
   uint32_t max_migrations = 3;         // decoder lost mid-stream: re-routes per request
   double drain_seconds = 30.0;         // SIGTERM: grace for in-flight requests
   double liveness_timeout_seconds = 2.0;  // a worker silent this long leaves routing
+  ProxyLimitsConfig limits;            // proxy.limits
 };
 
 struct RouterConfig {
@@ -171,7 +189,9 @@ Status CheckRouterLabel(std::string_view field, std::string_view value);
 // Reads and validates a fleet file. Relative paths inside it resolve against
 // the file's folder. On error the Status message holds one line per problem,
 // each "FILE:LINE: message".
+// An empty cache.salt is taken from $TANDEM_CACHE_SALT when that is set.
 Result<FleetConfig> LoadFleetConfig(const std::string& path);
+inline constexpr const char* kCacheSaltEnv = "TANDEM_CACHE_SALT";
 
 // Same, from text; `name` stands for the file in messages, `base_dir`
 // resolves relative paths.

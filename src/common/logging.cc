@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <chrono>
 
+#include "common/request_id.h"
+
 namespace tandem {
 namespace {
 
@@ -41,7 +43,13 @@ class JsonFormatter final : public spdlog::formatter {
           !suffix.empty() && suffix.size() <= 9 &&
           std::all_of(suffix.begin(), suffix.end(), [](char c) { return c >= '0' && c <= '9'; });
       if (has_attempt) id = id.substr(0, hash);
-      fmt::format_to(std::back_inserter(dest), R"("request_id":"{}",)", JsonEscape(id));
+      // A fleet id "<label>~<nonce>" (common/request_id.h): the client's id
+      // is the request_id, the nonce tells apart requests sharing a label.
+      const FleetIdParts parts = SplitFleetRequestId(id);
+      fmt::format_to(std::back_inserter(dest), R"("request_id":"{}",)", JsonEscape(parts.label));
+      if (!parts.nonce.empty() && parts.nonce.data() != parts.label.data()) {
+        fmt::format_to(std::back_inserter(dest), R"("fleet_id":"{}",)", parts.nonce);
+      }
       if (has_attempt) fmt::format_to(std::back_inserter(dest), R"("attempt":{},)", suffix);
     }
     fmt::format_to(std::back_inserter(dest), R"("msg":"{}"}})",

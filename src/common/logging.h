@@ -32,7 +32,8 @@ std::string JsonEscape(std::string_view s);
 // The request the lines logged on this thread are about, for as long as the
 // scope lives (scopes nest; the innermost wins). The formatters write it as
 // "request_id" (JSON; a worker's "<id>#<attempt>" key becomes "request_id":"<id>",
-// "attempt":N) or "[req=ID]" (text). Thread-local: a scope covers
+// "attempt":N; a fleet id "<label>~<nonce>" (common/request_id.h) becomes
+// "request_id":"<label>","fleet_id":"<nonce>") or "[req=ID]" (text). Thread-local: a scope covers
 // only lines logged by its own thread, synchronously (tandem's loggers are).
 class LogRequestScope {
  public:

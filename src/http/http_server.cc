@@ -7,7 +7,9 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <ctime>
 #include <deque>
 #include <mutex>
@@ -65,6 +67,7 @@ const char* Reason(int status) {
     case 409: return "Conflict";
     case 413: return "Payload Too Large";
     case 429: return "Too Many Requests";
+    case 431: return "Request Header Fields Too Large";
     case 499: return "Client Closed Request";
     case 503: return "Service Unavailable";
     case 504: return "Gateway Timeout";
@@ -100,12 +103,15 @@ class Session : public std::enable_shared_from_this<Session> {
       sh_->sessions.erase(this);
     }
     CancelLifecycle();
-    if (active_ && admitted_) sh_->fe->Release(admitted_id_);
+    if (admitted_) sh_->fe->Release();
   }
 
   void Start() {
     {
       std::lock_guard lock(sh_->mu);
+      // Over proxy.limits.max_connections: the connection's first request
+      // is read (so that the answer is not lost to a reset) and answered 429.
+      over_connections_ = sh_->sessions.size() >= sh_->opts.max_connections;
       sh_->sessions.insert(this);
     }
     Touch();
@@ -181,8 +187,11 @@ class Session : public std::enable_shared_from_this<Session> {
   void OnRead(ErrorCode ec) {
     reading_ = false;
     if (ec) return OnReadError(ec);
-    pending_.push_back(parser_->release());
-    if (pending_.size() < sh_->opts.max_pipelined) DoRead();
+    // A request read ahead past proxy.limits.max_pipelined_requests waiting
+    // ones is answered 429 in its turn, and the connection closes after it.
+    const bool over = pending_.size() >= sh_->opts.max_pipelined;
+    pending_.push_back(Pending{parser_->release(), over});
+    if (!over) DoRead();
     MaybeServe();
   }
 
@@ -197,11 +206,19 @@ class Session : public std::enable_shared_from_this<Session> {
       pending_.clear();
       close_after_ = true;
       busy_ = true;
-      const int code = ec == bhttp::error::body_limit ? 413 : 400;
+      const int code = ec == bhttp::error::body_limit     ? 413
+                        : ec == bhttp::error::header_limit ? 431
+                                                           : 400;
       Respond(code, "application/json",
-              ErrorBody(code, code == 413 ? fmt::format("the request body exceeds the limit of {} "
-                                                        "bytes", sh_->opts.max_body_bytes)
-                                          : fmt::format("malformed HTTP request: {}", ec.message())));
+              ErrorBody(code,
+                        code == 413 ? fmt::format("the request body exceeds the limit of {} bytes "
+                                                  "(proxy.limits.max_http_body_bytes)",
+                                                  sh_->opts.max_body_bytes)
+                        : code == 431
+                            ? fmt::format("the request's header exceeds the limit of {} bytes "
+                                          "(proxy.limits.max_http_header_bytes)",
+                                          sh_->opts.max_header_bytes)
+                            : fmt::format("malformed HTTP request: {}", ec.message())));
       return;
     }
     Gone();  // closed or reset: the client went away
@@ -211,11 +228,28 @@ class Session : public std::enable_shared_from_this<Session> {
   void MaybeServe() {
     if (busy_ || gone_ || pending_.empty()) return;
     busy_ = true;
-    Request req = std::move(pending_.front());
+    Pending next = std::move(pending_.front());
     pending_.pop_front();
-    if (!reading_ && !close_after_) DoRead();
+    const Request& req = next.req;
     keep_alive_ = req.keep_alive() && req.version() >= 11;
     if (!keep_alive_) close_after_ = true;
+    if (next.over_pipeline_limit || over_connections_) {
+      pending_.clear();
+      close_after_ = true;
+      retry_after_seconds_ = 1;
+      const std::string why =
+          over_connections_
+              ? fmt::format("the proxy has its limit of {} open HTTP connections "
+                            "(proxy.limits.max_connections); retry later",
+                            sh_->opts.max_connections)
+              : fmt::format("more than {} requests pipelined on one connection "
+                            "(proxy.limits.max_pipelined_requests); send them after the "
+                            "earlier answers",
+                            sh_->opts.max_pipelined);
+      if (auto* m = sh_->fe->deps().metrics) m->CountOutcome("rejected");
+      return Respond(429, "application/json", ErrorBody(429, why));
+    }
+    if (!reading_ && !close_after_) DoRead();
     Serve(req);
   }
 
@@ -285,7 +319,12 @@ class Session : public std::enable_shared_from_this<Session> {
     }
   }
 
+  // Before the lifecycle starts: gives back the admission slot, if taken.
   void Refuse(const OpenAiRequest* r, const Status& st) {
+    if (admitted_ && !active_) {
+      sh_->fe->Release();
+      admitted_ = false;
+    }
     CountOutcome(st);
     const int code = HttpStatus(st.code());
     Respond(code, "application/json",
@@ -296,6 +335,17 @@ class Session : public std::enable_shared_from_this<Session> {
     // TTFT and e2e count from here (the body is read): parsing, the chat
     // template and tokenization included.
     const auto arrival = std::chrono::steady_clock::now();
+    // Nothing is parsed or tokenized before the caller is within its rate
+    // and admitted (the body's size is bounded by the parser already).
+    if (sh_->fe->draining()) {
+      return Refuse(nullptr, UnavailableError("the proxy is draining; send new requests elsewhere"));
+    }
+    if (proxy::RateRefusal r = sh_->fe->ChargeRequest(tenant); !r.status.ok()) {
+      retry_after_seconds_ = r.retry_after_seconds;
+      return Refuse(nullptr, r.status);
+    }
+    if (Status st = sh_->fe->Admit(); !st.ok()) return Refuse(nullptr, st);
+    admitted_ = true;
     auto parsed = ParseRequest(ep, body);
     if (!parsed.ok()) return Refuse(nullptr, parsed.status());
     OpenAiRequest& r = *parsed;
@@ -306,23 +356,21 @@ class Session : public std::enable_shared_from_this<Session> {
       r.request.prompt_token_ids = sh_->fe->deps().tokenizer->Encode(*text, false);
     }
     r.request.request_id = request_id_header_;
-    if (sh_->fe->draining()) {
-      return Refuse(&r, UnavailableError("the proxy is draining; send new requests elsewhere"));
+    double retry_after = 0;
+    auto v = sh_->fe->Validate(r.request, tenant, &retry_after);
+    if (!v.ok()) {
+      retry_after_seconds_ = retry_after;
+      return Refuse(&r, v.status());
     }
-    auto v = sh_->fe->Validate(r.request, tenant);
-    if (!v.ok()) return Refuse(&r, v.status());
-    if (Status st = sh_->fe->Admit(v->request_id); !st.ok()) return Refuse(&r, st);
-    admitted_id_ = v->request_id;
 
     active_ = true;
-    admitted_ = true;
     headers_sent_ = false;
     first_delta_ = true;
     text_.clear();
     stream_ = r.stream;
     include_usage_ = r.include_usage;
     meta_.endpoint = ep;
-    meta_.id = (ep == Endpoint::kChat ? "chatcmpl-" : "cmpl-") + v->request_id;
+    meta_.id = (ep == Endpoint::kChat ? "chatcmpl-" : "cmpl-") + v->client_request_id;
     meta_.created = static_cast<int64_t>(std::time(nullptr));
     meta_.model = v->model;
     openai_req_ = std::move(r);
@@ -409,7 +457,7 @@ class Session : public std::enable_shared_from_this<Session> {
       std::lock_guard lock(lc_mu_);
       lc_.reset();
     }
-    if (admitted_) sh_->fe->Release(admitted_id_);
+    if (admitted_) sh_->fe->Release();
     admitted_ = false;
     active_ = false;
   }
@@ -420,7 +468,12 @@ class Session : public std::enable_shared_from_this<Session> {
         "HTTP/1.1 {} {}\r\nServer: tandem\r\nContent-Type: {}\r\nContent-Length: {}\r\n{}",
         status, Reason(status), content_type, body.size(),
         close_after_ ? "Connection: close\r\n" : "");
-    if (status == 503 || status == 429) head += "Retry-After: 1\r\n";
+    if (status == 503 || status == 429) {
+      // Whole seconds, at least 1: when a rate limit's bucket holds enough again.
+      const double after = std::max(retry_after_seconds_, 1.0);
+      head += fmt::format("Retry-After: {}\r\n", static_cast<long long>(std::ceil(after)));
+      retry_after_seconds_ = 0;
+    }
     Enqueue(head + "\r\n" + (head_ ? std::string() : body));
     Finished();
   }
@@ -499,12 +552,17 @@ class Session : public std::enable_shared_from_this<Session> {
   std::chrono::steady_clock::time_point last_activity_;
   beast::flat_buffer buf_;
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
-  std::deque<Request> pending_;
+  struct Pending {
+    Request req;
+    bool over_pipeline_limit = false;  // answered 429 (proxy.limits.max_pipelined_requests)
+  };
+  std::deque<Pending> pending_;
   std::deque<std::string> out_;
   bool reading_ = false, busy_ = false, gone_ = false, writing_ = false;
   bool keep_alive_ = true, close_after_ = false, close_when_written_ = false;
   std::string request_id_header_;
-  std::string admitted_id_;  // the id Admit() took; given back by Release()
+  bool over_connections_ = false;  // opened past proxy.limits.max_connections
+  double retry_after_seconds_ = 0;  // the next 429/503's Retry-After (0: 1 s)
   bool head_ = false;  // the request being answered is a HEAD
 
   // The request being generated (strand only).
@@ -570,6 +628,11 @@ Result<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string& address
   sh.metrics = context.metrics;
   sh.opts = options;
   sh.opts.idle_timeout_seconds = context.config->proxy.http_idle_timeout_seconds;
+  const ProxyLimitsConfig& limits = context.config->proxy.limits;
+  sh.opts.max_body_bytes = limits.max_http_body_bytes;
+  sh.opts.max_header_bytes = limits.max_http_header_bytes;
+  sh.opts.max_pipelined = limits.max_pipelined_requests;
+  sh.opts.max_connections = limits.max_connections;
   sh.started = static_cast<int64_t>(std::time(nullptr));
   sh.tls_files = context.public_tls;
   if (!sh.tls_files.empty()) {

@@ -343,6 +343,7 @@ std::string ErrorBody(int http_status, const std::string& message) {
     case 405: type = "invalid_request_error"; break;
     case 409: type = "invalid_request_error"; break;
     case 413: type = "invalid_request_error"; break;
+    case 431: type = "invalid_request_error"; break;
     case 429: type = "rate_limit_error"; code = "rate_limit_exceeded"; break;
     case 503: type = "service_unavailable"; break;
     default: break;

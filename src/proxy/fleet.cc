@@ -38,7 +38,9 @@ Status Fleet::Register(const WorkerRecord& w) {
     // Fingerprints only: the salt itself never travels (common/block_hash.h).
     return refuse(fmt::format(
         "fleet salt (cache.salt) differs from the fleet's (fingerprint {} vs {}); every process "
-        "of a fleet must use the same fleet file",
+        "of a fleet must use the same salt: `tandem launch` makes a random one unless the fleet "
+        "file sets cache.salt, and a worker joining by hand takes it from the launcher's state "
+        "file (cache_salt) in the environment variable TANDEM_CACHE_SALT",
         w.fleet_salt_fingerprint.empty() ? "none" : w.fleet_salt_fingerprint,
         req_.fleet_salt_fingerprint.empty() ? "none" : req_.fleet_salt_fingerprint));
   }

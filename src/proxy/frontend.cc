@@ -18,35 +18,40 @@ Frontend::Frontend(ServingLimits limits, LifecycleDeps deps, uint32_t max_inflig
     : Frontend(std::move(limits), deps, max_inflight,
                std::move(Tenants::Parse(api_key, "", "")).value()) {}
 
-Result<ValidatedRequest> Frontend::Validate(const ClientRequest& req, const Tenant* tenant) {
+RateRefusal Frontend::ChargeRequest(const Tenant* tenant) {
+  if (tenant == nullptr) return {};
+  return tenants_->ChargeRequest(*tenant);
+}
+
+Result<ValidatedRequest> Frontend::Validate(const ClientRequest& req, const Tenant* tenant,
+                                            double* retry_after_seconds) {
   static thread_local std::mt19937_64 rng{std::random_device{}()};
-  const std::string id = fmt::format("req-{}", next_id_.fetch_add(1));
   auto v = ValidateRequest(
       req, limits_,
-      [this](std::string_view text) { return deps_.tokenizer->Encode(text, true); }, rng(), id);
-  if (v.ok() && tenant != nullptr) v->tenant_salt = tenant->cache_salt;
+      [this](std::string_view text) { return deps_.tokenizer->Encode(text, true); }, rng());
+  if (!v.ok() || tenant == nullptr) return v;
+  v->tenant_salt = tenant->cache_salt;
+  RateRefusal r = tenants_->ChargeTokens(
+      *tenant, static_cast<uint32_t>(v->prompt_ids.size()) + v->max_tokens);
+  if (!r.status.ok()) {
+    if (retry_after_seconds != nullptr) *retry_after_seconds = r.retry_after_seconds;
+    return r.status;
+  }
   return v;
 }
 
-Status Frontend::Admit(const std::string& request_id) {
-  std::lock_guard lock(ids_mu_);
-  if (ids_.contains(request_id)) {
-    return AlreadyExistsError(fmt::format(
-        "request_id '{}' is already in flight at this proxy; request ids must be unique", request_id));
-  }
-  if (inflight_.load() >= max_inflight_) {
-    return ResourceExhaustedError(fmt::format(
-        "the proxy is at its limit of {} requests in flight (proxy.max_inflight); retry later",
-        max_inflight_));
-  }
-  ids_.insert(request_id);
-  inflight_.fetch_add(1);
+Status Frontend::Admit() {
+  uint32_t now = inflight_.load();
+  do {
+    if (now >= max_inflight_) {
+      return ResourceExhaustedError(fmt::format(
+          "the proxy is at its limit of {} requests in flight (proxy.max_inflight); retry later",
+          max_inflight_));
+    }
+  } while (!inflight_.compare_exchange_weak(now, now + 1));
   return Status::Ok();
 }
 
-void Frontend::Release(const std::string& request_id) {
-  std::lock_guard lock(ids_mu_);
-  if (ids_.erase(request_id) != 0) inflight_.fetch_sub(1);
-}
+void Frontend::Release() { inflight_.fetch_sub(1); }
 
 }  // namespace tandem::proxy

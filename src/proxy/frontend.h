@@ -1,14 +1,12 @@
 // What both public front ends (gRPC, HTTP) share: authentication (the one
 // owner of API-key and tenant checks, proxy/tenants.h), validation limits,
-// the lifecycle's dependencies, admission control and request ids.
+// the lifecycle's dependencies, admission control and rate limits.
 #pragma once
 
 #include <atomic>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
-#include <unordered_set>
 
 #include "proxy/lifecycle.h"
 #include "proxy/request.h"
@@ -34,16 +32,22 @@ class Frontend {
   Result<const Tenant*> Authenticate(std::string_view authorization) const {
     return tenants_->Authenticate(authorization);
   }
+  // Before any work on a request (its bytes parsed, its prompt tokenized):
+  // charges one request to `tenant`'s request bucket (null: no limit).
+  RateRefusal ChargeRequest(const Tenant* tenant);
   // Validates (tokenizing a text prompt) and fills defaults; the request
-  // carries `tenant`'s cache salt (null: the default tenant's).
-  Result<ValidatedRequest> Validate(const ClientRequest& req, const Tenant* tenant = nullptr);
-  // Admission: RESOURCE_EXHAUSTED at once when max_inflight requests run;
-  // ALREADY_EXISTS when a request with the same id is in flight (workers key
-  // their state by it: a duplicate would be refused by them or, worse, take
-  // over the first request's stream). On success the caller must call
-  // Release(request_id) when the request ends.
-  Status Admit(const std::string& request_id);
-  void Release(const std::string& request_id);
+  // carries `tenant`'s cache salt (null: the default tenant's) and a new
+  // fleet id (common/request_id.h). Then charges prompt + max_tokens to the
+  // tenant's token bucket: a refusal is RESOURCE_EXHAUSTED naming the limit,
+  // with `*retry_after_seconds` set (when not null).
+  Result<ValidatedRequest> Validate(const ClientRequest& req, const Tenant* tenant = nullptr,
+                                    double* retry_after_seconds = nullptr);
+  // Admission, before the request is tokenized: RESOURCE_EXHAUSTED at once
+  // when max_inflight requests are admitted. Request ids play no part (the
+  // client's is a label; docs/security.md "Hostile input"). On success the
+  // caller must call Release() once when the request ends.
+  Status Admit();
+  void Release();
   // While draining, new requests get UNAVAILABLE.
   void SetDraining(bool draining) { draining_ = draining; }
   bool draining() const { return draining_; }
@@ -55,10 +59,7 @@ class Frontend {
   const uint32_t max_inflight_;
   std::unique_ptr<Tenants> tenants_;
   std::atomic<uint32_t> inflight_{0};
-  std::atomic<uint64_t> next_id_{1};
   std::atomic<bool> draining_{false};
-  std::mutex ids_mu_;
-  std::unordered_set<std::string> ids_;  // guarded by ids_mu_: ids in flight
 };
 
 }  // namespace tandem::proxy

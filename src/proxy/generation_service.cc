@@ -4,7 +4,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <mutex>
 
 #include "common/rpc_server.h"
@@ -58,25 +60,44 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
  public:
   // Writes and Finish made here are held by gRPC until the handler returns
   // this reactor, so nothing can end the call while the constructor runs.
-  GenerateReactor(Frontend* fe, grpc::CallbackServerContext* ctx,
-                  const pb::wire::GenerateRequestBytes* req)
+  GenerateReactor(Frontend* fe, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* bytes)
       : fe_(fe), ctx_(ctx), writer_(this) {
     // TTFT and e2e count from here: validation and tokenization included.
     const auto arrival = std::chrono::steady_clock::now();
     writer_.Open();
+    // Nothing is parsed or tokenized before the caller is authenticated,
+    // within its rate, admitted, and its request within the byte limit.
     Status st = Authorize();
-    if (st.ok()) st = ExplainEmptyPrompt(*req);
     if (st.ok() && fe_->draining()) st = UnavailableError("the fleet is draining");
-    Result<ValidatedRequest> v = st.ok() ? fe_->Validate(FromProto(*req), tenant_) : Result<ValidatedRequest>(st);
-    if (v.ok()) st = fe_->Admit(v->request_id);
-    if (!v.ok() || !st.ok()) {
-      const Status& why = v.ok() ? st : v.status();
-      CountRejected(why);
-      writer_.Finish(ToGrpcStatus(why));
+    if (st.ok()) {
+      RateRefusal r = fe_->ChargeRequest(tenant_);
+      st = r.status;
+      if (!st.ok()) SetRetryAfter(r.retry_after_seconds);
+    }
+    if (st.ok() && bytes->Length() > fe_->limits().max_request_bytes) {
+      st = InvalidArgumentError(fmt::format(
+          "the request has {} bytes; the limit is {} (proxy.limits.max_request_bytes)",
+          bytes->Length(), fe_->limits().max_request_bytes));
+    }
+    if (st.ok()) {
+      st = fe_->Admit();
+      if (!st.ok()) SetRetryAfter(1);
+    }
+    admitted_ = st.ok();
+    pb::wire::GenerateRequestBytes req;
+    if (st.ok()) st = Parse(*bytes, req);
+    if (st.ok()) st = ExplainEmptyPrompt(req);
+    double retry_after = 0;
+    Result<ValidatedRequest> v =
+        st.ok() ? fe_->Validate(FromProto(req), tenant_, &retry_after) : Result<ValidatedRequest>(st);
+    if (!v.ok()) {
+      if (retry_after > 0) SetRetryAfter(retry_after);
+      CountRejected(v.status());
+      ReleaseSlot();
+      writer_.Finish(ToGrpcStatus(v.status()));
       return;
     }
-    admitted_ = true;
-    request_id_ = v->request_id;
+    request_id_ = v->client_request_id;
     ResponseSink sink;
     sink.on_delta = [this](std::vector<uint32_t> ids, std::string text) {
       pb::GenerateResponse r;
@@ -93,13 +114,13 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
       r.mutable_usage()->set_completion_tokens(usage.completion_tokens);
       r.mutable_usage()->set_cached_prompt_tokens(usage.cached_prompt_tokens);
       writer_.Write(std::move(r));
-      // The id is free before the client can see the end of its stream, so a
-      // client reusing it right after is not refused (OnDone runs later).
-      ReleaseId();
+      // The slot is free before the client can see the end of its stream
+      // (OnDone runs later), so a client's next request finds it free.
+      ReleaseSlot();
       writer_.Finish(grpc::Status::OK);
     };
     sink.on_error = [this](Status s) {
-      ReleaseId();
+      ReleaseSlot();
       writer_.Finish(ToGrpcStatus(s));
     };
     auto lc = RequestLifecycle::Start(fe_->deps(), std::move(v).value(), std::move(sink),
@@ -117,15 +138,34 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   void OnWriteDone(bool ok) override { writer_.OnWriteDone(ok); }
 
   void OnDone() override {
-    ReleaseId();
+    ReleaseSlot();
     CancelLifecycle();  // no-op when it finished
     delete this;
   }
 
  private:
-  // Once per call: after the first release a new request may hold the same id.
-  void ReleaseId() {
-    if (admitted_ && !released_.exchange(true)) fe_->Release(request_id_);
+  // Once per call: the admission slot is free before the client can see
+  // its stream end.
+  void ReleaseSlot() {
+    if (admitted_ && !released_.exchange(true)) fe_->Release();
+  }
+
+  // RESOURCE_EXHAUSTED answers carry when to retry, as trailing metadata
+  // `retry-after` (whole seconds, at least 1), like HTTP's Retry-After.
+  void SetRetryAfter(double seconds) {
+    const auto whole = static_cast<long long>(std::ceil(std::max(seconds, 1.0)));
+    ctx_->AddTrailingMetadata("retry-after", std::to_string(whole));
+  }
+
+  static Status Parse(const grpc::ByteBuffer& bytes, pb::wire::GenerateRequestBytes& out) {
+    grpc::Slice slice;
+    if (!bytes.TrySingleSlice(&slice).ok() && !bytes.DumpToSingleSlice(&slice).ok()) {
+      return InternalError("cannot read the request's bytes");
+    }
+    if (!out.ParseFromArray(slice.begin(), static_cast<int>(slice.size()))) {
+      return InvalidArgumentError("the request is not a valid tandem.v1.GenerateRequest");
+    }
+    return Status::Ok();
   }
 
   void CancelLifecycle() {
@@ -158,7 +198,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   const Tenant* tenant_ = nullptr;
   grpc::CallbackServerContext* ctx_;
   StreamWriter<pb::GenerateResponse> writer_;
-  bool admitted_ = false;
+  bool admitted_ = false;  // holds an admission slot (Frontend::Admit)
   std::atomic<bool> released_{false};
   std::string request_id_;
   std::mutex mu_;
@@ -168,19 +208,18 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
 }  // namespace
 
 GenerationService::GenerationService(Frontend* frontend) : frontend_(frontend) {
-  // Method 0 is Generate: replace the generated handler with one that
-  // parses the bytes-typed twin of GenerateRequest.
+  // Method 0 is Generate: replace the generated handler with one that takes
+  // the raw bytes (counted against proxy.limits.max_request_bytes before
+  // anything parses them) and parses the bytes-typed twin of GenerateRequest.
   MarkMethodCallback(
-      0, new grpc::internal::CallbackServerStreamingHandler<pb::wire::GenerateRequestBytes,
-                                                            pb::GenerateResponse>(
-             [this](grpc::CallbackServerContext* ctx,
-                    const pb::wire::GenerateRequestBytes* request) {
+      0, new grpc::internal::CallbackServerStreamingHandler<grpc::ByteBuffer, pb::GenerateResponse>(
+             [this](grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request) {
                return GenerateBytes(ctx, request);
              }));
 }
 
 grpc::ServerWriteReactor<pb::GenerateResponse>* GenerationService::GenerateBytes(
-    grpc::CallbackServerContext* ctx, const pb::wire::GenerateRequestBytes* request) {
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request) {
   return new GenerateReactor(frontend_, ctx, request);
 }
 

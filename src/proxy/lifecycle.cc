@@ -193,7 +193,12 @@ void RequestLifecycle::OnPrefillDone(uint32_t attempt, Result<PrefillResult> r) 
     // A decoder without room, or a prefiller that is gone: try another pair.
     // Anything else (bad input, deadline) is the request's own error.
     const bool no_room = r.status().code() == StatusCode::kResourceExhausted;
-    const bool lost = r.status().code() == StatusCode::kUnavailable;
+    // A CANCELLED here is not the proxy's own: its cancels end the request
+    // or move it to a new attempt first, so their callbacks are ignored.
+    // The worker cut the call (a draining worker's server shutdown cancels
+    // what is still open): as a lost prefiller.
+    const bool lost = r.status().code() == StatusCode::kUnavailable ||
+                      r.status().code() == StatusCode::kCancelled;
     // The prefiller names the decoder in every error about reaching it
     // (src/prefiller: "... decoder 'NAME' ..."): then the decoder is the
     // one to avoid, not the prefiller that reported it.
@@ -247,9 +252,12 @@ void RequestLifecycle::OnDecodeError(uint32_t attempt, Status st, bool from_work
   if (done_ || attempt != attempt_) return;
   Calls to_cancel;
   // A broken stream (not an in-band error) means the decoder or the way to
-  // it is gone, whatever code gRPC chose for it.
-  const bool lost = !from_worker && st.code() != StatusCode::kCancelled &&
-                    st.code() != StatusCode::kDeadlineExceeded;
+  // it is gone, whatever code gRPC chose for it. A CANCELLED, in band or
+  // not, is not the proxy's own either (its cancels end the request or move
+  // it to a new attempt first, so their callbacks are ignored): the decoder
+  // cut the stream (a drain's server shutdown, its engine stopping).
+  const bool lost = (!from_worker && st.code() != StatusCode::kDeadlineExceeded) ||
+                    st.code() == StatusCode::kCancelled;
   const bool retry = lost || st.code() == StatusCode::kUnavailable ||
                      st.code() == StatusCode::kResourceExhausted;
   if (out_.next_index() > base_) {

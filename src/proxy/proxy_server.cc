@@ -51,6 +51,12 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
                                                    : mc.max_position_embeddings;
   limits.default_max_tokens = fleet.proxy.default_max_tokens;
   limits.max_tokens_limit = fleet.proxy.max_tokens_limit;
+  const ProxyLimitsConfig& pl = fleet.proxy.limits;
+  limits.max_request_bytes = pl.max_request_bytes;
+  limits.max_prompt_tokens = pl.max_prompt_tokens;
+  limits.max_stop_strings = pl.max_stop_strings;
+  limits.max_stop_string_bytes = pl.max_stop_string_bytes;
+  limits.max_stop_token_ids = pl.max_stop_token_ids;
   LifecycleDeps deps;
   deps.fleet = p->fleet_.get();
   deps.client = p->client_.get();

@@ -4,13 +4,13 @@
 
 #include <cmath>
 
+#include "common/request_id.h"
 #include "model/tokenizer.h"
 
 namespace tandem::proxy {
 
 Result<ValidatedRequest> ValidateRequest(const ClientRequest& req, const ServingLimits& limits,
-                                         const EncodeFn& encode, uint64_t random_seed,
-                                         const std::string& assigned_request_id) {
+                                         const EncodeFn& encode, uint64_t random_seed) {
   ValidatedRequest out;
   if (req.request_id.size() > limits.max_request_id_bytes) {
     return InvalidArgumentError(fmt::format("request_id has {} bytes; the limit is {}",
@@ -19,7 +19,10 @@ Result<ValidatedRequest> ValidateRequest(const ClientRequest& req, const Serving
   if (!model::IsValidUtf8(req.request_id)) {
     return InvalidArgumentError("request_id is not valid UTF-8");
   }
-  out.request_id = req.request_id.empty() ? assigned_request_id : req.request_id;
+  out.request_id = NewFleetRequestId(req.request_id);
+  out.client_request_id =
+      req.request_id.empty() ? std::string(SplitFleetRequestId(out.request_id).nonce)
+                             : req.request_id;
   if (!model::IsValidUtf8(req.model)) return InvalidArgumentError("model is not valid UTF-8");
   if (!req.model.empty() && req.model != limits.model) {
     return NotFoundError(
@@ -35,12 +38,31 @@ Result<ValidatedRequest> ValidateRequest(const ClientRequest& req, const Serving
   if (!req.has_prompt && !has_ids) {
     return InvalidArgumentError("give exactly one of prompt and prompt_token_ids; neither is set");
   }
+  // The context leaves room for at least one completion token.
+  const uint32_t context_prompt = limits.max_model_len > 0 ? limits.max_model_len - 1 : 0;
+  const bool own_prompt_limit =
+      limits.max_prompt_tokens > 0 && limits.max_prompt_tokens < context_prompt;
+  const uint32_t max_prompt = own_prompt_limit ? limits.max_prompt_tokens : context_prompt;
+  auto too_long = [&](size_t n, std::string_view what) {
+    return InvalidArgumentError(
+        own_prompt_limit
+            ? fmt::format("{} has {} tokens; the limit is {} (proxy.limits.max_prompt_tokens)",
+                          what, n, max_prompt)
+            : fmt::format("{} has {} tokens; this model accepts at most {} (prompt + completion; "
+                          "proxy.limits.max_prompt_tokens)",
+                          what, n, limits.max_model_len));
+  };
   if (req.has_prompt) {
     if (req.prompt.empty()) return InvalidArgumentError("prompt is empty");
     if (!model::IsValidUtf8(req.prompt)) return InvalidArgumentError("prompt is not valid UTF-8");
     out.prompt_ids = encode(req.prompt);
     if (out.prompt_ids.empty()) return InvalidArgumentError("prompt encodes to no tokens");
+    if (out.prompt_ids.size() > max_prompt) return too_long(out.prompt_ids.size(), "prompt");
   } else {
+    // Counted before anything scans them.
+    if (req.prompt_token_ids.size() > max_prompt) {
+      return too_long(req.prompt_token_ids.size(), "prompt_token_ids");
+    }
     for (size_t i = 0; i < req.prompt_token_ids.size(); ++i) {
       if (req.prompt_token_ids[i] >= limits.vocab_size) {
         return InvalidArgumentError(fmt::format(
@@ -60,11 +82,7 @@ Result<ValidatedRequest> ValidateRequest(const ClientRequest& req, const Serving
   }
   out.max_tokens = req.max_tokens.value_or(limits.default_max_tokens);
   const size_t prompt_tokens = out.prompt_ids.size();
-  if (prompt_tokens >= limits.max_model_len) {
-    return InvalidArgumentError(
-        fmt::format("prompt has {} tokens; this model accepts at most {} (prompt + completion)",
-                    prompt_tokens, limits.max_model_len));
-  }
+  if (prompt_tokens >= limits.max_model_len) return too_long(prompt_tokens, "prompt");
   if (prompt_tokens + out.max_tokens > limits.max_model_len) {
     if (req.max_tokens.has_value()) {
       return InvalidArgumentError(fmt::format(
@@ -101,21 +119,29 @@ Result<ValidatedRequest> ValidateRequest(const ClientRequest& req, const Serving
   out.seed = req.seed.value_or(random_seed);
 
   if (req.stop.size() > limits.max_stop_strings) {
-    return InvalidArgumentError(fmt::format("stop has {} strings; the limit is {}",
-                                            req.stop.size(), limits.max_stop_strings));
+    return InvalidArgumentError(
+        fmt::format("stop has {} strings; the limit is {} (proxy.limits.max_stop_strings)",
+                    req.stop.size(), limits.max_stop_strings));
   }
   for (size_t i = 0; i < req.stop.size(); ++i) {
     const auto& s = req.stop[i];
     if (s.empty()) return InvalidArgumentError(fmt::format("stop[{}] is empty", i));
     if (s.size() > limits.max_stop_string_bytes) {
-      return InvalidArgumentError(fmt::format("stop[{}] has {} bytes; the limit is {}", i,
-                                              s.size(), limits.max_stop_string_bytes));
+      return InvalidArgumentError(fmt::format(
+          "stop[{}] has {} bytes; the limit is {} (proxy.limits.max_stop_string_bytes)", i,
+          s.size(), limits.max_stop_string_bytes));
     }
     if (!model::IsValidUtf8(s)) {
       return InvalidArgumentError(fmt::format("stop[{}] is not valid UTF-8", i));
     }
   }
   out.stop = req.stop;
+  // Every generated token is checked against these on the engine thread.
+  if (req.stop_token_ids.size() > limits.max_stop_token_ids) {
+    return InvalidArgumentError(fmt::format(
+        "stop_token_ids has {} ids; the limit is {} (proxy.limits.max_stop_token_ids)",
+        req.stop_token_ids.size(), limits.max_stop_token_ids));
+  }
   for (size_t i = 0; i < req.stop_token_ids.size(); ++i) {
     if (req.stop_token_ids[i] >= limits.vocab_size) {
       return InvalidArgumentError(fmt::format(

@@ -40,14 +40,23 @@ struct ServingLimits {
   uint32_t max_model_len = 0;   // prompt + completion tokens
   uint32_t default_max_tokens = 128;
   uint32_t max_tokens_limit = 1024;
+  // proxy.limits (common/config.h ProxyLimitsConfig); errors name the key.
+  uint64_t max_request_bytes = 4u << 20;  // one encoded gRPC request (checked by its adapter)
+  uint32_t max_prompt_tokens = 0;  // 0: the model's context (max_model_len - 1)
   uint32_t max_stop_strings = 16;
   uint32_t max_stop_string_bytes = 256;
+  uint32_t max_stop_token_ids = 64;
   uint32_t max_request_id_bytes = 128;
 };
 
 // A request with every default resolved, ready for routing.
 struct ValidatedRequest {
+  // The fleet id (common/request_id.h): unique and unguessable; what the
+  // workers key the request by. Never shown to the client.
   std::string request_id;
+  // What responses echo: the client's request_id, or the fleet id's nonce
+  // when the client gave none.
+  std::string client_request_id;
   std::string model;
   std::vector<uint32_t> prompt_ids;
   uint32_t max_tokens = 0;
@@ -67,11 +76,10 @@ using EncodeFn = std::function<std::vector<uint32_t>(std::string_view text)>;
 
 // Checks `req` against `limits`, tokenizes a text prompt with `encode`, and
 // fills defaults: max_tokens from limits, temperature/top_p 1.0, top_k off,
-// `random_seed` when no seed is given, `request_id` when none is given.
+// `random_seed` when no seed is given; gives the request a new fleet id.
 // INVALID_ARGUMENT names the field and the limit; NOT_FOUND for an unknown
 // model.
 Result<ValidatedRequest> ValidateRequest(const ClientRequest& req, const ServingLimits& limits,
-                                         const EncodeFn& encode, uint64_t random_seed,
-                                         const std::string& assigned_request_id);
+                                         const EncodeFn& encode, uint64_t random_seed);
 
 }  // namespace tandem::proxy

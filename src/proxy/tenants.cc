@@ -234,9 +234,9 @@ RateRefusal Refuse(const Tenant& t, std::string_view what, const RateLimit& lim,
   r.retry_after_seconds = std::isfinite(after) ? after : 0;
   r.status = ResourceExhaustedError(
       std::isfinite(after)
-          ? fmt::format("tenant '{}' is over its rate limit of {} {} per second (burst {}; "
-                        "security.api_keys_file); retry after {:.3f} s",
-                        t.name, lim.rate, what, lim.burst, after)
+          ? fmt::format("tenant '{}' is over its rate limit of {} {} per second ({}_per_second, "
+                        "burst_{} {}; security.api_keys_file); retry after {:.3f} s",
+                        t.name, lim.rate, what, what, what, lim.burst, after)
           : fmt::format("tenant '{}': this request needs more {} than the burst of {} "
                         "(security.api_keys_file, burst_{}) and can never be admitted",
                         t.name, what, lim.burst, what));

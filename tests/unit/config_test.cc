@@ -2,7 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 
 namespace tandem {
 namespace {
@@ -178,6 +182,67 @@ TEST(Config, SecurityApiKeysFile) {
   EXPECT_NE(ErrorOf(std::string(kGood) + "security:\n  api_key_file: k.yaml\n")
                 .find("did you mean 'api_keys_file'"),
             std::string::npos);
+}
+
+// proxy.limits (issue 19, docs/configuration.md): defaults and range checks.
+TEST(Config, ProxyLimits) {
+  auto d = Parse(kGood);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->proxy.limits.max_request_bytes, 4u << 20);
+  EXPECT_EQ(d->proxy.limits.max_prompt_tokens, 0u);
+  EXPECT_EQ(d->proxy.limits.max_stop_token_ids, 64u);
+  EXPECT_EQ(d->proxy.limits.max_connections, 1024u);
+  EXPECT_EQ(d->proxy.limits.max_pipelined_requests, 8u);
+  auto r = Parse(std::string(kGood) +
+                 "proxy:\n  limits:\n    max_request_bytes: 2048\n    max_prompt_tokens: 100\n"
+                 "    max_stop_strings: 2\n    max_stop_string_bytes: 8\n"
+                 "    max_stop_token_ids: 3\n    max_http_header_bytes: 4096\n"
+                 "    max_http_body_bytes: 8192\n    max_connections: 5\n"
+                 "    max_pipelined_requests: 2\n");
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  const ProxyLimitsConfig& l = r->proxy.limits;
+  EXPECT_EQ(l.max_request_bytes, 2048u);
+  EXPECT_EQ(l.max_prompt_tokens, 100u);
+  EXPECT_EQ(l.max_stop_strings, 2u);
+  EXPECT_EQ(l.max_stop_string_bytes, 8u);
+  EXPECT_EQ(l.max_stop_token_ids, 3u);
+  EXPECT_EQ(l.max_http_header_bytes, 4096u);
+  EXPECT_EQ(l.max_http_body_bytes, 8192u);
+  EXPECT_EQ(l.max_connections, 5u);
+  EXPECT_EQ(l.max_pipelined_requests, 2u);
+  EXPECT_NE(ErrorOf(std::string(kGood) + "proxy:\n  limits:\n    max_connections: 0\n")
+                .find("proxy.limits.max_connections"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf(std::string(kGood) + "proxy:\n  limits:\n    max_stop_tokens: 3\n")
+                .find("did you mean 'max_stop_token_ids'"),
+            std::string::npos);
+}
+
+// An empty cache.salt comes from $TANDEM_CACHE_SALT (set by `tandem launch`
+// for its children); a salt in the file wins.
+TEST(Config, CacheSaltFromTheEnvironment) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("tandem-salt-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string plain = (dir / "plain.yaml").string(), salted = (dir / "salted.yaml").string();
+  { std::ofstream(plain) << kGood; }
+  {
+    std::string text = kGood;
+    text.replace(text.find("  block_size: 16\n"), 0, "  salt: from-file\n");
+    std::ofstream(salted) << text;
+  }
+  ::unsetenv(kCacheSaltEnv);
+  auto none = LoadFleetConfig(plain);
+  ASSERT_TRUE(none.ok()) << none.status().message();
+  EXPECT_EQ(none->cache.salt, "");
+  ::setenv(kCacheSaltEnv, "from-env", 1);
+  auto env = LoadFleetConfig(plain);
+  auto file = LoadFleetConfig(salted);
+  ::unsetenv(kCacheSaltEnv);
+  ASSERT_TRUE(env.ok() && file.ok());
+  EXPECT_EQ(env->cache.salt, "from-env");
+  EXPECT_EQ(file->cache.salt, "from-file");
+  std::filesystem::remove_all(dir);
 }
 
 // KV tiers (docs/engine.md, "KV tiers"): off by default; the disk tier's

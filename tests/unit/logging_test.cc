@@ -1,4 +1,5 @@
 #include "common/logging.h"
+#include "common/request_id.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -97,6 +98,37 @@ TEST(Logging, JsonLinesSplitAWorkersAttemptKey) {
   const auto b = first_line(EmitAbout("json", "plain#x", "idle"));
   EXPECT_EQ(b.at("request_id"), "plain#x");
   EXPECT_FALSE(b.contains("attempt"));
+}
+
+TEST(Logging, JsonLinesShowAFleetIdsLabelAsTheRequestId) {
+  // The proxy's fleet ids are "<client id>~<32 hex>" (common/request_id.h).
+  auto first_line = [](const std::string& out) {
+    return nlohmann::json::parse(out.substr(0, out.find('\n')));
+  };
+  const std::string nonce = "0123456789abcdef0123456789abcdef";
+  const auto a = first_line(EmitAbout("json", "obs-1~" + nonce + "#3", "idle"));
+  EXPECT_EQ(a.at("request_id"), "obs-1");
+  EXPECT_EQ(a.at("fleet_id"), nonce);
+  EXPECT_EQ(a.at("attempt"), 3);
+  const auto b = first_line(EmitAbout("json", nonce + "#1", "idle"));  // no client id
+  EXPECT_EQ(b.at("request_id"), nonce);
+  EXPECT_FALSE(b.contains("fleet_id"));
+  const auto c = first_line(EmitAbout("json", "x~not-hex", "idle"));
+  EXPECT_EQ(c.at("request_id"), "x~not-hex");
+  EXPECT_FALSE(c.contains("fleet_id"));
+}
+
+TEST(RequestId, FleetIdsAreRandomAndKeepTheLabel) {
+  const std::string a = NewFleetRequestId("dup"), b = NewFleetRequestId("dup");
+  EXPECT_NE(a, b);
+  EXPECT_EQ(SplitFleetRequestId(a).label, "dup");
+  EXPECT_EQ(SplitFleetRequestId(a).nonce.size(), 32u);
+  const std::string bare = NewFleetRequestId("");
+  EXPECT_EQ(bare.size(), 32u);
+  EXPECT_EQ(SplitFleetRequestId(bare).label, bare);
+  // A label that itself looks like a fleet id stays whole: only the last nonce is ours.
+  const std::string nested = NewFleetRequestId(a);
+  EXPECT_EQ(SplitFleetRequestId(nested).label, a);
 }
 
 TEST(Logging, TextLinesCarryTheRequestId) {

@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <filesystem>
@@ -107,6 +108,7 @@ Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
     f->tls_cert_ = j["tls"]["cert_file"];
     f->tls_key_ = j["tls"]["key_file"];
   }
+  f->cache_salt_ = j.value("cache_salt", "");
   for (const auto& w : j["workers"]) {
     f->workers_.push_back({w["role"], w.value("name", ""), w["grpc"], w["metrics"], w["pid"]});
   }
@@ -180,12 +182,14 @@ Result<Completion> Generate(const std::string& proxy, const GenerateArgs& a) {
   if (a.top_p) req.mutable_sampling()->set_top_p(*a.top_p);
   if (a.seed) req.mutable_sampling()->set_seed(*a.seed);
   for (const auto& s : a.stop) req.add_stop(s);
+  for (uint32_t t : a.stop_token_ids) req.add_stop_token_ids(t);
   req.set_ignore_eos(a.ignore_eos);
   auto reader = stub->Generate(&ctx, req);
   Completion c;
   pb::GenerateResponse resp;
   while (reader->Read(&resp)) {
     ++c.messages;
+    c.request_id = resp.request_id();
     c.token_ids.insert(c.token_ids.end(), resp.token_ids().begin(), resp.token_ids().end());
     c.text += resp.text();
     if (resp.finish_reason() != pb::FINISH_REASON_UNSPECIFIED) {
@@ -314,6 +318,137 @@ std::optional<size_t> WaitForLogLine(const std::string& path, const std::string&
       },
       limit);
   return at;
+}
+
+Result<WorkerAddr> JoinWorker(const Fleet& fleet, const std::string& role, const std::string& name,
+                              const std::string& log, const std::vector<std::string>& env,
+                              std::chrono::seconds limit) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return InternalError("pipe failed");
+  // Everything the child needs is built before fork (it only execs).
+  constexpr int kReadyFd = 100;
+  std::vector<std::string> args = {Tandem(), role, "--config", fleet.config_path(), "--grpc",
+                                   "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--name", name,
+                                   "--ready-fd", std::to_string(kReadyFd)};
+  // --join proxy.internal and the state file's identity (the internal mTLS).
+  for (const auto& a : fleet.JoinArgs()) args.push_back(a);
+  std::vector<std::string> envs;
+  for (char** e = environ; *e; ++e) envs.emplace_back(*e);
+  envs.insert(envs.end(), env.begin(), env.end());
+  // The fleet's random salt (Fleet::cache_salt), unless `env` sets one.
+  const bool own_salt = std::any_of(env.begin(), env.end(), [](const std::string& e) {
+    return e.rfind("TANDEM_CACHE_SALT=", 0) == 0;
+  });
+  if (!own_salt && !fleet.cache_salt().empty()) {
+    envs.insert(envs.begin(), "TANDEM_CACHE_SALT=" + fleet.cache_salt());
+  }
+  std::vector<char*> argv, envp;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  for (auto& e : envs) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    dup2(fd, 1);
+    dup2(fd, 2);
+    dup2(fds[1], kReadyFd);  // without O_CLOEXEC: the worker writes its ready line here
+    execve(argv[0], argv.data(), envp.data());
+    _exit(127);
+  }
+  close(fds[1]);
+  if (pid < 0) {
+    close(fds[0]);
+    return InternalError("fork failed");
+  }
+  ReapOnExit(pid);
+  // The ready line, or end of file when the worker exits; bounded by `limit`.
+  std::string line;
+  const auto give_up = std::chrono::steady_clock::now() + limit;
+  fcntl(fds[0], F_SETFL, O_NONBLOCK);
+  while (line.find('\n') == std::string::npos && std::chrono::steady_clock::now() < give_up) {
+    char buf[512];
+    const ssize_t n = read(fds[0], buf, sizeof(buf));
+    if (n == 0) break;
+    if (n > 0) {
+      line.append(buf, static_cast<size_t>(n));
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  close(fds[0]);
+  auto field = [&](const std::string& key) -> std::string {
+    const auto q = line.find("\"" + key + "\":\"");
+    if (q == std::string::npos) return "";
+    const size_t from = q + key.size() + 4;
+    return line.substr(from, line.find('"', from) - from);
+  };
+  WorkerAddr w{role, name, field("grpc"), field("metrics"), pid};
+  if (w.grpc.empty() || w.metrics.empty()) {
+    StopProcess(pid, std::chrono::seconds(5));
+    return UnavailableError(fmt::format("{} did not join within {} s; ready line '{}'; log:\n{}", name,
+                                        limit.count(), line, ReadText(log)));
+  }
+  return w;
+}
+
+const std::vector<std::string>& HeldGauges() {
+  static const std::vector<std::string> names = {
+      "tandem_num_requests_running", "tandem_num_requests_waiting",  "tandem_kv_reservations",
+      "tandem_kv_parked_prefills",   "tandem_prefill_queue_requests", "tandem_kv_cache_usage_ratio",
+      "tandem_kv_quarantined_blocks"};
+  return names;
+}
+
+std::string WaitFleetIdle(const std::vector<WorkerAddr>& workers, const std::string& proxy_metrics,
+                          std::chrono::milliseconds limit) {
+  std::string held;
+  WaitUntil(
+      [&] {
+        held.clear();
+        for (const auto& w : workers) {
+          auto m = Scrape(w.metrics);
+          if (!m.ok()) {
+            held += fmt::format("{}: no metrics ({}); ", w.name, m.status().ToString());
+            continue;
+          }
+          for (const auto& g : HeldGauges()) {
+            const double v = MetricValue(*m, g);
+            if (v != 0) held += fmt::format("{} {}={}; ", w.name, g, v);
+          }
+        }
+        if (!proxy_metrics.empty()) {
+          auto p = Scrape(proxy_metrics);
+          const double inflight = p.ok() ? MetricValue(*p, "tandem_requests_inflight") : -1;
+          if (inflight != 0) held += fmt::format("proxy tandem_requests_inflight={}; ", inflight);
+        }
+        return held.empty();
+      },
+      limit);
+  return held;
+}
+
+int StopProcess(pid_t pid, std::chrono::seconds grace) {
+  if (pid <= 0) return -1;
+  kill(pid, SIGCONT);
+  kill(pid, SIGTERM);
+  int st = -1;
+  const auto give_up = std::chrono::steady_clock::now() + grace;
+  bool exited = false;
+  while (std::chrono::steady_clock::now() < give_up) {
+    const pid_t r = waitpid(pid, &st, WNOHANG);
+    if (r == pid || r < 0) {
+      exited = true;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (!exited) {
+    kill(pid, SIGKILL);
+    waitpid(pid, &st, 0);
+  }
+  Forget(pid);
+  return st;
 }
 
 }  // namespace tandem::testing

@@ -72,6 +72,9 @@ class Fleet {
   const std::string& proxy_http() const { return proxy_http_; }
   const std::vector<WorkerAddr>& workers() const { return workers_; }
   const std::string& config_path() const { return config_path_; }
+  // The random fleet salt `tandem launch` made (state file `cache_salt`):
+  // a worker joining by hand needs it in TANDEM_CACHE_SALT.
+  const std::string& cache_salt() const { return cache_salt_; }
   // stdout and stderr of the launcher and every process of the fleet.
   std::string log_path() const { return dir_ + "/launch.log"; }
   pid_t launcher_pid() const { return pid_; }
@@ -87,6 +90,7 @@ class Fleet {
   std::string dir_, config_path_, proxy_grpc_, proxy_metrics_;
   std::string proxy_http_, proxy_internal_;
   std::string tls_ca_, tls_cert_, tls_key_;
+  std::string cache_salt_;
   std::vector<WorkerAddr> workers_;
 };
 
@@ -99,6 +103,7 @@ struct Completion {
   int finish_reason = 0;  // tandem.v1.FinishReason
   uint32_t prompt_tokens = 0, completion_tokens = 0, cached_prompt_tokens = 0;
   int messages = 0;
+  std::string request_id;  // as the responses echo it
 };
 
 struct GenerateArgs {
@@ -109,6 +114,7 @@ struct GenerateArgs {
   std::optional<float> top_p;
   std::optional<uint64_t> seed;
   std::vector<std::string> stop;
+  std::vector<uint32_t> stop_token_ids;
   bool ignore_eos = true;
   std::string model;
   std::string request_id;  // empty: the proxy assigns one
@@ -149,5 +155,29 @@ std::string ReadText(const std::string& path);
 // byte `from`; returns the offset just past the match, or nullopt.
 std::optional<size_t> WaitForLogLine(const std::string& path, const std::string& needle,
                                      std::chrono::milliseconds limit, size_t from = 0);
+
+// `tandem ROLE --config <the fleet's file> --join <its proxy> --name NAME`
+// (a worker restarted into a running fleet, e.g. after a kill -9), with
+// `env` ("KEY=VALUE") added to its environment and stdout+stderr appended
+// to `log`. Waits (bounded) for its ready line, which it writes once the
+// proxy registered it; registered with the reaper. Stop it with
+// StopProcess (Fleet's destructor does not know it).
+Result<WorkerAddr> JoinWorker(const Fleet& fleet, const std::string& role, const std::string& name,
+                              const std::string& log, const std::vector<std::string>& env = {},
+                              std::chrono::seconds limit = std::chrono::seconds(60));
+// The gauges that read 0 on an idle worker: running and waiting sequences,
+// reservations, parked and queued prefills, KV blocks used, quarantined
+// blocks (a build without a gauge reads 0 for it).
+const std::vector<std::string>& HeldGauges();
+// Waits (bounded) until no worker in `workers` holds anything of
+// HeldGauges() and, when `proxy_metrics` is not empty, the proxy has no
+// request in flight. Returns what is still held ("" when idle).
+std::string WaitFleetIdle(const std::vector<WorkerAddr>& workers, const std::string& proxy_metrics,
+                          std::chrono::milliseconds limit);
+
+// SIGTERM (SIGCONT first, in case it is stopped), a bounded wait for the
+// exit, SIGKILL after it; then forgets it in the reaper. Returns the wait
+// status (or -1 when it was not our child or already gone).
+int StopProcess(pid_t pid, std::chrono::seconds grace);
 
 }  // namespace tandem::testing

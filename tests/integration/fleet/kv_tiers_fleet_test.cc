@@ -83,7 +83,10 @@ FleetOptions Options(const std::string& disk_dir) {
   // requests would add up to "no decoder has room" (they end only with a
   // report). Let them expire quickly; routing is not what this test checks.
   o.router_yaml = "  max_prediction_age_s: 0.05\n";
-  o.cache_yaml = "  host_tier_blocks: 16\n  disk_tier:\n    path: " + disk_dir + "\n    max_gib: 0.5\n";
+  // A fixed fleet salt: the restarted fleet must hash blocks as the first
+  // did to find them on disk (without one, each launch makes a random salt).
+  o.cache_yaml = "  salt: kv-tiers-test\n  host_tier_blocks: 16\n  disk_tier:\n    path: " +
+                 disk_dir + "\n    max_gib: 0.5\n";
   return o;
 }
 

@@ -54,34 +54,24 @@ PromText ScrapeOrDie(const std::string& address) {
   return text.ok() ? PromText::Parse(*text) : PromText{};
 }
 
-// Workers fold their engine counters into /metrics on a ~150 ms tick: scrape
-// until the worker is idle and three scrapes 300 ms apart agree (bounded).
+// A worker's scrape is current (its counters are sampled on every scrape,
+// docs/metrics.md "When values are current"): wait (bounded) for the event
+// "this worker is idle" — nothing running, waiting, reserved, parked or
+// queued — and return that scrape.
 PromText SettledScrape(const std::string& address) {
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(15);
-  auto key = [](const PromText& p) {
-    std::vector<double> v;
-    for (const char* n : {"tandem_prefix_cache_queries_tokens_total",
-                          "tandem_prefix_cache_hits_tokens_total", "tandem_kv_transfer_bytes_total",
-                          "tandem_prefill_seconds_count", "tandem_num_requests_running",
-                          "tandem_num_requests_waiting", "tandem_kv_reservations",
-                          "tandem_kv_parked_prefills", "tandem_prefill_queue_requests"}) {
-      v.push_back(p.Sum(n));
-    }
-    return v;
-  };
-  PromText last = ScrapeOrDie(address);
-  int agreeing = 0;
-  while (std::chrono::steady_clock::now() < give_up) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    PromText now = ScrapeOrDie(address);
-    const bool idle = now.Sum("tandem_num_requests_running") == 0 &&
-                      now.Sum("tandem_num_requests_waiting") == 0 &&
-                      now.Sum("tandem_kv_reservations") == 0;
-    agreeing = (idle && key(now) == key(last)) ? agreeing + 1 : 0;
-    last = std::move(now);
-    if (agreeing >= 2) break;
-  }
-  EXPECT_GE(agreeing, 2) << "worker at " << address << " did not settle";
+  PromText last;
+  const bool idle = WaitUntil(
+      [&] {
+        last = ScrapeOrDie(address);
+        for (const char* n : {"tandem_num_requests_running", "tandem_num_requests_waiting",
+                              "tandem_kv_reservations", "tandem_kv_parked_prefills",
+                              "tandem_prefill_queue_requests"}) {
+          if (last.Sum(n) != 0) return false;
+        }
+        return true;
+      },
+      std::chrono::seconds(15));
+  EXPECT_TRUE(idle) << "worker at " << address << " did not become idle";
   return last;
 }
 
@@ -408,7 +398,6 @@ TEST(MetricsFleet, RequestIdOnTheLogLinesOfEveryProcess) {
   };
   std::map<std::string, std::vector<std::string>> seen;  // proc -> msgs about `id`
   int json_lines = 0;
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   auto complete = [&] {
     for (const auto& [proc, words] : expected) {
       for (const auto& w : words) {
@@ -419,7 +408,8 @@ TEST(MetricsFleet, RequestIdOnTheLogLinesOfEveryProcess) {
     }
     return true;
   };
-  while (true) {
+  // The event: every process has logged its lines about the request (bounded).
+  WaitUntil([&] {
     seen.clear();
     json_lines = 0;
     std::ifstream in((*fleet)->log_path());
@@ -437,9 +427,8 @@ TEST(MetricsFleet, RequestIdOnTheLogLinesOfEveryProcess) {
       for (const char* k : {"ts", "level", "proc", "msg"}) EXPECT_TRUE(j.contains(k)) << line;
       if (j.value("request_id", "") == id) seen[j.at("proc")].push_back(j.at("msg"));
     }
-    if (complete() || std::chrono::steady_clock::now() > give_up) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  }
+    return complete();
+  }, std::chrono::seconds(10));
   EXPECT_GT(json_lines, 0);
   for (const auto& [proc, words] : expected) {
     for (const auto& w : words) {

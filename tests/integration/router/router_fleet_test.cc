@@ -144,10 +144,24 @@ struct Counts {
   std::map<std::string, double> prefill_hits_by_worker;  // per prefiller
 };
 
-// Workers refresh their metrics with each load report (every 150 ms):
-// wait for two refreshes before reading.
+// Worker scrapes are current (docs/metrics.md, "When values are current"):
+// read once every worker is idle (the event; bounded), with no settle time.
 Counts Read(const Fleet& fleet) {
-  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  for (const auto& w : fleet.workers()) {
+    const bool idle = WaitUntil(
+        [&] {
+          auto text = Scrape(w.metrics);
+          if (!text.ok()) return false;
+          for (const char* n : {"tandem_num_requests_running", "tandem_num_requests_waiting",
+                                "tandem_kv_reservations", "tandem_kv_parked_prefills",
+                                "tandem_prefill_queue_requests"}) {
+            if (MetricValue(*text, n) != 0) return false;
+          }
+          return true;
+        },
+        std::chrono::seconds(15));
+    EXPECT_TRUE(idle) << w.name << " did not become idle";
+  }
   Counts c;
   c.prefill_hits = RoleMetric(fleet, "prefill", "tandem_prefix_cache_hits_tokens_total");
   c.transfer_bytes = RoleMetric(fleet, "prefill", "tandem_kv_transfer_bytes_total");
@@ -192,7 +206,7 @@ struct PolicyResult {
 };
 
 // Runs both workloads, one request at a time, on a fresh 2P2D fleet.
-PolicyResult RunPolicy(const std::string& policy, std::chrono::milliseconds gap) {
+PolicyResult RunPolicy(const std::string& policy) {
   PolicyResult r;
   FleetOptions o;
   o.prefill = 2;
@@ -224,7 +238,6 @@ PolicyResult RunPolicy(const std::string& policy, std::chrono::milliseconds gap)
     GenerateArgs a;
     a.prompt_ids = prompts[i];
     a.max_tokens = kMaxTokens;
-    std::this_thread::sleep_for(gap);
     auto c = Generate((*fleet)->proxy_grpc(), a);
     EXPECT_TRUE(c.ok()) << policy << " document request " << i << ": " << c.status().ToString();
     if (c.ok()) {
@@ -238,7 +251,6 @@ PolicyResult RunPolicy(const std::string& policy, std::chrono::milliseconds gap)
     GenerateArgs a;
     a.prompt_ids = t.prompt;
     a.max_tokens = kMaxTokens;
-    std::this_thread::sleep_for(gap);
     auto c = Generate((*fleet)->proxy_grpc(), a);
     EXPECT_TRUE(c.ok()) << policy << " turn: " << c.status().ToString();
     if (c.ok()) {
@@ -271,9 +283,8 @@ TEST(RouterFleet, KvAwareDoublesPrefillCacheHitsOfRoundRobin) {
   // inside the workers' 150 ms load-report interval, so the router must
   // learn that the previous prefill is done from its KV event
   // (docs/router.md, "Load").
-  const auto gap = std::chrono::milliseconds(0);
-  const PolicyResult kv = RunPolicy("kv_aware", gap);
-  const PolicyResult rr = RunPolicy("round_robin", gap);
+  const PolicyResult kv = RunPolicy("kv_aware");
+  const PolicyResult rr = RunPolicy("round_robin");
 
   const double ideal_docs = static_cast<double>(IdealDocumentHitTokens());
   const double ideal_turns = static_cast<double>(IdealMultiTurnHitTokens());

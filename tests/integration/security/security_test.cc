@@ -43,9 +43,10 @@ std::string ReadFile(const std::string& path) {
 }
 
 // Runs `tandem ARGS...` with stdout+stderr to `log` and waits (bounded) for
-// it to exit; nullopt (after SIGKILL) if it did not.
+// it to exit; nullopt (after SIGKILL) if it did not. `cache_salt`: the
+// fleet's (TANDEM_CACHE_SALT), so that only the identity differs.
 std::optional<int> RunToExit(const std::vector<std::string>& args, const std::string& log,
-                             std::chrono::seconds timeout) {
+                             std::chrono::seconds timeout, const std::string& cache_salt) {
   std::vector<std::string> all = {std::string(TANDEM_BINARY_DIR) + "/tandem"};
   all.insert(all.end(), args.begin(), args.end());
   std::vector<char*> argv;
@@ -56,6 +57,7 @@ std::optional<int> RunToExit(const std::vector<std::string>& args, const std::st
     const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     dup2(fd, 1);
     dup2(fd, 2);
+    if (!cache_salt.empty()) setenv("TANDEM_CACHE_SALT", cache_salt.c_str(), 1);
     execv(argv[0], argv.data());
     _exit(127);
   }
@@ -161,7 +163,7 @@ TEST(Security, WorkerOfAnotherCaOrWithoutCertificateCannotJoin) {
     args.insert(args.end(), {"--tls-ca", f.tls_ca(), "--tls-cert", stranger->cert_file,
                              "--tls-key", stranger->key_file});
     const std::string log = dir + "/stranger.log";
-    auto st = RunToExit(args, log, 90s);
+    auto st = RunToExit(args, log, 90s, f.cache_salt());
     ASSERT_TRUE(st.has_value()) << "a worker of another CA did not exit: " << ReadFile(log);
     EXPECT_TRUE(WIFEXITED(*st) && WEXITSTATUS(*st) == 1) << *st;
     const std::string out = ReadFile(log);
@@ -175,7 +177,7 @@ TEST(Security, WorkerOfAnotherCaOrWithoutCertificateCannotJoin) {
     const std::string plain_cfg = dir + "/plain.yaml";
     std::ofstream(plain_cfg) << ReadFile(f.config_path()) << "security:\n  internal_tls: off\n";
     const std::string log = dir + "/plain.log";
-    auto st = RunToExit(JoiningDecoder(f, plain_cfg, "decode-8"), log, 90s);
+    auto st = RunToExit(JoiningDecoder(f, plain_cfg, "decode-8"), log, 90s, f.cache_salt());
     ASSERT_TRUE(st.has_value()) << "a plaintext worker did not exit: " << ReadFile(log);
     EXPECT_TRUE(WIFEXITED(*st) && WEXITSTATUS(*st) == 1) << *st;
     const std::string out = ReadFile(log);
@@ -196,7 +198,7 @@ TEST(Security, WorkerNameIsBoundToTheIdentityThatRegisteredIt) {
   args.insert(args.end(), {"--tls-ca", f.tls_ca(), "--tls-cert", f.tls_cert(), "--tls-key",
                            f.tls_key()});
   const std::string log = dir + "/impostor.log";
-  auto st = RunToExit(args, log, 90s);
+  auto st = RunToExit(args, log, 90s, f.cache_salt());
   ASSERT_TRUE(st.has_value()) << "the impostor did not exit: " << ReadFile(log);
   EXPECT_TRUE(WIFEXITED(*st) && WEXITSTATUS(*st) == 1) << *st;
   const std::string out = ReadFile(log);

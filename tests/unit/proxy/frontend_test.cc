@@ -1,4 +1,5 @@
-// Admission at the proxy's front end: the in-flight limit and unique ids.
+// Admission at the proxy's front end: the in-flight limit; request ids play
+// no part in it (the client's id is a label, docs/security.md).
 #include <gtest/gtest.h>
 
 #include "proxy/generation_service.h"
@@ -6,34 +7,38 @@
 namespace tandem::proxy {
 namespace {
 
-TEST(FrontendAdmit, RefusesAnIdAlreadyInFlightAndTakesItAgainAfterRelease) {
-  Frontend fe(ServingLimits{}, LifecycleDeps{}, /*max_inflight=*/8, /*api_key=*/"");
-  ASSERT_TRUE(fe.Admit("a").ok());
-  Status dup = fe.Admit("a");
-  EXPECT_EQ(dup.code(), StatusCode::kAlreadyExists);
-  EXPECT_NE(dup.message().find("request_id 'a'"), std::string::npos) << dup.ToString();
-  EXPECT_EQ(fe.inflight(), 1u);  // the refused duplicate holds no slot
-  ASSERT_TRUE(fe.Admit("b").ok());
+TEST(FrontendAdmit, FullProxyRefusesWithResourceExhaustedNamingTheLimit) {
+  Frontend fe(ServingLimits{}, LifecycleDeps{}, /*max_inflight=*/2, "");
+  ASSERT_TRUE(fe.Admit().ok());
+  ASSERT_TRUE(fe.Admit().ok());
+  Status full = fe.Admit();
+  EXPECT_EQ(full.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(full.message().find("proxy.max_inflight"), std::string::npos) << full.ToString();
+  EXPECT_EQ(fe.inflight(), 2u);  // the refused request holds no slot
+  fe.Release();
+  EXPECT_TRUE(fe.Admit().ok());
   EXPECT_EQ(fe.inflight(), 2u);
-  fe.Release("a");
-  EXPECT_EQ(fe.inflight(), 1u);
-  EXPECT_TRUE(fe.Admit("a").ok());
-  fe.Release("a");
-  fe.Release("b");
-  fe.Release("b");  // a second release of the same id changes nothing
+  fe.Release();
+  fe.Release();
   EXPECT_EQ(fe.inflight(), 0u);
 }
 
-TEST(FrontendAdmit, FullProxyRefusesWithResourceExhaustedNamingTheLimit) {
-  Frontend fe(ServingLimits{}, LifecycleDeps{}, /*max_inflight=*/2, "");
-  ASSERT_TRUE(fe.Admit("x").ok());
-  ASSERT_TRUE(fe.Admit("y").ok());
-  Status full = fe.Admit("z");
-  EXPECT_EQ(full.code(), StatusCode::kResourceExhausted);
-  EXPECT_NE(full.message().find("proxy.max_inflight"), std::string::npos) << full.ToString();
-  fe.Release("x");
-  EXPECT_TRUE(fe.Admit("z").ok());
-  EXPECT_EQ(fe.inflight(), 2u);
+TEST(FrontendRate, TenantBucketsRefuseNamingTheLimitAndWhenToRetry) {
+  auto tenants = Tenants::Parse("",
+                                "- key: k1\n  tenant: slow\n  requests_per_second: 0.001\n"
+                                "  burst_requests: 2\n",
+                                "keys.yaml");
+  ASSERT_TRUE(tenants.ok()) << tenants.status().ToString();
+  Frontend fe(ServingLimits{}, LifecycleDeps{}, 8, std::move(tenants).value());
+  auto t = fe.Authenticate("Bearer k1");
+  ASSERT_TRUE(t.ok());
+  EXPECT_TRUE(fe.ChargeRequest(*t).status.ok());
+  EXPECT_TRUE(fe.ChargeRequest(*t).status.ok());
+  RateRefusal r = fe.ChargeRequest(*t);
+  EXPECT_EQ(r.status.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(r.status.message().find("requests_per_second"), std::string::npos) << r.status.ToString();
+  EXPECT_GT(r.retry_after_seconds, 100.0);  // 1 request at 0.001/s
+  EXPECT_TRUE(fe.ChargeRequest(nullptr).status.ok());  // no tenant: no limit
 }
 
 }  // namespace

@@ -32,6 +32,7 @@ class ScriptedWorkers : public WorkerClient {
   Finish finish = Finish::kLength;
   std::set<std::string> full_decoders;  // their Prefill fails with RESOURCE_EXHAUSTED
   Status prefill_error;                 // when set, every Prefill fails with it
+  std::vector<Status> first_prefill_errors;  // the first Prefills fail with these, in order
   bool decode_first = false;            // stream the decode tokens before the Prefill reply
   // What a real decoder relays, at the end of its stream, from the
   // prefiller's KV notice: the prefiller's prefix-cache hits (as its reply).
@@ -45,6 +46,8 @@ class ScriptedWorkers : public WorkerClient {
   // would) after `die_after` tokens.
   uint32_t dying_decodes = 0;
   uint32_t die_after = 0;
+  Status die_status = UnavailableError("Socket closed");  // how they break
+  bool die_in_band = false;                                // ... and whether in band
 
   std::shared_ptr<Call> Decode(const std::string& address, DecodeArgs args,
                                DecodeEvents events) override {
@@ -67,6 +70,8 @@ class ScriptedWorkers : public WorkerClient {
     prefill_args.push_back(args);
     if (hold_prefill) {
       // no answer
+    } else if (prefill_addresses.size() <= first_prefill_errors.size()) {
+      done(first_prefill_errors[prefill_addresses.size() - 1]);
     } else if (!prefill_error.ok()) {
       done(prefill_error);
     } else if (full_decoders.count(args.decoder_address)) {
@@ -94,7 +99,7 @@ class ScriptedWorkers : public WorkerClient {
                                             completion.begin() + base + end));
     }
     if (dies_[decoder]) {
-      ev.on_error(UnavailableError("Socket closed"), /*from_worker=*/false);
+      ev.on_error(die_status, die_in_band);
       return;
     }
     ev.on_finished(finish, n, 32, notice_cached);
@@ -419,6 +424,46 @@ TEST_F(LifecycleTest, DecoderLostMidStreamMigratesWithoutGapOrDuplicate) {
             std::vector<uint32_t>(workers_.completion.begin(), workers_.completion.begin() + 5));
   EXPECT_EQ(moved.params.first_sample_index, 5u);
   EXPECT_EQ(moved.params.max_tokens, 64u - 5u);
+}
+
+// A draining worker's gRPC server cancels the calls still open when its
+// drain ends: CANCELLED that the proxy did not ask for. The client never
+// sees it: the prefill is retried on another pair, the decode migrated.
+TEST_F(LifecycleTest, CancelledByADrainingPrefillerIsRetried) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("p1", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  workers_.completion = tokenizer_->Encode("Amen");
+  workers_.first_prefill_errors = {Status(StatusCode::kCancelled, "")};
+  Collected c;
+  Run(c);
+  ASSERT_TRUE(c.finished) << c.error.ToString();
+  EXPECT_EQ(c.ids, workers_.completion);
+  ASSERT_EQ(workers_.prefill_addresses.size(), 2u);
+  EXPECT_NE(workers_.prefill_addresses[0], workers_.prefill_addresses[1]);  // the cut one avoided
+}
+
+TEST_F(LifecycleTest, DecodeCancelledByADrainingDecoderMigrates) {
+  for (const bool in_band : {false, true}) {
+    SCOPED_TRACE(in_band ? "in band" : "stream status");
+    workers_ = ScriptedWorkers();
+    fleet_.reset();
+    SetUp();
+    AddWorker("p0", router::WorkerRole::kPrefill);
+    AddWorker("d0", router::WorkerRole::kDecode);
+    AddWorker("d1", router::WorkerRole::kDecode);
+    workers_.completion = tokenizer_->Encode("In the beginning God created the heaven and the earth");
+    workers_.dying_decodes = 1;
+    workers_.die_after = 5;
+    workers_.die_status = in_band ? CancelledError("request aborted") : Status(StatusCode::kCancelled, "");
+    workers_.die_in_band = in_band;
+    Collected c;
+    Run(c);
+    ASSERT_TRUE(c.finished) << c.error.ToString();
+    EXPECT_EQ(c.ids, workers_.completion);
+    ASSERT_EQ(workers_.decode_args.size(), 2u);
+    EXPECT_EQ(workers_.decode_args[1].params.first_sample_index, 5u);
+  }
 }
 
 TEST_F(LifecycleTest, MigrationLimitEndsWithUnavailableNamingIt) {

@@ -23,7 +23,7 @@ std::vector<uint32_t> ByteEncode(std::string_view s) {
 }
 
 Result<ValidatedRequest> V(const ClientRequest& r) {
-  return ValidateRequest(r, Limits(), ByteEncode, 777, "assigned-1");
+  return ValidateRequest(r, Limits(), ByteEncode, 777);
 }
 
 ClientRequest Text(std::string prompt) {
@@ -36,7 +36,9 @@ ClientRequest Text(std::string prompt) {
 TEST(ValidateRequest, DefaultsAreResolved) {
   auto v = V(Text("hello"));
   ASSERT_TRUE(v.ok()) << v.status().ToString();
-  EXPECT_EQ(v->request_id, "assigned-1");
+  // No client id: the fleet id is 32 random hex digits, echoed to the client.
+  EXPECT_EQ(v->request_id.size(), 32u);
+  EXPECT_EQ(v->client_request_id, v->request_id);
   EXPECT_EQ(v->model, "tandem-kjv");
   EXPECT_EQ(v->prompt_ids.size(), 5u);
   EXPECT_EQ(v->max_tokens, 128u);
@@ -60,7 +62,10 @@ TEST(ValidateRequest, SetValuesAreKept) {
   r.ignore_eos = true;
   auto v = V(r);
   ASSERT_TRUE(v.ok()) << v.status().ToString();
-  EXPECT_EQ(v->request_id, "mine");
+  EXPECT_EQ(v->client_request_id, "mine");
+  // The workers see "<label>~<32 hex>": the label for logs, the nonce unique.
+  EXPECT_EQ(v->request_id.rfind("mine~", 0), 0u) << v->request_id;
+  EXPECT_EQ(v->request_id.size(), 5u + 32u);
   EXPECT_EQ(v->max_tokens, 7u);
   EXPECT_FLOAT_EQ(v->temperature, 0.0f);
   EXPECT_EQ(v->top_k, 40u);
@@ -99,7 +104,13 @@ std::vector<BadCase> BadCases() {
       "prompt_token_ids[2] is 4096; token ids must be below the vocabulary size 4096");
   ClientRequest long_prompt = Text(std::string(1024, 'a'));
   add("prompt too long", long_prompt, StatusCode::kInvalidArgument,
-      "prompt has 1024 tokens; this model accepts at most 1024 (prompt + completion)");
+      "prompt has 1024 tokens; this model accepts at most 1024 (prompt + completion; "
+      "proxy.limits.max_prompt_tokens)");
+  ClientRequest long_ids;
+  long_ids.prompt_token_ids.assign(5000, 1);
+  add("prompt_token_ids too long", long_ids, StatusCode::kInvalidArgument,
+      "prompt_token_ids has 5000 tokens; this model accepts at most 1024 (prompt + completion; "
+      "proxy.limits.max_prompt_tokens)");
   ClientRequest over = Text(std::string(1000, 'a'));
   over.max_tokens = 100;
   add("prompt + max_tokens", over, StatusCode::kInvalidArgument,
@@ -140,6 +151,18 @@ std::vector<BadCase> BadCases() {
   ClientRequest stop = Text("x");
   stop.stop = {""};
   add("empty stop", stop, StatusCode::kInvalidArgument, "stop[0] is empty");
+  ClientRequest many_stops = Text("x");
+  many_stops.stop.assign(17, "s");
+  add("too many stop strings", many_stops, StatusCode::kInvalidArgument,
+      "stop has 17 strings; the limit is 16 (proxy.limits.max_stop_strings)");
+  ClientRequest long_stop = Text("x");
+  long_stop.stop = {std::string(257, 's')};
+  add("stop string too long", long_stop, StatusCode::kInvalidArgument,
+      "stop[0] has 257 bytes; the limit is 256 (proxy.limits.max_stop_string_bytes)");
+  ClientRequest many_stop_ids = Text("x");
+  many_stop_ids.stop_token_ids.assign(65, 3);
+  add("too many stop token ids", many_stop_ids, StatusCode::kInvalidArgument,
+      "stop_token_ids has 65 ids; the limit is 64 (proxy.limits.max_stop_token_ids)");
   ClientRequest stop_id = Text("x");
   stop_id.stop_token_ids = {99999};
   add("stop id out of vocab", stop_id, StatusCode::kInvalidArgument,
@@ -154,6 +177,32 @@ TEST(ValidateRequest, EveryBadInputNamesFieldAndLimit) {
     EXPECT_EQ(v.status().code(), c.code) << c.name;
     EXPECT_EQ(v.status().message(), c.message) << c.name;
   }
+}
+
+TEST(ValidateRequest, ItsOwnPromptTokenLimitIsNamed) {
+  ServingLimits l = Limits();
+  l.max_prompt_tokens = 10;
+  auto ok = ValidateRequest(Text(std::string(10, 'a')), l, ByteEncode, 1);
+  EXPECT_TRUE(ok.ok()) << ok.status().ToString();
+  auto text = ValidateRequest(Text(std::string(11, 'a')), l, ByteEncode, 1);
+  ASSERT_FALSE(text.ok());
+  EXPECT_EQ(text.status().message(),
+            "prompt has 11 tokens; the limit is 10 (proxy.limits.max_prompt_tokens)");
+  ClientRequest ids;
+  ids.prompt_token_ids.assign(11, 1);
+  auto by_ids = ValidateRequest(ids, l, ByteEncode, 1);
+  ASSERT_FALSE(by_ids.ok());
+  EXPECT_EQ(by_ids.status().message(),
+            "prompt_token_ids has 11 tokens; the limit is 10 (proxy.limits.max_prompt_tokens)");
+}
+
+TEST(ValidateRequest, TheSameClientIdGetsADifferentFleetIdEveryTime) {
+  ClientRequest r = Text("hi");
+  r.request_id = "same";
+  auto a = V(r), b = V(r);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->client_request_id, b->client_request_id);
+  EXPECT_NE(a->request_id, b->request_id);
 }
 
 }  // namespace
