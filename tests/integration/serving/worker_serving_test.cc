@@ -486,7 +486,7 @@ TEST(WorkerShutdownTest, SigtermDrainsThenExitsZero) {
 
   // The event that the drain began: the worker ends its Watch streams (it
   // leaves routing first thing on SIGTERM; docs/failure-handling.md).
-  auto worker = pb::Worker::NewStub(grpc::CreateChannel((*d)->grpc, grpc::InsecureChannelCredentials()));
+  auto worker = pb::Worker::NewStub(InternalChannel(fleet, (*d)->grpc));
   grpc::ClientContext watch_ctx;
   watch_ctx.set_deadline(std::chrono::system_clock::now() + 30s);
   auto watch = worker->Watch(&watch_ctx, pb::WatchRequest());
