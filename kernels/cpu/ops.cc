@@ -164,7 +164,9 @@ void Rope(float* q, float* k, const int32_t* positions, const float* inv_freq, i
           int kv_heads, int head_dim, ThreadPool* pool) {
   const int half = head_dim / 2;
   ParallelFor(pool, t, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> cos_t(static_cast<size_t>(half)), sin_t(static_cast<size_t>(half));
+    thread_local std::vector<float> cos_t, sin_t;
+    cos_t.resize(static_cast<size_t>(half));
+    sin_t.resize(static_cast<size_t>(half));
     for (int64_t i = b; i < e; ++i) {
       for (int f = 0; f < half; ++f) {
         // f32 angle, then the correctly rounded f32 cos/sin (as transformers).

@@ -41,6 +41,35 @@ inline __attribute__((always_inline)) float Reduce(V16 v) {
   return c0 + c1;
 }
 
+// Reduce of 16 vectors at once: lane k of the result is Reduce(v[k]), bit
+// for bit (the same additions of the same pairs, several keys per vector).
+inline __attribute__((always_inline)) V16 Reduce16(const V16* v) {
+  V16 u[8], w[4], y[2];
+  for (int i = 0; i < 8; ++i) {  // (l, l+8): [key 2i | key 2i+1], 8 lanes each
+    u[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
+                                   20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; ++i) {  // (l, l+4): keys 4i..4i+3, 4 lanes each
+    w[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                   19, 24, 25, 26, 27) +
+           __builtin_shufflevector(u[2 * i], u[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22,
+                                   23, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {  // c0 = b0 + b2, c1 = b1 + b3: keys 8i..8i+7, 2 lanes each
+    y[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                   21, 24, 25, 28, 29) +
+           __builtin_shufflevector(w[2 * i], w[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22,
+                                   23, 26, 27, 30, 31);
+  }
+  // c0 + c1: keys 0..15.
+  return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                 28, 30) +
+         __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
+                                 31);
+}
+
 // Scalar-array form of the same tree (for code that keeps lanes in arrays).
 inline float ReduceLanes(float* acc) {
   for (int w = kLanes / 2; w >= 1; w /= 2) {

@@ -1,79 +1,172 @@
 #include "kernels/cpu/thread_pool.h"
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <algorithm>
+#include <chrono>
 
 namespace tandem::kernels::cpu {
+namespace {
 
-ThreadPool::ThreadPool(int threads) : threads_(std::max(1, threads)) {
+// claim_ word: tag (bits 63..32) | parts (31..16) | next range (15..0).
+constexpr int kMaxThreads = 1024;
+inline uint32_t TagOf(uint64_t c) { return static_cast<uint32_t>(c >> 32); }
+inline int PartsOf(uint64_t c) { return static_cast<int>((c >> 16) & 0xFFFF); }
+inline int NextOf(uint64_t c) { return static_cast<int>(c & 0xFFFF); }
+
+// About 2,000 pauses (tens of microseconds) before a spinning thread starts
+// yielding its core on every round.
+constexpr int kPauseSpins = 2000;
+
+inline void Backoff(int& spins) {
+  if (spins < kPauseSpins) {
+    ++spins;
+    __builtin_ia32_pause();
+  } else {
+    sched_yield();
+  }
+}
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+ThreadPool::ThreadPool(int threads, Options options)
+    : threads_(std::clamp(threads, 1, kMaxThreads)), options_(options) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      if (CPU_ISSET(c, &set)) cpus_.push_back(c);
+    }
+  }
+  // Pin only when the pool covers every CPU it may run on: then pinning
+  // cannot leave a core idle that the kernel would otherwise have used.
+  // Worker i takes the i-th CPU; the owner thread is left alone (its
+  // affinity belongs to the process), which leaves it the first CPU.
+  pinned_ = options_.pin && threads_ > 1 && static_cast<int>(cpus_.size()) == threads_;
   workers_.reserve(static_cast<size_t>(threads_ - 1));
   for (int i = 1; i < threads_; ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
 }
 
 ThreadPool::~ThreadPool() {
+  stop_.store(true);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
   }
-  start_cv_.notify_all();
+  wake_cv_.notify_all();
   for (auto& w : workers_) w.join();
 }
 
-namespace {
-inline void Range(int64_t n, int parts, int r, int64_t* b, int64_t* e) {
-  *b = n * r / parts;
-  *e = n * (r + 1) / parts;
+void ThreadPool::PinCurrentThread(int index) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpus_[static_cast<size_t>(index)], &set);
+  // A failure leaves the thread unpinned: slower at worst, never wrong.
+  if (pthread_setaffinity_np(pthread_self(), sizeof(set), &set) != 0) pinned_ = false;
 }
-}  // namespace
 
-void ThreadPool::Run(int64_t n, int64_t grain, Thunk thunk, void* ctx) {
-  if (n <= 0) return;
+int ThreadPool::sleeping_workers() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sleeping_;
+}
+
+int ThreadPool::Parts(int64_t n, int64_t grain) const {
   grain = std::max<int64_t>(1, grain);
-  const int parts = static_cast<int>(std::min<int64_t>(threads_, std::max<int64_t>(1, n / grain)));
-  if (parts == 1) {
+  return static_cast<int>(std::clamp<int64_t>(n / grain, 1, threads_));
+}
+
+void ThreadPool::BeginStep() {
+  if (step_depth_++ > 0) return;
+  step_open_.store(true);
+  int sleeping;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    sleeping = sleeping_;
+  }
+  if (sleeping > 0) wake_cv_.notify_all();
+}
+
+void ThreadPool::EndStep() {
+  if (step_depth_ == 0 || --step_depth_ > 0) return;
+  step_closed_ns_.store(NowNs(), std::memory_order_relaxed);
+  step_open_.store(false);
+}
+
+int ThreadPool::ChunkedParts(int64_t n, int64_t chunk) {
+  chunk = std::max<int64_t>(1, chunk);
+  return static_cast<int>(std::clamp<int64_t>((n + chunk - 1) / chunk, 1, kMaxParts));
+}
+
+void ThreadPool::Run(int64_t n, int parts, ThunkFn thunk, void* ctx) {
+  if (n <= 0) return;
+  if (parts == 1 || threads_ == 1) {
     thunk(ctx, 0, n);
     return;
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    thunk_ = thunk;
-    ctx_ = ctx;
-    n_ = n;
-    parts_ = parts;
-    pending_ = parts - 1;
-    ++generation_;
+  StepScope implicit(step_depth_ == 0 ? this : nullptr);
+  thunk_ = thunk;
+  ctx_ = ctx;
+  n_ = n;
+  done_.store(0, std::memory_order_relaxed);
+  if (++tag_ == 0) ++tag_;  // workers start having seen tag 0
+  claim_.store((uint64_t{tag_} << 32) | (static_cast<uint64_t>(parts) << 16),
+               std::memory_order_release);
+  Work(tag_);
+  int spins = 0;
+  while (done_.load(std::memory_order_acquire) < parts) Backoff(spins);
+}
+
+void ThreadPool::Work(uint32_t tag) {
+  uint64_t c = claim_.load(std::memory_order_acquire);
+  for (;;) {
+    if (TagOf(c) != tag || NextOf(c) >= PartsOf(c)) return;
+    if (!claim_.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel,
+                                      std::memory_order_acquire)) {
+      continue;  // c holds the current word
+    }
+    // Range r of this job is ours; the job cannot change until done_
+    // counts it, so its fields are stable.
+    const int parts = PartsOf(c);
+    const int64_t r = NextOf(c);
+    const int64_t b = n_ * r / parts, e = n_ * (r + 1) / parts;
+    if (b < e) thunk_(ctx_, b, e);
+    done_.fetch_add(1, std::memory_order_acq_rel);
+    c = claim_.load(std::memory_order_acquire);
   }
-  start_cv_.notify_all();
-  int64_t b, e;
-  Range(n, parts, 0, &b, &e);
-  thunk(ctx, b, e);
-  std::unique_lock<std::mutex> lock(mu_);
-  done_cv_.wait(lock, [this] { return pending_ == 0; });
 }
 
 void ThreadPool::WorkerLoop(int index) {
-  uint64_t seen = 0;
+  if (pinned_) PinCurrentThread(index);
+  uint32_t seen = 0;
+  int spins = 0;
   for (;;) {
-    Thunk thunk;
-    void* ctx;
-    int64_t n;
-    int parts;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      start_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
-      seen = generation_;
-      thunk = thunk_;
-      ctx = ctx_;
-      n = n_;
-      parts = parts_;
+    const uint64_t c = claim_.load(std::memory_order_acquire);
+    if (TagOf(c) != seen) {
+      seen = TagOf(c);
+      Work(seen);
+      spins = 0;
+      continue;
     }
-    if (index < parts) {
-      int64_t b, e;
-      Range(n, parts, index, &b, &e);
-      if (b < e) thunk(ctx, b, e);
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--pending_ == 0) done_cv_.notify_one();
+    if (stop_.load(std::memory_order_relaxed)) return;
+    if (step_open_.load(std::memory_order_relaxed) ||
+        NowNs() - step_closed_ns_.load(std::memory_order_relaxed) < options_.linger_ns) {
+      Backoff(spins);
+      continue;
     }
+    std::unique_lock<std::mutex> lock(mu_);
+    ++sleeping_;
+    wake_cv_.wait(lock, [&] {
+      return stop_.load() || step_open_.load() ||
+             TagOf(claim_.load(std::memory_order_acquire)) != seen;
+    });
+    --sleeping_;
+    spins = 0;
   }
 }
 

@@ -1,19 +1,48 @@
-// A tiny fork-join thread pool for the CPU kernels.
+// A fork-join thread pool for the CPU kernels, built for many small
+// parallel regions per step (a batch-1 decode step of a Llama runs ~10
+// regions per layer, each a few microseconds to a few hundred).
 //
-// ThreadPool(threads) starts threads - 1 workers; the calling thread does the
-// first share of every ParallelFor, so ThreadPool(1) starts nothing and runs
-// everything inline. Fleets share the cores, so a worker process uses one
-// thread unless configured otherwise.
+// ThreadPool(threads) starts threads - 1 workers; the calling thread takes
+// part in every ParallelFor, so ThreadPool(1) starts nothing and runs
+// everything inline.
+//
+// Cost model. Between steps the workers sleep on a condition variable (no
+// CPU used). The owner opens a step (BeginStep / StepScope: one wake-up per
+// step, not per region); while it is open the workers spin on one atomic
+// word (pause, then sched_yield so an oversubscribed machine still makes
+// progress), so a ParallelFor is one atomic store to publish and one load
+// per part to join: well under a microsecond. After a step closes the
+// workers keep spinning for a short linger (back-to-back decode steps do
+// not pay a wake-up) and then sleep. A ParallelFor outside a step opens an
+// implicit one around itself (correct, but pays the wake-up each time).
+//
+// Work split. ParallelFor splits [0, n) into `parts` contiguous ranges
+// fixed by n, grain and threads() only (never by timing); the threads then
+// claim ranges from a shared counter, so a worker that is late (asleep,
+// descheduled) does not stall the caller, which simply runs more ranges.
+// Kernels keep their results independent of the split (no reduction is
+// ever divided between ranges), so the bits never depend on the thread
+// count — see kernels/cpu/ops.h.
+//
+// Pinning (Options::pin): when the creating thread's affinity mask holds
+// exactly threads() CPUs, worker i is pinned to the i-th of them (the owner
+// thread is not touched and so keeps the first to itself); otherwise
+// nothing is pinned (the kernel balances the threads with whatever else
+// runs). pinned() tells which happened.
 //
 // Threading: one thread at a time drives a pool (the engine thread that owns
 // it); ParallelFor is not reentrant (a task must not call ParallelFor on the
-// same pool). Construction and destruction happen on the owning thread.
+// same pool). Construction, BeginStep/EndStep and destruction happen on the
+// owning thread.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -21,42 +50,101 @@ namespace tandem::kernels::cpu {
 
 class ThreadPool {
  public:
-  explicit ThreadPool(int threads);
+  struct Options {
+    bool pin = true;
+    // Spin this long after a step closes before sleeping.
+    int64_t linger_ns = 200'000;
+  };
+  explicit ThreadPool(int threads) : ThreadPool(threads, Options{}) {}
+  ThreadPool(int threads, Options options);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int threads() const { return threads_; }
+  // Workers asleep between steps right now (for tests and diagnostics).
+  int sleeping_workers();
+  bool pinned() const { return pinned_.load(); }
 
-  // Splits [0, n) into at most threads() contiguous ranges of at least `grain`
-  // items (the last ranges may be empty and are then skipped), calls
-  // fn(begin, end) once per range, and returns when all are done. Range r is
-  // always [r * n / parts, (r + 1) * n / parts) for parts chosen from n, grain
-  // and threads() only.
+  // Opens / closes a step: workers spin (ready within nanoseconds) while one
+  // is open. Nested calls count; only the outermost pair acts.
+  void BeginStep();
+  void EndStep();
+
+  class StepScope {
+   public:
+    explicit StepScope(ThreadPool* pool) : pool_(pool) {
+      if (pool_ != nullptr) pool_->BeginStep();
+    }
+    ~StepScope() {
+      if (pool_ != nullptr) pool_->EndStep();
+    }
+    StepScope(const StepScope&) = delete;
+    StepScope& operator=(const StepScope&) = delete;
+
+   private:
+    ThreadPool* pool_;
+  };
+
+  // Number of ranges ParallelFor(n, grain, ...) uses: min(threads(),
+  // n / grain), at least 1.
+  int Parts(int64_t n, int64_t grain) const;
+
+  // Splits [0, n) into Parts(n, grain) ranges, range r = [r * n / parts,
+  // (r + 1) * n / parts), calls fn(begin, end) once per range (on any of the
+  // pool's threads) and returns when all are done.
   template <class F>
   void ParallelFor(int64_t n, int64_t grain, F&& fn) {
-    auto thunk = [](void* ctx, int64_t b, int64_t e) { (*static_cast<F*>(ctx))(b, e); };
-    Run(n, grain, thunk, const_cast<void*>(static_cast<const void*>(&fn)));
+    Run(n, Parts(n, grain), Thunk<F>, const_cast<void*>(static_cast<const void*>(&fn)));
+  }
+
+  // For work of uneven cost per index (causal attention rows): ceil(n /
+  // chunk) ranges (at most kMaxParts), same range formula, claimed one at a
+  // time so the threads balance. Use only where no result depends on how
+  // [0, n) is cut (the part count here does not depend on threads()).
+  static constexpr int kMaxParts = 65535;
+  static int ChunkedParts(int64_t n, int64_t chunk);
+  template <class F>
+  void ParallelForChunked(int64_t n, int64_t chunk, F&& fn) {
+    Run(n, ChunkedParts(n, chunk), Thunk<F>, const_cast<void*>(static_cast<const void*>(&fn)));
   }
 
  private:
-  using Thunk = void (*)(void* ctx, int64_t begin, int64_t end);
-  void Run(int64_t n, int64_t grain, Thunk thunk, void* ctx);
+  using ThunkFn = void (*)(void* ctx, int64_t begin, int64_t end);
+  template <class F>
+  static void Thunk(void* ctx, int64_t b, int64_t e) {
+    (*static_cast<std::remove_reference_t<F>*>(ctx))(b, e);
+  }
+  void Run(int64_t n, int parts, ThunkFn thunk, void* ctx);
+  // Claims and runs ranges of the job tagged `tag` until none is left.
+  void Work(uint32_t tag);
   void WorkerLoop(int index);
+  void PinCurrentThread(int index);
 
-  int threads_;
-  std::vector<std::thread> workers_;
-  std::mutex mu_;
-  std::condition_variable start_cv_;
-  std::condition_variable done_cv_;
-  uint64_t generation_ = 0;  // guarded by mu_
-  int pending_ = 0;          // guarded by mu_
-  bool stop_ = false;        // guarded by mu_
-  // The current job (written under mu_ before generation_ changes).
-  Thunk thunk_ = nullptr;
+  const int threads_;
+  const Options options_;
+  std::vector<int> cpus_;  // the affinity mask's CPUs, in order
+  std::atomic<bool> pinned_{false};
+  int step_depth_ = 0;  // owner thread only
+
+  // Published job: (tag << 32) | next range to claim. A new tag publishes a
+  // job whose fields below were written first (release); claiming a range
+  // is a CAS that keeps the tag, so a late worker never claims from a job
+  // other than the one it saw.
+  alignas(64) std::atomic<uint64_t> claim_{0};
+  alignas(64) std::atomic<int> done_{0};  // ranges finished in the current job
+  alignas(64) ThunkFn thunk_ = nullptr;
   void* ctx_ = nullptr;
   int64_t n_ = 0;
-  int parts_ = 0;
+  uint32_t tag_ = 0;  // owner thread only
+
+  alignas(64) std::atomic<bool> step_open_{false};
+  std::atomic<int64_t> step_closed_ns_{0};  // steady clock at the last EndStep
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  std::condition_variable wake_cv_;
+  int sleeping_ = 0;  // guarded by mu_
+  std::vector<std::thread> workers_;
 };
 
 // ParallelFor on `pool`, or inline over the whole range when pool is null.
@@ -68,6 +156,17 @@ void ParallelFor(ThreadPool* pool, int64_t n, int64_t grain, F&& fn) {
     return;
   }
   pool->ParallelFor(n, grain, std::forward<F>(fn));
+}
+
+// ParallelForChunked on `pool`, or inline over the whole range.
+template <class F>
+void ParallelForChunked(ThreadPool* pool, int64_t n, int64_t chunk, F&& fn) {
+  if (n <= 0) return;
+  if (pool == nullptr || pool->threads() == 1) {
+    fn(int64_t{0}, n);
+    return;
+  }
+  pool->ParallelForChunked(n, chunk, std::forward<F>(fn));
 }
 
 }  // namespace tandem::kernels::cpu

@@ -30,6 +30,8 @@ void RegisterPlan(CLI::App& app, GlobalOptions& g);
 // (bench_serve.cc) register under `bench`.
 void RegisterBenchKvTransfer(CLI::App& bench, GlobalOptions& g);
 void RegisterBenchServe(CLI::App& bench, GlobalOptions& g);
+// `tandem bench engine` (bench_engine.cc): cpu engine tokens/s + bandwidth.
+void RegisterBenchEngine(CLI::App& bench, GlobalOptions& g);
 
 // --tls-ca/--tls-cert/--tls-key: a process's internal-plane identity
 // (docs/security.md); all three or none.

@@ -107,7 +107,11 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.Read("max_num_seqs", c.scheduler.max_num_seqs, 1, 4096);
     m.Read("max_batched_tokens", c.scheduler.max_batched_tokens, 1, 1u << 20);
     m.Read("max_waiting", c.scheduler.max_waiting, 0, 1u << 20);
-    m.Read("threads", c.scheduler.threads, 1, 256);
+    // A fleet file without `threads` asks for the automatic count (0: the
+    // cores shared among the file's workers, engine.cc); FleetConfig's own
+    // default stays 1 for configs built in code.
+    c.scheduler.threads = 0;
+    m.Read("threads", c.scheduler.threads, 0, 256);
     m.Finish();
   }
   {
@@ -169,6 +173,7 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.Read("lease_seconds", c.transport.lease_seconds, 0.1, 86400.0);
     m.Read("peer_timeout_seconds", c.transport.peer_timeout_seconds, 0.1, 600.0);
     m.ReadEnum("push", c.transport.push, {"streaming", "after_prefill"});
+    m.Read("checksum", c.transport.checksum);
     m.Finish();
   }
   {

@@ -104,6 +104,10 @@ struct TransportConfig {
   // streaming: the prefiller pushes KV while it computes it (per chunk and
   // layer group); after_prefill: once the whole prompt is done.
   std::string push = "streaming";
+  // End-to-end KV checksums (docs/failure-handling.md): the prefiller sends
+  // XXH3-64 of every pushed block with the notice, the decoder verifies them
+  // before decoding and fails the request closed on a mismatch.
+  bool checksum = true;
 };
 
 // security (docs/security.md). The TLS keys take a word or a mapping of

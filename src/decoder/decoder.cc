@@ -1,9 +1,11 @@
 #include "decoder/decoder.h"
 #include "common/logging.h"
+#include "kvtransfer/descriptor.h"
 #include "kvtransfer/kv_secret.h"
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
+#include <xxhash.h>
 
 #include <algorithm>
 
@@ -91,7 +93,12 @@ class Decoder::Emitter {
 
 Decoder::Decoder(engine::Engine& engine, kvtransfer::Transport& transport, DecoderOptions options)
     : engine_(engine), transport_(transport), options_(std::move(options)),
-      descriptor_(transport.LocalDescriptor()) {}
+      descriptor_(transport.LocalDescriptor()) {
+  transport_.SetPeerFailureCallback(
+      [this](const std::string& agent, uint64_t generation, const Status&) {
+        OnPrefillerLost(agent, generation);
+      });
+}
 
 Decoder::~Decoder() { Stop(); }
 
@@ -100,6 +107,7 @@ void Decoder::Start() {
 }
 
 void Decoder::Stop() {
+  transport_.SetPeerFailureCallback({});
   if (lease_thread_.joinable()) {
     lease_thread_.request_stop();
     lease_thread_.join();
@@ -123,6 +131,11 @@ DecoderCounts Decoder::counts() const {
   DecoderCounts c = counts_;
   c.registered = static_cast<uint32_t>(requests_.size());
   c.reservations = static_cast<uint32_t>(reservations_.size());
+  for (const auto& [id, h] : reservations_) {
+    if (!h.quarantined) continue;
+    ++c.quarantined_reservations;
+    c.quarantined_blocks += static_cast<uint32_t>(h.slots.size() - h.cached_blocks);
+  }
   return c;
 }
 
@@ -189,7 +202,13 @@ Status Decoder::Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
 }
 
 Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::string& prefiller,
-                                      std::span<const uint32_t> prompt_ids) {
+                                      std::span<const uint32_t> prompt_ids,
+                                      std::string_view prefiller_descriptor) {
+  std::string writer_agent;
+  uint64_t writer_generation = 0;
+  if (!prefiller_descriptor.empty()) {
+    WatchPrefiller(prefiller_descriptor, &writer_agent, &writer_generation);
+  }
   std::string tag;
   std::string cache_salt;
   {
@@ -237,8 +256,12 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
       }
       e.stage = Stage::kReserved;
       e.reservation_id = res->reservation_id;
-      reservations_.emplace(res->reservation_id, Held{request_id, prefiller,
-                                                      SteadyClock::now() + lease, false, *capability});
+      Held held{request_id, prefiller, SteadyClock::now() + lease, false, *capability};
+      held.slots = res->block_ids;
+      held.cached_blocks = res->num_cached_blocks;
+      held.writer_agent = std::move(writer_agent);
+      held.writer_generation = writer_generation;
+      reservations_.emplace(res->reservation_id, std::move(held));
     } else {
       it = requests_.end();
     }
@@ -268,6 +291,7 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
   engine::GenerateRequest req;
   bool release = false;
   bool add = false;
+  Held held;  // the reservation this notice ends
   {
     std::lock_guard lock(mu_);
     auto h = reservations_.find(n.reservation_id);
@@ -288,6 +312,14 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
       return;
     }
     const bool orphaned = h->second.orphaned;
+    if (h->second.quarantined) {
+      ++counts_.quarantine_released_ack;
+      LogRequest(spdlog::level::info, n.request_id,
+                 "quarantined reservation {} released: prefiller '{}' confirmed no write is "
+                 "outstanding ({})",
+                 n.reservation_id, h->second.prefiller, n.error.ok() ? "push completed" : "push ended");
+    }
+    held = std::move(h->second);
     reservations_.erase(h);
     auto it = requests_.find(n.request_id);
     const bool active = !orphaned && it != requests_.end() &&
@@ -315,7 +347,11 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
     return;
   }
   if (!add) return;
-  Status s = engine_.AddPrefilled(n.reservation_id, std::move(req), n.first_token_id);
+  // Fail closed: nothing pushed is decoded before every block's checksum
+  // (transport.checksum) checked out. Hashing runs outside the lock; only
+  // this notice could free the reservation.
+  Status s = options_.verify_checksums ? CheckPushedBlocks(n, held) : Status::Ok();
+  if (s.ok()) s = engine_.AddPrefilled(n.reservation_id, std::move(req), n.first_token_id);
   LogRequest(spdlog::level::debug, n.request_id, "KV notice for reservation {}: decoding ({})",
              n.reservation_id, s.ok() ? "ok" : s.ToString());
   if (s.ok()) {
@@ -336,7 +372,24 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
     auto it = requests_.find(n.request_id);
     if (it != requests_.end() && it->second.emitter == emitter) requests_.erase(it);
   }
-  Fail(emitter, s.WithContext("adding the prefilled request"));
+  Fail(emitter, s.code() == StatusCode::kUnavailable ? s : s.WithContext("adding the prefilled request"));
+}
+
+Status Decoder::CheckPushedBlocks(const KvNoticeInfo& n, const Held& held) {
+  Status bad = VerifyChecksums(held, n.block_checksums);
+  if (bad.ok()) return bad;
+  {
+    std::lock_guard lock(mu_);
+    ++counts_.checksum_failures;
+  }
+  LogRequest(spdlog::level::err, n.request_id,
+             "KV from prefiller '{}' failed verification: {}; the request is prefilled again",
+             held.prefiller, bad.message());
+  // UNAVAILABLE: the proxy prefills it again (a retry, or a migration when
+  // the first token already went out).
+  return UnavailableError(fmt::format(
+      "request '{}': the KV pushed by prefiller '{}' failed its checksum ({}); not decoded",
+      n.request_id, held.prefiller, bad.message()));
 }
 
 void Decoder::OnUnreadableNotice(const std::string& sender, size_t bytes) {
@@ -419,15 +472,26 @@ void Decoder::LeaseLoop(std::stop_token stop) {
     {
       std::lock_guard lock(mu_);
       for (auto h = reservations_.begin(); h != reservations_.end();) {
-        if (h->second.lease_expiry > now) {
+        if (h->second.quarantined || h->second.lease_expiry > now) {
           ++h;
           continue;
         }
         ++counts_.leases_expired;
-        release.push_back(h->first);
+        // Acknowledge-or-dead: the prefiller may still be writing (a slow
+        // push, a paused process). The blocks stay out of the free list
+        // until its notice comes or it is declared dead.
+        // A writer the decoder cannot watch (no or unusable descriptor: an
+        // older prefiller, a test client) would hold the blocks forever:
+        // freed at expiry as before the quarantine existed.
+        const bool unwatched = h->second.writer_agent.empty();
+        const bool dead = unwatched || WriterDeadLocked(h->second);
         LogRequest(spdlog::level::warn, h->second.request_id,
-                   "reservation {} from '{}' expired after {} s without its KV",
-                   h->first, h->second.prefiller, options_.lease_seconds);
+                   "reservation {} from '{}' expired after {} s without its KV; {}", h->first,
+                   h->second.prefiller, options_.lease_seconds,
+                   unwatched ? "its prefiller cannot be watched: blocks freed"
+                   : dead    ? "its prefiller is dead: blocks freed"
+                             : "blocks quarantined until the prefiller confirms no write is "
+                               "outstanding or is declared dead");
         auto it = requests_.find(h->second.request_id);
         if (!h->second.orphaned && it != requests_.end() &&
             it->second.stage == Stage::kReserved && it->second.reservation_id == h->first) {
@@ -437,7 +501,14 @@ void Decoder::LeaseLoop(std::stop_token stop) {
                                 h->second.request_id, options_.lease_seconds)));
           requests_.erase(it);
         }
-        h = reservations_.erase(h);
+        if (dead) {
+          if (!unwatched) ++counts_.quarantine_released_dead;
+          release.push_back(h->first);
+          h = reservations_.erase(h);
+        } else {
+          h->second.quarantined = true;
+          ++h;
+        }
       }
       // Deadlines of requests still waiting for their KV (running ones are
       // the engine's).
@@ -461,6 +532,94 @@ void Decoder::LeaseLoop(std::stop_token stop) {
     for (uint64_t id : release) engine_.ReleaseReservation(id).IgnoreError();
     for (auto& [emitter, status] : fail) Fail(emitter, status);
   }
+}
+
+bool Decoder::WriterDeadLocked(const Held& h) const {
+  if (h.writer_agent.empty()) return false;
+  auto it = dead_writers_.find(h.writer_agent);
+  return it != dead_writers_.end() && it->second >= h.writer_generation;
+}
+
+void Decoder::OnPrefillerLost(const std::string& agent, uint64_t generation) {
+  std::vector<uint64_t> release;
+  {
+    std::lock_guard lock(mu_);
+    uint64_t& dead = dead_writers_[agent];
+    dead = std::max(dead, generation);
+    for (auto h = reservations_.begin(); h != reservations_.end();) {
+      if (!h->second.quarantined || !WriterDeadLocked(h->second)) {
+        ++h;
+        continue;
+      }
+      ++counts_.quarantine_released_dead;
+      LogRequest(spdlog::level::warn, h->second.request_id,
+                 "quarantined reservation {} released: prefiller '{}' (generation {}) is dead",
+                 h->first, agent, h->second.writer_generation);
+      release.push_back(h->first);
+      h = reservations_.erase(h);
+    }
+  }
+  for (uint64_t id : release) engine_.ReleaseReservation(id).IgnoreError();
+}
+
+void Decoder::WatchPrefiller(std::string_view descriptor, std::string* agent, uint64_t* generation) {
+  auto desc = kvtransfer::ParseDescriptor(descriptor);
+  if (!desc.ok()) {
+    spdlog::warn("reserve: unreadable prefiller transport descriptor ({}); its expired "
+                 "reservations wait for its notice",
+                 desc.status().message());
+    return;
+  }
+  *agent = desc->agent_name;
+  *generation = desc->generation;
+  if (desc->agent_name == transport_.agent_name()) return;  // ourselves (role both): alive while we are
+  std::string key(descriptor);
+  uint64_t older = 0;
+  {
+    std::lock_guard lock(watch_mu_);
+    if (auto w = watched_.find(key); w != watched_.end()) {
+      return;
+    }
+    // A newer generation of the same agent: the older process is gone.
+    for (const auto& [d, peer] : watched_) {
+      auto old = kvtransfer::ParseDescriptor(d);
+      if (old.ok() && old->agent_name == desc->agent_name && old->generation < desc->generation) {
+        older = std::max(older, old->generation);
+      }
+    }
+    watched_[key] = 0;  // claimed; the import below fills it in
+  }
+  if (older != 0) OnPrefillerLost(desc->agent_name, older);
+  auto peer = transport_.ImportPeer(descriptor);
+  std::lock_guard lock(watch_mu_);
+  if (!peer.ok()) {
+    spdlog::warn("cannot watch prefiller '{}' through the KV transport ({}); its expired "
+                 "reservations are freed at expiry",
+                 desc->agent_name, peer.status().message());
+    watched_.erase(key);  // tried again with its next reservation
+    agent->clear();
+    return;
+  }
+  watched_[key] = *peer;
+}
+
+Status Decoder::VerifyChecksums(const Held& h, const std::vector<uint64_t>& checksums) const {
+  const size_t pushed = h.slots.size() - h.cached_blocks;
+  if (checksums.size() != pushed) {
+    return DataLossError(fmt::format(
+        "the notice carries {} block checksums for {} pushed blocks (transport.checksum must be "
+        "the same on every worker)",
+        checksums.size(), pushed));
+  }
+  for (size_t i = 0; i < pushed; ++i) {
+    const uint32_t slot = h.slots[h.cached_blocks + i];
+    const uint64_t got = XXH3_64bits(transport_.block(slot), transport_.block_bytes());
+    if (got != checksums[i]) {
+      return DataLossError(fmt::format("block {} of the prompt (slot {}): XXH3 {:016x}, expected {:016x}",
+                                       h.cached_blocks + i, slot, got, checksums[i]));
+    }
+  }
+  return Status::Ok();
 }
 
 }  // namespace tandem::decoder

@@ -9,10 +9,21 @@
 //   engine finishes                               -> gone (sink told)
 // prefill_locally requests go straight to kRunning through Engine::Submit.
 //
-// Safety of one-sided writes: a reservation whose prefiller may still be
-// writing is released only when that prefiller's notice (success or error)
-// arrives or its lease expires — also when the request was cancelled or
-// re-reserved meanwhile (the old reservation is "orphaned", not released).
+// Safety of one-sided writes (acknowledge-or-dead, docs/failure-handling.md
+// "Quarantine"): a reservation whose prefiller may still be writing is
+// released only when that prefiller's notice (success or error: it comes
+// after the data, or once no byte of an aborted push can land) arrives, or
+// when the transport declares that prefiller dead (its keepalive, an
+// endpoint error, or a newer generation of the same agent reserving). Until
+// then it stays held — also when the request was cancelled or re-reserved
+// (the old reservation is "orphaned") and when its lease expired (the
+// reservation is then "quarantined": the request fails over, the blocks
+// stay out of the free list, tandem_kv_quarantined_blocks).
+//
+// Checksums (transport.checksum): a success notice carries XXH3-64 of every
+// pushed block; they are verified before the request is added to the
+// engine. A mismatch fails the request with UNAVAILABLE (the proxy prefills
+// it again elsewhere) and is counted; bad KV is never decoded.
 // Engine reservations are made under an internal id ("<request>@r<n>") so
 // that Engine::Abort(request) never frees a reservation early.
 //
@@ -89,10 +100,15 @@ struct KvNoticeInfo {
   uint32_t prefill_cached_prompt_tokens = 0;  // the prefiller's prefix-cache hits
   Status error;  // non-OK: the prefiller gave up on the request
   std::string capability;  // must equal the reservation's (KvTargetInfo::capability)
+  // XXH3-64 of each pushed block (slots cached_blocks.. of the reservation).
+  std::vector<uint64_t> block_checksums;
 };
 
 struct DecoderOptions {
   double lease_seconds = 30.0;
+  // transport.checksum: verify the KV notice's block checksums (a notice
+  // without them, for blocks that were pushed, fails closed).
+  bool verify_checksums = true;
   // Called on the engine thread with a local prefill's compute time
   // (submit to first token); may be empty.
   std::function<void(double)> on_local_prefill_seconds;
@@ -107,6 +123,13 @@ struct DecoderCounts {
   // KV notices refused (never acted on), by reason (docs/security.md):
   uint64_t notices_refused_capability = 0;  // a known reservation, the wrong capability
   uint64_t notices_refused_unreadable = 0;  // not a KvNotice at all
+  // Acknowledge-or-dead: expired reservations whose prefiller has neither
+  // confirmed that no write is outstanding nor been declared dead.
+  uint32_t quarantined_reservations = 0;
+  uint32_t quarantined_blocks = 0;  // their pushed (not prefix-cached) blocks
+  uint64_t quarantine_released_ack = 0;   // by the prefiller's notice
+  uint64_t quarantine_released_dead = 0;  // by the prefiller's death
+  uint64_t checksum_failures = 0;  // requests whose KV failed verification
 };
 
 // Checks a request as the engine will (token ids, sampling, context
@@ -136,8 +159,11 @@ class Decoder {
   // Reserves blocks for a registered request. RESOURCE_EXHAUSTED when there
   // is no room (nothing held then), NOT_FOUND when the request is not
   // registered (cancelled, finished or unknown).
+  // `prefiller_descriptor` (binary, may be empty): the prefiller's own
+  // transport descriptor; the decoder connects to it to learn of its death.
   Result<KvTargetInfo> Reserve(const std::string& request_id, const std::string& prefiller,
-                               std::span<const uint32_t> prompt_ids);
+                               std::span<const uint32_t> prompt_ids,
+                               std::string_view prefiller_descriptor = {});
 
   // A KV notice from a prefiller (after its data). One for an unknown or
   // stale reservation is counted in stale_notices; one whose capability is
@@ -152,6 +178,11 @@ class Decoder {
   // With `sink`, only the registration that uses that sink is cancelled (a
   // superseded stream's late cancel leaves its successor alone).
   void Cancel(const std::string& request_id, const DecodeSink* sink = nullptr);
+
+  // The transport declared the prefiller `agent` (this generation and every
+  // older one) dead: its quarantined reservations are released, later
+  // expiring ones of it are released at expiry. Any thread.
+  void OnPrefillerLost(const std::string& agent, uint64_t generation);
 
   // New registrations fail with UNAVAILABLE; Reserve for registered ones
   // still works so that in-flight requests finish.
@@ -180,11 +211,27 @@ class Decoder {
     std::chrono::steady_clock::time_point lease_expiry;
     bool orphaned = false;  // its request was cancelled or re-reserved
     std::string capability;  // what the KvTarget carried
+    std::vector<uint32_t> slots;  // [prompt blocks]
+    uint32_t cached_blocks = 0;
+    bool quarantined = false;  // the lease expired: waits for the notice or the writer's death
+    std::string writer_agent;  // from the prefiller's descriptor ("" when unknown)
+    uint64_t writer_generation = 0;
   };
 
   engine::GenerateRequest MakeEngineRequest(const DecodeSpec& spec, std::shared_ptr<Emitter> emitter);
   void OnOutput(const std::string& request_id, Emitter& emitter, const engine::RequestOutput& out);
   void LeaseLoop(std::stop_token stop);
+  // Whether the writer of `h` is known dead (mu_ held).
+  bool WriterDeadLocked(const Held& h) const;
+  // Connects to a prefiller's transport so that its death is reported
+  // (once per descriptor; failures are logged).
+  void WatchPrefiller(std::string_view descriptor, std::string* agent, uint64_t* generation);
+  // Verifies the pushed blocks of reservation `h` against `checksums`;
+  // the error names the first bad block.
+  Status VerifyChecksums(const Held& h, const std::vector<uint64_t>& checksums) const;
+  // VerifyChecksums for a success notice, counted and logged on failure;
+  // the error (UNAVAILABLE) is what the request's stream ends with.
+  Status CheckPushedBlocks(const KvNoticeInfo& n, const Held& held);
   // Ends a request's stream with an error (outside the lock).
   static void Fail(const std::shared_ptr<Emitter>& emitter, const Status& status);
 
@@ -199,6 +246,9 @@ class Decoder {
   uint64_t next_tag_ = 1;                   // guarded by mu_
   bool draining_ = false;                   // guarded by mu_
   DecoderCounts counts_;                    // guarded by mu_ (totals)
+  std::map<std::string, uint64_t> dead_writers_;  // guarded by mu_: agent -> newest dead generation
+  std::mutex watch_mu_;
+  std::map<std::string, kvtransfer::PeerId> watched_;  // guarded by watch_mu_: descriptor -> peer
   std::jthread lease_thread_;
 };
 

@@ -135,7 +135,8 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
                                     const pb::ReserveRequest* req,
                                     pb::ReserveResponse* resp) override {
     std::vector<uint32_t> prompt(req->prompt_token_ids().begin(), req->prompt_token_ids().end());
-    auto target = decoder_.Reserve(req->request_id(), req->prefiller(), prompt);
+    auto target = decoder_.Reserve(req->request_id(), req->prefiller(), prompt,
+                                   req->prefiller_transport_descriptor());
     if (target.ok()) {
       auto* t = resp->mutable_target();
       t->set_request_id(target->request_id);
@@ -171,6 +172,7 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
     info.first_token_id = notice.first_token_id();
     info.prefill_cached_prompt_tokens = notice.prefill_cached_prompt_tokens();
     info.capability = notice.capability();
+    info.block_checksums.assign(notice.block_checksums().begin(), notice.block_checksums().end());
     if (notice.has_error()) {
       const int code = notice.error().code();
       info.error = Status(code > 0 && code <= 16 ? static_cast<StatusCode>(code)

@@ -32,6 +32,9 @@ std::string_view BackendFeatureName(BackendFeature feature) {
 }
 
 Status CpuBackend::Forward(std::span<const SeqChunk> batch, std::span<float> logits) {
+  // The workers spin for the whole forward pass (a few dozen parallel
+  // regions) and go back to sleep after it (kernels/cpu/thread_pool.h).
+  kernels::cpu::ThreadPool::StepScope step(threads_.get());
   return model_->Forward(batch, *pool_, logits, threads_.get(),
                          [this](uint32_t layers_done) { ReportLayersDone(layers_done); });
 }

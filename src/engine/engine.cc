@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include <sched.h>
 #include <sys/random.h>
 
 #include <algorithm>
@@ -52,6 +53,24 @@ Result<uint64_t> RandomReservationId() {
 
 }  // namespace
 
+namespace {
+// scheduler.threads: 0 (the default): the CPUs this process may run on (its
+// affinity mask) divided among the workers the fleet file lists (prefill +
+// decode + both replicas, which `tandem launch` starts on one host), at
+// least 1. Measured in bench/results/cpu_vs_llamacpp.md: one worker computes
+// fastest with every core; more compute threads than cores only make the
+// workers wait for each other.
+uint32_t AutoComputeThreads(const FleetConfig& fleet) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  const uint32_t cpus =
+      sched_getaffinity(0, sizeof(set), &set) == 0 ? static_cast<uint32_t>(CPU_COUNT(&set)) : 1;
+  const uint32_t workers =
+      std::max(1u, fleet.prefill.replicas + fleet.decode.replicas + fleet.both.replicas);
+  return std::max(1u, cpus / workers);
+}
+}  // namespace
+
 EngineOptions EngineOptions::FromFleetConfig(const FleetConfig& fleet) {
   EngineOptions o;
   o.backend = fleet.model.backend;
@@ -60,7 +79,7 @@ EngineOptions EngineOptions::FromFleetConfig(const FleetConfig& fleet) {
   o.scheduler.max_num_seqs = fleet.scheduler.max_num_seqs;
   o.scheduler.max_batched_tokens = fleet.scheduler.max_batched_tokens;
   o.scheduler.max_waiting = fleet.scheduler.max_waiting;
-  o.threads = fleet.scheduler.threads;
+  o.threads = fleet.scheduler.threads != 0 ? fleet.scheduler.threads : AutoComputeThreads(fleet);
   o.max_model_len = fleet.model.max_model_len;
   o.batch_invariant = fleet.model.batch_invariant;
   o.hash_context = HashContextFromFleet(fleet);  // the one builder (common/block_hash.h)

@@ -69,6 +69,11 @@ class HostKvTier {
   std::span<const std::byte> bytes(uint32_t slot) const {
     return {base_ + size_t{slot} * block_bytes_, block_bytes_};
   }
+  // XXH3-64 of the block as it was inserted (the KV plane's end-to-end
+  // checksum, docs/failure-handling.md); checked when it is read back.
+  uint64_t checksum(uint32_t slot) const { return sums_[slot]; }
+  // Whether the slot's bytes still hash to checksum(slot).
+  bool Verify(uint32_t slot) const;
   // Frees the slot of `hash` (no-op when absent).
   void Erase(uint64_t hash);
   // Every block held (hash, parent).
@@ -83,6 +88,7 @@ class HostKvTier {
   std::byte* base_ = nullptr;          // [capacity][block_bytes]
   PrefixCache index_;                  // hash -> slot, LRU over occupied slots
   std::vector<TierBlockMeta> meta_;    // [capacity]
+  std::vector<uint64_t> sums_;         // [capacity] XXH3-64 at insert
   std::vector<uint32_t> free_;         // free slots; back() used next
 };
 

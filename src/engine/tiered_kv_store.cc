@@ -76,6 +76,13 @@ Status TieredKvStore::Load(uint64_t hash, std::span<const uint32_t> tokens,
     if (auto slot = host_->Find(hash, tokens)) {
       auto src = host_->bytes(*slot);
       if (out.size() != src.size()) return InternalError("host KV tier: block size mismatch");
+      if (!host_->Verify(*slot)) {
+        // Never onboard bad KV: dropped, the caller recomputes it.
+        host_->Erase(hash);
+        Note(KvEventKind::kRemoved, KvTier::kHost, hash, 0);
+        spdlog::error("host KV tier: block {:016x} failed its XXH3 checksum; dropped", hash);
+        return DataLossError(fmt::format("host KV tier: block {:016x} failed its checksum", hash));
+      }
       std::copy(src.begin(), src.end(), out.begin());
       *parent = host_->meta(*slot).parent;
       host_->Erase(hash);

@@ -8,6 +8,7 @@
 #include <boost/beast/http.hpp>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <ctime>
@@ -47,6 +48,7 @@ struct Shared {
   ServerOptions opts;
 
   TlsFiles tls_files;  // security.public_tls; empty: plaintext
+  std::atomic<int> jobs{0};  // requests on the work pool (Shutdown waits for them)
 
   std::mutex mu;
   std::set<Session*> sessions;  // guarded by mu
@@ -122,6 +124,9 @@ class Session : public std::enable_shared_from_this<Session> {
     });
   }
 
+  // Shutdown, once the I/O threads are joined: the self-reference (hold_).
+  std::shared_ptr<Session> TakeHold() { return std::move(hold_); }
+
   // Any thread (shutdown): the active request is cancelled; nothing more
   // reaches this session from its lifecycle.
   void CancelLifecycle() {
@@ -174,6 +179,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void OnHeader(ErrorCode ec) {
     if (ec) return OnReadError(ec);
+    if (gone_) return Linger(0);  // closing: what comes now is discarded
     Touch();
     const auto& h = parser_->get();
     if (beast::iequals(h[bhttp::field::expect], "100-continue")) {
@@ -187,17 +193,24 @@ class Session : public std::enable_shared_from_this<Session> {
   void OnRead(ErrorCode ec) {
     reading_ = false;
     if (ec) return OnReadError(ec);
+    if (gone_) return Linger(0);
     // A request read ahead past proxy.limits.max_pipelined_requests waiting
     // ones is answered 429 in its turn, and the connection closes after it.
     const bool over = pending_.size() >= sh_->opts.max_pipelined;
     pending_.push_back(Pending{parser_->release(), over});
-    if (!over) DoRead();
+    if (over) {
+      stop_reading_ = true;  // nothing after it is read
+      // No read in flight holds the session now: hold it until it closes.
+      hold_ = shared_from_this();
+    } else {
+      DoRead();
+    }
     MaybeServe();
   }
 
   void OnReadError(ErrorCode ec) {
     reading_ = false;
-    if (gone_) return;
+    if (gone_) return EndLinger();  // closing, and the client closed too
     const bool parse_error = ec.category() == ErrorCode(bhttp::error::end_of_stream).category() &&
                              ec != bhttp::error::end_of_stream &&
                              ec != bhttp::error::partial_message;
@@ -249,7 +262,7 @@ class Session : public std::enable_shared_from_this<Session> {
       if (auto* m = sh_->fe->deps().metrics) m->CountOutcome("rejected");
       return Respond(429, "application/json", ErrorBody(429, why));
     }
-    if (!reading_ && !close_after_) DoRead();
+    if (!reading_ && !close_after_ && !stop_reading_) DoRead();
     Serve(req);
   }
 
@@ -331,6 +344,51 @@ class Session : public std::enable_shared_from_this<Session> {
             ErrorBody(code, r ? ToOpenAiMessage(*r, st.message()) : st.message()));
   }
 
+  // What the work pool hands back: the parsed request and its validation.
+  struct Prepared {
+    Endpoint endpoint = Endpoint::kCompletions;
+    Status error;          // parse, chat template or validation; ok otherwise
+    bool parsed = false;   // `request` holds the parsed request
+    OpenAiRequest request;
+    std::optional<proxy::ValidatedRequest> validated;
+    double retry_after = 0;
+  };
+
+  // On a work-pool thread: JSON, chat template, tokenization, validation.
+  static Prepared Prepare(Shared* sh, Endpoint ep, const std::string& body,
+                          const proxy::Tenant* tenant, const std::string& request_id) {
+    Prepared p;
+    p.endpoint = ep;
+    auto parsed = ParseRequest(ep, body);
+    if (!parsed.ok()) {
+      p.error = parsed.status();
+      return p;
+    }
+    p.parsed = true;
+    p.request = std::move(parsed).value();
+    OpenAiRequest& r = p.request;
+    if (ep == Endpoint::kChat) {
+      if (!sh->chat) {
+        p.error = InvalidArgumentError("messages: " + sh->chat_error);
+        return p;
+      }
+      auto text = sh->chat->Render(r.messages);
+      if (!text.ok()) {
+        p.error = text.status();
+        return p;
+      }
+      r.request.prompt_token_ids = sh->fe->deps().tokenizer->Encode(*text, false);
+    }
+    r.request.request_id = request_id;
+    auto v = sh->fe->Validate(r.request, tenant, &p.retry_after);
+    if (!v.ok()) {
+      p.error = v.status();
+      return p;
+    }
+    p.validated = std::move(v).value();
+    return p;
+  }
+
   void StartGeneration(Endpoint ep, const std::string& body, const proxy::Tenant* tenant) {
     // TTFT and e2e count from here (the body is read): parsing, the chat
     // template and tokenization included.
@@ -346,22 +404,33 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     if (Status st = sh_->fe->Admit(); !st.ok()) return Refuse(nullptr, st);
     admitted_ = true;
-    auto parsed = ParseRequest(ep, body);
-    if (!parsed.ok()) return Refuse(nullptr, parsed.status());
-    OpenAiRequest& r = *parsed;
-    if (ep == Endpoint::kChat) {
-      if (!sh_->chat) return Refuse(&r, InvalidArgumentError("messages: " + sh_->chat_error));
-      auto text = sh_->chat->Render(r.messages);
-      if (!text.ok()) return Refuse(&r, text.status());
-      r.request.prompt_token_ids = sh_->fe->deps().tokenizer->Encode(*text, false);
+    // The work runs on the proxy's work pool, off this I/O thread; the
+    // result comes back to this connection's strand (busy_ stays set, so
+    // pipelined requests wait their turn).
+    sh_->jobs.fetch_add(1);
+    sh_->fe->work().Submit([self = shared_from_this(), sh = sh_, ex = socket_.get_executor(), ep,
+                            body, tenant, id = request_id_header_, arrival] {
+      Prepared p = Prepare(sh, ep, body, tenant, id);
+      net::post(ex, [self, p = std::move(p), arrival]() mutable {
+        self->OnPrepared(std::move(p), arrival);
+      });
+      sh->jobs.fetch_sub(1);
+    });
+  }
+
+  void OnPrepared(Prepared p, std::chrono::steady_clock::time_point arrival) {
+    if (gone_) {  // the client left meanwhile
+      if (admitted_) sh_->fe->Release();
+      admitted_ = false;
+      return;
     }
-    r.request.request_id = request_id_header_;
-    double retry_after = 0;
-    auto v = sh_->fe->Validate(r.request, tenant, &retry_after);
-    if (!v.ok()) {
-      retry_after_seconds_ = retry_after;
-      return Refuse(&r, v.status());
+    if (!p.error.ok()) {
+      retry_after_seconds_ = p.retry_after;
+      return Refuse(p.parsed ? &p.request : nullptr, p.error);
     }
+    OpenAiRequest& r = p.request;
+    proxy::ValidatedRequest* v = &*p.validated;
+    const Endpoint ep = p.endpoint;
 
     active_ = true;
     headers_sent_ = false;
@@ -393,7 +462,7 @@ class Session : public std::enable_shared_from_this<Session> {
         if (auto s = w.lock()) s->OnError(st);
       });
     };
-    auto lc = proxy::RequestLifecycle::Start(sh_->fe->deps(), std::move(v).value(),
+    auto lc = proxy::RequestLifecycle::Start(sh_->fe->deps(), std::move(*v),
                                              std::move(sink),
                                              std::chrono::system_clock::time_point::max(), arrival);
     {
@@ -518,6 +587,7 @@ class Session : public std::enable_shared_from_this<Session> {
   void Gone() {
     if (gone_) return;
     gone_ = true;
+    hold_.reset();
     if (active_) {
       CancelLifecycle();
       EndGeneration();
@@ -533,16 +603,48 @@ class Session : public std::enable_shared_from_this<Session> {
     socket_.socket().close(ignored);
   }
 
+  // Our side is done: half-close, then read and discard what the client
+  // still sends (a body we refused, requests pipelined past a limit) until
+  // its close, kLingerBytes or kLingerTime, whichever first. Closing with
+  // unread bytes would make the kernel answer with a reset, which destroys
+  // our last response before the client has read it.
+  static constexpr size_t kLingerBytes = 1u << 20;
+  static constexpr auto kLingerTime = std::chrono::seconds(2);
+
   void Close() {
+    hold_.reset();  // the linger's handlers hold it from here
     ErrorCode ignored;
     socket_.socket().shutdown(tcp::socket::shutdown_send, ignored);
-    // The read loop sees the client's close and ends the session; if the
-    // client lingers, closing here ends it too.
     gone_ = true;
     if (active_) {
       CancelLifecycle();
       EndGeneration();
     }
+    idle_timer_.cancel();
+    idle_timer_.expires_after(kLingerTime);
+    idle_timer_.async_wait([self = shared_from_this()](ErrorCode ec) {
+      if (ec) return;
+      ErrorCode ignored;
+      self->socket_.socket().close(ignored);
+    });
+    // A read in flight (the parser's) ends with the client's close too.
+    if (!reading_) Linger(0);
+  }
+
+  // Under TLS the discarded bytes are read (and decrypted) through the TLS
+  // stream; the client's close_notify or TCP close ends the linger.
+  void Linger(size_t discarded) {
+    if (discarded >= kLingerBytes) return EndLinger();
+    socket_.async_read_some(net::buffer(linger_buf_),
+                            [self = shared_from_this(), discarded](ErrorCode ec, size_t n) {
+                              if (ec) return self->EndLinger();
+                              self->Linger(discarded + n);
+                            });
+  }
+
+  void EndLinger() {
+    ErrorCode ignored;
+    idle_timer_.cancel();
     socket_.socket().close(ignored);
   }
 
@@ -551,6 +653,7 @@ class Session : public std::enable_shared_from_this<Session> {
   net::steady_timer idle_timer_;
   std::chrono::steady_clock::time_point last_activity_;
   beast::flat_buffer buf_;
+  std::array<char, 4096> linger_buf_{};
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
   struct Pending {
     Request req;
@@ -562,6 +665,8 @@ class Session : public std::enable_shared_from_this<Session> {
   bool keep_alive_ = true, close_after_ = false, close_when_written_ = false;
   std::string request_id_header_;
   bool over_connections_ = false;  // opened past proxy.limits.max_connections
+  bool stop_reading_ = false;  // a request over max_pipelined_requests is queued
+  std::shared_ptr<Session> hold_;  // this, while no read holds it (stop_reading_)
   double retry_after_seconds_ = 0;  // the next 429/503's Retry-After (0: 1 s)
   bool head_ = false;  // the request being answered is a HEAD
 
@@ -705,6 +810,19 @@ void HttpServer::Shutdown() {
   impl_->ioc.stop();
   for (auto& t : impl_->threads) t.join();
   impl_->threads.clear();
+  // A request still on the work pool posts its result to the io_context:
+  // it must live until the last one has (they always finish: bounded input).
+  while (impl_->shared.jobs.load() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  // Sessions that hold themselves (a request queued past the pipelining
+  // limit) let go, so that they end with the io_context's handlers.
+  std::vector<std::shared_ptr<Session>> held;
+  {
+    std::lock_guard lock(impl_->shared.mu);
+    for (Session* s : impl_->shared.sessions) {
+      if (auto h = s->TakeHold()) held.push_back(std::move(h));
+    }
+  }
+  held.clear();
 }
 
 proxy::HttpFactory Factory(const ServerOptions& options) {

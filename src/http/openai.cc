@@ -310,6 +310,7 @@ std::string ToOpenAiMessage(const OpenAiRequest& r, std::string message) {
   if (r.prompt_was_ids) replace_prefix("prompt_token_ids", "prompt");
   if (r.endpoint == Endpoint::kChat) {
     replace_prefix("prompt has", "messages have");  // context length, counted after the template
+    replace_prefix("prompt_token_ids has", "messages have");  // the rendered chat is given as ids
     replace_prefix("prompt (", "messages (");
   }
   return message;

@@ -2,9 +2,13 @@
 
 #include <fmt/format.h>
 
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <atomic>
+#include <charconv>
 #include <chrono>
+#include <cstdlib>
 
 #include "kvtransfer/loopback/loopback_transport.h"
 #include "kvtransfer/ucx/ucx_transport.h"
@@ -76,7 +80,9 @@ uint64_t NewGeneration() {
   return next;
 }
 
-Result<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& options) {
+namespace {
+
+Result<std::unique_ptr<Transport>> CreateBackend(const TransportOptions& options) {
   if (options.agent_name.empty()) return InvalidArgumentError("transport needs an agent_name");
   if (options.block_bytes == 0 || options.num_blocks == 0) {
     return InvalidArgumentError(fmt::format("KV pool of {} blocks of {} bytes is empty",
@@ -88,5 +94,66 @@ Result<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& optio
   return InvalidArgumentError(
       fmt::format("unknown KV transport backend '{}' (expected ucx or loopback)", options.backend));
 }
+
+}  // namespace
+
+std::string KvFaultOptions::ToString() const {
+  if (!enabled()) return "off";
+  return fmt::format("fail_every={},delay_ms={},delay_writes={},flip_block={}{}", fail_every,
+                     delay_ms, delay_writes, flip_block, agent.empty() ? "" : ",agent=" + agent);
+}
+
+Result<KvFaultOptions> ParseKvFault(std::string_view spec) {
+  KvFaultOptions f;
+  if (spec.empty() || spec == "off") return f;
+  size_t pos = 0;
+  while (pos <= spec.size()) {
+    const size_t comma = std::min(spec.find(',', pos), spec.size());
+    const std::string_view item = spec.substr(pos, comma - pos);
+    pos = comma + 1;
+    if (item.empty()) continue;
+    const size_t eq = item.find('=');
+    const std::string_view key = item.substr(0, eq);
+    const std::string_view value = eq == std::string_view::npos ? "" : item.substr(eq + 1);
+    if (key == "agent") {
+      if (value.empty()) return InvalidArgumentError(fmt::format("{}: 'agent' needs a name", kKvFaultEnv));
+      f.agent.assign(value);
+      continue;
+    }
+    uint32_t* field = key == "fail_every"     ? &f.fail_every
+                      : key == "delay_ms"     ? &f.delay_ms
+                      : key == "delay_writes" ? &f.delay_writes
+                      : key == "flip_block"   ? &f.flip_block
+                                              : nullptr;
+    if (field == nullptr) {
+      return InvalidArgumentError(fmt::format(
+          "{}: unknown key '{}' (expected fail_every, delay_ms, delay_writes, flip_block or agent)",
+          kKvFaultEnv, key));
+    }
+    uint64_t v = 0;
+    const auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), v);
+    if (value.empty() || ec != std::errc() || end != value.data() + value.size() ||
+        v > 3'600'000) {
+      return InvalidArgumentError(fmt::format(
+          "{}: '{}' needs a whole number from 0 to 3600000, got '{}'", kKvFaultEnv, key, value));
+    }
+    *field = static_cast<uint32_t>(v);
+  }
+  return f;
+}
+
+Result<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& requested) {
+  TransportOptions options = requested;
+  if (const char* env = std::getenv(kKvFaultEnv); env != nullptr && *env != '\0') {
+    TANDEM_ASSIGN_OR_RETURN(KvFaultOptions fault, ParseKvFault(env));
+    if (fault.agent.empty() || fault.agent == options.agent_name) options.fault = fault;
+  }
+  if (options.fault.enabled()) {
+    spdlog::warn("kvtransfer: FAULT INJECTION ON for agent '{}' ({}): {} (tests only)",
+                 options.agent_name, kKvFaultEnv, options.fault.ToString());
+  }
+  return CreateBackend(options);
+}
+
 
 }  // namespace tandem::kvtransfer

@@ -104,7 +104,40 @@ struct TransportStats {
   uint64_t notifications_sent = 0;
   uint64_t notifications_received = 0;
   uint64_t stale_notifications_dropped = 0;  // addressed to an older generation of this agent
+  uint64_t faults_injected = 0;  // writes failed, delayed or corrupted by KvFaultOptions
 };
+
+// Fault injection for tests (docs/failure-handling.md, "KV fault
+// injection"). Off unless a test sets TransportOptions::fault or the
+// process runs with TANDEM_KV_FAULT set (e.g.
+// TANDEM_KV_FAULT=fail_every=5,delay_ms=2000,delay_writes=1,flip_block=3);
+// off costs one branch per posted write. Counting is per transport, over
+// "data writes" (posted writes with at least one segment) in post order.
+struct KvFaultOptions {
+  // Every Nth data write ends kErrBackend before any byte of it moves.
+  uint32_t fail_every = 0;
+  // Data writes start moving bytes only this long after Post (a slow link
+  // or a stalled NIC): the stale-writer race. Such a write is "on the
+  // wire": an abort meanwhile takes effect only once all its data landed
+  // (it then ends ERR_CANCELED, without its notice).
+  uint32_t delay_ms = 0;
+  // ... only the first N data writes (0: every one).
+  uint32_t delay_writes = 0;
+  // Once: the Nth block a data write touches (1 = the first; counting every
+  // remote block of every data write, in order) gets one byte flipped at the
+  // receiver after its data landed and before the write's notice. The
+  // sender's pool is not changed.
+  uint32_t flip_block = 0;
+  // TANDEM_KV_FAULT only: when set, only the transport of this agent (e.g.
+  // "prefill-0") takes the faults; others in the fleet ignore the variable.
+  std::string agent;
+  bool enabled() const { return fail_every != 0 || delay_ms != 0 || flip_block != 0; }
+  std::string ToString() const;
+};
+inline constexpr const char* kKvFaultEnv = "TANDEM_KV_FAULT";
+// Parses "key=value,key=value" (keys as the fields above; "" or "off": no
+// faults). INVALID_ARGUMENT names the bad key or value.
+Result<KvFaultOptions> ParseKvFault(std::string_view spec);
 
 struct TransportOptions {
   std::string backend = "ucx";  // ucx | loopback
@@ -133,10 +166,17 @@ struct TransportOptions {
   double pace_bits_per_s = 0;
   double pace_byte_scale = 1.0;
   double pace_latency_s = 0;
+  // Fault injection (tests only; see KvFaultOptions). CreateTransport
+  // replaces it with TANDEM_KV_FAULT when that is set.
+  KvFaultOptions fault;
 };
 
 using XferCallback = std::function<void(XferId, XferStatus, const Status& detail)>;
 using NotificationCallback = std::function<void(Notification)>;
+// A peer this transport imported was declared lost (endpoint error, the
+// keepalive): its agent name and generation.
+using PeerFailureCallback =
+    std::function<void(const std::string& agent, uint64_t generation, const Status& why)>;
 
 class Transport {
  public:
@@ -195,6 +235,11 @@ class Transport {
   // When set, notifications go to `cb` (on the progress thread) instead of
   // the queue TakeNotifications reads.
   virtual void SetNotificationCallback(NotificationCallback cb) = 0;
+
+  // When set, `cb` runs (on the progress thread, must not block nor call
+  // ReleasePeer) once for each imported peer declared lost. Default: no
+  // failure reports (a transport without peer-failure detection).
+  virtual void SetPeerFailureCallback(PeerFailureCallback cb) { (void)cb; }
 
   virtual TransportStats stats() const = 0;
 

@@ -282,7 +282,23 @@ Status TransportBase::Post(XferId xfer, XferCallback on_done) {
     x->on_done = std::move(on_done);
     x->in_active = true;
     ++inflight_;
-    if (options_.pace_bits_per_s > 0 && x->total_bytes > 0) {
+    std::chrono::milliseconds fault_delay{0};
+    if (options_.fault.enabled() && x->total_bytes > 0) {
+      fault_delay = InjectFaults(*x, *pit->second);
+    }
+    if (x->fault_fail) {
+      commands_.push_back([this, x] {
+        Finish(*x, XferStatus::kErrBackend,
+               InternalError(fmt::format("injected fault ({} fail_every={}): write failed before "
+                                         "any byte moved",
+                                         kKvFaultEnv, options_.fault.fail_every)));
+        active_.push_back(x);  // SweepActive drops it
+      });
+    } else if (fault_delay.count() > 0) {
+      x->fault_in_flight = true;
+      const auto due = std::chrono::steady_clock::now() + fault_delay;
+      commands_.push_back([this, x, due] { paced_.emplace_back(due, x); });
+    } else if (options_.pace_bits_per_s > 0 && x->total_bytes > 0) {
       const auto now = std::chrono::steady_clock::now();
       const double wire_s = static_cast<double>(x->total_bytes) * options_.pace_byte_scale * 8.0 /
                             options_.pace_bits_per_s;
@@ -298,6 +314,48 @@ Status TransportBase::Post(XferId xfer, XferCallback on_done) {
   }
   Wake();
   return Status::Ok();
+}
+
+std::chrono::milliseconds TransportBase::InjectFaults(Xfer& x, const PeerEntry& peer) {
+  const KvFaultOptions& f = options_.fault;
+  const uint64_t n = ++fault_writes_;
+  if (f.fail_every != 0 && n % f.fail_every == 0) {
+    x.fault_fail = true;
+    faults_injected_++;
+    spdlog::warn("kvtransfer: injected fault: data write {} (transfer {}) fails", n, x.id);
+    return std::chrono::milliseconds(0);
+  }
+  std::chrono::milliseconds delay{0};
+  if (f.delay_ms != 0 && (f.delay_writes == 0 || n <= f.delay_writes)) {
+    delay = std::chrono::milliseconds(f.delay_ms);
+    faults_injected_++;
+    spdlog::warn("kvtransfer: injected fault: data write {} (transfer {}) waits {} ms", n, x.id,
+                 f.delay_ms);
+  }
+  const uint64_t bb = peer.desc.block_bytes;
+  if (f.flip_block != 0 && bb != 0 && fault_blocks_ < f.flip_block) {
+    for (const Segment& s : x.segments) {
+      const uint64_t first = s.remote_offset_bytes / bb;
+      const uint64_t last = (s.remote_offset_bytes + s.length_bytes - 1) / bb;
+      const uint64_t blocks = last - first + 1;
+      if (fault_blocks_ + blocks < f.flip_block) {
+        fault_blocks_ += blocks;
+        continue;
+      }
+      const uint64_t block = first + (f.flip_block - fault_blocks_ - 1);
+      const uint64_t remote = std::max(s.remote_offset_bytes, block * bb);
+      const uint64_t local = s.local_offset_bytes + (remote - s.remote_offset_bytes);
+      x.flip_remote_offset = remote;
+      x.flip_value = pool()[local] ^ std::byte{0xff};
+      fault_blocks_ = f.flip_block;
+      faults_injected_++;
+      spdlog::warn("kvtransfer: injected fault: block {} written gets byte {} of the peer's pool "
+                   "flipped (transfer {})",
+                   f.flip_block, remote, x.id);
+      break;
+    }
+  }
+  return delay;
 }
 
 XferStatus TransportBase::Poll(XferId xfer, Status* detail) {
@@ -384,6 +442,7 @@ TransportStats TransportBase::stats() const {
   s.notifications_sent = notifications_sent_.load();
   s.notifications_received = notifications_received_;
   s.stale_notifications_dropped = stale_notifications_dropped_;
+  s.faults_injected = faults_injected_.load();
   return s;
 }
 
@@ -404,6 +463,9 @@ void TransportBase::Finish(Xfer& x, XferStatus status, Status detail) {
 }
 
 void TransportBase::OnPeerFailed(PeerId peer, const Status& why) {
+  PeerFailureCallback cb;
+  std::string agent;
+  uint64_t generation = 0;
   {
     std::lock_guard lock(mu_);
     auto it = peers_.find(peer);
@@ -411,11 +473,21 @@ void TransportBase::OnPeerFailed(PeerId peer, const Status& why) {
     it->second->failed = true;
     it->second->failed_seen = true;
     it->second->failure = why;
+    cb = peer_failure_cb_;
+    agent = it->second->desc.agent_name;
+    generation = it->second->desc.generation;
   }
-  spdlog::warn("kvtransfer: peer {} failed: {}", peer, why.ToString());
+  spdlog::warn("kvtransfer: peer {} ({} generation {}) failed: {}", peer, agent, generation,
+               why.ToString());
   for (Xfer* x : active_) {
     if (x->peer == peer) Finish(*x, XferStatus::kErrRemoteDisconnect, why);
   }
+  if (cb) cb(agent, generation, why);
+}
+
+void TransportBase::SetPeerFailureCallback(PeerFailureCallback cb) {
+  std::lock_guard lock(mu_);
+  peer_failure_cb_ = std::move(cb);
 }
 
 void TransportBase::DeliverNotice(std::string_view wire) {
@@ -520,9 +592,11 @@ void TransportBase::ReleaseDuePaced() {
   if (paced_.empty()) return;
   const auto now = std::chrono::steady_clock::now();
   // An aborted (or released) write leaves at once: Advance finishes it
-  // without moving a byte.
+  // without moving a byte. Not one the fault hook holds "on the wire".
   std::erase_if(paced_, [&](const auto& entry) {
-    if (entry.first > now && !entry.second->abort.load()) return false;
+    if (entry.first > now && (!entry.second->abort.load() || entry.second->fault_in_flight)) {
+      return false;
+    }
     active_.push_back(entry.second);
     return true;
   });

@@ -71,6 +71,17 @@ struct Xfer {
   Status op_error;                    // first failed operation
   std::string notice_wire;            // encoded notice, alive until sent
   bool notice_sent = false;
+
+  // Fault injection (KvFaultOptions), decided at Post. Backends flip the
+  // byte at `flip_remote_offset` of the peer's pool to `flip_value` once the
+  // data landed and before the notice (only when not stopping).
+  bool fault_fail = false;
+  // Delayed by the hook: the write is "on the wire" and an abort takes
+  // effect only once all its data landed (no notice then).
+  bool fault_in_flight = false;
+  std::optional<uint64_t> flip_remote_offset;
+  std::byte flip_value{};  // stays alive for the backend's put
+  bool flip_done = false;  // [progress]
 };
 
 // Notice wire format (inside one message): u64 target_generation |
@@ -99,6 +110,7 @@ class TransportBase : public Transport {
   Status Release(XferId xfer) override;
   std::vector<Notification> TakeNotifications() override;
   void SetNotificationCallback(NotificationCallback cb) override;
+  void SetPeerFailureCallback(PeerFailureCallback cb) override;
   TransportStats stats() const override;
 
   // [any thread] A received notice: checks its generation, then queues it
@@ -149,6 +161,7 @@ class TransportBase : public Transport {
   std::atomic<uint64_t> puts_posted_{0};
   std::atomic<uint64_t> bytes_written_{0};
   std::atomic<uint64_t> notifications_sent_{0};
+  std::atomic<uint64_t> faults_injected_{0};
 
  private:
   void ProgressLoop(std::stop_token stop);
@@ -169,6 +182,7 @@ class TransportBase : public Transport {
   std::deque<std::function<void()>> commands_;
   std::deque<Notification> notices_;
   NotificationCallback notice_cb_;
+  PeerFailureCallback peer_failure_cb_;  // guarded by mu_
   uint64_t inflight_ = 0;
   uint64_t notifications_received_ = 0;
   uint64_t stale_notifications_dropped_ = 0;
@@ -178,6 +192,12 @@ class TransportBase : public Transport {
   void ReleaseDuePaced();
   std::chrono::steady_clock::time_point link_free_at_{};  // guarded by mu_
   std::vector<std::pair<std::chrono::steady_clock::time_point, Xfer*>> paced_;  // [progress]
+
+  // Fault injection: decides what happens to a data write being posted
+  // (mu_ held); returns the extra delay before its bytes move.
+  std::chrono::milliseconds InjectFaults(Xfer& x, const PeerEntry& peer);
+  uint64_t fault_writes_ = 0;  // guarded by mu_: data writes posted
+  uint64_t fault_blocks_ = 0;  // guarded by mu_: remote blocks they touched
 
   std::vector<Xfer*> active_;  // [progress]
   std::jthread progress_thread_;

@@ -235,6 +235,7 @@ void Prefiller::OnReserved(const JobPtr& job, Result<ReserveTarget> target) {
     plan.num_layers = engine_.pool().layout().num_layers;
     // Layer runs need whole layers per block; otherwise whole blocks only.
     if (plan.num_layers == 0 || plan.block_bytes % plan.num_layers != 0) plan.num_layers = 1;
+    plan.checksum = options_.checksum;
     std::lock_guard lock(mu_);
     job->push = PushStream::Create(transport_, std::move(plan), options_.push_mode);
   }
@@ -349,7 +350,11 @@ void Prefiller::OnOutput(const JobPtr& job, const engine::RequestOutput& out) {
   std::vector<uint32_t> blocks(out.block_ids.begin(), out.block_ids.begin() + num_prompt_blocks);
   // The notice goes after every byte of the reservation (push_stream.h);
   // a cancel from here on aborts the push (Cancel, stage kTransferring).
-  job->push->Finish(std::move(blocks), link_.EncodeNotice(n),
+  job->push->Finish(std::move(blocks),
+                    [this, n](std::vector<uint64_t> sums) mutable {
+                      n.block_checksums = std::move(sums);
+                      return link_.EncodeNotice(n);
+                    },
                     [this, job](kvtransfer::XferStatus st, const Status& detail) {
                       OnTransferDone(job, st, detail);
                     });

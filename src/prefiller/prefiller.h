@@ -88,6 +88,7 @@ struct NoticeSpec {
   uint32_t cached_prompt_tokens = 0;  // this prefiller's prefix-cache hits
   Status error;  // non-OK: this prefiller gave up on the request
   std::string capability;  // ReserveTarget::capability
+  std::vector<uint64_t> block_checksums;  // XXH3-64 of each pushed block (transport.checksum)
 };
 
 // How the prefiller reaches decoders; the gRPC implementation lives in
@@ -111,6 +112,8 @@ struct PrefillerOptions {
   double lease_seconds = 30.0;
   // The fleet's transport.push.
   PushMode push_mode = PushMode::kStreaming;
+  // transport.checksum: the notice carries XXH3-64 of every pushed block.
+  bool checksum = true;
   // Called (on any thread) for every completed prefill with its numbers.
   std::function<void(const PrefillResult&)> on_complete;
 };

@@ -87,7 +87,9 @@ class PrefillerServiceImpl final : public pb::Prefiller::CallbackService {
 
 class GrpcDecoderLink final : public DecoderLink {
  public:
-  explicit GrpcDecoderLink(RpcCredentials credentials) : credentials_(std::move(credentials)) {}
+  GrpcDecoderLink(RpcCredentials credentials, std::string prefiller_descriptor)
+      : credentials_(std::move(credentials)),
+        prefiller_descriptor_(std::move(prefiller_descriptor)) {}
 
   void Reserve(const PrefillJob& job, const std::string& prefiller_name, ReserveDone done) override {
     struct Call {
@@ -98,6 +100,7 @@ class GrpcDecoderLink final : public DecoderLink {
     auto call = std::make_shared<Call>();
     call->req.set_request_id(job.request_id);
     call->req.set_prefiller(prefiller_name);
+    call->req.set_prefiller_transport_descriptor(prefiller_descriptor_);
     call->req.mutable_prompt_token_ids()->Add(job.prompt_ids.begin(), job.prompt_ids.end());
     auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(10);
     if (job.deadline && *job.deadline < deadline) deadline = *job.deadline;
@@ -139,6 +142,7 @@ class GrpcDecoderLink final : public DecoderLink {
     m.set_first_token_id(n.first_token_id);
     m.set_prefill_cached_prompt_tokens(n.cached_prompt_tokens);
     m.set_capability(n.capability);
+    m.mutable_block_checksums()->Add(n.block_checksums.begin(), n.block_checksums.end());
     if (!n.error.ok()) {
       m.mutable_error()->set_code(static_cast<int>(n.error.code()));
       m.mutable_error()->set_message(n.error.message());
@@ -157,6 +161,7 @@ class GrpcDecoderLink final : public DecoderLink {
   }
 
   const RpcCredentials credentials_;
+  const std::string prefiller_descriptor_;
   std::mutex mu_;
   std::map<std::string, std::unique_ptr<pb::Decoder::Stub>> stubs_;  // never erased
 };
@@ -167,8 +172,9 @@ std::unique_ptr<grpc::Service> MakePrefillerService(Prefiller& prefiller) {
   return std::make_unique<PrefillerServiceImpl>(prefiller);
 }
 
-std::unique_ptr<DecoderLink> MakeGrpcDecoderLink(const RpcCredentials& credentials) {
-  return std::make_unique<GrpcDecoderLink>(credentials);
+std::unique_ptr<DecoderLink> MakeGrpcDecoderLink(const RpcCredentials& credentials,
+                                                 std::string prefiller_descriptor) {
+  return std::make_unique<GrpcDecoderLink>(credentials, std::move(prefiller_descriptor));
 }
 
 }  // namespace tandem::prefiller

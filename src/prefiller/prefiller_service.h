@@ -27,6 +27,10 @@ std::unique_ptr<grpc::Service> MakePrefillerService(Prefiller& prefiller);
 
 // Channels are created per decoder address on first use and kept; all use
 // `credentials` (the internal plane's).
-std::unique_ptr<DecoderLink> MakeGrpcDecoderLink(const RpcCredentials& credentials);
+// `prefiller_descriptor`: this prefiller's KV transport descriptor (binary),
+// sent with every Reserve so that the decoder can watch this prefiller's
+// liveness (docs/failure-handling.md, "Quarantine").
+std::unique_ptr<DecoderLink> MakeGrpcDecoderLink(const RpcCredentials& credentials,
+                                                 std::string prefiller_descriptor = {});
 
 }  // namespace tandem::prefiller

@@ -1,6 +1,7 @@
 #include "prefiller/push_stream.h"
 
 #include <fmt/format.h>
+#include <xxhash.h>
 
 #include <algorithm>
 
@@ -18,7 +19,19 @@ PushStream::PushStream(kv::Transport& transport, PushPlan plan, PushMode mode)
       plan_(std::move(plan)),
       mode_(mode),
       layer_bytes_(plan_.num_layers == 0 ? plan_.block_bytes : plan_.block_bytes / plan_.num_layers),
-      pushed_(plan_.slots.size(), 0) {}
+      pushed_(plan_.slots.size(), 0),
+      sums_(plan_.slots.size(), 0),
+      summed_(plan_.slots.size(), false) {}
+
+void PushStream::ChecksumFinal(std::span<const uint32_t> block_table) {
+  if (!plan_.checksum) return;
+  const uint32_t n = static_cast<uint32_t>(std::min(block_table.size(), pushed_.size()));
+  for (uint32_t b = plan_.cached_blocks; b < n; ++b) {
+    if (summed_[b] || pushed_[b] < plan_.num_layers) continue;
+    sums_[b] = XXH3_64bits(transport_.block(block_table[b]), plan_.block_bytes);
+    summed_[b] = true;
+  }
+}
 
 uint64_t PushStream::bytes_posted() const {
   std::lock_guard lock(mu_);
@@ -74,11 +87,17 @@ void PushStream::OnProgress(const engine::KvProgress& p, bool posting_allowed) {
   }
   std::vector<kv::Segment> segs = TakeFinal(p.block_table, final_layers);
   if (segs.empty()) return;
+  ChecksumFinal(p.block_table);
   PostLocked(lock, std::move(segs), std::nullopt, /*is_final=*/false);
   Advance(lock);
 }
 
 void PushStream::Finish(std::vector<uint32_t> block_ids, std::string notice, DoneFn done) {
+  Finish(std::move(block_ids),
+         [notice = std::move(notice)](std::vector<uint64_t>) { return notice; }, std::move(done));
+}
+
+void PushStream::Finish(std::vector<uint32_t> block_ids, NoticeFn notice, DoneFn done) {
   std::unique_lock lock(mu_);
   if (pending_ || ended_) return;  // Finish twice: the first one stands
   pending_ = Pending{std::move(block_ids), std::move(notice)};
@@ -192,9 +211,17 @@ void PushStream::Advance(std::unique_lock<std::mutex>& lock) {
     // Every earlier transfer completed: the rest, then the notice.
     final_posted_ = true;
     std::vector<uint32_t> all(pushed_.size(), plan_.num_layers);
-    if (resend_all_) std::fill(pushed_.begin(), pushed_.end(), 0);
+    if (resend_all_) {
+      std::fill(pushed_.begin(), pushed_.end(), 0);
+      std::fill(summed_.begin(), summed_.end(), false);  // the blocks were computed again
+    }
     std::vector<kv::Segment> segs = TakeFinal(pending_->block_ids, all);
-    PostLocked(lock, std::move(segs), pending_->notice, /*is_final=*/true);
+    std::vector<uint64_t> sums;
+    if (plan_.checksum) {
+      ChecksumFinal(pending_->block_ids);
+      sums.assign(sums_.begin() + std::min<size_t>(plan_.cached_blocks, sums_.size()), sums_.end());
+    }
+    PostLocked(lock, std::move(segs), pending_->notice(std::move(sums)), /*is_final=*/true);
     // A failed post leaves failure_ set and outstanding_ at 0: the loop reports it.
   }
 }

@@ -22,6 +22,12 @@
 // block the decoder lacks instead (after the earlier ones ended), or the
 // stream fails.
 //
+// Checksums (plan.checksum, transport.checksum): XXH3-64 of every pushed
+// block, over its bytes in the local pool, computed when the block is final
+// in every layer (streaming: in OnProgress, as it is posted; otherwise, or
+// after a preemption, just before the notice's transfer) and handed to the
+// notice builder in prompt order (blocks cached_blocks..).
+//
 // Threads: OnProgress on the engine thread; Finish and Abort on any thread;
 // transfer callbacks on the transport's progress thread. `done` runs once,
 // on whichever thread ends the stream. No lock is held across a transport
@@ -54,6 +60,7 @@ struct PushPlan {
   uint32_t block_size = 0;       // tokens per block
   uint32_t num_layers = 0;       // the block layout's; block_bytes % num_layers == 0
   uint64_t block_bytes = 0;
+  bool checksum = false;  // compute XXH3-64 per pushed block for the notice
 };
 
 class PushStream : public std::enable_shared_from_this<PushStream> {
@@ -62,6 +69,9 @@ class PushStream : public std::enable_shared_from_this<PushStream> {
   // notice). Otherwise the first failure (or kErrCanceled after Abort), and
   // no byte of the stream can land any more.
   using DoneFn = std::function<void(kvtransfer::XferStatus, const Status&)>;
+  // Builds the notice from the pushed blocks' checksums (empty without
+  // plan.checksum). Runs once, under the stream's lock: it must not call it.
+  using NoticeFn = std::function<std::string(std::vector<uint64_t> block_checksums)>;
 
   // Held by shared_ptr: transfer callbacks keep it alive.
   static std::shared_ptr<PushStream> Create(kvtransfer::Transport& transport, PushPlan plan,
@@ -76,6 +86,7 @@ class PushStream : public std::enable_shared_from_this<PushStream> {
   // Every prompt block is final in `block_ids` [prompt blocks]; pushes the
   // rest and then `notice`. `done` runs once (possibly inside this call).
   void Finish(std::vector<uint32_t> block_ids, std::string notice, DoneFn done);
+  void Finish(std::vector<uint32_t> block_ids, NoticeFn notice, DoneFn done);
   // Stops every transfer; `then` runs once none of this stream's bytes can
   // land any more (possibly inside this call). A pending Finish's `done`
   // gets kErrCanceled instead. Later calls only add nothing.
@@ -88,7 +99,7 @@ class PushStream : public std::enable_shared_from_this<PushStream> {
   PushStream(kvtransfer::Transport& transport, PushPlan plan, PushMode mode);
   struct Pending {  // what Finish left for the notice's transfer
     std::vector<uint32_t> block_ids;
-    std::string notice;
+    NoticeFn notice;
   };
   // Segments of layers [pushed_[b], final) of each block, merged; updates pushed_.
   std::vector<kvtransfer::Segment> TakeFinal(std::span<const uint32_t> block_table,
@@ -100,6 +111,9 @@ class PushStream : public std::enable_shared_from_this<PushStream> {
   // Runs what became due (the final transfer, `done`, the abort's `then`).
   void Advance(std::unique_lock<std::mutex>& lock);
   void Fail(kvtransfer::XferStatus st, Status why);  // under mu_
+  // Checksums of the blocks (cached_blocks..) final in every layer whose
+  // sum is not known yet, read at `block_table` (under mu_).
+  void ChecksumFinal(std::span<const uint32_t> block_table);
 
   kvtransfer::Transport& transport_;
   const PushPlan plan_;
@@ -108,6 +122,8 @@ class PushStream : public std::enable_shared_from_this<PushStream> {
 
   mutable std::mutex mu_;
   std::vector<uint32_t> pushed_;  // [prompt blocks] leading layers posted per block
+  std::vector<uint64_t> sums_;    // [prompt blocks] XXH3-64 (plan_.checksum)
+  std::vector<bool> summed_;      // [prompt blocks] sums_[b] is known
   std::optional<uint32_t> attempt_;
   bool resend_all_ = false;       // an earlier post may hold stale bytes: the final one re-sends
   std::set<kvtransfer::XferId> inflight_;

@@ -11,6 +11,7 @@
 #include "proxy/lifecycle.h"
 #include "proxy/request.h"
 #include "proxy/tenants.h"
+#include "proxy/work_pool.h"
 
 namespace tandem::proxy {
 
@@ -52,6 +53,9 @@ class Frontend {
   void SetDraining(bool draining) { draining_ = draining; }
   bool draining() const { return draining_; }
   uint32_t inflight() const { return inflight_; }
+  // Where admitted requests are parsed and tokenized (never on an I/O or
+  // gRPC callback thread).
+  WorkPool& work() { return *work_; }
 
  private:
   const ServingLimits limits_;
@@ -60,6 +64,8 @@ class Frontend {
   std::unique_ptr<Tenants> tenants_;
   std::atomic<uint32_t> inflight_{0};
   std::atomic<bool> draining_{false};
+  // Last: joined first, while what its jobs use still lives.
+  std::unique_ptr<WorkPool> work_;
 };
 
 }  // namespace tandem::proxy

@@ -84,12 +84,31 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
       if (!st.ok()) SetRetryAfter(1);
     }
     admitted_ = st.ok();
-    pb::wire::GenerateRequestBytes req;
-    if (st.ok()) st = Parse(*bytes, req);
-    if (st.ok()) st = ExplainEmptyPrompt(req);
-    double retry_after = 0;
-    Result<ValidatedRequest> v =
-        st.ok() ? fe_->Validate(FromProto(req), tenant_, &retry_after) : Result<ValidatedRequest>(st);
+    if (!st.ok()) {
+      CountRejected(st);
+      writer_.Finish(ToGrpcStatus(st));
+      return;
+    }
+    // Parsing and tokenizing run on the proxy's work pool, not on this gRPC
+    // thread; the result comes back through guard_ unless the call ended.
+    guard_ = std::make_shared<Guard>();
+    guard_->owner = this;
+    fe_->work().Submit([guard = guard_, fe = fe_, bytes = grpc::ByteBuffer(*bytes),
+                        tenant = tenant_, arrival] {
+      pb::wire::GenerateRequestBytes req;
+      Status st = Parse(bytes, req);
+      if (st.ok()) st = ExplainEmptyPrompt(req);
+      double retry_after = 0;
+      Result<ValidatedRequest> v = st.ok() ? fe->Validate(FromProto(req), tenant, &retry_after)
+                                           : Result<ValidatedRequest>(st);
+      std::lock_guard lock(guard->mu);
+      if (guard->owner != nullptr) guard->owner->Validated(std::move(v), retry_after, arrival);
+    });
+  }
+
+  // On a work-pool thread, with guard_->mu held (so OnDone waits for it).
+  void Validated(Result<ValidatedRequest> v, double retry_after,
+                 std::chrono::steady_clock::time_point arrival) {
     if (!v.ok()) {
       if (retry_after > 0) SetRetryAfter(retry_after);
       CountRejected(v.status());
@@ -138,6 +157,10 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   void OnWriteDone(bool ok) override { writer_.OnWriteDone(ok); }
 
   void OnDone() override {
+    if (guard_) {
+      std::lock_guard lock(guard_->mu);
+      guard_->owner = nullptr;  // a validation still queued finds no one
+    }
     ReleaseSlot();
     CancelLifecycle();  // no-op when it finished
     delete this;
@@ -194,7 +217,14 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
     }
   }
 
+  // Between this reactor and its job on the work pool.
+  struct Guard {
+    std::mutex mu;
+    GenerateReactor* owner = nullptr;  // guarded by mu; null once OnDone ran
+  };
+
   Frontend* fe_;
+  std::shared_ptr<Guard> guard_;
   const Tenant* tenant_ = nullptr;
   grpc::CallbackServerContext* ctx_;
   StreamWriter<pb::GenerateResponse> writer_;

@@ -20,6 +20,9 @@ std::vector<double> RatioBuckets() {
   return {0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0};
 }
 
+constexpr const char* kQuarantineHelp =
+    "Quarantined KV reservations released, by what proved no write of theirs is outstanding "
+    "(acknowledged: the prefiller's notice; peer_dead: the transport declared it dead)";
 constexpr const char* kNoticeRefusedHelp =
     "KV notices refused without acting on them (wrong capability, unreadable)";
 
@@ -64,6 +67,16 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
                                            {{"reason", "capability"}})),
       notice_refused_unreadable_(r.Counter("tandem_kv_notice_refused_total", kNoticeRefusedHelp,
                                            {{"reason", "unreadable"}})),
+      quarantined_blocks_(r.Gauge("tandem_kv_quarantined_blocks",
+                                  "KV blocks of expired reservations held until their prefiller "
+                                  "confirms no write is outstanding or is declared dead")),
+      quarantine_released_ack_(r.Counter("tandem_kv_quarantine_released_total", kQuarantineHelp,
+                                         {{"reason", "acknowledged"}})),
+      quarantine_released_dead_(r.Counter("tandem_kv_quarantine_released_total", kQuarantineHelp,
+                                          {{"reason", "peer_dead"}})),
+      checksum_failures_(r.Counter("tandem_kv_checksum_failures_total",
+                                   "Requests whose pushed KV failed its end-to-end checksum (not "
+                                   "decoded; prefilled again)")),
       onboard_seconds_(r.Histogram("tandem_kv_tier_onboard_seconds",
                                    "Time to onboard one prefix hit's host/disk-tier blocks into the "
                                    "device tier",
@@ -112,6 +125,10 @@ void WorkerMetrics::Update(const MetricsSample& s) {
           last_.notices_refused_capability);
   Advance(notice_refused_unreadable_, s.notices_refused_unreadable,
           last_.notices_refused_unreadable);
+  quarantined_blocks_.Set(s.quarantined_blocks);
+  Advance(quarantine_released_ack_, s.quarantine_released_ack, last_.quarantine_released_ack);
+  Advance(quarantine_released_dead_, s.quarantine_released_dead, last_.quarantine_released_dead);
+  Advance(checksum_failures_, s.checksum_failures, last_.checksum_failures);
   for (uint32_t t = 0; t < engine::kNumKvTiers; ++t) {
     tier_usage_[t]->Set(s.engine.tier_usage_ratio[t]);
     Advance(*tier_hits_[t], s.engine.tier_hit_tokens[t], last_.engine.tier_hit_tokens[t]);

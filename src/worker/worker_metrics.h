@@ -14,6 +14,12 @@
 // and, for the KV plane's security (docs/security.md):
 //   tandem_kv_notice_refused_total{reason} (counter; reason capability |
 //   unreadable): KV notices a decoder refused without acting on them,
+// and for the KV plane's reliability (docs/failure-handling.md):
+//   tandem_kv_quarantined_blocks (gauge): blocks of expired reservations
+//   held until their prefiller confirms no write is outstanding or is dead,
+//   tandem_kv_quarantine_released_total{reason} (counter; reason
+//   acknowledged | peer_dead), tandem_kv_checksum_failures_total (counter):
+//   requests whose pushed KV failed its checksum (never decoded),
 // and per KV tier (label tier = device | host | disk; docs/engine.md):
 //   tandem_kv_tier_usage_ratio (gauge), tandem_kv_tier_hits_tokens_total,
 //   tandem_kv_tier_evictions_total (counters), plus
@@ -42,6 +48,10 @@ struct MetricsSample {
   uint64_t reservations_refused = 0;
   uint64_t notices_refused_capability = 0;
   uint64_t notices_refused_unreadable = 0;
+  uint32_t quarantined_blocks = 0;
+  uint64_t quarantine_released_ack = 0;
+  uint64_t quarantine_released_dead = 0;
+  uint64_t checksum_failures = 0;
 };
 
 class WorkerMetrics {
@@ -75,6 +85,10 @@ class WorkerMetrics {
   prometheus::Counter& refused_;
   prometheus::Counter& notice_refused_capability_;
   prometheus::Counter& notice_refused_unreadable_;
+  prometheus::Gauge& quarantined_blocks_;
+  prometheus::Counter& quarantine_released_ack_;
+  prometheus::Counter& quarantine_released_dead_;
+  prometheus::Counter& checksum_failures_;
   std::array<prometheus::Gauge*, engine::kNumKvTiers> tier_usage_{};
   std::array<prometheus::Counter*, engine::kNumKvTiers> tier_hits_{};
   std::array<prometheus::Counter*, engine::kNumKvTiers> tier_evictions_{};

@@ -146,6 +146,10 @@ struct Worker {
       m.reservations_refused = c.reservations_refused;
       m.notices_refused_capability = c.notices_refused_capability;
       m.notices_refused_unreadable = c.notices_refused_unreadable;
+      m.quarantined_blocks = c.quarantined_blocks;
+      m.quarantine_released_ack = c.quarantine_released_ack;
+      m.quarantine_released_dead = c.quarantine_released_dead;
+      m.checksum_failures = c.checksum_failures;
     }
     if (prefiller) m.queued_prefills = prefiller->counts().queued;
     metrics->Update(m);
@@ -261,10 +265,18 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
       CheckRoleCapabilities(w.engine->backend(), cmd.role, w.transport->capabilities()));
   w.engine->Start();
 
+  // End-to-end KV checksums read the pools from the host.
+  const bool checksum = w.fleet.transport.checksum && !w.transport->capabilities().device_memory;
+  if (w.fleet.transport.checksum && !checksum) {
+    spdlog::warn("{}: transport.checksum: the KV pool is in device memory; KV checksums are not "
+                 "computed or verified on this worker",
+                 name);
+  }
   std::vector<grpc::Service*> services;
   if (decodes) {
     decoder::DecoderOptions dopt;
     dopt.lease_seconds = w.fleet.transport.lease_seconds;
+    dopt.verify_checksums = checksum;
     dopt.on_local_prefill_seconds = [metrics](double s) { metrics->ObservePrefill(s); };
     w.decoder = std::make_unique<decoder::Decoder>(*w.engine, *w.transport, dopt);
     w.decoder->Start();
@@ -272,12 +284,13 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     services.push_back(w.decoder_service.get());
   }
   if (prefills) {
-    w.link = prefiller::MakeGrpcDecoderLink(w.credentials);
+    w.link = prefiller::MakeGrpcDecoderLink(w.credentials, w.transport->LocalDescriptor());
     prefiller::PrefillerOptions popt;
     popt.name = name;
     popt.max_queue = w.fleet.scheduler.max_waiting;
     popt.max_num_seqs = w.fleet.scheduler.max_num_seqs;
     popt.lease_seconds = w.fleet.transport.lease_seconds;
+    popt.checksum = checksum;
     popt.push_mode = w.fleet.transport.push == "after_prefill" ? prefiller::PushMode::kAfterPrefill
                                                                : prefiller::PushMode::kStreaming;
     const char* help = "Prefills dropped with their blocks freed and nothing written, by reason "

@@ -29,6 +29,7 @@
 #include <fstream>
 #include <functional>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "chaos_load.h"
@@ -105,6 +106,8 @@ class ChaosSuite {
     SCOPED_TRACE(name);
     const double leases_before = DecoderSum("tandem_kv_lease_expired_total");
     const double stale_before = DecoderSum("tandem_kv_stale_notices_total");
+    const double acked_before = DecoderSum("tandem_kv_quarantine_released_total", "acknowledged");
+    const double dead_before = DecoderSum("tandem_kv_quarantine_released_total", "peer_dead");
     Load load(fleet_.proxy_grpc(), jobs_, kStreams, kDeadline);
     load.Start();
     const bool steady = WaitUntil([&] { return load.Completed() >= kStreams; }, 120s);
@@ -135,9 +138,16 @@ class ChaosSuite {
     // What the decoders saw (a restarted decoder's counters start again at 0).
     const double leases = DecoderSum("tandem_kv_lease_expired_total") - leases_before;
     const double stale = DecoderSum("tandem_kv_stale_notices_total") - stale_before;
+    const double acked =
+        DecoderSum("tandem_kv_quarantine_released_total", "acknowledged") - acked_before;
+    const double dead = DecoderSum("tandem_kv_quarantine_released_total", "peer_dead") - dead_before;
     if (leases > 0 || stale > 0) {
       s.note += fmt::format("{}decoders: {:.0f} leases expired, {:.0f} stale notices",
                             s.note.empty() ? "" : "; ", leases, stale);
+    }
+    if (acked > 0 || dead > 0) {
+      s.note += fmt::format("{}quarantines ended: {:.0f} acknowledged, {:.0f} writer dead",
+                            s.note.empty() ? "" : "; ", acked, dead);
     }
     std::printf("[chaos] %s\n", Row(s).c_str());
     std::fflush(stdout);
@@ -206,12 +216,26 @@ class ChaosSuite {
     return n;
   }
 
-  double DecoderSum(const std::string& metric) {
+  // Sum of `metric` over the live decoders; with `reason`, only the samples
+  // labelled reason="REASON".
+  double DecoderSum(const std::string& metric, const std::string& reason = "") {
     double sum = 0;
     for (const auto& w : live_) {
       if (w.role != "decode") continue;
       auto m = Scrape(w.metrics);
-      if (m.ok()) sum += MetricValue(*m, metric);
+      if (!m.ok()) continue;
+      if (reason.empty()) {
+        sum += MetricValue(*m, metric);
+        continue;
+      }
+      std::istringstream in(*m);
+      std::string line;
+      while (std::getline(in, line)) {
+        if (line.rfind(metric + "{", 0) == 0 &&
+            line.find("reason=\"" + reason + "\"") != std::string::npos) {
+          sum += std::stod(line.substr(line.rfind(' ') + 1));
+        }
+      }
     }
     return sum;
   }

@@ -55,6 +55,18 @@ TEST(Config, TransportPushIsStreamingOrAfterPrefill) {
             "got 'eager'");
 }
 
+TEST(Config, TransportChecksumIsOnByDefaultAndCanBeTurnedOff) {
+  auto d = Parse("model:\n  path: m\nboth:\n  replicas: 1\n");
+  ASSERT_TRUE(d.ok()) << d.status().message();
+  EXPECT_TRUE(d->transport.checksum);
+  auto r = Parse("model:\n  path: m\ntransport:\n  checksum: false\nboth:\n  replicas: 1\n");
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_FALSE(r->transport.checksum);
+  const std::string bad =
+      ErrorOf("model:\n  path: m\ntransport:\n  checksum: maybe\nboth:\n  replicas: 1\n");
+  EXPECT_NE(bad.find("transport.checksum"), std::string::npos) << bad;
+}
+
 TEST(Config, BatchInvariantDefaultsToTrueAndParsesBothValues) {
   auto d = Parse(kGood);
   ASSERT_TRUE(d.ok()) << d.status().message();

@@ -163,7 +163,9 @@ class LoopbackTransport final : public detail::TransportBase {
   // transfers interleave with large writes.
   void Advance(Xfer& x, detail::PeerEntry& entry) override {
     auto& peer = static_cast<LoopbackPeer&>(*entry.state);
-    if (x.abort.load()) x.stopping = true;
+    if (x.abort.load() && (!x.fault_in_flight || x.next_segment == x.segments.size())) {
+      x.stopping = true;
+    }
     if (x.phase == Phase::kPut) {
       if (!x.stopping && x.next_segment < x.segments.size()) {
         const Segment& s = x.segments[x.next_segment];
@@ -198,6 +200,13 @@ class LoopbackTransport final : public detail::TransportBase {
              CancelledError(
                  fmt::format("aborted after {} of {} bytes", x.bytes_done.load(), x.total_bytes)));
       return;
+    }
+    if (x.flip_remote_offset && !x.flip_done) {  // fault injection: after the data
+      x.flip_done = true;
+      Endpoint& ep = *peer.endpoint;
+      std::unique_lock lock(ep.mu);
+      if (!EndpointUsable(lock, ep, peer, x, entry)) return;
+      ep.pool[*x.flip_remote_offset] = x.flip_value;
     }
     if (x.notice) {
       Endpoint& ep = *peer.endpoint;

@@ -112,6 +112,9 @@ class StagedTransport final : public Transport {
   Status Release(XferId xfer) override;
   std::vector<Notification> TakeNotifications() override;
   void SetNotificationCallback(NotificationCallback cb) override;
+  void SetPeerFailureCallback(PeerFailureCallback cb) override {
+    inner_->SetPeerFailureCallback(std::move(cb));
+  }
   TransportStats stats() const override;
 
   StagingStats staging_stats() const;

@@ -212,7 +212,9 @@ class UcxTransport final : public detail::TransportBase {
 
   void Advance(Xfer& x, detail::PeerEntry& entry) override {
     auto& peer = static_cast<UcxPeer&>(*entry.state);
-    if (x.abort.load()) x.stopping = true;
+    if (x.abort.load() && (!x.fault_in_flight || x.next_segment == x.segments.size())) {
+      x.stopping = true;
+    }
     if (!x.op_error.ok()) {
       Finish(x,
              x.op_error.code() == StatusCode::kUnavailable ? XferStatus::kErrRemoteDisconnect
@@ -229,6 +231,14 @@ class UcxTransport final : public detail::TransportBase {
         }
         return;
       case Phase::kFlushed:
+        if (!x.stopping && x.flip_remote_offset && !x.flip_done) {
+          // Fault injection: one byte over the landed data, flushed before
+          // the notice.
+          x.flip_done = true;
+          IssueFlipPut(x, peer);
+          if (x.op_error.ok()) IssueFlush(x, peer);
+          return;
+        }
         if (x.stopping) {
           Finish(x, XferStatus::kErrCanceled,
                  CancelledError(fmt::format("aborted after {} of {} bytes", x.bytes_done.load(),
@@ -313,6 +323,25 @@ class UcxTransport final : public detail::TransportBase {
         ++x.next_segment;
         x.segment_offset_bytes = 0;
       }
+    }
+  }
+
+  void IssueFlipPut(Xfer& x, UcxPeer& peer) {
+    auto* op = new PutOp{this, &x, 0};
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.cb.send = &UcxTransport::OnPutDone;
+    param.user_data = op;
+    ucs_status_ptr_t req = ucp_put_nbx(peer.ep, &x.flip_value, 1,
+                                       peer.remote_base + *x.flip_remote_offset, peer.rkey, &param);
+    puts_posted_++;
+    if (UCS_PTR_IS_ERR(req)) {
+      delete op;
+      x.op_error = ucx::UcsError("ucp_put_nbx(injected fault)", UCS_PTR_STATUS(req));
+    } else if (req == nullptr) {
+      delete op;
+    } else {
+      ++x.outstanding;
     }
   }
 

@@ -5,8 +5,11 @@
 //     output or ends with a clear error, none outlives its deadline;
 //   - a decoder started with --join after the fleet is up gets requests and
 //     answers them correctly; a worker with another block size is refused;
-//   - a reservation whose prefiller was SIGSTOPped expires after the lease,
-//     the decoder returns to idle, and after SIGCONT nothing is corrupted;
+//   - a reservation whose prefiller was SIGSTOPped expires after the lease;
+//     its blocks wait in quarantine (the stopped prefiller may still write)
+//     while the decoder serves others, and after SIGCONT the prefiller
+//     confirms its writes ended, the decoder returns to idle and nothing is
+//     corrupted;
 //   - SIGTERM to `tandem launch` under load drains: in-flight requests
 //     finish, new ones get UNAVAILABLE, every process exits in time.
 // Leases and timeouts are short in these fleets so the tests stay fast.
@@ -364,8 +367,10 @@ TEST(Failure, JoinedDecoderServesAndMismatchIsRefused) {
 }
 
 // A prefiller stopped (SIGSTOP) while it holds a decoder reservation: the
-// lease frees it, the decoder returns to idle, the other prefiller serves
-// meanwhile; after SIGCONT the late one corrupts nothing and serves again.
+// lease ends that attempt but its blocks stay quarantined (a stopped writer
+// is alive and may still write when it wakes), the other prefiller serves
+// meanwhile; after SIGCONT the late one confirms no write is outstanding,
+// the quarantine ends, nothing is corrupted and it serves again.
 TEST(Failure, LeaseExpiryWithStoppedPrefiller) {
   if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
   constexpr uint32_t kMaxTokens = 16;
@@ -399,7 +404,10 @@ TEST(Failure, LeaseExpiryWithStoppedPrefiller) {
     const double before = Metric(d0->metrics, "tandem_kv_lease_expired_total");
     std::vector<std::thread> load;
     for (uint32_t s = 800; s < 806; ++s) load.emplace_back([&, s] { run(s, 700); });
-    std::this_thread::sleep_for(std::chrono::milliseconds(150 + 100 * attempt));
+    // Stop it while it prefills: the event is its engine running a request
+    // (a prefiller reserves decoder blocks only when its engine can start at
+    // once, so it holds a reservation then).
+    WaitFor([&] { return Metric(p0->metrics, "tandem_num_requests_running") >= 1; }, 10s);
     ASSERT_EQ(kill(p0->pid, SIGSTOP), 0);
     // Requests keep being served meanwhile, by prefill-1.
     for (auto& t : load) t.join();
@@ -413,17 +421,21 @@ TEST(Failure, LeaseExpiryWithStoppedPrefiller) {
     }
   }
   ASSERT_TRUE(expired) << "never caught prefill-0 holding a reservation";
-  // The decoder is idle again while prefill-0 is still stopped.
-  const bool idle = WaitFor(
+  // While prefill-0 is stopped its expired reservation stays quarantined
+  // (acknowledge-or-dead: it is alive, so only its word ends it); nothing
+  // runs on the decoder.
+  const bool settled = WaitFor(
       [&] {
         auto m = Scrape(d0->metrics);
-        return m.ok() && MetricValue(*m, "tandem_kv_reservations") == 0 &&
-               MetricValue(*m, "tandem_kv_cache_usage_ratio") == 0 &&
-               MetricValue(*m, "tandem_num_requests_running") == 0;
+        return m.ok() && MetricValue(*m, "tandem_num_requests_running") == 0 &&
+               MetricValue(*m, "tandem_kv_quarantined_blocks") > 0;
       },
       5s);
-  EXPECT_TRUE(idle) << "the decoder did not return to idle after the lease";
+  EXPECT_TRUE(settled) << "no quarantined blocks while the writer is stopped";
   for (uint32_t s = 900; s < 904; ++s) run(s, 60);  // served meanwhile by prefill-1
+  EXPECT_GT(Metric(d0->metrics, "tandem_kv_quarantined_blocks"), 0);
+  EXPECT_EQ(LabeledMetric(d0->metrics, "tandem_kv_quarantine_released_total", "peer_dead"), 0)
+      << "a stopped (alive) prefiller was declared dead";
 
   // Wake it: its late work must not land anywhere. It comes back into
   // routing and serves correctly again.
@@ -440,6 +452,19 @@ TEST(Failure, LeaseExpiryWithStoppedPrefiller) {
   for (uint32_t s = 904; s < 908; ++s) after.emplace_back([&, s] { run(s, 60); });
   for (uint32_t s = 800; s < 802; ++s) after.emplace_back([&, s] { run(s, 700); });
   for (auto& t : after) t.join();
+  // Awake, prefill-0 confirmed its writes ended: the quarantine is over and
+  // the decoder idle.
+  const bool idle = WaitFor(
+      [&] {
+        auto m = Scrape(d0->metrics);
+        return m.ok() && MetricValue(*m, "tandem_kv_quarantined_blocks") == 0 &&
+               MetricValue(*m, "tandem_kv_reservations") == 0 &&
+               MetricValue(*m, "tandem_kv_cache_usage_ratio") == 0 &&
+               MetricValue(*m, "tandem_num_requests_running") == 0;
+      },
+      10s);
+  EXPECT_TRUE(idle) << "the decoder did not return to idle after prefill-0 woke";
+  EXPECT_GT(LabeledMetric(d0->metrics, "tandem_kv_quarantine_released_total", "acknowledged"), 0);
   std::printf("[failure] lease test: prefill-0 dropped %.0f (lease) / %.0f (target lost); decoder "
               "leases expired %.0f, stale notices %.0f\n",
               LabeledMetric(p0->metrics, "tandem_prefill_dropped_total", "reason=\"lease_expired\""),

@@ -120,7 +120,7 @@ class Fleet:
                 self.stop()
                 raise RuntimeError(f"tandem launch did not become ready; log: {self.log.name}")
             time.sleep(0.1)
-        time.sleep(0.1)  # the file is written whole, but be safe with a reader racing the rename
+        # No settle time: the launcher renames the state file into place complete.
         with open(self.state_path) as f:
             self.state = json.load(f)
         for p in [self.state["proxy"].get("pid")] + [w.get("pid") for w in self.state["workers"]]:

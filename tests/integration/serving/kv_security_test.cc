@@ -5,6 +5,9 @@
 // but not the reservation's capability. Its notices travel through real UCX
 // and must be refused and counted, never acted on.
 #include <sys/wait.h>
+#include <xxhash.h>
+
+#include <cstring>
 
 #include "kvtransfer/descriptor.h"
 #include "kvtransfer/kv_secret.h"
@@ -41,9 +44,11 @@ double WaitForLabeled(const std::string& address, const std::string& name,
   return v;
 }
 
-// Sends `payload` as a notice-only write and waits for it to be delivered.
-kv::XferStatus SendNotice(kv::Transport& t, kv::PeerId peer, const std::string& payload) {
-  auto x = t.PrepareWrite(peer, {}, payload);
+// Sends `payload` as a notice-only write (after `blocks`, if any) and waits
+// for it to be delivered.
+kv::XferStatus SendNotice(kv::Transport& t, kv::PeerId peer, const std::string& payload,
+                          const std::vector<kv::BlockPair>& blocks = {}) {
+  auto x = blocks.empty() ? t.PrepareWrite(peer, {}, payload) : t.PrepareBlockWrite(peer, blocks, payload);
   EXPECT_TRUE(x.ok()) << x.status().ToString();
   if (!x.ok()) return kv::XferStatus::kErrInvalidArgument;
   EXPECT_TRUE(t.Post(*x).ok());
@@ -136,9 +141,17 @@ TEST(KvSecurityTest, NoticeWithAWrongCapabilityIsRefusedAndCountedThroughRealUcx
   EXPECT_EQ(MetricValue(after, "tandem_kv_stale_notices_total"), 0.0);
 
   // The genuine notice (same fields plus the capability) starts decoding.
+  // Like a prefiller, its writer pushes the slots (zeros here) before it and
+  // carries their XXH3-64 (transport.checksum, on by default).
   pb::KvNotice genuine = forged;
   genuine.set_capability(target.capability());
-  EXPECT_EQ(SendNotice(**intruder, *peer, genuine.SerializeAsString()), kv::XferStatus::kSuccess);
+  std::memset((*intruder)->block(0), 0, (*intruder)->block_bytes());
+  std::vector<kv::BlockPair> zeros;
+  for (int i = static_cast<int>(target.cached_blocks()); i < target.slots_size(); ++i) {
+    zeros.push_back({0, target.slots(i)});
+    genuine.add_block_checksums(XXH3_64bits((*intruder)->block(0), (*intruder)->block_bytes()));
+  }
+  EXPECT_EQ(SendNotice(**intruder, *peer, genuine.SerializeAsString(), zeros), kv::XferStatus::kSuccess);
   Outcome out;
   call.ReadInto(out);
   EXPECT_TRUE(call.Finish().ok());

@@ -4,6 +4,9 @@
 // preemption or on prefix-cache hits.
 #include <gtest/gtest.h>
 
+#include <sched.h>
+
+#include <algorithm>
 #include <cstring>
 
 #include "forward_harness.h"
@@ -160,10 +163,12 @@ TEST_P(GenerationInvarianceTest, ThirtyTwoTogetherEqualEachAlone) {
   EngineStats stats;
   const auto together = Generate(m, cases, o, &stats);
   EXPECT_EQ(stats.preemptions, 0u);
-  // Two compute threads give the same bits.
-  EngineOptions two = o;
-  two.threads = 2;
-  EXPECT_EQ(Generate(m, cases, two), together);
+  // Two and four compute threads give the same bits.
+  for (uint32_t threads : {2u, 4u}) {
+    EngineOptions more = o;
+    more.threads = threads;
+    EXPECT_EQ(Generate(m, cases, more), together) << threads << " threads";
+  }
   for (size_t i = 0; i < cases.size(); ++i) {
     EXPECT_EQ(together[i].size(), cases[i].params.max_tokens);
     EngineOptions alone_o;
@@ -190,6 +195,83 @@ TEST_P(GenerationInvarianceTest, ForcedPreemptionGivesIdenticalTokens) {
   EXPECT_EQ(squeezed, reference);
 }
 
+// The thread count changes no bits: every kernel keeps each reduction whole
+// on one thread, however the work is split (kernels/cpu/ops.h). The bundled
+// model is large enough that its GEMMs, norms and attention are really split
+// (2 and 4 threads); the tiny ones split attention and the longer row ops.
+const testing::LoadedModel& ModelByName(const std::string& name) {
+  return name == "tandem-kjv" ? testing::BundledModel() : TinyModel(name);
+}
+
+class ThreadCountInvarianceTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ThreadCountInvarianceTest, LogitsBitIdenticalWithOneTwoAndFourThreads) {
+  const auto& m = ModelByName(GetParam());
+  const uint32_t vocab = m.config.vocab_size;
+  const auto long_prompt = Prompt(150, 7, vocab);
+  const auto stepped = Prompt(40, 8, vocab);
+  const auto fresh = Prompt(25, 9, vocab);
+  auto run = [&](int threads) {
+    ForwardHarness h(m, 64, 16, threads);
+    // A 150-token prefill in one step, a prompt fed one token per step...
+    std::vector<float> out = h.PromptLogits(long_prompt);
+    const auto rows = h.PromptLogits(stepped, 1);
+    out.insert(out.end(), rows.begin(), rows.end());
+    // ...and a mixed step: a fresh 25-token chunk next to a decode row.
+    const auto decode_blocks = h.Blocks(41);
+    SeqChunk pre;
+    pre.tokens = stepped;
+    pre.block_table = decode_blocks;
+    h.Run({pre});
+    const uint32_t next = 11;
+    const auto fresh_blocks = h.Blocks(static_cast<uint32_t>(fresh.size()));
+    SeqChunk a, b;
+    a.tokens = fresh;
+    a.block_table = fresh_blocks;
+    a.num_logits = static_cast<uint32_t>(fresh.size());
+    b.tokens = std::span<const uint32_t>(&next, 1);
+    b.start_pos = static_cast<uint32_t>(stepped.size());
+    b.block_table = decode_blocks;
+    b.num_logits = 1;
+    const auto mixed = h.Run({a, b});
+    out.insert(out.end(), mixed.begin(), mixed.end());
+    return out;
+  };
+  const auto one = run(1);
+  ASSERT_EQ(one.size(), size_t{150 + 40 + 25 + 1} * vocab);
+  for (int threads : {2, 4}) {
+    const auto got = run(threads);
+    ASSERT_EQ(got.size(), one.size());
+    size_t first_diff = 0;
+    while (first_diff < one.size() && std::memcmp(&got[first_diff], &one[first_diff], 4) == 0) {
+      ++first_diff;
+    }
+    EXPECT_EQ(first_diff, one.size())
+        << threads << " threads: first differing logit at row " << first_diff / vocab;
+  }
+}
+
+TEST_P(ThreadCountInvarianceTest, TokensIdenticalWithOneTwoAndFourThreads) {
+  const auto& m = ModelByName(GetParam());
+  auto cases = Cases(8, /*sampled=*/false);
+  const auto seeded = Cases(8, /*sampled=*/true);
+  cases.insert(cases.end(), seeded.begin(), seeded.end());
+  EngineOptions o;
+  o.num_blocks = 128;
+  o.scheduler.max_batched_tokens = 64;  // chunked prefill next to decodes
+  const auto one = Generate(m, cases, o);
+  for (uint32_t threads : {2u, 4u}) {
+    o.threads = threads;
+    EXPECT_EQ(Generate(m, cases, o), one) << threads << " threads";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, ThreadCountInvarianceTest,
+                         ::testing::Values("tiny-llama", "tandem-kjv"), [](const auto& info) {
+                           return info.param == "tandem-kjv" ? std::string("kjv")
+                                                             : std::string("tiny_llama");
+                         });
+
 // model.batch_invariant: false asks for nothing the cpu backend lacks: the
 // key reaches the engine, the backend still reports invariance, and the
 // 32-together-equal-alone result holds unchanged.
@@ -214,6 +296,29 @@ TEST(BatchInvariantKey, FalseIsAcceptedAndTheCpuBackendStaysInvariant) {
     alone.num_blocks = 16;
     EXPECT_EQ(Generate(m, {cases[i]}, alone)[0], together[i]) << "request " << i;
   }
+}
+
+// scheduler.threads unset (0): the CPUs of this process's affinity mask
+// shared among the workers the fleet file lists; a value given is kept.
+TEST(SchedulerThreads, DefaultSharesTheCoresAmongTheFleetsWorkers) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  ASSERT_EQ(sched_getaffinity(0, sizeof(set), &set), 0);
+  const uint32_t cpus = static_cast<uint32_t>(CPU_COUNT(&set));
+  auto threads = [](const std::string& yaml) {
+    auto fleet = ParseFleetConfig(yaml, "x.yaml", "/tmp");
+    EXPECT_TRUE(fleet.ok()) << fleet.status().ToString();
+    return fleet.ok() ? EngineOptions::FromFleetConfig(*fleet).threads : 0u;
+  };
+  EXPECT_EQ(threads("model:\n  path: m\nboth:\n  replicas: 1\n"), cpus);
+  EXPECT_EQ(threads("model:\n  path: m\nprefill:\n  replicas: 1\ndecode:\n  replicas: 1\n"),
+            std::max(1u, cpus / 2));
+  EXPECT_EQ(threads("model:\n  path: m\nprefill:\n  replicas: 64\ndecode:\n  replicas: 64\n"),
+            std::max(1u, cpus / 128));
+  EXPECT_EQ(threads("model:\n  path: m\nscheduler:\n  threads: 3\nboth:\n  replicas: 1\n"), 3u);
+  auto bad = ParseFleetConfig("model:\n  path: m\nscheduler:\n  threads: 257\n", "x.yaml", "/tmp");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("threads"), std::string::npos) << bad.status().ToString();
 }
 
 INSTANTIATE_TEST_SUITE_P(GreedyAndSeeded, GenerationInvarianceTest, ::testing::Bool(),

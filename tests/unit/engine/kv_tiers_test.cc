@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <fstream>
 #include <numeric>
+#include <optional>
+#include <span>
 
 #include "common/block_hash.h"
 #include "engine/block_manager.h"
@@ -146,6 +148,33 @@ TEST(KvTiersTest, DeviceEvictionMovesToHostAndAHitOnboardsIt) {
   const PrefixHit again = f.Reuse(a);
   EXPECT_EQ(again.blocks[0], 4u);
   EXPECT_EQ(f.Reuse(b).blocks[1], 4u);
+}
+
+// The host tier keeps each block's XXH3-64 from when it moved down and
+// checks it when the block is read back: a damaged block is dropped (the
+// prefix hit stops before it) and never onboarded.
+TEST(KvTiersTest, HostTierBlockThatFailsItsChecksumIsNeverOnboarded) {
+  Fixture f(4, 8, "");
+  const auto a = Seq(16, 100);
+  f.Run(a);
+  f.Run(Seq(16, 500));  // a's 4 blocks to the host tier
+  HostKvTier& host = *f.bm_.tiers()->host();
+  ASSERT_EQ(host.size(), 4u);
+  auto ha = HashBlocks(kRoot, a, kBs);
+  // Damage a's third block in host memory (a stray write, bad DIMM...).
+  std::optional<uint32_t> slot = host.Find(ha[2], std::span(a).subspan(2 * kBs, kBs));
+  ASSERT_TRUE(slot.has_value());
+  EXPECT_TRUE(host.Verify(*slot));
+  const_cast<std::byte*>(host.bytes(*slot).data())[5] ^= std::byte{0x10};
+  EXPECT_FALSE(host.Verify(*slot));
+  PrefixHit hit;
+  auto blocks = f.bm_.AcquireCachedPrefix(ha, a, 4, &hit);
+  EXPECT_EQ(blocks.size(), 2u) << "the prefix hit must stop at the damaged block";
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    EXPECT_EQ(f.pool_->block(blocks[i])[0], Fixture::Stamp(ha[i]));
+  }
+  f.bm_.Release(blocks);
+  EXPECT_FALSE(host.Contains(ha[2])) << "the damaged block stayed in the host tier";
 }
 
 TEST(KvTiersTest, LowerTierChecksTokenIds) {

@@ -25,13 +25,13 @@ inline std::string RepoPath(const std::string& rel) {
   return (std::filesystem::path(TANDEM_SOURCE_DIR) / rel).string();
 }
 
-// `name`: a folder under tests/fixtures/golden ("tiny-llama", "tiny-qwen2").
-// Aborts the test on failure.
-inline const LoadedModel& TinyModel(const std::string& name = "tiny-qwen2") {
+// The model in `rel_dir` (relative to the repository), loaded once per
+// process. Aborts the test on failure.
+inline const LoadedModel& ModelAt(const std::string& rel_dir) {
   static std::map<std::string, std::unique_ptr<LoadedModel>> cache;
-  auto& slot = cache[name];
+  auto& slot = cache[rel_dir];
   if (!slot) {
-    const std::string dir = RepoPath("tests/fixtures/golden/" + name);
+    const std::string dir = RepoPath(rel_dir);
     auto cfg = model::LoadModelConfig(dir);
     if (!cfg.ok()) {
       ADD_FAILURE() << cfg.status().ToString();
@@ -46,6 +46,15 @@ inline const LoadedModel& TinyModel(const std::string& name = "tiny-qwen2") {
   }
   return *slot;
 }
+
+// `name`: a folder under tests/fixtures/golden ("tiny-llama", "tiny-qwen2").
+inline const LoadedModel& TinyModel(const std::string& name = "tiny-qwen2") {
+  return ModelAt("tests/fixtures/golden/" + name);
+}
+
+// The bundled models/tandem-kjv (hidden 256, vocab 4096): large enough that
+// the CPU kernels split its GEMMs, norms and attention between threads.
+inline const LoadedModel& BundledModel() { return ModelAt("models/tandem-kjv"); }
 
 inline std::unique_ptr<Engine> MakeEngine(const LoadedModel& m, EngineOptions o = {}) {
   auto e = Engine::Create(m.config, m.weights, std::move(o));

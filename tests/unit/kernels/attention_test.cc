@@ -9,16 +9,39 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <vector>
 
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/simd.h"
 #include "kernels/reference/ops.h"
 #include "tests/unit/kernels/test_util.h"
 
 namespace tandem::kernels {
 namespace {
+
+// The scores kernel sums 16 keys' dot products together (Reduce16); each
+// lane must carry Reduce's exact bits, or decode and prefill rows computed
+// through different paths (whole groups of 16 vs a tail) would differ.
+TEST(SimdReduceTest, Reduce16IsReduceBitForBitPerLane) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> mag(-30.0f, 30.0f);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (int round = 0; round < 2000; ++round) {
+    cpu::internal::V16 v[16];
+    for (auto& x : v) {
+      for (int l = 0; l < 16; ++l) x[l] = u(rng) * std::exp2(mag(rng));  // wide range: rounding matters
+    }
+    const cpu::internal::V16 r = cpu::internal::Reduce16(v);
+    for (int k = 0; k < 16; ++k) {
+      const float want = cpu::internal::Reduce(v[k]);
+      ASSERT_EQ(std::memcmp(&r[k], &want, sizeof(float)), 0)
+          << "round " << round << " lane " << k << ": " << r[k] << " vs " << want;
+    }
+  }
+}
 
 using testing::BitEqual;
 using testing::Compare;

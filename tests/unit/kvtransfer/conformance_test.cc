@@ -39,8 +39,10 @@ class ConformanceTest : public ::testing::TestWithParam<std::string> {
   std::string backend() const { return GetParam() == "loopback" ? "loopback" : "ucx"; }
 
   std::unique_ptr<Transport> Make(const std::string& name, uint64_t block_bytes, uint32_t blocks,
-                                  uint64_t max_put_bytes = 4 * kMiB, uint32_t delay_us = 0) {
+                                  uint64_t max_put_bytes = 4 * kMiB, uint32_t delay_us = 0,
+                                  KvFaultOptions fault = {}) {
     TransportOptions o;
+    o.fault = fault;
     o.backend = backend();
     o.agent_name = name + "-" + GetParam();
     o.block_bytes = block_bytes;
@@ -226,6 +228,116 @@ TEST_P(ConformanceTest, ThousandConcurrentRequests) {
   EXPECT_EQ(a->stats().inflight_requests, 0u);
 }
 
+// The fault hook (KvFaultOptions), on every backend: every 2nd data write
+// fails before a byte moves (notice-only writes do not count), and the 3rd
+// block written reaches the receiver with exactly one byte changed, before
+// the write's notice; the sender's pool stays as it was.
+TEST_P(ConformanceTest, FaultHookFailsWritesAndFlipsOneByte) {
+  const uint64_t bb = 4096;
+  KvFaultOptions fault;
+  fault.fail_every = 2;
+  fault.flip_block = 3;
+  auto a = Make("fault-a", bb, 8, 4 * kMiB, 0, fault);
+  auto b = Make("fault-b", bb, 8);
+  ASSERT_TRUE(a && b);
+  FillRandom(a->pool(), a->pool_bytes(), 21);
+  const uint64_t source_sum = Checksum(a->pool(), a->pool_bytes());
+  std::memset(b->pool(), 0, b->pool_bytes());
+  auto peer = a->ImportPeer(b->LocalDescriptor());
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  auto post = [&](std::vector<BlockPair> pairs, std::optional<std::string> notice) {
+    auto x = pairs.empty() ? a->PrepareWrite(*peer, {}, notice)
+                           : a->PrepareBlockWrite(*peer, pairs, notice);
+    EXPECT_TRUE(x.ok()) << x.status().ToString();
+    EXPECT_TRUE(a->Post(*x).ok());
+    const XferStatus st = WaitDone(*a, *x);
+    EXPECT_TRUE(a->Release(*x).ok());
+    return st;
+  };
+  EXPECT_EQ(post({{0, 0}, {1, 1}}, "w1"), XferStatus::kSuccess);  // data write 1: blocks 1-2
+  EXPECT_EQ(post({}, "notice-only"), XferStatus::kSuccess);      // not a data write
+  EXPECT_EQ(post({{2, 2}}, "w2"), XferStatus::kErrBackend);       // data write 2: fails
+  std::vector<std::byte> zero(bb);
+  EXPECT_EQ(std::memcmp(b->block(2), zero.data(), bb), 0) << "the failed write moved bytes";
+  // Data write 3 carries block 3 of the count (the failed one did not count).
+  std::optional<uint64_t> sum_at_notice;
+  std::mutex mu;
+  b->SetNotificationCallback([&](Notification n) {
+    if (n.payload != "w3") return;
+    std::lock_guard lock(mu);
+    sum_at_notice = Checksum(b->block(4), bb);
+  });
+  EXPECT_EQ(post({{4, 4}, {5, 5}}, "w3"), XferStatus::kSuccess);
+  ASSERT_TRUE(WaitFor([&] {
+    std::lock_guard lock(mu);
+    return sum_at_notice.has_value();
+  }));
+  int differing = 0, first_diff = -1;
+  for (uint64_t i = 0; i < bb; ++i) {
+    if (b->block(4)[i] != a->block(4)[i]) {
+      ++differing;
+      if (first_diff < 0) first_diff = static_cast<int>(i);
+    }
+  }
+  EXPECT_EQ(differing, 1);
+  EXPECT_EQ(first_diff, 0);
+  EXPECT_EQ(*sum_at_notice, Checksum(b->block(4), bb)) << "the flip landed after the notice";
+  EXPECT_EQ(Checksum(b->block(5), bb), Checksum(a->block(5), bb));
+  EXPECT_EQ(Checksum(b->block(0), 2 * bb), Checksum(a->block(0), 2 * bb));
+  EXPECT_EQ(post({{6, 6}}, "w4"), XferStatus::kErrBackend);  // data write 4
+  EXPECT_EQ(post({{6, 6}}, "w5"), XferStatus::kSuccess);     // the flip happens once
+  EXPECT_EQ(Checksum(b->block(6), bb), Checksum(a->block(6), bb));
+  EXPECT_EQ(Checksum(a->pool(), a->pool_bytes()), source_sum) << "the sender's pool changed";
+  EXPECT_EQ(a->stats().faults_injected, 3u);
+  EXPECT_EQ(a->stats().inflight_requests, 0u);
+}
+
+// A delayed write (delay_ms, only the first data write) moves no byte while
+// it waits and cannot be recalled: an abort meanwhile ends it ERR_CANCELED
+// only after its data landed, without its notice. The next write is not
+// delayed and overtakes it.
+TEST_P(ConformanceTest, FaultHookDelaysAWriteThatLandsDespiteAnAbort) {
+  const uint64_t bb = 4096;
+  KvFaultOptions fault;
+  fault.delay_ms = 300;
+  fault.delay_writes = 1;
+  auto a = Make("delay-a", bb, 4, 4 * kMiB, 0, fault);
+  auto b = Make("delay-b", bb, 4);
+  ASSERT_TRUE(a && b);
+  FillRandom(a->pool(), a->pool_bytes(), 5);
+  std::memset(b->pool(), 0, b->pool_bytes());
+  std::vector<std::string> notices;
+  std::mutex mu;
+  b->SetNotificationCallback([&](Notification n) {
+    std::lock_guard lock(mu);
+    notices.push_back(n.payload);
+  });
+  auto peer = a->ImportPeer(b->LocalDescriptor());
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  auto x = a->PrepareWrite(*peer, {{0, 0, 2 * bb}}, "delayed");
+  ASSERT_TRUE(x.ok());
+  ASSERT_TRUE(a->Post(*x).ok());
+  ASSERT_TRUE(a->Abort(*x).ok());  // cannot recall it: it is on the wire
+  EXPECT_EQ(WaitDone(*a, *x), XferStatus::kErrCanceled);
+  EXPECT_EQ(a->BytesDone(*x), 2 * bb) << "the write on the wire did not land";
+  EXPECT_EQ(Checksum(b->pool(), 2 * bb), Checksum(a->pool(), 2 * bb));
+  EXPECT_TRUE(a->Release(*x).ok());
+  // The next write is not delayed; its notice is the only one (notices on
+  // one endpoint are ordered: the aborted write's would have come first).
+  ASSERT_EQ(WriteAndWait(*a, *peer, {{2 * bb, 2 * bb, bb}}, "second"), XferStatus::kSuccess);
+  EXPECT_EQ(Checksum(b->block(2), bb), Checksum(a->block(2), bb));
+  ASSERT_TRUE(WaitFor([&] {
+    std::lock_guard lock(mu);
+    return !notices.empty();
+  }));
+  {
+    std::lock_guard lock(mu);
+    EXPECT_EQ(notices, std::vector<std::string>{"second"});
+  }
+  EXPECT_EQ(a->stats().faults_injected, 1u);
+  EXPECT_EQ(a->stats().inflight_requests, 0u);
+}
+
 // Abort takes effect between puts: a 64 MiB write in 64 KiB puts is stopped
 // part way, reports ERR_CANCELED, sends no notice, and the transport goes on.
 TEST_P(ConformanceTest, AbortMidTransfer) {
@@ -273,6 +385,47 @@ TEST_P(ConformanceTest, AbortMidTransfer) {
 // The peer dies while writes stream to it: an error surfaces within 5 s and
 // nothing stays registered once the peer and requests are released. For ucx
 // the peer is another process killed with SIGKILL.
+// A peer killed while its endpoint is idle (no transfer in flight): the
+// keepalive declares it dead and the peer-failure callback names its agent
+// and generation — what a decoder watching a prefiller relies on to end a
+// quarantine (docs/failure-handling.md).
+TEST_P(ConformanceTest, IdlePeerKilledIsReportedByTheKeepalive) {
+  if (backend() != "ucx") GTEST_SKIP() << "loopback has no keepalive (its peers die only by LoopbackDropPeer)";
+  auto a = Make("idle-a", 4096, 4);
+  ASSERT_TRUE(a);
+  auto child = std::make_unique<ChildProcess>(std::vector<std::string>{
+      KV_PEER_BIN, "target", "backend=ucx", "name=idle-b-" + GetParam(), "block_bytes=4096",
+      "blocks=4"});
+  ASSERT_TRUE(child->ok());
+  auto hex = child->Expect("DESC ");
+  ASSERT_TRUE(hex.has_value()) << "peer did not start";
+  auto bytes = FromHex(*hex);
+  ASSERT_TRUE(bytes.ok());
+  auto desc = ParseDescriptor(*bytes);
+  ASSERT_TRUE(desc.ok());
+  std::mutex mu;
+  std::vector<std::pair<std::string, uint64_t>> lost;
+  a->SetPeerFailureCallback([&](const std::string& agent, uint64_t generation, const Status&) {
+    std::lock_guard lock(mu);
+    lost.emplace_back(agent, generation);
+  });
+  auto peer = a->ImportPeer(*bytes);
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  child->Kill();
+  const bool reported = WaitFor(
+      [&] {
+        std::lock_guard lock(mu);
+        return !lost.empty();
+      },
+      30s);
+  a->SetPeerFailureCallback({});
+  ASSERT_TRUE(reported) << "an idle dead peer was never reported";
+  std::lock_guard lock(mu);
+  ASSERT_EQ(lost.size(), 1u);
+  EXPECT_EQ(lost[0].first, desc->agent_name);
+  EXPECT_EQ(lost[0].second, desc->generation);
+}
+
 TEST_P(ConformanceTest, PeerKilledMidTransfer) {
   const uint64_t bb = kMiB;
   const uint32_t blocks = 16;

@@ -132,6 +132,80 @@ TEST(Transport, RejectsBadOptionsAndArguments) {
 }
 
 // Loopback fault injection: delay, drop the peer, stale handle.
+TEST(KvFault, ParsesTheSpecAndNamesBadKeysAndValues) {
+  auto f = ParseKvFault("fail_every=5,delay_ms=2000,delay_writes=1,flip_block=3,agent=prefill-0");
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  EXPECT_EQ(f->fail_every, 5u);
+  EXPECT_EQ(f->delay_ms, 2000u);
+  EXPECT_EQ(f->delay_writes, 1u);
+  EXPECT_EQ(f->flip_block, 3u);
+  EXPECT_EQ(f->agent, "prefill-0");
+  EXPECT_TRUE(f->enabled());
+  EXPECT_FALSE(ParseKvFault("")->enabled());
+  EXPECT_FALSE(ParseKvFault("off")->enabled());
+  EXPECT_FALSE(ParseKvFault("delay_writes=4")->enabled());  // nothing to delay
+  auto bad_key = ParseKvFault("fail_every=2,explode=1");
+  ASSERT_FALSE(bad_key.ok());
+  EXPECT_EQ(bad_key.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad_key.status().message().find("explode"), std::string::npos);
+  EXPECT_NE(bad_key.status().message().find("TANDEM_KV_FAULT"), std::string::npos);
+  for (const char* v : {"delay_ms=", "delay_ms=-1", "delay_ms=1x", "delay_ms=3600001", "flip_block"}) {
+    auto r = ParseKvFault(v);
+    EXPECT_FALSE(r.ok()) << v;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << v;
+  }
+}
+
+// TANDEM_KV_FAULT reaches every transport the process creates; a bad value
+// refuses to create one, naming the variable.
+TEST(KvFault, EnvironmentVariableEnablesOrRefuses) {
+  TransportOptions o;
+  o.backend = "loopback";
+  o.agent_name = "env-fault";
+  o.block_bytes = 64;
+  o.num_blocks = 2;
+  setenv(kKvFaultEnv, "fail_every=1", 1);
+  {
+    auto a = CreateTransport(o);
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+    o.agent_name = "env-fault-b";
+    auto b = CreateTransport(o);
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    auto peer = (*a)->ImportPeer((*b)->LocalDescriptor());
+    ASSERT_TRUE(peer.ok());
+    auto x = (*a)->PrepareWrite(*peer, {{0, 0, 64}}, std::nullopt);
+    ASSERT_TRUE(x.ok());
+    ASSERT_TRUE((*a)->Post(*x).ok());
+    ASSERT_TRUE(testing::WaitFor([&] { return IsTerminal((*a)->Poll(*x)); }));
+    EXPECT_EQ((*a)->Poll(*x), XferStatus::kErrBackend);
+    EXPECT_TRUE((*a)->Release(*x).ok());
+  }
+  // agent=: only the named transport takes the faults.
+  setenv(kKvFaultEnv, "fail_every=1,agent=someone-else", 1);
+  {
+    o.agent_name = "env-fault-d";
+    auto d = CreateTransport(o);
+    ASSERT_TRUE(d.ok());
+    o.agent_name = "env-fault-e";
+    auto e = CreateTransport(o);
+    ASSERT_TRUE(e.ok());
+    auto peer = (*d)->ImportPeer((*e)->LocalDescriptor());
+    ASSERT_TRUE(peer.ok());
+    auto x = (*d)->PrepareWrite(*peer, {{0, 0, 64}}, std::nullopt);
+    ASSERT_TRUE(x.ok());
+    ASSERT_TRUE((*d)->Post(*x).ok());
+    ASSERT_TRUE(testing::WaitFor([&] { return IsTerminal((*d)->Poll(*x)); }));
+    EXPECT_EQ((*d)->Poll(*x), XferStatus::kSuccess);
+    EXPECT_TRUE((*d)->Release(*x).ok());
+  }
+  setenv(kKvFaultEnv, "fail_evry=1", 1);
+  o.agent_name = "env-fault-c";
+  auto bad = CreateTransport(o);
+  unsetenv(kKvFaultEnv);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("fail_evry"), std::string::npos);
+}
+
 TEST(LoopbackFaults, DropPeerFailsInFlightWrite) {
   auto a = Make("loopback", "drop-a", 65536, 64, /*delay_us=*/500);
   auto b = Make("loopback", "drop-b", 65536, 64);

@@ -2,6 +2,8 @@
 // no part in it (the client's id is a label, docs/security.md).
 #include <gtest/gtest.h>
 
+#include <atomic>
+
 #include "proxy/generation_service.h"
 
 namespace tandem::proxy {
@@ -39,6 +41,16 @@ TEST(FrontendRate, TenantBucketsRefuseNamingTheLimitAndWhenToRetry) {
   EXPECT_NE(r.status.message().find("requests_per_second"), std::string::npos) << r.status.ToString();
   EXPECT_GT(r.retry_after_seconds, 100.0);  // 1 request at 0.001/s
   EXPECT_TRUE(fe.ChargeRequest(nullptr).status.ok());  // no tenant: no limit
+}
+
+TEST(WorkPool, RunsEveryJobAndTheDestructorRunsWhatIsQueued) {
+  std::atomic<int> ran{0};
+  {
+    WorkPool pool(2);
+    EXPECT_EQ(pool.threads(), 2u);
+    for (int i = 0; i < 100; ++i) pool.Submit([&ran] { ran.fetch_add(1); });
+  }
+  EXPECT_EQ(ran.load(), 100);
 }
 
 }  // namespace

@@ -1,6 +1,13 @@
 // The decoder core without gRPC: reservations, leases, notices, cancel.
 #include "worker_test_util.h"
 
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "kvtransfer/loopback/loopback_transport.h"
+
 namespace tandem::worker_test {
 namespace {
 
@@ -15,9 +22,12 @@ class DecoderTest : public ::testing::Test {
     node_ = Node::Make("decode-unit", 32);
     ASSERT_NE(node_, nullptr);
   }
-  void MakeDecoder(double lease_seconds = 30) {
+  // Most cases move no KV bytes: checksums are verified only where a case
+  // says so.
+  void MakeDecoder(double lease_seconds = 30, bool verify_checksums = false) {
     DecoderOptions o;
     o.lease_seconds = lease_seconds;
+    o.verify_checksums = verify_checksums;
     decoder_ = std::make_unique<Decoder>(*node_->engine, *node_->transport, o);
     decoder_->Start();
   }
@@ -41,6 +51,30 @@ class DecoderTest : public ::testing::Test {
     return n;
   }
   uint32_t FreeBlocks() { return node_->engine->stats().free_blocks; }
+  // A prefiller's transport the decoder can watch (its descriptor goes with
+  // Reserve, as a real prefiller's does).
+  std::string WriterDescriptor() {
+    if (!writer_) {
+      kvtransfer::TransportOptions o;
+      o.backend = "loopback";
+      o.agent_name = "writer-" + std::to_string(reinterpret_cast<uintptr_t>(this));
+      o.block_bytes = TinyLayout().block_bytes();
+      o.num_blocks = 2;
+      auto t = kvtransfer::CreateTransport(o);
+      EXPECT_TRUE(t.ok()) << t.status().ToString();
+      writer_ = std::move(t).value();
+    }
+    return writer_->LocalDescriptor();
+  }
+  std::unique_ptr<kvtransfer::Transport> writer_;
+  // XXH3-64 of the pushed slots of `t`, as a prefiller computes them.
+  std::vector<uint64_t> Sums(const decoder::KvTargetInfo& t) {
+    std::vector<uint64_t> out;
+    for (size_t i = t.cached_blocks; i < t.slots.size(); ++i) {
+      out.push_back(XXH3_64bits(node_->transport->block(t.slots[i]), node_->transport->block_bytes()));
+    }
+    return out;
+  }
 
   std::unique_ptr<Node> node_;
   std::unique_ptr<Decoder> decoder_;
@@ -197,21 +231,172 @@ TEST_F(DecoderTest, ErrorNoticeReturnsTheRequestToRegisteredForARetry) {
   EXPECT_EQ(sink->tokens.front(), 11u);
 }
 
-TEST_F(DecoderTest, LeaseExpiryFreesTheBlocksAndEndsTheStream) {
+// Acknowledge-or-dead: an expired lease ends the stream (the proxy retries)
+// but its blocks stay out of the free list until the writer's notice says
+// no write is outstanding. A request reserved meanwhile gets other blocks.
+TEST_F(DecoderTest, LeaseExpiryQuarantinesTheBlocksUntilTheWriterAcknowledges) {
   MakeDecoder(/*lease_seconds=*/0.2);
   const auto prompt = Prompt(40, 8);
   auto sink = Register("a", prompt);
-  auto t = decoder_->Reserve("a", "p", prompt);
+  auto t = decoder_->Reserve("a", "p", prompt, WriterDescriptor());
   ASSERT_TRUE(t.ok());
   ASSERT_TRUE(WaitFor([&] { return sink->Ended(); }));
   EXPECT_TRUE(sink->errored);
   EXPECT_EQ(sink->error.code(), StatusCode::kUnavailable);
   EXPECT_EQ(decoder_->counts().leases_expired, 1u);
+  EXPECT_EQ(decoder_->counts().reservations, 1u);
+  EXPECT_EQ(decoder_->counts().quarantined_reservations, 1u);
+  EXPECT_EQ(decoder_->counts().quarantined_blocks, 3u);
+  EXPECT_EQ(FreeBlocks(), 29u);
+  // Scheduled meanwhile: never one of the quarantined slots.
+  const auto other = Prompt(40, 80);
+  auto sink_b = Register("b", other);
+  auto b = decoder_->Reserve("b", "p", other, WriterDescriptor());
+  ASSERT_TRUE(b.ok());
+  for (uint32_t slot : b->slots) {
+    EXPECT_EQ(std::count(t->slots.begin(), t->slots.end(), slot), 0) << "slot " << slot << " reused";
+  }
+  // The late writer's notice (its data landed): released, not decoded.
+  decoder_->OnKvNotice(Notice(*t, 5));
+  EXPECT_EQ(decoder_->counts().quarantine_released_ack, 1u);
+  EXPECT_EQ(decoder_->counts().quarantined_blocks, 0u);
+  EXPECT_EQ(decoder_->counts().reservations, 1u);  // b's
+  EXPECT_EQ(decoder_->counts().stale_notices, 0u);
+  EXPECT_EQ(FreeBlocks(), 29u);
+  decoder_->OnKvNotice(Notice(*b, 5));
+  ASSERT_TRUE(WaitFor([&] { return sink_b->Ended(); }));
+  EXPECT_TRUE(sink_b->finished);
+  ASSERT_TRUE(WaitFor([&] { return FreeBlocks() == 32u; }));
+}
+
+// A pool that fits one request: while the first one's blocks wait in
+// quarantine, the next is refused (they are not reused); after the
+// writer's acknowledgement it fits.
+TEST_F(DecoderTest, QuarantinedBlocksAreNotReusedEvenWhenThePoolIsFull) {
+  MakeDecoder(/*lease_seconds=*/0.2);
+  const auto big = Prompt(300, 3);  // 19 of 32 blocks
+  auto sink = Register("a", big);
+  auto t = decoder_->Reserve("a", "p", big, WriterDescriptor());
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE(WaitFor([&] { return sink->Ended(); }));
+  EXPECT_EQ(decoder_->counts().quarantined_blocks, 19u);
+  const auto big2 = Prompt(300, 4);
+  Register("b", big2);
+  EXPECT_EQ(decoder_->Reserve("b", "p", big2).status().code(), StatusCode::kResourceExhausted);
+  KvNoticeInfo n = Notice(*t, 0);
+  n.error = CancelledError("aborted; no byte of it can land");
+  decoder_->OnKvNotice(n);
+  EXPECT_EQ(decoder_->counts().quarantined_blocks, 0u);
+  EXPECT_EQ(FreeBlocks(), 32u);
+  EXPECT_TRUE(decoder_->Reserve("b", "p", big2).ok());
+}
+
+// The writer declared dead (the transport's keepalive, or a newer
+// generation of the same agent reserving) ends its quarantine; a notice of
+// another agent does not.
+// A writer the decoder cannot watch (no descriptor: an older prefiller, a
+// test client) would hold its blocks forever: freed at expiry as before.
+TEST_F(DecoderTest, UnwatchableWritersBlocksAreFreedAtExpiry) {
+  MakeDecoder(/*lease_seconds=*/0.2);
+  const auto prompt = Prompt(40, 18);
+  auto sink = Register("a", prompt);
+  auto t = decoder_->Reserve("a", "p", prompt);
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE(WaitFor([&] { return sink->Ended(); }));
+  EXPECT_EQ(sink->error.code(), StatusCode::kUnavailable);
+  ASSERT_TRUE(WaitFor([&] { return decoder_->counts().reservations == 0; }));
+  EXPECT_EQ(decoder_->counts().quarantined_blocks, 0u);
+  EXPECT_EQ(decoder_->counts().leases_expired, 1u);
+  EXPECT_EQ(FreeBlocks(), 32u);
+  decoder_->OnKvNotice(Notice(*t, 5));  // a late notice is stale
+  EXPECT_EQ(decoder_->counts().stale_notices, 1u);
+}
+
+TEST_F(DecoderTest, QuarantineEndsWhenTheWriterIsDeclaredDead) {
+  MakeDecoder(/*lease_seconds=*/0.2);
+  auto writer = Node::Make("prefill-unit", 4);
+  ASSERT_NE(writer, nullptr);
+  const std::string agent = writer->transport->agent_name();
+  const uint64_t gen1 = writer->transport->generation();
+  const auto prompt = Prompt(40, 11);
+  auto sink = Register("a", prompt);
+  auto t = decoder_->Reserve("a", agent, prompt, writer->transport->LocalDescriptor());
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  ASSERT_TRUE(WaitFor([&] { return sink->Ended(); }));
+  EXPECT_EQ(decoder_->counts().quarantined_blocks, 3u);
+  decoder_->OnPrefillerLost("someone-else", gen1 + 100);
+  EXPECT_EQ(decoder_->counts().quarantined_blocks, 3u);
+  // Restarted writer: the first reservation of its new generation proves
+  // the old process gone.
+  auto gen2 = kvtransfer::LoopbackRestartPeer(agent);
+  ASSERT_TRUE(gen2.ok());
+  ASSERT_GT(*gen2, gen1);
+  const auto other = Prompt(20, 12);
+  auto sink_d = Register("d", other);
+  ASSERT_TRUE(decoder_->Reserve("d", agent, other, writer->transport->LocalDescriptor()).ok());
+  EXPECT_EQ(decoder_->counts().quarantined_blocks, 0u);
+  EXPECT_EQ(decoder_->counts().quarantine_released_dead, 1u);
+  ASSERT_TRUE(WaitFor([&] { return sink_d->Ended(); }));  // d's lease too
+  EXPECT_EQ(decoder_->counts().quarantined_blocks, 2u);
+  // The transport's report of the writer's death (what its keepalive calls).
+  decoder_->OnPrefillerLost(agent, *gen2);
+  EXPECT_EQ(decoder_->counts().quarantined_blocks, 0u);
+  EXPECT_EQ(decoder_->counts().quarantine_released_dead, 2u);
   EXPECT_EQ(decoder_->counts().reservations, 0u);
   EXPECT_EQ(FreeBlocks(), 32u);
-  // The late writer's notice is stale now.
-  decoder_->OnKvNotice(Notice(*t, 5));
-  EXPECT_EQ(decoder_->counts().stale_notices, 1u);
+  // Known dead: a later expiry of its reservations frees at once.
+  auto sink_e = Register("e", other);
+  ASSERT_TRUE(decoder_->Reserve("e", agent, other, writer->transport->LocalDescriptor()).ok());
+  ASSERT_TRUE(WaitFor([&] { return sink_e->Ended(); }));
+  ASSERT_TRUE(WaitFor([&] { return decoder_->counts().reservations == 0; }));
+  EXPECT_EQ(decoder_->counts().quarantined_blocks, 0u);
+}
+
+// End-to-end checksums: verified before the request is added to the
+// engine; a flipped byte (or a notice without checksums) fails the request
+// closed with UNAVAILABLE, counted, blocks freed, nothing decoded.
+TEST_F(DecoderTest, ChecksumMismatchFailsClosedAndNothingIsDecoded) {
+  MakeDecoder(/*lease_seconds=*/30, /*verify_checksums=*/true);
+  const auto prompt = Prompt(40, 13);
+  auto good = Register("good", prompt, 3);
+  auto t = decoder_->Reserve("good", "p", prompt);
+  ASSERT_TRUE(t.ok());
+  for (uint32_t slot : t->slots) std::memset(node_->transport->block(slot), 0, node_->transport->block_bytes());
+  KvNoticeInfo n = Notice(*t, 9);
+  n.block_checksums = Sums(*t);
+  decoder_->OnKvNotice(n);
+  ASSERT_TRUE(WaitFor([&] { return good->Ended(); }));
+  EXPECT_TRUE(good->finished);
+  EXPECT_EQ(good->tokens.size(), 3u);
+
+  auto bad = Register("bad", prompt, 3);
+  auto tb = decoder_->Reserve("bad", "p", prompt);
+  ASSERT_TRUE(tb.ok());
+  ASSERT_LT(tb->cached_blocks, tb->slots.size());  // at least the partial last block moves
+  for (uint32_t slot : tb->slots) std::memset(node_->transport->block(slot), 0, node_->transport->block_bytes());
+  KvNoticeInfo nb = Notice(*tb, 9);
+  nb.block_checksums = Sums(*tb);
+  node_->transport->block(tb->slots.back())[100] ^= std::byte{0x40};  // torn on the way
+  decoder_->OnKvNotice(nb);
+  ASSERT_TRUE(bad->Ended());
+  EXPECT_TRUE(bad->errored);
+  EXPECT_EQ(bad->error.code(), StatusCode::kUnavailable);
+  EXPECT_NE(bad->error.message().find("checksum"), std::string::npos) << bad->error.message();
+  EXPECT_TRUE(bad->tokens.empty());
+  EXPECT_EQ(decoder_->counts().checksum_failures, 1u);
+  EXPECT_EQ(decoder_->counts().reservations, 0u);
+  EXPECT_EQ(decoder_->counts().registered, 0u);
+
+  // Without checksums while they are on: fails closed as well.
+  auto none = Register("none", Prompt(40, 14), 3);
+  auto tn = decoder_->Reserve("none", "p", Prompt(40, 14));
+  ASSERT_TRUE(tn.ok());
+  decoder_->OnKvNotice(Notice(*tn, 9));
+  ASSERT_TRUE(none->Ended());
+  EXPECT_TRUE(none->errored);
+  EXPECT_EQ(decoder_->counts().checksum_failures, 2u);
+  ASSERT_TRUE(WaitFor([&] { return node_->engine->stats().num_running == 0; }));
+  EXPECT_EQ(decoder_->counts().reservations, 0u);
 }
 
 TEST_F(DecoderTest, ANewStreamSupersedesOneStillWaitingForItsKv) {

@@ -8,6 +8,10 @@
 #include <cstring>
 #include <future>
 
+#include <xxhash.h>
+
+#include <optional>
+
 #include "prefiller/push_stream.h"
 #include "worker_test_util.h"
 
@@ -214,6 +218,44 @@ TEST_F(PushStreamTest, StreamsFinalLayersAndPostsTheNoticeOnlyAfterEveryDataTran
   for (size_t b = 1; b < blocks_.size(); ++b) EXPECT_TRUE(SlotMatches(b)) << "block " << b;
   // Released (the transport frees a request released in its callback just after it returns).
   EXPECT_TRUE(WaitFor([&] { return writer_->stats().live_requests == 0; }));
+}
+
+// Checksums: the notice builder gets XXH3-64 of every pushed block (not the
+// cached one), in prompt order, equal to the decoder's slots when the notice
+// arrives — in both push modes.
+TEST_F(PushStreamTest, NoticeCarriesTheChecksumOfEveryPushedBlock) {
+  for (PushMode mode : {PushMode::kStreaming, PushMode::kAfterPrefill}) {
+    for (uint32_t slot : slots_) std::memset(target_->block(slot), 0, kBlockBytes);
+    PushPlan plan = Plan();
+    plan.checksum = true;
+    auto s = PushStream::Create(*writer_, plan, mode);
+    Chunk(*s, 0, 40);
+    Chunk(*s, 40, kPromptTokens);
+    std::vector<uint64_t> sums;
+    std::promise<kv::XferStatus> done;
+    s->Finish(
+        blocks_,
+        [&](std::vector<uint64_t> got) {
+          sums = got;
+          return std::string("with-sums");
+        },
+        [&](kv::XferStatus st, const Status&) { done.set_value(st); });
+    ASSERT_EQ(done.get_future().get(), kv::XferStatus::kSuccess);
+    ASSERT_EQ(sums.size(), blocks_.size() - kCached);
+    for (size_t b = kCached; b < blocks_.size(); ++b) {
+      EXPECT_EQ(sums[b - kCached], XXH3_64bits(writer_->block(blocks_[b]), kBlockBytes)) << "block " << b;
+      EXPECT_EQ(sums[b - kCached], XXH3_64bits(target_->block(slots_[b]), kBlockBytes)) << "block " << b;
+    }
+  }
+  // Off: the builder gets none.
+  auto s = PushStream::Create(*writer_, Plan(), PushMode::kAfterPrefill);
+  std::optional<size_t> count;
+  std::promise<kv::XferStatus> done;
+  s->Finish(
+      blocks_, [&](std::vector<uint64_t> got) { count = got.size(); return std::string("n"); },
+      [&](kv::XferStatus st, const Status&) { done.set_value(st); });
+  ASSERT_EQ(done.get_future().get(), kv::XferStatus::kSuccess);
+  EXPECT_EQ(count, std::optional<size_t>(0));
 }
 
 TEST_F(PushStreamTest, AfterPrefillPushesEverythingInOneTransferWithTheNotice) {
