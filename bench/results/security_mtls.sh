@@ -9,7 +9,7 @@
 #   CONFIG: a fleet file under configs/ (default sim-1p1d.yaml)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
-bin="$root/build/tandem"
+bin="${TANDEM_BIN:-$root/build/tandem}"
 out="$(mkdir -p "${1:?OUT_DIR}" && cd "$1" && pwd)"; rounds="${2:-3}"; config="${3:-sim-1p1d.yaml}"
 shift $(( $# < 3 ? $# : 3 ))
 bench_args=("$@")
