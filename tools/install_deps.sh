@@ -14,6 +14,7 @@ PACKAGES=(
   nlohmann-json3-dev libcli11-dev libboost-dev
   libopenblas-dev libpcre2-dev libxxhash-dev libssl-dev
   curl procps
+  clang-14 libclang-rt-14-dev  # libFuzzer targets (tests/fuzz, tools/fuzz.sh)
   iproute2  # ip, tc: the chaos suite's loopback delay/loss (tests/chaos)
   systemd  # systemd-analyze: the shipped unit's check (tests/deploy/systemd_unit_test.sh)
 )

@@ -125,6 +125,13 @@ def main() -> int:
                   if lg else
                   f"| {m} | {t} | {wb / 1e6:,.1f} | {tg:.2f} | {bw:.2f} | {tg / bw:.2f} | – | – | "
                   f"{tj['memcpy_GBps']:.2f} |")
+    op = os.path.join(d, "others.txt")
+    if os.path.exists(op):
+        print()
+        print("CPU time of other processes while each engine ran (share of both cores):")
+        print()
+        for line in open(op):
+            print(f"- {line.strip()}")
     return 0
 
 

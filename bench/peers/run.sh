@@ -74,6 +74,28 @@ setup() {
 
 load() { echo "$(date -u +%H:%M:%S) $(cut -d' ' -f1-3 /proc/loadavg)"; }
 
+# CPU seconds all CPUs spent busy / idle so far (/proc/stat, USER_HZ ticks).
+cpu_ticks() { awk '/^cpu /{print $2+$3+$4+$7+$8+$9, $5+$6}' /proc/stat; }
+
+# measured NAME CMD...: runs CMD, and appends to $OUT/others.txt the share
+# of the machine's CPU time that OTHER processes used meanwhile ((busy ticks
+# - this command's user+sys) / all ticks): the load next to each number.
+measured() {
+  local name=$1; shift
+  local hz b0 i0 b1 i1 tf
+  hz=$(getconf CLK_TCK)
+  read -r b0 i0 < <(cpu_ticks)
+  tf=$(mktemp)
+  { TIMEFORMAT='%R %U %S'; time "$@" 2>&3; } 3>&2 2> "$tf"
+  read -r b1 i1 < <(cpu_ticks)
+  read -r real user sys < "$tf"
+  rm -f "$tf"
+  awk -v n="$name" -v db=$((b1 - b0)) -v di=$((i1 - i0)) -v hz="$hz" -v r="$real" -v u="$user" \
+    -v s="$sys" 'BEGIN { o = (db / hz - u - s) / ((db + di) / hz); if (o < 0) o = 0;
+      printf "%s wall %.1f s, own cpu %.1f s, others %.0f%% of the machine\n", n, r, u + s, 100 * o }' \
+    >> "$OUT/others.txt"
+}
+
 run() {
   mkdir -p "$OUT"
   {
@@ -88,13 +110,13 @@ run() {
     for t in $THREADS; do
       echo "== $m, $t thread(s)"
       echo "$m $t tandem start $(load)" >> "$OUT/load.txt"
-      "$TANDEM" bench engine --model "$dir" --threads "$t" --batch 1,8 --prompt-tokens 512 \
+      measured "$m $t tandem" "$TANDEM" bench engine --model "$dir" --threads "$t" --batch 1,8 --prompt-tokens 512 \
         --decode-tokens 128 --decode-prompt 16 --reps "$REPS" --json "$OUT/tandem-$m-t$t.json"
       echo "$m $t tandem end $(load)" >> "$OUT/load.txt"
       echo "$m $t llama.cpp start $(load)" >> "$OUT/load.txt"
-      "$LBUILD/bin/llama-bench" -m "$MODELS/$m-f32.gguf" -t "$t" -p 512 -n 128 -r "$REPS" \
+      measured "$m $t llama-bench" "$LBUILD/bin/llama-bench" -m "$MODELS/$m-f32.gguf" -t "$t" -p 512 -n 128 -r "$REPS" \
         -o json > "$OUT/llamabench-$m-t$t.json"
-      "$LBUILD/bin/llama-batched-bench" -m "$MODELS/$m-f32.gguf" -t "$t" -tb "$t" -c 4096 \
+      measured "$m $t llama-batched-bench" "$LBUILD/bin/llama-batched-bench" -m "$MODELS/$m-f32.gguf" -t "$t" -tb "$t" -c 4096 \
         -b 2048 -ub 512 -npp 16 -ntg 128 -npl 1,8 --output-format jsonl \
         > "$OUT/batched-$m-t$t.jsonl" 2> "$OUT/batched-$m-t$t.log"
       echo "$m $t llama.cpp end $(load)" >> "$OUT/load.txt"

@@ -8,6 +8,9 @@
 // keeping `--concurrency` requests in flight. Each request is PrepareWrite →
 // Post → completion callback (data remotely complete, then the notice sent).
 // `--scatter` writes every other remote slot, so no two blocks coalesce.
+// `--encrypt` then runs the requests again, one at a time, sealed and opened
+// as transport.encrypt does (bench_kv_encrypt.h), and measures memcpy of the
+// same bytes as the physical reference.
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <poll.h>
@@ -31,6 +34,7 @@
 #include <sstream>
 #include <thread>
 
+#include "cli/bench_kv_encrypt.h"
 #include "cli/commands.h"
 #include "common/logging.h"
 #include "kvtransfer/descriptor.h"
@@ -55,6 +59,7 @@ struct BenchOptions {
   bool scatter = false;
   bool json = false;
   bool notice = true;                   // send a notice after each request's data
+  bool encrypt = false;                 // also the sealed run (transport.encrypt)
   uint64_t max_put_bytes = 4ull << 20;  // the library default
   uint32_t pool_blocks = 0;             // target only
   double timeout_s = 120;               // whole run
@@ -175,7 +180,10 @@ int RunTarget(const BenchOptions& o) {
   }
   std::memset((*t)->pool(), 0, (*t)->pool_bytes());  // fault the pages in before timing
   std::atomic<uint64_t> notices{0};
-  (*t)->SetNotificationCallback([&](kv::Notification) { ++notices; });
+  kvbench::EncryptedReceiver sealed(**t);
+  (*t)->SetNotificationCallback([&](kv::Notification n) {
+    if (!sealed.OnNotice(n.payload)) ++notices;
+  });
   std::cout << "DESC " << kv::ToHex((*t)->LocalDescriptor()) << std::endl;
   std::string line;
   while (std::getline(std::cin, line)) {
@@ -187,6 +195,8 @@ int RunTarget(const BenchOptions& o) {
       std::cout << "SUM " << BlocksChecksum(**t, first, stride, count) << std::endl;
     } else if (cmd == "NOTICES") {
       std::cout << "NOTICES " << notices.load() << std::endl;
+    } else if (cmd == "WAIT") {
+      std::cout << "OPENED " << sealed.Wait(first, 30) << std::endl;
     }
   }
   return 0;
@@ -223,6 +233,7 @@ int RunWriter(const BenchOptions& o) {
   to.block_bytes = o.block_bytes;
   to.num_blocks = local_blocks;
   to.max_put_bytes = o.max_put_bytes;
+  to.staging_blocks = o.encrypt ? o.blocks : 0;
   auto created = kv::CreateTransport(to);
   if (!created.ok()) {
     std::cerr << created.status().ToString() << "\n";
@@ -331,6 +342,17 @@ int RunWriter(const BenchOptions& o) {
     notices = n.ok() ? std::stoull(*n) : 0;
     if (notices < want_notices) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
+  // 5. The sealed run (transport.encrypt), one request at a time.
+  Result<kvbench::EncryptedRun> sealed_run = kvbench::EncryptedRun{};
+  double memcpy_bw = 0;
+  if (o.encrypt) {
+    sealed_run = kvbench::RunEncrypted(t, *peer, pairs[0], o.warmup, o.requests, [&](uint64_t i) {
+      target.Send(fmt::format("WAIT {}", i));
+      return target.Expect("OPENED ", 60);
+    });
+    if (!sealed_run.ok()) std::cerr << "encrypted run: " << sealed_run.status().ToString() << "\n";
+    memcpy_bw = kvbench::MemcpyBandwidth(uint64_t{o.blocks} * o.block_bytes, 5);
+  }
   t.ReleasePeer(*peer).IgnoreError();  // before the target exits, so no peer-loss warning
   target.CloseInput();
 
@@ -360,6 +382,17 @@ int RunWriter(const BenchOptions& o) {
                         {"ucx_tls", tls ? tls : ""},
                         {"notices_received", notices},
                         {"data_verified", verified}};
+    if (o.encrypt && sealed_run.ok()) {
+      const auto& e = *sealed_run;
+      const double b = static_cast<double>(e.bytes);
+      j["encrypt"] = {{"requests", e.requests},
+                      {"bandwidth_bytes_per_s", b / e.total_s},
+                      {"seal_bytes_per_s", b / e.seal_s},
+                      {"transfer_bytes_per_s", b / e.transfer_s},
+                      {"open_bytes_per_s", b / e.open_s},
+                      {"tag_failures", e.failures}};
+      j["memcpy_bytes_per_s"] = memcpy_bw;
+    }
     std::cout << j.dump() << std::endl;
   } else {
     std::cout << fmt::format(
@@ -372,8 +405,19 @@ int RunWriter(const BenchOptions& o) {
         o.block_bytes, puts_per_request, groups, o.scatter ? ", scattered slots" : "", bw / 1e9, bw,
         elapsed_s, p50 * 1e6, p99 * 1e6, mean * 1e6, notices, want_notices,
         verified ? "yes" : "NO");
+    if (o.encrypt && sealed_run.ok()) {
+      const auto& e = *sealed_run;
+      const double b = static_cast<double>(e.bytes);
+      std::cout << fmt::format(
+          "  encrypted (AES-256-GCM, one request at a time, seal -> put -> open): {:.3f} GB/s end "
+          "to end\n    seal {:.3f} GB/s, put+notice {:.3f} GB/s, open {:.3f} GB/s; tag failures {}\n"
+          "  memcpy of {} bytes: {:.3f} GB/s\n",
+          b / e.total_s / 1e9, b / e.seal_s / 1e9, b / e.transfer_s / 1e9, b / e.open_s / 1e9,
+          e.failures, bytes_per_request, memcpy_bw / 1e9);
+    }
   }
-  return verified && notices == want_notices ? 0 : 1;
+  const bool sealed_ok = !o.encrypt || (sealed_run.ok() && sealed_run->failures == 0);
+  return verified && notices == want_notices && sealed_ok ? 0 : 1;
 }
 
 }  // namespace
@@ -397,6 +441,9 @@ void RegisterBenchKvTransfer(CLI::App& bench, GlobalOptions& g) {
   cmd->add_option("--timeout", o->timeout_s, "give up after this many seconds");
   cmd->add_flag("--json", o->json, "print one JSON object");
   cmd->add_flag("!--no-notice", o->notice, "send no notice after each request");
+  cmd->add_flag("--encrypt", o->encrypt,
+                "also run the requests sealed with AES-256-GCM (transport.encrypt), one at a time, "
+                "and measure memcpy");
   cmd->add_option("--role", o->role, "internal: writer | target")->group("");
   cmd->add_option("--pool-blocks", o->pool_blocks, "internal: target pool size")->group("");
   cmd->callback([&g, o] {

@@ -172,6 +172,7 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.ReadEnum("backend", c.transport.backend, {"ucx", "loopback"});
     m.Read("lease_seconds", c.transport.lease_seconds, 0.1, 86400.0);
     m.Read("peer_timeout_seconds", c.transport.peer_timeout_seconds, 0.1, 600.0);
+    m.Read("encrypt", c.transport.encrypt);
     m.ReadEnum("push", c.transport.push, {"streaming", "after_prefill"});
     m.Read("checksum", c.transport.checksum);
     m.Finish();

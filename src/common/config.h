@@ -101,6 +101,10 @@ struct TransportConfig {
   std::string backend = "ucx";  // ucx | loopback (loopback: single process only)
   double lease_seconds = 30.0;  // a reservation whose KV never arrives expires after this
   double peer_timeout_seconds = 3.0;  // peer loss surfaces as an error within this
+  // AES-256-GCM over every pushed KV block, per-reservation keys
+  // (docs/security.md, "KV plane"); costs a staging copy of the pool on
+  // prefillers and the seal/open time (bench/results/kv_encrypt.md).
+  bool encrypt = false;
   // streaming: the prefiller pushes KV while it computes it (per chunk and
   // layer group); after_prefill: once the whole prompt is done.
   std::string push = "streaming";

@@ -1,6 +1,7 @@
 #include "decoder/decoder.h"
 #include "common/logging.h"
 #include "kvtransfer/descriptor.h"
+#include "kvtransfer/kv_cipher.h"
 #include "kvtransfer/kv_secret.h"
 
 #include <fmt/format.h>
@@ -234,6 +235,12 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
   }
   auto capability = kvtransfer::NewCapability();
   if (!capability.ok()) return capability.status().WithContext("reserving KV blocks");
+  std::string kv_key;
+  if (options_.encrypt) {
+    auto key = kvtransfer::NewKvKey();
+    if (!key.ok()) return key.status().WithContext("reserving KV blocks");
+    kv_key = std::move(*key);
+  }
   auto res = engine_.Reserve(tag, prompt_ids, cache_salt);
   if (!res.ok()) {
     std::lock_guard lock(mu_);
@@ -257,6 +264,7 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
       e.stage = Stage::kReserved;
       e.reservation_id = res->reservation_id;
       Held held{request_id, prefiller, SteadyClock::now() + lease, false, *capability};
+      held.kv_key = kv_key;  // encrypt; else empty
       held.slots = res->block_ids;
       held.cached_blocks = res->num_cached_blocks;
       held.writer_agent = std::move(writer_agent);
@@ -280,6 +288,7 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
   t.cached_blocks = res->num_cached_blocks;
   t.lease_expiry = SystemClock::now() + lease;
   t.capability = std::move(*capability);
+  t.kv_key = std::move(kv_key);
   LogRequest(spdlog::level::debug, request_id,
              "reserved {} KV blocks for prefiller '{}' ({} already cached), reservation {}",
              t.slots.size(), prefiller, t.cached_blocks, t.reservation_id);
@@ -347,10 +356,13 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
     return;
   }
   if (!add) return;
-  // Fail closed: nothing pushed is decoded before every block's checksum
-  // (transport.checksum) checked out. Hashing runs outside the lock; only
-  // this notice could free the reservation.
-  Status s = options_.verify_checksums ? CheckPushedBlocks(n, held) : Status::Ok();
+  // Fail closed: nothing pushed is decoded before every block's tag
+  // (transport.encrypt; the block is decrypted in place) and then its
+  // checksum over the plaintext (transport.checksum) checked out. Both run
+  // outside the lock; only this notice could free the reservation.
+  Status s = held.kv_key.empty() ? Status::Ok()
+                                 : OpenPushedBlocks(n.reservation_id, held, n.kv_tags);
+  if (s.ok() && options_.verify_checksums) s = CheckPushedBlocks(n, held);
   if (s.ok()) s = engine_.AddPrefilled(n.reservation_id, std::move(req), n.first_token_id);
   LogRequest(spdlog::level::debug, n.request_id, "KV notice for reservation {}: decoding ({})",
              n.reservation_id, s.ok() ? "ok" : s.ToString());
@@ -372,7 +384,9 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
     auto it = requests_.find(n.request_id);
     if (it != requests_.end() && it->second.emitter == emitter) requests_.erase(it);
   }
-  Fail(emitter, s.code() == StatusCode::kUnavailable ? s : s.WithContext("adding the prefilled request"));
+  Fail(emitter, s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDataLoss
+                    ? s
+                    : s.WithContext("adding the prefilled request"));
 }
 
 Status Decoder::CheckPushedBlocks(const KvNoticeInfo& n, const Held& held) {
@@ -390,6 +404,35 @@ Status Decoder::CheckPushedBlocks(const KvNoticeInfo& n, const Held& held) {
   return UnavailableError(fmt::format(
       "request '{}': the KV pushed by prefiller '{}' failed its checksum ({}); not decoded",
       n.request_id, held.prefiller, bad.message()));
+}
+
+Status Decoder::OpenPushedBlocks(uint64_t reservation_id, const Held& held,
+                                 const std::string& tags) {
+  const size_t pushed = held.slots.size() - std::min<size_t>(held.cached_blocks, held.slots.size());
+  Status s;
+  if (tags.size() != pushed * kvtransfer::kKvTagBytes) {
+    s = DataLossError(fmt::format("the notice carries {} bytes of tags for {} pushed blocks ({} each)",
+                                  tags.size(), pushed, kvtransfer::kKvTagBytes));
+  } else {
+    auto cipher = kvtransfer::KvCipher::Create(held.kv_key, reservation_id);
+    s = cipher.status();
+    for (size_t i = 0; s.ok() && i < pushed; ++i) {
+      const uint32_t position = held.cached_blocks + static_cast<uint32_t>(i);
+      s = cipher->Open(position, transport_.block(held.slots[position]), transport_.block_bytes(),
+                       reinterpret_cast<const std::byte*>(tags.data()) + i * kvtransfer::kKvTagBytes);
+    }
+  }
+  if (s.ok()) return s;
+  {
+    std::lock_guard lock(mu_);
+    ++counts_.notices_refused_decrypt;
+  }
+  LogRequest(spdlog::level::warn, held.request_id,
+             "refused the KV pushed by '{}' for reservation {}: {}", held.prefiller, reservation_id,
+             s.message());
+  return DataLossError(fmt::format(
+      "request '{}': the KV pushed by prefiller '{}' failed authentication (transport.encrypt), "
+      "so it was not used: {}", held.request_id, held.prefiller, s.message()));
 }
 
 void Decoder::OnUnreadableNotice(const std::string& sender, size_t bytes) {

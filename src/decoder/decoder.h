@@ -89,6 +89,7 @@ struct KvTargetInfo {
   uint32_t cached_blocks = 0;
   std::chrono::system_clock::time_point lease_expiry;
   std::string capability;  // kvtransfer::kCapabilityBytes random bytes; the notice must carry them
+  std::string kv_key;      // transport.encrypt: the AES-256-GCM key of this reservation; else empty
 };
 
 // A decoded KvNotice (worker.proto).
@@ -100,12 +101,17 @@ struct KvNoticeInfo {
   uint32_t prefill_cached_prompt_tokens = 0;  // the prefiller's prefix-cache hits
   Status error;  // non-OK: the prefiller gave up on the request
   std::string capability;  // must equal the reservation's (KvTargetInfo::capability)
+  std::string kv_tags;     // transport.encrypt: kKvTagBytes per pushed block, prompt order
   // XXH3-64 of each pushed block (slots cached_blocks.. of the reservation).
   std::vector<uint64_t> block_checksums;
 };
 
 struct DecoderOptions {
   double lease_seconds = 30.0;
+  // transport.encrypt (docs/security.md): every reservation gets a key; a
+  // success notice must carry a valid tag for every pushed block, checked
+  // (and the block decrypted in place) before the request may use them.
+  bool encrypt = false;
   // transport.checksum: verify the KV notice's block checksums (a notice
   // without them, for blocks that were pushed, fails closed).
   bool verify_checksums = true;
@@ -123,6 +129,7 @@ struct DecoderCounts {
   // KV notices refused (never acted on), by reason (docs/security.md):
   uint64_t notices_refused_capability = 0;  // a known reservation, the wrong capability
   uint64_t notices_refused_unreadable = 0;  // not a KvNotice at all
+  uint64_t notices_refused_decrypt = 0;     // encrypt: a pushed block failed authentication
   // Acknowledge-or-dead: expired reservations whose prefiller has neither
   // confirmed that no write is outstanding nor been declared dead.
   uint32_t quarantined_reservations = 0;
@@ -211,12 +218,16 @@ class Decoder {
     std::chrono::steady_clock::time_point lease_expiry;
     bool orphaned = false;  // its request was cancelled or re-reserved
     std::string capability;  // what the KvTarget carried
+    std::string kv_key;      // encrypt: the reservation's key
     std::vector<uint32_t> slots;  // [prompt blocks]
     uint32_t cached_blocks = 0;
     bool quarantined = false;  // the lease expired: waits for the notice or the writer's death
     std::string writer_agent;  // from the prefiller's descriptor ("" when unknown)
     uint64_t writer_generation = 0;
   };
+  // encrypt: checks and decrypts the pushed blocks of a reservation in
+  // place; DATA_LOSS (the request must not use them) on any failure.
+  Status OpenPushedBlocks(uint64_t reservation_id, const Held& held, const std::string& tags);
 
   engine::GenerateRequest MakeEngineRequest(const DecodeSpec& spec, std::shared_ptr<Emitter> emitter);
   void OnOutput(const std::string& request_id, Emitter& emitter, const engine::RequestOutput& out);

@@ -8,6 +8,7 @@
 
 #include "common/rpc_server.h"
 #include "common/stream_writer.h"
+#include "decoder/kv_notice.h"
 #include "tandem/v1/worker.grpc.pb.h"
 #include "worker/attempt_key.h"
 #include "worker/engine_params.h"
@@ -149,6 +150,7 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
                                       target->lease_expiry.time_since_epoch())
                                       .count());
       t->set_capability(target->capability);
+      t->set_kv_key(target->kv_key);
     } else {
       resp->mutable_error()->set_code(static_cast<int>(target.status().code()));
       resp->mutable_error()->set_message(target.status().message());
@@ -160,30 +162,12 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
 
  private:
   void OnNotification(kvtransfer::Notification n) {
-    pb::KvNotice notice;
-    if (!notice.ParseFromString(n.payload)) {
+    auto info = ParseKvNotice(n.payload);
+    if (!info.ok()) {
       decoder_.OnUnreadableNotice(n.sender, n.payload.size());
       return;
     }
-    KvNoticeInfo info;
-    info.request_id = notice.request_id();
-    info.reservation_id = notice.reservation_id();
-    info.generation = notice.generation();
-    info.first_token_id = notice.first_token_id();
-    info.prefill_cached_prompt_tokens = notice.prefill_cached_prompt_tokens();
-    info.capability = notice.capability();
-    info.block_checksums.assign(notice.block_checksums().begin(), notice.block_checksums().end());
-    if (notice.has_error()) {
-      const int code = notice.error().code();
-      info.error = Status(code > 0 && code <= 16 ? static_cast<StatusCode>(code)
-                                                 : StatusCode::kUnknown,
-                          notice.error().message());
-      if (info.error.ok()) info.error = UnknownStatus(notice.error().message());
-    }
-    decoder_.OnKvNotice(info);
-  }
-  static Status UnknownStatus(const std::string& message) {
-    return Status(StatusCode::kUnknown, message.empty() ? "prefiller gave up" : message);
+    decoder_.OnKvNotice(*info);
   }
 
   Decoder& decoder_;

@@ -58,9 +58,10 @@ std::vector<Segment> CoalesceBlocks(std::span<const BlockPair> pairs, uint64_t b
 Result<XferId> Transport::PrepareBlockWrite(PeerId peer, std::span<const BlockPair> blocks,
                                             std::optional<std::string> notice) {
   for (const BlockPair& p : blocks) {
-    if (p.local_block >= num_blocks_) {
-      return OutOfRangeError(fmt::format("local block {} is outside the pool of {} blocks",
-                                         p.local_block, num_blocks_));
+    if (p.local_block >= uint64_t{num_blocks_} + staging_blocks_) {
+      return OutOfRangeError(fmt::format(
+          "local block {} is outside the pool of {} blocks (+ {} staging blocks)", p.local_block,
+          num_blocks_, staging_blocks_));
     }
   }
   // Remote slots are checked against the peer's pool by PrepareWrite.

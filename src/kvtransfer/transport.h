@@ -147,6 +147,11 @@ struct TransportOptions {
   uint64_t generation = 0;
   uint64_t block_bytes = 0;  // > 0
   uint32_t num_blocks = 0;   // > 0; pool = num_blocks * block_bytes bytes
+  // transport.encrypt (docs/security.md): this many more blocks after the
+  // pool, in the same registration, for sealed copies of outgoing blocks.
+  // Local block indices num_blocks .. num_blocks + staging_blocks - 1 name
+  // them in writes; peers only ever see (and may only write) the pool.
+  uint32_t staging_blocks = 0;
   // Large segments are split into puts of at most this size; abort takes
   // effect between puts.
   uint64_t max_put_bytes = 4ull << 20;
@@ -195,6 +200,11 @@ class Transport {
   uint32_t num_blocks() const { return num_blocks_; }
   uint64_t pool_bytes() const { return block_bytes_ * num_blocks_; }
   std::byte* block(uint32_t i) const { return pool_ + uint64_t{i} * block_bytes_; }
+  // Staging blocks (TransportOptions::staging_blocks) follow the pool:
+  // block(num_blocks() + k) is staging block k.
+  uint32_t staging_blocks() const { return staging_blocks_; }
+  // What local segment offsets may address: the pool and the staging blocks.
+  uint64_t local_bytes() const { return block_bytes_ * (uint64_t{num_blocks_} + staging_blocks_); }
 
   // Serialised endpoint + memory descriptor (binary bytes) that a peer passes
   // to ImportPeer. Use ToHex/FromHex (descriptor.h) to carry it as text.
@@ -244,11 +254,13 @@ class Transport {
   virtual TransportStats stats() const = 0;
 
  protected:
-  Transport(std::string agent_name, uint64_t generation, uint64_t block_bytes, uint32_t num_blocks)
+  Transport(std::string agent_name, uint64_t generation, uint64_t block_bytes, uint32_t num_blocks,
+            uint32_t staging_blocks = 0)
       : agent_name_(std::move(agent_name)),
         generation_(generation),
         block_bytes_(block_bytes),
-        num_blocks_(num_blocks) {}
+        num_blocks_(num_blocks),
+        staging_blocks_(staging_blocks) {}
   void set_pool(std::byte* pool) { pool_ = pool; }
 
  private:
@@ -256,7 +268,8 @@ class Transport {
   uint64_t generation_;
   uint64_t block_bytes_;
   uint32_t num_blocks_;
-  std::byte* pool_ = nullptr;  // [num_blocks_ * block_bytes_], owned by the backend
+  uint32_t staging_blocks_;
+  std::byte* pool_ = nullptr;  // [local_bytes()], owned by the backend
 };
 
 // Creates the backend named in `options.backend` and allocates its pool.

@@ -63,7 +63,7 @@ Result<DecodedNotice> DecodeNotice(std::string_view wire) {
 
 TransportBase::TransportBase(const TransportOptions& options)
     : Transport(options.agent_name, options.generation ? options.generation : NewGeneration(),
-                options.block_bytes, options.num_blocks),
+                options.block_bytes, options.num_blocks, options.staging_blocks),
       options_(options),
       creator_pid_(getpid()) {}
 
@@ -234,14 +234,14 @@ Result<XferId> TransportBase::PrepareWrite(PeerId peer, std::vector<Segment> seg
   uint64_t total = 0;
   for (size_t i = 0; i < segments.size(); ++i) {
     const Segment& s = segments[i];
-    if (s.length_bytes == 0 || s.local_offset_bytes > pool_bytes() ||
-        s.length_bytes > pool_bytes() - s.local_offset_bytes ||
+    if (s.length_bytes == 0 || s.local_offset_bytes > local_bytes() ||
+        s.length_bytes > local_bytes() - s.local_offset_bytes ||
         s.remote_offset_bytes > p.desc.pool_bytes() ||
         s.length_bytes > p.desc.pool_bytes() - s.remote_offset_bytes) {
       return OutOfRangeError(fmt::format(
           "segment {} (local {} remote {} length {}) is empty or outside the pools (local {} "
           "bytes, remote {} bytes)",
-          i, s.local_offset_bytes, s.remote_offset_bytes, s.length_bytes, pool_bytes(),
+          i, s.local_offset_bytes, s.remote_offset_bytes, s.length_bytes, local_bytes(),
           p.desc.pool_bytes()));
     }
     total += s.length_bytes;

@@ -30,7 +30,8 @@ Status StatusFor(const engine::RequestOutput& out) {
 
 Prefiller::Prefiller(engine::Engine& engine, kvtransfer::Transport& transport, DecoderLink& link,
                      PrefillerOptions options)
-    : engine_(engine), transport_(transport), link_(link), options_(std::move(options)) {}
+    : engine_(engine), transport_(transport), link_(link), options_(std::move(options)),
+      sealer_(transport) {}
 
 Prefiller::~Prefiller() { Stop(); }
 
@@ -239,6 +240,12 @@ void Prefiller::OnReserved(const JobPtr& job, Result<ReserveTarget> target) {
     std::lock_guard lock(mu_);
     job->push = PushStream::Create(transport_, std::move(plan), options_.push_mode);
   }
+  if (Status sealing = EnableSealing(job); !sealing.ok()) {
+    admitted();
+    SendErrorNotice(job, sealing);
+    Complete(job, sealing);
+    return;
+  }
   engine::GenerateRequest req;
   req.request_id = id;
   req.prompt_ids = job->spec.prompt_ids;
@@ -348,6 +355,10 @@ void Prefiller::OnOutput(const JobPtr& job, const engine::RequestOutput& out) {
   n.first_token_id = job->result.first_token_id;
   n.cached_prompt_tokens = job->result.cached_prompt_tokens;
   std::vector<uint32_t> blocks(out.block_ids.begin(), out.block_ids.begin() + num_prompt_blocks);
+  if (Status sealed = SealPush(job, blocks, n); !sealed.ok()) {
+    GiveUp(job, sealed, /*release_prefill=*/true);  // streamed bytes may still be landing
+    return;
+  }
   // The notice goes after every byte of the reservation (push_stream.h);
   // a cancel from here on aborts the push (Cancel, stage kTransferring).
   job->push->Finish(std::move(blocks),
@@ -431,8 +442,35 @@ void Prefiller::SendErrorNotice(const JobPtr& job, const Status& why) {
 
 Status Prefiller::UnknownError() { return Status(StatusCode::kUnknown, "prefiller gave up"); }
 
+Status Prefiller::EnableSealing(const JobPtr& job) {
+  const ReserveTarget& t = job->target;  // written before the push was created, never after
+  if (t.kv_key.empty()) {
+    if (!options_.encrypt) return Status::Ok();
+    return FailedPreconditionError(fmt::format(
+        "decoder '{}' sent no KV key, but transport.encrypt is on here: refusing to push "
+        "plaintext (the fleet file's transport.encrypt must agree)", job->spec.decoder_name));
+  }
+  if (transport_.staging_blocks() == 0) {
+    return FailedPreconditionError(fmt::format(
+        "decoder '{}' wants its KV encrypted but transport.encrypt is off on this prefiller, so "
+        "it has no staging blocks to seal into (the fleet file's transport.encrypt must agree)",
+        job->spec.decoder_name));
+  }
+  Status s = job->push->EnableSealing(sealer_, t.kv_key, t.reservation_id);
+  return s.ok() ? s : s.WithContext("the decoder's KV key (transport.encrypt)");
+}
+
+Status Prefiller::SealPush(const JobPtr& job, std::span<const uint32_t> blocks, NoticeSpec& n) {
+  if (!job->push->sealing()) return Status::Ok();
+  auto tags = job->push->SealRest(blocks);
+  if (!tags.ok()) return tags.status().WithContext("sealing the KV push (transport.encrypt)");
+  n.kv_tags = std::move(*tags);
+  return Status::Ok();
+}
+
 void Prefiller::Complete(const JobPtr& job, Result<PrefillResult> result) {
   PrefillDone done;
+  std::shared_ptr<PushStream> push;
   {
     std::lock_guard lock(mu_);
     if (job->stage == Stage::kDone) return;
@@ -440,7 +478,11 @@ void Prefiller::Complete(const JobPtr& job, Result<PrefillResult> result) {
     auto it = jobs_.find(job->spec.request_id);
     if (it != jobs_.end() && it->second == job) jobs_.erase(it);
     done = std::move(job->done);
+    push = job->push;
   }
+  // No write reads the push's staging blocks any more: every path here
+  // comes after the push's end (its done, or an Abort's then) or before it began.
+  if (push) push->ReleaseStaging();
   cv_.notify_all();
   if (result.ok() && options_.on_complete) options_.on_complete(*result);
   if (done) done(std::move(result));

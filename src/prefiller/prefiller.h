@@ -30,6 +30,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -37,6 +38,7 @@
 #include "common/status.h"
 #include "engine/engine.h"
 #include "kvtransfer/transport.h"
+#include "prefiller/kv_sealer.h"
 #include "prefiller/push_stream.h"
 
 namespace tandem::prefiller {
@@ -77,6 +79,7 @@ struct ReserveTarget {
   // clock); epoch value: unknown.
   std::chrono::system_clock::time_point lease_expiry{};
   std::string capability;  // the reservation's; every notice for it carries it
+  std::string kv_key;      // transport.encrypt: seal every pushed block with it; else empty
 };
 
 // A KvNotice to send through the transport (worker.proto).
@@ -88,6 +91,7 @@ struct NoticeSpec {
   uint32_t cached_prompt_tokens = 0;  // this prefiller's prefix-cache hits
   Status error;  // non-OK: this prefiller gave up on the request
   std::string capability;  // ReserveTarget::capability
+  std::string kv_tags;     // transport.encrypt: the pushed blocks' GCM tags
   std::vector<uint64_t> block_checksums;  // XXH3-64 of each pushed block (transport.checksum)
 };
 
@@ -110,6 +114,10 @@ struct PrefillerOptions {
   // The fleet's transport.lease_seconds: a push that could land after the
   // decoder's lease expired (it may have reused the slots) is never posted.
   double lease_seconds = 30.0;
+  // transport.encrypt: refuse to push to a decoder that sends no key. (A
+  // key from the decoder is honoured either way, if there are staging
+  // blocks to seal into.)
+  bool encrypt = false;
   // The fleet's transport.push.
   PushMode push_mode = PushMode::kStreaming;
   // transport.checksum: the notice carries XXH3-64 of every pushed block.
@@ -195,11 +203,19 @@ class Prefiller {
   // Ends the job (first call wins) and runs its `done`.
   void Complete(const JobPtr& job, Result<PrefillResult> result);
   static Status UnknownError();
+  // transport.encrypt: turns sealing on for the job's push when the
+  // decoder sent a key (PushStream::EnableSealing); refuses a target
+  // without one when encryption is on here.
+  Status EnableSealing(const JobPtr& job);
+  // transport.encrypt: seals what the stream has not sealed yet and puts
+  // every pushed block's tag in the notice; a no-op without sealing.
+  Status SealPush(const JobPtr& job, std::span<const uint32_t> blocks, NoticeSpec& n);
 
   engine::Engine& engine_;
   kvtransfer::Transport& transport_;
   DecoderLink& link_;
   const PrefillerOptions options_;
+  KvSealer sealer_;
 
   mutable std::mutex mu_;
   std::condition_variable_any cv_;

@@ -126,6 +126,7 @@ class GrpcDecoderLink final : public DecoderLink {
                              out.slots.assign(t.slots().begin(), t.slots().end());
                              out.cached_blocks = t.cached_blocks();
                              out.capability = t.capability();
+                             out.kv_key = t.kv_key();
                              if (t.lease_expiry_unix_ms() > 0) {
                                out.lease_expiry = std::chrono::system_clock::time_point(
                                    std::chrono::milliseconds(t.lease_expiry_unix_ms()));
@@ -142,6 +143,7 @@ class GrpcDecoderLink final : public DecoderLink {
     m.set_first_token_id(n.first_token_id);
     m.set_prefill_cached_prompt_tokens(n.cached_prompt_tokens);
     m.set_capability(n.capability);
+    m.set_kv_tags(n.kv_tags);
     m.mutable_block_checksums()->Add(n.block_checksums.begin(), n.block_checksums.end());
     if (!n.error.ok()) {
       m.mutable_error()->set_code(static_cast<int>(n.error.code()));

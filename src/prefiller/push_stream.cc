@@ -51,7 +51,9 @@ std::vector<kv::Segment> PushStream::TakeFinal(std::span<const uint32_t> block_t
     const uint32_t from = pushed_[b], to = final_layers[b];
     if (to <= from) continue;
     kv::Segment s;
-    s.local_offset_bytes = uint64_t{block_table[b]} * plan_.block_bytes + from * layer_bytes_;
+    // Sealing: the block's ciphertext in its staging block (whole blocks only).
+    const uint32_t local = sealer_ != nullptr ? sealed_to_[b] : block_table[b];
+    s.local_offset_bytes = uint64_t{local} * plan_.block_bytes + from * layer_bytes_;
     s.remote_offset_bytes = uint64_t{plan_.slots[b]} * plan_.block_bytes + from * layer_bytes_;
     s.length_bytes = uint64_t{to - from} * layer_bytes_;
     pushed_[b] = to;
@@ -72,17 +74,32 @@ void PushStream::OnProgress(const engine::KvProgress& p, bool posting_allowed) {
   if (mode_ != PushMode::kStreaming) return;
   std::unique_lock lock(mu_);
   if (ended_ || aborted_ || failure_ != kv::XferStatus::kSuccess || pending_) return;
-  if (attempt_ && *attempt_ != p.attempt) resend_all_ = true;  // preempted: blocks were freed
+  // Preempted: the blocks were freed while puts may have read them. Sealed
+  // blocks were copied when final, so only an unsealed stream re-sends.
+  if (attempt_ && *attempt_ != p.attempt && sealer_ == nullptr) resend_all_ = true;
   attempt_ = p.attempt;
   if (resend_all_ || !posting_allowed) return;
   const uint32_t bs = plan_.block_size;
   std::vector<uint32_t> final_layers(pushed_.size(), 0);
+  std::vector<uint32_t> to_seal;
   for (uint32_t b = plan_.cached_blocks; b < final_layers.size(); ++b) {
     const uint32_t end = std::min((b + 1) * bs, plan_.prompt_tokens);
     if (end <= p.final_tokens) {
       final_layers[b] = plan_.num_layers;
-    } else if (end <= p.chunk_end) {
+      if (sealer_ != nullptr && sealed_to_[b] == kUnsealed && b < p.block_table.size()) {
+        to_seal.push_back(b);
+      }
+    } else if (end <= p.chunk_end && sealer_ == nullptr) {
       final_layers[b] = std::min(p.layers_done, plan_.num_layers);
+    }
+  }
+  if (sealer_ != nullptr) {
+    // A block that could not be sealed now is left to SealRest, which
+    // reports the error.
+    if (!to_seal.empty() && !SealBlocks(lock, to_seal, p.block_table).ok()) return;
+    if (ended_ || aborted_ || failure_ != kv::XferStatus::kSuccess || pending_) return;
+    for (uint32_t b = plan_.cached_blocks; b < final_layers.size(); ++b) {
+      if (sealed_to_[b] == kUnsealed) final_layers[b] = 0;
     }
   }
   std::vector<kv::Segment> segs = TakeFinal(p.block_table, final_layers);
@@ -210,6 +227,13 @@ void PushStream::Advance(std::unique_lock<std::mutex>& lock) {
     if (!pending_ || final_posted_ || ended_) return;
     // Every earlier transfer completed: the rest, then the notice.
     final_posted_ = true;
+    if (sealer_ != nullptr &&
+        std::any_of(sealed_to_.begin() + plan_.cached_blocks, sealed_to_.end(),
+                    [](uint32_t s) { return s == kUnsealed; })) {
+      Fail(kv::XferStatus::kErrInvalidArgument,
+           InternalError("transport.encrypt: a prompt block was not sealed before the notice"));
+      continue;
+    }
     std::vector<uint32_t> all(pushed_.size(), plan_.num_layers);
     if (resend_all_) {
       std::fill(pushed_.begin(), pushed_.end(), 0);
@@ -224,6 +248,64 @@ void PushStream::Advance(std::unique_lock<std::mutex>& lock) {
     PostLocked(lock, std::move(segs), pending_->notice(std::move(sums)), /*is_final=*/true);
     // A failed post leaves failure_ set and outstanding_ at 0: the loop reports it.
   }
+}
+
+Status PushStream::EnableSealing(KvSealer& sealer, std::string_view key, uint64_t reservation_id) {
+  TANDEM_ASSIGN_OR_RETURN(kv::KvCipher cipher, kv::KvCipher::Create(key, reservation_id));
+  std::lock_guard lock(mu_);
+  if (sealer_ != nullptr) return FailedPreconditionError("sealing is already on for this push");
+  if (plan_.cached_blocks > plan_.slots.size()) {
+    return InvalidArgumentError(fmt::format("{} cached blocks of {}", plan_.cached_blocks,
+                                            plan_.slots.size()));
+  }
+  cipher_.emplace(std::move(cipher));
+  sealer_ = &sealer;
+  sealed_to_.assign(plan_.slots.size(), kUnsealed);
+  tags_.assign((plan_.slots.size() - plan_.cached_blocks) * kv::kKvTagBytes, '\0');
+  return Status::Ok();
+}
+
+Status PushStream::SealBlocks(std::unique_lock<std::mutex>& lock, const std::vector<uint32_t>& todo,
+                              std::span<const uint32_t> block_table) {
+  std::vector<uint32_t> local(todo.size());
+  for (size_t i = 0; i < todo.size(); ++i) local[i] = block_table[todo[i]];
+  lock.unlock();
+  auto sealed = sealer_->Seal(*cipher_, todo, local);
+  lock.lock();
+  if (!sealed.ok()) return sealed.status();
+  for (size_t i = 0; i < todo.size(); ++i) {
+    const uint32_t b = todo[i];
+    sealed_to_[b] = sealed->blocks[i];
+    tags_.replace((b - plan_.cached_blocks) * kv::kKvTagBytes, kv::kKvTagBytes, sealed->tags,
+                  i * kv::kKvTagBytes, kv::kKvTagBytes);
+  }
+  staging_.insert(staging_.end(), sealed->staging.begin(), sealed->staging.end());
+  return Status::Ok();
+}
+
+Result<std::string> PushStream::SealRest(std::span<const uint32_t> block_ids) {
+  std::unique_lock lock(mu_);
+  if (sealer_ == nullptr) return FailedPreconditionError("this push does not seal its blocks");
+  if (ended_ || aborted_) return CancelledError("KV push aborted");
+  if (block_ids.size() < sealed_to_.size()) {
+    return InvalidArgumentError(fmt::format("{} blocks for a push of {}", block_ids.size(),
+                                            sealed_to_.size()));
+  }
+  std::vector<uint32_t> todo;
+  for (uint32_t b = plan_.cached_blocks; b < sealed_to_.size(); ++b) {
+    if (sealed_to_[b] == kUnsealed) todo.push_back(b);
+  }
+  if (!todo.empty()) TANDEM_RETURN_IF_ERROR(SealBlocks(lock, todo, block_ids));
+  return tags_;
+}
+
+void PushStream::ReleaseStaging() {
+  std::vector<uint32_t> staging;
+  {
+    std::lock_guard lock(mu_);
+    staging.swap(staging_);
+  }
+  if (sealer_ != nullptr) sealer_->Release(staging);
 }
 
 }  // namespace tandem::prefiller

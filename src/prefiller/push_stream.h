@@ -22,6 +22,15 @@
 // block the decoder lacks instead (after the earlier ones ended), or the
 // stream fails.
 //
+// transport.encrypt (EnableSealing, kv_sealer.h): a block is pushed only
+// whole — once every layer of every prompt token in it is final — and is
+// sealed into a staging block just before the write that carries it; the
+// notice carries every pushed block's tag (SealRest seals whatever is left
+// before the notice is built). Sealed blocks are immune to a preemption
+// (the staging copy is ours), so they are never re-sealed or re-read;
+// their checksums are taken from the same pool bytes when they are sealed,
+// so the decoder verifies them over the plaintext it decrypts.
+//
 // Checksums (plan.checksum, transport.checksum): XXH3-64 of every pushed
 // block, over its bytes in the local pool, computed when the block is final
 // in every layer (streaming: in OnProgress, as it is posted; otherwise, or
@@ -42,11 +51,14 @@
 #include <set>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/status.h"
 #include "engine/request.h"
+#include "kvtransfer/kv_cipher.h"
 #include "kvtransfer/transport.h"
+#include "prefiller/kv_sealer.h"
 
 namespace tandem::prefiller {
 
@@ -78,6 +90,19 @@ class PushStream : public std::enable_shared_from_this<PushStream> {
                                             PushMode mode);
   PushStream(const PushStream&) = delete;
   PushStream& operator=(const PushStream&) = delete;
+
+  // transport.encrypt: seal every pushed block with `key` (the
+  // reservation's) into `sealer`'s staging blocks. Call once, before any
+  // OnProgress. INVALID_ARGUMENT for a bad key.
+  Status EnableSealing(KvSealer& sealer, std::string_view key, uint64_t reservation_id);
+  bool sealing() const { return sealer_ != nullptr; }
+  // Sealing only; the engine thread, before Finish with the same blocks:
+  // seals every prompt block not sealed yet, and returns the tags of blocks
+  // [cached_blocks, prompt blocks) in prompt order (KvNotice.kv_tags).
+  Result<std::string> SealRest(std::span<const uint32_t> block_ids);
+  // Returns the staging blocks to the sealer. Call once no byte of the
+  // stream can be read any more (after `done`, or an Abort's `then`).
+  void ReleaseStaging();
 
   // Engine thread. Posts the bytes that became final (streaming only).
   // `posting_allowed` false (e.g. the decoder's lease is too close) posts
@@ -111,6 +136,10 @@ class PushStream : public std::enable_shared_from_this<PushStream> {
   // Runs what became due (the final transfer, `done`, the abort's `then`).
   void Advance(std::unique_lock<std::mutex>& lock);
   void Fail(kvtransfer::XferStatus st, Status why);  // under mu_
+  // Sealing: seals prompt blocks `todo` from `block_table` (not under mu_,
+  // engine thread) and records them (under mu_).
+  Status SealBlocks(std::unique_lock<std::mutex>& lock, const std::vector<uint32_t>& todo,
+                    std::span<const uint32_t> block_table);
   // Checksums of the blocks (cached_blocks..) final in every layer whose
   // sum is not known yet, read at `block_table` (under mu_).
   void ChecksumFinal(std::span<const uint32_t> block_table);
@@ -138,6 +167,14 @@ class PushStream : public std::enable_shared_from_this<PushStream> {
   bool ended_ = false;            // done_ ran (or is running)
   uint64_t bytes_posted_ = 0;
   uint32_t transfers_posted_ = 0;
+
+  // Sealing (transport.encrypt): set by EnableSealing.
+  static constexpr uint32_t kUnsealed = ~0u;
+  KvSealer* sealer_ = nullptr;
+  std::optional<kvtransfer::KvCipher> cipher_;  // the engine thread's (OnProgress, SealRest)
+  std::vector<uint32_t> sealed_to_;  // guarded by mu_: [prompt blocks] staging block or kUnsealed
+  std::string tags_;                 // guarded by mu_: kKvTagBytes per block past cached_blocks
+  std::vector<uint32_t> staging_;    // guarded by mu_: held staging blocks (KvSealer indices)
 };
 
 }  // namespace tandem::prefiller

@@ -58,6 +58,13 @@ Result<ValidatedRequest> ValidateRequest(const ClientRequest& req, const Serving
     out.prompt_ids = encode(req.prompt);
     if (out.prompt_ids.empty()) return InvalidArgumentError("prompt encodes to no tokens");
     if (out.prompt_ids.size() > max_prompt) return too_long(out.prompt_ids.size(), "prompt");
+    for (uint32_t id : out.prompt_ids) {  // a tokenizer larger than the model (fuzz_request)
+      if (id >= limits.vocab_size) {
+        return InvalidArgumentError(fmt::format(
+            "prompt encodes to token id {}, outside the model's vocabulary of {} (the tokenizer "
+            "and the model disagree)", id, limits.vocab_size));
+      }
+    }
   } else {
     // Counted before anything scans them.
     if (req.prompt_token_ids.size() > max_prompt) {

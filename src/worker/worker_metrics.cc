@@ -24,7 +24,7 @@ constexpr const char* kQuarantineHelp =
     "Quarantined KV reservations released, by what proved no write of theirs is outstanding "
     "(acknowledged: the prefiller's notice; peer_dead: the transport declared it dead)";
 constexpr const char* kNoticeRefusedHelp =
-    "KV notices refused without acting on them (wrong capability, unreadable)";
+    "KV notices refused without acting on them (wrong capability, unreadable, failed decryption)";
 
 void Advance(prometheus::Counter& c, uint64_t now, uint64_t before) {
   if (now > before) c.Increment(static_cast<double>(now - before));
@@ -67,6 +67,8 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
                                            {{"reason", "capability"}})),
       notice_refused_unreadable_(r.Counter("tandem_kv_notice_refused_total", kNoticeRefusedHelp,
                                            {{"reason", "unreadable"}})),
+      notice_refused_decrypt_(r.Counter("tandem_kv_notice_refused_total", kNoticeRefusedHelp,
+                                        {{"reason", "decrypt"}})),
       quarantined_blocks_(r.Gauge("tandem_kv_quarantined_blocks",
                                   "KV blocks of expired reservations held until their prefiller "
                                   "confirms no write is outstanding or is declared dead")),
@@ -125,6 +127,7 @@ void WorkerMetrics::Update(const MetricsSample& s) {
           last_.notices_refused_capability);
   Advance(notice_refused_unreadable_, s.notices_refused_unreadable,
           last_.notices_refused_unreadable);
+  Advance(notice_refused_decrypt_, s.notices_refused_decrypt, last_.notices_refused_decrypt);
   quarantined_blocks_.Set(s.quarantined_blocks);
   Advance(quarantine_released_ack_, s.quarantine_released_ack, last_.quarantine_released_ack);
   Advance(quarantine_released_dead_, s.quarantine_released_dead, last_.quarantine_released_dead);

@@ -13,6 +13,8 @@
 //   tandem_kv_reservations_refused_total (counters),
 // and, for the KV plane's security (docs/security.md):
 //   tandem_kv_notice_refused_total{reason} (counter; reason capability |
+//   unreadable | decrypt): KV notices a decoder refused without acting on
+//   them (decrypt: transport.encrypt and a pushed block failed its tag),
 //   unreadable): KV notices a decoder refused without acting on them,
 // and for the KV plane's reliability (docs/failure-handling.md):
 //   tandem_kv_quarantined_blocks (gauge): blocks of expired reservations
@@ -48,6 +50,7 @@ struct MetricsSample {
   uint64_t reservations_refused = 0;
   uint64_t notices_refused_capability = 0;
   uint64_t notices_refused_unreadable = 0;
+  uint64_t notices_refused_decrypt = 0;
   uint32_t quarantined_blocks = 0;
   uint64_t quarantine_released_ack = 0;
   uint64_t quarantine_released_dead = 0;
@@ -85,6 +88,7 @@ class WorkerMetrics {
   prometheus::Counter& refused_;
   prometheus::Counter& notice_refused_capability_;
   prometheus::Counter& notice_refused_unreadable_;
+  prometheus::Counter& notice_refused_decrypt_;
   prometheus::Gauge& quarantined_blocks_;
   prometheus::Counter& quarantine_released_ack_;
   prometheus::Counter& quarantine_released_dead_;

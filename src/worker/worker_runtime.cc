@@ -146,6 +146,7 @@ struct Worker {
       m.reservations_refused = c.reservations_refused;
       m.notices_refused_capability = c.notices_refused_capability;
       m.notices_refused_unreadable = c.notices_refused_unreadable;
+      m.notices_refused_decrypt = c.notices_refused_decrypt;
       m.quarantined_blocks = c.quarantined_blocks;
       m.quarantine_released_ack = c.quarantine_released_ack;
       m.quarantine_released_dead = c.quarantine_released_dead;
@@ -222,10 +223,19 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   to.block_bytes = layout.block_bytes();
   to.num_blocks = eo.num_blocks;
   to.peer_timeout_s = w.fleet.transport.peer_timeout_seconds;
+  // transport.encrypt: a prefiller seals outgoing blocks into a staging copy.
+  if (w.fleet.transport.encrypt && prefills) to.staging_blocks = eo.num_blocks;
   if (simulated && w.fleet.sim.link_gbps > 0) {  // the simulated network link
     to.pace_bits_per_s = w.fleet.sim.link_gbps * 1e9;
     to.pace_byte_scale = w.sim.kv_scale;
     to.pace_latency_s = w.fleet.sim.link_latency_us * 1e-6;
+  }
+  // transport.encrypt seals and opens blocks with the CPU: a device pool
+  // (backend cuda) cannot, so refuse before allocating anything.
+  if (w.fleet.transport.encrypt && w.fleet.model.backend == "cuda") {
+    return FailedPreconditionError(
+        "transport.encrypt: the KV pool of backend cuda is in device memory, which this build "
+        "cannot seal or open; turn transport.encrypt off for GPU pools");
   }
   // cuda: the transport's pool is the device KV pool (kv_transport_setup.h).
   const uint64_t bf16_block_bytes = layout.block_floats() * 2;
@@ -239,7 +249,13 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     w.allocator = std::make_unique<TransportPoolAllocator>(*w.transport);
     eo.allocator = w.allocator.get();
   }
-  spdlog::info("{}: KV transfer path: {}", name, wt.detail);
+  if (w.fleet.transport.encrypt && w.transport->capabilities().device_memory) {
+    return FailedPreconditionError(
+        "transport.encrypt: the KV pool is in device memory, which this build cannot seal or "
+        "open; turn transport.encrypt off for GPU pools");
+  }
+  spdlog::info("{}: KV transfer path: {}{}", name, wt.detail,
+               w.fleet.transport.encrypt ? " (transport.encrypt: AES-256-GCM)" : "");
 
   w.registry = std::make_unique<MetricsRegistry>(MetricLabels{w.fleet.model.name, cmd.role, name});
   w.metrics = std::make_unique<WorkerMetrics>(*w.registry);
@@ -276,6 +292,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   if (decodes) {
     decoder::DecoderOptions dopt;
     dopt.lease_seconds = w.fleet.transport.lease_seconds;
+    dopt.encrypt = w.fleet.transport.encrypt;
     dopt.verify_checksums = checksum;
     dopt.on_local_prefill_seconds = [metrics](double s) { metrics->ObservePrefill(s); };
     w.decoder = std::make_unique<decoder::Decoder>(*w.engine, *w.transport, dopt);
@@ -290,6 +307,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     popt.max_queue = w.fleet.scheduler.max_waiting;
     popt.max_num_seqs = w.fleet.scheduler.max_num_seqs;
     popt.lease_seconds = w.fleet.transport.lease_seconds;
+    popt.encrypt = w.fleet.transport.encrypt;
     popt.checksum = checksum;
     popt.push_mode = w.fleet.transport.push == "after_prefill" ? prefiller::PushMode::kAfterPrefill
                                                                : prefiller::PushMode::kStreaming;

@@ -43,7 +43,20 @@ TEST(Config, GoodFileWithDefaults) {
   EXPECT_EQ(r->router.policy, "kv_aware");
   EXPECT_EQ(r->proxy.grpc, "127.0.0.1:50051");
   EXPECT_DOUBLE_EQ(r->transport.lease_seconds, 30.0);
+  EXPECT_FALSE(r->transport.encrypt);
   EXPECT_EQ(r->transport.push, "streaming");
+}
+
+TEST(Config, TransportEncrypt) {
+  auto on = tandem::ParseFleetConfig(
+      "model:\n  path: m\ntransport:\n  encrypt: true\nboth:\n  replicas: 1\n", "x.yaml", "/r");
+  ASSERT_TRUE(on.ok()) << on.status().message();
+  EXPECT_TRUE(on->transport.encrypt);
+  auto bad = tandem::ParseFleetConfig(
+      "model:\n  path: m\ntransport:\n  encrypt: maybe\nboth:\n  replicas: 1\n", "x.yaml", "/r");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("transport.encrypt"), std::string::npos)
+      << bad.status().message();
 }
 
 TEST(Config, TransportPushIsStreamingOrAfterPrefill) {

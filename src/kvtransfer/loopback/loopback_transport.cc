@@ -57,7 +57,7 @@ class LoopbackTransport final : public detail::TransportBase {
 
   Status Init() {
     void* mem =
-        mmap(nullptr, pool_bytes(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        mmap(nullptr, local_bytes(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (mem == MAP_FAILED) {
       return ResourceExhaustedError(
           fmt::format("loopback: cannot map a KV pool of {} bytes", pool_bytes()));
@@ -91,14 +91,14 @@ class LoopbackTransport final : public detail::TransportBase {
       endpoint_->alive = false;
       endpoint_->owner = nullptr;
     }
-    if (pool() != nullptr) munmap(pool(), pool_bytes());
+    if (pool() != nullptr) munmap(pool(), local_bytes());
   }
 
   Capabilities capabilities() const override {
     Capabilities c;
     c.backend = "loopback";
     c.cross_process = false;
-    c.max_notification_bytes = 4096;
+    c.max_notification_bytes = 65536;
     return c;
   }
 

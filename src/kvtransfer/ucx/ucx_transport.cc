@@ -94,19 +94,19 @@ class UcxTransport final : public detail::TransportBase {
     mparams.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
                          UCP_MEM_MAP_PARAM_FIELD_FLAGS;
     mparams.address = nullptr;
-    mparams.length = pool_bytes();
+    mparams.length = local_bytes();  // the pool, then any staging blocks
     mparams.flags = UCP_MEM_MAP_ALLOCATE;
     s = ucp_mem_map(context_, &mparams, &memh_);
     if (s != UCS_OK) {
-      return ucx::UcsError(fmt::format("ucp_mem_map(allocate {} bytes)", pool_bytes()), s);
+      return ucx::UcsError(fmt::format("ucp_mem_map(allocate {} bytes)", local_bytes()), s);
     }
     ucp_mem_attr_t attr{};
     attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
     s = ucp_mem_query(memh_, &attr);
     if (s != UCS_OK) return ucx::UcsError("ucp_mem_query", s);
-    if (attr.length < pool_bytes()) {
+    if (attr.length < local_bytes()) {
       return InternalError(
-          fmt::format("ucp_mem_map gave {} bytes, asked {}", attr.length, pool_bytes()));
+          fmt::format("ucp_mem_map gave {} bytes, asked {}", attr.length, local_bytes()));
     }
     set_pool(static_cast<std::byte*>(attr.address));
 
@@ -169,7 +169,9 @@ class UcxTransport final : public detail::TransportBase {
     Capabilities c;
     c.backend = "ucx";
     c.cross_process = true;
-    c.max_notification_bytes = 4096;  // stays eager on every UCX transport
+    // Sent with UCP_AM_SEND_FLAG_EAGER (multi-fragment eager above one
+    // fragment): room for transport.encrypt's tags of a 4k-block prompt.
+    c.max_notification_bytes = 65536;
     return c;
   }
 

@@ -46,7 +46,8 @@ constexpr uint32_t kBlockSize = 16;
 constexpr uint32_t kDecoderBlocks = 40;
 constexpr double kLeaseSeconds = 4.0;
 
-inline std::string WriteFleetFile(const fs::path& dir) {
+// `transport_extra`: more keys of the transport section ("  encrypt: true\n").
+inline std::string WriteFleetFile(const fs::path& dir, const std::string& transport_extra = "") {
   fs::create_directories(dir);
   const fs::path path = dir / "fleet.yaml";
   std::ofstream out(path);
@@ -54,6 +55,7 @@ inline std::string WriteFleetFile(const fs::path& dir) {
       << "cache:\n  block_size: " << kBlockSize << "\n  num_blocks: 256\n"
       << "scheduler:\n  max_num_seqs: 16\n  max_batched_tokens: 64\n  max_waiting: 16\n"
       << "transport:\n  backend: ucx\n  lease_seconds: " << kLeaseSeconds << "\n"
+      << transport_extra
       << "logging:\n  level: warn\n"
       << "prefill:\n  replicas: 1\n"
       << "decode:\n  replicas: 1\n  num_blocks: " << kDecoderBlocks << "\n";

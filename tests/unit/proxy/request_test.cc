@@ -179,6 +179,21 @@ TEST(ValidateRequest, EveryBadInputNamesFieldAndLimit) {
   }
 }
 
+// Found by fuzz_request: a tokenizer whose ids reach past the model's
+// vocabulary must not hand them on (regression seed in tests/fuzz/corpus/request).
+TEST(ValidateRequest, TextThatEncodesPastTheVocabularyIsRefused) {
+  ServingLimits l = Limits();
+  l.vocab_size = 100;
+  auto r = ValidateRequest(Text("ab"), l, ByteEncode, 1);  // 'a' = 97, 'b' = 98
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  auto bad = ValidateRequest(Text("abe"), l, ByteEncode, 1);  // 'e' = 101
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("token id 101"), std::string::npos)
+      << bad.status().message();
+  EXPECT_NE(bad.status().message().find("vocabulary of 100"), std::string::npos);
+}
+
 TEST(ValidateRequest, ItsOwnPromptTokenLimitIsNamed) {
   ServingLimits l = Limits();
   l.max_prompt_tokens = 10;

@@ -1,9 +1,11 @@
 // The decoder core without gRPC: reservations, leases, notices, cancel.
+#include "kvtransfer/kv_cipher.h"
 #include "worker_test_util.h"
 
 #include <xxhash.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 
 #include "kvtransfer/loopback/loopback_transport.h"
@@ -24,10 +26,11 @@ class DecoderTest : public ::testing::Test {
   }
   // Most cases move no KV bytes: checksums are verified only where a case
   // says so.
-  void MakeDecoder(double lease_seconds = 30, bool verify_checksums = false) {
+  void MakeDecoder(double lease_seconds = 30, bool verify_checksums = false, bool encrypt = false) {
     DecoderOptions o;
     o.lease_seconds = lease_seconds;
     o.verify_checksums = verify_checksums;
+    o.encrypt = encrypt;
     decoder_ = std::make_unique<Decoder>(*node_->engine, *node_->transport, o);
     decoder_->Start();
   }
@@ -180,6 +183,143 @@ TEST_F(DecoderTest, NoticeWithTheWrongCapabilityIsRefusedCountedAndChangesNothin
   EXPECT_TRUE(sink->finished);
   ASSERT_EQ(sink->tokens.size(), 3u);
   EXPECT_EQ(sink->tokens[0], 9u);
+}
+
+// transport.encrypt: what a prefiller does — seal each pushed block (a
+// known pattern) into its slot of this decoder's pool — and the notice
+// with the tags. Returns the plaintext of each pushed position.
+std::vector<std::vector<std::byte>> SealIntoSlots(kvtransfer::Transport& t,
+                                                  const decoder::KvTargetInfo& target,
+                                                  std::string& tags) {
+  auto cipher = kvtransfer::KvCipher::Create(target.kv_key, target.reservation_id);
+  EXPECT_TRUE(cipher.ok()) << cipher.status().ToString();
+  std::vector<std::vector<std::byte>> plain;
+  tags.clear();
+  for (uint32_t pos = target.cached_blocks; pos < target.slots.size(); ++pos) {
+    std::vector<std::byte> p(t.block_bytes());
+    for (size_t i = 0; i < p.size(); ++i) p[i] = static_cast<std::byte>((i * 7 + pos * 13) & 0xff);
+    std::array<std::byte, kvtransfer::kKvTagBytes> tag;
+    EXPECT_TRUE(cipher->Seal(pos, p.data(), t.block(target.slots[pos]), p.size(), tag.data()).ok());
+    tags.append(reinterpret_cast<const char*>(tag.data()), tag.size());
+    plain.push_back(std::move(p));
+  }
+  return plain;
+}
+
+TEST_F(DecoderTest, EncryptedPushIsCheckedAndOpenedInPlaceBeforeDecoding) {
+  MakeDecoder(30, /*verify_checksums=*/false, /*encrypt=*/true);
+  const auto prompt = Prompt(48, 33);  // three full blocks: decoding writes only a fourth
+  auto sink = Register("a", prompt, 3);
+  auto t = decoder_->Reserve("a", "p", prompt);
+  ASSERT_TRUE(t.ok());
+  ASSERT_EQ(t->kv_key.size(), kvtransfer::kKvKeyBytes);
+  std::string tags;
+  const auto plain = SealIntoSlots(*node_->transport, *t, tags);
+  ASSERT_EQ(plain.size(), 3u);
+  KvNoticeInfo n = Notice(*t, 9);
+  n.kv_tags = tags;
+  decoder_->OnKvNotice(n);
+  ASSERT_TRUE(WaitFor([&] { return sink->Ended(); }));
+  EXPECT_TRUE(sink->finished) << sink->error.ToString();
+  EXPECT_EQ(decoder_->counts().notices_refused_decrypt, 0u);
+  // The prompt's slots hold the plaintext again (decrypted where they landed).
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_EQ(std::memcmp(node_->transport->block(t->slots[i]), plain[i].data(), plain[i].size()), 0)
+        << "block " << i;
+  }
+}
+
+TEST_F(DecoderTest, TamperedOrUntaggedEncryptedPushIsRefusedFailsClosedAndFreesItsBlocks) {
+  MakeDecoder(30, /*verify_checksums=*/false, /*encrypt=*/true);
+  // One byte flipped in flight.
+  const auto pa = Prompt(40, 34);
+  auto sa = Register("a", pa, 3);
+  auto ta = decoder_->Reserve("a", "p", pa);
+  ASSERT_TRUE(ta.ok());
+  std::string tags;
+  SealIntoSlots(*node_->transport, *ta, tags);
+  node_->transport->block(ta->slots[1])[5] ^= std::byte{0x20};
+  KvNoticeInfo na = Notice(*ta, 9);
+  na.kv_tags = tags;
+  decoder_->OnKvNotice(na);
+  ASSERT_TRUE(WaitFor([&] { return sa->Ended(); }));
+  EXPECT_TRUE(sa->errored);
+  EXPECT_EQ(sa->error.code(), StatusCode::kDataLoss);
+  EXPECT_NE(sa->error.message().find("failed authentication"), std::string::npos)
+      << sa->error.message();
+  EXPECT_TRUE(sa->tokens.empty());  // nothing decoded from tampered KV
+  // A notice without the tags (a prefiller that did not encrypt).
+  const auto pb = Prompt(20, 35);
+  auto sb = Register("b", pb, 3);
+  auto tb = decoder_->Reserve("b", "p", pb);
+  ASSERT_TRUE(tb.ok());
+  decoder_->OnKvNotice(Notice(*tb, 9));
+  ASSERT_TRUE(WaitFor([&] { return sb->Ended(); }));
+  EXPECT_EQ(sb->error.code(), StatusCode::kDataLoss);
+  EXPECT_EQ(decoder_->counts().notices_refused_decrypt, 2u);
+  EXPECT_EQ(decoder_->counts().reservations, 0u);
+  EXPECT_EQ(decoder_->counts().registered, 0u);
+  EXPECT_EQ(FreeBlocks(), 32u);
+}
+
+// transport.encrypt with transport.checksum: the prefiller hashes its
+// plaintext blocks, so the decoder opens the blocks first and verifies the
+// checksums over the plaintext; a block failing its tag is a decryption
+// refusal (DATA_LOSS), not a checksum failure.
+TEST_F(DecoderTest, EncryptedPushWithChecksumsVerifiesThePlaintext) {
+  MakeDecoder(30, /*verify_checksums=*/true, /*encrypt=*/true);
+  auto sums_of = [](const std::vector<std::vector<std::byte>>& plain) {
+    std::vector<uint64_t> sums;
+    for (const auto& p : plain) sums.push_back(XXH3_64bits(p.data(), p.size()));
+    return sums;
+  };
+  // Good: tags and plaintext checksums.
+  const auto pa = Prompt(48, 36);
+  auto sa = Register("a", pa, 3);
+  auto ta = decoder_->Reserve("a", "p", pa);
+  ASSERT_TRUE(ta.ok());
+  std::string tags;
+  auto plain = SealIntoSlots(*node_->transport, *ta, tags);
+  KvNoticeInfo na = Notice(*ta, 9);
+  na.kv_tags = tags;
+  na.block_checksums = sums_of(plain);
+  decoder_->OnKvNotice(na);
+  ASSERT_TRUE(WaitFor([&] { return sa->Ended(); }));
+  EXPECT_TRUE(sa->finished) << sa->error.ToString();
+  ASSERT_TRUE(WaitFor([&] { return decoder_->counts().registered == 0; }));
+  const uint32_t free_after_a = FreeBlocks();
+  // A checksum that does not match the plaintext: a checksum failure.
+  const auto pb = Prompt(48, 37);
+  auto sb = Register("b", pb, 3);
+  auto tb = decoder_->Reserve("b", "p", pb);
+  ASSERT_TRUE(tb.ok());
+  plain = SealIntoSlots(*node_->transport, *tb, tags);
+  KvNoticeInfo nb = Notice(*tb, 9);
+  nb.kv_tags = tags;
+  nb.block_checksums = sums_of(plain);
+  nb.block_checksums[2] ^= 1;
+  decoder_->OnKvNotice(nb);
+  ASSERT_TRUE(WaitFor([&] { return sb->Ended(); }));
+  EXPECT_EQ(sb->error.code(), StatusCode::kUnavailable) << sb->error.ToString();
+  EXPECT_EQ(decoder_->counts().checksum_failures, 1u);
+  EXPECT_EQ(decoder_->counts().notices_refused_decrypt, 0u);
+  // Tampered ciphertext with the right checksums: refused by its tag.
+  const auto pc = Prompt(48, 38);
+  auto sc = Register("c", pc, 3);
+  auto tc = decoder_->Reserve("c", "p", pc);
+  ASSERT_TRUE(tc.ok());
+  plain = SealIntoSlots(*node_->transport, *tc, tags);
+  node_->transport->block(tc->slots[0])[3] ^= std::byte{0x01};
+  KvNoticeInfo nc = Notice(*tc, 9);
+  nc.kv_tags = tags;
+  nc.block_checksums = sums_of(plain);
+  decoder_->OnKvNotice(nc);
+  ASSERT_TRUE(WaitFor([&] { return sc->Ended(); }));
+  EXPECT_EQ(sc->error.code(), StatusCode::kDataLoss) << sc->error.ToString();
+  EXPECT_EQ(decoder_->counts().notices_refused_decrypt, 1u);
+  EXPECT_EQ(decoder_->counts().checksum_failures, 1u);
+  EXPECT_EQ(decoder_->counts().reservations, 0u);
+  EXPECT_TRUE(WaitFor([&] { return FreeBlocks() == free_after_a; })) << FreeBlocks();
 }
 
 TEST_F(DecoderTest, StaleOrUnknownNoticesAreIgnoredAndCounted) {

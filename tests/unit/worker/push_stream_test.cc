@@ -34,7 +34,7 @@ class RecordingTransport final : public kv::Transport {
  public:
   explicit RecordingTransport(std::unique_ptr<kv::Transport> inner)
       : kv::Transport(inner->agent_name(), inner->generation(), inner->block_bytes(),
-                      inner->num_blocks()),
+                      inner->num_blocks(), inner->staging_blocks()),
         inner_(std::move(inner)) {
     set_pool(inner_->pool());
   }
@@ -102,8 +102,10 @@ class RecordingTransport final : public kv::Transport {
   std::vector<kv::XferStatus> statuses_;
 };
 
-std::unique_ptr<kv::Transport> Loopback(const std::string& name, uint32_t delay_us) {
+std::unique_ptr<kv::Transport> Loopback(const std::string& name, uint32_t delay_us,
+                                        uint32_t staging_blocks = 0) {
   kv::TransportOptions o;
+  o.staging_blocks = staging_blocks;
   o.backend = "loopback";
   o.agent_name = name;
   o.block_bytes = kBlockBytes;
@@ -117,7 +119,8 @@ std::unique_ptr<kv::Transport> Loopback(const std::string& name, uint32_t delay_
 class PushStreamTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    writer_ = std::make_unique<RecordingTransport>(Loopback("prefill", /*delay_us=*/3000));
+    writer_ = std::make_unique<RecordingTransport>(
+        Loopback("prefill", /*delay_us=*/3000, /*staging_blocks=*/16));
     target_ = Loopback("decode", 0);
     ASSERT_NE(target_, nullptr);
     // Every byte of the writer's pool distinct-ish, so misplaced bytes show.
@@ -310,6 +313,134 @@ TEST_F(PushStreamTest, PreemptedRequestResendsEveryBlockWithTheNotice) {
   ASSERT_EQ(writer_->notice_posts().size(), 1u);
   EXPECT_EQ(writer_->notice_posts()[0], 0);
   for (size_t b = 1; b < blocks_.size(); ++b) EXPECT_TRUE(SlotMatches(b)) << "block " << b;
+}
+
+// transport.encrypt: the decoder's slot holds block b sealed under the
+// reservation's key at position b, and the tag opens it to the plaintext.
+class SealedPushStreamTest : public PushStreamTest {
+ protected:
+  void SetUp() override {
+    PushStreamTest::SetUp();
+    sealer_ = std::make_unique<prefiller::KvSealer>(*writer_);
+    auto key = kv::NewKvKey();
+    ASSERT_TRUE(key.ok());
+    key_ = *key;
+  }
+  // Opens the decoder's copy of prompt block b with its tag.
+  Status OpenSlot(size_t b, const std::string& tags, std::vector<std::byte>& plain) {
+    auto cipher = kv::KvCipher::Create(key_, kReservation);
+    if (!cipher.ok()) return cipher.status();
+    plain.assign(target_->block(slots_[b]), target_->block(slots_[b]) + kBlockBytes);
+    return cipher->Open(static_cast<uint32_t>(b), plain.data(), plain.size(),
+                        reinterpret_cast<const std::byte*>(tags.data()) +
+                            (b - kCached) * kv::kKvTagBytes);
+  }
+  void ExpectEveryPushedBlockOpens(const std::string& tags) {
+    ASSERT_EQ(tags.size(), (blocks_.size() - kCached) * kv::kKvTagBytes);
+    EXPECT_TRUE(SlotIsZero(0));  // the decoder's cached block: untouched
+    for (size_t b = kCached; b < blocks_.size(); ++b) {
+      EXPECT_FALSE(SlotMatches(b)) << "block " << b << " travelled in plaintext";
+      std::vector<std::byte> plain;
+      Status s = OpenSlot(b, tags, plain);
+      ASSERT_TRUE(s.ok()) << "block " << b << ": " << s.ToString();
+      EXPECT_EQ(std::memcmp(plain.data(), writer_->block(blocks_[b]), kBlockBytes), 0) << b;
+    }
+  }
+  static constexpr uint64_t kReservation = 42;
+  std::unique_ptr<prefiller::KvSealer> sealer_;
+  std::string key_;
+};
+
+TEST_F(SealedPushStreamTest, StreamsWholeSealedBlocksAndTheTagsOpenThem) {
+  auto s = PushStream::Create(*writer_, Plan(), PushMode::kStreaming);
+  ASSERT_TRUE(s->EnableSealing(*sealer_, key_, kReservation).ok());
+  // Chunk 1 finishes no block for every layer (final_tokens stays 0 in its
+  // reports): a sealed push never sends a partial block.
+  Chunk(*s, 0, 40);
+  EXPECT_EQ(writer_->data_posts(), 0);
+  // Chunk 2's reports say tokens [0, 40) are final: block 1 is sealed and
+  // pushed whole, once.
+  Chunk(*s, 40, kPromptTokens);
+  EXPECT_EQ(writer_->data_posts(), 1);
+  EXPECT_EQ(s->bytes_posted(), kBlockBytes);
+  EXPECT_EQ(sealer_->free_blocks(), 15u);
+  auto tags = s->SealRest(blocks_);  // blocks 2..4, before the notice is built
+  ASSERT_TRUE(tags.ok()) << tags.status().ToString();
+  EXPECT_EQ(sealer_->free_blocks(), 12u);
+  std::promise<kv::XferStatus> done;
+  s->Finish(blocks_, "sealed", [&](kv::XferStatus st, const Status&) { done.set_value(st); });
+  ASSERT_EQ(done.get_future().get(), kv::XferStatus::kSuccess);
+  EXPECT_EQ(s->bytes_posted(), 4 * kBlockBytes);  // nothing sent twice
+  ASSERT_EQ(writer_->notice_posts().size(), 1u);
+  EXPECT_EQ(writer_->notice_posts()[0], 0);
+  ExpectEveryPushedBlockOpens(*tags);
+  // A flipped bit in the ciphertext fails its tag.
+  target_->block(slots_[2])[100] ^= std::byte{1};
+  std::vector<std::byte> plain;
+  EXPECT_EQ(OpenSlot(2, *tags, plain).code(), StatusCode::kDataLoss);
+  s->ReleaseStaging();
+  EXPECT_EQ(sealer_->free_blocks(), 16u);
+}
+
+TEST_F(SealedPushStreamTest, AfterPrefillSealsEverythingBeforeTheNotice) {
+  auto s = PushStream::Create(*writer_, Plan(), PushMode::kAfterPrefill);
+  ASSERT_TRUE(s->EnableSealing(*sealer_, key_, kReservation).ok());
+  Chunk(*s, 0, 40);
+  Chunk(*s, 40, kPromptTokens);
+  EXPECT_EQ(writer_->data_posts(), 0);
+  auto tags = s->SealRest(blocks_);
+  ASSERT_TRUE(tags.ok()) << tags.status().ToString();
+  std::promise<kv::XferStatus> done;
+  s->Finish(blocks_, "n", [&](kv::XferStatus st, const Status&) { done.set_value(st); });
+  ASSERT_EQ(done.get_future().get(), kv::XferStatus::kSuccess);
+  EXPECT_EQ(s->transfers_posted(), 1u);
+  ExpectEveryPushedBlockOpens(*tags);
+}
+
+TEST_F(SealedPushStreamTest, PreemptionNeitherResealsNorResendsSealedBlocks) {
+  auto s = PushStream::Create(*writer_, Plan(), PushMode::kStreaming);
+  ASSERT_TRUE(s->EnableSealing(*sealer_, key_, kReservation).ok());
+  Chunk(*s, 0, 40, /*attempt=*/0);
+  Chunk(*s, 40, kPromptTokens, /*attempt=*/0);  // block 1 sealed and pushed
+  ASSERT_EQ(s->bytes_posted(), kBlockBytes);
+  // Preempted: the sealed copy of block 1 is the stream's own, so the
+  // recomputation neither reseals position 1 (same GCM nonce) nor resends it.
+  Chunk(*s, 0, 40, /*attempt=*/1);
+  Chunk(*s, 40, kPromptTokens, /*attempt=*/1);
+  EXPECT_EQ(s->bytes_posted(), kBlockBytes);
+  auto tags = s->SealRest(blocks_);
+  ASSERT_TRUE(tags.ok()) << tags.status().ToString();
+  std::promise<kv::XferStatus> done;
+  s->Finish(blocks_, "n", [&](kv::XferStatus st, const Status&) { done.set_value(st); });
+  ASSERT_EQ(done.get_future().get(), kv::XferStatus::kSuccess);
+  EXPECT_EQ(s->bytes_posted(), 4 * kBlockBytes);
+  ExpectEveryPushedBlockOpens(*tags);
+}
+
+TEST_F(SealedPushStreamTest, TooFewStagingBlocksFailsSealRestAndHoldsNothingExtra) {
+  // Another push holds 14 of the 16 staging blocks.
+  auto other = kv::KvCipher::Create(key_, 7);
+  ASSERT_TRUE(other.ok());
+  std::vector<uint32_t> pos(14), local(14, 2);
+  for (uint32_t i = 0; i < 14; ++i) pos[i] = i;
+  auto held = sealer_->Seal(*other, pos, local);
+  ASSERT_TRUE(held.ok()) << held.status().ToString();
+  auto s = PushStream::Create(*writer_, Plan(), PushMode::kAfterPrefill);
+  ASSERT_TRUE(s->EnableSealing(*sealer_, key_, kReservation).ok());
+  auto tags = s->SealRest(blocks_);
+  ASSERT_FALSE(tags.ok());
+  EXPECT_EQ(tags.status().code(), StatusCode::kResourceExhausted) << tags.status().ToString();
+  EXPECT_EQ(sealer_->free_blocks(), 2u);
+  s->ReleaseStaging();
+  sealer_->Release(held->staging);
+  EXPECT_EQ(sealer_->free_blocks(), 16u);
+}
+
+TEST_F(SealedPushStreamTest, AKeyOfTheWrongSizeIsRefused) {
+  auto s = PushStream::Create(*writer_, Plan(), PushMode::kStreaming);
+  Status st = s->EnableSealing(*sealer_, "short", kReservation);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  EXPECT_FALSE(s->sealing());
 }
 
 }  // namespace
