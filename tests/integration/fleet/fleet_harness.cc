@@ -117,11 +117,23 @@ Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
   return f;
 }
 
-std::vector<std::string> Fleet::JoinArgs() const {
+std::vector<std::string> Fleet::JoinArgs(const std::string& name) const {
   std::vector<std::string> a = {"--join", proxy_internal_};
-  if (!tls_ca_.empty()) {
-    a.insert(a.end(), {"--tls-ca", tls_ca_, "--tls-cert", tls_cert_, "--tls-key", tls_key_});
+  if (tls_ca_.empty()) return a;
+  // A worker restarted under its own name presents the certificate the
+  // launcher issued to it (next to the fleet CA), as an operator restarting
+  // it would: the proxy binds a name to the identity that first registered
+  // it. Any other name joins with the operator identity of the state file.
+  std::string cert = tls_cert_, key = tls_key_;
+  if (!name.empty()) {
+    const auto dir = std::filesystem::path(tls_ca_).parent_path();
+    const auto own_cert = dir / (name + ".pem"), own_key = dir / (name + ".key");
+    if (std::filesystem::exists(own_cert) && std::filesystem::exists(own_key)) {
+      cert = own_cert.string();
+      key = own_key.string();
+    }
   }
+  a.insert(a.end(), {"--tls-ca", tls_ca_, "--tls-cert", cert, "--tls-key", key});
   return a;
 }
 
@@ -331,7 +343,7 @@ Result<WorkerAddr> JoinWorker(const Fleet& fleet, const std::string& role, const
                                    "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--name", name,
                                    "--ready-fd", std::to_string(kReadyFd)};
   // --join proxy.internal and the state file's identity (the internal mTLS).
-  for (const auto& a : fleet.JoinArgs()) args.push_back(a);
+  for (const auto& a : fleet.JoinArgs(name)) args.push_back(a);
   std::vector<std::string> envs;
   for (char** e = environ; *e; ++e) envs.emplace_back(*e);
   envs.insert(envs.end(), env.begin(), env.end());

@@ -65,8 +65,10 @@ class Fleet {
   const std::string& tls_cert() const { return tls_cert_; }
   const std::string& tls_key() const { return tls_key_; }
   // The flags that make a worker started by hand join this fleet:
-  // --join <proxy.internal> and the state file's identity.
-  std::vector<std::string> JoinArgs() const;
+  // --join <proxy.internal> and the TLS identity: the launcher's certificate
+  // for `name` when it issued one (a restart under the same name), else the
+  // state file's operator identity.
+  std::vector<std::string> JoinArgs(const std::string& name = "") const;
   const std::string& proxy_metrics() const { return proxy_metrics_; }
   // The OpenAI-compatible HTTP API ("host:port"; docs/http-api.md).
   const std::string& proxy_http() const { return proxy_http_; }

@@ -7,10 +7,15 @@ venv="$1"; shift
 [ "$1" = "--" ] && shift
 pkgs="openai jinja2 tokenizers"
 stamp="$venv/.tandem-$(echo "$pkgs" | tr ' ' '-')"
+# Tests that share the venv may start together (ctest -j): one creates it
+# while the others wait on the lock, then find the stamp.
+exec 9>"$venv.lock"
+flock 9
 if [ ! -f "$stamp" ]; then
   rm -rf "$venv"
   python3 -m venv "$venv" || { echo "python3 -m venv failed: install python3-venv (tools/install_deps.sh)"; exit 1; }
   "$venv/bin/pip" install --quiet --disable-pip-version-check $pkgs
   touch "$stamp"
 fi
+exec 9>&-
 exec "$venv/bin/python" "$@"
