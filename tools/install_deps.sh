@@ -16,6 +16,7 @@ PACKAGES=(
   curl procps
   clang-14 libclang-rt-14-dev  # libFuzzer targets (tests/fuzz, tools/fuzz.sh)
   iproute2  # ip, tc: the chaos suite's loopback delay/loss (tests/chaos)
+  systemd  # systemd-analyze: the shipped unit's check (tests/deploy/systemd_unit_test.sh)
 )
 
 SUDO=""

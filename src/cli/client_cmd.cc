@@ -6,6 +6,7 @@
 #include <iostream>
 
 #include "cli/commands.h"
+#include "common/tls.h"
 #include "tandem/v1/generation.grpc.pb.h"
 
 namespace tandem::cli {
@@ -19,11 +20,22 @@ struct ClientArgs {
   uint64_t seed = 0;
   bool has_seed = false;
   std::string api_key;
+  std::string tls_ca;  // public_tls: verify the proxy against this CA
 };
 
 int RunClient(const ClientArgs& a) {
-  auto stub = v1::Generation::NewStub(
-      grpc::CreateChannel(a.proxy, grpc::InsecureChannelCredentials()));
+  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
+  if (!a.tls_ca.empty()) {
+    auto pem = ReadTlsFiles({a.tls_ca, "", ""});
+    if (!pem.ok()) {
+      std::cerr << "tandem client: --tls-ca: " << pem.status().message() << "\n";
+      return 1;
+    }
+    grpc::SslCredentialsOptions o;
+    o.pem_root_certs = pem->ca;
+    creds = grpc::SslCredentials(o);
+  }
+  auto stub = v1::Generation::NewStub(grpc::CreateChannel(a.proxy, creds));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(5));
   if (!a.api_key.empty()) ctx.AddMetadata("authorization", "Bearer " + a.api_key);
@@ -62,6 +74,8 @@ void RegisterClient(CLI::App& app, GlobalOptions& g) {
   cmd->add_option("--max-tokens", a->max_tokens, "tokens to generate (default 64)");
   cmd->add_option("--temperature", a->temperature, "0 = greedy (default)");
   cmd->add_option("--api-key", a->api_key, "sent as 'authorization: Bearer KEY'");
+  cmd->add_option("--tls-ca", a->tls_ca,
+                  "TLS: verify the proxy against this CA (the state file's public_ca_file)");
   auto* seed = cmd->add_option("--seed", a->seed, "sampling seed");
   cmd->callback([&g, a, seed] {
     a->has_seed = seed->count() > 0;

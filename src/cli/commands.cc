@@ -18,6 +18,16 @@ namespace tandem::cli {
 namespace fs = std::filesystem;
 
 
+void AddTlsOptions(CLI::App& cmd, std::string& ca, std::string& cert, std::string& key) {
+  auto* a = cmd.add_option("--tls-ca", ca, "internal plane: the fleet CA certificate (PEM)");
+  auto* c = cmd.add_option("--tls-cert", cert, "internal plane: this process's certificate (PEM)");
+  auto* k = cmd.add_option("--tls-key", key, "internal plane: its private key (PEM)");
+  a->needs(c)->needs(k);
+  c->needs(a)->needs(k);
+  k->needs(a)->needs(c);
+  for (auto* o : {a, c, k}) o->group("Internal TLS (default: security.internal_tls)");
+}
+
 int NotYetAvailable(const std::string& command, const std::string& missing) {
   std::cerr << fmt::format("tandem {}: not available yet: {}\n", command, missing);
   return 2;

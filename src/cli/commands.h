@@ -22,6 +22,8 @@ void RegisterWorker(CLI::App& app, GlobalOptions& g, const std::string& role);
 void RegisterGenerate(CLI::App& app, GlobalOptions& g);
 void RegisterBench(CLI::App& app, GlobalOptions& g);
 void RegisterClient(CLI::App& app, GlobalOptions& g);
+// `tandem certs` (certs_cmd.cc): a certificate of a tandem CA.
+void RegisterCerts(CLI::App& app, GlobalOptions& g);
 // `tandem plan` (plan_cmd.cc): aggregated vs disaggregated from the sim timing model.
 void RegisterPlan(CLI::App& app, GlobalOptions& g);
 // `tandem bench kvtransfer` (bench_kvtransfer.cc) and `tandem bench serve`
@@ -30,6 +32,10 @@ void RegisterBenchKvTransfer(CLI::App& bench, GlobalOptions& g);
 void RegisterBenchServe(CLI::App& bench, GlobalOptions& g);
 // `tandem bench engine` (bench_engine.cc): cpu engine tokens/s + bandwidth.
 void RegisterBenchEngine(CLI::App& bench, GlobalOptions& g);
+
+// --tls-ca/--tls-cert/--tls-key: a process's internal-plane identity
+// (docs/security.md); all three or none.
+void AddTlsOptions(CLI::App& cmd, std::string& ca, std::string& cert, std::string& key);
 
 // The config used when none is given: configs/1p1d.yaml next to the build
 // folder that holds this binary, or under the working directory.

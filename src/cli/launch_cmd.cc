@@ -21,6 +21,7 @@
 #include <iostream>
 
 #include "cli/commands.h"
+#include "cli/launch_tls.h"
 #include "cli/supervisor.h"
 #include "common/config.h"
 #include "common/logging.h"
@@ -78,12 +79,14 @@ std::string SelfExe() {
 // `cache_salt`: the fleet salt this launcher made ("" when the config or
 // the environment gave one), for workers joined by hand (docs/security.md).
 Status WriteStateFile(const std::string& path, const Supervisor& sup,
-                      const std::string& cache_salt) {
+                      const LaunchCertificates& certs, const std::string& cache_salt) {
   nlohmann::json state;
   state["workers"] = nlohmann::json::array();
+  certs.AddToState(state);
   for (const auto& c : sup.children()) {
     if (c.spec.role == "proxy") {
-      state["proxy"] = {{"grpc", c.grpc}, {"http", c.http}, {"metrics", c.metrics}, {"pid", c.pid}};
+      state["proxy"] = {{"grpc", c.grpc},         {"http", c.http}, {"metrics", c.metrics},
+                        {"internal", c.internal}, {"pid", c.pid}};
     } else {
       state["workers"].push_back({{"role", c.spec.role},
                                   {"name", c.spec.name},
@@ -149,6 +152,19 @@ int RunLaunch(const std::string& config_path, const std::string& state_file,
   const std::string exe = SelfExe();
   std::vector<std::string> common = {"--log-level", level, "--log-format", format};
 
+  // Certificates first: every child gets its identity on its command line.
+  auto certs = LaunchCertificates::Prepare(cfg->security, state_file);
+  if (!certs.ok()) {
+    spdlog::error("fleet not started: {}", certs.status().message());
+    return 1;
+  }
+  auto with_tls = [&](const std::string& name, const std::vector<std::string>& addresses,
+                      std::vector<std::string> argv) -> Result<std::vector<std::string>> {
+    TANDEM_ASSIGN_OR_RETURN(auto extra, certs->InternalArgs(name, addresses));
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return argv;
+  };
+
   // Everything is forked here, before this process touches UCX.
   Supervisor sup;
   auto make = [&](const std::string& sub, std::vector<std::string> extra) {
@@ -160,24 +176,33 @@ int RunLaunch(const std::string& config_path, const std::string& state_file,
     argv.insert(argv.end(), extra.begin(), extra.end());
     return argv;
   };
-  auto proxy = sup.Start({"proxy", "proxy", make("proxy", {})}, 120s);
+  auto proxy_argv = with_tls("proxy", {cfg->proxy.internal}, make("proxy", {}));
+  auto public_args = certs->PublicArgs({cfg->proxy.grpc, cfg->proxy.http});
+  if (!proxy_argv.ok() || !public_args.ok()) {
+    spdlog::error("fleet not started: {}",
+                  (!proxy_argv.ok() ? proxy_argv.status() : public_args.status()).message());
+    return 1;
+  }
+  proxy_argv->insert(proxy_argv->end(), public_args->begin(), public_args->end());
+  auto proxy = sup.Start({"proxy", "proxy", *proxy_argv}, 120s);
   if (!proxy.ok()) {
     spdlog::error("fleet not started: {}", proxy.status().message());
     return 1;
   }
   const std::string proxy_grpc = (*proxy)->grpc;
+  const std::string proxy_internal = (*proxy)->internal;
   for (const auto* role : {"decode", "prefill", "both"}) {
     const RoleConfig& rc = std::string(role) == "prefill" ? cfg->prefill
                            : std::string(role) == "decode" ? cfg->decode
                                                            : cfg->both;
     for (uint32_t i = 0; i < rc.replicas; ++i) {
       const std::string name = fmt::format("{}-{}", role, i);
-      auto w = sup.Start({name, role,
-                          make(role, {"--join", proxy_grpc, "--name", name, "--grpc",
-                                      NthAddress(rc.grpc, i), "--metrics",
-                                      NthAddress(rc.metrics, i), "--drain-seconds",
-                                      fmt::format("{}", cfg->proxy.drain_seconds)})},
-                         300s);
+      auto argv = with_tls(name, {rc.grpc},
+                           make(role, {"--join", proxy_internal, "--name", name, "--grpc",
+                                       NthAddress(rc.grpc, i), "--metrics",
+                                       NthAddress(rc.metrics, i), "--drain-seconds",
+                                       fmt::format("{}", cfg->proxy.drain_seconds)}));
+      auto w = argv.ok() ? sup.Start({name, role, *argv}, 300s) : Result<Child*>(argv.status());
       if (!w.ok()) {
         spdlog::error("fleet not started: {}", w.status().message());
         return 1;  // ~Supervisor stops what did start
@@ -185,7 +210,7 @@ int RunLaunch(const std::string& config_path, const std::string& state_file,
     }
   }
   if (!state_file.empty()) {
-    if (auto s = WriteStateFile(state_file, sup, made_salt); !s.ok()) {
+    if (auto s = WriteStateFile(state_file, sup, *certs, made_salt); !s.ok()) {
       spdlog::error("{}", s.message());
       return 1;
     }

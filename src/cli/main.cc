@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
   tandem::cli::RegisterGenerate(app, g);
   tandem::cli::RegisterBench(app, g);
   tandem::cli::RegisterClient(app, g);
+  tandem::cli::RegisterCerts(app, g);
   tandem::cli::RegisterPlan(app, g);
   tandem::cli::RegisterVersion(app, g);
   tandem::cli::RegisterConfigCheck(app, g);

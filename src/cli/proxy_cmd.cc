@@ -1,7 +1,9 @@
 // `tandem proxy --config FILE`: the proxy alone (tandem launch starts it
-// first, then the workers join it).
+// first, then the workers join it on its internal listener).
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
+
+#include <signal.h>
 
 #include <iostream>
 
@@ -9,15 +11,22 @@
 #include "cli/ready.h"
 #include "common/config.h"
 #include "common/logging.h"
+#include "common/tls.h"
 #include "http/http_server.h"
 #include "proxy/proxy_server.h"
 
 namespace tandem::cli {
 namespace {
 
-int RunProxy(const std::string& config_path, const std::string& grpc, const std::string& metrics,
-             const std::string& http, int ready_fd, const GlobalOptions& g) {
-  auto cfg = LoadFleetConfig(config_path);
+struct ProxyArgs {
+  std::string config, grpc, metrics, http, internal;
+  std::string tls_ca, tls_cert, tls_key;  // internal plane
+  std::string public_cert, public_key;    // public listeners
+  int ready_fd = -1;
+};
+
+int RunProxy(const ProxyArgs& a, const GlobalOptions& g) {
+  auto cfg = LoadFleetConfig(a.config);
   if (!cfg.ok()) {
     std::cerr << cfg.status().message() << "\n";
     return 1;
@@ -28,15 +37,45 @@ int RunProxy(const std::string& config_path, const std::string& grpc, const std:
     std::cerr << s.message() << "\n";
     return 1;
   }
-  BlockTerminationSignals();  // before gRPC starts its threads
-  auto server = proxy::ProxyServer::Start(*cfg, grpc, metrics, http, http::Factory());
+  proxy::ProxyStartOptions o;
+  o.grpc = a.grpc;
+  o.metrics = a.metrics;
+  o.http = a.http;
+  o.internal = a.internal;
+  o.http_factory = http::Factory();
+  auto internal = InternalCredentials(cfg->security, {a.tls_ca, a.tls_cert, a.tls_key});
+  if (!internal.ok()) {
+    spdlog::error("proxy not started: {}", internal.status().message());
+    std::cerr << "tandem proxy: " << internal.status().message() << "\n";
+    return 1;
+  }
+  o.internal_credentials = std::move(internal).value();
+  auto pub = PublicTlsFiles(cfg->security, {"", a.public_cert, a.public_key});
+  if (!pub.ok()) {
+    spdlog::error("proxy not started: {}", pub.status().message());
+    std::cerr << "tandem proxy: " << pub.status().message() << "\n";
+    return 1;
+  }
+  o.public_tls = std::move(pub).value();
+  BlockTerminationSignals();  // before gRPC starts its threads (SIGHUP too: reload)
+  auto server = proxy::ProxyServer::Start(*cfg, o);
   if (!server.ok()) {
     spdlog::error("proxy not started: {}", server.status().ToString());
     return 1;
   }
-  const auto& a = (*server)->addresses();
-  WriteReadyLine(ready_fd, a.grpc, a.metrics, a.http);
-  const int sig = WaitForTermination();
+  const auto& addr = (*server)->addresses();
+  WriteReadyLine(a.ready_fd, addr.grpc, addr.metrics, addr.http, addr.internal);
+  int sig = 0;
+  while ((sig = WaitForTermination()) == SIGHUP) {
+    const Status s = (*server)->ReloadPublicTls();
+    if (s.ok()) {
+      spdlog::info("SIGHUP: public TLS certificates reloaded{}",
+                   o.public_tls.empty() ? " (none: public_tls is off)" : "");
+    } else {
+      spdlog::error("SIGHUP: public TLS certificates not reloaded (the old ones stay): {}",
+                    s.message());
+    }
+  }
   spdlog::info("signal {}: draining ({} requests in flight)", sig, (*server)->inflight());
   (*server)->Shutdown(static_cast<int>(cfg->proxy.drain_seconds * 1000));  // proxy.drain_seconds
   return 0;
@@ -46,21 +85,24 @@ int RunProxy(const std::string& config_path, const std::string& grpc, const std:
 
 void RegisterProxy(CLI::App& app, GlobalOptions& g) {
   auto* cmd = app.add_subcommand("proxy", "Run the proxy (public gRPC front end) alone");
-  auto config = std::make_shared<std::string>();
-  auto grpc = std::make_shared<std::string>();
-  auto metrics = std::make_shared<std::string>();
-  auto http = std::make_shared<std::string>();
-  auto ready_fd = std::make_shared<int>(-1);
-  cmd->add_option("--config", *config, "fleet YAML file")->required();
-  cmd->add_option("--grpc", *grpc, "host:port of the public gRPC API (default: proxy.grpc)");
-  cmd->add_option("--metrics", *metrics, "host:port of /metrics (default: proxy.metrics)");
-  cmd->add_option("--http", *http,
+  auto a = std::make_shared<ProxyArgs>();
+  cmd->add_option("--config", a->config, "fleet YAML file")->required();
+  cmd->add_option("--grpc", a->grpc, "host:port of the public gRPC API (default: proxy.grpc)");
+  cmd->add_option("--metrics", a->metrics, "host:port of /metrics (default: proxy.metrics)");
+  cmd->add_option("--http", a->http,
                   "host:port of the OpenAI-compatible HTTP API (default: proxy.http)");
-  cmd->add_option("--ready-fd", *ready_fd, "(tandem launch) write the real addresses here")
+  cmd->add_option("--internal", a->internal,
+                  "host:port workers register on (default: proxy.internal)");
+  AddTlsOptions(*cmd, a->tls_ca, a->tls_cert, a->tls_key);
+  auto* pc = cmd->add_option("--public-tls-cert", a->public_cert,
+                             "public gRPC/HTTP: the proxy's certificate (PEM)");
+  auto* pk = cmd->add_option("--public-tls-key", a->public_key, "public gRPC/HTTP: its key (PEM)");
+  pc->needs(pk);
+  pk->needs(pc);
+  for (auto* o : {pc, pk}) o->group("Public TLS (default: security.public_tls)");
+  cmd->add_option("--ready-fd", a->ready_fd, "(tandem launch) write the real addresses here")
       ->group("");
-  cmd->callback([&g, config, grpc, metrics, http, ready_fd] {
-    g.exit_code = RunProxy(*config, *grpc, *metrics, *http, *ready_fd, g);
-  });
+  cmd->callback([&g, a] { g.exit_code = RunProxy(*a, g); });
 }
 
 }  // namespace tandem::cli

@@ -8,10 +8,11 @@
 namespace tandem::cli {
 
 void WriteReadyLine(int fd, const std::string& grpc, const std::string& metrics,
-                    const std::string& http) {
+                    const std::string& http, const std::string& internal) {
   if (fd < 0) return;
   nlohmann::json j = {{"grpc", grpc}, {"metrics", metrics}};
   if (!http.empty()) j["http"] = http;
+  if (!internal.empty()) j["internal"] = internal;
   const std::string line = j.dump() + "\n";
   size_t off = 0;
   while (off < line.size()) {
@@ -27,6 +28,7 @@ void BlockTerminationSignals() {
   sigemptyset(&set);
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
 }
 
@@ -35,6 +37,7 @@ int WaitForTermination() {
   sigemptyset(&set);
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGHUP);
   int sig = 0;
   sigwait(&set, &sig);
   return sig;

@@ -6,13 +6,14 @@
 
 namespace tandem::cli {
 
-// Writes {"grpc":..,"metrics":..,"http":..} + "\n" to `fd` and closes it.
-// No-op for fd < 0.
+// Writes {"grpc":..,"metrics":..,"http":..,"internal":..} + "\n" to `fd`
+// and closes it (empty values are left out). No-op for fd < 0.
 void WriteReadyLine(int fd, const std::string& grpc, const std::string& metrics,
-                    const std::string& http = "");
+                    const std::string& http = "", const std::string& internal = "");
 
-// Blocks SIGINT and SIGTERM in this thread (call before starting other
-// threads, so they inherit the mask) and waits for one; returns its number.
+// Blocks SIGINT, SIGTERM and SIGHUP in this thread (call before starting
+// other threads, so they inherit the mask) and waits for one; returns its
+// number (SIGHUP: the caller reloads and waits again).
 int WaitForTermination();
 void BlockTerminationSignals();
 

@@ -138,6 +138,7 @@ Result<Child*> Supervisor::Start(ChildSpec spec, std::chrono::milliseconds timeo
       child->grpc = j.value("grpc", "");
       child->metrics = j.value("metrics", "");
       child->http = j.value("http", "");
+      child->internal = j.value("internal", "");
     } catch (const std::exception& e) {
       failure = InternalError(fmt::format("{} sent a bad ready line '{}': {}", child->spec.name,
                                           line, e.what()));

@@ -38,6 +38,7 @@ struct Child {
   std::string http;     // proxy only
   bool alive = false;
   int exit_status = 0;  // as from waitpid, once !alive
+  std::string internal;  // proxy only: the Registry listener (proxy.internal)
 };
 
 class Supervisor {

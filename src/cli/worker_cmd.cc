@@ -13,7 +13,7 @@ void RegisterWorker(CLI::App& app, GlobalOptions& g, const std::string& role) {
   opts->role = role;
   cmd->add_option("--config", opts->config_path, "fleet YAML file (its role section gives defaults)")
       ->required();
-  cmd->add_option("--join", opts->join, "proxy gRPC address to register with");
+  cmd->add_option("--join", opts->join, "the proxy's internal listener (proxy.internal) to register with");
   cmd->add_option("--grpc", opts->grpc, "host:port to serve gRPC on");
   cmd->add_option("--metrics", opts->metrics, "host:port to serve /metrics on");
   cmd->add_option("--name", opts->name, "worker name in logs and metrics (default: ROLE-PORT)");
@@ -23,6 +23,7 @@ void RegisterWorker(CLI::App& app, GlobalOptions& g, const std::string& role) {
   cmd->add_option("--drain-seconds", opts->drain_seconds,
                   "on SIGTERM/SIGINT, how long in-flight requests may take to finish")
       ->check(CLI::Range(0.0, 3600.0));
+  AddTlsOptions(*cmd, opts->tls_ca, opts->tls_cert, opts->tls_key);
   cmd->add_option("--ready-fd", opts->ready_fd, "(tandem launch) write the real addresses here")
       ->group("");
   cmd->callback([&g, opts] {

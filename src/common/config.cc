@@ -43,6 +43,35 @@ void ReadRole(YamlMap m, RoleConfig& r) {
   m.Finish();
 }
 
+// security.internal_tls / public_tls: a word, or a mapping of PEM files.
+void ReadSecurity(YamlMap m, SecurityConfig& s) {
+  if (m.HasMapping("internal_tls")) {
+    s.internal_tls = "files";
+    YamlMap f = m.Sub("internal_tls");
+    for (const char* k : {"ca_file", "cert_file", "key_file"}) f.Require(k);
+    f.Read("ca_file", s.internal_ca_file);
+    f.Read("cert_file", s.internal_cert_file);
+    f.Read("key_file", s.internal_key_file);
+    f.Finish();
+  } else {
+    m.ReadEnum("internal_tls", s.internal_tls, {"auto", "off"});
+  }
+  if (m.HasMapping("public_tls")) {
+    s.public_tls = "files";
+    YamlMap f = m.Sub("public_tls");
+    for (const char* k : {"cert_file", "key_file"}) f.Require(k);
+    f.Read("cert_file", s.public_cert_file);
+    f.Read("key_file", s.public_key_file);
+    f.Read("client_ca_file", s.public_client_ca_file);
+    f.Finish();
+  } else {
+    m.ReadEnum("public_tls", s.public_tls, {"off", "auto"});
+  }
+  m.Read("dir", s.dir);
+  m.Read("api_keys_file", s.api_keys_file);
+  m.Finish();
+}
+
 void ReadAll(YamlMap& top, FleetConfig& c) {
   top.Require("model");
   {
@@ -90,6 +119,7 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.ReadAddress("grpc", c.proxy.grpc);
     m.ReadAddress("http", c.proxy.http);
     m.ReadAddress("metrics", c.proxy.metrics);
+    m.ReadAddress("internal", c.proxy.internal);
     m.Read("max_inflight", c.proxy.max_inflight, 1, 1u << 20);
     m.Read("default_max_tokens", c.proxy.default_max_tokens, 1, 1u << 20);
     m.Read("max_tokens_limit", c.proxy.max_tokens_limit, 1, 1u << 20);
@@ -153,11 +183,7 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.ReadEnum("format", c.logging.format, {"text", "json"});
     m.Finish();
   }
-  {
-    YamlMap m = top.Sub("security");
-    m.Read("api_keys_file", c.security.api_keys_file);
-    m.Finish();
-  }
+  ReadSecurity(top.Sub("security"), c.security);
   if (top.Has("sim")) {
     YamlMap m = top.Sub("sim");
     c.sim.present = true;
@@ -239,10 +265,13 @@ Result<FleetConfig> ParseFleetConfig(const std::string& text, const std::string&
       cfg.model.name = fs::path(cfg.model.path).lexically_normal().parent_path().filename();
     }
   }
-  if (!cfg.security.api_keys_file.empty() &&
-      fs::path(cfg.security.api_keys_file).is_relative()) {
-    cfg.security.api_keys_file =
-        (fs::path(base_dir) / cfg.security.api_keys_file).lexically_normal().string();
+  for (std::string* p : {&cfg.security.internal_ca_file, &cfg.security.internal_cert_file,
+                         &cfg.security.internal_key_file, &cfg.security.public_cert_file,
+                         &cfg.security.public_key_file, &cfg.security.public_client_ca_file,
+                         &cfg.security.dir, &cfg.security.api_keys_file}) {
+    if (!p->empty() && fs::path(*p).is_relative()) {
+      *p = (fs::path(base_dir) / *p).lexically_normal().string();
+    }
   }
   if (!cfg.cache.disk_tier_path.empty() && fs::path(cfg.cache.disk_tier_path).is_relative()) {
     cfg.cache.disk_tier_path = (fs::path(base_dir) / cfg.cache.disk_tier_path).lexically_normal().string();

@@ -66,6 +66,7 @@ struct ProxyConfig {
   std::string grpc = "127.0.0.1:50051";
   std::string http = "127.0.0.1:8000";
   std::string metrics = "127.0.0.1:9090";
+  std::string internal = "127.0.0.1:0";  // Registry listener for workers (internal plane)
   uint32_t max_inflight = 1024;        // admitted requests; past it: RESOURCE_EXHAUSTED
   uint32_t default_max_tokens = 128;   // when a request leaves max_tokens unset
   uint32_t max_tokens_limit = 1024;    // largest max_tokens a request may ask for
@@ -113,6 +114,26 @@ struct TransportConfig {
   bool checksum = true;
 };
 
+// security (docs/security.md). The TLS keys take a word or a mapping of
+// PEM files; the word is kept in `internal_tls` / `public_tls` and the
+// mapping form reads as "files".
+struct SecurityConfig {
+  // Internal plane (proxy <-> workers, prefiller -> decoder): mutual TLS.
+  std::string internal_tls = "auto";  // auto (tandem launch issues certificates) | off | files
+  std::string internal_ca_file;       // internal_tls files: the fleet CA peers must chain to
+  std::string internal_cert_file;     // ... this process's certificate
+  std::string internal_key_file;      // ... and its private key
+  // Public plane (clients -> proxy gRPC and HTTP): server TLS.
+  std::string public_tls = "off";     // off | auto (tandem launch issues one) | files
+  std::string public_cert_file;       // public_tls files: the proxy's certificate
+  std::string public_key_file;        // ... its private key
+  std::string public_client_ca_file;  // ... optional: clients must present a certificate of it
+  std::string dir;  // where tandem launch keeps CA and certificates; "" = next to the state file
+  // Tenants: YAML list of {key, tenant, group?, rate limits?}; "" = no tenants
+  // file (proxy.api_key, when set, is then the only key). Relative to the file.
+  std::string api_keys_file;
+};
+
 // The simulated GPU of model.backend `sim` (docs/sim.md): a roofline timing
 // model of `profile` running the model shape in `model_shape`; KV moved
 // between workers is the shape's real size divided by `kv_scale`, paced as
@@ -132,13 +153,6 @@ struct SimConfig {
   // Onboarding from the lower KV tiers (cache.host_tier_blocks, cache.disk_tier).
   double pcie_gbps = 400;        // host memory -> device
   double nvme_gbps = 56;         // disk -> device
-};
-
-// The `security` section (docs/security.md).
-struct SecurityConfig {
-  // YAML list of {key, tenant, group?, rate limits?}; "" = no tenants file
-  // (proxy.api_key, when set, is then the only key). Relative to the file.
-  std::string api_keys_file;
 };
 
 struct LoggingConfig {

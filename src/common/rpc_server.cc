@@ -11,14 +11,15 @@
 namespace tandem {
 
 Result<std::unique_ptr<RpcServer>> RpcServer::Start(const std::string& address,
-                                                    const std::vector<grpc::Service*>& services) {
+                                                    const std::vector<grpc::Service*>& services,
+                                                    const RpcCredentials& credentials) {
   TANDEM_ASSIGN_OR_RETURN(HostPort hp, ParseHostPort(address));
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
 
   grpc::ServerBuilder builder;
   int selected_port = 0;
-  builder.AddListeningPort(hp.ToString(), grpc::InsecureServerCredentials(), &selected_port);
+  builder.AddListeningPort(hp.ToString(), credentials.server(), &selected_port);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(64 << 20);
   for (grpc::Service* s : services) builder.RegisterService(s);
@@ -27,7 +28,8 @@ Result<std::unique_ptr<RpcServer>> RpcServer::Start(const std::string& address,
   out->server_ = builder.BuildAndStart();
   if (!out->server_ || selected_port == 0) {
     return UnavailableError(
-        fmt::format("gRPC server cannot listen on {} (address in use or not local?)", address));
+        fmt::format("gRPC server cannot listen on {} (address in use or not local?{})", address,
+                    credentials.secure() ? " or its TLS certificate was refused" : ""));
   }
   out->port_ = selected_port;
   hp.port = static_cast<uint16_t>(selected_port);

@@ -12,15 +12,18 @@
 #include <vector>
 
 #include "common/status.h"
+#include "common/tls.h"
 
 namespace tandem {
 
 class RpcServer {
  public:
   // Listens on `address` ("host:port", port 0 picks one) with `services`
-  // (borrowed: they must outlive the server). Health starts as SERVING.
+  // (borrowed: they must outlive the server) and `credentials` (plaintext,
+  // mutual TLS, ... : common/tls.h). Health starts as SERVING.
   static Result<std::unique_ptr<RpcServer>> Start(const std::string& address,
-                                                  const std::vector<grpc::Service*>& services);
+                                                  const std::vector<grpc::Service*>& services,
+                                                  const RpcCredentials& credentials);
   ~RpcServer();
 
   // "host:port" with the real port.

@@ -85,6 +85,14 @@ bool YamlMap::Has(std::string_view key) const {
   return false;
 }
 
+bool YamlMap::HasMapping(std::string_view key) const {
+  if (!node_.IsMap()) return false;
+  for (const auto& kv : node_) {
+    if (kv.first.as<std::string>("") == key) return kv.second.IsMap();
+  }
+  return false;
+}
+
 YAML::Node YamlMap::Get(std::string_view key) {
   known_.emplace(key);
   if (!node_.IsMap()) return YAML::Node(YAML::NodeType::Undefined);

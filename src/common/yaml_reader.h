@@ -41,6 +41,8 @@ class YamlMap {
   YamlMap(YamlErrors* errors, YAML::Node node, std::string prefix, int parent_line = 0);
 
   bool Has(std::string_view key) const;
+  // `key` is present and its value is a mapping (keys that take a word or a mapping).
+  bool HasMapping(std::string_view key) const;
   void Read(std::string_view key, std::string& out);
   void Read(std::string_view key, bool& out);
   void Read(std::string_view key, uint32_t& out, uint32_t min, uint32_t max);

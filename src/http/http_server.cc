@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common/net.h"
+#include "http/http_stream.h"
 #include "http/openai.h"
 #include "model/chat_template.h"
 #include "proxy/generation_service.h"
@@ -46,11 +47,14 @@ struct Shared {
   int64_t started = 0;
   ServerOptions opts;
 
+  TlsFiles tls_files;  // security.public_tls; empty: plaintext
   std::atomic<int> jobs{0};  // requests on the work pool (Shutdown waits for them)
 
   std::mutex mu;
   std::set<Session*> sessions;  // guarded by mu
   bool stopping = false;        // guarded by mu
+  // New connections' TLS context (null: plaintext); replaced by a reload.
+  std::shared_ptr<net::ssl::context> tls;  // guarded by mu
 };
 
 const char* Reason(int status) {
@@ -92,8 +96,8 @@ std::string Unready(const Shared& sh) {
 
 class Session : public std::enable_shared_from_this<Session> {
  public:
-  Session(tcp::socket socket, Shared* sh)
-      : socket_(std::move(socket)), sh_(sh), idle_timer_(socket_.get_executor()) {}
+  Session(tcp::socket socket, Shared* sh, std::shared_ptr<net::ssl::context> tls)
+      : socket_(std::move(socket), std::move(tls)), sh_(sh), idle_timer_(socket_.get_executor()) {}
 
   ~Session() {
     {
@@ -113,8 +117,11 @@ class Session : public std::enable_shared_from_this<Session> {
       sh_->sessions.insert(this);
     }
     Touch();
-    ArmIdleTimer(Idle());
-    DoRead();
+    ArmIdleTimer(Idle());  // also bounds a slow TLS handshake
+    socket_.async_handshake([self = shared_from_this()](ErrorCode ec) {
+      if (ec) return self->Gone();  // not TLS, or a certificate refused
+      self->DoRead();
+    });
   }
 
   // Shutdown, once the I/O threads are joined: the self-reference (hold_).
@@ -593,7 +600,7 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     pending_.clear();
     ErrorCode ignored;
-    socket_.close(ignored);
+    socket_.socket().close(ignored);
   }
 
   // Our side is done: half-close, then read and discard what the client
@@ -607,7 +614,7 @@ class Session : public std::enable_shared_from_this<Session> {
   void Close() {
     hold_.reset();  // the linger's handlers hold it from here
     ErrorCode ignored;
-    socket_.shutdown(tcp::socket::shutdown_send, ignored);
+    socket_.socket().shutdown(tcp::socket::shutdown_send, ignored);
     gone_ = true;
     if (active_) {
       CancelLifecycle();
@@ -618,12 +625,14 @@ class Session : public std::enable_shared_from_this<Session> {
     idle_timer_.async_wait([self = shared_from_this()](ErrorCode ec) {
       if (ec) return;
       ErrorCode ignored;
-      self->socket_.close(ignored);
+      self->socket_.socket().close(ignored);
     });
     // A read in flight (the parser's) ends with the client's close too.
     if (!reading_) Linger(0);
   }
 
+  // Under TLS the discarded bytes are read (and decrypted) through the TLS
+  // stream; the client's close_notify or TCP close ends the linger.
   void Linger(size_t discarded) {
     if (discarded >= kLingerBytes) return EndLinger();
     socket_.async_read_some(net::buffer(linger_buf_),
@@ -636,10 +645,10 @@ class Session : public std::enable_shared_from_this<Session> {
   void EndLinger() {
     ErrorCode ignored;
     idle_timer_.cancel();
-    socket_.close(ignored);
+    socket_.socket().close(ignored);
   }
 
-  tcp::socket socket_;
+  HttpStream socket_;  // TCP, or TLS over it
   Shared* sh_;
   net::steady_timer idle_timer_;
   std::chrono::steady_clock::time_point last_activity_;
@@ -688,7 +697,12 @@ struct HttpServer::Impl {
       if (!ec) {
         ErrorCode ignored;
         socket.set_option(tcp::no_delay(true), ignored);
-        std::make_shared<Session>(std::move(socket), &shared)->Start();
+        std::shared_ptr<net::ssl::context> tls;
+        {
+          std::lock_guard lock(shared.mu);
+          tls = shared.tls;
+        }
+        std::make_shared<Session>(std::move(socket), &shared, std::move(tls))->Start();
       } else {
         spdlog::warn("http: accept failed: {}", ec.message());
       }
@@ -725,6 +739,12 @@ Result<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string& address
   sh.opts.max_pipelined = limits.max_pipelined_requests;
   sh.opts.max_connections = limits.max_connections;
   sh.started = static_cast<int64_t>(std::time(nullptr));
+  sh.tls_files = context.public_tls;
+  if (!sh.tls_files.empty()) {
+    auto ctx = MakeServerTlsContext(sh.tls_files);
+    if (!ctx.ok()) return ctx.status().WithContext("security.public_tls (HTTP)");
+    sh.tls = std::move(ctx).value();
+  }
   const std::string tmpl_name =
       context.config->proxy.chat_template.empty() ? "auto" : context.config->proxy.chat_template;
   auto chat = model::ChatTemplate::Load(context.config->model.path, tmpl_name);
@@ -761,9 +781,18 @@ Result<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string& address
   for (int i = 0; i < std::max(1, options.io_threads); ++i) {
     impl->threads.emplace_back([ioc = &impl->ioc] { ioc->run(); });
   }
-  spdlog::info("http: OpenAI-compatible API on http://{} ({} I/O threads)", impl->address,
-               std::max(1, options.io_threads));
+  spdlog::info("http: OpenAI-compatible API on {}://{} ({} I/O threads)",
+               sh.tls ? "https" : "http", impl->address, std::max(1, options.io_threads));
   return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));
+}
+
+Status HttpServer::ReloadTls() {
+  Shared& sh = impl_->shared;
+  if (sh.tls_files.empty()) return Status::Ok();
+  TANDEM_ASSIGN_OR_RETURN(auto ctx, MakeServerTlsContext(sh.tls_files));
+  std::lock_guard lock(sh.mu);
+  sh.tls = std::move(ctx);  // open sessions keep the context they started with
+  return Status::Ok();
 }
 
 void HttpServer::Shutdown() {

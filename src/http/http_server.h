@@ -9,7 +9,11 @@
 // proxy::RequestLifecycle runs the request; the lifecycle's sink only posts
 // to the connection's strand.
 //
-// Thread-safety: Start and Shutdown from the owning thread.
+// With security.public_tls (HttpContext::public_tls) every connection
+// speaks TLS (http_stream.h); ReloadTls swaps the certificate for new
+// connections without touching open ones.
+//
+// Thread-safety: Start and Shutdown from the owning thread; ReloadTls from any.
 #pragma once
 
 #include <cstddef>
@@ -45,6 +49,7 @@ class HttpServer final : public proxy::HttpFrontEnd {
 
   const std::string& address() const override;
   void Shutdown() override;
+  Status ReloadTls() override;
   // Connections open now (tests and the load test's report).
   size_t open_connections() const;
 

@@ -87,8 +87,9 @@ class PrefillerServiceImpl final : public pb::Prefiller::CallbackService {
 
 class GrpcDecoderLink final : public DecoderLink {
  public:
-  explicit GrpcDecoderLink(std::string prefiller_descriptor)
-      : prefiller_descriptor_(std::move(prefiller_descriptor)) {}
+  GrpcDecoderLink(RpcCredentials credentials, std::string prefiller_descriptor)
+      : credentials_(std::move(credentials)),
+        prefiller_descriptor_(std::move(prefiller_descriptor)) {}
 
   void Reserve(const PrefillJob& job, const std::string& prefiller_name, ReserveDone done) override {
     struct Call {
@@ -156,11 +157,12 @@ class GrpcDecoderLink final : public DecoderLink {
     std::lock_guard lock(mu_);
     auto& stub = stubs_[address];
     if (!stub) {
-      stub = pb::Decoder::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+      stub = pb::Decoder::NewStub(credentials_.Dial(address));
     }
     return stub.get();
   }
 
+  const RpcCredentials credentials_;
   const std::string prefiller_descriptor_;
   std::mutex mu_;
   std::map<std::string, std::unique_ptr<pb::Decoder::Stub>> stubs_;  // never erased
@@ -172,8 +174,9 @@ std::unique_ptr<grpc::Service> MakePrefillerService(Prefiller& prefiller) {
   return std::make_unique<PrefillerServiceImpl>(prefiller);
 }
 
-std::unique_ptr<DecoderLink> MakeGrpcDecoderLink(std::string prefiller_descriptor) {
-  return std::make_unique<GrpcDecoderLink>(std::move(prefiller_descriptor));
+std::unique_ptr<DecoderLink> MakeGrpcDecoderLink(const RpcCredentials& credentials,
+                                                 std::string prefiller_descriptor) {
+  return std::make_unique<GrpcDecoderLink>(credentials, std::move(prefiller_descriptor));
 }
 
 }  // namespace tandem::prefiller

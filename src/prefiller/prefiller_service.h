@@ -17,6 +17,7 @@
 
 #include <memory>
 
+#include "common/tls.h"
 #include "prefiller/prefiller.h"
 
 namespace tandem::prefiller {
@@ -24,10 +25,12 @@ namespace tandem::prefiller {
 // `prefiller` is borrowed and must outlive the service.
 std::unique_ptr<grpc::Service> MakePrefillerService(Prefiller& prefiller);
 
-// Channels are created per decoder address on first use and kept.
+// Channels are created per decoder address on first use and kept; all use
+// `credentials` (the internal plane's).
 // `prefiller_descriptor`: this prefiller's KV transport descriptor (binary),
 // sent with every Reserve so that the decoder can watch this prefiller's
 // liveness (docs/failure-handling.md, "Quarantine").
-std::unique_ptr<DecoderLink> MakeGrpcDecoderLink(std::string prefiller_descriptor = {});
+std::unique_ptr<DecoderLink> MakeGrpcDecoderLink(const RpcCredentials& credentials,
+                                                 std::string prefiller_descriptor = {});
 
 }  // namespace tandem::prefiller

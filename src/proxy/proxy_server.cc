@@ -11,10 +11,10 @@
 namespace tandem::proxy {
 
 Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet,
-                                                        const std::string& grpc_address,
-                                                        const std::string& metrics_address,
-                                                        const std::string& http_address,
-                                                        const HttpFactory& http_factory) {
+                                                        const ProxyStartOptions& options) {
+  auto pick = [](const std::string& given, const std::string& configured) {
+    return given.empty() ? configured : given;
+  };
   std::unique_ptr<ProxyServer> p(new ProxyServer());
   TANDEM_ASSIGN_OR_RETURN(p->tokenizer_, model::Tokenizer::Load(fleet.model.path));
   TANDEM_ASSIGN_OR_RETURN(model::ModelConfig mc, model::LoadModelConfig(fleet.model.path));
@@ -23,7 +23,7 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
       std::make_unique<MetricsRegistry>(MetricLabels{fleet.model.name, "proxy", "proxy"});
   p->metrics_ = std::make_unique<ProxyMetrics>(*p->metrics_registry_);
   TANDEM_RETURN_IF_ERROR(p->metrics_registry_->Serve(
-      metrics_address.empty() ? fleet.proxy.metrics : metrics_address));
+      pick(options.metrics, fleet.proxy.metrics)));
 
   FleetRequirements req;
   req.model = fleet.model.name;
@@ -42,7 +42,7 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
   p->fleet_ = std::make_unique<Fleet>(req, std::move(router));
   p->router_metrics_ = std::make_unique<RouterMetrics>(*p->metrics_registry_, fleet.cache.block_size);
   p->fleet_->SetMetrics(p->router_metrics_.get());
-  p->client_ = std::make_unique<GrpcWorkerClient>();
+  p->client_ = std::make_unique<GrpcWorkerClient>(options.internal_credentials);
 
   ServingLimits limits;
   limits.model = fleet.model.name;
@@ -79,24 +79,37 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
       p->fleet_.get(), p->client_.get(),
       std::chrono::milliseconds(static_cast<int64_t>(fleet.proxy.liveness_timeout_seconds * 1000)));
 
-  TANDEM_ASSIGN_OR_RETURN(
-      p->server_, RpcServer::Start(grpc_address.empty() ? fleet.proxy.grpc : grpc_address,
-                                   {p->generation_.get(), p->registry_.get()}));
+  TANDEM_ASSIGN_OR_RETURN(p->internal_server_,
+                          RpcServer::Start(pick(options.internal, fleet.proxy.internal),
+                                           {p->registry_.get()}, options.internal_credentials));
+  RpcCredentials public_credentials;
+  if (!options.public_tls.empty()) {
+    TANDEM_ASSIGN_OR_RETURN(public_credentials, RpcCredentials::ServerTls(options.public_tls));
+  }
+  TANDEM_ASSIGN_OR_RETURN(p->server_, RpcServer::Start(pick(options.grpc, fleet.proxy.grpc),
+                                                       {p->generation_.get()}, public_credentials));
   p->addresses_.grpc = p->server_->address();
+  p->addresses_.internal = p->internal_server_->address();
   p->addresses_.metrics = p->metrics_registry_->bound_address();
-  if (http_factory) {
-    HttpContext hc{&fleet, p->frontend_.get(), p->fleet_.get(), p->metrics_registry_.get()};
-    TANDEM_ASSIGN_OR_RETURN(
-        p->http_, http_factory(http_address.empty() ? fleet.proxy.http : http_address, hc));
+  if (options.http_factory) {
+    HttpContext hc{&fleet, p->frontend_.get(), p->fleet_.get(), p->metrics_registry_.get(),
+                   options.public_tls};
+    TANDEM_ASSIGN_OR_RETURN(p->http_, options.http_factory(pick(options.http, fleet.proxy.http), hc));
     p->addresses_.http = p->http_->address();
   }
-  spdlog::info("proxy serving {} on {} (gRPC), {} (HTTP), metrics on {}", fleet.model.name,
-               p->addresses_.grpc, p->addresses_.http.empty() ? "-" : p->addresses_.http,
-               p->addresses_.metrics);
+  spdlog::info("proxy serving {} on {} (gRPC{}), {} (HTTP), metrics on {}; workers register on {} "
+               "({})",
+               fleet.model.name, p->addresses_.grpc,
+               options.public_tls.empty() ? "" : ", TLS",
+               p->addresses_.http.empty() ? "-" : p->addresses_.http, p->addresses_.metrics,
+               p->addresses_.internal,
+               options.internal_credentials.secure() ? "mutual TLS" : "plaintext");
   return p;
 }
 
 ProxyServer::~ProxyServer() { Shutdown(0); }
+
+Status ProxyServer::ReloadPublicTls() { return http_ ? http_->ReloadTls() : Status::Ok(); }
 
 void ProxyServer::Drain() {
   if (frontend_) frontend_->SetDraining(true);
@@ -111,8 +124,10 @@ void ProxyServer::Shutdown(int grace_ms) {
   }
   if (http_) http_->Shutdown();
   server_->Shutdown(0);
+  if (internal_server_) internal_server_->Shutdown(0);
   registry_->Shutdown();
   server_.reset();
+  internal_server_.reset();
 }
 
 }  // namespace tandem::proxy

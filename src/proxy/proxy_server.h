@@ -24,6 +24,7 @@ namespace tandem::proxy {
 
 struct ProxyAddresses {
   std::string grpc;
+  std::string internal;  // the Registry workers join through (internal plane)
   std::string http;  // empty when started without an HttpFactory
   std::string metrics;
 };
@@ -35,6 +36,9 @@ class HttpFrontEnd {
   virtual const std::string& address() const = 0;  // the real "host:port"
   // Stops accepting, cancels open requests, joins the I/O threads.
   virtual void Shutdown() = 0;
+  // Re-reads the public TLS files (SIGHUP): new connections get them, open
+  // ones keep theirs. No-op without TLS.
+  virtual Status ReloadTls() = 0;
 };
 
 // What the HTTP front end shares with the gRPC one: `config` is read during
@@ -44,20 +48,31 @@ struct HttpContext {
   Frontend* frontend = nullptr;
   Fleet* fleet = nullptr;
   MetricsRegistry* metrics = nullptr;
+  TlsFiles public_tls;  // security.public_tls; empty: plaintext
 };
 using HttpFactory = std::function<Result<std::unique_ptr<HttpFrontEnd>>(
     const std::string& address, const HttpContext& context)>;
 
+// How one proxy process listens; empty addresses take the fleet file's.
+struct ProxyStartOptions {
+  std::string grpc;      // public gRPC API (proxy.grpc)
+  std::string metrics;   // /metrics (proxy.metrics)
+  std::string http;      // OpenAI-compatible HTTP API (proxy.http)
+  std::string internal;  // Registry for workers (proxy.internal)
+  HttpFactory http_factory;  // null: no HTTP API
+  // The internal plane: the Registry listener and every call to a worker.
+  RpcCredentials internal_credentials;
+  // The public gRPC and HTTP listeners' TLS (PublicTlsFiles); empty: plaintext.
+  TlsFiles public_tls;
+};
+
 class ProxyServer {
  public:
   // Loads the tokenizer and model shape from the fleet's model directory,
-  // then serves on the fleet's proxy addresses (`grpc`/`metrics`/`http`
-  // override them when non-empty). Without `http_factory` no HTTP API runs.
+  // then serves the public API on one listener and the Registry on another
+  // (workers never register on the public port).
   static Result<std::unique_ptr<ProxyServer>> Start(const FleetConfig& fleet,
-                                                    const std::string& grpc_address = "",
-                                                    const std::string& metrics_address = "",
-                                                    const std::string& http_address = "",
-                                                    const HttpFactory& http_factory = nullptr);
+                                                    const ProxyStartOptions& options);
   ~ProxyServer();
 
   const ProxyAddresses& addresses() const { return addresses_; }
@@ -66,6 +81,9 @@ class ProxyServer {
   // Waits up to `grace_ms` for in-flight requests, then stops.
   void Shutdown(int grace_ms);
   uint32_t inflight() const { return frontend_->inflight(); }
+  // SIGHUP: the HTTP API re-reads its TLS files now (the gRPC listener
+  // watches them on its own: RpcCredentials::ServerTls).
+  Status ReloadPublicTls();
 
  private:
   ProxyServer() = default;
@@ -79,7 +97,8 @@ class ProxyServer {
   std::unique_ptr<Frontend> frontend_;
   std::unique_ptr<GenerationService> generation_;
   std::unique_ptr<RegistryService> registry_;
-  std::unique_ptr<RpcServer> server_;
+  std::unique_ptr<RpcServer> server_;           // public
+  std::unique_ptr<RpcServer> internal_server_;  // Registry
   std::unique_ptr<HttpFrontEnd> http_;  // last: stopped before what it uses
   ProxyAddresses addresses_;
 };

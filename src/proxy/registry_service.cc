@@ -7,6 +7,7 @@
 #include <atomic>
 
 #include "common/rpc_server.h"
+#include "common/tls.h"
 
 namespace tandem::proxy {
 
@@ -218,15 +219,26 @@ grpc::ServerUnaryReactor* RegistryService::Register(grpc::CallbackServerContext*
   if (auto it = w.labels().find("node"); it != w.labels().end()) rec.node = it->second;
   if (auto it = w.labels().find("zone"); it != w.labels().end()) rec.zone = it->second;
 
+  // The verified certificate identity of the caller ("" over plaintext).
+  const std::string identity = PeerIdentity(*ctx);
   Status st = Status::Ok();
   {
     std::lock_guard lock(mu_);
-    if (shut_down_) st = UnavailableError("the proxy is shutting down");
-  }
-  if (st.ok()) st = fleet_->Register(rec);
-  if (st.ok()) {
-    std::lock_guard lock(mu_);
-    lost_.erase(rec.name);
+    auto bound = identities_.find(rec.name);
+    if (shut_down_) {
+      st = UnavailableError("the proxy is shutting down");
+    } else if (bound != identities_.end() && bound->second != identity) {
+      st = PermissionDeniedError(fmt::format(
+          "worker name '{}' belongs to the certificate identity '{}' that first registered it; "
+          "this registration presents '{}' (names are bound to identities: pick another name)",
+          rec.name, bound->second, identity));
+    } else {
+      st = fleet_->Register(rec);
+      if (st.ok()) {
+        identities_.emplace(rec.name, identity);
+        lost_.erase(rec.name);
+      }
+    }
   }
   if (!st.ok()) {
     spdlog::warn("{}", st.message());

@@ -6,6 +6,10 @@
 // it back in routing as soon as a probe delivers its snapshot (a paused or
 // overloaded worker that answers again); registering again also does. A
 // worker that ends its streams itself (OK: it is draining) is forgotten.
+//
+// A worker name is bound to the certificate identity (common name) that
+// first registered it; a registration of that name under another identity
+// is refused with PERMISSION_DENIED (docs/security.md).
 #pragma once
 
 #include <chrono>
@@ -67,6 +71,9 @@ class RegistryService final : public tandem::v1::Registry::CallbackService {
     std::chrono::steady_clock::time_point since, next_probe;
   };
   std::map<std::string, Lost> lost_;  // guarded by mu_: out of routing, being probed
+  // Worker name -> the certificate identity that first registered it (for
+  // the proxy's lifetime; "" over plaintext). guarded by mu_
+  std::map<std::string, std::string> identities_;
   std::jthread housekeeping_;
 };
 

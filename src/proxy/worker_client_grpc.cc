@@ -176,7 +176,7 @@ std::shared_ptr<grpc::Channel> GrpcWorkerClient::Channel(const std::string& addr
   if (!ch) {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(64 << 20);
-    ch = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    ch = credentials_.Dial(address, args);
   }
   return ch;
 }

@@ -8,6 +8,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/tls.h"
 #include "proxy/worker_client.h"
 
 namespace grpc {
@@ -18,6 +19,9 @@ namespace tandem::proxy {
 
 class GrpcWorkerClient final : public WorkerClient {
  public:
+  // Every channel uses `credentials` (the internal plane's: mutual TLS by default).
+  explicit GrpcWorkerClient(RpcCredentials credentials) : credentials_(std::move(credentials)) {}
+
   std::shared_ptr<Call> Decode(const std::string& address, DecodeArgs args,
                                DecodeEvents events) override;
   std::shared_ptr<Call> Prefill(const std::string& address, PrefillArgs args,
@@ -51,6 +55,7 @@ class GrpcWorkerClient final : public WorkerClient {
  private:
   void Track(const std::string& address, const std::shared_ptr<Tracked>& call);
 
+  const RpcCredentials credentials_;
   std::mutex mu_;
   std::unordered_map<std::string, std::shared_ptr<grpc::Channel>> channels_;  // guarded by mu_
   // Calls in flight per worker address (expired entries pruned as we go).

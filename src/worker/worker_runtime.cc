@@ -81,6 +81,7 @@ void WriteReady(int fd, const std::string& grpc, const std::string& metrics) {
 // whose memory the engine's pool is).
 struct Worker {
   FleetConfig fleet;
+  RpcCredentials credentials;  // the internal plane's
   model::ModelConfig model_config;
   model::ModelWeights weights;
   engine::SimSetup sim;  // backend sim only
@@ -300,7 +301,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     services.push_back(w.decoder_service.get());
   }
   if (prefills) {
-    w.link = prefiller::MakeGrpcDecoderLink(w.transport->LocalDescriptor());
+    w.link = prefiller::MakeGrpcDecoderLink(w.credentials, w.transport->LocalDescriptor());
     prefiller::PrefillerOptions popt;
     popt.name = name;
     popt.max_queue = w.fleet.scheduler.max_waiting;
@@ -358,7 +359,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
 
   const std::string grpc_addr = cmd.grpc.empty() ? rc.grpc : cmd.grpc;
   const std::string metrics_addr = cmd.metrics.empty() ? rc.metrics : cmd.metrics;
-  TANDEM_ASSIGN_OR_RETURN(w.server, RpcServer::Start(grpc_addr, services));
+  TANDEM_ASSIGN_OR_RETURN(w.server, RpcServer::Start(grpc_addr, services, w.credentials));
   TANDEM_RETURN_IF_ERROR(w.registry->Serve(metrics_addr));
   w.worker_service->SetAddresses(w.server->address(), w.registry->bound_address());
   w.worker_service->Start();
@@ -437,6 +438,14 @@ int RunWorker(const WorkerCommand& cmd) {
     return 1;
   }
 
+  if (auto creds = InternalCredentials(w->fleet.security, {cmd.tls_ca, cmd.tls_cert, cmd.tls_key});
+      creds.ok()) {
+    w->credentials = std::move(creds).value();
+  } else {
+    spdlog::error("{} did not start: {}", name, creds.status().message());
+    std::cerr << fmt::format("tandem {}: {}\n", cmd.role, creds.status().message());
+    return 1;
+  }
   if (Status s = Build(cmd, name, rc, *w); !s.ok()) {
     spdlog::error("{} did not start: {}", name, s.message());
     std::cerr << fmt::format("tandem {}: {}\n", cmd.role, s.message());
@@ -444,7 +453,8 @@ int RunWorker(const WorkerCommand& cmd) {
     return 1;
   }
   if (!cmd.join.empty()) {
-    Status s = RegisterWithProxy(cmd.join, w->worker_service->identity(), std::chrono::seconds(30));
+    Status s = RegisterWithProxy(cmd.join, w->worker_service->identity(), w->credentials,
+                                 std::chrono::seconds(30));
     if (!s.ok()) {
       spdlog::error("{}", s.message());
       std::cerr << fmt::format("tandem {}: {}\n", cmd.role, s.message());

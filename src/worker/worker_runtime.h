@@ -5,7 +5,10 @@
 //   every role:       tandem.v1.Worker (GetInfo, Watch), health, reflection
 //   decode and both:  tandem.v1.Decoder (Decode, Reserve)
 //   prefill and both: tandem.v1.Prefiller (Prefill)
-// With --join it registers with the proxy (a refusal: message, exit 1).
+// With --join it registers with the proxy's internal listener (a refusal:
+// message, exit 1). Every internal call (its server, Reserve to decoders,
+// Register) uses the internal plane's credentials: mutual TLS unless
+// security.internal_tls is off (docs/security.md).
 // Once serving (and registered) it writes one JSON line
 // {"grpc":"host:port","metrics":"host:port"} to --ready-fd and closes it.
 // SIGTERM/SIGINT: health NOT_SERVING, new work UNAVAILABLE, in-flight work
@@ -32,6 +35,9 @@ struct WorkerCommand {
   std::string log_level;    // empty: the config's
   std::string log_format;   // empty: the config's
   double drain_seconds = 5.0;
+  // --tls-ca/--tls-cert/--tls-key: the internal plane's identity (tandem
+  // launch passes them); empty: the config's security.internal_tls.
+  std::string tls_ca, tls_cert, tls_key;
 };
 
 // Returns the process exit code.

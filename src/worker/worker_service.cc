@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <cctype>
 #include <condition_variable>
 #include <mutex>
 #include <thread>
@@ -297,18 +298,30 @@ void WorkerService::Stop() {
 
 void WorkerService::Leave() { impl_->FinishAll(); }
 
+namespace {
+
+// A failed TLS handshake is not transient: retrying cannot fix a
+// certificate of another CA (gRPC reports it as UNAVAILABLE).
+bool IsTlsFailure(const std::string& message) {
+  std::string m = message;
+  for (char& c : m) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return m.find("handshake") != std::string::npos || m.find("ssl") != std::string::npos ||
+         m.find("certificate") != std::string::npos || m.find("tls") != std::string::npos;
+}
+
+}  // namespace
+
 Status RegisterWithProxy(const std::string& proxy_address, const WorkerIdentity& identity,
-                         std::chrono::milliseconds retry_for) {
-  auto channel = grpc::CreateChannel(proxy_address, grpc::InsecureChannelCredentials());
-  auto stub = pb::Registry::NewStub(channel);
+                         const RpcCredentials& credentials, std::chrono::milliseconds retry_for) {
+  auto stub = pb::Registry::NewStub(credentials.Dial(proxy_address));
   pb::RegisterRequest req;
   FillInfo(identity, req.mutable_worker());
   const auto give_up = std::chrono::steady_clock::now() + retry_for;
   Status last;
+  int closed_in_a_row = 0;
   while (true) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    ctx.set_wait_for_ready(true);
     pb::RegisterResponse resp;
     grpc::Status st = stub->Register(&ctx, req, &resp);
     if (st.ok()) {
@@ -319,12 +332,39 @@ Status RegisterWithProxy(const std::string& proxy_address, const WorkerIdentity&
       return Status::Ok();
     }
     last = FromGrpcStatus(st);
+    // A connection the proxy accepts and closes at once, again and again,
+    // is refused, not early (a proxy that is not up refuses the connect):
+    // over TLS 1.3 a client certificate the proxy does not trust shows so,
+    // and so does plaintext to a proxy that speaks TLS.
+    closed_in_a_row = st.error_message().find("Socket closed") != std::string::npos
+                          ? closed_in_a_row + 1
+                          : 0;
+    if (credentials.secure() && (IsTlsFailure(st.error_message()) || closed_in_a_row >= 3)) {
+      return UnauthenticatedError(fmt::format(
+          "registering with the proxy at {}: the TLS handshake failed or the proxy refused this "
+          "worker's certificate ({}); the internal plane uses mutual TLS: this worker's "
+          "--tls-ca/--tls-cert/--tls-key must come from the fleet's CA (the state file's tls "
+          "entry names it), and --join must name the proxy's internal listener (proxy.internal)",
+          proxy_address, st.error_message()));
+    }
+    if (!credentials.secure() && closed_in_a_row >= 3) {
+      return UnauthenticatedError(fmt::format(
+          "registering with the proxy at {}: it closes every plaintext connection ({}); it most "
+          "likely requires mutual TLS (security.internal_tls auto): give this worker "
+          "--tls-ca/--tls-cert/--tls-key of the fleet's CA",
+          proxy_address, st.error_message()));
+    }
     const bool retryable = st.error_code() == grpc::StatusCode::UNAVAILABLE ||
                            st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
     if (!retryable || std::chrono::steady_clock::now() >= give_up) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
-  return last.WithContext(fmt::format("registering with the proxy at {}", proxy_address));
+  return last.WithContext(fmt::format(
+      "registering with the proxy at {}{}", proxy_address,
+      credentials.secure()
+          ? ""
+          : " over plaintext (security.internal_tls: off; a proxy with mutual TLS drops "
+            "plaintext connections)"));
 }
 
 }  // namespace tandem::worker

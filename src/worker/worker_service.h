@@ -23,6 +23,7 @@
 #include <string>
 
 #include "common/status.h"
+#include "common/tls.h"
 #include "engine/engine.h"
 
 namespace tandem::worker {
@@ -91,10 +92,12 @@ class WorkerService {
   std::unique_ptr<Impl> impl_;
 };
 
-// Registry.Register on the proxy at `proxy_address`, retried while the proxy
-// is unreachable (UNAVAILABLE) for up to `retry_for`. A refusal comes back
-// as FAILED_PRECONDITION with the proxy's reason.
+// Registry.Register on the proxy's internal listener at `proxy_address`
+// over `credentials`, retried while the proxy is unreachable (UNAVAILABLE)
+// for up to `retry_for`. A refusal comes back as FAILED_PRECONDITION with
+// the proxy's reason; a TLS handshake that fails (a certificate of another
+// CA, none) is not retried and says so.
 Status RegisterWithProxy(const std::string& proxy_address, const WorkerIdentity& identity,
-                         std::chrono::milliseconds retry_for);
+                         const RpcCredentials& credentials, std::chrono::milliseconds retry_for);
 
 }  // namespace tandem::worker

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,13 @@ std::vector<uint32_t> ByteTokens(std::string_view text) {
   std::vector<uint32_t> ids;
   for (char c : text) ids.push_back(static_cast<uint8_t>(c) * 5u);  // some ids past vocab 1000
   return ids;
+}
+
+// A broken invariant: says which, then crashes (libFuzzer keeps the input).
+void Require(bool ok, const char* what) {
+  if (ok) return;
+  std::fprintf(stderr, "fuzz_request: invariant broken: %s\n", what);
+  __builtin_trap();
 }
 
 }  // namespace
@@ -63,20 +71,26 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   // What passed must respect the limits it was checked against.
-  if (v->prompt_ids.empty() || v->max_tokens == 0 || v->max_tokens > limits.max_tokens_limit ||
-      v->prompt_ids.size() + v->max_tokens > limits.max_model_len ||
-      v->stop.size() > limits.max_stop_strings || v->request_id.empty() ||
-      v->stop_token_ids.size() > limits.max_stop_token_ids ||
-      v->client_request_id.size() > limits.max_request_id_bytes ||
-      v->request_id == v->client_request_id ||
-      (limits.max_prompt_tokens > 0 && v->prompt_ids.size() > limits.max_prompt_tokens)) {
-    __builtin_trap();
-  }
+  Require(!v->prompt_ids.empty(), "prompt_ids empty");
+  Require(v->max_tokens > 0 && v->max_tokens <= limits.max_tokens_limit, "max_tokens");
+  Require(v->prompt_ids.size() + v->max_tokens <= limits.max_model_len, "prompt + max_tokens");
+  Require(limits.max_prompt_tokens == 0 || v->prompt_ids.size() <= limits.max_prompt_tokens,
+          "max_prompt_tokens");
+  Require(v->stop.size() <= limits.max_stop_strings, "max_stop_strings");
   for (const std::string& s : v->stop) {
-    if (s.size() > limits.max_stop_string_bytes) __builtin_trap();
+    Require(s.size() <= limits.max_stop_string_bytes, "max_stop_string_bytes");
   }
-  for (uint32_t id : v->prompt_ids) {
-    if (id >= limits.vocab_size) __builtin_trap();
+  Require(v->stop_token_ids.size() <= limits.max_stop_token_ids, "max_stop_token_ids");
+  // The fleet id: "<label>~<nonce>" for a named request, the bare nonce
+  // (echoed to the client) for an unnamed one; never the client's id.
+  Require(!v->request_id.empty(), "fleet request id empty");
+  if (r.request_id.empty()) {
+    Require(v->client_request_id == v->request_id, "unnamed: echoes its nonce");
+  } else {
+    Require(v->client_request_id == r.request_id && v->request_id != r.request_id,
+            "named: the client's id is only a label");
   }
+  Require(v->client_request_id.size() <= limits.max_request_id_bytes, "max_request_id_bytes");
+  for (uint32_t id : v->prompt_ids) Require(id < limits.vocab_size, "prompt id past the vocabulary");
   return 0;
 }

@@ -313,5 +313,45 @@ TEST(Config, ShippedConfigsLoad) {
   EXPECT_GE(n, 3);
 }
 
+// security (docs/security.md): the TLS keys take a word or a mapping of files.
+TEST(Config, SecurityDefaultsAndForms) {
+  auto d = Parse(kGood);
+  ASSERT_TRUE(d.ok()) << d.status().message();
+  EXPECT_EQ(d->security.internal_tls, "auto");
+  EXPECT_EQ(d->security.public_tls, "off");
+  EXPECT_EQ(d->proxy.internal, "127.0.0.1:0");
+
+  auto files = Parse(std::string(kGood) +
+                     "security:\n  internal_tls:\n    ca_file: tls/ca.pem\n    cert_file: "
+                     "tls/w.pem\n    key_file: /abs/w.key\n  public_tls:\n    cert_file: p.pem\n"
+                     "    key_file: p.key\n  dir: sec\n");
+  ASSERT_TRUE(files.ok()) << files.status().message();
+  EXPECT_EQ(files->security.internal_tls, "files");
+  EXPECT_EQ(files->security.internal_ca_file, "/repo/configs/tls/ca.pem");
+  EXPECT_EQ(files->security.internal_key_file, "/abs/w.key");
+  EXPECT_EQ(files->security.public_tls, "files");
+  EXPECT_EQ(files->security.public_cert_file, "/repo/configs/p.pem");
+  EXPECT_EQ(files->security.public_client_ca_file, "");
+  EXPECT_EQ(files->security.dir, "/repo/configs/sec");
+
+  auto off = Parse(std::string(kGood) + "security:\n  internal_tls: off\n  public_tls: auto\n");
+  ASSERT_TRUE(off.ok()) << off.status().message();
+  EXPECT_EQ(off->security.internal_tls, "off");
+  EXPECT_EQ(off->security.public_tls, "auto");
+}
+
+TEST(Config, SecurityErrorsNameTheKey) {
+  EXPECT_NE(ErrorOf(std::string(kGood) + "security:\n  internal_tls: maybe\n")
+                .find("security.internal_tls"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf(std::string(kGood) + "security:\n  internal_tls:\n    ca_file: a.pem\n")
+                .find("missing required key 'security.internal_tls.cert_file'"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf(std::string(kGood) + "security:\n  public_tls:\n    cert_file: a\n    "
+                                         "key_file: b\n    ca_file: c\n")
+                .find("unknown key 'ca_file' in 'security.public_tls'"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace tandem

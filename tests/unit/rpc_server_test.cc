@@ -25,7 +25,7 @@ HealthCheckResponse::ServingStatus Check(const std::string& address, grpc::Statu
 }
 
 TEST(RpcServer, HealthRoundTripOnLoopback) {
-  auto server = RpcServer::Start("127.0.0.1:0", {});
+  auto server = RpcServer::Start("127.0.0.1:0", {}, RpcCredentials());
   ASSERT_TRUE(server.ok()) << server.status().ToString();
   EXPECT_GT((*server)->port(), 0);
   grpc::Status st;
@@ -38,9 +38,9 @@ TEST(RpcServer, HealthRoundTripOnLoopback) {
 }
 
 TEST(RpcServer, PortIsNotShared) {
-  auto first = RpcServer::Start("127.0.0.1:0", {});
+  auto first = RpcServer::Start("127.0.0.1:0", {}, RpcCredentials());
   ASSERT_TRUE(first.ok());
-  auto second = RpcServer::Start((*first)->address(), {});
+  auto second = RpcServer::Start((*first)->address(), {}, RpcCredentials());
   ASSERT_FALSE(second.ok()) << "SO_REUSEPORT must be off: a second server bound the same port";
   EXPECT_EQ(second.status().code(), StatusCode::kUnavailable);
 }

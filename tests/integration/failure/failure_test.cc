@@ -288,10 +288,10 @@ TEST(Failure, JoinedDecoderServesAndMismatchIsRefused) {
     const std::string other = dir + "/other.yaml";
     std::ofstream(other) << yaml;
     const std::string log = dir + "/mismatch.log";
-    const pid_t pid = Spawn({"decode", "--config", other, "--join", (*fleet)->proxy_grpc(),
-                             "--grpc", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--name",
-                             "decode-odd"},
-                            log, (*fleet)->cache_salt());
+    std::vector<std::string> args = {"decode", "--config", other, "--grpc", "127.0.0.1:0",
+                                     "--metrics", "127.0.0.1:0", "--name", "decode-odd"};
+    for (const auto& a : (*fleet)->JoinArgs()) args.push_back(a);
+    const pid_t pid = Spawn(args, log, (*fleet)->cache_salt());
     auto st = WaitExit(pid, 60s);
     if (!st) kill(pid, SIGKILL), waitpid(pid, nullptr, 0);
     ASSERT_TRUE(st.has_value()) << "a mismatched worker was not refused";
@@ -304,18 +304,24 @@ TEST(Failure, JoinedDecoderServesAndMismatchIsRefused) {
   const std::string log = dir + "/joined.log";
   int fds[2];
   ASSERT_EQ(pipe(fds), 0);
+  // argv is built before fork: the child only execs.
+  const std::string bin = Tandem(), ready = std::to_string(fds[1]);
+  std::vector<std::string> args = {bin, "decode", "--config", (*fleet)->config_path(),
+                                   "--grpc", "127.0.0.1:0", "--metrics", "127.0.0.1:0",
+                                   "--name", "decode-late", "--node", "host-b", "--zone",
+                                   "rack-2", "--ready-fd", ready};
+  for (const auto& a : (*fleet)->JoinArgs()) args.push_back(a);
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
   const pid_t pid = fork();
   if (pid == 0) {
     close(fds[0]);
     const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     dup2(fd, 1);
     dup2(fd, 2);
-    const std::string bin = Tandem(), ready = std::to_string(fds[1]);
     setenv("TANDEM_CACHE_SALT", (*fleet)->cache_salt().c_str(), 1);
-    execl(bin.c_str(), bin.c_str(), "decode", "--config", (*fleet)->config_path().c_str(),
-          "--join", (*fleet)->proxy_grpc().c_str(), "--grpc", "127.0.0.1:0", "--metrics",
-          "127.0.0.1:0", "--name", "decode-late", "--node", "host-b", "--zone", "rack-2",
-          "--ready-fd", ready.c_str(), nullptr);
+    execv(bin.c_str(), argv.data());
     _exit(127);
   }
   close(fds[1]);

@@ -102,6 +102,12 @@ Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
   f->proxy_metrics_ = j["proxy"]["metrics"];
   f->proxy_http_ = j["proxy"].value("http", "");
   f->proxy_pid_ = j["proxy"].value("pid", -1);
+  f->proxy_internal_ = j["proxy"].value("internal", "");
+  if (j.contains("tls")) {
+    f->tls_ca_ = j["tls"]["ca_file"];
+    f->tls_cert_ = j["tls"]["cert_file"];
+    f->tls_key_ = j["tls"]["key_file"];
+  }
   f->cache_salt_ = j.value("cache_salt", "");
   for (const auto& w : j["workers"]) {
     f->workers_.push_back({w["role"], w.value("name", ""), w["grpc"], w["metrics"], w["pid"]});
@@ -109,6 +115,14 @@ Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
   ReapOnExit(f->proxy_pid_);
   for (const auto& w : f->workers_) ReapOnExit(w.pid);
   return f;
+}
+
+std::vector<std::string> Fleet::JoinArgs() const {
+  std::vector<std::string> a = {"--join", proxy_internal_};
+  if (!tls_ca_.empty()) {
+    a.insert(a.end(), {"--tls-ca", tls_ca_, "--tls-cert", tls_cert_, "--tls-key", tls_key_});
+  }
+  return a;
 }
 
 Result<int> Fleet::Stop(std::chrono::seconds grace) {
@@ -313,10 +327,11 @@ Result<WorkerAddr> JoinWorker(const Fleet& fleet, const std::string& role, const
   if (pipe2(fds, O_CLOEXEC) != 0) return InternalError("pipe failed");
   // Everything the child needs is built before fork (it only execs).
   constexpr int kReadyFd = 100;
-  std::vector<std::string> args = {Tandem(), role, "--config", fleet.config_path(), "--join",
-                                   fleet.proxy_grpc(), "--grpc", "127.0.0.1:0", "--metrics",
-                                   "127.0.0.1:0", "--name", name, "--ready-fd",
-                                   std::to_string(kReadyFd)};
+  std::vector<std::string> args = {Tandem(), role, "--config", fleet.config_path(), "--grpc",
+                                   "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--name", name,
+                                   "--ready-fd", std::to_string(kReadyFd)};
+  // --join proxy.internal and the state file's identity (the internal mTLS).
+  for (const auto& a : fleet.JoinArgs()) args.push_back(a);
   std::vector<std::string> envs;
   for (char** e = environ; *e; ++e) envs.emplace_back(*e);
   envs.insert(envs.end(), env.begin(), env.end());

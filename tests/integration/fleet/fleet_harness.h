@@ -57,6 +57,16 @@ class Fleet {
   ~Fleet();  // SIGTERM to the launcher, SIGKILL after a grace period
 
   const std::string& proxy_grpc() const { return proxy_grpc_; }
+  // The proxy's internal listener (Registry; mutual TLS by default).
+  const std::string& proxy_internal() const { return proxy_internal_; }
+  // The state file's `tls`: the fleet CA and an operator client identity
+  // (all empty with security.internal_tls: off).
+  const std::string& tls_ca() const { return tls_ca_; }
+  const std::string& tls_cert() const { return tls_cert_; }
+  const std::string& tls_key() const { return tls_key_; }
+  // The flags that make a worker started by hand join this fleet:
+  // --join <proxy.internal> and the state file's identity.
+  std::vector<std::string> JoinArgs() const;
   const std::string& proxy_metrics() const { return proxy_metrics_; }
   // The OpenAI-compatible HTTP API ("host:port"; docs/http-api.md).
   const std::string& proxy_http() const { return proxy_http_; }
@@ -78,7 +88,8 @@ class Fleet {
   pid_t pid_ = -1;
   pid_t proxy_pid_ = -1;
   std::string dir_, config_path_, proxy_grpc_, proxy_metrics_;
-  std::string proxy_http_;
+  std::string proxy_http_, proxy_internal_;
+  std::string tls_ca_, tls_cert_, tls_key_;
   std::string cache_salt_;
   std::vector<WorkerAddr> workers_;
 };

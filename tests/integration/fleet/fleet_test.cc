@@ -21,6 +21,7 @@
 
 #include "cli/supervisor.h"
 #include "fleet_harness.h"
+#include "common/tls_certs.h"
 #include "tandem/v1/generation.grpc.pb.h"
 
 namespace tandem::testing {
@@ -326,10 +327,16 @@ TEST(Fleet, ProxyWithoutWorkersAnswersUnavailable) {
       << "\nproxy:\n  grpc: 127.0.0.1:0\n  metrics: 127.0.0.1:0\n"
          "prefill:\n  replicas: 1\ndecode:\n  replicas: 1\n";
   }
+  // Started by hand, the proxy needs an internal-plane identity (mutual TLS by default).
+  auto ca = FleetCa::OpenOrCreate(std::string(dir) + "/tls", "test fleet CA");
+  ASSERT_TRUE(ca.ok()) << ca.status().ToString();
+  auto id = ca->Issue("proxy", {"127.0.0.1"});
+  ASSERT_TRUE(id.ok()) << id.status().ToString();
   cli::Supervisor sup;
   auto proxy = sup.Start({"proxy", "proxy",
                           {std::string(TANDEM_BINARY_DIR) + "/tandem", "--log-level", "error",
-                           "proxy", "--config", cfg}},
+                           "proxy", "--config", cfg, "--tls-ca", id->ca_file, "--tls-cert",
+                           id->cert_file, "--tls-key", id->key_file}},
                          std::chrono::seconds(60));
   ASSERT_TRUE(proxy.ok()) << proxy.status().ToString();
   GenerateArgs a;

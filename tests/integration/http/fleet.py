@@ -66,7 +66,7 @@ def forget(pid):
     _tell_reaper(f"-{pid}")
 
 
-def config_text(proxy_extra="", num_blocks=512, max_num_seqs=64, http="127.0.0.1:0"):
+def config_text(proxy_extra="", num_blocks=512, max_num_seqs=64, http="127.0.0.1:0", extra=""):
     return f"""model:
   path: {MODEL}
   backend: cpu
@@ -90,15 +90,24 @@ prefill:
   replicas: 1
 decode:
   replicas: 1
-"""
+{extra}"""
+
+
+def tls_args(state):
+    """--tls-ca/--tls-cert/--tls-key from a state file's `tls` entry (the
+    internal plane's mutual TLS; none when security.internal_tls is off)."""
+    t = state.get("tls")
+    if not t:
+        return []
+    return ["--tls-ca", t["ca_file"], "--tls-cert", t["cert_file"], "--tls-key", t["key_file"]]
 
 
 class Fleet:
-    def __init__(self, proxy_extra="", num_blocks=512, max_num_seqs=64, timeout=90):
+    def __init__(self, proxy_extra="", num_blocks=512, max_num_seqs=64, timeout=90, extra=""):
         self.dir = tempfile.mkdtemp(prefix="tandem_http_")
         self.config = os.path.join(self.dir, "fleet.yaml")
         with open(self.config, "w") as f:
-            f.write(config_text(proxy_extra, num_blocks, max_num_seqs))
+            f.write(config_text(proxy_extra, num_blocks, max_num_seqs, extra=extra))
         self.state_path = os.path.join(self.dir, "state.json")
         self.log = open(os.path.join(self.dir, "launch.log"), "w")
         self.proc = subprocess.Popen([BINARY, "launch", self.config, "--state-file", self.state_path],

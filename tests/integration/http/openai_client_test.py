@@ -382,8 +382,10 @@ def status_503_while_starting():
     cfg = os.path.join(F.dir, "alone.yaml")
     with open(cfg, "w") as f:
         f.write(fl.config_text(proxy_extra="  http_idle_timeout_seconds: 1"))
+    # Started by hand, the proxy needs an internal-plane identity (mutual TLS by default).
     p = subprocess.Popen([fl.BINARY, "proxy", "--config", cfg, "--http", http, "--grpc", "127.0.0.1:0",
-                          "--metrics", "127.0.0.1:0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                          "--metrics", "127.0.0.1:0", *fl.tls_args(F.state)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     fl.reap_on_exit(p.pid)
     try:
         deadline = time.time() + 30

@@ -43,8 +43,7 @@ TEST(ScrapeFresh, WorkerWithoutProxyCountsTheRequestJustFinished) {
   ASSERT_TRUE(both.ok()) << both.status().ToString();
   testing::ReapOnExit((*both)->pid);
   const std::string metrics = (*both)->metrics;
-  auto stub = st::pb::Decoder::NewStub(
-      grpc::CreateChannel((*both)->grpc, grpc::InsecureChannelCredentials()));
+  auto stub = st::pb::Decoder::NewStub(st::InternalChannel(fleet, (*both)->grpc));
 
   double queried = 0;
   for (uint32_t i = 0; i < 3; ++i) {

@@ -72,7 +72,7 @@ TEST(KvSecurityTest, NoticeWithAWrongCapabilityIsRefusedAndCountedThroughRealUcx
   auto d = StartWorker(sup, fleet, "decode", "decode-0");
   ASSERT_TRUE(d.ok()) << d.status().ToString();
   const std::string metrics = (*d)->metrics;
-  auto stub = pb::Decoder::NewStub(grpc::CreateChannel((*d)->grpc, grpc::InsecureChannelCredentials()));
+  auto stub = pb::Decoder::NewStub(InternalChannel(fleet, (*d)->grpc));
 
   // Every refusal series exists at zero from start-up.
   const std::string scrape = Scrape(metrics);
@@ -281,7 +281,7 @@ TEST(KvSecurityTest, TamperedEncryptedKvIsRefusedCountedAndFreedThroughRealUcx) 
   auto d = StartWorker(sup, fleet, "decode", "decode-0");
   ASSERT_TRUE(d.ok()) << d.status().ToString();
   const std::string metrics = (*d)->metrics;
-  auto stub = pb::Decoder::NewStub(grpc::CreateChannel((*d)->grpc, grpc::InsecureChannelCredentials()));
+  auto stub = pb::Decoder::NewStub(InternalChannel(fleet, (*d)->grpc));
   EXPECT_EQ(LabeledValue(Scrape(metrics), "tandem_kv_notice_refused_total", "reason=\"decrypt\""),
             0.0);
   const uint32_t vocab = std::min<uint32_t>(cfg->vocab_size, 4096);

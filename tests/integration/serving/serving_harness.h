@@ -22,6 +22,8 @@
 
 #include "cli/supervisor.h"
 #include "common/net.h"
+#include "common/tls.h"
+#include "common/tls_certs.h"
 #include "engine/engine.h"
 #include "model/model_config.h"
 #include "model/weights.h"
@@ -60,6 +62,30 @@ inline std::string WriteFleetFile(const fs::path& dir, const std::string& transp
   return path.string();
 }
 
+// The internal plane is mutual TLS (the default, security.internal_tls
+// auto): the tests play `tandem launch` and issue each process a
+// certificate of a fleet CA kept in "tls/" next to the fleet file.
+inline TlsFiles IssueIdentity(const std::string& fleet, const std::string& name) {
+  auto ca = FleetCa::OpenOrCreate((fs::path(fleet).parent_path() / "tls").string(), "test fleet CA");
+  EXPECT_TRUE(ca.ok()) << ca.status().ToString();
+  if (!ca.ok()) return {};
+  auto f = ca->Issue(name, {"127.0.0.1", "localhost"});
+  EXPECT_TRUE(f.ok()) << f.status().ToString();
+  return f.ok() ? *f : TlsFiles{};
+}
+
+inline std::vector<std::string> TlsArgs(const TlsFiles& f) {
+  return {"--tls-ca", f.ca_file, "--tls-cert", f.cert_file, "--tls-key", f.key_file};
+}
+
+// A channel to a worker as the proxy dials it (identity "test-proxy").
+inline std::shared_ptr<grpc::Channel> InternalChannel(const std::string& fleet,
+                                                      const std::string& address) {
+  auto creds = RpcCredentials::MutualTls(IssueIdentity(fleet, "test-proxy"));
+  EXPECT_TRUE(creds.ok()) << creds.status().ToString();
+  return creds.ok() ? creds->Dial(address) : nullptr;
+}
+
 inline Result<cli::Child*> StartWorker(cli::Supervisor& sup, const std::string& fleet,
                                        const std::string& role, const std::string& name) {
   cli::ChildSpec spec;
@@ -67,6 +93,7 @@ inline Result<cli::Child*> StartWorker(cli::Supervisor& sup, const std::string& 
   spec.role = role;
   spec.argv = {std::string(TANDEM_BINARY_DIR) + "/tandem", "--log-level", "warn", role, "--config",
                fleet, "--name", name, "--grpc", "127.0.0.1:0", "--metrics", "127.0.0.1:0"};
+  for (auto& a : TlsArgs(IssueIdentity(fleet, name))) spec.argv.push_back(std::move(a));
   return sup.Start(std::move(spec), 60s);
 }
 

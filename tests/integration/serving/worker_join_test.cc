@@ -19,11 +19,12 @@ namespace {
 class FakeRegistry final : public pb::Registry::Service {
  public:
   explicit FakeRegistry(std::string refuse) : refuse_(std::move(refuse)) {}
-  grpc::Status Register(grpc::ServerContext*, const pb::RegisterRequest* req,
+  grpc::Status Register(grpc::ServerContext* ctx, const pb::RegisterRequest* req,
                         pb::RegisterResponse* resp) override {
     {
       std::lock_guard lock(mu_);
       seen_.push_back(req->worker());
+      identities_.push_back(PeerIdentity(*ctx));
     }
     if (!refuse_.empty()) {
       resp->mutable_error()->set_code(static_cast<int>(grpc::StatusCode::FAILED_PRECONDITION));
@@ -35,11 +36,16 @@ class FakeRegistry final : public pb::Registry::Service {
     std::lock_guard lock(mu_);
     return seen_;
   }
+  std::vector<std::string> identities() {
+    std::lock_guard lock(mu_);
+    return identities_;
+  }
 
  private:
   const std::string refuse_;
   std::mutex mu_;
   std::vector<pb::WorkerInfo> seen_;
+  std::vector<std::string> identities_;
 };
 
 class WorkerJoinTest : public ::testing::Test {
@@ -61,7 +67,14 @@ class WorkerJoinTest : public ::testing::Test {
                  "--config", fleet_, "--name", "decode-join", "--join", registry, "--grpc",
                  "127.0.0.1:0", "--metrics", "127.0.0.1:0"};
     spec.argv.insert(spec.argv.end(), extra.begin(), extra.end());
+    for (auto& a : TlsArgs(IssueIdentity(fleet_, "decode-join"))) spec.argv.push_back(std::move(a));
     return sup.Start(std::move(spec), 60s);
+  }
+  // The Registry's listener, with mutual TLS as the proxy's internal one.
+  Result<std::unique_ptr<RpcServer>> Serve(grpc::Service* registry) {
+    auto creds = RpcCredentials::MutualTls(IssueIdentity(fleet_, "test-proxy"));
+    if (!creds.ok()) return creds.status();
+    return RpcServer::Start("127.0.0.1:0", {registry}, *creds);
   }
   fs::path dir_;
   std::string fleet_;
@@ -69,7 +82,7 @@ class WorkerJoinTest : public ::testing::Test {
 
 TEST_F(WorkerJoinTest, RegistersItsRealAddressesAndGeometryBeforeReady) {
   FakeRegistry registry("");
-  auto server = RpcServer::Start("127.0.0.1:0", {&registry});
+  auto server = Serve(&registry);
   ASSERT_TRUE(server.ok()) << server.status().ToString();
   cli::Supervisor sup;
   auto child = StartJoining(sup, (*server)->address());
@@ -78,6 +91,7 @@ TEST_F(WorkerJoinTest, RegistersItsRealAddressesAndGeometryBeforeReady) {
   ASSERT_EQ(seen.size(), 1u);
   const pb::WorkerInfo& w = seen[0];
   EXPECT_EQ(w.name(), "decode-join");
+  EXPECT_EQ(registry.identities(), std::vector<std::string>{"decode-join"});  // its certificate
   EXPECT_EQ(w.role(), pb::WORKER_ROLE_DECODE);
   EXPECT_EQ(w.grpc_address(), (*child)->grpc);
   EXPECT_EQ(w.metrics_address(), (*child)->metrics);
@@ -100,7 +114,7 @@ TEST_F(WorkerJoinTest, RegistersItsRealAddressesAndGeometryBeforeReady) {
 // proxy's router uses them for the pair's link estimate (docs/router.md).
 TEST_F(WorkerJoinTest, SendsItsNodeAndZoneLabels) {
   FakeRegistry registry("");
-  auto server = RpcServer::Start("127.0.0.1:0", {&registry});
+  auto server = Serve(&registry);
   ASSERT_TRUE(server.ok()) << server.status().ToString();
   cli::Supervisor sup;
   auto child = StartJoining(sup, (*server)->address(), {"--node", "host-b", "--zone", "rack-2"});
@@ -129,7 +143,7 @@ TEST_F(WorkerJoinTest, BadNodeLabelExitsOneNamingTheFlag) {
 
 TEST_F(WorkerJoinTest, RefusalIsPrintedAndExitsOne) {
   FakeRegistry registry("block_size 16 differs from the fleet's 32");
-  auto server = RpcServer::Start("127.0.0.1:0", {&registry});
+  auto server = Serve(&registry);
   ASSERT_TRUE(server.ok()) << server.status().ToString();
   cli::Supervisor sup;
   auto child = StartJoining(sup, (*server)->address());

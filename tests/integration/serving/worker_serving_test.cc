@@ -54,7 +54,7 @@ class WorkerServingTest : public ::testing::Test {
     auto b = StartWorker(*f.sup, f.fleet_file, "both", "both-0");
     ASSERT_TRUE(b.ok()) << b.status().ToString();
     f.both = *b;
-    auto ch = [](const std::string& a) { return grpc::CreateChannel(a, grpc::InsecureChannelCredentials()); };
+    auto ch = [&f](const std::string& a) { return InternalChannel(f.fleet_file, a); };
     f.decoder = pb::Decoder::NewStub(ch(f.decode->grpc));
     f.prefiller = pb::Prefiller::NewStub(ch(f.prefill->grpc));
     f.both_decoder = pb::Decoder::NewStub(ch(f.both->grpc));
@@ -423,8 +423,7 @@ TEST_F(WorkerServingTest, WatchDeliversSnapshotEventsAndLoad) {
   const auto warm = Prompt(64, 700, Vocab());
   ExpectMatchesReference(RunDisaggregated(warm, 3), warm, 3);
 
-  auto worker = pb::Worker::NewStub(grpc::CreateChannel(g_fleet->decode->grpc,
-                                                        grpc::InsecureChannelCredentials()));
+  auto worker = pb::Worker::NewStub(InternalChannel(g_fleet->fleet_file, g_fleet->decode->grpc));
   grpc::ClientContext ictx;
   pb::WorkerInfo info;
   ASSERT_TRUE(worker->GetInfo(&ictx, pb::GetInfoRequest(), &info).ok());
@@ -476,7 +475,7 @@ TEST(WorkerShutdownTest, SigtermDrainsThenExitsZero) {
   cli::Supervisor sup;
   auto d = StartWorker(sup, fleet, "decode", "decode-stop");
   ASSERT_TRUE(d.ok()) << d.status().ToString();
-  auto stub = pb::Decoder::NewStub(grpc::CreateChannel((*d)->grpc, grpc::InsecureChannelCredentials()));
+  auto stub = pb::Decoder::NewStub(InternalChannel(fleet, (*d)->grpc));
   pb::DecodeRequest req;
   req.set_request_id("inflight");
   req.add_prompt_token_ids(5);
@@ -487,7 +486,7 @@ TEST(WorkerShutdownTest, SigtermDrainsThenExitsZero) {
 
   // The event that the drain began: the worker ends its Watch streams (it
   // leaves routing first thing on SIGTERM; docs/failure-handling.md).
-  auto worker = pb::Worker::NewStub(grpc::CreateChannel((*d)->grpc, grpc::InsecureChannelCredentials()));
+  auto worker = pb::Worker::NewStub(InternalChannel(fleet, (*d)->grpc));
   grpc::ClientContext watch_ctx;
   watch_ctx.set_deadline(std::chrono::system_clock::now() + 30s);
   auto watch = worker->Watch(&watch_ctx, pb::WatchRequest());
