@@ -130,6 +130,7 @@ struct EngineStats {
   uint64_t preemptions = 0;
   uint64_t steps = 0;
   double prefill_step_seconds = 0;  // total over steps with prefill tokens
+  uint64_t prefill_step_tokens = 0;  // prefill tokens of those steps, total
   double decode_step_seconds = 0;   // total over decode-only steps
   uint64_t generated_tokens = 0;
   // By tier (engine/kv_tier.h: device, host, disk). Usage: blocks holding

@@ -132,6 +132,8 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
         rep.active_decode_blocks = l.active_decode_blocks();
         rep.free_blocks = l.free_blocks();
         rep.running_requests = l.running_requests();
+        rep.prefill_tokens_total = l.prefill_tokens_total();
+        rep.prefill_seconds_total = l.prefill_seconds_total();
         router.ApplyLoadReport(id, rep).IgnoreError();
         break;
       }

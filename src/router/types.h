@@ -40,6 +40,10 @@ struct LoadReport {
   uint32_t active_decode_blocks = 0;
   uint32_t free_blocks = 0;
   uint32_t running_requests = 0;
+  // Totals since the worker started: prefill tokens computed and the
+  // seconds of the engine steps that computed them (its prefill rate).
+  uint64_t prefill_tokens_total = 0;
+  double prefill_seconds_total = 0;
 };
 
 enum class KvEventKind { kStored, kRemoved, kCleared };

@@ -120,6 +120,8 @@ struct Worker {
     s.waiting_requests = st.num_waiting;
     s.kv_usage_ratio = st.kv_usage_ratio;
     s.num_parked_prefills = st.num_parked;
+    s.prefill_tokens_total = st.prefill_step_tokens;
+    s.prefill_seconds_total = st.prefill_step_seconds;
     if (decoder) {
       const decoder::DecoderCounts c = decoder->counts();
       s.num_reservations = c.reservations;

@@ -150,6 +150,8 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
     l->set_registered_requests(s.registered_requests);
     l->set_leases_expired(s.leases_expired);
     l->set_stale_notices(s.stale_notices);
+    l->set_prefill_tokens_total(s.prefill_tokens_total);
+    l->set_prefill_seconds_total(s.prefill_seconds_total);
     return u;
   }
 

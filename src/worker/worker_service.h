@@ -63,6 +63,8 @@ struct LoadSample {
   uint32_t registered_requests = 0;
   uint64_t leases_expired = 0;
   uint64_t stale_notices = 0;
+  uint64_t prefill_tokens_total = 0;   // engine: prefill tokens computed, total
+  double prefill_seconds_total = 0;    // engine: seconds of steps with prefill tokens, total
 };
 
 class WorkerService {
