@@ -17,6 +17,10 @@ struct RouteRequest {
   // HashBlocks of the prompt (its full blocks), tenant salt folded in.
   std::span<const uint64_t> block_hashes;
   uint32_t prompt_tokens = 0;
+  // The request's TTFT SLO in ms (0: none). Prefillers whose predicted TTFT
+  // exceeds it are left out of the choice while another one meets it
+  // (router/ttft_predictor.h).
+  double ttft_slo_ms = 0;
 };
 
 // Names the prefill work one decision added to its prefilling worker's
@@ -56,6 +60,10 @@ struct RouteDecision {
   double decode_cost = 0;
   double transfer_cost = 0;
   double cost = 0;  // prefill + decode + transfer
+  // Predicted time to first token on the chosen pair (router/ttft_predictor.h);
+  // < 0: unknown (the prefiller's rate is not measured yet).
+  double predicted_ttft_ms = -1;
+  uint32_t slo_excluded = 0;  // prefillers left out for a predicted TTFT over the SLO
 
   // Set by Router::Route (not by Score): the caller ends it with
   // Router::EndPrefill once this route's prefill is over.

@@ -66,6 +66,7 @@ Result<WorkerId> Router::AddWorker(const WorkerInfo& info) {
     return st;
   }
   loads_.Reset(id, info.num_blocks);
+  rates_[id].Reset();
   tiers_.Replace(id, info.epoch, {}, {});
   keyed_pending_[id].store(0, std::memory_order_relaxed);
   WorkerCounters& c = worker_counters_[id];
@@ -141,6 +142,7 @@ Status Router::ApplyLoadReport(WorkerId id, const LoadReport& report) {
   std::lock_guard lock(mu_);
   if (!workers_.Find(id)) return NotFoundError("no worker with id " + std::to_string(id));
   loads_.ApplyReport(id, report, Now());
+  rates_[id].Update(report.prefill_tokens_total, report.prefill_seconds_total);
   keyed_pending_[id].store(loads_.keyed_predictions(id), std::memory_order_relaxed);
   return Status::Ok();
 }
@@ -162,16 +164,32 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
 
   std::lock_guard lock(mu_);
   const int64_t now = Now();
-  candidates_.clear();
-  for (WorkerId id : workers_.ids()) {
-    const WorkerSet::Entry& e = *workers_.Find(id);
-    loads_.Expire(id, now);
-    const double held = static_cast<double>(index_.HeldBlocks(id));
-    candidates_.push_back(Candidate{id, e.info.role, e.node_id, e.zone_id, e.info.block_bytes, loads_.load(id),
-                                    overlap[id], lower.host[id] + lower.disk[id],
-                                    lower.host[id] * std::max(0.0, 1.0 - options_.host_tier_onboard_cost) +
-                                        lower.disk[id] * std::max(0.0, 1.0 - options_.disk_tier_onboard_cost),
-                                    e.info.num_blocks ? held / e.info.num_blocks : held});
+  BuildCandidatesLocked(overlap, lower, now);
+  const TtftInputs ttft_in{request.prompt_tokens, (request.prompt_tokens + bs - 1) / bs, bs};
+  const std::array<double, kMaxWorkers> rates = RatesLocked();
+  uint32_t slo_excluded = 0;
+  if (request.ttft_slo_ms > 0) {
+    // Leave out the prefillers predicted over the SLO, while one meets it
+    // (or cannot be predicted yet).
+    std::array<std::optional<double>, kMaxWorkers> ms;
+    PredictPerPrefiller(candidates_, rates, ttft_in, options_, std::span(ms).first(candidates_.size()));
+    bool any_meets = false;
+    for (size_t i = 0; i < candidates_.size(); ++i) {
+      if (CanPrefill(candidates_[i].role) && (!ms[i] || *ms[i] <= request.ttft_slo_ms)) any_meets = true;
+    }
+    if (any_meets) {
+      size_t n = 0;
+      for (size_t i = 0; i < candidates_.size(); ++i) {
+        Candidate c = candidates_[i];
+        if (ms[i] && *ms[i] > request.ttft_slo_ms) {
+          ++slo_excluded;
+          if (c.role == WorkerRole::kPrefill) continue;  // it cannot decode either
+          c.role = WorkerRole::kDecode;                  // a 'both' worker may still decode
+        }
+        candidates_[n++] = c;
+      }
+      candidates_.resize(n);
+    }
   }
   const ScoringParams params{policy_, config_.prefill_weight, config_.temperature,
                              config_.local_prefill_threshold_tokens, &options_};
@@ -180,6 +198,23 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
     route_errors_[pi].fetch_add(1, std::memory_order_relaxed);
     return st;
   }
+
+  out->slo_excluded = slo_excluded;
+  out->predicted_ttft_ms = -1;
+  {
+    const Candidate* p = nullptr;
+    const Candidate* d = nullptr;
+    for (const Candidate& c : candidates_) {
+      if (c.id == out->prefill) p = &c;
+      if (c.id == out->decode) d = &c;
+    }
+    if (p != nullptr && d != nullptr) {
+      if (auto side = PrefillSideMs(*p, rates[p->id], ttft_in)) {
+        out->predicted_ttft_ms = *side + (out->local_prefill ? 0.0 : TransferMs(*p, *d, ttft_in, options_));
+      }
+    }
+  }
+  if (slo_excluded > 0) slo_steered_.fetch_add(1, std::memory_order_relaxed);
 
   // Count the request on its workers: its prefill until that ends
   // (EndPrefill, its stored event, or age), its decode blocks and running
@@ -223,6 +258,53 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
   worker_counters_[out->prefill].predicted_hit_blocks.fetch_add(out->prefill_overlap_blocks,
                                                                 std::memory_order_relaxed);
   return Status::Ok();
+}
+
+void Router::BuildCandidatesLocked(const OverlapBlocks& overlap, const TierOverlap& lower, int64_t now) {
+  candidates_.clear();
+  for (WorkerId id : workers_.ids()) {
+    const WorkerSet::Entry& e = *workers_.Find(id);
+    loads_.Expire(id, now);
+    const double held = static_cast<double>(index_.HeldBlocks(id));
+    candidates_.push_back(Candidate{id, e.info.role, e.node_id, e.zone_id, e.info.block_bytes, loads_.load(id),
+                                    overlap[id], lower.host[id] + lower.disk[id],
+                                    lower.host[id] * std::max(0.0, 1.0 - options_.host_tier_onboard_cost) +
+                                        lower.disk[id] * std::max(0.0, 1.0 - options_.disk_tier_onboard_cost),
+                                    e.info.num_blocks ? held / e.info.num_blocks : held});
+  }
+}
+
+std::array<double, kMaxWorkers> Router::RatesLocked() const {
+  std::array<double, kMaxWorkers> r{};
+  for (WorkerId id : workers_.ids()) r[id] = rates_[id].tokens_per_s();
+  return r;
+}
+
+std::optional<double> Router::PredictTtftMs(const RouteRequest& request) {
+  const uint32_t bs = options_.block_size_tokens;
+  if (request.prompt_tokens == 0 || request.block_hashes.size() > request.prompt_tokens / bs) return std::nullopt;
+  OverlapBlocks overlap;
+  index_.Overlap(request.block_hashes, &overlap);
+  TierOverlap lower;
+  tiers_.Extend(request.block_hashes, overlap, &lower);
+  std::lock_guard lock(mu_);
+  BuildCandidatesLocked(overlap, lower, Now());
+  const TtftInputs in{request.prompt_tokens, (request.prompt_tokens + bs - 1) / bs, bs};
+  std::array<std::optional<double>, kMaxWorkers> ms;
+  PredictPerPrefiller(candidates_, RatesLocked(), in, options_, std::span(ms).first(candidates_.size()));
+  std::optional<double> best;
+  for (size_t i = 0; i < candidates_.size(); ++i) {
+    if (!CanPrefill(candidates_[i].role)) continue;
+    if (!ms[i]) return std::nullopt;  // unknown: it may be the fast one
+    if (!best || *ms[i] < *best) best = ms[i];
+  }
+  return best;
+}
+
+double Router::prefill_rate(WorkerId id) const {
+  std::lock_guard lock(mu_);
+  if (id >= kMaxWorkers || !workers_.Find(id)) return 0;
+  return rates_[id].tokens_per_s();
 }
 
 void Router::EndPrefill(const PrefillTicket& ticket) {
@@ -270,6 +352,7 @@ RouterCounters Router::counters() const {
   c.snapshots_applied = snapshots_applied_.load(std::memory_order_relaxed);
   c.prefills_completed = prefills_completed_.load(std::memory_order_relaxed);
   c.prefills_ended = prefills_ended_.load(std::memory_order_relaxed);
+  c.slo_steered = slo_steered_.load(std::memory_order_relaxed);
   std::lock_guard lock(mu_);
   for (WorkerId id : workers_.ids()) {
     const WorkerCounters& wc = worker_counters_[id];

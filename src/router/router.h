@@ -41,6 +41,7 @@
 #include "router/router_options.h"
 #include "router/scoring.h"
 #include "router/tier_index.h"
+#include "router/ttft_predictor.h"
 #include "router/types.h"
 #include "router/worker_set.h"
 
@@ -59,6 +60,7 @@ struct RouterCounters {
   uint64_t snapshots_applied = 0;
   uint64_t prefills_completed = 0;  // prefills ended by the prompt's stored event
   uint64_t prefills_ended = 0;      // ... by EndPrefill (before their stored event, or without one)
+  uint64_t slo_steered = 0;         // decisions that left out prefillers predicted over the TTFT SLO
   struct Worker {
     WorkerId id = kNoWorker;
     std::string name;
@@ -98,6 +100,13 @@ class Router {
   // them. `out`'s vectors are reused (no allocation once warm).
   Status Route(const RouteRequest& request, RouteDecision* out);
   Result<RouteDecision> Route(const RouteRequest& request);
+  // The best predicted TTFT in ms of `request` over every pair it may take
+  // (router/ttft_predictor.h), without routing it or counting any load.
+  // nullopt when it cannot be predicted: a prefiller's rate is not
+  // measured yet (an unknown prefiller may be fast), or no pair exists.
+  std::optional<double> PredictTtftMs(const RouteRequest& request);
+  // A worker's measured prefill rate in tokens/s (0: not measured yet).
+  double prefill_rate(WorkerId id) const;
   // The prefill of a routed request is over: done (its reply, or for a
   // local prefill its first token), failed, or the decision was not used.
   // Its uncached tokens leave the worker's queue now rather than at its
@@ -118,6 +127,10 @@ class Router {
  private:
   Router(const RouterConfig& config, Policy policy, RouterOptions options);
   int64_t Now() const;
+  // Fills candidates_ (with mu_ held) from the index's overlaps.
+  void BuildCandidatesLocked(const OverlapBlocks& overlap, const TierOverlap& lower, int64_t now);
+  // Prefill rates by worker id, for router/ttft_predictor.h (with mu_ held).
+  std::array<double, kMaxWorkers> RatesLocked() const;
 
   struct WorkerCounters {
     std::atomic<uint64_t> prefill_routes{0};
@@ -138,6 +151,7 @@ class Router {
   PolicyState policy_state_;
   std::vector<Candidate> candidates_;  // scratch for Route, [workers]
   uint64_t next_ticket_ = 0;           // last PrefillTicket id handed out
+  std::array<PrefillRate, kMaxWorkers> rates_;  // measured from load reports
 
   std::array<std::atomic<uint64_t>, kNumPolicies> routes_{};
   std::array<std::atomic<uint64_t>, kNumPolicies> route_errors_{};
@@ -154,6 +168,7 @@ class Router {
   std::array<std::atomic<uint32_t>, kMaxWorkers> keyed_pending_{};
   std::atomic<uint64_t> prefills_completed_{0};
   std::atomic<uint64_t> prefills_ended_{0};
+  std::atomic<uint64_t> slo_steered_{0};
 };
 
 }  // namespace tandem::router

@@ -1,0 +1,78 @@
+// TTFT prediction for SLO-aware routing and admission (issue 22;
+// docs/scheduling.md, "Deadlines and SLOs").
+//
+// Each worker's prefill rate is measured, not configured: its load reports
+// carry the engine's totals of prefill tokens computed and of the seconds
+// of the steps that computed them (LoadReport.prefill_tokens_total /
+// prefill_seconds_total); PrefillRate turns the deltas between reports into
+// tokens per second (an exponential moving average over windows of at
+// least kMinWindowSeconds of prefill compute).
+//
+// A request's predicted time to first token on a prefiller p and decoder d:
+//   ttft(p, d) = (queued_prefill_tokens_p + uncached_p + onboard_p) / rate_p
+//              + transfer(p, d)
+//   uncached_p = prompt tokens beyond p's cached prefix (device and lower tiers)
+//   onboard_p  = p's lower-tier blocks x their onboarding cost (in blocks of
+//                prefill work, RouterOptions) x block size
+//   transfer   = blocks the decoder lacks x block bytes / link bandwidth(p, d);
+//                0 for a local prefill (p == d)
+// queued_prefill_tokens_p is the router's effective load (the worker's
+// report plus the router's own routed, unfinished prefills): the work ahead.
+// A prefiller whose rate is not measured yet has no prediction (unknown):
+// it is never excluded and never the reason for a refusal.
+//
+// Thread-safety: none; the Router calls these under its mutex.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+
+#include "router/router_options.h"
+#include "router/scoring.h"
+
+namespace tandem::router {
+
+class PrefillRate {
+ public:
+  // Deltas below this much prefill compute wait for more (one short step
+  // says little about the rate).
+  static constexpr double kMinWindowSeconds = 0.02;
+  // Weight of a new window in the average.
+  static constexpr double kAlpha = 0.3;
+
+  void Reset() { *this = PrefillRate{}; }
+  // The worker's totals from a load report. Totals that go backwards (a
+  // restarted worker) start the measurement over.
+  void Update(uint64_t tokens_total, double seconds_total);
+  // Tokens per second; 0 while unknown.
+  double tokens_per_s() const { return rate_; }
+
+ private:
+  bool have_base_ = false;
+  uint64_t base_tokens_ = 0;
+  double base_seconds_ = 0;
+  double rate_ = 0;
+};
+
+struct TtftInputs {
+  uint32_t prompt_tokens = 0;
+  uint32_t prompt_blocks = 0;  // ceil(prompt_tokens / block size)
+  uint32_t block_size = 16;
+};
+
+// Prefill-side time in ms of the request on `p` (queue ahead, its own
+// uncached tokens, onboarding), or nullopt when p's rate is unknown.
+std::optional<double> PrefillSideMs(const Candidate& p, double rate_tokens_per_s, const TtftInputs& in);
+// KV transfer time in ms from p to d of the blocks d lacks; 0 when p == d.
+double TransferMs(const Candidate& p, const Candidate& d, const TtftInputs& in, const RouterOptions& options);
+
+// The best predicted TTFT of each prefill-capable candidate over the
+// decoders it may pair with (`ms[i]` for candidates[i]; nullopt: unknown
+// rate, or not prefill-capable, or no decoder to pair with).
+// `rates[id]`: tokens/s of worker id (0: unknown).
+void PredictPerPrefiller(std::span<const Candidate> candidates, std::span<const double> rates,
+                         const TtftInputs& in, const RouterOptions& options,
+                         std::span<std::optional<double>> ms);
+
+}  // namespace tandem::router

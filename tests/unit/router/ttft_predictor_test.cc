@@ -1,0 +1,191 @@
+// TTFT prediction (router/ttft_predictor.h) and its use in the router's
+// choice: measured prefill rates, the formula, the SLO filter.
+#include "router/ttft_predictor.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <memory>
+#include <vector>
+
+#include "router/router.h"
+
+namespace tandem::router {
+namespace {
+
+TEST(PrefillRateTest, MeasuresDeltasBetweenReports) {
+  PrefillRate r;
+  EXPECT_EQ(r.tokens_per_s(), 0);  // unknown until two reports with prefill work between
+  r.Update(5000, 1.0);             // the first report is the base only
+  EXPECT_EQ(r.tokens_per_s(), 0);
+  r.Update(6000, 1.1);  // 1000 tokens in 0.1 s of prefill steps
+  EXPECT_NEAR(r.tokens_per_s(), 10000, 1e-6);
+  r.Update(6100, 1.105);  // under kMinWindowSeconds: waits for a longer window
+  EXPECT_NEAR(r.tokens_per_s(), 10000, 1e-6);
+  r.Update(8000, 1.2);  // 2000 tokens in 0.1 s since the base (6000, 1.1)
+  const double avg = (1 - PrefillRate::kAlpha) * 10000 + PrefillRate::kAlpha * 20000;
+  EXPECT_NEAR(r.tokens_per_s(), avg, 1e-6);
+  r.Update(8000, 1.2);  // idle: no prefill seconds, nothing changes
+  EXPECT_NEAR(r.tokens_per_s(), avg, 1e-6);
+  r.Update(10, 0.001);  // totals went back: a restarted worker, measured anew
+  EXPECT_EQ(r.tokens_per_s(), 0);
+  r.Update(2010, 0.201);
+  EXPECT_NEAR(r.tokens_per_s(), 10000, 1e-6);
+}
+
+Candidate Prefiller(WorkerId id, int64_t queued_tokens, uint32_t overlap = 0) {
+  Candidate c;
+  c.id = id;
+  c.role = WorkerRole::kPrefill;
+  c.load.queued_prefill_tokens = queued_tokens;
+  c.overlap_blocks = overlap;
+  return c;
+}
+
+TEST(TtftPredictorTest, QueueAheadPlusOwnUncachedTokensOverTheRate) {
+  const TtftInputs in{1000, 63, 16};
+  // 3000 tokens ahead, 16 of its 63 blocks cached: 1000 - 256 = 744 of its own.
+  Candidate p = Prefiller(0, 3000, 16);
+  ASSERT_TRUE(PrefillSideMs(p, 10000, in).has_value());
+  EXPECT_DOUBLE_EQ(*PrefillSideMs(p, 10000, in), (3000.0 + 744.0) / 10000 * 1e3);
+  EXPECT_FALSE(PrefillSideMs(p, 0, in).has_value());  // rate not measured: unknown
+  // 4 more blocks in the host tier at onboarding cost 0.1: 4 x 0.1 blocks of work.
+  p.tier_blocks = 4;
+  p.tier_credit_blocks = 4 * 0.9;
+  EXPECT_NEAR(*PrefillSideMs(p, 10000, in), (3000.0 + (1000 - 20 * 16) + 0.4 * 16) / 10000 * 1e3, 1e-9);
+}
+
+TEST(TtftPredictorTest, TransferOfTheBlocksTheDecoderLacksOverTheLink) {
+  RouterOptions o;
+  o.same_node_bandwidth_bytes_per_s = 1e9;
+  o.cross_node_bandwidth_bytes_per_s = 1e8;
+  const TtftInputs in{1000, 63, 16};
+  Candidate p = Prefiller(0, 0);
+  Candidate d;
+  d.id = 1;
+  d.role = WorkerRole::kDecode;
+  d.block_bytes = 1 << 20;
+  d.overlap_blocks = 3;  // 60 blocks to move
+  EXPECT_DOUBLE_EQ(TransferMs(p, d, in, o), 60.0 * (1 << 20) / 1e9 * 1e3);
+  d.node_id = 1;  // another node
+  EXPECT_DOUBLE_EQ(TransferMs(p, d, in, o), 60.0 * (1 << 20) / 1e8 * 1e3);
+  EXPECT_EQ(TransferMs(d, d, in, o), 0);  // local prefill: nothing moves
+}
+
+TEST(TtftPredictorTest, PerPrefillerTakesTheFastestLinkAndSkipsUnknownRates) {
+  RouterOptions o;
+  o.same_node_bandwidth_bytes_per_s = 1e9;
+  o.cross_node_bandwidth_bytes_per_s = 1e8;
+  const TtftInputs in{160, 10, 16};
+  std::vector<Candidate> c = {Prefiller(0, 0), Prefiller(1, 1600), Prefiller(2, 0)};
+  Candidate d;
+  d.id = 3;
+  d.role = WorkerRole::kDecode;
+  d.block_bytes = 1000000;
+  d.node_id = 1;  // only worker 1 shares its node
+  c[1].node_id = 1;
+  c.push_back(d);
+  std::vector<double> rates = {1600, 1600, 0, 0};
+  std::vector<std::optional<double>> ms(c.size());
+  PredictPerPrefiller(c, rates, in, o, ms);
+  ASSERT_TRUE(ms[0] && ms[1]);
+  EXPECT_DOUBLE_EQ(*ms[0], 100 + 10 * 1e6 / 1e8 * 1e3);         // 160 tokens at 1600/s + cross-node
+  EXPECT_DOUBLE_EQ(*ms[1], 1000 + 100 + 10 * 1e6 / 1e9 * 1e3);  // 1600 ahead + same node
+  EXPECT_FALSE(ms[2]);  // no rate yet
+  EXPECT_FALSE(ms[3]);  // a decoder does not prefill
+}
+
+// A router on a fake clock with measured rates.
+struct SloFleet {
+  std::shared_ptr<std::atomic<int64_t>> now = std::make_shared<std::atomic<int64_t>>(1'000'000'000);
+  std::unique_ptr<Router> router;
+  SloFleet() {
+    RouterOptions o;
+    o.clock = [clock = now] { return clock->load(); };
+    router = Router::Create({}, std::move(o)).value();
+  }
+  WorkerId Add(const std::string& name, WorkerRole role) {
+    WorkerInfo info;
+    info.name = name;
+    info.role = role;
+    info.epoch = 1;
+    info.num_blocks = 100000;
+    return router->AddWorker(info).value();
+  }
+  // Two reports 0.1 s of prefill apart: `tokens_per_s` measured.
+  void Measure(WorkerId w, double tokens_per_s) {
+    LoadReport r;
+    r.free_blocks = 100000;
+    ASSERT_TRUE(router->ApplyLoadReport(w, r).ok());
+    r.prefill_tokens_total = static_cast<uint64_t>(tokens_per_s / 10);
+    r.prefill_seconds_total = 0.1;
+    ASSERT_TRUE(router->ApplyLoadReport(w, r).ok());
+    ASSERT_NEAR(router->prefill_rate(w), tokens_per_s, 1e-6 * tokens_per_s);
+  }
+};
+
+std::vector<uint64_t> Chain(uint64_t n) {
+  std::vector<uint64_t> v(n);
+  for (uint64_t i = 0; i < n; ++i) v[i] = (i + 1) * 0x9E3779B97F4A7C15ull;
+  return v;
+}
+
+TEST(TtftRoutingTest, SloSteersAwayFromACachedButSlowPrefiller) {
+  SloFleet f;
+  const WorkerId slow = f.Add("p-slow", WorkerRole::kPrefill);
+  const WorkerId fast = f.Add("p-fast", WorkerRole::kPrefill);
+  f.Add("d", WorkerRole::kDecode);
+  f.Measure(slow, 1000);
+  f.Measure(fast, 100000);
+  const std::vector<uint64_t> h = Chain(64);  // 1024 tokens
+  ASSERT_TRUE(f.router->ApplyEvent(slow, {KvEventKind::kStored, 1, 1, 0, std::span(h).first(32)}).ok());
+
+  // Without an SLO the cache wins: half the prompt is cached on the slow one.
+  RouteDecision d;
+  ASSERT_TRUE(f.router->Route({h, 1024}, &d).ok());
+  EXPECT_EQ(d.prefill, slow);
+  EXPECT_DOUBLE_EQ(d.predicted_ttft_ms, 512.0 / 1000 * 1e3);
+  EXPECT_EQ(d.slo_excluded, 0u);
+  f.router->EndPrefill(d.prefill_ticket);
+
+  // With a 100 ms SLO the slow one (512 ms predicted) is left out.
+  RouteRequest req{h, 1024, 100.0};
+  ASSERT_TRUE(f.router->Route(req, &d).ok());
+  EXPECT_EQ(d.prefill, fast);
+  EXPECT_NEAR(d.predicted_ttft_ms, 1024.0 / 100000 * 1e3, 1e-9);
+  EXPECT_EQ(d.slo_excluded, 1u);
+  EXPECT_EQ(f.router->counters().slo_steered, 1u);
+  f.router->EndPrefill(d.prefill_ticket);
+
+  // An SLO nobody meets changes nothing in the choice (admission decides).
+  req.ttft_slo_ms = 1;
+  ASSERT_TRUE(f.router->Route(req, &d).ok());
+  EXPECT_EQ(d.prefill, slow);
+  EXPECT_EQ(d.slo_excluded, 0u);
+}
+
+TEST(TtftRoutingTest, PredictionCountsTheRoutedQueueAndIsUnknownUntilMeasured) {
+  SloFleet f;
+  const WorkerId p = f.Add("p", WorkerRole::kPrefill);
+  f.Add("d", WorkerRole::kDecode);
+  const std::vector<uint64_t> h = Chain(10);
+  EXPECT_FALSE(f.router->PredictTtftMs({h, 160}).has_value());  // no rate yet
+  f.Measure(p, 1600);
+  ASSERT_TRUE(f.router->PredictTtftMs({h, 160}).has_value());
+  EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160}), 100);
+  // Three requests routed and not finished: 480 tokens ahead of the next.
+  std::vector<RouteDecision> routed(3);
+  for (int i = 0; i < 3; ++i) {
+    const std::vector<uint64_t> other = {uint64_t(1000 + i)};
+    ASSERT_TRUE(f.router->Route({other, 160}, &routed[i]).ok());
+  }
+  EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160}), 400);
+  f.router->EndPrefill(routed[0].prefill_ticket);  // one prefill done: it leaves the queue
+  EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160}), 300);
+  // A second prefiller not measured yet: it may be fast, so no prediction.
+  f.Add("p2", WorkerRole::kPrefill);
+  EXPECT_FALSE(f.router->PredictTtftMs({h, 160}).has_value());
+}
+
+}  // namespace
+}  // namespace tandem::router
