@@ -143,6 +143,13 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
       l.Read("max_pipelined_requests", x.max_pipelined_requests, 1, 1024);
       l.Finish();
     }
+    m.ReadEnum("admission", c.proxy.admission, {"queue", "slo"});
+    {
+      YamlMap o = m.Sub("slo");
+      o.Read("ttft_ms", c.proxy.slo_ttft_ms, 0, 3'600'000);
+      o.Read("tpot_ms", c.proxy.slo_tpot_ms, 0, 3'600'000);
+      o.Finish();
+    }
     m.Finish();
   }
   {

@@ -77,6 +77,15 @@ struct ProxyConfig {
   double drain_seconds = 30.0;         // SIGTERM: grace for in-flight requests
   double liveness_timeout_seconds = 2.0;  // a worker silent this long leaves routing
   ProxyLimitsConfig limits;            // proxy.limits
+  // SLO admission (issue 22, docs/scheduling.md "Deadlines and SLOs"):
+  // queue: every request waits for its turn; slo: a request whose best
+  // predicted TTFT exceeds its TTFT SLO is refused at once (429 /
+  // RESOURCE_EXHAUSTED with retry-after).
+  std::string admission = "queue";     // queue | slo
+  // proxy.slo: the fleet's default objectives for requests that set none,
+  // in ms (0: none).
+  uint32_t slo_ttft_ms = 0;
+  uint32_t slo_tpot_ms = 0;
 };
 
 struct RouterConfig {

@@ -291,6 +291,14 @@ Result<OpenAiRequest> ParseRequest(Endpoint endpoint, std::string_view body_text
     TANDEM_ASSIGN_OR_RETURN(r.stop_token_ids, TokenIds(*v, "stop_token_ids"));
   }
   TANDEM_ASSIGN_OR_RETURN(r.ignore_eos, OptBool(body, "ignore_eos"));
+  // Latency objectives in ms (issue 22); range-checked by the proxy's validation.
+  for (const auto& [key, field] : {std::pair{"ttft_slo_ms", &r.ttft_slo_ms}, std::pair{"tpot_slo_ms", &r.tpot_slo_ms}}) {
+    TANDEM_ASSIGN_OR_RETURN(auto v, OptInteger(body, key));
+    if (v && (*v < 0 || *v > std::numeric_limits<uint32_t>::max())) {
+      return InvalidArgumentError(fmt::format("{} must be a positive number of milliseconds, got {}", key, *v));
+    }
+    if (v) *field = static_cast<uint32_t>(*v);
+  }
   TANDEM_ASSIGN_OR_RETURN(out.stream, OptBool(body, "stream"));
   if (const json* v = Field(body, "stream_options")) {
     if (!v->is_object()) return WrongType("stream_options", "an object", *v);
@@ -358,7 +366,8 @@ std::string ErrorBody(int http_status, const std::string& message) {
         "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
         "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "stream", "stream_options",
         "ignore_eos", "logprobs", "echo", "best_of", "logit_bias", "presence_penalty",
-        "frequency_penalty", "tools", "response_format", "suffix", "top_logprobs"};
+        "frequency_penalty", "tools", "response_format", "suffix", "top_logprobs", "ttft_slo_ms",
+        "tpot_slo_ms"};
     const std::string head = message.substr(0, n);
     const std::string base = head.substr(0, head.find_first_of(".["));
     for (auto f : kFields) {

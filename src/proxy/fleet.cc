@@ -93,11 +93,11 @@ void Fleet::Remove(const std::string& name) {
 }
 
 Result<RoutedPair> Fleet::Route(std::span<const uint64_t> hashes, uint32_t prompt_tokens,
-                                const std::set<std::string>& exclude) {
+                                const std::set<std::string>& exclude, double ttft_slo_ms) {
   // The router has no notion of exclusion; retry a few times and skip
   // decisions that land on an excluded worker.
   for (int attempt = 0; attempt < 8; ++attempt) {
-    auto d = router_->Route(router::RouteRequest{hashes, prompt_tokens});
+    auto d = router_->Route(router::RouteRequest{hashes, prompt_tokens, ttft_slo_ms});
     if (!d.ok()) {
       if (metrics_) metrics_->CountError(router_->policy());
       return UnavailableError(fmt::format("no worker can take the request: {}",

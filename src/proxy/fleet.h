@@ -85,8 +85,10 @@ class Fleet {
   // not to use (e.g. a decoder that just refused). UNAVAILABLE when no live
   // worker of a needed role exists. The caller ends the pair's prefill with
   // router().EndPrefill(decision.prefill_ticket) once it is over.
+  // `ttft_slo_ms` (0: none): prefillers predicted over it are left out while
+  // another one meets it (router/ttft_predictor.h).
   Result<RoutedPair> Route(std::span<const uint64_t> hashes, uint32_t prompt_tokens,
-                           const std::set<std::string>& exclude = {});
+                           const std::set<std::string>& exclude = {}, double ttft_slo_ms = 0);
 
   // Counts every decision and error from now on (null: none). Call before
   // workers register (their series are created then).

@@ -21,7 +21,9 @@ Frontend::Frontend(ServingLimits limits, LifecycleDeps deps, uint32_t max_inflig
 
 RateRefusal Frontend::ChargeRequest(const Tenant* tenant) {
   if (tenant == nullptr) return {};
-  return tenants_->ChargeRequest(*tenant);
+  RateRefusal r = tenants_->ChargeRequest(*tenant);
+  if (!r.status.ok() && deps_.metrics) deps_.metrics->CountRefusal(Refusal::kRateLimit);
+  return r;
 }
 
 Result<ValidatedRequest> Frontend::Validate(const ClientRequest& req, const Tenant* tenant,
@@ -30,11 +32,15 @@ Result<ValidatedRequest> Frontend::Validate(const ClientRequest& req, const Tena
   auto v = ValidateRequest(
       req, limits_,
       [this](std::string_view text) { return deps_.tokenizer->Encode(text, true); }, rng());
-  if (!v.ok() || tenant == nullptr) return v;
-  v->tenant_salt = tenant->cache_salt;
+  if (!v.ok()) return v;
+  if (tenant != nullptr) v->tenant_salt = tenant->cache_salt;
+  // Refused for its SLO before its tokens are charged to the tenant.
+  if (slo_) TANDEM_RETURN_IF_ERROR(slo_->Admit(*v, retry_after_seconds));
+  if (tenant == nullptr) return v;
   RateRefusal r = tenants_->ChargeTokens(
       *tenant, static_cast<uint32_t>(v->prompt_ids.size()) + v->max_tokens);
   if (!r.status.ok()) {
+    if (deps_.metrics) deps_.metrics->CountRefusal(Refusal::kRateLimit);
     if (retry_after_seconds != nullptr) *retry_after_seconds = r.retry_after_seconds;
     return r.status;
   }
@@ -45,6 +51,7 @@ Status Frontend::Admit() {
   uint32_t now = inflight_.load();
   do {
     if (now >= max_inflight_) {
+      if (deps_.metrics) deps_.metrics->CountRefusal(Refusal::kMaxInflight);
       return ResourceExhaustedError(fmt::format(
           "the proxy is at its limit of {} requests in flight (proxy.max_inflight); retry later",
           max_inflight_));

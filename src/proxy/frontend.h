@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "proxy/lifecycle.h"
+#include "proxy/slo_admission.h"
 #include "proxy/request.h"
 #include "proxy/tenants.h"
 #include "proxy/work_pool.h"
@@ -49,6 +50,9 @@ class Frontend {
   // caller must call Release() once when the request ends.
   Status Admit();
   void Release();
+  // SLO admission (proxy/slo_admission.h), run by Validate after the
+  // request is validated; none: the requests' own SLOs, never refused.
+  void SetSloAdmission(std::unique_ptr<SloAdmission> slo) { slo_ = std::move(slo); }
   // While draining, new requests get UNAVAILABLE.
   void SetDraining(bool draining) { draining_ = draining; }
   bool draining() const { return draining_; }
@@ -62,6 +66,7 @@ class Frontend {
   const LifecycleDeps deps_;
   const uint32_t max_inflight_;
   std::unique_ptr<Tenants> tenants_;
+  std::unique_ptr<SloAdmission> slo_;
   std::atomic<uint32_t> inflight_{0};
   std::atomic<bool> draining_{false};
   // Last: joined first, while what its jobs use still lives.

@@ -35,6 +35,8 @@ ClientRequest FromProto(const pb::wire::GenerateRequestBytes& r) {
   c.stop.assign(r.stop().begin(), r.stop().end());
   c.stop_token_ids.assign(r.stop_token_ids().begin(), r.stop_token_ids().end());
   c.ignore_eos = r.ignore_eos();
+  if (r.has_ttft_slo_ms()) c.ttft_slo_ms = r.ttft_slo_ms();
+  if (r.has_tpot_slo_ms()) c.tpot_slo_ms = r.tpot_slo_ms();
   return c;
 }
 

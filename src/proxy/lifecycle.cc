@@ -80,7 +80,8 @@ void RequestLifecycle::Launch() {
     prompt_.insert(prompt_.end(), sent_.begin(), sent_.begin() + base_);
     hashes_ = HashBlocks(root_hash_, prompt_, deps_.block_size);
   }
-  auto route = deps_.fleet->Route(hashes_, static_cast<uint32_t>(prompt_.size()), excluded_);
+  auto route = deps_.fleet->Route(hashes_, static_cast<uint32_t>(prompt_.size()), excluded_,
+                                  req_.ttft_slo_ms);
   // A deterministic policy may keep choosing an excluded worker that is
   // still registered (a lost decoder's Watch ends at about the same time as
   // its Decode stream): give the registry a moment to drop it (bounded).
@@ -93,7 +94,8 @@ void RequestLifecycle::Launch() {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     lock.lock();
     if (done_ || attempt != attempt_) return;
-    route = deps_.fleet->Route(hashes_, static_cast<uint32_t>(prompt_.size()), excluded_);
+    route = deps_.fleet->Route(hashes_, static_cast<uint32_t>(prompt_.size()), excluded_,
+                               req_.ttft_slo_ms);
   }
   if (!route.ok()) {
     // After a refusal, the client hears what went wrong with the last pair.
@@ -397,6 +399,11 @@ RequestLifecycle::Calls RequestLifecycle::FailLocked(Status st) {
     deps_.metrics->CountOutcome(st.code() == StatusCode::kResourceExhausted ? "rejected"
                                 : st.code() == StatusCode::kDeadlineExceeded ? "cancelled"
                                                                              : "failed");
+    // Its deadline passed while it waited (a worker dropped it from its
+    // queue, before any compute) or while it was computed.
+    if (st.code() == StatusCode::kDeadlineExceeded && first_token_at_ == SteadyClock::time_point{}) {
+      deps_.metrics->CountRefusal(Refusal::kDeadline);
+    }
     deps_.metrics->inflight.Decrement();
   }
   LogRequest(spdlog::level::warn, req_.request_id, "failed: {}", st.ToString());
@@ -432,6 +439,15 @@ void RequestLifecycle::Cancel() {
   sink_ = {};
   if (deps_.metrics) {
     deps_.metrics->CountOutcome("cancelled");
+    // The client's deadline ends the call (its gRPC library cancels it a
+    // network hop before our copy of the deadline expires, hence the
+    // slack): before the first token, it was dropped for its deadline.
+    constexpr auto kDeadlineSlack = std::chrono::milliseconds(100);
+    if (deadline_ != std::chrono::system_clock::time_point::max() &&
+        std::chrono::system_clock::now() + kDeadlineSlack >= deadline_ &&
+        first_token_at_ == SteadyClock::time_point{}) {
+      deps_.metrics->CountRefusal(Refusal::kDeadline);
+    }
     deps_.metrics->inflight.Decrement();
   }
   Calls c = TakeCallsLocked();

@@ -53,7 +53,14 @@ ProxyMetrics::ProxyMetrics(MetricsRegistry& r)
                                  "Median KV transfer time over prefill compute time of the "
                                  "last 64 disaggregated requests")),
       overhead_check_({kOverheadWindow, kOverheadMinSamples, kOverheadWarnRatio,
-                       std::chrono::seconds(60)}) {}
+                       std::chrono::seconds(60)}) {
+  const char* kReasons[kNumRefusals] = {"ttft_slo", "max_inflight", "rate_limit", "deadline"};
+  for (size_t i = 0; i < kNumRefusals; ++i) {
+    refused[i] = &r.Counter("tandem_requests_refused_total",
+                            "Requests refused, or dropped before their first token, by reason",
+                            {{"reason", kReasons[i]}});
+  }
+}
 
 void ProxyMetrics::ObservePrefillTimes(const std::string& request_id, double prefill_seconds,
                                        double transfer_seconds) {

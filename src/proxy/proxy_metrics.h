@@ -13,6 +13,15 @@
 
 namespace tandem::proxy {
 
+// Why a request was refused or dropped before its first token
+// (tandem_requests_refused_total{reason}; docs/metrics.md):
+//   ttft_slo      its predicted TTFT exceeded its SLO (proxy.admission: slo)
+//   max_inflight  proxy.max_inflight requests were in flight
+//   rate_limit    its tenant's request or token rate
+//   deadline      its deadline passed while it waited (dropped before any compute)
+enum class Refusal { kTtftSlo, kMaxInflight, kRateLimit, kDeadline };
+inline constexpr size_t kNumRefusals = 4;
+
 struct ProxyMetrics {
   explicit ProxyMetrics(MetricsRegistry& registry);
 
@@ -36,6 +45,8 @@ struct ProxyMetrics {
 
   // Counts one finished request under its outcome.
   void CountOutcome(const std::string& outcome);
+  std::array<prometheus::Counter*, kNumRefusals> refused{};
+  void CountRefusal(Refusal reason) { refused[static_cast<size_t>(reason)]->Increment(); }
 
   // The prefiller's timings of one request (PrefillResponse): feeds the
   // recent median of the overhead ratio and logs a warning, at most once a

@@ -74,6 +74,16 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
   }
   p->frontend_ = std::make_unique<Frontend>(limits, deps, fleet.proxy.max_inflight,
                                             std::move(tenants));
+  {
+    SloAdmissionOptions so;
+    TANDEM_ASSIGN_OR_RETURN(so.mode, ParseAdmissionMode(fleet.proxy.admission));
+    so.default_ttft_ms = fleet.proxy.slo_ttft_ms;
+    so.default_tpot_ms = fleet.proxy.slo_tpot_ms;
+    so.hash_context = hash_context;
+    so.block_size = fleet.cache.block_size;
+    p->frontend_->SetSloAdmission(
+        std::make_unique<SloAdmission>(std::move(so), p->fleet_.get(), p->metrics_.get()));
+  }
   p->generation_ = std::make_unique<GenerationService>(p->frontend_.get());
   p->registry_ = std::make_unique<RegistryService>(
       p->fleet_.get(), p->client_.get(),

@@ -87,6 +87,16 @@ Result<ValidatedRequest> ValidateRequest(const ClientRequest& req, const Serving
                                               *req.max_tokens, limits.max_tokens_limit));
     }
   }
+  for (const auto& [value, name] : {std::pair{req.ttft_slo_ms, "ttft_slo_ms"},
+                                    std::pair{req.tpot_slo_ms, "tpot_slo_ms"}}) {
+    if (value.has_value() && (*value == 0 || *value > kMaxSloMs)) {
+      return InvalidArgumentError(fmt::format(
+          "{} is {}; it must be 1..{} ms (unset: the fleet's proxy.slo default)", name, *value,
+          kMaxSloMs));
+    }
+  }
+  out.ttft_slo_ms = req.ttft_slo_ms.value_or(0);
+  out.tpot_slo_ms = req.tpot_slo_ms.value_or(0);
   out.max_tokens = req.max_tokens.value_or(limits.default_max_tokens);
   const size_t prompt_tokens = out.prompt_ids.size();
   if (prompt_tokens >= limits.max_model_len) return too_long(prompt_tokens, "prompt");

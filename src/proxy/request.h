@@ -31,6 +31,9 @@ struct ClientRequest {
   std::vector<std::string> stop;
   std::vector<uint32_t> stop_token_ids;
   bool ignore_eos = false;
+  // Latency objectives in ms (issue 22); unset: the fleet's proxy.slo.
+  std::optional<uint32_t> ttft_slo_ms;
+  std::optional<uint32_t> tpot_slo_ms;
 };
 
 // What the proxy serves and allows.
@@ -70,7 +73,15 @@ struct ValidatedRequest {
   // The tenant's cache salt (HashContext::tenant_salt); "" for the default
   // tenant. Set by the front end after authentication, not by validation.
   std::string tenant_salt;
+  // Latency objectives in ms, 0: none. The client's values after
+  // validation; the fleet's proxy.slo defaults are filled in by the
+  // admission step (proxy/slo_admission.h).
+  uint32_t ttft_slo_ms = 0;
+  uint32_t tpot_slo_ms = 0;
 };
+
+// Largest ttft_slo_ms / tpot_slo_ms a request may give (one hour).
+inline constexpr uint32_t kMaxSloMs = 3'600'000;
 
 using EncodeFn = std::function<std::vector<uint32_t>(std::string_view text)>;
 

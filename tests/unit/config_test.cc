@@ -353,5 +353,25 @@ TEST(Config, SecurityErrorsNameTheKey) {
             std::string::npos);
 }
 
+// proxy.admission and proxy.slo (issue 22, docs/configuration.md).
+TEST(Config, ProxyAdmissionAndSlo) {
+  auto d = Parse(kGood);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->proxy.admission, "queue");
+  EXPECT_EQ(d->proxy.slo_ttft_ms, 0u);
+  EXPECT_EQ(d->proxy.slo_tpot_ms, 0u);
+  auto r = Parse(std::string(kGood) + "proxy:\n  admission: slo\n  slo:\n    ttft_ms: 500\n    tpot_ms: 40\n");
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->proxy.admission, "slo");
+  EXPECT_EQ(r->proxy.slo_ttft_ms, 500u);
+  EXPECT_EQ(r->proxy.slo_tpot_ms, 40u);
+  EXPECT_NE(ErrorOf(std::string(kGood) + "proxy:\n  admission: drop\n").find("proxy.admission"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf(std::string(kGood) + "proxy:\n  slo:\n    ttft_ms: -1\n").find("proxy.slo.ttft_ms"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf(std::string(kGood) + "proxy:\n  slo:\n    ttft: 5\n").find("unknown key 'ttft' in 'proxy.slo'"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace tandem

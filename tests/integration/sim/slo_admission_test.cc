@@ -1,0 +1,222 @@
+// SLO admission and deadlines on a real sim fleet (`tandem launch`: real
+// processes, gRPC, UCX; docs/scheduling.md, "Deadlines and SLOs"):
+// - proxy.admission: slo refuses a request whose TTFT SLO no pair can meet,
+//   at once: gRPC RESOURCE_EXHAUSTED with `retry-after`, HTTP 429 with
+//   Retry-After, nothing computed for it; a reachable SLO is served.
+// - a request whose deadline passes while it waits in the prefiller's queue
+//   gets DEADLINE_EXCEEDED and is never computed (the prefiller's prompt
+//   token counter moves by the request ahead of it only).
+#include <arpa/inet.h>
+#include <fmt/format.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <future>
+#include <sstream>
+
+#include "../fleet/fleet_harness.h"
+#include "tandem/v1/generation.grpc.pb.h"
+
+namespace tandem::testing {
+namespace {
+
+namespace pb = ::tandem::v1;
+constexpr uint32_t kVocab = 4096;
+
+FleetOptions SimFleet(double compute_efficiency) {
+  FleetOptions o;
+  o.prefill = 1;
+  o.decode = 1;
+  o.max_batched_tokens = 512;
+  o.policy = "kv_aware";
+  o.model_yaml = "  backend: sim\n  name: itest\n  max_model_len: 4096\n";
+  o.extra_yaml = fmt::format(
+      "sim:\n  profile: H100\n  model_shape: {}/configs/sim/models/llama-3-8b\n"
+      "  compute_efficiency: {}\n  kv_scale: 256\n",
+      TANDEM_SOURCE_DIR, compute_efficiency);
+  return o;
+}
+
+struct Reply {
+  grpc::Status status;
+  std::string retry_after;  // trailing metadata, "" when absent
+  uint32_t tokens = 0;
+};
+
+Reply Call(const std::string& proxy, const std::vector<uint32_t>& prompt, uint32_t max_tokens,
+           std::optional<uint32_t> ttft_slo_ms, std::chrono::milliseconds timeout) {
+  auto stub = pb::Generation::NewStub(grpc::CreateChannel(proxy, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+  pb::GenerateRequest req;
+  for (uint32_t t : prompt) req.add_prompt_token_ids(t);
+  req.set_max_tokens(max_tokens);
+  req.set_ignore_eos(true);
+  if (ttft_slo_ms) req.set_ttft_slo_ms(*ttft_slo_ms);
+  auto reader = stub->Generate(&ctx, req);
+  Reply r;
+  pb::GenerateResponse resp;
+  while (reader->Read(&resp)) r.tokens += static_cast<uint32_t>(resp.token_ids_size());
+  r.status = reader->Finish();
+  const auto& trailers = ctx.GetServerTrailingMetadata();
+  if (auto it = trailers.find("retry-after"); it != trailers.end()) {
+    r.retry_after.assign(it->second.data(), it->second.size());
+  }
+  return r;
+}
+
+// One HTTP/1.1 request on a fresh connection; the whole response.
+std::string HttpCall(const std::string& address, const std::string& request) {
+  const auto colon = address.rfind(':');
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(static_cast<uint16_t>(std::stoi(address.substr(colon + 1))));
+  inet_pton(AF_INET, address.substr(0, colon).c_str(), &sa.sin_addr);
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return "";
+  timeval tv{30, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  std::string out;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0 &&
+      send(fd, request.data(), request.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(request.size())) {
+    char buf[4096];
+    for (ssize_t n; (n = recv(fd, buf, sizeof buf, 0)) > 0;) out.append(buf, static_cast<size_t>(n));
+  }
+  close(fd);
+  return out;
+}
+
+double Metric(const std::string& address, const std::string& name) {
+  auto m = Scrape(address);
+  return m.ok() ? MetricValue(*m, name) : -1;
+}
+
+// tandem_requests_refused_total{..., reason="REASON", ...} on the proxy; -1 when absent.
+double Refused(const Fleet& f, const std::string& reason) {
+  auto m = Scrape(f.proxy_metrics());
+  if (!m.ok()) return -1;
+  std::istringstream in(*m);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("tandem_requests_refused_total{", 0) == 0 &&
+        line.find("reason=\"" + reason + "\"") != std::string::npos) {
+      return std::stod(line.substr(line.rfind(' ') + 1));
+    }
+  }
+  return -1;
+}
+
+const WorkerAddr& Prefiller(const Fleet& f) {
+  for (const auto& w : f.workers()) {
+    if (w.role == "prefill") return w;
+  }
+  return f.workers().front();
+}
+
+TEST(SloAdmission, UnreachableTtftSloIsRefusedAtOnceWithRetryAfter) {
+  FleetOptions o = SimFleet(0.5);
+  o.proxy_yaml = "  admission: slo\n";
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  const std::string proxy = (*fleet)->proxy_grpc();
+  const std::string queries = "tandem_prefix_cache_queries_tokens_total";
+
+  // 2000 prompt tokens cannot be prefilled in 1 ms on a simulated H100
+  // (tens of ms). Until the prefiller's rate is measured (a load report
+  // after a finished prefill) requests are admitted; then refused. Each
+  // prompt is new, so no cache makes it cheap.
+  Reply refused;
+  uint32_t admitted = 0;
+  for (uint32_t i = 0; i < 40 && refused.status.ok(); ++i) {
+    Reply r = Call(proxy, PromptIds(300 + i, 2000, kVocab), 2, 1, std::chrono::seconds(30));
+    if (r.status.ok()) {
+      ++admitted;
+      EXPECT_EQ(r.tokens, 2u);
+    } else {
+      refused = r;
+    }
+  }
+  ASSERT_FALSE(refused.status.ok()) << "never refused after " << admitted << " requests";
+  EXPECT_GE(admitted, 1u);  // the first ones, before any measurement
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << refused.status.error_message();
+  EXPECT_NE(refused.status.error_message().find("TTFT SLO of 1 ms"), std::string::npos)
+      << refused.status.error_message();
+  ASSERT_FALSE(refused.retry_after.empty());
+  EXPECT_GE(std::stoi(refused.retry_after), 1);
+
+  // Refusals compute nothing: the prefiller's prompt tokens stay put.
+  const WorkerAddr& p = Prefiller(**fleet);
+  const double before = Metric(p.metrics, queries);
+  for (uint32_t i = 0; i < 3; ++i) {
+    Reply r = Call(proxy, PromptIds(400 + i, 2000, kVocab), 2, 1, std::chrono::seconds(30));
+    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << r.status.error_message();
+  }
+  // HTTP: 429 with Retry-After.
+  std::string ids;
+  for (uint32_t t : PromptIds(500, 2000, kVocab)) ids += (ids.empty() ? "" : ",") + std::to_string(t);
+  const std::string body = fmt::format(R"({{"prompt": [{}], "max_tokens": 2, "ttft_slo_ms": 1}})", ids);
+  const std::string resp = HttpCall((*fleet)->proxy_http(),
+                                    fmt::format("POST /v1/completions HTTP/1.1\r\nHost: t\r\nConnection: close\r\n"
+                                                "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{}",
+                                                body.size(), body));
+  EXPECT_EQ(resp.rfind("HTTP/1.1 429", 0), 0u) << resp.substr(0, 400);
+  EXPECT_NE(resp.find("Retry-After: "), std::string::npos) << resp.substr(0, 400);
+  EXPECT_NE(resp.find("TTFT SLO of 1 ms"), std::string::npos) << resp.substr(0, 400);
+  EXPECT_EQ(Metric(p.metrics, queries), before);
+  EXPECT_EQ(Refused(**fleet, "ttft_slo"), 5);  // the first refusal, 3 more, the HTTP one
+  EXPECT_EQ(Refused(**fleet, "deadline"), 0);
+
+  // A reachable SLO is served (and the defaults did not make it one).
+  Reply ok = Call(proxy, PromptIds(600, 2000, kVocab), 2, 60000, std::chrono::seconds(30));
+  EXPECT_TRUE(ok.status.ok()) << ok.status.error_message();
+  EXPECT_EQ(ok.tokens, 2u);
+  // Without an SLO (none given, no proxy.slo default): never refused.
+  Reply none = Call(proxy, PromptIds(601, 2000, kVocab), 2, std::nullopt, std::chrono::seconds(30));
+  EXPECT_TRUE(none.status.ok()) << none.status.error_message();
+  auto stopped = (*fleet)->Stop(std::chrono::seconds(30));
+  ASSERT_TRUE(stopped.ok());
+  EXPECT_EQ(*stopped, 0);
+}
+
+TEST(Deadlines, RequestWhoseDeadlinePassesInThePrefillQueueIsNeverComputed) {
+  // A slow prefiller (1 % of the H100's compute) running one sequence at a
+  // time: a 1500-token prompt takes seconds; the next waits in the queue.
+  FleetOptions o = SimFleet(0.01);
+  o.max_num_seqs = 1;
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  const std::string proxy = (*fleet)->proxy_grpc();
+  const WorkerAddr& p = Prefiller(**fleet);
+  const std::string queries = "tandem_prefix_cache_queries_tokens_total";
+  const double before = Metric(p.metrics, queries);
+
+  const std::vector<uint32_t> ahead = PromptIds(700, 1500, kVocab);
+  auto first = std::async(std::launch::async, [&] { return Call(proxy, ahead, 2, std::nullopt, std::chrono::seconds(60)); });
+  // Wait until it runs on the prefiller (its prompt counted there).
+  ASSERT_TRUE(WaitUntil([&] { return Metric(p.metrics, queries) >= before + ahead.size(); },
+                        std::chrono::seconds(30)));
+  ASSERT_EQ(first.wait_for(std::chrono::seconds(0)), std::future_status::timeout)
+      << "the request ahead finished before the test could queue behind it";
+  Reply late = Call(proxy, PromptIds(701, 700, kVocab), 2, std::nullopt, std::chrono::milliseconds(300));
+  EXPECT_EQ(late.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << late.status.error_message();
+  EXPECT_EQ(late.tokens, 0u);
+  Reply done = first.get();
+  ASSERT_TRUE(done.status.ok()) << done.status.error_message();
+  EXPECT_EQ(done.tokens, 2u);
+  // The prefiller computed the request ahead only; the late one was dropped
+  // from its queue (or cancelled there) before any compute.
+  EXPECT_EQ(Metric(p.metrics, queries), before + ahead.size());
+  // The proxy counts it as dropped for its deadline.
+  EXPECT_TRUE(WaitUntil([&] { return Refused(**fleet, "deadline") == 1; }, std::chrono::seconds(10)))
+      << Refused(**fleet, "deadline");
+  EXPECT_EQ(Refused(**fleet, "ttft_slo"), 0);
+  auto stopped = (*fleet)->Stop(std::chrono::seconds(30));
+  ASSERT_TRUE(stopped.ok());
+  EXPECT_EQ(*stopped, 0);
+}
+
+}  // namespace
+}  // namespace tandem::testing
