@@ -33,7 +33,19 @@ Result<ValidatedRequest> Frontend::Validate(const ClientRequest& req, const Tena
       req, limits_,
       [this](std::string_view text) { return deps_.tokenizer->Encode(text, true); }, rng());
   if (!v.ok()) return v;
-  if (tenant != nullptr) v->tenant_salt = tenant->cache_salt;
+  if (tenant != nullptr) {
+    v->tenant_salt = tenant->cache_salt;
+    v->tenant = tenant->name;
+    v->tenant_weight = tenant->weight;
+    if (!req.priority) {
+      v->priority = tenant->priority;
+    } else if (tenant->min_priority && *req.priority < *tenant->min_priority) {
+      return InvalidArgumentError(fmt::format(
+          "priority is {}; tenant '{}' may ask for {} at the lowest (lower values are served "
+          "earlier; min_priority in security.api_keys_file)",
+          *req.priority, tenant->name, *tenant->min_priority));
+    }
+  }
   // Refused for its SLO before its tokens are charged to the tenant.
   if (slo_) TANDEM_RETURN_IF_ERROR(slo_->Admit(*v, retry_after_seconds));
   if (tenant == nullptr) return v;

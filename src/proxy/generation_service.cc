@@ -37,6 +37,7 @@ ClientRequest FromProto(const pb::wire::GenerateRequestBytes& r) {
   c.ignore_eos = r.ignore_eos();
   if (r.has_ttft_slo_ms()) c.ttft_slo_ms = r.ttft_slo_ms();
   if (r.has_tpot_slo_ms()) c.tpot_slo_ms = r.tpot_slo_ms();
+  if (r.has_priority()) c.priority = r.priority();
   return c;
 }
 

@@ -34,6 +34,9 @@ struct ClientRequest {
   // Latency objectives in ms (issue 22); unset: the fleet's proxy.slo.
   std::optional<uint32_t> ttft_slo_ms;
   std::optional<uint32_t> tpot_slo_ms;
+  // Scheduling priority (lower = served earlier, as vLLM); unset: the
+  // tenant's default (docs/scheduling.md).
+  std::optional<int32_t> priority;
 };
 
 // What the proxy serves and allows.
@@ -78,6 +81,12 @@ struct ValidatedRequest {
   // admission step (proxy/slo_admission.h).
   uint32_t ttft_slo_ms = 0;
   uint32_t tpot_slo_ms = 0;
+  // Scheduling (docs/scheduling.md), resolved by the front end from the
+  // request and its tenant: priority (lower = earlier), the tenant's name
+  // and its fair-share weight.
+  int32_t priority = 0;
+  std::string tenant;
+  double tenant_weight = 1.0;
 };
 
 // Largest ttft_slo_ms / tpot_slo_ms a request may give (one hour).
