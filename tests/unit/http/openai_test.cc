@@ -58,6 +58,18 @@ TEST(OpenAiParse, Priority) {
             std::string::npos);
 }
 
+TEST(OpenAiParse, LatencySlos) {
+  auto r = Ok(Endpoint::kChat, R"({"messages":[{"role":"user","content":"hi"}],"ttft_slo_ms":250,"tpot_slo_ms":40})");
+  EXPECT_EQ(r.request.ttft_slo_ms, std::optional<uint32_t>(250));
+  EXPECT_EQ(r.request.tpot_slo_ms, std::optional<uint32_t>(40));
+  auto d = Ok(Endpoint::kCompletions, R"({"prompt":"hi"})");
+  EXPECT_FALSE(d.request.ttft_slo_ms.has_value());  // the fleet's proxy.slo applies
+  EXPECT_NE(Err(Endpoint::kCompletions, R"({"prompt":"hi","ttft_slo_ms":-5})").find("ttft_slo_ms"),
+            std::string::npos);
+  EXPECT_NE(Err(Endpoint::kCompletions, R"({"prompt":"hi","tpot_slo_ms":"fast"})").find("tpot_slo_ms"),
+            std::string::npos);
+}
+
 TEST(OpenAiParse, PromptForms) {
   EXPECT_EQ(Ok(Endpoint::kCompletions, R"({"prompt":["one"]})").request.prompt, "one");
   auto ids = Ok(Endpoint::kCompletions, R"({"prompt":[1,2,3]})");

@@ -48,6 +48,28 @@ TEST(ValidateRequest, DefaultsAreResolved) {
   EXPECT_EQ(v->seed, 777u);
 }
 
+TEST(ValidateRequest, LatencySlosAreKeptAndRangeChecked) {
+  ClientRequest r = Text("hi");
+  auto unset = V(r);
+  ASSERT_TRUE(unset.ok());
+  EXPECT_EQ(unset->ttft_slo_ms, 0u);  // none: the admission step fills proxy.slo
+  r.ttft_slo_ms = 250;
+  r.tpot_slo_ms = 40;
+  auto v = V(r);
+  ASSERT_TRUE(v.ok()) << v.status().ToString();
+  EXPECT_EQ(v->ttft_slo_ms, 250u);
+  EXPECT_EQ(v->tpot_slo_ms, 40u);
+  r.ttft_slo_ms = 0;  // 0 is an error, not "none"
+  auto zero = V(r);
+  EXPECT_EQ(zero.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(zero.status().message().find("ttft_slo_ms is 0"), std::string::npos) << zero.status().message();
+  r.ttft_slo_ms = 250;
+  r.tpot_slo_ms = kMaxSloMs + 1;
+  auto big = V(r);
+  EXPECT_EQ(big.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(big.status().message().find("tpot_slo_ms"), std::string::npos) << big.status().message();
+}
+
 TEST(ValidateRequest, SetValuesAreKept) {
   ClientRequest r = Text("hi");
   r.request_id = "mine";
