@@ -33,10 +33,11 @@ PlannerPolicy::PlannerPolicy(const AutoscaleConfig& config, uint32_t initial_pre
 }
 
 void PlannerPolicy::Step(RoleState& s, const AutoscaleRoleConfig& bounds, uint32_t current,
-                         double pressure, double now_s) const {
+                         double latency, double load, double now_s) const {
   s.desired = Clamp(s.desired, bounds);
   if (current == 0) return;  // none registered yet (starting, or all lost): nothing measured
   const double since = now_s - s.last_change_s;
+  const double pressure = std::max(latency, load);
   if (pressure > 1.0) {
     if (since < config_.scale_up_cooldown_s) return;
     const double proportional = std::ceil(current * pressure - 1e-9);
@@ -51,8 +52,11 @@ void PlannerPolicy::Step(RoleState& s, const AutoscaleRoleConfig& bounds, uint32
   }
   if (current <= 1 || current < s.desired || s.desired <= bounds.min) return;
   if (since < config_.scale_down_cooldown_s) return;
-  const double on_one_fewer = pressure * current / (current - 1);
-  if (on_one_fewer < config_.scale_down_below) {
+  // Latency has a floor no worker count removes (one prompt's own prefill,
+  // one step's time), so it is not scaled by current / (current - 1): it
+  // must simply be well under target. The load measures are.
+  const double load_on_one_fewer = load * current / (current - 1);
+  if (latency < config_.scale_down_below && load_on_one_fewer < config_.scale_down_below) {
     s.desired = Clamp(std::min(s.desired, current) - 1, bounds);
     s.last_change_s = now_s;
   }
@@ -66,11 +70,12 @@ PlannerDecision PlannerPolicy::Evaluate(const PlannerInputs& in, double now_s) {
       in.prefillers == 0 ? 0.0
                          : in.queued_prefill_tokens / in.prefillers /
                                config_.queued_prefill_tokens_target;
-  d.prefill_pressure = std::max(ttft_ratio, queue_ratio);
   const double itl_ratio = in.itl_p90_s < 0 ? 0.0 : in.itl_p90_s * 1000.0 / config_.itl_target_ms;
-  d.decode_pressure = std::max(itl_ratio, in.kv_usage / config_.kv_usage_target);
-  Step(prefill_, config_.prefill, in.prefillers, d.prefill_pressure, now_s);
-  Step(decode_, config_.decode, in.decoders, d.decode_pressure, now_s);
+  const double kv_ratio = in.kv_usage / config_.kv_usage_target;
+  d.prefill_pressure = std::max(ttft_ratio, queue_ratio);
+  d.decode_pressure = std::max(itl_ratio, kv_ratio);
+  Step(prefill_, config_.prefill, in.prefillers, ttft_ratio, queue_ratio, now_s);
+  Step(decode_, config_.decode, in.decoders, itl_ratio, kv_ratio, now_s);
   d.prefill = prefill_.desired;
   d.decode = decode_.desired;
   return d;
@@ -193,9 +198,8 @@ PlannerInputs Planner::Measure(double now_s) {
   fleet_prefill_->Set(in.prefillers);
   fleet_decode_->Set(in.decoders);
   fleet_both_->Set(both);
-  if (kv_known > 0) in.kv_usage = kv_sum / kv_known;
-
-  Snapshot now{now_s, Buckets(ttft_), Buckets(itl_)};
+  Snapshot now{now_s, Buckets(ttft_), Buckets(itl_), in.queued_prefill_tokens,
+               kv_known > 0 ? kv_sum / kv_known : 0.0};
   while (snapshots_.size() > 1 && snapshots_[1].time_s <= now_s - config_.window_s) {
     snapshots_.pop_front();
   }
@@ -204,6 +208,18 @@ PlannerInputs Planner::Measure(double now_s) {
     in.itl_p90_s = WindowQuantile(snapshots_.front().itl, now.itl, 0.9);
   }
   snapshots_.push_back(std::move(now));
+  // Queue and KV usage: the mean of the ticks within the window (the oldest
+  // kept snapshot is the window's base for the quantiles, not a tick of it).
+  double queued = 0, kv = 0;
+  size_t n = 0;
+  for (const Snapshot& s : snapshots_) {
+    if (s.time_s <= now_s - config_.window_s) continue;
+    queued += s.queued_prefill_tokens;
+    kv += s.kv_usage;
+    ++n;
+  }
+  in.queued_prefill_tokens = queued / static_cast<double>(n);  // n >= 1: this tick
+  in.kv_usage = kv / static_cast<double>(n);
   return in;
 }
 
@@ -218,10 +234,10 @@ PlannerDecision Planner::Tick() {
   desired_decode_->Set(d.decode);
   if (d.prefill != before_p || d.decode != before_d) {
     spdlog::info(
-        "planner: desired prefill {} -> {}, decode {} -> {} (registered {}P {}D; TTFT p90 {:.0f} "
-        "ms, ITL p90 {:.1f} ms, queued prefill tokens {:.0f}, KV usage {:.2f}; pressure prefill "
-        "{:.2f} decode {:.2f})",
-        before_p, d.prefill, before_d, d.decode, in.prefillers, in.decoders,
+        "planner: desired prefill {} -> {}, decode {} -> {} (registered {}P {}D; over {} s: TTFT "
+        "p90 {:.0f} ms, ITL p90 {:.1f} ms, queued prefill tokens {:.0f}, KV usage {:.2f}; "
+        "pressure prefill {:.2f} decode {:.2f})",
+        before_p, d.prefill, before_d, d.decode, in.prefillers, in.decoders, config_.window_s,
         in.ttft_p90_s * 1000, in.itl_p90_s * 1000, in.queued_prefill_tokens, in.kv_usage,
         d.prefill_pressure, d.decode_pressure);
   }

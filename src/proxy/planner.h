@@ -11,7 +11,9 @@
 // Inputs: TTFT and ITL p90 over the last autoscale.window_s (from the
 // proxy's own histograms, as Prometheus' histogram_quantile over a rate
 // would give), the queued prefill tokens per prefiller and the mean KV usage
-// of the decoders (the router's view: last load report + its predictions).
+// of the decoders (the router's view: last load report + its predictions),
+// each averaged over the ticks of the same window (one tick's value swings
+// with every arrival; a decision on it flaps).
 //
 // Thread-safety: PlannerPolicy none (one owner); Planner's methods may be
 // called from any thread.
@@ -53,15 +55,17 @@ struct PlannerDecision {
   double decode_pressure = 0;
 };
 
-// The rules, without clocks or threads (unit-tested).
-//   pressure(prefill) = max(TTFT p90 / ttft_target, queued tokens per prefiller / its target)
-//   pressure(decode)  = max(ITL p90 / itl_target, mean KV usage / kv_usage_target)
+// The rules, without clocks or threads (unit-tested). Per role a latency
+// ratio and a load ratio (1 = at target):
+//   prefill: TTFT p90 / ttft_target;  queued tokens per prefiller / its target
+//   decode:  ITL p90 / itl_target;    mean KV usage / kv_usage_target
+// pressure = the larger of the two.
 // Up: pressure > 1 and scale_up_cooldown_s since the role's last change →
 //   desired = min(max, ceil(current × pressure), 2 × current) (at least +1).
 // Down: the role is settled (current ≥ desired), scale_down_cooldown_s since
-//   its last change, and pressure × current / (current − 1) < scale_down_below
-//   (the same load on one worker fewer stays well under target) → desired − 1.
-// The gap between 1 and scale_down_below is the hysteresis.
+//   its last change, the latency ratio < scale_down_below and the load ratio
+//   on one worker fewer (× current / (current − 1)) < scale_down_below →
+//   desired − 1. The gap between 1 and scale_down_below is the hysteresis.
 class PlannerPolicy {
  public:
   // `initial_*`: the desired counts at start-up (the fleet file's replicas),
@@ -77,8 +81,8 @@ class PlannerPolicy {
     uint32_t desired = 1;
     double last_change_s = -1e300;
   };
-  void Step(RoleState& s, const AutoscaleRoleConfig& bounds, uint32_t current, double pressure,
-            double now_s) const;
+  void Step(RoleState& s, const AutoscaleRoleConfig& bounds, uint32_t current, double latency,
+            double load, double now_s) const;
 
   const AutoscaleConfig config_;
   RoleState prefill_;
@@ -108,6 +112,8 @@ class Planner {
   struct Snapshot {
     double time_s;
     std::vector<prometheus::ClientMetric::Bucket> ttft, itl;
+    double queued_prefill_tokens = 0;  // this tick's, summed over the prefillers
+    double kv_usage = 0;               // this tick's mean over the decoders
   };
   PlannerInputs Measure(double now_s);
 

@@ -70,23 +70,40 @@ TEST(PlannerPolicy, ScalesUpProportionallyCappedByDoublingAndMax) {
 
 TEST(PlannerPolicy, ScalesDownOneAtATimeAfterTheCooldownWithHysteresis) {
   PlannerPolicy p(Config(), 3, 1);
-  // Pressure 0.5 on 3: on 2 it would be 0.75 > 0.6: stays (the hysteresis band).
-  auto d = p.Evaluate(Load(3, 1, 250, 10), 100);
+  // TTFT at 0.65 of target: under 1 but not under scale_down_below: stays (the band).
+  auto d = p.Evaluate(Load(3, 1, 325, 10), 100);
   EXPECT_EQ(d.prefill, 3u);
-  // Pressure 0.3 on 3: 0.45 on 2 < 0.6: one down.
-  d = p.Evaluate(Load(3, 1, 150, 10), 101);
+  // Queue at 0.5 of target on 3: 0.75 on 2 is not under 0.6: stays, TTFT low or not.
+  d = p.Evaluate(Load(3, 1, 100, 10, 1500), 101);
+  EXPECT_EQ(d.prefill, 3u);
+  // TTFT 0.3 of target and the queue (0.3 on 3, 0.45 on 2) low: one down.
+  d = p.Evaluate(Load(3, 1, 150, 10, 900), 102);
   EXPECT_EQ(d.prefill, 2u);
   // Not settled yet (3 still registered) and within the cooldown: no second step.
-  d = p.Evaluate(Load(3, 1, -1, -1), 102);
+  d = p.Evaluate(Load(3, 1, -1, -1), 103);
   EXPECT_EQ(d.prefill, 2u);
   d = p.Evaluate(Load(2, 1, -1, -1), 120);
   EXPECT_EQ(d.prefill, 2u);
   // Idle (no samples in the window) after the cooldown: down to min, one step at a time.
-  d = p.Evaluate(Load(2, 1, -1, -1), 132);
+  d = p.Evaluate(Load(2, 1, -1, -1), 133);
   EXPECT_EQ(d.prefill, 1u);
   d = p.Evaluate(Load(1, 1, -1, -1), 200);
   EXPECT_EQ(d.prefill, 1u);
   EXPECT_EQ(d.decode, 1u);
+}
+
+TEST(PlannerPolicy, DecodeScalesDownOnKvUsageOnOneFewer) {
+  PlannerPolicy p(Config(), 1, 2);
+  // KV usage 0.25 (target 0.5) on 2 decoders would be 1.0 on one: stays.
+  auto d = p.Evaluate(Load(1, 2, 100, 10, 0, 0.25), 100);
+  EXPECT_EQ(d.decode, 2u);
+  // 0.1 on 2 is 0.4 of target on one: down.
+  d = p.Evaluate(Load(1, 2, 100, 10, 0, 0.1), 101);
+  EXPECT_EQ(d.decode, 1u);
+  // ITL near target keeps decoders even with little KV in use.
+  PlannerPolicy q(Config(), 1, 2);
+  d = q.Evaluate(Load(1, 2, 100, 40, 0, 0.01), 100);
+  EXPECT_EQ(d.decode, 2u);
 }
 
 TEST(PlannerPolicy, NoDecisionWithoutRegisteredWorkers) {
