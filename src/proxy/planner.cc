@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 
 #include "proxy/fleet.h"
@@ -110,6 +111,7 @@ double WindowQuantile(const std::vector<prometheus::ClientMetric::Bucket>& befor
 Planner::Planner(const FleetConfig& fleet, Fleet* workers, prometheus::Histogram* ttft,
                  prometheus::Histogram* itl, MetricsRegistry& registry)
     : config_(fleet.autoscale),
+      registry_(registry),
       fleet_(workers),
       ttft_(ttft),
       itl_(itl),
@@ -138,9 +140,21 @@ Planner::Planner(const FleetConfig& fleet, Fleet* workers, prometheus::Histogram
     desired_prefill_->Set(policy_.desired_prefill());
     desired_decode_->Set(policy_.desired_decode());
   }
+  registry_.OnScrape([this] { CountWorkers(); });
 }
 
-Planner::~Planner() { Stop(); }
+Planner::~Planner() {
+  registry_.OnScrape({});  // returns once no scrape runs CountWorkers any more
+  Stop();
+}
+
+void Planner::CountWorkers() {
+  std::array<uint32_t, 3> n{};
+  for (const WorkerRecord& w : fleet_->Workers()) ++n[static_cast<size_t>(w.role)];
+  fleet_prefill_->Set(n[static_cast<size_t>(router::WorkerRole::kPrefill)]);
+  fleet_decode_->Set(n[static_cast<size_t>(router::WorkerRole::kDecode)]);
+  fleet_both_->Set(n[static_cast<size_t>(router::WorkerRole::kBoth)]);
+}
 
 void Planner::Start() {
   std::lock_guard lock(mu_);
@@ -170,7 +184,6 @@ void Planner::Stop() {
 
 PlannerInputs Planner::Measure(double now_s) {
   PlannerInputs in;
-  uint32_t both = 0;
   double kv_sum = 0;
   uint32_t kv_known = 0;
   for (const WorkerRecord& w : fleet_->Workers()) {
@@ -191,13 +204,9 @@ PlannerInputs Planner::Measure(double now_s) {
         }
         break;
       case router::WorkerRole::kBoth:
-        ++both;
         break;
     }
   }
-  fleet_prefill_->Set(in.prefillers);
-  fleet_decode_->Set(in.decoders);
-  fleet_both_->Set(both);
   Snapshot now{now_s, Buckets(ttft_), Buckets(itl_), in.queued_prefill_tokens,
                kv_known > 0 ? kv_sum / kv_known : 0.0};
   while (snapshots_.size() > 1 && snapshots_[1].time_s <= now_s - config_.window_s) {

@@ -5,7 +5,8 @@
 // `tandem launch` (src/cli/autoscaler.h) or a Kubernetes HPA/KEDA object
 // (deploy/kubernetes/autoscale/) reads the result from /metrics:
 //   tandem_planner_desired_workers{role=prefill|decode}  (0 while disabled)
-//   tandem_fleet_workers{role=prefill|decode|both}       (registered workers)
+//   tandem_fleet_workers{role=prefill|decode|both}       (registered workers,
+//                                                          counted at each scrape)
 // Their `role` label is the workers' role, not the proxy's constant one.
 //
 // Inputs: TTFT and ITL p90 over the last autoscale.window_s (from the
@@ -116,8 +117,11 @@ class Planner {
     double kv_usage = 0;               // this tick's mean over the decoders
   };
   PlannerInputs Measure(double now_s);
+  // Counts the registered workers by role into the tandem_fleet_workers gauges.
+  void CountWorkers();
 
   const AutoscaleConfig config_;
+  MetricsRegistry& registry_;
   Fleet* const fleet_;
   prometheus::Histogram* const ttft_;
   prometheus::Histogram* const itl_;

@@ -322,7 +322,7 @@ TEST(Config, AutoscaleKeys) {
   EXPECT_NE(ErrorOf(std::string(kGood) + "autoscale:\n  kv_usage_target: 2\n")
                 .find("autoscale.kv_usage_target"),
             std::string::npos);
-  EXPECT_NE(ErrorOf(std::string(kGood) + "autoscale:\n  cooldown: 2\n").find("autoscale.cooldown"),
+  EXPECT_NE(ErrorOf(std::string(kGood) + "autoscale:\n  cooldown: 2\n").find("'cooldown' in 'autoscale'"),
             std::string::npos);
   EXPECT_NE(ErrorOf("model:\n  path: m\nboth:\n  replicas: 1\nautoscale:\n  enabled: true\n")
                 .find("autoscale.enabled"),

@@ -47,8 +47,9 @@ int StateWorkers(const std::string& state_path, const std::string& role) {
   const std::string text = ReadText(state_path);
   if (text.empty()) return -1;
   try {
+    const nlohmann::json j = nlohmann::json::parse(text);
     int n = 0;
-    for (const auto& w : nlohmann::json::parse(text).at("workers")) n += w.at("role") == role;
+    for (const auto& w : j.at("workers")) n += w.at("role") == role ? 1 : 0;
     return n;
   } catch (const std::exception&) {
     return -1;
@@ -70,7 +71,7 @@ TEST(AutoscaleFleet, LauncherStartsAndDrainsWorkersFollowingThePlanner) {
       "  decode:\n    min: 1\n    max: 2\n  interval_s: 0.2\n  window_s: 1.5\n"
       "  scale_up_cooldown_s: 0.5\n  scale_down_cooldown_s: 2\n"
       // Far below any real TTFT/ITL: every request counts as over target.
-      "  ttft_target_ms: 1\n  itl_target_ms: 0.01\n",
+      "  ttft_target_ms: 1\n  itl_target_ms: 0.1\n",
       TANDEM_SOURCE_DIR);
   o.proxy_yaml = "  drain_seconds: 10\n";
   auto fleet = Fleet::Launch(o);
@@ -79,7 +80,7 @@ TEST(AutoscaleFleet, LauncherStartsAndDrainsWorkersFollowingThePlanner) {
   const std::string metrics = (*fleet)->proxy_metrics();
   const std::string state =
       (std::filesystem::path((*fleet)->config_path()).parent_path() / "state.json").string();
-  ASSERT_EQ(StateWorkers(state, "prefill"), 1);
+  ASSERT_EQ(StateWorkers(state, "prefill"), 1) << state << ": " << ReadText(state);
   ASSERT_EQ(StateWorkers(state, "decode"), 1);
   {
     auto m = Scrape(metrics);
