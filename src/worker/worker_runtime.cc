@@ -187,7 +187,14 @@ struct Worker {
       m.quarantine_released_dead = c.quarantine_released_dead;
       m.checksum_failures = c.checksum_failures;
     }
-    if (prefiller) m.queued_prefills = prefiller->counts().queued;
+    m.fair_share_deficit_tokens = m.engine.fair_share_deficit_tokens;
+    if (prefiller) {
+      const prefiller::PrefillerCounts pc = prefiller->counts();
+      m.queued_prefills = pc.queued;
+      for (const auto& [tenant, tokens] : pc.fair_share_deficit_tokens) {
+        m.fair_share_deficit_tokens[tenant] += tokens;
+      }
+    }
     metrics->Update(m);
     if (prefiller && dropped_target_lost) {
       const prefiller::PrefillerCounts c = prefiller->counts();
@@ -307,6 +314,9 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   }
   WorkerMetrics* metrics = w.metrics.get();
   eo.on_onboard = [metrics](double seconds) { metrics->ObserveOnboard(seconds); };
+  eo.on_queue_time = [metrics](int32_t priority, const std::string& tenant, double seconds) {
+    metrics->ObserveQueueTime(priority, tenant, seconds);
+  };
   eo.on_step = [metrics](const engine::StepStats& st) {
     if (st.num_prefill_tokens == 0 && st.num_decode_tokens > 0) metrics->ObserveDecodeStep(st.seconds);
   };
