@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include <signal.h>
+#include <unistd.h>
 
 #include <iostream>
 
@@ -11,7 +12,9 @@
 #include "cli/ready.h"
 #include "common/config.h"
 #include "common/logging.h"
+#include "common/net.h"
 #include "common/tls.h"
+#include "common/tracing_otlp.h"
 #include "http/http_server.h"
 #include "proxy/proxy_server.h"
 
@@ -64,6 +67,16 @@ int RunProxy(const ProxyArgs& a, const GlobalOptions& g) {
     return 1;
   }
   const auto& addr = (*server)->addresses();
+  {
+    auto hp = ParseHostPort(addr.grpc);
+    const std::string instance =
+        hp.ok() ? fmt::format("proxy-{}", hp->port) : fmt::format("proxy-{}", getpid());
+    if (Status s = tracing::StartTracing(cfg->observability, "tandem-proxy", instance); !s.ok()) {
+      spdlog::error("proxy not started: {}", s.ToString());
+      (*server)->Shutdown(0);
+      return 1;
+    }
+  }
   WriteReadyLine(a.ready_fd, addr.grpc, addr.metrics, addr.http, addr.internal);
   int sig = 0;
   while ((sig = WaitForTermination()) == SIGHUP) {
@@ -78,6 +91,7 @@ int RunProxy(const ProxyArgs& a, const GlobalOptions& g) {
   }
   spdlog::info("signal {}: draining ({} requests in flight)", sig, (*server)->inflight());
   (*server)->Shutdown(static_cast<int>(cfg->proxy.drain_seconds * 1000));  // proxy.drain_seconds
+  tracing::Tracer::Get().Stop();  // exports the spans still queued
   return 0;
 }
 

@@ -183,6 +183,12 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.ReadEnum("format", c.logging.format, {"text", "json"});
     m.Finish();
   }
+  {
+    YamlMap m = top.Sub("observability");
+    m.ReadAddress("otlp_endpoint", c.observability.otlp_endpoint);
+    m.Read("trace_sample_ratio", c.observability.trace_sample_ratio, 0.0, 1.0);
+    m.Finish();
+  }
   ReadSecurity(top.Sub("security"), c.security);
   if (top.Has("sim")) {
     YamlMap m = top.Sub("sim");

@@ -160,6 +160,12 @@ struct LoggingConfig {
   std::string format = "text";  // text | json (one JSON object per line)
 };
 
+// observability (docs/observability.md): OTLP/gRPC span export.
+struct ObservabilityConfig {
+  std::string otlp_endpoint;       // host:port of an OTLP/gRPC collector; "" = tracing off
+  double trace_sample_ratio = 0;   // 0..1: share of requests traced without a client traceparent
+};
+
 // One group of identical workers. A port of 0 picks a free port; a port P
 // with N replicas gives ports P .. P+N-1.
 struct RoleConfig {
@@ -179,6 +185,7 @@ struct FleetConfig {
   RouterConfig router;
   TransportConfig transport;
   LoggingConfig logging;
+  ObservabilityConfig observability;
   SecurityConfig security;
   SimConfig sim;
   RoleConfig prefill;

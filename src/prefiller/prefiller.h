@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "common/tracing.h"
 #include "engine/engine.h"
 #include "kvtransfer/transport.h"
 #include "prefiller/kv_sealer.h"
@@ -52,6 +53,9 @@ struct PrefillJob {
   std::string decoder_name;
   uint32_t first_sample_index = 0;  // migration: output tokens produced elsewhere
   std::string cache_salt;  // the tenant's (engine::GenerateRequest::cache_salt)
+  // This prefill's span (a child of the proxy's; common/tracing.h). The
+  // Reserve call carries it to the decoder. Not sampled: no span.
+  tracing::SpanContext trace;
 };
 
 struct PrefillResult {
@@ -183,6 +187,7 @@ class Prefiller {
     bool parked = false;  // prefill done: blocks pinned until ReleasePrefill
     std::shared_ptr<PushStream> push;  // set once the peer is known
     std::chrono::steady_clock::time_point submitted, transfer_started;
+    std::chrono::steady_clock::time_point queued_at;  // Submit (for its trace spans)
     PrefillResult result;
   };
   using JobPtr = std::shared_ptr<Job>;
@@ -200,6 +205,9 @@ class Prefiller {
   // Tells the decoder we gave up (when it holds a reservation for us);
   // call only once no data transfer of the job can land any more.
   void SendErrorNotice(const JobPtr& job, const Status& why);
+  // With mu_ held, when job.spec.trace is sampled: the prefill's spans
+  // (queue, reserve, compute, KV push) as the job ends with `result`.
+  void TraceLocked(const Job& job, const Result<PrefillResult>& result) const;
   // Ends the job (first call wins) and runs its `done`.
   void Complete(const JobPtr& job, Result<PrefillResult> result);
   static Status UnknownError();

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "common/tracing.h"
 
 namespace tandem::proxy {
 
@@ -70,6 +71,9 @@ struct ValidatedRequest {
   // The tenant's cache salt (HashContext::tenant_salt); "" for the default
   // tenant. Set by the front end after authentication, not by validation.
   std::string tenant_salt;
+  // The proxy's span for this request (common/tracing.h); set by the front
+  // end from the client's traceparent. Not sampled: no span, no cost.
+  tracing::SpanContext trace;
 };
 
 using EncodeFn = std::function<std::vector<uint32_t>(std::string_view text)>;

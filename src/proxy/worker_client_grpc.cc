@@ -50,6 +50,7 @@ class DecodeCall final : public grpc::ClientReadReactor<pb::DecodeResponse>,
     req_.set_prefill_locally(args.prefill_locally);
     req_.set_tenant_salt(args.tenant_salt);
     req_.set_attempt(args.attempt);
+    if (!args.traceparent.empty()) ctx_.AddMetadata("traceparent", args.traceparent);
     if (args.deadline != std::chrono::system_clock::time_point::max()) {
       ctx_.set_deadline(args.deadline);
     }
@@ -202,6 +203,7 @@ std::shared_ptr<Call> GrpcWorkerClient::Prefill(const std::string& address, Pref
   call->req.set_decoder_name(args.decoder_name);
   call->req.set_tenant_salt(args.tenant_salt);
   call->req.set_attempt(args.attempt);
+  if (!args.traceparent.empty()) call->ctx.AddMetadata("traceparent", args.traceparent);
   if (args.deadline != std::chrono::system_clock::time_point::max()) {
     call->ctx.set_deadline(args.deadline);
   }

@@ -18,6 +18,7 @@
 #include "common/metrics.h"
 #include "common/net.h"
 #include "common/rpc_server.h"
+#include "common/tracing_otlp.h"
 #include "decoder/decoder.h"
 #include "decoder/decoder_service.h"
 #include "engine/engine.h"
@@ -438,6 +439,15 @@ int RunWorker(const WorkerCommand& cmd) {
     return 1;
   }
 
+  {
+    const std::string service = cmd.role == "prefill" ? "tandem-prefill"
+                                : cmd.role == "decode" ? "tandem-decode"
+                                                       : "tandem-both";
+    if (Status s = tracing::StartTracing(w->fleet.observability, service, name); !s.ok()) {
+      std::cerr << fmt::format("tandem {}: {}\n", cmd.role, s.message());
+      return 1;
+    }
+  }
   if (auto creds = InternalCredentials(w->fleet.security, {cmd.tls_ca, cmd.tls_cert, cmd.tls_key});
       creds.ok()) {
     w->credentials = std::move(creds).value();
@@ -472,6 +482,7 @@ int RunWorker(const WorkerCommand& cmd) {
   spdlog::info("{} received signal {}: draining (up to {} s)", name, sig, cmd.drain_seconds);
   Drain(*w, cmd.drain_seconds);
   w.reset();  // then the metrics exposer, the transport (UCX) and the model
+  tracing::Tracer::Get().Stop();  // exports the spans still queued
   spdlog::info("{} stopped", name);
   return 0;
 }

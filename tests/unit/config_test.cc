@@ -68,6 +68,29 @@ TEST(Config, TransportPushIsStreamingOrAfterPrefill) {
             "got 'eager'");
 }
 
+TEST(Config, ObservabilityTracingIsOffByDefault) {
+  auto d = Parse("model:\n  path: m\nboth:\n  replicas: 1\n");
+  ASSERT_TRUE(d.ok()) << d.status().message();
+  EXPECT_EQ(d->observability.otlp_endpoint, "");
+  EXPECT_EQ(d->observability.trace_sample_ratio, 0.0);
+  auto r = Parse(
+      "model:\n  path: m\nobservability:\n  otlp_endpoint: 127.0.0.1:4317\n"
+      "  trace_sample_ratio: 0.25\nboth:\n  replicas: 1\n");
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->observability.otlp_endpoint, "127.0.0.1:4317");
+  EXPECT_EQ(r->observability.trace_sample_ratio, 0.25);
+  const std::string ratio = ErrorOf(
+      "model:\n  path: m\nobservability:\n  trace_sample_ratio: 1.5\nboth:\n  replicas: 1\n");
+  EXPECT_NE(ratio.find("observability.trace_sample_ratio"), std::string::npos) << ratio;
+  EXPECT_NE(ratio.find("configs/x.yaml:4"), std::string::npos) << ratio;
+  const std::string endpoint = ErrorOf(
+      "model:\n  path: m\nobservability:\n  otlp_endpoint: collector\nboth:\n  replicas: 1\n");
+  EXPECT_NE(endpoint.find("observability.otlp_endpoint"), std::string::npos) << endpoint;
+  const std::string unknown = ErrorOf(
+      "model:\n  path: m\nobservability:\n  otlp: x\nboth:\n  replicas: 1\n");
+  EXPECT_NE(unknown.find("unknown key 'otlp' in 'observability'"), std::string::npos) << unknown;
+}
+
 TEST(Config, TransportChecksumIsOnByDefaultAndCanBeTurnedOff) {
   auto d = Parse("model:\n  path: m\nboth:\n  replicas: 1\n");
   ASSERT_TRUE(d.ok()) << d.status().message();
