@@ -65,6 +65,11 @@ PrefillerCounts Prefiller::counts() const {
   c.inflight = static_cast<uint32_t>(jobs_.size() - queue_.size());
   c.queued_prompt_tokens = 0;
   for (const auto& j : queue_) c.queued_prompt_tokens += static_cast<uint32_t>(j->spec.prompt_ids.size());
+  for (const auto& [tenant, tokens] : fair_.served()) c.fair_share_deficit_tokens[tenant] = 0;
+  for (const auto& j : queue_) {
+    const double behind = fair_.SystemTime() - fair_.VirtualTime(j->spec.tenant);
+    c.fair_share_deficit_tokens[j->spec.tenant] = std::max(0.0, behind * j->spec.tenant_weight);
+  }
   return c;
 }
 
@@ -84,7 +89,6 @@ Status Prefiller::Submit(PrefillJob spec, PrefillDone done) {
   }
   job->spec = std::move(spec);
   job->done = std::move(done);
-  if (job->spec.trace.sampled) job->queued_at = SteadyClock::now();
   {
     std::lock_guard lock(mu_);
     if (draining_) return UnavailableError("this prefiller is shutting down");
@@ -95,6 +99,9 @@ Status Prefiller::Submit(PrefillJob spec, PrefillDone done) {
       return ResourceExhaustedError(fmt::format("prefill queue is full ({} requests)", options_.max_queue));
     }
     jobs_.emplace(job->spec.request_id, job);
+    job->arrival = ++next_arrival_;
+    job->queued_at = SteadyClock::now();
+    fair_.Enqueue(job->spec.tenant, job->spec.tenant_weight);
     queue_.push_back(job);
     LogRequest(spdlog::level::debug, job->spec.request_id,
                "queued ({} prompt tokens, {} ahead) for decoder '{}'",
@@ -140,8 +147,13 @@ void Prefiller::DispatchLoop(std::stop_token stop) {
     {
       std::lock_guard lock(mu_);
       if (queue_.empty() || admitting_ != 0) continue;
-      job = queue_.front();
-      queue_.pop_front();
+      auto next = fair_.PickNext(queue_.begin(), queue_.end(), [](const JobPtr& j) {
+        return engine::QueueKey{j->spec.priority, &j->spec.tenant, j->arrival};
+      });
+      job = *next;
+      queue_.erase(next);
+      fair_.Picked(job->spec.tenant);
+      fair_.Charge(job->spec.tenant, job->spec.prompt_ids.size());
       job->stage = Stage::kReserving;
       job->reserve_sent = SteadyClock::now();
       ++admitting_;
@@ -255,6 +267,10 @@ void Prefiller::OnReserved(const JobPtr& job, Result<ReserveTarget> target) {
   req.prefill_only = true;
   req.first_sample_index = job->spec.first_sample_index;
   req.cache_salt = job->spec.cache_salt;
+  req.priority = job->spec.priority;
+  req.tenant = job->spec.tenant;
+  req.tenant_weight = job->spec.tenant_weight;
+  req.queued_since = job->queued_at;  // queue time counts the service queue too
   req.on_output = [this, job](const engine::RequestOutput& out) { OnOutput(job, out); };
   if (options_.push_mode == PushMode::kStreaming) {
     // job->push and lease_deadline are written before Submit and never after.
