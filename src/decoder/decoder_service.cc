@@ -9,6 +9,7 @@
 
 #include "common/rpc_server.h"
 #include "common/stream_writer.h"
+#include "common/token_merge.h"
 #include "common/tracing.h"
 #include "decoder/kv_notice.h"
 #include "tandem/v1/worker.grpc.pb.h"
@@ -39,7 +40,7 @@ class DecodeStream final : public grpc::ServerWriteReactor<pb::DecodeResponse> {
   class Sink final : public DecodeSink {
    public:
     Sink(DecodeStream* stream, std::string request_id, tracing::SpanContext trace)
-        : writer_(stream), request_id_(std::move(request_id)), trace_(trace),
+        : writer_(stream, &MergeDecodeTokens), request_id_(std::move(request_id)), trace_(trace),
           start_unix_ns_(trace.sampled ? tracing::NowUnixNs() : 0) {}
     void OnTokens(uint32_t first_index, std::vector<uint32_t> token_ids) override {
       pb::DecodeResponse m;
