@@ -84,7 +84,7 @@ Result<Child*> Supervisor::Start(ChildSpec spec, std::chrono::milliseconds timeo
     _exit(127);
   }
   close(fds[1]);
-  children_.push_back(Child{std::move(spec), pid, "", "", "", true, 0});
+  children_.push_back(Child{std::move(spec), pid, "", "", "", true, 0, "", false});
   Child* child = &children_.back();
 
   // Read the ready line, watching for the child's death meanwhile.
@@ -174,7 +174,8 @@ void Supervisor::ReapExited() {
   }
 }
 
-int Supervisor::WaitForSignalOrDeath(const std::vector<std::string>& stop_if_dead) {
+int Supervisor::WaitForSignalOrDeath(const std::vector<std::string>& stop_if_dead,
+                                     std::string* died) {
   while (true) {
     pollfd p{signal_fd_, POLLIN, 0};
     if (poll(&p, 1, 1000) > 0) {
@@ -187,9 +188,13 @@ int Supervisor::WaitForSignalOrDeath(const std::vector<std::string>& stop_if_dea
       }
     }
     ReapExited();
-    for (const auto& c : children_) {
+    for (auto& c : children_) {
       for (const auto& name : stop_if_dead) {
-        if (!c.alive && c.spec.name == name) return 0;
+        if (!c.alive && !c.death_reported && c.spec.name == name) {
+          c.death_reported = true;
+          if (died != nullptr) *died = name;
+          return 0;
+        }
       }
     }
   }
