@@ -24,7 +24,8 @@ echo "|---|---|---|---|---|---|---|---|---|"
 for n in ${REPLICAS:-1 2 4}; do
   out=$raw/proxy_replicas${TAG}_$n
   python3 bench/sim/run_sim.py --tandem "$build/tandem" --config configs/sim-4p4d.yaml \
-    --set proxy.replicas=$n --set logging.level=warn --out "$out" -- \
+    --set proxy.replicas=$n --set logging.level=warn --set proxy.grpc=127.0.0.1:0 \
+    --set proxy.http=127.0.0.1:0 --set proxy.metrics=127.0.0.1:0 --out "$out" -- \
     --label "replicas-$n" --all-proxies --trace "$trace" --trace-skip 3600 \
     --trace-block-tokens 16 --num-requests 300 --time-scale "$TIME_SCALE" --duration 90 \
     --ignore-eos --seed 5 > /dev/null
