@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -44,6 +45,19 @@ std::string WriteKeys(const std::string& name, const std::string& yaml) {
   std::filesystem::create_directories(dir);
   std::ofstream(dir + "/keys.yaml") << yaml;
   return dir + "/keys.yaml";
+}
+
+// The value of the one series of `metric` whose labels contain both
+// `label_a` and `label_b` (-1 when there is none).
+double SeriesValue(const std::string& text, const std::string& metric, const std::string& label_a,
+                   const std::string& label_b) {
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(metric + "{", 0) != 0) continue;
+    if (line.find(label_a) == std::string::npos || line.find(label_b) == std::string::npos) continue;
+    return std::stod(line.substr(line.rfind(' ') + 1));
+  }
+  return -1;
 }
 
 // Requests of one tenant kept `concurrency` in flight (closed loop) from a
@@ -219,6 +233,22 @@ TEST(PriorityFleet, PriorityCutsThroughAFlood) {
               idle_p50 * 1e3, busy_p50 * 1e3, busy_p50 / idle_p50,
               lg::Percentile(idle, 90) * 1e3, lg::Percentile(busy, 90) * 1e3, flood_ok);
   EXPECT_LE(busy_p50, 3.0 * idle_p50);
+
+  // Queue time per priority and tenant (docs/scheduling.md): every request
+  // was observed once on each worker, under its own labels.
+  for (const WorkerAddr& w : (*fleet)->workers()) {
+    auto text = Scrape(w.metrics);
+    ASSERT_TRUE(text.ok()) << text.status().ToString();
+    EXPECT_EQ(SeriesValue(*text, "tandem_queue_time_seconds_count", "priority=\"10\"",
+                          "tenant=\"flood\""),
+              double(flood_replies.size()))
+        << w.name;
+    EXPECT_EQ(SeriesValue(*text, "tandem_queue_time_seconds_count", "priority=\"0\"",
+                          "tenant=\"vip\""),
+              43.0)  // 3 + 20 + 20 probes
+        << w.name;
+    EXPECT_NE(text->find("tandem_fair_share_deficit_tokens{"), std::string::npos);
+  }
   EXPECT_EQ(WaitFleetIdle((*fleet)->workers(), (*fleet)->proxy_metrics(),
                           std::chrono::milliseconds(30000)),
             "");
