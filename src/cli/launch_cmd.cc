@@ -21,11 +21,12 @@
 #include <unistd.h>
 
 #include <algorithm>
-
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 
+#include "cli/autoscaler.h"
 #include "cli/commands.h"
 #include "cli/launch_tls.h"
 #include "cli/supervisor.h"
@@ -99,7 +100,7 @@ Status WriteStateFile(const std::string& path, const Supervisor& sup,
   }
   if (!proxies.empty()) state["proxy"] = state["proxies"][0];
   for (const auto& c : sup.children()) {
-    if (c.spec.role != "proxy") {
+    if (c.spec.role != "proxy" && c.alive && !c.draining) {  // autoscaled workers come and go
       state["workers"].push_back({{"role", c.spec.role},
                                   {"name", c.spec.name},
                                   {"grpc", c.grpc},
@@ -124,6 +125,15 @@ Status WriteStateFile(const std::string& path, const Supervisor& sup,
   fs::rename(tmp, path, ec);
   if (ec) return InternalError(fmt::format("cannot rename {} to {}: {}", tmp, path, ec.message()));
   return Status::Ok();
+}
+
+// Workers of `role` started at launch: the fleet file's replicas, brought
+// into autoscale.{prefill,decode}.{min,max} when autoscaling.
+uint32_t InitialReplicas(const FleetConfig& cfg, const std::string& role) {
+  const RoleConfig& rc = role == "prefill" ? cfg.prefill : role == "decode" ? cfg.decode : cfg.both;
+  if (!cfg.autoscale.enabled || role == "both") return rc.replicas;
+  const AutoscaleRoleConfig& b = role == "prefill" ? cfg.autoscale.prefill : cfg.autoscale.decode;
+  return std::clamp(rc.replicas, b.min, b.max);
 }
 
 void PrintTable(const Supervisor& sup) {
@@ -282,24 +292,27 @@ int RunLaunch(const std::string& config_path, const std::string& state_file,
     p.started = std::chrono::steady_clock::now();
     join += (join.empty() ? "" : ",") + p.child->internal;
   }
-  uint32_t num_workers = 0;
+  auto start_worker = [&](const std::string& role, uint32_t i) -> Status {
+    const RoleConfig& rc = role == "prefill" ? cfg->prefill
+                           : role == "decode" ? cfg->decode
+                                              : cfg->both;
+    const std::string name = fmt::format("{}-{}", role, i);
+    TANDEM_ASSIGN_OR_RETURN(
+        auto argv, with_tls(name, {rc.grpc},
+                            make(role, {"--join", join, "--name", name, "--grpc",
+                                        NthAddress(rc.grpc, i), "--metrics",
+                                        NthAddress(rc.metrics, i), "--drain-seconds",
+                                        fmt::format("{}", cfg->proxy.drain_seconds)})));
+    return sup.Start({name, role, argv}, 300s).status();
+  };
+  std::map<std::string, uint32_t> started;  // per role: workers started at launch
   for (const auto* role : {"decode", "prefill", "both"}) {
-    const RoleConfig& rc = std::string(role) == "prefill" ? cfg->prefill
-                           : std::string(role) == "decode" ? cfg->decode
-                                                           : cfg->both;
-    for (uint32_t i = 0; i < rc.replicas; ++i) {
-      const std::string name = fmt::format("{}-{}", role, i);
-      auto argv = with_tls(name, {rc.grpc},
-                           make(role, {"--join", join, "--name", name, "--grpc",
-                                       NthAddress(rc.grpc, i), "--metrics",
-                                       NthAddress(rc.metrics, i), "--drain-seconds",
-                                       fmt::format("{}", cfg->proxy.drain_seconds)}));
-      auto w = argv.ok() ? sup.Start({name, role, *argv}, 300s) : Result<Child*>(argv.status());
-      if (!w.ok()) {
-        spdlog::error("fleet not started: {}", w.status().message());
+    started[role] = InitialReplicas(*cfg, role);
+    for (uint32_t i = 0; i < started[role]; ++i) {
+      if (Status s = start_worker(role, i); !s.ok()) {
+        spdlog::error("fleet not started: {}", s.message());
         return 1;  // ~Supervisor stops what did start
       }
-      ++num_workers;
     }
   }
   auto write_state = [&]() -> Status {
@@ -323,15 +336,41 @@ int RunLaunch(const std::string& config_path, const std::string& state_file,
 
   std::vector<std::string> proxy_names;
   for (const auto& p : proxies) proxy_names.push_back(p.name);
+  // Live workers, not draining: what a restarted proxy waits for.
+  auto serving_workers = [&sup] {
+    return static_cast<uint32_t>(
+        std::count_if(sup.children().begin(), sup.children().end(), [](const Child& c) {
+          return c.spec.role != "proxy" && c.alive && !c.draining;
+        }));
+  };
+  // docs/scheduling.md, "Autoscaling": follow the planner of proxy 0 (the
+  // first replica; a restarted one keeps its metrics address).
+  std::unique_ptr<Autoscaler> scaler;
+  auto poll = std::chrono::milliseconds(std::chrono::hours(24));
+  if (cfg->autoscale.enabled) {
+    scaler = std::make_unique<Autoscaler>(cfg->autoscale, proxies[0].child->metrics, &sup,
+                                          start_worker, started);
+    poll = std::chrono::milliseconds(static_cast<int64_t>(cfg->autoscale.interval_s * 1000));
+  }
   int sig = 0;
+  size_t exited = 0;
   while (true) {
     std::string died;
-    sig = sup.WaitForSignalOrDeath(proxy_names, &died);
-    if (sig != 0) break;
+    sig = sup.WaitForSignalOrDeath(proxy_names, poll, &died);
+    if (sig > 0) break;
+    if (sig < 0) {  // the autoscaler's poll interval passed
+      const size_t now_exited = static_cast<size_t>(std::count_if(
+          sup.children().begin(), sup.children().end(), [](const Child& c) { return !c.alive; }));
+      if (scaler && (scaler->Poll() || now_exited != exited)) {
+        if (auto s = write_state(); !s.ok()) spdlog::error("{}", s.message());
+      }
+      exited = now_exited;
+      continue;
+    }
     ProxySlot& p = *std::find_if(proxies.begin(), proxies.end(),
                                  [&](const ProxySlot& x) { return x.name == died; });
     if (cfg->proxy.restart) {
-      if (Status s = RestartProxy(sup, p, make, num_workers); !s.ok()) {
+      if (Status s = RestartProxy(sup, p, make, serving_workers()); !s.ok()) {
         spdlog::error("{} not restarted: {}", p.name, s.message());
       } else if (auto w = write_state(); !w.ok()) {
         spdlog::error("{}", w.message());
