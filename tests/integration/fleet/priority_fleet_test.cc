@@ -11,6 +11,9 @@
 // The numbers are printed (and recorded in bench/results/slo_priority.md).
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -45,6 +48,33 @@ std::string WriteKeys(const std::string& name, const std::string& yaml) {
   std::filesystem::create_directories(dir);
   std::ofstream(dir + "/keys.yaml") << yaml;
   return dir + "/keys.yaml";
+}
+
+// POST /v1/completions with `body` and `key` on a fresh connection
+// (Connection: close); the whole response ("" when the connection failed).
+std::string HttpCompletion(const std::string& address, const std::string& key,
+                           const std::string& body) {
+  const auto colon = address.rfind(':');
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(static_cast<uint16_t>(std::stoi(address.substr(colon + 1))));
+  inet_pton(AF_INET, address.substr(0, colon).c_str(), &sa.sin_addr);
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return "";
+  timeval tv{30, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: t\r\nConnection: close\r\n"
+                          "Content-Type: application/json\r\nAuthorization: Bearer " + key +
+                          "\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" +
+                          body;
+  std::string out;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0 &&
+      send(fd, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size())) {
+    char buf[4096];
+    for (ssize_t n; (n = recv(fd, buf, sizeof buf, 0)) > 0;) out.append(buf, static_cast<size_t>(n));
+  }
+  close(fd);
+  return out;
 }
 
 // The value of the one series of `metric` whose labels contain both
@@ -204,6 +234,16 @@ TEST(PriorityFleet, PriorityCutsThroughAFlood) {
     EXPECT_NE(reply.status.message().find("min_priority"), std::string::npos);
   }
 
+  // The same over HTTP (the body field `priority`, as vLLM).
+  {
+    const std::string body = R"({"prompt": [5, 6, 7], "max_tokens": 2, "priority": 0})";
+    const std::string refused = HttpCompletion((*fleet)->proxy_http(), "key-flood", body);
+    EXPECT_EQ(refused.rfind("HTTP/1.1 400", 0), 0u) << refused;
+    EXPECT_NE(refused.find("min_priority"), std::string::npos) << refused;
+    const std::string ok = HttpCompletion((*fleet)->proxy_http(), "key-vip", body);
+    EXPECT_EQ(ok.rfind("HTTP/1.1 200", 0), 0u) << ok;
+  }
+
   Probe(*client, "key-vip", "warm", 3);  // first-use costs out of the way
   const std::vector<double> idle = Probe(*client, "key-vip", "idle", 20);
   ASSERT_EQ(idle.size(), 20u);
@@ -245,7 +285,7 @@ TEST(PriorityFleet, PriorityCutsThroughAFlood) {
         << w.name;
     EXPECT_EQ(SeriesValue(*text, "tandem_queue_time_seconds_count", "priority=\"0\"",
                           "tenant=\"vip\""),
-              43.0)  // 3 + 20 + 20 probes
+              44.0)  // 1 over HTTP + 3 + 20 + 20 probes
         << w.name;
     EXPECT_NE(text->find("tandem_fair_share_deficit_tokens{"), std::string::npos);
   }
