@@ -8,6 +8,7 @@
 
 #include "common/rpc_server.h"
 #include "common/stream_writer.h"
+#include "common/token_merge.h"
 #include "decoder/kv_notice.h"
 #include "tandem/v1/worker.grpc.pb.h"
 #include "worker/attempt_key.h"
@@ -37,7 +38,7 @@ class DecodeStream final : public grpc::ServerWriteReactor<pb::DecodeResponse> {
   class Sink final : public DecodeSink {
    public:
     Sink(DecodeStream* stream, std::string request_id)
-        : writer_(stream), request_id_(std::move(request_id)) {}
+        : writer_(stream, &MergeDecodeTokens), request_id_(std::move(request_id)) {}
     void OnTokens(uint32_t first_index, std::vector<uint32_t> token_ids) override {
       pb::DecodeResponse m;
       m.set_request_id(request_id_);

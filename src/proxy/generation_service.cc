@@ -11,6 +11,7 @@
 
 #include "common/rpc_server.h"
 #include "common/stream_writer.h"
+#include "common/token_merge.h"
 
 namespace tandem::proxy {
 namespace {
@@ -62,7 +63,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   // Writes and Finish made here are held by gRPC until the handler returns
   // this reactor, so nothing can end the call while the constructor runs.
   GenerateReactor(Frontend* fe, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* bytes)
-      : fe_(fe), ctx_(ctx), writer_(this) {
+      : fe_(fe), ctx_(ctx), writer_(this, &MergeGenerateDelta) {
     // TTFT and e2e count from here: validation and tokenization included.
     const auto arrival = std::chrono::steady_clock::now();
     writer_.Open();
@@ -122,7 +123,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
     sink.on_delta = [this](std::vector<uint32_t> ids, std::string text) {
       pb::GenerateResponse r;
       r.set_request_id(request_id_);
-      for (uint32_t t : ids) r.add_token_ids(t);
+      r.mutable_token_ids()->Add(ids.begin(), ids.end());
       r.set_text(std::move(text));
       writer_.Write(std::move(r));
     };
