@@ -77,6 +77,9 @@ struct ProxyConfig {
   double drain_seconds = 30.0;         // SIGTERM: grace for in-flight requests
   double liveness_timeout_seconds = 2.0;  // a worker silent this long leaves routing
   ProxyLimitsConfig limits;            // proxy.limits
+  // Issue 21, proxy replicas (docs/serving-workers.md, "Proxy replicas").
+  uint32_t replicas = 1;  // `tandem launch` starts this many proxies; ports: port + index
+  bool restart = true;    // the launcher restarts a proxy that dies (signal, non-zero exit)
 };
 
 struct RouterConfig {

@@ -232,6 +232,24 @@ TEST(Config, SecurityApiKeysFile) {
             std::string::npos);
 }
 
+// proxy.replicas and proxy.restart (issue 21): defaults, values, limits.
+TEST(Config, ProxyReplicas) {
+  auto d = Parse(kGood);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->proxy.replicas, 1u);
+  EXPECT_TRUE(d->proxy.restart);
+  auto r = Parse(std::string(kGood) + "proxy:\n  replicas: 4\n  restart: false\n");
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->proxy.replicas, 4u);
+  EXPECT_FALSE(r->proxy.restart);
+  EXPECT_NE(ErrorOf(std::string(kGood) + "proxy:\n  replicas: 0\n").find("proxy.replicas"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf(std::string(kGood) + "proxy:\n  replicas: 65\n").find("proxy.replicas"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf(std::string(kGood) + "proxy:\n  restart: maybe\n").find("proxy.restart"),
+            std::string::npos);
+}
+
 // proxy.limits (issue 19, docs/configuration.md): defaults and range checks.
 TEST(Config, ProxyLimits) {
   auto d = Parse(kGood);
