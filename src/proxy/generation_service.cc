@@ -12,6 +12,7 @@
 #include "common/rpc_server.h"
 #include "common/stream_writer.h"
 #include "common/token_merge.h"
+#include "common/tracing.h"
 
 namespace tandem::proxy {
 namespace {
@@ -97,14 +98,21 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
     // thread; the result comes back through guard_ unless the call ended.
     guard_ = std::make_shared<Guard>();
     guard_->owner = this;
+    // W3C trace context in the metadata (read only when tracing is on).
+    std::string traceparent;
+    if (tracing::Tracer::Get().enabled()) {
+      auto it = ctx_->client_metadata().find("traceparent");
+      if (it != ctx_->client_metadata().end()) traceparent.assign(it->second.data(), it->second.size());
+    }
     fe_->work().Submit([guard = guard_, fe = fe_, bytes = grpc::ByteBuffer(*bytes),
-                        tenant = tenant_, arrival] {
+                        tenant = tenant_, arrival, traceparent = std::move(traceparent)] {
       pb::wire::GenerateRequestBytes req;
       Status st = Parse(bytes, req);
       if (st.ok()) st = ExplainEmptyPrompt(req);
       double retry_after = 0;
       Result<ValidatedRequest> v = st.ok() ? fe->Validate(FromProto(req), tenant, &retry_after)
                                            : Result<ValidatedRequest>(st);
+      if (v.ok()) v->trace = tracing::Tracer::Get().StartRequest(traceparent);
       std::lock_guard lock(guard->mu);
       if (guard->owner != nullptr) guard->owner->Validated(std::move(v), retry_after, arrival);
     });

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "common/tracing.h"
 
 namespace tandem::proxy {
 
@@ -87,6 +88,9 @@ struct ValidatedRequest {
   int32_t priority = 0;
   std::string tenant;
   double tenant_weight = 1.0;
+  // The proxy's span for this request (common/tracing.h); set by the front
+  // end from the client's traceparent. Not sampled: no span, no cost.
+  tracing::SpanContext trace;
 };
 
 // Largest ttft_slo_ms / tpot_slo_ms a request may give (one hour).

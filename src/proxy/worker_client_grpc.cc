@@ -53,6 +53,7 @@ class DecodeCall final : public grpc::ClientReadReactor<pb::DecodeResponse>,
     req_.set_priority(args.params.priority);
     req_.set_tenant(args.params.tenant);
     req_.set_tenant_weight(args.params.tenant_weight);
+    if (!args.traceparent.empty()) ctx_.AddMetadata("traceparent", args.traceparent);
     if (args.deadline != std::chrono::system_clock::time_point::max()) {
       ctx_.set_deadline(args.deadline);
     }
@@ -208,6 +209,7 @@ std::shared_ptr<Call> GrpcWorkerClient::Prefill(const std::string& address, Pref
   call->req.set_priority(args.params.priority);
   call->req.set_tenant(args.params.tenant);
   call->req.set_tenant_weight(args.params.tenant_weight);
+  if (!args.traceparent.empty()) call->ctx.AddMetadata("traceparent", args.traceparent);
   if (args.deadline != std::chrono::system_clock::time_point::max()) {
     call->ctx.set_deadline(args.deadline);
   }
