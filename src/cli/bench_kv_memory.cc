@@ -71,6 +71,19 @@ Result<uint64_t> BenchPool::Checksum(uint32_t first, uint32_t stride, uint32_t c
   return h;
 }
 
+Status CheckMemoryUsable(const std::string& memory) {
+  if (memory != "device") return Status::Ok();
+#ifdef TANDEM_HAVE_CUDA_COPY_ENGINE
+  auto io = kv::CreateCudaCopyEngine(0);
+  if (!io.ok()) return io.status().WithContext("--memory device");
+  return Status::Ok();
+#else
+  return UnimplementedError(
+      "--memory device: this build has no CUDA (configure with -DTANDEM_CUDA=ON where nvcc is "
+      "installed, and run it on a machine with a GPU)");
+#endif
+}
+
 Result<BenchPool> CreateBenchPool(const std::string& memory, kv::TransportOptions options) {
   BenchPool p;
   if (memory == "host") {

@@ -34,6 +34,11 @@ struct BenchPool {
   Result<uint64_t> Checksum(uint32_t first, uint32_t stride, uint32_t count);
 };
 
+// OK when `memory` can be used on this machine: for device, a CUDA copy
+// engine on device 0 can be created (FAILED_PRECONDITION naming the device
+// otherwise). Touches no UCX, so it may run before the target is spawned.
+Status CheckMemoryUsable(const std::string& memory);
+
 // `memory`: host | staged | device. `options` as for CreateTransport.
 Result<BenchPool> CreateBenchPool(const std::string& memory, kvtransfer::TransportOptions options);
 
