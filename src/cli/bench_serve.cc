@@ -30,6 +30,8 @@ struct ServeArgs {
   std::string proxy;  // empty: 127.0.0.1:50051 (grpc) or 127.0.0.1:8000 (http)
   std::string state_file;
   std::string api_key;
+  std::string tenant_api_keys;  // NAME=KEY[:WEIGHT],...
+  std::string priority;         // P or P:WEIGHT,...
   std::string backend = "grpc";
   uint32_t vocab_size = 0;  // http: /v1/models does not list it
   std::string model;
@@ -96,6 +98,73 @@ std::string NowUtc() {
 }
 
 Status Fail(const std::string& msg) { return InvalidArgumentError(msg); }
+
+std::vector<std::string> SplitComma(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');) out.push_back(item);
+  return out;
+}
+
+Result<uint32_t> ParseWeight(const std::string& w, const std::string& flag, const std::string& item) {
+  char* end = nullptr;
+  const unsigned long v = std::strtoul(w.c_str(), &end, 10);
+  if (w.empty() || *end != '\0' || v < 1 || v > 1000000) {
+    return Fail(fmt::format("{}: weight '{}' in '{}' must be an integer in [1, 1000000]", flag, w,
+                            item));
+  }
+  return static_cast<uint32_t>(v);
+}
+
+// --tenant-api-keys NAME=KEY[:WEIGHT],...
+Result<std::vector<lg::RunOptions::TenantClass>> ParseTenantKeys(const std::string& spec) {
+  std::vector<lg::RunOptions::TenantClass> out;
+  for (const std::string& item : SplitComma(spec)) {
+    const size_t eq = item.find('=');
+    if (eq == std::string::npos || eq == 0 || eq + 1 == item.size()) {
+      return Fail(fmt::format("--tenant-api-keys: '{}' is not NAME=KEY[:WEIGHT]", item));
+    }
+    lg::RunOptions::TenantClass t;
+    t.name = item.substr(0, eq);
+    std::string key = item.substr(eq + 1);
+    if (const size_t colon = key.rfind(':'); colon != std::string::npos) {
+      auto w = ParseWeight(key.substr(colon + 1), "--tenant-api-keys", t.name);
+      if (!w.ok()) return w.status();
+      t.weight = *w;
+      key.resize(colon);
+    }
+    if (key.empty()) return Fail(fmt::format("--tenant-api-keys: tenant '{}' has an empty key", t.name));
+    t.api_key = key;
+    out.push_back(std::move(t));
+  }
+  if (out.empty()) return Fail("--tenant-api-keys is empty; give NAME=KEY[:WEIGHT],...");
+  return out;
+}
+
+// --priority P or P:WEIGHT,...
+Result<std::vector<lg::RunOptions::PriorityClass>> ParsePriorities(const std::string& spec) {
+  std::vector<lg::RunOptions::PriorityClass> out;
+  for (const std::string& item : SplitComma(spec)) {
+    lg::RunOptions::PriorityClass p;
+    std::string value = item;
+    if (const size_t colon = item.find(':'); colon != std::string::npos) {
+      auto w = ParseWeight(item.substr(colon + 1), "--priority", item);
+      if (!w.ok()) return w.status();
+      p.weight = *w;
+      value = item.substr(0, colon);
+    }
+    char* end = nullptr;
+    const long v = std::strtol(value.c_str(), &end, 10);
+    if (value.empty() || *end != '\0' || v < std::numeric_limits<int32_t>::min() ||
+        v > std::numeric_limits<int32_t>::max()) {
+      return Fail(fmt::format("--priority: '{}' is not an integer priority (P or P:WEIGHT)", item));
+    }
+    p.priority = static_cast<int32_t>(v);
+    out.push_back(p);
+  }
+  if (out.empty()) return Fail("--priority is empty; give P or P:WEIGHT,...");
+  return out;
+}
 
 Result<std::string> ProxyFromState(const std::string& path, const std::string& api) {
   std::ifstream in(path);
@@ -223,6 +292,16 @@ int RunServe(ServeArgs a) {
       return bad(Fail(fmt::format("{} must be in (0, 86400000] ms, got {}", name, v)));
     }
     *dst = v / 1000.0;
+  }
+  if (!a.tenant_api_keys.empty()) {
+    auto t = ParseTenantKeys(a.tenant_api_keys);
+    if (!t.ok()) return bad(t.status());
+    ro.tenants = std::move(*t);
+  }
+  if (!a.priority.empty()) {
+    auto p = ParsePriorities(a.priority);
+    if (!p.ok()) return bad(p.status());
+    ro.priorities = std::move(*p);
   }
   ro.temperature = a.temperature;
   ro.seed = a.seed;
@@ -370,6 +449,12 @@ void RegisterBenchServe(CLI::App& bench, GlobalOptions& g) {
   cmd->add_option("--state-file", a->state_file,
                   "read the proxy's address from a tandem launch state file");
   cmd->add_option("--api-key", a->api_key, "sent as 'authorization: Bearer KEY'");
+  cmd->add_option("--tenant-api-keys", a->tenant_api_keys,
+                  "a mix of tenants: NAME=KEY[:WEIGHT],...; session i uses the tenant at i "
+                  "modulo the total weight; results per tenant");
+  cmd->add_option("--priority", a->priority,
+                  "request priority (lower = earlier), or a mix P:WEIGHT,...; results per "
+                  "priority");
   cmd->add_option("--backend", a->backend,
                   "API to drive: grpc (tandem.v1, default) or http (OpenAI /v1/completions, SSE)");
   cmd->add_option("--vocab-size", a->vocab_size,

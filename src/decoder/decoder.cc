@@ -148,6 +148,9 @@ engine::GenerateRequest Decoder::MakeEngineRequest(const DecodeSpec& spec,
   r.sampling = spec.sampling;
   r.first_sample_index = spec.first_sample_index;
   r.cache_salt = spec.cache_salt;
+  r.priority = spec.priority;
+  r.tenant = spec.tenant;
+  r.tenant_weight = spec.tenant_weight;
   r.deadline = ToSteady(spec.deadline);
   const std::string id = spec.request_id;
   r.on_output = [this, id, emitter = std::move(emitter)](const engine::RequestOutput& out) {

@@ -58,6 +58,10 @@ struct DecodeSpec {
   bool prefill_locally = false;
   uint32_t first_sample_index = 0;  // migration: output tokens produced elsewhere
   std::string cache_salt;  // the tenant's (engine::GenerateRequest::cache_salt)
+  // Scheduling (docs/scheduling.md): engine::GenerateRequest's fields.
+  int32_t priority = 0;
+  std::string tenant;
+  double tenant_weight = 1.0;
 };
 
 struct DecodeResult {

@@ -92,6 +92,9 @@ class DecodeStream final : public grpc::ServerWriteReactor<pb::DecodeResponse> {
     spec.prefill_locally = req.prefill_locally();
     spec.first_sample_index = req.params().first_sample_index();
     spec.cache_salt = req.tenant_salt();
+    spec.priority = req.priority();
+    spec.tenant = req.tenant();
+    spec.tenant_weight = req.tenant_weight() > 0 ? req.tenant_weight() : 1.0;
     Status s = decoder_.Register(std::move(spec), sink_);
     if (!s.ok()) {
       sink_->writer().Abandon(ToGrpcStatus(s));  // `registered` is never sent

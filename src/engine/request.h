@@ -86,6 +86,12 @@ struct GenerateRequest {
   // under RootHash(engine context + this salt), so they are shared only with
   // requests of the same salt (docs/security.md, "Tenants and limits").
   std::string cache_salt;
+  // Scheduling (docs/scheduling.md): lower priority values are served
+  // first and may preempt higher ones; within a priority, tenants share by
+  // weighted fair queueing on tokens ("" is the default tenant).
+  int32_t priority = 0;
+  std::string tenant;
+  double tenant_weight = 1.0;  // <= 0 counts as 1
   OutputCallback on_output;
   // Prefill-only requests: told as the prompt's KV becomes final (optional).
   KvProgressCallback on_kv_progress;

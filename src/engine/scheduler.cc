@@ -1,6 +1,7 @@
 #include "engine/scheduler.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "common/block_hash.h"
 #include "common/check.h"
@@ -12,6 +13,8 @@ Scheduler::Scheduler(const SchedulerLimits& limits, BlockManager* blocks)
 
 void Scheduler::AddWaiting(Sequence* seq) {
   seq->state = SeqState::kWaiting;
+  if (seq->arrival == 0) seq->arrival = ++next_arrival_;
+  fair_.Enqueue(seq->req.tenant, seq->req.tenant_weight);
   waiting_.push_back(seq);
 }
 
@@ -54,38 +57,31 @@ SchedulerOutput Scheduler::Schedule() {
     out.seqs.push_back({s, n, samples});
     (s->num_pending() > 1 ? out.num_prefill_tokens : out.num_decode_tokens) += n;
     budget -= n;
+    fair_.Charge(s->req.tenant, n);
+  };
+  // Running sequences in priority order; within one, in admission order.
+  std::stable_sort(running_.begin(), running_.end(), [](const Sequence* a, const Sequence* b) {
+    return a->req.priority < b->req.priority;
+  });
+  std::vector<Sequence*> done;  // running, scheduled in this step
+  std::deque<Sequence*> rest(running_.begin(), running_.end());  // running, not (yet) scheduled
+  running_.clear();
+  auto preempt_back = [&] {
+    Sequence* victim = rest.back();
+    rest.pop_back();
+    Preempt(victim);
+    ++out.num_preempted;
   };
 
-  for (size_t i = 0; i < running_.size() && budget > 0;) {
-    Sequence* s = running_[i];
-    const uint32_t n = std::min(s->num_pending(), budget);
-    TANDEM_CHECK(n > 0, "running sequence {} has nothing to compute", s->req.request_id);
-    const uint32_t have = static_cast<uint32_t>(s->blocks.size());
-    const uint32_t want = BlocksFor(s->num_computed + n);
-    const uint32_t need = want > have ? want - have : 0;
-    bool self_preempted = false;
-    while (!blocks_->CanAllocate(need)) {
-      Sequence* victim = running_.back();
-      running_.pop_back();
-      Preempt(victim);
-      ++out.num_preempted;
-      if (victim == s) {
-        self_preempted = true;
-        break;
-      }
-    }
-    if (self_preempted) break;
-    auto fresh = blocks_->Allocate(need);
-    TANDEM_CHECK(fresh.ok(), "allocation after CanAllocate failed");
-    s->blocks.insert(s->blocks.end(), fresh->begin(), fresh->end());
-    add(s, n);
-    ++i;
-  }
-  if (out.num_preempted > 0) return out;
-
   const uint32_t bs = blocks_->block_size();
-  while (!waiting_.empty() && budget > 0 && running_.size() < limits_.max_num_seqs) {
-    Sequence* s = waiting_.front();
+  // Admits `s` (taken out of waiting_); false (and `s` back in waiting_)
+  // when it does not fit.
+  auto admit_one = [&](Sequence* s) {
+    auto worse_running = [&] { return !rest.empty() && rest.back()->req.priority > s->req.priority; };
+    if (done.size() + rest.size() >= limits_.max_num_seqs) {
+      if (!worse_running()) return false;
+      preempt_back();
+    }
     bool took_prefix = false;
     PrefixHit hit;
     if (s->blocks.empty() && s->num_computed == 0) {
@@ -101,14 +97,18 @@ SchedulerOutput Scheduler::Schedule() {
     const uint32_t n = std::min(s->num_pending(), budget);
     const uint32_t want = BlocksFor(s->num_computed + n);
     const uint32_t need = want - std::min<uint32_t>(want, static_cast<uint32_t>(s->blocks.size()));
-    if (!blocks_->CanAllocate(need)) {
+    while (!blocks_->CanAllocate(need)) {
+      if (worse_running()) {
+        preempt_back();
+        continue;
+      }
       if (took_prefix) {  // give the prefix back; it is looked up again next time
         blocks_->Release(s->blocks);
         s->blocks.clear();
         s->num_computed = 0;
         s->num_committed = 0;
       }
-      break;
+      return false;
     }
     if (took_prefix && !s->admitted_once) {
       s->cached_prompt_tokens = std::min(s->num_computed, s->prompt_len);
@@ -120,11 +120,55 @@ SchedulerOutput Scheduler::Schedule() {
     auto fresh = blocks_->Allocate(need);
     TANDEM_CHECK(fresh.ok(), "allocation after CanAllocate failed");
     s->blocks.insert(s->blocks.end(), fresh->begin(), fresh->end());
-    waiting_.pop_front();
     s->state = SeqState::kRunning;
-    running_.push_back(s);
+    fair_.Picked(s->req.tenant);
+    done.push_back(s);
     add(s, n);
+    return true;
+  };
+
+  bool admitting = true;
+  std::optional<int32_t> admit_below;  // after a preemption: only better priorities
+  while (budget > 0) {
+    auto wit = admitting ? fair_.PickNext(waiting_.begin(), waiting_.end(), KeyOf) : waiting_.end();
+    Sequence* w = wit != waiting_.end() ? *wit : nullptr;
+    if (w != nullptr && admit_below && w->req.priority >= *admit_below) w = nullptr;
+    Sequence* r = rest.empty() ? nullptr : rest.front();
+    if (w != nullptr && (r == nullptr || w->req.priority < r->req.priority)) {
+      waiting_.erase(wit);
+      if (!admit_one(w)) {
+        waiting_.push_front(w);
+        admitting = false;
+      }
+      continue;
+    }
+    if (r == nullptr) break;
+    rest.pop_front();
+    const uint32_t n = std::min(r->num_pending(), budget);
+    TANDEM_CHECK(n > 0, "running sequence {} has nothing to compute", r->req.request_id);
+    const uint32_t have = static_cast<uint32_t>(r->blocks.size());
+    const uint32_t want = BlocksFor(r->num_computed + n);
+    const uint32_t need = want > have ? want - have : 0;
+    bool self_preempted = false;
+    while (!blocks_->CanAllocate(need)) {
+      if (!admit_below || r->req.priority < *admit_below) admit_below = r->req.priority;
+      if (rest.empty()) {
+        Preempt(r);
+        ++out.num_preempted;
+        self_preempted = true;
+        break;
+      }
+      preempt_back();
+    }
+    if (self_preempted) break;
+    auto fresh = blocks_->Allocate(need);
+    TANDEM_CHECK(fresh.ok(), "allocation after CanAllocate failed");
+    r->blocks.insert(r->blocks.end(), fresh->begin(), fresh->end());
+    done.push_back(r);
+    add(r, n);
   }
+  running_ = std::move(done);
+  running_.insert(running_.end(), rest.begin(), rest.end());
   return out;
 }
 

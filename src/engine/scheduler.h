@@ -1,13 +1,24 @@
-// Continuous batching (vLLM-style, one token budget per step):
-// 1. running sequences first, in admission order: each gets its pending
-//    tokens (1 for a decode, the rest of a chunked prefill) up to the
-//    budget; a sequence that needs a block when none is free preempts the
-//    most recently admitted running sequence (by recompute: its blocks are
-//    released and it goes back to the head of the waiting queue);
-// 2. then waiting sequences in order, while budget, max_num_seqs and free
-//    blocks allow (none are admitted in a step that preempted). A sequence
-//    admitted without KV first takes its longest cached prefix (at most
-//    prompt - 1 tokens: the last token is always computed for its logits).
+// Continuous batching (vLLM-style, one token budget per step), with
+// priorities and fair share (docs/scheduling.md):
+// - work is taken in priority order (lower value first): running sequences
+//   of a priority before waiting ones of the same priority, and a waiting
+//   sequence of a better priority before any running one of a worse;
+// - a running sequence gets its pending tokens (1 for a decode, the rest of
+//   a chunked prefill) up to the budget; when it needs a block and none is
+//   free it preempts the unscheduled running sequence served last (worst
+//   priority, latest admitted; by recompute: its blocks are released, the
+//   committed ones stay in the prefix cache and are taken back on
+//   re-admission); no sequence of the same or a worse priority is admitted
+//   in a step where a running one had to preempt;
+// - a waiting sequence is admitted while budget, max_num_seqs and free
+//   blocks allow; a waiting sequence of a better priority may preempt
+//   running ones of a strictly worse priority for a slot or for blocks.
+//   Among waiting sequences of one priority, the tenant with the least
+//   virtual time (tokens served / weight) goes first (FairShare), then the
+//   earliest arrival. A sequence admitted without KV first takes its
+//   longest cached prefix (at most prompt - 1 tokens: the last token is
+//   always computed for its logits).
+// Every scheduled token (prefill and decode) is charged to its tenant.
 //
 // Thread-safety: none; the engine calls it under its lock.
 #pragma once
@@ -17,6 +28,7 @@
 #include <vector>
 
 #include "engine/block_manager.h"
+#include "engine/fair_share.h"
 #include "engine/sequence.h"
 
 namespace tandem::engine {
@@ -62,6 +74,7 @@ class Scheduler {
   void UpdateHashes(Sequence& seq) const;
 
   uint64_t preemptions() const { return preemptions_; }
+  const FairShare& fair_share() const { return fair_; }
   uint64_t prefix_query_tokens() const { return prefix_query_tokens_; }
   uint64_t prefix_hit_tokens() const { return prefix_hit_tokens_; }
   // For callers that allocate outside Schedule (reservations).
@@ -75,11 +88,16 @@ class Scheduler {
     return (tokens + blocks_->block_size() - 1) / blocks_->block_size();
   }
   void Preempt(Sequence* seq);
+  static QueueKey KeyOf(const Sequence* s) {
+    return {s->req.priority, &s->req.tenant, s->arrival};
+  }
 
   SchedulerLimits limits_;
   BlockManager* blocks_;  // borrowed
   std::deque<Sequence*> waiting_;
   std::vector<Sequence*> running_;
+  FairShare fair_;
+  uint64_t next_arrival_ = 0;
   uint64_t preemptions_ = 0;
   uint64_t prefix_query_tokens_ = 0;
   uint64_t prefix_hit_tokens_ = 0;

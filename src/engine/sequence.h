@@ -35,6 +35,7 @@ struct Sequence {
   uint32_t onboard_disk_blocks = 0;
   bool admitted_once = false;
   uint32_t num_preemptions = 0;   // KvProgress::attempt
+  uint64_t arrival = 0;           // the scheduler's arrival number (0 = not yet queued)
   SeqState state = SeqState::kWaiting;
   bool in_flight = false;         // part of the step being computed
   bool abort_requested = false;   // Abort() while in flight

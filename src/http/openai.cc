@@ -291,6 +291,16 @@ Result<OpenAiRequest> ParseRequest(Endpoint endpoint, std::string_view body_text
     TANDEM_ASSIGN_OR_RETURN(r.stop_token_ids, TokenIds(*v, "stop_token_ids"));
   }
   TANDEM_ASSIGN_OR_RETURN(r.ignore_eos, OptBool(body, "ignore_eos"));
+  // Scheduling priority (vLLM's extra field; docs/scheduling.md).
+  TANDEM_ASSIGN_OR_RETURN(auto priority, OptInteger(body, "priority"));
+  if (priority) {
+    if (*priority < std::numeric_limits<int32_t>::min() ||
+        *priority > std::numeric_limits<int32_t>::max()) {
+      return InvalidArgumentError(
+          fmt::format("priority is {}; it must fit a 32-bit signed integer", *priority));
+    }
+    r.priority = static_cast<int32_t>(*priority);
+  }
   TANDEM_ASSIGN_OR_RETURN(out.stream, OptBool(body, "stream"));
   if (const json* v = Field(body, "stream_options")) {
     if (!v->is_object()) return WrongType("stream_options", "an object", *v);
@@ -358,7 +368,7 @@ std::string ErrorBody(int http_status, const std::string& message) {
         "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
         "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "stream", "stream_options",
         "ignore_eos", "logprobs", "echo", "best_of", "logit_bias", "presence_penalty",
-        "frequency_penalty", "tools", "response_format", "suffix", "top_logprobs"};
+        "frequency_penalty", "tools", "response_format", "suffix", "top_logprobs", "priority"};
     const std::string head = message.substr(0, n);
     const std::string base = head.substr(0, head.find_first_of(".["));
     for (auto f : kFields) {

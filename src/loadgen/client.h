@@ -37,6 +37,8 @@ struct Request {
   std::optional<uint64_t> seed;
   bool ignore_eos = false;
   std::chrono::milliseconds timeout{300000};
+  std::string api_key;              // empty: the client's own (--api-key)
+  std::optional<int32_t> priority;  // unset: the tenant's default
 };
 
 // One message of the stream as the client saw it.

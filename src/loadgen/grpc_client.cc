@@ -26,7 +26,9 @@ class Call final : public grpc::ClientReadReactor<pb::GenerateResponse> {
 
   void Go(pb::Generation::Stub* stub, const Request& r, const std::string& api_key) {
     ctx_.set_deadline(std::chrono::system_clock::now() + r.timeout);
-    if (!api_key.empty()) ctx_.AddMetadata("authorization", "Bearer " + api_key);
+    const std::string& key = r.api_key.empty() ? api_key : r.api_key;
+    if (!key.empty()) ctx_.AddMetadata("authorization", "Bearer " + key);
+    if (r.priority) req_.set_priority(*r.priority);
     req_.set_request_id(r.request_id);
     req_.set_model(r.model);
     req_.mutable_prompt_token_ids()->Add(r.prompt_token_ids.begin(), r.prompt_token_ids.end());

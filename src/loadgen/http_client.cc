@@ -118,6 +118,7 @@ class HttpClient final : public Client {
                  {"stream_options", {{"include_usage", true}}}};
     if (r.temperature) body["temperature"] = *r.temperature;
     if (r.seed) body["seed"] = *r.seed;
+    if (r.priority) body["priority"] = *r.priority;
     std::string pending;  // SSE text not yet split into events
     bool finished = false;
     const auto on_event = [&](std::string_view data) {
@@ -178,7 +179,8 @@ class HttpClient final : public Client {
       http::request<http::string_body> req{http::verb::post, "/v1/completions", 11};
       req.set(http::field::host, host_);
       req.set(http::field::content_type, "application/json");
-      if (!o_.api_key.empty()) req.set(http::field::authorization, "Bearer " + o_.api_key);
+      const std::string& key = r.api_key.empty() ? o_.api_key : r.api_key;
+      if (!key.empty()) req.set(http::field::authorization, "Bearer " + key);
       if (!r.request_id.empty()) req.set("X-Request-Id", r.request_id);
       req.body() = body.dump();
       req.prepare_payload();

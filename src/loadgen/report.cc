@@ -89,6 +89,15 @@ std::string FormatTable(const RunInfo& info, const Summary& s) {
   row("Mean E2EL (ms):", Ms(s.e2e_s.mean));
   row("Median E2EL (ms):", Ms(s.e2e_s.p50));
   row("P99 E2EL (ms):", Ms(s.e2e_s.p99));
+  for (const GroupSummary& g : s.groups) {
+    head(fmt::format("{} {}", g.kind == "tenant" ? "Tenant" : "Priority", g.label));
+    row("Requests (ok/sent):", fmt::format("{}/{}", g.ok, g.requests));
+    row("Output token throughput (tok/s):", fmt::format("{:.2f}", g.output_throughput));
+    row("Median / P90 / P99 TTFT (ms):",
+        fmt::format("{} / {} / {}", Ms(g.ttft_s.p50), Ms(g.ttft_s.p90), Ms(g.ttft_s.p99)));
+    row("Median / P99 TPOT (ms):", fmt::format("{} / {}", Ms(g.tpot_s.p50), Ms(g.tpot_s.p99)));
+    row("Median / P99 E2EL (ms):", fmt::format("{} / {}", Ms(g.e2e_s.p50), Ms(g.e2e_s.p99)));
+  }
   t += std::string(52, '=') + "\n";
   if (info.slo.any()) t += "SLO: " + SloText(info.slo) + "\n";
   if (info.dropped_turns > 0 || info.aborted_sessions > 0) {
@@ -139,6 +148,18 @@ nlohmann::json ToJson(const RunInfo& info, const Summary& s,
   if (info.slo.tpot_s) slo["tpot_ms"] = *info.slo.tpot_s * 1000;
   if (info.slo.e2e_s) slo["e2el_ms"] = *info.slo.e2e_s * 1000;
   j["slo"] = slo;
+  // "by_tenant" / "by_priority": {label: {requests, completed, output_tokens, ...}}.
+  for (const GroupSummary& g : s.groups) {
+    nlohmann::json x;
+    x["requests"] = g.requests;
+    x["completed"] = g.ok;
+    x["output_tokens"] = g.output_tokens;
+    x["output_throughput"] = g.output_throughput;
+    AddDist(x, "ttft", g.ttft_s);
+    AddDist(x, "tpot", g.tpot_s);
+    AddDist(x, "e2el", g.e2e_s);
+    j[g.kind == "tenant" ? "by_tenant" : "by_priority"][g.label] = std::move(x);
+  }
   j["good_requests"] = s.good;
   j["goodput"] = s.goodput;
   const double bin = ThroughputBinSeconds(records);
@@ -164,6 +185,13 @@ nlohmann::json ToJson(const RunInfo& info, const Summary& s,
     x["output_tokens"] = r.output_tokens;
     x["cached_prompt_tokens"] = r.cached_prompt_tokens;
     x["finish_reason"] = r.finish_reason;
+    if (!r.tenant.empty()) x["tenant"] = r.tenant;
+    if (r.priority) x["priority"] = *r.priority;
+    // With a mix, when each token arrived (fair-share analysis).
+    if ((!r.tenant.empty() || r.priority) && !r.chunk_times_s.empty()) {
+      x["chunk_times_s"] = r.chunk_times_s;
+      x["chunk_tokens"] = r.chunk_tokens;
+    }
     per.push_back(std::move(x));
   }
   j["per_request"] = std::move(per);

@@ -22,7 +22,23 @@ struct Finished {
   uint32_t turn = 0;
   uint32_t prompt_tokens = 0, requested_tokens = 0;
   Reply reply;
+  std::string tenant;
+  std::optional<int32_t> priority;
 };
+
+// The class of session `id` in a weighted mix (RunOptions::tenants).
+template <class T>
+const T* ClassOf(const std::vector<T>& classes, uint64_t id) {
+  uint64_t total = 0;
+  for (const T& c : classes) total += c.weight;
+  if (total == 0) return nullptr;
+  uint64_t at = id % total;
+  for (const T& c : classes) {
+    if (at < c.weight) return &c;
+    at -= c.weight;
+  }
+  return nullptr;
+}
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
@@ -31,6 +47,8 @@ RequestRecord ToRecord(const Finished& f, Clock::time_point start) {
   RequestRecord rec;
   rec.session = f.session;
   rec.turn = f.turn;
+  rec.tenant = f.tenant;
+  rec.priority = f.priority;
   rec.send_s = Seconds(r.sent - start);
   rec.e2e_s = Seconds(r.done - r.sent);
   rec.ok = r.status.ok();
@@ -194,7 +212,16 @@ Result<RunResult> Run(Client& client, SessionSource& source, const RunOptions& o
       if (o.seed) req.seed = *o.seed + sent;
       req.ignore_eos = o.ignore_eos;
       req.timeout = o.request_timeout;
-      Finished meta{id, st.next_turn, uint32_t(req.prompt_token_ids.size()), turn.max_tokens, {}};
+      Finished meta{id, st.next_turn, uint32_t(req.prompt_token_ids.size()), turn.max_tokens, {},
+                    {}, {}};
+      if (const auto* t = ClassOf(o.tenants, id)) {
+        req.api_key = t->api_key;
+        meta.tenant = t->name;
+      }
+      if (const auto* p = ClassOf(o.priorities, id)) {
+        req.priority = p->priority;
+        meta.priority = p->priority;
+      }
       ++st.next_turn;
       ++sent;
       ++inflight;

@@ -36,6 +36,20 @@ struct RunOptions {
   std::string model;
   std::chrono::milliseconds request_timeout{300000};
   std::string request_id_prefix = "bench";
+  // Mixes (--tenant-api-keys, --priority): session i takes the class at
+  // i modulo the total weight, walking the classes in order (so 3:1 sends
+  // sessions 0-2 as the first, 3 as the second, ...). Empty: none.
+  struct TenantClass {
+    std::string name;
+    std::string api_key;
+    uint32_t weight = 1;
+  };
+  struct PriorityClass {
+    int32_t priority = 0;
+    uint32_t weight = 1;
+  };
+  std::vector<TenantClass> tenants;
+  std::vector<PriorityClass> priorities;
 };
 
 struct Progress {

@@ -104,6 +104,39 @@ Summary Summarize(const std::vector<RequestRecord>& records, const Slo& slo) {
   }
   s.cached_token_ratio =
       s.usage_prompt_tokens > 0 ? double(s.cached_prompt_tokens) / double(s.usage_prompt_tokens) : 0;
+
+  // Per tenant, then per priority (in order of value).
+  struct Acc {
+    GroupSummary g;
+    std::vector<double> ttft, tpot, e2e;
+  };
+  std::map<std::string, Acc> by_tenant;
+  std::map<int32_t, Acc> by_priority;
+  for (const auto& r : records) {
+    std::vector<Acc*> accs;
+    if (!r.tenant.empty()) accs.push_back(&by_tenant[r.tenant]);
+    if (r.priority) accs.push_back(&by_priority[*r.priority]);
+    for (Acc* a : accs) {
+      ++a->g.requests;
+      if (!r.ok) continue;
+      ++a->g.ok;
+      a->g.output_tokens += r.output_tokens;
+      if (r.ttft_s >= 0) a->ttft.push_back(r.ttft_s);
+      if (auto t = r.Tpot()) a->tpot.push_back(*t);
+      a->e2e.push_back(r.e2e_s);
+    }
+  }
+  auto finish = [&](Acc& a, std::string kind, std::string label) {
+    a.g.kind = std::move(kind);
+    a.g.label = std::move(label);
+    a.g.ttft_s = Summarize(a.ttft);
+    a.g.tpot_s = Summarize(a.tpot);
+    a.g.e2e_s = Summarize(a.e2e);
+    if (s.duration_s > 0) a.g.output_throughput = double(a.g.output_tokens) / s.duration_s;
+    s.groups.push_back(std::move(a.g));
+  };
+  for (auto& [name, a] : by_tenant) finish(a, "tenant", name);
+  for (auto& [p, a] : by_priority) finish(a, "priority", std::to_string(p));
   return s;
 }
 

@@ -33,6 +33,8 @@ struct RequestRecord {
   uint32_t usage_prompt_tokens = 0;      // usage.prompt_tokens (the server's count)
   uint32_t cached_prompt_tokens = 0;     // usage.cached_prompt_tokens
   std::string finish_reason;
+  std::string tenant;               // --tenant-api-keys: the tenant's name ("" = none)
+  std::optional<int32_t> priority;  // --priority: the value sent
 
   // (e2e - TTFT) / (output tokens - 1); nullopt with fewer than 2 tokens.
   std::optional<double> Tpot() const;
@@ -60,6 +62,16 @@ struct Slo {
 // A request counts towards goodput when it succeeded and meets every set SLO.
 bool MeetsSlo(const RequestRecord& r, const Slo& slo);
 
+// One tenant's or one priority's requests (--tenant-api-keys, --priority).
+struct GroupSummary {
+  std::string kind;   // "tenant" or "priority"
+  std::string label;  // the tenant's name or the priority value
+  size_t requests = 0, ok = 0;
+  uint64_t output_tokens = 0;
+  double output_throughput = 0;  // its output tokens / the run's duration
+  Distribution ttft_s, tpot_s, e2e_s;
+};
+
 struct Summary {
   size_t requests = 0, ok = 0, failed = 0;
   std::map<std::string, size_t> failed_by_status;
@@ -74,6 +86,8 @@ struct Summary {
   double goodput = 0;  // good requests / s
   double cached_token_ratio = 0;  // cached prompt tokens / prompt tokens (ok requests, from usage)
   double max_inflight = 0;
+  // By tenant, then by priority, when the records carry them.
+  std::vector<GroupSummary> groups;
 };
 
 Summary Summarize(const std::vector<RequestRecord>& records, const Slo& slo);

@@ -94,6 +94,8 @@ Status Prefiller::Submit(PrefillJob spec, PrefillDone done) {
       return ResourceExhaustedError(fmt::format("prefill queue is full ({} requests)", options_.max_queue));
     }
     jobs_.emplace(job->spec.request_id, job);
+    job->arrival = ++next_arrival_;
+    fair_.Enqueue(job->spec.tenant, job->spec.tenant_weight);
     queue_.push_back(job);
     LogRequest(spdlog::level::debug, job->spec.request_id,
                "queued ({} prompt tokens, {} ahead) for decoder '{}'",
@@ -139,8 +141,13 @@ void Prefiller::DispatchLoop(std::stop_token stop) {
     {
       std::lock_guard lock(mu_);
       if (queue_.empty() || admitting_ != 0) continue;
-      job = queue_.front();
-      queue_.pop_front();
+      auto next = fair_.PickNext(queue_.begin(), queue_.end(), [](const JobPtr& j) {
+        return engine::QueueKey{j->spec.priority, &j->spec.tenant, j->arrival};
+      });
+      job = *next;
+      queue_.erase(next);
+      fair_.Picked(job->spec.tenant);
+      fair_.Charge(job->spec.tenant, job->spec.prompt_ids.size());
       job->stage = Stage::kReserving;
       job->reserve_sent = SteadyClock::now();
       ++admitting_;
@@ -254,6 +261,9 @@ void Prefiller::OnReserved(const JobPtr& job, Result<ReserveTarget> target) {
   req.prefill_only = true;
   req.first_sample_index = job->spec.first_sample_index;
   req.cache_salt = job->spec.cache_salt;
+  req.priority = job->spec.priority;
+  req.tenant = job->spec.tenant;
+  req.tenant_weight = job->spec.tenant_weight;
   req.on_output = [this, job](const engine::RequestOutput& out) { OnOutput(job, out); };
   if (options_.push_mode == PushMode::kStreaming) {
     // job->push and lease_deadline are written before Submit and never after.

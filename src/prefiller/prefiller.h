@@ -37,6 +37,7 @@
 
 #include "common/status.h"
 #include "engine/engine.h"
+#include "engine/fair_share.h"
 #include "kvtransfer/transport.h"
 #include "prefiller/kv_sealer.h"
 #include "prefiller/push_stream.h"
@@ -52,6 +53,10 @@ struct PrefillJob {
   std::string decoder_name;
   uint32_t first_sample_index = 0;  // migration: output tokens produced elsewhere
   std::string cache_salt;  // the tenant's (engine::GenerateRequest::cache_salt)
+  // Scheduling (docs/scheduling.md): engine::GenerateRequest's fields.
+  int32_t priority = 0;
+  std::string tenant;
+  double tenant_weight = 1.0;
 };
 
 struct PrefillResult {
@@ -184,6 +189,7 @@ class Prefiller {
     std::shared_ptr<PushStream> push;  // set once the peer is known
     std::chrono::steady_clock::time_point submitted, transfer_started;
     PrefillResult result;
+    uint64_t arrival = 0;  // service-queue order within a tenant
   };
   using JobPtr = std::shared_ptr<Job>;
 
@@ -219,7 +225,11 @@ class Prefiller {
 
   mutable std::mutex mu_;
   std::condition_variable_any cv_;
+  // Served by priority, then fair share between tenants, then arrival
+  // (engine/fair_share.h, docs/scheduling.md).
   std::deque<JobPtr> queue_;               // guarded by mu_
+  engine::FairShare fair_;                 // guarded by mu_: charged prompt tokens at dispatch
+  uint64_t next_arrival_ = 0;              // guarded by mu_
   std::map<std::string, JobPtr> jobs_;     // guarded by mu_: every live job by id
   uint32_t admitting_ = 0;                 // guarded by mu_: reserving, not yet in the engine
   bool draining_ = false;                  // guarded by mu_

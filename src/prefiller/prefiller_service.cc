@@ -54,6 +54,9 @@ class PrefillerServiceImpl final : public pb::Prefiller::CallbackService {
     job.sampling = ToSampling(req->params());
     job.first_sample_index = req->params().first_sample_index();
     job.cache_salt = req->tenant_salt();
+    job.priority = req->priority();
+    job.tenant = req->tenant();
+    job.tenant_weight = req->tenant_weight() > 0 ? req->tenant_weight() : 1.0;
     if (req->deadline_unix_ms() > 0) {
       job.deadline = std::chrono::system_clock::time_point(
           std::chrono::milliseconds(req->deadline_unix_ms()));

@@ -32,6 +32,16 @@ Result<ValidatedRequest> Frontend::Validate(const ClientRequest& req, const Tena
       [this](std::string_view text) { return deps_.tokenizer->Encode(text, true); }, rng());
   if (!v.ok() || tenant == nullptr) return v;
   v->tenant_salt = tenant->cache_salt;
+  v->tenant = tenant->name;
+  v->tenant_weight = tenant->weight;
+  if (!req.priority) {
+    v->priority = tenant->priority;
+  } else if (tenant->min_priority && *req.priority < *tenant->min_priority) {
+    return InvalidArgumentError(fmt::format(
+        "priority is {}; tenant '{}' may ask for {} at the lowest (lower values are served "
+        "earlier; min_priority in security.api_keys_file)",
+        *req.priority, tenant->name, *tenant->min_priority));
+  }
   RateRefusal r = tenants_->ChargeTokens(
       *tenant, static_cast<uint32_t>(v->prompt_ids.size()) + v->max_tokens);
   if (!r.status.ok()) {

@@ -35,6 +35,7 @@ ClientRequest FromProto(const pb::wire::GenerateRequestBytes& r) {
   c.stop.assign(r.stop().begin(), r.stop().end());
   c.stop_token_ids.assign(r.stop_token_ids().begin(), r.stop_token_ids().end());
   c.ignore_eos = r.ignore_eos();
+  if (r.has_priority()) c.priority = r.priority();
   return c;
 }
 

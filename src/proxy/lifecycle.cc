@@ -34,6 +34,9 @@ EngineArgs ToEngineArgs(const ValidatedRequest& r, uint32_t sent) {
   a.seed = r.seed;
   a.stop_token_ids = r.stop_token_ids;
   a.ignore_eos = r.ignore_eos;
+  a.priority = r.priority;
+  a.tenant = r.tenant;
+  a.tenant_weight = r.tenant_weight;
   return a;
 }
 

@@ -158,6 +158,7 @@ Result<ValidatedRequest> ValidateRequest(const ClientRequest& req, const Serving
   }
   out.stop_token_ids = req.stop_token_ids;
   out.ignore_eos = req.ignore_eos;
+  if (req.priority) out.priority = *req.priority;
   return out;
 }
 

@@ -31,6 +31,9 @@ struct ClientRequest {
   std::vector<std::string> stop;
   std::vector<uint32_t> stop_token_ids;
   bool ignore_eos = false;
+  // Scheduling priority (lower = served earlier, as vLLM); unset: the
+  // tenant's default (docs/scheduling.md).
+  std::optional<int32_t> priority;
 };
 
 // What the proxy serves and allows.
@@ -70,6 +73,12 @@ struct ValidatedRequest {
   // The tenant's cache salt (HashContext::tenant_salt); "" for the default
   // tenant. Set by the front end after authentication, not by validation.
   std::string tenant_salt;
+  // Scheduling (docs/scheduling.md), resolved by the front end from the
+  // request and its tenant: priority (lower = earlier), the tenant's name
+  // and its fair-share weight.
+  int32_t priority = 0;
+  std::string tenant;
+  double tenant_weight = 1.0;
 };
 
 using EncodeFn = std::function<std::vector<uint32_t>(std::string_view text)>;

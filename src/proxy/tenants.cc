@@ -159,7 +159,23 @@ Result<std::unique_ptr<Tenants>> Tenants::Parse(const std::string& api_key,
     m.Read("burst_requests", burst_requests, 0.0, 1e9);
     m.Read("tokens_per_second", tps, 0.0, 1e12);
     m.Read("burst_tokens", burst_tokens, 0.0, 1e12);
+    // Scheduling (docs/scheduling.md); integers, lower = served earlier.
+    double priority = 0, min_priority = 0, weight = 1;
+    constexpr double kPriorityLimit = 1e6;
+    m.Read("priority", priority, -kPriorityLimit, kPriorityLimit);
+    const bool has_min = m.Has("min_priority");
+    m.Read("min_priority", min_priority, -kPriorityLimit, kPriorityLimit);
+    m.Read("weight", weight, 1e-3, 1e6);
     m.Finish();
+    for (auto [field, value] : {std::pair{"priority", priority}, {"min_priority", min_priority}}) {
+      if (value != std::floor(value)) {
+        errors.Add(line, fmt::format("[{}].{} is {}; it must be an integer", i, field, value));
+      }
+    }
+    if (has_min && priority < min_priority) {
+      errors.Add(line, fmt::format("[{}].priority {} is below its min_priority {} (lower values "
+                                   "are served earlier)", i, priority, min_priority));
+    }
     if (key.empty() || tenant.empty()) continue;  // reported by Require, or empty
     if (Status s = CheckRouterLabel(fmt::format("[{}].tenant", i), tenant); !s.ok()) {
       errors.Add(line, std::string(s.message()));
@@ -189,13 +205,18 @@ Result<std::unique_ptr<Tenants>> Tenants::Parse(const std::string& api_key,
     te.group = group;
     te.requests = MakeLimit(rps, burst_requests);
     te.tokens = MakeLimit(tps, burst_tokens);
+    te.priority = static_cast<int32_t>(priority);
+    if (has_min) te.min_priority = static_cast<int32_t>(min_priority);
+    te.weight = weight;
     const size_t before = t->tenants_.size();
     k.tenant = t->AddTenant(te);
     const Tenant& have = *t->tenants_[k.tenant];
     if (k.tenant < before && (have.group != te.group || have.requests.rate != te.requests.rate ||
                               have.requests.burst != te.requests.burst ||
                               have.tokens.rate != te.tokens.rate ||
-                              have.tokens.burst != te.tokens.burst)) {
+                              have.tokens.burst != te.tokens.burst ||
+                              have.priority != te.priority ||
+                              have.min_priority != te.min_priority || have.weight != te.weight)) {
       errors.Add(line, fmt::format("[{}]: tenant '{}' appears again with another group or other "
                                    "rate limits; give every key of a tenant the same ones",
                                    i, tenant));

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -59,6 +60,12 @@ struct Tenant {
   std::string cache_salt;  // HashContext::tenant_salt of its requests
   RateLimit requests;      // requests per second (requests_per_second, burst_requests)
   RateLimit tokens;        // prompt + max_tokens per second (tokens_per_second, burst_tokens)
+  // Scheduling (docs/scheduling.md): the priority of requests that name
+  // none, the lowest value a request may ask for (lower = served earlier;
+  // unset: any), and the fair-share weight within a priority band.
+  int32_t priority = 0;
+  std::optional<int32_t> min_priority;
+  double weight = 1.0;
 };
 
 // A refusal by a rate limit: RESOURCE_EXHAUSTED naming the limit, and when

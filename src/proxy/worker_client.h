@@ -31,6 +31,11 @@ struct EngineArgs {
   // Migration: the prompt ends with this many tokens already sent to the
   // client; the random stream continues at this index.
   uint32_t first_sample_index = 0;
+  // Scheduling (docs/scheduling.md): DecodeRequest/PrefillRequest fields
+  // priority, tenant, tenant_weight.
+  int32_t priority = 0;
+  std::string tenant;
+  double tenant_weight = 1.0;
 };
 
 struct DecodeArgs {

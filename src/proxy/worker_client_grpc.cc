@@ -50,6 +50,9 @@ class DecodeCall final : public grpc::ClientReadReactor<pb::DecodeResponse>,
     req_.set_prefill_locally(args.prefill_locally);
     req_.set_tenant_salt(args.tenant_salt);
     req_.set_attempt(args.attempt);
+    req_.set_priority(args.params.priority);
+    req_.set_tenant(args.params.tenant);
+    req_.set_tenant_weight(args.params.tenant_weight);
     if (args.deadline != std::chrono::system_clock::time_point::max()) {
       ctx_.set_deadline(args.deadline);
     }
@@ -202,6 +205,9 @@ std::shared_ptr<Call> GrpcWorkerClient::Prefill(const std::string& address, Pref
   call->req.set_decoder_name(args.decoder_name);
   call->req.set_tenant_salt(args.tenant_salt);
   call->req.set_attempt(args.attempt);
+  call->req.set_priority(args.params.priority);
+  call->req.set_tenant(args.params.tenant);
+  call->req.set_tenant_weight(args.params.tenant_weight);
   if (args.deadline != std::chrono::system_clock::time_point::max()) {
     call->ctx.set_deadline(args.deadline);
   }

@@ -108,6 +108,18 @@ TEST(BenchServe, BadInputIsRefusedBeforeSending) {
             std::string::npos)
       << r.err;
 
+  r = BenchServe(dir, nowhere + "--num-requests 3 --priority high");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--priority: 'high' is not an integer priority"), std::string::npos) << r.err;
+  r = BenchServe(dir, nowhere + "--num-requests 3 --tenant-api-keys just-a-key");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--tenant-api-keys: 'just-a-key' is not NAME=KEY[:WEIGHT]"),
+            std::string::npos)
+      << r.err;
+  r = BenchServe(dir, nowhere + "--num-requests 3 --tenant-api-keys a=k:0");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("weight '0'"), std::string::npos) << r.err;
+
   // Well-formed flags, nothing listening: exit 4, naming the address.
   r = BenchServe(dir, nowhere + "--num-requests 1");
   EXPECT_EQ(r.exit_code, 4);
@@ -235,6 +247,51 @@ TEST(BenchServe, OneP1DTableJsonAndReport) {
   EXPECT_NE(r.err.find("the model accepts at most 1024 (prompt + completion)"),
             std::string::npos)
       << r.err;
+}
+
+// Issue 22: a mix of tenants (--tenant-api-keys) and priorities
+// (--priority) is sent as asked and reported per tenant and per priority.
+TEST(BenchServe, TenantAndPriorityMixesAreReportedPerGroup) {
+  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  TempDir dir;
+  {
+    std::ofstream k(dir / "keys.yaml");
+    k << "- key: key-a\n  tenant: alpha\n- key: key-b\n  tenant: beta\n  min_priority: 5\n"
+         "  priority: 5\n";
+  }
+  FleetOptions fo;
+  fo.extra_yaml = "security:\n  api_keys_file: " + (dir / "keys.yaml") + "\n";
+  auto fleet = Fleet::Launch(fo);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  const std::string proxy = "--proxy " + (*fleet)->proxy_grpc() + " ";
+  // Sessions i % 4 in {0,1,2}: alpha, 3: beta; i % 2 == 0: priority 10, else 20.
+  auto r = BenchServe(dir, proxy + "--num-requests 16 --concurrency 4 --input-len 16 "
+                                   "--output-len 4 --ignore-eos --tenant-api-keys "
+                                   "alpha=key-a:3,beta=key-b:1 --priority 10:1,20:1 --json " +
+                               (dir / "m.json"));
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  EXPECT_EQ(Row(r.out, "Successful requests:"), "16") << r.out;
+  EXPECT_NE(r.out.find(" Tenant alpha "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(" Priority 20 "), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("key-a"), std::string::npos);  // keys are never printed
+  auto j = nlohmann::json::parse(Slurp(dir / "m.json"));
+  EXPECT_EQ(j["by_tenant"]["alpha"]["requests"], 12);
+  EXPECT_EQ(j["by_tenant"]["alpha"]["completed"], 12);
+  EXPECT_EQ(j["by_tenant"]["beta"]["completed"], 4);
+  EXPECT_EQ(j["by_tenant"]["beta"]["output_tokens"], 16);
+  EXPECT_EQ(j["by_priority"]["10"]["completed"], 8);
+  EXPECT_EQ(j["by_priority"]["20"]["completed"], 8);
+  EXPECT_GT(j["by_priority"]["10"]["median_ttft_ms"].get<double>(), 0.0);
+  for (const auto& x : j["per_request"]) {
+    const uint64_t session = x["session"].get<uint64_t>();
+    EXPECT_EQ(x["tenant"], session % 4 == 3 ? "beta" : "alpha");
+    EXPECT_EQ(x["priority"], session % 2 == 0 ? 10 : 20);
+  }
+  // beta may not ask for better than 5.
+  r = BenchServe(dir, proxy + "--num-requests 2 --input-len 16 --output-len 2 "
+                              "--tenant-api-keys beta=key-b --priority 1");
+  EXPECT_EQ(r.exit_code, 3) << r.err << r.out;
+  EXPECT_NE(r.err.find("min_priority"), std::string::npos) << r.err;
 }
 
 }  // namespace

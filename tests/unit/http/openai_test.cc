@@ -46,6 +46,16 @@ TEST(OpenAiParse, CompletionFields) {
   EXPECT_FALSE(d.request.temperature.has_value());
   EXPECT_FALSE(d.request.seed.has_value());
   EXPECT_FALSE(d.stream);
+  EXPECT_FALSE(d.request.priority.has_value());
+}
+
+TEST(OpenAiParse, Priority) {
+  auto r = Ok(Endpoint::kCompletions, R"({"prompt":"hi","priority":-3})");
+  EXPECT_EQ(r.request.priority, std::optional<int32_t>(-3));
+  EXPECT_NE(Err(Endpoint::kCompletions, R"({"prompt":"hi","priority":"high"})").find("priority"),
+            std::string::npos);
+  EXPECT_NE(Err(Endpoint::kCompletions, R"({"prompt":"hi","priority":3000000000})").find("priority"),
+            std::string::npos);
 }
 
 TEST(OpenAiParse, PromptForms) {

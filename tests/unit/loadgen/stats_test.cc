@@ -115,6 +115,39 @@ TEST(Summarize, CountsTokensFailuresAndCacheRatio) {
   EXPECT_DOUBLE_EQ(s.max_inflight, 2.0);
 }
 
+// --tenant-api-keys / --priority: results per tenant and per priority.
+TEST(Summarize, GroupsByTenantAndPriority) {
+  std::vector<RequestRecord> rs = {
+      Rec(0.0, 0.1, {0.01}, 1.0, 2),
+      Rec(0.5, 0.3, {0.01, 0.02}, 1.5, 3),
+      Rec(1.0, -1, {}, 0.1, 0, false),
+  };
+  rs[0].tenant = "a";
+  rs[0].priority = 0;
+  rs[1].tenant = "b";
+  rs[1].priority = 10;
+  rs[2].tenant = "a";
+  rs[2].priority = 10;
+  Summary s = Summarize(rs, Slo{});
+  ASSERT_EQ(s.groups.size(), 4u);
+  EXPECT_EQ(s.groups[0].kind, "tenant");
+  EXPECT_EQ(s.groups[0].label, "a");
+  EXPECT_EQ(s.groups[0].requests, 2u);
+  EXPECT_EQ(s.groups[0].ok, 1u);
+  EXPECT_EQ(s.groups[0].output_tokens, 2u);
+  EXPECT_NEAR(s.groups[0].ttft_s.p50, 0.1, 1e-12);
+  EXPECT_EQ(s.groups[1].label, "b");
+  EXPECT_NEAR(s.groups[1].ttft_s.p50, 0.3, 1e-12);
+  EXPECT_EQ(s.groups[2].kind, "priority");
+  EXPECT_EQ(s.groups[2].label, "0");
+  EXPECT_EQ(s.groups[3].label, "10");
+  EXPECT_EQ(s.groups[3].requests, 2u);
+  EXPECT_EQ(s.groups[3].output_tokens, 3u);
+  EXPECT_NEAR(s.groups[3].output_throughput, 1.5, 1e-12);  // 3 tokens over 2 s
+  // No mix: no groups.
+  EXPECT_TRUE(Summarize({Rec(0.0, 0.1, {}, 1.0, 1)}, Slo{}).groups.empty());
+}
+
 TEST(TokensPerBin, SumsChunksIntoBins) {
   RequestRecord r;
   r.chunk_times_s = {0.05, 0.15, 0.16, 0.95};

@@ -55,3 +55,42 @@ TEST(WorkPool, RunsEveryJobAndTheDestructorRunsWhatIsQueued) {
 
 }  // namespace
 }  // namespace tandem::proxy
+
+namespace tandem::proxy {
+namespace {
+
+// The tenant's default priority, its min_priority and weight reach the
+// validated request (docs/scheduling.md).
+TEST(FrontendPriority, TenantDefaultLimitAndWeight) {
+  auto tenants = Tenants::Parse("",
+                                "- key: k1\n  tenant: batch\n  priority: 10\n  min_priority: 5\n"
+                                "  weight: 3\n",
+                                "keys.yaml");
+  ASSERT_TRUE(tenants.ok()) << tenants.status().ToString();
+  ServingLimits limits;
+  limits.model = "m";
+  limits.vocab_size = 100;
+  limits.max_model_len = 64;
+  Frontend fe(limits, LifecycleDeps{}, 8, std::move(tenants).value());
+  auto t = fe.Authenticate("Bearer k1");
+  ASSERT_TRUE(t.ok());
+  ClientRequest req;
+  req.prompt_token_ids = {1, 2, 3};
+  auto v = fe.Validate(req, *t);
+  ASSERT_TRUE(v.ok()) << v.status().ToString();
+  EXPECT_EQ(v->priority, 10);
+  EXPECT_EQ(v->tenant, "batch");
+  EXPECT_DOUBLE_EQ(v->tenant_weight, 3.0);
+  req.priority = 7;
+  v = fe.Validate(req, *t);
+  ASSERT_TRUE(v.ok());
+  EXPECT_EQ(v->priority, 7);
+  req.priority = 4;
+  v = fe.Validate(req, *t);
+  EXPECT_EQ(v.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(v.status().message().find("min_priority"), std::string::npos) << v.status().ToString();
+  EXPECT_NE(v.status().message().find("batch"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace tandem::proxy

@@ -141,3 +141,40 @@ TEST(Tenants, RateLimitsRefuseWithResourceExhaustedNamingTheLimit) {
 
 }  // namespace
 }  // namespace tandem::proxy
+
+namespace tandem::proxy {
+namespace {
+
+// Scheduling fields of the keys file (docs/scheduling.md).
+TEST(TenantsScheduling, PriorityMinPriorityAndWeightAreReadAndChecked) {
+  auto t = Tenants::Parse("",
+                          "- key: k1\n  tenant: batch\n  priority: 10\n  min_priority: 5\n"
+                          "  weight: 2.5\n- key: k2\n  tenant: chat\n",
+                          "keys.yaml");
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  auto batch = (*t)->Authenticate("Bearer k1");
+  ASSERT_TRUE(batch.ok());
+  EXPECT_EQ((*batch)->priority, 10);
+  EXPECT_EQ((*batch)->min_priority, std::optional<int32_t>(5));
+  EXPECT_DOUBLE_EQ((*batch)->weight, 2.5);
+  auto chat = (*t)->Authenticate("Bearer k2");
+  ASSERT_TRUE(chat.ok());
+  EXPECT_EQ((*chat)->priority, 0);
+  EXPECT_FALSE((*chat)->min_priority.has_value());
+  EXPECT_DOUBLE_EQ((*chat)->weight, 1.0);
+
+  for (const auto& [yaml, needle] : std::vector<std::pair<std::string, std::string>>{
+           {"- key: k\n  tenant: a\n  priority: 1.5\n", "[0].priority is 1.5"},
+           {"- key: k\n  tenant: a\n  priority: 1\n  min_priority: 2\n", "below its min_priority"},
+           {"- key: k\n  tenant: a\n  weight: 0\n", "weight"},
+           {"- key: k\n  tenant: a\n  priority: 1\n- key: l\n  tenant: a\n  priority: 2\n",
+            "appears again"}}) {
+    auto bad = Tenants::Parse("", yaml, "keys.yaml");
+    ASSERT_FALSE(bad.ok()) << yaml;
+    EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(bad.status().message().find(needle), std::string::npos) << bad.status().ToString();
+  }
+}
+
+}  // namespace
+}  // namespace tandem::proxy
