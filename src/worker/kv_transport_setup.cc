@@ -13,7 +13,8 @@ namespace tandem::worker {
 Result<WorkerTransport> CreateWorkerTransport(const std::string& backend,
                                               kvtransfer::TransportOptions options,
                                               uint64_t bf16_block_bytes,
-                                              const std::string& device_path) {
+                                              const std::string& device_path,
+                                              bool receives) {
   WorkerTransport w;
   if (backend != "cuda") {
     TANDEM_ASSIGN_OR_RETURN(w.transport, kvtransfer::CreateTransport(options));
@@ -46,8 +47,10 @@ Result<WorkerTransport> CreateWorkerTransport(const std::string& backend,
     w.device_kv_pool = w.transport->pool();
     w.device_kv_pool_bytes = w.transport->pool_bytes();
   } else {
+    kvtransfer::StagedTransportOptions so;
+    so.receive = receives;  // prefill-only: no host mirror (docs/cuda.md, "Cost")
     TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::StagedTransport> staged,
-                            kvtransfer::CreateStagedTransport(options, std::move(engine)));
+                            kvtransfer::CreateStagedTransport(options, std::move(engine), so));
     w.device_kv_pool = staged->pool();
     w.device_kv_pool_bytes = staged->pool_bytes();
     w.transport = std::move(staged);
@@ -58,6 +61,7 @@ Result<WorkerTransport> CreateWorkerTransport(const std::string& backend,
 #else
   (void)bf16_block_bytes;
   (void)path;
+  (void)receives;
   return UnimplementedError(
       "backend cuda: this build has no CUDA kernels (configure with -DTANDEM_CUDA=ON where nvcc "
       "is installed)");

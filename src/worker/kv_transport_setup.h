@@ -33,10 +33,13 @@ struct WorkerTransport {
 };
 
 // `options.block_bytes` is the engine's host block (f32); `bf16_block_bytes`
-// the device block of the cuda backend; `device_path` transport.device_path.
+// the device block of the cuda backend; `device_path` transport.device_path;
+// `receives`: the worker decodes (false for prefill-only: a staged
+// transport then keeps no host mirror of the device pool).
 Result<WorkerTransport> CreateWorkerTransport(const std::string& backend,
                                               kvtransfer::TransportOptions options,
                                               uint64_t bf16_block_bytes,
-                                              const std::string& device_path = "auto");
+                                              const std::string& device_path = "auto",
+                                              bool receives = true);
 
 }  // namespace tandem::worker

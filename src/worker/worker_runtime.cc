@@ -241,7 +241,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   const uint64_t bf16_block_bytes = layout.block_floats() * 2;
   TANDEM_ASSIGN_OR_RETURN(WorkerTransport wt,
                           CreateWorkerTransport(w.fleet.model.backend, to, bf16_block_bytes,
-                                                w.fleet.transport.device_path));
+                                                w.fleet.transport.device_path, decodes));
   w.transport = std::move(wt.transport);
   if (wt.device_kv_pool != nullptr) {
     eo.device_kv_pool = wt.device_kv_pool;
