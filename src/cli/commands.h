@@ -24,6 +24,8 @@ void RegisterBench(CLI::App& app, GlobalOptions& g);
 void RegisterClient(CLI::App& app, GlobalOptions& g);
 // `tandem certs` (certs_cmd.cc): a certificate of a tandem CA.
 void RegisterCerts(CLI::App& app, GlobalOptions& g);
+// `tandem health` (health_cmd.cc): one gRPC health check, for pod probes.
+void RegisterHealth(CLI::App& app, GlobalOptions& g);
 // `tandem plan` (plan_cmd.cc): aggregated vs disaggregated from the sim timing model.
 void RegisterPlan(CLI::App& app, GlobalOptions& g);
 // `tandem bench kvtransfer` (bench_kvtransfer.cc) and `tandem bench serve`

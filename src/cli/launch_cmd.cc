@@ -16,10 +16,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 
+#include "cli/autoscaler.h"
 #include "cli/commands.h"
 #include "cli/launch_tls.h"
 #include "cli/supervisor.h"
@@ -99,7 +102,7 @@ Status WriteStateFile(const std::string& path, const Supervisor& sup,
     if (c.spec.role == "proxy") {
       state["proxy"] = {{"grpc", c.grpc},         {"http", c.http}, {"metrics", c.metrics},
                         {"internal", c.internal}, {"pid", c.pid}};
-    } else {
+    } else if (c.alive && !c.draining) {  // an autoscaled fleet's come and go
       state["workers"].push_back({{"role", c.spec.role},
                                   {"name", c.spec.name},
                                   {"grpc", c.grpc},
@@ -124,6 +127,15 @@ Status WriteStateFile(const std::string& path, const Supervisor& sup,
   fs::rename(tmp, path, ec);
   if (ec) return InternalError(fmt::format("cannot rename {} to {}: {}", tmp, path, ec.message()));
   return Status::Ok();
+}
+
+// Workers of `role` started at launch: the fleet file's replicas, brought
+// into autoscale.{prefill,decode}.{min,max} when autoscaling.
+uint32_t InitialReplicas(const FleetConfig& cfg, const std::string& role) {
+  const RoleConfig& rc = role == "prefill" ? cfg.prefill : role == "decode" ? cfg.decode : cfg.both;
+  if (!cfg.autoscale.enabled || role == "both") return rc.replicas;
+  const AutoscaleRoleConfig& b = role == "prefill" ? cfg.autoscale.prefill : cfg.autoscale.decode;
+  return std::clamp(rc.replicas, b.min, b.max);
 }
 
 void PrintTable(const Supervisor& sup) {
@@ -207,20 +219,25 @@ int RunLaunch(const std::string& config_path, const std::string& state_file,
   }
   const std::string proxy_grpc = (*proxy)->grpc;
   const std::string proxy_internal = (*proxy)->internal;
+  auto start_worker = [&](const std::string& role, uint32_t i) -> Status {
+    const RoleConfig& rc = role == "prefill" ? cfg->prefill
+                           : role == "decode" ? cfg->decode
+                                              : cfg->both;
+    const std::string name = fmt::format("{}-{}", role, i);
+    TANDEM_ASSIGN_OR_RETURN(
+        auto argv, with_tls(name, {rc.grpc},
+                            make(role, {"--join", proxy_internal, "--name", name, "--grpc",
+                                        NthAddress(rc.grpc, i), "--metrics",
+                                        NthAddress(rc.metrics, i), "--drain-seconds",
+                                        fmt::format("{}", cfg->proxy.drain_seconds)})));
+    return sup.Start({name, role, argv}, 300s).status();
+  };
+  std::map<std::string, uint32_t> started;  // per role: workers started at launch
   for (const auto* role : {"decode", "prefill", "both"}) {
-    const RoleConfig& rc = std::string(role) == "prefill" ? cfg->prefill
-                           : std::string(role) == "decode" ? cfg->decode
-                                                           : cfg->both;
-    for (uint32_t i = 0; i < rc.replicas; ++i) {
-      const std::string name = fmt::format("{}-{}", role, i);
-      auto argv = with_tls(name, {rc.grpc},
-                           make(role, {"--join", proxy_internal, "--name", name, "--grpc",
-                                       NthAddress(rc.grpc, i), "--metrics",
-                                       NthAddress(rc.metrics, i), "--drain-seconds",
-                                       fmt::format("{}", cfg->proxy.drain_seconds)}));
-      auto w = argv.ok() ? sup.Start({name, role, *argv}, 300s) : Result<Child*>(argv.status());
-      if (!w.ok()) {
-        spdlog::error("fleet not started: {}", w.status().message());
+    started[role] = InitialReplicas(*cfg, role);
+    for (uint32_t i = 0; i < started[role]; ++i) {
+      if (Status s = start_worker(role, i); !s.ok()) {
+        spdlog::error("fleet not started: {}", s.message());
         return 1;  // ~Supervisor stops what did start
       }
     }
@@ -236,7 +253,26 @@ int RunLaunch(const std::string& config_path, const std::string& state_file,
                (*proxy)->http.empty() ? "; the HTTP API is not built yet"
                                       : fmt::format(") or http://{} (HTTP", (*proxy)->http));
 
-  const int sig = sup.WaitForSignalOrDeath({"proxy"});
+  int sig = 0;
+  if (cfg->autoscale.enabled) {
+    // docs/scheduling.md, "Autoscaling": follow the proxy's planner.
+    Autoscaler scaler(cfg->autoscale, (*proxy)->metrics, &sup, start_worker, started);
+    const auto poll = std::chrono::milliseconds(
+        static_cast<int64_t>(cfg->autoscale.interval_s * 1000));
+    size_t exited = 0;
+    while ((sig = sup.WaitForSignalOrDeath({"proxy"}, poll)) < 0) {
+      const size_t now_exited = static_cast<size_t>(std::count_if(
+          sup.children().begin(), sup.children().end(), [](const Child& c) { return !c.alive; }));
+      if ((scaler.Poll() || now_exited != exited) && !state_file.empty()) {
+        if (auto s = WriteStateFile(state_file, sup, *certs, made_salt); !s.ok()) {
+          spdlog::error("{}", s.message());
+        }
+      }
+      exited = now_exited;
+    }
+  } else {
+    sig = sup.WaitForSignalOrDeath({"proxy"});
+  }
   int killed = 0;
   if (sig == 0) {
     spdlog::error("the proxy died; stopping the fleet");

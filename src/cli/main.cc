@@ -22,6 +22,7 @@ int main(int argc, char** argv) {
   tandem::cli::RegisterBench(app, g);
   tandem::cli::RegisterClient(app, g);
   tandem::cli::RegisterCerts(app, g);
+  tandem::cli::RegisterHealth(app, g);
   tandem::cli::RegisterPlan(app, g);
   tandem::cli::RegisterVersion(app, g);
   tandem::cli::RegisterConfigCheck(app, g);

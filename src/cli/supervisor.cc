@@ -164,7 +164,9 @@ void Supervisor::ReapExited() {
       if (c.pid == pid && c.alive) {
         c.alive = false;
         c.exit_status = status;
-        if (stopping_) {
+        if (c.draining) {
+          spdlog::info("{} after draining", DescribeExit(c));
+        } else if (stopping_) {
           spdlog::info("{} (the fleet is stopping)", DescribeExit(c));
         } else {
           spdlog::error("{}; the rest of the fleet keeps serving", DescribeExit(c));
@@ -176,8 +178,34 @@ void Supervisor::ReapExited() {
 
 int Supervisor::WaitForSignalOrDeath(const std::vector<std::string>& stop_if_dead) {
   while (true) {
+    const int r = WaitForSignalOrDeath(stop_if_dead, std::chrono::hours(24));
+    if (r >= 0) return r;
+  }
+}
+
+bool Supervisor::Drain(const std::string& name) {
+  ReapExited();
+  for (auto& c : children_) {
+    if (c.alive && !c.draining && c.spec.name == name) {
+      c.draining = true;
+      kill(c.pid, SIGTERM);
+      return true;
+    }
+  }
+  return false;
+}
+
+int Supervisor::WaitForSignalOrDeath(const std::vector<std::string>& stop_if_dead,
+                                     std::chrono::milliseconds max_wait) {
+  const auto deadline = Clock::now() + max_wait;
+  while (true) {
+    const int left = RemainingMs(deadline);
+    if (left == 0) {
+      ReapExited();
+      return -1;
+    }
     pollfd p{signal_fd_, POLLIN, 0};
-    if (poll(&p, 1, 1000) > 0) {
+    if (poll(&p, 1, std::min(left, 1000)) > 0) {
       signalfd_siginfo info{};
       while (read(signal_fd_, &info, sizeof(info)) == sizeof(info)) {
         if (info.ssi_signo == SIGINT || info.ssi_signo == SIGTERM) {

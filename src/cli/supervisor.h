@@ -39,6 +39,7 @@ struct Child {
   bool alive = false;
   int exit_status = 0;  // as from waitpid, once !alive
   std::string internal;  // proxy only: the Registry listener (proxy.internal)
+  bool draining = false;  // Drain sent it SIGTERM: its exit is expected
 };
 
 class Supervisor {
@@ -54,6 +55,14 @@ class Supervisor {
   // `stop_if_dead` names a child that dies, returns 0. Deaths of other
   // children are logged and the rest keep running.
   int WaitForSignalOrDeath(const std::vector<std::string>& stop_if_dead);
+  // The same, but returns -1 once `max_wait` passed without either.
+  int WaitForSignalOrDeath(const std::vector<std::string>& stop_if_dead,
+                           std::chrono::milliseconds max_wait);
+
+  // SIGTERM to one live child (its graceful drain, e.g. a worker leaving an
+  // autoscaled fleet) without waiting; its exit is then logged as expected.
+  // False when no live child has that name.
+  bool Drain(const std::string& name);
 
   // SIGTERM to every live child in reverse start order, then SIGKILL to any
   // still alive after `grace`. Returns the number that had to be killed.

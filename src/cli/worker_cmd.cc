@@ -20,6 +20,9 @@ void RegisterWorker(CLI::App& app, GlobalOptions& g, const std::string& role) {
   cmd->add_option("--node", opts->node,
                   "router label: the host this worker runs on (default: the role section's node)");
   cmd->add_option("--zone", opts->zone, "router label: its zone (default: the role section's zone)");
+  cmd->add_option("--advertise", opts->advertise,
+                  "HOST[:PORT] to register with the proxy instead of the bound address (e.g. "
+                  "the pod IP when --grpc is 0.0.0.0:PORT; default: the bound address)");
   cmd->add_option("--drain-seconds", opts->drain_seconds,
                   "on SIGTERM/SIGINT, how long in-flight requests may take to finish")
       ->check(CLI::Range(0.0, 3600.0));

@@ -43,6 +43,26 @@ void ReadRole(YamlMap m, RoleConfig& r) {
   m.Finish();
 }
 
+void ReadAutoscale(YamlMap m, AutoscaleConfig& a) {
+  m.Read("enabled", a.enabled);
+  for (auto [key, r] : {std::pair{"prefill", &a.prefill}, std::pair{"decode", &a.decode}}) {
+    YamlMap s = m.Sub(key);
+    s.Read("min", r->min, 1, 256);
+    s.Read("max", r->max, 1, 256);
+    s.Finish();
+  }
+  m.Read("interval_s", a.interval_s, 0.05, 3600.0);
+  m.Read("window_s", a.window_s, 0.1, 86400.0);
+  m.Read("scale_up_cooldown_s", a.scale_up_cooldown_s, 0.0, 86400.0);
+  m.Read("scale_down_cooldown_s", a.scale_down_cooldown_s, 0.0, 86400.0);
+  m.Read("ttft_target_ms", a.ttft_target_ms, 1.0, 3.6e6);
+  m.Read("itl_target_ms", a.itl_target_ms, 0.1, 3.6e6);
+  m.Read("queued_prefill_tokens_target", a.queued_prefill_tokens_target, 1.0, 1e9);
+  m.Read("kv_usage_target", a.kv_usage_target, 0.01, 1.0);
+  m.Read("scale_down_below", a.scale_down_below, 0.01, 0.99);
+  m.Finish();
+}
+
 // security.internal_tls / public_tls: a word, or a mapping of PEM files.
 void ReadSecurity(YamlMap m, SecurityConfig& s) {
   if (m.HasMapping("internal_tls")) {
@@ -207,6 +227,7 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
   ReadRole(top.Sub("prefill"), c.prefill);
   ReadRole(top.Sub("decode"), c.decode);
   ReadRole(top.Sub("both"), c.both);
+  ReadAutoscale(top.Sub("autoscale"), c.autoscale);
   top.Finish();
 }
 
@@ -226,6 +247,17 @@ void CrossCheck(const FleetConfig& c, YamlErrors& errors, int line) {
                      "or both.replicas");
   }
   if (c.model.path.empty()) errors.Add(line, "model.path must not be empty");
+  for (auto [role, r] : {std::pair{"prefill", &c.autoscale.prefill},
+                         std::pair{"decode", &c.autoscale.decode}}) {
+    if (r->min > r->max) {
+      errors.Add(line, fmt::format("autoscale.{0}.min ({1}) exceeds autoscale.{0}.max ({2})", role,
+                                   r->min, r->max));
+    }
+  }
+  if (c.autoscale.enabled && c.prefill.replicas + c.decode.replicas == 0) {
+    errors.Add(line, "autoscale.enabled scales prefill and decode workers; this fleet has none "
+                     "(set prefill.replicas and decode.replicas)");
+  }
   if (c.model.backend == "sim" && !c.sim.present) {
     errors.Add(line, "model.backend 'sim' needs a 'sim' section (at least sim.model_shape: the "
                      "config.json of the simulated model)");

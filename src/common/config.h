@@ -176,6 +176,28 @@ struct RoleConfig {
   std::string zone;  // router label "zone"
 };
 
+// autoscale: the proxy's planner (src/proxy/planner.h) and `tandem launch`
+// following it (src/cli/autoscaler.h); docs/configuration.md, "autoscale",
+// and docs/scheduling.md, "Autoscaling".
+struct AutoscaleRoleConfig {
+  uint32_t min = 1;  // workers of this role the planner never goes under
+  uint32_t max = 4;  // ... nor over
+};
+struct AutoscaleConfig {
+  bool enabled = false;
+  AutoscaleRoleConfig prefill;
+  AutoscaleRoleConfig decode;
+  double interval_s = 2.0;             // planner evaluation and launcher poll period
+  double window_s = 20.0;              // TTFT/ITL percentiles over this much recent time
+  double scale_up_cooldown_s = 10.0;   // at least this long between two raises of a role
+  double scale_down_cooldown_s = 30.0;  // ... after any change before a role is lowered
+  double ttft_target_ms = 1000.0;      // p90 TTFT the prefillers are sized for
+  double itl_target_ms = 50.0;         // p90 ITL the decoders are sized for
+  double queued_prefill_tokens_target = 8192;  // queued prefill tokens per prefiller
+  double kv_usage_target = 0.7;        // decoders' mean KV usage
+  double scale_down_below = 0.6;       // lower only if the load on one fewer stays under this
+};
+
 struct FleetConfig {
   ModelConfig model;
   CacheConfig cache;
@@ -189,6 +211,7 @@ struct FleetConfig {
   RoleConfig prefill;
   RoleConfig decode;
   RoleConfig both;
+  AutoscaleConfig autoscale;
 
   std::string source_path;  // the file this was read from ("" for strings)
 };

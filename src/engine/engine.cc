@@ -465,6 +465,7 @@ EngineStats Engine::stats() const {
   s.prefix_query_tokens = scheduler_->prefix_query_tokens();
   s.prefix_hit_tokens = scheduler_->prefix_hit_tokens();
   s.preemptions = scheduler_->preemptions();
+  s.fair_share_deficit_tokens = scheduler_->FairShareDeficits();
   s.tier_usage_ratio[0] =
       1.0 - static_cast<double>(blocks_->num_empty_blocks()) / s.num_blocks;
   for (uint32_t t = 0; t < kNumKvTiers; ++t) {

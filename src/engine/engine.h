@@ -111,6 +111,10 @@ struct EngineOptions {
   // Called (under the engine lock; be quick) with the wall seconds of each
   // onboarding from a lower tier.
   std::function<void(double)> on_onboard;
+  // Called (on the engine thread, under the engine lock; be quick) once per
+  // request, at its first scheduled step, with the seconds it waited
+  // (GenerateRequest::queued_since on) and its priority and tenant.
+  std::function<void(int32_t priority, const std::string& tenant, double seconds)> on_queue_time;
 
   // The fleet file's model/cache/scheduler sections.
   static EngineOptions FromFleetConfig(const FleetConfig& fleet);
@@ -137,6 +141,8 @@ struct EngineStats {
   std::array<double, kNumKvTiers> tier_usage_ratio{};
   std::array<uint64_t, kNumKvTiers> tier_hit_tokens{};   // prefix hits, totals
   std::array<uint64_t, kNumKvTiers> tier_evictions{};    // blocks evicted from the tier, totals
+  // Scheduler::FairShareDeficits (docs/scheduling.md).
+  std::map<std::string, double> fair_share_deficit_tokens;
 };
 
 class Engine {

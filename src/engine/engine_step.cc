@@ -106,6 +106,15 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
   DropExpired(out);
   SchedulerOutput plan = scheduler_->Schedule();
   if (plan.empty()) return false;
+  for (const ScheduledSeq& s : plan.seqs) {
+    if (s.seq->queue_time_reported) continue;
+    s.seq->queue_time_reported = true;
+    if (options_.on_queue_time) {
+      options_.on_queue_time(
+          s.seq->req.priority, s.seq->req.tenant,
+          std::chrono::duration<double>(t0 - s.seq->queued_since).count());
+    }
+  }
 
   const uint32_t vocab = config_.vocab_size;
   chunks_.clear();

@@ -92,6 +92,9 @@ struct GenerateRequest {
   int32_t priority = 0;
   std::string tenant;
   double tenant_weight = 1.0;  // <= 0 counts as 1
+  // Since when the request waits (a prefiller: its service queue); unset:
+  // from Submit. Ends at its first scheduled step (EngineOptions::on_queue_time).
+  std::optional<std::chrono::steady_clock::time_point> queued_since;
   OutputCallback on_output;
   // Prefill-only requests: told as the prompt's KV becomes final (optional).
   KvProgressCallback on_kv_progress;

@@ -13,7 +13,10 @@ Scheduler::Scheduler(const SchedulerLimits& limits, BlockManager* blocks)
 
 void Scheduler::AddWaiting(Sequence* seq) {
   seq->state = SeqState::kWaiting;
-  if (seq->arrival == 0) seq->arrival = ++next_arrival_;
+  if (seq->arrival == 0) {
+    seq->arrival = ++next_arrival_;
+    seq->queued_since = seq->req.queued_since.value_or(std::chrono::steady_clock::now());
+  }
   fair_.Enqueue(seq->req.tenant, seq->req.tenant_weight);
   waiting_.push_back(seq);
 }
@@ -25,6 +28,17 @@ void Scheduler::Remove(Sequence* seq) {
   if (auto it = std::find(running_.begin(), running_.end(), seq); it != running_.end()) {
     running_.erase(it);
   }
+}
+
+std::map<std::string, double> Scheduler::FairShareDeficits() const {
+  std::map<std::string, double> out;
+  for (const auto& [tenant, tokens] : fair_.served()) out[tenant] = 0;
+  for (const Sequence* s : waiting_) {
+    const double behind = fair_.SystemTime() - fair_.VirtualTime(s->req.tenant);
+    const double w = s->req.tenant_weight > 0 ? s->req.tenant_weight : 1.0;
+    out[s->req.tenant] = std::max(0.0, behind * w);
+  }
+  return out;
 }
 
 void Scheduler::UpdateHashes(Sequence& seq) const {

@@ -25,6 +25,8 @@
 
 #include <cstdint>
 #include <deque>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "engine/block_manager.h"
@@ -75,6 +77,9 @@ class Scheduler {
 
   uint64_t preemptions() const { return preemptions_; }
   const FairShare& fair_share() const { return fair_; }
+  // Per tenant seen: the tokens a tenant with waiting work is behind the
+  // queue's virtual time, times its weight (0 for the others).
+  std::map<std::string, double> FairShareDeficits() const;
   uint64_t prefix_query_tokens() const { return prefix_query_tokens_; }
   uint64_t prefix_hit_tokens() const { return prefix_hit_tokens_; }
   // For callers that allocate outside Schedule (reservations).

@@ -4,6 +4,7 @@
 // thread alone while the sequence is in flight (see Engine).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -36,6 +37,8 @@ struct Sequence {
   bool admitted_once = false;
   uint32_t num_preemptions = 0;   // KvProgress::attempt
   uint64_t arrival = 0;           // the scheduler's arrival number (0 = not yet queued)
+  std::chrono::steady_clock::time_point queued_since{};  // set with `arrival`
+  bool queue_time_reported = false;
   SeqState state = SeqState::kWaiting;
   bool in_flight = false;         // part of the step being computed
   bool abort_requested = false;   // Abort() while in flight

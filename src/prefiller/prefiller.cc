@@ -65,6 +65,11 @@ PrefillerCounts Prefiller::counts() const {
   c.inflight = static_cast<uint32_t>(jobs_.size() - queue_.size());
   c.queued_prompt_tokens = 0;
   for (const auto& j : queue_) c.queued_prompt_tokens += static_cast<uint32_t>(j->spec.prompt_ids.size());
+  for (const auto& [tenant, tokens] : fair_.served()) c.fair_share_deficit_tokens[tenant] = 0;
+  for (const auto& j : queue_) {
+    const double behind = fair_.SystemTime() - fair_.VirtualTime(j->spec.tenant);
+    c.fair_share_deficit_tokens[j->spec.tenant] = std::max(0.0, behind * j->spec.tenant_weight);
+  }
   return c;
 }
 
@@ -95,6 +100,7 @@ Status Prefiller::Submit(PrefillJob spec, PrefillDone done) {
     }
     jobs_.emplace(job->spec.request_id, job);
     job->arrival = ++next_arrival_;
+    job->queued_at = SteadyClock::now();
     fair_.Enqueue(job->spec.tenant, job->spec.tenant_weight);
     queue_.push_back(job);
     LogRequest(spdlog::level::debug, job->spec.request_id,
@@ -264,6 +270,7 @@ void Prefiller::OnReserved(const JobPtr& job, Result<ReserveTarget> target) {
   req.priority = job->spec.priority;
   req.tenant = job->spec.tenant;
   req.tenant_weight = job->spec.tenant_weight;
+  req.queued_since = job->queued_at;  // queue time counts the service queue too
   req.on_output = [this, job](const engine::RequestOutput& out) { OnOutput(job, out); };
   if (options_.push_mode == PushMode::kStreaming) {
     // job->push and lease_deadline are written before Submit and never after.

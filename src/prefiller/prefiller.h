@@ -143,6 +143,8 @@ struct PrefillerCounts {
   // ... or because the decoder's lease ran out before the KV was ready
   // (e.g. this process was paused).
   uint64_t dropped_lease_expired = 0;
+  // The service queue's fair-share deficits (engine::Scheduler::FairShareDeficits).
+  std::map<std::string, double> fair_share_deficit_tokens;
 };
 
 using PrefillDone = std::function<void(Result<PrefillResult>)>;
@@ -190,6 +192,7 @@ class Prefiller {
     std::chrono::steady_clock::time_point submitted, transfer_started;
     PrefillResult result;
     uint64_t arrival = 0;  // service-queue order within a tenant
+    std::chrono::steady_clock::time_point queued_at;  // Submit
   };
   using JobPtr = std::shared_ptr<Job>;
 

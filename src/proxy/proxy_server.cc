@@ -42,6 +42,9 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
   p->fleet_ = std::make_unique<Fleet>(req, std::move(router));
   p->router_metrics_ = std::make_unique<RouterMetrics>(*p->metrics_registry_, fleet.cache.block_size);
   p->fleet_->SetMetrics(p->router_metrics_.get());
+  p->planner_ = std::make_unique<Planner>(fleet, p->fleet_.get(), &p->metrics_->ttft,
+                                          &p->metrics_->itl, *p->metrics_registry_);
+  p->planner_->Start();
   p->client_ = std::make_unique<GrpcWorkerClient>(options.internal_credentials);
 
   ServingLimits limits;
@@ -107,7 +110,10 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
   return p;
 }
 
-ProxyServer::~ProxyServer() { Shutdown(0); }
+ProxyServer::~ProxyServer() {
+  if (planner_) planner_->Stop();
+  Shutdown(0);
+}
 
 Status ProxyServer::ReloadPublicTls() { return http_ ? http_->ReloadTls() : Status::Ok(); }
 

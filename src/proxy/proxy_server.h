@@ -16,6 +16,7 @@
 #include "model/tokenizer.h"
 #include "proxy/fleet.h"
 #include "proxy/generation_service.h"
+#include "proxy/planner.h"
 #include "proxy/proxy_metrics.h"
 #include "proxy/registry_service.h"
 #include "proxy/worker_client_grpc.h"
@@ -93,6 +94,7 @@ class ProxyServer {
   std::unique_ptr<ProxyMetrics> metrics_;
   std::unique_ptr<RouterMetrics> router_metrics_;  // outlives fleet_, which counts into it
   std::unique_ptr<Fleet> fleet_;
+  std::unique_ptr<Planner> planner_;  // autoscale (planner.h); stopped before fleet_ goes
   std::unique_ptr<GrpcWorkerClient> client_;
   std::unique_ptr<Frontend> frontend_;
   std::unique_ptr<GenerationService> generation_;

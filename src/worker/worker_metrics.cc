@@ -82,7 +82,11 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
       onboard_seconds_(r.Histogram("tandem_kv_tier_onboard_seconds",
                                    "Time to onboard one prefix hit's host/disk-tier blocks into the "
                                    "device tier",
-                                   TransferBuckets())) {
+                                   TransferBuckets())),
+      registry_(r) {
+  // Issue 22: the label sets known at start-up exist at zero.
+  QueueTime("0", "default");
+  Deficit("default");
   for (uint32_t t = 0; t < engine::kNumKvTiers; ++t) {
     const std::string tier(engine::KvTierName(static_cast<engine::KvTier>(t)));
     tier_usage_[t] = &r.Gauge("tandem_kv_tier_usage_ratio",
@@ -99,6 +103,57 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
 
 void WorkerMetrics::ObserveOnboard(double seconds) { onboard_seconds_.Observe(seconds); }
 
+namespace {
+const std::string& TenantLabel(const std::string& tenant) {
+  static const std::string kDefault = "default";
+  return tenant.empty() ? kDefault : tenant;
+}
+}  // namespace
+
+prometheus::Histogram& WorkerMetrics::QueueTime(const std::string& priority,
+                                                const std::string& tenant) {
+  std::lock_guard lock(labels_mu_);
+  auto key = std::make_pair(priority, tenant);
+  auto it = queue_time_.find(key);
+  if (it == queue_time_.end()) {
+    if (queue_time_.size() >= kMaxLabelSets) key = {"other", "other"};
+    it = queue_time_.find(key);
+    if (it == queue_time_.end()) {
+      auto* h = &registry_.Histogram(
+          "tandem_queue_time_seconds",
+          "Time a request waited before its first engine step (a prefiller: from its service "
+          "queue on), by priority and tenant",
+          SecondsBuckets(), {{"priority", key.first}, {"tenant", key.second}});
+      it = queue_time_.emplace(key, h).first;
+    }
+  }
+  return *it->second;
+}
+
+prometheus::Gauge& WorkerMetrics::Deficit(const std::string& tenant) {
+  std::lock_guard lock(labels_mu_);
+  std::string key = tenant;
+  auto it = deficit_.find(key);
+  if (it == deficit_.end()) {
+    if (deficit_.size() >= kMaxLabelSets) key = "other";
+    it = deficit_.find(key);
+    if (it == deficit_.end()) {
+      auto* g = &registry_.Gauge(
+          "tandem_fair_share_deficit_tokens",
+          "Tokens a tenant with waiting work is behind its fair share in this worker's queues "
+          "(weighted fair queueing within a priority band)",
+          {{"tenant", key}});
+      it = deficit_.emplace(key, g).first;
+    }
+  }
+  return *it->second;
+}
+
+void WorkerMetrics::ObserveQueueTime(int32_t priority, const std::string& tenant,
+                                     double seconds) {
+  QueueTime(std::to_string(priority), TenantLabel(tenant)).Observe(seconds);
+}
+
 void WorkerMetrics::ObservePrefill(double prefill_seconds) { prefill_seconds_.Observe(prefill_seconds); }
 
 void WorkerMetrics::ObserveTransfer(uint64_t bytes, double transfer_seconds, double prefill_seconds) {
@@ -114,6 +169,9 @@ void WorkerMetrics::Update(const MetricsSample& s) {
   kv_usage_.Set(s.engine.kv_usage_ratio);
   running_.Set(s.engine.num_running);
   waiting_.Set(s.engine.num_waiting);
+  for (const auto& [tenant, tokens] : s.fair_share_deficit_tokens) {
+    Deficit(TenantLabel(tenant)).Set(tokens);
+  }
   reservations_.Set(s.reservations);
   parked_.Set(s.engine.num_parked);
   queued_.Set(s.queued_prefills);

@@ -33,7 +33,10 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <mutex>
+#include <string>
+#include <utility>
 
 #include "common/metrics.h"
 #include "engine/engine.h"
@@ -55,6 +58,8 @@ struct MetricsSample {
   uint64_t quarantine_released_ack = 0;
   uint64_t quarantine_released_dead = 0;
   uint64_t checksum_failures = 0;
+  // Per tenant: the engine's and the prefiller queue's fair-share deficits, summed.
+  std::map<std::string, double> fair_share_deficit_tokens;
 };
 
 class WorkerMetrics {
@@ -66,6 +71,8 @@ class WorkerMetrics {
   void ObserveDecodeStep(double seconds);
   // Wall time of one onboarding from the host / disk tier (any thread).
   void ObserveOnboard(double seconds);
+  // Issue 22 (docs/scheduling.md): tandem_queue_time_seconds{priority,tenant}.
+  void ObserveQueueTime(int32_t priority, const std::string& tenant, double seconds);
   void Update(const MetricsSample& s);
 
  private:
@@ -97,6 +104,15 @@ class WorkerMetrics {
   std::array<prometheus::Counter*, engine::kNumKvTiers> tier_hits_{};
   std::array<prometheus::Counter*, engine::kNumKvTiers> tier_evictions_{};
   prometheus::Histogram& onboard_seconds_;
+  // Label sets made on first use (the default tenant at priority 0 from
+  // the start); past kMaxLabelSets, new ones count as "other".
+  static constexpr size_t kMaxLabelSets = 64;
+  MetricsRegistry& registry_;
+  std::mutex labels_mu_;
+  std::map<std::pair<std::string, std::string>, prometheus::Histogram*> queue_time_;  // guarded by labels_mu_
+  std::map<std::string, prometheus::Gauge*> deficit_;  // guarded by labels_mu_
+  prometheus::Histogram& QueueTime(const std::string& priority, const std::string& tenant);
+  prometheus::Gauge& Deficit(const std::string& tenant);
   std::mutex update_mu_;
   MetricsSample last_;  // guarded by update_mu_: counters advance by the difference
 };

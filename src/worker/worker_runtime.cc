@@ -76,6 +76,41 @@ void WriteReady(int fd, const std::string& grpc, const std::string& metrics) {
   close(fd);
 }
 
+// --advertise HOST[:PORT] (worker_runtime.h); port 0 when not given.
+Result<HostPort> ParseAdvertise(const std::string& a) {
+  const std::string expect = fmt::format(
+      "--advertise must be HOST or HOST:PORT (IPv6 in brackets) with a host peers can reach "
+      "(not 0.0.0.0 or ::) and a port in [1, 65535], got '{}'",
+      a);
+  const bool has_port = a.starts_with('[') ? a.find("]:") != std::string::npos
+                                           : a.find(':') != std::string::npos;
+  HostPort hp;
+  if (has_port) {
+    auto parsed = ParseHostPort(a);
+    if (!parsed.ok() || parsed->port == 0) return InvalidArgumentError(expect);
+    hp = *parsed;
+  } else {
+    hp.host = a.size() > 2 && a.front() == '[' && a.back() == ']' ? a.substr(1, a.size() - 2) : a;
+  }
+  const bool unbracketed_v6 = !a.starts_with('[') && hp.host.find(':') != std::string::npos;
+  const bool bad_char = unbracketed_v6 || hp.host.find_first_of(" \t/[]") != std::string::npos;
+  if (hp.host.empty() || hp.host.size() > 253 || bad_char || hp.host == "0.0.0.0" ||
+      hp.host == "::") {
+    return InvalidArgumentError(expect);
+  }
+  return hp;
+}
+
+// The bound `address` with its host replaced by --advertise's (and its port
+// too when --advertise has one and `use_port`).
+std::string Advertised(const std::string& address, const HostPort& advertise, bool use_port) {
+  auto bound = ParseHostPort(address);
+  if (!bound.ok()) return address;
+  HostPort out{advertise.host, bound->port};
+  if (use_port && advertise.port != 0) out.port = advertise.port;
+  return out.ToString();
+}
+
 // Everything one worker process runs, in construction order (destroyed in
 // reverse: servers before services before the engine before the transport,
 // whose memory the engine's pool is).
@@ -152,7 +187,14 @@ struct Worker {
       m.quarantine_released_dead = c.quarantine_released_dead;
       m.checksum_failures = c.checksum_failures;
     }
-    if (prefiller) m.queued_prefills = prefiller->counts().queued;
+    m.fair_share_deficit_tokens = m.engine.fair_share_deficit_tokens;
+    if (prefiller) {
+      const prefiller::PrefillerCounts pc = prefiller->counts();
+      m.queued_prefills = pc.queued;
+      for (const auto& [tenant, tokens] : pc.fair_share_deficit_tokens) {
+        m.fair_share_deficit_tokens[tenant] += tokens;
+      }
+    }
     metrics->Update(m);
     if (prefiller && dropped_target_lost) {
       const prefiller::PrefillerCounts c = prefiller->counts();
@@ -273,6 +315,9 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   }
   WorkerMetrics* metrics = w.metrics.get();
   eo.on_onboard = [metrics](double seconds) { metrics->ObserveOnboard(seconds); };
+  eo.on_queue_time = [metrics](int32_t priority, const std::string& tenant, double seconds) {
+    metrics->ObserveQueueTime(priority, tenant, seconds);
+  };
   eo.on_step = [metrics](const engine::StepStats& st) {
     if (st.num_prefill_tokens == 0 && st.num_decode_tokens > 0) metrics->ObserveDecodeStep(st.seconds);
   };
@@ -361,8 +406,17 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   const std::string grpc_addr = cmd.grpc.empty() ? rc.grpc : cmd.grpc;
   const std::string metrics_addr = cmd.metrics.empty() ? rc.metrics : cmd.metrics;
   TANDEM_ASSIGN_OR_RETURN(w.server, RpcServer::Start(grpc_addr, services, w.credentials));
+  // Readiness (gRPC health; docs/kubernetes.md): a joining worker is
+  // SERVING only once the proxy has registered it.
+  if (!cmd.join.empty()) w.server->SetServing(false);
   TANDEM_RETURN_IF_ERROR(w.registry->Serve(metrics_addr));
-  w.worker_service->SetAddresses(w.server->address(), w.registry->bound_address());
+  if (cmd.advertise.empty()) {
+    w.worker_service->SetAddresses(w.server->address(), w.registry->bound_address());
+  } else {
+    TANDEM_ASSIGN_OR_RETURN(HostPort adv, ParseAdvertise(cmd.advertise));
+    w.worker_service->SetAddresses(Advertised(w.server->address(), adv, true),
+                                   Advertised(w.registry->bound_address(), adv, false));
+  }
   w.worker_service->Start();
   return Status::Ok();
 }
@@ -416,6 +470,12 @@ int RunWorker(const WorkerCommand& cmd) {
       return 1;
     }
   }
+  if (!cmd.advertise.empty()) {
+    if (auto adv = ParseAdvertise(cmd.advertise); !adv.ok()) {
+      std::cerr << fmt::format("tandem {}: {}\n", cmd.role, adv.status().message());
+      return 1;
+    }
+  }
   auto w = std::make_unique<Worker>();
   auto fleet = LoadFleetConfig(cmd.config_path);
   if (!fleet.ok()) {
@@ -462,6 +522,11 @@ int RunWorker(const WorkerCommand& cmd) {
       Drain(*w, 0);
       return 1;
     }
+    w->server->SetServing(true);
+  }
+  if (!cmd.advertise.empty()) {
+    spdlog::info("{} advertises gRPC {} metrics {}", name, w->worker_service->identity().grpc_address,
+                 w->worker_service->identity().metrics_address);
   }
   spdlog::info("{} serving: gRPC {} metrics {} (model {}, {} KV blocks of {} bytes, transport {})",
                name, w->server->address(), w->registry->bound_address(), w->fleet.model.name,

@@ -31,6 +31,12 @@ struct WorkerCommand {
   std::string name;         // empty: ROLE-PORT (or ROLE-PID with port 0)
   std::string node;         // router label; empty: the role section's `node`
   std::string zone;         // router label; empty: the role section's `zone`
+  // --advertise HOST[:PORT]: the address registered with the proxy (and
+  // returned by GetInfo) instead of the bound one, for a worker behind NAT
+  // or in a pod listening on 0.0.0.0 (docs/kubernetes.md). HOST replaces
+  // the host of both the gRPC and the metrics address; PORT, when given,
+  // the gRPC port. Empty: the bound addresses (a wildcard host stays as is).
+  std::string advertise;
   int ready_fd = -1;
   std::string log_level;    // empty: the config's
   std::string log_format;   // empty: the config's

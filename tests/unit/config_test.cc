@@ -315,6 +315,42 @@ TEST(Config, KvTierKeys) {
             std::string::npos);
 }
 
+TEST(Config, AutoscaleKeys) {
+  auto d = Parse(kGood);
+  ASSERT_TRUE(d.ok());
+  EXPECT_FALSE(d->autoscale.enabled);
+  EXPECT_EQ(d->autoscale.prefill.min, 1u);
+  EXPECT_EQ(d->autoscale.decode.max, 4u);
+  auto r = Parse(std::string(kGood) +
+                 "autoscale:\n  enabled: true\n  prefill:\n    min: 2\n    max: 6\n  decode:\n"
+                 "    max: 3\n  scale_up_cooldown_s: 4\n  scale_down_cooldown_s: 9\n"
+                 "  ttft_target_ms: 250\n  itl_target_ms: 20\n  kv_usage_target: 0.5\n");
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_TRUE(r->autoscale.enabled);
+  EXPECT_EQ(r->autoscale.prefill.min, 2u);
+  EXPECT_EQ(r->autoscale.prefill.max, 6u);
+  EXPECT_EQ(r->autoscale.decode.min, 1u);
+  EXPECT_EQ(r->autoscale.decode.max, 3u);
+  EXPECT_DOUBLE_EQ(r->autoscale.scale_up_cooldown_s, 4.0);
+  EXPECT_DOUBLE_EQ(r->autoscale.scale_down_cooldown_s, 9.0);
+  EXPECT_DOUBLE_EQ(r->autoscale.ttft_target_ms, 250.0);
+  EXPECT_DOUBLE_EQ(r->autoscale.itl_target_ms, 20.0);
+  EXPECT_DOUBLE_EQ(r->autoscale.kv_usage_target, 0.5);
+  EXPECT_EQ(ErrorOf(std::string(kGood) + "autoscale:\n  decode:\n    min: 5\n    max: 2\n"),
+            "configs/x.yaml: autoscale.decode.min (5) exceeds autoscale.decode.max (2)");
+  EXPECT_NE(ErrorOf(std::string(kGood) + "autoscale:\n  prefill:\n    min: 0\n")
+                .find("autoscale.prefill.min"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf(std::string(kGood) + "autoscale:\n  kv_usage_target: 2\n")
+                .find("autoscale.kv_usage_target"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf(std::string(kGood) + "autoscale:\n  cooldown: 2\n").find("'cooldown' in 'autoscale'"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("model:\n  path: m\nboth:\n  replicas: 1\nautoscale:\n  enabled: true\n")
+                .find("autoscale.enabled"),
+            std::string::npos);
+}
+
 TEST(Config, MissingFile) {
   auto r = LoadFleetConfig("/nonexistent/fleet.yaml");
   ASSERT_FALSE(r.ok());

@@ -11,6 +11,9 @@
 // The numbers are printed (and recorded in bench/results/slo_priority.md).
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -19,6 +22,7 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -44,6 +48,46 @@ std::string WriteKeys(const std::string& name, const std::string& yaml) {
   std::filesystem::create_directories(dir);
   std::ofstream(dir + "/keys.yaml") << yaml;
   return dir + "/keys.yaml";
+}
+
+// POST /v1/completions with `body` and `key` on a fresh connection
+// (Connection: close); the whole response ("" when the connection failed).
+std::string HttpCompletion(const std::string& address, const std::string& key,
+                           const std::string& body) {
+  const auto colon = address.rfind(':');
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(static_cast<uint16_t>(std::stoi(address.substr(colon + 1))));
+  inet_pton(AF_INET, address.substr(0, colon).c_str(), &sa.sin_addr);
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return "";
+  timeval tv{30, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: t\r\nConnection: close\r\n"
+                          "Content-Type: application/json\r\nAuthorization: Bearer " + key +
+                          "\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" +
+                          body;
+  std::string out;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0 &&
+      send(fd, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size())) {
+    char buf[4096];
+    for (ssize_t n; (n = recv(fd, buf, sizeof buf, 0)) > 0;) out.append(buf, static_cast<size_t>(n));
+  }
+  close(fd);
+  return out;
+}
+
+// The value of the one series of `metric` whose labels contain both
+// `label_a` and `label_b` (-1 when there is none).
+double SeriesValue(const std::string& text, const std::string& metric, const std::string& label_a,
+                   const std::string& label_b) {
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(metric + "{", 0) != 0) continue;
+    if (line.find(label_a) == std::string::npos || line.find(label_b) == std::string::npos) continue;
+    return std::stod(line.substr(line.rfind(' ') + 1));
+  }
+  return -1;
 }
 
 // Requests of one tenant kept `concurrency` in flight (closed loop) from a
@@ -190,6 +234,16 @@ TEST(PriorityFleet, PriorityCutsThroughAFlood) {
     EXPECT_NE(reply.status.message().find("min_priority"), std::string::npos);
   }
 
+  // The same over HTTP (the body field `priority`, as vLLM).
+  {
+    const std::string body = R"({"prompt": [5, 6, 7], "max_tokens": 2, "priority": 0})";
+    const std::string refused = HttpCompletion((*fleet)->proxy_http(), "key-flood", body);
+    EXPECT_EQ(refused.rfind("HTTP/1.1 400", 0), 0u) << refused;
+    EXPECT_NE(refused.find("min_priority"), std::string::npos) << refused;
+    const std::string ok = HttpCompletion((*fleet)->proxy_http(), "key-vip", body);
+    EXPECT_EQ(ok.rfind("HTTP/1.1 200", 0), 0u) << ok;
+  }
+
   Probe(*client, "key-vip", "warm", 3);  // first-use costs out of the way
   const std::vector<double> idle = Probe(*client, "key-vip", "idle", 20);
   ASSERT_EQ(idle.size(), 20u);
@@ -219,6 +273,22 @@ TEST(PriorityFleet, PriorityCutsThroughAFlood) {
               idle_p50 * 1e3, busy_p50 * 1e3, busy_p50 / idle_p50,
               lg::Percentile(idle, 90) * 1e3, lg::Percentile(busy, 90) * 1e3, flood_ok);
   EXPECT_LE(busy_p50, 3.0 * idle_p50);
+
+  // Queue time per priority and tenant (docs/scheduling.md): every request
+  // was observed once on each worker, under its own labels.
+  for (const WorkerAddr& w : (*fleet)->workers()) {
+    auto text = Scrape(w.metrics);
+    ASSERT_TRUE(text.ok()) << text.status().ToString();
+    EXPECT_EQ(SeriesValue(*text, "tandem_queue_time_seconds_count", "priority=\"10\"",
+                          "tenant=\"flood\""),
+              double(flood_replies.size()))
+        << w.name;
+    EXPECT_EQ(SeriesValue(*text, "tandem_queue_time_seconds_count", "priority=\"0\"",
+                          "tenant=\"vip\""),
+              44.0)  // 1 over HTTP + 3 + 20 + 20 probes
+        << w.name;
+    EXPECT_NE(text->find("tandem_fair_share_deficit_tokens{"), std::string::npos);
+  }
   EXPECT_EQ(WaitFleetIdle((*fleet)->workers(), (*fleet)->proxy_metrics(),
                           std::chrono::milliseconds(30000)),
             "");

@@ -1,6 +1,7 @@
 // `--join`: a worker registers with the proxy's Registry before it reports
 // ready, and exits 1 with the proxy's reason when refused. This test serves
 // a Registry itself (the proxy's own tests cover the real one).
+#include <fmt/format.h>
 #include <sys/wait.h>
 
 #include <cstdlib>
@@ -152,6 +153,109 @@ TEST_F(WorkerJoinTest, RefusalIsPrintedAndExitsOne) {
       << child.status().message();
   ASSERT_EQ(sup.children().size(), 1u);
   EXPECT_EQ(WEXITSTATUS(sup.children().front().exit_status), 1);
+}
+
+// --advertise (docs/kubernetes.md): the registered addresses carry the
+// advertised host (a pod's IP, a DNS name) instead of the bound one. While
+// it registers, the worker's health is NOT_SERVING (a pod's readiness);
+// `tandem health` dials the ADVERTISED address from inside Register, so the
+// address the proxy would use reaches the worker (mutual TLS, SAN localhost).
+class ProbingRegistry final : public pb::Registry::Service {
+ public:
+  ProbingRegistry(std::string probe_cmd) : probe_cmd_(std::move(probe_cmd)) {}
+  grpc::Status Register(grpc::ServerContext*, const pb::RegisterRequest* req,
+                        pb::RegisterResponse*) override {
+    const std::string cmd = probe_cmd_ + " --addr " + req->worker().grpc_address() + " > " +
+                            out_ + " 2>&1";
+    const int rc = std::system(cmd.c_str());
+    std::lock_guard lock(mu_);
+    seen_.push_back(req->worker());
+    probe_exit_ = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+    return grpc::Status::OK;
+  }
+  std::vector<pb::WorkerInfo> seen() {
+    std::lock_guard lock(mu_);
+    return seen_;
+  }
+  int probe_exit() {
+    std::lock_guard lock(mu_);
+    return probe_exit_;
+  }
+  std::string out_;
+
+ private:
+  const std::string probe_cmd_;
+  std::mutex mu_;
+  std::vector<pb::WorkerInfo> seen_;
+  int probe_exit_ = -2;
+};
+
+std::string ReadText(const fs::path& p) {
+  std::ifstream in(p);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+std::string HealthCommand(const TlsFiles& probe) {
+  return std::string(TANDEM_BINARY_DIR) + "/tandem health --tls-ca " + probe.ca_file +
+         " --tls-cert " + probe.cert_file + " --tls-key " + probe.key_file;
+}
+
+TEST_F(WorkerJoinTest, AdvertisedHostIsRegisteredAndNotServingUntilRegistered) {
+  const TlsFiles probe = IssueIdentity(fleet_, "probe");
+  ProbingRegistry registry(HealthCommand(probe));
+  registry.out_ = (dir_ / "probe-during-register.txt").string();
+  auto server = Serve(&registry);
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  cli::Supervisor sup;
+  auto child = StartJoining(sup, (*server)->address(), {"--advertise", "localhost"});
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+  const auto seen = registry.seen();
+  ASSERT_EQ(seen.size(), 1u);
+  const auto grpc_bound = ParseHostPort((*child)->grpc);
+  const auto metrics_bound = ParseHostPort((*child)->metrics);
+  ASSERT_TRUE(grpc_bound.ok() && metrics_bound.ok());
+  EXPECT_EQ(seen[0].grpc_address(), fmt::format("localhost:{}", grpc_bound->port));
+  EXPECT_EQ(seen[0].metrics_address(), fmt::format("localhost:{}", metrics_bound->port));
+  // Reached through the advertised name while registering: NOT_SERVING.
+  EXPECT_EQ(registry.probe_exit(), 1) << ReadText(registry.out_);
+  EXPECT_NE(ReadText(registry.out_).find("NOT_SERVING"), std::string::npos) << ReadText(registry.out_);
+  // Registered (it reported ready): SERVING, through the advertised name too.
+  const fs::path after = dir_ / "probe-after.txt";
+  const int rc = std::system((HealthCommand(probe) + " --addr " + seen[0].grpc_address() + " > " +
+                              after.string() + " 2>&1").c_str());
+  ASSERT_TRUE(WIFEXITED(rc));
+  EXPECT_EQ(WEXITSTATUS(rc), 0) << ReadText(after);
+  EXPECT_EQ(ReadText(after), "SERVING\n");
+  EXPECT_EQ(sup.StopAll(10s), 0);
+}
+
+TEST_F(WorkerJoinTest, AdvertisedPortReplacesTheGrpcPortOnly) {
+  FakeRegistry registry("");
+  auto server = Serve(&registry);
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  cli::Supervisor sup;
+  auto child = StartJoining(sup, (*server)->address(), {"--advertise", "127.0.0.1:40999"});
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+  const auto seen = registry.seen();
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_EQ(seen[0].grpc_address(), "127.0.0.1:40999");
+  EXPECT_EQ(seen[0].metrics_address(), (*child)->metrics);  // bound on 127.0.0.1 already
+  EXPECT_EQ(sup.StopAll(10s), 0);
+}
+
+TEST_F(WorkerJoinTest, WildcardOrMalformedAdvertiseExitsOneNamingTheFlag) {
+  for (const std::string bad : {"0.0.0.0", "[::]:5", "host:0", "host:70000", "fd00::1"}) {
+    const fs::path err = dir_ / "stderr.txt";
+    const std::string cmd = std::string(TANDEM_BINARY_DIR) + "/tandem decode --config " + fleet_ +
+                            " --grpc 127.0.0.1:0 --metrics 127.0.0.1:0 --advertise '" + bad +
+                            "' 2> " + err.string();
+    const int rc = std::system(cmd.c_str());
+    ASSERT_TRUE(WIFEXITED(rc));
+    EXPECT_EQ(WEXITSTATUS(rc), 1) << bad;
+    EXPECT_NE(ReadText(err).find("--advertise must be HOST or HOST:PORT"), std::string::npos)
+        << bad << ": " << ReadText(err);
+    EXPECT_NE(ReadText(err).find("got '" + bad + "'"), std::string::npos) << ReadText(err);
+  }
 }
 
 }  // namespace

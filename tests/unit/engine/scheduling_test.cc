@@ -66,6 +66,10 @@ TEST(SchedulingTest, BetterPriorityPreemptsAWorseDecodeWhichResumesUnchanged) {
   EngineOptions o;
   o.scheduler.max_num_seqs = 2;
   o.num_blocks = 64;
+  std::vector<std::pair<int32_t, double>> queued;  // on_queue_time: once per request
+  o.on_queue_time = [&](int32_t priority, const std::string&, double seconds) {
+    queued.emplace_back(priority, seconds);
+  };
   auto e = MakeEngine(TinyModel(), o);
   Collector low[3];
   for (int i = 0; i < 3; ++i) {
@@ -93,6 +97,10 @@ TEST(SchedulingTest, BetterPriorityPreemptsAWorseDecodeWhichResumesUnchanged) {
     EXPECT_EQ(low[i].tokens, c.tokens) << "low" << i;
   }
   EXPECT_EQ(e->stats().free_blocks, o.num_blocks);
+  ASSERT_EQ(queued.size(), 4u);  // the preempted one is not counted twice
+  EXPECT_EQ(queued[2].first, 0);  // high, before low2
+  EXPECT_EQ(queued[3].first, 10);
+  for (const auto& [p, seconds] : queued) EXPECT_GE(seconds, 0.0);
 }
 
 // Without preemption room (same priority): FIFO as before, no preemption.

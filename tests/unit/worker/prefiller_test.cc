@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 #include <future>
+#include <map>
 #include <sstream>
 
 #include "prefiller/prefiller.h"
@@ -257,6 +258,58 @@ TEST_F(PrefillerTest, ExpiredDeadlineIsRefusedAndDrainingRefusesNewWork) {
   prefiller_->SetDraining();
   EXPECT_EQ(prefiller_->Submit(Job("x", Prompt(10, 8)), [](Result<PrefillResult>) {}).code(),
             StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace tandem::worker_test
+
+namespace tandem::worker_test {
+namespace {
+
+// Issue 22 (docs/scheduling.md): the service queue dispatches by priority,
+// then by fair share between tenants (charged with prompt tokens), then by
+// arrival. Each Reserve is refused, so nothing reaches the engine.
+TEST_F(PrefillerTest, ServiceQueueOrdersByPriorityThenFairShareThenArrival) {
+  MakePrefiller();
+  struct Spec {
+    std::string id;
+    int32_t priority;
+    std::string tenant;
+    uint32_t salt;
+  };
+  // "first" is dispatched at once (and charges tenant "a"); the others queue
+  // behind its reservation.
+  const std::vector<Spec> specs = {{"first", 10, "a", 1}, {"a-low", 10, "a", 2},
+                                   {"b-low", 10, "b", 3}, {"a-high", 0, "a", 4},
+                                   {"a-low2", 10, "a", 5}};
+  std::vector<std::promise<Result<PrefillResult>>> done(specs.size());
+  std::map<std::vector<uint32_t>, std::string> by_prompt;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    PrefillJob j = Job(specs[i].id, Prompt(20, specs[i].salt));
+    j.priority = specs[i].priority;
+    j.tenant = specs[i].tenant;
+    by_prompt[j.prompt_ids] = specs[i].id;
+    ASSERT_TRUE(prefiller_->Submit(std::move(j), [&done, i](Result<PrefillResult> r) {
+      done[i].set_value(std::move(r));
+    }).ok());
+    if (i == 0) {
+      ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1; }));
+    }
+  }
+  std::vector<std::string> order;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1; })) << i;
+    {
+      std::lock_guard lock(link_.mu_);
+      order.push_back(by_prompt[link_.last_prompt]);
+    }
+    link_.Answer(ResourceExhaustedError("no room"));
+  }
+  EXPECT_EQ(order, (std::vector<std::string>{"first", "a-high", "b-low", "a-low", "a-low2"}));
+  for (auto& d : done) {
+    EXPECT_EQ(d.get_future().get().status().code(), StatusCode::kResourceExhausted);
+  }
+  EXPECT_EQ(node_->engine->stats().free_blocks, 64u);
 }
 
 }  // namespace
