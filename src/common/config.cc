@@ -58,6 +58,7 @@ void ReadAutoscale(YamlMap m, AutoscaleConfig& a) {
   m.Read("ttft_target_ms", a.ttft_target_ms, 1.0, 3.6e6);
   m.Read("itl_target_ms", a.itl_target_ms, 0.1, 3.6e6);
   m.Read("queued_prefill_tokens_target", a.queued_prefill_tokens_target, 1.0, 1e9);
+  m.Read("awaiting_first_token_target", a.awaiting_first_token_target, 0.01, 1e6);
   m.Read("kv_usage_target", a.kv_usage_target, 0.01, 1.0);
   m.Read("scale_down_below", a.scale_down_below, 0.01, 0.99);
   m.Finish();

@@ -194,6 +194,7 @@ struct AutoscaleConfig {
   double ttft_target_ms = 1000.0;      // p90 TTFT the prefillers are sized for
   double itl_target_ms = 50.0;         // p90 ITL the decoders are sized for
   double queued_prefill_tokens_target = 8192;  // queued prefill tokens per prefiller
+  double awaiting_first_token_target = 1.0;  // requests awaiting their first token per prefiller
   double kv_usage_target = 0.7;        // decoders' mean KV usage
   double scale_down_below = 0.6;       // lower only if the load on one fewer stays under this
 };

@@ -68,9 +68,11 @@ PlannerDecision PlannerPolicy::Evaluate(const PlannerInputs& in, double now_s) {
   const double ttft_ratio =
       in.ttft_p90_s < 0 ? 0.0 : in.ttft_p90_s * 1000.0 / config_.ttft_target_ms;
   const double queue_ratio =
-      in.prefillers == 0 ? 0.0
-                         : in.queued_prefill_tokens / in.prefillers /
-                               config_.queued_prefill_tokens_target;
+      in.prefillers == 0
+          ? 0.0
+          : std::max(in.queued_prefill_tokens / config_.queued_prefill_tokens_target,
+                     in.awaiting_first_token / config_.awaiting_first_token_target) /
+                in.prefillers;
   const double itl_ratio = in.itl_p90_s < 0 ? 0.0 : in.itl_p90_s * 1000.0 / config_.itl_target_ms;
   const double kv_ratio = in.kv_usage / config_.kv_usage_target;
   d.prefill_pressure = std::max(ttft_ratio, queue_ratio);
@@ -207,14 +209,17 @@ PlannerInputs Planner::Measure(double now_s) {
         break;
     }
   }
-  Snapshot now{now_s, Buckets(ttft_), Buckets(itl_), in.queued_prefill_tokens,
-               kv_known > 0 ? kv_sum / kv_known : 0.0};
+  const prometheus::ClientMetric ttft_now = ttft_->Collect();
+  Snapshot now{now_s, ttft_now.histogram.bucket, Buckets(itl_), ttft_now.histogram.sample_sum,
+               in.queued_prefill_tokens, kv_known > 0 ? kv_sum / kv_known : 0.0};
   while (snapshots_.size() > 1 && snapshots_[1].time_s <= now_s - config_.window_s) {
     snapshots_.pop_front();
   }
   if (!snapshots_.empty()) {
     in.ttft_p90_s = WindowQuantile(snapshots_.front().ttft, now.ttft, 0.9);
     in.itl_p90_s = WindowQuantile(snapshots_.front().itl, now.itl, 0.9);
+    const double span = now_s - snapshots_.front().time_s;
+    if (span > 0) in.awaiting_first_token = (now.ttft_sum - snapshots_.front().ttft_sum) / span;
   }
   snapshots_.push_back(std::move(now));
   // Queue and KV usage: the mean of the ticks within the window (the oldest
@@ -244,10 +249,11 @@ PlannerDecision Planner::Tick() {
   if (d.prefill != before_p || d.decode != before_d) {
     spdlog::info(
         "planner: desired prefill {} -> {}, decode {} -> {} (registered {}P {}D; over {} s: TTFT "
-        "p90 {:.0f} ms, ITL p90 {:.1f} ms, queued prefill tokens {:.0f}, KV usage {:.2f}; "
-        "pressure prefill {:.2f} decode {:.2f})",
+        "p90 {:.0f} ms, ITL p90 {:.1f} ms, queued prefill tokens {:.0f}, awaiting first token "
+        "{:.2f}, KV usage {:.2f}; pressure prefill {:.2f} decode {:.2f})",
         before_p, d.prefill, before_d, d.decode, in.prefillers, in.decoders, config_.window_s,
-        in.ttft_p90_s * 1000, in.itl_p90_s * 1000, in.queued_prefill_tokens, in.kv_usage,
+        in.ttft_p90_s * 1000, in.itl_p90_s * 1000, in.queued_prefill_tokens,
+        in.awaiting_first_token, in.kv_usage,
         d.prefill_pressure, d.decode_pressure);
   }
   return d;

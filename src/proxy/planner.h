@@ -47,6 +47,10 @@ struct PlannerInputs {
   double itl_p90_s = -1;   // < 0: no gap in the window
   double queued_prefill_tokens = 0;  // summed over the prefillers
   double kv_usage = 0;               // mean over the decoders, 0..1
+  // Requests waiting for their first token, averaged over the window: the
+  // TTFT seconds that ended in it per second (Little's law). Its part that
+  // is prefill compute is the prefillers' busy count, whatever the prompts' sizes.
+  double awaiting_first_token = 0;
 };
 
 struct PlannerDecision {
@@ -58,7 +62,8 @@ struct PlannerDecision {
 
 // The rules, without clocks or threads (unit-tested). Per role a latency
 // ratio and a load ratio (1 = at target):
-//   prefill: TTFT p90 / ttft_target;  queued tokens per prefiller / its target
+//   prefill: TTFT p90 / ttft_target;  the larger of queued tokens per prefiller / its
+//            target and requests awaiting a first token per prefiller / its target
 //   decode:  ITL p90 / itl_target;    mean KV usage / kv_usage_target
 // pressure = the larger of the two.
 // Up: pressure > 1 and scale_up_cooldown_s since the role's last change →
@@ -113,6 +118,7 @@ class Planner {
   struct Snapshot {
     double time_s;
     std::vector<prometheus::ClientMetric::Bucket> ttft, itl;
+    double ttft_sum = 0;               // the TTFT histogram's sum of observations
     double queued_prefill_tokens = 0;  // this tick's, summed over the prefillers
     double kv_usage = 0;               // this tick's mean over the decoders
   };

@@ -154,6 +154,13 @@ def main():
                 for flag, file in (("--tls-ca", "ca.pem"), ("--tls-cert", "tls.pem"), ("--tls-key", "tls.key")):
                     check(flag in lflags and kflags.get(flag) == f"{tls_dir}/{file}",
                           f"{role}: {flag} {kflags.get(flag)} (issue-cert.sh's {file}; launch passes its own)")
+                section = "proxy" if role == "proxy" else role
+                for flag in ("--grpc", "--http", "--metrics", "--internal"):
+                    if flag in kflags or flag in lflags:
+                        key = flag[2:]
+                        check(kflags.get(flag) == k8s_fleet[section][key] and
+                              lflags.get(flag) == local_fleet[section][key],
+                              f"{role}: {flag} is the fleet file's {section}.{key} ({kflags.get(flag)})")
                 if role == "proxy":
                     continue
                 check(kflags["--name"] == "$(POD_NAME)" and env.get("POD_NAME") == "metadata.name"
@@ -162,10 +169,6 @@ def main():
                       f"launcher's {lflags['--name']}")
                 check(kflags["--advertise"] == "$(POD_IP)" and env.get("POD_IP") == "status.podIP",
                       f"{role}: --advertise is the pod IP")
-                for flag in ("--grpc", "--metrics"):
-                    key = flag[2:]
-                    check(kflags[flag] == k8s_fleet[role][key] and lflags[flag] == local_fleet[role][key],
-                          f"{role}: {flag} is the fleet file's {role}.{key} ({kflags[flag]})")
                 check(float(kflags["--drain-seconds"]) == float(lflags["--drain-seconds"])
                       == float(k8s_fleet["proxy"]["drain_seconds"]),
                       f"{role}: --drain-seconds {kflags['--drain-seconds']} is proxy.drain_seconds")

@@ -1,11 +1,12 @@
 """deploy/kubernetes passes the Kubernetes schemas (docs/kubernetes.md).
 
-Renders the base and the cuda overlay (k8s_render.py; compared with
-`kubectl kustomize` where kubectl is installed), then checks every object:
-core kinds with kubernetes-validate (strict: unknown fields fail) against
-the oldest and newest Kubernetes its offline schemas cover from 1.29 on;
-the PodMonitor (a CRD, in no core schema) against
-schemas/podmonitor.schema.json; any other kind fails. The checkers are shown
+Renders every kustomization under deploy/kubernetes (the top one = base,
+overlays/cuda, autoscale/...; k8s_render.py, compared with `kubectl
+kustomize` where kubectl is installed), then checks every object: core
+kinds with kubernetes-validate (strict: unknown fields fail) against
+Kubernetes 1.29 and the newest its offline schemas cover; the custom
+resources (in no core schema) against a structural schema of their CRD in
+schemas/ (PodMonitor, KEDA ScaledObject); any other kind fails. The checkers are shown
 to fail on a broken copy. Then the wiring the schemas cannot see: ports
 agree with the fleet file, probes and Services name real ports, GPUs only
 in the cuda overlay, grace periods cover the drain.
@@ -31,7 +32,8 @@ SRC = os.environ["TANDEM_SOURCE_DIR"]
 TANDEM = os.environ["TANDEM_BIN"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 VERSIONS = ["1.29.0", kubernetes_validate.latest_version()]
-CRD_SCHEMAS = {("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor.schema.json"}
+CRD_SCHEMAS = {("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor.schema.json",
+               ("keda.sh/v1alpha1", "ScaledObject"): "scaledobject.schema.json"}
 
 failures = []
 
@@ -88,7 +90,14 @@ def main():
         # The operator's first step (base/make-secrets.sh, the real `tandem certs`).
         tree = k8s_render.render_tree(SRC, TANDEM, work)
         rendered = {}
-        for name, root in (("base", tree), ("cuda", os.path.join(tree, "overlays", "cuda"))):
+        # Every kustomization under deploy/kubernetes: the top one (base), the
+        # overlays and any other (e.g. autoscale/, applied on its own).
+        roots = [("base", tree), ("cuda", os.path.join(tree, "overlays", "cuda"))]
+        for d, _, files in sorted(os.walk(tree)):
+            if "kustomization.yaml" in files and d not in (r for _, r in roots) and \
+                    d != os.path.join(tree, "base"):
+                roots.append((os.path.relpath(d, tree), d))
+        for name, root in roots:
             objs = k8s_render.render(root)
             rendered[name] = objs
             ref = kubectl_render(root)
@@ -106,6 +115,13 @@ def main():
                     check(False, f"{what}: {type(e).__name__}: {str(e).splitlines()[0]}")
 
         base = by_key(rendered["base"])
+        for name, objs in rendered.items():
+            for o in objs:
+                if o["kind"] == "ScaledObject":
+                    ref = o["spec"]["scaleTargetRef"]
+                    check((ref.get("kind", "Deployment"), ref["name"]) in base,
+                          f"{name}: ScaledObject {o['metadata']['name']} scales an existing "
+                          f"{ref.get('kind', 'Deployment')}/{ref['name']}")
         cuda = by_key(rendered["cuda"])
         # The checkers can fail: a misspelt field in a core kind and in the CRD.
         broken = copy.deepcopy(base[("StatefulSet", "prefill")])

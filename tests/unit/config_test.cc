@@ -324,7 +324,8 @@ TEST(Config, AutoscaleKeys) {
   auto r = Parse(std::string(kGood) +
                  "autoscale:\n  enabled: true\n  prefill:\n    min: 2\n    max: 6\n  decode:\n"
                  "    max: 3\n  scale_up_cooldown_s: 4\n  scale_down_cooldown_s: 9\n"
-                 "  ttft_target_ms: 250\n  itl_target_ms: 20\n  kv_usage_target: 0.5\n");
+                 "  ttft_target_ms: 250\n  itl_target_ms: 20\n  kv_usage_target: 0.5\n"
+                 "  awaiting_first_token_target: 2\n");
   ASSERT_TRUE(r.ok()) << r.status().message();
   EXPECT_TRUE(r->autoscale.enabled);
   EXPECT_EQ(r->autoscale.prefill.min, 2u);
@@ -336,6 +337,8 @@ TEST(Config, AutoscaleKeys) {
   EXPECT_DOUBLE_EQ(r->autoscale.ttft_target_ms, 250.0);
   EXPECT_DOUBLE_EQ(r->autoscale.itl_target_ms, 20.0);
   EXPECT_DOUBLE_EQ(r->autoscale.kv_usage_target, 0.5);
+  EXPECT_DOUBLE_EQ(r->autoscale.awaiting_first_token_target, 2.0);
+  EXPECT_DOUBLE_EQ(d->autoscale.awaiting_first_token_target, 1.0);
   EXPECT_EQ(ErrorOf(std::string(kGood) + "autoscale:\n  decode:\n    min: 5\n    max: 2\n"),
             "configs/x.yaml: autoscale.decode.min (5) exceeds autoscale.decode.max (2)");
   EXPECT_NE(ErrorOf(std::string(kGood) + "autoscale:\n  prefill:\n    min: 0\n")

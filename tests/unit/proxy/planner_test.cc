@@ -106,6 +106,23 @@ TEST(PlannerPolicy, DecodeScalesDownOnKvUsageOnOneFewer) {
   EXPECT_EQ(d.decode, 2u);
 }
 
+TEST(PlannerPolicy, RequestsAwaitingAFirstTokenDrivePrefill) {
+  PlannerPolicy p(Config(), 1, 1);
+  PlannerInputs in = Load(1, 1, 100, 10);
+  in.awaiting_first_token = 1.5;  // target 1.0 per prefiller
+  auto d = p.Evaluate(in, 0);
+  EXPECT_DOUBLE_EQ(d.prefill_pressure, 1.5);
+  EXPECT_EQ(d.prefill, 2u);
+  // 2 awaiting on 3 prefillers: 0.67 each, 1.0 on 2: no step down.
+  PlannerPolicy q(Config(), 3, 1);
+  in = Load(3, 1, 100, 10);
+  in.awaiting_first_token = 2.0;
+  EXPECT_EQ(q.Evaluate(in, 100).prefill, 3u);
+  // 1 awaiting on 3: 0.5 each on 2 < 0.6: one down.
+  in.awaiting_first_token = 1.0;
+  EXPECT_EQ(q.Evaluate(in, 101).prefill, 2u);
+}
+
 TEST(PlannerPolicy, NoDecisionWithoutRegisteredWorkers) {
   PlannerPolicy p(Config(), 2, 2);
   auto d = p.Evaluate(Load(0, 0, 9000, 900, 1e6, 1), 100);
