@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <ctime>
@@ -29,6 +30,7 @@ namespace lg = tandem::loadgen;
 struct ServeArgs {
   std::string proxy;  // empty: 127.0.0.1:50051 (grpc) or 127.0.0.1:8000 (http)
   std::string state_file;
+  bool all_proxies = false;  // --all-proxies: round-robin over the state file's `proxies`
   std::string api_key;
   std::string tenant_api_keys;  // NAME=KEY[:WEIGHT],...
   std::string priority;         // P or P:WEIGHT,...
@@ -180,6 +182,52 @@ Result<std::string> ProxyFromState(const std::string& path, const std::string& a
   return j["proxy"][api].get<std::string>();
 }
 
+// --all-proxies: every proxy replica's address for `api` (issue 21).
+Result<std::vector<std::string>> ProxiesFromState(const std::string& path, const std::string& api) {
+  std::ifstream in(path);
+  if (!in) return NotFoundError(fmt::format("cannot open --state-file '{}'", path));
+  auto j = nlohmann::json::parse(in, nullptr, false);
+  std::vector<std::string> out;
+  if (!j.is_discarded() && j.contains("proxies") && j["proxies"].is_array()) {
+    for (const auto& p : j["proxies"]) {
+      if (p.contains(api) && p[api].is_string()) out.push_back(p[api].get<std::string>());
+    }
+  }
+  if (out.empty()) {
+    return InvalidArgumentError(fmt::format(
+        "--all-proxies: --state-file '{}' lists no proxies[].{} (tandem launch writes them)", path,
+        api));
+  }
+  return out;
+}
+
+// Requests go to the proxies in turn (--all-proxies): clients of a fleet with
+// proxy.replicas spread over them, each proxy routing with its own index.
+class RoundRobinClient final : public lg::Client {
+ public:
+  explicit RoundRobinClient(std::vector<std::unique_ptr<lg::Client>> clients)
+      : clients_(std::move(clients)) {}
+  void Start(lg::Request request, std::function<void(lg::Reply)> done) override {
+    const size_t i = next_.fetch_add(1) % clients_.size();
+    clients_[i]->Start(std::move(request), std::move(done));
+  }
+  void CancelAll() override {
+    for (auto& c : clients_) c->CancelAll();
+  }
+  Result<lg::ModelInfo> GetModelInfo(const std::string& model) override {
+    return clients_[0]->GetModelInfo(model);
+  }
+  std::string Describe() const override {
+    std::string d;
+    for (const auto& c : clients_) d += (d.empty() ? "" : ", ") + c->Describe();
+    return fmt::format("{} proxies in turn: {}", clients_.size(), d);
+  }
+
+ private:
+  std::vector<std::unique_ptr<lg::Client>> clients_;
+  std::atomic<size_t> next_{0};
+};
+
 void PrintProgress(const lg::Progress& p, bool final_line) {
   std::string bound;
   if (p.num_requests > 0) bound = fmt::format("/{}", p.num_requests);
@@ -223,6 +271,13 @@ int RunServe(ServeArgs a) {
     auto p = ProxyFromState(a.state_file, a.backend);
     if (!p.ok()) return bad(p.status());
     a.proxy = *p;
+  }
+  std::vector<std::string> proxies;
+  if (a.all_proxies) {
+    if (a.state_file.empty()) return bad(Fail("--all-proxies needs --state-file"));
+    auto p = ProxiesFromState(a.state_file, a.backend);
+    if (!p.ok()) return bad(p.status());
+    proxies = *p;
   }
   if (a.proxy.empty()) a.proxy = http ? "127.0.0.1:8000" : "127.0.0.1:50051";
   lg::RunOptions ro;
@@ -336,9 +391,18 @@ int RunServe(ServeArgs a) {
   }
 
   // ---- the server ----
-  std::unique_ptr<lg::Client> client =
-      http ? lg::MakeHttpClient({a.proxy, a.api_key, a.vocab_size})
-           : lg::MakeGrpcClient({a.proxy, a.api_key, 4});
+  auto make_client = [&](const std::string& proxy) {
+    return http ? lg::MakeHttpClient({proxy, a.api_key, a.vocab_size})
+                : lg::MakeGrpcClient({proxy, a.api_key, 4});
+  };
+  std::unique_ptr<lg::Client> client;
+  if (proxies.size() > 1) {
+    std::vector<std::unique_ptr<lg::Client>> all;
+    for (const auto& p : proxies) all.push_back(make_client(p));
+    client = std::make_unique<RoundRobinClient>(std::move(all));
+  } else {
+    client = make_client(a.proxy);
+  }
   auto info_or = client->GetModelInfo(a.model);
   if (!info_or.ok()) {
     std::cerr << "tandem bench serve: " << info_or.status().ToString() << "\n";
@@ -394,7 +458,8 @@ int RunServe(ServeArgs a) {
   info.slo = slo;
   info.ignore_eos = a.ignore_eos;
   std::cerr << fmt::format("tandem bench serve: {} -> {}; {}; arrival: {}; bound: {}\n",
-                           info.model, a.proxy, info.workload, info.arrival, info.bounds);
+                           info.model, proxies.size() > 1 ? info.target : a.proxy,
+                           info.workload, info.arrival, info.bounds);
   if (truncated > 0) {
     std::cerr << fmt::format("tandem bench serve: {} trace prompts were cut to fit the "
                              "model's context of {} tokens\n",
@@ -448,6 +513,9 @@ void RegisterBenchServe(CLI::App& bench, GlobalOptions& g) {
                   "server address (default 127.0.0.1:50051; with --backend http 127.0.0.1:8000)");
   cmd->add_option("--state-file", a->state_file,
                   "read the proxy's address from a tandem launch state file");
+  cmd->add_flag("--all-proxies", a->all_proxies,
+               "with --state-file: send requests in turn to every proxy it lists "
+               "(proxy.replicas), not only the first");
   cmd->add_option("--api-key", a->api_key, "sent as 'authorization: Bearer KEY'");
   cmd->add_option("--tenant-api-keys", a->tenant_api_keys,
                   "a mix of tenants: NAME=KEY[:WEIGHT],...; session i uses the tenant at i "

@@ -32,6 +32,7 @@ void RegisterPlan(CLI::App& app, GlobalOptions& g);
 // (bench_serve.cc) register under `bench`.
 void RegisterBenchKvTransfer(CLI::App& bench, GlobalOptions& g);
 void RegisterBenchServe(CLI::App& bench, GlobalOptions& g);
+void RegisterBenchProxy(CLI::App& bench, GlobalOptions& g);
 // `tandem bench engine` (bench_engine.cc): cpu engine tokens/s + bandwidth.
 void RegisterBenchEngine(CLI::App& bench, GlobalOptions& g);
 

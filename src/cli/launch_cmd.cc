@@ -1,8 +1,11 @@
 // `tandem launch CONFIG [--state-file PATH]` (DESIGN.md section 7): starts the
-// proxy, then every worker with --join pointing at it, waits until each is
-// ready, writes the state file, prints a table, and stops everything on
-// SIGINT/SIGTERM. A dead worker is logged and the rest keep serving; nothing
-// is restarted silently.
+// proxies (proxy.replicas), then every worker with --join naming all of
+// them, waits until each is ready, writes the state file, prints a table,
+// and stops everything on SIGINT/SIGTERM. A dead worker is logged and the
+// rest keep serving. A proxy that dies abnormally is restarted on the same
+// addresses (proxy.restart) and takes traffic again once the workers'
+// snapshots rebuilt its index (--warm-workers); the fleet stops when no
+// proxy is left (docs/failure-handling.md, "Proxy replicas").
 //
 // Stopping drains (docs/failure-handling.md): the proxy first (new requests
 // UNAVAILABLE, in-flight ones get proxy.drain_seconds to finish while every
@@ -14,6 +17,7 @@
 #include <spdlog/spdlog.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -93,16 +97,22 @@ std::string SelfExe() {
 
 // `cache_salt`: the fleet salt this launcher made ("" when the config or
 // the environment gave one), for workers joined by hand (docs/security.md).
+// `proxies`: the current process of each proxy replica, in index order.
 Status WriteStateFile(const std::string& path, const Supervisor& sup,
-                      const LaunchCertificates& certs, const std::string& cache_salt) {
+                      const std::vector<const Child*>& proxies, const LaunchCertificates& certs,
+                      const std::string& cache_salt) {
   nlohmann::json state;
   state["workers"] = nlohmann::json::array();
+  state["proxies"] = nlohmann::json::array();
   certs.AddToState(state);
+  for (const Child* c : proxies) {
+    state["proxies"].push_back({{"grpc", c->grpc},         {"http", c->http},
+                                {"metrics", c->metrics},   {"internal", c->internal},
+                                {"pid", c->pid},           {"name", c->spec.name}});
+  }
+  if (!proxies.empty()) state["proxy"] = state["proxies"][0];
   for (const auto& c : sup.children()) {
-    if (c.spec.role == "proxy") {
-      state["proxy"] = {{"grpc", c.grpc},         {"http", c.http}, {"metrics", c.metrics},
-                        {"internal", c.internal}, {"pid", c.pid}};
-    } else if (c.alive && !c.draining) {  // an autoscaled fleet's come and go
+    if (c.spec.role != "proxy" && c.alive && !c.draining) {  // autoscaled workers come and go
       state["workers"].push_back({{"role", c.spec.role},
                                   {"name", c.spec.name},
                                   {"grpc", c.grpc},
@@ -146,6 +156,61 @@ void PrintTable(const Supervisor& sup) {
                              c.pid, c.grpc, c.metrics, c.http);
   }
   std::cout.flush();
+}
+
+// One proxy replica: its current process and what a restart needs.
+struct ProxySlot {
+  std::string name;                // "proxy" (one replica) or "proxy-I"
+  std::vector<std::string> extra;  // its TLS flags (internal identity, public certificate)
+  Child* child = nullptr;          // the current process
+  std::chrono::steady_clock::time_point started;
+  int quick_deaths = 0;            // deaths within kQuickDeath of their start, in a row
+};
+
+// A proxy that dies this soon after its start, kMaxQuickDeaths times in a
+// row, is not restarted again (a crash loop: the config or the host is wrong).
+constexpr std::chrono::seconds kQuickDeath{10};
+constexpr int kMaxQuickDeaths = 5;
+
+// Restarts a proxy that died abnormally (a signal, a non-zero exit) on the
+// addresses it had, so the workers' --join list still names it; it writes
+// its ready line once `num_workers` snapshots rebuilt its index (they
+// register again within about a second: worker/proxy_registrar.h). A
+// proxy that exited 0 (a SIGTERM by hand) is left down.
+template <typename Make>
+Status RestartProxy(Supervisor& sup, ProxySlot& p, const Make& make, uint32_t num_workers) {
+  const Child old = *p.child;
+  if (WIFEXITED(old.exit_status) && WEXITSTATUS(old.exit_status) == 0) {
+    return FailedPreconditionError(fmt::format("{} exited cleanly (status 0)", p.name));
+  }
+  const auto now = std::chrono::steady_clock::now();
+  p.quick_deaths = now - p.started < kQuickDeath ? p.quick_deaths + 1 : 0;
+  if (p.quick_deaths >= kMaxQuickDeaths) {
+    return FailedPreconditionError(fmt::format(
+        "it died {} times within {} s of its start", p.quick_deaths, kQuickDeath.count()));
+  }
+  std::vector<std::string> extra = {"--grpc", old.grpc, "--metrics", old.metrics, "--internal",
+                                    old.internal, "--warm-workers",
+                                    fmt::format("{}", num_workers)};
+  if (!old.http.empty()) {
+    extra.push_back("--http");
+    extra.push_back(old.http);
+  }
+  std::vector<std::string> argv = make("proxy", extra);
+  argv.insert(argv.end(), p.extra.begin(), p.extra.end());
+  spdlog::warn("{}; restarting it on the same addresses (proxy.restart)", DescribeExit(old));
+  auto child = sup.Start({p.name, "proxy", argv}, 120s);
+  if (!child.ok()) {
+    p.started = std::chrono::steady_clock::now();
+    return child.status();
+  }
+  p.child = *child;
+  p.started = std::chrono::steady_clock::now();
+  spdlog::info("{} restarted (pid {}) and ready in {:.0f} ms: index rebuilt from the workers' "
+               "snapshots",
+               p.name, p.child->pid,
+               std::chrono::duration<double, std::milli>(p.started - now).count());
+  return Status::Ok();
 }
 
 int RunLaunch(const std::string& config_path, const std::string& state_file,
@@ -204,21 +269,45 @@ int RunLaunch(const std::string& config_path, const std::string& state_file,
     argv.insert(argv.end(), extra.begin(), extra.end());
     return argv;
   };
-  auto proxy_argv = with_tls("proxy", {cfg->proxy.internal}, make("proxy", {}));
-  auto public_args = certs->PublicArgs({cfg->proxy.grpc, cfg->proxy.http});
-  if (!proxy_argv.ok() || !public_args.ok()) {
-    spdlog::error("fleet not started: {}",
-                  (!proxy_argv.ok() ? proxy_argv.status() : public_args.status()).message());
+  // The proxies first (proxy.replicas; replica i on port + i of each key).
+  const uint32_t num_proxies = cfg->proxy.replicas;
+  std::vector<std::string> public_addresses;
+  for (uint32_t i = 0; i < num_proxies; ++i) {
+    public_addresses.push_back(NthAddress(cfg->proxy.grpc, i));
+    public_addresses.push_back(NthAddress(cfg->proxy.http, i));
+  }
+  auto public_args = certs->PublicArgs(public_addresses);
+  if (!public_args.ok()) {
+    spdlog::error("fleet not started: {}", public_args.status().message());
     return 1;
   }
-  proxy_argv->insert(proxy_argv->end(), public_args->begin(), public_args->end());
-  auto proxy = sup.Start({"proxy", "proxy", *proxy_argv}, 120s);
-  if (!proxy.ok()) {
-    spdlog::error("fleet not started: {}", proxy.status().message());
-    return 1;
+  std::vector<ProxySlot> proxies(num_proxies);
+  std::string join;  // every proxy's internal listener: A,B,...
+  for (uint32_t i = 0; i < num_proxies; ++i) {
+    ProxySlot& p = proxies[i];
+    p.name = num_proxies == 1 ? "proxy" : fmt::format("proxy-{}", i);
+    const std::string internal = NthAddress(cfg->proxy.internal, i);
+    auto tls = certs->InternalArgs(p.name, {internal});
+    if (!tls.ok()) {
+      spdlog::error("fleet not started: {}", tls.status().message());
+      return 1;
+    }
+    p.extra = *tls;
+    p.extra.insert(p.extra.end(), public_args->begin(), public_args->end());
+    std::vector<std::string> argv =
+        make("proxy", {"--grpc", NthAddress(cfg->proxy.grpc, i), "--http",
+                       NthAddress(cfg->proxy.http, i), "--metrics",
+                       NthAddress(cfg->proxy.metrics, i), "--internal", internal});
+    argv.insert(argv.end(), p.extra.begin(), p.extra.end());
+    auto proxy = sup.Start({p.name, "proxy", argv}, 120s);
+    if (!proxy.ok()) {
+      spdlog::error("fleet not started: {}", proxy.status().message());
+      return 1;
+    }
+    p.child = *proxy;
+    p.started = std::chrono::steady_clock::now();
+    join += (join.empty() ? "" : ",") + p.child->internal;
   }
-  const std::string proxy_grpc = (*proxy)->grpc;
-  const std::string proxy_internal = (*proxy)->internal;
   auto start_worker = [&](const std::string& role, uint32_t i) -> Status {
     const RoleConfig& rc = role == "prefill" ? cfg->prefill
                            : role == "decode" ? cfg->decode
@@ -226,7 +315,7 @@ int RunLaunch(const std::string& config_path, const std::string& state_file,
     const std::string name = fmt::format("{}-{}", role, i);
     TANDEM_ASSIGN_OR_RETURN(
         auto argv, with_tls(name, {rc.grpc},
-                            make(role, {"--join", proxy_internal, "--name", name, "--grpc",
+                            make(role, {"--join", join, "--name", name, "--grpc",
                                         NthAddress(rc.grpc, i), "--metrics",
                                         NthAddress(rc.metrics, i), "--drain-seconds",
                                         fmt::format("{}", cfg->proxy.drain_seconds)})));
@@ -242,44 +331,83 @@ int RunLaunch(const std::string& config_path, const std::string& state_file,
       }
     }
   }
-  if (!state_file.empty()) {
-    if (auto s = WriteStateFile(state_file, sup, *certs, made_salt); !s.ok()) {
-      spdlog::error("{}", s.message());
-      return 1;
-    }
+  auto write_state = [&]() -> Status {
+    if (state_file.empty()) return Status::Ok();
+    std::vector<const Child*> current;
+    for (const auto& p : proxies) current.push_back(p.child);
+    return WriteStateFile(state_file, sup, current, *certs, made_salt);
+  };
+  if (auto s = write_state(); !s.ok()) {
+    spdlog::error("{}", s.message());
+    return 1;
   }
   PrintTable(sup);
-  spdlog::info("fleet ready: send requests to {} (gRPC{}); Ctrl-C stops it", proxy_grpc,
-               (*proxy)->http.empty() ? "; the HTTP API is not built yet"
-                                      : fmt::format(") or http://{} (HTTP", (*proxy)->http));
+  const Child& first = *proxies[0].child;
+  spdlog::info("fleet ready: send requests to {} (gRPC{}){}; Ctrl-C stops it", first.grpc,
+               first.http.empty() ? "; the HTTP API is not built yet"
+                                  : fmt::format(") or http://{} (HTTP", first.http),
+               num_proxies > 1 ? fmt::format(" or any of the {} proxies in the table",
+                                             num_proxies)
+                               : "");
 
-  int sig = 0;
+  std::vector<std::string> proxy_names;
+  for (const auto& p : proxies) proxy_names.push_back(p.name);
+  // Live workers, not draining: what a restarted proxy waits for.
+  auto serving_workers = [&sup] {
+    return static_cast<uint32_t>(
+        std::count_if(sup.children().begin(), sup.children().end(), [](const Child& c) {
+          return c.spec.role != "proxy" && c.alive && !c.draining;
+        }));
+  };
+  // docs/scheduling.md, "Autoscaling": follow the planner of proxy 0 (the
+  // first replica; a restarted one keeps its metrics address).
+  std::unique_ptr<Autoscaler> scaler;
+  auto poll = std::chrono::milliseconds(std::chrono::hours(24));
   if (cfg->autoscale.enabled) {
-    // docs/scheduling.md, "Autoscaling": follow the proxy's planner.
-    Autoscaler scaler(cfg->autoscale, (*proxy)->metrics, &sup, start_worker, started);
-    const auto poll = std::chrono::milliseconds(
-        static_cast<int64_t>(cfg->autoscale.interval_s * 1000));
-    size_t exited = 0;
-    while ((sig = sup.WaitForSignalOrDeath({"proxy"}, poll)) < 0) {
+    scaler = std::make_unique<Autoscaler>(cfg->autoscale, proxies[0].child->metrics, &sup,
+                                          start_worker, started);
+    poll = std::chrono::milliseconds(static_cast<int64_t>(cfg->autoscale.interval_s * 1000));
+  }
+  int sig = 0;
+  size_t exited = 0;
+  while (true) {
+    std::string died;
+    sig = sup.WaitForSignalOrDeath(proxy_names, poll, &died);
+    if (sig > 0) break;
+    if (sig < 0) {  // the autoscaler's poll interval passed
       const size_t now_exited = static_cast<size_t>(std::count_if(
           sup.children().begin(), sup.children().end(), [](const Child& c) { return !c.alive; }));
-      if ((scaler.Poll() || now_exited != exited) && !state_file.empty()) {
-        if (auto s = WriteStateFile(state_file, sup, *certs, made_salt); !s.ok()) {
-          spdlog::error("{}", s.message());
-        }
+      if (scaler && (scaler->Poll() || now_exited != exited)) {
+        if (auto s = write_state(); !s.ok()) spdlog::error("{}", s.message());
       }
       exited = now_exited;
+      continue;
     }
-  } else {
-    sig = sup.WaitForSignalOrDeath({"proxy"});
+    ProxySlot& p = *std::find_if(proxies.begin(), proxies.end(),
+                                 [&](const ProxySlot& x) { return x.name == died; });
+    if (cfg->proxy.restart) {
+      if (Status s = RestartProxy(sup, p, make, serving_workers()); !s.ok()) {
+        spdlog::error("{} not restarted: {}", p.name, s.message());
+      } else if (auto w = write_state(); !w.ok()) {
+        spdlog::error("{}", w.message());
+      }
+    }
+    const bool any_alive = std::any_of(proxies.begin(), proxies.end(),
+                                       [](const ProxySlot& x) { return x.child->alive; });
+    if (!any_alive) break;
+    if (!p.child->alive) {
+      spdlog::warn("{} stays down; {} other proxies keep serving", p.name,
+                   std::count_if(proxies.begin(), proxies.end(),
+                                 [](const ProxySlot& x) { return x.child->alive; }));
+    }
   }
   int killed = 0;
   if (sig == 0) {
-    spdlog::error("the proxy died; stopping the fleet");
+    spdlog::error("no proxy is left; stopping the fleet");
   } else {
     const auto drain = std::chrono::milliseconds(
         static_cast<int64_t>(cfg->proxy.drain_seconds * 1000));
-    spdlog::info("signal {}: draining the proxy (up to {} s), then stopping the workers", sig,
+    spdlog::info("signal {}: draining the proxies (up to {} s), then stopping the workers", sig,
                  cfg->proxy.drain_seconds);
     // The proxy waits up to `drain` for in-flight requests, then cancels
     // the rest; the margin covers its own shutdown.

@@ -4,14 +4,18 @@
 #include <spdlog/spdlog.h>
 
 #include <signal.h>
+#include <unistd.h>
 
+#include <chrono>
 #include <iostream>
 
 #include "cli/commands.h"
 #include "cli/ready.h"
 #include "common/config.h"
 #include "common/logging.h"
+#include "common/net.h"
 #include "common/tls.h"
+#include "common/tracing_otlp.h"
 #include "http/http_server.h"
 #include "proxy/proxy_server.h"
 
@@ -23,6 +27,8 @@ struct ProxyArgs {
   std::string tls_ca, tls_cert, tls_key;  // internal plane
   std::string public_cert, public_key;    // public listeners
   int ready_fd = -1;
+  uint32_t warm_workers = 0;  // issue 21: wait for this many workers' snapshots
+  double warm_timeout_s = 10.0;
 };
 
 int RunProxy(const ProxyArgs& a, const GlobalOptions& g) {
@@ -63,7 +69,33 @@ int RunProxy(const ProxyArgs& a, const GlobalOptions& g) {
     spdlog::error("proxy not started: {}", server.status().ToString());
     return 1;
   }
+  if (a.warm_workers > 0) {
+    // A restarted replica: take traffic once the workers (which register
+    // again within about a second) rebuilt the index from their snapshots.
+    const auto t0 = std::chrono::steady_clock::now();
+    const size_t got = (*server)->WaitForWarmIndex(
+        a.warm_workers, std::chrono::milliseconds(static_cast<int64_t>(a.warm_timeout_s * 1000)));
+    const double ms = std::chrono::duration<double, std::milli>(
+                          std::chrono::steady_clock::now() - t0).count();
+    if (got >= a.warm_workers) {
+      spdlog::info("index warm: rebuilt from {} workers' snapshots in {:.0f} ms", got, ms);
+    } else {
+      spdlog::warn("index not warm after {:.0f} ms: {} of {} workers' snapshots arrived; serving "
+                   "anyway",
+                   ms, got, a.warm_workers);
+    }
+  }
   const auto& addr = (*server)->addresses();
+  {
+    auto hp = ParseHostPort(addr.grpc);
+    const std::string instance =
+        hp.ok() ? fmt::format("proxy-{}", hp->port) : fmt::format("proxy-{}", getpid());
+    if (Status s = tracing::StartTracing(cfg->observability, "tandem-proxy", instance); !s.ok()) {
+      spdlog::error("proxy not started: {}", s.ToString());
+      (*server)->Shutdown(0);
+      return 1;
+    }
+  }
   WriteReadyLine(a.ready_fd, addr.grpc, addr.metrics, addr.http, addr.internal);
   int sig = 0;
   while ((sig = WaitForTermination()) == SIGHUP) {
@@ -78,6 +110,7 @@ int RunProxy(const ProxyArgs& a, const GlobalOptions& g) {
   }
   spdlog::info("signal {}: draining ({} requests in flight)", sig, (*server)->inflight());
   (*server)->Shutdown(static_cast<int>(cfg->proxy.drain_seconds * 1000));  // proxy.drain_seconds
+  tracing::Tracer::Get().Stop();  // exports the spans still queued
   return 0;
 }
 
@@ -100,6 +133,12 @@ void RegisterProxy(CLI::App& app, GlobalOptions& g) {
   pc->needs(pk);
   pk->needs(pc);
   for (auto* o : {pc, pk}) o->group("Public TLS (default: security.public_tls)");
+  cmd->add_option("--warm-workers", a->warm_workers,
+                  "before taking traffic (ready line, gRPC health SERVING), wait until this many "
+                  "workers' snapshots rebuilt the prefix index (tandem launch restarting a proxy)");
+  cmd->add_option("--warm-timeout", a->warm_timeout_s,
+                  "seconds --warm-workers may wait; then it serves anyway, with a warning")
+      ->check(CLI::Range(0.0, 3600.0));
   cmd->add_option("--ready-fd", a->ready_fd, "(tandem launch) write the real addresses here")
       ->group("");
   cmd->callback([&g, a] { g.exit_code = RunProxy(*a, g); });

@@ -84,7 +84,7 @@ Result<Child*> Supervisor::Start(ChildSpec spec, std::chrono::milliseconds timeo
     _exit(127);
   }
   close(fds[1]);
-  children_.push_back(Child{std::move(spec), pid, "", "", "", true, 0});
+  children_.push_back(Child{std::move(spec), pid, "", "", "", true, 0, "", false, false});
   Child* child = &children_.back();
 
   // Read the ready line, watching for the child's death meanwhile.
@@ -176,9 +176,10 @@ void Supervisor::ReapExited() {
   }
 }
 
-int Supervisor::WaitForSignalOrDeath(const std::vector<std::string>& stop_if_dead) {
+int Supervisor::WaitForSignalOrDeath(const std::vector<std::string>& stop_if_dead,
+                                     std::string* died) {
   while (true) {
-    const int r = WaitForSignalOrDeath(stop_if_dead, std::chrono::hours(24));
+    const int r = WaitForSignalOrDeath(stop_if_dead, std::chrono::hours(24), died);
     if (r >= 0) return r;
   }
 }
@@ -196,7 +197,7 @@ bool Supervisor::Drain(const std::string& name) {
 }
 
 int Supervisor::WaitForSignalOrDeath(const std::vector<std::string>& stop_if_dead,
-                                     std::chrono::milliseconds max_wait) {
+                                     std::chrono::milliseconds max_wait, std::string* died) {
   const auto deadline = Clock::now() + max_wait;
   while (true) {
     const int left = RemainingMs(deadline);
@@ -215,9 +216,13 @@ int Supervisor::WaitForSignalOrDeath(const std::vector<std::string>& stop_if_dea
       }
     }
     ReapExited();
-    for (const auto& c : children_) {
+    for (auto& c : children_) {
       for (const auto& name : stop_if_dead) {
-        if (!c.alive && c.spec.name == name) return 0;
+        if (!c.alive && !c.death_reported && c.spec.name == name) {
+          c.death_reported = true;
+          if (died != nullptr) *died = name;
+          return 0;
+        }
       }
     }
   }

@@ -39,6 +39,7 @@ struct Child {
   bool alive = false;
   int exit_status = 0;  // as from waitpid, once !alive
   std::string internal;  // proxy only: the Registry listener (proxy.internal)
+  bool death_reported = false;  // WaitForSignalOrDeath returned for this death
   bool draining = false;  // Drain sent it SIGTERM: its exit is expected
 };
 
@@ -52,12 +53,14 @@ class Supervisor {
   Result<Child*> Start(ChildSpec spec, std::chrono::milliseconds timeout);
 
   // Blocks until SIGINT/SIGTERM arrives (returns the signal number) or, when
-  // `stop_if_dead` names a child that dies, returns 0. Deaths of other
-  // children are logged and the rest keep running.
-  int WaitForSignalOrDeath(const std::vector<std::string>& stop_if_dead);
+  // `stop_if_dead` names a child that dies, returns 0 (once per death; its
+  // name in `*died` when given). Deaths of other children are logged and
+  // the rest keep running.
+  int WaitForSignalOrDeath(const std::vector<std::string>& stop_if_dead,
+                           std::string* died = nullptr);
   // The same, but returns -1 once `max_wait` passed without either.
   int WaitForSignalOrDeath(const std::vector<std::string>& stop_if_dead,
-                           std::chrono::milliseconds max_wait);
+                           std::chrono::milliseconds max_wait, std::string* died = nullptr);
 
   // SIGTERM to one live child (its graceful drain, e.g. a worker leaving an
   // autoscaled fleet) without waiting; its exit is then logged as expected.

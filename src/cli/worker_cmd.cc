@@ -13,7 +13,14 @@ void RegisterWorker(CLI::App& app, GlobalOptions& g, const std::string& role) {
   opts->role = role;
   cmd->add_option("--config", opts->config_path, "fleet YAML file (its role section gives defaults)")
       ->required();
-  cmd->add_option("--join", opts->join, "the proxy's internal listener (proxy.internal) to register with");
+  cmd->add_option("--join", opts->join,
+                  "the proxies' internal listeners (proxy.internal) to register with: A,B,...");
+  cmd->add_option("--join-dns", opts->join_dns,
+                  "HOST:PORT: register with every proxy HOST resolves to (A records, e.g. a "
+                  "headless Service) at PORT, re-resolved every --discovery-interval-ms");
+  cmd->add_option("--discovery-interval-ms", opts->discovery_interval_ms,
+                  "how often --join-dns is resolved again (default 10000)")
+      ->check(CLI::Range(100u, 3600000u));
   cmd->add_option("--grpc", opts->grpc, "host:port to serve gRPC on");
   cmd->add_option("--metrics", opts->metrics, "host:port to serve /metrics on");
   cmd->add_option("--name", opts->name, "worker name in logs and metrics (default: ROLE-PORT)");

@@ -150,6 +150,8 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.Read("max_migrations", c.proxy.max_migrations, 0, 100);
     m.Read("drain_seconds", c.proxy.drain_seconds, 0.0, 3600.0);
     m.Read("liveness_timeout_seconds", c.proxy.liveness_timeout_seconds, 0.2, 600.0);
+    m.Read("replicas", c.proxy.replicas, 1, 64);  // issue 21
+    m.Read("restart", c.proxy.restart);
     {
       YamlMap l = m.Sub("limits");
       ProxyLimitsConfig& x = c.proxy.limits;
@@ -203,6 +205,12 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     YamlMap m = top.Sub("logging");
     m.ReadEnum("level", c.logging.level, {"trace", "debug", "info", "warn", "error"});
     m.ReadEnum("format", c.logging.format, {"text", "json"});
+    m.Finish();
+  }
+  {
+    YamlMap m = top.Sub("observability");
+    m.ReadAddress("otlp_endpoint", c.observability.otlp_endpoint);
+    m.Read("trace_sample_ratio", c.observability.trace_sample_ratio, 0.0, 1.0);
     m.Finish();
   }
   ReadSecurity(top.Sub("security"), c.security);

@@ -77,6 +77,9 @@ struct ProxyConfig {
   double drain_seconds = 30.0;         // SIGTERM: grace for in-flight requests
   double liveness_timeout_seconds = 2.0;  // a worker silent this long leaves routing
   ProxyLimitsConfig limits;            // proxy.limits
+  // Issue 21, proxy replicas (docs/serving-workers.md, "Proxy replicas").
+  uint32_t replicas = 1;  // `tandem launch` starts this many proxies; ports: port + index
+  bool restart = true;    // the launcher restarts a proxy that dies (signal, non-zero exit)
 };
 
 struct RouterConfig {
@@ -165,6 +168,12 @@ struct LoggingConfig {
   std::string format = "text";  // text | json (one JSON object per line)
 };
 
+// observability (docs/observability.md): OTLP/gRPC span export.
+struct ObservabilityConfig {
+  std::string otlp_endpoint;       // host:port of an OTLP/gRPC collector; "" = tracing off
+  double trace_sample_ratio = 0;   // 0..1: share of requests traced without a client traceparent
+};
+
 // One group of identical workers. A port of 0 picks a free port; a port P
 // with N replicas gives ports P .. P+N-1.
 struct RoleConfig {
@@ -207,6 +216,7 @@ struct FleetConfig {
   RouterConfig router;
   TransportConfig transport;
   LoggingConfig logging;
+  ObservabilityConfig observability;
   SecurityConfig security;
   SimConfig sim;
   RoleConfig prefill;

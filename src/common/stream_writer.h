@@ -12,10 +12,16 @@
 // been called on it (gRPC calls OnDone, which deletes the reactor, only
 // after that), so producers that outlive the RPC are safe: their writes are
 // dropped.
+//
+// Coalescing: with a merge function (common/token_merge.h), a message
+// written while the previous one still waits in the queue is merged into it
+// (never into the one being written), so tokens that are ready together
+// leave in one message and none waits for a batch.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
 
+#include <cstdint>
 #include <deque>
 #include <mutex>
 
@@ -24,7 +30,11 @@ namespace tandem {
 template <class Msg>
 class StreamWriter {
  public:
-  explicit StreamWriter(grpc::ServerWriteReactor<Msg>* reactor) : reactor_(reactor) {}
+  // Merges `next` into `queued` and returns true, or returns false.
+  using MergeFn = bool (*)(Msg& queued, Msg& next);
+
+  explicit StreamWriter(grpc::ServerWriteReactor<Msg>* reactor, MergeFn merge = nullptr)
+      : reactor_(reactor), merge_(merge) {}
 
   // Writes start only after Open (so a first message queued before the
   // request is admitted stays first).
@@ -38,6 +48,10 @@ class StreamWriter {
   bool Write(Msg msg) {
     std::unique_lock lock(mu_);
     if (final_) return false;
+    if (merge_ != nullptr && !queue_.empty() && merge_(queue_.back(), msg)) {
+      ++merged_;
+      return true;
+    }
     queue_.push_back(std::move(msg));
     Pump(lock);
     return true;
@@ -68,6 +82,12 @@ class StreamWriter {
   bool finished() const {
     std::lock_guard lock(mu_);
     return final_;
+  }
+
+  // Messages merged into a queued one so far (tests, benchmarks).
+  uint64_t merged() const {
+    std::lock_guard lock(mu_);
+    return merged_;
   }
 
   // ---- from the reactor ----
@@ -106,6 +126,7 @@ class StreamWriter {
   }
 
   grpc::ServerWriteReactor<Msg>* const reactor_;
+  const MergeFn merge_;
   mutable std::mutex mu_;
   std::deque<Msg> queue_;
   Msg current_;  // the message being written; untouched while writing_
@@ -113,6 +134,7 @@ class StreamWriter {
   bool writing_ = false;
   bool final_ = false;
   bool finish_called_ = false;
+  uint64_t merged_ = 0;
   grpc::Status status_;
 };
 

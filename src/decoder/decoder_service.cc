@@ -4,10 +4,13 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <atomic>
 #include <chrono>
 
 #include "common/rpc_server.h"
 #include "common/stream_writer.h"
+#include "common/token_merge.h"
+#include "common/tracing.h"
 #include "decoder/kv_notice.h"
 #include "tandem/v1/worker.grpc.pb.h"
 #include "worker/attempt_key.h"
@@ -36,8 +39,9 @@ class DecodeStream final : public grpc::ServerWriteReactor<pb::DecodeResponse> {
  public:
   class Sink final : public DecodeSink {
    public:
-    Sink(DecodeStream* stream, std::string request_id)
-        : writer_(stream), request_id_(std::move(request_id)) {}
+    Sink(DecodeStream* stream, std::string request_id, tracing::SpanContext trace)
+        : writer_(stream, &MergeDecodeTokens), request_id_(std::move(request_id)), trace_(trace),
+          start_unix_ns_(trace.sampled ? tracing::NowUnixNs() : 0) {}
     void OnTokens(uint32_t first_index, std::vector<uint32_t> token_ids) override {
       pb::DecodeResponse m;
       m.set_request_id(request_id_);
@@ -55,6 +59,15 @@ class DecodeStream final : public grpc::ServerWriteReactor<pb::DecodeResponse> {
       f->set_prefill_cached_prompt_tokens(r.prefill_cached_prompt_tokens);
       writer_.Write(std::move(m));
       writer_.Finish(grpc::Status::OK);
+      if (trace_.sampled && !traced_.exchange(true)) {
+        tracing::SpanBuilder("tandem.decode", trace_, tracing::SpanKind::kServer, start_unix_ns_)
+            .Attr("tandem.request_id", request_id_)
+            .Attr("tandem.completion_tokens", static_cast<int64_t>(r.completion_tokens))
+            .Attr("tandem.cached_prompt_tokens", static_cast<int64_t>(r.cached_prompt_tokens))
+            .Attr("tandem.prefill_cached_prompt_tokens",
+                  static_cast<int64_t>(r.prefill_cached_prompt_tokens))
+            .End();
+      }
     }
     void OnError(const Status& status) override {
       pb::DecodeResponse m;
@@ -63,17 +76,26 @@ class DecodeStream final : public grpc::ServerWriteReactor<pb::DecodeResponse> {
       m.mutable_error()->set_message(status.message());
       writer_.Write(std::move(m));
       writer_.Finish(ToGrpcStatus(status));
+      if (trace_.sampled && !traced_.exchange(true)) {
+        tracing::SpanBuilder("tandem.decode", trace_, tracing::SpanKind::kServer, start_unix_ns_)
+            .Attr("tandem.request_id", request_id_)
+            .Error(status.ToString())
+            .End();
+      }
     }
     StreamWriter<pb::DecodeResponse>& writer() { return writer_; }
 
    private:
     StreamWriter<pb::DecodeResponse> writer_;
     const std::string request_id_;
+    const tracing::SpanContext trace_;  // this decode's span (common/tracing.h)
+    const uint64_t start_unix_ns_;
+    std::atomic<bool> traced_{false};
   };
 
-  DecodeStream(Decoder& decoder, const pb::DecodeRequest& req)
+  DecodeStream(Decoder& decoder, const pb::DecodeRequest& req, tracing::SpanContext trace)
       : decoder_(decoder), request_id_(worker::AttemptKey(req.request_id(), req.attempt())),
-        sink_(std::make_shared<Sink>(this, req.request_id())) {
+        sink_(std::make_shared<Sink>(this, req.request_id(), trace)) {
     pb::DecodeResponse first;
     first.set_request_id(req.request_id());
     first.set_registered(true);
@@ -130,14 +152,16 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
   }
   ~DecoderServiceImpl() override { transport_.SetNotificationCallback({}); }
 
-  grpc::ServerWriteReactor<pb::DecodeResponse>* Decode(grpc::CallbackServerContext* /*ctx*/,
+  grpc::ServerWriteReactor<pb::DecodeResponse>* Decode(grpc::CallbackServerContext* ctx,
                                                        const pb::DecodeRequest* req) override {
-    return new DecodeStream(decoder_, *req);
+    return new DecodeStream(decoder_, *req, TraceOf(ctx));
   }
 
   grpc::ServerUnaryReactor* Reserve(grpc::CallbackServerContext* ctx,
                                     const pb::ReserveRequest* req,
                                     pb::ReserveResponse* resp) override {
+    const tracing::SpanContext trace = TraceOf(ctx);
+    const uint64_t start = trace.sampled ? tracing::NowUnixNs() : 0;
     std::vector<uint32_t> prompt(req->prompt_token_ids().begin(), req->prompt_token_ids().end());
     auto target = decoder_.Reserve(req->request_id(), req->prefiller(), prompt,
                                    req->prefiller_transport_descriptor());
@@ -158,12 +182,33 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
       resp->mutable_error()->set_code(static_cast<int>(target.status().code()));
       resp->mutable_error()->set_message(target.status().message());
     }
+    if (trace.sampled) {
+      // The prefiller's reservation of KV slots here (its span's child).
+      tracing::SpanBuilder b("tandem.decode.reserve", trace, tracing::SpanKind::kServer, start);
+      b.Attr("tandem.prefiller", req->prefiller())
+          .Attr("tandem.prompt_tokens", static_cast<int64_t>(prompt.size()));
+      if (target.ok()) {
+        b.Attr("tandem.kv.slots", static_cast<int64_t>(target->slots.size()))
+            .Attr("tandem.kv.cached_blocks", static_cast<int64_t>(target->cached_blocks));
+      } else {
+        b.Error(target.status().ToString());
+      }
+      b.End();
+    }
     auto* reactor = ctx->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
     return reactor;
   }
 
  private:
+  // The caller's W3C trace context (gRPC metadata `traceparent`).
+  static tracing::SpanContext TraceOf(grpc::CallbackServerContext* ctx) {
+    if (!tracing::Tracer::Get().enabled()) return {};
+    auto it = ctx->client_metadata().find("traceparent");
+    if (it == ctx->client_metadata().end()) return {};
+    return tracing::Tracer::Get().ContinueFrom(std::string_view(it->second.data(), it->second.size()));
+  }
+
   void OnNotification(kvtransfer::Notification n) {
     auto info = ParseKvNotice(n.payload);
     if (!info.ok()) {

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common/net.h"
+#include "common/tracing.h"
 #include "http/http_stream.h"
 #include "http/openai.h"
 #include "model/chat_template.h"
@@ -273,6 +274,9 @@ class Session : public std::enable_shared_from_this<Session> {
     head_ = req.method() == bhttp::verb::head;
     const auto method = head_ ? bhttp::verb::get : req.method();
     request_id_header_ = std::string(req["X-Request-Id"]);
+    // W3C trace context (read only when tracing is on).
+    traceparent_header_.clear();
+    if (tracing::Tracer::Get().enabled()) traceparent_header_ = std::string(req["traceparent"]);
     auto only = [&](bhttp::verb v) {
       if (method == v) return true;
       Respond(405, "application/json",
@@ -409,8 +413,10 @@ class Session : public std::enable_shared_from_this<Session> {
     // pipelined requests wait their turn).
     sh_->jobs.fetch_add(1);
     sh_->fe->work().Submit([self = shared_from_this(), sh = sh_, ex = socket_.get_executor(), ep,
-                            body, tenant, id = request_id_header_, arrival] {
+                            body, tenant, id = request_id_header_, arrival,
+                            traceparent = traceparent_header_] {
       Prepared p = Prepare(sh, ep, body, tenant, id);
+      if (p.validated) p.validated->trace = tracing::Tracer::Get().StartRequest(traceparent);
       net::post(ex, [self, p = std::move(p), arrival]() mutable {
         self->OnPrepared(std::move(p), arrival);
       });
@@ -664,6 +670,7 @@ class Session : public std::enable_shared_from_this<Session> {
   bool reading_ = false, busy_ = false, gone_ = false, writing_ = false;
   bool keep_alive_ = true, close_after_ = false, close_when_written_ = false;
   std::string request_id_header_;
+  std::string traceparent_header_;
   bool over_connections_ = false;  // opened past proxy.limits.max_connections
   bool stop_reading_ = false;  // a request over max_pipelined_requests is queued
   std::shared_ptr<Session> hold_;  // this, while no read holds it (stop_reading_)

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "common/tracing.h"
 #include "engine/engine.h"
 #include "engine/fair_share.h"
 #include "kvtransfer/transport.h"
@@ -57,6 +58,9 @@ struct PrefillJob {
   int32_t priority = 0;
   std::string tenant;
   double tenant_weight = 1.0;
+  // This prefill's span (a child of the proxy's; common/tracing.h). The
+  // Reserve call carries it to the decoder. Not sampled: no span.
+  tracing::SpanContext trace;
 };
 
 struct PrefillResult {
@@ -209,6 +213,9 @@ class Prefiller {
   // Tells the decoder we gave up (when it holds a reservation for us);
   // call only once no data transfer of the job can land any more.
   void SendErrorNotice(const JobPtr& job, const Status& why);
+  // With mu_ held, when job.spec.trace is sampled: the prefill's spans
+  // (queue, reserve, compute, KV push) as the job ends with `result`.
+  void TraceLocked(const Job& job, const Result<PrefillResult>& result) const;
   // Ends the job (first call wins) and runs its `done`.
   void Complete(const JobPtr& job, Result<PrefillResult> result);
   static Status UnknownError();

@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "common/rpc_server.h"
+#include "common/tracing.h"
 #include "tandem/v1/worker.grpc.pb.h"
 #include "worker/attempt_key.h"
 #include "worker/engine_params.h"
@@ -42,7 +43,7 @@ class PrefillerServiceImpl final : public pb::Prefiller::CallbackService {
  public:
   explicit PrefillerServiceImpl(Prefiller& prefiller) : prefiller_(prefiller) {}
 
-  grpc::ServerUnaryReactor* Prefill(grpc::CallbackServerContext* /*ctx*/, const pb::PrefillRequest* req,
+  grpc::ServerUnaryReactor* Prefill(grpc::CallbackServerContext* ctx, const pb::PrefillRequest* req,
                                     pb::PrefillResponse* resp) override {
     // Each attempt is its own job (worker/attempt_key.h): a retry reaching
     // us before the abandoned attempt's cancel never collides with it.
@@ -63,6 +64,13 @@ class PrefillerServiceImpl final : public pb::Prefiller::CallbackService {
     }
     job.decoder_address = req->decoder_address();
     job.decoder_name = req->decoder_name().empty() ? req->decoder_address() : req->decoder_name();
+    if (tracing::Tracer::Get().enabled()) {
+      auto it = ctx->client_metadata().find("traceparent");
+      if (it != ctx->client_metadata().end()) {
+        job.trace = tracing::Tracer::Get().ContinueFrom(
+            std::string_view(it->second.data(), it->second.size()));
+      }
+    }
     const std::string id = req->request_id();
     Status s = prefiller_.Submit(std::move(job), [reactor, resp, id](Result<PrefillResult> r) {
       if (!r.ok()) {
@@ -108,6 +116,7 @@ class GrpcDecoderLink final : public DecoderLink {
     auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(10);
     if (job.deadline && *job.deadline < deadline) deadline = *job.deadline;
     call->ctx.set_deadline(deadline);
+    if (job.trace.sampled) call->ctx.AddMetadata("traceparent", tracing::FormatTraceparent(job.trace));
     pb::Decoder::Stub* stub = StubFor(job.decoder_address);
     stub->async()->Reserve(&call->ctx, &call->req, &call->resp,
                            [call, done = std::move(done)](grpc::Status st) {

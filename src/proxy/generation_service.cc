@@ -11,6 +11,8 @@
 
 #include "common/rpc_server.h"
 #include "common/stream_writer.h"
+#include "common/token_merge.h"
+#include "common/tracing.h"
 
 namespace tandem::proxy {
 namespace {
@@ -62,7 +64,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   // Writes and Finish made here are held by gRPC until the handler returns
   // this reactor, so nothing can end the call while the constructor runs.
   GenerateReactor(Frontend* fe, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* bytes)
-      : fe_(fe), ctx_(ctx), writer_(this) {
+      : fe_(fe), ctx_(ctx), writer_(this, &MergeGenerateDelta) {
     // TTFT and e2e count from here: validation and tokenization included.
     const auto arrival = std::chrono::steady_clock::now();
     writer_.Open();
@@ -94,14 +96,21 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
     // thread; the result comes back through guard_ unless the call ended.
     guard_ = std::make_shared<Guard>();
     guard_->owner = this;
+    // W3C trace context in the metadata (read only when tracing is on).
+    std::string traceparent;
+    if (tracing::Tracer::Get().enabled()) {
+      auto it = ctx_->client_metadata().find("traceparent");
+      if (it != ctx_->client_metadata().end()) traceparent.assign(it->second.data(), it->second.size());
+    }
     fe_->work().Submit([guard = guard_, fe = fe_, bytes = grpc::ByteBuffer(*bytes),
-                        tenant = tenant_, arrival] {
+                        tenant = tenant_, arrival, traceparent = std::move(traceparent)] {
       pb::wire::GenerateRequestBytes req;
       Status st = Parse(bytes, req);
       if (st.ok()) st = ExplainEmptyPrompt(req);
       double retry_after = 0;
       Result<ValidatedRequest> v = st.ok() ? fe->Validate(FromProto(req), tenant, &retry_after)
                                            : Result<ValidatedRequest>(st);
+      if (v.ok()) v->trace = tracing::Tracer::Get().StartRequest(traceparent);
       std::lock_guard lock(guard->mu);
       if (guard->owner != nullptr) guard->owner->Validated(std::move(v), retry_after, arrival);
     });
@@ -122,7 +131,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
     sink.on_delta = [this](std::vector<uint32_t> ids, std::string text) {
       pb::GenerateResponse r;
       r.set_request_id(request_id_);
-      for (uint32_t t : ids) r.add_token_ids(t);
+      r.mutable_token_ids()->Add(ids.begin(), ids.end());
       r.set_text(std::move(text));
       writer_.Write(std::move(r));
     };

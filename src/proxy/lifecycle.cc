@@ -8,6 +8,7 @@
 
 #include "common/block_hash.h"
 #include "common/logging.h"
+#include "common/tracing.h"
 
 namespace tandem::proxy {
 namespace {
@@ -68,6 +69,14 @@ RequestLifecycle::RequestLifecycle(const LifecycleDeps& deps, ValidatedRequest r
   }
   LogRequest(spdlog::level::debug, req_.request_id, "arrived: {} prompt tokens, max_tokens {}",
              req_.prompt_ids.size(), req_.max_tokens);
+  if (req_.trace.sampled) {
+    // Admission: arrival to here (admission slot, parsing, tokenization, validation).
+    tracing::SpanBuilder("tandem.admission", tracing::ChildOf(req_.trace),
+                         tracing::SpanKind::kInternal, tracing::ToUnixNs(arrival_))
+        .Attr("tandem.prompt_tokens", static_cast<int64_t>(req_.prompt_ids.size()))
+        .Attr("tandem.max_tokens", static_cast<int64_t>(req_.max_tokens))
+        .End();
+  }
 }
 
 void RequestLifecycle::Launch() {
@@ -83,6 +92,7 @@ void RequestLifecycle::Launch() {
     prompt_.insert(prompt_.end(), sent_.begin(), sent_.begin() + base_);
     hashes_ = HashBlocks(root_hash_, prompt_, deps_.block_size);
   }
+  const uint64_t route_start = req_.trace.sampled ? tracing::NowUnixNs() : 0;
   auto route = deps_.fleet->Route(hashes_, static_cast<uint32_t>(prompt_.size()), excluded_);
   // A deterministic policy may keep choosing an excluded worker that is
   // still registered (a lost decoder's Watch ends at about the same time as
@@ -99,6 +109,13 @@ void RequestLifecycle::Launch() {
     route = deps_.fleet->Route(hashes_, static_cast<uint32_t>(prompt_.size()), excluded_);
   }
   if (!route.ok()) {
+    if (req_.trace.sampled) {
+      tracing::SpanBuilder("tandem.route", tracing::ChildOf(req_.trace),
+                           tracing::SpanKind::kInternal, route_start)
+          .Attr("tandem.attempt", static_cast<int64_t>(attempt))
+          .Error(route.status().ToString())
+          .End();
+    }
     // After a refusal, the client hears what went wrong with the last pair.
     Calls c = FailLocked(last_error_.ok() ? route.status()
                                           : last_error_.WithContext(route.status().message()));
@@ -108,6 +125,7 @@ void RequestLifecycle::Launch() {
   }
   route_ = *route;
   prefill_open_ = true;
+  if (req_.trace.sampled) TraceRoute(attempt, route_start);
   LogRequest(spdlog::level::debug, req_.request_id, "attempt {} {}", attempt,
                 route_.decision.DebugString());
 
@@ -119,6 +137,7 @@ void RequestLifecycle::Launch() {
   args.prefill_locally = route_.local;
   args.tenant_salt = req_.tenant_salt;
   args.attempt = attempt;
+  if (req_.trace.sampled) args.traceparent = tracing::FormatTraceparent(req_.trace);
   std::weak_ptr<RequestLifecycle> weak = weak_from_this();
   DecodeEvents ev;
   ev.on_registered = [weak, attempt] {
@@ -161,6 +180,7 @@ void RequestLifecycle::OnRegistered(uint32_t attempt) {
   args.decoder_name = route_.decode_name;
   args.tenant_salt = req_.tenant_salt;
   args.attempt = attempt;
+  if (req_.trace.sampled) args.traceparent = tracing::FormatTraceparent(req_.trace);
   const std::string address = route_.prefill_address;
   lock.unlock();
   std::weak_ptr<RequestLifecycle> weak = weak_from_this();
@@ -389,6 +409,7 @@ RequestLifecycle::Calls RequestLifecycle::CompleteLocked(Finish reason) {
     deps_.metrics->CountOutcome("ok");
     deps_.metrics->inflight.Decrement();
   }
+  if (req_.trace.sampled) TraceEndLocked("");
   if (sink_.on_finish) sink_.on_finish(reason, usage);
   sink_ = {};
   return TakeCallsLocked();
@@ -403,9 +424,52 @@ RequestLifecycle::Calls RequestLifecycle::FailLocked(Status st) {
     deps_.metrics->inflight.Decrement();
   }
   LogRequest(spdlog::level::warn, req_.request_id, "failed: {}", st.ToString());
+  if (req_.trace.sampled) TraceEndLocked(st.ToString());
   if (sink_.on_error) sink_.on_error(std::move(st));
   sink_ = {};
   return TakeCallsLocked();
+}
+
+void RequestLifecycle::TraceRoute(uint32_t attempt, uint64_t start_unix_ns) const {
+  const router::RouteDecision& d = route_.decision;
+  tracing::SpanBuilder("tandem.route", tracing::ChildOf(req_.trace), tracing::SpanKind::kInternal,
+                       start_unix_ns)
+      .Attr("tandem.attempt", static_cast<int64_t>(attempt))
+      .Attr("tandem.route.prefill", route_.local ? route_.decode_name : route_.prefill_name)
+      .Attr("tandem.route.decode", route_.decode_name)
+      .Attr("tandem.route.local_prefill", route_.local)
+      .Attr("tandem.route.predicted_hit_tokens",
+            static_cast<int64_t>(std::min<uint64_t>(
+                uint64_t{d.prefill_overlap_blocks} * deps_.block_size, prompt_.size())))
+      .Attr("tandem.route.predicted_prefill_hit_blocks", static_cast<int64_t>(d.prefill_overlap_blocks))
+      .Attr("tandem.route.predicted_decode_hit_blocks", static_cast<int64_t>(d.decode_overlap_blocks))
+      .Attr("tandem.route.prompt_blocks", static_cast<int64_t>(d.prompt_blocks))
+      .Attr("tandem.route.cost", d.cost)
+      .End();
+}
+
+void RequestLifecycle::TraceEndLocked(const std::string& error) {
+  const tracing::ClockMap unix_ns;
+  const uint64_t now = unix_ns.now();
+  const int64_t completion = out_.next_index();
+  if (first_token_at_ != SteadyClock::time_point{}) {
+    // The stream to the client: first token to the end.
+    tracing::SpanBuilder stream("tandem.stream", tracing::ChildOf(req_.trace),
+                                tracing::SpanKind::kInternal, unix_ns(first_token_at_));
+    stream.Attr("tandem.completion_tokens", completion);
+    if (!error.empty()) stream.Error(error);
+    stream.End(now);
+  }
+  tracing::SpanBuilder b("tandem.request", req_.trace, tracing::SpanKind::kServer,
+                         unix_ns(arrival_));
+  b.Attr("tandem.request_id", req_.client_request_id)
+      .Attr("tandem.prompt_tokens", static_cast<int64_t>(req_.prompt_ids.size()))
+      .Attr("tandem.completion_tokens", completion)
+      .Attr("tandem.cached_prompt_tokens", static_cast<int64_t>(cached_tokens_))
+      .Attr("tandem.attempts", static_cast<int64_t>(attempt_))
+      .Attr("tandem.migrations", static_cast<int64_t>(migrations_));
+  if (!error.empty()) b.Error(error);
+  b.End(now);
 }
 
 void RequestLifecycle::EndPrefillLocked() {
@@ -437,6 +501,7 @@ void RequestLifecycle::Cancel() {
     deps_.metrics->CountOutcome("cancelled");
     deps_.metrics->inflight.Decrement();
   }
+  if (req_.trace.sampled) TraceEndLocked("cancelled by the client");
   Calls c = TakeCallsLocked();
   lock.unlock();
   CancelAll(c);

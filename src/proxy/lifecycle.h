@@ -108,6 +108,10 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   // a local prefill's first token, or the attempt's end, whichever first.
   void EndPrefillLocked();
   static void CancelAll(const Calls& calls);
+  // Tracing (only when req_.trace.sampled): the routing span of an attempt,
+  // and at the end the stream and request spans ("" error: success).
+  void TraceRoute(uint32_t attempt, uint64_t start_unix_ns) const;
+  void TraceEndLocked(const std::string& error);
 
   const LifecycleDeps deps_;
   const ValidatedRequest req_;

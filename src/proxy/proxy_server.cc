@@ -117,6 +117,14 @@ ProxyServer::~ProxyServer() {
 
 Status ProxyServer::ReloadPublicTls() { return http_ ? http_->ReloadTls() : Status::Ok(); }
 
+size_t ProxyServer::WaitForWarmIndex(size_t n, std::chrono::milliseconds limit) {
+  if (n == 0) return 0;
+  server_->SetServing(false);
+  const size_t got = registry_->WaitForSnapshots(n, limit);
+  server_->SetServing(true);
+  return got;
+}
+
 void ProxyServer::Drain() {
   if (frontend_) frontend_->SetDraining(true);
   if (server_) server_->SetServing(false);

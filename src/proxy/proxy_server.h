@@ -5,6 +5,7 @@
 // Thread-safety: Start, Drain and Shutdown from the owning thread.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -82,6 +83,10 @@ class ProxyServer {
   // Waits up to `grace_ms` for in-flight requests, then stops.
   void Shutdown(int grace_ms);
   uint32_t inflight() const { return frontend_->inflight(); }
+  // A restarted replica (issue 21): gRPC health NOT_SERVING until `n`
+  // workers' snapshots rebuilt the prefix index or `limit` passed; returns
+  // how many did.
+  size_t WaitForWarmIndex(size_t n, std::chrono::milliseconds limit);
   // SIGHUP: the HTTP API re-reads its TLS files now (the gRPC listener
   // watches them on its own: RpcCredentials::ServerTls).
   Status ReloadPublicTls();

@@ -92,9 +92,11 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
                                    update_.snapshot_host_hashes().end());
         std::vector<uint64_t> disk(update_.snapshot_disk_hashes().begin(),
                                    update_.snapshot_disk_hashes().end());
-        router.ApplySnapshot(id, update_.epoch(), update_.snapshot_event_id(), hashes, host, disk)
-            .status()
-            .IgnoreError();
+        if (router.ApplySnapshot(id, update_.epoch(), update_.snapshot_event_id(), hashes, host,
+                                 disk)
+                .ok()) {
+          owner_->SnapshotApplied(name_);
+        }
         break;
       }
       case pb::WorkerUpdate::kEvent: {
@@ -222,6 +224,7 @@ grpc::ServerUnaryReactor* RegistryService::Register(grpc::CallbackServerContext*
   // The verified certificate identity of the caller ("" over plaintext).
   const std::string identity = PeerIdentity(*ctx);
   Status st = Status::Ok();
+  bool refresh = false;
   {
     std::lock_guard lock(mu_);
     auto bound = identities_.find(rec.name);
@@ -232,6 +235,10 @@ grpc::ServerUnaryReactor* RegistryService::Register(grpc::CallbackServerContext*
           "worker name '{}' belongs to the certificate identity '{}' that first registered it; "
           "this registration presents '{}' (names are bound to identities: pick another name)",
           rec.name, bound->second, identity));
+    } else if (auto known = fleet_->Find(rec.name);
+               known && bound != identities_.end() && known->epoch == rec.epoch &&
+               known->grpc_address == rec.grpc_address && watches_.count(rec.name) > 0) {
+      refresh = true;  // already watched: the worker's periodic re-registration
     } else {
       st = fleet_->Register(rec);
       if (st.ok()) {
@@ -246,11 +253,25 @@ grpc::ServerUnaryReactor* RegistryService::Register(grpc::CallbackServerContext*
     response->mutable_error()->set_message(st.message());
   } else {
     response->set_heartbeat_interval_ms(200);
-    StartWatch(rec.name, rec.grpc_address, rec.epoch);
+    if (!refresh) StartWatch(rec.name, rec.grpc_address, rec.epoch);
   }
   auto* reactor = ctx->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
+}
+
+void RegistryService::SnapshotApplied(const std::string& name) {
+  {
+    std::lock_guard lock(mu_);
+    if (!snapshotted_.insert(name).second) return;
+  }
+  snapshot_cv_.notify_all();
+}
+
+size_t RegistryService::WaitForSnapshots(size_t n, std::chrono::milliseconds limit) {
+  std::unique_lock lock(mu_);
+  snapshot_cv_.wait_for(lock, limit, [&] { return snapshotted_.size() >= n || shut_down_; });
+  return snapshotted_.size();
 }
 
 void RegistryService::StartWatch(const std::string& name, const std::string& address,

@@ -7,16 +7,23 @@
 // overloaded worker that answers again); registering again also does. A
 // worker that ends its streams itself (OK: it is draining) is forgotten.
 //
+// A registration of a worker the proxy already watches (same name, gRPC
+// address and epoch) is a no-op: workers repeat theirs every second so
+// that a restarted proxy gets them back (worker/proxy_registrar.h).
+// WaitForSnapshots tells a restarted proxy when its index is warm.
+//
 // A worker name is bound to the certificate identity (common name) that
 // first registered it; a registration of that name under another identity
 // is refused with PERMISSION_DENIED (docs/security.md).
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -41,6 +48,11 @@ class RegistryService final : public tandem::v1::Registry::CallbackService {
   // Stops watching every worker (at shutdown).
   void Shutdown();
 
+  // Waits up to `limit` until `n` distinct workers have delivered a
+  // snapshot (their cached blocks are in the router's index); returns how
+  // many have.
+  size_t WaitForSnapshots(size_t n, std::chrono::milliseconds limit);
+
   static constexpr std::chrono::milliseconds kProbeInterval{500};
   static constexpr std::chrono::minutes kForgetAfter{10};
 
@@ -59,6 +71,7 @@ class RegistryService final : public tandem::v1::Registry::CallbackService {
   // or refused).
   bool Rejoin(const std::string& name, WorkerWatch* watch, WorkerRecord rec, uint64_t epoch);
   void Housekeeping(std::stop_token stop);
+  void SnapshotApplied(const std::string& name);
 
   Fleet* fleet_;
   GrpcWorkerClient* channels_;
@@ -74,6 +87,8 @@ class RegistryService final : public tandem::v1::Registry::CallbackService {
   // Worker name -> the certificate identity that first registered it (for
   // the proxy's lifetime; "" over plaintext). guarded by mu_
   std::map<std::string, std::string> identities_;
+  std::set<std::string> snapshotted_;  // guarded by mu_: workers whose snapshot arrived
+  std::condition_variable snapshot_cv_;
   std::jthread housekeeping_;
 };
 

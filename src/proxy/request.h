@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "common/tracing.h"
 
 namespace tandem::proxy {
 
@@ -79,6 +80,9 @@ struct ValidatedRequest {
   int32_t priority = 0;
   std::string tenant;
   double tenant_weight = 1.0;
+  // The proxy's span for this request (common/tracing.h); set by the front
+  // end from the client's traceparent. Not sampled: no span, no cost.
+  tracing::SpanContext trace;
 };
 
 using EncodeFn = std::function<std::vector<uint32_t>(std::string_view text)>;

@@ -48,6 +48,7 @@ struct DecodeArgs {
   // The routing attempt (from 1): workers key the request by it, so a
   // retry never meets an earlier attempt's state (worker/attempt_key.h).
   uint32_t attempt = 0;
+  std::string traceparent;  // W3C trace context for the worker; "" = not traced
 };
 
 struct DecodeEvents {
@@ -74,6 +75,7 @@ struct PrefillArgs {
   std::string decoder_name;
   std::string tenant_salt;  // as in DecodeArgs
   uint32_t attempt = 0;  // as in DecodeArgs: the same for both calls of one attempt
+  std::string traceparent;  // as in DecodeArgs
 };
 
 struct PrefillResult {

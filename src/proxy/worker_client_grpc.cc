@@ -20,7 +20,7 @@ void FillParams(const EngineArgs& a, pb::EngineParams* p) {
   p->set_top_p(a.top_p);
   p->set_top_k(a.top_k);
   p->set_seed(a.seed);
-  for (uint32_t t : a.stop_token_ids) p->add_stop_token_ids(t);
+  p->mutable_stop_token_ids()->Add(a.stop_token_ids.begin(), a.stop_token_ids.end());
   p->set_ignore_eos(a.ignore_eos);
   p->set_first_sample_index(a.first_sample_index);
 }
@@ -44,7 +44,7 @@ class DecodeCall final : public grpc::ClientReadReactor<pb::DecodeResponse>,
  public:
   DecodeCall(DecodeArgs args, DecodeEvents events) : events_(std::move(events)) {
     req_.set_request_id(args.request_id);
-    for (uint32_t t : args.prompt_ids) req_.add_prompt_token_ids(t);
+    req_.mutable_prompt_token_ids()->Add(args.prompt_ids.begin(), args.prompt_ids.end());
     FillParams(args.params, req_.mutable_params());
     req_.set_deadline_unix_ms(UnixMs(args.deadline));
     req_.set_prefill_locally(args.prefill_locally);
@@ -53,6 +53,7 @@ class DecodeCall final : public grpc::ClientReadReactor<pb::DecodeResponse>,
     req_.set_priority(args.params.priority);
     req_.set_tenant(args.params.tenant);
     req_.set_tenant_weight(args.params.tenant_weight);
+    if (!args.traceparent.empty()) ctx_.AddMetadata("traceparent", args.traceparent);
     if (args.deadline != std::chrono::system_clock::time_point::max()) {
       ctx_.set_deadline(args.deadline);
     }
@@ -198,7 +199,7 @@ std::shared_ptr<Call> GrpcWorkerClient::Prefill(const std::string& address, Pref
   auto call = std::make_shared<PrefillCall>();
   call->stub = pb::Prefiller::NewStub(Channel(address));
   call->req.set_request_id(args.request_id);
-  for (uint32_t t : args.prompt_ids) call->req.add_prompt_token_ids(t);
+  call->req.mutable_prompt_token_ids()->Add(args.prompt_ids.begin(), args.prompt_ids.end());
   FillParams(args.params, call->req.mutable_params());
   call->req.set_deadline_unix_ms(UnixMs(args.deadline));
   call->req.set_decoder_address(args.decoder_address);
@@ -208,6 +209,7 @@ std::shared_ptr<Call> GrpcWorkerClient::Prefill(const std::string& address, Pref
   call->req.set_priority(args.params.priority);
   call->req.set_tenant(args.params.tenant);
   call->req.set_tenant_weight(args.params.tenant_weight);
+  if (!args.traceparent.empty()) call->ctx.AddMetadata("traceparent", args.traceparent);
   if (args.deadline != std::chrono::system_clock::time_point::max()) {
     call->ctx.set_deadline(args.deadline);
   }

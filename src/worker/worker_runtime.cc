@@ -18,6 +18,7 @@
 #include "common/metrics.h"
 #include "common/net.h"
 #include "common/rpc_server.h"
+#include "common/tracing_otlp.h"
 #include "decoder/decoder.h"
 #include "decoder/decoder_service.h"
 #include "engine/engine.h"
@@ -28,6 +29,7 @@
 #include "prefiller/prefiller.h"
 #include "prefiller/prefiller_service.h"
 #include "worker/kv_transport_setup.h"
+#include "worker/proxy_registrar.h"
 #include "worker/role_capabilities.h"
 #include "worker/worker_metrics.h"
 #include "worker/worker_service.h"
@@ -132,6 +134,9 @@ struct Worker {
   std::unique_ptr<grpc::Service> prefiller_service;
   std::unique_ptr<WorkerService> worker_service;
   std::unique_ptr<RpcServer> server;
+  // Keeps it registered with every proxy (--join, --join-dns); stopped
+  // first when draining.
+  std::unique_ptr<ProxyRegistrar> registrar;
   // Failure-handling counters (docs/failure-handling.md), fed from the
   // prefiller's totals on every metrics tick.
   prometheus::Counter* dropped_target_lost = nullptr;
@@ -408,7 +413,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   TANDEM_ASSIGN_OR_RETURN(w.server, RpcServer::Start(grpc_addr, services, w.credentials));
   // Readiness (gRPC health; docs/kubernetes.md): a joining worker is
   // SERVING only once the proxy has registered it.
-  if (!cmd.join.empty()) w.server->SetServing(false);
+  if (!cmd.join.empty() || !cmd.join_dns.empty()) w.server->SetServing(false);
   TANDEM_RETURN_IF_ERROR(w.registry->Serve(metrics_addr));
   if (cmd.advertise.empty()) {
     w.worker_service->SetAddresses(w.server->address(), w.registry->bound_address());
@@ -432,6 +437,7 @@ int WaitForStopSignal(const sigset_t& set) {
 void Drain(Worker& w, double drain_seconds) {
   if (w.server) w.server->SetServing(false);
   // Out of routing first: the proxy sends nothing new while in-flight work ends.
+  if (w.registrar) w.registrar->Stop();  // no registration after this
   if (w.worker_service) w.worker_service->Leave();
   if (w.decoder) w.decoder->SetDraining();
   if (w.prefiller) w.prefiller->SetDraining();
@@ -499,6 +505,15 @@ int RunWorker(const WorkerCommand& cmd) {
     return 1;
   }
 
+  {
+    const std::string service = cmd.role == "prefill" ? "tandem-prefill"
+                                : cmd.role == "decode" ? "tandem-decode"
+                                                       : "tandem-both";
+    if (Status s = tracing::StartTracing(w->fleet.observability, service, name); !s.ok()) {
+      std::cerr << fmt::format("tandem {}: {}\n", cmd.role, s.message());
+      return 1;
+    }
+  }
   if (auto creds = InternalCredentials(w->fleet.security, {cmd.tls_ca, cmd.tls_cert, cmd.tls_key});
       creds.ok()) {
     w->credentials = std::move(creds).value();
@@ -513,15 +528,34 @@ int RunWorker(const WorkerCommand& cmd) {
     Drain(*w, 0);
     return 1;
   }
-  if (!cmd.join.empty()) {
-    Status s = RegisterWithProxy(cmd.join, w->worker_service->identity(), w->credentials,
-                                 std::chrono::seconds(30));
+  if (!cmd.join.empty() || !cmd.join_dns.empty()) {
+    RegistrarOptions ro;
+    ro.join_dns = cmd.join_dns;
+    ro.discovery_interval = std::chrono::milliseconds(cmd.discovery_interval_ms);
+    auto register_fn = [&w = *w](const std::string& address,
+                                 std::chrono::milliseconds retry_for) {
+      return RegisterWithProxy(address, w.worker_service->identity(), w.credentials, retry_for);
+    };
+    Status s = Status::Ok();
+    if (auto list = ParseJoinList(cmd.join, "--join"); !list.ok()) {
+      s = list.status();
+    } else {
+      ro.join = *list;
+      auto reg = ProxyRegistrar::Create(ro, register_fn);
+      if (!reg.ok()) {
+        s = reg.status();
+      } else {
+        w->registrar = std::move(reg).value();
+        s = w->registrar->RegisterInitial(std::chrono::seconds(30));
+      }
+    }
     if (!s.ok()) {
       spdlog::error("{}", s.message());
       std::cerr << fmt::format("tandem {}: {}\n", cmd.role, s.message());
       Drain(*w, 0);
       return 1;
     }
+    w->registrar->Start();
     w->server->SetServing(true);
   }
   if (!cmd.advertise.empty()) {
@@ -538,6 +572,7 @@ int RunWorker(const WorkerCommand& cmd) {
   spdlog::info("{} received signal {}: draining (up to {} s)", name, sig, cmd.drain_seconds);
   Drain(*w, cmd.drain_seconds);
   w.reset();  // then the metrics exposer, the transport (UCX) and the model
+  tracing::Tracer::Get().Stop();  // exports the spans still queued
   spdlog::info("{} stopped", name);
   return 0;
 }

@@ -5,8 +5,10 @@
 //   every role:       tandem.v1.Worker (GetInfo, Watch), health, reflection
 //   decode and both:  tandem.v1.Decoder (Decode, Reserve)
 //   prefill and both: tandem.v1.Prefiller (Prefill)
-// With --join it registers with the proxy's internal listener (a refusal:
-// message, exit 1). Every internal call (its server, Reserve to decoders,
+// With --join A,B,... (and/or --join-dns HOST:PORT) it registers with every
+// proxy's internal listener (a refusal: message, exit 1) and keeps
+// registering (ProxyRegistrar: a restarted proxy gets it back, DNS answers
+// are followed). Every internal call (its server, Reserve to decoders,
 // Register) uses the internal plane's credentials: mutual TLS unless
 // security.internal_tls is off (docs/security.md).
 // Once serving (and registered) it writes one JSON line
@@ -25,7 +27,11 @@ namespace tandem::worker {
 struct WorkerCommand {
   std::string role;         // prefill | decode | both
   std::string config_path;  // fleet YAML
-  std::string join;         // proxy gRPC address; empty: do not register
+  // The proxies' internal listeners, "A,B,..."; empty (and no join_dns):
+  // do not register. docs/serving-workers.md, "Proxy replicas".
+  std::string join;
+  std::string join_dns;     // HOST:PORT: register with every A record of HOST
+  uint32_t discovery_interval_ms = 10000;  // how often join_dns is re-resolved
   std::string grpc;         // empty: the role section's
   std::string metrics;      // empty: the role section's
   std::string name;         // empty: ROLE-PORT (or ROLE-PID with port 0)

@@ -68,6 +68,29 @@ TEST(Config, TransportPushIsStreamingOrAfterPrefill) {
             "got 'eager'");
 }
 
+TEST(Config, ObservabilityTracingIsOffByDefault) {
+  auto d = Parse("model:\n  path: m\nboth:\n  replicas: 1\n");
+  ASSERT_TRUE(d.ok()) << d.status().message();
+  EXPECT_EQ(d->observability.otlp_endpoint, "");
+  EXPECT_EQ(d->observability.trace_sample_ratio, 0.0);
+  auto r = Parse(
+      "model:\n  path: m\nobservability:\n  otlp_endpoint: 127.0.0.1:4317\n"
+      "  trace_sample_ratio: 0.25\nboth:\n  replicas: 1\n");
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->observability.otlp_endpoint, "127.0.0.1:4317");
+  EXPECT_EQ(r->observability.trace_sample_ratio, 0.25);
+  const std::string ratio = ErrorOf(
+      "model:\n  path: m\nobservability:\n  trace_sample_ratio: 1.5\nboth:\n  replicas: 1\n");
+  EXPECT_NE(ratio.find("observability.trace_sample_ratio"), std::string::npos) << ratio;
+  EXPECT_NE(ratio.find("configs/x.yaml:4"), std::string::npos) << ratio;
+  const std::string endpoint = ErrorOf(
+      "model:\n  path: m\nobservability:\n  otlp_endpoint: collector\nboth:\n  replicas: 1\n");
+  EXPECT_NE(endpoint.find("observability.otlp_endpoint"), std::string::npos) << endpoint;
+  const std::string unknown = ErrorOf(
+      "model:\n  path: m\nobservability:\n  otlp: x\nboth:\n  replicas: 1\n");
+  EXPECT_NE(unknown.find("unknown key 'otlp' in 'observability'"), std::string::npos) << unknown;
+}
+
 TEST(Config, TransportChecksumIsOnByDefaultAndCanBeTurnedOff) {
   auto d = Parse("model:\n  path: m\nboth:\n  replicas: 1\n");
   ASSERT_TRUE(d.ok()) << d.status().message();
@@ -228,6 +251,24 @@ TEST(Config, SecurityApiKeysFile) {
   EXPECT_EQ(r->security.api_keys_file, "/repo/configs/keys/tenants.yaml");
   EXPECT_NE(ErrorOf(std::string(kGood) + "security:\n  api_key_file: k.yaml\n")
                 .find("did you mean 'api_keys_file'"),
+            std::string::npos);
+}
+
+// proxy.replicas and proxy.restart (issue 21): defaults, values, limits.
+TEST(Config, ProxyReplicas) {
+  auto d = Parse(kGood);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->proxy.replicas, 1u);
+  EXPECT_TRUE(d->proxy.restart);
+  auto r = Parse(std::string(kGood) + "proxy:\n  replicas: 4\n  restart: false\n");
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->proxy.replicas, 4u);
+  EXPECT_FALSE(r->proxy.restart);
+  EXPECT_NE(ErrorOf(std::string(kGood) + "proxy:\n  replicas: 0\n").find("proxy.replicas"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf(std::string(kGood) + "proxy:\n  replicas: 65\n").find("proxy.replicas"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf(std::string(kGood) + "proxy:\n  restart: maybe\n").find("proxy.restart"),
             std::string::npos);
 }
 

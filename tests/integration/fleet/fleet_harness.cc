@@ -112,9 +112,28 @@ Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
   for (const auto& w : j["workers"]) {
     f->workers_.push_back({w["role"], w.value("name", ""), w["grpc"], w["metrics"], w["pid"]});
   }
+  f->proxies_ = ReadProxies(state);
   ReapOnExit(f->proxy_pid_);
+  for (const auto& p : f->proxies_) {
+    if (p.pid != f->proxy_pid_) ReapOnExit(p.pid);
+  }
   for (const auto& w : f->workers_) ReapOnExit(w.pid);
   return f;
+}
+
+std::vector<ProxyAddr> ReadProxies(const std::string& state_path) {
+  std::vector<ProxyAddr> out;
+  try {
+    std::ifstream in(state_path);
+    const auto j = nlohmann::json::parse(in);
+    for (const auto& p : j.value("proxies", nlohmann::json::array())) {
+      out.push_back({p.value("name", ""), p.value("grpc", ""), p.value("http", ""),
+                     p.value("metrics", ""), p.value("internal", ""), p.value("pid", -1)});
+    }
+  } catch (const std::exception&) {
+    return {};
+  }
+  return out;
 }
 
 std::vector<std::string> Fleet::JoinArgs(const std::string& name) const {
@@ -158,6 +177,7 @@ Result<int> Fleet::Stop(std::chrono::seconds grace) {
 void Fleet::ForgetAll() {
   Forget(pid_);
   Forget(proxy_pid_);
+  for (const auto& p : proxies_) Forget(p.pid);
   for (const auto& w : workers_) Forget(w.pid);
   pid_ = -1;
 }
@@ -168,6 +188,7 @@ Fleet::~Fleet() {
       // Whatever is left (a stopped worker ignores SIGTERM): SIGKILL, as
       // the reaper would.
       for (const auto& w : workers_) kill(w.pid, SIGKILL);
+      for (const auto& p : ReadProxies(state_path())) kill(p.pid, SIGKILL);
       kill(proxy_pid_, SIGKILL);
       kill(pid_, SIGKILL);
       waitpid(pid_, nullptr, 0);
@@ -334,7 +355,7 @@ std::optional<size_t> WaitForLogLine(const std::string& path, const std::string&
 
 Result<WorkerAddr> JoinWorker(const Fleet& fleet, const std::string& role, const std::string& name,
                               const std::string& log, const std::vector<std::string>& env,
-                              std::chrono::seconds limit) {
+                              std::chrono::seconds limit, const std::vector<std::string>& join) {
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) return InternalError("pipe failed");
   // Everything the child needs is built before fork (it only execs).
@@ -343,7 +364,13 @@ Result<WorkerAddr> JoinWorker(const Fleet& fleet, const std::string& role, const
                                    "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--name", name,
                                    "--ready-fd", std::to_string(kReadyFd)};
   // --join proxy.internal and the state file's identity (the internal mTLS).
-  for (const auto& a : fleet.JoinArgs(name)) args.push_back(a);
+  const std::vector<std::string> join_args = fleet.JoinArgs(name);
+  if (join.empty()) {
+    args.insert(args.end(), join_args.begin(), join_args.end());
+  } else {  // JoinArgs is {"--join", ADDRESS, TLS flags...}
+    args.insert(args.end(), join.begin(), join.end());
+    args.insert(args.end(), join_args.begin() + 2, join_args.end());
+  }
   std::vector<std::string> envs;
   for (char** e = environ; *e; ++e) envs.emplace_back(*e);
   envs.insert(envs.end(), env.begin(), env.end());

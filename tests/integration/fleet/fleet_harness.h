@@ -47,6 +47,12 @@ struct WorkerAddr {
   pid_t pid = -1;
 };
 
+// One proxy replica of the state file's `proxies` (proxy.replicas).
+struct ProxyAddr {
+  std::string name, grpc, http, metrics, internal;
+  pid_t pid = -1;
+};
+
 class Fleet {
  public:
   // Writes a fleet file into a fresh temp dir and runs `tandem launch` on it;
@@ -74,6 +80,10 @@ class Fleet {
   const std::string& proxy_http() const { return proxy_http_; }
   const std::vector<WorkerAddr>& workers() const { return workers_; }
   const std::string& config_path() const { return config_path_; }
+  // The state file `tandem launch` wrote (and rewrites when it restarts a proxy).
+  std::string state_path() const { return dir_ + "/state.json"; }
+  // Every proxy replica as the state file listed them at launch (index order).
+  const std::vector<ProxyAddr>& proxies() const { return proxies_; }
   // The random fleet salt `tandem launch` made (state file `cache_salt`):
   // a worker joining by hand needs it in TANDEM_CACHE_SALT.
   const std::string& cache_salt() const { return cache_salt_; }
@@ -94,7 +104,11 @@ class Fleet {
   std::string tls_ca_, tls_cert_, tls_key_;
   std::string cache_salt_;
   std::vector<WorkerAddr> workers_;
+  std::vector<ProxyAddr> proxies_;
 };
+
+// The state file's `proxies` (empty when it cannot be read).
+std::vector<ProxyAddr> ReadProxies(const std::string& state_path);
 
 // The bundled model's folder.
 std::string BundledModel();
@@ -163,10 +177,12 @@ std::optional<size_t> WaitForLogLine(const std::string& path, const std::string&
 // `env` ("KEY=VALUE") added to its environment and stdout+stderr appended
 // to `log`. Waits (bounded) for its ready line, which it writes once the
 // proxy registered it; registered with the reaper. Stop it with
-// StopProcess (Fleet's destructor does not know it).
+// StopProcess (Fleet's destructor does not know it). `join`, when not
+// empty, replaces `--join <proxy>` (e.g. {"--join-dns", "localhost:PORT"}).
 Result<WorkerAddr> JoinWorker(const Fleet& fleet, const std::string& role, const std::string& name,
                               const std::string& log, const std::vector<std::string>& env = {},
-                              std::chrono::seconds limit = std::chrono::seconds(60));
+                              std::chrono::seconds limit = std::chrono::seconds(60),
+                              const std::vector<std::string>& join = {});
 // The gauges that read 0 on an idle worker: running and waiting sequences,
 // reservations, parked and queued prefills, KV blocks used, quarantined
 // blocks (a build without a gauge reads 0 for it).

@@ -1,0 +1,411 @@
+// `tandem bench proxy`: the serving path's own CPU cost (issue 23). Drives a
+// sim fleet (launched here, or a running one) with the public gRPC API and
+// charges the proxy's and the decoder's CPU time (utime + stime from
+// /proc/PID/stat) to the tokens and prompts they served. CPU time, not wall
+// time, so the result holds on a loaded machine. Docs: docs/bench-serve.md,
+// "tandem bench proxy".
+#include <fmt/format.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "cli/commands.h"
+#include "loadgen/grpc_client.h"
+#include "loadgen/runner.h"
+#include "loadgen/stats.h"
+#include "loadgen/workload.h"
+
+namespace tandem::cli {
+namespace {
+
+namespace lg = tandem::loadgen;
+namespace fs = std::filesystem;
+
+struct ProxyBenchArgs {
+  std::string config = "configs/sim-1p1d.yaml";
+  std::string state_file;  // a running fleet: no launch
+  std::string workloads = "stream,prompt,open";
+  double launch_timeout_s = 120;
+  // stream: many tokens through few streams.
+  uint32_t stream_requests = 100, stream_input = 16, stream_output = 1000, stream_concurrency = 16;
+  // prompt: long prompts, one token each.
+  uint32_t prompt_requests = 200, prompt_input = 8000, prompt_concurrency = 16;
+  // open: many streams open at once (ITL under load).
+  uint32_t open_streams = 1000, open_output = 64, open_input = 16;
+  double duration_s = 300;  // per workload
+  std::string json_path;
+};
+
+struct Proc {
+  std::string role;
+  int pid = 0;
+  std::string metrics;  // host:port
+};
+
+// utime + stime of `pid` in seconds; < 0 when it cannot be read.
+double CpuSeconds(int pid) {
+  std::ifstream in(fmt::format("/proc/{}/stat", pid));
+  std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t close = s.rfind(')');
+  if (close == std::string::npos) return -1;
+  std::istringstream f(s.substr(close + 2));
+  std::string field;
+  // Fields after comm start at 3 (state); utime is 14, stime 15.
+  long long utime = 0, stime = 0;
+  for (int i = 3; i <= 15 && f >> field; ++i) {
+    if (i == 14) utime = std::stoll(field);
+    if (i == 15) stime = std::stoll(field);
+  }
+  return double(utime + stime) / double(sysconf(_SC_CLK_TCK));
+}
+
+// GET http://host:port/metrics (plain HTTP/1.0); empty on any failure.
+std::string FetchMetrics(const std::string& hostport) {
+  const size_t colon = hostport.rfind(':');
+  if (colon == std::string::npos) return "";
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_socktype = SOCK_STREAM;
+  if (getaddrinfo(hostport.substr(0, colon).c_str(), hostport.substr(colon + 1).c_str(), &hints,
+                  &res) != 0) {
+    return "";
+  }
+  const int fd = socket(res->ai_family, res->ai_socktype, 0);
+  std::string out;
+  if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
+    const std::string req = "GET /metrics HTTP/1.0\r\nHost: " + hostport + "\r\n\r\n";
+    if (send(fd, req.data(), req.size(), MSG_NOSIGNAL) == ssize_t(req.size())) {
+      char buf[65536];
+      for (ssize_t n; (n = recv(fd, buf, sizeof buf, 0)) > 0;) out.append(buf, size_t(n));
+    }
+  }
+  if (fd >= 0) close(fd);
+  freeaddrinfo(res);
+  return out;
+}
+
+// Cumulative bucket counts of histogram `name` (le -> count).
+std::vector<std::pair<double, double>> HistogramBuckets(const std::string& text,
+                                                        const std::string& name) {
+  std::vector<std::pair<double, double>> out;
+  std::istringstream in(text);
+  const std::string prefix = name + "_bucket{";
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(prefix, 0) != 0) continue;
+    size_t le = line.find(",le=\"");
+    if (le == std::string::npos) le = line.find("{le=\"");
+    if (le != std::string::npos) ++le;
+    const size_t end = le == std::string::npos ? le : line.find('"', le + 4);
+    const size_t sp = line.rfind(' ');
+    if (end == std::string::npos || sp == std::string::npos) continue;
+    const std::string bound = line.substr(le + 4, end - le - 4);
+    const double b = bound == "+Inf" ? std::numeric_limits<double>::infinity()
+                                     : std::strtod(bound.c_str(), nullptr);
+    out.emplace_back(b, std::strtod(line.c_str() + sp + 1, nullptr));
+  }
+  return out;
+}
+
+// Quantile q of the difference of two cumulative histograms (after - before),
+// interpolated within a bucket as Prometheus' histogram_quantile does.
+double HistogramQuantile(const std::vector<std::pair<double, double>>& before,
+                         const std::vector<std::pair<double, double>>& after, double q) {
+  if (after.empty() || before.size() != after.size()) return NAN;
+  std::vector<std::pair<double, double>> d(after.size());
+  for (size_t i = 0; i < after.size(); ++i) d[i] = {after[i].first, after[i].second - before[i].second};
+  const double total = d.back().second;
+  if (total <= 0) return NAN;
+  const double rank = q * total;
+  double lo = 0, lo_count = 0;
+  for (const auto& [le, c] : d) {
+    if (c >= rank) {
+      if (std::isinf(le)) return lo;
+      return lo + (le - lo) * (c > lo_count ? (rank - lo_count) / (c - lo_count) : 0);
+    }
+    lo = le;
+    lo_count = c;
+  }
+  return lo;
+}
+
+struct Fleet {
+  std::string grpc;
+  std::vector<Proc> procs;  // proxy first
+  pid_t launcher = -1;
+  std::string dir;  // our temp dir when launched here
+};
+
+Result<Fleet> ReadState(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return NotFoundError(fmt::format("cannot open the state file '{}'", path));
+  auto j = nlohmann::json::parse(in, nullptr, false);
+  if (j.is_discarded() || !j.contains("proxy") || !j["proxy"].contains("pid")) {
+    return InvalidArgumentError(fmt::format(
+        "state file '{}' has no proxy.pid (write it with tandem launch --state-file)", path));
+  }
+  Fleet f;
+  f.grpc = j["proxy"].value("grpc", "");
+  f.procs.push_back({"proxy", j["proxy"]["pid"].get<int>(), j["proxy"].value("metrics", "")});
+  for (const auto& w : j.value("workers", nlohmann::json::array())) {
+    f.procs.push_back({w.value("role", "?"), w.value("pid", 0), w.value("metrics", "")});
+  }
+  return f;
+}
+
+Result<Fleet> Launch(const ProxyBenchArgs& a) {
+  if (!fs::exists(a.config)) {
+    return NotFoundError(fmt::format("--config '{}' does not exist", a.config));
+  }
+  char tmpl[] = "/tmp/tandem-bench-proxy-XXXXXX";
+  if (mkdtemp(tmpl) == nullptr) return InternalError("cannot make a temporary directory");
+  const std::string dir = tmpl;
+  const std::string state = dir + "/state.json", log = dir + "/launch.log";
+  std::error_code ec;
+  const std::string self = fs::read_symlink("/proc/self/exe", ec).string();
+  const pid_t pid = fork();
+  if (pid < 0) return InternalError("fork failed");
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGTERM);  // the fleet goes when the bench does
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+    }
+    execl(self.c_str(), "tandem", "launch", a.config.c_str(), "--state-file", state.c_str(),
+          static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  const auto until = std::chrono::steady_clock::now() +
+                     std::chrono::milliseconds(int64_t(a.launch_timeout_s * 1000));
+  while (!fs::exists(state)) {
+    int st = 0;
+    if (waitpid(pid, &st, WNOHANG) == pid) {
+      return UnavailableError(fmt::format("tandem launch {} exited before it was ready; see {}",
+                                          a.config, log));
+    }
+    if (std::chrono::steady_clock::now() > until) {
+      kill(pid, SIGTERM);
+      waitpid(pid, nullptr, 0);
+      return UnavailableError(fmt::format("tandem launch {} was not ready within {} s "
+                                          "(--launch-timeout); see {}",
+                                          a.config, a.launch_timeout_s, log));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  auto f = ReadState(state);
+  if (!f.ok()) {
+    kill(pid, SIGTERM);
+    waitpid(pid, nullptr, 0);
+    return f.status();
+  }
+  f->launcher = pid;
+  f->dir = dir;
+  return f;
+}
+
+void Stop(Fleet& f) {
+  if (f.launcher <= 0) return;
+  kill(f.launcher, SIGTERM);
+  waitpid(f.launcher, nullptr, 0);
+  f.launcher = -1;
+  std::error_code ec;
+  fs::remove_all(f.dir, ec);
+}
+
+struct Workload {
+  std::string name;
+  uint32_t requests, input, output, concurrency;
+};
+
+struct Measured {
+  Workload w;
+  lg::Summary s;
+  std::map<std::string, double> cpu;  // role -> CPU seconds over the run
+  double step_p50 = NAN, step_p99 = NAN;  // decoder's tandem_decode_step_seconds
+  double load1 = 0;
+};
+
+double Load1() {
+  std::ifstream in("/proc/loadavg");
+  double l = 0;
+  in >> l;
+  return l;
+}
+
+Result<Measured> RunOne(lg::Client& client, const lg::ModelInfo& mi, const Fleet& f,
+                        const Workload& w, double duration_s) {
+  lg::SyntheticOptions so;
+  so.input = {lg::LengthDist::Kind::kFixed, double(w.input), 0};
+  so.output = {lg::LengthDist::Kind::kFixed, double(w.output), 0};
+  so.seed = 1;
+  so.vocab = mi.vocab_size;
+  so.max_model_len = mi.max_model_len;
+  if (Status s = lg::ValidateSynthetic(so); !s.ok()) return s;
+  auto source = lg::MakeSyntheticSource(so);
+  lg::RunOptions ro;
+  ro.num_requests = w.requests;
+  ro.duration_s = duration_s;
+  ro.arrival.kind = lg::ArrivalKind::kConcurrency;
+  ro.arrival.concurrency = w.concurrency;
+  ro.ignore_eos = true;
+  ro.model = mi.id;
+  ro.request_id_prefix = fmt::format("bench-proxy-{}-{}", getpid(), w.name);
+  ro.request_timeout = std::chrono::milliseconds(int64_t(duration_s * 1000) + 60000);
+
+  std::string decoder_metrics;
+  for (const auto& p : f.procs) {
+    if (p.role == "decode" || p.role == "both") decoder_metrics = p.metrics;
+  }
+  const auto step_before =
+      HistogramBuckets(FetchMetrics(decoder_metrics), "tandem_decode_step_seconds");
+  std::map<int, double> before;
+  for (const auto& p : f.procs) before[p.pid] = CpuSeconds(p.pid);
+  Measured m;
+  m.w = w;
+  m.load1 = Load1();
+  auto run = lg::Run(client, *source, ro);
+  if (!run.ok()) return run.status();
+  for (const auto& p : f.procs) m.cpu[p.role] += CpuSeconds(p.pid) - before[p.pid];
+  m.load1 = (m.load1 + Load1()) / 2;
+  const auto step_after =
+      HistogramBuckets(FetchMetrics(decoder_metrics), "tandem_decode_step_seconds");
+  m.step_p50 = HistogramQuantile(step_before, step_after, 0.5);
+  m.step_p99 = HistogramQuantile(step_before, step_after, 0.99);
+  m.s = lg::Summarize(run->records, {});
+  return m;
+}
+
+int RunProxyBench(const ProxyBenchArgs& a) {
+  const auto bad = [](const Status& s) {
+    std::cerr << "tandem bench proxy: " << s.message() << "\n";
+    return 1;
+  };
+  std::vector<Workload> todo;
+  std::istringstream names(a.workloads);
+  for (std::string n; std::getline(names, n, ',');) {
+    if (n == "stream") {
+      todo.push_back({n, a.stream_requests, a.stream_input, a.stream_output, a.stream_concurrency});
+    } else if (n == "prompt") {
+      todo.push_back({n, a.prompt_requests, a.prompt_input, 1, a.prompt_concurrency});
+    } else if (n == "open") {
+      todo.push_back({n, a.open_streams, a.open_input, a.open_output, a.open_streams});
+    } else {
+      return bad(InvalidArgumentError(fmt::format(
+          "--workloads: unknown workload '{}' (give a list of stream, prompt, open)", n)));
+    }
+  }
+  for (const auto& w : todo) {
+    if (w.requests == 0 || w.concurrency == 0 || w.input == 0 || w.output == 0) {
+      return bad(InvalidArgumentError(fmt::format(
+          "workload {}: requests, concurrency and lengths must be at least 1", w.name)));
+    }
+  }
+  if (!(a.duration_s > 0) || a.duration_s > 3600) {
+    return bad(InvalidArgumentError(
+        fmt::format("--duration must be in (0, 3600] seconds, got {}", a.duration_s)));
+  }
+  Result<Fleet> fleet = a.state_file.empty() ? Launch(a) : ReadState(a.state_file);
+  if (!fleet.ok()) return bad(fleet.status());
+  int rc = 0;
+  nlohmann::json out = nlohmann::json::array();
+  {
+    auto client = lg::MakeGrpcClient({fleet->grpc, "", 4});
+    auto mi = client->GetModelInfo("");
+    if (!mi.ok()) {
+      Stop(*fleet);
+      return bad(mi.status());
+    }
+    std::cout << fmt::format("{:<7} {:>5} {:>6} {:>6} {:>4} {:>8} {:>7} {:>9} {:>11} {:>11} "
+                             "{:>10} {:>9} {:>9} {:>9} {:>5}\n",
+                             "load", "reqs", "in", "out", "conc", "out tok", "wall s", "proxy s",
+                             "proxy us/tok", "proxy ms/req", "dec us/tok", "ITL p50ms",
+                             "ITL p99ms", "step p99ms", "load1");
+    for (const auto& w : todo) {
+      auto m = RunOne(*client, *mi, *fleet, w, a.duration_s);
+      if (!m.ok()) {
+        rc = bad(m.status());
+        break;
+      }
+      const double tok = double(m->s.output_tokens);
+      const double proxy = m->cpu["proxy"];
+      const double dec = m->cpu["decode"] + m->cpu["both"];
+      std::cout << fmt::format(
+          "{:<7} {:>5} {:>6} {:>6} {:>4} {:>8} {:>7.1f} {:>9.3f} {:>11.2f} {:>11.3f} {:>10.2f} "
+          "{:>9.2f} {:>9.2f} {:>9.2f} {:>5.1f}\n",
+          w.name, m->s.ok, w.input, w.output, w.concurrency, m->s.output_tokens,
+          m->s.duration_s, proxy, tok > 0 ? proxy / tok * 1e6 : NAN,
+          m->s.ok > 0 ? proxy / double(m->s.ok) * 1e3 : NAN, tok > 0 ? dec / tok * 1e6 : NAN,
+          m->s.itl_s.p50 * 1e3, m->s.itl_s.p99 * 1e3, m->step_p99 * 1e3, m->load1);
+      std::cout.flush();
+      nlohmann::json j = {{"workload", w.name},          {"requests_ok", m->s.ok},
+                          {"requests_failed", m->s.failed}, {"input_len", w.input},
+                          {"output_len", w.output},      {"concurrency", w.concurrency},
+                          {"output_tokens", m->s.output_tokens},
+                          {"duration_s", m->s.duration_s}, {"cpu_s", m->cpu},
+                          {"proxy_us_per_token", tok > 0 ? proxy / tok * 1e6 : -1},
+                          {"proxy_ms_per_request", m->s.ok ? proxy / double(m->s.ok) * 1e3 : -1},
+                          {"decoder_us_per_token", tok > 0 ? dec / tok * 1e6 : -1},
+                          {"itl_p50_ms", m->s.itl_s.p50 * 1e3}, {"itl_p99_ms", m->s.itl_s.p99 * 1e3},
+                          {"decode_step_p50_ms", m->step_p50 * 1e3},
+                          {"decode_step_p99_ms", m->step_p99 * 1e3}, {"load1", m->load1}};
+      out.push_back(j);
+      if (m->s.failed > 0) {
+        std::cerr << fmt::format("tandem bench proxy: workload {}: {} requests failed\n", w.name,
+                                 m->s.failed);
+        rc = 3;
+      }
+    }
+  }
+  Stop(*fleet);
+  if (!a.json_path.empty()) {
+    std::ofstream f(a.json_path);
+    f << out.dump(2) << "\n";
+    if (!f) return bad(InvalidArgumentError(fmt::format("--json: cannot write '{}'", a.json_path)));
+  }
+  return rc;
+}
+
+}  // namespace
+
+void RegisterBenchProxy(CLI::App& bench, GlobalOptions& g) {
+  auto* cmd = bench.add_subcommand(
+      "proxy", "CPU per token and per prompt of the proxy and decoder on a sim fleet "
+               "(docs/bench-serve.md)");
+  auto a = std::make_shared<ProxyBenchArgs>();
+  cmd->add_option("--config", a->config,
+                  "fleet to launch (default configs/sim-1p1d.yaml); stopped at the end");
+  cmd->add_option("--state-file", a->state_file,
+                  "measure a running fleet instead (tandem launch --state-file)");
+  cmd->add_option("--workloads", a->workloads,
+                  "comma-separated: stream, prompt, open (default all three)");
+  cmd->add_option("--launch-timeout", a->launch_timeout_s, "seconds for the fleet to be ready");
+  cmd->add_option("--stream-requests", a->stream_requests, "stream: requests (default 100)");
+  cmd->add_option("--stream-input", a->stream_input, "stream: prompt tokens (default 16)");
+  cmd->add_option("--stream-output", a->stream_output, "stream: output tokens (default 1000)");
+  cmd->add_option("--stream-concurrency", a->stream_concurrency, "stream: in flight (default 16)");
+  cmd->add_option("--prompt-requests", a->prompt_requests, "prompt: requests (default 200)");
+  cmd->add_option("--prompt-input", a->prompt_input, "prompt: prompt tokens (default 8000)");
+  cmd->add_option("--prompt-concurrency", a->prompt_concurrency, "prompt: in flight (default 16)");
+  cmd->add_option("--open-streams", a->open_streams,
+                  "open: streams opened at once, each one request (default 1000)");
+  cmd->add_option("--open-output", a->open_output, "open: output tokens each (default 64)");
+  cmd->add_option("--duration", a->duration_s,
+                  "bound of each workload in seconds (default 300)");
+  cmd->add_option("--json", a->json_path, "write the results as JSON to PATH");
+  cmd->callback([&g, a] { g.exit_code = RunProxyBench(*a); });
+}
+
+}  // namespace tandem::cli

@@ -1,0 +1,97 @@
+// Keeps one worker registered with every proxy of its fleet (issue 21,
+// docs/serving-workers.md "Proxy replicas" and "Discovery"):
+//   - the --join list (A,B,...), fixed for the worker's lifetime;
+//   - with --join-dns HOST:PORT, every A record of HOST at PORT, re-resolved
+//     every `discovery_interval`: a new address is registered with, one that
+//     vanished from the answer is dropped (no longer registered with; a
+//     proxy that is still alive keeps watching the worker until it stops
+//     answering or drains).
+// Every `refresh_interval` the registration is sent again to each proxy.
+// The proxy treats a registration of a worker it already watches (same
+// name, address and epoch) as a no-op, so this costs one small unary call
+// per proxy per interval, and a proxy that restarted (same address, empty
+// registry) has every worker back within about one interval.
+//
+// Thread-safety: RegisterInitial, Start and Stop from the owning thread;
+// targets() from any thread. The refresh thread runs the register and
+// resolve functions; they must be thread-safe.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+
+namespace tandem::worker {
+
+struct RegistrarOptions {
+  std::vector<std::string> join;  // "host:port" of each proxy's internal listener
+  std::string join_dns;           // "HOST:PORT"; empty: no DNS discovery
+  std::chrono::milliseconds discovery_interval{10000};
+  std::chrono::milliseconds refresh_interval{1000};
+};
+
+// Registers the worker with the proxy at `address`, retrying an unreachable
+// proxy for up to `retry_for` (RegisterWithProxy).
+using RegisterFn =
+    std::function<Status(const std::string& address, std::chrono::milliseconds retry_for)>;
+// The IPv4 addresses HOST resolves to (A records), sorted, no duplicates.
+using ResolveFn = std::function<Result<std::vector<std::string>>(const std::string& host)>;
+
+// getaddrinfo(AF_INET) of `host`.
+Result<std::vector<std::string>> ResolveIpv4(const std::string& host);
+
+// "a:1, b:2" -> {"a:1", "b:2"}; every entry must be host:port (the error
+// names `flag`).
+Result<std::vector<std::string>> ParseJoinList(const std::string& list, const std::string& flag);
+
+class ProxyRegistrar {
+ public:
+  // Checks the addresses (errors name --join / --join-dns).
+  static Result<std::unique_ptr<ProxyRegistrar>> Create(RegistrarOptions options,
+                                                         RegisterFn register_fn,
+                                                         ResolveFn resolve_fn = ResolveIpv4);
+  ~ProxyRegistrar();  // Stop()
+
+  // Registers with every --join proxy (each retried for up to `retry_for`;
+  // the first failure is returned) and, with --join-dns, resolves and
+  // registers until at least one proxy accepted, for up to `retry_for`.
+  Status RegisterInitial(std::chrono::milliseconds retry_for);
+  // The refresh thread (re-registration and re-resolution).
+  void Start();
+  // Joins the refresh thread: call before the worker drains, so that a
+  // draining worker is not registered again.
+  void Stop();
+
+  // The proxies registered with now (join list first, then DNS), with
+  // whether the last attempt succeeded.
+  std::map<std::string, bool> targets() const;
+  // One refresh step: re-resolve (when `resolve`), then register with every
+  // target once. The refresh thread runs it; tests may call it directly.
+  void RefreshOnce(bool resolve);
+
+ private:
+  ProxyRegistrar(RegistrarOptions options, RegisterFn register_fn, ResolveFn resolve_fn);
+  // Re-resolves the DNS name; returns the DNS targets (unchanged on error).
+  std::vector<std::string> Resolve();
+
+  const RegistrarOptions options_;
+  const RegisterFn register_;
+  const ResolveFn resolve_;
+  std::string dns_host_;
+  uint16_t dns_port_ = 0;
+  mutable std::mutex mu_;
+  std::vector<std::string> dns_targets_;  // guarded by mu_
+  std::map<std::string, bool> ok_;        // guarded by mu_: address -> last attempt ok
+  bool stop_ = false;                     // guarded by mu_
+  std::condition_variable cv_;
+  std::thread thread_;
+};
+
+}  // namespace tandem::worker

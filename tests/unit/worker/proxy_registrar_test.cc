@@ -1,0 +1,158 @@
+// ProxyRegistrar (issue 21): --join lists, --join-dns re-resolution with a
+// resolver hook whose answer changes, periodic re-registration. The real
+// counterpart (getaddrinfo of "localhost", real proxies) is
+// tests/integration/fleet/proxy_replicas_test.cc.
+#include "worker/proxy_registrar.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <mutex>
+#include <set>
+
+namespace tandem::worker {
+namespace {
+
+// Records every registration; addresses in `refuse` are refused, those in
+// `down` are unreachable.
+struct FakeProxies {
+  std::mutex mu;
+  std::map<std::string, int> calls;
+  std::set<std::string> down, refuse;
+  Status Register(const std::string& a, std::chrono::milliseconds) {
+    std::lock_guard lock(mu);
+    ++calls[a];
+    if (refuse.count(a)) return FailedPreconditionError("the proxy at " + a + " refused");
+    if (down.count(a)) return UnavailableError("connection refused");
+    return Status::Ok();
+  }
+  int Calls(const std::string& a) {
+    std::lock_guard lock(mu);
+    return calls[a];
+  }
+};
+
+TEST(ProxyRegistrar, ParseJoinList) {
+  auto l = ParseJoinList("127.0.0.1:1, 127.0.0.1:2,127.0.0.1:1", "--join");
+  ASSERT_TRUE(l.ok()) << l.status().message();
+  EXPECT_EQ(*l, (std::vector<std::string>{"127.0.0.1:1", "127.0.0.1:2"}));
+  EXPECT_TRUE(ParseJoinList("", "--join")->empty());
+  auto bad = ParseJoinList("127.0.0.1:1,nope", "--join");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("--join: 'nope'"), std::string::npos);
+  EXPECT_FALSE(ParseJoinList("127.0.0.1:0", "--join").ok());
+}
+
+TEST(ProxyRegistrar, BadDnsFlagIsRefused) {
+  FakeProxies f;
+  RegistrarOptions o;
+  o.join_dns = "proxies.example";  // no port
+  auto r = ProxyRegistrar::Create(
+      o, [&](const std::string& a, std::chrono::milliseconds d) { return f.Register(a, d); });
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("--join-dns"), std::string::npos);
+}
+
+TEST(ProxyRegistrar, JoinListRegistersWithEveryProxyAndAgainOnRefresh) {
+  FakeProxies f;
+  RegistrarOptions o;
+  o.join = {"10.0.0.1:7000", "10.0.0.2:7000"};
+  auto r = ProxyRegistrar::Create(
+      o, [&](const std::string& a, std::chrono::milliseconds d) { return f.Register(a, d); });
+  ASSERT_TRUE(r.ok());
+  ASSERT_TRUE((*r)->RegisterInitial(std::chrono::milliseconds(0)).ok());
+  EXPECT_EQ(f.Calls("10.0.0.1:7000"), 1);
+  EXPECT_EQ(f.Calls("10.0.0.2:7000"), 1);
+  // A proxy goes down (and comes back, restarted): the refresh keeps trying.
+  f.down.insert("10.0.0.2:7000");
+  (*r)->RefreshOnce(false);
+  EXPECT_FALSE((*r)->targets().at("10.0.0.2:7000"));
+  f.down.clear();
+  (*r)->RefreshOnce(false);
+  EXPECT_TRUE((*r)->targets().at("10.0.0.2:7000"));
+  EXPECT_EQ(f.Calls("10.0.0.1:7000"), 3);
+  EXPECT_EQ(f.Calls("10.0.0.2:7000"), 3);
+}
+
+TEST(ProxyRegistrar, JoinListRefusalFailsStartUp) {
+  FakeProxies f;
+  f.refuse.insert("10.0.0.2:7000");
+  RegistrarOptions o;
+  o.join = {"10.0.0.1:7000", "10.0.0.2:7000"};
+  auto r = ProxyRegistrar::Create(
+      o, [&](const std::string& a, std::chrono::milliseconds d) { return f.Register(a, d); });
+  ASSERT_TRUE(r.ok());
+  Status s = (*r)->RegisterInitial(std::chrono::milliseconds(0));
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("10.0.0.2:7000 refused"), std::string::npos);
+}
+
+TEST(ProxyRegistrar, DnsAnswerChangesAreFollowed) {
+  FakeProxies f;
+  std::mutex mu;
+  std::vector<std::string> answer = {"10.0.0.1"};
+  bool fail = false;
+  RegistrarOptions o;
+  o.join_dns = "tandem-proxy.ns.svc:7001";
+  std::vector<std::string> asked;
+  auto r = ProxyRegistrar::Create(
+      o, [&](const std::string& a, std::chrono::milliseconds d) { return f.Register(a, d); },
+      [&](const std::string& host) -> Result<std::vector<std::string>> {
+        std::lock_guard lock(mu);
+        asked.push_back(host);
+        if (fail) return UnavailableError("SERVFAIL");
+        return answer;
+      });
+  ASSERT_TRUE(r.ok());
+  ASSERT_TRUE((*r)->RegisterInitial(std::chrono::milliseconds(0)).ok());
+  EXPECT_EQ(asked, std::vector<std::string>{"tandem-proxy.ns.svc"});
+  EXPECT_EQ(f.Calls("10.0.0.1:7001"), 1);
+
+  // Scale up: a second proxy appears.
+  answer = {"10.0.0.2", "10.0.0.1"};
+  (*r)->RefreshOnce(true);
+  EXPECT_EQ(f.Calls("10.0.0.1:7001"), 2);
+  EXPECT_EQ(f.Calls("10.0.0.2:7001"), 1);
+  EXPECT_EQ((*r)->targets().size(), 2u);
+
+  // A failed lookup keeps the last answer.
+  fail = true;
+  (*r)->RefreshOnce(true);
+  EXPECT_EQ(f.Calls("10.0.0.1:7001"), 3);
+  EXPECT_EQ(f.Calls("10.0.0.2:7001"), 2);
+
+  // Scale down: the first one vanishes and is no longer registered with.
+  fail = false;
+  answer = {"10.0.0.2"};
+  (*r)->RefreshOnce(true);
+  (*r)->RefreshOnce(false);
+  EXPECT_EQ(f.Calls("10.0.0.1:7001"), 3);
+  EXPECT_EQ(f.Calls("10.0.0.2:7001"), 4);
+  const auto t = (*r)->targets();
+  EXPECT_EQ(t.size(), 1u);
+  EXPECT_TRUE(t.count("10.0.0.2:7001"));
+}
+
+TEST(ProxyRegistrar, DnsWithNoProxyFailsAfterTheRetryWindow) {
+  FakeProxies f;
+  RegistrarOptions o;
+  o.join_dns = "nothing.example:7001";
+  auto r = ProxyRegistrar::Create(
+      o, [&](const std::string& a, std::chrono::milliseconds d) { return f.Register(a, d); },
+      [](const std::string&) -> Result<std::vector<std::string>> {
+        return std::vector<std::string>{};
+      });
+  ASSERT_TRUE(r.ok());
+  Status s = (*r)->RegisterInitial(std::chrono::milliseconds(0));
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable);
+  EXPECT_NE(s.message().find("--join-dns nothing.example:7001"), std::string::npos);
+}
+
+TEST(ProxyRegistrar, RealResolverFindsLocalhost) {
+  auto ips = ResolveIpv4("localhost");
+  ASSERT_TRUE(ips.ok()) << ips.status().message();
+  EXPECT_NE(std::find(ips->begin(), ips->end(), "127.0.0.1"), ips->end());
+}
+
+}  // namespace
+}  // namespace tandem::worker
