@@ -56,7 +56,11 @@ void RegisterVersion(CLI::App& app, GlobalOptions& g) {
     std::cout << fmt::format("cuda kernels: compiled (sm_{})\ncuda devices: {}{}\n",
                              kernels::cuda::CompiledArchitectures(), n,
                              n == 0 ? fmt::format(" ({})", why) : "");
-    std::cout << fmt::format("cuda kv transfer path: {}\n", kvtransfer::DetectDeviceTransferPath().detail);
+    // What transport.device_path auto picks on this machine (ucx backend).
+    const auto path = kvtransfer::ChooseDeviceTransferPath("auto", "ucx",
+                                                           kvtransfer::DetectUcxCudaSupport());
+    std::cout << fmt::format("cuda kv transfer path: {}\n",
+                             path.ok() ? path->detail : path.status().message());
 #else
     std::cout << "cuda kernels: not compiled\n";
 #endif

@@ -34,6 +34,7 @@
 #include "common/logging.h"
 #include "common/net.h"
 #include "common/request_id.h"
+#include "kvtransfer/staging/device_path.h"
 #ifdef TANDEM_HAVE_CUDA
 #include "kernels/cuda/device.h"
 #endif
@@ -75,6 +76,17 @@ Status CheckBackendDevice(const FleetConfig& cfg) {
       "model.backend is cuda but this tandem build has no CUDA kernels, so no CUDA device can be "
       "used (configure with -DTANDEM_CUDA=ON where nvcc is installed)");
 #endif
+}
+
+// transport.device_path direct on a machine whose UCX cannot register CUDA
+// memory: refused before any process starts (and before the device check),
+// in one line naming the key and the missing capability. UCX is asked with
+// ucp_init/ucp_cleanup only; children exec right after fork.
+Status CheckDevicePath(const FleetConfig& cfg) {
+  if (cfg.model.backend != "cuda" || cfg.transport.device_path != "direct") return Status::Ok();
+  return kvtransfer::ChooseDeviceTransferPath(cfg.transport.device_path, cfg.transport.backend,
+                                              kvtransfer::DetectUcxCudaSupport())
+      .status();
 }
 
 std::string SelfExe() {
@@ -212,6 +224,10 @@ int RunLaunch(const std::string& config_path, const std::string& state_file,
   const std::string format = g.log_format.empty() ? cfg->logging.format : g.log_format;
   if (auto s = SetupLogging("launch", level, format); !s.ok()) {
     std::cerr << s.message() << "\n";
+    return 1;
+  }
+  if (auto s = CheckDevicePath(*cfg); !s.ok()) {
+    spdlog::error("fleet not started: {}", s.message());
     return 1;
   }
   if (auto s = CheckBackendDevice(*cfg); !s.ok()) {

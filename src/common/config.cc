@@ -205,6 +205,7 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.Read("encrypt", c.transport.encrypt);
     m.ReadEnum("push", c.transport.push, {"streaming", "after_prefill"});
     m.Read("checksum", c.transport.checksum);
+    m.ReadEnum("device_path", c.transport.device_path, {"auto", "direct", "staged"});
     m.Finish();
   }
   {
@@ -276,6 +277,11 @@ void CrossCheck(const FleetConfig& c, YamlErrors& errors, int line) {
   if (c.model.backend == "sim" && !c.sim.present) {
     errors.Add(line, "model.backend 'sim' needs a 'sim' section (at least sim.model_shape: the "
                      "config.json of the simulated model)");
+  }
+  if (c.model.backend != "cuda" && c.transport.device_path != "auto") {
+    errors.Add(line, fmt::format("transport.device_path '{}' is only read with model.backend "
+                                 "'cuda' (a device KV pool); model.backend is '{}'",
+                                 c.transport.device_path, c.model.backend));
   }
   if (c.model.backend != "sim" && c.sim.present) {
     errors.Add(line, fmt::format("a 'sim' section is only read with model.backend 'sim'; "

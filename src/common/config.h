@@ -124,6 +124,11 @@ struct TransportConfig {
   // XXH3-64 of every pushed block with the notice, the decoder verifies them
   // before decoding and fails the request closed on a mismatch.
   bool checksum = true;
+  // model.backend cuda only (docs/cuda.md): how device KV travels. auto:
+  // direct when this machine's UCX supports CUDA memory, else staged;
+  // direct: UCX registers the device pool (refused at start-up where UCX
+  // cannot); staged: through pinned host memory.
+  std::string device_path = "auto";
 };
 
 // security (docs/security.md). The TLS keys take a word or a mapping of

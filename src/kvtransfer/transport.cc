@@ -91,6 +91,11 @@ Result<std::unique_ptr<Transport>> CreateBackend(const TransportOptions& options
   }
   if (options.max_put_bytes == 0) return InvalidArgumentError("max_put_bytes must be > 0");
   if (options.backend == "ucx") return CreateUcxTransport(options);
+  if (options.external_pool != nullptr) {
+    return InvalidArgumentError(fmt::format(
+        "KV transport backend '{}' cannot register an external (device) pool; only ucx can",
+        options.backend));
+  }
   if (options.backend == "loopback") return CreateLoopbackTransport(options);
   return InvalidArgumentError(
       fmt::format("unknown KV transport backend '{}' (expected ucx or loopback)", options.backend));

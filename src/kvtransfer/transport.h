@@ -174,6 +174,14 @@ struct TransportOptions {
   // Fault injection (tests only; see KvFaultOptions). CreateTransport
   // replaces it with TANDEM_KV_FAULT when that is set.
   KvFaultOptions fault;
+  // ucx only, transport.device_path direct (docs/cuda.md): the pool is this
+  // caller-allocated memory of `pool_memory` (CUDA device memory), registered
+  // with ucp_mem_map instead of allocated; staging_blocks must be 0.
+  // `external_pool_owner` keeps it alive until the transport has unmapped it.
+  enum class PoolMemory { kHost, kCuda };
+  std::byte* external_pool = nullptr;
+  PoolMemory pool_memory = PoolMemory::kHost;
+  std::shared_ptr<void> external_pool_owner;
 };
 
 using XferCallback = std::function<void(XferId, XferStatus, const Status& detail)>;

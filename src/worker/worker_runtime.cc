@@ -289,7 +289,8 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   // cuda: the transport's pool is the device KV pool (kv_transport_setup.h).
   const uint64_t bf16_block_bytes = layout.block_floats() * 2;
   TANDEM_ASSIGN_OR_RETURN(WorkerTransport wt,
-                          CreateWorkerTransport(w.fleet.model.backend, to, bf16_block_bytes));
+                          CreateWorkerTransport(w.fleet.model.backend, to, bf16_block_bytes,
+                                                w.fleet.transport.device_path, decodes));
   w.transport = std::move(wt.transport);
   if (wt.device_kv_pool != nullptr) {
     eo.device_kv_pool = wt.device_kv_pool;

@@ -19,8 +19,11 @@
 #               greedy text == `tandem generate --config` for each
 #   kernels     bench_kernels_cuda: device copy (D2D) bandwidth, cuBLASLt bf16
 #               GEMM rate, decode attention bandwidth, prefill attention TFLOP/s
-#   kvtransfer  tandem bench kvtransfer: host-memory UCX path, and the
-#               device-memory path when the bench offers one
+#   kvtransfer  tandem bench kvtransfer --memory host: the host-memory UCX path
+#   kvtransfer_device
+#               tandem bench kvtransfer --memory device: device pool to device
+#               pool through the path a cuda worker takes (direct UCX or
+#               staged, as `tandem version` reports), vs the device copy
 #   e2e         tools/make_random_model.py (Llama-3-8B shape, random bf16,
 #               written to $TMPDIR during the build, deleted at exit) loaded by
 #               bench_cuda_engine: prefill/decode tokens/s per mode
@@ -52,7 +55,7 @@ rm -rf "$WORK"
 mkdir -p "$WORK"
 BUILD="$ROOT/build"
 BUDGET="${DEVICE_CHECK_BUDGET_S:-470}"
-STAGES="${DEVICE_CHECK_STAGES:-deps build gpu_tests fleet_1p1d kernels kvtransfer e2e}"
+STAGES="${DEVICE_CHECK_STAGES:-deps build gpu_tests fleet_1p1d kernels kvtransfer kvtransfer_device e2e}"
 # Never under $OUT (whatever is there is shipped back): 16 GB.
 MODEL_DIR="${TMPDIR:-/tmp}/tandem-device-check-model.$$"
 T0=$(date +%s)
@@ -141,17 +144,9 @@ stage kernels 120 "$BUILD/bench/kernels/bench_kernels_cuda" --benchmark_repetiti
 # Each bench prints one JSON line last in its log (the summary reads it).
 kv_args=(bench kvtransfer --json --block-bytes 2097152 --blocks 64 --requests 40 --warmup 4
          --concurrency 4 --timeout 50)
-stage kvtransfer 60 "$BUILD/tandem" "${kv_args[@]}"
-# The device-memory mode, when this build's bench has one (docs/kvtransfer.md).
-if wanted kvtransfer; then
-  if "$BUILD/tandem" bench kvtransfer --help 2>/dev/null | grep -q -- '--memory'; then
-    STAGES="$STAGES kvtransfer_device"
-    stage kvtransfer_device 60 "$BUILD/tandem" "${kv_args[@]}" --memory device
-  else
-    # Not a failure, but never silent: the summary's notes say it is missing.
-    echo "tandem bench kvtransfer has no --memory device mode in this build" > "$WORK/kvtransfer_device.absent"
-  fi
-fi
+stage kvtransfer 60 "$BUILD/tandem" "${kv_args[@]}" --memory host
+# Device pool to device pool, the cuda worker's path (docs/kvtransfer.md).
+stage kvtransfer_device 60 "$BUILD/tandem" "${kv_args[@]}" --memory device
 if wanted e2e; then
   if [ -n "$model_pid" ]; then
     log "e2e: waiting for the random model"

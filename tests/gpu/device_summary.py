@@ -94,16 +94,23 @@ def kernels(work):
     return k
 
 
-def kvtransfer(work, name, copy_moved_bps):
+def kvtransfer(work, name, copy_moved_bps, memory):
     r = last_json_line(os.path.join(work, name + ".log"))
     if r is None:
         return {"ok": False, "error": "no JSON result in " + name + ".log"}
-    out = {k: r[k] for k in ("bandwidth_bytes_per_s", "data_verified", "transports", "block_bytes",
-                             "blocks", "concurrency", "p50_latency_s", "p99_latency_s") if k in r}
+    out = {k: r[k] for k in ("memory", "path", "path_detail", "bandwidth_bytes_per_s",
+                             "data_verified", "transports", "block_bytes", "blocks", "concurrency",
+                             "p50_latency_s", "p99_latency_s", "memcpy_bytes_per_s") if k in r}
     bw = r.get("bandwidth_bytes_per_s")
     if bw and copy_moved_bps:
         out["fraction_of_device_copy"] = round(bw / copy_moved_bps, 4)
     out["ok"] = bool(bw) and r.get("data_verified", False) is True
+    if r.get("memory") != memory:
+        out["ok"] = False
+        out["error"] = f"the bench measured memory {r.get('memory')!r}, not {memory!r}"
+    elif memory == "device" and not copy_moved_bps:
+        out["ok"] = False
+        out["error"] = "no device copy bandwidth (kernels stage) to compare the device path with"
     return out
 
 
@@ -171,15 +178,13 @@ def main():
         if not s["kernels"]["ok"]:
             failures.append("kernels: " + "; ".join(s["kernels"].get("errors", [])
                                                     or [s["kernels"].get("error", "no rates")]))
-    for name, key in (("kvtransfer", "kvtransfer_host"), ("kvtransfer_device", "kvtransfer_device")):
+    for name, key, memory in (("kvtransfer", "kvtransfer_host", "host"),
+                              ("kvtransfer_device", "kvtransfer_device", "device")):
         if name in stages:
-            s[key] = kvtransfer(work, name, copy_moved)
+            s[key] = kvtransfer(work, name, copy_moved, memory)
             if not s[key]["ok"]:
                 failures.append(f"{name}: " + s[key].get("error", "no verified bandwidth"))
     notes = []
-    if os.path.exists(os.path.join(work, "kvtransfer_device.absent")):
-        notes.append("kvtransfer: no device-memory mode in this build's `tandem bench kvtransfer` "
-                     "(--memory device): the device-to-device KV path was not measured")
     if "e2e" in stages:
         s["e2e"] = e2e(work)
         if not s["e2e"]["ok"]:

@@ -5,6 +5,7 @@
 #include <array>
 #include <cstdio>
 #include <string>
+#include <utility>
 
 namespace {
 
@@ -90,6 +91,58 @@ TEST(Cli, CudaFleetWithoutAGpuIsRefusedNamingTheDevice) {
   for (const char* wrong : {"kv_dtype", "KV dtype", "refused", "join"}) {
     EXPECT_EQ(out.find(wrong), std::string::npos) << wrong << " in:\n" << out;
   }
+}
+
+// Issue 16: transport.device_path direct where this machine's UCX cannot
+// register CUDA memory (Debian's UCX) is refused by `tandem launch` before
+// anything starts — before the missing-GPU check — in one line naming the
+// key and the missing capability. Waits on the process's exit.
+TEST(Cli, DirectDevicePathOnAUcxWithoutCudaIsRefusedNamingTheKey) {
+  const std::string src = std::string(TANDEM_SOURCE_DIR) + "/configs/cuda-1p1d.yaml";
+  std::string text;
+  {
+    FILE* f = fopen(src.c_str(), "r");
+    ASSERT_NE(f, nullptr);
+    std::array<char, 4096> buf;
+    while (size_t n = fread(buf.data(), 1, buf.size(), f)) text.append(buf.data(), n);
+    fclose(f);
+  }
+  for (auto [from, to] : {std::pair<std::string, std::string>{"../models/", std::string(TANDEM_SOURCE_DIR) + "/models/"},
+                          {"transport:\n  backend: ucx\n", "transport:\n  backend: ucx\n  device_path: direct\n"}}) {
+    const size_t at = text.find(from);
+    ASSERT_NE(at, std::string::npos) << from;
+    text.replace(at, from.size(), to);
+  }
+  const std::string config = std::string(TANDEM_BINARY_DIR) + "/cli_test_cuda_direct.yaml";
+  FILE* f = fopen(config.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  fputs(text.c_str(), f);
+  fclose(f);
+  const CmdResult check = Tandem("config-check " + config);
+  EXPECT_EQ(check.code, 0) << check.out;
+  const CmdResult version = Tandem("version");
+  if (version.out.find("cuda kv transfer path: direct") != std::string::npos) {
+    GTEST_SKIP() << "this machine's UCX supports CUDA memory; tests/gpu/device_check.sh covers it";
+  }
+  const std::string cmd = "timeout 30 " + std::string(TANDEM_BINARY_DIR) + "/tandem launch " +
+                          config + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  std::array<char, 4096> buf;
+  while (size_t n = fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
+  const int status = pclose(p);
+  ASSERT_TRUE(WIFEXITED(status)) << out;
+  EXPECT_NE(WEXITSTATUS(status), 124) << "still running after 30 s:\n" << out;
+  EXPECT_NE(WEXITSTATUS(status), 0) << out;
+  size_t lines = 0;
+  for (char c : out) lines += c == '\n';
+  EXPECT_EQ(lines, 1u) << out;
+  EXPECT_NE(out.find("fleet not started: transport.device_path is direct but UCX "),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("has no CUDA memory support"), std::string::npos) << out;
+  EXPECT_EQ(out.find("CUDA device"), std::string::npos) << "the device check ran first:\n" << out;
 }
 
 TEST(Cli, UnknownSubcommandFails) {

@@ -103,6 +103,28 @@ TEST(Config, TransportChecksumIsOnByDefaultAndCanBeTurnedOff) {
   EXPECT_NE(bad.find("transport.checksum"), std::string::npos) << bad;
 }
 
+// Issue 16: transport.device_path (docs/cuda.md), read with backend cuda only.
+TEST(Config, TransportDevicePathIsAutoDirectOrStagedForCudaOnly) {
+  auto d = Parse("model:\n  path: m\n  backend: cuda\nboth:\n  replicas: 1\n");
+  ASSERT_TRUE(d.ok()) << d.status().message();
+  EXPECT_EQ(d->transport.device_path, "auto");
+  for (const char* v : {"direct", "staged", "auto"}) {
+    auto r = Parse(std::string("model:\n  path: m\n  backend: cuda\ntransport:\n  device_path: ") +
+                   v + "\nboth:\n  replicas: 1\n");
+    ASSERT_TRUE(r.ok()) << v << ": " << r.status().message();
+    EXPECT_EQ(r->transport.device_path, v);
+  }
+  EXPECT_EQ(ErrorOf("model:\n  path: m\n  backend: cuda\ntransport:\n  device_path: rdma\n"
+                    "both:\n  replicas: 1\n"),
+            "configs/x.yaml:5: key 'transport.device_path' must be one of 'auto', 'direct', "
+            "'staged', got 'rdma'");
+  const std::string cpu =
+      ErrorOf("model:\n  path: m\ntransport:\n  device_path: direct\nboth:\n  replicas: 1\n");
+  EXPECT_NE(cpu.find("transport.device_path 'direct' is only read with model.backend 'cuda'"),
+            std::string::npos)
+      << cpu;
+}
+
 TEST(Config, BatchInvariantDefaultsToTrueAndParsesBothValues) {
   auto d = Parse(kGood);
   ASSERT_TRUE(d.ok()) << d.status().message();

@@ -41,7 +41,8 @@ Status StagedTransport::Init() {
                            ? staged_.blocks_per_buffer
                            : std::max<uint64_t>(1, (uint64_t{4} << 20) / options_.block_bytes);
   buffer_bytes_ = bpb * options_.block_bytes;
-  const uint64_t inner_blocks = uint64_t{options_.num_blocks} + bpb * staged_.staging_buffers;
+  const uint64_t mirror_blocks = staged_.receive ? options_.num_blocks : 0;
+  const uint64_t inner_blocks = mirror_blocks + bpb * staged_.staging_buffers;
   if (inner_blocks > UINT32_MAX) {
     return InvalidArgumentError(fmt::format("staging: {} blocks plus {} staging blocks exceed 2^32",
                                             options_.num_blocks, bpb * staged_.staging_buffers));
@@ -49,7 +50,7 @@ Status StagedTransport::Init() {
   TransportOptions io = options_;
   io.num_blocks = static_cast<uint32_t>(inner_blocks);
   TANDEM_ASSIGN_OR_RETURN(inner_, CreateTransport(io));
-  staging_base_ = pool_bytes();
+  staging_base_ = mirror_blocks * options_.block_bytes;
   TANDEM_ASSIGN_OR_RETURN(device_pool_, engine_->AllocateDevice(pool_bytes()));
   set_pool(device_pool_);
   if (Status st = engine_->PinHost(inner_->pool(), inner_->pool_bytes()); st.ok()) {
@@ -148,10 +149,21 @@ Result<XferId> StagedTransport::PrepareWrite(PeerId peer, std::vector<Segment> s
           s.local_offset_bytes, s.length_bytes, pool_bytes()));
     }
   }
-  // The host transport checks the peer and the remote bounds: the same
-  // segments fit its pool (the mirror has the device pool's size).
+  // The host transport checks the peer and the remote bounds, with one
+  // byte at each end of every segment read from local offset 0 (a
+  // send-only transport's host pool is only the staging buffers).
   if (!segments.empty()) {
-    TANDEM_ASSIGN_OR_RETURN(XferId probe, inner_->PrepareWrite(peer, segments, std::nullopt));
+    std::vector<Segment> ends;
+    ends.reserve(2 * segments.size());
+    for (const Segment& s : segments) {
+      if (s.remote_offset_bytes > UINT64_MAX - s.length_bytes) {
+        return OutOfRangeError(fmt::format("segment remote offset {} + length {} overflows",
+                                           s.remote_offset_bytes, s.length_bytes));
+      }
+      ends.push_back({0, s.remote_offset_bytes, 1});
+      ends.push_back({0, s.remote_offset_bytes + s.length_bytes - 1, 1});
+    }
+    TANDEM_ASSIGN_OR_RETURN(XferId probe, inner_->PrepareWrite(peer, std::move(ends), std::nullopt));
     inner_->Release(probe).IgnoreError();
   }
   auto x = std::make_unique<SXfer>();

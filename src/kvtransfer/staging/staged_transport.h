@@ -26,7 +26,8 @@
 //             on the last one).
 //
 // Pool of the host transport: [num_blocks blocks: mirror][staging_buffers x
-// blocks_per_buffer blocks]. A peer's descriptor is the host transport's.
+// blocks_per_buffer blocks]; without the mirror when send-only
+// (StagedTransportOptions::receive false). A peer's descriptor is the host transport's.
 // Both ends of a transfer must be staged transports (a plain receiver would
 // see the staging notices as payloads); DESIGN: a fleet's workers share one
 // backend and therefore one path.
@@ -77,6 +78,11 @@ struct StagedTransportOptions {
   uint32_t staging_buffers = 2;    // >= 1; 2 = double buffering
   uint32_t blocks_per_buffer = 0;  // 0: as many blocks as fit in 4 MiB, at least one
   uint32_t max_ranges_per_chunk = 192;  // a manifest must fit in one notice
+  // false: a send-only transport (a prefill-only worker, which never
+  // receives KV): no host mirror of the device pool — the host pool is the
+  // staging buffers only, so its descriptor offers peers no pool to write,
+  // and any staging notice that reaches it is dropped as malformed.
+  bool receive = true;
   std::function<void(const StageEvent&)> trace;  // tests; must not call the transport
 };
 

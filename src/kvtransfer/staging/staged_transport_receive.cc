@@ -27,6 +27,16 @@ void StagedTransport::OnInnerNotice(Notification n) {
     Deliver({std::move(n)});
     return;
   }
+  if (!staged_.receive) {  // send-only: no mirror the ranges could name
+    {
+      std::lock_guard lock(mu_);
+      ++counters_.malformed_notices;
+    }
+    spdlog::warn("kvtransfer staging: dropped a staging notice from {}: this transport is "
+                 "send-only (no host mirror)",
+                 n.sender);
+    return;
+  }
   StagingNotice& sn = **decoded;
   const RecvKey key{n.sender, n.sender_generation};
   std::vector<Notification> ready;

@@ -61,7 +61,15 @@ class UcxTransport final : public detail::TransportBase {
     if (context_ != nullptr) ucp_cleanup(context_);
     if (epoll_fd_ >= 0) close(epoll_fd_);
     if (wake_fd_ >= 0) close(wake_fd_);
+    // options().external_pool_owner (a copy in TransportBase) frees the
+    // device pool after this, once it is unmapped.
   }
+
+  bool external() const { return options().external_pool != nullptr; }
+  bool cuda_pool() const {
+    return external() && options().pool_memory == TransportOptions::PoolMemory::kCuda;
+  }
+  std::string BackendName() const { return cuda_pool() ? "ucx+cuda" : "ucx"; }
 
   Status Init() {
     ucp_config_t* config = nullptr;
@@ -96,9 +104,23 @@ class UcxTransport final : public detail::TransportBase {
     mparams.address = nullptr;
     mparams.length = local_bytes();  // the pool, then any staging blocks
     mparams.flags = UCP_MEM_MAP_ALLOCATE;
+    if (external()) {
+      // transport.device_path direct: register the caller's device pool.
+      if (staging_blocks() != 0) {
+        return InvalidArgumentError("an external (device) pool takes no staging blocks");
+      }
+      mparams.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+      mparams.address = options().external_pool;
+      mparams.flags = 0;
+      mparams.memory_type = cuda_pool() ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+    }
     s = ucp_mem_map(context_, &mparams, &memh_);
     if (s != UCS_OK) {
-      return ucx::UcsError(fmt::format("ucp_mem_map(allocate {} bytes)", local_bytes()), s);
+      return ucx::UcsError(
+          external() ? fmt::format("ucp_mem_map(register {} bytes of {} memory)", local_bytes(),
+                                   cuda_pool() ? "CUDA device" : "host")
+                     : fmt::format("ucp_mem_map(allocate {} bytes)", local_bytes()),
+          s);
     }
     ucp_mem_attr_t attr{};
     attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
@@ -152,7 +174,7 @@ class UcxTransport final : public detail::TransportBase {
     }
 
     PeerDescriptor d;
-    d.backend = "ucx";
+    d.backend = BackendName();
     d.agent_name = agent_name();
     d.generation = generation();
     d.block_bytes = block_bytes();
@@ -167,7 +189,11 @@ class UcxTransport final : public detail::TransportBase {
 
   Capabilities capabilities() const override {
     Capabilities c;
-    c.backend = "ucx";
+    // A device pool is its own backend name: a staged peer (whose
+    // descriptor says "ucx") and a direct one refuse each other's
+    // descriptors at import instead of mixing wire protocols.
+    c.backend = BackendName();
+    c.device_memory = cuda_pool();
     c.cross_process = true;
     // Sent with UCP_AM_SEND_FLAG_EAGER (multi-fragment eager above one
     // fragment): room for transport.encrypt's tags of a 4k-block prompt.

@@ -73,4 +73,49 @@ TEST(BenchKvTransfer, TextOutputNamesTransports) {
   EXPECT_NE(r.out.find("data verified: yes"), std::string::npos) << r.out;
 }
 
+// Issue 16: the staging pipeline (host stand-in copy engine) through real
+// UCX between the two processes; the target checksums its "device" pool
+// after the notices, and memcpy of the same bytes is measured beside it.
+TEST(BenchKvTransfer, StagedMemoryRunsThePipelineAndVerifiesTheData) {
+  const CmdRun r = Tandem(
+      "bench kvtransfer --memory staged --block-bytes 65536 --blocks 80 --requests 12 --warmup 2 "
+      "--concurrency 2 --scatter --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const nlohmann::json j = LastJsonLine(r.out);
+  ASSERT_TRUE(j.is_object()) << r.out;
+  EXPECT_EQ(j.at("memory").get<std::string>(), "staged");
+  EXPECT_EQ(j.at("path").get<std::string>(), "staged");
+  EXPECT_TRUE(j.at("data_verified").get<bool>());
+  EXPECT_EQ(j.at("notices_received").get<uint64_t>(), 14u);  // manifests are not counted
+  EXPECT_GT(j.at("memcpy_bytes_per_s").get<double>(), 0);
+  EXPECT_GT(j.at("fraction_of_memcpy").get<double>(), 0);
+  // Delivered = until the target handed on the last notice: never faster
+  // than the writer's own completions.
+  EXPECT_LE(j.at("delivered_bandwidth_bytes_per_s").get<double>(),
+            j.at("bandwidth_bytes_per_s").get<double>());
+}
+
+// Without a GPU (or a CUDA build) --memory device is refused, naming why.
+TEST(BenchKvTransfer, DeviceMemoryWithoutAGpuIsRefusedClearly) {
+  const CmdRun version = Tandem("version");
+  if (version.out.find("cuda devices: 0") == std::string::npos &&
+      version.out.find("cuda kernels: not compiled") == std::string::npos) {
+    GTEST_SKIP() << "this machine has a CUDA device; tests/gpu/device_check.sh runs --memory device";
+  }
+  const std::string cmd = std::string(TANDEM_BINARY_DIR) +
+                          "/tandem bench kvtransfer --memory device --requests 2 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  std::array<char, 4096> buf;
+  while (size_t n = fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
+  const int status = pclose(p);
+  ASSERT_TRUE(WIFEXITED(status)) << out;
+  EXPECT_EQ(WEXITSTATUS(status), 1) << out;
+  EXPECT_NE(out.find("--memory device: "), std::string::npos) << out;
+  EXPECT_TRUE(out.find("no usable CUDA device") != std::string::npos ||
+              out.find("no CUDA") != std::string::npos)
+      << out;
+}
+
 }  // namespace

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <future>
 #include <mutex>
 #include <numeric>
@@ -194,6 +195,60 @@ TEST(StagedTransport, DataIntegrityFromOneTo4096BlocksAtRandomOffsets) {
     EXPECT_EQ(p.writer->stats().live_requests, 0u);
     EXPECT_TRUE(kvt::WaitFor([&] { return p.writer->host_transport().stats().live_requests == 0; }));
   }
+}
+
+// A send-only transport (a prefill-only worker: StagedTransportOptions::
+// receive false) keeps no host mirror of its device pool — its host pool is
+// the staging buffers alone — and still delivers verified data; a staging
+// notice sent to it is dropped, never read against a mirror it lacks.
+TEST(StagedTransport, SendOnlyKeepsNoMirrorAndStillDeliversVerifiedData) {
+  PairOptions po;
+  po.blocks = 300;
+  po.staged.blocks_per_buffer = 4;
+  po.staged.staging_buffers = 2;
+  po.staged.receive = false;  // the writer only
+  Pair p = MakePair(po);
+  ASSERT_TRUE(p.writer && p.reader);
+  EXPECT_EQ(p.writer->host_transport().pool_bytes(), 2u * 4u * po.block_bytes);
+  EXPECT_GE(p.reader->host_transport().pool_bytes(), 300u * po.block_bytes);  // the mirror
+  kvt::FillRandom(p.writer->pool(), p.writer->pool_bytes(), 7);
+  std::vector<BlockPair> pairs;
+  for (uint32_t b = 0; b < 37; ++b) pairs.push_back({b * 7 % 300, 299 - b * 5});
+  NoticeProbe probe;
+  StagedTransport* reader = p.reader.get();
+  p.reader->SetNotificationCallback([&probe, reader](Notification n) {
+    probe.promise.set_value({n.payload, kvt::Checksum(reader->pool(), reader->pool_bytes())});
+  });
+  std::vector<std::byte> expect(p.reader->pool_bytes(), std::byte{0});
+  for (const BlockPair& bp : pairs) {
+    std::memcpy(expect.data() + uint64_t{bp.remote_slot} * po.block_bytes,
+                p.writer->block(bp.local_block), po.block_bytes);
+  }
+  auto x = p.writer->PrepareBlockWrite(p.peer, pairs, "send-only");
+  ASSERT_TRUE(x.ok()) << x.status().ToString();
+  Done done;
+  ASSERT_TRUE(p.writer->Post(*x, done.cb()).ok());
+  EXPECT_EQ(done.Wait().first, XferStatus::kSuccess);
+  ASSERT_EQ(probe.future.wait_for(20s), std::future_status::ready);
+  const auto [payload, sum] = probe.future.get();
+  EXPECT_EQ(payload, "send-only");
+  EXPECT_EQ(sum, kvt::Checksum(expect.data(), expect.size()));
+  EXPECT_TRUE(p.writer->Release(*x).ok());
+  EXPECT_EQ(p.writer->staging_stats().free_buffers, 2u);
+
+  // The other way: the send-only side drops the staging notices it gets.
+  auto back = p.reader->ImportPeer(p.writer->LocalDescriptor());
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  auto y = p.reader->PrepareBlockWrite(*back, std::vector<BlockPair>{{0, 0}}, "to-a-prefiller");
+  ASSERT_TRUE(y.ok()) << y.status().ToString();
+  Done back_done;
+  ASSERT_TRUE(p.reader->Post(*y, back_done.cb()).ok());
+  back_done.Wait();
+  EXPECT_TRUE(kvt::WaitFor([&] { return p.writer->staging_stats().malformed_notices >= 2; }))
+      << "manifest and notice not dropped";
+  EXPECT_EQ(p.writer->staging_stats().manifests_received, 0u);
+  EXPECT_TRUE(p.writer->TakeNotifications().empty());
+  EXPECT_TRUE(p.reader->Release(*y).ok());
 }
 
 // Overlap and back-pressure, from the recorded order of the pipeline's steps
