@@ -227,6 +227,7 @@ grpc::ServerUnaryReactor* RegistryService::Register(grpc::CallbackServerContext*
   const std::string identity = PeerIdentity(*ctx);
   Status st = Status::Ok();
   bool refresh = false;
+  bool was_lost = false;
   {
     std::lock_guard lock(mu_);
     auto bound = identities_.find(rec.name);
@@ -245,7 +246,9 @@ grpc::ServerUnaryReactor* RegistryService::Register(grpc::CallbackServerContext*
       st = fleet_->Register(rec);
       if (st.ok()) {
         identities_.emplace(rec.name, identity);
-        lost_.erase(rec.name);
+        // A worker out of routing may come back through its periodic
+        // re-registration before the proxy's probe reaches it.
+        was_lost = lost_.erase(rec.name) > 0;
       }
     }
   }
@@ -255,6 +258,7 @@ grpc::ServerUnaryReactor* RegistryService::Register(grpc::CallbackServerContext*
     response->mutable_error()->set_message(st.message());
   } else {
     response->set_heartbeat_interval_ms(200);
+    if (was_lost) spdlog::info("worker {} answers again: back in routing", rec.name);
     if (!refresh) StartWatch(rec.name, rec.grpc_address, rec.epoch);
   }
   auto* reactor = ctx->DefaultReactor();
