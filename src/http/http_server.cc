@@ -50,6 +50,9 @@ struct Shared {
 
   TlsFiles tls_files;  // security.public_tls; empty: plaintext
   std::atomic<int> jobs{0};  // requests on the work pool (Shutdown waits for them)
+  // Set once every worker registered at that moment had its KV snapshot in
+  // the index: later joiners do not make a serving proxy unready again.
+  std::atomic<bool> warm{false};
 
   std::mutex mu;
   std::set<Session*> sessions;  // guarded by mu
@@ -83,16 +86,30 @@ std::string Chunk(std::string_view data) {
 }
 
 // "" when a request could be served now; otherwise why not.
-std::string Unready(const Shared& sh) {
+std::string Unready(Shared& sh) {
   if (sh.fe->draining()) return "draining";
   bool prefill = false, decode = false, both = false;
-  for (const auto& w : sh.fleet->Workers()) {
+  size_t indexed = 0;
+  const auto workers = sh.fleet->Workers();
+  for (const auto& w : workers) {
     prefill |= w.role == router::WorkerRole::kPrefill;
     decode |= w.role == router::WorkerRole::kDecode;
     both |= w.role == router::WorkerRole::kBoth;
+    indexed += w.indexed ? 1 : 0;
   }
-  if (both || (prefill && decode)) return "";
-  return "starting: no prefill/decode pair (or aggregated worker) has registered yet";
+  if (!both && !(prefill && decode)) {
+    return "starting: no prefill/decode pair (or aggregated worker) has registered yet";
+  }
+  // Ready means routable with a warm index (issue 21): a (re)started proxy
+  // waits until the registered workers' snapshots rebuilt its prefix index.
+  if (!sh.warm.load()) {
+    if (indexed < workers.size()) {
+      return fmt::format("starting: index warming ({} of {} workers' KV snapshots applied)",
+                         indexed, workers.size());
+    }
+    sh.warm.store(true);
+  }
+  return "";
 }
 
 class Session : public std::enable_shared_from_this<Session> {

@@ -75,11 +75,17 @@ Status Fleet::Register(const WorkerRecord& w) {
   if (!id.ok()) return id.status();
   block_bytes_ = w.block_bytes;
   workers_[w.name] = w;
+  workers_[w.name].indexed = false;  // until its new watch's snapshot lands
   names_[*id] = w.name;
   if (metrics_) metrics_->AddWorker(w.name, w.role, router_->policy());
   spdlog::info("worker {} ({}) joined at {} (node '{}', zone '{}')", w.name,
                router::WorkerRoleName(w.role), w.grpc_address, info.node, info.zone);
   return Status::Ok();
+}
+
+void Fleet::MarkIndexed(const std::string& name) {
+  std::lock_guard lock(mu_);
+  if (auto it = workers_.find(name); it != workers_.end()) it->second.indexed = true;
 }
 
 void Fleet::Remove(const std::string& name) {

@@ -40,6 +40,9 @@ struct WorkerRecord {
   uint64_t epoch = 0;
   std::string node;
   std::string zone;
+  // Its KV snapshot is in the router's index (MarkIndexed); false from each
+  // registration until the snapshot of its watch stream has been applied.
+  bool indexed = false;
 };
 
 // What every worker of this fleet must match.
@@ -80,6 +83,9 @@ class Fleet {
   // FAILED_PRECONDITION says what differs.
   Status Register(const WorkerRecord& w);
   void Remove(const std::string& name);
+  // The worker's snapshot has been applied to the router (no-op for an
+  // unknown name).
+  void MarkIndexed(const std::string& name);
 
   // Chooses workers for a prompt's block hashes; `exclude` names workers
   // not to use (e.g. a decoder that just refused). UNAVAILABLE when no live

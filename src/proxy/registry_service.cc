@@ -267,6 +267,7 @@ grpc::ServerUnaryReactor* RegistryService::Register(grpc::CallbackServerContext*
 }
 
 void RegistryService::SnapshotApplied(const std::string& name) {
+  fleet_->MarkIndexed(name);
   {
     std::lock_guard lock(mu_);
     if (!snapshotted_.insert(name).second) return;

@@ -580,6 +580,23 @@ TEST_F(LifecycleTest, FleetRefusesMismatchedWorkersNamingTheField) {
   EXPECT_TRUE(fleet_->Register(w).ok());
 }
 
+// Readiness of the HTTP /health (issue 21): a worker counts as indexed only
+// once its watch's snapshot was applied, and every registration (a restart,
+// a rejoin) clears it again until the new snapshot lands.
+TEST_F(LifecycleTest, WorkerIsIndexedFromItsSnapshotUntilItRegistersAgain) {
+  AddWorker("p", router::WorkerRole::kPrefill);
+  auto find = [&] { return fleet_->Find("p"); };
+  ASSERT_TRUE(find().has_value());
+  EXPECT_FALSE(find()->indexed);
+  fleet_->MarkIndexed("p");
+  EXPECT_TRUE(find()->indexed);
+  fleet_->MarkIndexed("nobody");  // unknown names are ignored
+  EXPECT_EQ(fleet_->Workers().size(), 1u);
+  WorkerRecord again = *find();  // a record that still says indexed
+  ASSERT_TRUE(fleet_->Register(again).ok());
+  EXPECT_FALSE(find()->indexed);
+}
+
 // The rest of the block-hash context: the fleet salt is compared as a
 // fingerprint (the salt itself never travels), then the root hash itself.
 TEST(FleetHashContext, RefusesAnotherSaltOrRootNamingTheField) {
