@@ -214,7 +214,12 @@ TEST(PriorityFleet, PriorityCutsThroughAFlood) {
       "priority", "- key: key-flood\n  tenant: flood\n  priority: 10\n  min_priority: 5\n"
                   "- key: key-vip\n  tenant: vip\n");
   FleetOptions o;  // 1P1D, cpu
-  o.max_batched_tokens = 512;
+  // The step budget bounds what priority cannot remove: the rest of the
+  // prefill step in progress when a probe arrives, and flood tokens that fill
+  // the probe's own step. With one 256-token prompt per step, a probe waits at
+  // most one flood prompt; with 512 the wait alone is ~2.5x an idle prefill on
+  // a quiet 2-core machine (bench/results/slo_priority.md).
+  o.max_batched_tokens = 256;
   o.num_blocks = 2048;
   o.extra_yaml = "security:\n  api_keys_file: " + keys + "\n";
   auto fleet = Fleet::Launch(o);
