@@ -8,6 +8,7 @@
 #include <xxhash.h>
 
 #include <cstring>
+#include <future>
 
 #include "kvtransfer/descriptor.h"
 #include "kvtransfer/kv_cipher.h"
@@ -52,13 +53,15 @@ kv::XferStatus SendNotice(kv::Transport& t, kv::PeerId peer, const std::string& 
   auto x = blocks.empty() ? t.PrepareWrite(peer, {}, payload) : t.PrepareBlockWrite(peer, blocks, payload);
   EXPECT_TRUE(x.ok()) << x.status().ToString();
   if (!x.ok()) return kv::XferStatus::kErrInvalidArgument;
-  EXPECT_TRUE(t.Post(*x).ok());
-  const auto give_up = std::chrono::steady_clock::now() + 10s;
-  kv::XferStatus st = t.Poll(*x);
-  while (!kv::IsTerminal(st) && std::chrono::steady_clock::now() < give_up) {
-    std::this_thread::sleep_for(5ms);
-    st = t.Poll(*x);
-  }
+  // Waits on the transfer's completion callback (bounded), not on polling.
+  auto done = std::make_shared<std::promise<kv::XferStatus>>();
+  auto result = done->get_future();
+  EXPECT_TRUE(t.Post(*x, [done](kv::XferId, kv::XferStatus st, const Status&) {
+                 done->set_value(st);
+               }).ok());
+  const kv::XferStatus st = result.wait_for(10s) == std::future_status::ready
+                                ? result.get()
+                                : t.Poll(*x);
   EXPECT_TRUE(t.Release(*x).ok());
   return st;
 }
@@ -253,19 +256,7 @@ SealedPush PushSealed(pb::Decoder::Stub& stub, const std::string& id,
   auto peer = tr.ImportPeer(t.transport_descriptor());
   EXPECT_TRUE(peer.ok()) << peer.status().ToString();
   if (!peer.ok()) return r;
-  auto x = tr.PrepareBlockWrite(*peer, pairs, notice.SerializeAsString());
-  EXPECT_TRUE(x.ok()) << x.status().ToString();
-  if (x.ok()) {
-    EXPECT_TRUE(tr.Post(*x).ok());
-    const auto give_up = std::chrono::steady_clock::now() + 10s;
-    kv::XferStatus st = tr.Poll(*x);
-    while (!kv::IsTerminal(st) && std::chrono::steady_clock::now() < give_up) {
-      std::this_thread::sleep_for(5ms);
-      st = tr.Poll(*x);
-    }
-    EXPECT_EQ(st, kv::XferStatus::kSuccess);
-    EXPECT_TRUE(tr.Release(*x).ok());
-  }
+  EXPECT_EQ(SendNotice(tr, *peer, notice.SerializeAsString(), pairs), kv::XferStatus::kSuccess);
   call.ReadInto(r.out);
   r.out.decode_status = call.Finish();
   EXPECT_TRUE(tr.ReleasePeer(*peer).ok());
