@@ -152,6 +152,7 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.Read("liveness_timeout_seconds", c.proxy.liveness_timeout_seconds, 0.2, 600.0);
     m.Read("replicas", c.proxy.replicas, 1, 64);  // issue 21
     m.Read("restart", c.proxy.restart);
+    m.Read("decode_stream", c.proxy.decode_stream);  // issue 23
     {
       YamlMap l = m.Sub("limits");
       ProxyLimitsConfig& x = c.proxy.limits;

@@ -89,6 +89,9 @@ struct ProxyConfig {
   // Issue 21, proxy replicas (docs/serving-workers.md, "Proxy replicas").
   uint32_t replicas = 1;  // `tandem launch` starts this many proxies; ports: port + index
   bool restart = true;    // the launcher restarts a proxy that dies (signal, non-zero exit)
+  // Issue 23 (docs/decode-stream.md): one multiplexed DecodeStream per
+  // decoder that advertises it, instead of one Decode RPC per request.
+  bool decode_stream = true;
 };
 
 struct RouterConfig {

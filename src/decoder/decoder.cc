@@ -130,6 +130,8 @@ void Decoder::SetDraining() {
 DecoderCounts Decoder::counts() const {
   std::lock_guard lock(mu_);
   DecoderCounts c = counts_;
+  c.stream_messages = stream_messages_.load(std::memory_order_relaxed);
+  c.stream_items = stream_items_.load(std::memory_order_relaxed);
   c.registered = static_cast<uint32_t>(requests_.size());
   c.reservations = static_cast<uint32_t>(reservations_.size());
   for (const auto& [id, h] : reservations_) {

@@ -33,6 +33,7 @@
 // never under the decoder's lock. The lease thread is started by Start().
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -141,6 +142,10 @@ struct DecoderCounts {
   uint64_t quarantine_released_ack = 0;   // by the prefiller's notice
   uint64_t quarantine_released_dead = 0;  // by the prefiller's death
   uint64_t checksum_failures = 0;  // requests whose KV failed verification
+  // Decoder.DecodeStream (issue 23): messages sent (one per delivery
+  // batch) and the per-request items they carried, totals.
+  uint64_t stream_messages = 0;
+  uint64_t stream_items = 0;
 };
 
 // Checks a request as the engine will (token ids, sampling, context
@@ -200,6 +205,11 @@ class Decoder {
   void SetDraining();
 
   DecoderCounts counts() const;
+  // A DecodeStream message of `items` items left (decode_mux.cc). Any thread.
+  void CountStreamMessage(size_t items) {
+    stream_messages_.fetch_add(1, std::memory_order_relaxed);
+    stream_items_.fetch_add(items, std::memory_order_relaxed);
+  }
 
  private:
   enum class Stage { kRegistered, kReserved, kRunning };
@@ -265,6 +275,8 @@ class Decoder {
   std::mutex watch_mu_;
   std::map<std::string, kvtransfer::PeerId> watched_;  // guarded by watch_mu_: descriptor -> peer
   std::jthread lease_thread_;
+  std::atomic<uint64_t> stream_messages_{0};
+  std::atomic<uint64_t> stream_items_{0};
 };
 
 }  // namespace tandem::decoder

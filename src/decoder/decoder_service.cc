@@ -11,6 +11,7 @@
 #include "common/stream_writer.h"
 #include "common/token_merge.h"
 #include "common/tracing.h"
+#include "decoder/decode_mux.h"
 #include "decoder/kv_notice.h"
 #include "tandem/v1/worker.grpc.pb.h"
 #include "worker/attempt_key.h"
@@ -21,16 +22,6 @@ namespace tandem::decoder {
 namespace {
 
 namespace pb = ::tandem::v1;
-
-using worker::ToSampling;
-
-pb::FinishReason ToProto(engine::FinishReason r) {
-  switch (r) {
-    case engine::FinishReason::kStop: return pb::FINISH_REASON_STOP;
-    case engine::FinishReason::kLength: return pb::FINISH_REASON_LENGTH;
-    default: return pb::FINISH_REASON_UNSPECIFIED;
-  }
-}
 
 // The Decode stream: a reactor plus the sink the decoder writes into. The
 // sink (shared with the engine's callbacks) outlives the reactor safely:
@@ -53,7 +44,7 @@ class DecodeReactor final : public grpc::ServerWriteReactor<pb::DecodeResponse> 
       pb::DecodeResponse m;
       m.set_request_id(request_id_);
       auto* f = m.mutable_finished();
-      f->set_finish_reason(ToProto(r.finish_reason));
+      f->set_finish_reason(FinishReasonToProto(r.finish_reason));
       f->set_completion_tokens(r.completion_tokens);
       f->set_decoder_cached_prompt_tokens(r.cached_prompt_tokens);
       f->set_prefill_cached_prompt_tokens(r.prefill_cached_prompt_tokens);
@@ -101,22 +92,7 @@ class DecodeReactor final : public grpc::ServerWriteReactor<pb::DecodeResponse> 
     first.set_registered(true);
     sink_->writer().Write(std::move(first));
 
-    DecodeSpec spec;
-    // Registered under the attempt's key (worker/attempt_key.h); the
-    // prefiller reserves and notifies under the same key.
-    spec.request_id = request_id_;
-    spec.prompt_ids.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
-    spec.sampling = ToSampling(req.params());
-    if (req.deadline_unix_ms() > 0) {
-      spec.deadline = std::chrono::system_clock::time_point(
-          std::chrono::milliseconds(req.deadline_unix_ms()));
-    }
-    spec.prefill_locally = req.prefill_locally();
-    spec.first_sample_index = req.params().first_sample_index();
-    spec.cache_salt = req.tenant_salt();
-    spec.priority = req.priority();
-    spec.tenant = req.tenant();
-    spec.tenant_weight = req.tenant_weight() > 0 ? req.tenant_weight() : 1.0;
+    DecodeSpec spec = DecodeSpecFromProto(req);
     Status s = decoder_.Register(std::move(spec), sink_);
     if (!s.ok()) {
       sink_->writer().Abandon(ToGrpcStatus(s));  // `registered` is never sent
@@ -155,6 +131,11 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
   grpc::ServerWriteReactor<pb::DecodeResponse>* Decode(grpc::CallbackServerContext* ctx,
                                                        const pb::DecodeRequest* req) override {
     return new DecodeReactor(decoder_, *req, TraceOf(ctx));
+  }
+
+  grpc::ServerBidiReactor<pb::DecodeStreamRequest, pb::DecodeStreamResponse>* DecodeStream(
+      grpc::CallbackServerContext*) override {
+    return NewDecodeMuxReactor(decoder_);
   }
 
   grpc::ServerUnaryReactor* Reserve(grpc::CallbackServerContext* ctx,

@@ -1,6 +1,7 @@
 // Engine: creation, validation and the thread-safe request API. The step
 // itself (schedule, forward, sample) is in engine_step.cc.
 #include "engine/engine.h"
+#include "common/delivery_scope.h"
 #include "engine/sim_backend.h"
 
 #include <fmt/format.h>
@@ -490,6 +491,8 @@ KvSnapshot Engine::SnapshotKv() const {
 }
 
 void Engine::Deliver(Deliveries& deliveries) {
+  // One batch: consumers may send it as one message (common/delivery_scope.h).
+  DeliveryScope scope;
   for (auto& [cb, output] : deliveries) {
     if (cb) cb(output);
   }

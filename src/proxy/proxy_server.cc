@@ -45,7 +45,8 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
   p->planner_ = std::make_unique<Planner>(fleet, p->fleet_.get(), &p->metrics_->ttft,
                                           &p->metrics_->itl, *p->metrics_registry_);
   p->planner_->Start();
-  p->client_ = std::make_unique<GrpcWorkerClient>(options.internal_credentials);
+  p->client_ = std::make_unique<GrpcWorkerClient>(options.internal_credentials,
+                                                  fleet.proxy.decode_stream);
 
   ServingLimits limits;
   limits.model = fleet.model.name;

@@ -7,6 +7,7 @@
 #include <atomic>
 
 #include "common/rpc_server.h"
+#include "proxy/decode_mux_client.h"
 #include "tandem/v1/worker.grpc.pb.h"
 
 namespace tandem::proxy {
@@ -30,7 +31,10 @@ int64_t UnixMs(std::chrono::system_clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(t.time_since_epoch()).count();
 }
 
-Finish FromProto(pb::FinishReason r) {
+
+}  // namespace
+
+Finish FinishFromProto(pb::FinishReason r) {
   switch (r) {
     case pb::FINISH_REASON_STOP: return Finish::kStop;
     case pb::FINISH_REASON_LENGTH: return Finish::kLength;
@@ -38,21 +42,27 @@ Finish FromProto(pb::FinishReason r) {
   }
 }
 
+void FillDecodeRequest(const DecodeArgs& args, pb::DecodeRequest* req) {
+  req->set_request_id(args.request_id);
+  req->mutable_prompt_token_ids()->Add(args.prompt_ids.begin(), args.prompt_ids.end());
+  FillParams(args.params, req->mutable_params());
+  req->set_deadline_unix_ms(UnixMs(args.deadline));
+  req->set_prefill_locally(args.prefill_locally);
+  req->set_tenant_salt(args.tenant_salt);
+  req->set_attempt(args.attempt);
+  req->set_priority(args.params.priority);
+  req->set_tenant(args.params.tenant);
+  req->set_tenant_weight(args.params.tenant_weight);
+}
+
+namespace {
+
 class DecodeCall final : public grpc::ClientReadReactor<pb::DecodeResponse>,
                          public Call,
                          public GrpcWorkerClient::Tracked {
  public:
   DecodeCall(DecodeArgs args, DecodeEvents events) : events_(std::move(events)) {
-    req_.set_request_id(args.request_id);
-    req_.mutable_prompt_token_ids()->Add(args.prompt_ids.begin(), args.prompt_ids.end());
-    FillParams(args.params, req_.mutable_params());
-    req_.set_deadline_unix_ms(UnixMs(args.deadline));
-    req_.set_prefill_locally(args.prefill_locally);
-    req_.set_tenant_salt(args.tenant_salt);
-    req_.set_attempt(args.attempt);
-    req_.set_priority(args.params.priority);
-    req_.set_tenant(args.params.tenant);
-    req_.set_tenant_weight(args.params.tenant_weight);
+    FillDecodeRequest(args, &req_);
     if (!args.traceparent.empty()) ctx_.AddMetadata("traceparent", args.traceparent);
     if (args.deadline != std::chrono::system_clock::time_point::max()) {
       ctx_.set_deadline(args.deadline);
@@ -83,7 +93,7 @@ class DecodeCall final : public grpc::ClientReadReactor<pb::DecodeResponse>,
       }
       case pb::DecodeResponse::kFinished:
         if (!done_.exchange(true) && events_.on_finished) {
-          events_.on_finished(FromProto(resp_.finished().finish_reason()),
+          events_.on_finished(FinishFromProto(resp_.finished().finish_reason()),
                               resp_.finished().completion_tokens(),
                               resp_.finished().decoder_cached_prompt_tokens(),
                               resp_.finished().prefill_cached_prompt_tokens());
@@ -161,21 +171,55 @@ void GrpcWorkerClient::Track(const std::string& address, const std::shared_ptr<T
 
 size_t GrpcWorkerClient::AbandonCalls(const std::string& address, const std::string& why) {
   std::vector<std::shared_ptr<Tracked>> live;
+  size_t n = 0;  // calls, counting each request on a decode stream
   {
     std::lock_guard lock(mu_);
-    auto it = calls_.find(address);
-    if (it == calls_.end()) return 0;
-    for (auto& w : it->second) {
-      if (auto c = w.lock()) live.push_back(std::move(c));
+    // The decode stream ends every request on it (a new one is opened for
+    // the next request to that address).
+    if (auto m = muxes_.find(address); m != muxes_.end()) {
+      n += m->second->num_requests();
+      live.push_back(std::move(m->second));
+      muxes_.erase(m);
     }
-    calls_.erase(it);
+    auto it = calls_.find(address);
+    if (it != calls_.end()) {
+      for (auto& w : it->second) {
+        if (auto c = w.lock()) {
+          live.push_back(std::move(c));
+          ++n;
+        }
+      }
+      calls_.erase(it);
+    }
   }
   for (auto& c : live) c->Abandon(why);
-  return live.size();
+  return n;
+}
+
+void GrpcWorkerClient::SetDecodeStream(const std::string& address, bool served) {
+  std::lock_guard lock(mu_);
+  if (served) {
+    mux_addresses_.insert(address);
+  } else {
+    mux_addresses_.erase(address);
+  }
+}
+
+std::shared_ptr<DecodeMuxClient> GrpcWorkerClient::Mux(const std::string& address,
+                                                       const DecodeMuxClient* stale) {
+  std::lock_guard lock(mu_);
+  if (!decode_stream_ || mux_addresses_.count(address) == 0) return nullptr;
+  auto& mux = muxes_[address];
+  if (!mux || mux.get() == stale || mux->ended()) mux = DecodeMuxClient::Open(ChannelLocked(address));
+  return mux;
 }
 
 std::shared_ptr<grpc::Channel> GrpcWorkerClient::Channel(const std::string& address) {
   std::lock_guard lock(mu_);
+  return ChannelLocked(address);
+}
+
+std::shared_ptr<grpc::Channel> GrpcWorkerClient::ChannelLocked(const std::string& address) {
   auto& ch = channels_[address];
   if (!ch) {
     grpc::ChannelArguments args;
@@ -187,6 +231,14 @@ std::shared_ptr<grpc::Channel> GrpcWorkerClient::Channel(const std::string& addr
 
 std::shared_ptr<Call> GrpcWorkerClient::Decode(const std::string& address, DecodeArgs args,
                                                DecodeEvents events) {
+  // The decoder's multiplexed stream (issue 23); a stream that just ended
+  // is replaced once.
+  if (auto mux = Mux(address)) {
+    if (auto call = mux->Start(args, events)) return call;
+    if (auto fresh = Mux(address, mux.get())) {
+      if (auto call = fresh->Start(args, events)) return call;
+    }
+  }
   auto stub = pb::Decoder::NewStub(Channel(address));
   auto call = std::make_shared<DecodeCall>(std::move(args), std::move(events));
   Track(address, call);

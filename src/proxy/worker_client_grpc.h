@@ -6,6 +6,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "common/tls.h"
@@ -17,10 +18,20 @@ class Channel;
 
 namespace tandem::proxy {
 
+class DecodeMuxClient;
+
 class GrpcWorkerClient final : public WorkerClient {
  public:
   // Every channel uses `credentials` (the internal plane's: mutual TLS by default).
-  explicit GrpcWorkerClient(RpcCredentials credentials) : credentials_(std::move(credentials)) {}
+  // `decode_stream` (proxy.decode_stream, issue 23): Decode goes over one
+  // multiplexed DecodeStream per decoder that advertises it
+  // (SetDecodeStream); otherwise one Decode RPC per request.
+  explicit GrpcWorkerClient(RpcCredentials credentials, bool decode_stream = true)
+      : credentials_(std::move(credentials)), decode_stream_(decode_stream) {}
+
+  // Whether the worker at `address` serves Decoder.DecodeStream
+  // (WorkerInfo.decode_stream, from its registration).
+  void SetDecodeStream(const std::string& address, bool served);
 
   std::shared_ptr<Call> Decode(const std::string& address, DecodeArgs args,
                                DecodeEvents events) override;
@@ -54,9 +65,17 @@ class GrpcWorkerClient final : public WorkerClient {
 
  private:
   void Track(const std::string& address, const std::shared_ptr<Tracked>& call);
+  std::shared_ptr<grpc::Channel> ChannelLocked(const std::string& address);
+  // The live decode stream to `address` (a new one when `stale` is the
+  // current one or there is none); null when it does not serve one.
+  std::shared_ptr<DecodeMuxClient> Mux(const std::string& address,
+                                       const DecodeMuxClient* stale = nullptr);
 
   const RpcCredentials credentials_;
+  const bool decode_stream_;
   std::mutex mu_;
+  std::unordered_set<std::string> mux_addresses_;  // guarded by mu_: serve DecodeStream
+  std::unordered_map<std::string, std::shared_ptr<DecodeMuxClient>> muxes_;  // guarded by mu_
   std::unordered_map<std::string, std::shared_ptr<grpc::Channel>> channels_;  // guarded by mu_
   // Calls in flight per worker address (expired entries pruned as we go).
   std::unordered_map<std::string, std::vector<std::weak_ptr<Tracked>>> calls_;  // guarded by mu_

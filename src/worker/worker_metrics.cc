@@ -79,6 +79,12 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
       checksum_failures_(r.Counter("tandem_kv_checksum_failures_total",
                                    "Requests whose pushed KV failed its end-to-end checksum (not "
                                    "decoded; prefilled again)")),
+      stream_messages_(r.Counter("tandem_decode_stream_messages_total",
+                                 "Messages sent on multiplexed decode streams (one per delivery "
+                                 "batch, e.g. a decode step, per proxy)")),
+      stream_items_(r.Counter("tandem_decode_stream_items_total",
+                              "Per-request items (registered, tokens, finish, error) in the "
+                              "messages of multiplexed decode streams")),
       onboard_seconds_(r.Histogram("tandem_kv_tier_onboard_seconds",
                                    "Time to onboard one prefix hit's host/disk-tier blocks into the "
                                    "device tier",
@@ -190,6 +196,8 @@ void WorkerMetrics::Update(const MetricsSample& s) {
   Advance(quarantine_released_ack_, s.quarantine_released_ack, last_.quarantine_released_ack);
   Advance(quarantine_released_dead_, s.quarantine_released_dead, last_.quarantine_released_dead);
   Advance(checksum_failures_, s.checksum_failures, last_.checksum_failures);
+  Advance(stream_messages_, s.stream_messages, last_.stream_messages);
+  Advance(stream_items_, s.stream_items, last_.stream_items);
   for (uint32_t t = 0; t < engine::kNumKvTiers; ++t) {
     tier_usage_[t]->Set(s.engine.tier_usage_ratio[t]);
     Advance(*tier_hits_[t], s.engine.tier_hit_tokens[t], last_.engine.tier_hit_tokens[t]);

@@ -25,7 +25,11 @@
 // and per KV tier (label tier = device | host | disk; docs/engine.md):
 //   tandem_kv_tier_usage_ratio (gauge), tandem_kv_tier_hits_tokens_total,
 //   tandem_kv_tier_evictions_total (counters), plus
-//   tandem_kv_tier_onboard_seconds (histogram, no tier label).
+//   tandem_kv_tier_onboard_seconds (histogram, no tier label),
+// and for the multiplexed decode stream (issue 23, docs/decode-stream.md):
+//   tandem_decode_stream_messages_total, tandem_decode_stream_items_total
+//   (counters): messages a decoder sent on its DecodeStreams (one per
+//   delivery batch, e.g. a decode step) and the per-request items in them.
 //
 // Threads: Observe* and Update from any thread (Update: the worker's
 // monitor tick and every scrape, docs/metrics.md).
@@ -58,6 +62,8 @@ struct MetricsSample {
   uint64_t quarantine_released_ack = 0;
   uint64_t quarantine_released_dead = 0;
   uint64_t checksum_failures = 0;
+  uint64_t stream_messages = 0;  // Decoder.DecodeStream (issue 23)
+  uint64_t stream_items = 0;
   // Per tenant: the engine's and the prefiller queue's fair-share deficits, summed.
   std::map<std::string, double> fair_share_deficit_tokens;
 };
@@ -100,6 +106,8 @@ class WorkerMetrics {
   prometheus::Counter& quarantine_released_ack_;
   prometheus::Counter& quarantine_released_dead_;
   prometheus::Counter& checksum_failures_;
+  prometheus::Counter& stream_messages_;
+  prometheus::Counter& stream_items_;
   std::array<prometheus::Gauge*, engine::kNumKvTiers> tier_usage_{};
   std::array<prometheus::Counter*, engine::kNumKvTiers> tier_hits_{};
   std::array<prometheus::Counter*, engine::kNumKvTiers> tier_evictions_{};

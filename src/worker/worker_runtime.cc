@@ -193,6 +193,8 @@ struct Worker {
       m.quarantine_released_ack = c.quarantine_released_ack;
       m.quarantine_released_dead = c.quarantine_released_dead;
       m.checksum_failures = c.checksum_failures;
+      m.stream_messages = c.stream_messages;
+      m.stream_items = c.stream_items;
     }
     m.fair_share_deficit_tokens = m.engine.fair_share_deficit_tokens;
     if (prefiller) {

@@ -1,0 +1,166 @@
+// Decoder.DecodeStream at the proxy: one stream per decoder, demultiplexed
+// by handle.
+#include "proxy/decode_mux_client.h"
+
+#include <atomic>
+#include <utility>
+#include <vector>
+
+#include "common/rpc_server.h"
+
+namespace tandem::proxy {
+
+namespace pb = ::tandem::v1;
+
+class DecodeMuxClient::Request final : public Call {
+ public:
+  Request(std::weak_ptr<DecodeMuxClient> mux, uint64_t handle, DecodeEvents events)
+      : mux_(std::move(mux)), handle_(handle), events_(std::move(events)) {}
+
+  void Cancel() override {
+    if (auto m = mux_.lock()) m->CancelRequest(handle_);
+  }
+
+  // One item of a batch, on the reader thread.
+  void Deliver(const pb::DecodeStreamItem& item) {
+    if (done_.load(std::memory_order_relaxed)) return;
+    if (item.registered() && events_.on_registered) events_.on_registered();
+    if (item.token_ids_size() > 0 && events_.on_tokens) {
+      events_.on_tokens(item.first_index(),
+                        std::vector<uint32_t>(item.token_ids().begin(), item.token_ids().end()));
+    }
+    if (item.has_finished()) {
+      if (done_.exchange(true)) return;
+      const auto& f = item.finished();
+      if (events_.on_finished) {
+        events_.on_finished(FinishFromProto(f.finish_reason()), f.completion_tokens(),
+                            f.decoder_cached_prompt_tokens(), f.prefill_cached_prompt_tokens());
+      }
+    } else if (item.has_error()) {
+      Fail(Status(static_cast<StatusCode>(item.error().code()), item.error().message()),
+           /*from_worker=*/true);
+    }
+  }
+  void Fail(const Status& status, bool from_worker) {
+    if (done_.exchange(true)) return;
+    if (events_.on_error) events_.on_error(status, from_worker);
+  }
+
+ private:
+  const std::weak_ptr<DecodeMuxClient> mux_;
+  const uint64_t handle_;
+  // Never reset: the reader may be inside one of them while another thread
+  // ends the request (the lifecycle serializes its own callbacks).
+  const DecodeEvents events_;
+  std::atomic<bool> done_{false};
+};
+
+std::shared_ptr<DecodeMuxClient> DecodeMuxClient::Open(const std::shared_ptr<grpc::Channel>& channel) {
+  auto mux = std::make_shared<DecodeMuxClient>();
+  mux->stub_ = pb::Decoder::NewStub(channel);
+  mux->self_ = mux;
+  mux->stub_->async()->DecodeStream(&mux->ctx_, mux.get());
+  mux->StartRead(&mux->resp_);
+  mux->StartCall();
+  return mux;
+}
+
+std::shared_ptr<Call> DecodeMuxClient::Start(const DecodeArgs& args, DecodeEvents& events) {
+  pb::DecodeStreamRequest msg;
+  auto* start = msg.mutable_start();
+  FillDecodeRequest(args, start->mutable_request());
+  start->set_traceparent(args.traceparent);
+  std::unique_lock lock(mu_);
+  if (ended_) return nullptr;
+  const uint64_t handle = next_handle_++;
+  start->set_handle(handle);
+  auto req = std::make_shared<Request>(weak_from_this(), handle, std::move(events));
+  requests_.emplace(handle, req);
+  Send(lock, std::move(msg));
+  return req;
+}
+
+bool DecodeMuxClient::ended() const {
+  std::lock_guard lock(mu_);
+  return ended_;
+}
+
+size_t DecodeMuxClient::num_requests() const {
+  std::lock_guard lock(mu_);
+  return requests_.size();
+}
+
+void DecodeMuxClient::CancelRequest(uint64_t handle) {
+  std::unique_lock lock(mu_);
+  auto it = requests_.find(handle);
+  if (it == requests_.end()) return;  // ended already
+  std::shared_ptr<Request> req = std::move(it->second);
+  requests_.erase(it);
+  if (!ended_) {
+    pb::DecodeStreamRequest msg;
+    msg.set_cancel(handle);
+    Send(lock, std::move(msg));
+  }
+  // As a cancelled Decode RPC: the request's last event, off this thread's
+  // locks (the caller holds none of the lifecycle's: see lifecycle.h).
+  if (lock.owns_lock()) lock.unlock();
+  req->Fail(CancelledError("cancelled by the proxy"), /*from_worker=*/false);
+}
+
+void DecodeMuxClient::Send(std::unique_lock<std::mutex>& lock, pb::DecodeStreamRequest msg) {
+  queue_.push_back(std::move(msg));
+  Pump(lock);
+}
+
+void DecodeMuxClient::Pump(std::unique_lock<std::mutex>& lock) {
+  if (writing_ || ended_ || queue_.empty()) return;
+  current_ = std::move(queue_.front());
+  queue_.pop_front();
+  writing_ = true;
+  lock.unlock();
+  StartWrite(&current_);
+}
+
+void DecodeMuxClient::OnWriteDone(bool ok) {
+  std::unique_lock lock(mu_);
+  writing_ = false;
+  if (!ok) {  // the stream is broken: OnDone follows and ends every request
+    queue_.clear();
+    return;
+  }
+  Pump(lock);
+}
+
+void DecodeMuxClient::OnReadDone(bool ok) {
+  if (!ok) return;  // the stream is over; OnDone follows
+  for (const pb::DecodeStreamItem& item : resp_.items()) {
+    std::shared_ptr<Request> req;
+    {
+      std::lock_guard lock(mu_);
+      auto it = requests_.find(item.handle());
+      if (it == requests_.end()) continue;  // cancelled meanwhile
+      req = it->second;
+      if (item.has_finished() || item.has_error()) requests_.erase(it);
+    }
+    req->Deliver(item);
+  }
+  StartRead(&resp_);
+}
+
+void DecodeMuxClient::OnDone(const grpc::Status& status) {
+  std::unordered_map<uint64_t, std::shared_ptr<Request>> left;
+  {
+    std::lock_guard lock(mu_);
+    ended_ = true;
+    left.swap(requests_);
+    queue_.clear();
+  }
+  const std::string why = abandoned();
+  const Status st = !why.empty() ? UnavailableError(why)
+                    : status.ok() ? UnavailableError("the decoder ended the decode stream")
+                                  : FromGrpcStatus(status);
+  for (auto& [handle, req] : left) req->Fail(st, /*from_worker=*/false);
+  self_.reset();  // may delete this
+}
+
+}  // namespace tandem::proxy

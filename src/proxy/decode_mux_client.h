@@ -1,0 +1,84 @@
+// The proxy's side of the multiplexed decode stream (worker.proto
+// Decoder.DecodeStream, issue 23; docs/decode-stream.md): one stream per
+// decoder carries every request this proxy routes there.
+//
+// Start() sends a DecodeStreamStart under a new handle and returns the
+// request's Call; each batch read is split by handle and handed to the
+// requests' DecodeEvents in order (registered, tokens, then exactly one of
+// finished / error, an error item counting as `from_worker`). Cancel()
+// sends a cancel item; nothing more reaches that request's events. When the
+// stream ends (the decoder or the connection is lost, or AbandonCalls),
+// every request still on it gets on_error(UNAVAILABLE or the stream's
+// status, from_worker = false), as its own Decode stream breaking would.
+//
+// Flow control: batches are handled on gRPC's reader thread as they come,
+// and a request's events only enqueue into its client stream (the
+// lifecycle's sink), so a slow client never holds up the others' tokens:
+// what it has not read waits in its own client stream (at most its
+// max_tokens tokens, coalesced into one message).
+//
+// Threads: Start and Call::Cancel from any thread; events run on gRPC's
+// callback threads, one batch at a time.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+
+#include "proxy/worker_client.h"
+#include "proxy/worker_client_grpc.h"
+#include "tandem/v1/worker.grpc.pb.h"
+
+namespace tandem::proxy {
+
+// Shared with the Decode RPC (worker_client_grpc.cc).
+void FillDecodeRequest(const DecodeArgs& args, v1::DecodeRequest* req);
+Finish FinishFromProto(v1::FinishReason r);
+
+class DecodeMuxClient final
+    : public grpc::ClientBidiReactor<v1::DecodeStreamRequest, v1::DecodeStreamResponse>,
+      public GrpcWorkerClient::Tracked,
+      public std::enable_shared_from_this<DecodeMuxClient> {
+ public:
+  // Opens the stream on `channel`; it lives until its RPC is done.
+  static std::shared_ptr<DecodeMuxClient> Open(const std::shared_ptr<grpc::Channel>& channel);
+
+  // A request on this stream. Null (and `events` left as they were) when
+  // the stream is already over: the caller opens a new one.
+  std::shared_ptr<Call> Start(const DecodeArgs& args, DecodeEvents& events);
+
+  bool ended() const;
+  size_t num_requests() const;  // started and not yet ended or cancelled
+
+  // ---- gRPC reactor ----
+  void OnWriteDone(bool ok) override;
+  void OnReadDone(bool ok) override;
+  void OnDone(const grpc::Status& status) override;
+
+  DecodeMuxClient() = default;  // use Open
+
+ private:
+  class Request;
+  void CancelRequest(uint64_t handle);
+  void Send(std::unique_lock<std::mutex>& lock, v1::DecodeStreamRequest msg);
+  void Pump(std::unique_lock<std::mutex>& lock);
+  void CancelRpc() override { ctx_.TryCancel(); }
+
+  std::unique_ptr<v1::Decoder::Stub> stub_;
+  grpc::ClientContext ctx_;
+  v1::DecodeStreamResponse resp_;  // the batch being read
+  v1::DecodeStreamRequest current_;  // the message being written
+
+  mutable std::mutex mu_;
+  std::deque<v1::DecodeStreamRequest> queue_;  // guarded by mu_
+  bool writing_ = false;                       // guarded by mu_
+  bool ended_ = false;                         // guarded by mu_: OnDone ran (or is running)
+  uint64_t next_handle_ = 1;                   // guarded by mu_
+  std::unordered_map<uint64_t, std::shared_ptr<Request>> requests_;  // guarded by mu_
+  std::shared_ptr<DecodeMuxClient> self_;  // keeps the reactor alive until OnDone
+};
+
+}  // namespace tandem::proxy
