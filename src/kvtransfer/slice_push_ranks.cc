@@ -135,4 +135,16 @@ RankSlicePusher::Outcome CollectPushReports(parallel::Communicator& world) {
   return merged;
 }
 
+RankSlicePusher::Outcome PushThroughFollowers(
+    const SlicePushSpec& spec, const std::function<Status(std::string spec_bytes)>& send_plan,
+    parallel::Communicator& world) {
+  if (Status sent = send_plan(spec.Encode()); !sent.ok()) {
+    RankSlicePusher::Outcome o;
+    o.status = sent.WithContext(
+        fmt::format("request '{}': sending the follower ranks the KV push", spec.request_id));
+    return o;
+  }
+  return CollectPushReports(world);
+}
+
 }  // namespace tandem::kvtransfer

@@ -22,6 +22,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -55,6 +56,17 @@ Status RunFollowerPush(std::span<const std::byte> spec_bytes, RankSlicePusher& p
 // push), merged: bytes and writes summed, the first failure (naming the
 // rank) or OK. A communicator failure is reported as the failure.
 RankSlicePusher::Outcome CollectPushReports(parallel::Communicator& world);
+
+// Rank 0 of a multi-rank prefiller (the body of PrefillerOptions::
+// follower_push), on the thread that owns `world` — the engine thread: a
+// push's Finish runs from the prefill's last output. `send_plan` sends every
+// follower a push_kv step plan carrying `spec.Encode()` under
+// kPushKvSpecTag (pp-runtime's ParallelBackend::BroadcastPlan); then every
+// follower's report is collected. Blocks the engine thread until the
+// followers' writes ended (milliseconds for a prompt's KV on one host).
+RankSlicePusher::Outcome PushThroughFollowers(
+    const SlicePushSpec& spec, const std::function<Status(std::string spec_bytes)>& send_plan,
+    parallel::Communicator& world);
 
 // The report's encoding (exposed for tests).
 std::vector<std::byte> EncodePushReport(const RankSlicePusher::Outcome& outcome);

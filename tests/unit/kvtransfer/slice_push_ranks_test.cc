@@ -9,7 +9,9 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <thread>
 
 #include "kvtransfer/transport.h"
@@ -117,6 +119,9 @@ TEST(SlicePushRanks, DecodeRanksShareDescriptorsAndPrefillTp2PushesIntoDecodePp2
   spec.slots = slots;
   RankSlicePusher p0(*prefill[0], 0), p1(*prefill[1], 1);
   RankSlicePusher::Outcome own, followers;
+  std::mutex own_mu;
+  std::condition_variable own_cv;
+  bool own_done = false;
   {
     std::jthread follower([&] {
       auto c = Join("tkvr-push-" + tag, 1, 2);
@@ -128,9 +133,24 @@ TEST(SlicePushRanks, DecodeRanksShareDescriptorsAndPrefillTp2PushesIntoDecodePp2
     });
     auto c = Join("tkvr-push-" + tag, 0, 2);
     ASSERT_NE(c, nullptr);
-    BroadcastBytes(*c, spec.Encode());
-    own = p0.PushAndWait(spec);
-    followers = CollectPushReports(*c);
+    // As PrefillerOptions::follower_push does it (PushStream posts rank
+    // 0's own part first).
+    std::vector<XferId> mine = p0.Push(spec, [&](RankSlicePusher::Outcome o) {
+      std::lock_guard lock(own_mu);
+      own = o;
+      own_done = true;
+      own_cv.notify_all();
+    });
+    EXPECT_EQ(mine.size(), 2u);
+    followers = PushThroughFollowers(
+        spec,
+        [&](std::string bytes) {
+          BroadcastBytes(*c, std::move(bytes));
+          return Status::Ok();
+        },
+        *c);
+    std::unique_lock lock(own_mu);
+    own_cv.wait(lock, [&] { return own_done; });
   }
   EXPECT_TRUE(own.status.ok()) << own.status.ToString();
   EXPECT_TRUE(followers.status.ok()) << followers.status.ToString();
@@ -171,6 +191,22 @@ TEST(SlicePushRanks, AFollowerThatCannotReadTheSpecReportsItAndRankZeroNamesTheR
   EXPECT_NE(got.status.message().find("prefill rank 1"), std::string::npos)
       << got.status.ToString();
   EXPECT_NE(got.status.message().find("bad magic"), std::string::npos) << got.status.ToString();
+}
+
+TEST(SlicePushRanks, APlanThatCannotBeSentIsTheFailureAndNothingIsCollected) {
+  const std::string tag = fmt::format("{}", getpid());
+  auto c = Join("tkvr-solo-" + tag, 0, 1);
+  ASSERT_NE(c, nullptr);
+  SlicePushSpec spec;
+  spec.request_id = "solo";
+  auto out = PushThroughFollowers(
+      spec, [](std::string) { return UnavailableError("rank 1 (pid 42) exited"); }, *c);
+  ASSERT_FALSE(out.status.ok());
+  EXPECT_EQ(out.status.code(), StatusCode::kUnavailable);
+  EXPECT_NE(
+      out.status.message().find("request 'solo': sending the follower ranks the KV push: rank 1"),
+      std::string::npos)
+      << out.status.ToString();
 }
 
 TEST(SlicePushRanks, ReportsRoundTripAndJunkIsRefused) {
