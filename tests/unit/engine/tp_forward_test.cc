@@ -9,13 +9,12 @@
 
 #include <nlohmann/json.hpp>
 
-#include <condition_variable>
 #include <cstring>
 #include <fstream>
 #include <functional>
-#include <map>
-#include <mutex>
 #include <thread>
+
+#include <unistd.h>
 
 #include "engine/llama_forward.h"
 #include "kernels/cpu/ops.h"
@@ -33,87 +32,9 @@ using testing::LoadedModel;
 using CommFactory = std::function<Result<std::unique_ptr<Communicator>>(
     const std::string& group, int rank, int size)>;
 
-// Until the shm communicator lands: threads of one process, the same fixed
-// tree. TEMPORARY (tp-engine development double).
-class ThreadGroup {
- public:
-  explicit ThreadGroup(int size) : size_(size), ptrs_(size) {}
-  int size() const { return size_; }
-  void Barrier() {
-    std::unique_lock<std::mutex> l(mu_);
-    const uint64_t gen = gen_;
-    if (++arrived_ == size_) {
-      arrived_ = 0;
-      ++gen_;
-      cv_.notify_all();
-    } else {
-      cv_.wait(l, [&] { return gen_ != gen; });
-    }
-  }
-  std::vector<const float*>& ptrs() { return ptrs_; }
-
- private:
-  int size_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  int arrived_ = 0;
-  uint64_t gen_ = 0;
-  std::vector<const float*> ptrs_;
-};
-
-class ThreadComm final : public Communicator {
- public:
-  ThreadComm(std::shared_ptr<ThreadGroup> g, int rank) : g_(std::move(g)), rank_(rank) {}
-  int rank() const override { return rank_; }
-  int size() const override { return g_->size(); }
-  std::string_view kind() const override { return "threads"; }
-  Status AllReduceSum(std::span<float> data) override {
-    g_->ptrs()[rank_] = data.data();
-    g_->Barrier();
-    std::vector<float> sum(data.size());
-    std::vector<float> v(g_->size());
-    for (size_t j = 0; j < data.size(); ++j) {
-      for (int r = 0; r < g_->size(); ++r) v[r] = g_->ptrs()[r][j];
-      for (int step = 1; step < g_->size(); step *= 2) {
-        for (int r = 0; r + step < g_->size(); r += 2 * step) v[r] = v[r] + v[r + step];
-      }
-      sum[j] = v[0];
-    }
-    g_->Barrier();
-    std::memcpy(data.data(), sum.data(), data.size() * sizeof(float));
-    return Status::Ok();
-  }
-  Status AllGather(std::span<const float> in, std::span<float> out) override {
-    g_->ptrs()[rank_] = in.data();
-    g_->Barrier();
-    for (int r = 0; r < g_->size(); ++r) {
-      std::memcpy(out.data() + r * in.size(), g_->ptrs()[r], in.size() * sizeof(float));
-    }
-    g_->Barrier();
-    return Status::Ok();
-  }
-  Status Broadcast(std::span<std::byte>, int) override { return UnimplementedError("threads"); }
-  Status Send(std::span<const std::byte>, int) override { return UnimplementedError("threads"); }
-  Status Recv(std::span<std::byte>, int) override { return UnimplementedError("threads"); }
-  Status Barrier() override {
-    g_->Barrier();
-    return Status::Ok();
-  }
-
- private:
-  std::shared_ptr<ThreadGroup> g_;
-  int rank_;
-};
-
 CommFactory ShmComms() {
-  auto groups = std::make_shared<std::map<std::string, std::shared_ptr<ThreadGroup>>>();
-  auto mu = std::make_shared<std::mutex>();
-  return [groups, mu](const std::string& group, int rank,
-                      int size) -> Result<std::unique_ptr<Communicator>> {
-    std::lock_guard<std::mutex> l(*mu);
-    auto& g = (*groups)[group];
-    if (!g) g = std::make_shared<ThreadGroup>(size);
-    return std::unique_ptr<Communicator>(new ThreadComm(g, rank));
+  return [](const std::string& group, int rank, int size) {
+    return parallel::CreateShmCommunicator(group, rank, size, /*join_timeout_ms=*/30'000);
   };
 }
 
