@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "kernels/cpu/ops.h"
 
@@ -261,29 +262,39 @@ void Gemm(const float* x, const PackedWeights& w, const float* bias, float* y, i
 void GemmSplitK(const float* x, const PackedWeights& w, const int* k_bounds, int shards, float* y,
                 float* scratch, int m, ThreadPool* pool) {
   if (m <= 0 || w.n() <= 0 || shards <= 0) return;
+  constexpr int kMaxShards = 8;
+  if (shards > kMaxShards) std::abort();  // a caller bug (ops.h: at most 8)
   const int n = w.n(), k = w.k();
   const Isa isa = ActiveIsa();
   const size_t plane = static_cast<size_t>(m) * n;
   auto out = [&](int s) { return s == 0 ? y : scratch + static_cast<size_t>(s - 1) * plane; };
   const int64_t grain = std::max<int64_t>(1, 2048 / std::max(1, k));
-  ParallelFor(pool, w.panels(), grain, [&](int64_t b, int64_t e) {
-    for (int s = 0; s < shards; ++s) {
-      const int k0 = k_bounds[s], k1 = k_bounds[s + 1];
-      const GemmArgs a{x + k0, w.data() + static_cast<size_t>(k0) * kP, nullptr, out(s), m, n,
+  GemmArgs args[kMaxShards];
+  for (int s = 0; s < shards; ++s) {
+    const int k0 = k_bounds[s], k1 = k_bounds[s + 1];
+    args[s] = GemmArgs{x + k0, w.data() + static_cast<size_t>(k0) * kP, nullptr, out(s), m, n,
                        k1 - k0, k, static_cast<size_t>(k) * kP};
-      GemmPanels(a, isa, static_cast<int>(b), static_cast<int>(e));
-    }
-    // The fixed tree over this range's columns: level by level, shard s
-    // takes in shard s + step (step = 1, 2, 4, ...).
-    const int c0 = static_cast<int>(b) * kP, c1 = std::min(n, static_cast<int>(e) * kP);
-    for (int step = 1; step < shards; step *= 2) {
-      for (int s = 0; s + step < shards; s += 2 * step) {
-        float* dst = out(s);
-        const float* src = out(s + step);
-        for (int i = 0; i < m; ++i) {
-          float* d = dst + static_cast<size_t>(i) * n;
-          const float* r = src + static_cast<size_t>(i) * n;
-          for (int j = c0; j < c1; ++j) d[j] += r[j];
+  }
+  int rb, pb;
+  Blocking(isa, m, &rb, &pb);
+  ParallelFor(pool, w.panels(), grain, [&](int64_t b, int64_t e) {
+    // Panel group outermost, shards inside: a panel's [k][16] weights are
+    // read in order, shard after shard, and the tree runs on hot partials.
+    for (int p0 = static_cast<int>(b); p0 < e; p0 += pb) {
+      const int p1 = std::min(static_cast<int>(e), p0 + pb);
+      for (int s = 0; s < shards; ++s) GemmPanels(args[s], isa, p0, p1);
+      // The fixed tree over these columns: level by level, shard s takes in
+      // shard s + step (step = 1, 2, 4, ...).
+      const int c0 = p0 * kP, c1 = std::min(n, p1 * kP);
+      for (int step = 1; step < shards; step *= 2) {
+        for (int s = 0; s + step < shards; s += 2 * step) {
+          float* dst = out(s);
+          const float* src = out(s + step);
+          for (int i = 0; i < m; ++i) {
+            float* d = dst + static_cast<size_t>(i) * n;
+            const float* r = src + static_cast<size_t>(i) * n;
+            for (int j = c0; j < c1; ++j) d[j] += r[j];
+          }
         }
       }
     }

@@ -90,7 +90,7 @@ void Gemm(const float* x,           // [m][w.k()]
 void GemmSplitK(const float* x,          // [m][w.k()]
                 const PackedWeights& w,  // [w.n()][w.k()] packed
                 const int* k_bounds,     // [shards + 1]
-                int shards,
+                int shards,  // 1 .. 8
                 float* y,        // [m][w.n()]
                 float* scratch,  // [(shards - 1) * m * w.n()]
                 int m, ThreadPool* pool = nullptr);

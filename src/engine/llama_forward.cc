@@ -152,7 +152,6 @@ Result<std::unique_ptr<LlamaForward>> LlamaForward::Create(const model::ModelCon
   if (f->first_stage_) {
     f->embed_.assign(w.embed_tokens.data.begin() + size_t{f->vocab_.begin} * hidden,
                      w.embed_tokens.data.begin() + size_t{f->vocab_.end} * hidden);
-    f->weight_bytes_ += f->embed_.size() * sizeof(float);
   }
   for (uint32_t i = 0; i < config.num_hidden_layers; ++i) {
     const model::LayerWeights& lw = w.layers[i];

@@ -82,6 +82,8 @@ class LlamaForward {
 
   const model::ModelConfig& config() const { return config_; }
   const ShardSpec& shard() const { return shard_; }
+  // Packed weights a step reads (the embedding table is not counted: a step
+  // reads only its tokens' rows).
   size_t weight_bytes() const { return weight_bytes_; }
   // Model layers [begin, end) this shard holds.
   parallel::Range layers() const { return layers_range_; }
