@@ -42,6 +42,19 @@ class Decoder::Emitter {
   void Tokens(uint32_t first_index, std::vector<uint32_t> tokens) {
     std::lock_guard lock(mu_);
     if (done_) return;
+    if (first_index == next_index_ && pending_.empty()) {
+      // In order, nothing held back (every step of a running request):
+      // straight to the sink, no map node per step (issue 23).
+      const uint32_t n = static_cast<uint32_t>(tokens.size());
+      if (n == 0) return;
+      sink_->OnTokens(next_index_, std::move(tokens));
+      next_index_ += n;
+      if (final_ && next_index_ >= final_->completion_tokens) {
+        done_ = true;
+        sink_->OnFinished(*final_);
+      }
+      return;
+    }
     pending_.emplace(first_index, std::move(tokens));
     FlushLocked();
   }
@@ -209,7 +222,26 @@ Status Decoder::Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
 
 Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::string& prefiller,
                                       std::span<const uint32_t> prompt_ids,
-                                      std::string_view prefiller_descriptor) {
+                                      std::string_view prefiller_descriptor,
+                                      parallel::ParallelLayout prefill_layout) {
+  if (prefill_layout.world() > 1 || options_.layout.world() > 1) {
+    // docs/parallelism.md: no rank holds a whole block, so a sliced push is
+    // neither sealed nor checksummed.
+    const char* key = options_.encrypt ? "transport.encrypt"
+                      : options_.verify_checksums ? "transport.checksum"
+                                                  : nullptr;
+    if (key != nullptr) {
+      return FailedPreconditionError(fmt::format(
+          "request '{}': {} is not supported between tensor/pipeline-parallel workers (prefill "
+          "{}, decode {})",
+          request_id, key, parallel::ToString(prefill_layout), parallel::ToString(options_.layout)));
+    }
+    if (options_.layout.world() > 1 && options_.rank_descriptors.size() != options_.layout.world()) {
+      return FailedPreconditionError(fmt::format(
+          "request '{}': this decoder ({}) knows {} of its ranks' KV transports", request_id,
+          parallel::ToString(options_.layout), options_.rank_descriptors.size()));
+    }
+  }
   std::string writer_agent;
   uint64_t writer_generation = 0;
   if (!prefiller_descriptor.empty()) {
@@ -289,6 +321,8 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
   t.reservation_id = res->reservation_id;
   t.generation = transport_.generation();
   t.transport_descriptor = descriptor_;
+  t.layout = options_.layout;
+  if (options_.layout.world() > 1) t.rank_descriptors = options_.rank_descriptors;
   t.slots = res->block_ids;
   t.cached_blocks = res->num_cached_blocks;
   t.lease_expiry = SystemClock::now() + lease;
