@@ -110,14 +110,23 @@ Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
   }
   f->cache_salt_ = j.value("cache_salt", "");
   for (const auto& w : j["workers"]) {
-    f->workers_.push_back({w["role"], w.value("name", ""), w["grpc"], w["metrics"], w["pid"]});
+    WorkerAddr a{w["role"], w.value("name", ""), w["grpc"], w["metrics"], w["pid"], {}};
+    for (const auto& r : w.value("ranks", nlohmann::json::array())) {
+      a.ranks.emplace_back(r.value("rank", 0u), r.value("pid", -1));
+    }
+    f->workers_.push_back(std::move(a));
   }
   f->proxies_ = ReadProxies(state);
   ReapOnExit(f->proxy_pid_);
   for (const auto& p : f->proxies_) {
     if (p.pid != f->proxy_pid_) ReapOnExit(p.pid);
   }
-  for (const auto& w : f->workers_) ReapOnExit(w.pid);
+  for (const auto& w : f->workers_) {
+    ReapOnExit(w.pid);
+    for (const auto& [rank, pid] : w.ranks) {
+      if (rank > 0) ReapOnExit(pid);
+    }
+  }
   return f;
 }
 
@@ -178,7 +187,12 @@ void Fleet::ForgetAll() {
   Forget(pid_);
   Forget(proxy_pid_);
   for (const auto& p : proxies_) Forget(p.pid);
-  for (const auto& w : workers_) Forget(w.pid);
+  for (const auto& w : workers_) {
+    Forget(w.pid);
+    for (const auto& [rank, pid] : w.ranks) {
+      if (rank > 0) Forget(pid);
+    }
+  }
   pid_ = -1;
 }
 
@@ -187,7 +201,10 @@ Fleet::~Fleet() {
     if (!Stop(std::chrono::seconds(20)).ok()) {
       // Whatever is left (a stopped worker ignores SIGTERM): SIGKILL, as
       // the reaper would.
-      for (const auto& w : workers_) kill(w.pid, SIGKILL);
+      for (const auto& w : workers_) {
+        kill(w.pid, SIGKILL);
+        for (const auto& [rank, pid] : w.ranks) kill(pid, SIGKILL);
+      }
       for (const auto& p : ReadProxies(state_path())) kill(p.pid, SIGKILL);
       kill(proxy_pid_, SIGKILL);
       kill(pid_, SIGKILL);

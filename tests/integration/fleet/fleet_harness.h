@@ -45,6 +45,9 @@ struct FleetOptions {
 struct WorkerAddr {
   std::string role, name, grpc, metrics;
   pid_t pid = -1;
+  // The state file's `ranks` (issue 18): {rank, pid} of every rank process
+  // of the worker, rank 0 (== pid) first; empty for a worker started by hand.
+  std::vector<std::pair<uint32_t, pid_t>> ranks;
 };
 
 // One proxy replica of the state file's `proxies` (proxy.replicas).
