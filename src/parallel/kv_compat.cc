@@ -2,21 +2,20 @@
 
 #include <fmt/format.h>
 
+#include "parallel/kv_slices.h"
+
 namespace tandem::parallel {
 
-bool KvLayoutsCompatible(const ParallelLayout& prefill, const ParallelLayout& decode,
-                         const ModelDims& dims) {
-  return KvLayoutsIncompatibility(prefill, decode, dims).empty();
-}
-
-std::string KvLayoutsIncompatibility(const ParallelLayout& prefill, const ParallelLayout& decode,
-                                     const ModelDims& /*dims*/) {
-  // Equal layouts only until the slice push between layouts exists (see
-  // the header); the model's dimensions then decide which pairs work.
-  if (prefill == decode) return "";
-  return fmt::format("prefill layout {} differs from decode layout {} (KV transfer between "
-                     "different tensor_parallel/pipeline_parallel degrees is not supported by "
-                     "this build)",
+std::string KvPairingRefusal(const ParallelLayout& prefill, const ParallelLayout& decode,
+                             const ModelDims& dims) {
+  if (prefill == decode) return "";  // rank r's slice goes to rank r
+  if (dims.num_layers != 0 && dims.num_kv_heads != 0) {
+    if (Status s = KvLayoutsCompatible(prefill, decode, dims); !s.ok()) {
+      return std::string(s.message());
+    }
+  }
+  return fmt::format("prefill layout {} differs from decode layout {}: this build moves KV only "
+                     "between equal tensor_parallel/pipeline_parallel layouts",
                      ToString(prefill), ToString(decode));
 }
 

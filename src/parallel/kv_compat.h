@@ -1,13 +1,15 @@
-// Which prefiller may send its KV to which decoder, by their rank layouts
-// (issue 18, docs/parallelism.md "Rank processes"). The proxy's router pairs
-// a prefiller with a decoder only when this holds, and says why in its log
-// when a registered pair does not.
+// Which prefiller the proxy may pair with which decoder, by their rank
+// layouts (issue 18, docs/parallelism.md "Rank processes"). The router pairs
+// a prefiller with a decoder only when KvLayoutsPairable holds, and the
+// proxy's log says why (KvPairingRefusal) for every registered pair that
+// does not.
 //
-// Today compatible means EQUAL layouts (same tensor_parallel and
-// pipeline_parallel): each prefill rank then pushes its own slice to the
-// decode rank of the same index. kv-reshard's slice push (KV re-sharded
-// between different TP/PP degrees, parallel/kv_slices) widens this once it
-// exists; this function is the one place that decides.
+// Two conditions: the layouts can exchange KV at all
+// (parallel/kv_slices.h KvLayoutsCompatible: both split the model), and
+// this build moves KV between them. Today that means EQUAL layouts: each
+// prefill rank's slice goes to the decode rank of the same index. When the
+// slice push between different layouts exists (kv-reshard), it widens the
+// second condition here; this is the one place that decides.
 //
 // Pure functions, no state.
 #pragma once
@@ -18,16 +20,16 @@
 
 namespace tandem::parallel {
 
-// Whether a prefiller with layout `prefill` can deliver the KV of a block
-// to a decoder with layout `decode` for a model of `dims` (only
-// num_layers and num_kv_heads are read).
-bool KvLayoutsCompatible(const ParallelLayout& prefill, const ParallelLayout& decode,
-                         const ModelDims& dims);
+// Why a prefiller of layout `prefill` cannot send KV to a decoder of layout
+// `decode` for a model of `dims` (num_layers and num_kv_heads are read;
+// zero: unknown, only the layouts are compared), in one line for the
+// proxy's log; "" when it can.
+std::string KvPairingRefusal(const ParallelLayout& prefill, const ParallelLayout& decode,
+                             const ModelDims& dims);
 
-// Why not, in one line for the proxy's log ("" when compatible), e.g.
-// "prefill layout tp2pp1 differs from decode layout tp1pp1 (KV between
-// different layouts is not supported by this build)".
-std::string KvLayoutsIncompatibility(const ParallelLayout& prefill, const ParallelLayout& decode,
-                                     const ModelDims& dims);
+inline bool KvLayoutsPairable(const ParallelLayout& prefill, const ParallelLayout& decode,
+                              const ModelDims& dims) {
+  return KvPairingRefusal(prefill, decode, dims).empty();
+}
 
 }  // namespace tandem::parallel

@@ -98,7 +98,7 @@ Status Fleet::Register(const WorkerRecord& w) {
     auto explain = [&](const WorkerRecord& p, const parallel::ParallelLayout& pl,
                        const WorkerRecord& d, const parallel::ParallelLayout& dl) {
       if (p.role != router::WorkerRole::kPrefill || !router::CanDecode(d.role)) return;
-      const std::string why = parallel::KvLayoutsIncompatibility(pl, dl, dims);
+      const std::string why = parallel::KvPairingRefusal(pl, dl, dims);
       if (!why.empty()) {
         spdlog::warn("prefiller {} will not be paired with decoder {}: {}", p.name, d.name, why);
       }

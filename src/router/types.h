@@ -34,7 +34,7 @@ struct WorkerInfo {
   uint64_t block_bytes = 0;      // bytes of one KV block (all layers), for transfer time
   // Its rank layout (issue 18) and the model dimensions it splits: a
   // prefiller is paired only with decoders whose layout
-  // parallel::KvLayoutsCompatible accepts.
+  // parallel::KvLayoutsPairable accepts.
   uint32_t tensor_parallel = 1;
   uint32_t pipeline_parallel = 1;
   uint32_t num_layers = 0;

@@ -49,7 +49,7 @@ Result<WorkerId> WorkerSet::Add(const WorkerInfo& info) {
     // The new layout's row and column of the compatibility table.
     const uint32_t n = static_cast<uint32_t>(layouts_.size() - 1);
     auto compatible = [](const LayoutKey& p, const LayoutKey& d) {
-      return parallel::KvLayoutsCompatible({p.tp, p.pp}, {d.tp, d.pp},
+      return parallel::KvLayoutsPairable({p.tp, p.pp}, {d.tp, d.pp},
                                            {.num_layers = p.layers, .num_kv_heads = p.kv_heads});
     };
     for (uint32_t j = 0; j <= n; ++j) {

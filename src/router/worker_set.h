@@ -42,7 +42,7 @@ class WorkerSet {
 
   // Rank layouts (issue 18): bit d of row p is set when a prefiller of
   // layout p may send KV to a decoder of layout d
-  // (parallel::KvLayoutsCompatible). Rows exist for every layout_id handed
+  // (parallel::KvLayoutsPairable). Rows exist for every layout_id handed
   // out; the table only grows.
   static constexpr uint32_t kMaxLayouts = 64;
   const uint64_t* layout_compat() const { return compat_.data(); }

@@ -1,5 +1,5 @@
 // Issue 18: the router pairs a prefiller with a decoder only when their
-// rank layouts can exchange KV (parallel::KvLayoutsCompatible; equal
+// rank layouts can exchange KV (parallel::KvLayoutsPairable; equal
 // layouts in this build).
 #include <gtest/gtest.h>
 
