@@ -35,11 +35,11 @@ pb::FinishReason ToProto(engine::FinishReason r) {
 // The Decode stream: a reactor plus the sink the decoder writes into. The
 // sink (shared with the engine's callbacks) outlives the reactor safely:
 // StreamWriter drops writes once the stream is finished.
-class DecodeStream final : public grpc::ServerWriteReactor<pb::DecodeResponse> {
+class DecodeReactor final : public grpc::ServerWriteReactor<pb::DecodeResponse> {
  public:
   class Sink final : public DecodeSink {
    public:
-    Sink(DecodeStream* stream, std::string request_id, tracing::SpanContext trace)
+    Sink(DecodeReactor* stream, std::string request_id, tracing::SpanContext trace)
         : writer_(stream, &MergeDecodeTokens), request_id_(std::move(request_id)), trace_(trace),
           start_unix_ns_(trace.sampled ? tracing::NowUnixNs() : 0) {}
     void OnTokens(uint32_t first_index, std::vector<uint32_t> token_ids) override {
@@ -93,7 +93,7 @@ class DecodeStream final : public grpc::ServerWriteReactor<pb::DecodeResponse> {
     std::atomic<bool> traced_{false};
   };
 
-  DecodeStream(Decoder& decoder, const pb::DecodeRequest& req, tracing::SpanContext trace)
+  DecodeReactor(Decoder& decoder, const pb::DecodeRequest& req, tracing::SpanContext trace)
       : decoder_(decoder), request_id_(worker::AttemptKey(req.request_id(), req.attempt())),
         sink_(std::make_shared<Sink>(this, req.request_id(), trace)) {
     pb::DecodeResponse first;
@@ -154,7 +154,7 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
 
   grpc::ServerWriteReactor<pb::DecodeResponse>* Decode(grpc::CallbackServerContext* ctx,
                                                        const pb::DecodeRequest* req) override {
-    return new DecodeStream(decoder_, *req, TraceOf(ctx));
+    return new DecodeReactor(decoder_, *req, TraceOf(ctx));
   }
 
   grpc::ServerUnaryReactor* Reserve(grpc::CallbackServerContext* ctx,
