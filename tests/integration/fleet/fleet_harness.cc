@@ -19,6 +19,7 @@
 #include <random>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include "common/net.h"
 #include "common/rpc_server.h"
@@ -60,9 +61,11 @@ Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
         "logging:\n  level: {}\n  format: {}\n",
         BundledModel(), o.model_yaml, o.num_blocks, o.cache_yaml, o.max_num_seqs, o.max_batched_tokens, o.max_waiting,
         o.max_inflight, o.proxy_yaml, o.policy, o.router_yaml, LogLevel(o), o.log_format);
-    for (auto [role, n] : {std::pair{"prefill", o.prefill}, {"decode", o.decode}, {"both", o.both}}) {
-      y << fmt::format("{}:\n  replicas: {}\n  grpc: 127.0.0.1:0\n  metrics: 127.0.0.1:0\n",
-                       role, n);
+    for (auto [role, n, extra] : {std::tuple{"prefill", o.prefill, &o.prefill_yaml},
+                                  {"decode", o.decode, &o.decode_yaml},
+                                  {"both", o.both, &o.both_yaml}}) {
+      y << fmt::format("{}:\n  replicas: {}\n  grpc: 127.0.0.1:0\n  metrics: 127.0.0.1:0\n{}",
+                       role, n, *extra);
     }
     y << o.extra_yaml;
   }
