@@ -241,9 +241,8 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
                                                       w.fleet.cache.block_size));
     w.model_config = w.sim.storage_config;
   } else {
-    // Issue 18: the role's rank layout must split this model.
+    // Issue 18 (the layout was checked against the model: CheckRankFlags).
     const parallel::ParallelLayout pl{rc.tensor_parallel, rc.pipeline_parallel};
-    TANDEM_RETURN_IF_ERROR(CheckRoleLayout(cmd.role, pl, w.model_config, w.fleet.model.path));
     if (pl.world() > 1) {
       return FailedPreconditionError(fmt::format(
           "{0}.tensor_parallel {1} x {0}.pipeline_parallel {2}: this build serves a worker from "
@@ -460,6 +459,13 @@ Status CheckRankFlags(const WorkerCommand& cmd, const FleetConfig& fleet, const 
         "--group is required for a worker of {} ranks: every rank process joins the group of "
         "that name (tandem launch sets it)",
         world));
+  }
+  // The layout must split the model (backend sim models it in one process
+  // over its own model shape, docs/sim.md; 1 x 1 splits every model).
+  if (world > 1) {
+    TANDEM_ASSIGN_OR_RETURN(auto model, model::LoadModelConfig(fleet.model.path));
+    TANDEM_RETURN_IF_ERROR(CheckRoleLayout(cmd.role, {rc.tensor_parallel, rc.pipeline_parallel},
+                                           model, fleet.model.path));
   }
   return Status::Ok();
 }
