@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 
@@ -163,8 +164,11 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
     const tracing::SpanContext trace = TraceOf(ctx);
     const uint64_t start = trace.sampled ? tracing::NowUnixNs() : 0;
     std::vector<uint32_t> prompt(req->prompt_token_ids().begin(), req->prompt_token_ids().end());
+    const parallel::ParallelLayout prefill_layout{
+        .tp = std::max(1u, req->prefill_tensor_parallel()),
+        .pp = std::max(1u, req->prefill_pipeline_parallel())};
     auto target = decoder_.Reserve(req->request_id(), req->prefiller(), prompt,
-                                   req->prefiller_transport_descriptor());
+                                   req->prefiller_transport_descriptor(), prefill_layout);
     if (target.ok()) {
       auto* t = resp->mutable_target();
       t->set_request_id(target->request_id);
@@ -178,6 +182,9 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
                                       .count());
       t->set_capability(target->capability);
       t->set_kv_key(target->kv_key);
+      t->set_decode_tensor_parallel(target->layout.tp);
+      t->set_decode_pipeline_parallel(target->layout.pp);
+      for (const auto& d : target->rank_descriptors) t->add_rank_transport_descriptors(d);
     } else {
       resp->mutable_error()->set_code(static_cast<int>(target.status().code()));
       resp->mutable_error()->set_message(target.status().message());

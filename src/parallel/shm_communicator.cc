@@ -413,7 +413,9 @@ Result<std::unique_ptr<ShmCommunicator>> ShmCommunicator::Join(const std::string
       munmap(base, total);
       return DeadlineExceededError("shm communicator: group " + group + ": rank(s) " + missing +
                                    " of " + std::to_string(size) + " did not join within " +
-                                   std::to_string(join_timeout_ms) + " ms");
+                                   std::to_string(join_timeout_ms) +
+                                   " ms (the ranks of a group must run on this host: they "
+                                   "meet in /dev/shm" + name + ")");
     }
     h.joined_waiters.fetch_add(1);
     if (h.joined.load() == j) {
