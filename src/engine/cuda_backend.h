@@ -9,14 +9,24 @@
 // worker hands it the KV transport's device pool (CudaBackendOptions::kv_pool,
 // kvtransfer/staging), so blocks move device to device (docs/cuda.md).
 //
+// Tensor parallel (issue 18, docs/parallelism.md "CUDA"): with
+// CudaBackendOptions::shard of tp > 1 the backend holds one tensor rank's
+// shard (one process and one device per rank) and joins the other ranks
+// through NCCL; every rank runs Forward with the same batches and receives
+// the whole logits. Pipeline parallel is not implemented on cuda.
+//
 // Thread-safety: as ComputeBackend. The backend owns one CUDA stream; create,
 // use and destroy it on the engine thread (CUDA's current device is per
 // thread).
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 
 #include "engine/backend.h"
+#include "engine/llama_forward.h"  // ShardSpec, ShardKvLayout
 
 namespace tandem::engine {
 
@@ -37,6 +47,26 @@ struct CudaBackendOptions {
   // comparison); padding to the bucket happens either way, so the switch
   // never changes a bit of the output.
   bool cuda_graphs = true;
+  // The rank's shard (default: the whole model). layout.pp must be 1
+  // (UNIMPLEMENTED otherwise); CheckLayout's rules apply. q/k/v and gate/up
+  // are column slices, o/down row slices followed by an NCCL all-reduce,
+  // the LM head the rank's vocabulary rows followed by an all-gather; the
+  // embedding table is replicated. The pool has ShardKvLayout's geometry
+  // (the rank's KV heads). With tp > 1 decode CUDA graphs are off.
+  ShardSpec shard;
+  // tp > 1: the tensor ranks' group, a name unique on the host and the same
+  // on every rank (NCCL bootstraps over the shm group of that name; all
+  // ranks on one host); `device` is this rank's device (normally tp_rank).
+  // Creation blocks until every rank joined, at most tp_join_timeout_ms
+  // (DEADLINE_EXCEEDED naming the missing ranks).
+  std::string tp_group;
+  int64_t tp_join_timeout_ms = 60000;
+  // Tests only (tp > 1): makes the tensor ranks' communicator instead of
+  // NCCL, given the backend's stream (a cudaStream_t). Its calls take device
+  // buffers, must be ordered after the stream's work and return once done.
+  // tests/gpu/cuda_tp_forward_test stages through the host over shm so that
+  // two ranks can share one device (NCCL refuses two ranks on one device).
+  std::function<Result<std::unique_ptr<parallel::Communicator>>(void* stream)> tp_comm_factory;
 };
 
 // FAILED_PRECONDITION with the runtime's reason when no CUDA device is

@@ -50,6 +50,8 @@ void FillInfo(const WorkerIdentity& id, pb::WorkerInfo* out) {
   out->set_hash_root(id.hash_root);
   // Every decoder serves Decoder.DecodeStream (issue 23, docs/decode-stream.md).
   out->set_decode_stream(id.role == "decode" || id.role == "both");
+  out->set_tensor_parallel(id.tensor_parallel);
+  out->set_pipeline_parallel(id.pipeline_parallel);
   for (const auto& [k, v] : id.labels) (*out->mutable_labels())[k] = v;
 }
 
