@@ -413,7 +413,9 @@ Result<std::unique_ptr<ShmCommunicator>> ShmCommunicator::Join(const std::string
       munmap(base, total);
       return DeadlineExceededError("shm communicator: group " + group + ": rank(s) " + missing +
                                    " of " + std::to_string(size) + " did not join within " +
-                                   std::to_string(join_timeout_ms) + " ms");
+                                   std::to_string(join_timeout_ms) +
+                                   " ms (the ranks of a group must run on this host: they "
+                                   "meet in /dev/shm" + name + ")");
     }
     h.joined_waiters.fetch_add(1);
     if (h.joined.load() == j) {
@@ -476,6 +478,18 @@ Status ShmCommunicator::Fail(Status status) {
   return failed_;
 }
 
+Status ShmCommunicator::CheckBroken() {
+  if (!failed_.ok()) return failed_;
+  const int32_t broken = Hdr(base_).broken.load(std::memory_order_relaxed);
+  if (broken != 0) {
+    const int r = broken - 1;
+    return Fail(UnavailableError("shm communicator: group " + group_ + ": rank " +
+                                 std::to_string(r) + " (pid " + std::to_string(pids_[r]) +
+                                 ") died"));
+  }
+  return Status::Ok();
+}
+
 Status ShmCommunicator::CheckPeers() {
   if (!failed_.ok()) return failed_;
   Header& h = Hdr(base_);
@@ -497,14 +511,7 @@ Status ShmCommunicator::CheckPeers() {
       h.broken.compare_exchange_strong(none, r + 1);
     }
   }
-  const int32_t broken = h.broken.load();
-  if (broken != 0) {
-    const int r = broken - 1;
-    return Fail(UnavailableError("shm communicator: group " + group_ + ": rank " +
-                                 std::to_string(r) + " (pid " + std::to_string(pids_[r]) +
-                                 ") died"));
-  }
-  return Status::Ok();
+  return CheckBroken();
 }
 
 Status ShmCommunicator::CheckGroup(int peer) {
@@ -581,7 +588,7 @@ Status ShmCommunicator::WaitPeer(int r, Op op, int root, uint64_t call_bytes) {
 }
 
 Status ShmCommunicator::AllReduceSum(std::span<float> data) {
-  TANDEM_RETURN_IF_ERROR(CheckPeers());
+  TANDEM_RETURN_IF_ERROR(CheckBroken());
   if (size_ == 1) return Status::Ok();
   const uint64_t call_bytes = data.size_bytes();
   const size_t chunk = max_bytes_ / sizeof(float);
@@ -600,7 +607,7 @@ Status ShmCommunicator::AllReduceSum(std::span<float> data) {
 }
 
 Status ShmCommunicator::AllGather(std::span<const float> in, std::span<float> out) {
-  TANDEM_RETURN_IF_ERROR(CheckPeers());
+  TANDEM_RETURN_IF_ERROR(CheckBroken());
   if (out.size() != in.size() * static_cast<size_t>(size_)) {
     return InvalidArgumentError("shm communicator: AllGather output has " +
                                 std::to_string(out.size()) + " floats; " +
@@ -625,7 +632,7 @@ Status ShmCommunicator::AllGather(std::span<const float> in, std::span<float> ou
 }
 
 Status ShmCommunicator::Broadcast(std::span<std::byte> data, int root) {
-  TANDEM_RETURN_IF_ERROR(CheckPeers());
+  TANDEM_RETURN_IF_ERROR(CheckBroken());
   if (root < 0 || root >= size_) {
     return InvalidArgumentError("shm communicator: Broadcast root " + std::to_string(root) +
                                 " is outside 0.." + std::to_string(size_ - 1));
@@ -646,7 +653,7 @@ Status ShmCommunicator::Broadcast(std::span<std::byte> data, int root) {
 }
 
 Status ShmCommunicator::Barrier() {
-  TANDEM_RETURN_IF_ERROR(CheckPeers());
+  TANDEM_RETURN_IF_ERROR(CheckBroken());
   if (size_ == 1) return Status::Ok();
   TANDEM_RETURN_IF_ERROR(Post(Op::kBarrier, -1, 0, {}));
   for (int r = 0; r < size_; ++r) {
@@ -656,7 +663,7 @@ Status ShmCommunicator::Barrier() {
 }
 
 Status ShmCommunicator::Send(std::span<const std::byte> data, int dst) {
-  TANDEM_RETURN_IF_ERROR(CheckPeers());
+  TANDEM_RETURN_IF_ERROR(CheckBroken());
   if (dst < 0 || dst >= size_ || dst == rank_) {
     return InvalidArgumentError("shm communicator: Send to rank " + std::to_string(dst) +
                                 " from rank " + std::to_string(rank_) + " of " +
@@ -683,7 +690,7 @@ Status ShmCommunicator::Send(std::span<const std::byte> data, int dst) {
 }
 
 Status ShmCommunicator::Recv(std::span<std::byte> data, int src) {
-  TANDEM_RETURN_IF_ERROR(CheckPeers());
+  TANDEM_RETURN_IF_ERROR(CheckBroken());
   if (src < 0 || src >= size_ || src == rank_) {
     return InvalidArgumentError("shm communicator: Recv from rank " + std::to_string(src) +
                                 " at rank " + std::to_string(rank_) + " of " +

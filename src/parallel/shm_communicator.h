@@ -101,6 +101,9 @@ class ShmCommunicator final : public Communicator {
   Status WaitUntil(std::atomic<uint32_t>& word, std::atomic<uint32_t>& waiters, uint32_t target,
                    int peer);
   Status CheckGroup(int peer);
+  // failed_, or the group's shared "broken" mark (one load; no syscall):
+  // what every call checks first.
+  Status CheckBroken();
   Status Fail(Status status);
 
   std::string group_;
