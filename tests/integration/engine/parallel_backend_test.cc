@@ -17,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <ostream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -189,6 +190,8 @@ struct Case {
   std::string model;
   parallel::ParallelLayout layout;
 };
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.model << " " << parallel::ToString(c.layout); }
 
 class ParallelBackendLogits : public ::testing::TestWithParam<Case> {};
 

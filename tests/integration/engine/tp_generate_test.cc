@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -89,6 +90,8 @@ std::vector<uint32_t> GreedyTokens(const std::string& model, const std::vector<u
 struct Layout {
   uint32_t tp, pp;
 };
+
+void PrintTo(const Layout& l, std::ostream* os) { *os << "tp" << l.tp << "pp" << l.pp; }
 
 class TpGenerate : public ::testing::TestWithParam<Layout> {
  protected:
