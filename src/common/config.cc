@@ -40,6 +40,9 @@ void ReadRole(YamlMap m, RoleConfig& r) {
   m.Read("num_blocks", r.num_blocks, 0, 1u << 24);
   m.ReadLabel("node", r.node);
   m.ReadLabel("zone", r.zone);
+  // Issue 18: ranks per worker (the model's divisibility is checked at start-up).
+  m.Read("tensor_parallel", r.tensor_parallel, 1, 64);
+  m.Read("pipeline_parallel", r.pipeline_parallel, 1, 64);
   m.Finish();
 }
 
