@@ -26,6 +26,7 @@
 #include <fmt/format.h>
 
 #include "engine/backend.h"
+#include "engine/engine.h"
 #include "engine/kv_pool.h"
 #include "engine/llama_forward.h"
 #include "engine/parallel_backend.h"
@@ -324,6 +325,39 @@ TEST(ParallelBackend, FollowersExitNonZeroWhenRankZeroDies) {
   ASSERT_FALSE(st.ok());
   EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
   EXPECT_NE(st.message().find("exited with status 1"), std::string::npos) << st.ToString();
+}
+
+// What a rank group cannot do is refused by Engine::Create at once (before
+// waiting for followers that will never come), naming what is wrong.
+TEST(ParallelBackend, EngineRefusesWhatARankGroupCannotDo) {
+  const Model m = Load("tiny-qwen2");
+  auto create = [&](EngineOptions o) { return Engine::Create(m.config, m.weights, std::move(o)); };
+  EngineOptions o;
+  o.num_blocks = 8;
+  o.parallel = {2, 1};
+  o.parallel_group = "never-joined";
+  o.parallel_join_timeout_ms = 600000;  // a test that waited for it would time out first
+  EngineOptions tiers = o;
+  tiers.host_tier_blocks = 4;
+  auto r = create(tiers);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(r.status().message().find("not built for a rank group (tp2pp1)"), std::string::npos)
+      << r.status().ToString();
+  EngineOptions cuda = o;
+  cuda.backend = "cuda";
+  r = create(cuda);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("backend 'cuda' has no rank group runtime"),
+            std::string::npos)
+      << r.status().ToString();
+  EngineOptions split = o;
+  split.parallel = {1, 3};
+  r = create(split);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("pipeline_parallel 3 exceeds num_hidden_layers 2"),
+            std::string::npos)
+      << r.status().ToString();
 }
 
 TEST(ParallelBackend, RefusesALayoutTheModelCannotSplit) {
