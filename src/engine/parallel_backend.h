@@ -56,6 +56,10 @@ class ParallelBackend final : public ComputeBackend {
   Status Forward(std::span<const SeqChunk> batch, std::span<float> logits) override;
 
   const parallel::ParallelLayout& layout() const { return options_.layout; }
+  // The group's world communicator, for collectives between steps on the
+  // engine thread (or before the engine starts): a worker's KV transport
+  // descriptors and KV pushes (issue 18, worker/worker_runtime.cc).
+  parallel::Communicator& world() { return *comms_.world; }
 
   // Sends a plan of kind push_kv (kv-reshard fills `plan.extensions`) to the
   // followers; `plan.step` is set here. The caller then does rank 0's part.
