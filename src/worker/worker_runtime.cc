@@ -138,6 +138,7 @@ struct Worker {
   std::unique_ptr<MetricsRegistry> registry;
   std::unique_ptr<WorkerMetrics> metrics;
   std::unique_ptr<engine::Engine> engine;
+  engine::ParallelBackend* group = nullptr;  // rank 0 of a rank group (issue 18); in `engine`
   std::unique_ptr<decoder::Decoder> decoder;
   std::unique_ptr<prefiller::DecoderLink> link;
   std::unique_ptr<prefiller::Prefiller> prefiller;
@@ -369,6 +370,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
                                                   group->world(), w.transport->LocalDescriptor()));
     spdlog::info("{}: rank 0 of {} ({}), every rank joined group {}", name, pl.world(),
                  parallel::ToString(pl), cmd.group);
+    w.group = group;
   }
   w.engine->Start();
 
@@ -578,10 +580,19 @@ int RunFollower(const WorkerCommand& cmd, const FleetConfig& fleet, const RoleCo
 }
 
 // Waits for SIGINT/SIGTERM (blocked in every thread); returns the signal.
-int WaitForStopSignal(const sigset_t& set) {
+// Rank 0 of a rank group also watches the group: 0 once a rank is lost
+// (`group` failed; issue 18).
+int WaitForStopSignal(const sigset_t& set, const engine::ParallelBackend* group) {
   while (true) {
-    int sig = 0;
-    if (sigwait(&set, &sig) == 0) return sig;
+    if (group == nullptr) {
+      int sig = 0;
+      if (sigwait(&set, &sig) == 0) return sig;
+      continue;
+    }
+    const timespec tick{0, 200'000'000};
+    const int sig = sigtimedwait(&set, nullptr, &tick);
+    if (sig > 0) return sig;
+    if (!group->failure().ok()) return 0;
   }
 }
 
@@ -736,7 +747,18 @@ int RunWorker(const WorkerCommand& cmd) {
                w->transport->capabilities().backend);
   WriteReady(cmd.ready_fd, w->server->address(), w->registry->bound_address());
 
-  const int sig = WaitForStopSignal(stop_set);
+  const int sig = WaitForStopSignal(stop_set, w->group);
+  if (sig == 0) {
+    // A rank is gone: the group cannot compute any more. Out of routing
+    // at once (the proxy migrates or retries what was here) and exit 1.
+    spdlog::error("{}: {}; leaving routing and exiting (the worker cannot compute without every "
+                  "rank)",
+                  name, w->group->failure().message());
+    Drain(*w, 0);
+    w.reset();
+    tracing::Tracer::Get().Stop();
+    return 1;
+  }
   spdlog::info("{} received signal {}: draining (up to {} s)", name, sig, cmd.drain_seconds);
   Drain(*w, cmd.drain_seconds);
   w.reset();  // then the metrics exposer, the transport (UCX) and the model
