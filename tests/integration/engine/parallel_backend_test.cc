@@ -3,8 +3,9 @@
 // golden prompt of every fixture model in one batch, prefilled (one long
 // prompt in two chunks) and then decoded greedily for several steps, gives
 // logits bit-identical to the one-process cpu backend for TP 2, TP 4, PP 2
-// (micro-batches in flight) and TP 2 x PP 2. And a follower killed with
-// SIGKILL fails the next step with UNAVAILABLE naming the rank.
+// (micro-batches in flight), TP 2 x PP 2 and, on the bundled model, PP 3 and
+// TP 2 x PP 3. A follower killed with SIGKILL fails the next step with
+// UNAVAILABLE naming the rank; followers whose rank 0 dies exit 1.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -248,6 +249,10 @@ std::vector<Case> Cases() {
       out.push_back({model, l});
     }
   }
+  // Deeper pipelines (3 micro-batches in flight; uneven stages 2-2-1) on the
+  // bundled model's 5 layers.
+  out.push_back({"tandem-kjv", {1, 3}});
+  out.push_back({"tandem-kjv", {2, 3}});
   return out;
 }
 
