@@ -211,6 +211,9 @@ class Engine {
   const KvPool& pool() const { return *pool_; }
   const model::ModelConfig& model_config() const { return config_; }
   const ComputeBackend& backend() const { return *backend_; }
+  // Non-const: a rank group's ParallelBackend is driven between steps by
+  // the worker (KV pushes on the engine thread; issue 18).
+  ComputeBackend& backend() { return *backend_; }
   uint32_t max_model_len() const { return max_model_len_; }
   // The chain root of requests without a cache salt, and of `cache_salt`.
   uint64_t root_hash() const { return root_hash_; }

@@ -27,6 +27,8 @@ bool ParallelBackend::Supports(BackendFeature feature) const {
 
 Status ParallelBackend::Broken(Status status) {
   broken_ = status;
+  std::lock_guard lock(failure_mu_);
+  failure_ = status;
   return status;
 }
 

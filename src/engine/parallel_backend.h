@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,16 @@ class ParallelBackend final : public ComputeBackend {
   Status Forward(std::span<const SeqChunk> batch, std::span<float> logits) override;
 
   const parallel::ParallelLayout& layout() const { return options_.layout; }
+  // The group's world communicator, for collectives between steps on the
+  // engine thread (or before the engine starts): a worker's KV transport
+  // descriptors and KV pushes (issue 18, worker/worker_runtime.cc).
+  parallel::Communicator& world() { return *comms_.world; }
+  // The sticky failure between ranks (a dead rank, named), OK while the
+  // group computes. Any thread: a worker leaves routing when it is set.
+  Status failure() const {
+    std::lock_guard lock(failure_mu_);
+    return failure_;
+  }
 
   // Sends a plan of kind push_kv (kv-reshard fills `plan.extensions`) to the
   // followers; `plan.step` is set here. The caller then does rank 0's part.
@@ -76,6 +87,8 @@ class ParallelBackend final : public ComputeBackend {
   std::unique_ptr<StageRunner> runner_;
   uint64_t step_ = 0;
   Status broken_;  // sticky once a step failed between ranks
+  mutable std::mutex failure_mu_;
+  Status failure_;  // broken_, readable from any thread; guarded by failure_mu_
   std::vector<uint32_t> chunk_tokens_;  // [num_seqs], scratch
 };
 

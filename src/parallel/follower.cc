@@ -48,7 +48,7 @@ Status RunFollowerRank(const FollowerOptions& o) {
   kernels::cpu::ThreadPool threads(o.threads < 1 ? 1 : o.threads);
   TANDEM_ASSIGN_OR_RETURN(engine::RankComms comms,
                           engine::JoinRankComms(o.layout, o.rank, o.group, o.join_timeout_ms));
-  if (o.on_joined) o.on_joined();
+  if (o.on_joined) TANDEM_RETURN_IF_ERROR(o.on_joined(*comms.world));
   spdlog::info("rank {} of {} ({}, stage {}, tensor rank {}): joined group '{}'", o.rank, world,
                ToString(o.layout), o.layout.stage_of(o.rank), o.layout.tp_rank_of(o.rank),
                o.group);
@@ -69,7 +69,7 @@ Status RunFollowerRank(const FollowerOptions& o) {
               "rank {}: step {} is a push_kv plan, and this rank has no KV transport", o.rank,
               plan->step));
         }
-        TANDEM_RETURN_IF_ERROR(o.on_push_kv(*plan, *pool));
+        TANDEM_RETURN_IF_ERROR(o.on_push_kv(*plan, *pool, *comms.world));
         break;
       case StepKind::kForward: {
         batch.clear();

@@ -23,6 +23,7 @@
 
 #include "common/status.h"
 #include "engine/kv_pool.h"
+#include "parallel/communicator.h"
 #include "parallel/parallel_layout.h"
 #include "parallel/step_plan.h"
 
@@ -43,12 +44,15 @@ struct FollowerOptions {
   // Called once the pool exists, before joining the group (a worker's
   // follower registers the pool with its transport here).
   std::function<Status(engine::KvPool&)> on_pool_ready;
-  // Called once every communicator has joined (a worker's follower reports
-  // "ready" to its launcher here).
-  std::function<void()> on_joined;
-  // A push_kv plan: this rank's part of a KV push (kv-reshard). Unset: a
-  // push_kv plan is an error (the follower stops).
-  std::function<Status(const StepPlan& plan, engine::KvPool& pool)> on_push_kv;
+  // Called once every communicator has joined, with the world communicator
+  // (a worker's follower hands rank 0 its KV transport's descriptor here:
+  // kvtransfer::ExchangeRankDescriptors). Non-OK stops the follower.
+  std::function<Status(Communicator& world)> on_joined;
+  // A push_kv plan: this rank's part of a KV push (kv-reshard), reporting
+  // to rank 0 over `world`. Unset: a push_kv plan is an error (the
+  // follower stops).
+  std::function<Status(const StepPlan& plan, engine::KvPool& pool, Communicator& world)>
+      on_push_kv;
 };
 
 Status RunFollowerRank(const FollowerOptions& options);
