@@ -1,11 +1,8 @@
 // Engine: creation, validation and the thread-safe request API. The step
 // itself (schedule, forward, sample) is in engine_step.cc.
 #include "engine/engine.h"
-<<<<<<< HEAD
 #include "common/delivery_scope.h"
-=======
 #include "engine/parallel_backend.h"
->>>>>>> main
 #include "engine/sim_backend.h"
 #include "engine/stage_runner.h"
 
