@@ -134,6 +134,14 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
           o.parallel.tp, o.parallel.pp, o.backend));
     }
     TANDEM_RETURN_IF_ERROR(parallel::CheckLayout(o.parallel, DimsOf(config)));
+    if (o.host_tier_blocks > 0 || !o.disk_tier_path.empty()) {
+      // A tier block would hold rank 0's shard of the KV only. Refused here,
+      // before the backend waits for the follower ranks to join.
+      return UnimplementedError(fmt::format(
+          "cache.host_tier_blocks / cache.disk_tier: not built for a rank group ({}); turn the "
+          "tiers off or run tensor_parallel = pipeline_parallel = 1",
+          parallel::ToString(o.parallel)));
+    }
     layout = ShardKvLayout(config, ShardSpec{o.parallel, 0}, o.block_size);
   }
   KvPoolAllocator* allocator = o.allocator;
@@ -198,13 +206,6 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
 Status Engine::AttachTiers() {
   const EngineOptions& o = options_;
   if (o.host_tier_blocks == 0 && o.disk_tier_path.empty()) return Status::Ok();
-  if (o.parallel.world() > 1) {
-    // A tier block would hold rank 0's shard of the KV only.
-    return UnimplementedError(fmt::format(
-        "cache.host_tier_blocks / cache.disk_tier: not built for a rank group ({}); turn the "
-        "tiers off or run tensor_parallel = pipeline_parallel = 1",
-        parallel::ToString(o.parallel)));
-  }
   if (!backend_->Supports(BackendFeature::kHostKvPool)) {
     return UnimplementedError(fmt::format(
         "cache.host_tier_blocks / cache.disk_tier: backend {} keeps its KV pool in device memory; "

@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <optional>
 
 namespace tandem::parallel {
 namespace {
@@ -111,15 +112,22 @@ void RankProcesses::Watch(std::function<void(const Exit&)> on_exit) {
         return;
       }
       if (fds[0].revents != 0) return;  // StopWatching
+      // Reap every rank that exited (a pidfd is readable once its process
+      // has). When several did at once, name the one killed by a signal: the
+      // others most likely exited because their communicators saw it die.
+      std::optional<Exit> first;
       for (size_t k = 0; k < which.size(); ++k) {
         if (fds[k + 1].revents == 0) continue;
         const size_t i = which[k];
-        // The pidfd is readable once the process exited; reap it.
         int status = 0;
         if (waitpid(children_[i].pid, &status, 0) != children_[i].pid) continue;
         children_[i].reaped = true;
         children_[i].status = status;
-        on_exit(Exit{children_[i].rank, children_[i].pid, status});
+        const Exit e{children_[i].rank, children_[i].pid, status};
+        if (!first || (WIFSIGNALED(status) && !WIFSIGNALED(first->status))) first = e;
+      }
+      if (first) {
+        on_exit(*first);
         return;
       }
     }

@@ -3,13 +3,15 @@
 // golden prompt of every fixture model in one batch, prefilled (one long
 // prompt in two chunks) and then decoded greedily for several steps, gives
 // logits bit-identical to the one-process cpu backend for TP 2, TP 4, PP 2
-// (micro-batches in flight) and TP 2 x PP 2. And a follower killed with
-// SIGKILL fails the next step with UNAVAILABLE naming the rank.
+// (micro-batches in flight), TP 2 x PP 2 and, on the bundled model, PP 3 and
+// TP 2 x PP 3. A follower killed with SIGKILL fails the next step with
+// UNAVAILABLE naming the rank; followers whose rank 0 dies exit 1.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
 
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -25,6 +27,7 @@
 #include <fmt/format.h>
 
 #include "engine/backend.h"
+#include "engine/engine.h"
 #include "engine/kv_pool.h"
 #include "engine/llama_forward.h"
 #include "engine/parallel_backend.h"
@@ -246,6 +249,10 @@ std::vector<Case> Cases() {
       out.push_back({model, l});
     }
   }
+  // Deeper pipelines (3 micro-batches in flight; uneven stages 2-2-1) on the
+  // bundled model's 5 layers.
+  out.push_back({"tandem-kjv", {1, 3}});
+  out.push_back({"tandem-kjv", {2, 3}});
   return out;
 }
 
@@ -271,6 +278,91 @@ TEST(ParallelBackend, KilledFollowerFailsTheStepNamingTheRank) {
   // Broken for good: the next step fails at once, the same way.
   Status again = group->backend->Forward(decode, logits);
   EXPECT_EQ(again.code(), StatusCode::kUnavailable) << again.ToString();
+}
+
+// Followers started by this process (so PR_SET_PDEATHSIG does not fire), rank
+// 0 in a forked child that is killed with SIGKILL after one step: every
+// follower notices through its communicators and exits 1 by itself.
+TEST(ParallelBackend, FollowersExitNonZeroWhenRankZeroDies) {
+  const Model m = Load("tiny-qwen2");
+  const parallel::ParallelLayout layout{2, 2};
+  const std::string name = fmt::format("tandem-pbtest-{}-orphans", getpid());
+  auto ranks = parallel::RankProcesses::Start(layout.world(), [&](uint32_t rank) {
+    return std::vector<std::string>{
+        std::string(TANDEM_BINARY_DIR) + "/tandem", "rank", "--model", m.dir,
+        "--tensor-parallel", "2", "--pipeline-parallel", "2", "--rank", std::to_string(rank),
+        "--group", name, "--num-blocks", "16"};
+  });
+  ASSERT_TRUE(ranks.ok()) << ranks.status().ToString();
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  const pid_t rank0 = fork();
+  ASSERT_GE(rank0, 0);
+  if (rank0 == 0) {
+    // Rank 0: one step, say so, then wait to be killed.
+    close(fds[0]);
+    AlignedKvPoolAllocator alloc;
+    auto pool = KvPool::Create(ShardKvLayout(m.config, ShardSpec{layout, 0}, kBlockSize), 16,
+                               alloc);
+    ParallelBackendOptions o;
+    o.layout = layout;
+    o.group = name;
+    auto backend = CreateParallelBackend(m.config, m.weights, pool->get(), o);
+    if (!backend.ok()) _exit(3);
+    std::vector<uint32_t> tokens{5, 6, 7}, table{0};
+    std::vector<SeqChunk> batch{{tokens, 0, table, 1}};
+    std::vector<float> logits(m.config.vocab_size);
+    const char ok = (*backend)->Forward(batch, logits).ok() ? 'y' : 'n';
+    (void)!write(fds[1], &ok, 1);
+    while (true) pause();
+  }
+  close(fds[1]);
+  char ok = 0;
+  ASSERT_EQ(read(fds[0], &ok, 1), 1);
+  close(fds[0]);
+  EXPECT_EQ(ok, 'y');
+  ASSERT_EQ(kill(rank0, SIGKILL), 0);
+  int status = 0;
+  ASSERT_EQ(waitpid(rank0, &status, 0), rank0);
+  // Every follower exits on its own, non-zero (not killed: this process,
+  // their parent, lives on).
+  Status st = (*ranks)->WaitAll(30000);
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
+  EXPECT_NE(st.message().find("exited with status 1"), std::string::npos) << st.ToString();
+}
+
+// What a rank group cannot do is refused by Engine::Create at once (before
+// waiting for followers that will never come), naming what is wrong.
+TEST(ParallelBackend, EngineRefusesWhatARankGroupCannotDo) {
+  const Model m = Load("tiny-qwen2");
+  auto create = [&](EngineOptions o) { return Engine::Create(m.config, m.weights, std::move(o)); };
+  EngineOptions o;
+  o.num_blocks = 8;
+  o.parallel = {2, 1};
+  o.parallel_group = "never-joined";
+  o.parallel_join_timeout_ms = 600000;  // a test that waited for it would time out first
+  EngineOptions tiers = o;
+  tiers.host_tier_blocks = 4;
+  auto r = create(tiers);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(r.status().message().find("not built for a rank group (tp2pp1)"), std::string::npos)
+      << r.status().ToString();
+  EngineOptions cuda = o;
+  cuda.backend = "cuda";
+  r = create(cuda);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("backend 'cuda' has no rank group runtime"),
+            std::string::npos)
+      << r.status().ToString();
+  EngineOptions split = o;
+  split.parallel = {1, 3};
+  r = create(split);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("pipeline_parallel 3 exceeds num_hidden_layers 2"),
+            std::string::npos)
+      << r.status().ToString();
 }
 
 TEST(ParallelBackend, RefusesALayoutTheModelCannotSplit) {
