@@ -40,6 +40,8 @@ void ReadRole(YamlMap m, RoleConfig& r) {
   m.Read("num_blocks", r.num_blocks, 0, 1u << 24);
   m.ReadLabel("node", r.node);
   m.ReadLabel("zone", r.zone);
+  m.Read("tensor_parallel", r.tensor_parallel, 1, 64);
+  m.Read("pipeline_parallel", r.pipeline_parallel, 1, 64);
   m.Finish();
 }
 
@@ -229,6 +231,9 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.Require("model_shape");
     m.Read("model_shape", c.sim.model_shape);
     m.Read("tensor_parallel", c.sim.tensor_parallel, 1, 64);
+    m.Read("gpus_per_node", c.sim.gpus_per_node, 1, 1024);
+    m.ReadEnum("intra_node_link", c.sim.intra_node_link, {"nvlink", "pcie", "rdma", "ethernet"});
+    m.ReadEnum("inter_node_link", c.sim.inter_node_link, {"nvlink", "pcie", "rdma", "ethernet"});
     m.Read("compute_efficiency", c.sim.compute_efficiency, 0.01, 1.0);
     m.Read("memory_efficiency", c.sim.memory_efficiency, 0.01, 1.0);
     m.Read("gpu_memory_utilization", c.sim.gpu_memory_utilization, 0.05, 1.0);
@@ -286,6 +291,17 @@ void CrossCheck(const FleetConfig& c, YamlErrors& errors, int line) {
   if (c.model.backend != "sim" && c.sim.present) {
     errors.Add(line, fmt::format("a 'sim' section is only read with model.backend 'sim'; "
                                  "model.backend is '{}'", c.model.backend));
+  }
+  // Issue 18: until rank groups of real backends land (owner: ranks; remove
+  // this check with them), only a sim worker models a tp x pp layout.
+  for (auto [role, r] : {std::pair{"prefill", &c.prefill}, std::pair{"decode", &c.decode},
+                         std::pair{"both", &c.both}}) {
+    if (c.model.backend != "sim" && (r->tensor_parallel > 1 || r->pipeline_parallel > 1)) {
+      errors.Add(line, fmt::format("{}.tensor_parallel / {}.pipeline_parallel > 1: this build "
+                                   "runs rank groups only for model.backend 'sim' (a modelled "
+                                   "layout); model.backend is '{}'",
+                                   role, role, c.model.backend));
+    }
   }
 }
 

@@ -159,7 +159,12 @@ struct SimConfig {
   bool present = false;          // the file has a `sim` section
   std::string profile = "H100";  // H100 | H200 | A100 | L40S
   std::string model_shape;       // config.json (or its folder) of the simulated model
-  uint32_t tensor_parallel = 1;  // devices per worker
+  uint32_t tensor_parallel = 1;  // GPUs per stage of every sim worker (a role's key wins)
+  // Where a tp x pp worker's simulated GPUs sit and which links join them
+  // (docs/sim.md "Tensor and pipeline parallelism"): nvlink|pcie|rdma|ethernet.
+  uint32_t gpus_per_node = 8;
+  std::string intra_node_link = "nvlink";
+  std::string inter_node_link = "rdma";
   double compute_efficiency = 0.5;
   double memory_efficiency = 0.8;
   double gpu_memory_utilization = 0.9;
@@ -192,6 +197,10 @@ struct RoleConfig {
   uint32_t num_blocks = 0;  // 0: cache.num_blocks
   std::string node;  // router label of these workers (same node: fast KV link); "" = unset
   std::string zone;  // router label "zone"
+  // Issue 18: ranks per worker (docs/parallelism.md). A sim worker stays one
+  // process and models the layout (docs/sim.md).
+  uint32_t tensor_parallel = 1;
+  uint32_t pipeline_parallel = 1;
 };
 
 // autoscale: the proxy's planner (src/proxy/planner.h) and `tandem launch`
