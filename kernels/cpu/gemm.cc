@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "kernels/cpu/ops.h"
 
@@ -47,20 +48,22 @@ constexpr int kKc = 128;
 constexpr int kFewRows = 4;
 
 struct GemmArgs {
-  const float* x;       // [m][k]
-  const float* packed;  // [panels][k][16]
+  const float* x;       // [m][ldx], the chain reads x[i][0 .. k)
+  const float* packed;  // panel p at packed + p * pstride: [k][16]
   const float* bias;    // [n] or nullptr
   float* y;             // [m][n]
   int m, n, k;
+  int ldx;              // x row stride (k for a whole GEMM)
+  size_t pstride;       // panel stride in floats (k * 16 for a whole GEMM)
 };
 
 // ---------------------------------------------------------------- portable
 // Scalar fma chains in the same order as the vector paths.
 void TilePortable(const GemmArgs& a, int i0, int rows, int p0, int panels, int k0, int k1) {
   for (int i = i0; i < i0 + rows; ++i) {
-    const float* xr = a.x + static_cast<size_t>(i) * a.k;
+    const float* xr = a.x + static_cast<size_t>(i) * a.ldx;
     for (int p = p0; p < p0 + panels; ++p) {
-      const float* wp = a.packed + static_cast<size_t>(p) * a.k * kP;
+      const float* wp = a.packed + static_cast<size_t>(p) * a.pstride;
       float* yr = a.y + static_cast<size_t>(i) * a.n;
       float acc[kP];
       for (int c = 0; c < kP; ++c) {
@@ -97,9 +100,9 @@ __attribute__((target("avx512f"))) void TileAvx512(const GemmArgs& a, int i0, in
     }
   }
   const float* xr[R];
-  for (int r = 0; r < R; ++r) xr[r] = a.x + static_cast<size_t>(i0 + r) * a.k;
+  for (int r = 0; r < R; ++r) xr[r] = a.x + static_cast<size_t>(i0 + r) * a.ldx;
   const float* wp[P];
-  for (int p = 0; p < P; ++p) wp[p] = a.packed + static_cast<size_t>(p0 + p) * a.k * kP;
+  for (int p = 0; p < P; ++p) wp[p] = a.packed + static_cast<size_t>(p0 + p) * a.pstride;
   for (int kk = k0; kk < k1; ++kk) {
     __m512 w[P];
     for (int p = 0; p < P; ++p) w[p] = _mm512_load_ps(wp[p] + static_cast<size_t>(kk) * kP);
@@ -146,9 +149,9 @@ __attribute__((target("avx2,fma"))) void TileAvx2(const GemmArgs& a, int i0, int
     }
   }
   const float* xr[R];
-  for (int r = 0; r < R; ++r) xr[r] = a.x + static_cast<size_t>(i0 + r) * a.k;
+  for (int r = 0; r < R; ++r) xr[r] = a.x + static_cast<size_t>(i0 + r) * a.ldx;
   const float* wp[P];
-  for (int p = 0; p < P; ++p) wp[p] = a.packed + static_cast<size_t>(p0 + p) * a.k * kP;
+  for (int p = 0; p < P; ++p) wp[p] = a.packed + static_cast<size_t>(p0 + p) * a.pstride;
   for (int kk = k0; kk < k1; ++kk) {
     __m256 w[P][2];
     for (int p = 0; p < P; ++p) {
@@ -246,13 +249,55 @@ void GemmPanels(const GemmArgs& a, Isa isa, int panel_begin, int panel_end) {
 void Gemm(const float* x, const PackedWeights& w, const float* bias, float* y, int m,
           ThreadPool* pool) {
   if (m <= 0 || w.n() <= 0) return;
-  const GemmArgs a{x, w.data(), bias, y, m, w.n(), w.k()};
+  const GemmArgs a{x, w.data(), bias, y, m, w.n(), w.k(), w.k(), static_cast<size_t>(w.k()) * kP};
   const Isa isa = ActiveIsa();
   // Threads split the panels (columns): each keeps its own weights hot and
   // no chain is split. Grain: about 32 KiB of weights per range.
   const int64_t grain = std::max<int64_t>(1, 2048 / std::max(1, w.k()));
   ParallelFor(pool, w.panels(), grain, [&](int64_t b, int64_t e) {
     GemmPanels(a, isa, static_cast<int>(b), static_cast<int>(e));
+  });
+}
+
+void GemmSplitK(const float* x, const PackedWeights& w, const int* k_bounds, int shards, float* y,
+                float* scratch, int m, ThreadPool* pool) {
+  if (m <= 0 || w.n() <= 0 || shards <= 0) return;
+  constexpr int kMaxShards = 8;
+  if (shards > kMaxShards) std::abort();  // a caller bug (ops.h: at most 8)
+  const int n = w.n(), k = w.k();
+  const Isa isa = ActiveIsa();
+  const size_t plane = static_cast<size_t>(m) * n;
+  auto out = [&](int s) { return s == 0 ? y : scratch + static_cast<size_t>(s - 1) * plane; };
+  const int64_t grain = std::max<int64_t>(1, 2048 / std::max(1, k));
+  GemmArgs args[kMaxShards];
+  for (int s = 0; s < shards; ++s) {
+    const int k0 = k_bounds[s], k1 = k_bounds[s + 1];
+    args[s] = GemmArgs{x + k0, w.data() + static_cast<size_t>(k0) * kP, nullptr, out(s), m, n,
+                       k1 - k0, k, static_cast<size_t>(k) * kP};
+  }
+  int rb, pb;
+  Blocking(isa, m, &rb, &pb);
+  ParallelFor(pool, w.panels(), grain, [&](int64_t b, int64_t e) {
+    // Panel group outermost, shards inside: a panel's [k][16] weights are
+    // read in order, shard after shard, and the tree runs on hot partials.
+    for (int p0 = static_cast<int>(b); p0 < e; p0 += pb) {
+      const int p1 = std::min(static_cast<int>(e), p0 + pb);
+      for (int s = 0; s < shards; ++s) GemmPanels(args[s], isa, p0, p1);
+      // The fixed tree over these columns: level by level, shard s takes in
+      // shard s + step (step = 1, 2, 4, ...).
+      const int c0 = p0 * kP, c1 = std::min(n, p1 * kP);
+      for (int step = 1; step < shards; step *= 2) {
+        for (int s = 0; s + step < shards; s += 2 * step) {
+          float* dst = out(s);
+          const float* src = out(s + step);
+          for (int i = 0; i < m; ++i) {
+            float* d = dst + static_cast<size_t>(i) * n;
+            const float* r = src + static_cast<size_t>(i) * n;
+            for (int j = c0; j < c1; ++j) d[j] += r[j];
+          }
+        }
+      }
+    }
   });
 }
 

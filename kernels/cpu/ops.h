@@ -79,6 +79,22 @@ void Gemm(const float* x,           // [m][w.k()]
           float* y,                 // [m][w.n()]
           int m, ThreadPool* pool = nullptr);
 
+// Row-parallel GEMM of tensor parallelism (issue 18, docs/parallelism.md):
+// K split into `shards` contiguous ranges [k_bounds[s], k_bounds[s + 1])
+// (k_bounds[0] = 0, k_bounds[shards] = w.k()). Shard s's partial p_s[i][j]
+// is Gemm's fma chain over its k range alone, starting from +0; y is their
+// sum as a fixed balanced tree in shard order (2: p0 + p1; 4: (p0 + p1) +
+// (p2 + p3); 8: ((p0+p1)+(p2+p3)) + ((p4+p5)+(p6+p7))), the same order the
+// communicators' AllReduceSum uses between ranks. No bias (the caller adds
+// it once after the reduction). Batch-invariant as Gemm.
+void GemmSplitK(const float* x,          // [m][w.k()]
+                const PackedWeights& w,  // [w.n()][w.k()] packed
+                const int* k_bounds,     // [shards + 1]
+                int shards,  // 1 .. 8
+                float* y,        // [m][w.n()]
+                float* scratch,  // [(shards - 1) * m * w.n()]
+                int m, ThreadPool* pool = nullptr);
+
 // Unpacked convenience (packs on every call: tests, one-off shapes). Same bits.
 void Gemm(const float* x,     // [m][k]
           const float* w,     // [n][k]

@@ -1,10 +1,17 @@
 // The `tandem` binary: launch, proxy, prefill, decode, both, generate,
 // bench, version, config-check. See docs/cli.md.
 #include <CLI/CLI.hpp>
+#include <absl/synchronization/mutex.h>
 
 #include "cli/commands.h"
 
 int main(int argc, char** argv) {
+  // Debian's abseil is built without NDEBUG, so every absl::Mutex lock (all
+  // of gRPC's) runs the debug-mode deadlock detector: a global lock and a
+  // lock-order graph update per acquisition, a few per cent of the proxy's
+  // and workers' CPU per token (issue 23; bench/results/proxy_cost.md).
+  // tandem's own locks are std::mutex; TSan runs find lock-order bugs.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   CLI::App app{"tandem: disaggregated prefill/decode LLM serving"};
   app.require_subcommand(1);
   tandem::cli::GlobalOptions g;

@@ -207,7 +207,26 @@ Status Decoder::Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
 
 Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::string& prefiller,
                                       std::span<const uint32_t> prompt_ids,
-                                      std::string_view prefiller_descriptor) {
+                                      std::string_view prefiller_descriptor,
+                                      parallel::ParallelLayout prefill_layout) {
+  if (prefill_layout.world() > 1 || options_.layout.world() > 1) {
+    // docs/parallelism.md: no rank holds a whole block, so a sliced push is
+    // neither sealed nor checksummed.
+    const char* key = options_.encrypt ? "transport.encrypt"
+                      : options_.verify_checksums ? "transport.checksum"
+                                                  : nullptr;
+    if (key != nullptr) {
+      return FailedPreconditionError(fmt::format(
+          "request '{}': {} is not supported between tensor/pipeline-parallel workers (prefill "
+          "{}, decode {})",
+          request_id, key, parallel::ToString(prefill_layout), parallel::ToString(options_.layout)));
+    }
+    if (options_.layout.world() > 1 && options_.rank_descriptors.size() != options_.layout.world()) {
+      return FailedPreconditionError(fmt::format(
+          "request '{}': this decoder ({}) knows {} of its ranks' KV transports", request_id,
+          parallel::ToString(options_.layout), options_.rank_descriptors.size()));
+    }
+  }
   std::string writer_agent;
   uint64_t writer_generation = 0;
   if (!prefiller_descriptor.empty()) {
@@ -287,6 +306,8 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
   t.reservation_id = res->reservation_id;
   t.generation = transport_.generation();
   t.transport_descriptor = descriptor_;
+  t.layout = options_.layout;
+  if (options_.layout.world() > 1) t.rank_descriptors = options_.rank_descriptors;
   t.slots = res->block_ids;
   t.cached_blocks = res->num_cached_blocks;
   t.lease_expiry = SystemClock::now() + lease;

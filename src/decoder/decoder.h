@@ -47,6 +47,7 @@
 #include "common/status.h"
 #include "engine/engine.h"
 #include "kvtransfer/transport.h"
+#include "parallel/parallel_layout.h"
 
 namespace tandem::decoder {
 
@@ -94,6 +95,10 @@ struct KvTargetInfo {
   std::chrono::system_clock::time_point lease_expiry;
   std::string capability;  // kvtransfer::kCapabilityBytes random bytes; the notice must carry them
   std::string kv_key;      // transport.encrypt: the AES-256-GCM key of this reservation; else empty
+  // Issue 18: this decoder's rank layout and, with more than one rank,
+  // every rank's transport descriptor by rank (KvTarget fields 190-192).
+  parallel::ParallelLayout layout;
+  std::vector<std::string> rank_descriptors;
 };
 
 // A decoded KvNotice (worker.proto).
@@ -122,6 +127,13 @@ struct DecoderOptions {
   // Called on the engine thread with a local prefill's compute time
   // (submit to first token); may be empty.
   std::function<void(double)> on_local_prefill_seconds;
+  // Issue 18 (docs/parallelism.md, "KV transfer between different
+  // layouts"): this decoder's rank layout and, with more than one rank,
+  // every rank's KV transport descriptor by rank (entry 0: this process's
+  // transport), learnt from the follower ranks at start-up. Sent in every
+  // KvTarget; a prefiller pushes each rank its slices.
+  parallel::ParallelLayout layout;
+  std::vector<std::string> rank_descriptors;
 };
 
 struct DecoderCounts {
@@ -172,9 +184,14 @@ class Decoder {
   // registered (cancelled, finished or unknown).
   // `prefiller_descriptor` (binary, may be empty): the prefiller's own
   // transport descriptor; the decoder connects to it to learn of its death.
+  // `prefill_layout`: the prefiller's rank layout (issue 18); when it or
+  // this decoder has more than one rank, FAILED_PRECONDITION while
+  // transport.encrypt or transport.checksum is on here (a sliced push is
+  // neither sealed nor checksummed; docs/parallelism.md).
   Result<KvTargetInfo> Reserve(const std::string& request_id, const std::string& prefiller,
                                std::span<const uint32_t> prompt_ids,
-                               std::string_view prefiller_descriptor = {});
+                               std::string_view prefiller_descriptor = {},
+                               parallel::ParallelLayout prefill_layout = {});
 
   // A KV notice from a prefiller (after its data). One for an unknown or
   // stale reservation is counted in stale_notices; one whose capability is

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 
@@ -35,11 +36,11 @@ pb::FinishReason ToProto(engine::FinishReason r) {
 // The Decode stream: a reactor plus the sink the decoder writes into. The
 // sink (shared with the engine's callbacks) outlives the reactor safely:
 // StreamWriter drops writes once the stream is finished.
-class DecodeStream final : public grpc::ServerWriteReactor<pb::DecodeResponse> {
+class DecodeReactor final : public grpc::ServerWriteReactor<pb::DecodeResponse> {
  public:
   class Sink final : public DecodeSink {
    public:
-    Sink(DecodeStream* stream, std::string request_id, tracing::SpanContext trace)
+    Sink(DecodeReactor* stream, std::string request_id, tracing::SpanContext trace)
         : writer_(stream, &MergeDecodeTokens), request_id_(std::move(request_id)), trace_(trace),
           start_unix_ns_(trace.sampled ? tracing::NowUnixNs() : 0) {}
     void OnTokens(uint32_t first_index, std::vector<uint32_t> token_ids) override {
@@ -93,7 +94,7 @@ class DecodeStream final : public grpc::ServerWriteReactor<pb::DecodeResponse> {
     std::atomic<bool> traced_{false};
   };
 
-  DecodeStream(Decoder& decoder, const pb::DecodeRequest& req, tracing::SpanContext trace)
+  DecodeReactor(Decoder& decoder, const pb::DecodeRequest& req, tracing::SpanContext trace)
       : decoder_(decoder), request_id_(worker::AttemptKey(req.request_id(), req.attempt())),
         sink_(std::make_shared<Sink>(this, req.request_id(), trace)) {
     pb::DecodeResponse first;
@@ -154,7 +155,7 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
 
   grpc::ServerWriteReactor<pb::DecodeResponse>* Decode(grpc::CallbackServerContext* ctx,
                                                        const pb::DecodeRequest* req) override {
-    return new DecodeStream(decoder_, *req, TraceOf(ctx));
+    return new DecodeReactor(decoder_, *req, TraceOf(ctx));
   }
 
   grpc::ServerUnaryReactor* Reserve(grpc::CallbackServerContext* ctx,
@@ -163,8 +164,11 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
     const tracing::SpanContext trace = TraceOf(ctx);
     const uint64_t start = trace.sampled ? tracing::NowUnixNs() : 0;
     std::vector<uint32_t> prompt(req->prompt_token_ids().begin(), req->prompt_token_ids().end());
+    const parallel::ParallelLayout prefill_layout{
+        .tp = std::max(1u, req->prefill_tensor_parallel()),
+        .pp = std::max(1u, req->prefill_pipeline_parallel())};
     auto target = decoder_.Reserve(req->request_id(), req->prefiller(), prompt,
-                                   req->prefiller_transport_descriptor());
+                                   req->prefiller_transport_descriptor(), prefill_layout);
     if (target.ok()) {
       auto* t = resp->mutable_target();
       t->set_request_id(target->request_id);
@@ -178,6 +182,9 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
                                       .count());
       t->set_capability(target->capability);
       t->set_kv_key(target->kv_key);
+      t->set_decode_tensor_parallel(target->layout.tp);
+      t->set_decode_pipeline_parallel(target->layout.pp);
+      for (const auto& d : target->rank_descriptors) t->add_rank_transport_descriptors(d);
     } else {
       resp->mutable_error()->set_code(static_cast<int>(target.status().code()));
       resp->mutable_error()->set_message(target.status().message());

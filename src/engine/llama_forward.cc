@@ -39,8 +39,60 @@ void Grow(std::vector<T>& v, size_t n) {
 
 }  // namespace
 
+KvLayout ShardKvLayout(const model::ModelConfig& config, const ShardSpec& shard,
+                       uint32_t block_size) {
+  const auto& l = shard.layout;
+  const parallel::Range layers =
+      parallel::StageLayers(l, config.num_hidden_layers, l.stage_of(shard.rank));
+  const parallel::Range kv =
+      parallel::TpKvHeads(l, config.num_key_value_heads, l.tp_rank_of(shard.rank));
+  return KvLayout{layers.size(), kv.size(), config.head_dim, block_size};
+}
+
+namespace {
+
+// Rows [r.begin, r.end) of m (a column-parallel slice: output features).
+kc::PackedWeights PackRows(const model::Matrix& m, parallel::Range r) {
+  return kc::PackWeights(m.data.data() + size_t{r.begin} * m.cols, static_cast<int>(r.size()),
+                         static_cast<int>(m.cols));
+}
+
+// Columns [c.begin, c.end) of m (a row-parallel slice: input features).
+kc::PackedWeights PackCols(const model::Matrix& m, parallel::Range c) {
+  if (c.begin == 0 && c.end == m.cols) {
+    return kc::PackWeights(m.data.data(), static_cast<int>(m.rows), static_cast<int>(m.cols));
+  }
+  std::vector<float> tmp(size_t{m.rows} * c.size());
+  for (uint32_t r = 0; r < m.rows; ++r) {
+    std::memcpy(&tmp[size_t{r} * c.size()], &m.data[size_t{r} * m.cols + c.begin],
+                sizeof(float) * c.size());
+  }
+  return kc::PackWeights(tmp.data(), static_cast<int>(m.rows), static_cast<int>(c.size()));
+}
+
+std::vector<float> Slice(const std::vector<float>& v, parallel::Range r) {
+  if (v.empty()) return {};
+  return std::vector<float>(v.begin() + r.begin, v.begin() + r.end);
+}
+
+// Local K bounds of a rank holding columns `cols` of a row-parallel K of
+// `k`: the global kTpReduceShards bounds k * s / kTpReduceShards that fall
+// in its range when tp divides kTpReduceShards, else the whole range.
+std::vector<int> ShardBounds(uint32_t k, uint32_t tp, parallel::Range cols) {
+  if (kTpReduceShards % tp != 0) return {0, static_cast<int>(cols.size())};
+  std::vector<int> b;
+  for (uint32_t s = 0; s <= kTpReduceShards; ++s) {
+    const uint32_t g = static_cast<uint32_t>(uint64_t{k} * s / kTpReduceShards);
+    if (g >= cols.begin && g <= cols.end) b.push_back(static_cast<int>(g - cols.begin));
+  }
+  return b;
+}
+
+}  // namespace
+
 Result<std::unique_ptr<LlamaForward>> LlamaForward::Create(const model::ModelConfig& config,
-                                                           const model::ModelWeights& w) {
+                                                           const model::ModelWeights& w,
+                                                           ShardSpec shard) {
   const uint32_t hidden = config.hidden_size, hd = config.head_dim;
   const uint32_t heads = config.num_attention_heads, kvh = config.num_key_value_heads;
   const uint32_t inter = config.intermediate_size, vocab = config.vocab_size;
@@ -55,6 +107,13 @@ Result<std::unique_ptr<LlamaForward>> LlamaForward::Create(const model::ModelCon
     return InvalidArgumentError(fmt::format("weights: {} layers; config.json says {}",
                                             w.layers.size(), config.num_hidden_layers));
   }
+  const parallel::ParallelLayout& lay = shard.layout;
+  TANDEM_RETURN_IF_ERROR(parallel::CheckLayout(
+      lay, parallel::ModelDims{config.num_hidden_layers, heads, kvh, inter, vocab}));
+  if (shard.rank >= lay.world()) {
+    return InvalidArgumentError(fmt::format("rank {} is outside the {} layout ({} ranks)",
+                                            shard.rank, parallel::ToString(lay), lay.world()));
+  }
   TANDEM_RETURN_IF_ERROR(CheckMatrix(w.embed_tokens, vocab, hidden, "model.embed_tokens.weight"));
   TANDEM_RETURN_IF_ERROR(CheckVector(w.norm, hidden, "model.norm.weight"));
   if (w.lm_head.rows != 0) {
@@ -62,13 +121,38 @@ Result<std::unique_ptr<LlamaForward>> LlamaForward::Create(const model::ModelCon
   }
   std::unique_ptr<LlamaForward> f(new LlamaForward());
   f->config_ = config;
-  f->embed_ = w.embed_tokens.data;
-  f->final_norm_ = w.norm;
-  auto pack = [&](const model::Matrix& m) {
-    auto p = kc::PackWeights(m.data.data(), static_cast<int>(m.rows), static_cast<int>(m.cols));
-    f->weight_bytes_ += p.bytes();
-    return p;
-  };
+  f->shard_ = shard;
+  f->tp_rank_ = lay.tp_rank_of(shard.rank);
+  f->stage_ = lay.stage_of(shard.rank);
+  f->first_stage_ = f->stage_ == 0;
+  f->last_stage_ = f->stage_ + 1 == lay.pp;
+  f->layers_range_ = parallel::StageLayers(lay, config.num_hidden_layers, f->stage_);
+  f->heads_ = parallel::TpHeads(lay, heads, f->tp_rank_);
+  f->kv_heads_ = parallel::TpKvHeads(lay, kvh, f->tp_rank_);
+  f->vocab_ = parallel::TpSlice(lay, vocab, f->tp_rank_);
+  const parallel::Range inter_cols = parallel::TpSlice(lay, inter, f->tp_rank_);
+  f->inter_ = inter_cols.size();
+  // GQA: local head i reads local KV head i / (local heads / local kv heads);
+  // that must be the KV head model head heads_.begin + i reads.
+  const uint32_t group = heads / kvh, local_group = f->heads_.size() / f->kv_heads_.size();
+  for (uint32_t i = 0; i < f->heads_.size(); ++i) {
+    if ((f->heads_.begin + i) / group != f->kv_heads_.begin + i / local_group) {
+      return InvalidArgumentError(fmt::format(
+          "{} rank {}: attention head {} does not map onto the rank's KV heads [{}, {})",
+          parallel::ToString(lay), shard.rank, f->heads_.begin + i, f->kv_heads_.begin,
+          f->kv_heads_.end));
+    }
+  }
+  const parallel::Range q_rows{f->heads_.begin * hd, f->heads_.end * hd};
+  const parallel::Range kv_rows{f->kv_heads_.begin * hd, f->kv_heads_.end * hd};
+  f->o_bounds_ = ShardBounds(heads * hd, lay.tp, q_rows);
+  f->down_bounds_ = ShardBounds(inter, lay.tp, inter_cols);
+
+  auto count = [&](const kc::PackedWeights& p) { f->weight_bytes_ += p.bytes(); };
+  if (f->first_stage_) {
+    f->embed_.assign(w.embed_tokens.data.begin() + size_t{f->vocab_.begin} * hidden,
+                     w.embed_tokens.data.begin() + size_t{f->vocab_.end} * hidden);
+  }
   for (uint32_t i = 0; i < config.num_hidden_layers; ++i) {
     const model::LayerWeights& lw = w.layers[i];
     const std::string p = fmt::format("model.layers.{}.", i);
@@ -90,26 +174,32 @@ Result<std::unique_ptr<LlamaForward>> LlamaForward::Create(const model::ModelCon
     if (!lw.o_bias.empty()) {
       TANDEM_RETURN_IF_ERROR(CheckVector(lw.o_bias, hidden, p + "self_attn.o_proj.bias"));
     }
+    if (i < f->layers_range_.begin || i >= f->layers_range_.end) continue;  // another stage's
     Layer L;
     L.input_norm = lw.input_layernorm;
     L.post_norm = lw.post_attention_layernorm;
-    L.q = pack(lw.q_proj);
-    L.k = pack(lw.k_proj);
-    L.v = pack(lw.v_proj);
-    L.o = pack(lw.o_proj);
-    L.gate = pack(lw.gate_proj);
-    L.up = pack(lw.up_proj);
-    L.down = pack(lw.down_proj);
-    L.q_bias = lw.q_bias;
-    L.k_bias = lw.k_bias;
-    L.v_bias = lw.v_bias;
+    L.q = PackRows(lw.q_proj, q_rows);
+    L.k = PackRows(lw.k_proj, kv_rows);
+    L.v = PackRows(lw.v_proj, kv_rows);
+    L.o = PackCols(lw.o_proj, q_rows);
+    L.gate = PackRows(lw.gate_proj, inter_cols);
+    L.up = PackRows(lw.up_proj, inter_cols);
+    L.down = PackCols(lw.down_proj, inter_cols);
+    for (const auto* pw : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down}) count(*pw);
+    L.q_bias = Slice(lw.q_bias, q_rows);
+    L.k_bias = Slice(lw.k_bias, kv_rows);
+    L.v_bias = Slice(lw.v_bias, kv_rows);
     L.o_bias = lw.o_bias;
     f->weight_bytes_ += (L.input_norm.size() + L.post_norm.size() + L.q_bias.size() +
                          L.k_bias.size() + L.v_bias.size() + L.o_bias.size()) * sizeof(float);
     f->layers_.push_back(std::move(L));
   }
-  f->lm_head_ = pack(w.lm_head.rows != 0 ? w.lm_head : w.embed_tokens);
-  f->weight_bytes_ += f->final_norm_.size() * sizeof(float);
+  if (f->last_stage_) {
+    f->final_norm_ = w.norm;
+    f->lm_head_ = PackRows(w.lm_head.rows != 0 ? w.lm_head : w.embed_tokens, f->vocab_);
+    count(f->lm_head_);
+    f->weight_bytes_ += f->final_norm_.size() * sizeof(float);
+  }
 
   f->inv_freq_.resize(hd / 2);
   const auto& rope = config.rope;
@@ -129,153 +219,6 @@ Result<std::unique_ptr<LlamaForward>> LlamaForward::Create(const model::ModelCon
     return UnimplementedError(fmt::format("RoPE type '{}' is not supported", rope.type));
   }
   return f;
-}
-
-Status CheckForwardBatch(std::span<const SeqChunk> batch, size_t block_size, size_t max_positions,
-                         size_t vocab, size_t logits_size) {
-  size_t rows = 0;
-  for (const SeqChunk& s : batch) {
-    if (s.num_logits > s.tokens.size()) {
-      return InvalidArgumentError("forward: num_logits exceeds the chunk's tokens");
-    }
-    const size_t end = size_t{s.start_pos} + s.tokens.size();
-    if (s.block_table.size() * block_size < end) {
-      return InvalidArgumentError(fmt::format(
-          "forward: block table of {} blocks cannot hold {} positions", s.block_table.size(), end));
-    }
-    if (max_positions != 0 && end > max_positions) {
-      return InvalidArgumentError(
-          fmt::format("forward: position {} beyond the model's context {}", end - 1, max_positions));
-    }
-    rows += s.num_logits;
-  }
-  if (logits_size < rows * vocab) {
-    return InvalidArgumentError(
-        fmt::format("forward: logits buffer holds {} floats; {} needed", logits_size, rows * vocab));
-  }
-  return Status::Ok();
-}
-
-Status LlamaForward::Forward(std::span<const SeqChunk> batch, const KvPool& kv,
-                             std::span<float> logits, kc::ThreadPool* threads,
-                             const std::function<void(uint32_t)>& on_layer_done) {
-  const auto& c = config_;
-  const int hidden = static_cast<int>(c.hidden_size), hd = static_cast<int>(c.head_dim);
-  const int heads = static_cast<int>(c.num_attention_heads);
-  const int kvh = static_cast<int>(c.num_key_value_heads);
-  const int inter = static_cast<int>(c.intermediate_size);
-  const int vocab = static_cast<int>(c.vocab_size);
-  const int bs = static_cast<int>(kv.layout().block_size);
-  const float eps = static_cast<float>(c.rms_norm_eps);
-
-  TANDEM_RETURN_IF_ERROR(
-      CheckForwardBatch(batch, bs, c.max_position_embeddings, vocab, logits.size()));
-  size_t total = 0, rows = 0, table_len = 0;
-  for (const SeqChunk& s : batch) {
-    total += s.tokens.size();
-    rows += s.num_logits;
-    table_len += s.block_table.size();
-  }
-  if (total == 0) return Status::Ok();
-  const int T = static_cast<int>(total);
-
-  Grow(x_, total * hidden);
-  Grow(h_, total * hidden);
-  Grow(q_, total * heads * hd);
-  Grow(k_, total * kvh * hd);
-  Grow(v_, total * kvh * hd);
-  Grow(attn_, total * heads * hd);
-  Grow(o_, total * hidden);
-  Grow(gate_, total * inter);
-  Grow(up_, total * inter);
-  Grow(positions_, total);
-  Grow(slots_, total);
-  tables_.resize(table_len);
-  seqs_.resize(batch.size());
-
-  // Token rows, positions, slots and per-sequence attention descriptors.
-  size_t t = 0, tb = 0;
-  for (size_t si = 0; si < batch.size(); ++si) {
-    const SeqChunk& s = batch[si];
-    for (size_t b = 0; b < s.block_table.size(); ++b) {
-      if (s.block_table[b] >= kv.num_blocks()) {
-        return InvalidArgumentError(fmt::format("forward: block id {} out of range (pool has {})",
-                                                s.block_table[b], kv.num_blocks()));
-      }
-      tables_[tb + b] = static_cast<int32_t>(s.block_table[b]);
-    }
-    seqs_[si].block_table = tables_.data() + tb;
-    seqs_[si].q_start = static_cast<int>(s.start_pos);
-    seqs_[si].q_len = static_cast<int>(s.tokens.size());
-    for (size_t i = 0; i < s.tokens.size(); ++i, ++t) {
-      const uint32_t id = s.tokens[i];
-      if (id >= c.vocab_size) {
-        return InvalidArgumentError(
-            fmt::format("token id {} is out of range (vocabulary of {})", id, c.vocab_size));
-      }
-      std::memcpy(&x_[t * hidden], &embed_[size_t{id} * hidden], sizeof(float) * hidden);
-      const uint32_t pos = s.start_pos + static_cast<uint32_t>(i);
-      positions_[t] = static_cast<int32_t>(pos);
-      slots_[t] = tables_[tb + pos / bs] * bs + static_cast<int32_t>(pos % bs);
-    }
-    tb += s.block_table.size();
-  }
-
-  kernels::KvCacheView view;
-  view.pool = kv.base();
-  view.block_stride = kv.layout().block_floats();
-  view.num_layers = static_cast<int>(kv.layout().num_layers);
-  view.kv_heads = kvh;
-  view.head_dim = hd;
-  view.block_size = bs;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  auto bias = [](const std::vector<float>& b) { return b.empty() ? nullptr : b.data(); };
-
-  // x_ is the residual stream [T][hidden]; h_ the normed input of a sublayer.
-  kc::RmsNorm(x_.data(), layers_[0].input_norm.data(), eps, h_.data(), T, hidden, threads);
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    const Layer& L = layers_[l];
-    const int li = static_cast<int>(l);
-    kc::Gemm(h_.data(), L.q, bias(L.q_bias), q_.data(), T, threads);  // [T][heads*hd]
-    kc::Gemm(h_.data(), L.k, bias(L.k_bias), k_.data(), T, threads);  // [T][kvh*hd]
-    kc::Gemm(h_.data(), L.v, bias(L.v_bias), v_.data(), T, threads);  // [T][kvh*hd]
-    kc::Rope(q_.data(), k_.data(), positions_.data(), inv_freq_.data(), T, heads, kvh, hd, threads);
-    kc::WriteKv(view, li, k_.data(), v_.data(), slots_.data(), T);
-    if (on_layer_done) on_layer_done(static_cast<uint32_t>(l + 1));
-    kc::PagedAttentionBatch(view, li, q_.data(), attn_.data(), seqs_.data(),
-                            static_cast<int>(seqs_.size()), heads, scale, threads);
-    kc::Gemm(attn_.data(), L.o, bias(L.o_bias), o_.data(), T, threads);  // [T][hidden]
-    kc::AddRmsNorm(x_.data(), o_.data(), L.post_norm.data(), eps, h_.data(), T, hidden, threads);
-    kc::Gemm(h_.data(), L.gate, nullptr, gate_.data(), T, threads);  // [T][inter]
-    kc::Gemm(h_.data(), L.up, nullptr, up_.data(), T, threads);      // [T][inter]
-    kc::SiluMul(gate_.data(), up_.data(), gate_.data(), T, inter, threads);
-    kc::Gemm(gate_.data(), L.down, nullptr, o_.data(), T, threads);  // [T][hidden]
-    const bool last = l + 1 == layers_.size();
-    if (!last) {
-      kc::AddRmsNorm(x_.data(), o_.data(), layers_[l + 1].input_norm.data(), eps, h_.data(), T,
-                     hidden, threads);
-    } else {
-      // Final residual add; the final norm runs on the logit rows only.
-      for (size_t i = 0; i < total * hidden; ++i) x_[i] += o_[i];
-    }
-  }
-  if (rows == 0) return Status::Ok();
-
-  Grow(rows_, rows * hidden);
-  Grow(h_, rows * hidden);
-  size_t r = 0;
-  t = 0;
-  for (const SeqChunk& s : batch) {
-    const size_t first = t + s.tokens.size() - s.num_logits;
-    for (size_t i = 0; i < s.num_logits; ++i, ++r) {
-      std::memcpy(&rows_[r * hidden], &x_[(first + i) * hidden], sizeof(float) * hidden);
-    }
-    t += s.tokens.size();
-  }
-  const int R = static_cast<int>(rows);
-  kc::RmsNorm(rows_.data(), final_norm_.data(), eps, h_.data(), R, hidden, threads);
-  kc::Gemm(h_.data(), lm_head_, nullptr, logits.data(), R, threads);  // [R][vocab]
-  return Status::Ok();
 }
 
 }  // namespace tandem::engine

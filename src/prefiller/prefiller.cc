@@ -31,7 +31,59 @@ Status StatusFor(const engine::RequestOutput& out) {
 Prefiller::Prefiller(engine::Engine& engine, kvtransfer::Transport& transport, DecoderLink& link,
                      PrefillerOptions options)
     : engine_(engine), transport_(transport), link_(link), options_(std::move(options)),
-      sealer_(transport) {}
+      sealer_(transport), slice_pusher_(transport, /*rank=*/0) {}
+
+Result<std::optional<PushPlan::Sliced>> Prefiller::SlicedPlan(const ReserveTarget& t) {
+  const parallel::ParallelLayout& mine = options_.layout;
+  const parallel::ParallelLayout& decode = t.decode_layout;
+  if (mine.world() <= 1 && decode.world() <= 1) return std::optional<PushPlan::Sliced>{};
+  const std::string pair = fmt::format("prefill {} -> decode {}", parallel::ToString(mine),
+                                       parallel::ToString(decode));
+  // docs/parallelism.md: a push between multi-rank workers is neither
+  // sealed nor checksummed (no rank holds a whole block); the config check
+  // refuses these at start-up, this is the backstop.
+  if (options_.encrypt || !t.kv_key.empty()) {
+    return FailedPreconditionError(fmt::format(
+        "{}: transport.encrypt is not supported with tensor/pipeline-parallel workers", pair));
+  }
+  if (options_.checksum) {
+    return FailedPreconditionError(fmt::format(
+        "{}: transport.checksum is not supported with tensor/pipeline-parallel workers (set it "
+        "false)", pair));
+  }
+  if (mine.world() > 1 && !options_.follower_push) {
+    return FailedPreconditionError(
+        fmt::format("{}: this prefiller has no follower ranks to push their KV slices", pair));
+  }
+  parallel::KvDims dims = options_.kv_dims;
+  if (dims.num_layers == 0) {
+    if (mine.world() > 1) {
+      return FailedPreconditionError(fmt::format("{}: the model's KV dims are not known", pair));
+    }
+    const engine::KvLayout& l = engine_.pool().layout();
+    dims = {.num_layers = l.num_layers, .num_kv_heads = l.num_kv_heads, .head_dim = l.head_dim,
+            .block_size = l.block_size, .bytes_per_elem = sizeof(float)};
+  }
+  PushPlan::Sliced sliced;
+  kvtransfer::SlicePushSpec& spec = sliced.spec;
+  spec.prefill = mine;
+  spec.decode = decode;
+  spec.dims = dims;
+  spec.decode_descriptors = t.rank_descriptors;
+  if (spec.decode_descriptors.empty() && decode.world() == 1) {
+    spec.decode_descriptors.push_back(t.transport_descriptor);
+  }
+  spec.slots = t.slots;
+  spec.cached_blocks = t.cached_blocks;
+  kvtransfer::SlicePushSpec check = spec;
+  check.block_ids = spec.slots;  // Finish supplies the real ones
+  TANDEM_RETURN_IF_ERROR(check.Validate().WithContext(pair));
+  TANDEM_ASSIGN_OR_RETURN(parallel::KvSlicePlan plan, parallel::PlanKvSlices(mine, decode, dims));
+  for (uint32_t r = 0; r < mine.world(); ++r) sliced.senders += plan.FromRank(r).empty() ? 0 : 1;
+  sliced.pusher = &slice_pusher_;
+  sliced.followers = options_.follower_push;
+  return std::optional<PushPlan::Sliced>(std::move(sliced));
+}
 
 Prefiller::~Prefiller() { Stop(); }
 
@@ -238,9 +290,20 @@ void Prefiller::OnReserved(const JobPtr& job, Result<ReserveTarget> target) {
     Complete(job, CancelledError(fmt::format("request '{}' was cancelled", id)));
     return;
   }
+  auto sliced = SlicedPlan(*target);
+  if (!sliced.ok()) {
+    admitted();
+    Status s = sliced.status().WithContext(fmt::format("request '{}'", id));
+    SendErrorNotice(job, s);
+    Complete(job, s);
+    return;
+  }
+  if (*sliced) (*sliced)->spec.request_id = id;
   {
     PushPlan plan;
     plan.peer = *peer;
+    plan.sliced = std::move(*sliced);
+    if (plan.sliced) job->ranks_pushed = plan.sliced->senders;
     plan.slots = target->slots;
     plan.cached_blocks = target->cached_blocks;
     plan.prompt_tokens = static_cast<uint32_t>(job->spec.prompt_ids.size());
@@ -371,6 +434,7 @@ void Prefiller::OnOutput(const JobPtr& job, const engine::RequestOutput& out) {
   n.capability = job->target.capability;
   n.first_token_id = job->result.first_token_id;
   n.cached_prompt_tokens = job->result.cached_prompt_tokens;
+  n.ranks_pushed = job->ranks_pushed;
   std::vector<uint32_t> blocks(out.block_ids.begin(), out.block_ids.begin() + num_prompt_blocks);
   if (Status sealed = SealPush(job, blocks, n); !sealed.ok()) {
     GiveUp(job, sealed, /*release_prefill=*/true);  // streamed bytes may still be landing

@@ -40,6 +40,8 @@
 #include "engine/engine.h"
 #include "engine/fair_share.h"
 #include "kvtransfer/transport.h"
+#include "parallel/kv_slices.h"
+#include "parallel/parallel_layout.h"
 #include "prefiller/kv_sealer.h"
 #include "prefiller/push_stream.h"
 
@@ -89,6 +91,10 @@ struct ReserveTarget {
   std::chrono::system_clock::time_point lease_expiry{};
   std::string capability;  // the reservation's; every notice for it carries it
   std::string kv_key;      // transport.encrypt: seal every pushed block with it; else empty
+  // Issue 18: the decoder's rank layout and, with more than one rank, every
+  // rank's transport descriptor by rank (KvTarget fields 190-192).
+  parallel::ParallelLayout decode_layout;
+  std::vector<std::string> rank_descriptors;
 };
 
 // A KvNotice to send through the transport (worker.proto).
@@ -102,6 +108,7 @@ struct NoticeSpec {
   std::string capability;  // ReserveTarget::capability
   std::string kv_tags;     // transport.encrypt: the pushed blocks' GCM tags
   std::vector<uint64_t> block_checksums;  // XXH3-64 of each pushed block (transport.checksum)
+  uint32_t ranks_pushed = 0;  // issue 18: prefill ranks whose slices landed (0: one, unsliced)
 };
 
 // How the prefiller reaches decoders; the gRPC implementation lives in
@@ -133,6 +140,15 @@ struct PrefillerOptions {
   bool checksum = true;
   // Called (on any thread) for every completed prefill with its numbers.
   std::function<void(const PrefillResult&)> on_complete;
+  // Issue 18 (docs/parallelism.md, "KV transfer between different
+  // layouts"): this prefiller's rank layout and the model's KV dims (zero
+  // dims: the engine pool's, valid for a single-rank prefiller). When this
+  // prefiller or a decoder has more than one rank, the push is sliced
+  // (PushPlan::Sliced); with more than one rank here, `follower_push` runs
+  // the other ranks' parts and must be set.
+  parallel::ParallelLayout layout;
+  parallel::KvDims kv_dims;
+  FollowerPushFn follower_push;
 };
 
 struct PrefillerCounts {
@@ -193,6 +209,7 @@ class Prefiller {
     // Engine and transfer:
     bool parked = false;  // prefill done: blocks pinned until ReleasePrefill
     std::shared_ptr<PushStream> push;  // set once the peer is known
+    uint32_t ranks_pushed = 0;  // sliced push: the prefill ranks sending (KvNotice.ranks_pushed)
     std::chrono::steady_clock::time_point submitted, transfer_started;
     PrefillResult result;
     uint64_t arrival = 0;  // service-queue order within a tenant
@@ -227,11 +244,17 @@ class Prefiller {
   // every pushed block's tag in the notice; a no-op without sealing.
   Status SealPush(const JobPtr& job, std::span<const uint32_t> blocks, NoticeSpec& n);
 
+  // Issue 18: the sliced part of the push plan for `target` (nullopt when
+  // both sides are single-rank); FAILED_PRECONDITION for settings a sliced
+  // push cannot honour, INVALID_ARGUMENT for layouts it cannot pair.
+  Result<std::optional<PushPlan::Sliced>> SlicedPlan(const ReserveTarget& target);
+
   engine::Engine& engine_;
   kvtransfer::Transport& transport_;
   DecoderLink& link_;
   const PrefillerOptions options_;
   KvSealer sealer_;
+  kvtransfer::RankSlicePusher slice_pusher_;  // this rank's (rank 0's) part of sliced pushes
 
   mutable std::mutex mu_;
   std::condition_variable_any cv_;

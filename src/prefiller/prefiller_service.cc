@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <mutex>
@@ -98,9 +99,11 @@ class PrefillerServiceImpl final : public pb::Prefiller::CallbackService {
 
 class GrpcDecoderLink final : public DecoderLink {
  public:
-  GrpcDecoderLink(RpcCredentials credentials, std::string prefiller_descriptor)
+  GrpcDecoderLink(RpcCredentials credentials, std::string prefiller_descriptor,
+                  parallel::ParallelLayout layout)
       : credentials_(std::move(credentials)),
-        prefiller_descriptor_(std::move(prefiller_descriptor)) {}
+        prefiller_descriptor_(std::move(prefiller_descriptor)),
+        layout_(layout) {}
 
   void Reserve(const PrefillJob& job, const std::string& prefiller_name, ReserveDone done) override {
     struct Call {
@@ -112,6 +115,8 @@ class GrpcDecoderLink final : public DecoderLink {
     call->req.set_request_id(job.request_id);
     call->req.set_prefiller(prefiller_name);
     call->req.set_prefiller_transport_descriptor(prefiller_descriptor_);
+    call->req.set_prefill_tensor_parallel(layout_.tp);
+    call->req.set_prefill_pipeline_parallel(layout_.pp);
     call->req.mutable_prompt_token_ids()->Add(job.prompt_ids.begin(), job.prompt_ids.end());
     auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(10);
     if (job.deadline && *job.deadline < deadline) deadline = *job.deadline;
@@ -139,6 +144,11 @@ class GrpcDecoderLink final : public DecoderLink {
                              out.cached_blocks = t.cached_blocks();
                              out.capability = t.capability();
                              out.kv_key = t.kv_key();
+                             out.decode_layout = {
+                                 .tp = std::max(1u, t.decode_tensor_parallel()),
+                                 .pp = std::max(1u, t.decode_pipeline_parallel())};
+                             out.rank_descriptors.assign(t.rank_transport_descriptors().begin(),
+                                                         t.rank_transport_descriptors().end());
                              if (t.lease_expiry_unix_ms() > 0) {
                                out.lease_expiry = std::chrono::system_clock::time_point(
                                    std::chrono::milliseconds(t.lease_expiry_unix_ms()));
@@ -157,6 +167,7 @@ class GrpcDecoderLink final : public DecoderLink {
     m.set_capability(n.capability);
     m.set_kv_tags(n.kv_tags);
     m.mutable_block_checksums()->Add(n.block_checksums.begin(), n.block_checksums.end());
+    m.set_ranks_pushed(n.ranks_pushed);
     if (!n.error.ok()) {
       m.mutable_error()->set_code(static_cast<int>(n.error.code()));
       m.mutable_error()->set_message(n.error.message());
@@ -176,6 +187,7 @@ class GrpcDecoderLink final : public DecoderLink {
 
   const RpcCredentials credentials_;
   const std::string prefiller_descriptor_;
+  const parallel::ParallelLayout layout_;  // this prefiller's (ReserveRequest fields 190-191)
   std::mutex mu_;
   std::map<std::string, std::unique_ptr<pb::Decoder::Stub>> stubs_;  // never erased
 };
@@ -187,8 +199,9 @@ std::unique_ptr<grpc::Service> MakePrefillerService(Prefiller& prefiller) {
 }
 
 std::unique_ptr<DecoderLink> MakeGrpcDecoderLink(const RpcCredentials& credentials,
-                                                 std::string prefiller_descriptor) {
-  return std::make_unique<GrpcDecoderLink>(credentials, std::move(prefiller_descriptor));
+                                                 std::string prefiller_descriptor,
+                                                 parallel::ParallelLayout layout) {
+  return std::make_unique<GrpcDecoderLink>(credentials, std::move(prefiller_descriptor), layout);
 }
 
 }  // namespace tandem::prefiller

@@ -30,7 +30,9 @@ std::unique_ptr<grpc::Service> MakePrefillerService(Prefiller& prefiller);
 // `prefiller_descriptor`: this prefiller's KV transport descriptor (binary),
 // sent with every Reserve so that the decoder can watch this prefiller's
 // liveness (docs/failure-handling.md, "Quarantine").
+// `layout`: this prefiller's rank layout, sent with every Reserve (issue 18).
 std::unique_ptr<DecoderLink> MakeGrpcDecoderLink(const RpcCredentials& credentials,
-                                                 std::string prefiller_descriptor = {});
+                                                 std::string prefiller_descriptor = {},
+                                                 parallel::ParallelLayout layout = {});
 
 }  // namespace tandem::prefiller

@@ -17,7 +17,7 @@ std::shared_ptr<PushStream> PushStream::Create(kv::Transport& transport, PushPla
 PushStream::PushStream(kv::Transport& transport, PushPlan plan, PushMode mode)
     : transport_(transport),
       plan_(std::move(plan)),
-      mode_(mode),
+      mode_(plan_.sliced ? PushMode::kAfterPrefill : mode),
       layer_bytes_(plan_.num_layers == 0 ? plan_.block_bytes : plan_.block_bytes / plan_.num_layers),
       pushed_(plan_.slots.size(), 0),
       sums_(plan_.slots.size(), 0),
@@ -130,6 +130,9 @@ void PushStream::Abort(std::function<void()> then) {
     Fail(kv::XferStatus::kErrCanceled, CancelledError("KV push aborted"));
     if (then) abort_waiters_.push_back(std::move(then));
     ids.assign(inflight_.begin(), inflight_.end());
+    // Rank 0's slice writes; the followers' parts end on their own (their
+    // writes complete or fail), and `then` waits for their reports.
+    ids.insert(ids.end(), slice_xfers_.begin(), slice_xfers_.end());
   }
   for (kv::XferId x : ids) transport_.Abort(x).IgnoreError();  // NOT_FOUND once released
   std::unique_lock lock(mu_);
@@ -225,6 +228,11 @@ void PushStream::Advance(std::unique_lock<std::mutex>& lock) {
       continue;
     }
     if (!pending_ || final_posted_ || ended_) return;
+    if (plan_.sliced && !slices_started_) {
+      // Every rank's slices first; the notice once all completed.
+      StartSlicesLocked(lock);
+      continue;
+    }
     // Every earlier transfer completed: the rest, then the notice.
     final_posted_ = true;
     if (sealer_ != nullptr &&
@@ -239,7 +247,9 @@ void PushStream::Advance(std::unique_lock<std::mutex>& lock) {
       std::fill(pushed_.begin(), pushed_.end(), 0);
       std::fill(summed_.begin(), summed_.end(), false);  // the blocks were computed again
     }
-    std::vector<kv::Segment> segs = TakeFinal(pending_->block_ids, all);
+    // Sliced: every byte already landed; the notice goes alone.
+    std::vector<kv::Segment> segs;
+    if (!plan_.sliced) segs = TakeFinal(pending_->block_ids, all);
     std::vector<uint64_t> sums;
     if (plan_.checksum) {
       ChecksumFinal(pending_->block_ids);
@@ -248,6 +258,47 @@ void PushStream::Advance(std::unique_lock<std::mutex>& lock) {
     PostLocked(lock, std::move(segs), pending_->notice(std::move(sums)), /*is_final=*/true);
     // A failed post leaves failure_ set and outstanding_ at 0: the loop reports it.
   }
+}
+
+void PushStream::StartSlicesLocked(std::unique_lock<std::mutex>& lock) {
+  slices_started_ = true;
+  kv::SlicePushSpec spec = plan_.sliced->spec;
+  spec.block_ids.assign(pending_->block_ids.begin(),
+                        pending_->block_ids.begin() +
+                            std::min(pending_->block_ids.size(), plan_.slots.size()));
+  const bool followers = static_cast<bool>(plan_.sliced->followers);
+  outstanding_ += followers ? 2 : 1;
+  lock.unlock();
+  auto self = shared_from_this();
+  std::vector<kv::XferId> ids = plan_.sliced->pusher->Push(
+      spec, [self](kv::RankSlicePusher::Outcome o) { self->OnSlicesDone(o, "prefill rank 0"); });
+  if (followers) {
+    plan_.sliced->followers(spec, [self](kv::RankSlicePusher::Outcome o) {
+      self->OnSlicesDone(o, "the follower prefill ranks");
+    });
+  }
+  lock.lock();
+  slice_xfers_.insert(slice_xfers_.end(), ids.begin(), ids.end());
+  if (aborted_) {
+    lock.unlock();
+    for (kv::XferId x : ids) transport_.Abort(x).IgnoreError();
+    lock.lock();
+  }
+}
+
+void PushStream::OnSlicesDone(const kv::RankSlicePusher::Outcome& o, const char* whose) {
+  std::unique_lock lock(mu_);
+  --outstanding_;
+  bytes_posted_ += o.bytes;
+  transfers_posted_ += o.writes;
+  if (!o.status.ok()) {
+    // kErrBackend, not a disconnect: decode rank 0 may well be alive and
+    // must hear (by an error notice) that its reservation is abandoned.
+    Fail(o.status.code() == StatusCode::kCancelled ? kv::XferStatus::kErrCanceled
+                                                   : kv::XferStatus::kErrBackend,
+         o.status.WithContext(fmt::format("KV slices pushed by {}", whose)));
+  }
+  Advance(lock);
 }
 
 Status PushStream::EnableSealing(KvSealer& sealer, std::string_view key, uint64_t reservation_id) {

@@ -57,12 +57,21 @@
 #include "common/status.h"
 #include "engine/request.h"
 #include "kvtransfer/kv_cipher.h"
+#include "kvtransfer/slice_push.h"
 #include "kvtransfer/transport.h"
 #include "prefiller/kv_sealer.h"
 
 namespace tandem::prefiller {
 
 enum class PushMode { kStreaming, kAfterPrefill };
+
+// Issue 18: runs the other prefill ranks' parts of a sliced push (the rank
+// runtime sends each follower the spec in a push-KV step and collects
+// their reports); `done` runs once, on any thread, with the first failure
+// or OK and the bytes they posted, once none of their writes can land any
+// more.
+using FollowerPushFn = std::function<void(const kvtransfer::SlicePushSpec& spec,
+                                          kvtransfer::RankSlicePusher::Done done)>;
 
 struct PushPlan {
   kvtransfer::PeerId peer = 0;
@@ -73,6 +82,21 @@ struct PushPlan {
   uint32_t num_layers = 0;       // the block layout's; block_bytes % num_layers == 0
   uint64_t block_bytes = 0;
   bool checksum = false;  // compute XXH3-64 per pushed block for the notice
+  // Issue 18 (docs/parallelism.md, "KV transfer between different
+  // layouts"): set when the prefiller or the decoder has more than one
+  // rank. Then the push is after-prefill only, unsealed and without
+  // checksums (the prefiller refuses those settings at start-up): Finish
+  // runs this rank's part (`pusher`, rank 0, on this transport) and
+  // `followers` (the other ranks' parts) with `spec` plus the block ids,
+  // and only once every rank's writes completed posts the notice alone to
+  // `peer` (decode rank 0).
+  struct Sliced {
+    kvtransfer::SlicePushSpec spec;  // block_ids filled by Finish
+    kvtransfer::RankSlicePusher* pusher = nullptr;  // borrowed
+    FollowerPushFn followers;                       // empty: a single-rank prefiller
+    uint32_t senders = 0;  // prefill ranks the slice plan has sending (KvNotice.ranks_pushed)
+  };
+  std::optional<Sliced> sliced;
 };
 
 class PushStream : public std::enable_shared_from_this<PushStream> {
@@ -132,6 +156,9 @@ class PushStream : public std::enable_shared_from_this<PushStream> {
   // Posts one transfer counted in outstanding_; false when it could not.
   bool PostLocked(std::unique_lock<std::mutex>& lock, std::vector<kvtransfer::Segment> segments,
                   std::optional<std::string> notice, bool is_final);
+  // Sliced: starts every rank's part (counted in outstanding_).
+  void StartSlicesLocked(std::unique_lock<std::mutex>& lock);
+  void OnSlicesDone(const kvtransfer::RankSlicePusher::Outcome& outcome, const char* whose);
   void OnDone(kvtransfer::XferId x, kvtransfer::XferStatus st, const Status& detail, bool is_final);
   // Runs what became due (the final transfer, `done`, the abort's `then`).
   void Advance(std::unique_lock<std::mutex>& lock);
@@ -167,6 +194,8 @@ class PushStream : public std::enable_shared_from_this<PushStream> {
   bool ended_ = false;            // done_ ran (or is running)
   uint64_t bytes_posted_ = 0;
   uint32_t transfers_posted_ = 0;
+  bool slices_started_ = false;                 // sliced: every rank's part was started
+  std::vector<kvtransfer::XferId> slice_xfers_;  // sliced: rank 0's writes (for Abort)
 
   // Sealing (transport.encrypt): set by EnableSealing.
   static constexpr uint32_t kUnsealed = ~0u;

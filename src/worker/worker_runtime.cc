@@ -535,9 +535,11 @@ int RunWorker(const WorkerCommand& cmd) {
     RegistrarOptions ro;
     ro.join_dns = cmd.join_dns;
     ro.discovery_interval = std::chrono::milliseconds(cmd.discovery_interval_ms);
-    auto register_fn = [&w = *w](const std::string& address,
-                                 std::chrono::milliseconds retry_for) {
-      return RegisterWithProxy(address, w.worker_service->identity(), w.credentials, retry_for);
+    // One kept connection per proxy for the refresh every interval.
+    auto channels = std::make_shared<ProxyChannels>(w->credentials);
+    auto register_fn = [&w = *w, channels](const std::string& address,
+                                           std::chrono::milliseconds retry_for) {
+      return channels->Register(address, w.worker_service->identity(), retry_for);
     };
     Status s = Status::Ok();
     if (auto list = ParseJoinList(cmd.join, "--join"); !list.ok()) {

@@ -314,8 +314,9 @@ bool IsTlsFailure(const std::string& message) {
 }  // namespace
 
 Status RegisterWithProxy(const std::string& proxy_address, const WorkerIdentity& identity,
-                         const RpcCredentials& credentials, std::chrono::milliseconds retry_for) {
-  auto stub = pb::Registry::NewStub(credentials.Dial(proxy_address));
+                         const RpcCredentials& credentials, std::chrono::milliseconds retry_for,
+                         std::shared_ptr<grpc::Channel> channel) {
+  auto stub = pb::Registry::NewStub(channel ? std::move(channel) : credentials.Dial(proxy_address));
   pb::RegisterRequest req;
   FillInfo(identity, req.mutable_worker());
   const auto give_up = std::chrono::steady_clock::now() + retry_for;
@@ -367,6 +368,32 @@ Status RegisterWithProxy(const std::string& proxy_address, const WorkerIdentity&
           ? ""
           : " over plaintext (security.internal_tls: off; a proxy with mutual TLS drops "
             "plaintext connections)"));
+}
+
+Status ProxyChannels::Register(const std::string& proxy_address, const WorkerIdentity& identity,
+                               std::chrono::milliseconds retry_for) {
+  std::shared_ptr<grpc::Channel> channel;
+  {
+    std::lock_guard lock(mu_);
+    auto& kept = channels_[proxy_address];
+    if (!kept) {
+      kept = credentials_.Dial(proxy_address);
+      ++dials_;
+    }
+    channel = kept;
+  }
+  Status s = RegisterWithProxy(proxy_address, identity, credentials_, retry_for, channel);
+  if (!s.ok()) {
+    std::lock_guard lock(mu_);
+    auto it = channels_.find(proxy_address);
+    if (it != channels_.end() && it->second == channel) channels_.erase(it);
+  }
+  return s;
+}
+
+uint64_t ProxyChannels::dials() const {
+  std::lock_guard lock(mu_);
+  return dials_;
 }
 
 }  // namespace tandem::worker

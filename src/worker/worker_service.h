@@ -20,6 +20,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "common/status.h"
@@ -99,7 +100,37 @@ class WorkerService {
 // for up to `retry_for`. A refusal comes back as FAILED_PRECONDITION with
 // the proxy's reason; a TLS handshake that fails (a certificate of another
 // CA, none) is not retried and says so.
+// `channel`: the connection to use; null dials a new one for this call.
 Status RegisterWithProxy(const std::string& proxy_address, const WorkerIdentity& identity,
-                         const RpcCredentials& credentials, std::chrono::milliseconds retry_for);
+                         const RpcCredentials& credentials, std::chrono::milliseconds retry_for,
+                         std::shared_ptr<grpc::Channel> channel = nullptr);
+
+// Registration over kept connections, for the ProxyRegistrar's refresh
+// every interval: one channel per proxy address is kept while its calls
+// succeed, so a refresh is one small unary call on an open connection, not
+// a new TCP connection and mutual-TLS handshake each time (issue 23: those
+// handshakes, one per worker per second, were most of an idle proxy's CPU
+// and half of its CPU per admitted prompt). A failed registration drops the
+// address's channel, so the next one dials afresh (a restarted proxy, a
+// rotated certificate), as before.
+//
+// Thread-safety: Register from any thread.
+class ProxyChannels {
+ public:
+  explicit ProxyChannels(RpcCredentials credentials) : credentials_(std::move(credentials)) {}
+
+  // RegisterWithProxy over the address's kept channel (dialed if none).
+  Status Register(const std::string& proxy_address, const WorkerIdentity& identity,
+                  std::chrono::milliseconds retry_for);
+
+  // Channels dialed so far (tests).
+  uint64_t dials() const;
+
+ private:
+  const RpcCredentials credentials_;
+  mutable std::mutex mu_;
+  std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;  // guarded by mu_
+  uint64_t dials_ = 0;                                               // guarded by mu_
+};
 
 }  // namespace tandem::worker

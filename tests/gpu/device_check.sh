@@ -13,7 +13,13 @@
 #   deps        tools/install_deps.sh
 #   build       tools/build.sh, only the targets below (release preset, build/)
 #   gpu_tests   ctest -L gpu: CUDA kernels vs kernels/reference, golden
-#               fixtures on the cuda backend, graph vs eager decode bits
+#               fixtures on the cuda backend, graph vs eager decode bits, the
+#               NCCL communicator on one device (two-device cases excluded)
+#   nccl_two_devices
+#               only where nvidia-smi lists >= 2 devices: the NCCL
+#               communicator across 2 processes on devices 0 and 1
+#               (all-reduce bits, all-gather, broadcast, send/recv);
+#               with fewer devices the stage is not run and the log says so
 #   fleet_1p1d  tests/gpu/fleet_check.py: configs/cuda-1p1d.yaml launched
 #               (prefiller and decoder on the same GPU), 16 prompts at once,
 #               greedy text == `tandem generate --config` for each
@@ -55,7 +61,7 @@ rm -rf "$WORK"
 mkdir -p "$WORK"
 BUILD="$ROOT/build"
 BUDGET="${DEVICE_CHECK_BUDGET_S:-470}"
-STAGES="${DEVICE_CHECK_STAGES:-deps build gpu_tests fleet_1p1d kernels kvtransfer kvtransfer_device e2e}"
+STAGES="${DEVICE_CHECK_STAGES:-deps build gpu_tests nccl_two_devices fleet_1p1d kernels kvtransfer kvtransfer_device e2e}"
 # Never under $OUT (whatever is there is shipped back): 16 GB.
 MODEL_DIR="${TMPDIR:-/tmp}/tandem-device-check-model.$$"
 T0=$(date +%s)
@@ -124,14 +130,23 @@ if wanted e2e; then
 fi
 if [ "${DEVICE_CHECK_SKIP_BUILD:-0}" != 1 ]; then
   stage deps 150 bash "$ROOT/tools/install_deps.sh"
-  stage build 360 env TANDEM_BUILD_TARGETS="tandem kernels_cuda_test engine_cuda_test bench_kernels_cuda bench_cuda_engine" \
+  stage build 360 env TANDEM_BUILD_TARGETS="tandem kernels_cuda_test engine_cuda_test nccl_communicator_test bench_kernels_cuda bench_cuda_engine" \
     bash "$ROOT/tools/build.sh"
 fi
 
 # ---- correctness ----
 # The gpu tests' references run on the CPU: several test processes at once.
-stage gpu_tests 170 ctest --test-dir "$BUILD" -L gpu -j "$(nproc)" --timeout 150 \
-  --output-on-failure --output-junit "$WORK/gpu_tests.xml"
+stage gpu_tests 170 ctest --test-dir "$BUILD" -L gpu -E NcclCommunicatorTwoDevices \
+  -j "$(nproc)" --timeout 150 --output-on-failure --output-junit "$WORK/gpu_tests.xml"
+# The NCCL communicator across two processes needs two devices (a skip in
+# gpu_tests would count as a failure on a one-device machine).
+gpu_count=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+if [ "${gpu_count:-0}" -ge 2 ]; then
+  stage nccl_two_devices 90 "$BUILD/tests/gpu/nccl_communicator_test" \
+    --gtest_filter='NcclCommunicatorTwoDevices.*'
+elif wanted nccl_two_devices; then
+  log "nccl_two_devices: not run, ${gpu_count:-0} device(s) listed and it needs 2"
+fi
 # Both workers of the fleet (and the reference processes) on the same GPU.
 stage fleet_1p1d 150 env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" \
   python3 "$ROOT/tests/gpu/fleet_check.py" --tandem "$BUILD/tandem" \

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
-ORDER = ["deps", "build", "gpu_tests", "fleet_1p1d", "kernels", "kvtransfer",
+ORDER = ["deps", "build", "gpu_tests", "nccl_two_devices", "fleet_1p1d", "kernels", "kvtransfer",
          "kvtransfer_device", "e2e"]
 
 

@@ -168,5 +168,82 @@ TEST(GemmTest, BatchInvariantModelShapes) {
   CheckBatchInvariance(256, 688, {1, 2, 7, 16, 33, 512}, false);
 }
 
+// GemmSplitK (tensor parallelism, issue 18): each shard's partial is the
+// plain Gemm of that k range, and the shards add as the fixed tree — equal
+// bits to doing it by hand, on every instruction set, for 1 and 2 threads and
+// every M; and a rank holding half the k range (its two shards) gives the
+// left or right half of the tree exactly.
+TEST(GemmTest, SplitKIsTheFixedTreeOfShardGemms) {
+  IsaGuard guard;
+  const int n = 100, k = 172 * 4;  // the bundled model's down_proj shape (n 256 in the model)
+  const int bounds[5] = {0, k / 4, k / 2, 3 * k / 4, k};
+  cpu::ThreadPool two(2);
+  for (int m : {1, 3, 8, 33}) {
+    const auto x = Random(static_cast<size_t>(m) * k, 500 + m);
+    const auto w = Random(static_cast<size_t>(n) * k, 600);
+    // By hand: shard s = Gemm of x[:, ks..ke) and w[:, ks..ke).
+    std::vector<std::vector<float>> part(4, std::vector<float>(static_cast<size_t>(m) * n));
+    for (int s = 0; s < 4; ++s) {
+      const int ks = bounds[s], kl = bounds[s + 1] - bounds[s];
+      std::vector<float> xs(static_cast<size_t>(m) * kl), ws(static_cast<size_t>(n) * kl);
+      for (int i = 0; i < m; ++i) {
+        for (int c = 0; c < kl; ++c) xs[static_cast<size_t>(i) * kl + c] = x[static_cast<size_t>(i) * k + ks + c];
+      }
+      for (int j = 0; j < n; ++j) {
+        for (int c = 0; c < kl; ++c) ws[static_cast<size_t>(j) * kl + c] = w[static_cast<size_t>(j) * k + ks + c];
+      }
+      cpu::Gemm(xs.data(), ws.data(), nullptr, part[s].data(), m, n, kl);
+    }
+    std::vector<float> want(static_cast<size_t>(m) * n), left(want.size()), right(want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      left[i] = part[0][i] + part[1][i];
+      right[i] = part[2][i] + part[3][i];
+      want[i] = left[i] + right[i];
+    }
+    const auto packed = cpu::PackWeights(w.data(), n, k);
+    // The two halves as a tp = 2 rank packs them: columns [0, k/2) and [k/2, k).
+    std::vector<float> wl(static_cast<size_t>(n) * k / 2), wr(wl.size());
+    for (int j = 0; j < n; ++j) {
+      for (int c = 0; c < k / 2; ++c) {
+        wl[static_cast<size_t>(j) * k / 2 + c] = w[static_cast<size_t>(j) * k + c];
+        wr[static_cast<size_t>(j) * k / 2 + c] = w[static_cast<size_t>(j) * k + k / 2 + c];
+      }
+    }
+    const auto pl = cpu::PackWeights(wl.data(), n, k / 2), pr = cpu::PackWeights(wr.data(), n, k / 2);
+    std::vector<float> xl(static_cast<size_t>(m) * k / 2), xr(xl.size());
+    for (int i = 0; i < m; ++i) {
+      for (int c = 0; c < k / 2; ++c) {
+        xl[static_cast<size_t>(i) * k / 2 + c] = x[static_cast<size_t>(i) * k + c];
+        xr[static_cast<size_t>(i) * k / 2 + c] = x[static_cast<size_t>(i) * k + k / 2 + c];
+      }
+    }
+    const int half[3] = {0, k / 4, k / 2};
+    for (cpu::Isa isa : kIsas) {
+      cpu::SetIsa(isa);
+      if (cpu::ActiveIsa() != isa) continue;
+      for (cpu::ThreadPool* pool : {static_cast<cpu::ThreadPool*>(nullptr), &two}) {
+        Guarded y(want.size());
+        std::vector<float> scratch(3 * want.size());
+        cpu::GemmSplitK(x.data(), packed, bounds, 4, y.data(), scratch.data(), m, pool);
+        ASSERT_TRUE(y.GuardsIntact());
+        EXPECT_TRUE(BitEqual(y.data(), want.data(), want.size()))
+            << "m=" << m << " " << cpu::IsaName(isa) << " threads=" << (pool ? 2 : 1);
+        Guarded yl(want.size()), yr(want.size());
+        cpu::GemmSplitK(xl.data(), pl, half, 2, yl.data(), scratch.data(), m, pool);
+        cpu::GemmSplitK(xr.data(), pr, half, 2, yr.data(), scratch.data(), m, pool);
+        EXPECT_TRUE(BitEqual(yl.data(), left.data(), left.size())) << "m=" << m;
+        EXPECT_TRUE(BitEqual(yr.data(), right.data(), right.size())) << "m=" << m;
+        // One shard is Gemm itself.
+        const int whole[2] = {0, k};
+        Guarded y1(want.size());
+        std::vector<float> plain(want.size());
+        cpu::GemmSplitK(x.data(), packed, whole, 1, y1.data(), nullptr, m, pool);
+        cpu::Gemm(x.data(), packed, nullptr, plain.data(), m, pool);
+        EXPECT_TRUE(BitEqual(y1.data(), plain.data(), plain.size())) << "m=" << m;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace tandem::kernels
