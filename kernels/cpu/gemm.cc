@@ -180,6 +180,124 @@ __attribute__((target("avx2,fma"))) void TileAvx2(const GemmArgs& a, int i0, int
   }
 }
 
+// ------------------------------------------- split-K tiles (few rows)
+// GemmSplitK with fewer than kFewRows rows (decode): one tile computes every
+// shard's whole chain in turn and adds the partials in registers as the
+// fixed tree — a binary counter: after shard s, partials of equal level
+// merge (left = the earlier shards), so 4 shards give (p0 + p1) + (p2 + p3).
+// Same bits as the shard-by-shard path (same chains, same adds).
+constexpr int kMaxSplitLevels = 4;  // up to 8 shards
+
+template <int R, int P>
+__attribute__((target("avx512f"))) void TileAvx512Split(const GemmArgs* sa, int shards, int i0,
+                                                        int p0) {
+  const GemmArgs& a0 = sa[0];
+  __mmask16 mask[P];
+  for (int p = 0; p < P; ++p) {
+    const int valid = std::min(kP, a0.n - (p0 + p) * kP);
+    mask[p] = static_cast<__mmask16>(valid >= 16 ? 0xFFFF : ((1u << valid) - 1u));
+  }
+  // tree[l]: the pending partial of level l (2^l shards summed). After the
+  // last shard (shards a power of two) acc holds the whole tree.
+  __m512 tree[kMaxSplitLevels - 1][R][P] = {};
+  __m512 acc[R][P] = {};
+  for (int s = 0; s < shards; ++s) {
+    const GemmArgs& a = sa[s];
+    for (int r = 0; r < R; ++r) {
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+    }
+    const float* xr[R];
+    for (int r = 0; r < R; ++r) xr[r] = a.x + static_cast<size_t>(i0 + r) * a.ldx;
+    const float* wp[P];
+    for (int p = 0; p < P; ++p) wp[p] = a.packed + static_cast<size_t>(p0 + p) * a.pstride;
+    for (int kk = 0; kk < a.k; ++kk) {
+      __m512 w[P];
+      for (int p = 0; p < P; ++p) w[p] = _mm512_load_ps(wp[p] + static_cast<size_t>(kk) * kP);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xb = _mm512_set1_ps(xr[r][kk]);
+        for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(xb, w[p], acc[r][p]);
+      }
+    }
+    int lvl = 0;
+    for (; (s >> lvl) & 1; ++lvl) {
+      for (int r = 0; r < R; ++r) {
+        for (int p = 0; p < P; ++p) acc[r][p] = _mm512_add_ps(tree[lvl][r][p], acc[r][p]);
+      }
+    }
+    if (s + 1 == shards) break;
+    for (int r = 0; r < R; ++r) {
+      for (int p = 0; p < P; ++p) tree[lvl][r][p] = acc[r][p];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* yr = a0.y + static_cast<size_t>(i0 + r) * a0.n;
+    for (int p = 0; p < P; ++p) _mm512_mask_storeu_ps(yr + (p0 + p) * kP, mask[p], acc[r][p]);
+  }
+}
+
+template <int R, int P>
+__attribute__((target("avx2,fma"))) void TileAvx2Split(const GemmArgs* sa, int shards, int i0,
+                                                      int p0) {
+  const GemmArgs& a0 = sa[0];
+  __m256i mask[P][2];
+  for (int p = 0; p < P; ++p) {
+    const int valid = std::min(kP, a0.n - (p0 + p) * kP);
+    for (int h = 0; h < 2; ++h) {
+      alignas(32) int32_t m8[8];
+      for (int l = 0; l < 8; ++l) m8[l] = (h * 8 + l) < valid ? -1 : 0;
+      mask[p][h] = _mm256_load_si256(reinterpret_cast<const __m256i*>(m8));
+    }
+  }
+  __m256 tree[kMaxSplitLevels - 1][R][P][2] = {};
+  __m256 acc[R][P][2] = {};
+  for (int s = 0; s < shards; ++s) {
+    const GemmArgs& a = sa[s];
+    for (int r = 0; r < R; ++r) {
+      for (int p = 0; p < P; ++p) acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();
+    }
+    const float* xr[R];
+    for (int r = 0; r < R; ++r) xr[r] = a.x + static_cast<size_t>(i0 + r) * a.ldx;
+    const float* wp[P];
+    for (int p = 0; p < P; ++p) wp[p] = a.packed + static_cast<size_t>(p0 + p) * a.pstride;
+    for (int kk = 0; kk < a.k; ++kk) {
+      __m256 w[P][2];
+      for (int p = 0; p < P; ++p) {
+        w[p][0] = _mm256_load_ps(wp[p] + static_cast<size_t>(kk) * kP);
+        w[p][1] = _mm256_load_ps(wp[p] + static_cast<size_t>(kk) * kP + 8);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(xr[r] + kk);
+        for (int p = 0; p < P; ++p) {
+          acc[r][p][0] = _mm256_fmadd_ps(xb, w[p][0], acc[r][p][0]);
+          acc[r][p][1] = _mm256_fmadd_ps(xb, w[p][1], acc[r][p][1]);
+        }
+      }
+    }
+    int lvl = 0;
+    for (; (s >> lvl) & 1; ++lvl) {
+      for (int r = 0; r < R; ++r) {
+        for (int p = 0; p < P; ++p) {
+          for (int h = 0; h < 2; ++h) acc[r][p][h] = _mm256_add_ps(tree[lvl][r][p][h], acc[r][p][h]);
+        }
+      }
+    }
+    if (s + 1 == shards) break;
+    for (int r = 0; r < R; ++r) {
+      for (int p = 0; p < P; ++p) {
+        for (int h = 0; h < 2; ++h) tree[lvl][r][p][h] = acc[r][p][h];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* yr = a0.y + static_cast<size_t>(i0 + r) * a0.n;
+    for (int p = 0; p < P; ++p) {
+      for (int h = 0; h < 2; ++h) {
+        _mm256_maskstore_ps(yr + (p0 + p) * kP + h * 8, mask[p][h], acc[r][p][h]);
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------- tile dispatch
 using TileFn = void (*)(const GemmArgs&, int i0, int p0, int k0, int k1);
 
@@ -204,6 +322,30 @@ struct Avx2Tile {
 };
 const auto kAvx512Table = MakeTable<Avx512Tile>(std::make_integer_sequence<int, kMaxR * kMaxP>{});
 const auto kAvx2Table = MakeTable<Avx2Tile>(std::make_integer_sequence<int, kMaxR * kMaxP>{});
+
+using SplitTileFn = void (*)(const GemmArgs*, int shards, int i0, int p0);
+constexpr int kSplitRows = 3;  // kFewRows - 1
+
+template <template <int, int> class K, int... Is>
+constexpr auto MakeSplitTable(std::integer_sequence<int, Is...>) {
+  struct Table {
+    SplitTileFn fn[kSplitRows][kMaxP];
+  } t{};
+  ((t.fn[Is / kMaxP][Is % kMaxP] = K<Is / kMaxP + 1, Is % kMaxP + 1>::fn), ...);
+  return t;
+}
+template <int R, int P>
+struct Avx512SplitTile {
+  static constexpr SplitTileFn fn = &TileAvx512Split<R, P>;
+};
+template <int R, int P>
+struct Avx2SplitTile {
+  static constexpr SplitTileFn fn = &TileAvx2Split<R, P>;
+};
+const auto kAvx512SplitTable =
+    MakeSplitTable<Avx512SplitTile>(std::make_integer_sequence<int, kSplitRows * kMaxP>{});
+const auto kAvx2SplitTable =
+    MakeSplitTable<Avx2SplitTile>(std::make_integer_sequence<int, kSplitRows * kMaxP>{});
 
 // Register blocking: rows R x panels P per tile, chosen from m only for speed
 // (the bits do not depend on it).
@@ -262,8 +404,9 @@ void Gemm(const float* x, const PackedWeights& w, const float* bias, float* y, i
 void GemmSplitK(const float* x, const PackedWeights& w, const int* k_bounds, int shards, float* y,
                 float* scratch, int m, ThreadPool* pool) {
   if (m <= 0 || w.n() <= 0 || shards <= 0) return;
-  constexpr int kMaxShards = 8;
-  if (shards > kMaxShards) std::abort();  // a caller bug (ops.h: at most 8)
+  constexpr int kMaxShards = 1 << (kMaxSplitLevels - 1);
+  // A caller bug (ops.h: 1, 2, 4 or 8 shards).
+  if (shards > kMaxShards || (shards & (shards - 1)) != 0) std::abort();
   const int n = w.n(), k = w.k();
   const Isa isa = ActiveIsa();
   const size_t plane = static_cast<size_t>(m) * n;
@@ -277,6 +420,18 @@ void GemmSplitK(const float* x, const PackedWeights& w, const int* k_bounds, int
   }
   int rb, pb;
   Blocking(isa, m, &rb, &pb);
+  if (m < kFewRows && isa != Isa::kPortable) {
+    static_assert(kFewRows - 1 == kSplitRows);
+    ParallelFor(pool, w.panels(), grain, [&](int64_t b, int64_t e) {
+      for (int p0 = static_cast<int>(b); p0 < e; p0 += pb) {
+        const int np = std::min(pb, static_cast<int>(e) - p0);
+        const SplitTileFn fn = isa == Isa::kAvx512 ? kAvx512SplitTable.fn[m - 1][np - 1]
+                                                   : kAvx2SplitTable.fn[m - 1][np - 1];
+        fn(args, shards, 0, p0);
+      }
+    });
+    return;
+  }
   ParallelFor(pool, w.panels(), grain, [&](int64_t b, int64_t e) {
     // Panel group outermost, shards inside: a panel's [k][16] weights are
     // read in order, shard after shard, and the tree runs on hot partials.

@@ -90,9 +90,9 @@ void Gemm(const float* x,           // [m][w.k()]
 void GemmSplitK(const float* x,          // [m][w.k()]
                 const PackedWeights& w,  // [w.n()][w.k()] packed
                 const int* k_bounds,     // [shards + 1]
-                int shards,  // 1 .. 8
+                int shards,  // 1, 2, 4 or 8
                 float* y,        // [m][w.n()]
-                float* scratch,  // [(shards - 1) * m * w.n()]
+                float* scratch,  // [(shards - 1) * m * w.n()] (unused when m < 4)
                 int m, ThreadPool* pool = nullptr);
 
 // Unpacked convenience (packs on every call: tests, one-off shapes). Same bits.

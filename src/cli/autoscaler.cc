@@ -80,7 +80,10 @@ Autoscaler::Autoscaler(const AutoscaleConfig& config, std::string proxy_metrics,
 
 uint32_t Autoscaler::Serving(const std::string& role) const {
   uint32_t n = 0;
-  for (const auto& c : sup_->children()) n += c.alive && !c.draining && c.spec.role == role;
+  // A worker is its rank 0 (a group of ranks counts once; issue 18).
+  for (const auto& c : sup_->children()) {
+    n += c.alive && !c.draining && c.spec.role == role && c.spec.rank == 0;
+  }
   return n;
 }
 
@@ -122,7 +125,7 @@ bool Autoscaler::Follow(const std::string& role, const AutoscaleRoleConfig& boun
   if (serving > desired) {
     const auto& kids = sup_->children();
     for (auto it = kids.rbegin(); it != kids.rend(); ++it) {
-      if (!it->alive || it->draining || it->spec.role != role) continue;
+      if (!it->alive || it->draining || it->spec.role != role || it->spec.rank != 0) continue;
       spdlog::info("autoscale: {} {} serving, planner wants {}: draining {} (pid {})", serving,
                    role, desired, it->spec.name, it->pid);
       return sup_->Drain(it->spec.name);

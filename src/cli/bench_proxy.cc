@@ -161,6 +161,10 @@ Result<Fleet> ReadState(const std::string& path) {
   f.procs.push_back({"proxy", j["proxy"]["pid"].get<int>(), j["proxy"].value("metrics", "")});
   for (const auto& w : j.value("workers", nlohmann::json::array())) {
     f.procs.push_back({w.value("role", "?"), w.value("pid", 0), w.value("metrics", "")});
+    // A worker's follower ranks (issue 18): their CPU is the role's too.
+    for (const auto& r : w.value("ranks", nlohmann::json::array())) {
+      if (r.value("rank", 0) > 0) f.procs.push_back({w.value("role", "?"), r.value("pid", 0), ""});
+    }
   }
   return f;
 }
@@ -267,7 +271,7 @@ Result<Measured> RunOne(lg::Client& client, const lg::ModelInfo& mi, const Fleet
 
   std::string decoder_metrics;
   for (const auto& p : f.procs) {
-    if (p.role == "decode" || p.role == "both") decoder_metrics = p.metrics;
+    if ((p.role == "decode" || p.role == "both") && !p.metrics.empty()) decoder_metrics = p.metrics;
   }
   const auto step_before =
       HistogramBuckets(FetchMetrics(decoder_metrics), "tandem_decode_step_seconds");

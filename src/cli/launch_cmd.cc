@@ -7,6 +7,12 @@
 // snapshots rebuilt its index (--warm-workers); the fleet stops when no
 // proxy is left (docs/failure-handling.md, "Proxy replicas").
 //
+// A worker of tensor_parallel x pipeline_parallel > 1 (issue 18,
+// docs/parallelism.md "Rank processes") is a group of rank processes
+// started together (followers first, then rank 0, which serves once every
+// rank joined its group); if any rank exits the group is stopped (the
+// supervisor's rule) and the worker leaves routing.
+//
 // Stopping drains (docs/failure-handling.md): the proxy first (new requests
 // UNAVAILABLE, in-flight ones get proxy.drain_seconds to finish while every
 // worker still serves them), then the workers, which have nothing left by
@@ -21,10 +27,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <string_view>
+#include <vector>
 
 #include "cli/autoscaler.h"
 #include "cli/commands.h"
@@ -35,6 +44,8 @@
 #include "common/net.h"
 #include "common/request_id.h"
 #include "kvtransfer/staging/device_path.h"
+#include "model/model_config.h"
+#include "worker/rank_layout.h"
 #ifdef TANDEM_HAVE_CUDA
 #include "kernels/cuda/device.h"
 #endif
@@ -89,6 +100,44 @@ Status CheckDevicePath(const FleetConfig& cfg) {
       .status();
 }
 
+// The role sections' rank layouts against the model (issue 18): refused
+// before any process starts, naming the key. Backend sim models its
+// layouts inside one process and checks them itself.
+Status CheckRankLayouts(const FleetConfig& cfg) {
+  if (cfg.model.backend == "sim") return Status::Ok();
+  bool any = false;
+  for (const auto* role : {"prefill", "decode", "both"}) {
+    any = any || worker::RoleLayout(cfg, role).world() > 1;
+  }
+  if (!any) return Status::Ok();
+  TANDEM_ASSIGN_OR_RETURN(auto model, model::LoadModelConfig(cfg.model.path));
+  for (const auto* role : {"prefill", "decode", "both"}) {
+    TANDEM_RETURN_IF_ERROR(
+        worker::CheckRoleLayout(role, worker::RoleLayout(cfg, role), model, cfg.model.path));
+  }
+  return Status::Ok();
+}
+
+// Backend cuda, one device per rank (docs/parallelism.md, "Rank
+// processes"): rank r of every multi-rank worker gets the r-th entry of the
+// launcher's CUDA_VISIBLE_DEVICES (device r when it is unset), modulo its
+// length.
+std::vector<std::string> RankEnvironment(const FleetConfig& cfg, uint32_t rank, uint32_t ranks) {
+  if (cfg.model.backend != "cuda" || ranks <= 1) return {};
+  std::vector<std::string> devices;
+  if (const char* v = std::getenv("CUDA_VISIBLE_DEVICES"); v != nullptr && *v != '\0') {
+    std::string_view s(v);
+    while (!s.empty()) {
+      const size_t comma = s.find(',');
+      devices.emplace_back(s.substr(0, comma));
+      s = comma == std::string_view::npos ? std::string_view() : s.substr(comma + 1);
+    }
+  }
+  const std::string device =
+      devices.empty() ? std::to_string(rank) : devices[rank % devices.size()];
+  return {"CUDA_VISIBLE_DEVICES=" + device};
+}
+
 std::string SelfExe() {
   std::error_code ec;
   const fs::path p = fs::read_symlink("/proc/self/exe", ec);
@@ -112,12 +161,25 @@ Status WriteStateFile(const std::string& path, const Supervisor& sup,
   }
   if (!proxies.empty()) state["proxy"] = state["proxies"][0];
   for (const auto& c : sup.children()) {
-    if (c.spec.role != "proxy" && c.alive && !c.draining) {  // autoscaled workers come and go
+    // Autoscaled workers come and go; a worker is its rank 0 (issue 18).
+    if (c.spec.role != "proxy" && c.alive && !c.draining && c.spec.rank == 0) {
+      // Every live rank of the worker group, by rank (rank 0 alone for a
+      // one-process worker).
+      std::vector<std::pair<uint32_t, pid_t>> ranks;
+      for (const auto& r : sup.children()) {
+        if (r.alive && r.spec.name == c.spec.name && r.spec.role == c.spec.role) {
+          ranks.emplace_back(r.spec.rank, r.pid);
+        }
+      }
+      std::sort(ranks.begin(), ranks.end());
+      nlohmann::json jr = nlohmann::json::array();
+      for (const auto& [rank, pid] : ranks) jr.push_back({{"rank", rank}, {"pid", pid}});
       state["workers"].push_back({{"role", c.spec.role},
                                   {"name", c.spec.name},
                                   {"grpc", c.grpc},
                                   {"metrics", c.metrics},
-                                  {"pid", c.pid}});
+                                  {"pid", c.pid},
+                                  {"ranks", std::move(jr)}});
     }
   }
   if (!cache_salt.empty()) state["cache_salt"] = cache_salt;
@@ -149,11 +211,16 @@ uint32_t InitialReplicas(const FleetConfig& cfg, const std::string& role) {
 }
 
 void PrintTable(const Supervisor& sup) {
-  std::cout << fmt::format("{:<12} {:<8} {:>8}  {:<22} {:<22} {}\n", "process", "role", "pid",
-                           "grpc", "metrics", "http");
+  std::cout << fmt::format("{:<12} {:<8} {:>8}  {:<22} {:<22} {:<22} {}\n", "process", "role",
+                           "pid", "grpc", "metrics", "http", "rank");
   for (const auto& c : sup.children()) {
-    std::cout << fmt::format("{:<12} {:<8} {:>8}  {:<22} {:<22} {}\n", c.spec.name, c.spec.role,
-                             c.pid, c.grpc, c.metrics, c.http);
+    // Follower ranks (issue 18) serve nothing: their addresses read "-".
+    const bool follower = c.spec.rank > 0;
+    std::cout << fmt::format("{:<12} {:<8} {:>8}  {:<22} {:<22} {:<22} {}\n", c.spec.name,
+                             c.spec.role, c.pid, follower ? "-" : c.grpc,
+                             follower ? "-" : c.metrics, c.http.empty() ? "-" : c.http,
+                             c.spec.ranks > 1 ? fmt::format("{} of {}", c.spec.rank, c.spec.ranks)
+                                              : "-");
   }
   std::cout.flush();
 }
@@ -234,6 +301,10 @@ int RunLaunch(const std::string& config_path, const std::string& state_file,
     spdlog::error("fleet not started: {}", s.message());
     return 1;
   }
+  if (auto s = CheckRankLayouts(*cfg); !s.ok()) {
+    spdlog::error("fleet not started: {}", s.message());
+    return 1;
+  }
   // The fleet salt (cache.salt; docs/security.md): unless the file or
   // $TANDEM_CACHE_SALT gives one, a random one for this fleet, handed to
   // every child in its environment.
@@ -308,6 +379,7 @@ int RunLaunch(const std::string& config_path, const std::string& state_file,
     p.started = std::chrono::steady_clock::now();
     join += (join.empty() ? "" : ",") + p.child->internal;
   }
+  uint64_t groups_started = 0;  // makes every worker group's name unique on the host
   auto start_worker = [&](const std::string& role, uint32_t i) -> Status {
     const RoleConfig& rc = role == "prefill" ? cfg->prefill
                            : role == "decode" ? cfg->decode
@@ -319,7 +391,31 @@ int RunLaunch(const std::string& config_path, const std::string& state_file,
                                         NthAddress(rc.grpc, i), "--metrics",
                                         NthAddress(rc.metrics, i), "--drain-seconds",
                                         fmt::format("{}", cfg->proxy.drain_seconds)})));
-    return sup.Start({name, role, argv}, 300s).status();
+    const uint32_t ranks = worker::RankProcesses(*cfg, role);
+    if (ranks == 1) return sup.Start({name, role, argv}, 300s).status();
+    // Issue 18: the followers first (each writes its ready line once it
+    // runs; it then waits for rank 0 to join), then rank 0, ready once
+    // every rank joined its group. Followers listen on nothing.
+    const std::string group = fmt::format("tandem-{}-{}-{}", ::getpid(), name, ++groups_started);
+    for (uint32_t r = 1; r < ranks; ++r) {
+      auto follower = sup.Start({name, role,
+                                 make(role, {"--name", name, "--rank", fmt::format("{}", r),
+                                             "--group", group}),
+                                 r, ranks, RankEnvironment(*cfg, r, ranks)},
+                                120s);
+      if (!follower.ok()) {
+        sup.KillGroup(name);
+        return follower.status();
+      }
+    }
+    argv.insert(argv.end(), {"--rank", "0", "--group", group});
+    auto rank0 = sup.Start({name, role, argv, 0, ranks, RankEnvironment(*cfg, 0, ranks)}, 300s);
+    if (!rank0.ok()) {
+      sup.KillGroup(name);
+      return rank0.status();
+    }
+    spdlog::info("{}: {} ranks (group {}) serving on {}", name, ranks, group, (*rank0)->grpc);
+    return Status::Ok();
   };
   std::map<std::string, uint32_t> started;  // per role: workers started at launch
   for (const auto* role : {"decode", "prefill", "both"}) {
@@ -356,13 +452,15 @@ int RunLaunch(const std::string& config_path, const std::string& state_file,
   auto serving_workers = [&sup] {
     return static_cast<uint32_t>(
         std::count_if(sup.children().begin(), sup.children().end(), [](const Child& c) {
-          return c.spec.role != "proxy" && c.alive && !c.draining;
+          return c.spec.role != "proxy" && c.alive && !c.draining && c.spec.rank == 0;
         }));
   };
   // docs/scheduling.md, "Autoscaling": follow the planner of proxy 0 (the
   // first replica; a restarted one keeps its metrics address).
   std::unique_ptr<Autoscaler> scaler;
-  auto poll = std::chrono::milliseconds(std::chrono::hours(24));
+  // Without the autoscaler: a second's poll keeps the state file current
+  // when a worker (or one rank of its group) exits.
+  auto poll = std::chrono::milliseconds(1000);
   if (cfg->autoscale.enabled) {
     scaler = std::make_unique<Autoscaler>(cfg->autoscale, proxies[0].child->metrics, &sup,
                                           start_worker, started);
@@ -377,7 +475,8 @@ int RunLaunch(const std::string& config_path, const std::string& state_file,
     if (sig < 0) {  // the autoscaler's poll interval passed
       const size_t now_exited = static_cast<size_t>(std::count_if(
           sup.children().begin(), sup.children().end(), [](const Child& c) { return !c.alive; }));
-      if (scaler && (scaler->Poll() || now_exited != exited)) {
+      const bool scaled = scaler && scaler->Poll();
+      if (scaled || now_exited != exited) {
         if (auto s = write_state(); !s.ok()) spdlog::error("{}", s.message());
       }
       exited = now_exited;

@@ -11,8 +11,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <string_view>
+
+extern char** environ;
 
 namespace tandem::cli {
 namespace {
@@ -42,12 +46,16 @@ Supervisor::~Supervisor() {
   if (signal_fd_ >= 0) close(signal_fd_);
 }
 
+std::string ChildLabel(const Child& c) {
+  return c.spec.ranks > 1 ? fmt::format("{} rank {}", c.spec.name, c.spec.rank) : c.spec.name;
+}
+
 std::string DescribeExit(const Child& c) {
   if (WIFSIGNALED(c.exit_status)) {
-    return fmt::format("{} (pid {}) was killed by signal {}", c.spec.name, c.pid,
+    return fmt::format("{} (pid {}) was killed by signal {}", ChildLabel(c), c.pid,
                        WTERMSIG(c.exit_status));
   }
-  return fmt::format("{} (pid {}) exited with status {}", c.spec.name, c.pid,
+  return fmt::format("{} (pid {}) exited with status {}", ChildLabel(c), c.pid,
                      WEXITSTATUS(c.exit_status));
 }
 
@@ -62,6 +70,19 @@ Result<Child*> Supervisor::Start(ChildSpec spec, std::chrono::milliseconds timeo
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
+  // The environment, built before fork (nothing to allocate in the child).
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string_view kv(*e);
+    const bool replaced = std::any_of(spec.env.begin(), spec.env.end(), [&](const std::string& s) {
+      return kv.substr(0, kv.find('=') + 1) == std::string_view(s).substr(0, s.find('=') + 1);
+    });
+    if (!replaced) env_strings.emplace_back(kv);
+  }
+  env_strings.insert(env_strings.end(), spec.env.begin(), spec.env.end());
+  std::vector<char*> envp;
+  for (auto& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
 
   const pid_t parent = getpid();
   const pid_t pid = fork();
@@ -79,7 +100,7 @@ Result<Child*> Supervisor::Start(ChildSpec spec, std::chrono::milliseconds timeo
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, nullptr);
     fcntl(fds[1], F_SETFD, 0);  // the ready fd survives exec
-    execv(argv[0], argv.data());
+    execve(argv[0], argv.data(), envp.data());
     std::fprintf(stderr, "exec %s: %s\n", argv[0], std::strerror(errno));
     _exit(127);
   }
@@ -114,7 +135,7 @@ Result<Child*> Supervisor::Start(ChildSpec spec, std::chrono::milliseconds timeo
         usleep(20 * 1000);
       }
       failure = UnavailableError(child->alive ? fmt::format("{} closed its ready pipe before it "
-                                                            "was ready", child->spec.name)
+                                                            "was ready", ChildLabel(*child))
                                               : DescribeExit(*child) + " before it was ready");
       break;
     }
@@ -127,7 +148,7 @@ Result<Child*> Supervisor::Start(ChildSpec spec, std::chrono::milliseconds timeo
     }
     if (RemainingMs(deadline) == 0) {
       failure = DeadlineExceededError(fmt::format("{} (pid {}) was not ready within {} s",
-                                                  child->spec.name, pid, timeout.count() / 1000.0));
+                                                  ChildLabel(*child), pid, timeout.count() / 1000.0));
       break;
     }
   }
@@ -164,16 +185,50 @@ void Supervisor::ReapExited() {
       if (c.pid == pid && c.alive) {
         c.alive = false;
         c.exit_status = status;
-        if (c.draining) {
+        if (c.group_stopped) {
+          spdlog::info("{} (stopped with its worker group)", DescribeExit(c));
+        } else if (c.draining) {
           spdlog::info("{} after draining", DescribeExit(c));
         } else if (stopping_) {
           spdlog::info("{} (the fleet is stopping)", DescribeExit(c));
+        } else if (c.spec.ranks > 1) {
+          spdlog::error("{}: worker {} cannot compute without it and is stopped (all its ranks); "
+                        "it leaves routing and the rest of the fleet keeps serving",
+                        DescribeExit(c), c.spec.name);
         } else {
           spdlog::error("{}; the rest of the fleet keeps serving", DescribeExit(c));
         }
+        if (c.spec.ranks > 1) StopRestOfGroup(c);
       }
     }
   }
+}
+
+void Supervisor::StopRestOfGroup(const Child& dead) {
+  for (auto& c : children_) {
+    if (&c == &dead || !c.alive || c.group_stopped || c.spec.name != dead.spec.name ||
+        c.spec.ranks <= 1) {
+      continue;
+    }
+    c.group_stopped = true;
+    if (!c.draining && !stopping_) {
+      spdlog::warn("stopping {} (pid {}): {} exited", ChildLabel(c), c.pid, ChildLabel(dead));
+    }
+    kill(c.pid, SIGKILL);  // reaped by the next ReapExited
+  }
+}
+
+int Supervisor::KillGroup(const std::string& name) {
+  int killed = 0;
+  for (auto& c : children_) {
+    if (!c.alive || c.spec.name != name) continue;
+    c.group_stopped = true;
+    kill(c.pid, SIGKILL);
+    waitpid(c.pid, &c.exit_status, 0);
+    c.alive = false;
+    ++killed;
+  }
+  return killed;
 }
 
 int Supervisor::WaitForSignalOrDeath(const std::vector<std::string>& stop_if_dead,
@@ -186,14 +241,18 @@ int Supervisor::WaitForSignalOrDeath(const std::vector<std::string>& stop_if_dea
 
 bool Supervisor::Drain(const std::string& name) {
   ReapExited();
+  bool sent = false;
   for (auto& c : children_) {
     if (c.alive && !c.draining && c.spec.name == name) {
       c.draining = true;
-      kill(c.pid, SIGTERM);
-      return true;
+      // Rank 0 drains; the other ranks stop with it (StopRestOfGroup).
+      if (c.spec.rank == 0) {
+        kill(c.pid, SIGTERM);
+        sent = true;
+      }
     }
   }
-  return false;
+  return sent;
 }
 
 int Supervisor::WaitForSignalOrDeath(const std::vector<std::string>& stop_if_dead,

@@ -34,6 +34,20 @@ void RegisterWorker(CLI::App& app, GlobalOptions& g, const std::string& role) {
                   "on SIGTERM/SIGINT, how long in-flight requests may take to finish")
       ->check(CLI::Range(0.0, 3600.0));
   AddTlsOptions(*cmd, opts->tls_ca, opts->tls_cert, opts->tls_key);
+  // Issue 18 (docs/parallelism.md, "Rank processes").
+  cmd->add_option("--tensor-parallel", opts->tensor_parallel,
+                  "ranks per pipeline stage (default: the role section's tensor_parallel)")
+      ->check(CLI::Range(1u, 64u));
+  cmd->add_option("--pipeline-parallel", opts->pipeline_parallel,
+                  "pipeline stages (default: the role section's pipeline_parallel)")
+      ->check(CLI::Range(1u, 64u));
+  cmd->add_option("--rank", opts->rank,
+                  "this process's rank in its worker group: 0 serves, R > 0 follows rank 0 "
+                  "(default 0)")
+      ->check(CLI::Range(0u, 4095u));
+  cmd->add_option("--group", opts->group,
+                  "the worker group's name, the same on every rank and unique on the host "
+                  "(required with more than one rank; tandem launch sets it)");
   cmd->add_option("--ready-fd", opts->ready_fd, "(tandem launch) write the real addresses here")
       ->group("");
   cmd->callback([&g, opts] {

@@ -40,6 +40,7 @@ void ReadRole(YamlMap m, RoleConfig& r) {
   m.Read("num_blocks", r.num_blocks, 0, 1u << 24);
   m.ReadLabel("node", r.node);
   m.ReadLabel("zone", r.zone);
+  // Issue 18: ranks per worker (the model's divisibility is checked at start-up).
   m.Read("tensor_parallel", r.tensor_parallel, 1, 64);
   m.Read("pipeline_parallel", r.pipeline_parallel, 1, 64);
   m.Finish();
@@ -291,17 +292,6 @@ void CrossCheck(const FleetConfig& c, YamlErrors& errors, int line) {
   if (c.model.backend != "sim" && c.sim.present) {
     errors.Add(line, fmt::format("a 'sim' section is only read with model.backend 'sim'; "
                                  "model.backend is '{}'", c.model.backend));
-  }
-  // Issue 18: until rank groups of real backends land (owner: ranks; remove
-  // this check with them), only a sim worker models a tp x pp layout.
-  for (auto [role, r] : {std::pair{"prefill", &c.prefill}, std::pair{"decode", &c.decode},
-                         std::pair{"both", &c.both}}) {
-    if (c.model.backend != "sim" && (r->tensor_parallel > 1 || r->pipeline_parallel > 1)) {
-      errors.Add(line, fmt::format("{}.tensor_parallel / {}.pipeline_parallel > 1: this build "
-                                   "runs rank groups only for model.backend 'sim' (a modelled "
-                                   "layout); model.backend is '{}'",
-                                   role, role, c.model.backend));
-    }
   }
 }
 

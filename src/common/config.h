@@ -197,8 +197,10 @@ struct RoleConfig {
   uint32_t num_blocks = 0;  // 0: cache.num_blocks
   std::string node;  // router label of these workers (same node: fast KV link); "" = unset
   std::string zone;  // router label "zone"
-  // Issue 18: ranks per worker (docs/parallelism.md). A sim worker stays one
-  // process and models the layout (docs/sim.md).
+  // Model parallelism (issue 18, docs/parallelism.md): each worker of this
+  // role is a group of tensor_parallel x pipeline_parallel rank processes
+  // (backend sim: one process that models them). Checked against the model
+  // at start-up (parallel::CheckLayout; the error names the key).
   uint32_t tensor_parallel = 1;
   uint32_t pipeline_parallel = 1;
 };

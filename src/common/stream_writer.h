@@ -13,6 +13,10 @@
 // after that), so producers that outlive the RPC are safe: their writes are
 // dropped.
 //
+// The last message and the status leave in one operation
+// (StartWriteAndFinish) when the stream is finishing and one message is
+// left: one completion (and thread hand-off) less per stream (issue 23).
+//
 // Coalescing: with a merge function (common/token_merge.h), a message
 // written while the previous one still waits in the queue is merged into it
 // (never into the one being written), so tokens that are ready together
@@ -53,6 +57,20 @@ class StreamWriter {
       return true;
     }
     queue_.push_back(std::move(msg));
+    Pump(lock);
+    return true;
+  }
+
+  // Queues `msg` as the stream's last message and ends the stream with
+  // `status` after it (as Write then Finish, in one gRPC operation when
+  // nothing else is queued). False when already finishing or cancelled.
+  bool WriteAndFinish(Msg msg, const grpc::Status& status) {
+    std::unique_lock lock(mu_);
+    if (final_) return false;
+    queue_.push_back(std::move(msg));
+    final_ = true;
+    status_ = status;
+    opened_ = true;
     Pump(lock);
     return true;
   }
@@ -110,9 +128,18 @@ class StreamWriter {
   void Pump(std::unique_lock<std::mutex>& lock) {
     if (!opened_ || writing_ || finish_called_) return;
     if (!queue_.empty()) {
-      writing_ = true;
       current_ = std::move(queue_.front());
       queue_.pop_front();
+      if (final_ && queue_.empty()) {
+        // The last message with the status: no OnWriteDone follows, and
+        // current_ stays untouched until OnDone.
+        finish_called_ = true;
+        const grpc::Status status = status_;
+        lock.unlock();
+        reactor_->StartWriteAndFinish(&current_, grpc::WriteOptions(), status);
+        return;
+      }
+      writing_ = true;
       lock.unlock();
       reactor_->StartWrite(&current_);
       return;

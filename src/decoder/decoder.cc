@@ -42,6 +42,19 @@ class Decoder::Emitter {
   void Tokens(uint32_t first_index, std::vector<uint32_t> tokens) {
     std::lock_guard lock(mu_);
     if (done_) return;
+    if (first_index == next_index_ && pending_.empty()) {
+      // In order, nothing held back (every step of a running request):
+      // straight to the sink, no map node per step (issue 23).
+      const uint32_t n = static_cast<uint32_t>(tokens.size());
+      if (n == 0) return;
+      sink_->OnTokens(next_index_, std::move(tokens));
+      next_index_ += n;
+      if (final_ && next_index_ >= final_->completion_tokens) {
+        done_ = true;
+        sink_->OnFinished(*final_);
+      }
+      return;
+    }
     pending_.emplace(first_index, std::move(tokens));
     FlushLocked();
   }

@@ -9,14 +9,23 @@
 // worker hands it the KV transport's device pool (CudaBackendOptions::kv_pool,
 // kvtransfer/staging), so blocks move device to device (docs/cuda.md).
 //
+// Tensor parallel (issue 18, docs/parallelism.md "CUDA"): with
+// CudaBackendOptions::shard of tp > 1 the backend holds one tensor rank's
+// shard (one process and one device per rank) and joins the other ranks
+// through NCCL; every rank runs Forward with the same batches and receives
+// the whole logits. Pipeline parallel is not implemented on cuda.
+//
 // Thread-safety: as ComputeBackend. The backend owns one CUDA stream; create,
 // use and destroy it on the engine thread (CUDA's current device is per
 // thread).
 #pragma once
 
+#include <cstdint>
 #include <memory>
+#include <string>
 
 #include "engine/backend.h"
+#include "engine/llama_forward.h"  // ShardSpec, ShardKvLayout
 
 namespace tandem::engine {
 
@@ -37,6 +46,20 @@ struct CudaBackendOptions {
   // comparison); padding to the bucket happens either way, so the switch
   // never changes a bit of the output.
   bool cuda_graphs = true;
+  // The rank's shard (default: the whole model). layout.pp must be 1
+  // (UNIMPLEMENTED otherwise); CheckLayout's rules apply. q/k/v and gate/up
+  // are column slices, o/down row slices followed by an NCCL all-reduce,
+  // the LM head the rank's vocabulary rows followed by an all-gather; the
+  // embedding table is replicated. The pool has ShardKvLayout's geometry
+  // (the rank's KV heads). With tp > 1 decode CUDA graphs are off.
+  ShardSpec shard;
+  // tp > 1: the tensor ranks' group, a name unique on the host and the same
+  // on every rank (NCCL bootstraps over the shm group of that name; all
+  // ranks on one host); `device` is this rank's device (normally tp_rank).
+  // Creation blocks until every rank joined, at most tp_join_timeout_ms
+  // (DEADLINE_EXCEEDED naming the missing ranks).
+  std::string tp_group;
+  int64_t tp_join_timeout_ms = 60000;
 };
 
 // FAILED_PRECONDITION with the runtime's reason when no CUDA device is

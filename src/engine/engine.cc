@@ -55,9 +55,10 @@ Result<uint64_t> RandomReservationId() {
 
 namespace {
 // scheduler.threads: 0 (the default): the CPUs this process may run on (its
-// affinity mask) divided among the workers the fleet file lists (prefill +
-// decode + both replicas, which `tandem launch` starts on one host), at
-// least 1. Measured in bench/results/cpu_vs_llamacpp.md: one worker computes
+// affinity mask) divided among the worker processes the fleet file lists
+// (prefill + decode + both replicas, each of tensor_parallel x
+// pipeline_parallel rank processes — issue 18 — which `tandem launch`
+// starts on one host), at least 1. Measured in bench/results/cpu_vs_llamacpp.md: one worker computes
 // fastest with every core; more compute threads than cores only make the
 // workers wait for each other.
 uint32_t AutoComputeThreads(const FleetConfig& fleet) {
@@ -65,8 +66,12 @@ uint32_t AutoComputeThreads(const FleetConfig& fleet) {
   CPU_ZERO(&set);
   const uint32_t cpus =
       sched_getaffinity(0, sizeof(set), &set) == 0 ? static_cast<uint32_t>(CPU_COUNT(&set)) : 1;
+  const bool sim = fleet.model.backend == "sim";  // one process per worker, whatever the layout
+  auto processes = [sim](const RoleConfig& r) {
+    return r.replicas * (sim ? 1u : r.tensor_parallel * r.pipeline_parallel);
+  };
   const uint32_t workers =
-      std::max(1u, fleet.prefill.replicas + fleet.decode.replicas + fleet.both.replicas);
+      std::max(1u, processes(fleet.prefill) + processes(fleet.decode) + processes(fleet.both));
   return std::max(1u, cpus / workers);
 }
 }  // namespace

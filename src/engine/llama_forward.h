@@ -63,7 +63,8 @@ struct StageIo {
   // Empty on stage 0 (it embeds the tokens).
   std::span<const float> hidden_in;
   // [T][hidden]: the residual stream after the stage's last layer. Required
-  // on non-last stages; unused on the last.
+  // on non-last stages; unused on the last. May be the same memory as
+  // hidden_in (read whole before anything is written).
   std::span<float> hidden_out;
   // [R][vocab] on the last stage: required on tensor rank 0 (the logits
   // all-gathered from every tensor rank); may be empty on the others (filled

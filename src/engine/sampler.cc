@@ -10,8 +10,48 @@
 namespace tandem::engine {
 namespace {
 
+// The plain loop: first non-NaN maximum.
+uint32_t ArgmaxScalar(std::span<const float> logits) {
+  uint32_t best = 0;
+  float best_v = -INFINITY;
+  bool found = false;
+  for (uint32_t i = 0; i < logits.size(); ++i) {
+    const float v = logits[i];
+    if (std::isnan(v)) continue;
+    if (!found || v > best_v) {
+      best = i;
+      best_v = v;
+      found = true;
+    }
+  }
+  return best;
+}
 
 }  // namespace
+
+uint32_t Argmax(std::span<const float> logits) {
+  // Pass 1: the largest value. A NaN never wins `v > m`, so it is skipped
+  // without a branch; eight lanes keep the comparisons independent.
+  constexpr size_t kLanes = 8;
+  float lane[kLanes];
+  for (float& l : lane) l = -INFINITY;
+  const size_t n = logits.size();
+  const float* p = logits.data();
+  size_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (size_t j = 0; j < kLanes; ++j) lane[j] = p[i + j] > lane[j] ? p[i + j] : lane[j];
+  }
+  float m = -INFINITY;
+  for (; i < n; ++i) m = p[i] > m ? p[i] : m;
+  for (float l : lane) m = l > m ? l : m;
+  // Every value -inf or NaN: the plain loop's rule (the first non-NaN).
+  if (m == -INFINITY) return ArgmaxScalar(logits);
+  // Pass 2: its first index (equal values, -0.0 and +0.0 included, tie).
+  for (i = 0; i < n; ++i) {
+    if (p[i] == m) return static_cast<uint32_t>(i);
+  }
+  return 0;  // not reached
+}
 
 Status ValidateSamplingParams(const SamplingParams& p) {
   if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature)) {
@@ -35,21 +75,7 @@ double UniformDraw(uint64_t seed, uint64_t index) {
 uint32_t Sampler::Sample(std::span<const float> logits, const SamplingParams& p, uint64_t seed,
                          uint64_t index) {
   const uint32_t vocab = static_cast<uint32_t>(logits.size());
-  auto greedy = [&] {
-    uint32_t best = 0;
-    float best_v = -INFINITY;
-    bool found = false;
-    for (uint32_t i = 0; i < vocab; ++i) {
-      const float v = logits[i];
-      if (std::isnan(v)) continue;
-      if (!found || v > best_v) {
-        best = i;
-        best_v = v;
-        found = true;
-      }
-    }
-    return best;
-  };
+  auto greedy = [&] { return Argmax(logits); };
   if (p.temperature == 0.0f || p.top_k == 1) return greedy();
 
   cand_.clear();

@@ -3,7 +3,10 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+
 #include "common/config.h"
+#include "parallel/kv_compat.h"
 
 namespace tandem::proxy {
 
@@ -71,6 +74,10 @@ Status Fleet::Register(const WorkerRecord& w) {
   info.epoch = w.epoch;
   info.num_blocks = w.num_blocks;
   info.block_bytes = w.block_bytes;
+  info.tensor_parallel = std::max(1u, w.tensor_parallel);
+  info.pipeline_parallel = std::max(1u, w.pipeline_parallel);
+  info.num_layers = w.num_layers;
+  info.num_kv_heads = w.num_kv_heads;
   auto id = router_->AddWorker(info);
   if (!id.ok()) return id.status();
   block_bytes_ = w.block_bytes;
@@ -78,8 +85,27 @@ Status Fleet::Register(const WorkerRecord& w) {
   workers_[w.name].indexed = false;  // until its new watch's snapshot lands
   names_[*id] = w.name;
   if (metrics_) metrics_->AddWorker(w.name, w.role, router_->policy());
-  spdlog::info("worker {} ({}) joined at {} (node '{}', zone '{}')", w.name,
-               router::WorkerRoleName(w.role), w.grpc_address, info.node, info.zone);
+  const parallel::ParallelLayout layout{info.tensor_parallel, info.pipeline_parallel};
+  spdlog::info("worker {} ({}) joined at {} (node '{}', zone '{}', layout {})", w.name,
+               router::WorkerRoleName(w.role), w.grpc_address, info.node, info.zone,
+               parallel::ToString(layout));
+  // Pairs the router will never form (issue 18): said once, at registration.
+  for (const auto& [name, other] : workers_) {
+    if (name == w.name) continue;
+    const parallel::ParallelLayout other_layout{std::max(1u, other.tensor_parallel),
+                                                std::max(1u, other.pipeline_parallel)};
+    const parallel::ModelDims dims{.num_layers = w.num_layers, .num_kv_heads = w.num_kv_heads};
+    auto explain = [&](const WorkerRecord& p, const parallel::ParallelLayout& pl,
+                       const WorkerRecord& d, const parallel::ParallelLayout& dl) {
+      if (p.role != router::WorkerRole::kPrefill || !router::CanDecode(d.role)) return;
+      const std::string why = parallel::KvPairingRefusal(pl, dl, dims);
+      if (!why.empty()) {
+        spdlog::warn("prefiller {} will not be paired with decoder {}: {}", p.name, d.name, why);
+      }
+    };
+    explain(w, layout, other, other_layout);
+    explain(other, other_layout, w, layout);
+  }
   return Status::Ok();
 }
 

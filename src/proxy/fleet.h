@@ -40,6 +40,12 @@ struct WorkerRecord {
   uint64_t epoch = 0;
   std::string node;
   std::string zone;
+  // Its rank layout (issue 18; 0 from an older worker reads as 1) and the
+  // model dimensions the layout splits (router::WorkerInfo).
+  uint32_t tensor_parallel = 1;
+  uint32_t pipeline_parallel = 1;
+  uint32_t num_layers = 0;
+  uint32_t num_kv_heads = 0;
   // Its KV snapshot is in the router's index (MarkIndexed); false from each
   // registration until the snapshot of its watch stream has been applied.
   bool indexed = false;
@@ -78,7 +84,10 @@ class Fleet {
 
   // Checks compatibility (model, revision, block size, dtype, fleet salt
   // fingerprint, block-hash root, protocol, and block bytes equal to the
-  // fleet's first worker's) and registers. A
+  // fleet's first worker's) and registers. A worker whose rank layout
+  // cannot exchange KV with some registered workers of the other side is
+  // still registered (the router never pairs those; parallel/kv_compat.h)
+  // and the log names each such pair and why. A
   // worker re-registering under its name replaces the old entry.
   // FAILED_PRECONDITION says what differs.
   Status Register(const WorkerRecord& w);

@@ -26,24 +26,25 @@ RateRefusal Frontend::ChargeRequest(const Tenant* tenant) {
   return r;
 }
 
-Result<ValidatedRequest> Frontend::Validate(const ClientRequest& req, const Tenant* tenant,
+Result<ValidatedRequest> Frontend::Validate(ClientRequest req, const Tenant* tenant,
                                             double* retry_after_seconds) {
   static thread_local std::mt19937_64 rng{std::random_device{}()};
+  const std::optional<int32_t> priority = req.priority;
   auto v = ValidateRequest(
-      req, limits_,
+      std::move(req), limits_,
       [this](std::string_view text) { return deps_.tokenizer->Encode(text, true); }, rng());
   if (!v.ok()) return v;
   if (tenant != nullptr) {
     v->tenant_salt = tenant->cache_salt;
     v->tenant = tenant->name;
     v->tenant_weight = tenant->weight;
-    if (!req.priority) {
+    if (!priority) {
       v->priority = tenant->priority;
-    } else if (tenant->min_priority && *req.priority < *tenant->min_priority) {
+    } else if (tenant->min_priority && *priority < *tenant->min_priority) {
       return InvalidArgumentError(fmt::format(
           "priority is {}; tenant '{}' may ask for {} at the lowest (lower values are served "
           "earlier; min_priority in security.api_keys_file)",
-          *req.priority, tenant->name, *tenant->min_priority));
+          *priority, tenant->name, *tenant->min_priority));
     }
   }
   // Refused for its SLO before its tokens are charged to the tenant.

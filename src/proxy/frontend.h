@@ -42,7 +42,7 @@ class Frontend {
   // fleet id (common/request_id.h). Then charges prompt + max_tokens to the
   // tenant's token bucket: a refusal is RESOURCE_EXHAUSTED naming the limit,
   // with `*retry_after_seconds` set (when not null).
-  Result<ValidatedRequest> Validate(const ClientRequest& req, const Tenant* tenant = nullptr,
+  Result<ValidatedRequest> Validate(ClientRequest req, const Tenant* tenant = nullptr,
                                     double* retry_after_seconds = nullptr);
   // Admission, before the request is tokenized: RESOURCE_EXHAUSTED at once
   // when max_inflight requests are admitted. Request ids play no part (the

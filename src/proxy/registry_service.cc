@@ -4,6 +4,8 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+
 #include <atomic>
 
 #include "common/rpc_server.h"
@@ -220,6 +222,10 @@ grpc::ServerUnaryReactor* RegistryService::Register(grpc::CallbackServerContext*
   rec.block_bytes = w.block_bytes();
   rec.num_blocks = w.num_blocks();
   rec.epoch = w.epoch();
+  rec.tensor_parallel = std::max(1u, w.tensor_parallel());
+  rec.pipeline_parallel = std::max(1u, w.pipeline_parallel());
+  rec.num_layers = w.num_layers();
+  rec.num_kv_heads = w.num_kv_heads();
   if (auto it = w.labels().find("node"); it != w.labels().end()) rec.node = it->second;
   if (auto it = w.labels().find("zone"); it != w.labels().end()) rec.zone = it->second;
 

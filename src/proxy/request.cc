@@ -9,7 +9,7 @@
 
 namespace tandem::proxy {
 
-Result<ValidatedRequest> ValidateRequest(const ClientRequest& req, const ServingLimits& limits,
+Result<ValidatedRequest> ValidateRequest(ClientRequest req, const ServingLimits& limits,
                                          const EncodeFn& encode, uint64_t random_seed) {
   ValidatedRequest out;
   if (req.request_id.size() > limits.max_request_id_bytes) {
@@ -77,7 +77,7 @@ Result<ValidatedRequest> ValidateRequest(const ClientRequest& req, const Serving
             req.prompt_token_ids[i], limits.vocab_size));
       }
     }
-    out.prompt_ids = req.prompt_token_ids;
+    out.prompt_ids = std::move(req.prompt_token_ids);
   }
 
   if (req.max_tokens.has_value()) {
@@ -152,7 +152,7 @@ Result<ValidatedRequest> ValidateRequest(const ClientRequest& req, const Serving
       return InvalidArgumentError(fmt::format("stop[{}] is not valid UTF-8", i));
     }
   }
-  out.stop = req.stop;
+  out.stop = std::move(req.stop);
   // Every generated token is checked against these on the engine thread.
   if (req.stop_token_ids.size() > limits.max_stop_token_ids) {
     return InvalidArgumentError(fmt::format(

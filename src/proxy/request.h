@@ -103,7 +103,8 @@ using EncodeFn = std::function<std::vector<uint32_t>(std::string_view text)>;
 // `random_seed` when no seed is given; gives the request a new fleet id.
 // INVALID_ARGUMENT names the field and the limit; NOT_FOUND for an unknown
 // model.
-Result<ValidatedRequest> ValidateRequest(const ClientRequest& req, const ServingLimits& limits,
+// `req` is taken by value: its prompt ids move into the result.
+Result<ValidatedRequest> ValidateRequest(ClientRequest req, const ServingLimits& limits,
                                          const EncodeFn& encode, uint64_t random_seed);
 
 }  // namespace tandem::proxy

@@ -192,7 +192,8 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
     }
   }
   const ScoringParams params{policy_, config_.prefill_weight, config_.temperature,
-                             config_.local_prefill_threshold_tokens, &options_};
+                             config_.local_prefill_threshold_tokens, &options_,
+                             workers_.layout_compat()};
   const size_t pi = static_cast<size_t>(policy_);
   if (Status st = Score(candidates_, request.prompt_tokens, params, &policy_state_, out); !st.ok()) {
     route_errors_[pi].fetch_add(1, std::memory_order_relaxed);
@@ -270,7 +271,7 @@ void Router::BuildCandidatesLocked(const OverlapBlocks& overlap, const TierOverl
                                     overlap[id], lower.host[id] + lower.disk[id],
                                     lower.host[id] * std::max(0.0, 1.0 - options_.host_tier_onboard_cost) +
                                         lower.disk[id] * std::max(0.0, 1.0 - options_.disk_tier_onboard_cost),
-                                    e.info.num_blocks ? held / e.info.num_blocks : held});
+                                    e.info.num_blocks ? held / e.info.num_blocks : held, e.layout_id});
   }
 }
 

@@ -119,9 +119,14 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
     return w[p].node_id == w[d].node_id ? 0 : (w[p].zone_id == w[d].zone_id ? 1 : 2);
   };
   auto transfer = [&](uint32_t p, uint32_t d) { return p == d ? 0.0 : tcd[d][link(p, d)]; };
+  // Whether p's KV can reach d (their rank layouts, issue 18).
+  const uint64_t* compat = params.layout_compat;
+  auto compatible = [&](uint32_t p, uint32_t d) {
+    return compat == nullptr || p == d || ((compat[w[p].layout_id] >> w[d].layout_id) & 1) != 0;
+  };
   // Whether p may prefill for d: a 'both' prefiller keeps the request.
   auto allowed = [&](uint32_t p, uint32_t d) {
-    return room[d] && (w[p].role == WorkerRole::kBoth ? p == d : true);
+    return room[d] && (w[p].role == WorkerRole::kBoth ? p == d : compatible(p, d));
   };
 
   uint32_t bp = UINT32_MAX, bd = UINT32_MAX;
@@ -184,6 +189,7 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
       }
       const uint32_t p_node = w[p].node_id, p_zone = w[p].zone_id;
       for (uint32_t b = 0; b < n_roomy; ++b) {
+        if (compat != nullptr && !compatible(p, roomy[b])) continue;
         const uint32_t cls = roomy_node[b] == p_node ? 0 : (roomy_zone[b] == p_zone ? 1 : 2);
         const double cost = pc[p] + roomy_cost[b][0] + roomy_cost[b][cls + 1];
         if (sample || bp == UINT32_MAX || cost <= best_hi) consider(p, roomy[b], cost);
@@ -227,6 +233,18 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
     }
   }
   if (bp == UINT32_MAX) {
+    bool any_pair = false;  // ignoring room: does any prefiller reach any decoder?
+    for (uint32_t a = 0; a < ps.n && !any_pair; ++a) {
+      for (uint32_t b = 0; b < ds.n && !any_pair; ++b) {
+        const uint32_t p = ps.idx[a], d = ds.idx[b];
+        any_pair = w[p].role == WorkerRole::kBoth ? p == d : compatible(p, d);
+      }
+    }
+    if (!any_pair) {
+      return UnavailableError("no prefiller's KV layout (tensor_parallel, pipeline_parallel) is "
+                              "compatible with any decoder's; the proxy's log says why at "
+                              "registration");
+    }
     return ResourceExhaustedError("no (prefiller, decoder) pair has room for a prompt of " +
                                   std::to_string(prompt_blocks) + " blocks");
   }

@@ -20,7 +20,8 @@
 // they are), then the lowest prefiller id, then the lowest decoder id. With temperature T > 0
 // the pair is drawn with probability proportional to exp(-cost / T).
 //
-// Pairs: a 'prefill' worker pairs with any decode-capable worker; a 'both'
+// Pairs: a 'prefill' worker pairs with any decode-capable worker whose KV
+// layout is compatible with its own (ScoringParams::layout_compat); a 'both'
 // worker that prefills also decodes (aggregated: one worker, no transfer).
 //
 // Thread-safety: none; Router calls Score under its mutex.
@@ -54,6 +55,7 @@ struct Candidate {
   // count over the registered pool size (the raw count when the size is
   // unknown). Breaks ties between equal-cost pairs, so cold prefixes spread.
   double cache_fill = 0;
+  uint32_t layout_id = 0;  // its rank layout, a row/column of ScoringParams::layout_compat
 };
 
 struct ScoringParams {
@@ -62,6 +64,10 @@ struct ScoringParams {
   double temperature = 0.0;
   uint32_t local_prefill_threshold_tokens = 0;
   const RouterOptions* options = nullptr;  // never null
+  // Rank layouts (issue 18): bit layout_id(d) of row layout_id(p) set when
+  // prefiller p may send KV to decoder d (WorkerSet::layout_compat); null:
+  // every pair is compatible. A worker prefilling for itself needs no transfer.
+  const uint64_t* layout_compat = nullptr;
 };
 
 struct PolicyState {

@@ -32,6 +32,13 @@ struct WorkerInfo {
   uint64_t epoch = 0;            // random per process start (KV event epoch)
   uint32_t num_blocks = 0;       // KV pool size; free blocks until the first report (0: unknown)
   uint64_t block_bytes = 0;      // bytes of one KV block (all layers), for transfer time
+  // Its rank layout (issue 18) and the model dimensions it splits: a
+  // prefiller is paired only with decoders whose layout
+  // parallel::KvLayoutsPairable accepts.
+  uint32_t tensor_parallel = 1;
+  uint32_t pipeline_parallel = 1;
+  uint32_t num_layers = 0;
+  uint32_t num_kv_heads = 0;
 };
 
 // A worker's own account of its load (proto LoadReport).

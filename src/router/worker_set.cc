@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "parallel/kv_compat.h"
+
 namespace tandem::router {
 
 std::string_view WorkerRoleName(WorkerRole role) {
@@ -34,7 +36,29 @@ Result<WorkerId> WorkerSet::Add(const WorkerInfo& info) {
     return ResourceExhaustedError("cannot add worker '" + info.name + "': the router holds at most " +
                                   std::to_string(kMaxWorkers) + " workers");
   }
-  slots_[id] = Entry{info, Intern(nodes_, info.node), Intern(zones_, info.zone)};
+  const LayoutKey key{std::max(1u, info.tensor_parallel), std::max(1u, info.pipeline_parallel),
+                      info.num_layers, info.num_kv_heads};
+  auto lit = std::find(layouts_.begin(), layouts_.end(), key);
+  if (lit == layouts_.end()) {
+    if (layouts_.size() == kMaxLayouts) {
+      return ResourceExhaustedError("cannot add worker '" + info.name + "': the router holds at most " +
+                                    std::to_string(kMaxLayouts) + " distinct rank layouts");
+    }
+    layouts_.push_back(key);
+    lit = layouts_.end() - 1;
+    // The new layout's row and column of the compatibility table.
+    const uint32_t n = static_cast<uint32_t>(layouts_.size() - 1);
+    auto compatible = [](const LayoutKey& p, const LayoutKey& d) {
+      return parallel::KvLayoutsPairable({p.tp, p.pp}, {d.tp, d.pp},
+                                           {.num_layers = p.layers, .num_kv_heads = p.kv_heads});
+    };
+    for (uint32_t j = 0; j <= n; ++j) {
+      if (compatible(layouts_[n], layouts_[j])) compat_[n] |= uint64_t{1} << j;
+      if (compatible(layouts_[j], layouts_[n])) compat_[j] |= uint64_t{1} << n;
+    }
+  }
+  slots_[id] = Entry{info, Intern(nodes_, info.node), Intern(zones_, info.zone),
+                     static_cast<uint32_t>(lit - layouts_.begin())};
   ids_.insert(std::lower_bound(ids_.begin(), ids_.end(), id), id);
   return id;
 }

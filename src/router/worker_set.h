@@ -24,10 +24,12 @@ class WorkerSet {
     WorkerInfo info;
     uint32_t node_id = 0;  // interned info.node ("" is its own value)
     uint32_t zone_id = 0;  // interned info.zone
+    uint32_t layout_id = 0;  // interned (tp, pp, layers, kv heads); row of layout_compat()
   };
 
   // AlreadyExists for a name in use; ResourceExhausted past kMaxWorkers;
-  // InvalidArgument for an empty name.
+  // InvalidArgument for an empty name; ResourceExhausted past
+  // kMaxLayouts distinct rank layouts.
   Result<WorkerId> Add(const WorkerInfo& info);
   Status Remove(WorkerId id);
 
@@ -38,6 +40,13 @@ class WorkerSet {
   const std::vector<WorkerId>& ids() const { return ids_; }
   size_t size() const { return ids_.size(); }
 
+  // Rank layouts (issue 18): bit d of row p is set when a prefiller of
+  // layout p may send KV to a decoder of layout d
+  // (parallel::KvLayoutsPairable). Rows exist for every layout_id handed
+  // out; the table only grows.
+  static constexpr uint32_t kMaxLayouts = 64;
+  const uint64_t* layout_compat() const { return compat_.data(); }
+
  private:
   static uint32_t Intern(std::vector<std::string>& table, const std::string& label);
 
@@ -45,6 +54,12 @@ class WorkerSet {
   std::vector<WorkerId> ids_;
   std::vector<std::string> nodes_;
   std::vector<std::string> zones_;
+  struct LayoutKey {
+    uint32_t tp, pp, layers, kv_heads;
+    bool operator==(const LayoutKey&) const = default;
+  };
+  std::vector<LayoutKey> layouts_;
+  std::array<uint64_t, kMaxLayouts> compat_{};
 };
 
 }  // namespace tandem::router

@@ -30,6 +30,7 @@
 #include "prefiller/prefiller_service.h"
 #include "worker/kv_transport_setup.h"
 #include "worker/proxy_registrar.h"
+#include "worker/rank_layout.h"
 #include "worker/role_capabilities.h"
 #include "worker/worker_metrics.h"
 #include "worker/worker_service.h"
@@ -241,6 +242,15 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
                                                       rc.tensor_parallel, rc.pipeline_parallel));
     w.model_config = w.sim.storage_config;
   } else {
+    // Issue 18 (the layout was checked against the model: CheckRankFlags).
+    const parallel::ParallelLayout pl{rc.tensor_parallel, rc.pipeline_parallel};
+    if (pl.world() > 1) {
+      return FailedPreconditionError(fmt::format(
+          "{0}.tensor_parallel {1} x {0}.pipeline_parallel {2}: this build serves a worker from "
+          "one process only; the rank runtime that runs a worker as {3} rank processes "
+          "(docs/parallelism.md) is not in it (model.backend sim models TP and PP in one process)",
+          cmd.role, pl.tp, pl.pp, pl.world()));
+    }
     // cuda: matrices straight to bf16 (half the host memory; docs/cuda.md).
     const auto format = w.fleet.model.backend == "cuda" ? model::WeightFormat::kBf16
                                                         : model::WeightFormat::kF32;
@@ -398,6 +408,12 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   id.num_blocks = eo.num_blocks;
   id.epoch = w.engine->events().epoch();
   id.transport_backend = w.transport->capabilities().backend;
+  // Issue 18: the rank layout whose KV slices a transfer moves. A sim
+  // worker models its ranks inside one process and one KV pool: 1 x 1.
+  if (!simulated) {
+    id.tensor_parallel = rc.tensor_parallel;
+    id.pipeline_parallel = rc.pipeline_parallel;
+  }
   // Router labels: the command line's, else the role section's; unset ones
   // are not sent (the proxy then applies its own fleet file's).
   if (const std::string& node = cmd.node.empty() ? rc.node : cmd.node; !node.empty()) id.labels["node"] = node;
@@ -426,6 +442,32 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
                                    Advertised(w.registry->bound_address(), adv, false));
   }
   w.worker_service->Start();
+  return Status::Ok();
+}
+
+// --rank and --group against the layout (issue 18).
+Status CheckRankFlags(const WorkerCommand& cmd, const FleetConfig& fleet, const RoleConfig& rc) {
+  const uint32_t world = fleet.model.backend == "sim" ? 1 : rc.tensor_parallel * rc.pipeline_parallel;
+  if (cmd.rank >= world) {
+    return InvalidArgumentError(fmt::format(
+        "--rank {} is out of range: the worker has {} rank(s) ({}.tensor_parallel {} x "
+        "{}.pipeline_parallel {}{})",
+        cmd.rank, world, cmd.role, rc.tensor_parallel, cmd.role, rc.pipeline_parallel,
+        fleet.model.backend == "sim" ? "; backend sim runs them in one process" : ""));
+  }
+  if (world > 1 && cmd.group.empty()) {
+    return InvalidArgumentError(fmt::format(
+        "--group is required for a worker of {} ranks: every rank process joins the group of "
+        "that name (tandem launch sets it)",
+        world));
+  }
+  // The layout must split the model (backend sim models it in one process
+  // over its own model shape, docs/sim.md; 1 x 1 splits every model).
+  if (world > 1) {
+    TANDEM_ASSIGN_OR_RETURN(auto model, model::LoadModelConfig(fleet.model.path));
+    TANDEM_RETURN_IF_ERROR(CheckRoleLayout(cmd.role, {rc.tensor_parallel, rc.pipeline_parallel},
+                                           model, fleet.model.path));
+  }
   return Status::Ok();
 }
 
@@ -492,9 +534,16 @@ int RunWorker(const WorkerCommand& cmd) {
     return 1;
   }
   w->fleet = std::move(fleet).value();
-  const RoleConfig& rc = cmd.role == "prefill" ? w->fleet.prefill
-                         : cmd.role == "decode" ? w->fleet.decode
-                                                : w->fleet.both;
+  RoleConfig& rc = cmd.role == "prefill" ? w->fleet.prefill
+                   : cmd.role == "decode" ? w->fleet.decode
+                                          : w->fleet.both;
+  // Issue 18: the command line's layout replaces the role section's.
+  if (cmd.tensor_parallel != 0) rc.tensor_parallel = cmd.tensor_parallel;
+  if (cmd.pipeline_parallel != 0) rc.pipeline_parallel = cmd.pipeline_parallel;
+  if (Status s = CheckRankFlags(cmd, w->fleet, rc); !s.ok()) {
+    std::cerr << fmt::format("tandem {}: {}\n", cmd.role, s.message());
+    return 1;
+  }
   std::string name = cmd.name;
   if (name.empty()) {
     auto hp = ParseHostPort(cmd.grpc.empty() ? rc.grpc : cmd.grpc);

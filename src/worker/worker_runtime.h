@@ -50,6 +50,17 @@ struct WorkerCommand {
   // --tls-ca/--tls-cert/--tls-key: the internal plane's identity (tandem
   // launch passes them); empty: the config's security.internal_tls.
   std::string tls_ca, tls_cert, tls_key;
+  // Model parallelism (issue 18, docs/parallelism.md "Rank processes"):
+  // --tensor-parallel/--pipeline-parallel replace the role section's
+  // (0: the section's). A worker of more than one rank is one process per
+  // rank, all started with the same --group NAME (a name unique on the
+  // host; `tandem launch` makes one): --rank 0 serves (gRPC, metrics,
+  // registration), --rank R > 0 is a follower that listens on nothing and
+  // follows rank 0's step plan.
+  uint32_t tensor_parallel = 0;
+  uint32_t pipeline_parallel = 0;
+  uint32_t rank = 0;
+  std::string group;
 };
 
 // Returns the process exit code.

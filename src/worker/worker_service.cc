@@ -48,6 +48,8 @@ void FillInfo(const WorkerIdentity& id, pb::WorkerInfo* out) {
   out->set_transport_backend(id.transport_backend);
   out->set_fleet_salt_fingerprint(id.fleet_salt_fingerprint);
   out->set_hash_root(id.hash_root);
+  out->set_tensor_parallel(id.tensor_parallel);
+  out->set_pipeline_parallel(id.pipeline_parallel);
   for (const auto& [k, v] : id.labels) (*out->mutable_labels())[k] = v;
 }
 

@@ -48,6 +48,9 @@ struct WorkerIdentity {
   std::string fleet_salt_fingerprint;  // FleetSaltFingerprint(cache.salt)
   uint64_t hash_root = 0;              // RootHash of the hash context (tenant salt empty)
   std::map<std::string, std::string> labels;
+  // Its rank layout (issue 18): tensor_parallel x pipeline_parallel ranks.
+  uint32_t tensor_parallel = 1;
+  uint32_t pipeline_parallel = 1;
 };
 
 // LoadReport of worker.proto as plain numbers.

@@ -20,6 +20,11 @@
 #               communicator across 2 processes on devices 0 and 1
 #               (all-reduce bits, all-gather, broadcast, send/recv);
 #               with fewer devices the stage is not run and the log says so
+#   cuda_tp_two_devices
+#               only where nvidia-smi lists >= 2 devices: the cuda backend's
+#               tensor parallel, TP = 2 on devices 0 and 1 vs TP = 1 on device
+#               0 (greedy tokens equal, the max logit difference printed);
+#               with fewer devices the stage is not run and the log says so
 #   fleet_1p1d  tests/gpu/fleet_check.py: configs/cuda-1p1d.yaml launched
 #               (prefiller and decoder on the same GPU), 16 prompts at once,
 #               greedy text == `tandem generate --config` for each
@@ -61,7 +66,7 @@ rm -rf "$WORK"
 mkdir -p "$WORK"
 BUILD="$ROOT/build"
 BUDGET="${DEVICE_CHECK_BUDGET_S:-470}"
-STAGES="${DEVICE_CHECK_STAGES:-deps build gpu_tests nccl_two_devices fleet_1p1d kernels kvtransfer kvtransfer_device e2e}"
+STAGES="${DEVICE_CHECK_STAGES:-deps build gpu_tests nccl_two_devices cuda_tp_two_devices fleet_1p1d kernels kvtransfer kvtransfer_device e2e}"
 # Never under $OUT (whatever is there is shipped back): 16 GB.
 MODEL_DIR="${TMPDIR:-/tmp}/tandem-device-check-model.$$"
 T0=$(date +%s)
@@ -130,13 +135,13 @@ if wanted e2e; then
 fi
 if [ "${DEVICE_CHECK_SKIP_BUILD:-0}" != 1 ]; then
   stage deps 150 bash "$ROOT/tools/install_deps.sh"
-  stage build 360 env TANDEM_BUILD_TARGETS="tandem kernels_cuda_test engine_cuda_test nccl_communicator_test bench_kernels_cuda bench_cuda_engine" \
+  stage build 360 env TANDEM_BUILD_TARGETS="tandem kernels_cuda_test engine_cuda_test nccl_communicator_test cuda_tp_forward_test bench_kernels_cuda bench_cuda_engine" \
     bash "$ROOT/tools/build.sh"
 fi
 
 # ---- correctness ----
 # The gpu tests' references run on the CPU: several test processes at once.
-stage gpu_tests 170 ctest --test-dir "$BUILD" -L gpu -E NcclCommunicatorTwoDevices \
+stage gpu_tests 170 ctest --test-dir "$BUILD" -L gpu -E 'NcclCommunicatorTwoDevices|CudaTpTwoDevices' \
   -j "$(nproc)" --timeout 150 --output-on-failure --output-junit "$WORK/gpu_tests.xml"
 # The NCCL communicator across two processes needs two devices (a skip in
 # gpu_tests would count as a failure on a one-device machine).
@@ -146,6 +151,13 @@ if [ "${gpu_count:-0}" -ge 2 ]; then
     --gtest_filter='NcclCommunicatorTwoDevices.*'
 elif wanted nccl_two_devices; then
   log "nccl_two_devices: not run, ${gpu_count:-0} device(s) listed and it needs 2"
+fi
+# TP = 2 on the cuda backend (two rank processes, devices 0 and 1).
+if [ "${gpu_count:-0}" -ge 2 ]; then
+  stage cuda_tp_two_devices 120 "$BUILD/tests/gpu/cuda_tp_forward_test" \
+    --gtest_filter='*CudaTpTwoDevices.*'
+elif wanted cuda_tp_two_devices; then
+  log "cuda_tp_two_devices: not run, ${gpu_count:-0} device(s) listed and it needs 2"
 fi
 # Both workers of the fleet (and the reference processes) on the same GPU.
 stage fleet_1p1d 150 env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" \

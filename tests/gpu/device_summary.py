@@ -13,8 +13,8 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
-ORDER = ["deps", "build", "gpu_tests", "nccl_two_devices", "fleet_1p1d", "kernels", "kvtransfer",
-         "kvtransfer_device", "e2e"]
+ORDER = ["deps", "build", "gpu_tests", "nccl_two_devices", "cuda_tp_two_devices", "fleet_1p1d",
+         "kernels", "kvtransfer", "kvtransfer_device", "e2e"]
 
 
 def last_json_line(path):
@@ -161,6 +161,13 @@ def main():
         if not s["gpu_tests"]["ok"]:
             failures.append("gpu_tests: {failed} failed, {skipped} skipped, {passed} passed".format(
                 **s["gpu_tests"]))
+    if "cuda_tp_two_devices" in stages:
+        # One line per model: tokens equal, max logit difference TP=2 vs TP=1.
+        try:
+            lines = open(os.path.join(work, "cuda_tp_two_devices.log"), errors="replace").read()
+            s["cuda_tp_two_devices"] = [l for l in lines.splitlines() if "TP=2 vs TP=1" in l]
+        except OSError:
+            s["cuda_tp_two_devices"] = []
     if "fleet_1p1d" in stages:
         try:
             s["fleet_1p1d"] = json.load(open(os.path.join(work, "fleet", "fleet_check.json")))

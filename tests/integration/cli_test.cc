@@ -4,6 +4,7 @@
 
 #include <array>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <utility>
 
@@ -176,6 +177,62 @@ TEST(Cli, LaunchRejectsABadConfig) {
   const CmdResult r = Tandem("launch /nonexistent.yaml");
   EXPECT_EQ(r.code, 1);
   EXPECT_EQ(r.out, "/nonexistent.yaml: cannot open the config file\n");
+}
+
+// Issue 18: a rank layout the model cannot split is refused by `tandem
+// launch` before any process starts, in one line naming the key; a worker
+// refuses bad --rank/--group flags naming them.
+std::string WriteRankFleet(const std::string& decode_extra) {
+  char dir[] = "/tmp/tandem-cli-ranks-XXXXXX";
+  if (mkdtemp(dir) == nullptr) return "";
+  const std::string path = std::string(dir) + "/fleet.yaml";
+  FILE* f = fopen(path.c_str(), "w");
+  if (f == nullptr) return "";
+  fprintf(f,
+          "model:\n  path: %s/models/tandem-kjv\nprefill:\n  replicas: 1\ndecode:\n"
+          "  replicas: 1\n%s",
+          TANDEM_SOURCE_DIR, decode_extra.c_str());
+  fclose(f);
+  return path;
+}
+
+TEST(Cli, LaunchRefusesALayoutTheModelCannotSplitNamingTheKey) {
+  const std::string config = WriteRankFleet("  tensor_parallel: 3\n");
+  ASSERT_FALSE(config.empty());
+  const CmdResult r = Tandem("launch " + config + " --state-file " + config + ".state");
+  EXPECT_EQ(r.code, 1) << r.out;
+  size_t lines = 0;
+  for (char c : r.out) lines += c == '\n';
+  EXPECT_EQ(lines, 1u) << r.out;
+  EXPECT_NE(r.out.find("fleet not started: decode.tensor_parallel 3 does not divide "
+                       "num_attention_heads 8"),
+            std::string::npos)
+      << r.out;
+  const CmdResult pp = Tandem("launch " + WriteRankFleet("  pipeline_parallel: 6\n"));
+  EXPECT_EQ(pp.code, 1) << pp.out;
+  EXPECT_NE(pp.out.find("fleet not started: decode.pipeline_parallel 6 exceeds num_hidden_layers 5"),
+            std::string::npos)
+      << pp.out;
+}
+
+TEST(Cli, WorkerRefusesBadRankFlagsNamingThem) {
+  const std::string config = WriteRankFleet("");
+  ASSERT_FALSE(config.empty());
+  const CmdResult no_group = Tandem("decode --config " + config + " --tensor-parallel 2");
+  EXPECT_EQ(no_group.code, 1) << no_group.out;
+  EXPECT_NE(no_group.out.find("--group is required for a worker of 2 ranks"), std::string::npos)
+      << no_group.out;
+  const CmdResult bad_rank =
+      Tandem("decode --config " + config + " --tensor-parallel 2 --rank 2 --group g");
+  EXPECT_EQ(bad_rank.code, 1) << bad_rank.out;
+  EXPECT_NE(bad_rank.out.find("--rank 2 is out of range: the worker has 2 rank(s)"),
+            std::string::npos)
+      << bad_rank.out;
+  const CmdResult bad_tp = Tandem("prefill --config " + config + " --tensor-parallel 3 --group g");
+  EXPECT_EQ(bad_tp.code, 1) << bad_tp.out;
+  EXPECT_NE(bad_tp.out.find("prefill.tensor_parallel 3 does not divide num_attention_heads 8"),
+            std::string::npos)
+      << bad_tp.out;
 }
 
 }  // namespace

@@ -475,5 +475,37 @@ TEST(Config, ProxyAdmissionAndSlo) {
             std::string::npos);
 }
 
+// Issue 18: tensor_parallel / pipeline_parallel per role section (default 1;
+// the model's divisibility is checked at start-up: rank_layout_test).
+TEST(Config, RoleRankLayout) {
+  auto d = Parse(kGood);
+  ASSERT_TRUE(d.ok());
+  for (const RoleConfig* r : {&d->prefill, &d->decode, &d->both}) {
+    EXPECT_EQ(r->tensor_parallel, 1u);
+    EXPECT_EQ(r->pipeline_parallel, 1u);
+  }
+  auto r = Parse("model:\n  path: m\nprefill:\n  replicas: 1\n  tensor_parallel: 2\n"
+                 "decode:\n  replicas: 1\n  pipeline_parallel: 2\nboth:\n  tensor_parallel: 4\n"
+                 "  pipeline_parallel: 3\n");
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->prefill.tensor_parallel, 2u);
+  EXPECT_EQ(r->prefill.pipeline_parallel, 1u);
+  EXPECT_EQ(r->decode.tensor_parallel, 1u);
+  EXPECT_EQ(r->decode.pipeline_parallel, 2u);
+  EXPECT_EQ(r->both.tensor_parallel, 4u);
+  EXPECT_EQ(r->both.pipeline_parallel, 3u);
+  EXPECT_NE(ErrorOf(std::string(kGood) + "both:\n  tensor_parallel: 0\n")
+                .find("key 'both.tensor_parallel' must be an integer in [1, 64], got '0'"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("model:\n  path: m\nprefill:\n  replicas: 1\ndecode:\n  replicas: 1\n"
+                    "  pipeline_parallel: 65\n")
+                .find("key 'decode.pipeline_parallel' must be an integer in [1, 64], got '65'"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("model:\n  path: m\nprefill:\n  replicas: 1\n  tensor_parallel: two\n"
+                    "decode:\n  replicas: 1\n")
+                .find("prefill.tensor_parallel"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace tandem

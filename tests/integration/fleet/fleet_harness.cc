@@ -19,6 +19,7 @@
 #include <random>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include "common/net.h"
 #include "common/rpc_server.h"
@@ -60,9 +61,11 @@ Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
         "logging:\n  level: {}\n  format: {}\n",
         BundledModel(), o.model_yaml, o.num_blocks, o.cache_yaml, o.max_num_seqs, o.max_batched_tokens, o.max_waiting,
         o.max_inflight, o.proxy_yaml, o.policy, o.router_yaml, LogLevel(o), o.log_format);
-    for (auto [role, n] : {std::pair{"prefill", o.prefill}, {"decode", o.decode}, {"both", o.both}}) {
-      y << fmt::format("{}:\n  replicas: {}\n  grpc: 127.0.0.1:0\n  metrics: 127.0.0.1:0\n",
-                       role, n);
+    for (auto [role, n, extra] : {std::tuple{"prefill", o.prefill, &o.prefill_yaml},
+                                  {"decode", o.decode, &o.decode_yaml},
+                                  {"both", o.both, &o.both_yaml}}) {
+      y << fmt::format("{}:\n  replicas: {}\n  grpc: 127.0.0.1:0\n  metrics: 127.0.0.1:0\n{}",
+                       role, n, *extra);
     }
     y << o.extra_yaml;
   }
@@ -110,14 +113,23 @@ Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
   }
   f->cache_salt_ = j.value("cache_salt", "");
   for (const auto& w : j["workers"]) {
-    f->workers_.push_back({w["role"], w.value("name", ""), w["grpc"], w["metrics"], w["pid"]});
+    WorkerAddr a{w["role"], w.value("name", ""), w["grpc"], w["metrics"], w["pid"], {}};
+    for (const auto& r : w.value("ranks", nlohmann::json::array())) {
+      a.ranks.emplace_back(r.value("rank", 0u), r.value("pid", -1));
+    }
+    f->workers_.push_back(std::move(a));
   }
   f->proxies_ = ReadProxies(state);
   ReapOnExit(f->proxy_pid_);
   for (const auto& p : f->proxies_) {
     if (p.pid != f->proxy_pid_) ReapOnExit(p.pid);
   }
-  for (const auto& w : f->workers_) ReapOnExit(w.pid);
+  for (const auto& w : f->workers_) {
+    ReapOnExit(w.pid);
+    for (const auto& [rank, pid] : w.ranks) {
+      if (rank > 0) ReapOnExit(pid);
+    }
+  }
   return f;
 }
 
@@ -178,7 +190,12 @@ void Fleet::ForgetAll() {
   Forget(pid_);
   Forget(proxy_pid_);
   for (const auto& p : proxies_) Forget(p.pid);
-  for (const auto& w : workers_) Forget(w.pid);
+  for (const auto& w : workers_) {
+    Forget(w.pid);
+    for (const auto& [rank, pid] : w.ranks) {
+      if (rank > 0) Forget(pid);
+    }
+  }
   pid_ = -1;
 }
 
@@ -187,7 +204,10 @@ Fleet::~Fleet() {
     if (!Stop(std::chrono::seconds(20)).ok()) {
       // Whatever is left (a stopped worker ignores SIGTERM): SIGKILL, as
       // the reaper would.
-      for (const auto& w : workers_) kill(w.pid, SIGKILL);
+      for (const auto& w : workers_) {
+        kill(w.pid, SIGKILL);
+        for (const auto& [rank, pid] : w.ranks) kill(pid, SIGKILL);
+      }
       for (const auto& p : ReadProxies(state_path())) kill(p.pid, SIGKILL);
       kill(proxy_pid_, SIGKILL);
       kill(pid_, SIGKILL);

@@ -36,6 +36,8 @@ struct FleetOptions {
   std::string model_yaml;
   // Lines added inside the `cache` section, e.g. "  host_tier_blocks: 64\n".
   std::string cache_yaml;
+  // Lines added inside a role section, e.g. "  tensor_parallel: 2\n" (issue 18).
+  std::string prefill_yaml, decode_yaml, both_yaml;
   // The `logging` section's level and format (every process logs to log_path()).
   // TANDEM_TEST_LOG_LEVEL in the environment replaces the default level.
   std::string log_level = "warn";
@@ -45,6 +47,9 @@ struct FleetOptions {
 struct WorkerAddr {
   std::string role, name, grpc, metrics;
   pid_t pid = -1;
+  // The state file's `ranks` (issue 18): {rank, pid} of every rank process
+  // of the worker, rank 0 (== pid) first; empty for a worker started by hand.
+  std::vector<std::pair<uint32_t, pid_t>> ranks;
 };
 
 // One proxy replica of the state file's `proxies` (proxy.replicas).

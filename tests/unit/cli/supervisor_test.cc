@@ -89,5 +89,86 @@ TEST(Supervisor, SigtermToTheLauncherIsReported) {
   EXPECT_EQ(sup.WaitForSignalOrDeath({}), SIGTERM);
 }
 
+// Issue 18: a worker of several ranks is one group; the death of any rank
+// stops the rest of it (and nothing else).
+ChildSpec RankChild(const std::string& name, uint32_t rank, uint32_t ranks,
+                    const std::string& then = "exec sleep 30") {
+  ChildSpec spec = ShChild(name, then);
+  spec.role = "decode";
+  spec.rank = rank;
+  spec.ranks = ranks;
+  return spec;
+}
+
+// Waits (bounded by `rounds` of at most 5 s) until every child named `name` is reaped.
+bool WaitGroupGone(Supervisor& sup, const std::string& name, int rounds = 6) {
+  for (int i = 0; i < rounds; ++i) {
+    bool any = false;
+    for (const auto& c : sup.children()) any = any || (c.alive && c.spec.name == name);
+    if (!any) return true;
+    sup.WaitForSignalOrDeath({name}, 5s);
+  }
+  return false;
+}
+
+TEST(Supervisor, DeathOfOneRankStopsItsWorkerGroupOnly) {
+  Supervisor sup;
+  auto other = sup.Start(ShChild("prefill-0", "exec sleep 30"), 10s);
+  auto r1 = sup.Start(RankChild("decode-0", 1, 2), 10s);
+  auto r0 = sup.Start(RankChild("decode-0", 0, 2), 10s);
+  ASSERT_TRUE(other.ok() && r1.ok() && r0.ok());
+  const pid_t pid1 = (*r1)->pid;
+  ASSERT_EQ(kill(pid1, SIGKILL), 0);
+  ASSERT_TRUE(WaitGroupGone(sup, "decode-0"));
+  const Child& c1 = sup.children()[1];
+  const Child& c0 = sup.children()[2];
+  EXPECT_EQ(DescribeExit(c1),
+            "decode-0 rank 1 (pid " + std::to_string(pid1) + ") was killed by signal 9");
+  EXPECT_FALSE(c1.group_stopped);  // it died by itself
+  EXPECT_TRUE(c0.group_stopped);   // rank 0 was stopped because of it
+  EXPECT_TRUE(WIFSIGNALED(c0.exit_status));
+  EXPECT_EQ(WTERMSIG(c0.exit_status), SIGKILL);
+  EXPECT_TRUE(sup.children()[0].alive);  // another worker keeps serving
+}
+
+TEST(Supervisor, DeathOfRankZeroStopsTheFollowers) {
+  Supervisor sup;
+  auto r2 = sup.Start(RankChild("decode-0", 2, 3), 10s);
+  auto r1 = sup.Start(RankChild("decode-0", 1, 3), 10s);
+  auto r0 = sup.Start(RankChild("decode-0", 0, 3, "sleep 0.2; exit 4"), 10s);
+  ASSERT_TRUE(r2.ok() && r1.ok() && r0.ok());
+  ASSERT_TRUE(WaitGroupGone(sup, "decode-0"));
+  EXPECT_EQ(DescribeExit(sup.children()[2]),
+            "decode-0 rank 0 (pid " + std::to_string(sup.children()[2].pid) +
+                ") exited with status 4");
+  for (int i : {0, 1}) {
+    EXPECT_TRUE(sup.children()[i].group_stopped) << i;
+    EXPECT_EQ(WTERMSIG(sup.children()[i].exit_status), SIGKILL) << i;
+  }
+}
+
+TEST(Supervisor, DrainSignalsRankZeroAndTheFollowersGoWithIt) {
+  Supervisor sup;
+  // The follower ignores SIGTERM: only rank 0's exit may end it.
+  auto r1 = sup.Start(RankChild("decode-0", 1, 2, "trap '' TERM; sleep 30 & wait"), 10s);
+  auto r0 = sup.Start(RankChild("decode-0", 0, 2), 10s);
+  ASSERT_TRUE(r1.ok() && r0.ok());
+  EXPECT_TRUE(sup.Drain("decode-0"));
+  ASSERT_TRUE(WaitGroupGone(sup, "decode-0"));
+  EXPECT_EQ(WTERMSIG(sup.children()[1].exit_status), SIGTERM);  // rank 0 drained
+  EXPECT_TRUE(sup.children()[0].draining);
+  EXPECT_EQ(WTERMSIG(sup.children()[0].exit_status), SIGKILL);  // then its follower stopped
+}
+
+TEST(Supervisor, KillGroupKillsEveryRank) {
+  Supervisor sup;
+  auto r1 = sup.Start(RankChild("decode-0", 1, 2), 10s);
+  auto other = sup.Start(ShChild("prefill-0", "exec sleep 30"), 10s);
+  ASSERT_TRUE(r1.ok() && other.ok());
+  EXPECT_EQ(sup.KillGroup("decode-0"), 1);
+  EXPECT_FALSE(sup.children()[0].alive);
+  EXPECT_TRUE(sup.children()[1].alive);
+}
+
 }  // namespace
 }  // namespace tandem::cli

@@ -24,6 +24,51 @@ TEST(SamplerTest, GreedyPicksLowestIdOnTiesAndSkipsNan) {
   EXPECT_EQ(s.Sample(l, p, 1, 0), 1u);
 }
 
+// Argmax against the definition (first index of the largest non-NaN
+// value; 0 when all are NaN), written out as the one-branch loop it
+// replaced, on random vectors of every length 0..70 with NaNs, infinities,
+// signed zeros and many ties.
+TEST(SamplerTest, ArgmaxEqualsTheFirstNonNanMaximum) {
+  const auto reference = [](const std::vector<float>& v) {
+    uint32_t best = 0;
+    bool found = false;
+    for (uint32_t i = 0; i < v.size(); ++i) {
+      if (std::isnan(v[i])) continue;
+      if (!found || v[i] > v[best]) {
+        best = i;
+        found = true;
+      }
+    }
+    return best;
+  };
+  const float pool[] = {NAN, INFINITY, -INFINITY, 0.0f, -0.0f, 1.0f, -1.0f, 2.5f, 2.5f, 1e30f};
+  uint64_t x = 12345;
+  const auto next = [&x] {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<uint32_t>(x >> 33);
+  };
+  int cases = 0;
+  for (size_t len = 0; len <= 70; ++len) {
+    for (int rep = 0; rep < 200; ++rep) {
+      std::vector<float> v(len);
+      const uint32_t mode = next() % 3;  // 0: from the pool, 1: random, 2: mostly NaN / -inf
+      for (float& f : v) {
+        if (mode == 0) f = pool[next() % std::size(pool)];
+        else if (mode == 1) f = static_cast<float>(next() % 64) - 32.0f;
+        else f = next() % 4 == 0 ? -INFINITY : NAN;
+      }
+      ASSERT_EQ(Argmax(v), reference(v)) << "length " << len << " mode " << mode;
+      ++cases;
+    }
+  }
+  EXPECT_EQ(cases, 71 * 200);
+  std::vector<float> big(4096, -3.0f);
+  big[4000] = 7.0f;
+  big[4001] = 7.0f;
+  big[17] = NAN;
+  EXPECT_EQ(Argmax(big), 4000u);
+}
+
 TEST(SamplerTest, SameSeedAndIndexSameTokenDifferentIndexVaries) {
   Sampler s;
   SamplingParams p;
