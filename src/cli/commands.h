@@ -20,6 +20,8 @@ void RegisterLaunch(CLI::App& app, GlobalOptions& g);
 void RegisterProxy(CLI::App& app, GlobalOptions& g);
 void RegisterWorker(CLI::App& app, GlobalOptions& g, const std::string& role);
 void RegisterGenerate(CLI::App& app, GlobalOptions& g);
+// `tandem rank` (rank_cmd.cc, hidden): a follower rank of a TP x PP group.
+void RegisterRank(CLI::App& app, GlobalOptions& g);
 void RegisterBench(CLI::App& app, GlobalOptions& g);
 void RegisterClient(CLI::App& app, GlobalOptions& g);
 // `tandem certs` (certs_cmd.cc): a certificate of a tandem CA.

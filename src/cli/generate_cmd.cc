@@ -2,14 +2,25 @@
 //
 //   tandem generate [--config FILE | --model DIR] (--prompt TEXT | --prompt-ids 1,2,3)
 //                   --max-tokens N [--temperature T] [--seed S] [--ignore-eos] [--json]
+//                   [--tensor-parallel N] [--pipeline-parallel M]
 //
 // Streams the completion's text to stdout as it is generated; with --json
 // prints {"token_ids": [...], "text": "..."} of the completion only.
+//
+// With N * M > 1 (issue 18, docs/parallelism.md) this process is rank 0 of a
+// CPU rank group and starts ranks 1 .. N*M-1 as `tandem rank` children
+// (parallel/rank_processes.h: they die with it); a rank that exits early
+// fails the command with a message naming the rank, and no rank outlives it.
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
 #include <filesystem>
 #include <iostream>
+#include <mutex>
 #include <optional>
 #include <sstream>
 
@@ -19,6 +30,8 @@
 #include "model/model_config.h"
 #include "model/tokenizer.h"
 #include "model/weights.h"
+#include "parallel/parallel_layout.h"
+#include "parallel/rank_processes.h"
 
 namespace tandem::cli {
 namespace fs = std::filesystem;
@@ -76,6 +89,74 @@ struct GenerateArgs {
   std::optional<uint64_t> seed;
   bool ignore_eos = false;
   bool json = false;
+  uint32_t tensor_parallel = 1;
+  uint32_t pipeline_parallel = 1;
+};
+
+// The follower ranks of a parallel generate, watched while the engine runs:
+// a rank that exits kills the others (so rank 0's step fails at once with
+// UNAVAILABLE) and, should rank 0 still be stuck 10 s later (e.g. waiting
+// for that rank to join), ends the process naming the rank.
+class RankGroup {
+ public:
+  static Result<std::unique_ptr<RankGroup>> Start(const std::string& model_dir,
+                                                  const parallel::ParallelLayout& layout,
+                                                  const std::string& group, uint32_t num_blocks,
+                                                  uint32_t block_size, uint32_t threads) {
+    std::unique_ptr<RankGroup> g(new RankGroup());
+    // The binary's real path as argv[0], so `ps` shows what runs.
+    std::error_code ec;
+    const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+    const std::string exe_path = ec ? "/proc/self/exe" : exe.string();
+    TANDEM_ASSIGN_OR_RETURN(
+        g->procs_, parallel::RankProcesses::Start(layout.world(), [&](uint32_t rank) {
+          return std::vector<std::string>{
+              exe_path, "rank", "--model", model_dir, "--tensor-parallel",
+              std::to_string(layout.tp), "--pipeline-parallel", std::to_string(layout.pp),
+              "--rank", std::to_string(rank), "--group", group, "--num-blocks",
+              std::to_string(num_blocks), "--block-size", std::to_string(block_size),
+              "--threads", std::to_string(threads)};
+        }));
+    RankGroup* self = g.get();
+    g->procs_->Watch([self](const parallel::RankProcesses::Exit& e) { self->OnRankExit(e); });
+    return g;
+  }
+  ~RankGroup() { Finish(); }
+
+  // Rank 0 is done with the engine (any outcome): stop watching.
+  void Finish() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    if (procs_) procs_->StopWatching();
+  }
+  // After the shutdown plan: every rank must exit 0.
+  Status WaitAll() { return procs_->WaitAll(10000); }
+  std::string death() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return death_;
+  }
+
+ private:
+  RankGroup() = default;
+  void OnRankExit(const parallel::RankProcesses::Exit& e) {
+    std::unique_lock<std::mutex> lock(mu_);
+    death_ = e.Describe();
+    procs_->KillAll();
+    if (!cv_.wait_for(lock, std::chrono::seconds(10), [this] { return done_; })) {
+      std::cerr << "tandem generate: " << death_ << "\n";
+      procs_->KillAll();
+      _exit(1);
+    }
+  }
+
+  std::unique_ptr<parallel::RankProcesses> procs_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::string death_;
 };
 
 Status Run(const GenerateArgs& a) {
@@ -115,7 +196,37 @@ Status Run(const GenerateArgs& a) {
     options.num_blocks = static_cast<uint32_t>(std::min<uint64_t>(need, UINT32_MAX));
   }
   options.tokenizer = tokenizer.get();
-  TANDEM_ASSIGN_OR_RETURN(auto eng, engine::Engine::Create(config, weights, options));
+  const parallel::ParallelLayout layout{a.tensor_parallel, a.pipeline_parallel};
+  std::unique_ptr<RankGroup> ranks;
+  if (layout.tp != 1 || layout.pp != 1) {
+    parallel::ModelDims dims;
+    dims.num_layers = config.num_hidden_layers;
+    dims.num_heads = config.num_attention_heads;
+    dims.num_kv_heads = config.num_key_value_heads;
+    dims.intermediate = config.intermediate_size;
+    dims.vocab = config.vocab_size;
+    TANDEM_RETURN_IF_ERROR(parallel::CheckLayout(layout, dims));
+    if (options.backend != "cpu") {
+      return InvalidArgumentError(fmt::format(
+          "--tensor-parallel/--pipeline-parallel: backend '{}' has no rank group runtime (cpu only)",
+          options.backend));
+    }
+    options.parallel = layout;
+    options.parallel_group = fmt::format("tandem-generate-{}", getpid());
+    TANDEM_ASSIGN_OR_RETURN(ranks, RankGroup::Start(model_dir, layout, options.parallel_group,
+                                                    options.num_blocks, options.block_size,
+                                                    options.threads));
+  }
+  // A rank that died explains a failure better than what rank 0 saw of it.
+  auto with_rank = [&](Status st) {
+    if (st.ok() || ranks == nullptr) return st;
+    ranks->Finish();
+    const std::string death = ranks->death();
+    return death.empty() ? st : st.WithContext(death);
+  };
+  auto created = engine::Engine::Create(config, weights, options);
+  if (!created.ok()) return with_rank(created.status());
+  auto eng = std::move(created).value();
   weights = {};  // packed copies live in the backend
 
   engine::GenerateRequest req;
@@ -134,9 +245,14 @@ Status Run(const GenerateArgs& a) {
     if (!a.json && !o.text.empty()) std::cout << o.text << std::flush;
     if (o.finished) final_status = o.status;
   };
-  TANDEM_RETURN_IF_ERROR(eng->Submit(std::move(req)));
+  TANDEM_RETURN_IF_ERROR(with_rank(eng->Submit(std::move(req))));
   eng->RunUntilIdle();
-  TANDEM_RETURN_IF_ERROR(final_status);
+  TANDEM_RETURN_IF_ERROR(with_rank(final_status));
+  if (ranks != nullptr) {
+    ranks->Finish();
+    eng.reset();  // broadcasts the shutdown plan
+    TANDEM_RETURN_IF_ERROR(ranks->WaitAll());
+  }
   if (a.json) {
     nlohmann::ordered_json j;  // keys in the documented order
     j["token_ids"] = out_ids;
@@ -167,6 +283,10 @@ void RegisterGenerate(CLI::App& app, GlobalOptions& g) {
   cmd->add_option("--seed", a->seed, "sampling seed (default: random)");
   cmd->add_flag("--ignore-eos", a->ignore_eos, "do not stop at end-of-sequence tokens");
   cmd->add_flag("--json", a->json, "print {\"token_ids\": [...], \"text\": \"...\"}");
+  cmd->add_option("--tensor-parallel", a->tensor_parallel,
+                  "tensor-parallel ranks (CPU processes; default 1)");
+  cmd->add_option("--pipeline-parallel", a->pipeline_parallel,
+                  "pipeline stages (CPU processes; default 1)");
   cmd->callback([&g, a] {
     if (!a->prompt && !a->prompt_ids) {
       std::cerr << "tandem generate: give --prompt TEXT or --prompt-ids 1,2,3\n";

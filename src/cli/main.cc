@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
   tandem::cli::RegisterWorker(app, g, "decode");
   tandem::cli::RegisterWorker(app, g, "both");
   tandem::cli::RegisterGenerate(app, g);
+  tandem::cli::RegisterRank(app, g);
   tandem::cli::RegisterBench(app, g);
   tandem::cli::RegisterClient(app, g);
   tandem::cli::RegisterCerts(app, g);

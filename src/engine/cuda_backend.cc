@@ -288,7 +288,7 @@ Result<std::unique_ptr<ComputeBackend>> CreateCudaBackend(const model::ModelConf
                                             opts.shard.rank, parallel::ToString(layout),
                                             layout.world() - 1));
   }
-  if (layout.tp > 1 && opts.tp_group.empty()) {
+  if (layout.tp > 1 && opts.tp_group.empty() && !opts.tp_comm_factory) {
     return InvalidArgumentError(fmt::format(
         "backend cuda: tensor_parallel {} needs the tensor ranks' group name "
         "(CudaBackendOptions::tp_group)",

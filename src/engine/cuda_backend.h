@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -60,6 +61,12 @@ struct CudaBackendOptions {
   // (DEADLINE_EXCEEDED naming the missing ranks).
   std::string tp_group;
   int64_t tp_join_timeout_ms = 60000;
+  // Tests only (tp > 1): makes the tensor ranks' communicator instead of
+  // NCCL, given the backend's stream (a cudaStream_t). Its calls take device
+  // buffers, must be ordered after the stream's work and return once done.
+  // tests/gpu/cuda_tp_forward_test stages through the host over shm so that
+  // two ranks can share one device (NCCL refuses two ranks on one device).
+  std::function<Result<std::unique_ptr<parallel::Communicator>>(void* stream)> tp_comm_factory;
 };
 
 // FAILED_PRECONDITION with the runtime's reason when no CUDA device is

@@ -130,6 +130,16 @@ Status CudaBackend::InitShard() {
   shard_.vocab = parallel::TpSlice(l, c.vocab_size, shard_.tp_rank);
   if (l.tp == 1) return Status::Ok();
   const int tp = static_cast<int>(l.tp), rank = static_cast<int>(shard_.tp_rank);
+  if (options_.tp_comm_factory) {  // tests: two ranks on one device
+    auto made = options_.tp_comm_factory(stream_);
+    if (!made.ok()) return made.status();
+    tp_comm_ = std::move(made).value();
+    if (tp_comm_ == nullptr || tp_comm_->size() != tp || tp_comm_->rank() != rank) {
+      return InvalidArgumentError(fmt::format(
+          "backend cuda: tp_comm_factory made no communicator of rank {} of {}", rank, tp));
+    }
+    return Status::Ok();
+  }
   auto bootstrap = parallel::ShmCommunicator::Join(options_.tp_group, rank, tp,
                                                    options_.tp_join_timeout_ms, kBootstrapBytes);
   if (!bootstrap.ok()) {

@@ -1,7 +1,9 @@
 // Engine: creation, validation and the thread-safe request API. The step
 // itself (schedule, forward, sample) is in engine_step.cc.
 #include "engine/engine.h"
+#include "engine/parallel_backend.h"
 #include "engine/sim_backend.h"
+#include "engine/stage_runner.h"
 
 #include <fmt/format.h>
 
@@ -123,6 +125,25 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
   layout.num_kv_heads = config.num_key_value_heads;
   layout.head_dim = config.head_dim;
   layout.block_size = o.block_size;
+  const bool is_parallel = o.parallel.world() > 1;
+  if (is_parallel) {
+    if (o.backend != "cpu") {
+      return UnimplementedError(fmt::format(
+          "tensor_parallel {} x pipeline_parallel {}: backend '{}' has no rank group runtime "
+          "(only cpu ranks are built)",
+          o.parallel.tp, o.parallel.pp, o.backend));
+    }
+    TANDEM_RETURN_IF_ERROR(parallel::CheckLayout(o.parallel, DimsOf(config)));
+    if (o.host_tier_blocks > 0 || !o.disk_tier_path.empty()) {
+      // A tier block would hold rank 0's shard of the KV only. Refused here,
+      // before the backend waits for the follower ranks to join.
+      return UnimplementedError(fmt::format(
+          "cache.host_tier_blocks / cache.disk_tier: not built for a rank group ({}); turn the "
+          "tiers off or run tensor_parallel = pipeline_parallel = 1",
+          parallel::ToString(o.parallel)));
+    }
+    layout = ShardKvLayout(config, ShardSpec{o.parallel, 0}, o.block_size);
+  }
   KvPoolAllocator* allocator = o.allocator;
   if (allocator == nullptr) {
     e->own_allocator_ = std::make_unique<AlignedKvPoolAllocator>();
@@ -153,6 +174,13 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
         "backend cuda: this build has no CUDA kernels (configure with -DTANDEM_CUDA=ON where "
         "nvcc is installed)");
 #endif
+  } else if (is_parallel) {
+    ParallelBackendOptions po;
+    po.layout = o.parallel;
+    po.group = o.parallel_group;
+    po.threads = static_cast<int>(o.threads);
+    po.join_timeout_ms = o.parallel_join_timeout_ms;
+    TANDEM_ASSIGN_OR_RETURN(e->backend_, CreateParallelBackend(config, weights, e->pool_.get(), po));
   } else {
     TANDEM_ASSIGN_OR_RETURN(e->backend_, CreateBackend(o.backend, config, weights, e->pool_.get(),
                                                        static_cast<int>(o.threads)));

@@ -52,6 +52,7 @@
 #include "model/model_config.h"
 #include "model/tokenizer.h"
 #include "model/weights.h"
+#include "parallel/parallel_layout.h"
 #include "sim/timing_model.h"
 
 namespace tandem::engine {
@@ -78,6 +79,14 @@ struct EngineOptions {
   uint64_t epoch = 0;  // KV event epoch; 0: derived from the clock
   // Borrowed; must outlive the engine. Null: plain aligned memory.
   KvPoolAllocator* allocator = nullptr;
+  // Model parallelism (issue 18, docs/parallelism.md): with parallel.world()
+  // > 1 this engine is rank 0 of the group; its pool holds rank 0's shard
+  // (engine::ShardKvLayout) and the backend is ParallelBackend, which waits
+  // (up to parallel_join_timeout_ms) for the follower ranks (`tandem rank
+  // --group <parallel_group>`, parallel/follower.h) to join. cpu only.
+  parallel::ParallelLayout parallel;
+  std::string parallel_group;
+  int64_t parallel_join_timeout_ms = 60000;
   // Borrowed; enables stop strings and RequestOutput::text. May be null.
   const model::Tokenizer* tokenizer = nullptr;
   // Called on the engine thread after every step (for metrics histograms).
@@ -202,6 +211,9 @@ class Engine {
   const KvPool& pool() const { return *pool_; }
   const model::ModelConfig& model_config() const { return config_; }
   const ComputeBackend& backend() const { return *backend_; }
+  // Non-const: a rank group's ParallelBackend is driven between steps by
+  // the worker (KV pushes on the engine thread; issue 18).
+  ComputeBackend& backend() { return *backend_; }
   uint32_t max_model_len() const { return max_model_len_; }
   // The chain root of requests without a cache salt, and of `cache_salt`.
   uint64_t root_hash() const { return root_hash_; }

@@ -5,6 +5,10 @@
 #include <algorithm>
 #include <cmath>
 
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
 #include "common/splitmix.h"
 
 namespace tandem::engine {
@@ -31,23 +35,40 @@ uint32_t ArgmaxScalar(std::span<const float> logits) {
 
 uint32_t Argmax(std::span<const float> logits) {
   // Pass 1: the largest value. A NaN never wins `v > m`, so it is skipped
-  // without a branch; eight lanes keep the comparisons independent.
-  constexpr size_t kLanes = 8;
-  float lane[kLanes];
-  for (float& l : lane) l = -INFINITY;
+  // without a branch; sixteen lanes (SSE) keep the comparisons independent.
   const size_t n = logits.size();
   const float* p = logits.data();
   size_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (size_t j = 0; j < kLanes; ++j) lane[j] = p[i + j] > lane[j] ? p[i + j] : lane[j];
-  }
   float m = -INFINITY;
-  for (; i < n; ++i) m = p[i] > m ? p[i] : m;
+#if defined(__SSE2__)
+  // MAXPS(v, acc) is `v > acc ? v : acc` lane by lane: a NaN in v keeps acc.
+  __m128 acc0 = _mm_set1_ps(-INFINITY), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm_max_ps(_mm_loadu_ps(p + i), acc0);
+    acc1 = _mm_max_ps(_mm_loadu_ps(p + i + 4), acc1);
+    acc2 = _mm_max_ps(_mm_loadu_ps(p + i + 8), acc2);
+    acc3 = _mm_max_ps(_mm_loadu_ps(p + i + 12), acc3);
+  }
+  alignas(16) float lane[16];
+  _mm_store_ps(lane, acc0);
+  _mm_store_ps(lane + 4, acc1);
+  _mm_store_ps(lane + 8, acc2);
+  _mm_store_ps(lane + 12, acc3);
   for (float l : lane) m = l > m ? l : m;
+#endif
+  for (; i < n; ++i) m = p[i] > m ? p[i] : m;
   // Every value -inf or NaN: the plain loop's rule (the first non-NaN).
   if (m == -INFINITY) return ArgmaxScalar(logits);
   // Pass 2: its first index (equal values, -0.0 and +0.0 included, tie).
-  for (i = 0; i < n; ++i) {
+  i = 0;
+#if defined(__SSE2__)
+  const __m128 target = _mm_set1_ps(m);
+  for (; i + 4 <= n; i += 4) {
+    const int hit = _mm_movemask_ps(_mm_cmpeq_ps(_mm_loadu_ps(p + i), target));
+    if (hit != 0) return static_cast<uint32_t>(i + static_cast<size_t>(__builtin_ctz(hit)));
+  }
+#endif
+  for (; i < n; ++i) {
     if (p[i] == m) return static_cast<uint32_t>(i);
   }
   return 0;  // not reached

@@ -38,7 +38,7 @@ double UniformDraw(uint64_t seed, uint64_t index);
 
 // The index of the largest non-NaN value, the lowest index on ties
 // (-0.0 and +0.0 tie); 0 when every value is NaN. Greedy decoding's pick,
-// in two passes over independent lanes (issue 23: the one-branch-per-logit
+// in two branch-free passes (SSE lanes) (issue 23: the one-branch-per-logit
 // loop was 5 % of a decoder's CPU per token).
 uint32_t Argmax(std::span<const float> logits);
 

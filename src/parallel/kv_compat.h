@@ -6,10 +6,9 @@
 //
 // Two conditions: the layouts can exchange KV at all
 // (parallel/kv_slices.h KvLayoutsCompatible: both split the model), and
-// this build moves KV between them. Today that means EQUAL layouts: each
-// prefill rank's slice goes to the decode rank of the same index. When the
-// slice push between different layouts exists (kv-reshard), it widens the
-// second condition here; this is the one place that decides.
+// this build moves KV between them: equal layouts rank by rank, different
+// layouts by the slice push (kvtransfer/slice_push.h, wired in the worker
+// ranks). This is the one place that decides.
 //
 // Pure functions, no state.
 #pragma once

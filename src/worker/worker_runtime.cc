@@ -22,14 +22,20 @@
 #include "decoder/decoder.h"
 #include "decoder/decoder_service.h"
 #include "engine/engine.h"
+#include "engine/llama_forward.h"
+#include "engine/parallel_backend.h"
 #include "engine/sim_backend.h"
+#include "kvtransfer/slice_push_ranks.h"
 #include "kvtransfer/transport.h"
 #include "model/model_config.h"
 #include "model/weights.h"
+#include "parallel/follower.h"
+#include "parallel/step_plan.h"
 #include "prefiller/prefiller.h"
 #include "prefiller/prefiller_service.h"
 #include "worker/kv_transport_setup.h"
 #include "worker/proxy_registrar.h"
+#include "worker/rank_kv.h"
 #include "worker/rank_layout.h"
 #include "worker/role_capabilities.h"
 #include "worker/worker_metrics.h"
@@ -38,6 +44,10 @@
 namespace tandem::worker {
 
 namespace {
+
+// How long the ranks of a group wait for each other (issue 18): followers
+// start first and wait for rank 0 to load its model and transport.
+constexpr int64_t kRankJoinTimeoutMs = 120000;
 
 // The engine's KV pool is the transport's (UCX-allocated) memory.
 class TransportPoolAllocator final : public engine::KvPoolAllocator {
@@ -128,6 +138,7 @@ struct Worker {
   std::unique_ptr<MetricsRegistry> registry;
   std::unique_ptr<WorkerMetrics> metrics;
   std::unique_ptr<engine::Engine> engine;
+  engine::ParallelBackend* group = nullptr;  // rank 0 of a rank group (issue 18); in `engine`
   std::unique_ptr<decoder::Decoder> decoder;
   std::unique_ptr<prefiller::DecoderLink> link;
   std::unique_ptr<prefiller::Prefiller> prefiller;
@@ -242,15 +253,6 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
                                                       rc.tensor_parallel, rc.pipeline_parallel));
     w.model_config = w.sim.storage_config;
   } else {
-    // Issue 18 (the layout was checked against the model: CheckRankFlags).
-    const parallel::ParallelLayout pl{rc.tensor_parallel, rc.pipeline_parallel};
-    if (pl.world() > 1) {
-      return FailedPreconditionError(fmt::format(
-          "{0}.tensor_parallel {1} x {0}.pipeline_parallel {2}: this build serves a worker from "
-          "one process only; the rank runtime that runs a worker as {3} rank processes "
-          "(docs/parallelism.md) is not in it (model.backend sim models TP and PP in one process)",
-          cmd.role, pl.tp, pl.pp, pl.world()));
-    }
     // cuda: matrices straight to bf16 (half the host memory; docs/cuda.md).
     const auto format = w.fleet.model.backend == "cuda" ? model::WeightFormat::kBf16
                                                         : model::WeightFormat::kF32;
@@ -275,6 +277,20 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   layout.num_kv_heads = w.model_config.num_key_value_heads;
   layout.head_dim = w.model_config.head_dim;
   layout.block_size = eo.block_size;
+  // Issue 18 (docs/parallelism.md "Rank processes"): rank 0 of a group of
+  // ranks (the layout was checked against the model: CheckRankFlags). Its
+  // engine runs ParallelBackend, which waits for the followers to join; its
+  // pool and transport hold rank 0's slice of every block.
+  const parallel::ParallelLayout pl =
+      simulated ? parallel::ParallelLayout{} : parallel::ParallelLayout{rc.tensor_parallel, rc.pipeline_parallel};
+  const uint64_t model_block_bytes = layout.block_bytes();  // the whole block, every rank's slice
+  if (pl.world() > 1) {
+    TANDEM_RETURN_IF_ERROR(CheckTransportForLayout(cmd.role, pl, w.fleet.transport));
+    eo.parallel = pl;
+    eo.parallel_group = cmd.group;
+    eo.parallel_join_timeout_ms = kRankJoinTimeoutMs;
+    layout = engine::ShardKvLayout(w.model_config, engine::ShardSpec{pl, 0}, eo.block_size);
+  }
 
   // The transport first: it allocates the pool, and nothing may touch UCX before it.
   kvtransfer::TransportOptions to;
@@ -343,6 +359,20 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   // No silent fallback: a backend whose KV the transport cannot move is refused here.
   TANDEM_RETURN_IF_ERROR(
       CheckRoleCapabilities(w.engine->backend(), cmd.role, w.transport->capabilities()));
+  // Issue 18: every follower has joined (Engine::Create waited); before the
+  // first step plan, rank 0 collects every rank's KV transport descriptor
+  // (the followers send theirs right after joining).
+  engine::ParallelBackend* group = nullptr;
+  std::vector<std::string> rank_descriptors;
+  if (pl.world() > 1) {
+    group = dynamic_cast<engine::ParallelBackend*>(&w.engine->backend());
+    if (group == nullptr) return InternalError("a rank group's engine has no ParallelBackend");
+    TANDEM_ASSIGN_OR_RETURN(rank_descriptors, kvtransfer::ExchangeRankDescriptors(
+                                                  group->world(), w.transport->LocalDescriptor()));
+    spdlog::info("{}: rank 0 of {} ({}), every rank joined group {}", name, pl.world(),
+                 parallel::ToString(pl), cmd.group);
+    w.group = group;
+  }
   w.engine->Start();
 
   // End-to-end KV checksums read the pools from the host.
@@ -359,6 +389,8 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     dopt.encrypt = w.fleet.transport.encrypt;
     dopt.verify_checksums = checksum;
     dopt.on_local_prefill_seconds = [metrics](double s) { metrics->ObservePrefill(s); };
+    dopt.layout = pl;  // issue 18: the decode ranks' descriptors go in every KvTarget
+    if (pl.world() > 1) dopt.rank_descriptors = rank_descriptors;
     w.decoder = std::make_unique<decoder::Decoder>(*w.engine, *w.transport, dopt);
     w.decoder->Start();
     w.decoder_service = decoder::MakeDecoderService(*w.decoder, *w.transport);
@@ -375,6 +407,24 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     popt.checksum = checksum;
     popt.push_mode = w.fleet.transport.push == "after_prefill" ? prefiller::PushMode::kAfterPrefill
                                                                : prefiller::PushMode::kStreaming;
+    popt.layout = pl;  // issue 18: pushes are sliced when either side has several ranks
+    if (pl.world() > 1) {
+      popt.kv_dims = KvDimsOf(w.model_config, eo.block_size);
+      // The other prefill ranks' parts of a sliced push: a push_kv step plan
+      // and their reports, on the engine thread (where a push's Finish runs).
+      popt.follower_push = [group](const kvtransfer::SlicePushSpec& spec,
+                                   kvtransfer::RankSlicePusher::Done done) {
+        auto send_plan = [group](std::string spec_bytes) {
+          parallel::StepPlan plan;
+          plan.kind = parallel::StepKind::kPushKv;
+          const auto* b = reinterpret_cast<const std::byte*>(spec_bytes.data());
+          plan.extensions.push_back(
+              {kvtransfer::kPushKvSpecTag, std::vector<std::byte>(b, b + spec_bytes.size())});
+          return group->BroadcastPlan(std::move(plan));
+        };
+        done(kvtransfer::PushThroughFollowers(spec, send_plan, group->world()));
+      };
+    }
     const char* help = "Prefills dropped with their blocks freed and nothing written, by reason "
                        "(target_lost: the decoder or the push failed; lease_expired: the KV was "
                        "ready too late for the decoder's lease)";
@@ -401,10 +451,13 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   id.kv_dtype = eo.hash_context.kv_dtype;
   id.fleet_salt_fingerprint = FleetSaltFingerprint(eo.hash_context.fleet_salt);
   id.hash_root = w.engine->root_hash();
-  id.num_layers = layout.num_layers;
-  id.num_kv_heads = layout.num_kv_heads;
+  // The whole model's (a rank group's pool holds a slice; issue 18).
+  id.num_layers = w.model_config.num_hidden_layers;
+  id.num_kv_heads = w.model_config.num_key_value_heads;
   id.head_dim = layout.head_dim;
   id.block_bytes = w.transport->block_bytes();  // what travels: bf16 blocks on cuda
+  // A rank group's transport holds rank 0's slice; the fleet compares whole blocks.
+  if (pl.world() > 1) id.block_bytes = model_block_bytes;
   id.num_blocks = eo.num_blocks;
   id.epoch = w.engine->events().epoch();
   id.transport_backend = w.transport->capabilities().backend;
@@ -471,11 +524,76 @@ Status CheckRankFlags(const WorkerCommand& cmd, const FleetConfig& fleet, const 
   return Status::Ok();
 }
 
+// A follower rank (--rank R > 0) of a worker group (issue 18,
+// docs/parallelism.md "Rank processes"): its shard of the model, its
+// rank-local KV pool registered with its own transport (worker/rank_kv.h),
+// and rank 0's step plans until rank 0 shuts the group down (exit 0) or
+// disappears (exit 1). It listens on nothing; its ready line (empty
+// addresses) goes out once its pool exists, before it waits for rank 0.
+int RunFollower(const WorkerCommand& cmd, const FleetConfig& fleet, const RoleConfig& rc,
+                const std::string& name) {
+  auto fail = [&](const Status& s) {
+    spdlog::error("{} rank {} stopped: {}", name, cmd.rank, s.message());
+    std::cerr << fmt::format("tandem {} rank {}: {}\n", cmd.role, cmd.rank, s.message());
+    return 1;
+  };
+  const parallel::ParallelLayout layout{rc.tensor_parallel, rc.pipeline_parallel};
+  if (Status s = CheckTransportForLayout(cmd.role, layout, fleet.transport); !s.ok()) return fail(s);
+  auto model = model::LoadModelConfig(fleet.model.path);
+  if (!model.ok()) return fail(model.status());
+  const engine::EngineOptions eo = engine::EngineOptions::FromFleetConfig(fleet);
+  const uint32_t num_blocks = rc.num_blocks != 0 ? rc.num_blocks : eo.num_blocks;
+  kvtransfer::TransportOptions to;
+  to.backend = fleet.transport.backend;
+  to.agent_name = name;
+  to.num_blocks = num_blocks;
+  to.peer_timeout_s = fleet.transport.peer_timeout_seconds;
+  auto kv = FollowerRankKv::Create(to, layout, KvDimsOf(*model, eo.block_size), cmd.rank);
+  if (!kv.ok()) return fail(kv.status());
+  parallel::FollowerOptions fo;
+  fo.model_dir = fleet.model.path;
+  fo.layout = layout;
+  fo.rank = cmd.rank;
+  fo.group = cmd.group;
+  fo.threads = static_cast<int>(eo.threads);
+  fo.num_blocks = num_blocks;
+  fo.block_size = eo.block_size;
+  fo.join_timeout_ms = kRankJoinTimeoutMs;
+  fo.allocator = &(*kv)->allocator();
+  fo.on_pool_ready = [&cmd](engine::KvPool&) {
+    WriteReady(cmd.ready_fd, "", "");  // started: the launcher starts the next rank
+    return Status::Ok();
+  };
+  FollowerRankKv* rank_kv = kv->get();
+  fo.on_joined = [rank_kv](parallel::Communicator& world) { return rank_kv->OnJoined(world); };
+  fo.on_push_kv = [rank_kv](const parallel::StepPlan& plan, engine::KvPool&,
+                            parallel::Communicator& world) {
+    for (const parallel::PlanField& f : plan.extensions) {
+      if (f.tag == kvtransfer::kPushKvSpecTag) return rank_kv->OnPushKv(f.bytes, world);
+    }
+    return rank_kv->OnPushKv({}, world);  // reported to rank 0 as an undecodable spec
+  };
+  spdlog::info("{} rank {} of {} ({}): joining group {}", name, cmd.rank, layout.world(),
+               parallel::ToString(layout), cmd.group);
+  if (Status s = parallel::RunFollowerRank(fo); !s.ok()) return fail(s);
+  spdlog::info("{} rank {}: rank 0 shut the group down", name, cmd.rank);
+  return 0;
+}
+
 // Waits for SIGINT/SIGTERM (blocked in every thread); returns the signal.
-int WaitForStopSignal(const sigset_t& set) {
+// Rank 0 of a rank group also watches the group: 0 once a rank is lost
+// (`group` failed; issue 18).
+int WaitForStopSignal(const sigset_t& set, const engine::ParallelBackend* group) {
   while (true) {
-    int sig = 0;
-    if (sigwait(&set, &sig) == 0) return sig;
+    if (group == nullptr) {
+      int sig = 0;
+      if (sigwait(&set, &sig) == 0) return sig;
+      continue;
+    }
+    const timespec tick{0, 200'000'000};
+    const int sig = sigtimedwait(&set, nullptr, &tick);
+    if (sig > 0) return sig;
+    if (!group->failure().ok()) return 0;
   }
 }
 
@@ -552,9 +670,17 @@ int RunWorker(const WorkerCommand& cmd) {
   }
   const std::string level = cmd.log_level.empty() ? w->fleet.logging.level : cmd.log_level;
   const std::string format = cmd.log_format.empty() ? w->fleet.logging.format : cmd.log_format;
-  if (Status s = SetupLogging(name, level, format); !s.ok()) {
+  if (Status s = SetupLogging(cmd.rank > 0 ? fmt::format("{}-rank{}", name, cmd.rank) : name,
+                              level, format);
+      !s.ok()) {
     std::cerr << s.message() << "\n";
     return 1;
+  }
+  if (cmd.rank > 0) {
+    // A follower ends with its group: SIGTERM/SIGINT stop it at once (rank
+    // 0 is the one that drains).
+    pthread_sigmask(SIG_UNBLOCK, &stop_set, nullptr);
+    return RunFollower(cmd, w->fleet, rc, name);
   }
 
   {
@@ -622,7 +748,18 @@ int RunWorker(const WorkerCommand& cmd) {
                w->transport->capabilities().backend);
   WriteReady(cmd.ready_fd, w->server->address(), w->registry->bound_address());
 
-  const int sig = WaitForStopSignal(stop_set);
+  const int sig = WaitForStopSignal(stop_set, w->group);
+  if (sig == 0) {
+    // A rank is gone: the group cannot compute any more. Out of routing
+    // at once (the proxy migrates or retries what was here) and exit 1.
+    spdlog::error("{}: {}; leaving routing and exiting (the worker cannot compute without every "
+                  "rank)",
+                  name, w->group->failure().message());
+    Drain(*w, 0);
+    w.reset();
+    tracing::Tracer::Get().Stop();
+    return 1;
+  }
   spdlog::info("{} received signal {}: draining (up to {} s)", name, sig, cmd.drain_seconds);
   Drain(*w, cmd.drain_seconds);
   w.reset();  // then the metrics exposer, the transport (UCX) and the model

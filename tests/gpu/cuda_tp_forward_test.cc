@@ -6,6 +6,12 @@
 //     parallel, a layout that cannot split the model, tp > 1 without a
 //     group name, a KV pool of the wrong geometry -- each refused at
 //     creation with an error naming it.
+//   - CudaTpOneDevice.*: the same script with both tensor ranks on device 0
+//     and their collectives staged through the host over the shm
+//     communicator (CudaBackendOptions::tp_comm_factory; NCCL refuses two
+//     ranks on one device): the sharding itself -- slices, row-parallel
+//     sums, the gathered vocabulary -- on any machine with one GPU. Skipped,
+//     saying so, without a device.
 //   - CudaTpTwoDevices.*: TP = 2, two processes on devices 0 and 1, against
 //     TP = 1 on device 0: a batch of three prompts prefilled, then greedy
 //     decode steps (a batch of three pads to the bucket of four); the greedy
@@ -13,6 +19,7 @@
 //     bounded (NCCL promises no fixed summation order, so bits may differ).
 //     Skipped, saying so, with fewer than 2 devices (tests/gpu/device_check.sh
 //     runs them only where two devices exist).
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -121,6 +128,49 @@ bool LoadModel(const std::string& rel_dir, Model* m, std::string* why) {
   return true;
 }
 
+// A tensor rank's collectives on device buffers, staged through host memory
+// over a shm communicator (ordered after the backend's stream).
+class HostStagedCommunicator final : public parallel::Communicator {
+ public:
+  HostStagedCommunicator(std::unique_ptr<parallel::Communicator> inner, cudaStream_t stream)
+      : inner_(std::move(inner)), stream_(stream) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  std::string_view kind() const override { return "host-staged shm"; }
+
+  Status AllReduceSum(std::span<float> data) override {
+    a_.resize(data.size());
+    TANDEM_RETURN_IF_ERROR(Copy(a_.data(), data.data(), data.size(), cudaMemcpyDeviceToHost));
+    TANDEM_RETURN_IF_ERROR(inner_->AllReduceSum(a_));
+    return Copy(data.data(), a_.data(), data.size(), cudaMemcpyHostToDevice);
+  }
+  Status AllGather(std::span<const float> in, std::span<float> out) override {
+    a_.resize(in.size());
+    b_.resize(out.size());
+    TANDEM_RETURN_IF_ERROR(Copy(a_.data(), in.data(), in.size(), cudaMemcpyDeviceToHost));
+    TANDEM_RETURN_IF_ERROR(inner_->AllGather(a_, b_));
+    return Copy(out.data(), b_.data(), out.size(), cudaMemcpyHostToDevice);
+  }
+  Status Broadcast(std::span<std::byte>, int) override { return Unused("Broadcast"); }
+  Status Send(std::span<const std::byte>, int) override { return Unused("Send"); }
+  Status Recv(std::span<std::byte>, int) override { return Unused("Recv"); }
+  Status Barrier() override { return inner_->Barrier(); }
+
+ private:
+  static Status Unused(const char* what) {
+    return UnimplementedError(std::string("host-staged communicator: ") + what);
+  }
+  Status Copy(float* dst, const float* src, size_t n, cudaMemcpyKind kind) {
+    cudaError_t err = cudaMemcpyAsync(dst, src, n * sizeof(float), kind, stream_);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(stream_);
+    if (err != cudaSuccess) return InternalError(std::string("staging: ") + cudaGetErrorString(err));
+    return Status::Ok();
+  }
+  std::unique_ptr<parallel::Communicator> inner_;
+  cudaStream_t stream_;
+  std::vector<float> a_, b_;
+};
+
 // Greedy tokens and every logit row of the script, as one rank saw them.
 struct Trace {
   std::vector<uint32_t> tokens;
@@ -138,7 +188,7 @@ uint32_t Greedy(const float* row, uint32_t vocab) {
 // The script every rank runs: three prompts prefilled in one batch, then
 // kDecodeSteps greedy decode steps of all three; the trace goes to `path`.
 int RunScript(const Model& m, const ShardSpec& shard, int device, const std::string& group,
-              const std::string& path) {
+              const std::string& path, bool host_staged = false) {
   const uint32_t vocab = m.config.vocab_size;
   AlignedKvPoolAllocator alloc;
   auto pool = KvPool::Create(ShardKvLayout(m.config, shard, kBlockSize), 16, alloc);
@@ -147,6 +197,15 @@ int RunScript(const Model& m, const ShardSpec& shard, int device, const std::str
   o.device = device;
   o.shard = shard;
   o.tp_group = group;
+  if (host_staged) {
+    o.tp_comm_factory = [&](void* stream) -> Result<std::unique_ptr<parallel::Communicator>> {
+      auto shm = parallel::CreateShmCommunicator(group, static_cast<int>(shard.rank),
+                                                 static_cast<int>(shard.layout.tp), 60000);
+      if (!shm.ok()) return shm.status();
+      return std::unique_ptr<parallel::Communicator>(std::make_unique<HostStagedCommunicator>(
+          std::move(shm).value(), static_cast<cudaStream_t>(stream)));
+    };
+  }
   auto backend = CreateCudaBackend(m.config, m.weights, pool->get(), o);
   CHILD_CHECK(backend.ok(), "rank %u: %s", shard.rank, backend.status().ToString().c_str());
   const size_t lens[3] = {11, 6, 17};
@@ -259,17 +318,12 @@ TEST(CudaTpForward, RefusesWhatItCannotRun) {
   EXPECT_NE(s.message().find("rank 1 of tp2pp1"), std::string::npos) << s.ToString();
 }
 
-class CudaTpTwoDevices : public ::testing::TestWithParam<const char*> {};
-
-TEST_P(CudaTpTwoDevices, TwoRanksGiveTheTokensOfOneDevice) {
-  std::string why;
-  const int devices = DeviceCountInChild(&why);
-  if (devices < 2) {
-    GTEST_SKIP() << "needs 2 CUDA devices (one per tensor rank), found " << devices
-                 << (why.empty() ? "" : ": " + why);
-  }
+// Runs the script at TP = 1 on device 0 and at TP = 2 (ranks on devices
+// `dev0`, `dev1`; host-staged collectives when asked), then compares.
+void CompareTp2WithTp1(const char* model_dir, int dev0, int dev1, bool host_staged) {
   Model m;
-  ASSERT_TRUE(LoadModel(GetParam(), &m, &why)) << why;
+  std::string why;
+  ASSERT_TRUE(LoadModel(model_dir, &m, &why)) << why;
   const uint32_t vocab = m.config.vocab_size;
   const std::string dir = ::testing::TempDir();
   const std::string tag = std::to_string(getpid());
@@ -279,11 +333,11 @@ TEST_P(CudaTpTwoDevices, TwoRanksGiveTheTokensOfOneDevice) {
   ASSERT_EQ(codes[0], 0) << "TP = 1 on device 0";
   const std::string group = UniqueGroup("tp2");
   codes = RunInChildren(2, [&](int r) {
-    return RunScript(m, ShardSpec{{2, 1}, static_cast<uint32_t>(r)}, r, group,
-                     two + "." + std::to_string(r));
+    return RunScript(m, ShardSpec{{2, 1}, static_cast<uint32_t>(r)}, r == 0 ? dev0 : dev1, group,
+                     two + "." + std::to_string(r), host_staged);
   });
-  ASSERT_EQ(codes[0], 0) << "TP = 2, rank 0 on device 0";
-  ASSERT_EQ(codes[1], 0) << "TP = 2, rank 1 on device 1";
+  ASSERT_EQ(codes[0], 0) << "TP = 2, rank 0 on device " << dev0;
+  ASSERT_EQ(codes[1], 0) << "TP = 2, rank 1 on device " << dev1;
 
   Trace ref, r0, r1;
   ASSERT_TRUE(ReadTrace(one, &ref));
@@ -306,27 +360,54 @@ TEST_P(CudaTpTwoDevices, TwoRanksGiveTheTokensOfOneDevice) {
     max_ranks = std::max(max_ranks, std::fabs(double(r0.logits[i]) - r1.logits[i]));
     bits_equal += std::memcmp(&r0.logits[i], &ref.logits[i], sizeof(float)) == 0;
   }
-  std::printf("%s: TP=2 vs TP=1 on cuda: %zu greedy tokens equal, max |logit difference| %.6g "
-              "(%zu of %zu logits bit-identical), rank 0 vs rank 1 %.6g\n",
-              GetParam(), ref.tokens.size(), max_diff, bits_equal, ref.logits.size(), max_ranks);
-  RecordProperty("max_logit_difference", std::to_string(max_diff));
+  std::printf("%s (%s): TP=2 vs TP=1 on cuda: %zu greedy tokens equal, max |logit difference| "
+              "%.6g (%zu of %zu logits bit-identical), rank 0 vs rank 1 %.6g\n",
+              model_dir, host_staged ? "both ranks on device 0, host-staged" : "devices 0 and 1, NCCL",
+              ref.tokens.size(), max_diff, bits_equal, ref.logits.size(), max_ranks);
+  ::testing::Test::RecordProperty("max_logit_difference", std::to_string(max_diff));
   EXPECT_LT(max_diff, kLogitTolerance);
   EXPECT_LT(max_ranks, kLogitTolerance);
+}
+
+class CudaTpOneDevice : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(CudaTpOneDevice, TwoRanksStagedThroughTheHostGiveTheTokensOfOneRank) {
+  std::string why;
+  const int devices = DeviceCountInChild(&why);
+  if (devices < 1) {
+    GTEST_SKIP() << "needs 1 CUDA device, found 0" << (why.empty() ? "" : ": " + why);
+  }
+  CompareTp2WithTp1(GetParam(), 0, 0, /*host_staged=*/true);
+}
+
+class CudaTpTwoDevices : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(CudaTpTwoDevices, TwoRanksGiveTheTokensOfOneDevice) {
+  std::string why;
+  const int devices = DeviceCountInChild(&why);
+  if (devices < 2) {
+    GTEST_SKIP() << "needs 2 CUDA devices (one per tensor rank), found " << devices
+                 << (why.empty() ? "" : ": " + why);
+  }
+  CompareTp2WithTp1(GetParam(), 0, 1, /*host_staged=*/false);
 }
 
 // The bundled model (tied embeddings, KV heads split 2 -> 1 + 1), a model
 // whose single KV head is replicated on both ranks (untied LM head), and
 // one with q/k/v and o_proj biases (o's bias added once after the
 // all-reduce).
-INSTANTIATE_TEST_SUITE_P(Models, CudaTpTwoDevices,
-                         ::testing::Values("models/tandem-kjv", "tests/fixtures/golden/tiny-llama",
-                                           "tests/fixtures/golden/tiny-llama-bias"),
-                         [](const ::testing::TestParamInfo<const char*>& info) {
-                           std::string n = info.param;
-                           n = n.substr(n.rfind('/') + 1);
-                           std::replace(n.begin(), n.end(), '-', '_');
-                           return n;
-                         });
+const char* const kModels[] = {"models/tandem-kjv", "tests/fixtures/golden/tiny-llama",
+                               "tests/fixtures/golden/tiny-llama-bias"};
+
+std::string ModelName(const ::testing::TestParamInfo<const char*>& info) {
+  std::string n = info.param;
+  n = n.substr(n.rfind('/') + 1);
+  std::replace(n.begin(), n.end(), '-', '_');
+  return n;
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, CudaTpOneDevice, ::testing::ValuesIn(kModels), ModelName);
+INSTANTIATE_TEST_SUITE_P(Models, CudaTpTwoDevices, ::testing::ValuesIn(kModels), ModelName);
 
 }  // namespace
 }  // namespace tandem::engine

@@ -14,7 +14,9 @@
 #   build       tools/build.sh, only the targets below (release preset, build/)
 #   gpu_tests   ctest -L gpu: CUDA kernels vs kernels/reference, golden
 #               fixtures on the cuda backend, graph vs eager decode bits, the
-#               NCCL communicator on one device (two-device cases excluded)
+#               NCCL communicator on one device, the cuda backend's tensor
+#               parallel with both ranks on one device (two-device cases
+#               excluded)
 #   nccl_two_devices
 #               only where nvidia-smi lists >= 2 devices: the NCCL
 #               communicator across 2 processes on devices 0 and 1

@@ -7,6 +7,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cstdlib>
 
 namespace tandem::cli {
 namespace {
@@ -168,6 +169,29 @@ TEST(Supervisor, KillGroupKillsEveryRank) {
   EXPECT_EQ(sup.KillGroup("decode-0"), 1);
   EXPECT_FALSE(sup.children()[0].alive);
   EXPECT_TRUE(sup.children()[1].alive);
+}
+
+// ChildSpec::env replaces or adds variables in the child's environment
+// only (a cuda rank's CUDA_VISIBLE_DEVICES).
+TEST(Supervisor, ChildEnvironmentReplacesTheLaunchersValue) {
+  setenv("TANDEM_SUPERVISOR_TEST_A", "launcher", 1);
+  ChildSpec spec{"decode-0", "decode",
+                 {"/bin/sh", "-c",
+                  "printf '{\"grpc\":\"%s\",\"metrics\":\"%s\"}\\n' \"$TANDEM_SUPERVISOR_TEST_A\" "
+                  "\"$TANDEM_SUPERVISOR_TEST_B\" >&\"$2\"; exec sleep 30",
+                  "sh"}};
+  spec.env = {"TANDEM_SUPERVISOR_TEST_A=child", "TANDEM_SUPERVISOR_TEST_B=2"};
+  Supervisor sup;
+  auto a = sup.Start(spec, 10s);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_EQ((*a)->grpc, "child");
+  EXPECT_EQ((*a)->metrics, "2");
+  EXPECT_STREQ(getenv("TANDEM_SUPERVISOR_TEST_A"), "launcher");  // the launcher's own is kept
+  spec.env.clear();
+  auto b = sup.Start(spec, 10s);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ((*b)->grpc, "launcher");
+  EXPECT_EQ((*b)->metrics, "");
 }
 
 }  // namespace
