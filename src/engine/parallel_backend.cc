@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 namespace tandem::engine {
 
 ParallelBackend::~ParallelBackend() {
@@ -80,7 +82,10 @@ Status ParallelBackend::Forward(std::span<const SeqChunk> batch, std::span<float
     plan.chunks.push_back(std::move(pc));
   }
   if (options_.layout.pp > 1) {
-    plan.micro_batch_ends = parallel::SplitMicroBatches(chunk_tokens_, options_.layout.pp);
+    const uint32_t most = options_.max_micro_batches == 0
+                              ? options_.layout.pp
+                              : std::min(options_.max_micro_batches, options_.layout.pp);
+    plan.micro_batch_ends = parallel::SplitMicroBatches(chunk_tokens_, most);
   }
   TANDEM_RETURN_IF_ERROR(BroadcastPlan(plan));
 

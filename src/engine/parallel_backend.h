@@ -43,6 +43,9 @@ struct ParallelBackendOptions {
   std::string group;                // the followers' --group
   int threads = 1;                  // compute threads of rank 0
   int64_t join_timeout_ms = 60000;  // waiting for every follower to join
+  // Micro-batches per step with pp > 1: at most this many (0: pp, the
+  // default; 1 turns the overlap off — bench/bench_pipeline.cc compares).
+  uint32_t max_micro_batches = 0;
 };
 
 class ParallelBackend final : public ComputeBackend {

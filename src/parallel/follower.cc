@@ -16,6 +16,12 @@ namespace tandem::parallel {
 
 Status RunFollowerRank(const FollowerOptions& o) {
   const uint32_t world = o.layout.world();
+  if (world <= 1) {
+    return InvalidArgumentError(fmt::format(
+        "--tensor-parallel {} x --pipeline-parallel {}: a group of {} rank(s) has no follower "
+        "ranks",
+        o.layout.tp, o.layout.pp, world));
+  }
   if (o.rank == 0 || o.rank >= world) {
     return InvalidArgumentError(fmt::format(
         "--rank {}: a follower rank is 1 .. {} for {}", o.rank, world - 1, ToString(o.layout)));

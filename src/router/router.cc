@@ -172,7 +172,8 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
     // Leave out the prefillers predicted over the SLO, while one meets it
     // (or cannot be predicted yet).
     std::array<std::optional<double>, kMaxWorkers> ms;
-    PredictPerPrefiller(candidates_, rates, ttft_in, options_, std::span(ms).first(candidates_.size()));
+    PredictPerPrefiller(candidates_, rates, ttft_in, options_, std::span(ms).first(candidates_.size()),
+                        workers_.layout_compat());
     bool any_meets = false;
     for (size_t i = 0; i < candidates_.size(); ++i) {
       if (CanPrefill(candidates_[i].role) && (!ms[i] || *ms[i] <= request.ttft_slo_ms)) any_meets = true;
@@ -292,7 +293,8 @@ std::optional<double> Router::PredictTtftMs(const RouteRequest& request) {
   BuildCandidatesLocked(overlap, lower, Now());
   const TtftInputs in{request.prompt_tokens, (request.prompt_tokens + bs - 1) / bs, bs};
   std::array<std::optional<double>, kMaxWorkers> ms;
-  PredictPerPrefiller(candidates_, RatesLocked(), in, options_, std::span(ms).first(candidates_.size()));
+  PredictPerPrefiller(candidates_, RatesLocked(), in, options_, std::span(ms).first(candidates_.size()),
+                      workers_.layout_compat());
   std::optional<double> best;
   for (size_t i = 0; i < candidates_.size(); ++i) {
     if (!CanPrefill(candidates_[i].role)) continue;

@@ -49,7 +49,7 @@ double TransferMs(const Candidate& p, const Candidate& d, const TtftInputs& in, 
 
 void PredictPerPrefiller(std::span<const Candidate> candidates, std::span<const double> rates,
                          const TtftInputs& in, const RouterOptions& options,
-                         std::span<std::optional<double>> ms) {
+                         std::span<std::optional<double>> ms, const uint64_t* layout_compat) {
   for (size_t i = 0; i < candidates.size(); ++i) {
     const Candidate& p = candidates[i];
     ms[i] = std::nullopt;
@@ -63,6 +63,7 @@ void PredictPerPrefiller(std::span<const Candidate> candidates, std::span<const 
     std::optional<double> best;
     for (const Candidate& d : candidates) {
       if (d.id == p.id || !CanDecode(d.role)) continue;
+      if (layout_compat != nullptr && ((layout_compat[p.layout_id] >> d.layout_id) & 1) == 0) continue;
       const double t = TransferMs(p, d, in, options);
       if (!best || t < *best) best = t;
     }

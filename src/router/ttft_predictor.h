@@ -70,9 +70,12 @@ double TransferMs(const Candidate& p, const Candidate& d, const TtftInputs& in, 
 // The best predicted TTFT of each prefill-capable candidate over the
 // decoders it may pair with (`ms[i]` for candidates[i]; nullopt: unknown
 // rate, or not prefill-capable, or no decoder to pair with).
-// `rates[id]`: tokens/s of worker id (0: unknown).
+// `rates[id]`: tokens/s of worker id (0: unknown). `layout_compat`: as
+// ScoringParams::layout_compat (a decoder whose rank layout the prefiller's
+// KV cannot reach is not a pair; null: every pair is).
 void PredictPerPrefiller(std::span<const Candidate> candidates, std::span<const double> rates,
                          const TtftInputs& in, const RouterOptions& options,
-                         std::span<std::optional<double>> ms);
+                         std::span<std::optional<double>> ms,
+                         const uint64_t* layout_compat = nullptr);
 
 }  // namespace tandem::router

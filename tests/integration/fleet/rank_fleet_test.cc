@@ -10,9 +10,14 @@
 //     and its pid and stops the rest of the group, the worker leaves
 //     routing and the state file, and the requests complete on both-1 with
 //     `tandem generate`'s tokens (retried or migrated per today's rules).
+//   - ranks started by hand (no launcher): after kill -9 of rank 1, rank 0's
+//     next step fails UNAVAILABLE naming the rank (the proxy retries the
+//     request elsewhere) and rank 0 leaves routing and exits 1.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
 #include <signal.h>
+#include <unistd.h>
 #include <sys/wait.h>
 
 #include <atomic>
@@ -22,6 +27,7 @@
 #include <thread>
 
 #include "fleet_harness.h"
+#include "reaper.h"
 
 namespace tandem::testing {
 namespace {
@@ -151,6 +157,93 @@ TEST(RankFleet, TwoRankWorkersServeListEveryRankAndDieAsAGroup) {
   for (const auto& e : errors) std::printf("[rank_fleet]   error: %s\n", e.c_str());
   EXPECT_EQ(wrong, 0) << "completed requests whose tokens differ from tandem generate";
   for (const auto& e : errors) EXPECT_GT(e.size(), 10u) << "an error without a message: " << e;
+}
+
+// `tandem both --rank 1` of a hand-started group (no ready line: nobody
+// waits for it), output appended to `log`; registered with the reaper.
+pid_t SpawnFollower(const std::string& config, const std::string& group, const std::string& log) {
+  std::vector<std::string> args = {std::string(TANDEM_BINARY_DIR) + "/tandem", "both", "--config",
+                                   config, "--name", "hand-0", "--rank", "1", "--group", group,
+                                   "--tensor-parallel", "2"};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    dup2(fd, 1);
+    dup2(fd, 2);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  if (pid > 0) ReapOnExit(pid);
+  return pid;
+}
+
+TEST(RankFleet, HandStartedRankZeroLeavesWhenARankIsLost) {
+  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  const std::vector<uint32_t> prompt = PromptIds(1900, 40, kVocab);
+  auto reference = ReferenceGenerate(prompt, kMaxTokens);
+  ASSERT_TRUE(reference.ok()) << reference.status().ToString();
+  FleetOptions o;
+  o.prefill = 0;
+  o.decode = 0;
+  o.both = 1;  // one launcher-started worker (TP 1) takes over
+  o.extra_yaml = "transport:\n  checksum: false\n";
+  o.log_level = "info";
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  Fleet& f = **fleet;
+  const std::string log = f.log_path() + ".hand";
+  const std::string group = "tandem-test-" + std::to_string(getpid()) + "-hand";
+  // The follower first (it waits for rank 0), then rank 0 joining the proxy.
+  const pid_t follower = SpawnFollower(f.config_path(), group, log);
+  ASSERT_GT(follower, 0);
+  auto r0 = JoinWorker(f, "both", "hand-0", log, {}, 60s,
+                       {"--join", f.proxy_internal(), "--rank", "0", "--group", group,
+                        "--tensor-parallel", "2"});
+  ASSERT_TRUE(r0.ok()) << r0.status().ToString() << ReadText(log);
+  // hand-0 serves: round_robin alternates between it and both-0.
+  for (int i = 0; i < 4; ++i) {
+    GenerateArgs a;
+    a.prompt_ids = prompt;
+    a.max_tokens = kMaxTokens;
+    auto c = Generate(f.proxy_grpc(), a);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    EXPECT_EQ(c->token_ids, *reference);
+  }
+  ASSERT_EQ(kill(follower, SIGKILL), 0);
+  // Requests keep completing (the one that meets the broken group is
+  // retried on both-0) until rank 0 has gone.
+  int sent = 0;
+  while (sent < 12 && Alive(r0->pid)) {
+    GenerateArgs a;
+    a.prompt_ids = prompt;
+    a.max_tokens = kMaxTokens;
+    auto c = Generate(f.proxy_grpc(), a);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    EXPECT_EQ(c->token_ids, *reference);
+    ++sent;
+  }
+  int status = 0;
+  bool exited = false;
+  ASSERT_TRUE(WaitUntil([&] { return (exited = waitpid(r0->pid, &status, WNOHANG) == r0->pid); },
+                        30s))
+      << "rank 0 still runs after its rank 1 died\n" << ReadText(log);
+  EXPECT_TRUE(exited && WIFEXITED(status) && WEXITSTATUS(status) == 1) << status;
+  const std::string text = ReadText(log);
+  EXPECT_NE(text.find("rank 1 (pid " + std::to_string(follower) + ") died"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("leaving routing and exiting"), std::string::npos) << text;
+  StopProcess(r0->pid, 5s);  // forgets it in the reaper
+  StopProcess(follower, 5s);
+  // The fleet serves on.
+  GenerateArgs a;
+  a.prompt_ids = prompt;
+  a.max_tokens = kMaxTokens;
+  auto c = Generate(f.proxy_grpc(), a);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->token_ids, *reference);
 }
 
 }  // namespace

@@ -95,6 +95,33 @@ TEST(TtftPredictorTest, PerPrefillerTakesTheFastestLinkAndSkipsUnknownRates) {
   EXPECT_FALSE(ms[3]);  // a decoder does not prefill
 }
 
+// Issue 18: a decoder whose rank layout the prefiller cannot reach is no
+// pair, however fast its link.
+TEST(TtftPredictorTest, PerPrefillerSkipsDecodersOfIncompatibleLayouts) {
+  RouterOptions o;
+  o.same_node_bandwidth_bytes_per_s = 1e9;
+  o.cross_node_bandwidth_bytes_per_s = 1e8;
+  const TtftInputs in{160, 10, 16};
+  std::vector<Candidate> c = {Prefiller(0, 0)};
+  for (WorkerId id : {1u, 2u}) {
+    Candidate d;
+    d.id = id;
+    d.role = WorkerRole::kDecode;
+    d.block_bytes = 1000000;
+    c.push_back(d);
+  }
+  c[1].layout_id = 1;  // same node as the prefiller, layout 1: unreachable
+  c[2].node_id = 1;    // another node, layout 0
+  const uint64_t compat[2] = {0b01, 0b10};  // each layout reaches only itself
+  std::vector<double> rates = {1600, 0, 0};
+  std::vector<std::optional<double>> ms(c.size());
+  PredictPerPrefiller(c, rates, in, o, ms, compat);
+  ASSERT_TRUE(ms[0]);
+  EXPECT_DOUBLE_EQ(*ms[0], 100 + 10 * 1e6 / 1e8 * 1e3);  // the cross-node decoder's link
+  PredictPerPrefiller(c, rates, in, o, ms);               // no table: every pair
+  EXPECT_DOUBLE_EQ(*ms[0], 100 + 10 * 1e6 / 1e9 * 1e3);
+}
+
 // A router on a fake clock with measured rates.
 struct SloFleet {
   std::shared_ptr<std::atomic<int64_t>> now = std::make_shared<std::atomic<int64_t>>(1'000'000'000);
