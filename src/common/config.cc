@@ -233,6 +233,9 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.Require("model_shape");
     m.Read("model_shape", c.sim.model_shape);
     m.Read("tensor_parallel", c.sim.tensor_parallel, 1, 64);
+    m.Read("gpus_per_node", c.sim.gpus_per_node, 1, 1024);
+    m.ReadEnum("intra_node_link", c.sim.intra_node_link, {"nvlink", "pcie", "rdma", "ethernet"});
+    m.ReadEnum("inter_node_link", c.sim.inter_node_link, {"nvlink", "pcie", "rdma", "ethernet"});
     m.Read("compute_efficiency", c.sim.compute_efficiency, 0.01, 1.0);
     m.Read("memory_efficiency", c.sim.memory_efficiency, 0.01, 1.0);
     m.Read("gpu_memory_utilization", c.sim.gpu_memory_utilization, 0.05, 1.0);

@@ -162,7 +162,12 @@ struct SimConfig {
   bool present = false;          // the file has a `sim` section
   std::string profile = "H100";  // H100 | H200 | A100 | L40S
   std::string model_shape;       // config.json (or its folder) of the simulated model
-  uint32_t tensor_parallel = 1;  // devices per worker
+  uint32_t tensor_parallel = 1;  // GPUs per stage of every sim worker (a role's key wins)
+  // Where a tp x pp worker's simulated GPUs sit and which links join them
+  // (docs/sim.md "Tensor and pipeline parallelism"): nvlink|pcie|rdma|ethernet.
+  uint32_t gpus_per_node = 8;
+  std::string intra_node_link = "nvlink";
+  std::string inter_node_link = "rdma";
   double compute_efficiency = 0.5;
   double memory_efficiency = 0.8;
   double gpu_memory_utilization = 0.9;

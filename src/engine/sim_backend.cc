@@ -19,7 +19,8 @@ uint64_t SimHashStep(uint64_t previous, uint32_t token, uint32_t pos) {
 }
 
 Result<SimSetup> PrepareSim(const SimConfig& cfg, const model::ModelConfig& tokenizer_model,
-                            uint32_t block_size) {
+                            uint32_t block_size, uint32_t tensor_parallel,
+                            uint32_t pipeline_parallel) {
   if (cfg.model_shape.empty()) {
     return InvalidArgumentError("sim.model_shape is required with model.backend 'sim'");
   }
@@ -29,7 +30,18 @@ Result<SimSetup> PrepareSim(const SimConfig& cfg, const model::ModelConfig& toke
   sim::TimingParams tp;
   tp.hardware = hw;
   tp.shape = *shape;
-  tp.tensor_parallel = cfg.tensor_parallel;
+  if (tensor_parallel > 1 && cfg.tensor_parallel > 1 && tensor_parallel != cfg.tensor_parallel) {
+    return InvalidArgumentError(fmt::format(
+        "sim.tensor_parallel ({}) and the role's tensor_parallel ({}) disagree: set only the role's",
+        cfg.tensor_parallel, tensor_parallel));
+  }
+  tp.tensor_parallel = tensor_parallel > 1 ? tensor_parallel : cfg.tensor_parallel;
+  tp.pipeline_parallel = pipeline_parallel;
+  tp.gpus_per_node = cfg.gpus_per_node;
+  TANDEM_ASSIGN_OR_RETURN(tp.intra_node_link,
+                          sim::ParseLinkClass(cfg.intra_node_link, "sim.intra_node_link"));
+  TANDEM_ASSIGN_OR_RETURN(tp.inter_node_link,
+                          sim::ParseLinkClass(cfg.inter_node_link, "sim.inter_node_link"));
   tp.compute_efficiency = cfg.compute_efficiency;
   tp.memory_efficiency = cfg.memory_efficiency;
   tp.gpu_memory_utilization = cfg.gpu_memory_utilization;

@@ -43,9 +43,13 @@ struct SimSetup {
 };
 
 // `tokenizer_model`: the config of fleet.model.path (the tokenizer's
-// model). `block_size`: tokens per block.
+// model). `block_size`: tokens per block. `tensor_parallel` /
+// `pipeline_parallel`: the worker's role keys (issue 18); the simulated
+// worker is tp x pp GPUs in this one process (sim.tensor_parallel, the
+// older fleet-wide key, applies when the role's tensor_parallel is 1).
 Result<SimSetup> PrepareSim(const SimConfig& sim, const model::ModelConfig& tokenizer_model,
-                            uint32_t block_size);
+                            uint32_t block_size, uint32_t tensor_parallel = 1,
+                            uint32_t pipeline_parallel = 1);
 
 class SimBackend final : public ComputeBackend {
  public:

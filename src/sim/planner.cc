@@ -14,30 +14,6 @@ bool ParseU64(std::string_view s, uint64_t& out) {
   return r.ec == std::errc() && r.ptr == s.data() + s.size();
 }
 
-// Decode step time as a function of a (fractional) batch at a fixed
-// context: both roofs are affine in the batch, so two evaluations of the
-// timing model give the line.
-struct DecodeLine {
-  double compute_per_seq = 0;  // seconds per sequence at the compute roof
-  double memory_fixed = 0;     // weights at the bandwidth roof
-  double memory_per_seq = 0;   // one sequence's KV at the bandwidth roof
-  double overhead = 0;
-  double At(double batch) const {
-    return std::max(compute_per_seq * batch, memory_fixed + memory_per_seq * batch) + overhead;
-  }
-};
-
-DecodeLine LineFor(const TimingModel& m, uint64_t context) {
-  const StepCost one = m.Decode(1, context);
-  const StepCost two = m.Decode(2, context);
-  DecodeLine l;
-  l.compute_per_seq = one.compute_seconds;
-  l.memory_per_seq = two.memory_seconds - one.memory_seconds;
-  l.memory_fixed = one.memory_seconds - l.memory_per_seq;
-  l.overhead = m.params().step_overhead_s;
-  return l;
-}
-
 std::string Ms(double s) { return fmt::format("{:.2f} ms", s * 1e3); }
 
 // Running sequences per worker and ITL for `workers` workers; `busy` is the
@@ -46,7 +22,8 @@ DecodeFit FitDecode(const TimingModel& m, const PlanOptions& o, uint32_t workers
                     double kv_cap_seqs) {
   const Workload& w = o.workload;
   const uint64_t ctx = static_cast<uint64_t>(w.input.mean + w.output.mean / 2);
-  const DecodeLine line = LineFor(m, ctx);
+  // Decode step time at a (fractional) mean batch.
+  auto step = [&m, ctx](double batch) { return m.DecodeSeconds(std::max(batch, 1.0), ctx); };
   const double tokens_per_s = w.rate_per_s / workers * w.output.mean;  // per worker
   DecodeFit f;
   f.workers = workers;
@@ -58,7 +35,7 @@ DecodeFit FitDecode(const TimingModel& m, const PlanOptions& o, uint32_t workers
   double b = 1.0;
   bool converged = false;
   for (int i = 0; i < 500; ++i) {
-    const double itl = line.At(std::max(b, 1.0)) / (1.0 - busy);
+    const double itl = step(b) / (1.0 - busy);
     const double next = tokens_per_s * itl;  // Little's law
     if (next > cap * 4) break;              // diverging
     if (std::abs(next - b) < 1e-6) {
@@ -69,7 +46,7 @@ DecodeFit FitDecode(const TimingModel& m, const PlanOptions& o, uint32_t workers
     b = next;
   }
   f.batch = b;
-  f.itl_s = line.At(std::max(b, 1.0)) / (1.0 - busy);
+  f.itl_s = step(b) / (1.0 - busy);
   if (!converged || b > cap) {
     f.why_not = fmt::format("needs more than {:.0f} running sequences per worker (max_num_seqs "
                             "{}, KV room for {:.0f})",
@@ -244,12 +221,97 @@ Result<Plan> MakePlan(const TimingModel& m, const PlanOptions& o) {
   row("recommendation", p.disaggregate ? "disaggregated" : "aggregated", p.reason);
   if (p.disaggregate) {
     row("P:D", fmt::format("{}:{}", p.prefillers, p.decode.workers),
-        fmt::format("{} workers x{} devices", disagg_workers, tp.tensor_parallel));
+        fmt::format("{} workers x{} devices", disagg_workers, m.world()));
   } else {
     row("workers", fmt::format("{} aggregated", agg_workers),
-        fmt::format("x{} devices each", tp.tensor_parallel));
+        fmt::format("x{} devices each", m.world()));
   }
   return p;
+}
+
+Result<ParallelRecommendation> RecommendParallel(const TimingParams& base,
+                                                 const PlanOptions& o,
+                                                 uint32_t max_gpus_per_worker) {
+  if (max_gpus_per_worker == 0) return InvalidArgumentError("max GPUs per worker must be > 0");
+  ParallelRecommendation r;
+  for (uint32_t pp = 1; pp <= max_gpus_per_worker; pp *= 2) {
+    for (uint32_t tp = 1; tp * pp <= max_gpus_per_worker; tp *= 2) {
+      LayoutCandidate c;
+      c.tp = tp;
+      c.pp = pp;
+      TimingParams params = base;
+      params.tensor_parallel = tp;
+      params.pipeline_parallel = pp;
+      auto model = TimingModel::Create(params);
+      if (!model.ok()) {
+        c.why_not = std::string(model.status().message());
+        r.candidates.push_back(std::move(c));
+        continue;
+      }
+      c.fits = true;
+      c.nodes = model->nodes();
+      c.tp_link = tp > 1 ? model->tp_link().name : "-";
+      c.pp_link = pp > 1 ? model->pp_link().name : "-";
+      c.kv_tokens = model->KvCapacityTokens();
+      auto plan = MakePlan(*model, o);
+      if (!plan.ok()) return plan.status();
+      c.plan = std::move(plan).value();
+      const Plan& p = c.plan;
+      const DecodeFit& fit = p.disaggregate ? p.decode : p.aggregated;
+      c.feasible = fit.feasible;
+      c.itl_s = fit.itl_s;
+      c.gpus = tp * pp * (p.disaggregate ? p.prefillers + p.decode.workers : p.aggregated.workers);
+      if (!c.feasible) c.why_not = fit.why_not;
+      r.candidates.push_back(std::move(c));
+    }
+  }
+  auto better = [](const LayoutCandidate& a, const LayoutCandidate& b) {
+    if (a.gpus != b.gpus) return a.gpus < b.gpus;
+    if (a.itl_s != b.itl_s) return a.itl_s < b.itl_s;
+    return a.tp * a.pp < b.tp * b.pp;
+  };
+  for (size_t i = 0; i < r.candidates.size(); ++i) {
+    const LayoutCandidate& c = r.candidates[i];
+    if (!c.feasible) continue;
+    if (r.best < 0 || better(c, r.candidates[static_cast<size_t>(r.best)])) r.best = static_cast<int>(i);
+  }
+  if (r.best >= 0) {
+    const LayoutCandidate& b = r.candidates[static_cast<size_t>(r.best)];
+    r.reason = fmt::format("fewest GPUs meeting the ITL SLO: {} in all ({} per worker, {} node{})",
+                           b.gpus, b.tp * b.pp, b.nodes, b.nodes > 1 ? "s" : "");
+  } else {
+    // Nothing meets the SLO: the fastest layout that fits.
+    for (size_t i = 0; i < r.candidates.size(); ++i) {
+      const LayoutCandidate& c = r.candidates[i];
+      if (!c.fits) continue;
+      if (r.best < 0 || c.itl_s < r.candidates[static_cast<size_t>(r.best)].itl_s) {
+        r.best = static_cast<int>(i);
+      }
+    }
+    r.reason = r.best >= 0 ? "no layout meets the ITL SLO; the lowest ITL"
+                           : "no layout holds the model";
+  }
+  for (const LayoutCandidate& c : r.candidates) {
+    const std::string name = fmt::format("TP {} x PP {}", c.tp, c.pp);
+    if (!c.fits) {
+      r.rows.push_back({name, "does not fit", c.why_not});
+      continue;
+    }
+    r.rows.push_back(
+        {name,
+         c.feasible ? fmt::format("{} GPUs, ITL {}", c.gpus, Ms(c.itl_s))
+                    : "misses the SLO",
+         fmt::format("{} node{}, TP over {}, PP over {}, KV {} tokens/worker{}", c.nodes,
+                     c.nodes > 1 ? "s" : "", c.tp_link, c.pp_link, c.kv_tokens,
+                     c.feasible ? "" : ": " + c.why_not)});
+  }
+  if (r.best >= 0) {
+    const LayoutCandidate& b = r.candidates[static_cast<size_t>(r.best)];
+    r.rows.push_back({"recommended layout", fmt::format("TP {} x PP {}", b.tp, b.pp), r.reason});
+  } else {
+    r.rows.push_back({"recommended layout", "none", r.reason});
+  }
+  return r;
 }
 
 std::string FormatPlan(const Plan& plan) {

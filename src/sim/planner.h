@@ -80,6 +80,39 @@ struct Plan {
 
 Result<Plan> MakePlan(const TimingModel& model, const PlanOptions& options);
 
+// Issue 18: which tensor_parallel x pipeline_parallel layout per worker.
+// Every layout tp x pp (powers of two, tp * pp <= max_gpus_per_worker) the
+// shape allows and the memory holds is planned with MakePlan; the answer is
+// the feasible one needing the fewest GPUs in all, then the lowest ITL,
+// then the fewest GPUs per worker. Ranks fill nodes in order
+// (`base.gpus_per_node`), so a layout whose TP group spans nodes pays the
+// inter-node link in every all-reduce, and one whose stages span nodes pays
+// it once per stage boundary: with a slow inter-node link the answer keeps
+// TP inside a node and spreads stages across nodes.
+struct LayoutCandidate {
+  uint32_t tp = 1, pp = 1;
+  bool fits = false;           // the layout splits the shape and the weights fit
+  std::string why_not;         // when it does not fit, or misses the SLO
+  uint32_t nodes = 1;          // nodes one worker spans
+  std::string tp_link, pp_link;
+  bool feasible = false;       // its plan meets the SLO
+  uint32_t gpus = 0;           // GPUs of the whole fleet it plans
+  double itl_s = 0;            // decode ITL of that plan
+  uint64_t kv_tokens = 0;      // KV capacity per worker
+  Plan plan;
+};
+
+struct ParallelRecommendation {
+  std::vector<LayoutCandidate> candidates;
+  int best = -1;               // index into candidates; -1: nothing fits
+  std::string reason;
+  std::vector<PlanRow> rows;   // one per candidate, then the answer
+};
+
+Result<ParallelRecommendation> RecommendParallel(const TimingParams& base,
+                                                 const PlanOptions& options,
+                                                 uint32_t max_gpus_per_worker);
+
 // The rows as an aligned text table.
 std::string FormatPlan(const Plan& plan);
 

@@ -251,7 +251,8 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     // No weights: a timing model stands in for the GPU; model.path gives
     // the tokenizer's vocabulary (docs/sim.md).
     TANDEM_ASSIGN_OR_RETURN(w.sim, engine::PrepareSim(w.fleet.sim, w.model_config,
-                                                      w.fleet.cache.block_size));
+                                                      w.fleet.cache.block_size,
+                                                      rc.tensor_parallel, rc.pipeline_parallel));
     w.model_config = w.sim.storage_config;
   } else {
     // cuda: matrices straight to bf16 (half the host memory; docs/cuda.md).

@@ -123,3 +123,78 @@ TEST(Plan, BadInput) {
 
 }  // namespace
 }  // namespace tandem::sim
+
+namespace tandem::sim {
+namespace {
+
+// Issue 18: Llama-3-70B on H100s in nodes of 2 GPUs joined by NVLink, so a
+// worker of more than 2 GPUs spans nodes. The 141 GB of weights leave 2 GPUs
+// (TP 2) ~9k tokens of KV; a 30 ms ITL SLO rules out splitting the weights
+// over fewer than 4 GPUs' bandwidth... except by pipelining, whose ITL stays
+// that of its TP degree. So the plan chooses between TP 2 x PP k (TP in the
+// node, stages across nodes) and TP 4+ across nodes, and the inter-node
+// link decides.
+PlanOptions Llama70bWorkload() {
+  PlanOptions o;
+  o.link.bits_per_s = 400e9;
+  o.workload.rate_per_s = 4;
+  o.workload.input = {2048, 2048};
+  o.workload.output = {256, 256};
+  o.max_batched_tokens = 2048;
+  o.max_num_seqs = 256;
+  o.itl_slo_s = 0.030;
+  return o;
+}
+
+TimingParams Llama70bNodesOf2(LinkClass inter) {
+  TimingParams p;
+  p.hardware = *FindHardwareProfile("H100");
+  p.shape = *LoadModelShape(std::string(TANDEM_SOURCE_DIR) + "/configs/sim/models/llama-3-70b");
+  p.gpus_per_node = 2;
+  p.intra_node_link = LinkClass::kNvlink;
+  p.inter_node_link = inter;
+  return p;
+}
+
+const LayoutCandidate& Find(const ParallelRecommendation& r, uint32_t tp, uint32_t pp) {
+  for (const auto& c : r.candidates) {
+    if (c.tp == tp && c.pp == pp) return c;
+  }
+  ADD_FAILURE() << "no candidate TP " << tp << " x PP " << pp;
+  return r.candidates.front();
+}
+
+TEST(PlanParallel, Llama70bNoCrossNodeTensorParallelWithoutRdma) {
+  auto eth = RecommendParallel(Llama70bNodesOf2(LinkClass::kEthernet), Llama70bWorkload(), 16);
+  auto rdma = RecommendParallel(Llama70bNodesOf2(LinkClass::kRdma), Llama70bWorkload(), 16);
+  ASSERT_TRUE(eth.ok() && rdma.ok()) << eth.status().ToString() << rdma.status().ToString();
+  ASSERT_GE(eth->best, 0);
+  ASSERT_GE(rdma->best, 0);
+  // One GPU cannot hold the weights, whatever the links.
+  EXPECT_FALSE(Find(*eth, 1, 1).fits);
+  EXPECT_NE(Find(*eth, 1, 1).why_not.find("raise tensor_parallel"), std::string::npos);
+  // 100 GbE across nodes: TP stays inside a node, the stages go across.
+  const LayoutCandidate& e = eth->candidates[static_cast<size_t>(eth->best)];
+  EXPECT_LE(e.tp, 2u) << eth->reason;
+  EXPECT_GE(e.pp, 2u);
+  EXPECT_EQ(e.tp_link, "nvlink");
+  EXPECT_EQ(e.pp_link, "ethernet");
+  // ... because TP 4 over Ethernet pays 160 slow all-reduces a step: more GPUs for the SLO.
+  EXPECT_EQ(Find(*eth, 4, 1).tp_link, "ethernet");
+  EXPECT_GT(Find(*eth, 4, 1).gpus, e.gpus);
+  // 400 Gb/s RDMA across nodes: TP 4 across the two nodes serves the load with as few GPUs
+  // as TP 2 x PP 2 and a lower ITL (PP does not shorten a token's trip through the weights).
+  const LayoutCandidate& r = rdma->candidates[static_cast<size_t>(rdma->best)];
+  EXPECT_EQ(r.tp, 4u) << rdma->reason;
+  EXPECT_EQ(r.pp, 1u);
+  EXPECT_EQ(r.tp_link, "rdma");
+  EXPECT_EQ(r.nodes, 2u);
+  EXPECT_LE(r.gpus, Find(*rdma, 2, 2).gpus);
+  EXPECT_LT(r.itl_s, Find(*rdma, 2, 2).itl_s);
+  // The rows say it.
+  EXPECT_NE(rdma->rows.back().value.find("TP 4 x PP 1"), std::string::npos);
+  EXPECT_EQ(rdma->rows.back().quantity, "recommended layout");
+}
+
+}  // namespace
+}  // namespace tandem::sim
