@@ -363,7 +363,9 @@ TEST(Failure, JoinedDecoderServesAndMismatchIsRefused) {
   const auto joined = proxy_log.find("worker decode-late (decode) joined at ");
   ASSERT_NE(joined, std::string::npos) << proxy_log;
   const std::string joined_line = proxy_log.substr(joined, proxy_log.find('\n', joined) - joined);
-  EXPECT_NE(joined_line.find("(node 'host-b', zone 'rack-2')"), std::string::npos) << joined_line;
+  // ... and the registration's rank layout (one process: tp1pp1).
+  EXPECT_NE(joined_line.find("(node 'host-b', zone 'rack-2', layout tp1pp1)"), std::string::npos)
+      << joined_line;
 }
 
 // A prefiller stopped (SIGSTOP) while it holds a decoder reservation: the
