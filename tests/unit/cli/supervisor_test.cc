@@ -136,8 +136,13 @@ TEST(Supervisor, DeathOfRankZeroStopsTheFollowers) {
   Supervisor sup;
   auto r2 = sup.Start(RankChild("decode-0", 2, 3), 10s);
   auto r1 = sup.Start(RankChild("decode-0", 1, 3), 10s);
-  auto r0 = sup.Start(RankChild("decode-0", 0, 3, "sleep 0.2; exit 4"), 10s);
+  // Rank 0 exits with status 4 when the test tells it to (SIGUSR1; the trap is set before
+  // its ready line), once all three run.
+  ChildSpec rank0 = RankChild("decode-0", 0, 3);
+  rank0.argv = ShChild("decode-0", "sleep 30 & wait", "trap 'kill $!; exit 4' USR1; ").argv;
+  auto r0 = sup.Start(rank0, 10s);
   ASSERT_TRUE(r2.ok() && r1.ok() && r0.ok());
+  ASSERT_EQ(kill((*r0)->pid, SIGUSR1), 0);
   ASSERT_TRUE(WaitGroupGone(sup, "decode-0"));
   EXPECT_EQ(DescribeExit(sup.children()[2]),
             "decode-0 rank 0 (pid " + std::to_string(sup.children()[2].pid) +
@@ -150,8 +155,8 @@ TEST(Supervisor, DeathOfRankZeroStopsTheFollowers) {
 
 TEST(Supervisor, DrainSignalsRankZeroAndTheFollowersGoWithIt) {
   Supervisor sup;
-  // The follower ignores SIGTERM: only rank 0's exit may end it.
-  auto r1 = sup.Start(RankChild("decode-0", 1, 2, "trap '' TERM; sleep 30 & wait"), 10s);
+  // The follower ignores SIGTERM (kept across exec): only rank 0's exit may end it.
+  auto r1 = sup.Start(RankChild("decode-0", 1, 2, "trap '' TERM; exec sleep 30"), 10s);
   auto r0 = sup.Start(RankChild("decode-0", 0, 2), 10s);
   ASSERT_TRUE(r1.ok() && r0.ok());
   EXPECT_TRUE(sup.Drain("decode-0"));
