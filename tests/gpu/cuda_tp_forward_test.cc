@@ -39,6 +39,7 @@
 #include "model/model_config.h"
 #include "model/weights.h"
 #include "parallel/nccl_communicator.h"
+#include "gpu_children.h"
 
 namespace tandem::engine {
 namespace {
@@ -52,50 +53,13 @@ constexpr uint32_t kDecodeSteps = 8;
 
 std::string Repo(const std::string& rel) { return std::string(TANDEM_SOURCE_DIR) + "/" + rel; }
 
-std::string UniqueGroup(const std::string& what) {
-  static int counter = 0;
-  return "cudatp-" + what + "-" + std::to_string(getpid()) + "-" + std::to_string(counter++);
-}
+std::string UniqueGroup(const std::string& what) { return gputest::UniqueGroup("cudatp", what); }
 
-// Runs `body(i)` in `n` forked children; their exit codes (128 + signal
-// when killed; SIGALRM ends a hang).
 std::vector<int> RunInChildren(int n, const std::function<int(int)>& body) {
-  std::vector<pid_t> pids;
-  for (int i = 0; i < n; ++i) {
-    const pid_t pid = fork();
-    if (pid == 0) {
-      alarm(150);
-      _exit(body(i));
-    }
-    pids.push_back(pid);
-  }
-  std::vector<int> codes;
-  for (pid_t pid : pids) {
-    int status = 0;
-    waitpid(pid, &status, 0);
-    codes.push_back(WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
-  }
-  return codes;
+  return gputest::RunInChildren(n, body, 150);
 }
 
-// The device count as a child sees it (exit code), and why it is 0.
-int DeviceCountInChild(std::string* why) {
-  int pipefd[2];
-  if (pipe(pipefd) != 0) return 0;
-  const auto codes = RunInChildren(1, [&](int) {
-    close(pipefd[0]);
-    std::string reason;
-    const int n = parallel::NcclDeviceCount(&reason);
-    if (write(pipefd[1], reason.data(), reason.size()) < 0) return 0;
-    return n;
-  });
-  close(pipefd[1]);
-  char buf[512];
-  const ssize_t got = read(pipefd[0], buf, sizeof(buf));
-  close(pipefd[0]);
-  if (why != nullptr && got > 0) why->assign(buf, static_cast<size_t>(got));
-  return codes[0];
-}
+using gputest::DeviceCountInChild;
 
 #define CHILD_CHECK(cond, ...)           \
   do {                                   \

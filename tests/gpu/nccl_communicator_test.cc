@@ -7,6 +7,7 @@
 //     saying so, with fewer (tests/gpu/device_check.sh runs them only where
 //     two devices exist).
 #include "parallel/nccl_communicator.h"
+#include "gpu_children.h"
 
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -25,50 +26,13 @@
 namespace tandem::parallel {
 namespace {
 
-std::string UniqueGroup(const std::string& what) {
-  static int counter = 0;
-  return "gputest-" + what + "-" + std::to_string(getpid()) + "-" + std::to_string(counter++);
-}
+std::string UniqueGroup(const std::string& what) { return gputest::UniqueGroup("gputest", what); }
 
-// Runs `body(i)` in `n` forked children; their exit codes (128 + signal
-// when killed; SIGALRM ends a hang).
 std::vector<int> RunInChildren(int n, const std::function<int(int)>& body) {
-  std::vector<pid_t> pids;
-  for (int i = 0; i < n; ++i) {
-    const pid_t pid = fork();
-    if (pid == 0) {
-      alarm(120);
-      _exit(body(i));
-    }
-    pids.push_back(pid);
-  }
-  std::vector<int> codes;
-  for (pid_t pid : pids) {
-    int status = 0;
-    waitpid(pid, &status, 0);
-    codes.push_back(WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
-  }
-  return codes;
+  return gputest::RunInChildren(n, body, 120);
 }
 
-// The device count as a child sees it (exit code), and why it is 0.
-int DeviceCountInChild(std::string* why) {
-  int pipefd[2];
-  if (pipe(pipefd) != 0) return 0;
-  const auto codes = RunInChildren(1, [&](int) {
-    close(pipefd[0]);
-    std::string reason;
-    const int n = NcclDeviceCount(&reason);
-    if (write(pipefd[1], reason.data(), reason.size()) < 0) return 0;
-    return n;
-  });
-  close(pipefd[1]);
-  char buf[512];
-  const ssize_t got = read(pipefd[0], buf, sizeof(buf));
-  close(pipefd[0]);
-  if (why != nullptr && got > 0) why->assign(buf, static_cast<size_t>(got));
-  return codes[0];
-}
+using gputest::DeviceCountInChild;
 
 std::vector<float> Input(int rank, size_t n) {
   std::vector<float> v(n);
