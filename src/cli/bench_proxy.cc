@@ -23,6 +23,7 @@
 #include <sstream>
 #include <thread>
 
+#include "cli/bench_proxy_idle.h"
 #include "cli/commands.h"
 #include "loadgen/grpc_client.h"
 #include "loadgen/runner.h"
@@ -38,7 +39,8 @@ namespace fs = std::filesystem;
 struct ProxyBenchArgs {
   std::string config = "configs/sim-1p1d.yaml";
   std::string state_file;  // a running fleet: no launch
-  std::string workloads = "stream,prompt,open";
+  std::string workloads = "idle,stream,prompt,open";
+  double idle_seconds = 10;  // idle: bench_proxy_idle.h
   double launch_timeout_s = 120;
   // stream: many tokens through few streams.
   uint32_t stream_requests = 100, stream_input = 16, stream_output = 1000, stream_concurrency = 16;
@@ -306,9 +308,11 @@ int RunProxyBench(const ProxyBenchArgs& a) {
       todo.push_back({n, a.prompt_requests, a.prompt_input, 1, a.prompt_concurrency});
     } else if (n == "open") {
       todo.push_back({n, a.open_streams, a.open_input, a.open_output, a.open_streams});
+    } else if (n == "idle") {
+      todo.push_back({n, 1, 1, 1, 1});  // no requests: bench_proxy_idle.h
     } else {
       return bad(InvalidArgumentError(fmt::format(
-          "--workloads: unknown workload '{}' (give a list of stream, prompt, open)", n)));
+          "--workloads: unknown workload '{}' (give a list of idle, stream, prompt, open)", n)));
     }
   }
   for (const auto& w : todo) {
@@ -338,6 +342,12 @@ int RunProxyBench(const ProxyBenchArgs& a) {
                              "proxy us/tok", "proxy ms/req", "dec us/tok", "ITL p50ms",
                              "ITL p99ms", "step p99ms", "load1");
     for (const auto& w : todo) {
+      if (w.name == "idle") {
+        std::vector<IdleProc> procs;
+        for (const auto& p : fleet->procs) procs.push_back({p.role, p.pid});
+        rc = std::max(rc, RunIdleWorkload(procs, a.idle_seconds, out));
+        continue;
+      }
       auto m = RunOne(*client, *mi, *fleet, w, a.duration_s);
       if (!m.ok()) {
         rc = bad(m.status());
@@ -394,7 +404,9 @@ void RegisterBenchProxy(CLI::App& bench, GlobalOptions& g) {
   cmd->add_option("--state-file", a->state_file,
                   "measure a running fleet instead (tandem launch --state-file)");
   cmd->add_option("--workloads", a->workloads,
-                  "comma-separated: stream, prompt, open (default all three)");
+                  "comma-separated: idle, stream, prompt, open (default all four)");
+  cmd->add_option("--idle-seconds", a->idle_seconds,
+                  "idle: seconds measured with no request (default 10)");
   cmd->add_option("--launch-timeout", a->launch_timeout_s, "seconds for the fleet to be ready");
   cmd->add_option("--stream-requests", a->stream_requests, "stream: requests (default 100)");
   cmd->add_option("--stream-input", a->stream_input, "stream: prompt tokens (default 16)");
