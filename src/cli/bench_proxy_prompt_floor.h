@@ -38,10 +38,10 @@ class PromptFloor {
   PromptFloor(const PromptFloor&) = delete;
   PromptFloor& operator=(const PromptFloor&) = delete;
 
-  // `requests` calls of `ids` token ids over each kind of channel: paced at
-  // `rate_per_s` (> 0: the `prompt` workload's measured rate, one call
-  // leaving every 1/rate s, as lone prompts arrive), else back to back with
-  // `concurrency` in flight. Prints one line per kind and returns the JSON
+  // `requests` calls of `ids` token ids over each kind of channel back to
+  // back with `concurrency` in flight, then, when `rate_per_s` > 0 (the
+  // `prompt` workload's measured rate), min(`requests`, 64) calls paced at
+  // it: one leaving every 1/rate s, as lone prompts arrive. Prints one line per kind and returns the JSON
   // rows.
   Result<nlohmann::json> Run(uint32_t requests, uint32_t ids, uint32_t concurrency,
                              double rate_per_s);
