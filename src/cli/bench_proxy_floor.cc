@@ -182,10 +182,16 @@ struct CqCall {
   bool writing = false, finishing = false, finished = false, done = false, broken = false;
 };
 
+// floor-cq+cb: Generate on the async API as in floor-cq, ListModels on the
+// callback API (never called): the process then runs gRPC's callback
+// threads too, as every tandem server does (health, reflection, ...).
+using MixedService =
+    pb::Generation::WithCallbackMethod_ListModels<pb::Generation::WithAsyncMethod_Generate<pb::Generation::Service>>;
+
 // One thread: new calls, write completions and the per-step alarm all come
 // through one completion queue.
-int ServeAsync(pb::Generation::AsyncService& service, grpc::ServerCompletionQueue* cq,
-               double step_ms) {
+template <class Service>
+int ServeAsync(Service& service, grpc::ServerCompletionQueue* cq, double step_ms) {
   std::vector<CqCall*> active;
   const auto request_next = [&] {
     auto* c = new CqCall();
@@ -364,7 +370,16 @@ int RunFloorServer(const ServerArgs& a) {
     std::cout << "PORT " << port << std::endl;
     return ServeAsync(service, cq.get(), a.step_ms);
   }
-  std::cerr << "proxy-floor-server: --mode must be callback, async or tcp\n";
+  if (a.mode == "async-cb") {
+    MixedService service;
+    builder.RegisterService(&service);
+    auto cq = builder.AddCompletionQueue();
+    auto server = builder.BuildAndStart();
+    if (!server || port == 0) return 1;
+    std::cout << "PORT " << port << std::endl;
+    return ServeAsync(service, cq.get(), a.step_ms);
+  }
+  std::cerr << "proxy-floor-server: --mode must be callback, async, async-cb or tcp\n";
   return 2;
 }
 
@@ -449,7 +464,7 @@ Result<FloorRow> RunGrpcFloor(const std::string& self, const std::string& mode,
   TANDEM_ASSIGN_OR_RETURN(Child child, SpawnServer(self, {"--mode", mode, "--step-ms",
                                                           fmt::format("{}", spec.step_ms)}));
   FloorRow row;
-  row.name = mode == "callback" ? "floor-cb" : "floor-cq";
+  row.name = mode == "callback" ? "floor-cb" : mode == "async" ? "floor-cq" : "floor-cq+cb";
   {
     auto client = lg::MakeGrpcClient({fmt::format("127.0.0.1:{}", child.port), "", 4});
     lg::SyntheticOptions so;
@@ -561,7 +576,7 @@ Result<FloorRow> RunTcpFloor(const std::string& self, const FloorSpec& spec) {
 Result<std::vector<FloorRow>> RunProxyFloors(const std::string& self, const FloorSpec& spec,
                                              const lg::ModelInfo& model) {
   std::vector<FloorRow> rows;
-  for (const char* mode : {"callback", "async"}) {
+  for (const char* mode : {"callback", "async", "async-cb"}) {
     TANDEM_ASSIGN_OR_RETURN(FloorRow r, RunGrpcFloor(self, mode, spec, model));
     rows.push_back(std::move(r));
   }
@@ -575,7 +590,7 @@ void RegisterBenchProxyFloorServer(CLI::App& bench, int& exit_code) {
                                    "a floor server of tandem bench proxy (internal)");
   cmd->group("");  // hidden
   auto a = std::make_shared<ServerArgs>();
-  cmd->add_option("--mode", a->mode, "callback, async or tcp");
+  cmd->add_option("--mode", a->mode, "callback, async, async-cb or tcp");
   cmd->add_option("--step-ms", a->step_ms, "one token per stream per step");
   cmd->add_option("--connections", a->connections, "tcp: connections to accept");
   cmd->add_option("--streams", a->streams, "tcp: messages per step");

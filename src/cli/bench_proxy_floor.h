@@ -8,6 +8,9 @@
 //              timer thread writes one token to every open stream per step;
 //   floor-cq:  the same on the async completion-queue API, driven by one
 //              thread of its own (a grpc::Alarm per step on the same queue);
+//   floor-cq+cb: floor-cq with one callback-API method in the same service
+//              (never called), so that gRPC's callback threads run in the
+//              process, as in every tandem server;
 //   floor-tcp: the kernel floor: one raw loopback TCP send of the same
 //              message's wire size per token, at the same cadence, to a
 //              reader that sleeps in epoll_wait between steps.
@@ -36,7 +39,7 @@ struct FloorSpec {
 };
 
 struct FloorRow {
-  std::string name;           // floor-cb, floor-cq, floor-tcp
+  std::string name;           // floor-cb, floor-cq, floor-cq+cb, floor-tcp
   double server_cpu_s = 0;    // utime + stime of the floor server's process
   uint64_t tokens = 0;        // tokens (messages, for tcp) delivered
   uint64_t requests_ok = 0, requests_failed = 0;
