@@ -62,11 +62,15 @@ void FillFinal(pb::GenerateResponse& r, const std::string& id, uint32_t prompt, 
 
 class CbStream;
 
-// Writes one token to every open stream per step, from its own thread.
+// Writes one token to every open stream per step, from a callback alarm:
+// on one of gRPC's callback threads, as the proxy writes from the decode
+// stream's read callback.
 class CbTicker {
  public:
-  explicit CbTicker(double step_ms) : step_(std::chrono::microseconds(int64_t(step_ms * 1000))) {
-    thread_ = std::thread([this] { Run(); });
+  explicit CbTicker(double step_ms)
+      : step_(std::chrono::microseconds(int64_t(step_ms * 1000))),
+        next_(std::chrono::system_clock::now()) {
+    Arm();
   }
   void Add(CbStream* s) {
     std::lock_guard lock(mu_);
@@ -84,11 +88,16 @@ class CbTicker {
   }
 
  private:
-  void Run();
-  const Clock::duration step_;
+  void Arm() {
+    next_ += step_;
+    alarm_.Set(next_, [this](bool) { Tick(); });
+  }
+  void Tick();
+  const std::chrono::system_clock::duration step_;
+  std::chrono::system_clock::time_point next_;  // the alarm's
+  grpc::Alarm alarm_;                           // runs until the process is killed
   std::mutex mu_;
   std::vector<CbStream*> streams_;  // guarded by mu_
-  std::thread thread_;              // runs until the process is killed
 };
 
 class CbStream final : public grpc::ServerWriteReactor<pb::GenerateResponse> {
@@ -133,11 +142,8 @@ class CbStream final : public grpc::ServerWriteReactor<pb::GenerateResponse> {
   StreamWriter<pb::GenerateResponse> writer_;
 };
 
-void CbTicker::Run() {
-  auto next = Clock::now();
-  for (;;) {
-    next += step_;
-    std::this_thread::sleep_until(next);
+void CbTicker::Tick() {
+  {
     std::lock_guard lock(mu_);
     for (size_t i = 0; i < streams_.size();) {
       if (streams_[i]->Tick()) {
@@ -148,6 +154,7 @@ void CbTicker::Run() {
       }
     }
   }
+  Arm();
 }
 
 class CbService final : public pb::Generation::CallbackService {

@@ -5,7 +5,9 @@
 // time is its own:
 //   floor-cb:  a bare tandem.v1.Generation/Generate server on gRPC's
 //              callback API (as the proxy's), streaming canned tokens: a
-//              timer thread writes one token to every open stream per step;
+//              callback alarm (run on gRPC's callback thread, where the
+//              proxy reads the decode stream) writes one token to every
+//              open stream per step;
 //   floor-cq:  the same on the async completion-queue API, driven by one
 //              thread of its own (a grpc::Alarm per step on the same queue);
 //   floor-cq+cb: floor-cq with one callback-API method in the same service
