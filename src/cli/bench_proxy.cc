@@ -24,6 +24,7 @@
 #include <thread>
 
 #include "cli/bench_proxy_floor.h"
+#include "cli/bench_proxy_sse.h"
 #include "cli/commands.h"
 #include "loadgen/grpc_client.h"
 #include "loadgen/runner.h"
@@ -147,6 +148,7 @@ double HistogramQuantile(const std::vector<std::pair<double, double>>& before,
 
 struct Fleet {
   std::string grpc;
+  std::string http;  // proxy.http: the sse workload
   std::vector<Proc> procs;  // proxy first
   pid_t launcher = -1;
   std::string dir;  // our temp dir when launched here
@@ -162,6 +164,7 @@ Result<Fleet> ReadState(const std::string& path) {
   }
   Fleet f;
   f.grpc = j["proxy"].value("grpc", "");
+  f.http = j["proxy"].value("http", "");
   f.procs.push_back({"proxy", j["proxy"]["pid"].get<int>(), j["proxy"].value("metrics", "")});
   for (const auto& w : j.value("workers", nlohmann::json::array())) {
     f.procs.push_back({w.value("role", "?"), w.value("pid", 0), w.value("metrics", "")});
@@ -304,7 +307,7 @@ int RunProxyBench(const ProxyBenchArgs& a) {
   std::vector<Workload> todo;
   std::istringstream names(a.workloads);
   for (std::string n; std::getline(names, n, ',');) {
-    if (n == "stream") {
+    if (n == "stream" || n == "sse") {  // sse: stream's shape over the HTTP API
       todo.push_back({n, a.stream_requests, a.stream_input, a.stream_output, a.stream_concurrency});
     } else if (n == "prompt") {
       todo.push_back({n, a.prompt_requests, a.prompt_input, 1, a.prompt_concurrency});
@@ -314,7 +317,8 @@ int RunProxyBench(const ProxyBenchArgs& a) {
       todo.push_back({n, a.floor_requests, a.stream_input, a.stream_output, a.stream_concurrency});
     } else {
       return bad(InvalidArgumentError(fmt::format(
-          "--workloads: unknown workload '{}' (give a list of stream, prompt, open, floor)", n)));
+          "--workloads: unknown workload '{}' (give a list of stream, sse, prompt, open, floor)",
+          n)));
     }
   }
   for (const auto& w : todo) {
@@ -391,7 +395,13 @@ int RunProxyBench(const ProxyBenchArgs& a) {
         }
         continue;
       }
-      auto m = RunOne(*client, *mi, *fleet, w, a.duration_s);
+      auto sse = w.name == "sse" ? MakeSseBenchClient(fleet->http, mi->vocab_size)
+                                 : Result<std::unique_ptr<lg::Client>>(nullptr);
+      if (!sse.ok()) {
+        rc = bad(sse.status());
+        break;
+      }
+      auto m = RunOne(*sse ? **sse : *client, *mi, *fleet, w, a.duration_s);
       if (!m.ok()) {
         rc = bad(m.status());
         break;
@@ -448,7 +458,8 @@ void RegisterBenchProxy(CLI::App& bench, GlobalOptions& g) {
   cmd->add_option("--state-file", a->state_file,
                   "measure a running fleet instead (tandem launch --state-file)");
   cmd->add_option("--workloads", a->workloads,
-                  "comma-separated: stream, prompt, open, floor (default all four)");
+                  "comma-separated: stream, sse, prompt, open, floor (default stream, prompt, "
+                  "open, floor)");
   cmd->add_option("--launch-timeout", a->launch_timeout_s, "seconds for the fleet to be ready");
   cmd->add_option("--stream-requests", a->stream_requests, "stream: requests (default 100)");
   cmd->add_option("--stream-input", a->stream_input, "stream: prompt tokens (default 16)");
