@@ -382,7 +382,7 @@ int RunProxyBench(const ProxyBenchArgs& a) {
           const double tok = double(r.tokens);
           const bool grpc = r.name != "floor-tcp";
           std::cout << fmt::format(
-              "{:<9} {:>3} {:>6} {:>6} {:>4} {:>8} {:>7.1f} {:>9.3f} {:>11.2f} {:>11.3f} {:>10} "
+              "{:<11} {:>1} {:>6} {:>6} {:>4} {:>8} {:>7.1f} {:>9.3f} {:>11.2f} {:>11.3f} {:>10} "
               "{:>9.2f} {:>9.2f} {:>9.2f} {:>5.1f}\n",
               r.name, r.requests_ok, w.input, w.output, w.concurrency, r.tokens,
               r.summary.duration_s, r.server_cpu_s, tok > 0 ? r.server_cpu_s / tok * 1e6 : NAN,
