@@ -5,8 +5,10 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cctype>
 #include <condition_variable>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -76,6 +78,7 @@ struct Watcher {
   bool needs_snapshot = true;
   bool needs_load = true;        // its first load report goes at the next sample
   uint64_t last_event_id = 0;    // events up to this one are in what it was sent
+  bool batched = false;  // WatchRequest.batched: one update per round (issue 23)
   std::chrono::steady_clock::time_point last_write;  // for the keep-alive
 };
 
@@ -118,7 +121,7 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
   }
 
   grpc::ServerWriteReactor<pb::WorkerUpdate>* Watch(grpc::CallbackServerContext*,
-                                                    const pb::WatchRequest*) override {
+                                                    const pb::WatchRequest* req) override {
     auto* stream = new WatchStream(cancel_hook_);
     {
       std::lock_guard lock(mu_);
@@ -129,6 +132,7 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
       Watcher w;
       w.writer = stream->writer();
       w.last_write = std::chrono::steady_clock::now();
+      w.batched = req->batched();
       watchers_.push_back(std::move(w));
       wake_ = true;
     }
@@ -136,10 +140,7 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
     return stream;
   }
 
-  static pb::WorkerUpdate EventUpdate(const engine::KvEvent& e) {
-    pb::WorkerUpdate u;
-    u.set_epoch(e.epoch);
-    auto* ev = u.mutable_event();
+  static void FillEvent(const engine::KvEvent& e, pb::KvEvent* ev) {
     ev->set_event_id(e.event_id);
     ev->set_epoch(e.epoch);
     switch (e.kind) {
@@ -147,15 +148,21 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
         auto* st = ev->mutable_stored();
         st->set_parent_hash(e.parent_hash);
         st->set_tier(static_cast<pb::KvTier>(e.tier));
-        for (uint64_t h : e.hashes) st->add_block_hashes(h);
+        st->mutable_block_hashes()->Add(e.hashes.begin(), e.hashes.end());
         break;
       }
       case engine::KvEventKind::kRemoved:
         ev->mutable_removed()->set_tier(static_cast<pb::KvTier>(e.tier));
-        for (uint64_t h : e.hashes) ev->mutable_removed()->add_block_hashes(h);
+        ev->mutable_removed()->mutable_block_hashes()->Add(e.hashes.begin(), e.hashes.end());
         break;
       case engine::KvEventKind::kCleared: ev->mutable_cleared(); break;
     }
+  }
+
+  static pb::WorkerUpdate EventUpdate(const engine::KvEvent& e) {
+    pb::WorkerUpdate u;
+    u.set_epoch(e.epoch);
+    FillEvent(e, u.mutable_event());
     return u;
   }
 
@@ -198,7 +205,8 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
     LoadSample last_sent;
     bool sent_any = false;
     bool events_since_load = false;  // KV events went out after the last load report
-    const uint64_t sub = engine_.events().Subscribe([this](const engine::KvEvent&) {
+    // Woken once per batch of events (a step's, kv_events.h), not per event.
+    const uint64_t sub = engine_.events().SubscribeWake([this] {
       {
         std::lock_guard lock(mu_);
         wake_ = true;
@@ -275,8 +283,33 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
         now = Clock::now();
         next_load = now + interval_;
       }
+      // Per-event updates only for watchers that did not ask for batches.
       std::vector<std::shared_ptr<const pb::WorkerUpdate>> updates;
-      for (const auto& e : events) updates.push_back(std::make_shared<pb::WorkerUpdate>(EventUpdate(e)));
+      {
+        std::lock_guard lock(mu_);
+        const bool any_single = std::any_of(watchers_.begin(), watchers_.end(),
+                                            [](const Watcher& w) { return !w.batched; });
+        if (any_single) {
+          for (const auto& e : events) {
+            updates.push_back(std::make_shared<pb::WorkerUpdate>(EventUpdate(e)));
+          }
+        }
+      }
+      // Batched watchers: this round's events (from the first one a watcher
+      // lacks) and, when it gets one, the load report in one update, built
+      // once per (start, with load).
+      std::map<std::pair<size_t, bool>, std::shared_ptr<const pb::WorkerUpdate>> batches;
+      const auto batch_from = [&](size_t first, bool with_load) {
+        auto& b = batches[{first, with_load}];
+        if (!b) {
+          auto u = std::make_shared<pb::WorkerUpdate>();
+          u->set_epoch(identity_.epoch);
+          for (size_t i = first; i < events.size(); ++i) FillEvent(events[i], u->add_events());
+          if (with_load) *u->mutable_batched_load() = load->load();
+          b = std::move(u);
+        }
+        return b;
+      };
 
       Writes writes;
       {
@@ -290,17 +323,34 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
             w.last_event_id = snapshot_id;
             writes.emplace_back(w.writer, snapshot);
           }
-          for (size_t i = 0; i < events.size(); ++i) {
-            if (events[i].event_id <= w.last_event_id) continue;
-            w.last_event_id = events[i].event_id;
-            writes.emplace_back(w.writer, updates[i]);
+          size_t first = 0;  // batched: the first event it lacks
+          if (w.batched) {
+            while (first < events.size() && events[first].event_id <= w.last_event_id) ++first;
+            if (first < events.size()) w.last_event_id = events.back().event_id;
           }
-          if (sent_any && (load_changed || w.needs_load ||
-                           (writes.size() == before && now - w.last_write >= keepalive))) {
+          const bool new_events = w.batched ? first < events.size() : [&] {
+            bool any = false;
+            for (const auto& e : events) any |= e.event_id > w.last_event_id;
+            return any;
+          }();
+          const bool with_load =
+              sent_any && (load_changed || w.needs_load ||
+                           (writes.size() == before && !new_events &&
+                            now - w.last_write >= keepalive));
+          if (with_load) {
             // (Between samples, or unchanged: the last report again.)
             if (!load) load = std::make_shared<pb::WorkerUpdate>(LoadUpdate(last_sent));
             w.needs_load = false;
-            writes.emplace_back(w.writer, load);
+          }
+          if (w.batched) {
+            if (new_events || with_load) writes.emplace_back(w.writer, batch_from(first, with_load));
+          } else {
+            for (size_t i = 0; i < events.size(); ++i) {
+              if (events[i].event_id <= w.last_event_id) continue;
+              w.last_event_id = events[i].event_id;
+              writes.emplace_back(w.writer, updates[i]);
+            }
+            if (with_load) writes.emplace_back(w.writer, load);
           }
           if (writes.size() != before) w.last_write = now;
         }
