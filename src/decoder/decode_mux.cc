@@ -232,7 +232,7 @@ class MuxState final : public Flushable, public std::enable_shared_from_this<Mux
   void Pump(std::unique_lock<std::mutex>& lock) {
     if (writing_ || finish_called_) return;
     if (!pending_.empty()) {
-      current_ = pending_.Take();
+      pending_.TakeInto(&current_);
       writing_ = true;
       decoder_.CountStreamMessage(static_cast<size_t>(current_.items_size()));
       lock.unlock();

@@ -228,7 +228,7 @@ class Engine {
     std::vector<uint32_t> blocks;
     uint32_t num_cached_blocks = 0;
   };
-  using Delivery = std::pair<OutputCallback, RequestOutput>;
+  using Delivery = std::pair<std::shared_ptr<const OutputCallback>, RequestOutput>;
   using Deliveries = std::vector<Delivery>;
 
   Engine(const model::ModelConfig& config, EngineOptions options);
@@ -260,6 +260,9 @@ class Engine {
   Sampler sampler_;                 // engine thread only
   std::vector<float> logits_;       // engine thread only: [rows][vocab]
   std::vector<SeqChunk> chunks_;    // engine thread only
+  // Engine thread only: a step's deliveries, reused (a vector grown from
+  // empty every step was a large malloc per step, issue 23).
+  Deliveries step_out_;
   // Engine thread only: this step's chunks whose requests want KvProgress.
   struct ProgressChunk {
     const KvProgressCallback* callback = nullptr;  // the sequence's; stable during the forward
