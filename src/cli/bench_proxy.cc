@@ -23,6 +23,7 @@
 #include <sstream>
 #include <thread>
 
+#include "cli/bench_proxy_floor.h"
 #include "cli/commands.h"
 #include "loadgen/grpc_client.h"
 #include "loadgen/runner.h"
@@ -38,7 +39,7 @@ namespace fs = std::filesystem;
 struct ProxyBenchArgs {
   std::string config = "configs/sim-1p1d.yaml";
   std::string state_file;  // a running fleet: no launch
-  std::string workloads = "stream,prompt,open";
+  std::string workloads = "stream,prompt,open,floor";
   double launch_timeout_s = 120;
   // stream: many tokens through few streams.
   uint32_t stream_requests = 100, stream_input = 16, stream_output = 1000, stream_concurrency = 16;
@@ -46,6 +47,9 @@ struct ProxyBenchArgs {
   uint32_t prompt_requests = 200, prompt_input = 8000, prompt_concurrency = 16;
   // open: many streams open at once (ITL under load).
   uint32_t open_streams = 1000, open_output = 64, open_input = 16;
+  // floor: bare servers streaming canned tokens (bench_proxy_floor.h).
+  uint32_t floor_requests = 32;
+  double floor_step_ms = 0;  // 0: the stream workload's ITL p50 when it ran, else 6.4
   double duration_s = 300;  // per workload
   std::string json_path;
 };
@@ -306,9 +310,11 @@ int RunProxyBench(const ProxyBenchArgs& a) {
       todo.push_back({n, a.prompt_requests, a.prompt_input, 1, a.prompt_concurrency});
     } else if (n == "open") {
       todo.push_back({n, a.open_streams, a.open_input, a.open_output, a.open_streams});
+    } else if (n == "floor") {
+      todo.push_back({n, a.floor_requests, a.stream_input, a.stream_output, a.stream_concurrency});
     } else {
       return bad(InvalidArgumentError(fmt::format(
-          "--workloads: unknown workload '{}' (give a list of stream, prompt, open)", n)));
+          "--workloads: unknown workload '{}' (give a list of stream, prompt, open, floor)", n)));
     }
   }
   for (const auto& w : todo) {
@@ -316,6 +322,10 @@ int RunProxyBench(const ProxyBenchArgs& a) {
       return bad(InvalidArgumentError(fmt::format(
           "workload {}: requests, concurrency and lengths must be at least 1", w.name)));
     }
+  }
+  if (!(a.floor_step_ms >= 0) || a.floor_step_ms > 1000) {
+    return bad(InvalidArgumentError(
+        fmt::format("--floor-step-ms must be in [0, 1000] ms, got {}", a.floor_step_ms)));
   }
   if (!(a.duration_s > 0) || a.duration_s > 3600) {
     return bad(InvalidArgumentError(
@@ -337,12 +347,56 @@ int RunProxyBench(const ProxyBenchArgs& a) {
                              "load", "reqs", "in", "out", "conc", "out tok", "wall s", "proxy s",
                              "proxy us/tok", "proxy ms/req", "dec us/tok", "ITL p50ms",
                              "ITL p99ms", "step p99ms", "load1");
+    double stream_itl_p50_ms = 0;
     for (const auto& w : todo) {
+      if (w.name == "floor") {
+        FloorSpec spec{w.requests, w.input, w.output, w.concurrency,
+                       a.floor_step_ms > 0 ? a.floor_step_ms
+                       : stream_itl_p50_ms > 0 ? stream_itl_p50_ms
+                                               : 6.4,
+                       a.duration_s};
+        std::error_code ec;
+        auto rows = RunProxyFloors(fs::read_symlink("/proc/self/exe", ec).string(), spec, *mi);
+        if (!rows.ok()) {
+          rc = bad(rows.status());
+          break;
+        }
+        for (const FloorRow& r : *rows) {
+          const double tok = double(r.tokens);
+          const bool grpc = r.name != "floor-tcp";
+          std::cout << fmt::format(
+              "{:<9} {:>3} {:>6} {:>6} {:>4} {:>8} {:>7.1f} {:>9.3f} {:>11.2f} {:>11.3f} {:>10} "
+              "{:>9.2f} {:>9.2f} {:>9.2f} {:>5.1f}\n",
+              r.name, r.requests_ok, w.input, w.output, w.concurrency, r.tokens,
+              r.summary.duration_s, r.server_cpu_s, tok > 0 ? r.server_cpu_s / tok * 1e6 : NAN,
+              r.requests_ok ? r.server_cpu_s / double(r.requests_ok) * 1e3 : NAN, "-",
+              grpc ? r.summary.itl_s.p50 * 1e3 : NAN, grpc ? r.summary.itl_s.p99 * 1e3 : NAN,
+              spec.step_ms, r.load1);
+          std::cout.flush();
+          out.push_back({{"workload", r.name}, {"requests_ok", r.requests_ok},
+                         {"requests_failed", r.requests_failed}, {"input_len", w.input},
+                         {"output_len", w.output}, {"concurrency", w.concurrency},
+                         {"output_tokens", r.tokens}, {"duration_s", r.summary.duration_s},
+                         {"cpu_s", {{"floor_server", r.server_cpu_s}}},
+                         {"floor_server_us_per_token", tok > 0 ? r.server_cpu_s / tok * 1e6 : -1},
+                         {"floor_step_ms", spec.step_ms},
+                         {"itl_p50_ms", grpc ? r.summary.itl_s.p50 * 1e3 : -1},
+                         {"itl_p99_ms", grpc ? r.summary.itl_s.p99 * 1e3 : -1},
+                         {"load1", r.load1}});
+          if (r.requests_failed > 0) {
+            std::cerr << fmt::format("tandem bench proxy: {}: {} requests failed\n", r.name,
+                                     r.requests_failed);
+            rc = 3;
+          }
+        }
+        continue;
+      }
       auto m = RunOne(*client, *mi, *fleet, w, a.duration_s);
       if (!m.ok()) {
         rc = bad(m.status());
         break;
       }
+      if (w.name == "stream") stream_itl_p50_ms = m->s.itl_s.p50 * 1e3;
       const double tok = double(m->s.output_tokens);
       const double proxy = m->cpu["proxy"];
       const double dec = m->cpu["decode"] + m->cpu["both"];
@@ -394,7 +448,7 @@ void RegisterBenchProxy(CLI::App& bench, GlobalOptions& g) {
   cmd->add_option("--state-file", a->state_file,
                   "measure a running fleet instead (tandem launch --state-file)");
   cmd->add_option("--workloads", a->workloads,
-                  "comma-separated: stream, prompt, open (default all three)");
+                  "comma-separated: stream, prompt, open, floor (default all four)");
   cmd->add_option("--launch-timeout", a->launch_timeout_s, "seconds for the fleet to be ready");
   cmd->add_option("--stream-requests", a->stream_requests, "stream: requests (default 100)");
   cmd->add_option("--stream-input", a->stream_input, "stream: prompt tokens (default 16)");
@@ -406,10 +460,16 @@ void RegisterBenchProxy(CLI::App& bench, GlobalOptions& g) {
   cmd->add_option("--open-streams", a->open_streams,
                   "open: streams opened at once, each one request (default 1000)");
   cmd->add_option("--open-output", a->open_output, "open: output tokens each (default 64)");
+  cmd->add_option("--floor-requests", a->floor_requests,
+                  "floor: requests per floor server, shaped as stream's (default 32)");
+  cmd->add_option("--floor-step-ms", a->floor_step_ms,
+                  "floor: ms between tokens of a stream (default: the stream workload's ITL p50 "
+                  "when it ran, else 6.4)");
   cmd->add_option("--duration", a->duration_s,
                   "bound of each workload in seconds (default 300)");
   cmd->add_option("--json", a->json_path, "write the results as JSON to PATH");
   cmd->callback([&g, a] { g.exit_code = RunProxyBench(*a); });
+  RegisterBenchProxyFloorServer(bench, g.exit_code);
 }
 
 }  // namespace tandem::cli

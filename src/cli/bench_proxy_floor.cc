@@ -1,0 +1,587 @@
+// The floors of `tandem bench proxy`: bare Generate servers (callback API,
+// async completion-queue API on one thread) and raw loopback TCP, streaming
+// canned tokens at the sim's cadence. See bench_proxy_floor.h.
+#include "cli/bench_proxy_floor.h"
+
+#include <CLI/CLI.hpp>
+#include <arpa/inet.h>
+#include <fmt/format.h>
+#include <grpcpp/alarm.h>
+#include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/epoll.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <iostream>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "common/stream_writer.h"
+#include "common/token_merge.h"
+#include "loadgen/grpc_client.h"
+#include "loadgen/runner.h"
+#include "loadgen/workload.h"
+#include "tandem/v1/generation.grpc.pb.h"
+
+namespace tandem::cli {
+namespace {
+
+namespace pb = ::tandem::v1;
+namespace lg = ::tandem::loadgen;
+using Clock = std::chrono::steady_clock;
+
+// One canned token message as the proxy sends it: request id, one token id,
+// its text (a short word piece).
+void FillToken(pb::GenerateResponse& r, const std::string& id, uint32_t first, uint32_t n) {
+  r.Clear();
+  r.set_request_id(id);
+  for (uint32_t i = 0; i < n; ++i) r.add_token_ids(100 + (first + i) % 1000);
+  for (uint32_t i = 0; i < n; ++i) r.mutable_text()->append(" tok");
+}
+
+void FillFinal(pb::GenerateResponse& r, const std::string& id, uint32_t prompt, uint32_t n) {
+  r.Clear();
+  r.set_request_id(id);
+  r.set_finish_reason(pb::FINISH_REASON_LENGTH);
+  r.mutable_usage()->set_prompt_tokens(prompt);
+  r.mutable_usage()->set_completion_tokens(n);
+}
+
+// ---------------------------------------------------------------- callback
+
+class CbStream;
+
+// Writes one token to every open stream per step, from its own thread.
+class CbTicker {
+ public:
+  explicit CbTicker(double step_ms) : step_(std::chrono::microseconds(int64_t(step_ms * 1000))) {
+    thread_ = std::thread([this] { Run(); });
+  }
+  void Add(CbStream* s) {
+    std::lock_guard lock(mu_);
+    streams_.push_back(s);
+  }
+  void Remove(CbStream* s) {
+    std::lock_guard lock(mu_);
+    for (size_t i = 0; i < streams_.size(); ++i) {
+      if (streams_[i] == s) {
+        streams_[i] = streams_.back();
+        streams_.pop_back();
+        return;
+      }
+    }
+  }
+
+ private:
+  void Run();
+  const Clock::duration step_;
+  std::mutex mu_;
+  std::vector<CbStream*> streams_;  // guarded by mu_
+  std::thread thread_;              // runs until the process is killed
+};
+
+class CbStream final : public grpc::ServerWriteReactor<pb::GenerateResponse> {
+ public:
+  CbStream(CbTicker* ticker, const pb::GenerateRequest& req)
+      : ticker_(ticker),
+        id_(req.request_id()),
+        prompt_(uint32_t(req.prompt_token_ids_size())),
+        max_(req.max_tokens() == 0 ? 1 : req.max_tokens()),
+        writer_(this, &MergeGenerateDelta) {
+    writer_.Open();
+    ticker_->Add(this);
+  }
+  // On the ticker's thread with its lock held; true: the stream is done
+  // with the ticker (finished or cancelled).
+  bool Tick() {
+    if (cancelled_.load()) return true;
+    pb::GenerateResponse r;
+    FillToken(r, id_, sent_, 1);
+    writer_.Write(std::move(r));
+    if (++sent_ < max_) return false;
+    FillFinal(r, id_, prompt_, sent_);
+    writer_.WriteAndFinish(std::move(r), grpc::Status::OK);
+    return true;
+  }
+  void OnWriteDone(bool ok) override { writer_.OnWriteDone(ok); }
+  void OnCancel() override {
+    cancelled_ = true;
+    writer_.OnCancel();
+  }
+  void OnDone() override {
+    ticker_->Remove(this);
+    delete this;
+  }
+
+ private:
+  CbTicker* const ticker_;
+  const std::string id_;
+  const uint32_t prompt_, max_;
+  uint32_t sent_ = 0;  // the ticker's
+  std::atomic<bool> cancelled_{false};
+  StreamWriter<pb::GenerateResponse> writer_;
+};
+
+void CbTicker::Run() {
+  auto next = Clock::now();
+  for (;;) {
+    next += step_;
+    std::this_thread::sleep_until(next);
+    std::lock_guard lock(mu_);
+    for (size_t i = 0; i < streams_.size();) {
+      if (streams_[i]->Tick()) {
+        streams_[i] = streams_.back();
+        streams_.pop_back();
+      } else {
+        ++i;
+      }
+    }
+  }
+}
+
+class CbService final : public pb::Generation::CallbackService {
+ public:
+  explicit CbService(double step_ms) : ticker_(step_ms) {}
+  grpc::ServerWriteReactor<pb::GenerateResponse>* Generate(grpc::CallbackServerContext*,
+                                                           const pb::GenerateRequest* req) override {
+    return new CbStream(&ticker_, *req);
+  }
+
+ private:
+  CbTicker ticker_;
+};
+
+// ------------------------------------------------------------------- async
+
+struct CqCall;
+enum class Kind { kNew, kWrite, kFinish, kDone, kTick };
+struct Tag {
+  CqCall* call;
+  Kind kind;
+};
+
+struct CqCall {
+  grpc::ServerContext ctx;
+  pb::GenerateRequest req;
+  grpc::ServerAsyncWriter<pb::GenerateResponse> writer{&ctx};
+  Tag t_new{this, Kind::kNew}, t_write{this, Kind::kWrite}, t_finish{this, Kind::kFinish},
+      t_done{this, Kind::kDone};
+  pb::GenerateResponse msg;  // the message being written (reused)
+  uint32_t max = 1, ready = 0, written = 0;
+  bool writing = false, finishing = false, finished = false, done = false, broken = false;
+};
+
+// One thread: new calls, write completions and the per-step alarm all come
+// through one completion queue.
+int ServeAsync(pb::Generation::AsyncService& service, grpc::ServerCompletionQueue* cq,
+               double step_ms) {
+  std::vector<CqCall*> active;
+  const auto request_next = [&] {
+    auto* c = new CqCall();
+    c->ctx.AsyncNotifyWhenDone(&c->t_done);
+    service.RequestGenerate(&c->ctx, &c->req, &c->writer, cq, cq, &c->t_new);
+  };
+  const auto pump = [&](CqCall* c) {
+    if (c->writing || c->finishing) return;
+    if (c->broken) {
+      c->finishing = true;
+      c->writer.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"), &c->t_finish);
+      return;
+    }
+    if (c->written < c->ready) {
+      FillToken(c->msg, c->req.request_id(), c->written, c->ready - c->written);
+      c->written = c->ready;
+      c->writing = true;
+      c->writer.Write(c->msg, &c->t_write);
+    } else if (c->written == c->max) {
+      c->finishing = true;
+      FillFinal(c->msg, c->req.request_id(), uint32_t(c->req.prompt_token_ids_size()), c->max);
+      c->writer.WriteAndFinish(c->msg, grpc::WriteOptions(), grpc::Status::OK, &c->t_finish);
+    }
+  };
+  const auto maybe_delete = [](CqCall* c) {
+    if (c->done && (c->finished || (!c->writing && !c->finishing))) delete c;
+  };
+  request_next();
+  const auto step = std::chrono::microseconds(int64_t(step_ms * 1000));
+  auto next = std::chrono::system_clock::now() + step;
+  Tag tick{nullptr, Kind::kTick};
+  grpc::Alarm alarm;
+  alarm.Set(cq, next, &tick);
+  void* tag = nullptr;
+  bool ok = false;
+  while (cq->Next(&tag, &ok)) {
+    Tag* t = static_cast<Tag*>(tag);
+    CqCall* c = t->call;
+    switch (t->kind) {
+      case Kind::kTick:
+        for (size_t i = 0; i < active.size();) {
+          CqCall* a = active[i];
+          if (a->ready < a->max) ++a->ready;
+          pump(a);
+          if (a->finishing) {
+            active[i] = active.back();
+            active.pop_back();
+          } else {
+            ++i;
+          }
+        }
+        next += step;
+        alarm.Set(cq, next, &tick);
+        break;
+      case Kind::kNew:
+        if (!ok) return 1;  // shutting down
+        request_next();
+        c->max = c->req.max_tokens() == 0 ? 1 : c->req.max_tokens();
+        active.push_back(c);
+        break;
+      case Kind::kWrite:
+        c->writing = false;
+        if (!ok) c->broken = true;
+        if (!c->finishing) pump(c);
+        if (c->finishing) {
+          for (size_t i = 0; i < active.size(); ++i) {
+            if (active[i] == c) {
+              active[i] = active.back();
+              active.pop_back();
+              break;
+            }
+          }
+        }
+        maybe_delete(c);
+        break;
+      case Kind::kFinish:
+        c->finished = true;
+        maybe_delete(c);
+        break;
+      case Kind::kDone:
+        c->done = true;
+        if (c->ctx.IsCancelled() && !c->finishing) {
+          c->broken = true;
+          if (!c->writing) {
+            for (size_t i = 0; i < active.size(); ++i) {
+              if (active[i] == c) {
+                active[i] = active.back();
+                active.pop_back();
+                break;
+              }
+            }
+            pump(c);
+          }
+        }
+        maybe_delete(c);
+        break;
+    }
+  }
+  return 0;
+}
+
+// --------------------------------------------------------------------- tcp
+
+// Accepts `connections`, then sends `streams` messages of `bytes` per step,
+// round-robin over the connections, `messages` in all; then closes them.
+int ServeTcp(int listen_fd, uint32_t connections, uint32_t streams, uint64_t messages,
+             uint32_t bytes, double step_ms) {
+  std::vector<int> fds;
+  while (fds.size() < connections) {
+    const int fd = accept(listen_fd, nullptr, nullptr);
+    if (fd < 0) return 1;
+    const int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    fds.push_back(fd);
+  }
+  const std::string buf(bytes, 'x');
+  const auto step = std::chrono::microseconds(int64_t(step_ms * 1000));
+  auto next = Clock::now();
+  uint64_t sent = 0;
+  while (sent < messages) {
+    next += step;
+    std::this_thread::sleep_until(next);
+    for (uint32_t i = 0; i < streams && sent < messages; ++i, ++sent) {
+      if (send(fds[i % fds.size()], buf.data(), buf.size(), MSG_NOSIGNAL) != ssize_t(buf.size())) {
+        return 1;
+      }
+    }
+  }
+  for (int fd : fds) close(fd);
+  pause();  // CPU is read, then we are killed
+  return 0;
+}
+
+struct ServerArgs {
+  std::string mode = "callback";
+  double step_ms = 6.4;
+  uint32_t connections = 4, streams = 16, bytes = 64;
+  uint64_t messages = 0;
+};
+
+int RunFloorServer(const ServerArgs& a) {
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (a.mode == "tcp") {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof addr;
+    if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+        listen(fd, 64) != 0 || getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      std::cerr << "proxy-floor-server: cannot listen on 127.0.0.1\n";
+      return 1;
+    }
+    std::cout << "PORT " << ntohs(addr.sin_port) << std::endl;
+    return ServeTcp(fd, a.connections, a.streams, a.messages, a.bytes, a.step_ms);
+  }
+  grpc::ServerBuilder builder;
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  if (a.mode == "callback") {
+    CbService service(a.step_ms);
+    builder.RegisterService(&service);
+    auto server = builder.BuildAndStart();
+    if (!server || port == 0) return 1;
+    std::cout << "PORT " << port << std::endl;
+    server->Wait();
+    return 0;
+  }
+  if (a.mode == "async") {
+    pb::Generation::AsyncService service;
+    builder.RegisterService(&service);
+    auto cq = builder.AddCompletionQueue();
+    auto server = builder.BuildAndStart();
+    if (!server || port == 0) return 1;
+    std::cout << "PORT " << port << std::endl;
+    return ServeAsync(service, cq.get(), a.step_ms);
+  }
+  std::cerr << "proxy-floor-server: --mode must be callback, async or tcp\n";
+  return 2;
+}
+
+// ------------------------------------------------------------------ parent
+
+double ProcCpuSeconds(int pid) {
+  std::ifstream in(fmt::format("/proc/{}/stat", pid));
+  std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t close = s.rfind(')');
+  if (close == std::string::npos) return -1;
+  std::istringstream f(s.substr(close + 2));
+  std::string field;
+  long long utime = 0, stime = 0;
+  for (int i = 3; i <= 15 && f >> field; ++i) {
+    if (i == 14) utime = std::stoll(field);
+    if (i == 15) stime = std::stoll(field);
+  }
+  return double(utime + stime) / double(sysconf(_SC_CLK_TCK));
+}
+
+double LoadAvg1() {
+  std::ifstream in("/proc/loadavg");
+  double l = 0;
+  in >> l;
+  return l;
+}
+
+struct Child {
+  pid_t pid = -1;
+  int port = 0;
+};
+
+Result<Child> SpawnServer(const std::string& self, const std::vector<std::string>& args) {
+  int p[2];
+  if (pipe(p) != 0) return InternalError("pipe failed");
+  const pid_t pid = fork();
+  if (pid < 0) return InternalError("fork failed");
+  if (pid == 0) {
+    dup2(p[1], 1);
+    close(p[0]);
+    close(p[1]);
+    std::vector<char*> argv;
+    argv.push_back(const_cast<char*>("tandem"));
+    argv.push_back(const_cast<char*>("bench"));
+    argv.push_back(const_cast<char*>("proxy-floor-server"));
+    for (const auto& s : args) argv.push_back(const_cast<char*>(s.c_str()));
+    argv.push_back(nullptr);
+    execv(self.c_str(), argv.data());
+    _exit(127);
+  }
+  close(p[1]);
+  std::string line;
+  pollfd pfd{p[0], POLLIN, 0};
+  const auto until = Clock::now() + std::chrono::seconds(20);
+  while (line.find('\n') == std::string::npos && Clock::now() < until) {
+    if (poll(&pfd, 1, 200) <= 0) continue;
+    char buf[64];
+    const ssize_t n = read(p[0], buf, sizeof buf);
+    if (n <= 0) break;
+    line.append(buf, size_t(n));
+  }
+  close(p[0]);
+  Child c;
+  c.pid = pid;
+  if (line.rfind("PORT ", 0) != 0 || (c.port = std::atoi(line.c_str() + 5)) <= 0) {
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+    return UnavailableError("the floor server did not start (tandem bench proxy-floor-server)");
+  }
+  return c;
+}
+
+void StopChild(Child& c) {
+  if (c.pid <= 0) return;
+  kill(c.pid, SIGKILL);
+  waitpid(c.pid, nullptr, 0);
+  c.pid = -1;
+}
+
+Result<FloorRow> RunGrpcFloor(const std::string& self, const std::string& mode,
+                              const FloorSpec& spec, const lg::ModelInfo& mi) {
+  TANDEM_ASSIGN_OR_RETURN(Child child, SpawnServer(self, {"--mode", mode, "--step-ms",
+                                                          fmt::format("{}", spec.step_ms)}));
+  FloorRow row;
+  row.name = mode == "callback" ? "floor-cb" : "floor-cq";
+  {
+    auto client = lg::MakeGrpcClient({fmt::format("127.0.0.1:{}", child.port), "", 4});
+    lg::SyntheticOptions so;
+    so.input = {lg::LengthDist::Kind::kFixed, double(spec.input), 0};
+    so.output = {lg::LengthDist::Kind::kFixed, double(spec.output), 0};
+    so.seed = 1;
+    so.vocab = mi.vocab_size;
+    so.max_model_len = mi.max_model_len;
+    auto source = lg::MakeSyntheticSource(so);
+    lg::RunOptions ro;
+    ro.num_requests = spec.requests;
+    ro.duration_s = spec.duration_s;
+    ro.arrival.kind = lg::ArrivalKind::kConcurrency;
+    ro.arrival.concurrency = spec.concurrency;
+    ro.ignore_eos = true;
+    ro.model = mi.id;
+    ro.request_id_prefix = fmt::format("bench-proxy-{}-{}", getpid(), row.name);
+    ro.request_timeout = std::chrono::milliseconds(int64_t(spec.duration_s * 1000) + 60000);
+    const double cpu0 = ProcCpuSeconds(child.pid);
+    const double load0 = LoadAvg1();
+    auto run = lg::Run(*client, *source, ro);
+    row.server_cpu_s = ProcCpuSeconds(child.pid) - cpu0;
+    row.load1 = (load0 + LoadAvg1()) / 2;
+    if (!run.ok()) {
+      StopChild(child);
+      return run.status();
+    }
+    row.summary = lg::Summarize(run->records, {});
+    row.tokens = row.summary.output_tokens;
+    row.requests_ok = row.summary.ok;
+    row.requests_failed = row.summary.failed;
+  }
+  StopChild(child);
+  return row;
+}
+
+Result<FloorRow> RunTcpFloor(const std::string& self, const FloorSpec& spec) {
+  // The wire size of one token message as the gRPC floors send it: the
+  // protobuf, gRPC's 5-byte message prefix, HTTP/2's 9-byte DATA header.
+  pb::GenerateResponse r;
+  FillToken(r, fmt::format("bench-proxy-{}-stream-{}", getpid(), 10), 0, 1);
+  const uint32_t bytes = uint32_t(r.ByteSizeLong()) + 5 + 9;
+  const uint64_t messages = uint64_t(spec.requests) * spec.output;
+  constexpr uint32_t kConnections = 4;  // as the gRPC client's channels
+  TANDEM_ASSIGN_OR_RETURN(
+      Child child,
+      SpawnServer(self, {"--mode", "tcp", "--step-ms", fmt::format("{}", spec.step_ms),
+                         "--connections", std::to_string(kConnections), "--streams",
+                         std::to_string(spec.concurrency), "--messages", std::to_string(messages),
+                         "--bytes", std::to_string(bytes)}));
+  FloorRow row;
+  row.name = "floor-tcp";
+  const int ep = epoll_create1(0);
+  std::vector<int> fds;
+  for (uint32_t i = 0; i < kConnections; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(uint16_t(child.port));
+    if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+      for (int f : fds) close(f);
+      if (fd >= 0) close(fd);
+      close(ep);
+      StopChild(child);
+      return UnavailableError("floor-tcp: cannot connect to the floor server");
+    }
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = fd;
+    epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev);
+    fds.push_back(fd);
+  }
+  const double cpu0 = ProcCpuSeconds(child.pid);
+  const double load0 = LoadAvg1();
+  const auto t0 = Clock::now();
+  uint64_t received = 0;
+  size_t open = fds.size();
+  const auto until = t0 + std::chrono::milliseconds(int64_t(spec.duration_s * 1000));
+  std::vector<char> buf(1 << 16);
+  while (open > 0 && Clock::now() < until) {
+    epoll_event evs[8];
+    const int n = epoll_wait(ep, evs, 8, 1000);
+    for (int i = 0; i < n; ++i) {
+      const ssize_t got = read(evs[i].data.fd, buf.data(), buf.size());
+      if (got > 0) {
+        received += uint64_t(got);
+      } else {
+        epoll_ctl(ep, EPOLL_CTL_DEL, evs[i].data.fd, nullptr);
+        --open;
+      }
+    }
+  }
+  row.summary.duration_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  row.server_cpu_s = ProcCpuSeconds(child.pid) - cpu0;
+  row.load1 = (load0 + LoadAvg1()) / 2;
+  for (int f : fds) close(f);
+  close(ep);
+  StopChild(child);
+  row.tokens = received / bytes;
+  row.summary.output_tokens = row.tokens;
+  row.requests_ok = open == 0 ? spec.requests : 0;
+  row.requests_failed = open == 0 ? 0 : spec.requests;
+  return row;
+}
+
+}  // namespace
+
+Result<std::vector<FloorRow>> RunProxyFloors(const std::string& self, const FloorSpec& spec,
+                                             const lg::ModelInfo& model) {
+  std::vector<FloorRow> rows;
+  for (const char* mode : {"callback", "async"}) {
+    TANDEM_ASSIGN_OR_RETURN(FloorRow r, RunGrpcFloor(self, mode, spec, model));
+    rows.push_back(std::move(r));
+  }
+  TANDEM_ASSIGN_OR_RETURN(FloorRow t, RunTcpFloor(self, spec));
+  rows.push_back(std::move(t));
+  return rows;
+}
+
+void RegisterBenchProxyFloorServer(CLI::App& bench, int& exit_code) {
+  auto* cmd = bench.add_subcommand("proxy-floor-server",
+                                   "a floor server of tandem bench proxy (internal)");
+  cmd->group("");  // hidden
+  auto a = std::make_shared<ServerArgs>();
+  cmd->add_option("--mode", a->mode, "callback, async or tcp");
+  cmd->add_option("--step-ms", a->step_ms, "one token per stream per step");
+  cmd->add_option("--connections", a->connections, "tcp: connections to accept");
+  cmd->add_option("--streams", a->streams, "tcp: messages per step");
+  cmd->add_option("--messages", a->messages, "tcp: messages in all");
+  cmd->add_option("--bytes", a->bytes, "tcp: bytes per message");
+  cmd->callback([a, &exit_code] { exit_code = RunFloorServer(*a); });
+}
+
+}  // namespace tandem::cli

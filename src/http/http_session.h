@@ -1,0 +1,191 @@
+// One HTTP/1.1 connection of the OpenAI-compatible API (internal to
+// tandem_http; HttpServer owns the listener and the I/O threads).
+//
+// A Session reads requests with Beast's parser (pipelined ones queue, one is
+// served at a time), answers them in order and closes idle connections. Its
+// members are split by concern over three files:
+//   http_session.cc     reading, writing, idle timeout, closing (the socket)
+//   http_routes.cc      the routes: /health, /metrics, /v1/models, 404/405
+//   http_generation.cc  /v1/completions and /v1/chat/completions: admission,
+//                       the work pool, the lifecycle's sink, SSE framing
+//
+// Thread-safety: everything runs on the connection's strand, except
+// CancelLifecycle (any thread) and the lifecycle's sink, which only posts to
+// the strand.
+#pragma once
+
+// <utility> before Asio: Boost 1.74's awaitable.hpp uses std::exchange
+// without including it (an error under C++20).
+// clang-format off
+#include <utility>
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+// clang-format on
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+
+#include "common/tls.h"
+#include "http/http_server.h"
+#include "http/http_stream.h"
+#include "http/openai.h"
+#include "model/chat_template.h"
+#include "proxy/generation_service.h"
+
+namespace tandem::http::detail {
+
+namespace beast = boost::beast;
+namespace bhttp = boost::beast::http;
+namespace net = boost::asio;
+using tcp = net::ip::tcp;
+using ErrorCode = boost::system::error_code;
+using Request = bhttp::request<bhttp::string_body>;
+
+class Session;
+
+// What every connection shares; owned by HttpServer::Impl.
+struct Shared {
+  proxy::Frontend* fe = nullptr;
+  proxy::Fleet* fleet = nullptr;
+  MetricsRegistry* metrics = nullptr;
+  std::optional<model::ChatTemplate> chat;
+  std::string chat_error;  // why chat is refused when `chat` is empty
+  int64_t started = 0;
+  ServerOptions opts;
+
+  TlsFiles tls_files;        // security.public_tls; empty: plaintext
+  std::atomic<int> jobs{0};  // requests on the work pool (Shutdown waits for them)
+  // Set once every worker registered at that moment had its KV snapshot in
+  // the index: later joiners do not make a serving proxy unready again.
+  std::atomic<bool> warm{false};
+
+  std::mutex mu;
+  std::set<Session*> sessions;  // guarded by mu
+  bool stopping = false;        // guarded by mu
+  // New connections' TLS context (null: plaintext); replaced by a reload.
+  std::shared_ptr<net::ssl::context> tls;  // guarded by mu
+};
+
+// "OK", "Not Found", ... for the status line.
+const char* Reason(int status);
+
+// "" when a request could be served now; otherwise why not (GET /health).
+std::string Unready(Shared& sh);
+
+class Session : public std::enable_shared_from_this<Session> {
+ public:
+  Session(tcp::socket socket, Shared* sh, std::shared_ptr<net::ssl::context> tls);
+  ~Session();
+
+  void Start();
+
+  // Shutdown, once the I/O threads are joined: the self-reference (hold_).
+  std::shared_ptr<Session> TakeHold() { return std::move(hold_); }
+
+  // Any thread (shutdown): the active request is cancelled; nothing more
+  // reaches this session from its lifecycle.
+  void CancelLifecycle();
+
+ private:
+  // ---- idle connections (http_session.cc) ----------------------------------
+  // A connection with no request in progress (keep-alive, or a client that
+  // sends its request too slowly) is closed after proxy.http_idle_timeout_seconds.
+  using SteadyClock = std::chrono::steady_clock;
+  SteadyClock::duration Idle() const;
+  void Touch() { last_activity_ = SteadyClock::now(); }
+  void ArmIdleTimer(SteadyClock::duration after);
+  void OnIdleTimer();
+
+  // ---- reading (http_session.cc) -------------------------------------------
+  void DoRead();
+  void OnHeader(ErrorCode ec);
+  void OnRead(ErrorCode ec);
+  void OnReadError(ErrorCode ec);
+  void MaybeServe();
+
+  // ---- routes (http_routes.cc) ---------------------------------------------
+  void Serve(const Request& req);
+
+  // ---- generation (http_generation.cc) -------------------------------------
+  struct Prepared;
+  void CountOutcome(const Status& st);
+  // Before the lifecycle starts: gives back the admission slot, if taken.
+  void Refuse(const OpenAiRequest* r, const Status& st);
+  static Prepared Prepare(Shared* sh, Endpoint ep, const std::string& body,
+                          const proxy::Tenant* tenant, const std::string& request_id);
+  void StartGeneration(Endpoint ep, const std::string& body, const proxy::Tenant* tenant);
+  void OnPrepared(Prepared p, std::chrono::steady_clock::time_point arrival);
+  void SendStreamHeaders();
+  void OnDelta(std::string text);
+  void OnFinish(proxy::Finish reason, proxy::Usage usage);
+  void OnError(const Status& st);
+  void EndGeneration();
+
+  // ---- writing (http_session.cc) -------------------------------------------
+  void Respond(int status, std::string_view content_type, const std::string& body);
+  // The current request is answered (its bytes may still be queued).
+  void Finished();
+  void Enqueue(std::string bytes);
+  void DoWrite();
+  void OnWrite(ErrorCode ec);
+
+  // ---- ending (http_session.cc) --------------------------------------------
+  // The client closed or reset the connection: cancel what runs for it.
+  void Gone();
+  // Our side is done: half-close, then read and discard what the client
+  // still sends (a body we refused, requests pipelined past a limit) until
+  // its close, kLingerBytes or kLingerTime, whichever first. Closing with
+  // unread bytes would make the kernel answer with a reset, which destroys
+  // our last response before the client has read it.
+  static constexpr size_t kLingerBytes = 1u << 20;
+  static constexpr auto kLingerTime = std::chrono::seconds(2);
+  void Close();
+  // Under TLS the discarded bytes are read (and decrypted) through the TLS
+  // stream; the client's close_notify or TCP close ends the linger.
+  void Linger(size_t discarded);
+  void EndLinger();
+
+  HttpStream socket_;  // TCP, or TLS over it
+  Shared* sh_;
+  net::steady_timer idle_timer_;
+  std::chrono::steady_clock::time_point last_activity_;
+  beast::flat_buffer buf_;
+  std::array<char, 4096> linger_buf_{};
+  std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
+  struct Pending {
+    Request req;
+    bool over_pipeline_limit = false;  // answered 429 (proxy.limits.max_pipelined_requests)
+  };
+  std::deque<Pending> pending_;
+  std::deque<std::string> out_;
+  bool reading_ = false, busy_ = false, gone_ = false, writing_ = false;
+  bool keep_alive_ = true, close_after_ = false, close_when_written_ = false;
+  std::string request_id_header_;
+  std::string traceparent_header_;
+  bool over_connections_ = false;   // opened past proxy.limits.max_connections
+  bool stop_reading_ = false;       // a request over max_pipelined_requests is queued
+  std::shared_ptr<Session> hold_;   // this, while no read holds it (stop_reading_)
+  double retry_after_seconds_ = 0;  // the next 429/503's Retry-After (0: 1 s)
+  bool head_ = false;               // the request being answered is a HEAD
+
+  // The request being generated (strand only).
+  bool active_ = false, admitted_ = false, stream_ = false, include_usage_ = false;
+  bool headers_sent_ = false, first_delta_ = true;
+  OpenAiRequest openai_req_;
+  ResponseMeta meta_;
+  std::string text_;
+
+  std::mutex lc_mu_;
+  std::shared_ptr<proxy::RequestLifecycle> lc_;  // guarded by lc_mu_
+};
+
+}  // namespace tandem::http::detail
