@@ -39,15 +39,15 @@ class Decoder::Emitter {
  public:
   explicit Emitter(std::shared_ptr<DecodeSink> sink) : sink_(std::move(sink)) {}
 
-  void Tokens(uint32_t first_index, std::vector<uint32_t> tokens) {
+  void Tokens(uint32_t first_index, std::span<const uint32_t> tokens) {
     std::lock_guard lock(mu_);
     if (done_) return;
     if (first_index == next_index_ && pending_.empty()) {
       // In order, nothing held back (every step of a running request):
-      // straight to the sink, no map node per step (issue 23).
+      // straight to the sink, no copy, no map node per step (issue 23).
       const uint32_t n = static_cast<uint32_t>(tokens.size());
       if (n == 0) return;
-      sink_->OnTokens(next_index_, std::move(tokens));
+      sink_->OnTokens(next_index_, tokens);
       next_index_ += n;
       if (final_ && next_index_ >= final_->completion_tokens) {
         done_ = true;
@@ -55,7 +55,7 @@ class Decoder::Emitter {
       }
       return;
     }
-    pending_.emplace(first_index, std::move(tokens));
+    pending_.emplace(first_index, std::vector<uint32_t>(tokens.begin(), tokens.end()));
     FlushLocked();
   }
   void Finished(const DecodeResult& r) {
@@ -94,7 +94,7 @@ class Decoder::Emitter {
       if (first + tokens.size() <= next_index_) continue;  // duplicate
       tokens.erase(tokens.begin(), tokens.begin() + (next_index_ - first));
       const uint32_t n = static_cast<uint32_t>(tokens.size());
-      sink_->OnTokens(next_index_, std::move(tokens));
+      sink_->OnTokens(next_index_, tokens);
       next_index_ += n;
     }
     if (final_ && next_index_ >= final_->completion_tokens) {

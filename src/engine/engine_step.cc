@@ -187,7 +187,10 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
       continue;
     }
     seq.num_computed += s.num_tokens;
-    CommitFullBlocks(seq);
+    // A decode step computed one output token's KV (its position is past
+    // the prompt): its block waits for a run of them, or the end.
+    const bool decode_step = s.num_tokens == 1 && seq.num_computed > seq.prompt_len;
+    CommitFullBlocks(seq, decode_step ? kDecodeCommitBlocks : 1);
     if (seq.abort_requested) {
       Finish(seq, FinishReason::kAbort, CancelledError("request aborted"), out);
       if (s.samples) ++row;
@@ -235,10 +238,10 @@ void Engine::ReportKvProgress(uint32_t layers_done) {
   }
 }
 
-void Engine::CommitFullBlocks(Sequence& seq) {
+void Engine::CommitFullBlocks(Sequence& seq, uint32_t min_new) {
   const uint32_t full = std::min<uint32_t>(seq.num_computed / options_.block_size,
                                            static_cast<uint32_t>(seq.blocks.size()));
-  if (full <= seq.num_committed || seq.commit_stopped) return;
+  if (full < seq.num_committed + std::max<uint32_t>(min_new, 1) || seq.commit_stopped) return;
   scheduler_->UpdateHashes(seq);
   // Keep every cached chain prefix-closed on the device (a committed
   // block's parent is committed too), which the router's prefix search
@@ -319,6 +322,9 @@ void Engine::Finish(Sequence& seq, FinishReason reason, Status status, Deliverie
   if (reason == FinishReason::kPrefillDone) {
     seq.state = SeqState::kParked;  // blocks stay pinned until ReleasePrefill / Abort
   } else {
+    // Output blocks still waiting for their run (kDecodeCommitBlocks):
+    // their KV is final (num_computed counts only steps that succeeded).
+    CommitFullBlocks(seq);
     blocks_->Release(seq.blocks);
     seq.blocks.clear();
     seq.state = SeqState::kFinished;
