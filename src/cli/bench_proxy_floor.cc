@@ -62,11 +62,15 @@ void FillFinal(pb::GenerateResponse& r, const std::string& id, uint32_t prompt, 
 
 class CbStream;
 
-// Writes one token to every open stream per step, from its own thread.
+// Writes one token to every open stream per step, from a callback alarm:
+// on one of gRPC's callback threads, as the proxy writes from the decode
+// stream's read callback.
 class CbTicker {
  public:
-  explicit CbTicker(double step_ms) : step_(std::chrono::microseconds(int64_t(step_ms * 1000))) {
-    thread_ = std::thread([this] { Run(); });
+  explicit CbTicker(double step_ms)
+      : step_(std::chrono::microseconds(int64_t(step_ms * 1000))),
+        next_(std::chrono::system_clock::now()) {
+    Arm();
   }
   void Add(CbStream* s) {
     std::lock_guard lock(mu_);
@@ -84,11 +88,16 @@ class CbTicker {
   }
 
  private:
-  void Run();
-  const Clock::duration step_;
+  void Arm() {
+    next_ += step_;
+    alarm_.Set(next_, [this](bool) { Tick(); });
+  }
+  void Tick();
+  const std::chrono::system_clock::duration step_;
+  std::chrono::system_clock::time_point next_;  // the alarm's
+  grpc::Alarm alarm_;                           // runs until the process is killed
   std::mutex mu_;
   std::vector<CbStream*> streams_;  // guarded by mu_
-  std::thread thread_;              // runs until the process is killed
 };
 
 class CbStream final : public grpc::ServerWriteReactor<pb::GenerateResponse> {
@@ -133,11 +142,8 @@ class CbStream final : public grpc::ServerWriteReactor<pb::GenerateResponse> {
   StreamWriter<pb::GenerateResponse> writer_;
 };
 
-void CbTicker::Run() {
-  auto next = Clock::now();
-  for (;;) {
-    next += step_;
-    std::this_thread::sleep_until(next);
+void CbTicker::Tick() {
+  {
     std::lock_guard lock(mu_);
     for (size_t i = 0; i < streams_.size();) {
       if (streams_[i]->Tick()) {
@@ -148,6 +154,7 @@ void CbTicker::Run() {
       }
     }
   }
+  Arm();
 }
 
 class CbService final : public pb::Generation::CallbackService {
@@ -182,10 +189,16 @@ struct CqCall {
   bool writing = false, finishing = false, finished = false, done = false, broken = false;
 };
 
+// floor-cq+cb: Generate on the async API as in floor-cq, ListModels on the
+// callback API (never called): the process then runs gRPC's callback
+// threads too, as every tandem server does (health, reflection, ...).
+using MixedService =
+    pb::Generation::WithCallbackMethod_ListModels<pb::Generation::WithAsyncMethod_Generate<pb::Generation::Service>>;
+
 // One thread: new calls, write completions and the per-step alarm all come
 // through one completion queue.
-int ServeAsync(pb::Generation::AsyncService& service, grpc::ServerCompletionQueue* cq,
-               double step_ms) {
+template <class Service>
+int ServeAsync(Service& service, grpc::ServerCompletionQueue* cq, double step_ms) {
   std::vector<CqCall*> active;
   const auto request_next = [&] {
     auto* c = new CqCall();
@@ -364,7 +377,16 @@ int RunFloorServer(const ServerArgs& a) {
     std::cout << "PORT " << port << std::endl;
     return ServeAsync(service, cq.get(), a.step_ms);
   }
-  std::cerr << "proxy-floor-server: --mode must be callback, async or tcp\n";
+  if (a.mode == "async-cb") {
+    MixedService service;
+    builder.RegisterService(&service);
+    auto cq = builder.AddCompletionQueue();
+    auto server = builder.BuildAndStart();
+    if (!server || port == 0) return 1;
+    std::cout << "PORT " << port << std::endl;
+    return ServeAsync(service, cq.get(), a.step_ms);
+  }
+  std::cerr << "proxy-floor-server: --mode must be callback, async, async-cb or tcp\n";
   return 2;
 }
 
@@ -449,7 +471,7 @@ Result<FloorRow> RunGrpcFloor(const std::string& self, const std::string& mode,
   TANDEM_ASSIGN_OR_RETURN(Child child, SpawnServer(self, {"--mode", mode, "--step-ms",
                                                           fmt::format("{}", spec.step_ms)}));
   FloorRow row;
-  row.name = mode == "callback" ? "floor-cb" : "floor-cq";
+  row.name = mode == "callback" ? "floor-cb" : mode == "async" ? "floor-cq" : "floor-cq+cb";
   {
     auto client = lg::MakeGrpcClient({fmt::format("127.0.0.1:{}", child.port), "", 4});
     lg::SyntheticOptions so;
@@ -561,7 +583,7 @@ Result<FloorRow> RunTcpFloor(const std::string& self, const FloorSpec& spec) {
 Result<std::vector<FloorRow>> RunProxyFloors(const std::string& self, const FloorSpec& spec,
                                              const lg::ModelInfo& model) {
   std::vector<FloorRow> rows;
-  for (const char* mode : {"callback", "async"}) {
+  for (const char* mode : {"callback", "async", "async-cb"}) {
     TANDEM_ASSIGN_OR_RETURN(FloorRow r, RunGrpcFloor(self, mode, spec, model));
     rows.push_back(std::move(r));
   }
@@ -575,7 +597,7 @@ void RegisterBenchProxyFloorServer(CLI::App& bench, int& exit_code) {
                                    "a floor server of tandem bench proxy (internal)");
   cmd->group("");  // hidden
   auto a = std::make_shared<ServerArgs>();
-  cmd->add_option("--mode", a->mode, "callback, async or tcp");
+  cmd->add_option("--mode", a->mode, "callback, async, async-cb or tcp");
   cmd->add_option("--step-ms", a->step_ms, "one token per stream per step");
   cmd->add_option("--connections", a->connections, "tcp: connections to accept");
   cmd->add_option("--streams", a->streams, "tcp: messages per step");

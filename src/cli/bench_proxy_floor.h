@@ -5,9 +5,14 @@
 // time is its own:
 //   floor-cb:  a bare tandem.v1.Generation/Generate server on gRPC's
 //              callback API (as the proxy's), streaming canned tokens: a
-//              timer thread writes one token to every open stream per step;
+//              callback alarm (run on gRPC's callback thread, where the
+//              proxy reads the decode stream) writes one token to every
+//              open stream per step;
 //   floor-cq:  the same on the async completion-queue API, driven by one
 //              thread of its own (a grpc::Alarm per step on the same queue);
+//   floor-cq+cb: floor-cq with one callback-API method in the same service
+//              (never called), so that gRPC's callback threads run in the
+//              process, as in every tandem server;
 //   floor-tcp: the kernel floor: one raw loopback TCP send of the same
 //              message's wire size per token, at the same cadence, to a
 //              reader that sleeps in epoll_wait between steps.
@@ -36,7 +41,7 @@ struct FloorSpec {
 };
 
 struct FloorRow {
-  std::string name;           // floor-cb, floor-cq, floor-tcp
+  std::string name;           // floor-cb, floor-cq, floor-cq+cb, floor-tcp
   double server_cpu_s = 0;    // utime + stime of the floor server's process
   uint64_t tokens = 0;        // tokens (messages, for tcp) delivered
   uint64_t requests_ok = 0, requests_failed = 0;

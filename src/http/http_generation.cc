@@ -11,14 +11,6 @@
 
 namespace tandem::http::detail {
 
-namespace {
-
-std::string Chunk(std::string_view data) {
-  return fmt::format("{:x}\r\n", data.size()) + std::string(data) + "\r\n";
-}
-
-}  // namespace
-
 void Session::CountOutcome(const Status& st) {
   if (auto* m = sh_->fe->deps().metrics) {
     m->CountOutcome(st.code() == StatusCode::kResourceExhausted ? "rejected" : "invalid");
@@ -128,9 +120,6 @@ void Session::OnPrepared(Prepared p, std::chrono::steady_clock::time_point arriv
   const Endpoint ep = p.endpoint;
 
   active_ = true;
-  headers_sent_ = false;
-  first_delta_ = true;
-  text_.clear();
   stream_ = r.stream;
   include_usage_ = r.include_usage;
   meta_.endpoint = ep;
@@ -139,14 +128,22 @@ void Session::OnPrepared(Prepared p, std::chrono::steady_clock::time_point arriv
   meta_.model = v->model;
   openai_req_ = std::move(r);
 
+  // The response head goes out with the first event (an error before it
+  // is answered with its own status).
+  outbox_->BeginGeneration(
+      stream_,
+      fmt::format("HTTP/1.1 200 OK\r\nServer: tandem\r\nContent-Type: text/event-stream\r\n"
+                  "Cache-Control: no-cache\r\nX-Request-Id: {}\r\nTransfer-Encoding: "
+                  "chunked\r\n{}\r\n",
+                  meta_.id, keep_alive_ ? "" : "Connection: close\r\n"),
+      stream_ ? SseEncoder(meta_, include_usage_) : SseEncoder());
+
   std::weak_ptr<Session> w = weak_from_this();
   auto ex = socket_.get_executor();
   proxy::ResponseSink sink;
-  sink.on_delta = [w, ex](std::vector<uint32_t>, std::string text) {
-    net::post(ex, [w, text = std::move(text)]() mutable {
-      if (auto s = w.lock()) s->OnDelta(std::move(text));
-    });
-  };
+  // A token goes to the socket from the thread that delivers it (no
+  // hand-off to the strand; http_outbox.h).
+  sink.on_delta = [out = outbox_](std::vector<uint32_t>, std::string text) { out->Delta(text); };
   sink.on_finish = [w, ex](proxy::Finish reason, proxy::Usage usage) {
     net::post(ex, [w, reason, usage] {
       if (auto s = w.lock()) s->OnFinish(reason, usage);
@@ -171,35 +168,14 @@ void Session::OnPrepared(Prepared p, std::chrono::steady_clock::time_point arriv
   if (stopping) CancelLifecycle();
 }
 
-void Session::SendStreamHeaders() {
-  if (headers_sent_) return;
-  headers_sent_ = true;
-  Enqueue(fmt::format(
-      "HTTP/1.1 200 OK\r\nServer: tandem\r\nContent-Type: text/event-stream\r\n"
-      "Cache-Control: no-cache\r\nX-Request-Id: {}\r\nTransfer-Encoding: chunked\r\n{}\r\n",
-      meta_.id, keep_alive_ ? "" : "Connection: close\r\n"));
-}
-
-void Session::OnDelta(std::string text) {
-  if (gone_ || !active_) return;
-  if (!stream_) {
-    text_ += text;
-    return;
-  }
-  SendStreamHeaders();
-  if (text.empty()) return;
-  Enqueue(Chunk(StreamDelta(meta_, text, first_delta_, include_usage_)));
-  first_delta_ = false;
-}
-
 void Session::OnFinish(proxy::Finish reason, proxy::Usage usage) {
   if (gone_ || !active_) return;
   EndGeneration();
   if (!stream_) {
-    return Respond(200, "application/json", FullResponse(meta_, text_, reason, usage));
+    return Respond(200, "application/json",
+                   FullResponse(meta_, outbox_->TakeText(), reason, usage));
   }
-  SendStreamHeaders();
-  Enqueue(Chunk(StreamEnd(meta_, reason, usage, include_usage_)) + "0\r\n\r\n");
+  outbox_->EndStream(Chunk(StreamEnd(meta_, reason, usage, include_usage_)) + "0\r\n\r\n");
   Finished();
 }
 
@@ -208,7 +184,7 @@ void Session::OnError(const Status& st) {
   EndGeneration();
   const int code = HttpStatus(st.code());
   const std::string msg = ToOpenAiMessage(openai_req_, st.message());
-  if (stream_ && headers_sent_) {
+  if (stream_ && outbox_->HeadSent()) {
     Enqueue(Chunk(StreamError(code, msg)) + "0\r\n\r\n");
     return Finished();
   }

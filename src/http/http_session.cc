@@ -48,6 +48,7 @@ Session::Session(tcp::socket socket, Shared* sh, std::shared_ptr<net::ssl::conte
     : socket_(std::move(socket), std::move(tls)), sh_(sh), idle_timer_(socket_.get_executor()) {}
 
 Session::~Session() {
+  if (outbox_) outbox_->Close();  // before the socket closes (a sink may hold the Outbox)
   {
     std::lock_guard lock(sh_->mu);
     sh_->sessions.erase(this);
@@ -57,6 +58,21 @@ Session::~Session() {
 }
 
 void Session::Start() {
+  // The strand's side of the Outbox: a flush, and a send that failed.
+  std::weak_ptr<Session> w = weak_from_this();
+  auto ex = socket_.get_executor();
+  outbox_ = std::make_shared<Outbox>(
+      socket_.tls() ? -1 : socket_.socket().native_handle(),
+      [w, ex] {
+        net::post(ex, [w] {
+          if (auto s = w.lock()) s->Flush();
+        });
+      },
+      [w, ex] {
+        net::post(ex, [w] {
+          if (auto s = w.lock()) s->Gone();
+        });
+      });
   {
     std::lock_guard lock(sh_->mu);
     // Over proxy.limits.max_connections: the connection's first request
@@ -96,7 +112,7 @@ void Session::ArmIdleTimer(SteadyClock::duration after) {
 void Session::OnIdleTimer() {
   if (gone_) return;
   const auto quiet = SteadyClock::now() - last_activity_;
-  const bool idle = !busy_ && !active_ && !writing_ && pending_.empty();
+  const bool idle = !busy_ && !active_ && !outbox_->Writing() && pending_.empty();
   if (idle && quiet >= Idle()) return Gone();
   ArmIdleTimer(idle ? Idle() - quiet : Idle());
 }
@@ -218,32 +234,28 @@ void Session::Finished() {
   Touch();
   if (close_after_) {
     close_when_written_ = true;
-    if (!writing_) Close();
+    if (!outbox_->Writing()) Close();
     return;
   }
   MaybeServe();
 }
 
-void Session::Enqueue(std::string bytes) {
+void Session::Flush() {
   if (gone_) return;
-  out_.push_back(std::move(bytes));
-  if (!writing_) DoWrite();
+  if (!outbox_->TakePending(flushing_)) return OnWritten();
+  net::async_write(socket_, net::buffer(flushing_),
+                   [self = shared_from_this()](ErrorCode ec, size_t) { self->OnFlushed(ec); });
 }
 
-void Session::DoWrite() {
-  writing_ = true;
-  net::async_write(socket_, net::buffer(out_.front()),
-                   [self = shared_from_this()](ErrorCode ec, size_t) { self->OnWrite(ec); });
-}
-
-void Session::OnWrite(ErrorCode ec) {
-  writing_ = false;
+void Session::OnFlushed(ErrorCode ec) {
   // A completed write's handler may run after the read side already saw
   // the client go (Gone/Close): then there is nothing more to write.
   if (gone_) return;
   if (ec) return Gone();
-  out_.pop_front();
-  if (!out_.empty()) return DoWrite();
+  Flush();
+}
+
+void Session::OnWritten() {
   if (close_when_written_) Close();
 }
 
@@ -255,12 +267,8 @@ void Session::Gone() {
     CancelLifecycle();
     EndGeneration();
   }
-  // The buffer of a write in flight must live until its handler runs.
-  if (writing_) {
-    out_.erase(out_.begin() + 1, out_.end());
-  } else {
-    out_.clear();
-  }
+  // flushing_, the buffer of a write in flight, lives until its handler runs.
+  outbox_->Close();
   pending_.clear();
   ErrorCode ignored;
   socket_.socket().close(ignored);
@@ -268,6 +276,7 @@ void Session::Gone() {
 
 void Session::Close() {
   hold_.reset();  // the linger's handlers hold it from here
+  outbox_->Close();
   ErrorCode ignored;
   socket_.socket().shutdown(tcp::socket::shutdown_send, ignored);
   gone_ = true;

@@ -10,8 +10,9 @@
 //                       the work pool, the lifecycle's sink, SSE framing
 //
 // Thread-safety: everything runs on the connection's strand, except
-// CancelLifecycle (any thread) and the lifecycle's sink, which only posts to
-// the strand.
+// CancelLifecycle (any thread) and the lifecycle's sink: it hands a streamed
+// token to the connection's Outbox (http_outbox.h), which sends it from the
+// sink's thread, and posts the end of a request to the strand.
 #pragma once
 
 // <utility> before Asio: Boost 1.74's awaitable.hpp uses std::exchange
@@ -35,6 +36,7 @@
 #include <string>
 
 #include "common/tls.h"
+#include "http/http_outbox.h"
 #include "http/http_server.h"
 #include "http/http_stream.h"
 #include "http/openai.h"
@@ -124,8 +126,6 @@ class Session : public std::enable_shared_from_this<Session> {
                           const proxy::Tenant* tenant, const std::string& request_id);
   void StartGeneration(Endpoint ep, const std::string& body, const proxy::Tenant* tenant);
   void OnPrepared(Prepared p, std::chrono::steady_clock::time_point arrival);
-  void SendStreamHeaders();
-  void OnDelta(std::string text);
   void OnFinish(proxy::Finish reason, proxy::Usage usage);
   void OnError(const Status& st);
   void EndGeneration();
@@ -134,9 +134,13 @@ class Session : public std::enable_shared_from_this<Session> {
   void Respond(int status, std::string_view content_type, const std::string& body);
   // The current request is answered (its bytes may still be queued).
   void Finished();
-  void Enqueue(std::string bytes);
-  void DoWrite();
-  void OnWrite(ErrorCode ec);
+  void Enqueue(std::string_view bytes) { outbox_->Write(bytes); }
+  // The bytes the Outbox could not send at once, written in order by
+  // async_write until none wait.
+  void Flush();
+  void OnFlushed(ErrorCode ec);
+  // Nothing waits any more.
+  void OnWritten();
 
   // ---- ending (http_session.cc) --------------------------------------------
   // The client closed or reset the connection: cancel what runs for it.
@@ -166,8 +170,9 @@ class Session : public std::enable_shared_from_this<Session> {
     bool over_pipeline_limit = false;  // answered 429 (proxy.limits.max_pipelined_requests)
   };
   std::deque<Pending> pending_;
-  std::deque<std::string> out_;
-  bool reading_ = false, busy_ = false, gone_ = false, writing_ = false;
+  std::shared_ptr<Outbox> outbox_;  // shared with the lifecycle's sink
+  std::string flushing_;            // the bytes of the async_write in flight
+  bool reading_ = false, busy_ = false, gone_ = false;
   bool keep_alive_ = true, close_after_ = false, close_when_written_ = false;
   std::string request_id_header_;
   std::string traceparent_header_;
@@ -179,10 +184,8 @@ class Session : public std::enable_shared_from_this<Session> {
 
   // The request being generated (strand only).
   bool active_ = false, admitted_ = false, stream_ = false, include_usage_ = false;
-  bool headers_sent_ = false, first_delta_ = true;
   OpenAiRequest openai_req_;
   ResponseMeta meta_;
-  std::string text_;
 
   std::mutex lc_mu_;
   std::shared_ptr<proxy::RequestLifecycle> lc_;  // guarded by lc_mu_

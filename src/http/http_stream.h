@@ -37,6 +37,7 @@ class HttpStream {
 
   executor_type get_executor() { return socket_.get_executor(); }
   tcp::socket& socket() { return socket_; }
+  bool tls() const { return tls_.has_value(); }
 
   // The server side of the TLS handshake; plaintext: completes at once.
   template <class Handler>

@@ -1,0 +1,144 @@
+// `tandem bench proxy` (issue 23) against a launched 1P1D fleet of the
+// bundled model: the gRPC `stream` workload and its HTTP twin `sse` (SSE
+// over the OpenAI API) each count every token they asked for; a bad
+// workload name is refused naming the list; prompt-floor calls its bare
+// server over both kinds of channel.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "../fleet/fleet_harness.h"
+
+namespace tandem::testing {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct CmdResult {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+// Runs `tandem bench proxy ARGS` (bounded by `timeout 300`); stderr goes to `err_path`.
+CmdResult BenchProxy(const std::string& args, const std::string& err_path) {
+  const std::string cmd = "timeout 300 " + std::string(TANDEM_BINARY_DIR) +
+                          "/tandem bench proxy " + args + " 2>" + err_path;
+  CmdResult r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf;
+  while (size_t n = fread(buf.data(), 1, buf.size(), p)) r.out.append(buf.data(), n);
+  const int st = pclose(p);
+  r.exit_code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  std::ifstream in(err_path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  r.err = ss.str();
+  return r;
+}
+
+std::string TempPath(const std::string& name) {
+  return (fs::temp_directory_path() / fmt::format("tandem-bench-proxy-{}-{}", getpid(), name))
+      .string();
+}
+
+TEST(BenchProxy, UnknownWorkloadIsRefusedNamingTheList) {
+  const std::string err = TempPath("err1");
+  auto r = BenchProxy("--state-file /nonexistent.json --workloads stream,nope", err);
+  fs::remove(err);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("unknown workload 'nope' (give a list of stream, sse, prompt, open, "
+                       "floor, prompt-floor)"),
+            std::string::npos)
+      << r.err;
+}
+
+TEST(BenchProxy, StreamAndSseCountEveryTokenOnBothApis) {
+  if (!fs::exists(BundledModel() + "/model.safetensors")) GTEST_SKIP() << "bundled model missing";
+  auto fleet = Fleet::Launch(FleetOptions{});
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  const std::string json_path = TempPath("out.json"), err = TempPath("err2");
+  auto r = BenchProxy("--state-file " + (*fleet)->state_path() +
+                          " --workloads stream,sse --stream-requests 4 --stream-concurrency 2"
+                          " --stream-input 16 --stream-output 12 --json " + json_path,
+                      err);
+  fs::remove(err);
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  std::ifstream in(json_path);
+  const auto j = nlohmann::json::parse(in, nullptr, false);
+  fs::remove(json_path);
+  ASSERT_TRUE(j.is_array()) << r.out;
+  ASSERT_EQ(j.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    const auto& w = j[i];
+    SCOPED_TRACE(w.dump());
+    EXPECT_EQ(w["workload"], i == 0 ? "stream" : "sse");
+    EXPECT_EQ(w["requests_ok"], 4);
+    EXPECT_EQ(w["requests_failed"], 0);
+    EXPECT_EQ(w["output_tokens"], 4 * 12);
+    // CPU comes in clock ticks (10 ms): a run this short may be charged
+    // none, so only its presence is checked.
+    ASSERT_TRUE(w["cpu_s"].contains("proxy"));
+    EXPECT_GE(w["cpu_s"]["proxy"].get<double>(), 0.0);
+  }
+  // The table has a row per workload.
+  EXPECT_NE(r.out.find("\nsse "), std::string::npos) << r.out;
+}
+
+// prompt-floor: a bare Prefill server in a child process, called over
+// plaintext and mutual TLS, back to back and at the prompt workload's
+// cadence; every call succeeds and both sides are charged CPU.
+TEST(BenchProxy, PromptFloorCallsABareServerOverBothChannels) {
+  if (!fs::exists(BundledModel() + "/model.safetensors")) GTEST_SKIP() << "bundled model missing";
+  auto fleet = Fleet::Launch(FleetOptions{});
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  const std::string json_path = TempPath("floor.json"), err = TempPath("err3");
+  auto r = BenchProxy("--state-file " + (*fleet)->state_path() +
+                          " --workloads prompt,prompt-floor --prompt-requests 4"
+                          " --prompt-concurrency 2 --prompt-input 64 --json " + json_path,
+                      err);
+  fs::remove(err);
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  std::ifstream in(json_path);
+  const auto j = nlohmann::json::parse(in, nullptr, false);
+  fs::remove(json_path);
+  ASSERT_TRUE(j.is_array()) << r.out;
+  // prompt, then per mode (back-to-back, paced): plaintext, mtls, estimate.
+  ASSERT_EQ(j.size(), 7u) << j.dump();
+  EXPECT_EQ(j[0]["workload"], "prompt");
+  EXPECT_EQ(j[0]["requests_ok"], 4);
+  const char* modes[] = {"back-to-back", "paced"};
+  for (size_t m = 0; m < 2; ++m) {
+    for (size_t c = 0; c < 2; ++c) {
+      const auto& w = j[1 + m * 3 + c];
+      SCOPED_TRACE(w.dump());
+      EXPECT_EQ(w["workload"], "prompt-floor");
+      EXPECT_EQ(w["channel"], c == 0 ? "plaintext" : "mtls");
+      EXPECT_EQ(w["mode"], modes[m]);
+      EXPECT_EQ(w["requests_ok"], 4);
+      EXPECT_EQ(w["input_len"], 64);
+      // getrusage counts microseconds: a served call is never free.
+      EXPECT_GT(w["server_us_per_call"].get<double>(), 0.0);
+      EXPECT_GT(w["client_us_per_call"].get<double>(), 0.0);
+    }
+    const auto& e = j[1 + m * 3 + 2];
+    EXPECT_EQ(e["channel"], "proxy-estimate");
+    EXPECT_NEAR(e["proxy_ms_per_request"].get<double>(),
+                (j[1 + m * 3]["server_us_per_call"].get<double>() +
+                 2 * j[2 + m * 3]["client_us_per_call"].get<double>()) / 1e3,
+                1e-9);
+  }
+  EXPECT_GT(j[4]["paced_per_s"].get<double>(), 0.0);
+  EXPECT_NE(r.out.find("\npfloor "), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace tandem::testing
