@@ -24,6 +24,7 @@
 #include <thread>
 
 #include "cli/bench_proxy_floor.h"
+#include "cli/bench_proxy_prompt_floor.h"
 #include "cli/bench_proxy_sse.h"
 #include "cli/commands.h"
 #include "loadgen/grpc_client.h"
@@ -40,7 +41,7 @@ namespace fs = std::filesystem;
 struct ProxyBenchArgs {
   std::string config = "configs/sim-1p1d.yaml";
   std::string state_file;  // a running fleet: no launch
-  std::string workloads = "stream,prompt,open,floor";
+  std::string workloads = "stream,prompt,open,floor,prompt-floor";
   double launch_timeout_s = 120;
   // stream: many tokens through few streams.
   uint32_t stream_requests = 100, stream_input = 16, stream_output = 1000, stream_concurrency = 16;
@@ -305,9 +306,15 @@ int RunProxyBench(const ProxyBenchArgs& a) {
     return 1;
   };
   std::vector<Workload> todo;
+  std::unique_ptr<PromptFloor> floor;  // prompt-floor (bench_proxy_prompt_floor.h)
   std::istringstream names(a.workloads);
   for (std::string n; std::getline(names, n, ',');) {
-    if (n == "stream" || n == "sse") {  // sse: stream's shape over the HTTP API
+    if (n == "prompt-floor") {
+      if (floor) continue;
+      auto f = PromptFloor::Start();  // forks: before any gRPC here
+      if (!f.ok()) return bad(f.status());
+      floor = std::move(*f);
+    } else if (n == "stream" || n == "sse") {  // sse: stream's shape over the HTTP API
       todo.push_back({n, a.stream_requests, a.stream_input, a.stream_output, a.stream_concurrency});
     } else if (n == "prompt") {
       todo.push_back({n, a.prompt_requests, a.prompt_input, 1, a.prompt_concurrency});
@@ -317,9 +324,15 @@ int RunProxyBench(const ProxyBenchArgs& a) {
       todo.push_back({n, a.floor_requests, a.stream_input, a.stream_output, a.stream_concurrency});
     } else {
       return bad(InvalidArgumentError(fmt::format(
-          "--workloads: unknown workload '{}' (give a list of stream, sse, prompt, open, floor)",
+          "--workloads: unknown workload '{}' (give a list of stream, sse, prompt, open, floor, "
+          "prompt-floor)",
           n)));
     }
+  }
+  if (floor && (a.prompt_requests == 0 || a.prompt_concurrency == 0 || a.prompt_input == 0)) {
+    return bad(InvalidArgumentError(
+        "workload prompt-floor: --prompt-requests, --prompt-input and --prompt-concurrency must "
+        "be at least 1"));
   }
   for (const auto& w : todo) {
     if (w.requests == 0 || w.concurrency == 0 || w.input == 0 || w.output == 0) {
@@ -436,6 +449,20 @@ int RunProxyBench(const ProxyBenchArgs& a) {
         rc = 3;
       }
     }
+    if (floor && rc == 0) {
+      double rate = 0;  // the prompt workload's, when it ran: the floor keeps its cadence
+      for (const auto& j : out) {
+        if (j["workload"] == "prompt" && j["duration_s"].get<double>() > 0) {
+          rate = j["requests_ok"].get<double>() / j["duration_s"].get<double>();
+        }
+      }
+      auto rows = floor->Run(a.prompt_requests, a.prompt_input, a.prompt_concurrency, rate);
+      if (!rows.ok()) {
+        rc = bad(rows.status());
+      } else {
+        for (auto& r : *rows) out.push_back(std::move(r));
+      }
+    }
   }
   Stop(*fleet);
   if (!a.json_path.empty()) {
@@ -458,8 +485,8 @@ void RegisterBenchProxy(CLI::App& bench, GlobalOptions& g) {
   cmd->add_option("--state-file", a->state_file,
                   "measure a running fleet instead (tandem launch --state-file)");
   cmd->add_option("--workloads", a->workloads,
-                  "comma-separated: stream, sse, prompt, open, floor (default stream, prompt, "
-                  "open, floor)");
+                  "comma-separated: stream, sse, prompt, open, floor, prompt-floor (default "
+                  "stream, prompt, open, floor, prompt-floor)");
   cmd->add_option("--launch-timeout", a->launch_timeout_s, "seconds for the fleet to be ready");
   cmd->add_option("--stream-requests", a->stream_requests, "stream: requests (default 100)");
   cmd->add_option("--stream-input", a->stream_input, "stream: prompt tokens (default 16)");

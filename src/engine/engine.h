@@ -267,6 +267,12 @@ class Engine {
   };
   std::vector<ProgressChunk> progress_;
   void ReportKvProgress(uint32_t layers_done);
+  // The stepping thread holds events_' wake-ups (kv_events.h) from a step's
+  // commits until the next step's forward starts or it waits for work, so
+  // that a step boundary's events wake the Watch loop once (issue 23).
+  void HoldEvents();
+  void ReleaseEvents();
+  bool events_held_ = false;  // the stepping thread only
 
   mutable std::mutex mu_;
   std::condition_variable_any cv_;

@@ -44,9 +44,11 @@ void Engine::Loop(std::stop_token stop) {
     bool worked = false;
     {
       std::unique_lock lock(mu_);
-      cv_.wait(lock, stop, [&] {
+      const auto has_work = [&] {
         return scheduler_->num_waiting() > 0 || scheduler_->num_running() > 0;
-      });
+      };
+      if (!has_work()) ReleaseEvents();
+      cv_.wait(lock, stop, has_work);
       if (stop.stop_requested()) break;
       worked = StepLocked(lock, out);
     }
@@ -54,10 +56,24 @@ void Engine::Loop(std::stop_token stop) {
     if (!worked) {
       // Work is waiting but nothing fits (blocks held by parked requests or
       // reservations): wait for a release or a new request.
+      ReleaseEvents();
       std::unique_lock lock(mu_);
       cv_.wait_for(lock, stop, std::chrono::milliseconds(5), [] { return false; });
     }
   }
+  ReleaseEvents();
+}
+
+void Engine::HoldEvents() {
+  if (events_held_) return;
+  events_held_ = true;
+  events_->Hold();
+}
+
+void Engine::ReleaseEvents() {
+  if (!events_held_) return;
+  events_held_ = false;
+  events_->Release();
 }
 
 bool Engine::Step() {
@@ -69,6 +85,7 @@ bool Engine::Step() {
     worked = StepLocked(lock, out);
   }
   Deliver(out);
+  ReleaseEvents();
   return worked;
 }
 
@@ -103,6 +120,7 @@ void Engine::DropExpired(Deliveries& out) {
 
 bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
   const auto t0 = std::chrono::steady_clock::now();
+  HoldEvents();  // this step's allocations (and the last step's commits): one wake-up
   DropExpired(out);
   SchedulerOutput plan = scheduler_->Schedule();
   if (plan.empty()) return false;
@@ -161,9 +179,11 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
   // The scheduled sequences' tokens and blocks change only on this thread;
   // other threads may queue work or flag aborts meanwhile.
   lock.unlock();
+  ReleaseEvents();
   Status status = backend_->Forward(chunks_, logits_);
   if (status.ok() && !progress_.empty()) ReportKvProgress(pool_->layout().num_layers);
   lock.lock();
+  HoldEvents();  // released by the next step's forward, or before waiting for work
 
   uint32_t row = 0;
   for (const ScheduledSeq& s : plan.seqs) {

@@ -19,9 +19,29 @@ uint64_t KvEventPublisher::Subscribe(Callback callback) {
   return id;
 }
 
+uint64_t KvEventPublisher::SubscribeWake(WakeCallback callback) {
+  std::lock_guard lock(mu_);
+  const uint64_t id = next_subscription_++;
+  wake_subscribers_.emplace(id, std::move(callback));
+  return id;
+}
+
 void KvEventPublisher::Unsubscribe(uint64_t subscription) {
   std::lock_guard lock(mu_);
   subscribers_.erase(subscription);
+  wake_subscribers_.erase(subscription);
+}
+
+void KvEventPublisher::Hold() {
+  std::lock_guard lock(mu_);
+  ++holds_;
+}
+
+void KvEventPublisher::Release() {
+  std::lock_guard lock(mu_);
+  if (holds_ == 0 || --holds_ > 0 || !wake_pending_) return;
+  wake_pending_ = false;
+  for (auto& [id, cb] : wake_subscribers_) cb();
 }
 
 std::vector<KvEvent> KvEventPublisher::Drain(size_t max_events) {
@@ -67,6 +87,11 @@ void KvEventPublisher::Publish(KvEvent event) {
   event.event_id = next_id_++;
   event.epoch = epoch_;
   for (auto& [id, cb] : subscribers_) cb(event);
+  if (holds_ > 0) {
+    wake_pending_ = true;
+  } else {
+    for (auto& [id, cb] : wake_subscribers_) cb();
+  }
   if (queue_capacity_ == 0) return;
   if (queue_.size() >= queue_capacity_) queue_.pop_front();
   queue_.push_back(std::move(event));

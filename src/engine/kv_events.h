@@ -17,6 +17,14 @@
 // Thread-safety: every method may be called from any thread. Publish is
 // called by the engine (under its lock); subscriber callbacks run on the
 // publishing thread and must be quick and must not call into the engine.
+//
+// Wake subscribers (issue 23): a drainer that only needs to know that
+// events are queued (the worker's Watch loop) is woken once per batch, not
+// once per event. Outside a hold every publish wakes it; while the engine
+// holds (Hold/Release, one phase of a step: its allocations, or its
+// commits and the next step's allocations), the wake waits for the
+// release, so one step's events reach the proxy in one update. Events are
+// queued (Drain) at once either way; nothing is held past the release.
 #pragma once
 
 #include <cstdint>
@@ -64,9 +72,17 @@ class KvEventPublisher {
   uint64_t last_event_id() const;
 
   using Callback = std::function<void(const KvEvent&)>;
-  // Returns a subscription id for Unsubscribe.
+  // Returns a subscription id for Unsubscribe. Called for every event.
   uint64_t Subscribe(Callback callback);
+  // Called once after a publish outside a hold, and once at the release of
+  // a hold during which events were published (see above).
+  using WakeCallback = std::function<void()>;
+  uint64_t SubscribeWake(WakeCallback callback);
   void Unsubscribe(uint64_t subscription);
+
+  // Holds wake subscribers until the matching Release (holds nest).
+  void Hold();
+  void Release();
 
   // Takes up to `max_events` queued events, oldest first.
   std::vector<KvEvent> Drain(size_t max_events = SIZE_MAX);
@@ -87,6 +103,9 @@ class KvEventPublisher {
   uint64_t next_subscription_ = 1;
   std::deque<KvEvent> queue_;
   std::map<uint64_t, Callback> subscribers_;
+  std::map<uint64_t, WakeCallback> wake_subscribers_;
+  uint32_t holds_ = 0;       // guarded by mu_
+  bool wake_pending_ = false;  // guarded by mu_: published during the current hold
 };
 
 }  // namespace tandem::engine

@@ -85,15 +85,24 @@ void RequestLifecycle::Launch() {
   const uint32_t attempt = ++attempt_;
   ++route_attempts_;
   registered_ = false;
-  if (prompt_.size() != req_.prompt_ids.size() + base_) {
+  if (prompt_len_ != req_.prompt_ids.size() + base_) {
     // First attempt, or the first after a migration: the prompt grows by
     // the tokens already sent, and so do its block hashes.
-    prompt_ = req_.prompt_ids;
-    prompt_.insert(prompt_.end(), sent_.begin(), sent_.begin() + base_);
-    hashes_ = HashBlocks(root_hash_, prompt_, deps_.block_size);
+    if (base_ > 0) {
+      auto grown = std::make_shared<std::vector<uint32_t>>(req_.prompt_ids);
+      grown->insert(grown->end(), sent_.begin(), sent_.begin() + base_);
+      migrated_ = std::move(grown);
+    }
+    if (base_ == 0 && !req_.block_hashes.empty() && req_.block_hashes_root == root_hash_ &&
+        req_.block_hashes_block_size == deps_.block_size) {
+      hashes_ = req_.block_hashes;  // admission hashed it already
+    } else {
+      hashes_ = HashBlocks(root_hash_, PromptLocked(), deps_.block_size);
+    }
+    prompt_len_ = PromptLocked().size();
   }
   const uint64_t route_start = req_.trace.sampled ? tracing::NowUnixNs() : 0;
-  auto route = deps_.fleet->Route(hashes_, static_cast<uint32_t>(prompt_.size()), excluded_,
+  auto route = deps_.fleet->Route(hashes_, static_cast<uint32_t>(prompt_len_), excluded_,
                                   req_.ttft_slo_ms);
   // A deterministic policy may keep choosing an excluded worker that is
   // still registered (a lost decoder's Watch ends at about the same time as
@@ -107,7 +116,7 @@ void RequestLifecycle::Launch() {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     lock.lock();
     if (done_ || attempt != attempt_) return;
-    route = deps_.fleet->Route(hashes_, static_cast<uint32_t>(prompt_.size()), excluded_,
+    route = deps_.fleet->Route(hashes_, static_cast<uint32_t>(prompt_len_), excluded_,
                                req_.ttft_slo_ms);
   }
   if (!route.ok()) {
@@ -133,7 +142,7 @@ void RequestLifecycle::Launch() {
 
   DecodeArgs args;
   args.request_id = req_.request_id;
-  args.prompt_ids = prompt_;
+  args.prompt_ids = PromptRefLocked();
   args.params = ToEngineArgs(req_, base_);
   args.deadline = deadline_;
   args.prefill_locally = route_.local;
@@ -175,7 +184,7 @@ void RequestLifecycle::OnRegistered(uint32_t attempt) {
   if (route_.local) return;
   PrefillArgs args;
   args.request_id = req_.request_id;
-  args.prompt_ids = prompt_;
+  args.prompt_ids = PromptRefLocked();
   args.params = ToEngineArgs(req_, base_);
   args.deadline = deadline_;
   args.decoder_address = route_.decode_address;
@@ -447,7 +456,7 @@ void RequestLifecycle::TraceRoute(uint32_t attempt, uint64_t start_unix_ns) cons
       .Attr("tandem.route.local_prefill", route_.local)
       .Attr("tandem.route.predicted_hit_tokens",
             static_cast<int64_t>(std::min<uint64_t>(
-                uint64_t{d.prefill_overlap_blocks} * deps_.block_size, prompt_.size())))
+                uint64_t{d.prefill_overlap_blocks} * deps_.block_size, prompt_len_)))
       .Attr("tandem.route.predicted_prefill_hit_blocks", static_cast<int64_t>(d.prefill_overlap_blocks))
       .Attr("tandem.route.predicted_decode_hit_blocks", static_cast<int64_t>(d.decode_overlap_blocks))
       .Attr("tandem.route.prompt_blocks", static_cast<int64_t>(d.prompt_blocks))

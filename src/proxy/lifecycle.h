@@ -130,7 +130,19 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   uint32_t base_ = 0;                // guarded by mu_: completion index of this attempt's token 0
   bool registered_ = false;          // guarded by mu_: this attempt's decoder registered it
   std::vector<uint32_t> sent_;       // guarded by mu_: completion tokens sent to the client
-  std::vector<uint32_t> prompt_;     // guarded by mu_: this attempt's prompt (+ sent_ when migrated)
+  // This attempt's prompt: the request's own ids, or after a migration
+  // those + the tokens already sent (migrated_, immutable once made).
+  PromptIds migrated_;               // guarded by mu_: null before any migration
+  size_t prompt_len_ = 0;            // guarded by mu_: length hashes_ were made for (0: none)
+  const std::vector<uint32_t>& PromptLocked() const {
+    return migrated_ ? *migrated_ : req_.prompt_ids;
+  }
+  // For a worker call (with mu_ held): shares the ids, no copy. The
+  // request's own ids are shared through this lifecycle's ownership, never
+  // kept in a member (that would keep the lifecycle alive forever).
+  PromptIds PromptRefLocked() {
+    return migrated_ ? migrated_ : PromptIds(shared_from_this(), &req_.prompt_ids);
+  }
   std::set<std::string> excluded_;   // guarded by mu_
   Status last_error_;                // guarded by mu_: why the last attempt was abandoned
   RoutedPair route_;                 // guarded by mu_

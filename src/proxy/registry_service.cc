@@ -28,6 +28,7 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
     self_ = std::move(self);
     req_.set_after_event_id(0);  // start with a snapshot
     req_.set_epoch(epoch_);
+    req_.set_batched(true);  // one update per round of the worker's watch loop (issue 23)
     Touch();
     stub_->async()->Watch(&ctx_, &req_, this);
     StartRead(&update_);
@@ -88,12 +89,12 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
   void Apply(router::Router& router, router::WorkerId id) {
     switch (update_.kind_case()) {
       case pb::WorkerUpdate::kSnapshot: {
-        std::vector<uint64_t> hashes(update_.snapshot().block_hashes().begin(),
-                                     update_.snapshot().block_hashes().end());
-        std::vector<uint64_t> host(update_.snapshot_host_hashes().begin(),
-                                   update_.snapshot_host_hashes().end());
-        std::vector<uint64_t> disk(update_.snapshot_disk_hashes().begin(),
-                                   update_.snapshot_disk_hashes().end());
+        const auto span = [](const google::protobuf::RepeatedField<uint64_t>& f) {
+          return std::span<const uint64_t>(f.data(), static_cast<size_t>(f.size()));
+        };
+        const auto hashes = span(update_.snapshot().block_hashes());
+        const auto host = span(update_.snapshot_host_hashes());
+        const auto disk = span(update_.snapshot_disk_hashes());
         if (router.ApplySnapshot(id, update_.epoch(), update_.snapshot_event_id(), hashes, host,
                                  disk)
                 .ok()) {
@@ -101,49 +102,65 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
         }
         break;
       }
-      case pb::WorkerUpdate::kEvent: {
-        const auto& e = update_.event();
-        router::KvEventView v;
-        v.epoch = e.epoch();
-        v.event_id = e.event_id();
-        std::vector<uint64_t> hashes;
-        if (e.has_stored()) {
-          v.kind = router::KvEventKind::kStored;
-          v.parent_hash = e.stored().parent_hash();
-          v.tier = static_cast<router::KvTier>(e.stored().tier());
-          hashes.assign(e.stored().block_hashes().begin(), e.stored().block_hashes().end());
-        } else if (e.has_removed()) {
-          v.kind = router::KvEventKind::kRemoved;
-          v.tier = static_cast<router::KvTier>(e.removed().tier());
-          hashes.assign(e.removed().block_hashes().begin(), e.removed().block_hashes().end());
-        } else {
-          v.kind = router::KvEventKind::kCleared;
-        }
-        v.hashes = hashes;
-        auto r = router.ApplyEvent(id, v);
-        if (r.ok() && *r == router::EventResult::kNeedsSnapshot) {
-          // A gap or a restart: drop the stream; the worker is watched anew
-          // (from a snapshot) when it registers again, or now by the owner.
-          resync_ = true;
-          Stop("KV event gap: resynchronizing from a snapshot");
-        }
+      case pb::WorkerUpdate::kEvent:
+        ApplyEvent(router, id, update_.event());
         break;
-      }
-      case pb::WorkerUpdate::kLoad: {
-        const auto& l = update_.load();
-        router::LoadReport rep;
-        rep.queued_prefill_tokens = l.queued_prefill_tokens();
-        rep.active_decode_blocks = l.active_decode_blocks();
-        rep.free_blocks = l.free_blocks();
-        rep.running_requests = l.running_requests();
-        rep.prefill_tokens_total = l.prefill_tokens_total();
-        rep.prefill_seconds_total = l.prefill_seconds_total();
-        router.ApplyLoadReport(id, rep).IgnoreError();
+      case pb::WorkerUpdate::kLoad:
+        ApplyLoad(router, id, update_.load());
         break;
-      }
+      case pb::WorkerUpdate::KIND_NOT_SET:
+        // A batch (WatchRequest.batched): events in id order, then the
+        // round's load report. After a gap the rest of the batch is moot.
+        for (const pb::KvEvent& e : update_.events()) {
+          if (!ApplyEvent(router, id, e)) break;
+        }
+        if (update_.has_batched_load()) ApplyLoad(router, id, update_.batched_load());
+        break;
       default:
         break;
     }
+  }
+
+  // False when the event asks for a snapshot (the stream is being dropped).
+  bool ApplyEvent(router::Router& router, router::WorkerId id, const pb::KvEvent& e) {
+    router::KvEventView v;
+    v.epoch = e.epoch();
+    v.event_id = e.event_id();
+    // The view reads the message's hashes in place (no copy per event).
+    if (e.has_stored()) {
+      v.kind = router::KvEventKind::kStored;
+      v.parent_hash = e.stored().parent_hash();
+      v.tier = static_cast<router::KvTier>(e.stored().tier());
+      v.hashes = {e.stored().block_hashes().data(),
+                  static_cast<size_t>(e.stored().block_hashes_size())};
+    } else if (e.has_removed()) {
+      v.kind = router::KvEventKind::kRemoved;
+      v.tier = static_cast<router::KvTier>(e.removed().tier());
+      v.hashes = {e.removed().block_hashes().data(),
+                  static_cast<size_t>(e.removed().block_hashes_size())};
+    } else {
+      v.kind = router::KvEventKind::kCleared;
+    }
+    auto r = router.ApplyEvent(id, v);
+    if (r.ok() && *r == router::EventResult::kNeedsSnapshot) {
+      // A gap or a restart: drop the stream; the worker is watched anew
+      // (from a snapshot) when it registers again, or now by the owner.
+      resync_ = true;
+      Stop("KV event gap: resynchronizing from a snapshot");
+      return false;
+    }
+    return true;
+  }
+
+  static void ApplyLoad(router::Router& router, router::WorkerId id, const pb::LoadReport& l) {
+    router::LoadReport rep;
+    rep.queued_prefill_tokens = l.queued_prefill_tokens();
+    rep.active_decode_blocks = l.active_decode_blocks();
+    rep.free_blocks = l.free_blocks();
+    rep.running_requests = l.running_requests();
+    rep.prefill_tokens_total = l.prefill_tokens_total();
+    rep.prefill_seconds_total = l.prefill_seconds_total();
+    router.ApplyLoadReport(id, rep).IgnoreError();
   }
 
   RegistryService* owner_;

@@ -91,6 +91,12 @@ struct ValidatedRequest {
   // The proxy's span for this request (common/tracing.h); set by the front
   // end from the client's traceparent. Not sampled: no span, no cost.
   tracing::SpanContext trace;
+  // The prompt's block hashes when admission already made them (SLO
+  // admission), under `block_hashes_root` with `block_hashes_block_size`:
+  // routing reuses them instead of hashing the prompt again. Empty: none.
+  std::vector<uint64_t> block_hashes;
+  uint64_t block_hashes_root = 0;
+  uint32_t block_hashes_block_size = 0;
 };
 
 // Largest ttft_slo_ms / tpot_slo_ms a request may give (one hour).

@@ -38,9 +38,12 @@ Status SloAdmission::Admit(ValidatedRequest& r, double* retry_after_seconds) {
     ctx.tenant_salt = r.tenant_salt;
     root = RootHash(ctx);
   }
-  const std::vector<uint64_t> hashes = HashBlocks(root, r.prompt_ids, options_.block_size);
+  // Kept with the request: routing uses them (the prompt is hashed once).
+  r.block_hashes = HashBlocks(root, r.prompt_ids, options_.block_size);
+  r.block_hashes_root = root;
+  r.block_hashes_block_size = options_.block_size;
   const std::optional<double> predicted = fleet_->router().PredictTtftMs(
-      router::RouteRequest{hashes, static_cast<uint32_t>(r.prompt_ids.size()),
+      router::RouteRequest{r.block_hashes, static_cast<uint32_t>(r.prompt_ids.size()),
                            static_cast<double>(r.ttft_slo_ms)});
   const AdmissionVerdict v = DecideAdmission(options_.mode, r.ttft_slo_ms, predicted);
   if (v.admit) return Status::Ok();

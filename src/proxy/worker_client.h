@@ -38,9 +38,13 @@ struct EngineArgs {
   double tenant_weight = 1.0;
 };
 
+// A request's prompt, shared by the lifecycle and both worker calls (one
+// copy per request: each call copies it only into its own message).
+using PromptIds = std::shared_ptr<const std::vector<uint32_t>>;
+
 struct DecodeArgs {
   std::string request_id;
-  std::vector<uint32_t> prompt_ids;
+  PromptIds prompt_ids;  // never null when the lifecycle makes the call
   EngineArgs params;
   std::chrono::system_clock::time_point deadline;  // max(): none
   bool prefill_locally = false;
@@ -68,7 +72,7 @@ struct DecodeEvents {
 
 struct PrefillArgs {
   std::string request_id;
-  std::vector<uint32_t> prompt_ids;
+  PromptIds prompt_ids;  // as in DecodeArgs
   EngineArgs params;
   std::chrono::system_clock::time_point deadline;
   std::string decoder_address;

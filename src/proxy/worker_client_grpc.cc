@@ -42,9 +42,13 @@ Finish FinishFromProto(pb::FinishReason r) {
   }
 }
 
+void AddPrompt(const PromptIds& ids, google::protobuf::RepeatedField<uint32_t>* out) {
+  if (ids) out->Add(ids->begin(), ids->end());
+}
+
 void FillDecodeRequest(const DecodeArgs& args, pb::DecodeRequest* req) {
   req->set_request_id(args.request_id);
-  req->mutable_prompt_token_ids()->Add(args.prompt_ids.begin(), args.prompt_ids.end());
+  AddPrompt(args.prompt_ids, req->mutable_prompt_token_ids());
   FillParams(args.params, req->mutable_params());
   req->set_deadline_unix_ms(UnixMs(args.deadline));
   req->set_prefill_locally(args.prefill_locally);
@@ -251,7 +255,7 @@ std::shared_ptr<Call> GrpcWorkerClient::Prefill(const std::string& address, Pref
   auto call = std::make_shared<PrefillCall>();
   call->stub = pb::Prefiller::NewStub(Channel(address));
   call->req.set_request_id(args.request_id);
-  call->req.mutable_prompt_token_ids()->Add(args.prompt_ids.begin(), args.prompt_ids.end());
+  AddPrompt(args.prompt_ids, call->req.mutable_prompt_token_ids());
   FillParams(args.params, call->req.mutable_params());
   call->req.set_deadline_unix_ms(UnixMs(args.deadline));
   call->req.set_decoder_address(args.decoder_address);

@@ -5,8 +5,10 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cctype>
 #include <condition_variable>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -62,6 +64,7 @@ struct Watcher {
   std::shared_ptr<StreamWriter<pb::WorkerUpdate>> writer;
   bool needs_snapshot = true;
   uint64_t last_event_id = 0;  // events up to this one are in what it was sent
+  bool batched = false;  // WatchRequest.batched: one update per round (issue 23)
 };
 
 class WatchStream final : public grpc::ServerWriteReactor<pb::WorkerUpdate> {
@@ -98,7 +101,7 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
   }
 
   grpc::ServerWriteReactor<pb::WorkerUpdate>* Watch(grpc::CallbackServerContext*,
-                                                    const pb::WatchRequest*) override {
+                                                    const pb::WatchRequest* req) override {
     auto* stream = new WatchStream();
     {
       std::lock_guard lock(mu_);
@@ -108,6 +111,7 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
       }
       Watcher w;
       w.writer = stream->writer();
+      w.batched = req->batched();
       watchers_.push_back(std::move(w));
       wake_ = true;
     }
@@ -115,10 +119,7 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
     return stream;
   }
 
-  static pb::WorkerUpdate EventUpdate(const engine::KvEvent& e) {
-    pb::WorkerUpdate u;
-    u.set_epoch(e.epoch);
-    auto* ev = u.mutable_event();
+  static void FillEvent(const engine::KvEvent& e, pb::KvEvent* ev) {
     ev->set_event_id(e.event_id);
     ev->set_epoch(e.epoch);
     switch (e.kind) {
@@ -126,15 +127,21 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
         auto* st = ev->mutable_stored();
         st->set_parent_hash(e.parent_hash);
         st->set_tier(static_cast<pb::KvTier>(e.tier));
-        for (uint64_t h : e.hashes) st->add_block_hashes(h);
+        st->mutable_block_hashes()->Add(e.hashes.begin(), e.hashes.end());
         break;
       }
       case engine::KvEventKind::kRemoved:
         ev->mutable_removed()->set_tier(static_cast<pb::KvTier>(e.tier));
-        for (uint64_t h : e.hashes) ev->mutable_removed()->add_block_hashes(h);
+        ev->mutable_removed()->mutable_block_hashes()->Add(e.hashes.begin(), e.hashes.end());
         break;
       case engine::KvEventKind::kCleared: ev->mutable_cleared(); break;
     }
+  }
+
+  static pb::WorkerUpdate EventUpdate(const engine::KvEvent& e) {
+    pb::WorkerUpdate u;
+    u.set_epoch(e.epoch);
+    FillEvent(e, u.mutable_event());
     return u;
   }
 
@@ -163,7 +170,8 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
     using Writes = std::vector<std::pair<std::shared_ptr<StreamWriter<pb::WorkerUpdate>>,
                                          std::shared_ptr<const pb::WorkerUpdate>>>;
     auto next_load = std::chrono::steady_clock::now();
-    const uint64_t sub = engine_.events().Subscribe([this](const engine::KvEvent&) {
+    // Woken once per batch of events (a step's, kv_events.h), not per event.
+    const uint64_t sub = engine_.events().SubscribeWake([this] {
       {
         std::lock_guard lock(mu_);
         wake_ = true;
@@ -219,8 +227,32 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
         if (on_tick_) on_tick_();
         next_load = std::chrono::steady_clock::now() + interval_;
       }
+      // Per-event updates only for watchers that did not ask for batches.
       std::vector<std::shared_ptr<const pb::WorkerUpdate>> updates;
-      for (const auto& e : events) updates.push_back(std::make_shared<pb::WorkerUpdate>(EventUpdate(e)));
+      {
+        std::lock_guard lock(mu_);
+        const bool any_single = std::any_of(watchers_.begin(), watchers_.end(),
+                                            [](const Watcher& w) { return !w.batched; });
+        if (any_single) {
+          for (const auto& e : events) {
+            updates.push_back(std::make_shared<pb::WorkerUpdate>(EventUpdate(e)));
+          }
+        }
+      }
+      // Batched watchers: this round's events (from the first one a watcher
+      // lacks) and the load report in one update, built once per start.
+      std::map<size_t, std::shared_ptr<const pb::WorkerUpdate>> batches;
+      const auto batch_from = [&](size_t first) {
+        auto& b = batches[first];
+        if (!b) {
+          auto u = std::make_shared<pb::WorkerUpdate>();
+          u->set_epoch(identity_.epoch);
+          for (size_t i = first; i < events.size(); ++i) FillEvent(events[i], u->add_events());
+          if (load) *u->mutable_batched_load() = load->load();
+          b = std::move(u);
+        }
+        return b;
+      };
 
       Writes writes;
       {
@@ -231,6 +263,13 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
             w.needs_snapshot = false;
             w.last_event_id = snapshot_id;
             writes.emplace_back(w.writer, snapshot);
+          }
+          if (w.batched) {
+            size_t first = 0;
+            while (first < events.size() && events[first].event_id <= w.last_event_id) ++first;
+            if (first < events.size()) w.last_event_id = events.back().event_id;
+            if (first < events.size() || load) writes.emplace_back(w.writer, batch_from(first));
+            continue;
           }
           for (size_t i = 0; i < events.size(); ++i) {
             if (events[i].event_id <= w.last_event_id) continue;

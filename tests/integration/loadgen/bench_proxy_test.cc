@@ -1,7 +1,8 @@
 // `tandem bench proxy` (issue 23) against a launched 1P1D fleet of the
 // bundled model: the gRPC `stream` workload and its HTTP twin `sse` (SSE
 // over the OpenAI API) each count every token they asked for; a bad
-// workload name is refused naming the list.
+// workload name is refused naming the list; prompt-floor calls its bare
+// server over both kinds of channel.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -55,7 +56,7 @@ TEST(BenchProxy, UnknownWorkloadIsRefusedNamingTheList) {
   fs::remove(err);
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.err.find("unknown workload 'nope' (give a list of stream, sse, prompt, open, "
-                       "floor)"),
+                       "floor, prompt-floor)"),
             std::string::npos)
       << r.err;
 }
@@ -90,6 +91,53 @@ TEST(BenchProxy, StreamAndSseCountEveryTokenOnBothApis) {
   }
   // The table has a row per workload.
   EXPECT_NE(r.out.find("\nsse "), std::string::npos) << r.out;
+}
+
+// prompt-floor: a bare Prefill server in a child process, called over
+// plaintext and mutual TLS, back to back and at the prompt workload's
+// cadence; every call succeeds and both sides are charged CPU.
+TEST(BenchProxy, PromptFloorCallsABareServerOverBothChannels) {
+  if (!fs::exists(BundledModel() + "/model.safetensors")) GTEST_SKIP() << "bundled model missing";
+  auto fleet = Fleet::Launch(FleetOptions{});
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  const std::string json_path = TempPath("floor.json"), err = TempPath("err3");
+  auto r = BenchProxy("--state-file " + (*fleet)->state_path() +
+                          " --workloads prompt,prompt-floor --prompt-requests 4"
+                          " --prompt-concurrency 2 --prompt-input 64 --json " + json_path,
+                      err);
+  fs::remove(err);
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  std::ifstream in(json_path);
+  const auto j = nlohmann::json::parse(in, nullptr, false);
+  fs::remove(json_path);
+  ASSERT_TRUE(j.is_array()) << r.out;
+  // prompt, then per mode (back-to-back, paced): plaintext, mtls, estimate.
+  ASSERT_EQ(j.size(), 7u) << j.dump();
+  EXPECT_EQ(j[0]["workload"], "prompt");
+  EXPECT_EQ(j[0]["requests_ok"], 4);
+  const char* modes[] = {"back-to-back", "paced"};
+  for (size_t m = 0; m < 2; ++m) {
+    for (size_t c = 0; c < 2; ++c) {
+      const auto& w = j[1 + m * 3 + c];
+      SCOPED_TRACE(w.dump());
+      EXPECT_EQ(w["workload"], "prompt-floor");
+      EXPECT_EQ(w["channel"], c == 0 ? "plaintext" : "mtls");
+      EXPECT_EQ(w["mode"], modes[m]);
+      EXPECT_EQ(w["requests_ok"], 4);
+      EXPECT_EQ(w["input_len"], 64);
+      // getrusage counts microseconds: a served call is never free.
+      EXPECT_GT(w["server_us_per_call"].get<double>(), 0.0);
+      EXPECT_GT(w["client_us_per_call"].get<double>(), 0.0);
+    }
+    const auto& e = j[1 + m * 3 + 2];
+    EXPECT_EQ(e["channel"], "proxy-estimate");
+    EXPECT_NEAR(e["proxy_ms_per_request"].get<double>(),
+                (j[1 + m * 3]["server_us_per_call"].get<double>() +
+                 2 * j[2 + m * 3]["client_us_per_call"].get<double>()) / 1e3,
+                1e-9);
+  }
+  EXPECT_GT(j[4]["paced_per_s"].get<double>(), 0.0);
+  EXPECT_NE(r.out.find("\npfloor "), std::string::npos) << r.out;
 }
 
 }  // namespace

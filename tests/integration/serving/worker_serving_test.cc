@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 
 #include <atomic>
+#include <set>
 
 #include "serving_harness.h"
 
@@ -464,6 +465,42 @@ TEST_F(WorkerServingTest, WatchDeliversSnapshotEventsAndLoad) {
   }
   t.join();
   EXPECT_TRUE(stored);
+  EXPECT_TRUE(load);
+  wctx.TryCancel();
+  (void)reader->Finish();
+}
+
+// Issue 23: a watcher that asks for batches (as the proxy does) gets each
+// round's events and load report in one update, nothing but batches after
+// the snapshot, with the event ids consecutive across them.
+TEST_F(WorkerServingTest, BatchedWatchCarriesEveryEventInOrder) {
+  auto worker = pb::Worker::NewStub(InternalChannel(g_fleet->fleet_file, g_fleet->prefill->grpc));
+  grpc::ClientContext wctx;
+  wctx.set_deadline(std::chrono::system_clock::now() + 20s);
+  pb::WatchRequest wreq;
+  wreq.set_batched(true);
+  auto reader = worker->Watch(&wctx, wreq);
+  pb::WorkerUpdate u;
+  ASSERT_TRUE(reader->Read(&u));
+  ASSERT_TRUE(u.has_snapshot());
+  uint64_t last_id = u.snapshot_event_id();
+
+  const auto fresh = Prompt(80, 702, Vocab());  // 5 full blocks, new to the prefiller
+  std::thread t([&] { ExpectMatchesReference(RunDisaggregated(fresh, 2), fresh, 2); });
+  const size_t want = fresh.size() / kBlockSize;  // the prompt's full blocks
+  std::set<uint64_t> stored;
+  bool load = false;
+  while ((stored.size() < want || !load) && reader->Read(&u)) {
+    EXPECT_EQ(u.kind_case(), pb::WorkerUpdate::KIND_NOT_SET);
+    for (const auto& e : u.events()) {
+      EXPECT_EQ(e.event_id(), last_id + 1);
+      last_id = e.event_id();
+      if (e.has_stored()) stored.insert(e.stored().block_hashes().begin(), e.stored().block_hashes().end());
+    }
+    load |= u.has_batched_load();
+  }
+  t.join();
+  EXPECT_GE(stored.size(), want);
   EXPECT_TRUE(load);
   wctx.TryCancel();
   (void)reader->Finish();

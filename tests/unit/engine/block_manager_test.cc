@@ -216,6 +216,33 @@ TEST(BlockManagerTest, ConcurrentDuplicateCanLeaveAChildWithoutItsParent) {
   bm.Release(x);
 }
 
+TEST(KvEventsTest, WakeSubscribersOncePerHold) {
+  KvEventPublisher events(1);
+  int wakes = 0;
+  std::vector<uint64_t> seen;
+  const uint64_t wake = events.SubscribeWake([&] { ++wakes; });
+  events.Subscribe([&](const KvEvent& e) { seen.push_back(e.event_id); });
+  events.PublishStored({1, 2}, 0);
+  EXPECT_EQ(wakes, 1);  // outside a hold: at once
+  events.Hold();
+  events.Hold();  // holds nest
+  events.PublishStored({3}, 2);
+  events.PublishRemoved({1});
+  events.Release();
+  EXPECT_EQ(wakes, 1);
+  EXPECT_EQ(seen, (std::vector<uint64_t>{1, 2, 3}));  // per-event subscribers: at once
+  EXPECT_EQ(events.Drain().size(), 3u);               // queued at once too
+  events.Release();
+  EXPECT_EQ(wakes, 2);  // the outer release: one wake for both events
+  events.Hold();
+  events.Release();
+  EXPECT_EQ(wakes, 2);  // nothing published: no wake
+  events.Release();     // unbalanced: ignored
+  events.Unsubscribe(wake);
+  events.PublishCleared();
+  EXPECT_EQ(wakes, 2);
+}
+
 TEST(KvEventsTest, IdsMonotonicStoredRemovedClearedAndSnapshot) {
   KvEventPublisher events(42);
   std::vector<KvEvent> seen;

@@ -157,6 +157,28 @@ TEST(EngineTest, KvEventsFollowTheCache) {
   EXPECT_EQ(removed, want);
 }
 
+// Issue 23: a step's KV events wake a drainer (the worker's Watch loop) once,
+// not once per event; every event is still delivered and drained in order.
+TEST(EngineTest, StepEventsWakeSubscribersOnce) {
+  EngineOptions o;
+  o.num_blocks = 32;
+  auto e = MakeEngine(TinyModel(), o);
+  std::atomic<int> wakes{0};
+  std::vector<uint64_t> seen;
+  e->events().SubscribeWake([&] { ++wakes; });
+  e->events().Subscribe([&](const KvEvent& x) { seen.push_back(x.event_id); });
+  Collector a, b;
+  ASSERT_TRUE(e->Submit(Req("a", Prompt(40, 3), 2, &a)).ok());  // 2 full blocks each
+  ASSERT_TRUE(e->Submit(Req("b", Prompt(40, 9), 2, &b)).ok());
+  ASSERT_TRUE(e->Step());  // both prefills: each commits its first block, then the rest
+  ASSERT_GE(seen.size(), 4u);
+  EXPECT_EQ(wakes.load(), 1);
+  const auto drained = e->events().Drain();
+  ASSERT_EQ(drained.size(), seen.size());
+  for (size_t i = 0; i < drained.size(); ++i) EXPECT_EQ(drained[i].event_id, seen[i]);
+  e->RunUntilIdle();  // decode steps: no new block is full, nothing published
+}
+
 // Two prefills of one prefix in the same step: the second one's copies of
 // the shared blocks stay private, and so does everything after them — a
 // block committed after a private duplicate would hang under the other

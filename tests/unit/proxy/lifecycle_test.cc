@@ -419,8 +419,8 @@ TEST_F(LifecycleTest, DecoderLostMidStreamMigratesWithoutGapOrDuplicate) {
   ASSERT_EQ(workers_.decode_args.size(), 2u);
   EXPECT_NE(workers_.decode_addresses[0], workers_.decode_addresses[1]);  // the lost one is avoided
   const DecodeArgs& moved = workers_.decode_args[1];
-  ASSERT_EQ(moved.prompt_ids.size(), 45u);  // prompt + the 5 tokens already sent
-  EXPECT_EQ(std::vector<uint32_t>(moved.prompt_ids.begin() + 40, moved.prompt_ids.end()),
+  ASSERT_EQ(moved.prompt_ids->size(), 45u);  // prompt + the 5 tokens already sent
+  EXPECT_EQ(std::vector<uint32_t>(moved.prompt_ids->begin() + 40, moved.prompt_ids->end()),
             std::vector<uint32_t>(workers_.completion.begin(), workers_.completion.begin() + 5));
   EXPECT_EQ(moved.params.first_sample_index, 5u);
   EXPECT_EQ(moved.params.max_tokens, 64u - 5u);

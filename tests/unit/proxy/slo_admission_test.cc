@@ -104,6 +104,13 @@ TEST_F(SloAdmissionTest, RefusesAPredictionOverTheSloWithRetryAfterAndCountsIt) 
   ValidatedRequest fits = Request(160, 200);
   EXPECT_TRUE(slo.Admit(fits, &retry).ok());
   EXPECT_EQ(retry, 0);
+  // The prompt's block hashes stay with the request, so routing does not
+  // hash it again (issue 23): exactly what hashing it would give.
+  const HashContext ctx{};
+  EXPECT_EQ(fits.block_hashes_root, RootHash(ctx));
+  EXPECT_EQ(fits.block_hashes_block_size, 16u);
+  EXPECT_EQ(fits.block_hashes, HashBlocks(RootHash(ctx), fits.prompt_ids, 16));
+  EXPECT_EQ(fits.block_hashes.size(), 10u);
   ValidatedRequest over = Request(160, 100);
   Status st = slo.Admit(over, &retry);
   EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
