@@ -63,7 +63,7 @@ class MuxSink final : public DecodeSink {
       : handle_(handle), state_(std::move(state)), request_id_(std::move(request_id)),
         trace_(trace), start_unix_ns_(trace.sampled ? tracing::NowUnixNs() : 0) {}
 
-  void OnTokens(uint32_t first_index, std::vector<uint32_t> token_ids) override;
+  void OnTokens(uint32_t first_index, std::span<const uint32_t> token_ids) override;
   void OnFinished(const DecodeResult& r) override;
   void OnError(const Status& status) override;
 
@@ -103,11 +103,12 @@ class MuxState final : public Flushable, public std::enable_shared_from_this<Mux
   MuxState(Reactor* reactor, Decoder& decoder) : reactor_(reactor), decoder_(decoder) {}
 
   // ---- from the sinks (engine thread, KV notice and lease threads) ----
-  void Tokens(MuxSink& s, uint32_t first_index, std::vector<uint32_t>&& ids) {
+  void Tokens(MuxSink& s, uint32_t first_index, std::span<const uint32_t> ids) {
     std::unique_lock lock(mu_);
     if (final_ || s.closed_) return;
     if (!s.open_) {
-      s.early_.push_back({first_index, std::move(ids), false, std::nullopt, Status::Ok()});
+      s.early_.push_back({first_index, std::vector<uint32_t>(ids.begin(), ids.end()), false,
+                          std::nullopt, Status::Ok()});
       return;
     }
     pending_.Tokens(s.handle_, first_index, ids);
@@ -232,7 +233,7 @@ class MuxState final : public Flushable, public std::enable_shared_from_this<Mux
   void Pump(std::unique_lock<std::mutex>& lock) {
     if (writing_ || finish_called_) return;
     if (!pending_.empty()) {
-      current_ = pending_.Take();
+      pending_.TakeInto(&current_);
       writing_ = true;
       decoder_.CountStreamMessage(static_cast<size_t>(current_.items_size()));
       lock.unlock();
@@ -258,8 +259,8 @@ class MuxState final : public Flushable, public std::enable_shared_from_this<Mux
   bool finish_called_ = false;                       // guarded by mu_
 };
 
-void MuxSink::OnTokens(uint32_t first_index, std::vector<uint32_t> token_ids) {
-  state_->Tokens(*this, first_index, std::move(token_ids));
+void MuxSink::OnTokens(uint32_t first_index, std::span<const uint32_t> token_ids) {
+  state_->Tokens(*this, first_index, token_ids);
 }
 
 void MuxSink::OnFinished(const DecodeResult& r) {

@@ -58,6 +58,12 @@ pb::DecodeStreamResponse MuxBatcher::Take() {
   return out;
 }
 
+void MuxBatcher::TakeInto(pb::DecodeStreamResponse* out) {
+  out->Swap(&batch_);
+  batch_.Clear();  // keeps the cleared items for reuse
+  open_.clear();
+}
+
 void MuxBatcher::Clear() {
   batch_.Clear();
   open_.clear();

@@ -33,6 +33,11 @@ class MuxBatcher {
   size_t num_items() const { return static_cast<size_t>(batch_.items_size()); }
   // The batch so far; the next event starts a new one.
   v1::DecodeStreamResponse Take();
+  // Take() into `out` without allocating: `out`'s previous contents (a batch
+  // already written) are cleared and kept for the next batch, whose items
+  // and token arrays then reuse their memory (one message per decode step,
+  // issue 23).
+  void TakeInto(v1::DecodeStreamResponse* out);
   void Clear();
 
  private:

@@ -39,15 +39,15 @@ class Decoder::Emitter {
  public:
   explicit Emitter(std::shared_ptr<DecodeSink> sink) : sink_(std::move(sink)) {}
 
-  void Tokens(uint32_t first_index, std::vector<uint32_t> tokens) {
+  void Tokens(uint32_t first_index, std::span<const uint32_t> tokens) {
     std::lock_guard lock(mu_);
     if (done_) return;
     if (first_index == next_index_ && pending_.empty()) {
       // In order, nothing held back (every step of a running request):
-      // straight to the sink, no map node per step (issue 23).
+      // straight to the sink, no copy, no map node per step (issue 23).
       const uint32_t n = static_cast<uint32_t>(tokens.size());
       if (n == 0) return;
-      sink_->OnTokens(next_index_, std::move(tokens));
+      sink_->OnTokens(next_index_, tokens);
       next_index_ += n;
       if (final_ && next_index_ >= final_->completion_tokens) {
         done_ = true;
@@ -55,7 +55,7 @@ class Decoder::Emitter {
       }
       return;
     }
-    pending_.emplace(first_index, std::move(tokens));
+    pending_.emplace(first_index, std::vector<uint32_t>(tokens.begin(), tokens.end()));
     FlushLocked();
   }
   void Finished(const DecodeResult& r) {
@@ -76,6 +76,12 @@ class Decoder::Emitter {
     done_ = true;
   }
   bool Uses(const DecodeSink* sink) const { return sink_.get() == sink; }
+  // Whether the request's Entry needs no update for an output that does
+  // not finish it (its first token was seen): OnOutput then skips the
+  // lookup by id (issue 23: one map lookup under the decoder's lock per
+  // request per step).
+  void MarkFirstSeen() { first_seen_.store(true, std::memory_order_release); }
+  bool first_seen() const { return first_seen_.load(std::memory_order_acquire); }
 
  private:
   // The sink is called under mu_ so that its calls stay in order; sinks
@@ -88,7 +94,7 @@ class Decoder::Emitter {
       if (first + tokens.size() <= next_index_) continue;  // duplicate
       tokens.erase(tokens.begin(), tokens.begin() + (next_index_ - first));
       const uint32_t n = static_cast<uint32_t>(tokens.size());
-      sink_->OnTokens(next_index_, std::move(tokens));
+      sink_->OnTokens(next_index_, tokens);
       next_index_ += n;
     }
     if (final_ && next_index_ >= final_->completion_tokens) {
@@ -103,6 +109,7 @@ class Decoder::Emitter {
   std::map<uint32_t, std::vector<uint32_t>> pending_;     // guarded by mu_
   std::optional<DecodeResult> final_;                     // guarded by mu_
   bool done_ = false;                                     // guarded by mu_
+  std::atomic<bool> first_seen_{false};
 };
 
 Decoder::Decoder(engine::Engine& engine, kvtransfer::Transport& transport, DecoderOptions options)
@@ -389,6 +396,7 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
       it->second.first_token_seen = true;
       it->second.prefill_cached_prompt_tokens = n.prefill_cached_prompt_tokens;
       emitter = it->second.emitter;
+      emitter->MarkFirstSeen();
       req = MakeEngineRequest(it->second.spec, emitter);
       add = true;
     }
@@ -487,6 +495,14 @@ void Decoder::OnUnreadableNotice(const std::string& sender, size_t bytes) {
 
 void Decoder::OnOutput(const std::string& request_id, Emitter& emitter,
                        const engine::RequestOutput& out) {
+  if (!out.finished && emitter.first_seen()) {
+    // A running request's step: nothing in its Entry changes.
+    if (!out.token_ids.empty()) {
+      const uint32_t n = static_cast<uint32_t>(out.token_ids.size());
+      emitter.Tokens(out.completion_tokens - n, out.token_ids);
+    }
+    return;
+  }
   double local_prefill_s = -1;
   uint32_t prefill_cached = 0;
   {
@@ -496,6 +512,7 @@ void Decoder::OnOutput(const std::string& request_id, Emitter& emitter,
       prefill_cached = it->second.prefill_cached_prompt_tokens;
       if (!it->second.first_token_seen && out.completion_tokens > 0) {
         it->second.first_token_seen = true;
+        emitter.MarkFirstSeen();
         local_prefill_s =
             std::chrono::duration<double>(SteadyClock::now() - it->second.submitted).count();
       }

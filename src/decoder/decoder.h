@@ -81,7 +81,9 @@ class DecodeSink {
  public:
   virtual ~DecodeSink() = default;
   // `first_index`: index in the completion of token_ids[0] (first token: 0).
-  virtual void OnTokens(uint32_t first_index, std::vector<uint32_t> token_ids) = 0;
+  // `token_ids` is valid during the call only (the engine's output, not a
+  // copy per token: issue 23).
+  virtual void OnTokens(uint32_t first_index, std::span<const uint32_t> token_ids) = 0;
   virtual void OnFinished(const DecodeResult& result) = 0;
   virtual void OnError(const Status& status) = 0;
 };

@@ -34,7 +34,7 @@ class DecodeReactor final : public grpc::ServerWriteReactor<pb::DecodeResponse> 
     Sink(DecodeReactor* stream, std::string request_id, tracing::SpanContext trace)
         : writer_(stream, &MergeDecodeTokens), request_id_(std::move(request_id)), trace_(trace),
           start_unix_ns_(trace.sampled ? tracing::NowUnixNs() : 0) {}
-    void OnTokens(uint32_t first_index, std::vector<uint32_t> token_ids) override {
+    void OnTokens(uint32_t first_index, std::span<const uint32_t> token_ids) override {
       pb::DecodeResponse m;
       m.set_request_id(request_id_);
       m.mutable_tokens()->set_first_index(first_index);

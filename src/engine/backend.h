@@ -66,6 +66,16 @@ class ComputeBackend {
   // block of every block table must be held by the caller.
   virtual Status Forward(std::span<const SeqChunk> batch, std::span<float> logits) = 0;
 
+  // One-hot backends (sim): every logits row Forward fills is -1e30 but for
+  // a single 0 at the row's "hot" token. Such a backend returns true here,
+  // accepts an empty `logits` span (it then fills no rows), and reports
+  // each row's hot token after every Forward in hot_tokens() (rows in batch
+  // order), so that the engine need not fill and scan full-vocabulary rows
+  // when the sampling settings make the hot token the certain pick
+  // (issue 23). Others: false / empty.
+  virtual bool one_hot_logits() const { return false; }
+  virtual std::span<const uint32_t> hot_tokens() const { return {}; }
+
   // Layer progress, for the streaming KV push (docs/kvtransfer.md): while
   // set, a backend that can calls `fn(layers_done)` from inside Forward (on
   // the engine thread) once layers [0, layers_done) of every token of the

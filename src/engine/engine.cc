@@ -280,6 +280,8 @@ Status Engine::CheckPrompt(std::span<const uint32_t> prompt_ids, const SamplingP
 std::unique_ptr<Sequence> Engine::NewSequence(GenerateRequest request) {
   auto seq = std::make_unique<Sequence>();
   seq->req = std::move(request);
+  seq->on_output = std::make_shared<const OutputCallback>(std::move(seq->req.on_output));
+  seq->req.on_output = nullptr;
   if (seq->req.sampling.seed) {
     seq->seed = *seq->req.sampling.seed;
   } else {
@@ -527,7 +529,7 @@ void Engine::Deliver(Deliveries& deliveries) {
   // One batch: consumers may send it as one message (common/delivery_scope.h).
   DeliveryScope scope;
   for (auto& [cb, output] : deliveries) {
-    if (cb) cb(output);
+    if (cb && *cb) (*cb)(output);
   }
   deliveries.clear();
 }

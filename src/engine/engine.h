@@ -219,6 +219,12 @@ class Engine {
   uint64_t root_hash() const { return root_hash_; }
   uint64_t RootHashFor(const std::string& cache_salt) const;
   uint32_t block_size() const { return options_.block_size; }
+  // Output blocks filled by decode steps join the prefix cache in runs of
+  // this many, and the rest when the sequence ends (docs/engine.md; issue
+  // 23: a stored event, and a wake-up of the worker's Watch loop, per
+  // filled block per sequence was most of a sim decoder's CPU). Prompt
+  // blocks: at once.
+  static constexpr uint32_t kDecodeCommitBlocks = 8;
 
  private:
   struct ReservationState {
@@ -228,7 +234,7 @@ class Engine {
     std::vector<uint32_t> blocks;
     uint32_t num_cached_blocks = 0;
   };
-  using Delivery = std::pair<OutputCallback, RequestOutput>;
+  using Delivery = std::pair<std::shared_ptr<const OutputCallback>, RequestOutput>;
   using Deliveries = std::vector<Delivery>;
 
   Engine(const model::ModelConfig& config, EngineOptions options);
@@ -244,7 +250,10 @@ class Engine {
   bool AppendToken(Sequence& seq, uint32_t token, Deliveries& out);
   void Finish(Sequence& seq, FinishReason reason, Status status, Deliveries& out);
   RequestOutput MakeOutput(const Sequence& seq) const;
-  void CommitFullBlocks(Sequence& seq);
+  // Registers the sequence's full blocks past num_committed in the prefix
+  // cache (stored events), when at least `min_new` are waiting.
+  void CommitFullBlocks(Sequence& seq, uint32_t min_new = 1);
+
   void DropExpired(Deliveries& out);
   static void Deliver(Deliveries& deliveries);
 
@@ -260,6 +269,9 @@ class Engine {
   Sampler sampler_;                 // engine thread only
   std::vector<float> logits_;       // engine thread only: [rows][vocab]
   std::vector<SeqChunk> chunks_;    // engine thread only
+  // Engine thread only: a step's deliveries, reused (a vector grown from
+  // empty every step was a large malloc per step, issue 23).
+  Deliveries step_out_;
   // Engine thread only: this step's chunks whose requests want KvProgress.
   struct ProgressChunk {
     const KvProgressCallback* callback = nullptr;  // the sequence's; stable during the forward

@@ -40,7 +40,7 @@ void Engine::Stop() {
 
 void Engine::Loop(std::stop_token stop) {
   while (!stop.stop_requested()) {
-    Deliveries out;
+    Deliveries& out = step_out_;  // its capacity is kept from step to step
     bool worked = false;
     {
       std::unique_lock lock(mu_);
@@ -150,7 +150,15 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
     rows += c.num_logits;
     chunks_.push_back(c);
   }
-  if (logits_.size() < size_t{rows} * vocab) logits_.resize(size_t{rows} * vocab);
+  // A one-hot backend (sim) names each row's pick itself: no logits rows to
+  // fill and scan when every sampled sequence's settings make that pick
+  // certain (issue 23: 16 full-vocabulary rows per step were a tenth of a
+  // sim decoder's CPU). Otherwise the rows are filled and sampled as usual.
+  bool hot_only = backend_->one_hot_logits();
+  for (size_t i = 0; hot_only && i < plan.seqs.size(); ++i) {
+    hot_only = !plan.seqs[i].samples || OneHotPickIsCertain(plan.seqs[i].seq->req.sampling);
+  }
+  if (!hot_only && logits_.size() < size_t{rows} * vocab) logits_.resize(size_t{rows} * vocab);
   progress_.clear();
   for (size_t i = 0; i < plan.seqs.size(); ++i) {
     const Sequence& seq = *plan.seqs[i].seq;
@@ -180,7 +188,12 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
   // other threads may queue work or flag aborts meanwhile.
   lock.unlock();
   ReleaseEvents();
-  Status status = backend_->Forward(chunks_, logits_);
+  Status status =
+      backend_->Forward(chunks_, hot_only ? std::span<float>() : std::span<float>(logits_));
+  const std::span<const uint32_t> hot = backend_->hot_tokens();
+  if (status.ok() && hot_only && hot.size() != rows) {
+    status = InternalError(fmt::format("backend gave {} hot tokens for {} rows", hot.size(), rows));
+  }
   if (status.ok() && !progress_.empty()) ReportKvProgress(pool_->layout().num_layers);
   lock.lock();
   HoldEvents();  // released by the next step's forward, or before waiting for work
@@ -194,16 +207,24 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
       continue;
     }
     seq.num_computed += s.num_tokens;
-    CommitFullBlocks(seq);
+    // A decode step computed one output token's KV (its position is past
+    // the prompt): its block waits for a run of them, or the end.
+    const bool decode_step = s.num_tokens == 1 && seq.num_computed > seq.prompt_len;
+    CommitFullBlocks(seq, decode_step ? kDecodeCommitBlocks : 1);
     if (seq.abort_requested) {
       Finish(seq, FinishReason::kAbort, CancelledError("request aborted"), out);
       if (s.samples) ++row;
       continue;
     }
     if (!s.samples) continue;
-    const std::span<const float> logits(logits_.data() + size_t{row++} * vocab, vocab);
-    const uint64_t index = uint64_t{seq.req.first_sample_index} + seq.num_output();
-    const uint32_t token = sampler_.Sample(logits, seq.req.sampling, seq.seed, index);
+    uint32_t token;
+    if (hot_only) {
+      token = hot[row++];
+    } else {
+      const std::span<const float> logits(logits_.data() + size_t{row++} * vocab, vocab);
+      const uint64_t index = uint64_t{seq.req.first_sample_index} + seq.num_output();
+      token = sampler_.Sample(logits, seq.req.sampling, seq.seed, index);
+    }
     AppendToken(seq, token, out);
   }
   for (auto it = seqs_.begin(); it != seqs_.end();) {
@@ -222,8 +243,10 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
     st.num_seqs = static_cast<uint32_t>(plan.seqs.size());
     st.num_prefill_tokens = plan.num_prefill_tokens;
     st.num_decode_tokens = plan.num_decode_tokens;
-    auto cb = options_.on_step;
-    out.emplace_back([cb, st](const RequestOutput&) { cb(st); }, RequestOutput{});
+    const auto* cb = &options_.on_step;  // the engine outlives its deliveries
+    out.emplace_back(
+        std::make_shared<const OutputCallback>([cb, st](const RequestOutput&) { (*cb)(st); }),
+        RequestOutput{});
   }
   return true;
 }
@@ -235,10 +258,10 @@ void Engine::ReportKvProgress(uint32_t layers_done) {
   }
 }
 
-void Engine::CommitFullBlocks(Sequence& seq) {
+void Engine::CommitFullBlocks(Sequence& seq, uint32_t min_new) {
   const uint32_t full = std::min<uint32_t>(seq.num_computed / options_.block_size,
                                            static_cast<uint32_t>(seq.blocks.size()));
-  if (full <= seq.num_committed || seq.commit_stopped) return;
+  if (full < seq.num_committed + std::max<uint32_t>(min_new, 1) || seq.commit_stopped) return;
   scheduler_->UpdateHashes(seq);
   // Keep every cached chain prefix-closed on the device (a committed
   // block's parent is committed too), which the router's prefix search
@@ -297,7 +320,7 @@ bool Engine::AppendToken(Sequence& seq, uint32_t token, Deliveries& out) {
     Finish(seq, reason, Status::Ok(), out);
     return true;
   }
-  out.emplace_back(seq.req.on_output, MakeOutput(seq));
+  out.emplace_back(seq.on_output, MakeOutput(seq));
   seq.num_delivered = seq.num_output();
   seq.pending_text.clear();
   return false;
@@ -319,6 +342,9 @@ void Engine::Finish(Sequence& seq, FinishReason reason, Status status, Deliverie
   if (reason == FinishReason::kPrefillDone) {
     seq.state = SeqState::kParked;  // blocks stay pinned until ReleasePrefill / Abort
   } else {
+    // Output blocks still waiting for their run (kDecodeCommitBlocks):
+    // their KV is final (num_computed counts only steps that succeeded).
+    CommitFullBlocks(seq);
     blocks_->Release(seq.blocks);
     seq.blocks.clear();
     seq.state = SeqState::kFinished;
@@ -338,7 +364,7 @@ void Engine::Finish(Sequence& seq, FinishReason reason, Status status, Deliverie
   o.finish_reason = reason;
   o.status = std::move(status);
   if (reason == FinishReason::kPrefillDone) o.block_ids = seq.blocks;
-  out.emplace_back(seq.req.on_output, std::move(o));
+  out.emplace_back(seq.on_output, std::move(o));
   seq.num_delivered = seq.num_output();
   seq.pending_text.clear();
 }

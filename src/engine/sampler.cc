@@ -88,6 +88,13 @@ Status ValidateSamplingParams(const SamplingParams& p) {
   return Status::Ok();
 }
 
+bool OneHotPickIsCertain(const SamplingParams& p) {
+  // (-1e30 - 0) / 1e20 = -1e10: exp underflows to +0.0 (below ~-745), so
+  // every other id has probability 0, top_p keeps the hot id alone and the
+  // inverse-CDF draw (u < cumulative mass) can only stop at it.
+  return p.temperature == 0.0f || p.top_k == 1 || p.temperature <= 1e20f;
+}
+
 double UniformDraw(uint64_t seed, uint64_t index) {
   const uint64_t bits = SplitMix64(SplitMix64(seed) ^ SplitMix64(index + 0x632BE59BD9B4E019ull));
   return static_cast<double>(bits >> 11) * 0x1.0p-53;

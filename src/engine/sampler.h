@@ -42,6 +42,14 @@ double UniformDraw(uint64_t seed, uint64_t index);
 // loop was 5 % of a decoder's CPU per token).
 uint32_t Argmax(std::span<const float> logits);
 
+// Whether Sample() on a one-hot row (0.0 at one id, -1e30 at every other)
+// returns that id for every seed and index: greedy and top_k 1 always;
+// otherwise while exp(-1e30 / temperature) is exactly 0 in double, which
+// holds far beyond temperature 1e20. The sim backend's rows are such rows
+// (ComputeBackend::one_hot_logits): the engine then takes the hot id
+// without filling or scanning the row.
+bool OneHotPickIsCertain(const SamplingParams& params);
+
 class Sampler {
  public:
   // logits: [vocab]. Greedy picks the largest logit, the lowest id on ties

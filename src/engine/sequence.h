@@ -19,7 +19,10 @@ namespace tandem::engine {
 enum class SeqState { kWaiting, kRunning, kParked, kFinished };
 
 struct Sequence {
-  GenerateRequest req;
+  GenerateRequest req;  // its on_output moved to `on_output`
+  // The output callback, shared with the step's deliveries so that queuing
+  // one copies a pointer, not the callback (issue 23).
+  std::shared_ptr<const OutputCallback> on_output;
   uint64_t seed = 0;
   std::vector<uint32_t> tokens;  // prompt + output tokens
   uint32_t prompt_len = 0;

@@ -121,6 +121,8 @@ Status SimBackend::Forward(std::span<const SeqChunk> batch, std::span<float> log
   const auto start = std::chrono::steady_clock::now();
   const uint32_t vocab = config_.vocab_size;
   work_.clear();
+  hot_.clear();
+  const bool fill = !logits.empty();
   size_t row = 0;
   double onboard_seconds = 0;
   for (const SeqChunk& c : batch) {
@@ -139,13 +141,17 @@ Status SimBackend::Forward(std::span<const SeqChunk> batch, std::span<float> log
       slot[0] = h;
       slot[1] = (uint64_t{pos} << 32) | c.tokens[i];
     }
+    // Only the last position's logits are ever sampled; earlier rows (if
+    // asked for) repeat it.
+    const uint32_t hot = c.num_logits > 0 ? TokenFor(h) : 0;
     for (uint32_t k = 0; k < c.num_logits; ++k) {
-      if ((row + 1) * vocab > logits.size()) return InternalError("sim: logits buffer too small");
-      float* r = logits.data() + row * vocab;
-      std::fill(r, r + vocab, -1e30f);
-      // Only the last position's logits are ever sampled; earlier rows (if
-      // asked for) repeat it.
-      r[TokenFor(h)] = 0.0f;
+      hot_.push_back(hot);
+      if (fill) {
+        if ((row + 1) * vocab > logits.size()) return InternalError("sim: logits buffer too small");
+        float* r = logits.data() + row * vocab;
+        std::fill(r, r + vocab, -1e30f);
+        r[hot] = 0.0f;
+      }
       ++row;
     }
     work_.push_back(sim::SeqWork{c.tokens.size(), c.start_pos, c.num_logits});

@@ -11,7 +11,9 @@
 // a decoder only continues correctly if the prefiller's KV bytes arrived.
 // Token ids are drawn from the engine's vocabulary (the tokenizer model's)
 // minus its bos/eos ids, so a sim sequence runs to max_tokens. Logits are
-// one-hot, so every sampling setting picks that token.
+// one-hot (one_hot_logits()), so every sampling setting that cannot pick a
+// -1e30 logit picks that token; the engine then takes it from hot_tokens()
+// and asks for no logits (an empty span: no row is filled).
 //
 // Thread-safety: as ComputeBackend (one driving thread); the setup
 // functions are pure.
@@ -61,6 +63,8 @@ class SimBackend final : public ComputeBackend {
   uint32_t vocab_size() const override { return config_.vocab_size; }
   size_t weight_bytes() const override { return timing_.params().shape.step_weight_bytes(); }
   Status Forward(std::span<const SeqChunk> batch, std::span<float> logits) override;
+  bool one_hot_logits() const override { return true; }
+  std::span<const uint32_t> hot_tokens() const override { return hot_; }
 
   // The modelled seconds of the last Forward (for tests).
   double last_step_seconds() const { return last_step_seconds_; }
@@ -84,6 +88,7 @@ class SimBackend final : public ComputeBackend {
   KvPool* pool_;
   std::vector<uint32_t> allowed_;  // token ids the backend may emit
   std::vector<sim::SeqWork> work_;
+  std::vector<uint32_t> hot_;  // the last Forward's hot token per logits row
   double last_step_seconds_ = 0;
   bool sleep_ = true;
   double host_bytes_per_s_ = 0;

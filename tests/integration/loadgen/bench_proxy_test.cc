@@ -2,7 +2,8 @@
 // bundled model: the gRPC `stream` workload and its HTTP twin `sse` (SSE
 // over the OpenAI API) each count every token they asked for; a bad
 // workload name is refused naming the list; prompt-floor calls its bare
-// server over both kinds of channel.
+// server over both kinds of channel; floor streams every token from each
+// of its bare servers.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -153,6 +154,37 @@ TEST(BenchProxy, PromptFloorCallsABareServerOverBothChannels) {
   }
   EXPECT_GT(j[4]["paced_per_s"].get<double>(), 0.0);
   EXPECT_NE(r.out.find("\npfloor "), std::string::npos) << r.out;
+}
+
+// floor: each bare server (callback, async, async + callback, raw TCP) in
+// its own process streams every token of every request to the client.
+TEST(BenchProxy, FloorServersStreamEveryToken) {
+  if (!fs::exists(BundledModel() + "/model.safetensors")) GTEST_SKIP() << "bundled model missing";
+  auto fleet = Fleet::Launch(FleetOptions{});
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  const std::string json_path = TempPath("sfloor.json"), err = TempPath("err4");
+  auto r = BenchProxy("--state-file " + (*fleet)->state_path() +
+                          " --workloads floor --floor-requests 3 --stream-concurrency 2"
+                          " --stream-output 20 --floor-step-ms 2 --json " + json_path,
+                      err);
+  fs::remove(err);
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  std::ifstream in(json_path);
+  const auto j = nlohmann::json::parse(in, nullptr, false);
+  fs::remove(json_path);
+  ASSERT_TRUE(j.is_array()) << r.out;
+  ASSERT_EQ(j.size(), 4u) << j.dump();
+  const char* rows[] = {"floor-cb", "floor-cq", "floor-cq+cb", "floor-tcp"};
+  for (size_t i = 0; i < 4; ++i) {
+    const auto& w = j[i];
+    SCOPED_TRACE(w.dump());
+    EXPECT_EQ(w["workload"], rows[i]);
+    EXPECT_EQ(w["requests_ok"], 3);
+    EXPECT_EQ(w["requests_failed"], 0);
+    EXPECT_EQ(w["output_tokens"], 3 * 20);
+    EXPECT_EQ(w["floor_step_ms"], 2.0);
+    EXPECT_GE(w["cpu_s"]["floor_server"].get<double>(), 0.0);
+  }
 }
 
 }  // namespace

@@ -157,6 +157,48 @@ TEST(EngineTest, KvEventsFollowTheCache) {
   EXPECT_EQ(removed, want);
 }
 
+// Output blocks join the prefix cache in runs of kDecodeCommitBlocks and
+// the rest when the request ends (one wake-up of the worker's Watch loop
+// per run, not per filled block); the chain is the one committing each
+// block at once gives, and a later request reuses the generated blocks.
+TEST(EngineTest, DecodeBlocksAreCommittedInRunsAndAtTheEnd) {
+  static_assert(Engine::kDecodeCommitBlocks == 8);
+  EngineOptions o;
+  o.num_blocks = 64;
+  auto e = MakeEngine(TinyModel(), o);
+  Collector a;
+  // 20-token prompt (1 full block), 200 output tokens: 219 tokens have KV,
+  // 13 full blocks, 12 of them filled by decode steps.
+  ASSERT_TRUE(e->Submit(Req("a", Prompt(20, 9), 200, &a)).ok());
+  std::vector<size_t> per_step;  // hashes stored by each step that stored any
+  std::vector<uint64_t> stored;
+  while (e->Step()) {
+    size_t n = 0;
+    for (const auto& x : e->events().Drain()) {
+      ASSERT_EQ(x.kind, KvEventKind::kStored);
+      EXPECT_EQ(x.parent_hash, stored.empty() ? e->root_hash() : stored.back());
+      stored.insert(stored.end(), x.hashes.begin(), x.hashes.end());
+      n += x.hashes.size();
+    }
+    if (n > 0) per_step.push_back(n);
+  }
+  ASSERT_EQ(a.tokens.size(), 200u);
+  // The prompt's block at once, then a run of 8 output blocks, then the 4
+  // left when the request finished.
+  EXPECT_EQ(per_step, (std::vector<size_t>{1, 8, 4}));
+  std::vector<uint32_t> all = Prompt(20, 9);
+  all.insert(all.end(), a.tokens.begin(), a.tokens.end());
+  EXPECT_EQ(stored, HashBlocks(e->root_hash(), std::span<const uint32_t>(all).first(13 * 16), 16));
+  // The prompt plus the output as a new prompt: every full block but the
+  // last token's is a hit, and the continuation is the same.
+  Collector b;
+  std::vector<uint32_t> again(all.begin(), all.begin() + 13 * 16 + 1);
+  ASSERT_TRUE(e->Submit(Req("b", again, 4, &b)).ok());
+  e->RunUntilIdle();
+  EXPECT_EQ(b.last.cached_prompt_tokens, 13u * 16);
+  EXPECT_EQ(b.tokens, std::vector<uint32_t>(all.begin() + 13 * 16 + 1, all.begin() + 13 * 16 + 5));
+}
+
 // Issue 23: a step's KV events wake a drainer (the worker's Watch loop) once,
 // not once per event; every event is still delivered and drained in order.
 TEST(EngineTest, StepEventsWakeSubscribersOnce) {

@@ -159,5 +159,37 @@ TEST(StopStringsTest, StopInsideOneChunkAndFlushWithoutStop) {
   EXPECT_EQ(none.Push("abc").text, "abc");
 }
 
+
+// The sim backend's rows: 0.0 at one id, -1e30 elsewhere. Where
+// OneHotPickIsCertain says so, Sample returns the hot id for every seed and
+// index (so the engine may take it without the row); at an absurd
+// temperature the other ids get mass and it does not.
+TEST(SamplerTest, OneHotRowsPickTheHotIdWhereCertain) {
+  Sampler s;
+  std::vector<float> row(4096, -1e30f);
+  const uint32_t hot = 2771;
+  row[hot] = 0.0f;
+  std::vector<SamplingParams> certain(6);
+  certain[0].temperature = 0;
+  certain[1].temperature = 0.8f;
+  certain[2].temperature = 1.0f;
+  certain[2].top_p = 0.5f;
+  certain[3].temperature = 2.0f;
+  certain[3].top_k = 40;
+  certain[4].temperature = 1e20f;
+  certain[5].temperature = 3e38f;
+  certain[5].top_k = 1;
+  for (const SamplingParams& p : certain) {
+    EXPECT_TRUE(OneHotPickIsCertain(p)) << p.temperature;
+    for (uint64_t i = 0; i < 200; ++i) EXPECT_EQ(s.Sample(row, p, 7 + i, i), hot) << p.temperature;
+  }
+  SamplingParams hot_t;
+  hot_t.temperature = 3e38f;
+  EXPECT_FALSE(OneHotPickIsCertain(hot_t));
+  uint32_t others = 0;
+  for (uint64_t i = 0; i < 200; ++i) others += s.Sample(row, hot_t, 7 + i, i) != hot;
+  EXPECT_GT(others, 0u);
+}
+
 }  // namespace
 }  // namespace tandem::engine

@@ -275,5 +275,51 @@ TEST(SimBackend, HostTierPrefixGivesTheSameTokensAndChargesTheCopy) {
   EXPECT_NEAR(real_block, 16.0 * 128 * 1024, 16.0 * 128 * 1024 * 0.01);  // Llama-3-8B: 2 MiB a block
 }
 
+
+// The engine takes the sim's hot tokens without logits rows when every
+// sampled sequence's settings make the pick certain, and fills the rows
+// otherwise (engine/backend.h one_hot_logits): both paths give the same
+// tokens. A request at an absurd temperature in the batch forces the rows
+// for every step it is in; the others' tokens do not change.
+TEST(SimBackend, HotTokensAndFilledLogitsGiveTheSameTokens) {
+  const SimSetup s = MakeSetup();
+  const sim::TimingModel fast = Instant();
+  std::map<std::string, Outcome> hot_only, with_rows;
+  {
+    auto e = MakeSimEngine(s, &fast);
+    for (uint32_t i = 0; i < 4; ++i) {
+      ASSERT_TRUE(e->Submit(Req("r" + std::to_string(i), Prompt(30 + 7 * i, i), 20, &hot_only,
+                                /*temperature=*/i % 2 == 0 ? 0.0f : 0.7f)).ok());
+    }
+    e->RunUntilIdle();
+  }
+  {
+    auto e = MakeSimEngine(s, &fast);
+    GenerateRequest wild = Req("wild", Prompt(50, 9), 40, &with_rows, /*temperature=*/3e38f);
+    ASSERT_TRUE(e->Submit(wild).ok());
+    for (uint32_t i = 0; i < 4; ++i) {
+      ASSERT_TRUE(e->Submit(Req("r" + std::to_string(i), Prompt(30 + 7 * i, i), 20, &with_rows,
+                                /*temperature=*/i % 2 == 0 ? 0.0f : 0.7f)).ok());
+    }
+    e->RunUntilIdle();
+  }
+  for (uint32_t i = 0; i < 4; ++i) {
+    const std::string id = "r" + std::to_string(i);
+    ASSERT_EQ(hot_only[id].tokens.size(), 20u) << id;
+    EXPECT_EQ(hot_only[id].tokens, with_rows[id].tokens) << id;
+  }
+  // The wild request was sampled from the filled rows: at that temperature
+  // every id is about equally likely, so its tokens are not the hot ones
+  // a greedy run of its prompt gives.
+  std::map<std::string, Outcome> greedy;
+  {
+    auto e = MakeSimEngine(s, &fast);
+    ASSERT_TRUE(e->Submit(Req("wild", Prompt(50, 9), 40, &greedy)).ok());
+    e->RunUntilIdle();
+  }
+  ASSERT_EQ(with_rows["wild"].tokens.size(), 40u);
+  EXPECT_NE(with_rows["wild"].tokens, greedy["wild"].tokens);
+}
+
 }  // namespace
 }  // namespace tandem::engine

@@ -111,7 +111,7 @@ inline std::vector<uint32_t> Prompt(uint32_t n, uint32_t seed) {
 // Records what a decode stream would carry.
 class RecordingSink final : public decoder::DecodeSink {
  public:
-  void OnTokens(uint32_t first_index, std::vector<uint32_t> ids) override {
+  void OnTokens(uint32_t first_index, std::span<const uint32_t> ids) override {
     std::lock_guard lock(mu_);
     if (first_index != tokens.size()) out_of_order = true;
     tokens.insert(tokens.end(), ids.begin(), ids.end());
