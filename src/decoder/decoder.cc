@@ -569,6 +569,7 @@ void Decoder::WakeLeaseLoopLocked(SteadyClock::time_point due) {
   lease_wake_at_ = due;
   lease_kick_ = true;
   lease_cv_.notify_all();
+  if (options_.on_pending_work) options_.on_pending_work();
 }
 
 // Sleeps until the earliest lease expiry or deadline of a request waiting

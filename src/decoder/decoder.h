@@ -131,6 +131,11 @@ struct DecoderOptions {
   // Called on the engine thread with a local prefill's compute time
   // (submit to first token); may be empty.
   std::function<void(double)> on_local_prefill_seconds;
+  // Called (mu_ held: must not call into the decoder) when a reservation or
+  // a KV-waiting deadline comes sooner than anything pending, e.g. the first
+  // one of an idle decoder; may be empty (issue 23: the worker's load
+  // sampling leaves its idle pace, worker/worker_service.h IdleWake).
+  std::function<void()> on_pending_work;
   // Issue 18 (docs/parallelism.md, "KV transfer between different
   // layouts"): this decoder's rank layout and, with more than one rank,
   // every rank's KV transport descriptor by rank (entry 0: this process's

@@ -145,6 +145,9 @@ struct Worker {
   std::unique_ptr<grpc::Service> decoder_service;
   std::unique_ptr<grpc::Service> prefiller_service;
   std::unique_ptr<WorkerService> worker_service;
+  // Wakes the Watch monitor's idle load sampling when work arrives (the
+  // engine's steps, the decoder's first reservation; issue 23).
+  std::shared_ptr<IdleWake> idle_wake = std::make_shared<IdleWake>();
   std::unique_ptr<RpcServer> server;
   // Keeps it registered with every proxy (--join, --join-dns); stopped
   // first when draining.
@@ -354,7 +357,8 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   eo.on_queue_time = [metrics](int32_t priority, const std::string& tenant, double seconds) {
     metrics->ObserveQueueTime(priority, tenant, seconds);
   };
-  eo.on_step = [metrics](const engine::StepStats& st) {
+  eo.on_step = [metrics, idle = w.idle_wake](const engine::StepStats& st) {
+    idle->Notify();
     if (st.num_prefill_tokens == 0 && st.num_decode_tokens > 0) metrics->ObserveDecodeStep(st.seconds);
   };
   TANDEM_ASSIGN_OR_RETURN(w.engine, engine::Engine::Create(w.model_config, w.weights, eo));
@@ -391,6 +395,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     dopt.encrypt = w.fleet.transport.encrypt;
     dopt.verify_checksums = checksum;
     dopt.on_local_prefill_seconds = [metrics](double s) { metrics->ObservePrefill(s); };
+    dopt.on_pending_work = [idle = w.idle_wake] { idle->Notify(); };
     dopt.layout = pl;  // issue 18: the decode ranks' descriptors go in every KvTarget
     if (pl.world() > 1) dopt.rank_descriptors = rank_descriptors;
     w.decoder = std::make_unique<decoder::Decoder>(*w.engine, *w.transport, dopt);
@@ -475,7 +480,8 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   if (const std::string& zone = cmd.zone.empty() ? rc.zone : cmd.zone; !zone.empty()) id.labels["zone"] = zone;
   Worker* self = &w;
   w.worker_service = std::make_unique<WorkerService>(
-      id, *w.engine, [self] { return self->Load(); }, [self] { self->UpdateMetrics(); });
+      id, *w.engine, [self] { return self->Load(); }, [self] { self->UpdateMetrics(); },
+      std::chrono::milliseconds(150), w.idle_wake);
   services.push_back(w.worker_service->service());
   w.UpdateMetrics();  // every series exists (at zero) before anyone scrapes
   // And every scrape samples afresh: it includes what happened just before

@@ -105,9 +105,29 @@ class WatchStream final : public grpc::ServerWriteReactor<pb::WorkerUpdate> {
 
 struct WorkerService::Impl final : public pb::Worker::CallbackService {
   Impl(WorkerIdentity identity, engine::Engine& engine, std::function<LoadSample()> load,
-       std::function<void()> on_tick, std::chrono::milliseconds interval)
+       std::function<void()> on_tick, std::chrono::milliseconds interval,
+       std::shared_ptr<IdleWake> idle_wake)
       : identity_(std::move(identity)), engine_(engine), load_(std::move(load)),
-        on_tick_(std::move(on_tick)), interval_(interval) {}
+        on_tick_(std::move(on_tick)), interval_(interval), idle_wake_(std::move(idle_wake)) {
+    if (idle_wake_) {
+      std::lock_guard lock(idle_wake_->mu_);
+      idle_wake_->wake_ = [this] {
+        {
+          std::lock_guard l(mu_);
+          poked_ = true;
+          wake_ = true;
+        }
+        cv_.notify_all();
+      };
+    }
+  }
+
+  // Detaches from idle_wake_ (no call into this Impl after it returns).
+  void DetachIdleWake() {
+    if (!idle_wake_) return;
+    std::lock_guard lock(idle_wake_->mu_);
+    idle_wake_->wake_ = nullptr;
+  }
 
   grpc::ServerUnaryReactor* GetInfo(grpc::CallbackServerContext* ctx, const pb::GetInfoRequest*,
                                     pb::WorkerInfo* resp) override {
@@ -226,6 +246,10 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
         for (const auto& w : watchers_) until = std::min(until, w.last_write + keepalive);
         cv_.wait_until(lock, stop, until, [&] { return wake_; });
         wake_ = false;
+        if (poked_) {  // work arrived at an idle worker: sample now
+          poked_ = false;
+          next_load = Clock::now();
+        }
       }
       if (stop.stop_requested()) break;
       const std::vector<engine::KvEvent> events = engine_.events().Drain();
@@ -272,6 +296,9 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
       bool load_changed = false;
       auto now = Clock::now();
       if (now >= next_load) {
+        // Armed before sampling: work that arrives after this sample wakes
+        // the idle pace below (or is in the sample).
+        if (idle_wake_) idle_wake_->armed_.store(true);
         const LoadSample sample = load_();
         load_changed = !sent_any || events_since_load || !(sample == last_sent);
         if (load_changed) {
@@ -281,7 +308,16 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
           if (on_tick_) on_tick_();
         }
         now = Clock::now();
-        next_load = now + interval_;
+        // Quiescent and unchanged: the next sample at the keep-alive pace
+        // (or at once on IdleWake::Notify); otherwise every interval.
+        const bool idle = idle_wake_ && !load_changed && sample.quiescent();
+        if (!idle && idle_wake_) idle_wake_->armed_.store(false);
+        std::chrono::milliseconds pace = interval_;
+        if (idle) {
+          std::lock_guard lock(mu_);
+          pace = std::max(interval_, KeepaliveLocked());
+        }
+        next_load = now + pace;
       }
       // Per-event updates only for watchers that did not ask for batches.
       std::vector<std::shared_ptr<const pb::WorkerUpdate>> updates;
@@ -381,15 +417,18 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
   std::map<std::string, std::chrono::milliseconds> keepalives_;  // guarded by mu_: proxy -> period
   std::shared_ptr<CancelHook> cancel_hook_ = std::make_shared<CancelHook>();
   bool wake_ = false;              // guarded by mu_
+  bool poked_ = false;             // guarded by mu_: IdleWake::Notify came
+  const std::shared_ptr<IdleWake> idle_wake_;
   bool stopped_ = false;           // guarded by mu_
   std::jthread thread_;
 };
 
 WorkerService::WorkerService(WorkerIdentity identity, engine::Engine& engine,
                              std::function<LoadSample()> load, std::function<void()> on_tick,
-                             std::chrono::milliseconds load_interval)
+                             std::chrono::milliseconds load_interval,
+                             std::shared_ptr<IdleWake> idle_wake)
     : impl_(std::make_unique<Impl>(std::move(identity), engine, std::move(load), std::move(on_tick),
-                                   load_interval)) {}
+                                   load_interval, std::move(idle_wake))) {}
 
 WorkerService::~WorkerService() { Stop(); }
 
@@ -411,6 +450,7 @@ void WorkerService::Start() {
 }
 
 void WorkerService::Stop() {
+  impl_->DetachIdleWake();
   if (impl_->thread_.joinable()) {
     impl_->thread_.request_stop();
     impl_->cv_.notify_all();

@@ -5,7 +5,9 @@
 //   Watch:   a snapshot of every cached block hash (always first: this
 //            worker keeps no event history, so a resume is answered with a
 //            snapshot too), then each KV event as it happens and a
-//            LoadReport: load is sampled every `load_interval` and sent
+//            LoadReport: load is sampled every `load_interval` (every
+//            keep-alive period while the worker is quiescent and nothing
+//            changed, until IdleWake::Notify) and sent
 //            when it changed (or KV events went out since the last report),
 //            and to a stream that carried nothing for the keep-alive period
 //            (the proxies ask for it when the worker registers:
@@ -22,6 +24,7 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/impl/service_type.h>
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -76,6 +79,32 @@ struct LoadSample {
   uint64_t prefill_tokens_total = 0;   // engine: prefill tokens computed, total
   double prefill_seconds_total = 0;    // engine: seconds of steps with prefill tokens, total
   bool operator==(const LoadSample&) const = default;
+  // Nothing queued, waiting, running, reserved or registered.
+  bool quiescent() const {
+    return queued_prefill_tokens == 0 && running_requests == 0 && waiting_requests == 0 &&
+           num_reservations == 0 && num_parked_prefills == 0 && queued_prefill_requests == 0 &&
+           registered_requests == 0;
+  }
+};
+
+// Wakes the Watch monitor of a quiescent worker, which samples its load
+// only every keep-alive period while nothing happens (issue 23), as soon as
+// work arrives: the engine's steps and the decoder's first reservation call
+// Notify. Cheap when the monitor is not idle (one atomic load). Shared: it
+// outlives the WorkerService, which detaches itself in Stop().
+class IdleWake {
+ public:
+  void Notify() {
+    if (!armed_.load() || !armed_.exchange(false)) return;
+    std::lock_guard lock(mu_);
+    if (wake_) wake_();
+  }
+
+ private:
+  friend class WorkerService;
+  std::atomic<bool> armed_{false};
+  std::mutex mu_;
+  std::function<void()> wake_;  // guarded by mu_
 };
 
 class WorkerService {
@@ -88,9 +117,12 @@ class WorkerService {
   // `engine` is borrowed. `load` is sampled on the monitor thread;
   // `on_tick` (may be empty) runs there after each sample that is sent
   // (the load changed); scrapes sample on their own.
+  // `idle_wake` (may be null): what the runtime notifies when work
+  // arrives; without it a quiescent worker keeps sampling every interval.
   WorkerService(WorkerIdentity identity, engine::Engine& engine, std::function<LoadSample()> load,
                 std::function<void()> on_tick,
-                std::chrono::milliseconds load_interval = std::chrono::milliseconds(150));
+                std::chrono::milliseconds load_interval = std::chrono::milliseconds(150),
+                std::shared_ptr<IdleWake> idle_wake = nullptr);
   ~WorkerService();  // Stop()
 
   grpc::Service* service();

@@ -483,6 +483,24 @@ TEST_F(WorkerServingTest, WatchDeliversSnapshotEventsAndLoad) {
   ASSERT_EQ(idle.size(), 3u);
   EXPECT_EQ(idle[1].SerializeAsString(), idle[2].SerializeAsString());
   EXPECT_EQ(idle[1].free_blocks() + idle[1].active_decode_blocks(), kDecoderBlocks);
+  // Idle, the worker samples its load only every keep-alive period; work
+  // arriving wakes it at once (the reservation, the engine's steps), so the
+  // report of the busy decoder comes while the request runs.
+  const auto next = Prompt(40, 702, Vocab());
+  std::atomic<bool> done{false};
+  std::thread busy([&] {
+    ExpectMatchesReference(RunDisaggregated(next, 48), next, 48);
+    done = true;
+  });
+  bool seen_busy = false;
+  int loads_after_done = 0;
+  while (!seen_busy && loads_after_done < 3 && reader->Read(&u)) {
+    if (!u.has_load()) continue;
+    seen_busy = u.load().running_requests() > 0 || u.load().num_reservations() > 0;
+    if (done) ++loads_after_done;
+  }
+  busy.join();
+  EXPECT_TRUE(seen_busy) << "no load report showed the request while it ran";
   wctx.TryCancel();
   (void)reader->Finish();
 }
