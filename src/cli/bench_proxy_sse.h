@@ -15,9 +15,10 @@
 namespace tandem::cli {
 
 // A client of the HTTP API at `http_address` (host:port, the state file's
-// proxy.http). `vocab_size` comes from the gRPC GetModelInfo (the HTTP API
-// does not report it). Refuses a fleet without an HTTP API, and an address
-// that is not loopback: the bench drives its own machine only.
+// proxy.http): one epoll thread, keep-alive connections (bench_proxy_sse.cc).
+// `vocab_size` comes from the gRPC GetModelInfo (the HTTP API does not
+// report it). Refuses a fleet without an HTTP API, and an address that is
+// not IPv4 loopback: the bench drives its own machine only.
 Result<std::unique_ptr<loadgen::Client>> MakeSseBenchClient(const std::string& http_address,
                                                             uint32_t vocab_size);
 
