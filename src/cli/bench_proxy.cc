@@ -24,6 +24,7 @@
 #include <thread>
 
 #include "cli/bench_proxy_floor.h"
+#include "cli/bench_proxy_idle.h"
 #include "cli/bench_proxy_prompt_floor.h"
 #include "cli/bench_proxy_sse.h"
 #include "cli/commands.h"
@@ -41,7 +42,8 @@ namespace fs = std::filesystem;
 struct ProxyBenchArgs {
   std::string config = "configs/sim-1p1d.yaml";
   std::string state_file;  // a running fleet: no launch
-  std::string workloads = "stream,prompt,open,floor,prompt-floor";
+  std::string workloads = "idle,stream,prompt,open,floor,prompt-floor";
+  double idle_seconds = 10;  // idle: bench_proxy_idle.h
   double launch_timeout_s = 120;
   // stream: many tokens through few streams.
   uint32_t stream_requests = 100, stream_input = 16, stream_output = 1000, stream_concurrency = 16;
@@ -322,10 +324,12 @@ int RunProxyBench(const ProxyBenchArgs& a) {
       todo.push_back({n, a.open_streams, a.open_input, a.open_output, a.open_streams});
     } else if (n == "floor") {
       todo.push_back({n, a.floor_requests, a.stream_input, a.stream_output, a.stream_concurrency});
+    } else if (n == "idle") {
+      todo.push_back({n, 1, 1, 1, 1});  // no requests: bench_proxy_idle.h
     } else {
       return bad(InvalidArgumentError(fmt::format(
-          "--workloads: unknown workload '{}' (give a list of stream, sse, prompt, open, floor, "
-          "prompt-floor)",
+          "--workloads: unknown workload '{}' (give a list of idle, stream, sse, prompt, open, "
+          "floor, prompt-floor)",
           n)));
     }
   }
@@ -366,6 +370,12 @@ int RunProxyBench(const ProxyBenchArgs& a) {
                              "ITL p99ms", "step p99ms", "load1");
     double stream_itl_p50_ms = 0;
     for (const auto& w : todo) {
+      if (w.name == "idle") {
+        std::vector<IdleProc> procs;
+        for (const auto& p : fleet->procs) procs.push_back({p.role, p.pid});
+        rc = std::max(rc, RunIdleWorkload(procs, a.idle_seconds, out));
+        continue;
+      }
       if (w.name == "floor") {
         FloorSpec spec{w.requests, w.input, w.output, w.concurrency,
                        a.floor_step_ms > 0 ? a.floor_step_ms
@@ -485,8 +495,10 @@ void RegisterBenchProxy(CLI::App& bench, GlobalOptions& g) {
   cmd->add_option("--state-file", a->state_file,
                   "measure a running fleet instead (tandem launch --state-file)");
   cmd->add_option("--workloads", a->workloads,
-                  "comma-separated: stream, sse, prompt, open, floor, prompt-floor (default "
-                  "stream, prompt, open, floor, prompt-floor)");
+                  "comma-separated: idle, stream, sse, prompt, open, floor, prompt-floor "
+                  "(default idle, stream, prompt, open, floor, prompt-floor)");
+  cmd->add_option("--idle-seconds", a->idle_seconds,
+                  "idle: seconds measured with no request (default 10)");
   cmd->add_option("--launch-timeout", a->launch_timeout_s, "seconds for the fleet to be ready");
   cmd->add_option("--stream-requests", a->stream_requests, "stream: requests (default 100)");
   cmd->add_option("--stream-input", a->stream_input, "stream: prompt tokens (default 16)");

@@ -131,6 +131,7 @@ void Decoder::Stop() {
   transport_.SetPeerFailureCallback({});
   if (lease_thread_.joinable()) {
     lease_thread_.request_stop();
+    lease_cv_.notify_all();
     lease_thread_.join();
   }
   std::vector<uint64_t> release;
@@ -211,6 +212,7 @@ Status Decoder::Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
     e.spec = std::move(spec);
     e.stage = local ? Stage::kRunning : Stage::kRegistered;
     e.submitted = SteadyClock::now();
+    if (!local && e.spec.deadline) WakeLeaseLoopLocked(*ToSteady(e.spec.deadline));
     requests_.emplace(id, std::move(e));
   }
   if (superseded) {
@@ -313,6 +315,7 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
       held.cached_blocks = res->num_cached_blocks;
       held.writer_agent = std::move(writer_agent);
       held.writer_generation = writer_generation;
+      WakeLeaseLoopLocked(held.lease_expiry);
       reservations_.emplace(res->reservation_id, std::move(held));
     } else {
       it = requests_.end();
@@ -561,9 +564,43 @@ void Decoder::Fail(const std::shared_ptr<Emitter>& emitter, const Status& status
   if (emitter) emitter->Error(status);
 }
 
+void Decoder::WakeLeaseLoopLocked(SteadyClock::time_point due) {
+  if (due >= lease_wake_at_) return;  // the loop wakes by then anyway
+  lease_wake_at_ = due;
+  lease_kick_ = true;
+  lease_cv_.notify_all();
+}
+
+// Sleeps until the earliest lease expiry or deadline of a request waiting
+// for its KV, or until Register/Reserve set a sooner one (issue 23: it
+// polled every 50 ms, also with nothing to watch).
 void Decoder::LeaseLoop(std::stop_token stop) {
   while (!stop.stop_requested()) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    {
+      std::unique_lock lock(mu_);
+      auto next = SteadyClock::time_point::max();
+      const auto now = SteadyClock::now();
+      const auto wall = SystemClock::now();
+      for (const auto& [_, h] : reservations_) {
+        if (!h.quarantined) next = std::min(next, h.lease_expiry);
+      }
+      for (const auto& [_, e] : requests_) {
+        if (e.stage != Stage::kRunning && e.spec.deadline) {
+          next = std::min(next, now + (*e.spec.deadline - wall));
+        }
+      }
+      if (next > now) {
+        // A wall-clock deadline is re-read at least every second.
+        if (next != SteadyClock::time_point::max()) {
+          next = std::min(next + std::chrono::milliseconds(1), now + std::chrono::seconds(1));
+        }
+        lease_wake_at_ = next;
+        lease_kick_ = false;
+        lease_cv_.wait_until(lock, stop, next, [this] { return lease_kick_; });
+        lease_wake_at_ = SteadyClock::time_point::min();  // awake: no kick needed
+        if (stop.stop_requested()) break;
+      }
+    }
     const auto now = SteadyClock::now();
     const auto wall = SystemClock::now();
     std::vector<uint64_t> release;

@@ -35,6 +35,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -265,6 +266,8 @@ class Decoder {
   engine::GenerateRequest MakeEngineRequest(const DecodeSpec& spec, std::shared_ptr<Emitter> emitter);
   void OnOutput(const std::string& request_id, Emitter& emitter, const engine::RequestOutput& out);
   void LeaseLoop(std::stop_token stop);
+  // Wakes LeaseLoop when `due` is sooner than the time it sleeps to (mu_ held).
+  void WakeLeaseLoopLocked(std::chrono::steady_clock::time_point due);
   // Whether the writer of `h` is known dead (mu_ held).
   bool WriterDeadLocked(const Held& h) const;
   // Connects to a prefiller's transport so that its death is reported
@@ -293,6 +296,11 @@ class Decoder {
   std::map<std::string, uint64_t> dead_writers_;  // guarded by mu_: agent -> newest dead generation
   std::mutex watch_mu_;
   std::map<std::string, kvtransfer::PeerId> watched_;  // guarded by watch_mu_: descriptor -> peer
+  std::condition_variable_any lease_cv_;
+  // guarded by mu_: when LeaseLoop wakes next (min(): it is awake), and
+  // whether a sooner deadline came meanwhile.
+  std::chrono::steady_clock::time_point lease_wake_at_ = std::chrono::steady_clock::time_point::min();
+  bool lease_kick_ = false;
   std::jthread lease_thread_;
   std::atomic<uint64_t> stream_messages_{0};
   std::atomic<uint64_t> stream_items_{0};

@@ -158,7 +158,9 @@ struct TransportOptions {
   // Peer loss surfaces within about this time (UCX: keepalive interval is
   // set to a third of it unless UCX_KEEPALIVE_INTERVAL is set).
   double peer_timeout_s = 3.0;
-  // Idle progress thread wakes at least this often (bounds any missed wakeup).
+  // An idle progress thread with a peer wakes every max(this, a quarter of
+  // the keep-alive interval) (bounds any missed wakeup, runs the backend's
+  // keep-alive); with no peer it sleeps until woken (issue 23).
   uint32_t idle_wait_ms = 100;
   // loopback only, fault injection: sleep before each put.
   uint32_t loopback_delay_per_put_us = 0;

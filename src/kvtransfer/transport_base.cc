@@ -602,6 +602,21 @@ void TransportBase::ReleaseDuePaced() {
   });
 }
 
+int TransportBase::IdleWaitMs() const {
+  std::lock_guard lock(mu_);
+  // No peer: nothing can happen here that does not wake the thread (a
+  // command, a post, an incoming connection or notice on the backend's
+  // event fd), so it sleeps until then (issue 23: it woke every 100 ms).
+  if (peers_.empty()) return -1;
+  for (const auto& [_, p] : peers_) {
+    if (p->releasing) return static_cast<int>(options_.idle_wait_ms);
+  }
+  // Connected peers: the backend's keep-alive (UCX: every peer_timeout_s / 3)
+  // runs from progress calls; progress a few times per keep-alive period.
+  const int keepalive_ms = std::max(100, static_cast<int>(options_.peer_timeout_s * 1000 / 3));
+  return std::max(static_cast<int>(options_.idle_wait_ms), keepalive_ms / 4);
+}
+
 void TransportBase::ProgressLoop(std::stop_token stop) {
   int idle_rounds = 0;
   auto last_activity = std::chrono::steady_clock::now();
@@ -631,7 +646,7 @@ void TransportBase::ProgressLoop(std::stop_token stop) {
         std::this_thread::yield();
         continue;
       }
-      int wait_ms = static_cast<int>(options_.idle_wait_ms);
+      int wait_ms = IdleWaitMs();
       if (!paced_.empty()) {  // wake for the earliest paced write
         auto due = paced_.front().first;
         for (const auto& e : paced_) due = std::min(due, e.first);
@@ -640,9 +655,9 @@ void TransportBase::ProgressLoop(std::stop_token stop) {
           if (left > left.zero()) std::this_thread::sleep_for(left);
           continue;
         }
-        wait_ms = std::min<int>(
-            wait_ms,
-            static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(left).count()) - 1);
+        const int paced_ms =
+            static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(left).count()) - 1;
+        wait_ms = wait_ms < 0 ? paced_ms : std::min<int>(wait_ms, paced_ms);
       }
       WaitForEvents(wait_ms);
     } else if (++idle_rounds > kSpinRoundsBeforeSleep) {

@@ -137,7 +137,8 @@ class TransportBase : public Transport {
   virtual void Advance(Xfer& x, PeerEntry& peer) = 0;
   // [progress] One round of backend progress; true if anything happened.
   virtual bool ProgressOnce() = 0;
-  // [progress] Sleeps until an event or Wake(), at most `timeout_ms`.
+  // [progress] Sleeps until an event or Wake(), at most `timeout_ms` (< 0:
+  // no limit).
   virtual void WaitForEvents(int timeout_ms) = 0;
   // [any thread] Interrupts WaitForEvents.
   virtual void Wake() = 0;
@@ -165,6 +166,8 @@ class TransportBase : public Transport {
 
  private:
   void ProgressLoop(std::stop_token stop);
+  // How long an idle progress thread may sleep (-1: until woken).
+  int IdleWaitMs() const;
   void RunCommands();
   void SweepActive();
   void SweepReleasingPeers();

@@ -22,6 +22,7 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
       : owner_(owner), name_(std::move(name)), address_(std::move(address)), epoch_(epoch),
         rejoin_(std::move(rejoin)) {
     stub_ = pb::Worker::NewStub(owner_->channels_->Channel(address_));
+    Touch();  // its liveness deadline counts from now (housekeeping may look before Begin)
   }
 
   void Begin(std::shared_ptr<WorkerWatch> self) {
@@ -40,8 +41,12 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
       std::lock_guard lock(mu_);
       if (why_.empty()) why_ = std::move(why);
     }
+    stopping_.store(true);
     ctx_.TryCancel();
   }
+
+  // Stop() was called: its end is on the way (housekeeping skips it).
+  bool stopping() const { return stopping_.load(); }
 
   std::chrono::steady_clock::time_point last_seen() const {
     return std::chrono::steady_clock::time_point(
@@ -170,6 +175,7 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
   const std::optional<WorkerRecord> rejoin_;
   bool rejoined_ = false;  // read callbacks are serialized
   std::atomic<bool> resync_{false};
+  std::atomic<bool> stopping_{false};
   std::unique_ptr<pb::Worker::Stub> stub_;
   grpc::ClientContext ctx_;
   pb::WatchRequest req_;
@@ -202,6 +208,7 @@ RegistryService::~RegistryService() { Shutdown(); }
 
 void RegistryService::Shutdown() {
   housekeeping_.request_stop();
+  housekeeping_cv_.notify_all();
   if (housekeeping_.joinable()) housekeeping_.join();
   std::map<std::string, std::shared_ptr<WorkerWatch>> watches;
   {
@@ -282,7 +289,10 @@ grpc::ServerUnaryReactor* RegistryService::Register(grpc::CallbackServerContext*
     response->mutable_error()->set_code(static_cast<int>(st.code()));
     response->mutable_error()->set_message(st.message());
   } else {
-    response->set_heartbeat_interval_ms(200);
+    // The keep-alive this proxy needs on the Watch stream: a quarter of its
+    // liveness timeout (an idle worker sends nothing else; issue 23).
+    response->set_heartbeat_interval_ms(
+        static_cast<uint64_t>(std::max<int64_t>(10, liveness_timeout_.count() / 4)));
     if (was_lost) spdlog::info("worker {} answers again: back in routing", rec.name);
     if (!refresh) StartWatch(rec.name, rec.grpc_address, rec.epoch);
   }
@@ -314,7 +324,9 @@ void RegistryService::StartWatch(const std::string& name, const std::string& add
     std::lock_guard lock(mu_);
     old = watches_[name];
     watches_[name] = watch;
+    housekeeping_kick_ = true;  // a new liveness deadline
   }
+  housekeeping_cv_.notify_all();
   if (old) old->Stop("replaced by a new registration");
   watch->Begin(watch);
 }
@@ -339,9 +351,11 @@ void RegistryService::WatchEnded(const std::string& name, WorkerWatch* watch,
           lost_.erase(l);
         } else {
           l->second.next_probe = now + kProbeInterval;
+          housekeeping_kick_ = true;
           spdlog::debug("worker {}: probe failed: {}", name, why);
         }
       }
+      housekeeping_cv_.notify_all();
       return;
     }
     if (!resync || shut_down_) {
@@ -350,6 +364,7 @@ void RegistryService::WatchEnded(const std::string& name, WorkerWatch* watch,
       fleet_->Remove(name);
       if (rec && !graceful && !shut_down_) {
         lost_[name] = Lost{*rec, now, now + kProbeInterval};
+        housekeeping_kick_ = true;  // a new probe deadline
         abandon = true;
       } else {
         lost_.erase(name);
@@ -358,6 +373,7 @@ void RegistryService::WatchEnded(const std::string& name, WorkerWatch* watch,
       restart = true;
     }
   }
+  if (abandon) housekeeping_cv_.notify_all();
   if (abandon) {
     // Calls in flight to a worker that stopped answering would wait for
     // their deadlines (a paused process keeps its connections open): end
@@ -389,29 +405,47 @@ bool RegistryService::Rejoin(const std::string& name, WorkerWatch* watch, Worker
 }
 
 void RegistryService::Housekeeping(std::stop_token stop) {
+  // Sleeps until the next deadline — a watched worker's liveness (its last
+  // update + liveness_timeout) or a lost worker's next probe — or until a
+  // new watch or probe deadline is set (issue 23: it polled every 100 ms).
+  using Clock = std::chrono::steady_clock;
+  std::unique_lock lock(mu_);
   while (!stop.stop_requested()) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
     std::vector<std::shared_ptr<WorkerWatch>> silent;
     std::vector<Lost> probe;
-    {
-      std::lock_guard lock(mu_);
-      const auto now = std::chrono::steady_clock::now();
-      for (auto& [_, w] : watches_) {
-        if (now - w->last_seen() > liveness_timeout_) silent.push_back(w);
-      }
-      for (auto& [name, l] : lost_) {
-        if (l.next_probe <= now && watches_.count(name) == 0) {
-          l.next_probe = now + kForgetAfter;  // until this probe ends
-          probe.push_back(l);
-        }
+    auto next = Clock::time_point::max();
+    const auto now = Clock::now();
+    for (auto& [_, w] : watches_) {
+      if (w->stopping()) continue;  // its end (WatchEnded) is on the way
+      const auto deadline = w->last_seen() + liveness_timeout_;
+      if (now > deadline) {
+        silent.push_back(w);
+      } else {
+        next = std::min(next, deadline + std::chrono::milliseconds(1));
       }
     }
-    for (auto& w : silent) {
-      w->Stop(fmt::format("no update for {} ms", liveness_timeout_.count()));
+    for (auto& [name, l] : lost_) {
+      if (watches_.count(name) > 0) continue;
+      if (l.next_probe <= now) {
+        l.next_probe = now + kForgetAfter;  // until this probe ends
+        probe.push_back(l);
+      } else {
+        next = std::min(next, l.next_probe);
+      }
     }
-    for (auto& l : probe) {
-      StartWatch(l.record.name, l.record.grpc_address, l.record.epoch, l.record);
+    if (!silent.empty() || !probe.empty()) {
+      lock.unlock();
+      for (auto& w : silent) {
+        w->Stop(fmt::format("no update for {} ms", liveness_timeout_.count()));
+      }
+      for (auto& l : probe) {
+        StartWatch(l.record.name, l.record.grpc_address, l.record.epoch, l.record);
+      }
+      lock.lock();
+      continue;
     }
+    housekeeping_kick_ = false;
+    housekeeping_cv_.wait_until(lock, stop, next, [this] { return housekeeping_kick_; });
   }
 }
 

@@ -8,8 +8,11 @@
 // worker that ends its streams itself (OK: it is draining) is forgotten.
 //
 // A registration of a worker the proxy already watches (same name, gRPC
-// address and epoch) is a no-op: workers repeat theirs every second so
-// that a restarted proxy gets them back (worker/proxy_registrar.h).
+// address and epoch) is a no-op: workers repeat theirs now and then, and at
+// once when their Watch stream is cancelled, so that a restarted proxy gets
+// them back (worker/proxy_registrar.h). The registration's answer asks for
+// an update on the Watch stream at least every liveness_timeout / 4
+// (heartbeat_interval_ms): an idle worker's keep-alive.
 // WaitForSnapshots tells a restarted proxy when its index is warm.
 //
 // A worker name is bound to the certificate identity (common name) that
@@ -89,6 +92,9 @@ class RegistryService final : public tandem::v1::Registry::CallbackService {
   std::map<std::string, std::string> identities_;
   std::set<std::string> snapshotted_;  // guarded by mu_: workers whose snapshot arrived
   std::condition_variable snapshot_cv_;
+  // Wakes Housekeeping for a deadline sooner than the one it sleeps to.
+  std::condition_variable_any housekeeping_cv_;
+  bool housekeeping_kick_ = false;  // guarded by mu_
   std::jthread housekeeping_;
 };
 

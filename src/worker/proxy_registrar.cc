@@ -71,7 +71,8 @@ Result<std::unique_ptr<ProxyRegistrar>> ProxyRegistrar::Create(RegistrarOptions 
     host = hp->host;
     port = hp->port;
   }
-  if (options.refresh_interval.count() <= 0 || options.discovery_interval.count() <= 0) {
+  if (options.refresh_interval.count() <= 0 || options.discovery_interval.count() <= 0 ||
+      options.registered_refresh_interval.count() <= 0) {
     return InvalidArgumentError("--discovery-interval-ms must be > 0");
   }
   std::unique_ptr<ProxyRegistrar> r(
@@ -158,7 +159,7 @@ Status ProxyRegistrar::RegisterInitial(std::chrono::milliseconds retry_for) {
       retry_for.count() / 1000.0, last.message()));
 }
 
-void ProxyRegistrar::RefreshOnce(bool resolve) {
+void ProxyRegistrar::RefreshOnce(bool resolve, bool only_failing) {
   std::vector<std::string> targets = options_.join;
   std::vector<std::string> dns;
   if (!dns_host_.empty()) {
@@ -176,6 +177,10 @@ void ProxyRegistrar::RefreshOnce(bool resolve) {
     {
       std::lock_guard lock(mu_);
       if (stop_) return;
+      if (only_failing) {
+        auto it = ok_.find(a);
+        if (it != ok_.end() && it->second) continue;
+      }
     }
     Status s = register_(a, std::chrono::milliseconds(0));
     std::lock_guard lock(mu_);
@@ -193,19 +198,44 @@ void ProxyRegistrar::RefreshOnce(bool resolve) {
 
 void ProxyRegistrar::Start() {
   thread_ = std::thread([this] {
-    auto next_resolve = std::chrono::steady_clock::now() + options_.discovery_interval;
+    using Clock = std::chrono::steady_clock;
+    const auto slow = options_.registered_refresh_interval;
+    auto next_resolve = Clock::now() + options_.discovery_interval;
+    auto next_full = Clock::now() + slow;
     while (true) {
+      bool kicked = false;
       {
         std::unique_lock lock(mu_);
-        cv_.wait_for(lock, options_.refresh_interval, [this] { return stop_; });
+        // Failing targets (or none known yet) are retried every
+        // refresh_interval; otherwise the next wake-up is the slow refresh
+        // or the next DNS lookup, unless a Kick comes first.
+        bool failing = ok_.empty();
+        for (const auto& [_, ok] : ok_) failing |= !ok;
+        auto until = std::min(next_full, failing ? Clock::now() + options_.refresh_interval
+                                                 : Clock::time_point::max());
+        if (!dns_host_.empty()) until = std::min(until, next_resolve);
+        cv_.wait_until(lock, until, [this] { return stop_ || kicked_; });
         if (stop_) return;
+        kicked = kicked_;
+        kicked_ = false;
       }
-      const auto now = std::chrono::steady_clock::now();
-      const bool resolve = now >= next_resolve;
+      const auto now = Clock::now();
+      const bool resolve = !dns_host_.empty() && now >= next_resolve;
       if (resolve) next_resolve = now + options_.discovery_interval;
-      RefreshOnce(resolve);
+      const bool full = kicked || now >= next_full;
+      if (full) next_full = now + slow;
+      RefreshOnce(resolve, !full);
     }
   });
+}
+
+void ProxyRegistrar::Kick() {
+  {
+    std::lock_guard lock(mu_);
+    if (stop_) return;
+    kicked_ = true;
+  }
+  cv_.notify_all();
 }
 
 void ProxyRegistrar::Stop() {

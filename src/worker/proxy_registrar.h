@@ -6,11 +6,16 @@
 //     vanished from the answer is dropped (no longer registered with; a
 //     proxy that is still alive keeps watching the worker until it stops
 //     answering or drains).
-// Every `refresh_interval` the registration is sent again to each proxy.
-// The proxy treats a registration of a worker it already watches (same
-// name, address and epoch) as a no-op, so this costs one small unary call
-// per proxy per interval, and a proxy that restarted (same address, empty
-// registry) has every worker back within about one interval.
+// A proxy whose last registration failed (down, not started yet) is tried
+// again every `refresh_interval`; one that accepted it only every
+// `registered_refresh_interval`, and at once on Kick() — which the worker
+// calls when a proxy's Watch stream is cancelled (the proxy died or
+// restarted, or dropped this worker). The proxy treats a registration of a
+// worker it already watches (same name, address and epoch) as a no-op. So
+// a proxy that restarted (same address, empty registry) has every worker
+// back within about `refresh_interval` of its start, and an idle fleet
+// sends one small unary call per proxy per `registered_refresh_interval`
+// (issue 23: it was one per second).
 //
 // Thread-safety: RegisterInitial, Start and Stop from the owning thread;
 // targets() from any thread. The refresh thread runs the register and
@@ -35,6 +40,7 @@ struct RegistrarOptions {
   std::string join_dns;           // "HOST:PORT"; empty: no DNS discovery
   std::chrono::milliseconds discovery_interval{10000};
   std::chrono::milliseconds refresh_interval{1000};
+  std::chrono::milliseconds registered_refresh_interval{10000};
 };
 
 // Registers the worker with the proxy at `address`, retrying an unreachable
@@ -65,6 +71,9 @@ class ProxyRegistrar {
   Status RegisterInitial(std::chrono::milliseconds retry_for);
   // The refresh thread (re-registration and re-resolution).
   void Start();
+  // Registers with every target again now (on the refresh thread); a
+  // no-op once stopped. From any thread.
+  void Kick();
   // Joins the refresh thread: call before the worker drains, so that a
   // draining worker is not registered again.
   void Stop();
@@ -73,8 +82,10 @@ class ProxyRegistrar {
   // whether the last attempt succeeded.
   std::map<std::string, bool> targets() const;
   // One refresh step: re-resolve (when `resolve`), then register with every
-  // target once. The refresh thread runs it; tests may call it directly.
-  void RefreshOnce(bool resolve);
+  // target once (with `only_failing`: only those whose last attempt
+  // failed or that were never tried). The refresh thread runs it; tests may
+  // call it directly.
+  void RefreshOnce(bool resolve, bool only_failing = false);
 
  private:
   ProxyRegistrar(RegistrarOptions options, RegisterFn register_fn, ResolveFn resolve_fn);
@@ -90,6 +101,7 @@ class ProxyRegistrar {
   std::vector<std::string> dns_targets_;  // guarded by mu_
   std::map<std::string, bool> ok_;        // guarded by mu_: address -> last attempt ok
   bool stop_ = false;                     // guarded by mu_
+  bool kicked_ = false;                   // guarded by mu_
   std::condition_variable cv_;
   std::thread thread_;
 };

@@ -602,6 +602,7 @@ int WaitForStopSignal(const sigset_t& set, const engine::ParallelBackend* group)
 void Drain(Worker& w, double drain_seconds) {
   if (w.server) w.server->SetServing(false);
   // Out of routing first: the proxy sends nothing new while in-flight work ends.
+  if (w.worker_service) w.worker_service->SetOnWatchCancelled({});
   if (w.registrar) w.registrar->Stop();  // no registration after this
   if (w.worker_service) w.worker_service->Leave();
   if (w.decoder) w.decoder->SetDraining();
@@ -716,7 +717,10 @@ int RunWorker(const WorkerCommand& cmd) {
     auto channels = std::make_shared<ProxyChannels>(w->credentials);
     auto register_fn = [&w = *w, channels](const std::string& address,
                                            std::chrono::milliseconds retry_for) {
-      return channels->Register(address, w.worker_service->identity(), retry_for);
+      std::chrono::milliseconds heartbeat{0};
+      Status s = channels->Register(address, w.worker_service->identity(), retry_for, &heartbeat);
+      if (s.ok()) w.worker_service->SetKeepalive(address, heartbeat);
+      return s;
     };
     Status s = Status::Ok();
     if (auto list = ParseJoinList(cmd.join, "--join"); !list.ok()) {
@@ -737,6 +741,9 @@ int RunWorker(const WorkerCommand& cmd) {
       Drain(*w, 0);
       return 1;
     }
+    // A proxy that cancels its Watch stream (it restarted, went away or
+    // dropped this worker) gets the registration again at once.
+    w->worker_service->SetOnWatchCancelled([r = w->registrar.get()] { r->Kick(); });
     w->registrar->Start();
     w->server->SetServing(true);
   }

@@ -57,28 +57,48 @@ void FillInfo(const WorkerIdentity& id, pb::WorkerInfo* out) {
   for (const auto& [k, v] : id.labels) (*out->mutable_labels())[k] = v;
 }
 
-class WatchStream;
+// Who to tell when a Watch stream is cancelled (WorkerService::SetOnWatchCancelled);
+// shared with the streams, which may outlive the service's Impl.
+struct CancelHook {
+  std::mutex mu;
+  std::function<void()> fn;  // guarded by mu
+  void Run() {
+    std::function<void()> f;
+    {
+      std::lock_guard lock(mu);
+      f = fn;
+    }
+    if (f) f();
+  }
+};
 
 // What the monitor thread keeps per Watch stream.
 struct Watcher {
   std::shared_ptr<StreamWriter<pb::WorkerUpdate>> writer;
   bool needs_snapshot = true;
-  uint64_t last_event_id = 0;  // events up to this one are in what it was sent
+  bool needs_load = true;        // its first load report goes at the next sample
+  uint64_t last_event_id = 0;    // events up to this one are in what it was sent
   bool batched = false;  // WatchRequest.batched: one update per round (issue 23)
+  std::chrono::steady_clock::time_point last_write;  // for the keep-alive
 };
 
 class WatchStream final : public grpc::ServerWriteReactor<pb::WorkerUpdate> {
  public:
-  WatchStream() : writer_(std::make_shared<StreamWriter<pb::WorkerUpdate>>(this)) {
+  explicit WatchStream(std::shared_ptr<CancelHook> hook)
+      : writer_(std::make_shared<StreamWriter<pb::WorkerUpdate>>(this)), hook_(std::move(hook)) {
     writer_->Open();
   }
   void OnWriteDone(bool ok) override { writer_->OnWriteDone(ok); }
-  void OnCancel() override { writer_->OnCancel(); }
+  void OnCancel() override {
+    writer_->OnCancel();
+    hook_->Run();
+  }
   void OnDone() override { delete this; }
   const std::shared_ptr<StreamWriter<pb::WorkerUpdate>>& writer() const { return writer_; }
 
  private:
   std::shared_ptr<StreamWriter<pb::WorkerUpdate>> writer_;
+  std::shared_ptr<CancelHook> hook_;
 };
 
 }  // namespace
@@ -102,7 +122,7 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
 
   grpc::ServerWriteReactor<pb::WorkerUpdate>* Watch(grpc::CallbackServerContext*,
                                                     const pb::WatchRequest* req) override {
-    auto* stream = new WatchStream();
+    auto* stream = new WatchStream(cancel_hook_);
     {
       std::lock_guard lock(mu_);
       if (stopped_) {
@@ -111,6 +131,7 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
       }
       Watcher w;
       w.writer = stream->writer();
+      w.last_write = std::chrono::steady_clock::now();
       w.batched = req->batched();
       watchers_.push_back(std::move(w));
       wake_ = true;
@@ -166,10 +187,24 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
     return u;
   }
 
+  // The shortest keep-alive any proxy asked for (mu_ held).
+  std::chrono::milliseconds KeepaliveLocked() const {
+    std::chrono::milliseconds k = kDefaultKeepalive;
+    if (!keepalives_.empty()) {
+      k = keepalives_.begin()->second;
+      for (const auto& [_, v] : keepalives_) k = std::min(k, v);
+    }
+    return k;
+  }
+
   void Loop(std::stop_token stop) {
+    using Clock = std::chrono::steady_clock;
     using Writes = std::vector<std::pair<std::shared_ptr<StreamWriter<pb::WorkerUpdate>>,
                                          std::shared_ptr<const pb::WorkerUpdate>>>;
-    auto next_load = std::chrono::steady_clock::now();
+    auto next_load = Clock::now();
+    LoadSample last_sent;
+    bool sent_any = false;
+    bool events_since_load = false;  // KV events went out after the last load report
     // Woken once per batch of events (a step's, kv_events.h), not per event.
     const uint64_t sub = engine_.events().SubscribeWake([this] {
       {
@@ -184,13 +219,21 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
     while (!stop.stop_requested()) {
       {
         std::unique_lock lock(mu_);
-        cv_.wait_until(lock, stop, next_load, [&] { return wake_; });
+        // The next sample, or a stream's keep-alive when that is sooner
+        // (a proxy whose liveness timeout is under 4 sampling intervals).
+        auto until = next_load;
+        const auto keepalive = KeepaliveLocked();
+        for (const auto& w : watchers_) until = std::min(until, w.last_write + keepalive);
+        cv_.wait_until(lock, stop, until, [&] { return wake_; });
         wake_ = false;
       }
       if (stop.stop_requested()) break;
       const std::vector<engine::KvEvent> events = engine_.events().Drain();
       const bool gap = !events.empty() && events.front().event_id != last_drained + 1;
-      if (!events.empty()) last_drained = events.back().event_id;
+      if (!events.empty()) {
+        last_drained = events.back().event_id;
+        events_since_load = true;
+      }
 
       bool any_snapshot = false;
       {
@@ -221,11 +264,24 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
         snapshot = std::move(u);
         snapshot_id = snap.last_event_id;
       }
+      // Load: sampled every interval; sent to every stream when it changed
+      // (or KV events went out since the last report: a request may have
+      // come and gone between two samples), otherwise only to new streams
+      // and as the keep-alive of a stream that carried nothing for its period.
       std::shared_ptr<const pb::WorkerUpdate> load;
-      if (std::chrono::steady_clock::now() >= next_load) {
-        load = std::make_shared<pb::WorkerUpdate>(LoadUpdate(load_()));
-        if (on_tick_) on_tick_();
-        next_load = std::chrono::steady_clock::now() + interval_;
+      bool load_changed = false;
+      auto now = Clock::now();
+      if (now >= next_load) {
+        const LoadSample sample = load_();
+        load_changed = !sent_any || events_since_load || !(sample == last_sent);
+        if (load_changed) {
+          last_sent = sample;
+          sent_any = true;
+          events_since_load = false;
+          if (on_tick_) on_tick_();
+        }
+        now = Clock::now();
+        next_load = now + interval_;
       }
       // Per-event updates only for watchers that did not ask for batches.
       std::vector<std::shared_ptr<const pb::WorkerUpdate>> updates;
@@ -240,15 +296,16 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
         }
       }
       // Batched watchers: this round's events (from the first one a watcher
-      // lacks) and the load report in one update, built once per start.
-      std::map<size_t, std::shared_ptr<const pb::WorkerUpdate>> batches;
-      const auto batch_from = [&](size_t first) {
-        auto& b = batches[first];
+      // lacks) and, when it gets one, the load report in one update, built
+      // once per (start, with load).
+      std::map<std::pair<size_t, bool>, std::shared_ptr<const pb::WorkerUpdate>> batches;
+      const auto batch_from = [&](size_t first, bool with_load) {
+        auto& b = batches[{first, with_load}];
         if (!b) {
           auto u = std::make_shared<pb::WorkerUpdate>();
           u->set_epoch(identity_.epoch);
           for (size_t i = first; i < events.size(); ++i) FillEvent(events[i], u->add_events());
-          if (load) *u->mutable_batched_load() = load->load();
+          if (with_load) *u->mutable_batched_load() = load->load();
           b = std::move(u);
         }
         return b;
@@ -257,26 +314,45 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
       Writes writes;
       {
         std::lock_guard lock(mu_);
+        const auto keepalive = KeepaliveLocked();
         for (auto& w : watchers_) {
+          const size_t before = writes.size();
           if (w.needs_snapshot) {
             if (!snapshot) continue;  // joined after the snapshot: next round
             w.needs_snapshot = false;
             w.last_event_id = snapshot_id;
             writes.emplace_back(w.writer, snapshot);
           }
+          size_t first = 0;  // batched: the first event it lacks
           if (w.batched) {
-            size_t first = 0;
             while (first < events.size() && events[first].event_id <= w.last_event_id) ++first;
             if (first < events.size()) w.last_event_id = events.back().event_id;
-            if (first < events.size() || load) writes.emplace_back(w.writer, batch_from(first));
-            continue;
           }
-          for (size_t i = 0; i < events.size(); ++i) {
-            if (events[i].event_id <= w.last_event_id) continue;
-            w.last_event_id = events[i].event_id;
-            writes.emplace_back(w.writer, updates[i]);
+          const bool new_events = w.batched ? first < events.size() : [&] {
+            bool any = false;
+            for (const auto& e : events) any |= e.event_id > w.last_event_id;
+            return any;
+          }();
+          const bool with_load =
+              sent_any && (load_changed || w.needs_load ||
+                           (writes.size() == before && !new_events &&
+                            now - w.last_write >= keepalive));
+          if (with_load) {
+            // (Between samples, or unchanged: the last report again.)
+            if (!load) load = std::make_shared<pb::WorkerUpdate>(LoadUpdate(last_sent));
+            w.needs_load = false;
           }
-          if (load) writes.emplace_back(w.writer, load);
+          if (w.batched) {
+            if (new_events || with_load) writes.emplace_back(w.writer, batch_from(first, with_load));
+          } else {
+            for (size_t i = 0; i < events.size(); ++i) {
+              if (events[i].event_id <= w.last_event_id) continue;
+              w.last_event_id = events[i].event_id;
+              writes.emplace_back(w.writer, updates[i]);
+            }
+            if (with_load) writes.emplace_back(w.writer, load);
+          }
+          if (writes.size() != before) w.last_write = now;
         }
       }
       for (auto& [writer, update] : writes) writer->Write(*update);
@@ -302,6 +378,8 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
   std::function<void()> on_tick_;
   const std::chrono::milliseconds interval_;
   std::vector<Watcher> watchers_;  // guarded by mu_
+  std::map<std::string, std::chrono::milliseconds> keepalives_;  // guarded by mu_: proxy -> period
+  std::shared_ptr<CancelHook> cancel_hook_ = std::make_shared<CancelHook>();
   bool wake_ = false;              // guarded by mu_
   bool stopped_ = false;           // guarded by mu_
   std::jthread thread_;
@@ -343,6 +421,23 @@ void WorkerService::Stop() {
 
 void WorkerService::Leave() { impl_->FinishAll(); }
 
+void WorkerService::SetKeepalive(const std::string& proxy_address, std::chrono::milliseconds every) {
+  if (every.count() <= 0) return;
+  {
+    std::lock_guard lock(impl_->mu_);
+    auto& k = impl_->keepalives_[proxy_address];
+    if (k == every) return;
+    k = every;
+    impl_->wake_ = true;  // the monitor recomputes its next wake-up
+  }
+  impl_->cv_.notify_all();
+}
+
+void WorkerService::SetOnWatchCancelled(std::function<void()> fn) {
+  std::lock_guard lock(impl_->cancel_hook_->mu);
+  impl_->cancel_hook_->fn = std::move(fn);
+}
+
 namespace {
 
 // A failed TLS handshake is not transient: retrying cannot fix a
@@ -358,7 +453,8 @@ bool IsTlsFailure(const std::string& message) {
 
 Status RegisterWithProxy(const std::string& proxy_address, const WorkerIdentity& identity,
                          const RpcCredentials& credentials, std::chrono::milliseconds retry_for,
-                         std::shared_ptr<grpc::Channel> channel) {
+                         std::shared_ptr<grpc::Channel> channel,
+                         std::chrono::milliseconds* heartbeat) {
   auto stub = pb::Registry::NewStub(channel ? std::move(channel) : credentials.Dial(proxy_address));
   pb::RegisterRequest req;
   FillInfo(identity, req.mutable_worker());
@@ -374,6 +470,10 @@ Status RegisterWithProxy(const std::string& proxy_address, const WorkerIdentity&
       if (resp.has_error()) {
         return FailedPreconditionError(fmt::format("the proxy at {} refused this worker: {}",
                                                    proxy_address, resp.error().message()));
+      }
+      if (heartbeat != nullptr) {
+        *heartbeat = std::chrono::milliseconds(static_cast<int64_t>(
+            std::min<uint64_t>(resp.heartbeat_interval_ms(), 3'600'000)));
       }
       return Status::Ok();
     }
@@ -414,7 +514,8 @@ Status RegisterWithProxy(const std::string& proxy_address, const WorkerIdentity&
 }
 
 Status ProxyChannels::Register(const std::string& proxy_address, const WorkerIdentity& identity,
-                               std::chrono::milliseconds retry_for) {
+                               std::chrono::milliseconds retry_for,
+                               std::chrono::milliseconds* heartbeat) {
   std::shared_ptr<grpc::Channel> channel;
   {
     std::lock_guard lock(mu_);
@@ -425,7 +526,7 @@ Status ProxyChannels::Register(const std::string& proxy_address, const WorkerIde
     }
     channel = kept;
   }
-  Status s = RegisterWithProxy(proxy_address, identity, credentials_, retry_for, channel);
+  Status s = RegisterWithProxy(proxy_address, identity, credentials_, retry_for, channel, heartbeat);
   if (!s.ok()) {
     std::lock_guard lock(mu_);
     auto it = channels_.find(proxy_address);

@@ -5,8 +5,14 @@
 //   Watch:   a snapshot of every cached block hash (always first: this
 //            worker keeps no event history, so a resume is answered with a
 //            snapshot too), then each KV event as it happens and a
-//            LoadReport about every `load_interval`; the stream doubles as
-//            the liveness signal. Streams end (OK) when the worker stops.
+//            LoadReport: load is sampled every `load_interval` and sent
+//            when it changed (or KV events went out since the last report),
+//            and to a stream that carried nothing for the keep-alive period
+//            (the proxies ask for it when the worker registers:
+//            RegisterResponse.heartbeat_interval_ms), so an idle worker
+//            sends a few reports a second, not one per interval (issue 23).
+//            The stream doubles as the liveness signal. Streams end (OK)
+//            when the worker stops.
 //
 // Threads: the monitor thread (Start) drains the engine's KV events, takes
 // snapshots, samples load and runs `on_tick`; gRPC callback threads open
@@ -69,12 +75,19 @@ struct LoadSample {
   uint64_t stale_notices = 0;
   uint64_t prefill_tokens_total = 0;   // engine: prefill tokens computed, total
   double prefill_seconds_total = 0;    // engine: seconds of steps with prefill tokens, total
+  bool operator==(const LoadSample&) const = default;
 };
 
 class WorkerService {
  public:
+  // A Watch stream gets a report at least this often until a proxy asks
+  // for another period (SetKeepalive): a quarter of the proxy's default
+  // liveness timeout (2 s).
+  static constexpr std::chrono::milliseconds kDefaultKeepalive{500};
+
   // `engine` is borrowed. `load` is sampled on the monitor thread;
-  // `on_tick` (may be empty) runs there after each sample.
+  // `on_tick` (may be empty) runs there after each sample that is sent
+  // (the load changed); scrapes sample on their own.
   WorkerService(WorkerIdentity identity, engine::Engine& engine, std::function<LoadSample()> load,
                 std::function<void()> on_tick,
                 std::chrono::milliseconds load_interval = std::chrono::milliseconds(150));
@@ -93,6 +106,15 @@ class WorkerService {
   // metrics go on until Stop().
   void Leave();
 
+  // The proxy at `proxy_address` wants a Watch update at least every
+  // `every` (RegisterResponse.heartbeat_interval_ms; 0 is ignored). Every
+  // stream gets the shortest period any proxy asked for.
+  void SetKeepalive(const std::string& proxy_address, std::chrono::milliseconds every);
+  // Runs (on a gRPC thread) whenever a Watch stream is cancelled by its
+  // proxy or breaks: the proxy went away, restarted, or dropped this worker
+  // (ProxyRegistrar::Kick registers again at once).
+  void SetOnWatchCancelled(std::function<void()> fn);
+
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
@@ -104,9 +126,12 @@ class WorkerService {
 // the proxy's reason; a TLS handshake that fails (a certificate of another
 // CA, none) is not retried and says so.
 // `channel`: the connection to use; null dials a new one for this call.
+// `heartbeat`: when set, receives the keep-alive period the proxy asked for
+// (0 when it named none).
 Status RegisterWithProxy(const std::string& proxy_address, const WorkerIdentity& identity,
                          const RpcCredentials& credentials, std::chrono::milliseconds retry_for,
-                         std::shared_ptr<grpc::Channel> channel = nullptr);
+                         std::shared_ptr<grpc::Channel> channel = nullptr,
+                         std::chrono::milliseconds* heartbeat = nullptr);
 
 // Registration over kept connections, for the ProxyRegistrar's refresh
 // every interval: one channel per proxy address is kept while its calls
@@ -124,7 +149,8 @@ class ProxyChannels {
 
   // RegisterWithProxy over the address's kept channel (dialed if none).
   Status Register(const std::string& proxy_address, const WorkerIdentity& identity,
-                  std::chrono::milliseconds retry_for);
+                  std::chrono::milliseconds retry_for,
+                  std::chrono::milliseconds* heartbeat = nullptr);
 
   // Channels dialed so far (tests).
   uint64_t dials() const;

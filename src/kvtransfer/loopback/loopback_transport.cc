@@ -225,7 +225,11 @@ class LoopbackTransport final : public detail::TransportBase {
 
   void WaitForEvents(int timeout_ms) override {
     std::unique_lock lock(wake_mu_);
-    wake_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return woken_; });
+    if (timeout_ms < 0) {
+      wake_cv_.wait(lock, [&] { return woken_; });
+    } else {
+      wake_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return woken_; });
+    }
     woken_ = false;
   }
 

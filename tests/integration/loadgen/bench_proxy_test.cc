@@ -56,8 +56,8 @@ TEST(BenchProxy, UnknownWorkloadIsRefusedNamingTheList) {
   auto r = BenchProxy("--state-file /nonexistent.json --workloads stream,nope", err);
   fs::remove(err);
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_NE(r.err.find("unknown workload 'nope' (give a list of stream, sse, prompt, open, "
-                       "floor, prompt-floor)"),
+  EXPECT_NE(r.err.find("unknown workload 'nope' (give a list of idle, stream, sse, prompt, "
+                       "open, floor, prompt-floor)"),
             std::string::npos)
       << r.err;
 }
@@ -68,7 +68,8 @@ TEST(BenchProxy, StreamAndSseCountEveryTokenOnBothApis) {
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
   const std::string json_path = TempPath("out.json"), err = TempPath("err2");
   auto r = BenchProxy("--state-file " + (*fleet)->state_path() +
-                          " --workloads stream,sse --stream-requests 4 --stream-concurrency 2"
+                          " --workloads idle,stream,sse --idle-seconds 2"
+                          " --stream-requests 4 --stream-concurrency 2"
                           " --stream-input 16 --stream-output 12 --json " + json_path,
                       err);
   fs::remove(err);
@@ -77,11 +78,25 @@ TEST(BenchProxy, StreamAndSseCountEveryTokenOnBothApis) {
   const auto j = nlohmann::json::parse(in, nullptr, false);
   fs::remove(json_path);
   ASSERT_TRUE(j.is_array()) << r.out;
-  ASSERT_EQ(j.size(), 2u);
-  for (size_t i = 0; i < 2; ++i) {
+  ASSERT_EQ(j.size(), 3u);
+  // idle (issue 23): one row per fleet process, before any request; each
+  // ran a little (the workers' keep-alives, the proxy reading them).
+  {
+    const auto& idle = j[0];
+    SCOPED_TRACE(idle.dump());
+    EXPECT_EQ(idle["workload"], "idle");
+    ASSERT_EQ(idle["processes"].size(), 1 + (*fleet)->workers().size());
+    EXPECT_EQ(idle["processes"][0]["role"], "proxy");
+    EXPECT_EQ(idle["processes"][0]["pid"], (*fleet)->proxy_pid());
+    for (const auto& p : idle["processes"]) {
+      EXPECT_GT(p["cpu_ms_per_s"].get<double>(), 0.0);
+      EXPECT_GT(p["voluntary_switches_per_s"].get<double>(), 0.0);
+    }
+  }
+  for (size_t i = 1; i < 3; ++i) {
     const auto& w = j[i];
     SCOPED_TRACE(w.dump());
-    EXPECT_EQ(w["workload"], i == 0 ? "stream" : "sse");
+    EXPECT_EQ(w["workload"], i == 1 ? "stream" : "sse");
     EXPECT_EQ(w["requests_ok"], 4);
     EXPECT_EQ(w["requests_failed"], 0);
     EXPECT_EQ(w["output_tokens"], 4 * 12);

@@ -466,6 +466,23 @@ TEST_F(WorkerServingTest, WatchDeliversSnapshotEventsAndLoad) {
   t.join();
   EXPECT_TRUE(stored);
   EXPECT_TRUE(load);
+  // Idle (issue 23): the load is reported when it changed, and otherwise
+  // repeated as the stream's keep-alive (the liveness signal), so the idle
+  // worker's stream goes on carrying the same report.
+  std::vector<pb::LoadReport> idle;
+  while (reader->Read(&u)) {
+    if (!u.has_load()) continue;
+    if (u.load().running_requests() != 0 || u.load().num_reservations() != 0 ||
+        u.load().registered_requests() != 0) {
+      idle.clear();  // the request is still ending
+      continue;
+    }
+    idle.push_back(u.load());
+    if (idle.size() == 3) break;
+  }
+  ASSERT_EQ(idle.size(), 3u);
+  EXPECT_EQ(idle[1].SerializeAsString(), idle[2].SerializeAsString());
+  EXPECT_EQ(idle[1].free_blocks() + idle[1].active_decode_blocks(), kDecoderBlocks);
   wctx.TryCancel();
   (void)reader->Finish();
 }

@@ -9,6 +9,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <thread>
 
 namespace tandem::worker {
 namespace {
@@ -72,6 +73,52 @@ TEST(ProxyRegistrar, JoinListRegistersWithEveryProxyAndAgainOnRefresh) {
   EXPECT_TRUE((*r)->targets().at("10.0.0.2:7000"));
   EXPECT_EQ(f.Calls("10.0.0.1:7000"), 3);
   EXPECT_EQ(f.Calls("10.0.0.2:7000"), 3);
+}
+
+// Issue 23: a proxy that accepted the registration is not asked again every
+// refresh_interval (only every registered_refresh_interval, here an hour,
+// or on Kick: its Watch stream was cancelled); one that failed is retried
+// every refresh_interval until it answers.
+TEST(ProxyRegistrar, OnlyFailingProxiesAreRetriedUntilAKick) {
+  FakeProxies f;
+  RegistrarOptions o;
+  o.join = {"10.0.0.1:7000", "10.0.0.2:7000"};
+  o.refresh_interval = std::chrono::milliseconds(5);
+  o.registered_refresh_interval = std::chrono::hours(1);
+  auto r = ProxyRegistrar::Create(
+      o, [&](const std::string& a, std::chrono::milliseconds d) { return f.Register(a, d); });
+  ASSERT_TRUE(r.ok());
+  ASSERT_TRUE((*r)->RegisterInitial(std::chrono::milliseconds(0)).ok());
+  {
+    std::lock_guard lock(f.mu);
+    f.down.insert("10.0.0.2:7000");  // goes down after start-up
+  }
+  (*r)->RefreshOnce(false);
+  EXPECT_FALSE((*r)->targets().at("10.0.0.2:7000"));
+  (*r)->Start();
+  // The failing one is retried by the refresh thread (bounded wait).
+  for (int i = 0; i < 2000 && f.Calls("10.0.0.2:7000") < 6; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_GE(f.Calls("10.0.0.2:7000"), 6);
+  EXPECT_EQ(f.Calls("10.0.0.1:7000"), 2);  // initial + the explicit RefreshOnce
+  {
+    std::lock_guard lock(f.mu);
+    f.down.clear();  // back (restarted)
+  }
+  for (int i = 0; i < 2000 && !(*r)->targets().at("10.0.0.2:7000"); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_TRUE((*r)->targets().at("10.0.0.2:7000"));
+  // A Watch stream was cancelled: every proxy gets the registration again.
+  (*r)->Kick();
+  for (int i = 0; i < 2000 && f.Calls("10.0.0.1:7000") < 3; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(f.Calls("10.0.0.1:7000"), 3);
+  (*r)->Stop();
+  (*r)->Kick();  // after Stop: nothing
+  EXPECT_EQ(f.Calls("10.0.0.1:7000"), 3);
 }
 
 TEST(ProxyRegistrar, JoinListRefusalFailsStartUp) {
