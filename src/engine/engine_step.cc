@@ -227,7 +227,11 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
     }
     AppendToken(seq, token, out);
   }
-  for (auto it = seqs_.begin(); it != seqs_.end();) {
+  // Only a scheduled sequence can have finished in this step (a walk of
+  // every sequence's map node per step otherwise).
+  bool any_finished = false;
+  for (const ScheduledSeq& s : plan.seqs) any_finished |= s.seq->state == SeqState::kFinished;
+  for (auto it = seqs_.begin(); any_finished && it != seqs_.end();) {
     it = it->second->state == SeqState::kFinished ? seqs_.erase(it) : std::next(it);
   }
 

@@ -74,10 +74,17 @@ SchedulerOutput Scheduler::Schedule() {
     fair_.Charge(s->req.tenant, n);
   };
   // Running sequences in priority order; within one, in admission order.
-  std::stable_sort(running_.begin(), running_.end(), [](const Sequence* a, const Sequence* b) {
+  // (Usually already so: no sort, and no buffer for it, per step.)
+  const auto by_priority = [](const Sequence* a, const Sequence* b) {
     return a->req.priority < b->req.priority;
-  });
-  std::vector<Sequence*> done;  // running, scheduled in this step
+  };
+  if (!std::is_sorted(running_.begin(), running_.end(), by_priority)) {
+    std::stable_sort(running_.begin(), running_.end(), by_priority);
+  }
+  std::vector<Sequence*>& done = done_;  // running, scheduled in this step
+  done.clear();
+  done.reserve(running_.size());
+  out.seqs.reserve(running_.size() + 1);
   std::deque<Sequence*> rest(running_.begin(), running_.end());  // running, not (yet) scheduled
   running_.clear();
   auto preempt_back = [&] {
@@ -181,8 +188,8 @@ SchedulerOutput Scheduler::Schedule() {
     done.push_back(r);
     add(r, n);
   }
-  running_ = std::move(done);
-  running_.insert(running_.end(), rest.begin(), rest.end());
+  done.insert(done.end(), rest.begin(), rest.end());
+  running_.swap(done);  // the old running_ is next step's `done` buffer
   return out;
 }
 

@@ -101,6 +101,7 @@ class Scheduler {
   BlockManager* blocks_;  // borrowed
   std::deque<Sequence*> waiting_;
   std::vector<Sequence*> running_;
+  std::vector<Sequence*> done_;  // Schedule()'s scratch, kept for its capacity
   FairShare fair_;
   uint64_t next_arrival_ = 0;
   uint64_t preemptions_ = 0;
