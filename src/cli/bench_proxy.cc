@@ -28,6 +28,7 @@
 #include "cli/bench_proxy_prompt_floor.h"
 #include "cli/bench_proxy_sse.h"
 #include "cli/commands.h"
+#include "cli/proc_stats.h"
 #include "loadgen/grpc_client.h"
 #include "loadgen/runner.h"
 #include "loadgen/stats.h"
@@ -63,23 +64,6 @@ struct Proc {
   int pid = 0;
   std::string metrics;  // host:port
 };
-
-// utime + stime of `pid` in seconds; < 0 when it cannot be read.
-double CpuSeconds(int pid) {
-  std::ifstream in(fmt::format("/proc/{}/stat", pid));
-  std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const size_t close = s.rfind(')');
-  if (close == std::string::npos) return -1;
-  std::istringstream f(s.substr(close + 2));
-  std::string field;
-  // Fields after comm start at 3 (state); utime is 14, stime 15.
-  long long utime = 0, stime = 0;
-  for (int i = 3; i <= 15 && f >> field; ++i) {
-    if (i == 14) utime = std::stoll(field);
-    if (i == 15) stime = std::stoll(field);
-  }
-  return double(utime + stime) / double(sysconf(_SC_CLK_TCK));
-}
 
 // GET http://host:port/metrics (plain HTTP/1.0); empty on any failure.
 std::string FetchMetrics(const std::string& hostport) {
@@ -252,13 +236,6 @@ struct Measured {
   double load1 = 0;
 };
 
-double Load1() {
-  std::ifstream in("/proc/loadavg");
-  double l = 0;
-  in >> l;
-  return l;
-}
-
 Result<Measured> RunOne(lg::Client& client, const lg::ModelInfo& mi, const Fleet& f,
                         const Workload& w, double duration_s) {
   lg::SyntheticOptions so;
@@ -286,14 +263,14 @@ Result<Measured> RunOne(lg::Client& client, const lg::ModelInfo& mi, const Fleet
   const auto step_before =
       HistogramBuckets(FetchMetrics(decoder_metrics), "tandem_decode_step_seconds");
   std::map<int, double> before;
-  for (const auto& p : f.procs) before[p.pid] = CpuSeconds(p.pid);
+  for (const auto& p : f.procs) before[p.pid] = ProcessCpuSeconds(p.pid);
   Measured m;
   m.w = w;
-  m.load1 = Load1();
+  m.load1 = LoadAverage1();
   auto run = lg::Run(client, *source, ro);
   if (!run.ok()) return run.status();
-  for (const auto& p : f.procs) m.cpu[p.role] += CpuSeconds(p.pid) - before[p.pid];
-  m.load1 = (m.load1 + Load1()) / 2;
+  for (const auto& p : f.procs) m.cpu[p.role] += ProcessCpuSeconds(p.pid) - before[p.pid];
+  m.load1 = (m.load1 + LoadAverage1()) / 2;
   const auto step_after =
       HistogramBuckets(FetchMetrics(decoder_metrics), "tandem_decode_step_seconds");
   m.step_p50 = HistogramQuantile(step_before, step_after, 0.5);

@@ -2,6 +2,7 @@
 // async completion-queue API on one thread) and raw loopback TCP, streaming
 // canned tokens at the sim's cadence. See bench_proxy_floor.h.
 #include "cli/bench_proxy_floor.h"
+#include "cli/proc_stats.h"
 
 #include <CLI/CLI.hpp>
 #include <arpa/inet.h>
@@ -392,28 +393,6 @@ int RunFloorServer(const ServerArgs& a) {
 
 // ------------------------------------------------------------------ parent
 
-double ProcCpuSeconds(int pid) {
-  std::ifstream in(fmt::format("/proc/{}/stat", pid));
-  std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const size_t close = s.rfind(')');
-  if (close == std::string::npos) return -1;
-  std::istringstream f(s.substr(close + 2));
-  std::string field;
-  long long utime = 0, stime = 0;
-  for (int i = 3; i <= 15 && f >> field; ++i) {
-    if (i == 14) utime = std::stoll(field);
-    if (i == 15) stime = std::stoll(field);
-  }
-  return double(utime + stime) / double(sysconf(_SC_CLK_TCK));
-}
-
-double LoadAvg1() {
-  std::ifstream in("/proc/loadavg");
-  double l = 0;
-  in >> l;
-  return l;
-}
-
 struct Child {
   pid_t pid = -1;
   int port = 0;
@@ -490,11 +469,11 @@ Result<FloorRow> RunGrpcFloor(const std::string& self, const std::string& mode,
     ro.model = mi.id;
     ro.request_id_prefix = fmt::format("bench-proxy-{}-{}", getpid(), row.name);
     ro.request_timeout = std::chrono::milliseconds(int64_t(spec.duration_s * 1000) + 60000);
-    const double cpu0 = ProcCpuSeconds(child.pid);
-    const double load0 = LoadAvg1();
+    const double cpu0 = ProcessCpuSeconds(child.pid);
+    const double load0 = LoadAverage1();
     auto run = lg::Run(*client, *source, ro);
-    row.server_cpu_s = ProcCpuSeconds(child.pid) - cpu0;
-    row.load1 = (load0 + LoadAvg1()) / 2;
+    row.server_cpu_s = ProcessCpuSeconds(child.pid) - cpu0;
+    row.load1 = (load0 + LoadAverage1()) / 2;
     if (!run.ok()) {
       StopChild(child);
       return run.status();
@@ -545,8 +524,8 @@ Result<FloorRow> RunTcpFloor(const std::string& self, const FloorSpec& spec) {
     epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev);
     fds.push_back(fd);
   }
-  const double cpu0 = ProcCpuSeconds(child.pid);
-  const double load0 = LoadAvg1();
+  const double cpu0 = ProcessCpuSeconds(child.pid);
+  const double load0 = LoadAverage1();
   const auto t0 = Clock::now();
   uint64_t received = 0;
   size_t open = fds.size();
@@ -566,8 +545,8 @@ Result<FloorRow> RunTcpFloor(const std::string& self, const FloorSpec& spec) {
     }
   }
   row.summary.duration_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  row.server_cpu_s = ProcCpuSeconds(child.pid) - cpu0;
-  row.load1 = (load0 + LoadAvg1()) / 2;
+  row.server_cpu_s = ProcessCpuSeconds(child.pid) - cpu0;
+  row.load1 = (load0 + LoadAverage1()) / 2;
   for (int f : fds) close(f);
   close(ep);
   StopChild(child);

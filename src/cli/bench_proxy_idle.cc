@@ -7,6 +7,7 @@
 // going to sleep, i.e. one wake-up later. Threads that start and end within
 // the window are not counted (an idle fleet starts none).
 #include "cli/bench_proxy_idle.h"
+#include "cli/proc_stats.h"
 
 #include <fmt/format.h>
 
@@ -50,13 +51,6 @@ Result<std::map<int, TaskSample>> SampleTasks(int pid) {
   return out;
 }
 
-double Load1Now() {
-  std::ifstream in("/proc/loadavg");
-  double l = 0;
-  in >> l;
-  return l;
-}
-
 }  // namespace
 
 Result<std::vector<IdleRow>> MeasureIdle(const std::vector<IdleProc>& procs, double settle_s,
@@ -96,13 +90,13 @@ Result<std::vector<IdleRow>> MeasureIdle(const std::vector<IdleProc>& procs, dou
 }
 
 int RunIdleWorkload(const std::vector<IdleProc>& procs, double seconds, nlohmann::json& out) {
-  const double load_before = Load1Now();
+  const double load_before = LoadAverage1();
   auto rows = MeasureIdle(procs, /*settle_s=*/1.0, seconds);
   if (!rows.ok()) {
     std::cerr << "tandem bench proxy: idle: " << rows.status().message() << "\n";
     return 1;
   }
-  const double load1 = (load_before + Load1Now()) / 2;
+  const double load1 = (load_before + LoadAverage1()) / 2;
   nlohmann::json procs_json = nlohmann::json::array();
   for (const auto& r : *rows) {
     std::cout << fmt::format("{:<7} {:<8} pid {:<8} threads {:>3}  CPU {:>7.3f} ms/s  wake-ups "
