@@ -113,14 +113,16 @@ TEST(ProxyRegistrar, OnlyFailingProxiesAreRetriedUntilAKick) {
     std::lock_guard lock(f.mu);
     f.down.clear();  // back (restarted)
   }
-  for (int i = 0; i < 2000 && !(*r)->targets().at("10.0.0.2:7000"); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  EXPECT_TRUE((*r)->targets().at("10.0.0.2:7000"));
+  // Every call from here on succeeds: the refresh thread's next retry is
+  // the one that brings it back.
+  const int failed = f.Calls("10.0.0.2:7000");
+  EXPECT_GT(f.WaitCalls("10.0.0.2:7000", failed + 1), failed);
   // A Watch stream was cancelled: every proxy gets the registration again.
   (*r)->Kick();
   EXPECT_EQ(f.WaitCalls("10.0.0.1:7000", 3), 3);
   (*r)->Stop();
+  // The refresh thread has stopped, so its successful retry has been recorded.
+  EXPECT_TRUE((*r)->targets().at("10.0.0.2:7000"));
   (*r)->Kick();  // after Stop: nothing
   EXPECT_EQ(f.Calls("10.0.0.1:7000"), 3);
 }
