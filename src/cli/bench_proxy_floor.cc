@@ -2,7 +2,6 @@
 // async completion-queue API on one thread) and raw loopback TCP, streaming
 // canned tokens at the sim's cadence. See bench_proxy_floor.h.
 #include "cli/bench_proxy_floor.h"
-#include "cli/proc_stats.h"
 
 #include <CLI/CLI.hpp>
 #include <arpa/inet.h>
@@ -19,6 +18,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -28,6 +28,7 @@
 #include <sstream>
 #include <thread>
 
+#include "cli/proc_stats.h"
 #include "common/stream_writer.h"
 #include "common/token_merge.h"
 #include "loadgen/grpc_client.h"
@@ -227,6 +228,13 @@ int ServeAsync(Service& service, grpc::ServerCompletionQueue* cq, double step_ms
   const auto maybe_delete = [](CqCall* c) {
     if (c->done && (c->finished || (!c->writing && !c->finishing))) delete c;
   };
+  // Takes `c` off the per-step list (order does not matter).
+  const auto deactivate = [&active](CqCall* c) {
+    auto it = std::find(active.begin(), active.end(), c);
+    if (it == active.end()) return;
+    *it = active.back();
+    active.pop_back();
+  };
   request_next();
   const auto step = std::chrono::microseconds(int64_t(step_ms * 1000));
   auto next = std::chrono::system_clock::now() + step;
@@ -264,15 +272,7 @@ int ServeAsync(Service& service, grpc::ServerCompletionQueue* cq, double step_ms
         c->writing = false;
         if (!ok) c->broken = true;
         if (!c->finishing) pump(c);
-        if (c->finishing) {
-          for (size_t i = 0; i < active.size(); ++i) {
-            if (active[i] == c) {
-              active[i] = active.back();
-              active.pop_back();
-              break;
-            }
-          }
-        }
+        if (c->finishing) deactivate(c);
         maybe_delete(c);
         break;
       case Kind::kFinish:
@@ -284,13 +284,7 @@ int ServeAsync(Service& service, grpc::ServerCompletionQueue* cq, double step_ms
         if (c->ctx.IsCancelled() && !c->finishing) {
           c->broken = true;
           if (!c->writing) {
-            for (size_t i = 0; i < active.size(); ++i) {
-              if (active[i] == c) {
-                active[i] = active.back();
-                active.pop_back();
-                break;
-              }
-            }
+            deactivate(c);
             pump(c);
           }
         }

@@ -7,7 +7,6 @@
 // going to sleep, i.e. one wake-up later. Threads that start and end within
 // the window are not counted (an idle fleet starts none).
 #include "cli/bench_proxy_idle.h"
-#include "cli/proc_stats.h"
 
 #include <fmt/format.h>
 
@@ -18,6 +17,8 @@
 #include <map>
 #include <sstream>
 #include <thread>
+
+#include "cli/proc_stats.h"
 
 namespace tandem::cli {
 namespace {
