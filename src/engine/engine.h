@@ -308,10 +308,13 @@ class Engine {
   };
   std::vector<ProgressChunk> progress_;
   void ReportKvProgress(uint32_t layers_done);
-  // The stepping thread holds events_' wake-ups (kv_events.h) from a step's
-  // commits until the next step's forward starts or it waits for work, so
-  // that a step boundary's events wake the Watch loop once (issue 23).
+  // The stepping thread holds events_' wake-ups (kv_events.h) while it
+  // steps and flushes them once per step, as the step's forward starts
+  // (FlushEvents: release and hold again), and releases them before it
+  // waits for work, so that the Watch loop wakes at most once per step
+  // (issue 23).
   void HoldEvents();
+  void FlushEvents();
   void ReleaseEvents();
   bool events_held_ = false;  // the stepping thread only
 

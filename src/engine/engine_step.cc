@@ -88,6 +88,12 @@ void Engine::HoldEvents() {
   events_->Hold();
 }
 
+void Engine::FlushEvents() {
+  if (!events_held_) return;
+  events_->Release();
+  events_->Hold();
+}
+
 void Engine::ReleaseEvents() {
   if (!events_held_) return;
   events_held_ = false;
@@ -205,7 +211,13 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
   // The scheduled sequences' tokens and blocks change only on this thread;
   // other threads may queue work or flag aborts meanwhile.
   lock.unlock();
-  ReleaseEvents();
+  // The events since the last boundary (the last step's commits, this
+  // step's allocations, and what other threads published meanwhile: a
+  // decoder's AddPrefilled, Abort) wake the drainer now, once; the hold
+  // goes on through the forward, so events published during it wait for
+  // the next boundary (issue 23: one Watch wake-up per step at most while
+  // the engine steps, not one per request start and end).
+  FlushEvents();
   Status status =
       backend_->Forward(chunks_, hot_only ? std::span<float>() : std::span<float>(logits_));
   const std::span<const uint32_t> hot = backend_->hot_tokens();
@@ -214,7 +226,7 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
   }
   if (status.ok() && !progress_.empty()) ReportKvProgress(pool_->layout().num_layers);
   lock.lock();
-  HoldEvents();  // released by the next step's forward, or before waiting for work
+  HoldEvents();  // (still held) flushed by the next step's forward, or released before waiting for work
 
   uint32_t row = 0;
   for (const ScheduledSeq& s : plan.seqs) {

@@ -21,9 +21,9 @@
 // Wake subscribers (issue 23): a drainer that only needs to know that
 // events are queued (the worker's Watch loop) is woken once per batch, not
 // once per event. Outside a hold every publish wakes it; while the engine
-// holds (Hold/Release, one phase of a step: its allocations, or its
-// commits and the next step's allocations), the wake waits for the
-// release, so one step's events reach the proxy in one update. Events are
+// holds (Hold/Release: while it steps, flushed once per step as the step's
+// forward starts; docs/engine.md), the wake waits for the release, so one
+// step's events reach the proxy in one update. Events are
 // queued (Drain) at once either way; nothing is held past the release.
 // Quiet events (SetQuiet: the runs of output blocks a decode step commits,
 // Engine::kDecodeCommitBlocks) wake nobody: they are queued and leave with
