@@ -92,6 +92,10 @@ struct ProxyConfig {
   // Issue 23 (docs/decode-stream.md): one multiplexed DecodeStream per
   // decoder that advertises it, instead of one Decode RPC per request.
   bool decode_stream = true;
+  // Issue 23 (docs/grpc-frontend.md): what serves the public gRPC port.
+  // grpc: gRPC C++; native: the proxy's own HTTP/2 server (nghttp2),
+  // plaintext only for now.
+  std::string grpc_server = "grpc";  // grpc | native
 };
 
 struct RouterConfig {

@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/delivery_scope.h"
 #include "common/rpc_server.h"
 
 namespace tandem::proxy {
@@ -133,6 +134,9 @@ void DecodeMuxClient::OnWriteDone(bool ok) {
 
 void DecodeMuxClient::OnReadDone(bool ok) {
   if (!ok) return;  // the stream is over; OnDone follows
+  // One batch: a front end that buffers per connection (the native gRPC
+  // server, docs/grpc-frontend.md) sends once at its end, not per item.
+  DeliveryScope scope;
   for (const pb::DecodeStreamItem& item : resp_.items()) {
     std::shared_ptr<Request> req;
     {
