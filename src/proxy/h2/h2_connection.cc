@@ -160,6 +160,8 @@ bool H2Connection::OnWritable() {
   return !broken_;
 }
 
+void H2Connection::FlushDeferred() { Flush(/*batch=*/!H2Server::OnEventThread()); }
+
 void H2Connection::Flush(bool batch) {
   bool broke;
   {

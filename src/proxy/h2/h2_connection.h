@@ -60,7 +60,9 @@ class H2Connection final : public Flushable, public std::enable_shared_from_this
   // client sent meanwhile is read here too, and the socket wakes the event
   // thread only for more than one step's acknowledgements (see Quiet).
   void Flush(bool batch = false);
-  void FlushDeferred() override { Flush(/*batch=*/true); }
+  // The event thread's own batches (what it read) are not delivery
+  // batches: they do not make the connection read quietly.
+  void FlushDeferred() override;
   // Event thread: a connection no batch flushed for a while wakes the
   // event thread for every byte again.
   void CoolDown(std::chrono::steady_clock::time_point now);

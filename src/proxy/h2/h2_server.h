@@ -49,10 +49,13 @@ class H2Server {
 
   // For connections. Any thread: flush `c` on the event thread.
   void Wake(const std::shared_ptr<H2Connection>& c);
-  // Event thread: end `s` when its deadline passes.
+  // Any thread (requests are also read by a batch's flush): end `s` when
+  // its deadline passes.
   void AddDeadline(const std::shared_ptr<H2Connection>& c, const std::shared_ptr<H2Stream>& s);
   // Any thread: EPOLLOUT on or off for `fd`.
   void WantWrite(int fd, bool on);
+  // True on a server's event thread.
+  static bool OnEventThread();
   // Any thread: connections reading quietly (h2_connection.h), which the
   // event thread looks at every few ms.
   void ChangeQuiet(int delta) { quiet_ += delta; }
@@ -84,7 +87,9 @@ class H2Server {
     std::weak_ptr<H2Stream> stream;
     bool operator>(const Deadline& o) const { return at > o.at; }
   };
-  std::priority_queue<Deadline, std::vector<Deadline>, std::greater<>> deadlines_;
+  std::mutex deadline_mu_;
+  std::priority_queue<Deadline, std::vector<Deadline>, std::greater<>>
+      deadlines_;  // guarded by deadline_mu_
 
   std::mutex wake_mu_;
   std::vector<std::weak_ptr<H2Connection>> woken_;  // guarded by wake_mu_
