@@ -128,10 +128,12 @@ void H2Server::WantWrite(int fd, bool on) {
 }
 
 int H2Server::NextTimeoutMs() {
-  if (deadlines_.empty()) return -1;
+  // Quiet connections are looked at every 10 ms (h2_connection.h).
+  const int64_t quiet_ms = quiet_ > 0 ? 10 : 60'000;
+  if (deadlines_.empty()) return quiet_ > 0 ? static_cast<int>(quiet_ms) : -1;
   const auto left = deadlines_.top().at - std::chrono::steady_clock::now();
   const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left).count();
-  return ms <= 0 ? 0 : static_cast<int>(std::min<int64_t>(ms, 60'000));
+  return ms <= 0 ? 0 : static_cast<int>(std::min<int64_t>(ms, quiet_ms));
 }
 
 void H2Server::ExpireDeadlines() {
@@ -224,6 +226,15 @@ void H2Server::Loop() {
       if (!alive) CloseConnection(fd);
     }
     ExpireDeadlines();
+    if (quiet_ > 0) {
+      const auto now = std::chrono::steady_clock::now();
+      std::vector<int> over;
+      for (auto& [fd, c] : conns_) {
+        c->CoolDown(now);
+        if (c->broken()) over.push_back(fd);
+      }
+      for (int fd : over) CloseConnection(fd);
+    }
   }
   // Shutdown: open calls end, every connection hears GOAWAY.
   DeliveryScope scope;

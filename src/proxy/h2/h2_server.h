@@ -53,6 +53,9 @@ class H2Server {
   void AddDeadline(const std::shared_ptr<H2Connection>& c, const std::shared_ptr<H2Stream>& s);
   // Any thread: EPOLLOUT on or off for `fd`.
   void WantWrite(int fd, bool on);
+  // Any thread: connections reading quietly (h2_connection.h), which the
+  // event thread looks at every few ms.
+  void ChangeQuiet(int delta) { quiet_ += delta; }
 
  private:
   H2Server() = default;
@@ -69,6 +72,7 @@ class H2Server {
   int epoll_fd_ = -1;
   int wake_fd_ = -1;  // eventfd
   std::atomic<bool> stop_{false};
+  std::atomic<int> quiet_{0};
   bool shut_down_ = false;
   std::thread thread_;
 
