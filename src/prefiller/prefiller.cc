@@ -87,11 +87,24 @@ Result<std::optional<PushPlan::Sliced>> Prefiller::SlicedPlan(const ReserveTarge
 
 Prefiller::~Prefiller() { Stop(); }
 
+void EngineProgress::Notify() {
+  std::lock_guard lock(mu_);
+  if (listener_ != nullptr) listener_->EngineMoved();
+}
+
 void Prefiller::Start() {
+  if (options_.engine_progress) {
+    std::lock_guard lock(options_.engine_progress->mu_);
+    options_.engine_progress->listener_ = this;
+  }
   dispatcher_ = std::jthread([this](std::stop_token stop) { DispatchLoop(stop); });
 }
 
 void Prefiller::Stop() {
+  if (options_.engine_progress) {
+    std::lock_guard lock(options_.engine_progress->mu_);
+    if (options_.engine_progress->listener_ == this) options_.engine_progress->listener_ = nullptr;
+  }
   if (dispatcher_.joinable()) {
     dispatcher_.request_stop();
     cv_.notify_all();
@@ -158,60 +171,98 @@ Status Prefiller::Submit(PrefillJob spec, PrefillDone done) {
     LogRequest(spdlog::level::debug, job->spec.request_id,
                "queued ({} prompt tokens, {} ahead) for decoder '{}'",
                job->spec.prompt_ids.size(), queue_.size() - 1, job->spec.decoder_name);
+    // The dispatcher acts on it now only if the queue was empty; otherwise
+    // it already waits for what the head needs, or for an earlier deadline.
+    if (queue_.size() == 1 || (job->deadline && *job->deadline < asleep_until_)) {
+      WakeDispatcherLocked();
+    }
   }
-  cv_.notify_all();
   return Status::Ok();
 }
 
+void Prefiller::WakeDispatcherLocked() {
+  wake_ = true;
+  if (dispatcher_asleep_) cv_.notify_all();
+}
+
+void Prefiller::EngineMoved() {
+  std::lock_guard lock(mu_);
+  engine_moved_ = true;
+  if (waiting_for_engine_) WakeDispatcherLocked();
+}
+
 void Prefiller::DispatchLoop(std::stop_token stop) {
+  std::unique_lock lock(mu_);
   while (!stop.stop_requested()) {
+    // Queued requests whose deadline passed end here; the earliest other
+    // deadline bounds the sleep.
     std::vector<JobPtr> expired;
-    bool candidate = false;
-    {
-      std::unique_lock lock(mu_);
-      if (queue_.empty()) {
-        cv_.wait(lock, stop, [&] { return !queue_.empty(); });
+    auto until = SteadyClock::time_point::max();
+    const auto now = SteadyClock::now();
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      if ((*it)->deadline && *(*it)->deadline <= now) {
+        expired.push_back(*it);
+        it = queue_.erase(it);
+        ++totals_.expired_in_queue;
       } else {
-        cv_.wait_for(lock, stop, std::chrono::milliseconds(2), [] { return false; });
+        if ((*it)->deadline) until = std::min(until, *(*it)->deadline);
+        ++it;
       }
-      if (stop.stop_requested()) break;
-      const auto now = SteadyClock::now();
-      for (auto it = queue_.begin(); it != queue_.end();) {
-        if ((*it)->deadline && *(*it)->deadline <= now) {
-          expired.push_back(*it);
-          it = queue_.erase(it);
-          ++totals_.expired_in_queue;
-        } else {
-          ++it;
-        }
+    }
+    if (!expired.empty()) {
+      lock.unlock();
+      for (auto& job : expired) {
+        Complete(job, DeadlineExceededError(fmt::format(
+                          "request '{}': deadline passed while queued for prefill", job->spec.request_id)));
       }
-      candidate = !queue_.empty() && admitting_ == 0;
+      lock.lock();
+      continue;
     }
-    for (auto& job : expired) {
-      Complete(job, DeadlineExceededError(fmt::format(
-                        "request '{}': deadline passed while queued for prefill", job->spec.request_id)));
+    wake_ = false;
+    if (!queue_.empty() && admitting_ == 0) {
+      // Admit only when the engine would schedule it right away.
+      engine_moved_ = false;
+      lock.unlock();
+      const engine::EngineStats st = engine_.stats();
+      lock.lock();
+      if (st.num_waiting == 0 && st.num_running < options_.max_num_seqs) {
+        if (queue_.empty() || admitting_ != 0) continue;
+        auto next = fair_.PickNext(queue_.begin(), queue_.end(), [](const JobPtr& j) {
+          return engine::QueueKey{j->spec.priority, &j->spec.tenant, j->arrival};
+        });
+        JobPtr job = *next;
+        queue_.erase(next);
+        fair_.Picked(job->spec.tenant);
+        fair_.Charge(job->spec.tenant, job->spec.prompt_ids.size());
+        job->stage = Stage::kReserving;
+        job->reserve_sent = SteadyClock::now();
+        ++admitting_;
+        lock.unlock();
+        link_.Reserve(job->spec, options_.name,
+                      [this, job](Result<ReserveTarget> t) { OnReserved(job, std::move(t)); });
+        lock.lock();
+        continue;
+      }
+      if (engine_moved_) continue;  // it changed while we looked
+      waiting_for_engine_ = true;
+      until = std::min(until, SteadyClock::now() + (options_.engine_progress
+                                                        ? SteadyClock::duration(kEngineBackstop)
+                                                        : SteadyClock::duration(kEnginePoll)));
     }
-    if (!candidate) continue;
-    // Admit only when the engine would schedule it right away.
-    const engine::EngineStats st = engine_.stats();
-    if (st.num_waiting > 0 || st.num_running >= options_.max_num_seqs) continue;
-    JobPtr job;
-    {
-      std::lock_guard lock(mu_);
-      if (queue_.empty() || admitting_ != 0) continue;
-      auto next = fair_.PickNext(queue_.begin(), queue_.end(), [](const JobPtr& j) {
-        return engine::QueueKey{j->spec.priority, &j->spec.tenant, j->arrival};
-      });
-      job = *next;
-      queue_.erase(next);
-      fair_.Picked(job->spec.tenant);
-      fair_.Charge(job->spec.tenant, job->spec.prompt_ids.size());
-      job->stage = Stage::kReserving;
-      job->reserve_sent = SteadyClock::now();
-      ++admitting_;
+    // Asleep until a request is queued (to an empty queue, or with an
+    // earlier deadline), a reservation is answered, the engine moves (while
+    // it had no room), a queued deadline passes, or Stop.
+    if (wake_) continue;
+    dispatcher_asleep_ = true;
+    asleep_until_ = until;
+    if (until == SteadyClock::time_point::max()) {
+      cv_.wait(lock, stop, [&] { return wake_; });
+    } else {
+      cv_.wait_until(lock, stop, until, [&] { return wake_; });
     }
-    link_.Reserve(job->spec, options_.name,
-                  [this, job](Result<ReserveTarget> t) { OnReserved(job, std::move(t)); });
+    dispatcher_asleep_ = false;
+    waiting_for_engine_ = false;
+    asleep_until_ = SteadyClock::time_point::max();
   }
 }
 
@@ -228,11 +279,9 @@ Result<kvtransfer::PeerId> Prefiller::PeerFor(const std::string& descriptor) {
 
 void Prefiller::OnReserved(const JobPtr& job, Result<ReserveTarget> target) {
   auto admitted = [this] {
-    {
-      std::lock_guard lock(mu_);
-      --admitting_;
-    }
-    cv_.notify_all();
+    std::lock_guard lock(mu_);
+    --admitting_;
+    if (!queue_.empty()) WakeDispatcherLocked();
   };
   const std::string& id = job->spec.request_id;
   if (!target.ok()) {
@@ -565,7 +614,8 @@ void Prefiller::Complete(const JobPtr& job, Result<PrefillResult> result) {
   // No write reads the push's staging blocks any more: every path here
   // comes after the push's end (its done, or an Abort's then) or before it began.
   if (push) push->ReleaseStaging();
-  cv_.notify_all();
+  // Its engine request has ended (an abort ends one without a step).
+  EngineMoved();
   if (result.ok() && options_.on_complete) options_.on_complete(*result);
   if (done) done(std::move(result));
 }

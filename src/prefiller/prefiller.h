@@ -4,7 +4,10 @@
 // once). The dispatcher moves it on only when the engine can schedule it
 // (its waiting queue is empty), and at that moment asks the decoder to
 // reserve KV blocks — decoder memory is the scarce resource, so nothing is
-// reserved while a request queues here. Then:
+// reserved while a request queues here. The dispatcher sleeps until
+// something it waits for changes (a request queued, a reservation answered,
+// the engine scheduled or finished a request: EngineProgress, a queued
+// deadline); no fixed polling (issue 23). Then:
 //   engine prefill (prefill_only) -> push the blocks the decoder lacks into
 //   its slots (streaming: while the engine computes them; after_prefill:
 //   once it is done; see push_stream.h), with a KvNotice sent after all the
@@ -123,6 +126,25 @@ class DecoderLink {
   virtual std::string EncodeNotice(const NoticeSpec& notice) = 0;
 };
 
+class Prefiller;
+
+// How the engine's progress reaches the dispatcher (issue 23). The engine
+// exists before the Prefiller, so its owner creates this first, wires
+// EngineOptions::on_queue_time (a request left the waiting queue) and
+// on_step (a step ended: requests may have finished) to Notify(), and
+// passes it in PrefillerOptions::engine_progress. Notify may be called
+// under the engine's lock (the prefiller never calls the engine with its
+// own lock held).
+class EngineProgress {
+ public:
+  void Notify();
+
+ private:
+  friend class Prefiller;
+  std::mutex mu_;
+  Prefiller* listener_ = nullptr;  // guarded by mu_; set between Start and Stop
+};
+
 struct PrefillerOptions {
   std::string name;            // this worker, for leases and logs
   uint32_t max_queue = 256;    // service queue; past it: RESOURCE_EXHAUSTED
@@ -149,6 +171,9 @@ struct PrefillerOptions {
   parallel::ParallelLayout layout;
   parallel::KvDims kv_dims;
   FollowerPushFn follower_push;
+  // The engine's progress (see EngineProgress). Null: while the engine has
+  // no room, the dispatcher looks again every kEnginePoll.
+  std::shared_ptr<EngineProgress> engine_progress;
 };
 
 struct PrefillerCounts {
@@ -192,7 +217,15 @@ class Prefiller {
 
   PrefillerCounts counts() const;
 
+  // Without PrefillerOptions::engine_progress: how often the dispatcher
+  // looks at an engine without room. With it: the backstop for a change
+  // that comes without a step (e.g. another role's request aborted while
+  // it waited, on a `both` worker).
+  static constexpr std::chrono::milliseconds kEnginePoll{2};
+  static constexpr std::chrono::milliseconds kEngineBackstop{50};
+
  private:
+  friend class EngineProgress;
   enum class Stage { kQueued, kReserving, kPrefilling, kTransferring, kDone };
   struct Job {
     PrefillJob spec;
@@ -218,6 +251,11 @@ class Prefiller {
   using JobPtr = std::shared_ptr<Job>;
 
   void DispatchLoop(std::stop_token stop);
+  // The engine may have room now: EngineProgress, or a job's engine request
+  // ended (its abort may come without a step). Takes mu_.
+  void EngineMoved();
+  // With mu_ held: wakes the dispatcher if it sleeps.
+  void WakeDispatcherLocked();
   void OnReserved(const JobPtr& job, Result<ReserveTarget> target);
   void OnOutput(const JobPtr& job, const engine::RequestOutput& out);
   void OnTransferDone(const JobPtr& job, kvtransfer::XferStatus status, const Status& detail);
@@ -265,6 +303,13 @@ class Prefiller {
   uint64_t next_arrival_ = 0;              // guarded by mu_
   std::map<std::string, JobPtr> jobs_;     // guarded by mu_: every live job by id
   uint32_t admitting_ = 0;                 // guarded by mu_: reserving, not yet in the engine
+  // The dispatcher's sleep (guarded by mu_): whether it sleeps, whether it
+  // waits for the engine, until when at most, and whether something woke it.
+  bool dispatcher_asleep_ = false;
+  bool waiting_for_engine_ = false;
+  bool engine_moved_ = false;  // since the dispatcher last read engine_.stats()
+  bool wake_ = false;
+  std::chrono::steady_clock::time_point asleep_until_ = std::chrono::steady_clock::time_point::max();
   bool draining_ = false;                  // guarded by mu_
   PrefillerCounts totals_;                 // guarded by mu_ (the totals)
 

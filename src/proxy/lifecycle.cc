@@ -255,8 +255,39 @@ void RequestLifecycle::OnPrefillDone(uint32_t attempt, Result<PrefillResult> r) 
     deps_.metrics->ObservePrefillTimes(req_.request_id, r->prefill_seconds, r->transfer_seconds);
   }
   to_cancel = DeliverLocked(base_, {r->first_token_id});
+  Finish reason = Finish::kNone;
+  std::shared_ptr<Call> ending;
+  if (!done_ && EndsAfterLastTokenLocked(&reason)) {
+    // The first token is also the last (max_tokens 1, or a stop token):
+    // the decoder ends the request on it by itself, so the client gets the
+    // token and the end in one write now instead of a write now and one
+    // when the decoder's finished item comes (issue 23). The decode call
+    // is left to end on its own (cancelling it would cost a message to
+    // the decoder); its events find this lifecycle done.
+    ending = std::move(decode_call_);
+    decode_call_.reset();
+    to_cancel = CompleteLocked(reason);
+  }
   lock.unlock();
   CancelAll(to_cancel);
+}
+
+bool RequestLifecycle::EndsAfterLastTokenLocked(Finish* reason) const {
+  if (sent_.empty()) return false;
+  const uint32_t last = sent_.back();
+  const auto has = [last](const std::vector<uint32_t>& v) {
+    return std::find(v.begin(), v.end(), last) != v.end();
+  };
+  // The engine's order (engine_step.cc AppendToken): stop, then length.
+  if (has(req_.stop_token_ids) || (!req_.ignore_eos && has(deps_.eos_token_ids))) {
+    *reason = Finish::kStop;
+    return true;
+  }
+  if (out_.next_index() >= req_.max_tokens) {
+    *reason = Finish::kLength;
+    return true;
+  }
+  return false;
 }
 
 void RequestLifecycle::OnTokens(uint32_t attempt, uint32_t first_index,

@@ -93,6 +93,10 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   // With mu_ held. Each returns the calls to cancel once the lock is released.
   Calls DeliverLocked(uint32_t first_index, const std::vector<uint32_t>& ids);
   Calls CompleteLocked(Finish reason);
+  // Whether the last token sent ends the request the way the decoder's
+  // engine would end it (a stop or EOS token, or max_tokens reached), and
+  // with which reason.
+  bool EndsAfterLastTokenLocked(Finish* reason) const;
   Calls FailLocked(Status st);
   // Re-routes when nothing reached the client yet and attempts remain.
   bool RetryLocked(const Status& st, const std::string& exclude, Calls& to_cancel);

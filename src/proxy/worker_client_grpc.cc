@@ -275,6 +275,14 @@ std::shared_ptr<grpc::Channel> GrpcWorkerClient::ChannelLocked(const std::string
   if (!ch) {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(64 << 20);
+    // No HTTP/2 BDP probing on the connections to workers (issue 23): gRPC
+    // pinged each one about once a second from its timer thread, idle or
+    // not (a wake-up here for the ping and one for its ack, one at the
+    // worker), to size the window of what the proxy receives — small
+    // messages (Watch updates, decode-stream items, prefill replies) that
+    // the default 64 KiB stream window carries without waiting. What the
+    // proxy sends (prompts) is governed by the worker's window, unchanged.
+    args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
     ch = credentials_.Dial(address, args);
   }
   return ch;

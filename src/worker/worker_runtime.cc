@@ -389,11 +389,18 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   }
   WorkerMetrics* metrics = w.metrics.get();
   eo.on_onboard = [metrics](double seconds) { metrics->ObserveOnboard(seconds); };
-  eo.on_queue_time = [metrics](int32_t priority, const std::string& tenant, double seconds) {
+  // The prefiller's dispatcher sleeps until the engine schedules or ends a
+  // request (issue 23; prefiller.h, EngineProgress).
+  std::shared_ptr<prefiller::EngineProgress> engine_progress =
+      prefills ? std::make_shared<prefiller::EngineProgress>() : nullptr;
+  eo.on_queue_time = [metrics, engine_progress](int32_t priority, const std::string& tenant,
+                                                double seconds) {
     metrics->ObserveQueueTime(priority, tenant, seconds);
+    if (engine_progress) engine_progress->Notify();
   };
-  eo.on_step = [metrics, idle = w.idle_wake](const engine::StepStats& st) {
+  eo.on_step = [metrics, idle = w.idle_wake, engine_progress](const engine::StepStats& st) {
     idle->Notify();
+    if (engine_progress) engine_progress->Notify();
     if (st.num_prefill_tokens == 0 && st.num_decode_tokens > 0) metrics->ObserveDecodeStep(st.seconds);
   };
   TANDEM_ASSIGN_OR_RETURN(w.engine, engine::Engine::Create(w.model_config, w.weights, eo));
@@ -450,6 +457,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     popt.push_mode = w.fleet.transport.push == "after_prefill" ? prefiller::PushMode::kAfterPrefill
                                                                : prefiller::PushMode::kStreaming;
     popt.layout = pl;  // issue 18: pushes are sliced when either side has several ranks
+    popt.engine_progress = engine_progress;
     if (pl.world() > 1) {
       popt.kv_dims = KvDimsOf(w.model_config, eo.block_size);
       // The other prefill ranks' parts of a sliced push: a push_kv step plan

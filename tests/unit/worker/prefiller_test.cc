@@ -61,7 +61,7 @@ class FakeLink final : public prefiller::DecoderLink {
 class PrefillerTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    node_ = Node::Make("prefill-unit", 64);
+    node_ = Node::Make("prefill-unit", 64, progress_);
     ASSERT_NE(node_, nullptr);
     kvtransfer::TransportOptions o;
     o.backend = "loopback";
@@ -82,6 +82,7 @@ class PrefillerTest : public ::testing::Test {
     o.name = "prefill-unit";
     o.max_queue = max_queue;
     o.push_mode = mode;
+    o.engine_progress = progress_;  // the dispatcher waits for the engine's events, no polling
     prefiller_ = std::make_unique<prefiller::Prefiller>(*node_->engine, *node_->transport, link_, o);
     prefiller_->Start();
   }
@@ -115,6 +116,7 @@ class PrefillerTest : public ::testing::Test {
     return true;
   }
 
+  std::shared_ptr<prefiller::EngineProgress> progress_ = std::make_shared<prefiller::EngineProgress>();
   std::unique_ptr<Node> node_;
   std::unique_ptr<kvtransfer::Transport> target_;
   FakeLink link_;

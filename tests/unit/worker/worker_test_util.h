@@ -18,6 +18,7 @@
 #include "kvtransfer/transport.h"
 #include "model/model_config.h"
 #include "model/weights.h"
+#include "prefiller/prefiller.h"
 
 namespace tandem::worker_test {
 
@@ -73,7 +74,10 @@ struct Node {
   std::unique_ptr<PoolAllocator> allocator;
   std::unique_ptr<engine::Engine> engine;
 
-  static std::unique_ptr<Node> Make(const std::string& name, uint32_t num_blocks) {
+  // `progress`: wired to the engine's scheduling and step hooks, as
+  // worker_runtime does for a prefiller (prefiller::EngineProgress).
+  static std::unique_ptr<Node> Make(const std::string& name, uint32_t num_blocks,
+                                    std::shared_ptr<prefiller::EngineProgress> progress = nullptr) {
     auto n = std::make_unique<Node>();
     kvtransfer::TransportOptions o;
     o.backend = "loopback";
@@ -90,6 +94,10 @@ struct Node {
     eo.num_blocks = num_blocks;
     eo.scheduler.max_batched_tokens = 64;
     eo.allocator = n->allocator.get();
+    if (progress) {
+      eo.on_queue_time = [progress](int32_t, const std::string&, double) { progress->Notify(); };
+      eo.on_step = [progress](const engine::StepStats&) { progress->Notify(); };
+    }
     auto e = engine::Engine::Create(Tiny().config, Tiny().weights, eo);
     EXPECT_TRUE(e.ok()) << e.status().ToString();
     if (!e.ok()) return nullptr;
