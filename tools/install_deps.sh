@@ -13,6 +13,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libcli11-dev libboost-dev
   libopenblas-dev libpcre2-dev libxxhash-dev libssl-dev
+  libnghttp2-dev  # the proxy's native HTTP/2 gRPC front end (docs/grpc-frontend.md)
   curl procps
   clang-14 libclang-rt-14-dev  # libFuzzer targets (tests/fuzz, tools/fuzz.sh)
   iproute2  # ip, tc: the chaos suite's loopback delay/loss (tests/chaos)

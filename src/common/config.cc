@@ -159,6 +159,7 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.Read("restart", c.proxy.restart);
     m.Read("decode_stream", c.proxy.decode_stream);  // issue 23
     m.ReadEnum("decode_transport", c.proxy.decode_transport, {"tcp", "grpc"});  // issue 23
+    m.ReadEnum("grpc_server", c.proxy.grpc_server, {"grpc", "native"});  // issue 23
     {
       YamlMap l = m.Sub("limits");
       ProxyLimitsConfig& x = c.proxy.limits;
@@ -304,6 +305,11 @@ void CrossCheck(const FleetConfig& c, YamlErrors& errors, int line) {
   if (c.model.backend == "sim" && !c.sim.present) {
     errors.Add(line, "model.backend 'sim' needs a 'sim' section (at least sim.model_shape: the "
                      "config.json of the simulated model)");
+  }
+  if (c.proxy.grpc_server == "native" && c.security.public_tls != "off") {  // issue 23
+    errors.Add(line, "proxy.grpc_server 'native' does not serve TLS yet and security.public_tls "
+                     "is on: use proxy.grpc_server 'grpc' (the default) with public TLS "
+                     "(docs/grpc-frontend.md)");
   }
   if (c.model.backend != "cuda" && c.transport.device_path != "auto") {
     errors.Add(line, fmt::format("transport.device_path '{}' is only read with model.backend "

@@ -96,6 +96,10 @@ struct ProxyConfig {
   // to a decoder that serves both: tcp (its framed TCP listener,
   // decode.mux_listen) | grpc (Decoder.DecodeStream).
   std::string decode_transport = "tcp";
+  // Issue 23 (docs/grpc-frontend.md): what serves the public gRPC port.
+  // grpc: gRPC C++; native: the proxy's own HTTP/2 server (nghttp2),
+  // plaintext only for now.
+  std::string grpc_server = "grpc";  // grpc | native
 };
 
 struct RouterConfig {

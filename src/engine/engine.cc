@@ -315,6 +315,7 @@ Status Engine::Submit(GenerateRequest request) {
     Sequence* raw = seq.get();
     seqs_.emplace(raw->req.request_id, std::move(seq));
     scheduler_->AddWaiting(raw);
+    Poke();
   }
   cv_.notify_all();
   return Status::Ok();
@@ -347,6 +348,7 @@ Status Engine::Abort(const std::string& request_id) {
         seqs_.erase(it);
       }
     }
+    if (found) Poke();
   }
   cv_.notify_all();
   Deliver(out);
@@ -362,6 +364,7 @@ Status Engine::ReleasePrefill(const std::string& request_id) {
     }
     blocks_->Release(it->second->blocks);
     seqs_.erase(it);
+    Poke();
   }
   cv_.notify_all();
   return Status::Ok();
@@ -434,6 +437,7 @@ Status Engine::ReleaseReservation(uint64_t reservation_id) {
     }
     blocks_->Release(it->second.blocks);
     reservations_.erase(it);
+    Poke();
   }
   cv_.notify_all();
   return Status::Ok();
@@ -480,6 +484,7 @@ Status Engine::AddPrefilled(uint64_t reservation_id, GenerateRequest request,
     } else {
       scheduler_->AddWaiting(raw);
     }
+    Poke();
   }
   cv_.notify_all();
   Deliver(out);
@@ -525,13 +530,40 @@ KvSnapshot Engine::SnapshotKv() const {
   return blocks_->Snapshot();
 }
 
-void Engine::Deliver(Deliveries& deliveries) {
+RequestOutput& Engine::Deliveries::Add(std::shared_ptr<const OutputCallback> callback) {
+  if (size_ == slots_.size()) slots_.emplace_back();
+  auto& [cb, o] = slots_[size_++];
+  cb = std::move(callback);
+  // Reset, keeping the buffers (assigned by the caller).
+  o.finished = false;
+  o.finish_reason = FinishReason::kNone;
+  if (!o.status.ok()) o.status = Status::Ok();
+  o.prompt_tokens = 0;
+  o.completion_tokens = 0;
+  o.cached_prompt_tokens = 0;
+  o.block_ids.clear();
+  return o;
+}
+
+void Engine::Deliveries::Run() {
   // One batch: consumers may send it as one message (common/delivery_scope.h).
   DeliveryScope scope;
-  for (auto& [cb, output] : deliveries) {
+  for (size_t i = 0; i < size_; ++i) {
+    auto& [cb, output] = slots_[i];
     if (cb && *cb) (*cb)(output);
+    cb.reset();
   }
-  deliveries.clear();
+  size_ = 0;
+}
+
+void Engine::Deliver(Deliveries& deliveries) { deliveries.Run(); }
+
+void Engine::DeliverStep(Deliveries& deliveries) {
+  deliveries.Run();
+  if (step_stats_ready_) {
+    step_stats_ready_ = false;
+    options_.on_step(step_stats_);
+  }
 }
 
 }  // namespace tandem::engine

@@ -234,8 +234,24 @@ class Engine {
     std::vector<uint32_t> blocks;
     uint32_t num_cached_blocks = 0;
   };
-  using Delivery = std::pair<std::shared_ptr<const OutputCallback>, RequestOutput>;
-  using Deliveries = std::vector<Delivery>;
+  // A step's outputs, in order, for the caller to run without the lock.
+  // The slots (and their strings' and vectors' buffers) are kept from one
+  // batch to the next: queuing an output copies into them instead of
+  // allocating an id string and a token vector per request per step
+  // (issue 23).
+  class Deliveries {
+   public:
+    // The next slot, reset (buffers kept), for `callback`'s output.
+    RequestOutput& Add(std::shared_ptr<const OutputCallback> callback);
+    // Runs every queued callback in order, then empties the batch (each
+    // callback reference is dropped; the outputs' buffers stay).
+    void Run();
+    bool empty() const { return size_ == 0; }
+
+   private:
+    std::vector<std::pair<std::shared_ptr<const OutputCallback>, RequestOutput>> slots_;
+    size_t size_ = 0;
+  };
 
   Engine(const model::ModelConfig& config, EngineOptions options);
   void Loop(std::stop_token stop);
@@ -249,13 +265,22 @@ class Engine {
   // Returns true when the sequence finished.
   bool AppendToken(Sequence& seq, uint32_t token, Deliveries& out);
   void Finish(Sequence& seq, FinishReason reason, Status status, Deliveries& out);
-  RequestOutput MakeOutput(const Sequence& seq) const;
+  // Fills `o` (a reset Deliveries slot) with the sequence's undelivered
+  // tokens and text and its usage.
+  void FillOutput(const Sequence& seq, RequestOutput& o) const;
   // Registers the sequence's full blocks past num_committed in the prefix
-  // cache (stored events), when at least `min_new` are waiting.
-  void CommitFullBlocks(Sequence& seq, uint32_t min_new = 1);
+  // cache (stored events), when at least `min_new` are waiting. `quiet`:
+  // the events wake no Watch loop (KvEventPublisher::SetQuiet).
+  void CommitFullBlocks(Sequence& seq, uint32_t min_new = 1, bool quiet = false);
 
   void DropExpired(Deliveries& out);
   static void Deliver(Deliveries& deliveries);
+  // Runs the step's deliveries, then options_.on_step with the stats the
+  // step left (the stepping thread; after the outputs, outside the lock).
+  void DeliverStep(Deliveries& deliveries);
+  // Wakes the engine thread when it waits for blocks or work (mu_ held,
+  // or after a change made under it).
+  void Poke();
 
   model::ModelConfig config_;
   EngineOptions options_;
@@ -272,6 +297,10 @@ class Engine {
   // Engine thread only: a step's deliveries, reused (a vector grown from
   // empty every step was a large malloc per step, issue 23).
   Deliveries step_out_;
+  // Engine thread / the Step() caller: the last step's stats for on_step,
+  // valid when step_stats_ready_.
+  StepStats step_stats_;
+  bool step_stats_ready_ = false;
   // Engine thread only: this step's chunks whose requests want KvProgress.
   struct ProgressChunk {
     const KvProgressCallback* callback = nullptr;  // the sequence's; stable during the forward
@@ -279,10 +308,13 @@ class Engine {
   };
   std::vector<ProgressChunk> progress_;
   void ReportKvProgress(uint32_t layers_done);
-  // The stepping thread holds events_' wake-ups (kv_events.h) from a step's
-  // commits until the next step's forward starts or it waits for work, so
-  // that a step boundary's events wake the Watch loop once (issue 23).
+  // The stepping thread holds events_' wake-ups (kv_events.h) while it
+  // steps and flushes them once per step, as the step's forward starts
+  // (FlushEvents: release and hold again), and releases them before it
+  // waits for work, so that the Watch loop wakes at most once per step
+  // (issue 23).
   void HoldEvents();
+  void FlushEvents();
   void ReleaseEvents();
   bool events_held_ = false;  // the stepping thread only
 
@@ -292,6 +324,10 @@ class Engine {
   std::unique_ptr<Scheduler> scheduler_;    // guarded by mu_
   std::map<std::string, std::unique_ptr<Sequence>> seqs_;  // guarded by mu_
   std::map<uint64_t, ReservationState> reservations_;     // guarded by mu_
+  // guarded by mu_: bumped by every change that may let blocked work run
+  // (blocks released, work queued, a request aborted); the engine thread
+  // waits for it to move instead of polling (issue 23).
+  uint64_t changes_ = 0;
   EngineStats counters_;                    // guarded by mu_ (steps, seconds, tokens)
   std::jthread thread_;
 };

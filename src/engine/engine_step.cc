@@ -40,8 +40,9 @@ void Engine::Stop() {
 
 void Engine::Loop(std::stop_token stop) {
   while (!stop.stop_requested()) {
-    Deliveries& out = step_out_;  // its capacity is kept from step to step
+    Deliveries& out = step_out_;  // its slots are kept from step to step
     bool worked = false;
+    uint64_t seen = 0;
     {
       std::unique_lock lock(mu_);
       const auto has_work = [&] {
@@ -50,23 +51,46 @@ void Engine::Loop(std::stop_token stop) {
       if (!has_work()) ReleaseEvents();
       cv_.wait(lock, stop, has_work);
       if (stop.stop_requested()) break;
+      seen = changes_;
       worked = StepLocked(lock, out);
     }
-    Deliver(out);
+    DeliverStep(out);
     if (!worked) {
-      // Work is waiting but nothing fits (blocks held by parked requests or
-      // reservations): wait for a release or a new request.
+      // Work is waiting but nothing fits (blocks held by running, parked or
+      // reserved requests): sleep until something is released or queued
+      // (changes_ moves; issue 23: no 5 ms polling), or until the first
+      // deadline of a queued request, which DropExpired then ends.
       ReleaseEvents();
       std::unique_lock lock(mu_);
-      cv_.wait_for(lock, stop, std::chrono::milliseconds(5), [] { return false; });
+      auto until = std::chrono::steady_clock::time_point::max();
+      for (const Sequence* s : scheduler_->waiting()) {
+        if (s->req.deadline) until = std::min(until, *s->req.deadline);
+      }
+      for (const Sequence* s : scheduler_->running()) {
+        if (s->req.deadline) until = std::min(until, *s->req.deadline);
+      }
+      const auto changed = [&] { return changes_ != seen; };
+      if (until == std::chrono::steady_clock::time_point::max()) {
+        cv_.wait(lock, stop, changed);
+      } else {
+        cv_.wait_until(lock, stop, until, changed);
+      }
     }
   }
   ReleaseEvents();
 }
 
+void Engine::Poke() { ++changes_; }
+
 void Engine::HoldEvents() {
   if (events_held_) return;
   events_held_ = true;
+  events_->Hold();
+}
+
+void Engine::FlushEvents() {
+  if (!events_held_) return;
+  events_->Release();
   events_->Hold();
 }
 
@@ -78,13 +102,13 @@ void Engine::ReleaseEvents() {
 
 bool Engine::Step() {
   TANDEM_CHECK(!thread_.joinable(), "Step() on an engine whose thread is running");
-  Deliveries out;
+  Deliveries& out = step_out_;
   bool worked;
   {
     std::unique_lock lock(mu_);
     worked = StepLocked(lock, out);
   }
-  Deliver(out);
+  DeliverStep(out);
   ReleaseEvents();
   return worked;
 }
@@ -122,7 +146,7 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
   const auto t0 = std::chrono::steady_clock::now();
   HoldEvents();  // this step's allocations (and the last step's commits): one wake-up
   DropExpired(out);
-  SchedulerOutput plan = scheduler_->Schedule();
+  const SchedulerOutput& plan = scheduler_->Schedule();  // valid until the next step
   if (plan.empty()) return false;
   for (const ScheduledSeq& s : plan.seqs) {
     if (s.seq->queue_time_reported) continue;
@@ -187,7 +211,13 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
   // The scheduled sequences' tokens and blocks change only on this thread;
   // other threads may queue work or flag aborts meanwhile.
   lock.unlock();
-  ReleaseEvents();
+  // The events since the last boundary (the last step's commits, this
+  // step's allocations, and what other threads published meanwhile: a
+  // decoder's AddPrefilled, Abort) wake the drainer now, once; the hold
+  // goes on through the forward, so events published during it wait for
+  // the next boundary (issue 23: one Watch wake-up per step at most while
+  // the engine steps, not one per request start and end).
+  FlushEvents();
   Status status =
       backend_->Forward(chunks_, hot_only ? std::span<float>() : std::span<float>(logits_));
   const std::span<const uint32_t> hot = backend_->hot_tokens();
@@ -196,7 +226,7 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
   }
   if (status.ok() && !progress_.empty()) ReportKvProgress(pool_->layout().num_layers);
   lock.lock();
-  HoldEvents();  // released by the next step's forward, or before waiting for work
+  HoldEvents();  // (still held) flushed by the next step's forward, or released before waiting for work
 
   uint32_t row = 0;
   for (const ScheduledSeq& s : plan.seqs) {
@@ -210,7 +240,9 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
     // A decode step computed one output token's KV (its position is past
     // the prompt): its block waits for a run of them, or the end.
     const bool decode_step = s.num_tokens == 1 && seq.num_computed > seq.prompt_len;
-    CommitFullBlocks(seq, decode_step ? kDecodeCommitBlocks : 1);
+    // A run of output blocks: its stored event wakes nobody (kv_events.h,
+    // "quiet"); it leaves with the Watch loop's next update.
+    CommitFullBlocks(seq, decode_step ? kDecodeCommitBlocks : 1, /*quiet=*/decode_step);
     if (seq.abort_requested) {
       Finish(seq, FinishReason::kAbort, CancelledError("request aborted"), out);
       if (s.samples) ++row;
@@ -241,16 +273,12 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
   counters_.prefill_step_tokens += plan.num_prefill_tokens;
   (plan.num_prefill_tokens > 0 ? counters_.prefill_step_seconds : counters_.decode_step_seconds) +=
       seconds;
-  if (options_.on_step) {
-    StepStats st;
-    st.seconds = seconds;
-    st.num_seqs = static_cast<uint32_t>(plan.seqs.size());
-    st.num_prefill_tokens = plan.num_prefill_tokens;
-    st.num_decode_tokens = plan.num_decode_tokens;
-    const auto* cb = &options_.on_step;  // the engine outlives its deliveries
-    out.emplace_back(
-        std::make_shared<const OutputCallback>([cb, st](const RequestOutput&) { (*cb)(st); }),
-        RequestOutput{});
+  if (options_.on_step) {  // called by DeliverStep after the outputs (no callback object per step)
+    step_stats_.seconds = seconds;
+    step_stats_.num_seqs = static_cast<uint32_t>(plan.seqs.size());
+    step_stats_.num_prefill_tokens = plan.num_prefill_tokens;
+    step_stats_.num_decode_tokens = plan.num_decode_tokens;
+    step_stats_ready_ = true;
   }
   return true;
 }
@@ -262,10 +290,19 @@ void Engine::ReportKvProgress(uint32_t layers_done) {
   }
 }
 
-void Engine::CommitFullBlocks(Sequence& seq, uint32_t min_new) {
+void Engine::CommitFullBlocks(Sequence& seq, uint32_t min_new, bool quiet) {
   const uint32_t full = std::min<uint32_t>(seq.num_computed / options_.block_size,
                                            static_cast<uint32_t>(seq.blocks.size()));
   if (full < seq.num_committed + std::max<uint32_t>(min_new, 1) || seq.commit_stopped) return;
+  struct QuietScope {
+    KvEventPublisher* events;
+    explicit QuietScope(KvEventPublisher* e) : events(e) {
+      if (events != nullptr) events->SetQuiet(true);
+    }
+    ~QuietScope() {
+      if (events != nullptr) events->SetQuiet(false);
+    }
+  } quiet_scope(quiet ? events_.get() : nullptr);
   scheduler_->UpdateHashes(seq);
   // Keep every cached chain prefix-closed on the device (a committed
   // block's parent is committed too), which the router's prefix search
@@ -324,21 +361,19 @@ bool Engine::AppendToken(Sequence& seq, uint32_t token, Deliveries& out) {
     Finish(seq, reason, Status::Ok(), out);
     return true;
   }
-  out.emplace_back(seq.on_output, MakeOutput(seq));
+  FillOutput(seq, out.Add(seq.on_output));
   seq.num_delivered = seq.num_output();
   seq.pending_text.clear();
   return false;
 }
 
-RequestOutput Engine::MakeOutput(const Sequence& seq) const {
-  RequestOutput o;
-  o.request_id = seq.req.request_id;
+void Engine::FillOutput(const Sequence& seq, RequestOutput& o) const {
+  o.request_id.assign(seq.req.request_id);
   o.token_ids.assign(seq.tokens.begin() + seq.prompt_len + seq.num_delivered, seq.tokens.end());
-  o.text = seq.pending_text;
+  o.text.assign(seq.pending_text);
   o.prompt_tokens = seq.prompt_len;
   o.completion_tokens = seq.num_output();
   o.cached_prompt_tokens = seq.cached_prompt_tokens;
-  return o;
 }
 
 void Engine::Finish(Sequence& seq, FinishReason reason, Status status, Deliveries& out) {
@@ -363,12 +398,12 @@ void Engine::Finish(Sequence& seq, FinishReason reason, Status status, Deliverie
       seq.pending_text += tail;
     }
   }
-  RequestOutput o = MakeOutput(seq);
+  RequestOutput& o = out.Add(seq.on_output);
+  FillOutput(seq, o);
   o.finished = true;
   o.finish_reason = reason;
   o.status = std::move(status);
-  if (reason == FinishReason::kPrefillDone) o.block_ids = seq.blocks;
-  out.emplace_back(seq.on_output, std::move(o));
+  if (reason == FinishReason::kPrefillDone) o.block_ids.assign(seq.blocks.begin(), seq.blocks.end());
   seq.num_delivered = seq.num_output();
   seq.pending_text.clear();
 }

@@ -10,10 +10,10 @@ void FairShare::Enqueue(const std::string& tenant, double weight) {
   t.virtual_time = std::max(t.virtual_time, system_time_);
 }
 
-void FairShare::Charge(const std::string& tenant, uint64_t tokens) {
+void FairShare::Charge(const std::string& tenant, uint64_t tokens, uint64_t times) {
   TenantState& t = tenants_[tenant];
-  t.virtual_time += static_cast<double>(tokens) / t.weight;
-  served_[tenant] += tokens;
+  for (uint64_t i = 0; i < times; ++i) t.virtual_time += static_cast<double>(tokens) / t.weight;
+  served_[tenant] += tokens * times;
 }
 
 double FairShare::VirtualTime(const std::string& tenant) const {

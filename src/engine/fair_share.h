@@ -30,8 +30,10 @@ class FairShare {
  public:
   // A tenant's item was queued; `weight` <= 0 counts as 1.
   void Enqueue(const std::string& tenant, double weight);
-  // The tenant was served `tokens` tokens.
-  void Charge(const std::string& tenant, uint64_t tokens);
+  // The tenant was served `tokens` tokens, `times` times over (one lookup
+  // for a run of sequences of one tenant; the virtual time moves exactly as
+  // by `times` single charges).
+  void Charge(const std::string& tenant, uint64_t tokens, uint64_t times = 1);
   double VirtualTime(const std::string& tenant) const;
   // The queue's virtual time: the largest virtual time of a tenant when it
   // was picked.

@@ -44,6 +44,11 @@ void KvEventPublisher::Release() {
   for (auto& [id, cb] : wake_subscribers_) cb();
 }
 
+void KvEventPublisher::SetQuiet(bool quiet) {
+  std::lock_guard lock(mu_);
+  quiet_ = quiet;
+}
+
 std::vector<KvEvent> KvEventPublisher::Drain(size_t max_events) {
   std::lock_guard lock(mu_);
   std::vector<KvEvent> out;
@@ -87,7 +92,9 @@ void KvEventPublisher::Publish(KvEvent event) {
   event.event_id = next_id_++;
   event.epoch = epoch_;
   for (auto& [id, cb] : subscribers_) cb(event);
-  if (holds_ > 0) {
+  if (quiet_) {
+    // Queued only: leaves with the drainer's next wake-up.
+  } else if (holds_ > 0) {
     wake_pending_ = true;
   } else {
     for (auto& [id, cb] : wake_subscribers_) cb();

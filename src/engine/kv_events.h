@@ -21,10 +21,16 @@
 // Wake subscribers (issue 23): a drainer that only needs to know that
 // events are queued (the worker's Watch loop) is woken once per batch, not
 // once per event. Outside a hold every publish wakes it; while the engine
-// holds (Hold/Release, one phase of a step: its allocations, or its
-// commits and the next step's allocations), the wake waits for the
-// release, so one step's events reach the proxy in one update. Events are
+// holds (Hold/Release: while it steps, flushed once per step as the step's
+// forward starts; docs/engine.md), the wake waits for the release, so one
+// step's events reach the proxy in one update. Events are
 // queued (Drain) at once either way; nothing is held past the release.
+// Quiet events (SetQuiet: the runs of output blocks a decode step commits,
+// Engine::kDecodeCommitBlocks) wake nobody: they are queued and leave with
+// the drainer's next wake-up — any other event, or the Watch loop's next
+// load sample (worker.load_interval while the worker is busy; docs/
+// engine.md). Issue 23: a wake-up, a message and the proxy's answer to it
+// per run per sequence.
 #pragma once
 
 #include <cstdint>
@@ -83,6 +89,10 @@ class KvEventPublisher {
   // Holds wake subscribers until the matching Release (holds nest).
   void Hold();
   void Release();
+  // While on, published events are queued without waking wake subscribers
+  // (see above). The publishing thread turns it on and off around one
+  // publish, under the lock that orders its publishes (the engine's).
+  void SetQuiet(bool quiet);
 
   // Takes up to `max_events` queued events, oldest first.
   std::vector<KvEvent> Drain(size_t max_events = SIZE_MAX);
@@ -106,6 +116,7 @@ class KvEventPublisher {
   std::map<uint64_t, WakeCallback> wake_subscribers_;
   uint32_t holds_ = 0;       // guarded by mu_
   bool wake_pending_ = false;  // guarded by mu_: published during the current hold
+  bool quiet_ = false;         // guarded by mu_
 };
 
 }  // namespace tandem::engine

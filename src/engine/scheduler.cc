@@ -63,15 +63,33 @@ void Scheduler::Preempt(Sequence* seq) {
   ++preemptions_;
 }
 
-SchedulerOutput Scheduler::Schedule() {
-  SchedulerOutput out;
+const SchedulerOutput& Scheduler::Schedule() {
+  SchedulerOutput& out = out_;
+  out.seqs.clear();
+  out.num_prefill_tokens = 0;
+  out.num_decode_tokens = 0;
+  out.num_preempted = 0;
   uint32_t budget = limits_.max_batched_tokens;
+  // Tokens served are charged to a tenant in runs (one map lookup per run
+  // of sequences of one tenant and chunk size, not per sequence per step);
+  // the run is charged before anything reads a virtual time (a waiting pick).
+  const std::string* charge_tenant = nullptr;
+  uint32_t charge_tokens = 0;
+  uint64_t charge_times = 0;
+  auto flush_charge = [&] {
+    if (charge_times > 0) fair_.Charge(*charge_tenant, charge_tokens, charge_times);
+    charge_tenant = nullptr;
+    charge_times = 0;
+  };
   auto add = [&](Sequence* s, uint32_t n) {
     const bool samples = s->num_computed + n == s->tokens.size();
     out.seqs.push_back({s, n, samples});
     (s->num_pending() > 1 ? out.num_prefill_tokens : out.num_decode_tokens) += n;
     budget -= n;
-    fair_.Charge(s->req.tenant, n);
+    if (charge_times > 0 && (charge_tokens != n || *charge_tenant != s->req.tenant)) flush_charge();
+    charge_tenant = &s->req.tenant;
+    charge_tokens = n;
+    ++charge_times;
   };
   // Running sequences in priority order; within one, in admission order.
   // (Usually already so: no sort, and no buffer for it, per step.)
@@ -85,11 +103,15 @@ SchedulerOutput Scheduler::Schedule() {
   done.clear();
   done.reserve(running_.size());
   out.seqs.reserve(running_.size() + 1);
-  std::deque<Sequence*> rest(running_.begin(), running_.end());  // running, not (yet) scheduled
+  // Running, not (yet) scheduled: rest_[rest_lo, rest_hi), taken from the
+  // front (scheduled) and the back (preempted).
+  rest_.assign(running_.begin(), running_.end());
+  size_t rest_lo = 0;
+  size_t rest_hi = rest_.size();
+  const auto rest_empty = [&] { return rest_lo == rest_hi; };
   running_.clear();
   auto preempt_back = [&] {
-    Sequence* victim = rest.back();
-    rest.pop_back();
+    Sequence* victim = rest_[--rest_hi];
     Preempt(victim);
     ++out.num_preempted;
   };
@@ -98,8 +120,10 @@ SchedulerOutput Scheduler::Schedule() {
   // Admits `s` (taken out of waiting_); false (and `s` back in waiting_)
   // when it does not fit.
   auto admit_one = [&](Sequence* s) {
-    auto worse_running = [&] { return !rest.empty() && rest.back()->req.priority > s->req.priority; };
-    if (done.size() + rest.size() >= limits_.max_num_seqs) {
+    auto worse_running = [&] {
+      return !rest_empty() && rest_[rest_hi - 1]->req.priority > s->req.priority;
+    };
+    if (done.size() + (rest_hi - rest_lo) >= limits_.max_num_seqs) {
       if (!worse_running()) return false;
       preempt_back();
     }
@@ -151,10 +175,11 @@ SchedulerOutput Scheduler::Schedule() {
   bool admitting = true;
   std::optional<int32_t> admit_below;  // after a preemption: only better priorities
   while (budget > 0) {
+    if (admitting && !waiting_.empty()) flush_charge();  // the pick reads virtual times
     auto wit = admitting ? fair_.PickNext(waiting_.begin(), waiting_.end(), KeyOf) : waiting_.end();
     Sequence* w = wit != waiting_.end() ? *wit : nullptr;
     if (w != nullptr && admit_below && w->req.priority >= *admit_below) w = nullptr;
-    Sequence* r = rest.empty() ? nullptr : rest.front();
+    Sequence* r = rest_empty() ? nullptr : rest_[rest_lo];
     if (w != nullptr && (r == nullptr || w->req.priority < r->req.priority)) {
       waiting_.erase(wit);
       if (!admit_one(w)) {
@@ -164,7 +189,7 @@ SchedulerOutput Scheduler::Schedule() {
       continue;
     }
     if (r == nullptr) break;
-    rest.pop_front();
+    ++rest_lo;
     const uint32_t n = std::min(r->num_pending(), budget);
     TANDEM_CHECK(n > 0, "running sequence {} has nothing to compute", r->req.request_id);
     const uint32_t have = static_cast<uint32_t>(r->blocks.size());
@@ -173,7 +198,7 @@ SchedulerOutput Scheduler::Schedule() {
     bool self_preempted = false;
     while (!blocks_->CanAllocate(need)) {
       if (!admit_below || r->req.priority < *admit_below) admit_below = r->req.priority;
-      if (rest.empty()) {
+      if (rest_empty()) {
         Preempt(r);
         ++out.num_preempted;
         self_preempted = true;
@@ -188,7 +213,9 @@ SchedulerOutput Scheduler::Schedule() {
     done.push_back(r);
     add(r, n);
   }
-  done.insert(done.end(), rest.begin(), rest.end());
+  flush_charge();
+  done.insert(done.end(), rest_.begin() + static_cast<std::ptrdiff_t>(rest_lo),
+              rest_.begin() + static_cast<std::ptrdiff_t>(rest_hi));
   running_.swap(done);  // the old running_ is next step's `done` buffer
   return out;
 }

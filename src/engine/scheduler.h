@@ -70,7 +70,9 @@ class Scheduler {
   // Takes `seq` out of the waiting or running list (not its blocks).
   void Remove(Sequence* seq);
 
-  SchedulerOutput Schedule();
+  // The step's plan; valid until the next call (its buffers are reused
+  // from step to step: no allocation per step, issue 23).
+  const SchedulerOutput& Schedule();
 
   // Extends seq->hashes to every full block of seq->tokens (chained from seq->root_hash).
   void UpdateHashes(Sequence& seq) const;
@@ -102,6 +104,8 @@ class Scheduler {
   std::deque<Sequence*> waiting_;
   std::vector<Sequence*> running_;
   std::vector<Sequence*> done_;  // Schedule()'s scratch, kept for its capacity
+  std::vector<Sequence*> rest_;  // Schedule()'s scratch: running, not (yet) scheduled
+  SchedulerOutput out_;          // Schedule()'s result, kept for its capacity
   FairShare fair_;
   uint64_t next_arrival_ = 0;
   uint64_t preemptions_ = 0;

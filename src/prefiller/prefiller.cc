@@ -87,9 +87,18 @@ Result<std::optional<PushPlan::Sliced>> Prefiller::SlicedPlan(const ReserveTarge
 
 Prefiller::~Prefiller() { Stop(); }
 
-void EngineProgress::Notify() {
+void EngineProgress::Scheduled() {
   std::lock_guard lock(mu_);
-  if (listener_ != nullptr) listener_->EngineMoved();
+  if (listener_ != nullptr) listener_->EngineMoved(Prefiller::EngineWait::kScheduled);
+}
+
+void EngineProgress::StepEnded() {
+  std::lock_guard lock(mu_);
+  // With other requests on the engine, any step may have changed what the
+  // dispatcher waits for.
+  if (listener_ != nullptr) {
+    listener_->EngineMoved(shared_ ? Prefiller::EngineWait::kNone : Prefiller::EngineWait::kEnded);
+  }
 }
 
 void Prefiller::Start() {
@@ -185,10 +194,14 @@ void Prefiller::WakeDispatcherLocked() {
   if (dispatcher_asleep_) cv_.notify_all();
 }
 
-void Prefiller::EngineMoved() {
+void Prefiller::EngineMoved(EngineWait what) {
   std::lock_guard lock(mu_);
   engine_moved_ = true;
-  if (waiting_for_engine_) WakeDispatcherLocked();
+  // kNone: whatever it waits for.
+  if (waiting_for_engine_ != EngineWait::kNone &&
+      (what == EngineWait::kNone || what == waiting_for_engine_)) {
+    WakeDispatcherLocked();
+  }
 }
 
 void Prefiller::DispatchLoop(std::stop_token stop) {
@@ -244,10 +257,14 @@ void Prefiller::DispatchLoop(std::stop_token stop) {
         continue;
       }
       if (engine_moved_) continue;  // it changed while we looked
-      waiting_for_engine_ = true;
-      until = std::min(until, SteadyClock::now() + (options_.engine_progress
-                                                        ? SteadyClock::duration(kEngineBackstop)
-                                                        : SteadyClock::duration(kEnginePoll)));
+      // A waiting request leaves the queue at a step's start (on_queue_time);
+      // a running one ends in a step (on_step) or, if it is ours, in Complete.
+      waiting_for_engine_ = st.num_waiting > 0 ? EngineWait::kScheduled : EngineWait::kEnded;
+      if (!options_.engine_progress) {
+        until = std::min(until, SteadyClock::now() + SteadyClock::duration(kEnginePoll));
+      } else if (options_.engine_progress->shared_) {
+        until = std::min(until, SteadyClock::now() + SteadyClock::duration(kEngineBackstop));
+      }
     }
     // Asleep until a request is queued (to an empty queue, or with an
     // earlier deadline), a reservation is answered, the engine moves (while
@@ -261,7 +278,7 @@ void Prefiller::DispatchLoop(std::stop_token stop) {
       cv_.wait_until(lock, stop, until, [&] { return wake_; });
     }
     dispatcher_asleep_ = false;
-    waiting_for_engine_ = false;
+    waiting_for_engine_ = EngineWait::kNone;
     asleep_until_ = SteadyClock::time_point::max();
   }
 }
@@ -614,8 +631,9 @@ void Prefiller::Complete(const JobPtr& job, Result<PrefillResult> result) {
   // No write reads the push's staging blocks any more: every path here
   // comes after the push's end (its done, or an Abort's then) or before it began.
   if (push) push->ReleaseStaging();
-  // Its engine request has ended (an abort ends one without a step).
-  EngineMoved();
+  // Its engine request has ended (an abort ends one without a step), be it
+  // waiting or running.
+  EngineMoved(EngineWait::kNone);
   if (result.ok() && options_.on_complete) options_.on_complete(*result);
   if (done) done(std::move(result));
 }

@@ -6,7 +6,7 @@
 // reserve KV blocks — decoder memory is the scarce resource, so nothing is
 // reserved while a request queues here. The dispatcher sleeps until
 // something it waits for changes (a request queued, a reservation answered,
-// the engine scheduled or finished a request: EngineProgress, a queued
+// the engine scheduled or ended a request: EngineProgress, a queued
 // deadline); no fixed polling (issue 23). Then:
 //   engine prefill (prefill_only) -> push the blocks the decoder lacks into
 //   its slots (streaming: while the engine computes them; after_prefill:
@@ -130,17 +130,24 @@ class Prefiller;
 
 // How the engine's progress reaches the dispatcher (issue 23). The engine
 // exists before the Prefiller, so its owner creates this first, wires
-// EngineOptions::on_queue_time (a request left the waiting queue) and
-// on_step (a step ended: requests may have finished) to Notify(), and
-// passes it in PrefillerOptions::engine_progress. Notify may be called
-// under the engine's lock (the prefiller never calls the engine with its
-// own lock held).
+// EngineOptions::on_queue_time to Scheduled() (a request left the waiting
+// queue) and on_step to StepEnded() (requests may have finished), and
+// passes it in PrefillerOptions::engine_progress. Both may be called under
+// the engine's lock (the prefiller never calls the engine with its own
+// lock held).
 class EngineProgress {
  public:
-  void Notify();
+  // Whether requests other than the prefiller's use the engine (a `both`
+  // worker's decodes): their end without a step (an abort while waiting)
+  // is not seen, so the dispatcher also looks after every step and at
+  // least every Prefiller::kEngineBackstop while it waits for the engine.
+  explicit EngineProgress(bool shared = false) : shared_(shared) {}
+  void Scheduled();
+  void StepEnded();
 
  private:
   friend class Prefiller;
+  const bool shared_;
   std::mutex mu_;
   Prefiller* listener_ = nullptr;  // guarded by mu_; set between Start and Stop
 };
@@ -218,9 +225,8 @@ class Prefiller {
   PrefillerCounts counts() const;
 
   // Without PrefillerOptions::engine_progress: how often the dispatcher
-  // looks at an engine without room. With it: the backstop for a change
-  // that comes without a step (e.g. another role's request aborted while
-  // it waited, on a `both` worker).
+  // looks at an engine without room. With a shared one (EngineProgress):
+  // the backstop for a change that comes without a step.
   static constexpr std::chrono::milliseconds kEnginePoll{2};
   static constexpr std::chrono::milliseconds kEngineBackstop{50};
 
@@ -251,9 +257,12 @@ class Prefiller {
   using JobPtr = std::shared_ptr<Job>;
 
   void DispatchLoop(std::stop_token stop);
-  // The engine may have room now: EngineProgress, or a job's engine request
-  // ended (its abort may come without a step). Takes mu_.
-  void EngineMoved();
+  // What the dispatcher waits for when the engine has no room: a waiting
+  // request to be scheduled, or a running one to end.
+  enum class EngineWait { kNone, kScheduled, kEnded };
+  // The engine may have room now (EngineProgress, or a job's engine request
+  // ended: its abort may come without a step). Takes mu_.
+  void EngineMoved(EngineWait what);
   // With mu_ held: wakes the dispatcher if it sleeps.
   void WakeDispatcherLocked();
   void OnReserved(const JobPtr& job, Result<ReserveTarget> target);
@@ -306,7 +315,7 @@ class Prefiller {
   // The dispatcher's sleep (guarded by mu_): whether it sleeps, whether it
   // waits for the engine, until when at most, and whether something woke it.
   bool dispatcher_asleep_ = false;
-  bool waiting_for_engine_ = false;
+  EngineWait waiting_for_engine_ = EngineWait::kNone;
   bool engine_moved_ = false;  // since the dispatcher last read engine_.stats()
   bool wake_ = false;
   std::chrono::steady_clock::time_point asleep_until_ = std::chrono::steady_clock::time_point::max();

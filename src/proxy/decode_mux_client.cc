@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/delivery_scope.h"
 #include "common/rpc_server.h"
 
 namespace tandem::proxy {
@@ -109,6 +110,9 @@ void DecodeMux::Deliver(const pb::DecodeStreamResponse& batch) {
       if (item.has_finished() || item.has_error()) requests_.erase(it);
     }
   }
+  // One batch: a front end that buffers per connection (the native gRPC
+  // server, docs/grpc-frontend.md) sends once at its end, not per item.
+  DeliveryScope scope;
   for (auto& [req, item] : batch_) req->Deliver(*item);
   batch_.clear();
 }

@@ -14,8 +14,10 @@ namespace tandem::proxy {
 
 namespace pb = ::tandem::v1;
 
-DecodeMuxTcpClient::DecodeMuxTcpClient(std::shared_ptr<FrameConn> conn)
-    : conn_(std::move(conn)), wake_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {
+DecodeMuxTcpClient::DecodeMuxTcpClient(std::shared_ptr<FrameConn> conn, bool deliver_on_grpc_thread)
+    : conn_(std::move(conn)),
+      deliver_on_grpc_thread_(deliver_on_grpc_thread),
+      wake_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {
   conn_->SetWake([this] { Wake(); });
 }
 
@@ -32,8 +34,10 @@ DecodeMuxTcpClient::~DecodeMuxTcpClient() {
 
 std::shared_ptr<DecodeMuxTcpClient> DecodeMuxTcpClient::Open(const std::string& address,
                                                              std::shared_ptr<FrameTls> tls,
+                                                             bool deliver_on_grpc_thread,
                                                              FrameOptions options) {
-  auto mux = std::make_shared<DecodeMuxTcpClient>(FrameConn::Client(address, std::move(tls), options));
+  auto mux = std::make_shared<DecodeMuxTcpClient>(
+      FrameConn::Client(address, std::move(tls), options), deliver_on_grpc_thread);
   mux->self_ = mux;
   mux->reader_ = std::thread([m = mux.get()] { m->Run(); });
   return mux;
@@ -121,6 +125,14 @@ void DecodeMuxTcpClient::Run() {
 // reader thread, each would be flushed (a sendmsg) and completed on its own.
 // Measured: bench/results/proxy_cost.md, "Session 5, raw-mux".
 void DecodeMuxTcpClient::Post(Posted p) {
+  if (!deliver_on_grpc_thread_) {  // here, in order: this is the only reader
+    if (p.end) {
+      EndAll(*p.end);
+    } else {
+      Deliver(p.batch);
+    }
+    return;
+  }
   bool arm = false;
   {
     std::lock_guard lock(post_mu_);

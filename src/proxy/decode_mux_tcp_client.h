@@ -6,8 +6,9 @@
 //
 // One reader thread per connection dials, runs the TLS handshake and reads
 // each batch; the batch's items go to the requests' events on a gRPC
-// thread (see DrainPosted: the client writes they start must be made from
-// gRPC's own threads to leave in one flush); starts and
+// thread when the public front end is gRPC C++ (see Post: the client writes
+// they start must be made from gRPC's own threads to leave in one flush),
+// else (the native front end) on the reader thread itself; starts and
 // cancels are written inline by the thread that makes them (never
 // blocking: what the socket does not take waits for the reader's POLLOUT).
 // A connection that cannot be dialled or authenticated, or that breaks,
@@ -33,9 +34,12 @@ namespace tandem::proxy {
 
 class DecodeMuxTcpClient final : public DecodeMux {
  public:
-  // Starts the reader, which dials `address` ("host:port").
+  // Starts the reader, which dials `address` ("host:port"). With
+  // `deliver_on_grpc_thread`, batches reach the requests on a gRPC thread
+  // (DrainPosted), else on the reader thread.
   static std::shared_ptr<DecodeMuxTcpClient> Open(const std::string& address,
                                                   std::shared_ptr<FrameTls> tls,
+                                                  bool deliver_on_grpc_thread = true,
                                                   FrameOptions options = {});
   ~DecodeMuxTcpClient() override;
 
@@ -43,7 +47,7 @@ class DecodeMuxTcpClient final : public DecodeMux {
   // waits (boundedly) for what it posted to be delivered.
   void Stop();
 
-  explicit DecodeMuxTcpClient(std::shared_ptr<FrameConn> conn);  // use Open
+  DecodeMuxTcpClient(std::shared_ptr<FrameConn> conn, bool deliver_on_grpc_thread);  // use Open
 
  private:
   // What the reader hands to a gRPC thread: a batch, or the stream's end.
@@ -61,6 +65,7 @@ class DecodeMuxTcpClient final : public DecodeMux {
   void DrainPosted();
 
   const std::shared_ptr<FrameConn> conn_;
+  const bool deliver_on_grpc_thread_;
   int wake_fd_ = -1;  // eventfd: Stop/abandon, output left for POLLOUT
   std::mutex post_mu_;
   std::deque<Posted> posted_;   // guarded by post_mu_

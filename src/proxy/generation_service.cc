@@ -13,6 +13,7 @@
 #include "common/stream_writer.h"
 #include "common/token_merge.h"
 #include "common/tracing.h"
+#include "proxy/generate_convert.h"
 
 namespace tandem::proxy {
 namespace {
@@ -25,49 +26,6 @@ namespace pb = ::tandem::v1;
 // the request to the work pool and back (a thread wake-up each way; issue
 // 23). Text prompts and larger requests go to the work pool.
 constexpr size_t kInlineRequestBytes = 256 << 10;
-
-// Takes the strings out of `r`.
-ClientRequest FromProto(pb::wire::GenerateRequestBytes& r) {
-  ClientRequest c;
-  c.request_id = std::move(*r.mutable_request_id());
-  c.model = std::move(*r.mutable_model());
-  c.has_prompt = !r.prompt().empty();
-  c.prompt = std::move(*r.mutable_prompt());
-  c.prompt_token_ids.assign(r.prompt_token_ids().begin(), r.prompt_token_ids().end());
-  if (r.has_max_tokens()) c.max_tokens = r.max_tokens();
-  if (r.has_sampling()) {
-    const auto& s = r.sampling();
-    if (s.has_temperature()) c.temperature = s.temperature();
-    if (s.has_top_p()) c.top_p = s.top_p();
-    if (s.has_top_k()) c.top_k = s.top_k();
-    if (s.has_seed()) c.seed = s.seed();
-  }
-  c.stop.assign(r.stop().begin(), r.stop().end());
-  c.stop_token_ids.assign(r.stop_token_ids().begin(), r.stop_token_ids().end());
-  c.ignore_eos = r.ignore_eos();
-  if (r.has_ttft_slo_ms()) c.ttft_slo_ms = r.ttft_slo_ms();
-  if (r.has_tpot_slo_ms()) c.tpot_slo_ms = r.tpot_slo_ms();
-  if (r.has_priority()) c.priority = r.priority();
-  return c;
-}
-
-// An empty prompt string is "not set" in proto3; say "empty" when the
-// client clearly sent neither ids nor text.
-Status ExplainEmptyPrompt(const pb::wire::GenerateRequestBytes& r) {
-  if (r.prompt().empty() && r.prompt_token_ids().empty()) {
-    return InvalidArgumentError(
-        "prompt is empty and prompt_token_ids is empty: give exactly one of them");
-  }
-  return Status::Ok();
-}
-
-pb::FinishReason ToProto(Finish f) {
-  switch (f) {
-    case Finish::kStop: return pb::FINISH_REASON_STOP;
-    case Finish::kLength: return pb::FINISH_REASON_LENGTH;
-    default: return pb::FINISH_REASON_UNSPECIFIED;
-  }
-}
 
 class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateResponse> {
  public:
@@ -150,7 +108,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
                                           double* retry_after) {
     if (parsed.ok()) parsed = ExplainEmptyPrompt(req);
     if (!parsed.ok()) return parsed;
-    Result<ValidatedRequest> v = fe->Validate(FromProto(req), tenant, retry_after);
+    Result<ValidatedRequest> v = fe->Validate(ClientRequestFromProto(req), tenant, retry_after);
     if (v.ok()) v->trace = tracing::Tracer::Get().StartRequest(traceparent);
     return v;
   }
@@ -178,7 +136,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
     sink.on_finish = [this](proxy::Finish reason, Usage usage) {
       pb::GenerateResponse r;
       r.set_request_id(request_id_);
-      r.set_finish_reason(ToProto(reason));
+      r.set_finish_reason(FinishToProto(reason));
       r.mutable_usage()->set_prompt_tokens(usage.prompt_tokens);
       r.mutable_usage()->set_completion_tokens(usage.completion_tokens);
       r.mutable_usage()->set_cached_prompt_tokens(usage.cached_prompt_tokens);

@@ -47,7 +47,9 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
   p->planner_->Start();
   p->client_ = std::make_unique<GrpcWorkerClient>(options.internal_credentials,
                                                   fleet.proxy.decode_stream,
-                                                  fleet.proxy.decode_transport == "tcp");
+                                                  fleet.proxy.decode_transport == "tcp",
+                                                  /*tcp_deliver_on_grpc_thread=*/
+                                                  fleet.proxy.grpc_server != "native");
 
   ServingLimits limits;
   limits.model = fleet.model.name;
@@ -97,13 +99,26 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
   TANDEM_ASSIGN_OR_RETURN(p->internal_server_,
                           RpcServer::Start(pick(options.internal, fleet.proxy.internal),
                                            {p->registry_.get()}, options.internal_credentials));
-  RpcCredentials public_credentials;
-  if (!options.public_tls.empty()) {
-    TANDEM_ASSIGN_OR_RETURN(public_credentials, RpcCredentials::ServerTls(options.public_tls));
+  if (fleet.proxy.grpc_server == "native") {
+    // docs/grpc-frontend.md: TLS on the native front end is not there yet.
+    if (!options.public_tls.empty()) {
+      return InvalidArgumentError(
+          "proxy.grpc_server: native does not serve TLS yet, and security.public_tls is set: "
+          "use proxy.grpc_server: grpc (the default) with TLS");
+    }
+    TANDEM_ASSIGN_OR_RETURN(p->native_, h2::H2Server::Start(pick(options.grpc, fleet.proxy.grpc),
+                                                            p->frontend_.get()));
+    p->addresses_.grpc = p->native_->address();
+  } else {
+    RpcCredentials public_credentials;
+    if (!options.public_tls.empty()) {
+      TANDEM_ASSIGN_OR_RETURN(public_credentials, RpcCredentials::ServerTls(options.public_tls));
+    }
+    TANDEM_ASSIGN_OR_RETURN(p->server_, RpcServer::Start(pick(options.grpc, fleet.proxy.grpc),
+                                                         {p->generation_.get()},
+                                                         public_credentials));
+    p->addresses_.grpc = p->server_->address();
   }
-  TANDEM_ASSIGN_OR_RETURN(p->server_, RpcServer::Start(pick(options.grpc, fleet.proxy.grpc),
-                                                       {p->generation_.get()}, public_credentials));
-  p->addresses_.grpc = p->server_->address();
   p->addresses_.internal = p->internal_server_->address();
   p->addresses_.metrics = p->metrics_registry_->bound_address();
   if (options.http_factory) {
@@ -112,9 +127,9 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
     TANDEM_ASSIGN_OR_RETURN(p->http_, options.http_factory(pick(options.http, fleet.proxy.http), hc));
     p->addresses_.http = p->http_->address();
   }
-  spdlog::info("proxy serving {} on {} (gRPC{}), {} (HTTP), metrics on {}; workers register on {} "
+  spdlog::info("proxy serving {} on {} (gRPC{}{}), {} (HTTP), metrics on {}; workers register on {} "
                "({})",
-               fleet.model.name, p->addresses_.grpc,
+               fleet.model.name, p->addresses_.grpc, p->native_ ? ", native HTTP/2" : "",
                options.public_tls.empty() ? "" : ", TLS",
                p->addresses_.http.empty() ? "-" : p->addresses_.http, p->addresses_.metrics,
                p->addresses_.internal,
@@ -129,30 +144,37 @@ ProxyServer::~ProxyServer() {
 
 Status ProxyServer::ReloadPublicTls() { return http_ ? http_->ReloadTls() : Status::Ok(); }
 
+void ProxyServer::SetServing(bool serving) {
+  if (server_) server_->SetServing(serving);
+  if (native_) native_->SetServing(serving);
+}
+
 size_t ProxyServer::WaitForWarmIndex(size_t n, std::chrono::milliseconds limit) {
   if (n == 0) return 0;
-  server_->SetServing(false);
+  SetServing(false);
   const size_t got = registry_->WaitForSnapshots(n, limit);
-  server_->SetServing(true);
+  SetServing(true);
   return got;
 }
 
 void ProxyServer::Drain() {
   if (frontend_) frontend_->SetDraining(true);
-  if (server_) server_->SetServing(false);
+  SetServing(false);
 }
 
 void ProxyServer::Shutdown(int grace_ms) {
-  if (!server_) return;
+  if (!server_ && !native_) return;
   Drain();
   for (int waited = 0; waited < grace_ms && frontend_->inflight() > 0; waited += 10) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   if (http_) http_->Shutdown();
-  server_->Shutdown(0);
+  if (server_) server_->Shutdown(0);
+  if (native_) native_->Shutdown();
   if (internal_server_) internal_server_->Shutdown(0);
   registry_->Shutdown();
   server_.reset();
+  native_.reset();
   internal_server_.reset();
 }
 

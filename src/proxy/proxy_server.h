@@ -17,6 +17,7 @@
 #include "model/tokenizer.h"
 #include "proxy/fleet.h"
 #include "proxy/generation_service.h"
+#include "proxy/h2/h2_server.h"
 #include "proxy/planner.h"
 #include "proxy/proxy_metrics.h"
 #include "proxy/registry_service.h"
@@ -93,6 +94,7 @@ class ProxyServer {
 
  private:
   ProxyServer() = default;
+  void SetServing(bool serving);  // the public gRPC port's health
 
   std::unique_ptr<model::Tokenizer> tokenizer_;
   std::unique_ptr<MetricsRegistry> metrics_registry_;
@@ -104,7 +106,8 @@ class ProxyServer {
   std::unique_ptr<Frontend> frontend_;
   std::unique_ptr<GenerationService> generation_;
   std::unique_ptr<RegistryService> registry_;
-  std::unique_ptr<RpcServer> server_;           // public
+  std::unique_ptr<RpcServer> server_;           // public (proxy.grpc_server: grpc)
+  std::unique_ptr<h2::H2Server> native_;        // public (proxy.grpc_server: native)
   std::unique_ptr<RpcServer> internal_server_;  // Registry
   std::unique_ptr<HttpFrontEnd> http_;  // last: stopped before what it uses
   ProxyAddresses addresses_;

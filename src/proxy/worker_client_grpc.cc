@@ -203,8 +203,12 @@ size_t GrpcWorkerClient::AbandonCalls(const std::string& address, const std::str
   return n;
 }
 
-GrpcWorkerClient::GrpcWorkerClient(RpcCredentials credentials, bool decode_stream, bool decode_tcp)
-    : credentials_(std::move(credentials)), decode_stream_(decode_stream), decode_tcp_(decode_tcp) {
+GrpcWorkerClient::GrpcWorkerClient(RpcCredentials credentials, bool decode_stream, bool decode_tcp,
+                                   bool tcp_deliver_on_grpc_thread)
+    : credentials_(std::move(credentials)),
+      decode_stream_(decode_stream),
+      decode_tcp_(decode_tcp),
+      tcp_deliver_on_grpc_thread_(tcp_deliver_on_grpc_thread) {
   if (!decode_stream_ || !decode_tcp_) return;
   auto tls = InternalFrameTls(credentials_);
   if (!tls.ok()) {
@@ -255,7 +259,7 @@ std::shared_ptr<DecodeMux> GrpcWorkerClient::Mux(const std::string& address,
   auto& mux = muxes_[address];
   if (mux && mux.get() != stale && !mux->ended()) return mux;
   if (tcp != tcp_addresses_.end()) {
-    auto m = DecodeMuxTcpClient::Open(tcp->second, frame_tls_);
+    auto m = DecodeMuxTcpClient::Open(tcp->second, frame_tls_, tcp_deliver_on_grpc_thread_);
     std::erase_if(tcp_muxes_, [](const auto& w) { return w.expired(); });
     tcp_muxes_.push_back(m);
     mux = std::move(m);

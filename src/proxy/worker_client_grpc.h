@@ -30,9 +30,13 @@ class GrpcWorkerClient final : public WorkerClient {
   // (SetDecodeStream); otherwise one Decode RPC per request. `decode_tcp`
   // (proxy.decode_transport tcp): that stream is the decoder's framed TCP
   // one where it advertises it (SetDecodeMuxAddress), with the same mutual
-  // TLS identity; otherwise the gRPC DecodeStream.
+  // TLS identity; otherwise the gRPC DecodeStream. `tcp_deliver_on_grpc_thread`
+  // (proxy/decode_mux_tcp_client.h): the TCP stream's batches are handed to
+  // the requests on a gRPC thread (the public gRPC C++ server's writes then
+  // leave in one flush) rather than on its reader thread (the native front
+  // end flushes at the end of the reader's batch).
   explicit GrpcWorkerClient(RpcCredentials credentials, bool decode_stream = true,
-                            bool decode_tcp = true);
+                            bool decode_tcp = true, bool tcp_deliver_on_grpc_thread = true);
   ~GrpcWorkerClient() override;
 
   // Whether the worker at `address` serves Decoder.DecodeStream
@@ -82,6 +86,7 @@ class GrpcWorkerClient final : public WorkerClient {
   const RpcCredentials credentials_;
   const bool decode_stream_;
   bool decode_tcp_;
+  const bool tcp_deliver_on_grpc_thread_;
   std::shared_ptr<FrameTls> frame_tls_;  // the framed connections' TLS; null: plaintext
   std::mutex mu_;
   std::unordered_set<std::string> mux_addresses_;  // guarded by mu_: serve DecodeStream

@@ -211,7 +211,11 @@ StepCost TimingModel::FromGroups(const std::vector<Work>& groups, bool decode_on
 }
 
 StepCost TimingModel::Step(std::span<const SeqWork> batch) const {
-  std::vector<const SeqWork*> seqs;
+  // Scratch kept per thread (a model is shared by const reference): no
+  // allocation per step (issue 23: a sim decoder's step runs this).
+  thread_local std::vector<const SeqWork*> seqs;
+  thread_local std::vector<Work> groups;
+  seqs.clear();
   bool decode_only = true;
   for (const SeqWork& w : batch) {
     if (w.new_tokens == 0 && w.logit_rows == 0) continue;
@@ -221,9 +225,11 @@ StepCost TimingModel::Step(std::span<const SeqWork> batch) const {
   if (seqs.empty()) return {};
   const size_t m = std::min<size_t>(p_.pipeline_parallel, seqs.size());
   // Balance the micro-batches by new tokens: longest first onto the lightest.
-  std::stable_sort(seqs.begin(), seqs.end(),
-                   [](const SeqWork* a, const SeqWork* b) { return a->new_tokens > b->new_tokens; });
-  std::vector<Work> groups(m);
+  const auto longer = [](const SeqWork* a, const SeqWork* b) { return a->new_tokens > b->new_tokens; };
+  if (!std::is_sorted(seqs.begin(), seqs.end(), longer)) {
+    std::stable_sort(seqs.begin(), seqs.end(), longer);
+  }
+  groups.assign(m, Work{});
   for (const SeqWork* w : seqs) {
     auto lightest = std::min_element(groups.begin(), groups.end(), [](const Work& a, const Work& b) {
       return a.new_tokens < b.new_tokens || (a.new_tokens == b.new_tokens && a.seqs < b.seqs);

@@ -392,15 +392,15 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   // The prefiller's dispatcher sleeps until the engine schedules or ends a
   // request (issue 23; prefiller.h, EngineProgress).
   std::shared_ptr<prefiller::EngineProgress> engine_progress =
-      prefills ? std::make_shared<prefiller::EngineProgress>() : nullptr;
+      prefills ? std::make_shared<prefiller::EngineProgress>(/*shared=*/decodes) : nullptr;
   eo.on_queue_time = [metrics, engine_progress](int32_t priority, const std::string& tenant,
                                                 double seconds) {
     metrics->ObserveQueueTime(priority, tenant, seconds);
-    if (engine_progress) engine_progress->Notify();
+    if (engine_progress) engine_progress->Scheduled();
   };
   eo.on_step = [metrics, idle = w.idle_wake, engine_progress](const engine::StepStats& st) {
     idle->Notify();
-    if (engine_progress) engine_progress->Notify();
+    if (engine_progress) engine_progress->StepEnded();
     if (st.num_prefill_tokens == 0 && st.num_decode_tokens > 0) metrics->ObserveDecodeStep(st.seconds);
   };
   TANDEM_ASSIGN_OR_RETURN(w.engine, engine::Engine::Create(w.model_config, w.weights, eo));

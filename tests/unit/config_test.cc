@@ -532,5 +532,23 @@ TEST(Config, RoleRankLayout) {
             std::string::npos);
 }
 
+// Issue 23 (docs/grpc-frontend.md): the public gRPC port's server.
+TEST(Config, ProxyGrpcServerIsGrpcByDefaultAndNativeOnRequest) {
+  auto d = Parse("model:\n  path: m\nboth:\n  replicas: 1\n");
+  ASSERT_TRUE(d.ok()) << d.status().message();
+  EXPECT_EQ(d->proxy.grpc_server, "grpc");
+  auto n = Parse("model:\n  path: m\nproxy:\n  grpc_server: native\nboth:\n  replicas: 1\n");
+  ASSERT_TRUE(n.ok()) << n.status().message();
+  EXPECT_EQ(n->proxy.grpc_server, "native");
+  const std::string bad =
+      ErrorOf("model:\n  path: m\nproxy:\n  grpc_server: h2o\nboth:\n  replicas: 1\n");
+  EXPECT_NE(bad.find("grpc_server"), std::string::npos) << bad;
+  EXPECT_NE(bad.find("native"), std::string::npos) << bad;
+  const std::string tls = ErrorOf(
+      "model:\n  path: m\nproxy:\n  grpc_server: native\nsecurity:\n  public_tls: auto\n"
+      "both:\n  replicas: 1\n");
+  EXPECT_NE(tls.find("proxy.grpc_server 'native' does not serve TLS yet"), std::string::npos) << tls;
+}
+
 }  // namespace
 }  // namespace tandem

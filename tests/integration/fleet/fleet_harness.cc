@@ -44,6 +44,17 @@ static std::string LogLevel(const FleetOptions& o) {
   return env && *env && o.log_level == FleetOptions{}.log_level ? std::string(env) : o.log_level;
 }
 
+// TANDEM_TEST_GRPC_SERVER=native (or grpc) in the environment: the proxy's
+// public gRPC port is served by that front end (proxy.grpc_server,
+// docs/grpc-frontend.md), unless the test chose one itself.
+static std::string GrpcServerYaml(const FleetOptions& o) {
+  const char* env = getenv("TANDEM_TEST_GRPC_SERVER");
+  if (env == nullptr || *env == 0 || o.proxy_yaml.find("grpc_server:") != std::string::npos) {
+    return "";
+  }
+  return fmt::format("  grpc_server: {}\n", env);
+}
+
 Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
   auto f = std::make_unique<Fleet>();
   char tmpl[] = "/tmp/tandem-fleet-XXXXXX";
@@ -60,7 +71,7 @@ Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
         "router:\n  policy: {}\n{}"
         "logging:\n  level: {}\n  format: {}\n",
         BundledModel(), o.model_yaml, o.num_blocks, o.cache_yaml, o.max_num_seqs, o.max_batched_tokens, o.max_waiting,
-        o.max_inflight, o.proxy_yaml, o.policy, o.router_yaml, LogLevel(o), o.log_format);
+        o.max_inflight, o.proxy_yaml + GrpcServerYaml(o), o.policy, o.router_yaml, LogLevel(o), o.log_format);
     for (auto [role, n, extra] : {std::tuple{"prefill", o.prefill, &o.prefill_yaml},
                                   {"decode", o.decode, &o.decode_yaml},
                                   {"both", o.both, &o.both_yaml}}) {

@@ -221,6 +221,84 @@ TEST(EngineTest, StepEventsWakeSubscribersOnce) {
   e->RunUntilIdle();  // decode steps: no new block is full, nothing published
 }
 
+// Issue 23: the stored event of a run of output blocks is quiet (wakes no
+// drainer; it is queued and leaves with the next wake-up), while the
+// prompt's block and the blocks committed at the end wake it as before.
+TEST(EngineTest, DecodeRunEventsAreQueuedWithoutAWakeUp) {
+  EngineOptions o;
+  o.num_blocks = 64;
+  auto e = MakeEngine(TinyModel(), o);
+  int wakes = 0;
+  e->events().SubscribeWake([&] { ++wakes; });
+  Collector a;
+  // As DecodeBlocksAreCommittedInRunsAndAtTheEnd: the prompt's block, a
+  // run of 8 output blocks, then the 4 left at the end.
+  ASSERT_TRUE(e->Submit(Req("a", Prompt(20, 9), 200, &a)).ok());
+  std::vector<size_t> stored;  // hashes per stored event, in order
+  std::vector<int> wakes_at;   // the wake count when each was drained
+  while (e->Step()) {
+    for (const auto& x : e->events().Drain()) {
+      stored.push_back(x.hashes.size());
+      wakes_at.push_back(wakes);
+    }
+  }
+  ASSERT_EQ(a.tokens.size(), 200u);
+  // (CommitFullBlocks publishes a run's first block, then the rest.)
+  EXPECT_EQ(stored, (std::vector<size_t>{1, 1, 7, 1, 3}));
+  // The prompt's block woke the drainer; the run of 8 did not (still 1
+  // wake when it was drained); the request's end did.
+  EXPECT_EQ(wakes_at, (std::vector<int>{1, 1, 1, 2, 2}));
+  EXPECT_EQ(wakes, 2);
+}
+
+// Issue 23: work that does not fit waits for a release without polling;
+// a release, and a queued request's deadline, end the wait.
+TEST(EngineTest, BlockedWorkWaitsForAReleaseOrItsDeadline) {
+  EngineOptions o;
+  o.num_blocks = 8;
+  auto e = MakeEngine(TinyModel(), o);
+  e->Start();
+  // A reservation holds the whole pool (127 tokens: 8 blocks of 16).
+  auto held = e->Reserve("hold", Prompt(127, 5));
+  ASSERT_TRUE(held.ok()) << held.status().ToString();
+  ASSERT_EQ(e->stats().free_blocks, 0u);
+
+  // Blocked with a deadline and nothing else happening: ended at the
+  // deadline, without being computed.
+  std::promise<RequestOutput> late_done;
+  auto late = Req("late", Prompt(20, 1), 4, nullptr);
+  late.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(20);
+  late.on_output = [&](const RequestOutput& out) {
+    if (out.finished) late_done.set_value(out);
+  };
+  ASSERT_TRUE(e->Submit(std::move(late)).ok());
+  auto late_future = late_done.get_future();
+  ASSERT_EQ(late_future.wait_for(std::chrono::seconds(60)), std::future_status::ready);
+  const RequestOutput late_out = late_future.get();
+  EXPECT_EQ(late_out.finish_reason, FinishReason::kDeadline);
+  EXPECT_EQ(late_out.status.code(), StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(late_out.token_ids.empty());
+
+  // Blocked without a deadline: runs once the reservation is released,
+  // with the tokens it gives alone.
+  std::promise<void> done;
+  Collector c;
+  auto r = Req("b", Prompt(20, 2), 4, nullptr);
+  auto inner = c.Callback();
+  r.on_output = [&, inner](const RequestOutput& out) {
+    inner(out);
+    if (out.finished) done.set_value();
+  };
+  ASSERT_TRUE(e->Submit(std::move(r)).ok());
+  ASSERT_TRUE(e->ReleaseReservation(held->reservation_id).ok());
+  auto f = done.get_future();
+  ASSERT_EQ(f.wait_for(std::chrono::seconds(60)), std::future_status::ready);
+  e->Stop();
+  EXPECT_EQ(c.reason, FinishReason::kLength);
+  EXPECT_EQ(c.tokens, GenerateAlone(Prompt(20, 2), 4));
+  EXPECT_EQ(e->stats().free_blocks, 8u);
+}
+
 // Two prefills of one prefix in the same step: the second one's copies of
 // the shared blocks stay private, and so does everything after them — a
 // block committed after a private duplicate would hang under the other

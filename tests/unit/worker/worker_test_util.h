@@ -95,8 +95,8 @@ struct Node {
     eo.scheduler.max_batched_tokens = 64;
     eo.allocator = n->allocator.get();
     if (progress) {
-      eo.on_queue_time = [progress](int32_t, const std::string&, double) { progress->Notify(); };
-      eo.on_step = [progress](const engine::StepStats&) { progress->Notify(); };
+      eo.on_queue_time = [progress](int32_t, const std::string&, double) { progress->Scheduled(); };
+      eo.on_step = [progress](const engine::StepStats&) { progress->StepEnded(); };
     }
     auto e = engine::Engine::Create(Tiny().config, Tiny().weights, eo);
     EXPECT_TRUE(e.ok()) << e.status().ToString();

@@ -1,0 +1,47 @@
+#include "proxy/generate_convert.h"
+
+namespace tandem::proxy {
+
+namespace pb = ::tandem::v1;
+
+ClientRequest ClientRequestFromProto(pb::wire::GenerateRequestBytes& r) {
+  ClientRequest c;
+  c.request_id = std::move(*r.mutable_request_id());
+  c.model = std::move(*r.mutable_model());
+  c.has_prompt = !r.prompt().empty();
+  c.prompt = std::move(*r.mutable_prompt());
+  c.prompt_token_ids.assign(r.prompt_token_ids().begin(), r.prompt_token_ids().end());
+  if (r.has_max_tokens()) c.max_tokens = r.max_tokens();
+  if (r.has_sampling()) {
+    const auto& s = r.sampling();
+    if (s.has_temperature()) c.temperature = s.temperature();
+    if (s.has_top_p()) c.top_p = s.top_p();
+    if (s.has_top_k()) c.top_k = s.top_k();
+    if (s.has_seed()) c.seed = s.seed();
+  }
+  c.stop.assign(r.stop().begin(), r.stop().end());
+  c.stop_token_ids.assign(r.stop_token_ids().begin(), r.stop_token_ids().end());
+  c.ignore_eos = r.ignore_eos();
+  if (r.has_ttft_slo_ms()) c.ttft_slo_ms = r.ttft_slo_ms();
+  if (r.has_tpot_slo_ms()) c.tpot_slo_ms = r.tpot_slo_ms();
+  if (r.has_priority()) c.priority = r.priority();
+  return c;
+}
+
+Status ExplainEmptyPrompt(const pb::wire::GenerateRequestBytes& r) {
+  if (r.prompt().empty() && r.prompt_token_ids().empty()) {
+    return InvalidArgumentError(
+        "prompt is empty and prompt_token_ids is empty: give exactly one of them");
+  }
+  return Status::Ok();
+}
+
+pb::FinishReason FinishToProto(Finish f) {
+  switch (f) {
+    case Finish::kStop: return pb::FINISH_REASON_STOP;
+    case Finish::kLength: return pb::FINISH_REASON_LENGTH;
+    default: return pb::FINISH_REASON_UNSPECIFIED;
+  }
+}
+
+}  // namespace tandem::proxy

@@ -1,0 +1,332 @@
+#include "proxy/h2/grpc_calls.h"
+
+#include <fmt/format.h>
+#include <google/protobuf/io/coded_stream.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "common/tracing.h"
+#include "proxy/generate_convert.h"
+#include "proxy/h2/grpc_wire.h"
+#include "proxy/h2/h2_connection.h"
+#include "proxy/h2/h2_server.h"
+
+namespace tandem::proxy::h2 {
+namespace {
+
+namespace pb = ::tandem::v1;
+
+// As generation_service.cc: requests of token ids up to this size are
+// parsed and validated on the thread that received them; text prompts and
+// larger requests go to the work pool.
+constexpr size_t kInlineRequestBytes = 256 << 10;
+
+Frontend& Fe(H2Connection& c) { return *c.server()->frontend(); }
+
+long long RetryAfterSeconds(double seconds) {
+  return static_cast<long long>(std::ceil(std::max(seconds, 1.0)));
+}
+
+void ReleaseSlot(Frontend& fe, H2Stream& s) {
+  if (s.admitted && !s.released.exchange(true)) fe.Release();
+}
+
+void CountRejected(Frontend& fe, const Status& st) {
+  if (auto* m = fe.deps().metrics) {
+    m->CountOutcome(st.code() == StatusCode::kResourceExhausted ? "rejected" : "invalid");
+  }
+}
+
+// Authentication, draining, the tenant's request rate, in the gRPC front
+// end's order; `*retry_after_s` set on a rate refusal.
+Status Authorize(Frontend& fe, H2Stream& s, long long* retry_after_s) {
+  auto t = fe.Authenticate(s.authorization);
+  if (!t.ok()) return t.status();
+  s.tenant = *t;
+  if (fe.draining()) return UnavailableError("the fleet is draining");
+  RateRefusal r = fe.ChargeRequest(s.tenant);
+  if (!r.status.ok()) *retry_after_s = RetryAfterSeconds(r.retry_after_seconds);
+  return r.status;
+}
+
+Status TooLarge(const Frontend& fe, uint64_t bytes) {
+  return InvalidArgumentError(fmt::format(
+      "the request has {} bytes; the limit is {} (proxy.limits.max_request_bytes)", bytes,
+      fe.limits().max_request_bytes));
+}
+
+Result<ValidatedRequest> Prepare(Frontend& fe, Status parsed, pb::wire::GenerateRequestBytes& req,
+                                 const Tenant* tenant, const std::string& traceparent,
+                                 double* retry_after) {
+  if (parsed.ok()) parsed = ExplainEmptyPrompt(req);
+  if (!parsed.ok()) return parsed;
+  Result<ValidatedRequest> v = fe.Validate(ClientRequestFromProto(req), tenant, retry_after);
+  if (v.ok()) v->trace = tracing::Tracer::Get().StartRequest(traceparent);
+  return v;
+}
+
+Status ParseRequest(const std::string& body, pb::wire::GenerateRequestBytes& out) {
+  if (!out.ParseFromString(body)) {
+    return InvalidArgumentError("the request is not a valid tandem.v1.GenerateRequest");
+  }
+  return Status::Ok();
+}
+
+std::chrono::system_clock::time_point SystemDeadline(const H2Stream& s) {
+  if (s.deadline == std::chrono::steady_clock::time_point::max()) {
+    return std::chrono::system_clock::time_point::max();
+  }
+  const auto left = s.deadline - std::chrono::steady_clock::now();
+  return std::chrono::system_clock::now() +
+         std::chrono::duration_cast<std::chrono::system_clock::duration>(left);
+}
+
+// On the event thread or a work-pool thread: starts the lifecycle unless
+// the stream is gone.
+void Validated(const std::shared_ptr<H2Connection>& conn, const std::shared_ptr<H2Stream>& s,
+               Result<ValidatedRequest> v, double retry_after,
+               std::chrono::steady_clock::time_point arrival) {
+  Frontend& fe = Fe(*conn);
+  if (!v.ok()) {
+    CountRejected(fe, v.status());
+    ReleaseSlot(fe, *s);
+    conn->PostStatus(s, v.status(), retry_after > 0 ? RetryAfterSeconds(retry_after) : 0);
+    return;
+  }
+  s->request_id = v->client_request_id;
+  std::weak_ptr<H2Connection> wc = conn;
+  ResponseSink sink;
+  sink.on_delta = [s, wc](std::vector<uint32_t> ids, std::string text) {
+    auto c = wc.lock();
+    if (!c) return;
+    pb::GenerateResponse r;
+    r.set_request_id(s->request_id);
+    r.mutable_token_ids()->Add(ids.begin(), ids.end());
+    r.set_text(std::move(text));
+    c->PostMessage(s, std::move(r), /*last=*/false);
+  };
+  sink.on_finish = [s, wc, fe = &fe](Finish reason, Usage usage) {
+    // The slot is free before the client can see the end of its stream.
+    ReleaseSlot(*fe, *s);
+    auto c = wc.lock();
+    if (!c) return;
+    pb::GenerateResponse r;
+    r.set_request_id(s->request_id);
+    r.set_finish_reason(FinishToProto(reason));
+    r.mutable_usage()->set_prompt_tokens(usage.prompt_tokens);
+    r.mutable_usage()->set_completion_tokens(usage.completion_tokens);
+    r.mutable_usage()->set_cached_prompt_tokens(usage.cached_prompt_tokens);
+    c->PostMessage(s, std::move(r), /*last=*/true);
+  };
+  sink.on_error = [s, wc, fe = &fe](Status st) {
+    ReleaseSlot(*fe, *s);
+    if (auto c = wc.lock()) c->PostStatus(s, st);
+  };
+  std::lock_guard lock(s->call_mu);
+  if (s->call_closed) {  // the client went away while it was validated
+    ReleaseSlot(fe, *s);
+    return;
+  }
+  s->lifecycle = RequestLifecycle::Start(fe.deps(), std::move(v).value(), std::move(sink),
+                                         SystemDeadline(*s), arrival);
+}
+
+void Generate(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
+  const auto arrival = std::chrono::steady_clock::now();
+  Frontend& fe = Fe(c);
+  long long retry = 0;
+  Status st = Authorize(fe, *s, &retry);
+  if (st.ok()) {
+    st = fe.Admit();
+    if (!st.ok()) retry = 1;
+  }
+  if (!st.ok()) {
+    CountRejected(fe, st);
+    c.PostStatus(s, st, retry);
+    return;
+  }
+  s->admitted = true;
+  std::string traceparent;
+  if (tracing::Tracer::Get().enabled()) traceparent = s->traceparent;
+  auto conn = c.shared_from_this();
+  auto req = std::make_shared<pb::wire::GenerateRequestBytes>();
+  if (s->body.size() <= kInlineRequestBytes) {
+    Status parsed = ParseRequest(s->body, *req);
+    if (!parsed.ok() || req->prompt().empty()) {
+      double retry_after = 0;
+      auto v = Prepare(fe, parsed, *req, s->tenant, traceparent, &retry_after);
+      Validated(conn, s, std::move(v), retry_after, arrival);
+      return;
+    }
+  } else {
+    req.reset();
+  }
+  // A text prompt (tokenized) or a large request: on the work pool.
+  fe.work().Submit([conn, s, req = std::move(req), arrival,
+                    traceparent = std::move(traceparent)]() mutable {
+    Frontend& f = Fe(*conn);
+    Status parsed = Status::Ok();
+    if (!req) {
+      req = std::make_shared<pb::wire::GenerateRequestBytes>();
+      parsed = ParseRequest(s->body, *req);
+    }
+    double retry_after = 0;
+    auto v = Prepare(f, parsed, *req, s->tenant, traceparent, &retry_after);
+    Validated(conn, s, std::move(v), retry_after, arrival);
+  });
+}
+
+void ListModels(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
+  Frontend& fe = Fe(c);
+  pb::ListModelsRequest req;
+  if (!req.ParseFromString(s->body)) {
+    c.PostStatus(s, InvalidArgumentError("the request is not a valid tandem.v1.ListModelsRequest"));
+    return;
+  }
+  pb::ListModelsResponse resp;
+  auto* m = resp.add_models();
+  m->set_id(fe.limits().model);
+  m->set_max_model_len(fe.limits().max_model_len);
+  m->set_vocab_size(fe.limits().vocab_size);
+  m->set_block_size(fe.deps().block_size);
+  c.PostUnary(s, resp.SerializeAsString());
+}
+
+// grpc.health.v1: HealthCheckRequest { string service = 1; },
+// HealthCheckResponse { ServingStatus status = 1; } (SERVING 1,
+// NOT_SERVING 2), read and written by hand (no generated code for them
+// here). The overall status ("") is the only service, as with gRPC's
+// default health service.
+void HealthCheck(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
+  google::protobuf::io::CodedInputStream in(reinterpret_cast<const uint8_t*>(s->body.data()),
+                                            static_cast<int>(s->body.size()));
+  std::string service;
+  for (uint32_t tag; (tag = in.ReadTag()) != 0;) {
+    if (tag == ((1 << 3) | 2)) {
+      if (!in.ReadString(&service, 1 << 16)) tag = 0;
+    } else if (!google::protobuf::internal::WireFormatLite::SkipField(&in, tag)) {
+      tag = 0;
+    }
+    if (tag == 0) {
+      c.PostStatus(s, InvalidArgumentError("the request is not a valid grpc.health.v1.HealthCheckRequest"));
+      return;
+    }
+  }
+  if (!service.empty()) {
+    c.PostStatus(s, NotFoundError(fmt::format("unknown service '{}'", service)));
+    return;
+  }
+  const char status = c.server()->serving() ? 1 : 2;
+  c.PostUnary(s, std::string{'\x08', status});
+}
+
+bool IsGrpcContentType(const std::string& ct) {
+  constexpr std::string_view kGrpc = "application/grpc";
+  if (ct.compare(0, kGrpc.size(), kGrpc) != 0) return false;
+  return ct.size() == kGrpc.size() || ct[kGrpc.size()] == '+' || ct[kGrpc.size()] == ';';
+}
+
+}  // namespace
+
+void OnRequestHeaders(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
+  if (s->method != "POST") {
+    c.PostStatus(s, UnimplementedError(fmt::format("gRPC calls are POST, not {}", s->method)), 0,
+                 405);
+    return;
+  }
+  if (!IsGrpcContentType(s->content_type)) {
+    c.PostStatus(s,
+                 InvalidArgumentError(fmt::format(
+                     "content-type '{}' is not application/grpc", s->content_type)),
+                 0, 415);
+    return;
+  }
+  if (!s->grpc_timeout.empty()) {
+    auto t = ParseGrpcTimeout(s->grpc_timeout);
+    if (!t) {
+      c.PostStatus(s, InvalidArgumentError(fmt::format(
+                          "grpc-timeout '{}' is malformed (1-8 digits and one of H M S m u n)",
+                          s->grpc_timeout)));
+      return;
+    }
+    s->deadline = std::chrono::steady_clock::now() +
+                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(*t);
+    c.server()->AddDeadline(c.shared_from_this(), s);
+  }
+  static const std::pair<std::string_view, Method> kMethods[] = {
+      {"/tandem.v1.Generation/Generate", Method::kGenerate},
+      {"/tandem.v1.Generation/ListModels", Method::kListModels},
+      {"/grpc.health.v1.Health/Check", Method::kHealthCheck},
+  };
+  for (const auto& [path, kind] : kMethods) {
+    if (s->path == path) s->kind = kind;
+  }
+  if (s->kind == Method::kUnknown) {
+    c.PostStatus(s, UnimplementedError(fmt::format("unknown method {}", s->path)));
+  }
+}
+
+void OnMessagePrefix(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
+  const MessagePrefix p = ReadMessagePrefix(s->prefix);
+  s->msg_len = p.length;
+  if (p.compressed) {
+    c.PostStatus(s, UnimplementedError(
+                        "compressed messages are not supported: send without grpc-encoding"));
+    return;
+  }
+  Frontend& fe = Fe(c);
+  if (p.length > fe.limits().max_request_bytes) {
+    // As the gRPC front end: who is asking, and within its rate, first.
+    long long retry = 0;
+    Status st = s->kind == Method::kGenerate ? Authorize(fe, *s, &retry) : Status::Ok();
+    if (st.ok()) st = TooLarge(fe, p.length);
+    CountRejected(fe, st);
+    c.PostStatus(s, st, retry);
+    return;
+  }
+  s->body.reserve(p.length);
+}
+
+void OnRequestComplete(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
+  if (s->answered) return;
+  if (s->prefix_got < 5) {
+    c.PostStatus(s, InvalidArgumentError("the request carries no gRPC message"));
+    return;
+  }
+  if (s->body.size() < s->msg_len) {
+    c.PostStatus(s, InvalidArgumentError(fmt::format(
+                        "the request ended inside its gRPC message ({} of {} bytes)",
+                        s->body.size(), s->msg_len)));
+    return;
+  }
+  if (s->extra_bytes > 0) {
+    c.PostStatus(s, InvalidArgumentError(
+                        "the request carries more than one message; this method takes one"));
+    return;
+  }
+  switch (s->kind) {
+    case Method::kGenerate: Generate(c, s); break;
+    case Method::kListModels: ListModels(c, s); break;
+    case Method::kHealthCheck: HealthCheck(c, s); break;
+    default: c.PostStatus(s, UnimplementedError(fmt::format("unknown method {}", s->path)));
+  }
+}
+
+void OnStreamClosed(H2Stream& s, Frontend& fe) {
+  std::shared_ptr<RequestLifecycle> lc;
+  {
+    std::lock_guard lock(s.call_mu);
+    s.call_closed = true;
+    lc = std::move(s.lifecycle);
+  }
+  if (lc) lc->Cancel();  // no-op when it finished
+  ReleaseSlot(fe, s);
+}
+
+void AbortCall(H2Connection& c, const std::shared_ptr<H2Stream>& s, const Status& st) {
+  OnStreamClosed(*s, Fe(c));
+  c.PostStatus(s, st);
+}
+
+}  // namespace tandem::proxy::h2

@@ -1,0 +1,460 @@
+#include "proxy/h2/h2_connection.h"
+
+#include <fmt/format.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "common/token_merge.h"
+#include "proxy/h2/grpc_calls.h"
+#include "proxy/h2/grpc_wire.h"
+#include "proxy/h2/h2_server.h"
+
+namespace tandem::proxy::h2 {
+namespace {
+
+// Streams one connection may have open (SETTINGS_MAX_CONCURRENT_STREAMS):
+// the 1,000-stream benchmark over one channel fits; the proxy's admission
+// (proxy.max_inflight) is the real bound.
+constexpr uint32_t kMaxConcurrentStreams = 4096;
+// Per-stream receive window: an 8k-token prompt (~30 KB) in one flight.
+constexpr uint32_t kInitialWindow = 1 << 20;
+// Frames buffered before a write; past it, the socket must drain first
+// (a client that does not read stops the session's output here).
+constexpr size_t kHighWater = 256 << 10;
+
+nghttp2_nv Nv(std::string_view name, std::string_view value) {
+  return nghttp2_nv{reinterpret_cast<uint8_t*>(const_cast<char*>(name.data())),
+                    reinterpret_cast<uint8_t*>(const_cast<char*>(value.data())), name.size(),
+                    value.size(), NGHTTP2_NV_FLAG_NONE};
+}
+
+// The trailers of a finished call (also the Trailers-Only response's).
+struct Trailers {
+  std::string code, message, retry_after, http_status;
+  std::vector<nghttp2_nv> nv;
+  Trailers(const H2Stream& s, bool trailers_only) {
+    code = std::to_string(s.status_code);
+    message = PercentEncode(s.status_message);
+    if (trailers_only) {
+      http_status = std::to_string(s.http_status);
+      nv.push_back(Nv(":status", http_status));
+      nv.push_back(Nv("content-type", "application/grpc"));
+    }
+    nv.push_back(Nv("grpc-status", code));
+    if (!message.empty()) nv.push_back(Nv("grpc-message", message));
+    if (s.retry_after_s > 0) {
+      retry_after = std::to_string(s.retry_after_s);
+      nv.push_back(Nv("retry-after", retry_after));
+    }
+  }
+};
+
+}  // namespace
+
+H2Connection::H2Connection(int fd, H2Server* server) : fd_(fd), server_(server) {}
+
+H2Connection::~H2Connection() {
+  if (session_ != nullptr) nghttp2_session_del(session_);
+  if (!closed_) close(fd_);
+}
+
+Status H2Connection::Init() {
+  nghttp2_session_callbacks* cb = nullptr;
+  if (nghttp2_session_callbacks_new(&cb) != 0) return InternalError("nghttp2: out of memory");
+  nghttp2_session_callbacks_set_on_begin_headers_callback(cb, &OnBeginHeaders);
+  nghttp2_session_callbacks_set_on_header_callback(cb, &OnHeader);
+  nghttp2_session_callbacks_set_on_frame_recv_callback(cb, &OnFrameRecv);
+  nghttp2_session_callbacks_set_on_data_chunk_recv_callback(cb, &OnDataChunk);
+  nghttp2_session_callbacks_set_on_stream_close_callback(cb, &OnStreamClose);
+  nghttp2_session_callbacks_set_on_frame_send_callback(cb, &OnFrameSend);
+  const int rc = nghttp2_session_server_new(&session_, cb, this);
+  nghttp2_session_callbacks_del(cb);
+  if (rc != 0) return InternalError(fmt::format("nghttp2: {}", nghttp2_strerror(rc)));
+  const nghttp2_settings_entry iv[] = {
+      {NGHTTP2_SETTINGS_MAX_CONCURRENT_STREAMS, kMaxConcurrentStreams},
+      {NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE, kInitialWindow},
+  };
+  std::lock_guard lock(mu_);
+  if (int e = nghttp2_submit_settings(session_, NGHTTP2_FLAG_NONE, iv, std::size(iv)); e != 0) {
+    return InternalError(fmt::format("nghttp2: {}", nghttp2_strerror(e)));
+  }
+  // The connection's receive window as large as a stream's.
+  nghttp2_session_set_local_window_size(session_, NGHTTP2_FLAG_NONE, 0, kInitialWindow);
+  return Status::Ok();
+}
+
+bool H2Connection::broken() const {
+  std::lock_guard lock(mu_);
+  return broken_ || closed_;
+}
+
+std::shared_ptr<H2Stream> H2Connection::Find(int32_t id) const {
+  auto it = streams_.find(id);
+  return it == streams_.end() ? nullptr : it->second;
+}
+
+bool H2Connection::OnReadable() {
+  uint8_t buf[64 << 10];
+  for (;;) {
+    const ssize_t n = recv(fd_, buf, sizeof buf, 0);
+    if (n == 0) return false;  // the client closed
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno == EAGAIN || errno == EWOULDBLOCK;
+    }
+    std::lock_guard lock(mu_);
+    if (closed_) return false;
+    const ssize_t used = nghttp2_session_mem_recv(session_, buf, static_cast<size_t>(n));
+    if (used < 0) {
+      // A protocol error: nghttp2 queued GOAWAY; send it, then close.
+      SendLocked();
+      return false;
+    }
+    FlushLocked();
+    if (broken_) return false;
+    if (!nghttp2_session_want_read(session_) && !nghttp2_session_want_write(session_)) {
+      return false;
+    }
+    if (static_cast<size_t>(n) < sizeof buf) return true;  // drained
+  }
+}
+
+bool H2Connection::OnWritable() {
+  std::lock_guard lock(mu_);
+  if (closed_) return false;
+  FlushLocked();
+  return !broken_;
+}
+
+void H2Connection::Flush() {
+  bool broke;
+  {
+    std::lock_guard lock(mu_);
+    if (closed_) return;
+    FlushLocked();
+    broke = broken_;
+  }
+  if (broke) server_->Wake(shared_from_this());
+}
+
+void H2Connection::Close() {
+  std::unordered_map<int32_t, std::shared_ptr<H2Stream>> streams;
+  {
+    std::lock_guard lock(mu_);
+    if (closed_) return;
+    closed_ = true;
+    streams.swap(streams_);
+    close(fd_);
+  }
+  {
+    std::lock_guard lock(out_mu_);
+    for (auto& [id, s] : streams) s->out_closed = true;
+    dirty_.clear();
+  }
+  for (auto& [id, s] : streams) OnStreamClosed(*s, *server_->frontend());
+}
+
+void H2Connection::Expire(const std::shared_ptr<H2Stream>& s) {
+  std::lock_guard lock(mu_);
+  if (closed_ || Find(s->id) != s) return;
+  AbortCall(*this, s, DeadlineExceededError("deadline exceeded"));
+}
+
+void H2Connection::GoAway(const Status& st) {
+  std::lock_guard lock(mu_);
+  if (closed_) return;
+  for (auto& [id, s] : streams_) AbortCall(*this, s, st);
+  nghttp2_submit_goaway(session_, NGHTTP2_FLAG_NONE,
+                        nghttp2_session_get_last_proc_stream_id(session_), NGHTTP2_NO_ERROR,
+                        nullptr, 0);
+}
+
+// ---- Posting (any thread).
+
+bool H2Connection::MarkDirtyLocked(const std::shared_ptr<H2Stream>& s) {
+  if (!s->dirty) {
+    s->dirty = true;
+    dirty_.push_back(s);
+  }
+  if (flush_scheduled_) return false;
+  flush_scheduled_ = true;
+  return true;
+}
+
+void H2Connection::ScheduleFlush() {
+  // In a delivery batch (the decode stream's reader, the event thread):
+  // one flush at its end. Otherwise the event thread flushes.
+  if (!DeliveryScope::Defer(shared_from_this())) server_->Wake(shared_from_this());
+}
+
+void H2Connection::PostMessage(const std::shared_ptr<H2Stream>& s, v1::GenerateResponse msg,
+                               bool last) {
+  bool schedule;
+  {
+    std::lock_guard lock(out_mu_);
+    if (s->out_closed || s->finishing) return;
+    if (last || s->pending.empty() || !MergeGenerateDelta(s->pending.back(), msg)) {
+      s->pending.push_back(std::move(msg));
+    }
+    if (last) {
+      s->finishing = true;
+      s->status_code = 0;
+    }
+    schedule = MarkDirtyLocked(s);
+  }
+  if (schedule) ScheduleFlush();
+}
+
+void H2Connection::PostUnary(const std::shared_ptr<H2Stream>& s, std::string message) {
+  bool schedule;
+  {
+    std::lock_guard lock(out_mu_);
+    if (s->out_closed || s->finishing) return;
+    AppendMessagePrefix(s->pending_raw, static_cast<uint32_t>(message.size()));
+    s->pending_raw.append(message);
+    s->finishing = true;
+    s->status_code = 0;
+    schedule = MarkDirtyLocked(s);
+  }
+  if (schedule) ScheduleFlush();
+}
+
+void H2Connection::PostStatus(const std::shared_ptr<H2Stream>& s, const Status& st,
+                              long long retry_after_s, int http_status) {
+  s->answered = true;
+  bool schedule;
+  {
+    std::lock_guard lock(out_mu_);
+    if (s->out_closed || s->finishing) return;
+    s->finishing = true;
+    s->status_code = static_cast<int>(st.code());
+    s->status_message = st.message();
+    s->retry_after_s = retry_after_s;
+    s->http_status = http_status;
+    schedule = MarkDirtyLocked(s);
+  }
+  if (schedule) ScheduleFlush();
+}
+
+// ---- Flushing (mu_ held).
+
+void H2Connection::FlushLocked() {
+  std::vector<std::shared_ptr<H2Stream>> dirty;
+  {
+    std::lock_guard lock(out_mu_);
+    flush_scheduled_ = false;
+    dirty.swap(dirty_);
+    for (auto& s : dirty) s->dirty = false;
+  }
+  for (auto& s : dirty) {
+    if (s->eof || Find(s->id) != s) continue;  // ended, or closed meanwhile
+    if (!s->submitted) {
+      SubmitLocked(*s);
+    } else if (s->deferred) {
+      s->deferred = false;
+      nghttp2_session_resume_data(session_, s->id);
+    }
+  }
+  if (!SendLocked()) broken_ = true;
+}
+
+void H2Connection::SubmitLocked(H2Stream& s) {
+  s.submitted = true;
+  bool trailers_only;
+  {
+    std::lock_guard lock(out_mu_);
+    trailers_only = s.finishing && s.pending.empty() && s.pending_raw.empty();
+  }
+  if (trailers_only) {
+    // Nothing but a status: one HEADERS frame that ends the stream.
+    s.eof = true;
+    Trailers t(s, /*trailers_only=*/true);
+    nghttp2_submit_response(session_, s.id, t.nv.data(), t.nv.size(), nullptr);
+    return;
+  }
+  const nghttp2_nv nv[] = {Nv(":status", "200"), Nv("content-type", "application/grpc")};
+  nghttp2_data_provider provider;
+  provider.source.ptr = &s;
+  provider.read_callback = &ReadData;
+  nghttp2_submit_response(session_, s.id, nv, std::size(nv), &provider);
+}
+
+ssize_t H2Connection::ReadData(nghttp2_session* session, int32_t, uint8_t* buf, size_t length,
+                               uint32_t* data_flags, nghttp2_data_source* source, void* self) {
+  auto* c = static_cast<H2Connection*>(self);
+  auto& s = *static_cast<H2Stream*>(source->ptr);
+  bool final = false;
+  if (s.wire_off == s.wire.size()) {
+    s.wire.clear();
+    s.wire_off = 0;
+    std::lock_guard lock(c->out_mu_);
+    for (auto& m : s.pending) {
+      const size_t n = m.ByteSizeLong();
+      AppendMessagePrefix(s.wire, static_cast<uint32_t>(n));
+      const size_t at = s.wire.size();
+      s.wire.resize(at + n);
+      m.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(s.wire.data() + at));
+    }
+    s.pending.clear();
+    s.wire.append(s.pending_raw);
+    s.pending_raw.clear();
+    final = s.finishing;
+  }
+  const size_t n = std::min(length, s.wire.size() - s.wire_off);
+  std::memcpy(buf, s.wire.data() + s.wire_off, n);
+  s.wire_off += n;
+  if (s.wire_off == s.wire.size() && !final) {
+    std::lock_guard lock(c->out_mu_);
+    final = s.finishing && s.pending.empty() && s.pending_raw.empty();
+  }
+  if (s.wire_off == s.wire.size() && final) {
+    *data_flags |= NGHTTP2_DATA_FLAG_EOF | NGHTTP2_DATA_FLAG_NO_END_STREAM;
+    s.eof = true;
+    Trailers t(s, /*trailers_only=*/false);
+    nghttp2_submit_trailer(session, s.id, t.nv.data(), t.nv.size());
+    return static_cast<ssize_t>(n);
+  }
+  if (n == 0) {
+    s.deferred = true;
+    return NGHTTP2_ERR_DEFERRED;
+  }
+  return static_cast<ssize_t>(n);
+}
+
+bool H2Connection::SendLocked() {
+  for (;;) {
+    while (out_.size() - out_off_ < kHighWater) {
+      const uint8_t* data = nullptr;
+      const ssize_t n = nghttp2_session_mem_send(session_, &data);
+      if (n < 0) return false;
+      if (n == 0) break;
+      out_.append(reinterpret_cast<const char*>(data), static_cast<size_t>(n));
+    }
+    if (out_off_ == out_.size()) {
+      out_.clear();
+      out_off_ = 0;
+      if (want_write_) {
+        want_write_ = false;
+        server_->WantWrite(fd_, false);
+      }
+      return true;
+    }
+    const ssize_t w = send(fd_, out_.data() + out_off_, out_.size() - out_off_,
+                           MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) return false;
+    } else {
+      out_off_ += static_cast<size_t>(w);
+      if (out_off_ == out_.size()) {
+        out_.clear();
+        out_off_ = 0;
+        continue;  // more frames may be ready
+      }
+    }
+    // The socket is full: the event thread goes on when it drains.
+    if (!want_write_) {
+      want_write_ = true;
+      server_->WantWrite(fd_, true);
+    }
+    return true;
+  }
+}
+
+// ---- nghttp2 callbacks (mu_ held: inside mem_recv / mem_send).
+
+int H2Connection::OnBeginHeaders(nghttp2_session*, const nghttp2_frame* frame, void* self) {
+  auto* c = static_cast<H2Connection*>(self);
+  if (frame->hd.type != NGHTTP2_HEADERS || frame->headers.cat != NGHTTP2_HCAT_REQUEST) return 0;
+  auto s = std::make_shared<H2Stream>(frame->hd.stream_id);
+  s->conn = c->weak_from_this();
+  c->streams_[s->id] = std::move(s);
+  return 0;
+}
+
+int H2Connection::OnHeader(nghttp2_session*, const nghttp2_frame* frame, const uint8_t* name,
+                           size_t namelen, const uint8_t* value, size_t valuelen, uint8_t,
+                           void* self) {
+  auto* c = static_cast<H2Connection*>(self);
+  if (frame->hd.type != NGHTTP2_HEADERS || frame->headers.cat != NGHTTP2_HCAT_REQUEST) return 0;
+  auto s = c->Find(frame->hd.stream_id);
+  if (!s) return 0;
+  const std::string_view n(reinterpret_cast<const char*>(name), namelen);
+  std::string v(reinterpret_cast<const char*>(value), valuelen);
+  if (n == ":method") s->method = std::move(v);
+  else if (n == ":path") s->path = std::move(v);
+  else if (n == "content-type") s->content_type = std::move(v);
+  else if (n == "authorization") s->authorization = std::move(v);
+  else if (n == "grpc-timeout") s->grpc_timeout = std::move(v);
+  else if (n == "traceparent") s->traceparent = std::move(v);
+  return 0;
+}
+
+int H2Connection::OnFrameRecv(nghttp2_session*, const nghttp2_frame* frame, void* self) {
+  auto* c = static_cast<H2Connection*>(self);
+  if (frame->hd.type != NGHTTP2_HEADERS && frame->hd.type != NGHTTP2_DATA) return 0;
+  auto s = c->Find(frame->hd.stream_id);
+  if (!s) return 0;
+  if (frame->hd.type == NGHTTP2_HEADERS && !s->headers_done) {
+    s->headers_done = true;
+    OnRequestHeaders(*c, s);
+  }
+  if ((frame->hd.flags & NGHTTP2_FLAG_END_STREAM) && !s->request_done) {
+    s->request_done = true;
+    OnRequestComplete(*c, s);
+  }
+  return 0;
+}
+
+int H2Connection::OnDataChunk(nghttp2_session*, uint8_t, int32_t stream_id, const uint8_t* data,
+                              size_t len, void* self) {
+  auto* c = static_cast<H2Connection*>(self);
+  auto s = c->Find(stream_id);
+  if (!s || s->answered) return 0;
+  if (s->prefix_got < 5) {
+    const size_t take = std::min(len, 5 - s->prefix_got);
+    std::memcpy(s->prefix + s->prefix_got, data, take);
+    s->prefix_got += take;
+    data += take;
+    len -= take;
+    if (s->prefix_got < 5) return 0;
+    OnMessagePrefix(*c, s);
+    if (s->answered) return 0;
+  }
+  const size_t room = s->msg_len - s->body.size();
+  const size_t take = std::min(len, room);
+  s->body.append(reinterpret_cast<const char*>(data), take);
+  s->extra_bytes += len - take;
+  return 0;
+}
+
+int H2Connection::OnFrameSend(nghttp2_session* session, const nghttp2_frame* frame, void* self) {
+  // The response ended before the client finished sending (an early
+  // error): the rest of the request is not wanted, as gRPC servers say
+  // with RST_STREAM(NO_ERROR). After the HEADERS, so that they arrive.
+  if (frame->hd.type != NGHTTP2_HEADERS || !(frame->hd.flags & NGHTTP2_FLAG_END_STREAM)) return 0;
+  auto s = static_cast<H2Connection*>(self)->Find(frame->hd.stream_id);
+  if (s && !s->request_done) {
+    nghttp2_submit_rst_stream(session, NGHTTP2_FLAG_NONE, s->id, NGHTTP2_NO_ERROR);
+  }
+  return 0;
+}
+
+int H2Connection::OnStreamClose(nghttp2_session*, int32_t stream_id, uint32_t, void* self) {
+  auto* c = static_cast<H2Connection*>(self);
+  auto it = c->streams_.find(stream_id);
+  if (it == c->streams_.end()) return 0;
+  std::shared_ptr<H2Stream> s = std::move(it->second);
+  c->streams_.erase(it);
+  {
+    std::lock_guard lock(c->out_mu_);
+    s->out_closed = true;
+  }
+  OnStreamClosed(*s, *c->server_->frontend());
+  return 0;
+}
+
+}  // namespace tandem::proxy::h2

@@ -1,0 +1,109 @@
+// One HTTP/2 connection of the native gRPC front end: an nghttp2 server
+// session over a non-blocking socket (docs/grpc-frontend.md).
+//
+// Reading runs on the server's event thread. Calls queue their responses
+// from any thread (the decode stream's reader, a work-pool thread, the
+// event thread) with Post*, which only append to the stream's outbox and
+// mark the connection dirty; the connection is then flushed ONCE for the
+// whole batch: at the end of the poster's DeliveryScope
+// (common/delivery_scope.h: the decode stream's batch, or the event
+// thread's batch of events), or by waking the event thread when no scope is
+// open. A flush hands every dirty stream's bytes to nghttp2 and writes all
+// frames that are ready in one send().
+//
+// Locks: mu_ (session, socket, streams) before a lifecycle's mutex before
+// out_mu_ (outboxes, dirty list). Post* take only out_mu_.
+#pragma once
+
+#include <nghttp2/nghttp2.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "common/delivery_scope.h"
+#include "common/status.h"
+#include "proxy/h2/h2_stream.h"
+
+namespace tandem::proxy::h2 {
+
+class H2Server;
+
+class H2Connection final : public Flushable, public std::enable_shared_from_this<H2Connection> {
+ public:
+  H2Connection(int fd, H2Server* server);
+  ~H2Connection() override;
+  H2Connection(const H2Connection&) = delete;
+  H2Connection& operator=(const H2Connection&) = delete;
+
+  // Creates the session and queues the server's SETTINGS.
+  Status Init();
+  int fd() const { return fd_; }
+  H2Server* server() const { return server_; }
+
+  // Event thread. false: the connection is over (Close it).
+  bool OnReadable();
+  bool OnWritable();
+  // Event thread: ends every open call as cancelled and closes the socket.
+  void Close();
+  // Event thread: a stream's deadline passed.
+  void Expire(const std::shared_ptr<H2Stream>& s);
+  // Event thread (shutdown): GOAWAY; open calls end with `st`.
+  void GoAway(const Status& st);
+  bool broken() const;
+
+  // Any thread: hands what calls queued to the session and writes it.
+  void Flush();
+  void FlushDeferred() override { Flush(); }
+
+  // Any thread; never blocks on the session. `last`: the call ends OK
+  // after `msg`.
+  void PostMessage(const std::shared_ptr<H2Stream>& s, v1::GenerateResponse msg, bool last);
+  // A unary method's framed reply, then OK.
+  void PostUnary(const std::shared_ptr<H2Stream>& s, std::string message);
+  // Ends the call with `st` after what is queued (first status wins).
+  void PostStatus(const std::shared_ptr<H2Stream>& s, const Status& st,
+                  long long retry_after_s = 0, int http_status = 200);
+
+ private:
+  static int OnBeginHeaders(nghttp2_session*, const nghttp2_frame* frame, void* self);
+  static int OnHeader(nghttp2_session*, const nghttp2_frame* frame, const uint8_t* name,
+                      size_t namelen, const uint8_t* value, size_t valuelen, uint8_t flags,
+                      void* self);
+  static int OnFrameRecv(nghttp2_session*, const nghttp2_frame* frame, void* self);
+  static int OnDataChunk(nghttp2_session*, uint8_t flags, int32_t stream_id, const uint8_t* data,
+                         size_t len, void* self);
+  static int OnFrameSend(nghttp2_session*, const nghttp2_frame* frame, void* self);
+  static int OnStreamClose(nghttp2_session*, int32_t stream_id, uint32_t error_code, void* self);
+  static ssize_t ReadData(nghttp2_session*, int32_t stream_id, uint8_t* buf, size_t length,
+                          uint32_t* data_flags, nghttp2_data_source* source, void* self);
+
+  std::shared_ptr<H2Stream> Find(int32_t id) const;  // mu_ held
+  // With out_mu_ held: puts `s` on the dirty list; true when the caller
+  // must arrange a flush (none is pending yet).
+  bool MarkDirtyLocked(const std::shared_ptr<H2Stream>& s);
+  void ScheduleFlush();
+  void FlushLocked();          // mu_ held
+  void SubmitLocked(H2Stream& s);  // mu_ held: response HEADERS (or Trailers-Only)
+  bool SendLocked();           // mu_ held; false: the socket failed
+  void EndCallsLocked();       // mu_ held: every stream's call ends (cancelled)
+
+  const int fd_;
+  H2Server* const server_;
+  mutable std::mutex mu_;
+  nghttp2_session* session_ = nullptr;                              // guarded by mu_
+  std::unordered_map<int32_t, std::shared_ptr<H2Stream>> streams_;  // guarded by mu_
+  std::string out_;       // guarded by mu_: frames not yet written
+  size_t out_off_ = 0;    // guarded by mu_
+  bool want_write_ = false;  // guarded by mu_: EPOLLOUT armed
+  bool closed_ = false;      // guarded by mu_
+  bool broken_ = false;      // guarded by mu_: a send failed; the event thread closes it
+
+  std::mutex out_mu_;
+  std::vector<std::shared_ptr<H2Stream>> dirty_;  // guarded by out_mu_
+  bool flush_scheduled_ = false;                  // guarded by out_mu_
+};
+
+}  // namespace tandem::proxy::h2

@@ -1,0 +1,89 @@
+// The native HTTP/2 gRPC server of the proxy's public port
+// (proxy.grpc_server: native; docs/grpc-frontend.md): nghttp2 sessions on
+// non-blocking sockets, one event thread (epoll) for accepting, reading
+// and timers; responses are flushed once per delivery batch by the thread
+// that delivered them (h2_connection.h). Serves tandem.v1.Generation and
+// grpc.health.v1.Health to unchanged gRPC clients.
+//
+// Thread-safety: Start/Shutdown from the owning thread; SetServing and
+// serving from any thread.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <queue>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "common/status.h"
+#include "proxy/frontend.h"
+
+namespace tandem::proxy::h2 {
+
+class H2Connection;
+struct H2Stream;
+
+class H2Server {
+ public:
+  // Listens on `address` ("host:port", port 0 picks one). `frontend`
+  // outlives the server.
+  static Result<std::unique_ptr<H2Server>> Start(const std::string& address, Frontend* frontend);
+  ~H2Server();
+  H2Server(const H2Server&) = delete;
+  H2Server& operator=(const H2Server&) = delete;
+
+  const std::string& address() const { return address_; }
+  Frontend* frontend() const { return frontend_; }
+
+  // Health: SERVING / NOT_SERVING (draining, warming up).
+  void SetServing(bool serving) { serving_ = serving; }
+  bool serving() const { return serving_; }
+
+  // Stops accepting; open calls end with UNAVAILABLE, every connection
+  // gets GOAWAY and is closed; joins the event thread.
+  void Shutdown();
+
+  // For connections. Any thread: flush `c` on the event thread.
+  void Wake(const std::shared_ptr<H2Connection>& c);
+  // Event thread: end `s` when its deadline passes.
+  void AddDeadline(const std::shared_ptr<H2Connection>& c, const std::shared_ptr<H2Stream>& s);
+  // Any thread: EPOLLOUT on or off for `fd`.
+  void WantWrite(int fd, bool on);
+
+ private:
+  H2Server() = default;
+  void Loop();
+  void Accept();
+  void CloseConnection(int fd);
+  int NextTimeoutMs();
+  void ExpireDeadlines();
+
+  Frontend* frontend_ = nullptr;
+  std::string address_;
+  std::atomic<bool> serving_{true};
+  int listen_fd_ = -1;
+  int epoll_fd_ = -1;
+  int wake_fd_ = -1;  // eventfd
+  std::atomic<bool> stop_{false};
+  bool shut_down_ = false;
+  std::thread thread_;
+
+  // Event thread only.
+  std::unordered_map<int, std::shared_ptr<H2Connection>> conns_;
+  struct Deadline {
+    std::chrono::steady_clock::time_point at;
+    std::weak_ptr<H2Connection> conn;
+    std::weak_ptr<H2Stream> stream;
+    bool operator>(const Deadline& o) const { return at > o.at; }
+  };
+  std::priority_queue<Deadline, std::vector<Deadline>, std::greater<>> deadlines_;
+
+  std::mutex wake_mu_;
+  std::vector<std::weak_ptr<H2Connection>> woken_;  // guarded by wake_mu_
+};
+
+}  // namespace tandem::proxy::h2

@@ -1,0 +1,83 @@
+// One HTTP/2 stream of the native gRPC front end: one gRPC call, its
+// request as read so far, its queued response, and the request lifecycle
+// it started (docs/grpc-frontend.md).
+//
+// Three groups of fields, three owners:
+//  - the request: the connection's event thread, under the connection's mu_;
+//  - the outbox (what the call has to send): any thread, under the
+//    connection's out_mu_ (producers run under the lifecycle's mutex and
+//    only append there);
+//  - the session side (bytes handed to nghttp2): under the connection's mu_.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "proxy/lifecycle.h"
+#include "proxy/tenants.h"
+#include "tandem/v1/generation.pb.h"
+
+namespace tandem::proxy::h2 {
+
+class H2Connection;
+
+enum class Method { kUnknown, kGenerate, kListModels, kHealthCheck, kHealthWatch, kReflection };
+
+struct H2Stream {
+  explicit H2Stream(int32_t stream_id) : id(stream_id) {}
+  const int32_t id;
+  std::weak_ptr<H2Connection> conn;
+
+  // ---- The request (event thread, connection mu_).
+  std::string method;  // :method
+  std::string path;    // :path
+  std::string content_type;
+  std::string authorization;
+  std::string traceparent;
+  std::string grpc_timeout;
+  Method kind = Method::kUnknown;
+  uint8_t prefix[5] = {};
+  size_t prefix_got = 0;    // bytes of the 5-byte message prefix read
+  uint32_t msg_len = 0;     // from the prefix
+  std::string body;         // the message, without its prefix
+  size_t extra_bytes = 0;   // DATA past the first message (an error)
+  bool headers_done = false;
+  bool request_done = false;  // END_STREAM received
+  std::atomic<bool> answered{false};  // a status was posted: later DATA is dropped
+  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
+
+  // ---- The outbox (connection out_mu_).
+  std::vector<v1::GenerateResponse> pending;  // merged while queued (common/token_merge.h)
+  std::string pending_raw;                    // framed messages of unary methods
+  bool finishing = false;  // the status below is final
+  int status_code = 0;
+  std::string status_message;
+  long long retry_after_s = 0;  // trailing "retry-after" when > 0
+  int http_status = 200;
+  bool out_closed = false;  // the stream is gone: posts are dropped
+  bool dirty = false;       // on the connection's dirty list
+
+  // ---- The session side (connection mu_).
+  std::string wire;  // framed bytes the data provider hands out
+  size_t wire_off = 0;
+  bool submitted = false;  // response HEADERS submitted
+  bool deferred = false;   // the data provider returned NGHTTP2_ERR_DEFERRED
+  bool eof = false;        // the data provider ended (trailers submitted)
+
+  // ---- The call.
+  std::mutex call_mu;
+  std::shared_ptr<RequestLifecycle> lifecycle;  // guarded by call_mu
+  bool call_closed = false;                     // guarded by call_mu: no lifecycle may start
+  const Tenant* tenant = nullptr;
+  bool admitted = false;  // holds a Frontend::Admit slot
+  std::atomic<bool> released{false};
+  std::string request_id;
+};
+
+}  // namespace tandem::proxy::h2

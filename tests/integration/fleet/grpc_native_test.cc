@@ -1,0 +1,222 @@
+// Issue 23: the proxy's native HTTP/2 gRPC front end (proxy.grpc_server:
+// native, docs/grpc-frontend.md) on a real CPU 1P1D fleet. gRPC C++ clients
+// get the same tokens as `tandem generate`; a client's RST_STREAM frees
+// everything at the workers; what gRPC clients never send (a wrong
+// content-type, a compressed, truncated or oversized message, an unknown
+// method, a malformed grpc-timeout) gets a status that says what is wrong;
+// a client that stops reading neither blocks other streams nor loses
+// tokens (its backlog is merged, not queued message by message).
+// The other fleet suites run against this front end with
+// TANDEM_TEST_GRPC_SERVER=native (fleet_harness.cc).
+#include <gtest/gtest.h>
+#include <grpcpp/grpcpp.h>
+
+#include <filesystem>
+#include <future>
+#include <string>
+#include <vector>
+
+#include "fleet_harness.h"
+#include "raw_h2_client.h"
+#include "tandem/v1/generation.grpc.pb.h"
+
+namespace tandem::testing {
+namespace {
+
+namespace pb = ::tandem::v1;
+constexpr uint32_t kVocab = 4096;
+constexpr auto kWait = std::chrono::seconds(60);
+
+bool HaveModel() { return std::filesystem::exists(BundledModel() + "/model.safetensors"); }
+
+class GrpcNative : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!HaveModel()) return;
+    FleetOptions o;  // 1P1D, CPU
+    o.proxy_yaml = "  grpc_server: native\n  limits:\n    max_request_bytes: 4096\n";
+    auto f = Fleet::Launch(o);
+    if (f.ok()) {
+      fleet_ = f->release();
+    } else {
+      launch_error_ = new std::string(f.status().ToString());
+    }
+  }
+  static void TearDownTestSuite() {
+    delete fleet_;
+    fleet_ = nullptr;
+  }
+  void SetUp() override {
+    if (!HaveModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
+    ASSERT_NE(fleet_, nullptr) << (launch_error_ ? *launch_error_ : "no fleet");
+  }
+  static Fleet* fleet_;
+  static std::string* launch_error_;
+};
+Fleet* GrpcNative::fleet_ = nullptr;
+std::string* GrpcNative::launch_error_ = nullptr;
+
+std::vector<uint32_t> Prompt(uint32_t i) { return PromptIds(900 + i, 10 + (i * 7) % 40, kVocab); }
+
+std::string IdsRequest(const std::vector<uint32_t>& prompt, uint32_t max_tokens) {
+  pb::GenerateRequest r;
+  for (uint32_t t : prompt) r.add_prompt_token_ids(t);
+  r.set_max_tokens(max_tokens);
+  r.mutable_sampling()->set_temperature(0);
+  r.set_ignore_eos(true);
+  return r.SerializeAsString();
+}
+
+const std::vector<std::pair<std::string, std::string>> kGrpcHeaders = {
+    {"content-type", "application/grpc"}, {"te", "trailers"}};
+
+TEST_F(GrpcNative, GrpcClientsGetTheTokensOfTandemGenerateAndTheModelList) {
+  static constexpr uint32_t kStreams = 8, kMaxTokens = 20;
+  std::vector<std::future<Result<Completion>>> futures;
+  for (uint32_t i = 0; i < kStreams; ++i) {
+    futures.push_back(std::async(std::launch::async, [i] {
+      GenerateArgs a;
+      a.prompt_ids = Prompt(i);
+      a.max_tokens = kMaxTokens;
+      return Generate(fleet_->proxy_grpc(), a);
+    }));
+  }
+  for (uint32_t i = 0; i < kStreams; ++i) {
+    auto got = futures[i].get();
+    ASSERT_TRUE(got.ok()) << "stream " << i << ": " << got.status().ToString();
+    auto ref = ReferenceGenerate(Prompt(i), kMaxTokens);
+    ASSERT_TRUE(ref.ok()) << ref.status().ToString();
+    EXPECT_EQ(got->token_ids, *ref) << "stream " << i;
+  }
+  auto stub = pb::Generation::NewStub(
+      grpc::CreateChannel(fleet_->proxy_grpc(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  pb::ListModelsResponse models;
+  ASSERT_TRUE(stub->ListModels(&ctx, pb::ListModelsRequest(), &models).ok());
+  ASSERT_EQ(models.models_size(), 1);
+  EXPECT_GT(models.models(0).vocab_size(), 0u);
+  EXPECT_EQ(models.models(0).block_size(), 16u);
+}
+
+TEST_F(GrpcNative, ClientCancelFreesEverythingAtTheWorkers) {
+  auto stub = pb::Generation::NewStub(
+      grpc::CreateChannel(fleet_->proxy_grpc(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  pb::GenerateRequest req;
+  for (uint32_t t : Prompt(1)) req.add_prompt_token_ids(t);
+  req.set_max_tokens(500);
+  req.set_ignore_eos(true);
+  auto reader = stub->Generate(&ctx, req);
+  pb::GenerateResponse resp;
+  size_t tokens = 0;
+  int messages = 0;
+  while (reader->Read(&resp)) {
+    tokens += resp.token_ids_size();
+    if (++messages == 3) ctx.TryCancel();  // RST_STREAM(CANCEL) on the wire
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_LT(tokens, 500u);
+  EXPECT_EQ(WaitFleetIdle(fleet_->workers(), fleet_->proxy_metrics(), std::chrono::seconds(20)), "");
+}
+
+TEST_F(GrpcNative, WhatGrpcClientsNeverSendGetsAStatusNamingTheProblem) {
+  RawH2Client c(fleet_->proxy_grpc());
+  ASSERT_TRUE(c.ok());
+  const std::string gen = "/tandem.v1.Generation/Generate";
+  const std::string small = IdsRequest(Prompt(2), 4);
+  const int32_t text_plain = c.Post(gen, {{"content-type", "text/plain"}}, RawH2Client::Frame(small));
+  const int32_t oversized = c.Post(gen, kGrpcHeaders, RawH2Client::Frame(std::string(5000, 'x')));
+  const int32_t compressed = c.Post(gen, kGrpcHeaders, RawH2Client::Frame(small, true));
+  const int32_t truncated = c.Post(gen, kGrpcHeaders, RawH2Client::Frame(small).substr(0, 9));
+  const int32_t empty = c.Post(gen, kGrpcHeaders, "");
+  const int32_t two = c.Post(gen, kGrpcHeaders, RawH2Client::Frame(small) + RawH2Client::Frame(small));
+  const int32_t unknown = c.Post("/tandem.v1.Generation/Nope", kGrpcHeaders, RawH2Client::Frame(""));
+  auto timeout_headers = kGrpcHeaders;
+  timeout_headers.push_back({"grpc-timeout", "10 seconds"});
+  const int32_t bad_timeout = c.Post(gen, timeout_headers, RawH2Client::Frame(small));
+  const int32_t health = c.Post("/grpc.health.v1.Health/Check", kGrpcHeaders, RawH2Client::Frame(""));
+  const int32_t fine = c.Post(gen, kGrpcHeaders, RawH2Client::Frame(small));
+  const std::vector<int32_t> all = {text_plain, oversized, compressed, truncated, empty,
+                                    two,        unknown,   bad_timeout, health,   fine};
+  ASSERT_TRUE(c.RunUntil(
+      [&] {
+        for (int32_t id : all) {
+          if (!c.response(id).closed) return false;
+        }
+        return true;
+      },
+      kWait));
+  auto expect = [&](int32_t id, const char* status, const char* needle) {
+    const auto& r = c.response(id);
+    EXPECT_EQ(r.GrpcStatus(), status) << "stream " << id << ": " << r.GrpcMessage();
+    EXPECT_NE(r.GrpcMessage().find(needle), std::string::npos)
+        << "stream " << id << ": " << r.GrpcMessage();
+  };
+  {
+    const auto& h = c.response(text_plain).headers;
+    auto it = h.find(":status");
+    EXPECT_EQ(it == h.end() ? "none" : it->second, "415");
+  }
+  expect(text_plain, "3", "content-type 'text/plain' is not application/grpc");
+  expect(oversized, "3", "5000 bytes; the limit is 4096 (proxy.limits.max_request_bytes)");
+  expect(compressed, "12", "compressed messages are not supported");
+  expect(truncated, "3", "ended inside its gRPC message");
+  expect(empty, "3", "carries no gRPC message");
+  expect(two, "3", "more than one message");
+  expect(unknown, "12", "/tandem.v1.Generation/Nope");
+  expect(bad_timeout, "3", "grpc-timeout '10 seconds' is malformed");
+  // Health: SERVING (1), and a normal request on the same connection works.
+  EXPECT_EQ(c.response(health).GrpcStatus(), "0");
+  EXPECT_EQ(RawH2Client::Messages(c.response(health).data), std::vector<std::string>{"\x08\x01"});
+  EXPECT_EQ(c.response(fine).GrpcStatus(), "0") << c.response(fine).GrpcMessage();
+  size_t tokens = 0;
+  for (const auto& m : RawH2Client::Messages(c.response(fine).data)) {
+    pb::GenerateResponse r;
+    ASSERT_TRUE(r.ParseFromString(m));
+    tokens += r.token_ids_size();
+  }
+  EXPECT_EQ(tokens, 4u);
+  EXPECT_EQ(WaitFleetIdle(fleet_->workers(), fleet_->proxy_metrics(), std::chrono::seconds(20)), "");
+}
+
+TEST_F(GrpcNative, AClientThatStopsReadingBlocksNoOneAndLosesNoToken) {
+  constexpr uint32_t kMaxTokens = 300;
+  // A 64-byte stream window that the client does not reopen: the proxy can
+  // send about one message, then must hold the rest.
+  RawH2Client slow(fleet_->proxy_grpc(), /*window=*/64, /*auto_window=*/false);
+  ASSERT_TRUE(slow.ok());
+  const int32_t id = slow.Post("/tandem.v1.Generation/Generate", kGrpcHeaders,
+                               RawH2Client::Frame(IdsRequest(Prompt(5), kMaxTokens)));
+  ASSERT_TRUE(slow.RunUntil([&] { return !slow.response(id).data.empty(); }, kWait));
+  // Meanwhile other clients are served to the end.
+  for (uint32_t i = 0; i < 3; ++i) {
+    GenerateArgs a;
+    a.prompt_ids = Prompt(10 + i);
+    a.max_tokens = 16;
+    auto got = Generate(fleet_->proxy_grpc(), a);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ(got->token_ids.size(), 16u);
+  }
+  // The slow stream's request ends at the workers although the client has
+  // read almost nothing: the proxy holds its tokens, not the decoder.
+  EXPECT_EQ(WaitFleetIdle(fleet_->workers(), fleet_->proxy_metrics(), std::chrono::seconds(30)), "");
+  EXPECT_FALSE(slow.response(id).closed);
+  // Now it reads: every token arrives, in far fewer messages than tokens.
+  slow.Consume(id);
+  ASSERT_TRUE(slow.RunUntil([&] { return slow.response(id).closed; }, kWait));
+  EXPECT_EQ(slow.response(id).GrpcStatus(), "0") << slow.response(id).GrpcMessage();
+  std::vector<uint32_t> tokens;
+  const auto messages = RawH2Client::Messages(slow.response(id).data);
+  for (const auto& m : messages) {
+    pb::GenerateResponse r;
+    ASSERT_TRUE(r.ParseFromString(m));
+    tokens.insert(tokens.end(), r.token_ids().begin(), r.token_ids().end());
+  }
+  auto ref = ReferenceGenerate(Prompt(5), kMaxTokens);
+  ASSERT_TRUE(ref.ok()) << ref.status().ToString();
+  EXPECT_EQ(tokens, *ref);
+  EXPECT_LT(messages.size(), kMaxTokens / 4) << "the held tokens were not merged";
+}
+
+}  // namespace
+}  // namespace tandem::testing
