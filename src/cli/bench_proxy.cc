@@ -25,6 +25,7 @@
 
 #include "cli/bench_proxy_floor.h"
 #include "cli/bench_proxy_idle.h"
+#include "cli/bench_proxy_native.h"
 #include "cli/bench_proxy_prompt_floor.h"
 #include "cli/bench_proxy_sse.h"
 #include "cli/commands.h"
@@ -57,6 +58,7 @@ struct ProxyBenchArgs {
   double floor_step_ms = 0;  // 0: the stream workload's ITL p50 when it ran, else 6.4
   double duration_s = 300;  // per workload
   std::string json_path;
+  std::string grpc_server;  // --grpc-server: the launched fleet's proxy.grpc_server
 };
 
 struct Proc {
@@ -329,7 +331,11 @@ int RunProxyBench(const ProxyBenchArgs& a) {
     return bad(InvalidArgumentError(
         fmt::format("--duration must be in (0, 3600] seconds, got {}", a.duration_s)));
   }
-  Result<Fleet> fleet = a.state_file.empty() ? Launch(a) : ReadState(a.state_file);
+  auto config = GrpcServerConfig::Make(a.config, a.state_file.empty() ? a.grpc_server : "");
+  if (!config.ok()) return bad(config.status());
+  ProxyBenchArgs launch_args = a;
+  launch_args.config = (*config)->path();
+  Result<Fleet> fleet = a.state_file.empty() ? Launch(launch_args) : ReadState(a.state_file);
   if (!fleet.ok()) return bad(fleet.status());
   int rc = 0;
   nlohmann::json out = nlohmann::json::array();
@@ -494,6 +500,9 @@ void RegisterBenchProxy(CLI::App& bench, GlobalOptions& g) {
                   "when it ran, else 6.4)");
   cmd->add_option("--duration", a->duration_s,
                   "bound of each workload in seconds (default 300)");
+  cmd->add_option("--grpc-server", a->grpc_server,
+                  "grpc|native: the launched fleet's public gRPC front end (proxy.grpc_server; "
+                  "default: the config's)");
   cmd->add_option("--json", a->json_path, "write the results as JSON to PATH");
   cmd->callback([&g, a] { g.exit_code = RunProxyBench(*a); });
   RegisterBenchProxyFloorServer(bench, g.exit_code);

@@ -21,6 +21,15 @@ namespace {
 constexpr uint32_t kMaxConcurrentStreams = 4096;
 // Per-stream receive window: an 8k-token prompt (~30 KB) in one flight.
 constexpr uint32_t kInitialWindow = 1 << 20;
+// Quiet reading: a stream's WINDOW_UPDATE is 13 bytes; a step's
+// acknowledgements on a connection are one per stream that got data and one
+// for the connection. Above this many streams the threshold stays here (a
+// small request must never wait for a batch), so such a connection wakes
+// the event thread as before.
+constexpr int kWindowUpdateBytes = 13;
+constexpr int kMaxLowWater = 80;
+// A connection no batch flushed for this long reads normally again.
+constexpr auto kQuietFor = std::chrono::milliseconds(20);
 // Frames buffered before a write; past it, the socket must drain first
 // (a client that does not read stops the session's output here).
 constexpr size_t kHighWater = 256 << 10;
@@ -97,16 +106,22 @@ std::shared_ptr<H2Stream> H2Connection::Find(int32_t id) const {
 }
 
 bool H2Connection::OnReadable() {
+  std::lock_guard lock(mu_);
+  if (closed_) return false;
+  return DrainLocked();
+}
+
+bool H2Connection::DrainLocked() {
+  // Under mu_: a batch's flush may read this socket too, and the bytes
+  // must reach nghttp2 in order.
   uint8_t buf[64 << 10];
   for (;;) {
-    const ssize_t n = recv(fd_, buf, sizeof buf, 0);
+    const ssize_t n = recv(fd_, buf, sizeof buf, MSG_DONTWAIT);
     if (n == 0) return false;  // the client closed
     if (n < 0) {
       if (errno == EINTR) continue;
       return errno == EAGAIN || errno == EWOULDBLOCK;
     }
-    std::lock_guard lock(mu_);
-    if (closed_) return false;
     const ssize_t used = nghttp2_session_mem_recv(session_, buf, static_cast<size_t>(n));
     if (used < 0) {
       // A protocol error: nghttp2 queued GOAWAY; send it, then close.
@@ -122,6 +137,22 @@ bool H2Connection::OnReadable() {
   }
 }
 
+void H2Connection::SetLowWaterLocked(int bytes) {
+  if (bytes == low_water_) return;
+  // Lowering it makes the kernel report what is already there.
+  setsockopt(fd_, SOL_SOCKET, SO_RCVLOWAT, &bytes, sizeof bytes);
+  if (low_water_ == 1) server_->ChangeQuiet(+1);
+  if (bytes == 1) server_->ChangeQuiet(-1);
+  low_water_ = bytes;
+}
+
+void H2Connection::CoolDown(std::chrono::steady_clock::time_point now) {
+  std::lock_guard lock(mu_);
+  if (closed_ || low_water_ == 1 || now - last_batch_ < kQuietFor) return;
+  SetLowWaterLocked(1);
+  if (!DrainLocked()) broken_ = true;
+}
+
 bool H2Connection::OnWritable() {
   std::lock_guard lock(mu_);
   if (closed_) return false;
@@ -129,12 +160,25 @@ bool H2Connection::OnWritable() {
   return !broken_;
 }
 
-void H2Connection::Flush() {
+void H2Connection::FlushDeferred() { Flush(/*batch=*/!H2Server::OnEventThread()); }
+
+void H2Connection::Flush(bool batch) {
   bool broke;
   {
     std::lock_guard lock(mu_);
     if (closed_) return;
     FlushLocked();
+    if (batch && !broken_ && !streams_.empty()) {
+      // The client's acknowledgements of the previous batch (and anything
+      // else it sent) are read here, on a thread that is running anyway;
+      // until the next batch the event thread wakes only for more than
+      // one step's acknowledgements: a request, or a connection that
+      // fell quiet (CoolDown).
+      if (!DrainLocked()) broken_ = true;
+      last_batch_ = std::chrono::steady_clock::now();
+      const int streams = static_cast<int>(streams_.size());
+      SetLowWaterLocked(std::min(kWindowUpdateBytes * (streams + 1) + 1, kMaxLowWater));
+    }
     broke = broken_;
   }
   if (broke) server_->Wake(shared_from_this());
@@ -146,6 +190,8 @@ void H2Connection::Close() {
     std::lock_guard lock(mu_);
     if (closed_) return;
     closed_ = true;
+    if (low_water_ != 1) server_->ChangeQuiet(-1);
+    low_water_ = 1;
     streams.swap(streams_);
     close(fd_);
   }

@@ -17,6 +17,7 @@
 
 #include <nghttp2/nghttp2.h>
 
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -55,8 +56,16 @@ class H2Connection final : public Flushable, public std::enable_shared_from_this
   bool broken() const;
 
   // Any thread: hands what calls queued to the session and writes it.
-  void Flush();
-  void FlushDeferred() override { Flush(); }
+  // `batch`: at the end of a delivery batch (FlushDeferred); then what the
+  // client sent meanwhile is read here too, and the socket wakes the event
+  // thread only for more than one step's acknowledgements (see Quiet).
+  void Flush(bool batch = false);
+  // The event thread's own batches (what it read) are not delivery
+  // batches: they do not make the connection read quietly.
+  void FlushDeferred() override;
+  // Event thread: a connection no batch flushed for a while wakes the
+  // event thread for every byte again.
+  void CoolDown(std::chrono::steady_clock::time_point now);
 
   // Any thread; never blocks on the session. `last`: the call ends OK
   // after `msg`.
@@ -89,6 +98,10 @@ class H2Connection final : public Flushable, public std::enable_shared_from_this
   void SubmitLocked(H2Stream& s);  // mu_ held: response HEADERS (or Trailers-Only)
   bool SendLocked();           // mu_ held; false: the socket failed
   void EndCallsLocked();       // mu_ held: every stream's call ends (cancelled)
+  // mu_ held: reads what the client sent without blocking; false: the
+  // connection is over (the event thread closes it).
+  bool DrainLocked();
+  void SetLowWaterLocked(int bytes);  // SO_RCVLOWAT
 
   const int fd_;
   H2Server* const server_;
@@ -100,6 +113,11 @@ class H2Connection final : public Flushable, public std::enable_shared_from_this
   bool want_write_ = false;  // guarded by mu_: EPOLLOUT armed
   bool closed_ = false;      // guarded by mu_
   bool broken_ = false;      // guarded by mu_: a send failed; the event thread closes it
+  // Quiet reading (docs/grpc-frontend.md): while batches flush this
+  // connection, SO_RCVLOWAT is raised just above one step's WINDOW_UPDATE
+  // frames, which the next batch's flush reads instead of the event thread.
+  int low_water_ = 1;                                     // guarded by mu_
+  std::chrono::steady_clock::time_point last_batch_{};   // guarded by mu_
 
   std::mutex out_mu_;
   std::vector<std::shared_ptr<H2Stream>> dirty_;  // guarded by out_mu_

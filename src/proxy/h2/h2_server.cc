@@ -22,6 +22,8 @@
 namespace tandem::proxy::h2 {
 namespace {
 
+thread_local bool t_event_thread = false;
+
 Result<int> Listen(const HostPort& hp, uint16_t* port) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -115,9 +117,22 @@ void H2Server::Wake(const std::shared_ptr<H2Connection>& c) {
   }
 }
 
+bool H2Server::OnEventThread() { return t_event_thread; }
+
 void H2Server::AddDeadline(const std::shared_ptr<H2Connection>& c,
                            const std::shared_ptr<H2Stream>& s) {
-  deadlines_.push(Deadline{s->deadline, c, s});
+  bool earliest;
+  {
+    std::lock_guard lock(deadline_mu_);
+    deadlines_.push(Deadline{s->deadline, c, s});
+    earliest = deadlines_.top().stream.lock() == s;
+  }
+  // The event thread sleeps until its earliest deadline: a new earliest
+  // one added elsewhere wakes it to sleep less.
+  if (earliest && !t_event_thread) {
+    const uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = write(wake_fd_, &one, sizeof one);
+  }
 }
 
 void H2Server::WantWrite(int fd, bool on) {
@@ -128,17 +143,26 @@ void H2Server::WantWrite(int fd, bool on) {
 }
 
 int H2Server::NextTimeoutMs() {
-  if (deadlines_.empty()) return -1;
+  // Quiet connections are looked at every 10 ms (h2_connection.h).
+  const int64_t quiet_ms = quiet_ > 0 ? 10 : 60'000;
+  std::lock_guard lock(deadline_mu_);
+  if (deadlines_.empty()) return quiet_ > 0 ? static_cast<int>(quiet_ms) : -1;
   const auto left = deadlines_.top().at - std::chrono::steady_clock::now();
   const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left).count();
-  return ms <= 0 ? 0 : static_cast<int>(std::min<int64_t>(ms, 60'000));
+  return ms <= 0 ? 0 : static_cast<int>(std::min<int64_t>(ms, quiet_ms));
 }
 
 void H2Server::ExpireDeadlines() {
   const auto now = std::chrono::steady_clock::now();
-  while (!deadlines_.empty() && deadlines_.top().at <= now) {
-    Deadline d = deadlines_.top();
-    deadlines_.pop();
+  std::vector<Deadline> due;
+  {
+    std::lock_guard lock(deadline_mu_);
+    while (!deadlines_.empty() && deadlines_.top().at <= now) {
+      due.push_back(deadlines_.top());
+      deadlines_.pop();
+    }
+  }
+  for (const Deadline& d : due) {
     auto c = d.conn.lock();
     auto s = d.stream.lock();
     if (c && s) c->Expire(s);
@@ -182,6 +206,7 @@ void H2Server::CloseConnection(int fd) {
 }
 
 void H2Server::Loop() {
+  t_event_thread = true;
   constexpr int kMaxEvents = 64;
   epoll_event events[kMaxEvents];
   while (!stop_) {
@@ -224,6 +249,15 @@ void H2Server::Loop() {
       if (!alive) CloseConnection(fd);
     }
     ExpireDeadlines();
+    if (quiet_ > 0) {
+      const auto now = std::chrono::steady_clock::now();
+      std::vector<int> over;
+      for (auto& [fd, c] : conns_) {
+        c->CoolDown(now);
+        if (c->broken()) over.push_back(fd);
+      }
+      for (int fd : over) CloseConnection(fd);
+    }
   }
   // Shutdown: open calls end, every connection hears GOAWAY.
   DeliveryScope scope;

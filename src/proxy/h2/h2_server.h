@@ -49,10 +49,16 @@ class H2Server {
 
   // For connections. Any thread: flush `c` on the event thread.
   void Wake(const std::shared_ptr<H2Connection>& c);
-  // Event thread: end `s` when its deadline passes.
+  // Any thread (requests are also read by a batch's flush): end `s` when
+  // its deadline passes.
   void AddDeadline(const std::shared_ptr<H2Connection>& c, const std::shared_ptr<H2Stream>& s);
   // Any thread: EPOLLOUT on or off for `fd`.
   void WantWrite(int fd, bool on);
+  // True on a server's event thread.
+  static bool OnEventThread();
+  // Any thread: connections reading quietly (h2_connection.h), which the
+  // event thread looks at every few ms.
+  void ChangeQuiet(int delta) { quiet_ += delta; }
 
  private:
   H2Server() = default;
@@ -69,6 +75,7 @@ class H2Server {
   int epoll_fd_ = -1;
   int wake_fd_ = -1;  // eventfd
   std::atomic<bool> stop_{false};
+  std::atomic<int> quiet_{0};
   bool shut_down_ = false;
   std::thread thread_;
 
@@ -80,7 +87,9 @@ class H2Server {
     std::weak_ptr<H2Stream> stream;
     bool operator>(const Deadline& o) const { return at > o.at; }
   };
-  std::priority_queue<Deadline, std::vector<Deadline>, std::greater<>> deadlines_;
+  std::mutex deadline_mu_;
+  std::priority_queue<Deadline, std::vector<Deadline>, std::greater<>>
+      deadlines_;  // guarded by deadline_mu_
 
   std::mutex wake_mu_;
   std::vector<std::weak_ptr<H2Connection>> woken_;  // guarded by wake_mu_
