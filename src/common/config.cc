@@ -9,6 +9,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "common/net.h"
 #include "common/yaml_reader.h"
 
 namespace tandem {
@@ -43,6 +44,7 @@ void ReadRole(YamlMap m, RoleConfig& r) {
   // Issue 18: ranks per worker (the model's divisibility is checked at start-up).
   m.Read("tensor_parallel", r.tensor_parallel, 1, 64);
   m.Read("pipeline_parallel", r.pipeline_parallel, 1, 64);
+  m.Read("mux_listen", r.mux_listen);  // issue 23; checked in CrossCheck
   m.Finish();
 }
 
@@ -156,6 +158,7 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.Read("replicas", c.proxy.replicas, 1, 64);  // issue 21
     m.Read("restart", c.proxy.restart);
     m.Read("decode_stream", c.proxy.decode_stream);  // issue 23
+    m.ReadEnum("decode_transport", c.proxy.decode_transport, {"tcp", "grpc"});  // issue 23
     m.ReadEnum("grpc_server", c.proxy.grpc_server, {"grpc", "native"});  // issue 23
     {
       YamlMap l = m.Sub("limits");
@@ -257,6 +260,23 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
 
 // Checks that involve more than one key.
 void CrossCheck(const FleetConfig& c, YamlErrors& errors, int line) {
+  // Issue 23: the decode stream's framed TCP listener.
+  for (auto [role, rc] : {std::pair{"prefill", &c.prefill}, std::pair{"decode", &c.decode},
+                          std::pair{"both", &c.both}}) {
+    const std::string& v = rc->mux_listen;
+    if (v == "auto" || v == "off") continue;
+    if (std::string_view(role) == "prefill") {
+      errors.Add(line, fmt::format("prefill.mux_listen is '{}': only decode and both workers serve "
+                                   "the decode stream",
+                                   v));
+    } else if (auto hp = ParseHostPort(v); !hp.ok() || hp->host.empty()) {
+      errors.Add(line, fmt::format("{}.mux_listen is '{}': expected auto, off or host:port", role, v));
+    } else if (hp->port != 0 && rc->replicas > 1) {
+      errors.Add(line, fmt::format("{}.mux_listen '{}' has a fixed port but {}.replicas is {}: use "
+                                   "port 0 (or auto) so that each worker gets its own",
+                                   role, v, role, rc->replicas));
+    }
+  }
   if (c.proxy.default_max_tokens > c.proxy.max_tokens_limit) {
     errors.Add(line, fmt::format("proxy.default_max_tokens ({}) exceeds proxy.max_tokens_limit ({})",
                                  c.proxy.default_max_tokens, c.proxy.max_tokens_limit));

@@ -92,6 +92,10 @@ struct ProxyConfig {
   // Issue 23 (docs/decode-stream.md): one multiplexed DecodeStream per
   // decoder that advertises it, instead of one Decode RPC per request.
   bool decode_stream = true;
+  // Issue 23 (docs/decode-stream.md "Transport"): what carries that stream
+  // to a decoder that serves both: tcp (its framed TCP listener,
+  // decode.mux_listen) | grpc (Decoder.DecodeStream).
+  std::string decode_transport = "tcp";
   // Issue 23 (docs/grpc-frontend.md): what serves the public gRPC port.
   // grpc: gRPC C++; native: the proxy's own HTTP/2 server (nghttp2),
   // plaintext only for now.
@@ -210,6 +214,11 @@ struct RoleConfig {
   // at start-up (parallel::CheckLayout; the error names the key).
   uint32_t tensor_parallel = 1;
   uint32_t pipeline_parallel = 1;
+  // Issue 23 (docs/decode-stream.md "Transport"), decode and both roles:
+  // where the worker serves the decode stream over framed TCP. auto: the
+  // host of its gRPC address, any free port; off: not served (proxies use
+  // the gRPC DecodeStream); or "host:port".
+  std::string mux_listen = "auto";
 };
 
 // autoscale: the proxy's planner (src/proxy/planner.h) and `tandem launch`

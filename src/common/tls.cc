@@ -90,6 +90,7 @@ Result<RpcCredentials> RpcCredentials::MutualTls(const TlsFiles& files) {
   co.pem_private_key = pem.key;
   co.pem_cert_chain = pem.cert;
   c.channel_ = grpc::SslCredentials(co);
+  c.mutual_pem_ = std::make_shared<const TlsPem>(std::move(pem));
   return c;
 }
 

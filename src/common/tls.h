@@ -62,9 +62,13 @@ class RpcCredentials {
   // A channel to "host:port" with these credentials and `args`.
   std::shared_ptr<grpc::Channel> Dial(const std::string& address,
                                       const grpc::ChannelArguments& args = {}) const;
+  // The PEM identity of mutual TLS (MutualTls); null otherwise. The framed
+  // internal connections (common/frame_conn.h) use the same identity.
+  const TlsPem* mutual_pem() const { return mutual_pem_.get(); }
 
  private:
   bool secure_ = false;
+  std::shared_ptr<const TlsPem> mutual_pem_;
   std::shared_ptr<grpc::ServerCredentials> server_;
   std::shared_ptr<grpc::ChannelCredentials> channel_;
 };

@@ -49,11 +49,9 @@ pb::FinishReason FinishReasonToProto(engine::FinishReason r) {
   }
 }
 
-namespace {
-
 using Reactor = grpc::ServerBidiReactor<pb::DecodeStreamRequest, pb::DecodeStreamResponse>;
 
-class MuxState;
+namespace {
 
 // One request on the stream. Its fields are guarded by the state's mutex.
 class MuxSink final : public DecodeSink {
@@ -96,11 +94,14 @@ struct Registration {
   std::shared_ptr<MuxSink> sink;
 };
 
-// What the reactor, the sinks and the delivery scopes share. The reactor
-// pointer is used only until Finish has been called on it.
+}  // namespace
+
+// What the session, the sinks and the delivery scopes share. The output
+// is used only until Finish has been called on it.
 class MuxState final : public Flushable, public std::enable_shared_from_this<MuxState> {
  public:
-  MuxState(Reactor* reactor, Decoder& decoder) : reactor_(reactor), decoder_(decoder) {}
+  MuxState(MuxOutput* out, std::shared_ptr<MuxOutput> keep, Decoder& decoder)
+      : out_(out), keep_(std::move(keep)), decoder_(decoder) {}
 
   // ---- from the sinks (engine thread, KV notice and lease threads) ----
   void Tokens(MuxSink& s, uint32_t first_index, std::span<const uint32_t> ids) {
@@ -229,25 +230,31 @@ class MuxState final : public Flushable, public std::enable_shared_from_this<Mux
     }
     Pump(lock);
   }
-  // Starts the next write, or Finish once the stream is over and idle.
+  // Starts the next write (written inline when the output can: then the
+  // next batch follows at once), or Finish once the stream is over and idle.
   void Pump(std::unique_lock<std::mutex>& lock) {
-    if (writing_ || finish_called_) return;
-    if (!pending_.empty()) {
-      pending_.TakeInto(&current_);
-      writing_ = true;
-      decoder_.CountStreamMessage(static_cast<size_t>(current_.items_size()));
-      lock.unlock();
-      reactor_->StartWrite(&current_);
+    while (!writing_ && !finish_called_) {
+      if (!pending_.empty()) {
+        pending_.TakeInto(&current_);
+        writing_ = true;
+        decoder_.CountStreamMessage(static_cast<size_t>(current_.items_size()));
+        lock.unlock();
+        if (!out_->Write(current_)) return;  // OnWriteDone follows
+        lock.lock();
+        writing_ = false;
+        continue;
+      }
+      if (final_) {
+        finish_called_ = true;
+        lock.unlock();
+        out_->EndStream();
+      }
       return;
-    }
-    if (final_) {
-      finish_called_ = true;
-      lock.unlock();
-      reactor_->Finish(grpc::Status::OK);
     }
   }
 
-  Reactor* const reactor_;
+  MuxOutput* const out_;
+  const std::shared_ptr<MuxOutput> keep_;
   Decoder& decoder_;
   std::mutex mu_;
   MuxBatcher pending_;                              // guarded by mu_
@@ -258,6 +265,8 @@ class MuxState final : public Flushable, public std::enable_shared_from_this<Mux
   bool final_ = false;                               // guarded by mu_
   bool finish_called_ = false;                       // guarded by mu_
 };
+
+namespace {
 
 void MuxSink::OnTokens(uint32_t first_index, std::span<const uint32_t> token_ids) {
   state_->Tokens(*this, first_index, token_ids);
@@ -294,65 +303,79 @@ void MuxSink::Trace(const std::string& error, uint32_t completion, uint32_t cach
   b.End();
 }
 
-class DecodeMuxReactor final : public Reactor {
+tracing::SpanContext TraceOf(const std::string& traceparent) {
+  if (traceparent.empty() || !tracing::Tracer::Get().enabled()) return {};
+  return tracing::Tracer::Get().ContinueFrom(traceparent);
+}
+
+class DecodeMuxReactor final : public Reactor, public MuxOutput {
  public:
-  explicit DecodeMuxReactor(Decoder& decoder)
-      : decoder_(decoder), state_(std::make_shared<MuxState>(this, decoder)) {
-    StartRead(&req_);
-  }
+  explicit DecodeMuxReactor(Decoder& decoder) : session_(decoder, this) { StartRead(&req_); }
 
   void OnReadDone(bool ok) override {
     if (!ok) {  // the proxy closed its side, or the stream broke
-      CancelAll(state_->Close());
+      session_.Close();
       return;
     }
-    if (req_.has_start()) {
-      Start(req_.start());
-    } else if (req_.kind_case() == pb::DecodeStreamRequest::kCancel) {
-      if (auto reg = state_->Cancelled(req_.cancel())) decoder_.Cancel(reg->key, reg->sink.get());
-    }
+    session_.OnRequest(req_);
     StartRead(&req_);
   }
   void OnWriteDone(bool ok) override {
-    state_->OnWriteDone(ok);
-    if (!ok) CancelAll(state_->Close());  // the proxy is gone
+    session_.OnWriteDone(ok);
+    if (!ok) session_.Close();  // the proxy is gone
   }
-  void OnCancel() override { CancelAll(state_->Close()); }
+  void OnCancel() override { session_.Close(); }
   void OnDone() override {
-    CancelAll(state_->Close());
+    session_.Close();
     delete this;
   }
 
- private:
-  void Start(const pb::DecodeStreamStart& start) {
-    DecodeSpec spec = DecodeSpecFromProto(start.request());
-    const std::string key = spec.request_id;
-    auto sink = std::make_shared<MuxSink>(state_, start.handle(), start.request().request_id(),
-                                          TraceOf(start.traceparent()));
-    if (!state_->Claim(start.handle(), Registration{key, sink})) return;
-    Status s = decoder_.Register(std::move(spec), sink);
-    if (!s.ok()) {
-      state_->Refused(*sink, s);
-      return;
-    }
-    // The stream ended while it registered: nobody will read its tokens.
-    if (!state_->Opened(*sink)) decoder_.Cancel(key, sink.get());
+  // ---- MuxOutput ----
+  bool Write(const pb::DecodeStreamResponse& batch) override {
+    StartWrite(&batch);
+    return false;
   }
-  void CancelAll(std::vector<Registration> regs) {
-    for (auto& reg : regs) decoder_.Cancel(reg.key, reg.sink.get());
-  }
-  static tracing::SpanContext TraceOf(const std::string& traceparent) {
-    if (traceparent.empty() || !tracing::Tracer::Get().enabled()) return {};
-    return tracing::Tracer::Get().ContinueFrom(traceparent);
-  }
+  void EndStream() override { Finish(grpc::Status::OK); }
 
-  Decoder& decoder_;
-  std::shared_ptr<MuxState> state_;
+ private:
+  MuxSession session_;
   pb::DecodeStreamRequest req_;
 };
 
 }  // namespace
 
 Reactor* NewDecodeMuxReactor(Decoder& decoder) { return new DecodeMuxReactor(decoder); }
+
+MuxSession::MuxSession(Decoder& decoder, MuxOutput* out, std::shared_ptr<MuxOutput> keep)
+    : decoder_(decoder), state_(std::make_shared<MuxState>(out, std::move(keep), decoder)) {}
+
+void MuxSession::OnRequest(const pb::DecodeStreamRequest& req) {
+  if (req.has_start()) {
+    Start(req.start());
+  } else if (req.kind_case() == pb::DecodeStreamRequest::kCancel) {
+    if (auto reg = state_->Cancelled(req.cancel())) decoder_.Cancel(reg->key, reg->sink.get());
+  }
+}
+
+void MuxSession::OnWriteDone(bool ok) { state_->OnWriteDone(ok); }
+
+void MuxSession::Close() {
+  for (auto& reg : state_->Close()) decoder_.Cancel(reg.key, reg.sink.get());
+}
+
+void MuxSession::Start(const pb::DecodeStreamStart& start) {
+  DecodeSpec spec = DecodeSpecFromProto(start.request());
+  const std::string key = spec.request_id;
+  auto sink = std::make_shared<MuxSink>(state_, start.handle(), start.request().request_id(),
+                                        TraceOf(start.traceparent()));
+  if (!state_->Claim(start.handle(), Registration{key, sink})) return;
+  Status s = decoder_.Register(std::move(spec), sink);
+  if (!s.ok()) {
+    state_->Refused(*sink, s);
+    return;
+  }
+  // The stream ended while it registered: nobody will read its tokens.
+  if (!state_->Opened(*sink)) decoder_.Cancel(key, sink.get());
+}
 
 }  // namespace tandem::decoder

@@ -35,4 +35,39 @@ v1::FinishReason FinishReasonToProto(engine::FinishReason r);
 grpc::ServerBidiReactor<v1::DecodeStreamRequest, v1::DecodeStreamResponse>* NewDecodeMuxReactor(
     Decoder& decoder);
 
+// Where one stream's batches go: the gRPC reactor, or a framed TCP
+// connection (decoder/decode_mux_tcp.h). Called by one thread at a time.
+class MuxOutput {
+ public:
+  virtual ~MuxOutput() = default;
+  // Writes `batch` (kept unchanged until the write is done). True: done
+  // (the next batch may follow at once); false: in flight, the session's
+  // OnWriteDone follows.
+  virtual bool Write(const v1::DecodeStreamResponse& batch) = 0;
+  // The stream is over and nothing is in flight.
+  virtual void EndStream() = 0;
+};
+
+class MuxState;
+
+// The transport-independent part of one decode stream: starts and cancels
+// in, one batch per delivery out through `out` (borrowed; the reactor or
+// connection that owns this session). Requests come from one thread at a
+// time (the transport's reader); Close may come from any.
+class MuxSession {
+ public:
+  // `keep` (may be null) keeps `out` alive as long as a sink may write.
+  MuxSession(Decoder& decoder, MuxOutput* out, std::shared_ptr<MuxOutput> keep = nullptr);
+  void OnRequest(const v1::DecodeStreamRequest& req);
+  void OnWriteDone(bool ok);
+  // The stream is over: cancels every request still on it. Idempotent.
+  void Close();
+
+ private:
+  void Start(const v1::DecodeStreamStart& start);
+
+  Decoder& decoder_;
+  std::shared_ptr<MuxState> state_;
+};
+
 }  // namespace tandem::decoder

@@ -13,9 +13,9 @@ namespace tandem::proxy {
 
 namespace pb = ::tandem::v1;
 
-class DecodeMuxClient::Request final : public Call {
+class DecodeMux::Request final : public Call {
  public:
-  Request(std::weak_ptr<DecodeMuxClient> mux, uint64_t handle, DecodeEvents events)
+  Request(std::weak_ptr<DecodeMux> mux, uint64_t handle, DecodeEvents events)
       : mux_(std::move(mux)), handle_(handle), events_(std::move(events)) {}
 
   void Cancel() override {
@@ -48,13 +48,86 @@ class DecodeMuxClient::Request final : public Call {
   }
 
  private:
-  const std::weak_ptr<DecodeMuxClient> mux_;
+  const std::weak_ptr<DecodeMux> mux_;
   const uint64_t handle_;
   // Never reset: the reader may be inside one of them while another thread
   // ends the request (the lifecycle serializes its own callbacks).
   const DecodeEvents events_;
   std::atomic<bool> done_{false};
 };
+
+std::shared_ptr<Call> DecodeMux::Start(const DecodeArgs& args, DecodeEvents& events) {
+  pb::DecodeStreamRequest msg;
+  auto* start = msg.mutable_start();
+  FillDecodeRequest(args, start->mutable_request());
+  start->set_traceparent(args.traceparent);
+  std::unique_lock lock(mu_);
+  if (ended_) return nullptr;
+  const uint64_t handle = next_handle_++;
+  start->set_handle(handle);
+  auto req = std::make_shared<Request>(weak_from_this(), handle, std::move(events));
+  requests_.emplace(handle, req);
+  SendLocked(lock, std::move(msg));
+  return req;
+}
+
+bool DecodeMux::ended() const {
+  std::lock_guard lock(mu_);
+  return ended_;
+}
+
+size_t DecodeMux::num_requests() const {
+  std::lock_guard lock(mu_);
+  return requests_.size();
+}
+
+void DecodeMux::CancelRequest(uint64_t handle) {
+  std::unique_lock lock(mu_);
+  auto it = requests_.find(handle);
+  if (it == requests_.end()) return;  // ended already
+  std::shared_ptr<Request> req = std::move(it->second);
+  requests_.erase(it);
+  if (!ended_) {
+    pb::DecodeStreamRequest msg;
+    msg.set_cancel(handle);
+    SendLocked(lock, std::move(msg));
+  }
+  // As a cancelled Decode RPC: the request's last event, off this thread's
+  // locks (the caller holds none of the lifecycle's: see lifecycle.h).
+  if (lock.owns_lock()) lock.unlock();
+  req->Fail(CancelledError("cancelled by the proxy"), /*from_worker=*/false);
+}
+
+void DecodeMux::Deliver(const pb::DecodeStreamResponse& batch) {
+  // One lock for the whole batch, then the events outside it.
+  batch_.clear();
+  {
+    std::lock_guard lock(mu_);
+    for (const pb::DecodeStreamItem& item : batch.items()) {
+      auto it = requests_.find(item.handle());
+      if (it == requests_.end()) continue;  // cancelled meanwhile
+      batch_.emplace_back(it->second, &item);
+      if (item.has_finished() || item.has_error()) requests_.erase(it);
+    }
+  }
+  // One batch: a front end that buffers per connection (the native gRPC
+  // server, docs/grpc-frontend.md) sends once at its end, not per item.
+  DeliveryScope scope;
+  for (auto& [req, item] : batch_) req->Deliver(*item);
+  batch_.clear();
+}
+
+void DecodeMux::EndAll(const Status& status) {
+  std::unordered_map<uint64_t, std::shared_ptr<Request>> left;
+  {
+    std::lock_guard lock(mu_);
+    ended_ = true;
+    left.swap(requests_);
+  }
+  const std::string why = abandoned();
+  const Status st = !why.empty() ? UnavailableError(why) : status;
+  for (auto& [handle, req] : left) req->Fail(st, /*from_worker=*/false);
+}
 
 std::shared_ptr<DecodeMuxClient> DecodeMuxClient::Open(const std::shared_ptr<grpc::Channel>& channel) {
   auto mux = std::make_shared<DecodeMuxClient>();
@@ -66,49 +139,7 @@ std::shared_ptr<DecodeMuxClient> DecodeMuxClient::Open(const std::shared_ptr<grp
   return mux;
 }
 
-std::shared_ptr<Call> DecodeMuxClient::Start(const DecodeArgs& args, DecodeEvents& events) {
-  pb::DecodeStreamRequest msg;
-  auto* start = msg.mutable_start();
-  FillDecodeRequest(args, start->mutable_request());
-  start->set_traceparent(args.traceparent);
-  std::unique_lock lock(mu_);
-  if (ended_) return nullptr;
-  const uint64_t handle = next_handle_++;
-  start->set_handle(handle);
-  auto req = std::make_shared<Request>(weak_from_this(), handle, std::move(events));
-  requests_.emplace(handle, req);
-  Send(lock, std::move(msg));
-  return req;
-}
-
-bool DecodeMuxClient::ended() const {
-  std::lock_guard lock(mu_);
-  return ended_;
-}
-
-size_t DecodeMuxClient::num_requests() const {
-  std::lock_guard lock(mu_);
-  return requests_.size();
-}
-
-void DecodeMuxClient::CancelRequest(uint64_t handle) {
-  std::unique_lock lock(mu_);
-  auto it = requests_.find(handle);
-  if (it == requests_.end()) return;  // ended already
-  std::shared_ptr<Request> req = std::move(it->second);
-  requests_.erase(it);
-  if (!ended_) {
-    pb::DecodeStreamRequest msg;
-    msg.set_cancel(handle);
-    Send(lock, std::move(msg));
-  }
-  // As a cancelled Decode RPC: the request's last event, off this thread's
-  // locks (the caller holds none of the lifecycle's: see lifecycle.h).
-  if (lock.owns_lock()) lock.unlock();
-  req->Fail(CancelledError("cancelled by the proxy"), /*from_worker=*/false);
-}
-
-void DecodeMuxClient::Send(std::unique_lock<std::mutex>& lock, pb::DecodeStreamRequest msg) {
+void DecodeMuxClient::SendLocked(std::unique_lock<std::mutex>& lock, pb::DecodeStreamRequest msg) {
   queue_.push_back(std::move(msg));
   Pump(lock);
 }
@@ -134,36 +165,17 @@ void DecodeMuxClient::OnWriteDone(bool ok) {
 
 void DecodeMuxClient::OnReadDone(bool ok) {
   if (!ok) return;  // the stream is over; OnDone follows
-  // One batch: a front end that buffers per connection (the native gRPC
-  // server, docs/grpc-frontend.md) sends once at its end, not per item.
-  DeliveryScope scope;
-  for (const pb::DecodeStreamItem& item : resp_.items()) {
-    std::shared_ptr<Request> req;
-    {
-      std::lock_guard lock(mu_);
-      auto it = requests_.find(item.handle());
-      if (it == requests_.end()) continue;  // cancelled meanwhile
-      req = it->second;
-      if (item.has_finished() || item.has_error()) requests_.erase(it);
-    }
-    req->Deliver(item);
-  }
+  Deliver(resp_);
   StartRead(&resp_);
 }
 
 void DecodeMuxClient::OnDone(const grpc::Status& status) {
-  std::unordered_map<uint64_t, std::shared_ptr<Request>> left;
   {
     std::lock_guard lock(mu_);
-    ended_ = true;
-    left.swap(requests_);
     queue_.clear();
   }
-  const std::string why = abandoned();
-  const Status st = !why.empty() ? UnavailableError(why)
-                    : status.ok() ? UnavailableError("the decoder ended the decode stream")
-                                  : FromGrpcStatus(status);
-  for (auto& [handle, req] : left) req->Fail(st, /*from_worker=*/false);
+  EndAll(status.ok() ? UnavailableError("the decoder ended the decode stream")
+                     : FromGrpcStatus(status));
   self_.reset();  // may delete this
 }
 

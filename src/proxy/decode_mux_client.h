@@ -27,6 +27,8 @@
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "proxy/worker_client.h"
 #include "proxy/worker_client_grpc.h"
@@ -38,20 +40,46 @@ namespace tandem::proxy {
 void FillDecodeRequest(const DecodeArgs& args, v1::DecodeRequest* req);
 Finish FinishFromProto(v1::FinishReason r);
 
-class DecodeMuxClient final
-    : public grpc::ClientBidiReactor<v1::DecodeStreamRequest, v1::DecodeStreamResponse>,
-      public GrpcWorkerClient::Tracked,
-      public std::enable_shared_from_this<DecodeMuxClient> {
+// The demultiplexer of one decode stream, whatever carries it (gRPC below,
+// framed TCP in proxy/decode_mux_tcp_client.h): handles, the requests'
+// events, cancels, and the end of the stream.
+class DecodeMux : public GrpcWorkerClient::Tracked, public std::enable_shared_from_this<DecodeMux> {
  public:
-  // Opens the stream on `channel`; it lives until its RPC is done.
-  static std::shared_ptr<DecodeMuxClient> Open(const std::shared_ptr<grpc::Channel>& channel);
-
   // A request on this stream. Null (and `events` left as they were) when
   // the stream is already over: the caller opens a new one.
   std::shared_ptr<Call> Start(const DecodeArgs& args, DecodeEvents& events);
 
   bool ended() const;
   size_t num_requests() const;  // started and not yet ended or cancelled
+
+ protected:
+  // Sends `msg` on the stream, in the order of the calls (mu_ is held; an
+  // implementation may release it).
+  virtual void SendLocked(std::unique_lock<std::mutex>& lock, v1::DecodeStreamRequest msg) = 0;
+  // One batch read: each item to its request, in order (the reader thread).
+  void Deliver(const v1::DecodeStreamResponse& batch);
+  // The stream is over: every request still on it ends with `status` (the
+  // abandon reason instead, when AbandonCalls ended it), from_worker = false.
+  void EndAll(const Status& status);
+
+  mutable std::mutex mu_;
+  bool ended_ = false;  // guarded by mu_: EndAll ran (or is running)
+
+ private:
+  class Request;
+  void CancelRequest(uint64_t handle);
+
+  uint64_t next_handle_ = 1;  // guarded by mu_
+  std::unordered_map<uint64_t, std::shared_ptr<Request>> requests_;  // guarded by mu_
+  std::vector<std::pair<std::shared_ptr<Request>, const v1::DecodeStreamItem*>> batch_;  // reader only
+};
+
+class DecodeMuxClient final
+    : public DecodeMux,
+      public grpc::ClientBidiReactor<v1::DecodeStreamRequest, v1::DecodeStreamResponse> {
+ public:
+  // Opens the stream on `channel`; it lives until its RPC is done.
+  static std::shared_ptr<DecodeMuxClient> Open(const std::shared_ptr<grpc::Channel>& channel);
 
   // ---- gRPC reactor ----
   void OnWriteDone(bool ok) override;
@@ -61,9 +89,7 @@ class DecodeMuxClient final
   DecodeMuxClient() = default;  // use Open
 
  private:
-  class Request;
-  void CancelRequest(uint64_t handle);
-  void Send(std::unique_lock<std::mutex>& lock, v1::DecodeStreamRequest msg);
+  void SendLocked(std::unique_lock<std::mutex>& lock, v1::DecodeStreamRequest msg) override;
   void Pump(std::unique_lock<std::mutex>& lock);
   void CancelRpc() override { ctx_.TryCancel(); }
 
@@ -72,12 +98,8 @@ class DecodeMuxClient final
   v1::DecodeStreamResponse resp_;  // the batch being read
   v1::DecodeStreamRequest current_;  // the message being written
 
-  mutable std::mutex mu_;
   std::deque<v1::DecodeStreamRequest> queue_;  // guarded by mu_
   bool writing_ = false;                       // guarded by mu_
-  bool ended_ = false;                         // guarded by mu_: OnDone ran (or is running)
-  uint64_t next_handle_ = 1;                   // guarded by mu_
-  std::unordered_map<uint64_t, std::shared_ptr<Request>> requests_;  // guarded by mu_
   std::shared_ptr<DecodeMuxClient> self_;  // keeps the reactor alive until OnDone
 };
 

@@ -46,7 +46,10 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
                                           &p->metrics_->itl, *p->metrics_registry_);
   p->planner_->Start();
   p->client_ = std::make_unique<GrpcWorkerClient>(options.internal_credentials,
-                                                  fleet.proxy.decode_stream);
+                                                  fleet.proxy.decode_stream,
+                                                  fleet.proxy.decode_transport == "tcp",
+                                                  /*tcp_deliver_on_grpc_thread=*/
+                                                  fleet.proxy.grpc_server != "native");
 
   ServingLimits limits;
   limits.model = fleet.model.name;

@@ -283,7 +283,10 @@ grpc::ServerUnaryReactor* RegistryService::Register(grpc::CallbackServerContext*
     }
   }
   // Issue 23: requests to this decoder go over its multiplexed stream.
-  if (st.ok()) channels_->SetDecodeStream(rec.grpc_address, w.decode_stream());
+  if (st.ok()) {
+    channels_->SetDecodeStream(rec.grpc_address, w.decode_stream());
+    channels_->SetDecodeMuxAddress(rec.grpc_address, w.decode_mux_address());  // framed TCP
+  }
   if (!st.ok()) {
     spdlog::warn("{}", st.message());
     response->mutable_error()->set_code(static_cast<int>(st.code()));

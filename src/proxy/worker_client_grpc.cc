@@ -4,10 +4,13 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <spdlog/spdlog.h>
+
 #include <atomic>
 
 #include "common/rpc_server.h"
 #include "proxy/decode_mux_client.h"
+#include "proxy/decode_mux_tcp_client.h"
 #include "tandem/v1/worker.grpc.pb.h"
 
 namespace tandem::proxy {
@@ -200,6 +203,44 @@ size_t GrpcWorkerClient::AbandonCalls(const std::string& address, const std::str
   return n;
 }
 
+GrpcWorkerClient::GrpcWorkerClient(RpcCredentials credentials, bool decode_stream, bool decode_tcp,
+                                   bool tcp_deliver_on_grpc_thread)
+    : credentials_(std::move(credentials)),
+      decode_stream_(decode_stream),
+      decode_tcp_(decode_tcp),
+      tcp_deliver_on_grpc_thread_(tcp_deliver_on_grpc_thread) {
+  if (!decode_stream_ || !decode_tcp_) return;
+  auto tls = InternalFrameTls(credentials_);
+  if (!tls.ok()) {
+    spdlog::warn("proxy.decode_transport tcp: {}; decode streams use gRPC", tls.status().message());
+    decode_tcp_ = false;
+    return;
+  }
+  frame_tls_ = std::move(tls).value();
+}
+
+GrpcWorkerClient::~GrpcWorkerClient() {
+  std::vector<std::weak_ptr<DecodeMuxTcpClient>> tcp;
+  {
+    std::lock_guard lock(mu_);
+    tcp.swap(tcp_muxes_);
+    muxes_.clear();
+  }
+  for (auto& w : tcp) {
+    if (auto m = w.lock()) m->Stop();
+  }
+}
+
+void GrpcWorkerClient::SetDecodeMuxAddress(const std::string& address,
+                                           const std::string& mux_address) {
+  std::lock_guard lock(mu_);
+  if (mux_address.empty()) {
+    tcp_addresses_.erase(address);
+  } else {
+    tcp_addresses_[address] = mux_address;
+  }
+}
+
 void GrpcWorkerClient::SetDecodeStream(const std::string& address, bool served) {
   std::lock_guard lock(mu_);
   if (served) {
@@ -209,12 +250,22 @@ void GrpcWorkerClient::SetDecodeStream(const std::string& address, bool served) 
   }
 }
 
-std::shared_ptr<DecodeMuxClient> GrpcWorkerClient::Mux(const std::string& address,
-                                                       const DecodeMuxClient* stale) {
+std::shared_ptr<DecodeMux> GrpcWorkerClient::Mux(const std::string& address,
+                                                 const DecodeMux* stale) {
   std::lock_guard lock(mu_);
-  if (!decode_stream_ || mux_addresses_.count(address) == 0) return nullptr;
+  if (!decode_stream_) return nullptr;
+  const auto tcp = decode_tcp_ ? tcp_addresses_.find(address) : tcp_addresses_.end();
+  if (tcp == tcp_addresses_.end() && mux_addresses_.count(address) == 0) return nullptr;
   auto& mux = muxes_[address];
-  if (!mux || mux.get() == stale || mux->ended()) mux = DecodeMuxClient::Open(ChannelLocked(address));
+  if (mux && mux.get() != stale && !mux->ended()) return mux;
+  if (tcp != tcp_addresses_.end()) {
+    auto m = DecodeMuxTcpClient::Open(tcp->second, frame_tls_, tcp_deliver_on_grpc_thread_);
+    std::erase_if(tcp_muxes_, [](const auto& w) { return w.expired(); });
+    tcp_muxes_.push_back(m);
+    mux = std::move(m);
+  } else {
+    mux = DecodeMuxClient::Open(ChannelLocked(address));
+  }
   return mux;
 }
 

@@ -9,6 +9,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "common/frame_conn.h"
 #include "common/tls.h"
 #include "proxy/worker_client.h"
 
@@ -18,20 +19,32 @@ class Channel;
 
 namespace tandem::proxy {
 
-class DecodeMuxClient;
+class DecodeMux;
+class DecodeMuxTcpClient;
 
 class GrpcWorkerClient final : public WorkerClient {
  public:
   // Every channel uses `credentials` (the internal plane's: mutual TLS by default).
   // `decode_stream` (proxy.decode_stream, issue 23): Decode goes over one
-  // multiplexed DecodeStream per decoder that advertises it
-  // (SetDecodeStream); otherwise one Decode RPC per request.
-  explicit GrpcWorkerClient(RpcCredentials credentials, bool decode_stream = true)
-      : credentials_(std::move(credentials)), decode_stream_(decode_stream) {}
+  // multiplexed decode stream per decoder that advertises it
+  // (SetDecodeStream); otherwise one Decode RPC per request. `decode_tcp`
+  // (proxy.decode_transport tcp): that stream is the decoder's framed TCP
+  // one where it advertises it (SetDecodeMuxAddress), with the same mutual
+  // TLS identity; otherwise the gRPC DecodeStream. `tcp_deliver_on_grpc_thread`
+  // (proxy/decode_mux_tcp_client.h): the TCP stream's batches are handed to
+  // the requests on a gRPC thread (the public gRPC C++ server's writes then
+  // leave in one flush) rather than on its reader thread (the native front
+  // end flushes at the end of the reader's batch).
+  explicit GrpcWorkerClient(RpcCredentials credentials, bool decode_stream = true,
+                            bool decode_tcp = true, bool tcp_deliver_on_grpc_thread = true);
+  ~GrpcWorkerClient() override;
 
   // Whether the worker at `address` serves Decoder.DecodeStream
   // (WorkerInfo.decode_stream, from its registration).
   void SetDecodeStream(const std::string& address, bool served);
+  // Where the worker at `address` serves the decode stream over framed TCP
+  // (WorkerInfo.decode_mux_address; empty: it does not).
+  void SetDecodeMuxAddress(const std::string& address, const std::string& mux_address);
 
   std::shared_ptr<Call> Decode(const std::string& address, DecodeArgs args,
                                DecodeEvents events) override;
@@ -68,14 +81,19 @@ class GrpcWorkerClient final : public WorkerClient {
   std::shared_ptr<grpc::Channel> ChannelLocked(const std::string& address);
   // The live decode stream to `address` (a new one when `stale` is the
   // current one or there is none); null when it does not serve one.
-  std::shared_ptr<DecodeMuxClient> Mux(const std::string& address,
-                                       const DecodeMuxClient* stale = nullptr);
+  std::shared_ptr<DecodeMux> Mux(const std::string& address, const DecodeMux* stale = nullptr);
 
   const RpcCredentials credentials_;
   const bool decode_stream_;
+  bool decode_tcp_;
+  const bool tcp_deliver_on_grpc_thread_;
+  std::shared_ptr<FrameTls> frame_tls_;  // the framed connections' TLS; null: plaintext
   std::mutex mu_;
   std::unordered_set<std::string> mux_addresses_;  // guarded by mu_: serve DecodeStream
-  std::unordered_map<std::string, std::shared_ptr<DecodeMuxClient>> muxes_;  // guarded by mu_
+  std::unordered_map<std::string, std::string> tcp_addresses_;  // guarded by mu_: gRPC -> framed TCP
+  std::unordered_map<std::string, std::shared_ptr<DecodeMux>> muxes_;  // guarded by mu_
+  // Every TCP stream opened (stopped and joined with the client).
+  std::vector<std::weak_ptr<DecodeMuxTcpClient>> tcp_muxes_;  // guarded by mu_
   std::unordered_map<std::string, std::shared_ptr<grpc::Channel>> channels_;  // guarded by mu_
   // Calls in flight per worker address (expired entries pruned as we go).
   std::unordered_map<std::string, std::vector<std::weak_ptr<Tracked>>> calls_;  // guarded by mu_

@@ -20,6 +20,7 @@
 #include "common/rpc_server.h"
 #include "common/tracing_otlp.h"
 #include "decoder/decoder.h"
+#include "decoder/decode_mux_tcp.h"
 #include "decoder/decoder_service.h"
 #include "engine/engine.h"
 #include "engine/llama_forward.h"
@@ -149,6 +150,8 @@ struct Worker {
   // engine's steps, the decoder's first reservation; issue 23).
   std::shared_ptr<IdleWake> idle_wake = std::make_shared<IdleWake>();
   std::unique_ptr<RpcServer> server;
+  // The decode stream over framed TCP (issue 23, decode.mux_listen).
+  std::unique_ptr<FrameServer> mux_server;
   // Keeps it registered with every proxy (--join, --join-dns); stopped
   // first when draining.
   std::unique_ptr<ProxyRegistrar> registrar;
@@ -244,6 +247,38 @@ struct Worker {
     return n;
   }
 };
+
+// The decode stream's framed TCP listener (issue 23, docs/decode-stream.md
+// "Transport"): on the gRPC address's host unless decode.mux_listen says
+// otherwise, with the internal plane's mutual TLS identity.
+Status StartDecodeMuxTcp(Worker& w, const RoleConfig& rc, const WorkerCommand& cmd) {
+  if (rc.mux_listen == "off") return Status::Ok();
+  std::string listen = rc.mux_listen;
+  if (listen == "auto") {
+    TANDEM_ASSIGN_OR_RETURN(HostPort grpc, ParseHostPort(w.server->address()));
+    listen = HostPort{grpc.host, 0}.ToString();
+  }
+  auto tls = InternalFrameTls(w.credentials);
+  if (!tls.ok()) return tls.status().WithContext("decode.mux_listen");
+  prometheus::Counter* connections = &w.registry->Counter(
+      "tandem_decode_mux_tcp_connections_total",
+      "Authenticated framed TCP decode stream connections accepted (issue 23; one per proxy "
+      "connection)");
+  decoder::DecodeMuxTcpOptions o;
+  o.address = listen;
+  o.tls = std::move(tls).value();
+  o.on_connection = [connections] { connections->Increment(); };
+  auto server = decoder::ServeDecodeMuxTcp(*w.decoder, std::move(o));
+  if (!server.ok()) return server.status().WithContext("decode.mux_listen");
+  w.mux_server = std::move(server).value();
+  std::string advertised = w.mux_server->address();
+  if (!cmd.advertise.empty()) {
+    TANDEM_ASSIGN_OR_RETURN(HostPort adv, ParseAdvertise(cmd.advertise));
+    advertised = Advertised(advertised, adv, false);
+  }
+  w.worker_service->SetDecodeMuxAddress(advertised);
+  return Status::Ok();
+}
 
 Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig& rc, Worker& w) {
   const bool decodes = cmd.role == "decode" || cmd.role == "both";
@@ -510,6 +545,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     w.worker_service->SetAddresses(Advertised(w.server->address(), adv, true),
                                    Advertised(w.registry->bound_address(), adv, false));
   }
+  if (decodes) TANDEM_RETURN_IF_ERROR(StartDecodeMuxTcp(w, rc, cmd));
   w.worker_service->Start();
   return Status::Ok();
 }
@@ -634,6 +670,7 @@ void Drain(Worker& w, double drain_seconds) {
   if (w.worker_service) w.worker_service->Stop();
   spdlog::debug("drain: shutting the gRPC server down");
   if (w.server) w.server->Shutdown(1000);
+  if (w.mux_server) w.mux_server->Stop();  // ends the TCP decode streams, as Shutdown the gRPC ones
   spdlog::debug("drain: stopping the prefiller, decoder and engine");
   if (w.prefiller) w.prefiller->Stop();
   if (w.decoder) w.decoder->Stop();

@@ -52,6 +52,7 @@ void FillInfo(const WorkerIdentity& id, pb::WorkerInfo* out) {
   out->set_hash_root(id.hash_root);
   // Every decoder serves Decoder.DecodeStream (issue 23, docs/decode-stream.md).
   out->set_decode_stream(id.role == "decode" || id.role == "both");
+  out->set_decode_mux_address(id.decode_mux_address);
   out->set_tensor_parallel(id.tensor_parallel);
   out->set_pipeline_parallel(id.pipeline_parallel);
   for (const auto& [k, v] : id.labels) (*out->mutable_labels())[k] = v;
@@ -438,6 +439,11 @@ void WorkerService::SetAddresses(const std::string& grpc_address, const std::str
   std::lock_guard lock(impl_->mu_);
   impl_->identity_.grpc_address = grpc_address;
   impl_->identity_.metrics_address = metrics_address;
+}
+
+void WorkerService::SetDecodeMuxAddress(const std::string& address) {
+  std::lock_guard lock(impl_->mu_);
+  impl_->identity_.decode_mux_address = address;
 }
 
 WorkerIdentity WorkerService::identity() const {

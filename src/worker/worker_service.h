@@ -60,6 +60,8 @@ struct WorkerIdentity {
   // Its rank layout (issue 18): tensor_parallel x pipeline_parallel ranks.
   uint32_t tensor_parallel = 1;
   uint32_t pipeline_parallel = 1;
+  // Issue 23: the decode stream's framed TCP listener ("" = none).
+  std::string decode_mux_address;
 };
 
 // LoadReport of worker.proto as plain numbers.
@@ -128,6 +130,8 @@ class WorkerService {
   grpc::Service* service();
   // The addresses are known only once the servers listen.
   void SetAddresses(const std::string& grpc_address, const std::string& metrics_address);
+  // Issue 23: where the decode stream is served over framed TCP (before Start).
+  void SetDecodeMuxAddress(const std::string& address);
   WorkerIdentity identity() const;
 
   void Start();

@@ -59,6 +59,31 @@ TEST(Config, TransportEncrypt) {
       << bad.status().message();
 }
 
+TEST(Config, DecodeMuxListenAndDecodeTransport) {  // issue 23
+  auto r = Parse(kGood);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->decode.mux_listen, "auto");
+  EXPECT_EQ(r->proxy.decode_transport, "tcp");
+  auto set = Parse(
+      "model:\n  path: m\nproxy:\n  decode_transport: grpc\nboth:\n  replicas: 1\n  mux_listen: "
+      "127.0.0.1:0\n");
+  ASSERT_TRUE(set.ok()) << set.status().message();
+  EXPECT_EQ(set->proxy.decode_transport, "grpc");
+  EXPECT_EQ(set->both.mux_listen, "127.0.0.1:0");
+  EXPECT_EQ(ErrorOf("model:\n  path: m\nproxy:\n  decode_transport: udp\nboth:\n  replicas: 1\n"),
+            "configs/x.yaml:4: key 'proxy.decode_transport' must be one of 'tcp', 'grpc', got 'udp'");
+  EXPECT_NE(ErrorOf("model:\n  path: m\nboth:\n  replicas: 1\n  mux_listen: nowhere\n")
+                .find("both.mux_listen is 'nowhere': expected auto, off or host:port"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("model:\n  path: m\nprefill:\n  replicas: 1\n  mux_listen: 127.0.0.1:0\n"
+                    "decode:\n  replicas: 1\n")
+                .find("prefill.mux_listen"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("model:\n  path: m\nboth:\n  replicas: 2\n  mux_listen: 127.0.0.1:7000\n")
+                .find("has a fixed port but both.replicas is 2"),
+            std::string::npos);
+}
+
 TEST(Config, TransportPushIsStreamingOrAfterPrefill) {
   auto r = Parse("model:\n  path: m\ntransport:\n  push: after_prefill\nboth:\n  replicas: 1\n");
   ASSERT_TRUE(r.ok()) << r.status().message();

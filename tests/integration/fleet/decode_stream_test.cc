@@ -3,6 +3,8 @@
 // token-exact equal to `tandem generate`, a step's tokens travel together
 // (fewer messages than items on the decoder's stream), and cancelling one
 // request mid-stream neither disturbs the others nor leaves anything held.
+// The stream travels over the decoder's framed TCP listener by default and
+// over gRPC with proxy.decode_transport grpc, with the same outputs.
 // With proxy.decode_stream off the proxy uses one Decode RPC per request
 // (the decoder sends nothing on a DecodeStream) and the output is the same.
 #include <gtest/gtest.h>
@@ -130,6 +132,9 @@ TEST(DecodeStream, ThirtyTwoStreamsThroughOneDecoderEqualGenerateAndACancelDistu
   EXPECT_GE(items, 2.0 * kStreams);
   EXPECT_GT(messages, 0);
   EXPECT_LT(messages, items) << "no message carried more than one request's items";
+  // ... over the decoder's framed TCP listener (proxy.decode_transport tcp,
+  // the default; mutual TLS as every internal connection of the fleet).
+  EXPECT_GE(DecoderMetric(**fleet, "tandem_decode_mux_tcp_connections_total"), 1.0);
 
   // The stream stays usable after the cancel.
   auto again = Generate((*fleet)->proxy_grpc(), [] {
@@ -140,6 +145,18 @@ TEST(DecodeStream, ThirtyTwoStreamsThroughOneDecoderEqualGenerateAndACancelDistu
   }());
   ASSERT_TRUE(again.ok()) << again.status().ToString();
   EXPECT_EQ(again->token_ids, References()[3]);
+}
+
+TEST(DecodeStream, GrpcTransportCarriesTheSameStreamWithTheSameOutput) {
+  if (!HaveModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
+  References();
+  FleetOptions o;
+  o.proxy_yaml = "  decode_transport: grpc\n";
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  RunStreams(**fleet, /*cancel_one=*/true);
+  EXPECT_GT(DecoderMetric(**fleet, "tandem_decode_stream_messages_total"), 0);
+  EXPECT_EQ(DecoderMetric(**fleet, "tandem_decode_mux_tcp_connections_total"), 0);
 }
 
 TEST(DecodeStream, OffUsesOneDecodeCallPerRequestWithTheSameOutput) {

@@ -1,0 +1,468 @@
+#include "common/frame_conn.h"
+
+#include <arpa/inet.h>
+#include <fmt/format.h>
+#include <google/protobuf/message_lite.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/x509v3.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "common/net.h"
+
+namespace tandem {
+namespace {
+
+constexpr size_t kHeaderBytes = 4;
+constexpr size_t kReadChunkBytes = 64 << 10;
+
+std::string OpenSslErrors() {
+  std::string out;
+  while (unsigned long e = ERR_get_error()) {
+    char buf[256];
+    ERR_error_string_n(e, buf, sizeof(buf));
+    if (!out.empty()) out += "; ";
+    out += buf;
+  }
+  return out.empty() ? "no OpenSSL error queued" : out;
+}
+
+bool IsIpAddress(const std::string& host) {
+  in6_addr a6;
+  in_addr a4;
+  return inet_pton(AF_INET, host.c_str(), &a4) == 1 || inet_pton(AF_INET6, host.c_str(), &a6) == 1;
+}
+
+// Every certificate in `pem`, in order.
+Status ForEachCert(const std::string& pem, const char* what,
+                   const std::function<Status(X509*)>& fn) {
+  BIO* b = BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size()));
+  if (b == nullptr) return InternalError("BIO_new_mem_buf failed");
+  int n = 0;
+  Status st = Status::Ok();
+  while (X509* x = PEM_read_bio_X509(b, nullptr, nullptr, nullptr)) {
+    ++n;
+    st = fn(x);
+    X509_free(x);
+    if (!st.ok()) break;
+  }
+  ERR_clear_error();  // the read that ends the loop queues "no start line"
+  BIO_free(b);
+  if (st.ok() && n == 0) st = InvalidArgumentError(fmt::format("the {} holds no certificate", what));
+  return st;
+}
+
+Status SetupContext(SSL_CTX* ctx, const TlsPem& pem) {
+  SSL_CTX_set_min_proto_version(ctx, TLS1_2_VERSION);
+  SSL_CTX_set_mode(ctx, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+  bool first = true;
+  TANDEM_RETURN_IF_ERROR(ForEachCert(pem.cert, "certificate", [&](X509* x) {
+    const int ok = first ? SSL_CTX_use_certificate(ctx, x) : SSL_CTX_add1_chain_cert(ctx, x);
+    first = false;
+    return ok == 1 ? Status::Ok() : InternalError("loading the certificate: " + OpenSslErrors());
+  }));
+  BIO* kb = BIO_new_mem_buf(pem.key.data(), static_cast<int>(pem.key.size()));
+  EVP_PKEY* key = kb ? PEM_read_bio_PrivateKey(kb, nullptr, nullptr, nullptr) : nullptr;
+  BIO_free(kb);
+  if (key == nullptr) return InvalidArgumentError("no readable private key: " + OpenSslErrors());
+  const int key_ok = SSL_CTX_use_PrivateKey(ctx, key);
+  EVP_PKEY_free(key);
+  if (key_ok != 1 || SSL_CTX_check_private_key(ctx) != 1) {
+    return InvalidArgumentError("the private key does not fit the certificate: " + OpenSslErrors());
+  }
+  X509_STORE* store = SSL_CTX_get_cert_store(ctx);
+  return ForEachCert(pem.ca, "CA file", [&](X509* x) {
+    return X509_STORE_add_cert(store, x) == 1
+               ? Status::Ok()
+               : InternalError("loading the CA certificate: " + OpenSslErrors());
+  });
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- FrameTls
+
+Result<std::shared_ptr<FrameTls>> FrameTls::Create(const TlsPem& pem) {
+  std::shared_ptr<FrameTls> t(new FrameTls());
+  t->server_ = SSL_CTX_new(TLS_server_method());
+  t->client_ = SSL_CTX_new(TLS_client_method());
+  if (t->server_ == nullptr || t->client_ == nullptr) {
+    return InternalError("SSL_CTX_new failed: " + OpenSslErrors());
+  }
+  TANDEM_RETURN_IF_ERROR(SetupContext(t->server_, pem));
+  TANDEM_RETURN_IF_ERROR(SetupContext(t->client_, pem));
+  // Mutual TLS: a peer without a certificate of the fleet CA is refused.
+  SSL_CTX_set_verify(t->server_, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT, nullptr);
+  SSL_CTX_set_verify(t->client_, SSL_VERIFY_PEER, nullptr);
+  // Connections are long-lived: no session tickets to write after the handshake.
+  SSL_CTX_set_num_tickets(t->server_, 0);
+  return t;
+}
+
+FrameTls::~FrameTls() {
+  SSL_CTX_free(server_);
+  SSL_CTX_free(client_);
+}
+
+SSL* FrameTls::NewServer() const { return SSL_new(server_); }
+
+SSL* FrameTls::NewClient(const std::string& host) const {
+  SSL* ssl = SSL_new(client_);
+  if (ssl == nullptr) return nullptr;
+  // As gRPC does: the server's certificate must name the dialled host.
+  X509_VERIFY_PARAM* param = SSL_get0_param(ssl);
+  const bool ok = IsIpAddress(host) ? X509_VERIFY_PARAM_set1_ip_asc(param, host.c_str()) == 1
+                                    : (SSL_set1_host(ssl, host.c_str()) == 1 &&
+                                       SSL_set_tlsext_host_name(ssl, host.c_str()) == 1);
+  if (!ok) {
+    SSL_free(ssl);
+    return nullptr;
+  }
+  return ssl;
+}
+
+Result<std::shared_ptr<FrameTls>> InternalFrameTls(const RpcCredentials& credentials) {
+  if (!credentials.secure()) return std::shared_ptr<FrameTls>();
+  const TlsPem* pem = credentials.mutual_pem();
+  if (pem == nullptr) {
+    return FailedPreconditionError("framed internal connections need mutual TLS credentials");
+  }
+  return FrameTls::Create(*pem);
+}
+
+// ---------------------------------------------------------------- FrameConn
+
+std::shared_ptr<FrameConn> FrameConn::Accepted(int fd, const FrameTls* tls, FrameOptions options,
+                                               std::string peer) {
+  std::shared_ptr<FrameConn> c(new FrameConn(options, std::move(peer)));
+  c->fd_ = fd;
+  c->server_tls_ = tls;
+  c->deadline_ = std::chrono::steady_clock::now() + options.handshake_timeout;
+  const int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  if (tls != nullptr) {
+    c->ssl_ = tls->NewServer();
+    if (c->ssl_ == nullptr || SSL_set_fd(c->ssl_, fd) != 1) {
+      c->CloseLocked(InternalError("SSL_new failed: " + OpenSslErrors()));
+      return c;
+    }
+    SSL_set_accept_state(c->ssl_);
+    c->state_ = State::kHandshake;
+  } else {
+    c->state_ = State::kOpen;
+  }
+  return c;
+}
+
+std::shared_ptr<FrameConn> FrameConn::Client(std::string address, std::shared_ptr<FrameTls> tls,
+                                             FrameOptions options) {
+  std::shared_ptr<FrameConn> c(new FrameConn(options, std::move(address)));
+  c->tls_ = std::move(tls);
+  c->deadline_ = std::chrono::steady_clock::now() + options.handshake_timeout;
+  return c;
+}
+
+FrameConn::~FrameConn() {
+  if (ssl_ != nullptr) SSL_free(ssl_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+Status FrameConn::Connect() {
+  auto hp = ParseHostPort(peer_);
+  if (!hp.ok()) return hp.status();
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  const std::string port = std::to_string(hp->port);
+  if (int rc = getaddrinfo(hp->host.c_str(), port.c_str(), &hints, &res); rc != 0) {
+    Status st = UnavailableError(fmt::format("cannot resolve {}: {}", peer_, gai_strerror(rc)));
+    Close(st);
+    return st;
+  }
+  std::lock_guard lock(mu_);
+  if (state_ == State::kClosed) {
+    freeaddrinfo(res);
+    return closed_why_;
+  }
+  fd_ = socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  int rc = fd_ < 0 ? -1 : ::connect(fd_, res->ai_addr, res->ai_addrlen);
+  const int err = errno;
+  freeaddrinfo(res);
+  if (fd_ < 0 || (rc != 0 && err != EINPROGRESS)) {
+    CloseLocked(UnavailableError(fmt::format("cannot connect to {}: {}", peer_, std::strerror(err))));
+    return closed_why_;
+  }
+  const int one = 1;
+  setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  if (tls_) {
+    ssl_ = tls_->NewClient(hp->host);
+    if (ssl_ == nullptr || SSL_set_fd(ssl_, fd_) != 1) {
+      CloseLocked(InternalError("SSL_new failed: " + OpenSslErrors()));
+      return closed_why_;
+    }
+    SSL_set_connect_state(ssl_);
+  }
+  state_ = State::kConnecting;
+  return Status::Ok();
+}
+
+bool FrameConn::closed() const {
+  std::lock_guard lock(mu_);
+  return state_ == State::kClosed;
+}
+
+bool FrameConn::open() const {
+  std::lock_guard lock(mu_);
+  return state_ == State::kOpen;
+}
+
+void FrameConn::Close(const Status& why) {
+  std::lock_guard lock(mu_);
+  CloseLocked(why);
+}
+
+void FrameConn::CloseLocked(const Status& why) {
+  if (state_ == State::kClosed) return;
+  state_ = State::kClosed;
+  closed_why_ = why.ok() ? UnavailableError("connection closed") : why;
+  if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);  // wakes the I/O thread's poll
+  out_.clear();
+  out_off_ = 0;
+}
+
+Status FrameConn::TlsError(const char* what, int ret) {
+  const int e = SSL_get_error(ssl_, ret);
+  std::string detail;
+  if (e == SSL_ERROR_SYSCALL) {
+    detail = errno != 0 ? std::strerror(errno) : "the peer closed the connection";
+  } else if (e == SSL_ERROR_ZERO_RETURN) {
+    detail = "the peer closed the connection";
+  } else {
+    detail = OpenSslErrors();
+  }
+  const long verify = SSL_get_verify_result(ssl_);
+  if (verify != X509_V_OK) {
+    detail += fmt::format(" (certificate verification: {})", X509_verify_cert_error_string(verify));
+  }
+  return UnavailableError(fmt::format("{} with {} failed: {}", what, peer_, detail));
+}
+
+Status FrameConn::Send(const google::protobuf::MessageLite& msg) {
+  const size_t size = msg.ByteSizeLong();
+  if (size > options_.max_frame_bytes) {
+    return InvalidArgumentError(fmt::format("a frame of {} bytes exceeds the limit of {} bytes",
+                                            size, options_.max_frame_bytes));
+  }
+  bool wake = false;
+  {
+    std::lock_guard lock(mu_);
+    if (state_ == State::kClosed) return closed_why_;
+    const uint64_t backlog = out_.size() - out_off_;
+    if (backlog + kHeaderBytes + size > options_.max_buffered_bytes) {
+      CloseLocked(UnavailableError(fmt::format(
+          "{} does not read fast enough: {} bytes unsent would exceed the bound of {} bytes",
+          peer_, backlog + kHeaderBytes + size, options_.max_buffered_bytes)));
+      return closed_why_;
+    }
+    if (out_off_ > 0 && out_off_ == out_.size()) {
+      out_.clear();
+      out_off_ = 0;
+    }
+    const size_t at = out_.size();
+    out_.resize(at + kHeaderBytes + size);
+    auto* p = reinterpret_cast<uint8_t*>(out_.data() + at);
+    const auto n = static_cast<uint32_t>(size);
+    p[0] = static_cast<uint8_t>(n);
+    p[1] = static_cast<uint8_t>(n >> 8);
+    p[2] = static_cast<uint8_t>(n >> 16);
+    p[3] = static_cast<uint8_t>(n >> 24);
+    msg.SerializeWithCachedSizesToArray(p + kHeaderBytes);
+    if (state_ == State::kOpen && !write_blocked_) {
+      FlushLocked();
+      wake = write_blocked_;
+      if (state_ == State::kClosed) return closed_why_;
+    }
+  }
+  if (wake && wake_) wake_();
+  return Status::Ok();
+}
+
+void FrameConn::FlushLocked() {
+  while (out_off_ < out_.size()) {
+    const char* p = out_.data() + out_off_;
+    const size_t left = out_.size() - out_off_;
+    if (ssl_ != nullptr) {
+      const int len = ssl_retry_len_ > 0 ? ssl_retry_len_
+                                          : static_cast<int>(std::min<size_t>(left, 1u << 30));
+      ERR_clear_error();
+      const int n = SSL_write(ssl_, p, len);
+      if (n > 0) {
+        ssl_retry_len_ = 0;
+        out_off_ += static_cast<size_t>(n);
+        continue;
+      }
+      const int e = SSL_get_error(ssl_, n);
+      if (e == SSL_ERROR_WANT_WRITE || e == SSL_ERROR_WANT_READ) {
+        ssl_retry_len_ = len;  // OpenSSL wants the same write repeated
+        write_blocked_ = true;
+        return;
+      }
+      CloseLocked(TlsError("writing", n));
+      return;
+    }
+    const ssize_t n = ::send(fd_, p, left, MSG_NOSIGNAL);
+    if (n > 0) {
+      out_off_ += static_cast<size_t>(n);
+      continue;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      write_blocked_ = true;
+      return;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    CloseLocked(UnavailableError(fmt::format("writing to {} failed: {}", peer_, std::strerror(errno))));
+    return;
+  }
+  out_.clear();
+  out_off_ = 0;
+  write_blocked_ = false;
+}
+
+short FrameConn::Events() const {
+  std::lock_guard lock(mu_);
+  switch (state_) {
+    case State::kConnecting: return POLLOUT;
+    case State::kHandshake: return static_cast<short>(POLLIN | (handshake_wants_write_ ? POLLOUT : 0));
+    case State::kOpen: return static_cast<short>(POLLIN | (write_blocked_ ? POLLOUT : 0));
+    default: return POLLIN;
+  }
+}
+
+bool FrameConn::ReadLocked() {
+  for (;;) {
+    if (in_off_ > 0 && in_off_ == in_.size()) {
+      in_.clear();
+      in_off_ = 0;
+    }
+    const size_t at = in_.size();
+    in_.resize(at + kReadChunkBytes);
+    ssize_t n;
+    if (ssl_ != nullptr) {
+      ERR_clear_error();
+      const int r = SSL_read(ssl_, in_.data() + at, static_cast<int>(kReadChunkBytes));
+      if (r > 0) {
+        n = r;
+      } else {
+        in_.resize(at);
+        const int e = SSL_get_error(ssl_, r);
+        if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE) return true;
+        CloseLocked(TlsError("reading", r));
+        return false;
+      }
+    } else {
+      n = ::recv(fd_, in_.data() + at, kReadChunkBytes, 0);
+      if (n <= 0) {
+        in_.resize(at);
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+        if (n < 0 && errno == EINTR) continue;
+        CloseLocked(UnavailableError(
+            n == 0 ? fmt::format("{} closed the connection", peer_)
+                   : fmt::format("reading from {} failed: {}", peer_, std::strerror(errno))));
+        return false;
+      }
+    }
+    in_.resize(at + static_cast<size_t>(n));
+    if (static_cast<size_t>(n) < kReadChunkBytes && (ssl_ == nullptr || SSL_has_pending(ssl_) == 0)) {
+      return true;  // drained (the next read would say EAGAIN)
+    }
+  }
+}
+
+Status FrameConn::Progress(short revents, const OnFrame& on_frame) {
+  bool closed_after = false;  // EOF/error after the bytes read: frames first
+  Status end;
+  {
+    std::lock_guard lock(mu_);
+    if (state_ == State::kClosed) return closed_why_;
+    if (state_ == State::kConnecting) {
+      if ((revents & (POLLOUT | POLLERR | POLLHUP)) == 0) return Status::Ok();
+      int err = 0;
+      socklen_t len = sizeof(err);
+      getsockopt(fd_, SOL_SOCKET, SO_ERROR, &err, &len);
+      if (err != 0) {
+        CloseLocked(UnavailableError(fmt::format("cannot connect to {}: {}", peer_, std::strerror(err))));
+        return closed_why_;
+      }
+      state_ = ssl_ != nullptr ? State::kHandshake : State::kOpen;
+      // Try the handshake now; once open, flush what was sent meanwhile.
+      revents = POLLIN | POLLOUT;
+      write_blocked_ = true;
+    }
+    if (state_ == State::kHandshake) {
+      ERR_clear_error();
+      const int r = SSL_do_handshake(ssl_);
+      if (r != 1) {
+        const int e = SSL_get_error(ssl_, r);
+        if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE) {
+          handshake_wants_write_ = e == SSL_ERROR_WANT_WRITE;
+          return Status::Ok();
+        }
+        CloseLocked(TlsError("TLS handshake", r));
+        return closed_why_;
+      }
+      state_ = State::kOpen;
+      revents |= POLLIN | POLLOUT;  // data may have come with the handshake; flush what waits
+      write_blocked_ = true;
+    }
+    if (state_ == State::kOpen) {
+      if ((revents & (POLLIN | POLLHUP | POLLERR)) != 0 && !ReadLocked()) {
+        closed_after = true;
+        end = closed_why_;
+      }
+      if (!closed_after && (revents & POLLOUT) != 0 && write_blocked_) {
+        write_blocked_ = false;
+        FlushLocked();
+        if (state_ == State::kClosed) return closed_why_;
+      }
+    }
+  }
+  // Frames, outside the lock (a handler may Send on this connection).
+  while (in_.size() - in_off_ >= kHeaderBytes) {
+    const auto* h = reinterpret_cast<const uint8_t*>(in_.data() + in_off_);
+    const uint32_t n = uint32_t{h[0]} | uint32_t{h[1]} << 8 | uint32_t{h[2]} << 16 |
+                       uint32_t{h[3]} << 24;
+    if (n > options_.max_frame_bytes) {
+      Status st = InvalidArgumentError(fmt::format(
+          "{} sent a frame of {} bytes; the limit is {} bytes", peer_, n, options_.max_frame_bytes));
+      Close(st);
+      return st;
+    }
+    if (in_.size() - in_off_ < kHeaderBytes + n) break;
+    Status st = on_frame(std::string_view(in_.data() + in_off_ + kHeaderBytes, n));
+    in_off_ += kHeaderBytes + n;
+    if (!st.ok()) {
+      Close(st);
+      return st;
+    }
+  }
+  if (in_off_ > 0 && in_off_ == in_.size()) {
+    in_.clear();
+    in_off_ = 0;
+  } else if (in_off_ > (1u << 20)) {
+    in_.erase(0, in_off_);
+    in_off_ = 0;
+  }
+  if (closed_after) return end;
+  std::lock_guard lock(mu_);
+  return state_ == State::kClosed ? closed_why_ : Status::Ok();
+}
+
+}  // namespace tandem

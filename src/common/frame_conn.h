@@ -1,0 +1,153 @@
+// A framed TCP connection (issue 23, docs/decode-stream.md "Transport"):
+// length-prefixed protobuf messages over one TCP socket, with OpenSSL mutual
+// TLS when the internal plane is TLS (docs/security.md). It carries the
+// decoder <-> proxy decode stream without gRPC's per-message machinery.
+//
+// Frame: u32 little-endian payload length, then the serialized message. A
+// frame over `max_frame_bytes` is refused: the sender gets an error for it
+// (the connection stays), a receiver that reads such a header closes the
+// connection with an error naming the length and the limit.
+//
+// Sends never block the caller: Send writes what the socket takes at once
+// (one write per frame, or per backlog of frames) and keeps the rest in a
+// per-connection buffer that the connection's I/O thread flushes when the
+// socket is writable. A backlog over `max_buffered_bytes` means the peer
+// does not read fast enough: the connection is closed (the peer then sees
+// the stream break).
+//
+// TLS: one SSL object is never used by two threads at once: every SSL (and
+// socket) call happens under the connection's mutex; the I/O thread waits
+// for readiness (poll) outside it.
+//
+// Threads: Send and Close from any thread. Connect, Events and Progress
+// from the one I/O thread that owns the connection (FrameServer's, or the
+// client's reader).
+#pragma once
+
+#include <openssl/ssl.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+
+#include "common/status.h"
+#include "common/tls.h"
+
+namespace google::protobuf {
+class MessageLite;
+}
+
+namespace tandem {
+
+struct FrameOptions {
+  uint32_t max_frame_bytes = 64u << 20;      // one message, either way
+  uint64_t max_buffered_bytes = 64u << 20;   // unsent output before the peer counts as too slow
+  std::chrono::milliseconds handshake_timeout{10000};  // connect + TLS handshake
+};
+
+// The TLS side of framed connections: SSL contexts built from the process's
+// internal-plane PEM identity (the same files as its gRPC credentials).
+// Servers require and verify a client certificate of the fleet CA; clients
+// verify the server's certificate against the CA and the dialled host.
+class FrameTls {
+ public:
+  static Result<std::shared_ptr<FrameTls>> Create(const TlsPem& pem);
+  ~FrameTls();
+  FrameTls(const FrameTls&) = delete;
+  FrameTls& operator=(const FrameTls&) = delete;
+
+  SSL* NewServer() const;
+  // Verifies the server against `host` (an IP address or a DNS name).
+  SSL* NewClient(const std::string& host) const;
+
+ private:
+  FrameTls() = default;
+  SSL_CTX* server_ = nullptr;
+  SSL_CTX* client_ = nullptr;
+};
+
+// The framed-connection TLS of a process's internal plane: null when it is
+// plaintext (security.internal_tls off).
+Result<std::shared_ptr<FrameTls>> InternalFrameTls(const RpcCredentials& credentials);
+
+class FrameConn {
+ public:
+  // A frame read; a non-OK status closes the connection with it.
+  using OnFrame = std::function<Status(std::string_view payload)>;
+
+  // An accepted socket (non-blocking); `tls` null = plaintext.
+  static std::shared_ptr<FrameConn> Accepted(int fd, const FrameTls* tls, FrameOptions options,
+                                             std::string peer);
+  // A connection to `address` ("host:port"), dialled by Connect().
+  static std::shared_ptr<FrameConn> Client(std::string address, std::shared_ptr<FrameTls> tls,
+                                           FrameOptions options);
+  ~FrameConn();
+  FrameConn(const FrameConn&) = delete;
+  FrameConn& operator=(const FrameConn&) = delete;
+
+  // ---- any thread ----
+  // Queues `msg` as one frame and writes what the socket takes now. Errors:
+  // INVALID_ARGUMENT for a frame over the limit (nothing sent, connection
+  // kept); UNAVAILABLE when the connection is closed, or closes it because
+  // the backlog went over the bound.
+  Status Send(const google::protobuf::MessageLite& msg);
+  // Ends the connection (idempotent): later Sends fail with `why`, the I/O
+  // thread's next Progress returns it. The socket is shut down (which wakes
+  // a poll on it) and closed with the object.
+  void Close(const Status& why);
+  bool closed() const;
+  // Called (from Send's thread, outside the lock) when output is left for
+  // the I/O thread to flush, so that it polls for POLLOUT; set before use.
+  void SetWake(std::function<void()> wake) { wake_ = std::move(wake); }
+  const std::string& peer() const { return peer_; }
+  // True once connected and (with TLS) authenticated.
+  bool open() const;
+
+  // ---- the I/O thread ----
+  // Client: resolves the address and starts a non-blocking connect.
+  Status Connect();
+  int fd() const { return fd_; }
+  // The poll events to wait for now.
+  short Events() const;
+  // After poll: connects, handshakes, reads frames (each handed to
+  // `on_frame` outside the lock, in order) and flushes output. Non-OK once
+  // the connection is over (error, the peer closed it, or Close).
+  Status Progress(short revents, const OnFrame& on_frame);
+  // When the connect + handshake must be done by (steady clock).
+  std::chrono::steady_clock::time_point handshake_deadline() const { return deadline_; }
+
+ private:
+  enum class State { kIdle, kConnecting, kHandshake, kOpen, kClosed };
+  FrameConn(FrameOptions options, std::string peer) : options_(options), peer_(std::move(peer)) {}
+  void CloseLocked(const Status& why);
+  void FlushLocked();
+  // Reads what the socket has into in_; false with closed_why_ set at EOF/error.
+  bool ReadLocked();
+  Status TlsError(const char* what, int ret);
+
+  const FrameOptions options_;
+  const std::string peer_;  // "host:port"
+  std::shared_ptr<FrameTls> tls_;  // client: kept for NewClient
+  const FrameTls* server_tls_ = nullptr;
+  std::function<void()> wake_;
+  std::chrono::steady_clock::time_point deadline_;
+
+  mutable std::mutex mu_;
+  int fd_ = -1;
+  SSL* ssl_ = nullptr;                 // guarded by mu_
+  State state_ = State::kIdle;         // guarded by mu_
+  Status closed_why_;                  // guarded by mu_
+  std::string out_;                    // guarded by mu_: frames not yet written, from out_off_
+  size_t out_off_ = 0;                 // guarded by mu_
+  int ssl_retry_len_ = 0;              // guarded by mu_: an SSL_write to repeat with this length
+  bool write_blocked_ = false;         // guarded by mu_: output waits for POLLOUT
+  bool handshake_wants_write_ = false;  // guarded by mu_
+  std::string in_;                     // I/O thread only: bytes read, from in_off_
+  size_t in_off_ = 0;                  // I/O thread only
+};
+
+}  // namespace tandem

@@ -1,0 +1,79 @@
+// The proxy's side of the decode stream over framed TCP (issue 23,
+// docs/decode-stream.md "Transport"): the same protocol and demultiplexing
+// as the gRPC DecodeStream (proxy/decode_mux_client.h), carried by one
+// framed connection per decoder (common/frame_conn.h; mutual TLS when the
+// internal plane is TLS).
+//
+// One reader thread per connection dials, runs the TLS handshake and reads
+// each batch; the batch's items go to the requests' events on a gRPC
+// thread when the public front end is gRPC C++ (see Post: the client writes
+// they start must be made from gRPC's own threads to leave in one flush),
+// else (the native front end) on the reader thread itself; starts and
+// cancels are written inline by the thread that makes them (never
+// blocking: what the socket does not take waits for the reader's POLLOUT).
+// A connection that cannot be dialled or authenticated, or that breaks,
+// ends every request on it with UNAVAILABLE (from_worker = false), as a
+// broken gRPC stream does: retry before the first token, migration after.
+//
+// Threads: Start, Call::Cancel and Stop from any thread but the reader.
+#pragma once
+
+#include <grpcpp/alarm.h>
+
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "common/frame_conn.h"
+#include "proxy/decode_mux_client.h"
+
+namespace tandem::proxy {
+
+class DecodeMuxTcpClient final : public DecodeMux {
+ public:
+  // Starts the reader, which dials `address` ("host:port"). With
+  // `deliver_on_grpc_thread`, batches reach the requests on a gRPC thread
+  // (DrainPosted), else on the reader thread.
+  static std::shared_ptr<DecodeMuxTcpClient> Open(const std::string& address,
+                                                  std::shared_ptr<FrameTls> tls,
+                                                  bool deliver_on_grpc_thread = true,
+                                                  FrameOptions options = {});
+  ~DecodeMuxTcpClient() override;
+
+  // Ends the stream (its requests get UNAVAILABLE), joins the reader and
+  // waits (boundedly) for what it posted to be delivered.
+  void Stop();
+
+  DecodeMuxTcpClient(std::shared_ptr<FrameConn> conn, bool deliver_on_grpc_thread);  // use Open
+
+ private:
+  // What the reader hands to a gRPC thread: a batch, or the stream's end.
+  struct Posted {
+    v1::DecodeStreamResponse batch;
+    std::optional<Status> end;
+  };
+  void Run();
+  void SendLocked(std::unique_lock<std::mutex>& lock, v1::DecodeStreamRequest msg) override;
+  void CancelRpc() override;
+  void Wake();
+  // Queues `p` for DrainPosted on a gRPC thread (the reader thread).
+  void Post(Posted p);
+  // Delivers what was posted, in order (one gRPC thread at a time).
+  void DrainPosted();
+
+  const std::shared_ptr<FrameConn> conn_;
+  const bool deliver_on_grpc_thread_;
+  int wake_fd_ = -1;  // eventfd: Stop/abandon, output left for POLLOUT
+  std::mutex post_mu_;
+  std::deque<Posted> posted_;   // guarded by post_mu_
+  bool draining_ = false;       // guarded by post_mu_: an alarm is set or DrainPosted runs
+  std::condition_variable drained_;  // draining_ went false
+  std::unique_ptr<grpc::Alarm> alarm_;  // the reader's last alarm
+  std::thread reader_;
+  std::shared_ptr<DecodeMuxTcpClient> self_;  // the reader's reference, until it ends
+};
+
+}  // namespace tandem::proxy

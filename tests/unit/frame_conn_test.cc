@@ -1,0 +1,341 @@
+// The framed TCP transport (common/frame_conn.h, common/frame_server.h;
+// issue 23): frames round trip in order over mutual TLS and plaintext; an
+// over-limit frame is refused with a clear error on both sides; a peer
+// without a certificate of the fleet CA is refused by the server and a
+// server without one by the client; a peer that does not read never blocks
+// the sender and is disconnected at the bound. Real sockets on 127.0.0.1.
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "common/frame_conn.h"
+#include "common/frame_server.h"
+#include "common/net.h"
+#include "common/tls_certs.h"
+#include "tandem/v1/worker.pb.h"
+
+namespace tandem {
+namespace {
+
+namespace pb = ::tandem::v1;
+
+TlsPem Identity(const CertKeyPem& ca, const std::string& name) {
+  auto cert = IssueCertificate(ca, name, {"127.0.0.1", "localhost"}, 1);
+  EXPECT_TRUE(cert.ok()) << cert.status().ToString();
+  return TlsPem{ca.cert, cert->cert, cert->key};
+}
+
+std::shared_ptr<FrameTls> Tls(const TlsPem& pem) {
+  auto t = FrameTls::Create(pem);
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
+  return t.ok() ? *t : nullptr;
+}
+
+// What a server session saw.
+struct Seen {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<uint64_t> cancels;
+  std::shared_ptr<FrameConn> conn;
+  Status closed = Status::Ok();
+  bool is_closed = false;
+
+  template <class Pred>
+  bool WaitFor(Pred p) {
+    std::unique_lock lock(mu);
+    return cv.wait_for(lock, std::chrono::seconds(20), p);
+  }
+};
+
+// Answers each DecodeStreamRequest{cancel: n} with an item of handle n.
+class EchoSession final : public FrameSession {
+ public:
+  EchoSession(std::shared_ptr<FrameConn> conn, Seen* seen, bool echo)
+      : conn_(std::move(conn)), seen_(seen), echo_(echo) {
+    std::lock_guard lock(seen_->mu);
+    seen_->conn = conn_;
+  }
+  Status OnFrame(std::string_view payload) override {
+    pb::DecodeStreamRequest req;
+    if (!req.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+      return InvalidArgumentError("not a DecodeStreamRequest");
+    }
+    {
+      std::lock_guard lock(seen_->mu);
+      seen_->cancels.push_back(req.cancel());
+    }
+    seen_->cv.notify_all();
+    if (!echo_) return Status::Ok();
+    pb::DecodeStreamResponse resp;
+    resp.add_items()->set_handle(req.cancel());
+    return conn_->Send(resp);
+  }
+  void OnClosed(const Status& why) override {
+    {
+      std::lock_guard lock(seen_->mu);
+      seen_->closed = why;
+      seen_->is_closed = true;
+    }
+    seen_->cv.notify_all();
+  }
+
+ private:
+  std::shared_ptr<FrameConn> conn_;
+  Seen* seen_;
+  bool echo_;
+};
+
+std::unique_ptr<FrameServer> Serve(std::shared_ptr<FrameTls> tls, Seen* seen, FrameOptions o = {},
+                                   bool echo = true) {
+  auto s = FrameServer::Start("127.0.0.1:0", std::move(tls), o,
+                              [seen, echo](const std::shared_ptr<FrameConn>& c) {
+                                return std::make_shared<EchoSession>(c, seen, echo);
+                              });
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  return s.ok() ? std::move(*s) : nullptr;
+}
+
+// A client connection driven by its own thread (as DecodeMuxTcpClient's reader).
+class Client {
+ public:
+  Client(const std::string& address, std::shared_ptr<FrameTls> tls, FrameOptions o = {})
+      : conn_(FrameConn::Client(address, std::move(tls), o)) {
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~Client() {
+    conn_->Close(CancelledError("test over"));
+    thread_.join();
+  }
+  FrameConn& conn() { return *conn_; }
+  // Waits for `n` answers (or the end); the handles received.
+  std::vector<uint64_t> WaitHandles(size_t n) {
+    std::unique_lock lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(20), [&] { return handles_.size() >= n || ended_; });
+    return handles_;
+  }
+  Status WaitEnd() {
+    std::unique_lock lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(20), [&] { return ended_; });
+    return ended_ ? end_ : InternalError("still open");
+  }
+
+ private:
+  void Run() {
+    Status st = conn_->Connect();
+    while (st.ok()) {
+      pollfd p{conn_->fd(), conn_->Events(), 0};
+      poll(&p, 1, 100);
+      st = conn_->Progress(p.revents, [this](std::string_view payload) {
+        pb::DecodeStreamResponse r;
+        if (!r.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+          return InvalidArgumentError("not a DecodeStreamResponse");
+        }
+        std::lock_guard lock(mu_);
+        for (const auto& item : r.items()) handles_.push_back(item.handle());
+        cv_.notify_all();
+        return Status::Ok();
+      });
+      if (st.ok() && !conn_->open() &&
+          std::chrono::steady_clock::now() > conn_->handshake_deadline()) {
+        st = DeadlineExceededError("handshake timeout");
+      }
+    }
+    std::lock_guard lock(mu_);
+    ended_ = true;
+    end_ = st;
+    cv_.notify_all();
+  }
+
+  std::shared_ptr<FrameConn> conn_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<uint64_t> handles_;
+  bool ended_ = false;
+  Status end_ = Status::Ok();
+  std::thread thread_;
+};
+
+pb::DecodeStreamRequest Cancel(uint64_t n) {
+  pb::DecodeStreamRequest r;
+  r.set_cancel(n);
+  return r;
+}
+
+class FrameConnTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto ca = CreateCaCertificate("fleet-ca", 1);
+    ASSERT_TRUE(ca.ok()) << ca.status().ToString();
+    ca_ = *ca;
+    auto other = CreateCaCertificate("other-ca", 1);
+    ASSERT_TRUE(other.ok()) << other.status().ToString();
+    other_ca_ = *other;
+  }
+  CertKeyPem ca_, other_ca_;
+};
+
+void RoundTrip(std::shared_ptr<FrameTls> server_tls, std::shared_ptr<FrameTls> client_tls) {
+  Seen seen;
+  auto server = Serve(server_tls, &seen);
+  ASSERT_NE(server, nullptr);
+  Client client(server->address(), client_tls);
+  constexpr uint64_t kFrames = 200;
+  // Sent before the connection is even up: they wait, in order.
+  for (uint64_t i = 1; i <= kFrames; ++i) ASSERT_TRUE(client.conn().Send(Cancel(i)).ok());
+  const auto got = client.WaitHandles(kFrames);
+  ASSERT_EQ(got.size(), kFrames);
+  for (uint64_t i = 0; i < kFrames; ++i) EXPECT_EQ(got[i], i + 1);
+  EXPECT_EQ(server->accepted(), 1u);
+  EXPECT_EQ(server->refused(), 0u);
+}
+
+TEST_F(FrameConnTest, FramesRoundTripInOrderOverMutualTls) {
+  RoundTrip(Tls(Identity(ca_, "decode-0")), Tls(Identity(ca_, "proxy")));
+}
+
+TEST_F(FrameConnTest, FramesRoundTripInOrderOverPlaintext) { RoundTrip(nullptr, nullptr); }
+
+TEST_F(FrameConnTest, AFrameOverTheLimitIsRefusedWithAClearErrorOnBothSides) {
+  FrameOptions small;
+  small.max_frame_bytes = 1024;
+  Seen seen;
+  auto server = Serve(Tls(Identity(ca_, "decode-0")), &seen, small);
+  ASSERT_NE(server, nullptr);
+  FrameOptions large;
+  large.max_frame_bytes = 1 << 20;
+  Client client(server->address(), Tls(Identity(ca_, "proxy")), large);
+  pb::DecodeStreamRequest big;
+  big.mutable_start()->mutable_request()->mutable_prompt_token_ids()->Resize(2000, 7);
+  // The sender's own limit: refused, nothing sent, the connection stays.
+  FrameOptions tiny;
+  tiny.max_frame_bytes = 16;
+  auto limited = FrameConn::Client(server->address(), nullptr, tiny);
+  Status refused = limited->Send(big);
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("exceeds the limit of 16 bytes"), std::string::npos)
+      << refused.message();
+  EXPECT_FALSE(limited->closed());
+
+  ASSERT_TRUE(client.conn().Send(Cancel(1)).ok());
+  ASSERT_EQ(client.WaitHandles(1).size(), 1u);
+  ASSERT_TRUE(client.conn().Send(big).ok());  // within the client's limit, over the server's
+  ASSERT_TRUE(seen.WaitFor([&] { return seen.is_closed; }));
+  EXPECT_EQ(seen.closed.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(seen.closed.message().find("the limit is 1024 bytes"), std::string::npos)
+      << seen.closed.message();
+  EXPECT_FALSE(client.WaitEnd().ok());  // the server closed it
+  EXPECT_EQ(seen.cancels, std::vector<uint64_t>{1});
+}
+
+TEST_F(FrameConnTest, AClientWithoutAFleetCertificateIsRefused) {
+  Seen seen;
+  auto server = Serve(Tls(Identity(ca_, "decode-0")), &seen);
+  ASSERT_NE(server, nullptr);
+  {
+    // Its own certificate is from another CA (it trusts the fleet's).
+    TlsPem stranger = Identity(other_ca_, "stranger");
+    stranger.ca = ca_.cert;
+    Client client(server->address(), Tls(stranger));
+    ASSERT_TRUE(client.conn().Send(Cancel(1)).ok());
+    EXPECT_FALSE(client.WaitEnd().ok());
+  }
+  {
+    // No TLS at all.
+    Client client(server->address(), nullptr);
+    ASSERT_TRUE(client.conn().Send(Cancel(2)).ok());
+    EXPECT_FALSE(client.WaitEnd().ok());
+  }
+  // The server counts a refusal right after closing: wait for the count.
+  for (int i = 0; i < 4000 && server->refused() < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(server->accepted(), 0u);
+  EXPECT_EQ(server->refused(), 2u);
+  std::lock_guard lock(seen.mu);
+  EXPECT_TRUE(seen.cancels.empty());
+}
+
+TEST_F(FrameConnTest, AServerWithoutAFleetCertificateIsRefusedByTheClient) {
+  Seen seen;
+  TlsPem impostor = Identity(other_ca_, "impostor");
+  impostor.ca = ca_.cert;  // it would accept the fleet's clients
+  auto server = Serve(Tls(impostor), &seen);
+  ASSERT_NE(server, nullptr);
+  Client client(server->address(), Tls(Identity(ca_, "proxy")));
+  ASSERT_TRUE(client.conn().Send(Cancel(1)).ok());
+  const Status end = client.WaitEnd();
+  EXPECT_EQ(end.code(), StatusCode::kUnavailable);
+  EXPECT_NE(end.message().find("certificate"), std::string::npos) << end.message();
+  std::lock_guard lock(seen.mu);
+  EXPECT_TRUE(seen.cancels.empty());
+}
+
+TEST_F(FrameConnTest, TheClientVerifiesTheDialledHost) {
+  Seen seen;
+  // A fleet certificate, but for another host.
+  auto cert = IssueCertificate(ca_, "decode-0", {"10.1.2.3"}, 1);
+  ASSERT_TRUE(cert.ok());
+  auto server = Serve(Tls(TlsPem{ca_.cert, cert->cert, cert->key}), &seen);
+  ASSERT_NE(server, nullptr);
+  Client client(server->address(), Tls(Identity(ca_, "proxy")));
+  ASSERT_TRUE(client.conn().Send(Cancel(1)).ok());
+  const Status end = client.WaitEnd();
+  EXPECT_EQ(end.code(), StatusCode::kUnavailable);
+  EXPECT_NE(end.message().find("certificate"), std::string::npos) << end.message();
+}
+
+TEST_F(FrameConnTest, APeerThatDoesNotReadNeverBlocksTheSenderAndIsDisconnectedAtTheBound) {
+  FrameOptions o;
+  o.max_buffered_bytes = 1 << 20;
+  Seen seen;
+  auto server = Serve(nullptr, &seen, o, /*echo=*/false);
+  ASSERT_NE(server, nullptr);
+  // A raw client that sends one frame and then never reads.
+  auto hp = ParseHostPort(server->address());
+  ASSERT_TRUE(hp.ok());
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  const int small = 4096;
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(hp->port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  std::string frame;
+  Cancel(9).SerializeToString(&frame);
+  const uint32_t n = static_cast<uint32_t>(frame.size());
+  std::string wire(reinterpret_cast<const char*>(&n), 4);  // little-endian host
+  wire += frame;
+  ASSERT_EQ(write(fd, wire.data(), wire.size()), static_cast<ssize_t>(wire.size()));
+  ASSERT_TRUE(seen.WaitFor([&] { return seen.conn != nullptr; }));
+  std::shared_ptr<FrameConn> conn;
+  {
+    std::lock_guard lock(seen.mu);
+    conn = seen.conn;
+  }
+  pb::DecodeStreamResponse batch;
+  auto* item = batch.add_items();
+  item->mutable_token_ids()->Resize(16 << 10, 12345);  // ~48 KiB a frame
+  Status st = Status::Ok();
+  int sent = 0;
+  for (; sent < 100000 && st.ok(); ++sent) st = conn->Send(batch);
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable);
+  EXPECT_NE(st.message().find("does not read fast enough"), std::string::npos) << st.message();
+  EXPECT_LT(sent, 100000);
+  EXPECT_TRUE(conn->closed());
+  ASSERT_TRUE(seen.WaitFor([&] { return seen.is_closed; }));  // the session ended too
+  EXPECT_EQ(seen.closed.code(), StatusCode::kUnavailable);
+  close(fd);
+}
+
+}  // namespace
+}  // namespace tandem
