@@ -193,12 +193,12 @@ void ListModels(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
   c.PostUnary(s, resp.SerializeAsString());
 }
 
-// grpc.health.v1: HealthCheckRequest { string service = 1; },
+// grpc.health.v1 Check and Watch: HealthCheckRequest { string service = 1; },
 // HealthCheckResponse { ServingStatus status = 1; } (SERVING 1,
 // NOT_SERVING 2), read and written by hand (no generated code for them
 // here). The overall status ("") is the only service, as with gRPC's
 // default health service.
-void HealthCheck(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
+void HealthCheck(H2Connection& c, const std::shared_ptr<H2Stream>& s, bool watch) {
   google::protobuf::io::CodedInputStream in(reinterpret_cast<const uint8_t*>(s->body.data()),
                                             static_cast<int>(s->body.size()));
   std::string service;
@@ -212,6 +212,17 @@ void HealthCheck(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
       c.PostStatus(s, InvalidArgumentError("the request is not a valid grpc.health.v1.HealthCheckRequest"));
       return;
     }
+  }
+  if (watch) {
+    // Watch: the status now and at every change; an unknown service is
+    // SERVICE_UNKNOWN (3) in the stream, as the health protocol says.
+    if (!service.empty()) {
+      c.PostStreamed(s, std::string{'\x08', '\x03'});
+      return;
+    }
+    c.server()->AddWatcher(c.shared_from_this(), s);
+    c.PostStreamed(s, std::string{'\x08', static_cast<char>(c.server()->serving() ? 1 : 2)});
+    return;
   }
   if (!service.empty()) {
     c.PostStatus(s, NotFoundError(fmt::format("unknown service '{}'", service)));
@@ -258,6 +269,7 @@ void OnRequestHeaders(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
       {"/tandem.v1.Generation/Generate", Method::kGenerate},
       {"/tandem.v1.Generation/ListModels", Method::kListModels},
       {"/grpc.health.v1.Health/Check", Method::kHealthCheck},
+      {"/grpc.health.v1.Health/Watch", Method::kHealthWatch},
   };
   for (const auto& [path, kind] : kMethods) {
     if (s->path == path) s->kind = kind;
@@ -308,7 +320,8 @@ void OnRequestComplete(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
   switch (s->kind) {
     case Method::kGenerate: Generate(c, s); break;
     case Method::kListModels: ListModels(c, s); break;
-    case Method::kHealthCheck: HealthCheck(c, s); break;
+    case Method::kHealthCheck: HealthCheck(c, s, /*watch=*/false); break;
+    case Method::kHealthWatch: HealthCheck(c, s, /*watch=*/true); break;
     default: c.PostStatus(s, UnimplementedError(fmt::format("unknown method {}", s->path)));
   }
 }

@@ -28,8 +28,6 @@ constexpr uint32_t kInitialWindow = 1 << 20;
 // the event thread as before.
 constexpr int kWindowUpdateBytes = 13;
 constexpr int kMaxLowWater = 80;
-// A connection no batch flushed for this long reads normally again.
-constexpr auto kQuietFor = std::chrono::milliseconds(20);
 // Frames buffered before a write; past it, the socket must drain first
 // (a client that does not read stops the session's output here).
 constexpr size_t kHighWater = 256 << 10;
@@ -146,11 +144,14 @@ void H2Connection::SetLowWaterLocked(int bytes) {
   low_water_ = bytes;
 }
 
-void H2Connection::CoolDown(std::chrono::steady_clock::time_point now) {
+std::chrono::steady_clock::time_point H2Connection::CoolDown(
+    std::chrono::steady_clock::time_point now) {
   std::lock_guard lock(mu_);
-  if (closed_ || low_water_ == 1 || now - last_batch_ < kQuietFor) return;
+  if (closed_ || low_water_ == 1) return std::chrono::steady_clock::time_point::max();
+  if (now - last_batch_ < kQuietFor) return last_batch_ + kQuietFor;
   SetLowWaterLocked(1);
   if (!DrainLocked()) broken_ = true;
+  return std::chrono::steady_clock::time_point::max();
 }
 
 bool H2Connection::OnWritable() {
@@ -263,6 +264,18 @@ void H2Connection::PostUnary(const std::shared_ptr<H2Stream>& s, std::string mes
     s->pending_raw.append(message);
     s->finishing = true;
     s->status_code = 0;
+    schedule = MarkDirtyLocked(s);
+  }
+  if (schedule) ScheduleFlush();
+}
+
+void H2Connection::PostStreamed(const std::shared_ptr<H2Stream>& s, const std::string& message) {
+  bool schedule;
+  {
+    std::lock_guard lock(out_mu_);
+    if (s->out_closed || s->finishing) return;
+    AppendMessagePrefix(s->pending_raw, static_cast<uint32_t>(message.size()));
+    s->pending_raw.append(message);
     schedule = MarkDirtyLocked(s);
   }
   if (schedule) ScheduleFlush();

@@ -64,14 +64,17 @@ class H2Connection final : public Flushable, public std::enable_shared_from_this
   // batches: they do not make the connection read quietly.
   void FlushDeferred() override;
   // Event thread: a connection no batch flushed for a while wakes the
-  // event thread for every byte again.
-  void CoolDown(std::chrono::steady_clock::time_point now);
+  // event thread for every byte again. Returns when to look again (max()
+  // when the connection does not read quietly).
+  std::chrono::steady_clock::time_point CoolDown(std::chrono::steady_clock::time_point now);
 
   // Any thread; never blocks on the session. `last`: the call ends OK
   // after `msg`.
   void PostMessage(const std::shared_ptr<H2Stream>& s, v1::GenerateResponse msg, bool last);
   // A unary method's framed reply, then OK.
   void PostUnary(const std::shared_ptr<H2Stream>& s, std::string message);
+  // One more message of a server stream of serialized messages (Health/Watch).
+  void PostStreamed(const std::shared_ptr<H2Stream>& s, const std::string& message);
   // Ends the call with `st` after what is queued (first status wins).
   void PostStatus(const std::shared_ptr<H2Stream>& s, const Status& st,
                   long long retry_after_s = 0, int http_status = 200);

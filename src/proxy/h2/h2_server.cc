@@ -119,6 +119,28 @@ void H2Server::Wake(const std::shared_ptr<H2Connection>& c) {
 
 bool H2Server::OnEventThread() { return t_event_thread; }
 
+void H2Server::SetServing(bool serving) {
+  if (serving_.exchange(serving) == serving) return;
+  // grpc.health.v1.HealthCheckResponse { status = 1 (SERVING) | 2 }.
+  const std::string msg = {'\x08', serving ? '\x01' : '\x02'};
+  std::lock_guard lock(watch_mu_);
+  std::erase_if(watchers_, [&](auto& w) {
+    auto c = w.first.lock();
+    auto s = w.second.lock();
+    if (!c || !s) return true;
+    c->PostStreamed(s, msg);
+    return false;
+  });
+}
+
+void H2Server::AddWatcher(const std::shared_ptr<H2Connection>& c,
+                          const std::shared_ptr<H2Stream>& s) {
+  std::lock_guard lock(watch_mu_);
+  // Streams that ended leave here (a client re-opening Watch grows nothing).
+  std::erase_if(watchers_, [](auto& w) { return w.second.expired(); });
+  watchers_.emplace_back(c, s);
+}
+
 void H2Server::AddDeadline(const std::shared_ptr<H2Connection>& c,
                            const std::shared_ptr<H2Stream>& s) {
   bool earliest;
@@ -143,13 +165,18 @@ void H2Server::WantWrite(int fd, bool on) {
 }
 
 int H2Server::NextTimeoutMs() {
-  // Quiet connections are looked at every 10 ms (h2_connection.h).
-  const int64_t quiet_ms = quiet_ > 0 ? 10 : 60'000;
-  std::lock_guard lock(deadline_mu_);
-  if (deadlines_.empty()) return quiet_ > 0 ? static_cast<int>(quiet_ms) : -1;
-  const auto left = deadlines_.top().at - std::chrono::steady_clock::now();
+  // Quiet connections are looked at when the first of them may have
+  // fallen quiet (h2_connection.h), new ones within kQuietFor.
+  auto until = quiet_ > 0 ? std::min(next_cool_, std::chrono::steady_clock::now() + kQuietFor)
+                          : std::chrono::steady_clock::time_point::max();
+  {
+    std::lock_guard lock(deadline_mu_);
+    if (!deadlines_.empty()) until = std::min(until, deadlines_.top().at);
+  }
+  if (until == std::chrono::steady_clock::time_point::max()) return -1;
+  const auto left = until - std::chrono::steady_clock::now();
   const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left).count();
-  return ms <= 0 ? 0 : static_cast<int>(std::min<int64_t>(ms, quiet_ms));
+  return ms <= 0 ? 0 : static_cast<int>(std::min<int64_t>(ms, 60'000));
 }
 
 void H2Server::ExpireDeadlines() {
@@ -249,11 +276,12 @@ void H2Server::Loop() {
       if (!alive) CloseConnection(fd);
     }
     ExpireDeadlines();
-    if (quiet_ > 0) {
-      const auto now = std::chrono::steady_clock::now();
+    const auto now = std::chrono::steady_clock::now();
+    if (quiet_ > 0 && (now >= next_cool_ || next_cool_ == std::chrono::steady_clock::time_point::max())) {
+      next_cool_ = std::chrono::steady_clock::time_point::max();
       std::vector<int> over;
       for (auto& [fd, c] : conns_) {
-        c->CoolDown(now);
+        next_cool_ = std::min(next_cool_, c->CoolDown(now));
         if (c->broken()) over.push_back(fd);
       }
       for (int fd : over) CloseConnection(fd);

@@ -27,6 +27,10 @@ namespace tandem::proxy::h2 {
 class H2Connection;
 struct H2Stream;
 
+// Quiet reading (h2_connection.h): a connection no delivery batch flushed
+// for this long wakes the event thread for every byte again.
+inline constexpr auto kQuietFor = std::chrono::milliseconds(50);
+
 class H2Server {
  public:
   // Listens on `address` ("host:port", port 0 picks one). `frontend`
@@ -39,9 +43,12 @@ class H2Server {
   const std::string& address() const { return address_; }
   Frontend* frontend() const { return frontend_; }
 
-  // Health: SERVING / NOT_SERVING (draining, warming up).
-  void SetServing(bool serving) { serving_ = serving; }
+  // Health: SERVING / NOT_SERVING (draining, warming up); a change is sent
+  // to every Health/Watch stream.
+  void SetServing(bool serving);
   bool serving() const { return serving_; }
+  // Any thread: `s` is a Health/Watch stream of `c`.
+  void AddWatcher(const std::shared_ptr<H2Connection>& c, const std::shared_ptr<H2Stream>& s);
 
   // Stops accepting; open calls end with UNAVAILABLE, every connection
   // gets GOAWAY and is closed; joins the event thread.
@@ -81,6 +88,8 @@ class H2Server {
 
   // Event thread only.
   std::unordered_map<int, std::shared_ptr<H2Connection>> conns_;
+  // When a quiet connection may have fallen quiet (min of CoolDown's).
+  std::chrono::steady_clock::time_point next_cool_{};
   struct Deadline {
     std::chrono::steady_clock::time_point at;
     std::weak_ptr<H2Connection> conn;
@@ -91,6 +100,9 @@ class H2Server {
   std::priority_queue<Deadline, std::vector<Deadline>, std::greater<>>
       deadlines_;  // guarded by deadline_mu_
 
+  std::mutex watch_mu_;
+  std::vector<std::pair<std::weak_ptr<H2Connection>, std::weak_ptr<H2Stream>>>
+      watchers_;  // guarded by watch_mu_
   std::mutex wake_mu_;
   std::vector<std::weak_ptr<H2Connection>> woken_;  // guarded by wake_mu_
 };

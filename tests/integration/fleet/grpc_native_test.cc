@@ -3,7 +3,8 @@
 // get the same tokens as `tandem generate`; a client's RST_STREAM frees
 // everything at the workers; what gRPC clients never send (a wrong
 // content-type, a compressed, truncated or oversized message, an unknown
-// method, a malformed grpc-timeout) gets a status that says what is wrong;
+// method, a malformed grpc-timeout) gets a status that says what is wrong,
+// health Check and Watch answer SERVING;
 // a client that stops reading neither blocks other streams nor loses
 // tokens (its backlog is merged, not queued message by message).
 // The other fleet suites run against this front end with
@@ -136,6 +137,7 @@ TEST_F(GrpcNative, WhatGrpcClientsNeverSendGetsAStatusNamingTheProblem) {
   const int32_t bad_timeout = c.Post(gen, timeout_headers, RawH2Client::Frame(small));
   const int32_t health = c.Post("/grpc.health.v1.Health/Check", kGrpcHeaders, RawH2Client::Frame(""));
   const int32_t fine = c.Post(gen, kGrpcHeaders, RawH2Client::Frame(small));
+  const int32_t watch = c.Post("/grpc.health.v1.Health/Watch", kGrpcHeaders, RawH2Client::Frame(""));
   const std::vector<int32_t> all = {text_plain, oversized, compressed, truncated, empty,
                                     two,        unknown,   bad_timeout, health,   fine};
   ASSERT_TRUE(c.RunUntil(
@@ -168,6 +170,10 @@ TEST_F(GrpcNative, WhatGrpcClientsNeverSendGetsAStatusNamingTheProblem) {
   // Health: SERVING (1), and a normal request on the same connection works.
   EXPECT_EQ(c.response(health).GrpcStatus(), "0");
   EXPECT_EQ(RawH2Client::Messages(c.response(health).data), std::vector<std::string>{"\x08\x01"});
+  // Watch: the current status (SERVING) at once; the stream stays open.
+  ASSERT_TRUE(c.RunUntil([&] { return !c.response(watch).data.empty(); }, kWait));
+  EXPECT_EQ(RawH2Client::Messages(c.response(watch).data), std::vector<std::string>{"\x08\x01"});
+  EXPECT_FALSE(c.response(watch).closed);
   EXPECT_EQ(c.response(fine).GrpcStatus(), "0") << c.response(fine).GrpcMessage();
   size_t tokens = 0;
   for (const auto& m : RawH2Client::Messages(c.response(fine).data)) {
