@@ -159,6 +159,18 @@ TEST(DecodeStream, GrpcTransportCarriesTheSameStreamWithTheSameOutput) {
   EXPECT_EQ(DecoderMetric(**fleet, "tandem_decode_mux_tcp_connections_total"), 0);
 }
 
+TEST(DecodeStream, ADecoderWithoutATcpListenerGetsTheGrpcStream) {
+  if (!HaveModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
+  References();
+  FleetOptions o;
+  o.decode_yaml = "  mux_listen: off\n";  // the proxy asks for tcp; the decoder offers none
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  RunStreams(**fleet, /*cancel_one=*/false);
+  EXPECT_GT(DecoderMetric(**fleet, "tandem_decode_stream_messages_total"), 0);
+  EXPECT_EQ(DecoderMetric(**fleet, "tandem_decode_mux_tcp_connections_total"), 0);
+}
+
 TEST(DecodeStream, OffUsesOneDecodeCallPerRequestWithTheSameOutput) {
   if (!HaveModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
   References();

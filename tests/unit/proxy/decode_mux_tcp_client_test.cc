@@ -1,0 +1,232 @@
+// The proxy's decode stream over framed TCP (proxy/decode_mux_tcp_client.h;
+// issue 23) against a scripted decoder on a real FrameServer: events arrive
+// in order on either delivery thread; a cancel reaches the decoder and ends
+// the request CANCELLED; a decoder that cannot be dialled, that is not of
+// the fleet CA, or that closes the connection ends every request on it with
+// UNAVAILABLE and from_worker = false (the lifecycle then retries or
+// migrates, as for a broken gRPC stream). Real sockets on 127.0.0.1; the
+// whole path with real decoders is decode_stream_test.
+#include <gtest/gtest.h>
+
+#include <condition_variable>
+#include <mutex>
+
+#include "common/frame_server.h"
+#include "common/net.h"
+#include "common/tls_certs.h"
+#include "proxy/decode_mux_tcp_client.h"
+#include "tandem/v1/worker.pb.h"
+
+namespace tandem::proxy {
+namespace {
+
+namespace pb = ::tandem::v1;
+
+// What one request saw.
+struct Seen {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool registered = false;
+  std::vector<uint32_t> tokens;
+  bool finished = false;
+  bool errored = false;
+  Status error = Status::Ok();
+  bool from_worker = true;
+
+  DecodeEvents Events() {
+    DecodeEvents e;
+    e.on_registered = [this] { Set([&] { registered = true; }); };
+    e.on_tokens = [this](uint32_t, std::vector<uint32_t> ids) {
+      Set([&] { tokens.insert(tokens.end(), ids.begin(), ids.end()); });
+    };
+    e.on_finished = [this](Finish, uint32_t, uint32_t, uint32_t) { Set([&] { finished = true; }); };
+    e.on_error = [this](Status s, bool w) {
+      Set([&] {
+        errored = true;
+        error = s;
+        from_worker = w;
+      });
+    };
+    return e;
+  }
+  bool WaitEnd() {
+    std::unique_lock lock(mu);
+    return cv.wait_for(lock, std::chrono::seconds(20), [&] { return finished || errored; });
+  }
+
+ private:
+  template <class F>
+  void Set(F f) {
+    {
+      std::lock_guard lock(mu);
+      f();
+    }
+    cv.notify_all();
+  }
+};
+
+// A decoder that answers a start of max_tokens 1 with registered, tokens
+// and finished; of max_tokens 2 by closing the connection; others not at
+// all (until cancelled: the cancel's handle is recorded).
+struct Script {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<uint64_t> cancels;
+};
+
+class ScriptedDecoder final : public FrameSession {
+ public:
+  ScriptedDecoder(std::shared_ptr<FrameConn> conn, Script* script)
+      : conn_(std::move(conn)), script_(script) {}
+  Status OnFrame(std::string_view payload) override {
+    pb::DecodeStreamRequest req;
+    if (!req.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+      return InvalidArgumentError("bad frame");
+    }
+    if (req.kind_case() == pb::DecodeStreamRequest::kCancel) {
+      {
+        std::lock_guard lock(script_->mu);
+        script_->cancels.push_back(req.cancel());
+      }
+      script_->cv.notify_all();
+      return Status::Ok();
+    }
+    const uint32_t max_tokens = req.start().request().params().max_tokens();
+    if (max_tokens == 2) return UnavailableError("scripted close");
+    if (max_tokens != 1) return Status::Ok();
+    pb::DecodeStreamResponse resp;
+    auto* item = resp.add_items();
+    item->set_handle(req.start().handle());
+    item->set_registered(true);
+    item->set_first_index(1);
+    item->add_token_ids(42);
+    item->add_token_ids(43);
+    item->mutable_finished()->set_finish_reason(pb::FINISH_REASON_LENGTH);
+    return conn_->Send(resp);
+  }
+  void OnClosed(const Status&) override {}
+
+ private:
+  std::shared_ptr<FrameConn> conn_;
+  Script* script_;
+};
+
+std::unique_ptr<FrameServer> Serve(std::shared_ptr<FrameTls> tls, Script* script) {
+  auto s = FrameServer::Start("127.0.0.1:0", std::move(tls), {},
+                              [script](const std::shared_ptr<FrameConn>& c) {
+                                return std::make_shared<ScriptedDecoder>(c, script);
+                              });
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  return s.ok() ? std::move(*s) : nullptr;
+}
+
+DecodeArgs Args(uint32_t max_tokens) {
+  DecodeArgs a;
+  a.request_id = "req";
+  a.prompt_ids = std::make_shared<const std::vector<uint32_t>>(std::vector<uint32_t>{1, 2, 3});
+  a.params.max_tokens = max_tokens;
+  a.deadline = std::chrono::system_clock::time_point::max();
+  a.attempt = 1;
+  return a;
+}
+
+class DecodeMuxTcpClientTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(DecodeMuxTcpClientTest, EventsCancelAndABrokenConnection) {
+  Script script;
+  auto server = Serve(nullptr, &script);
+  ASSERT_NE(server, nullptr);
+  auto mux = DecodeMuxTcpClient::Open(server->address(), nullptr, /*deliver_on_grpc_thread=*/GetParam());
+
+  Seen done;
+  DecodeEvents e1 = done.Events();
+  ASSERT_NE(mux->Start(Args(1), e1), nullptr);
+  ASSERT_TRUE(done.WaitEnd());
+  EXPECT_TRUE(done.registered);
+  EXPECT_EQ(done.tokens, (std::vector<uint32_t>{42, 43}));
+  EXPECT_TRUE(done.finished);
+  EXPECT_FALSE(done.errored);
+
+  Seen cancelled;
+  DecodeEvents e2 = cancelled.Events();
+  auto call = mux->Start(Args(100), e2);
+  ASSERT_NE(call, nullptr);
+  call->Cancel();
+  ASSERT_TRUE(cancelled.WaitEnd());
+  EXPECT_EQ(cancelled.error.code(), StatusCode::kCancelled);
+  EXPECT_FALSE(cancelled.from_worker);
+  {
+    std::unique_lock lock(script.mu);
+    ASSERT_TRUE(script.cv.wait_for(lock, std::chrono::seconds(20),
+                                   [&] { return !script.cancels.empty(); }));
+    EXPECT_EQ(script.cancels.size(), 1u);  // the handle of the second start
+    EXPECT_EQ(script.cancels[0], 2u);
+  }
+
+  // A request waiting on the stream when the decoder closes it.
+  Seen waiting, closer;
+  DecodeEvents e3 = waiting.Events();
+  DecodeEvents e4 = closer.Events();
+  ASSERT_NE(mux->Start(Args(100), e3), nullptr);
+  ASSERT_NE(mux->Start(Args(2), e4), nullptr);
+  for (Seen* s : {&waiting, &closer}) {
+    ASSERT_TRUE(s->WaitEnd());
+    EXPECT_TRUE(s->errored);
+    EXPECT_EQ(s->error.code(), StatusCode::kUnavailable) << s->error.ToString();
+    EXPECT_FALSE(s->from_worker);
+  }
+  // The stream is over: the next request needs a new one.
+  Seen late;
+  DecodeEvents e5 = late.Events();
+  for (int i = 0; i < 4000 && !mux->ended(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_TRUE(mux->ended());
+  EXPECT_EQ(mux->Start(Args(1), e5), nullptr);
+  mux->Stop();
+}
+
+INSTANTIATE_TEST_SUITE_P(DeliveryThread, DecodeMuxTcpClientTest, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "grpc" : "reader"; });
+
+TEST(DecodeMuxTcpClient, NothingListeningEndsTheRequestUnavailable) {
+  auto port = PickFreePort("127.0.0.1");
+  ASSERT_TRUE(port.ok());
+  auto mux = DecodeMuxTcpClient::Open(HostPort{"127.0.0.1", *port}.ToString(), nullptr);
+  Seen s;
+  DecodeEvents e = s.Events();
+  ASSERT_NE(mux->Start(Args(1), e), nullptr);
+  ASSERT_TRUE(s.WaitEnd());
+  EXPECT_EQ(s.error.code(), StatusCode::kUnavailable);
+  EXPECT_NE(s.error.message().find("cannot connect"), std::string::npos) << s.error.message();
+  EXPECT_FALSE(s.from_worker);
+  mux->Stop();
+}
+
+TEST(DecodeMuxTcpClient, ADecoderOutsideTheFleetCaIsRefused) {
+  auto ca = CreateCaCertificate("fleet-ca", 1);
+  auto other = CreateCaCertificate("other-ca", 1);
+  ASSERT_TRUE(ca.ok() && other.ok());
+  auto impostor = IssueCertificate(*other, "decode-0", {"127.0.0.1"}, 1);
+  auto proxy = IssueCertificate(*ca, "proxy", {"127.0.0.1"}, 1);
+  ASSERT_TRUE(impostor.ok() && proxy.ok());
+  auto server_tls = FrameTls::Create(TlsPem{ca->cert, impostor->cert, impostor->key});
+  auto client_tls = FrameTls::Create(TlsPem{ca->cert, proxy->cert, proxy->key});
+  ASSERT_TRUE(server_tls.ok() && client_tls.ok());
+  Script script;
+  auto server = Serve(*server_tls, &script);
+  ASSERT_NE(server, nullptr);
+  auto mux = DecodeMuxTcpClient::Open(server->address(), *client_tls);
+  Seen s;
+  DecodeEvents e = s.Events();
+  ASSERT_NE(mux->Start(Args(1), e), nullptr);
+  ASSERT_TRUE(s.WaitEnd());
+  EXPECT_EQ(s.error.code(), StatusCode::kUnavailable);
+  EXPECT_NE(s.error.message().find("certificate"), std::string::npos) << s.error.message();
+  EXPECT_FALSE(s.from_worker);
+  EXPECT_FALSE(s.registered);
+  mux->Stop();
+}
+
+}  // namespace
+}  // namespace tandem::proxy
