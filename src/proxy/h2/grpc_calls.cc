@@ -8,6 +8,7 @@
 
 #include "common/tracing.h"
 #include "proxy/generate_convert.h"
+#include "proxy/h2/grpc_reflection.h"
 #include "proxy/h2/grpc_wire.h"
 #include "proxy/h2/h2_connection.h"
 #include "proxy/h2/h2_server.h"
@@ -270,6 +271,7 @@ void OnRequestHeaders(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
       {"/tandem.v1.Generation/ListModels", Method::kListModels},
       {"/grpc.health.v1.Health/Check", Method::kHealthCheck},
       {"/grpc.health.v1.Health/Watch", Method::kHealthWatch},
+      {"/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", Method::kReflection},
   };
   for (const auto& [path, kind] : kMethods) {
     if (s->path == path) s->kind = kind;
@@ -300,8 +302,24 @@ void OnMessagePrefix(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
   s->body.reserve(p.length);
 }
 
+void OnStreamMessage(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
+  c.PostStreamed(s, AnswerReflection(s->body));
+}
+
 void OnRequestComplete(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
   if (s->answered) return;
+  if (s->kind == Method::kReflection) {
+    // Every message was answered as it came; a message left unfinished is
+    // the client's error.
+    if (s->prefix_got > 0) {
+      c.PostStatus(s, InvalidArgumentError(fmt::format(
+                          "the request ended inside its gRPC message ({} of {} bytes)",
+                          s->body.size(), s->msg_len)));
+    } else {
+      c.PostStatus(s, Status::Ok());
+    }
+    return;
+  }
   if (s->prefix_got < 5) {
     c.PostStatus(s, InvalidArgumentError("the request carries no gRPC message"));
     return;

@@ -22,6 +22,8 @@ void OnRequestHeaders(H2Connection& c, const std::shared_ptr<H2Stream>& s);
 // The message's 5-byte prefix arrived: refuses compressed or oversized
 // messages before their bytes are buffered.
 void OnMessagePrefix(H2Connection& c, const std::shared_ptr<H2Stream>& s);
+// A client-streaming method's message is complete (s->body).
+void OnStreamMessage(H2Connection& c, const std::shared_ptr<H2Stream>& s);
 // The client half-closed: runs the call.
 void OnRequestComplete(H2Connection& c, const std::shared_ptr<H2Stream>& s);
 // The stream is gone (finished, reset by the client, connection lost):

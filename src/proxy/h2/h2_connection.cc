@@ -472,21 +472,35 @@ int H2Connection::OnDataChunk(nghttp2_session*, uint8_t, int32_t stream_id, cons
                               size_t len, void* self) {
   auto* c = static_cast<H2Connection*>(self);
   auto s = c->Find(stream_id);
-  if (!s || s->answered) return 0;
-  if (s->prefix_got < 5) {
-    const size_t take = std::min(len, 5 - s->prefix_got);
-    std::memcpy(s->prefix + s->prefix_got, data, take);
-    s->prefix_got += take;
+  // A client-streaming method (reflection) takes each message as it
+  // completes; the others take one message, and more is an error.
+  const bool streaming = s && s->kind == Method::kReflection;
+  while (s && !s->answered) {
+    if (s->prefix_got < 5) {
+      if (len == 0) return 0;
+      const size_t take = std::min(len, 5 - s->prefix_got);
+      std::memcpy(s->prefix + s->prefix_got, data, take);
+      s->prefix_got += take;
+      data += take;
+      len -= take;
+      if (s->prefix_got < 5) return 0;
+      OnMessagePrefix(*c, s);
+      if (s->answered) return 0;
+    }
+    const size_t room = s->msg_len - s->body.size();
+    const size_t take = std::min(len, room);
+    s->body.append(reinterpret_cast<const char*>(data), take);
     data += take;
     len -= take;
-    if (s->prefix_got < 5) return 0;
-    OnMessagePrefix(*c, s);
-    if (s->answered) return 0;
+    if (!streaming) {
+      s->extra_bytes += len;
+      return 0;
+    }
+    if (s->body.size() < s->msg_len) return 0;
+    OnStreamMessage(*c, s);
+    s->prefix_got = 0;
+    s->body.clear();
   }
-  const size_t room = s->msg_len - s->body.size();
-  const size_t take = std::min(len, room);
-  s->body.append(reinterpret_cast<const char*>(data), take);
-  s->extra_bytes += len - take;
   return 0;
 }
 

@@ -185,6 +185,36 @@ TEST_F(GrpcNative, WhatGrpcClientsNeverSendGetsAStatusNamingTheProblem) {
   EXPECT_EQ(WaitFleetIdle(fleet_->workers(), fleet_->proxy_metrics(), std::chrono::seconds(20)), "");
 }
 
+// grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo, as
+// grpcurl uses it: list the services, then the file that declares one
+// (with its imports), each answered on the open stream.
+TEST_F(GrpcNative, ReflectionListsTheServicesAndServesTheirFiles) {
+  RawH2Client c(fleet_->proxy_grpc());
+  ASSERT_TRUE(c.ok());
+  const std::string list = std::string("\x3a\x00", 2);  // list_services = ""
+  const std::string symbol = "tandem.v1.Generation";
+  const std::string by_symbol = "\x22" + std::string(1, static_cast<char>(symbol.size())) + symbol;
+  const std::string nope = "no.such.Symbol";
+  const std::string missing = "\x22" + std::string(1, static_cast<char>(nope.size())) + nope;
+  const int32_t id = c.Post("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                            kGrpcHeaders,
+                            RawH2Client::Frame(list) + RawH2Client::Frame(by_symbol) +
+                                RawH2Client::Frame(missing));
+  ASSERT_TRUE(c.RunUntil([&] { return c.response(id).closed; }, kWait));
+  EXPECT_EQ(c.response(id).GrpcStatus(), "0") << c.response(id).GrpcMessage();
+  const auto answers = RawH2Client::Messages(c.response(id).data);
+  ASSERT_EQ(answers.size(), 3u);
+  for (const char* service : {"tandem.v1.Generation", "grpc.health.v1.Health",
+                              "grpc.reflection.v1alpha.ServerReflection"}) {
+    EXPECT_NE(answers[0].find(service), std::string::npos) << service;
+  }
+  // The file declaring the service, as a FileDescriptorProto.
+  EXPECT_NE(answers[1].find("tandem/v1/generation.proto"), std::string::npos);
+  EXPECT_NE(answers[1].find("GenerateRequest"), std::string::npos);
+  // An unknown symbol: error_response NOT_FOUND (5) naming it.
+  EXPECT_NE(answers[2].find("symbol 'no.such.Symbol' not found"), std::string::npos);
+}
+
 TEST_F(GrpcNative, AClientThatStopsReadingBlocksNoOneAndLosesNoToken) {
   constexpr uint32_t kMaxTokens = 300;
   // A 64-byte stream window that the client does not reopen: the proxy can
