@@ -159,7 +159,7 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.Read("restart", c.proxy.restart);
     m.Read("decode_stream", c.proxy.decode_stream);  // issue 23
     m.ReadEnum("decode_transport", c.proxy.decode_transport, {"tcp", "grpc"});  // issue 23
-    m.ReadEnum("grpc_server", c.proxy.grpc_server, {"grpc", "native"});  // issue 23
+    m.ReadEnum("grpc_server", c.proxy.grpc_server, {"auto", "grpc", "native"});  // issue 23
     {
       YamlMap l = m.Sub("limits");
       ProxyLimitsConfig& x = c.proxy.limits;
@@ -308,7 +308,7 @@ void CrossCheck(const FleetConfig& c, YamlErrors& errors, int line) {
   }
   if (c.proxy.grpc_server == "native" && c.security.public_tls != "off") {  // issue 23
     errors.Add(line, "proxy.grpc_server 'native' does not serve TLS yet and security.public_tls "
-                     "is on: use proxy.grpc_server 'grpc' (the default) with public TLS "
+                     "is on: use proxy.grpc_server 'auto' (the default) or 'grpc' with public TLS "
                      "(docs/grpc-frontend.md)");
   }
   if (c.model.backend != "cuda" && c.transport.device_path != "auto") {

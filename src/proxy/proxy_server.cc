@@ -45,11 +45,15 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
   p->planner_ = std::make_unique<Planner>(fleet, p->fleet_.get(), &p->metrics_->ttft,
                                           &p->metrics_->itl, *p->metrics_registry_);
   p->planner_->Start();
+  // proxy.grpc_server (docs/grpc-frontend.md): `auto` is the native front
+  // end, which does not serve TLS yet, unless the public port has TLS.
+  const bool native = fleet.proxy.grpc_server == "native" ||
+                      (fleet.proxy.grpc_server == "auto" && options.public_tls.empty());
   p->client_ = std::make_unique<GrpcWorkerClient>(options.internal_credentials,
                                                   fleet.proxy.decode_stream,
                                                   fleet.proxy.decode_transport == "tcp",
                                                   /*tcp_deliver_on_grpc_thread=*/
-                                                  fleet.proxy.grpc_server != "native");
+                                                  !native);
 
   ServingLimits limits;
   limits.model = fleet.model.name;
@@ -99,12 +103,12 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
   TANDEM_ASSIGN_OR_RETURN(p->internal_server_,
                           RpcServer::Start(pick(options.internal, fleet.proxy.internal),
                                            {p->registry_.get()}, options.internal_credentials));
-  if (fleet.proxy.grpc_server == "native") {
+  if (native) {
     // docs/grpc-frontend.md: TLS on the native front end is not there yet.
     if (!options.public_tls.empty()) {
       return InvalidArgumentError(
           "proxy.grpc_server: native does not serve TLS yet, and security.public_tls is set: "
-          "use proxy.grpc_server: grpc (the default) with TLS");
+          "use proxy.grpc_server: auto (the default) or grpc with TLS");
     }
     TANDEM_ASSIGN_OR_RETURN(p->native_, h2::H2Server::Start(pick(options.grpc, fleet.proxy.grpc),
                                                             p->frontend_.get()));

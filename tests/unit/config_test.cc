@@ -533,10 +533,16 @@ TEST(Config, RoleRankLayout) {
 }
 
 // Issue 23 (docs/grpc-frontend.md): the public gRPC port's server.
-TEST(Config, ProxyGrpcServerIsGrpcByDefaultAndNativeOnRequest) {
+TEST(Config, ProxyGrpcServerIsAutoByDefaultAndNativeOrGrpcOnRequest) {
   auto d = Parse("model:\n  path: m\nboth:\n  replicas: 1\n");
   ASSERT_TRUE(d.ok()) << d.status().message();
-  EXPECT_EQ(d->proxy.grpc_server, "grpc");
+  EXPECT_EQ(d->proxy.grpc_server, "auto");
+  auto g = Parse("model:\n  path: m\nproxy:\n  grpc_server: grpc\nboth:\n  replicas: 1\n");
+  ASSERT_TRUE(g.ok()) << g.status().message();
+  EXPECT_EQ(g->proxy.grpc_server, "grpc");
+  // auto with public TLS is fine (it picks grpc at start-up).
+  auto a = Parse("model:\n  path: m\nsecurity:\n  public_tls: auto\nboth:\n  replicas: 1\n");
+  ASSERT_TRUE(a.ok()) << a.status().message();
   auto n = Parse("model:\n  path: m\nproxy:\n  grpc_server: native\nboth:\n  replicas: 1\n");
   ASSERT_TRUE(n.ok()) << n.status().message();
   EXPECT_EQ(n->proxy.grpc_server, "native");

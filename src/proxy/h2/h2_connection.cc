@@ -522,6 +522,9 @@ int H2Connection::OnStreamClose(nghttp2_session*, int32_t stream_id, uint32_t, v
   if (it == c->streams_.end()) return 0;
   std::shared_ptr<H2Stream> s = std::move(it->second);
   c->streams_.erase(it);
+  // No stream left to flush a batch: read at once again, so that the
+  // client's next (small) request is not left below the low-water mark.
+  if (c->streams_.empty()) c->SetLowWaterLocked(1);
   {
     std::lock_guard lock(c->out_mu_);
     s->out_closed = true;
