@@ -161,7 +161,11 @@ void FrameServer::Run() {
       if (e.session) {
         e.session->OnClosed(st);
       } else {
-        refused_.fetch_add(1);
+        {
+          std::lock_guard lock(refused_mu_);
+          refused_.fetch_add(1);
+        }
+        refused_cv_.notify_all();
         spdlog::warn("frame server {}: refused {}: {}", address_, e.conn->peer(), st.message());
       }
       e.conn.reset();
@@ -185,6 +189,11 @@ void FrameServer::Run() {
     e.conn->Close(why);
     if (e.session) e.session->OnClosed(why);
   }
+}
+
+bool FrameServer::WaitForRefused(uint64_t n, std::chrono::milliseconds limit) {
+  std::unique_lock lock(refused_mu_);
+  return refused_cv_.wait_for(lock, limit, [&] { return refused_.load() >= n; });
 }
 
 }  // namespace tandem

@@ -12,8 +12,11 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -52,6 +55,9 @@ class FrameServer {
 
   uint64_t accepted() const { return accepted_.load(); }  // authenticated connections
   uint64_t refused() const { return refused_.load(); }    // failed handshakes
+  // Until refused() >= n (a refusal is counted just after its connection
+  // is closed); false when `limit` passes first.
+  bool WaitForRefused(uint64_t n, std::chrono::milliseconds limit);
 
  private:
   FrameServer() = default;
@@ -66,6 +72,8 @@ class FrameServer {
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> accepted_{0};
   std::atomic<uint64_t> refused_{0};
+  std::mutex refused_mu_;  // with refused_cv_: WaitForRefused
+  std::condition_variable refused_cv_;
   std::thread thread_;
 };
 
