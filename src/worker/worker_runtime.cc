@@ -38,6 +38,7 @@
 #include "worker/proxy_registrar.h"
 #include "worker/rank_kv.h"
 #include "worker/rank_layout.h"
+#include "worker/rank_process.h"
 #include "worker/role_capabilities.h"
 #include "worker/worker_metrics.h"
 #include "worker/worker_service.h"
@@ -45,10 +46,6 @@
 namespace tandem::worker {
 
 namespace {
-
-// How long the ranks of a group wait for each other (issue 18): followers
-// start first and wait for rank 0 to load its model and transport.
-constexpr int64_t kRankJoinTimeoutMs = 120000;
 
 // The engine's KV pool is the transport's (UCX-allocated) memory.
 class TransportPoolAllocator final : public engine::KvPoolAllocator {
@@ -74,20 +71,6 @@ uint64_t RandomEpoch() {
   uint64_t e = 0;
   while (e == 0) e = (static_cast<uint64_t>(rd()) << 32) ^ rd();
   return e;
-}
-
-void WriteReady(int fd, const std::string& grpc, const std::string& metrics) {
-  if (fd < 0) return;
-  const std::string line = fmt::format("{{\"grpc\":\"{}\",\"metrics\":\"{}\"}}\n",
-                                       JsonEscape(grpc), JsonEscape(metrics));
-  size_t off = 0;
-  while (off < line.size()) {
-    const ssize_t n = write(fd, line.data() + off, line.size() - off);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    off += static_cast<size_t>(n);
-  }
-  close(fd);
 }
 
 // --advertise HOST[:PORT] (worker_runtime.h); port 0 when not given.
@@ -548,88 +531,6 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   if (decodes) TANDEM_RETURN_IF_ERROR(StartDecodeMuxTcp(w, rc, cmd));
   w.worker_service->Start();
   return Status::Ok();
-}
-
-// --rank and --group against the layout (issue 18).
-Status CheckRankFlags(const WorkerCommand& cmd, const FleetConfig& fleet, const RoleConfig& rc) {
-  const uint32_t world = fleet.model.backend == "sim" ? 1 : rc.tensor_parallel * rc.pipeline_parallel;
-  if (cmd.rank >= world) {
-    return InvalidArgumentError(fmt::format(
-        "--rank {} is out of range: the worker has {} rank(s) ({}.tensor_parallel {} x "
-        "{}.pipeline_parallel {}{})",
-        cmd.rank, world, cmd.role, rc.tensor_parallel, cmd.role, rc.pipeline_parallel,
-        fleet.model.backend == "sim" ? "; backend sim runs them in one process" : ""));
-  }
-  if (world > 1 && cmd.group.empty()) {
-    return InvalidArgumentError(fmt::format(
-        "--group is required for a worker of {} ranks: every rank process joins the group of "
-        "that name (tandem launch sets it)",
-        world));
-  }
-  // The layout must split the model (backend sim models it in one process
-  // over its own model shape, docs/sim.md; 1 x 1 splits every model).
-  if (world > 1) {
-    TANDEM_ASSIGN_OR_RETURN(auto model, model::LoadModelConfig(fleet.model.path));
-    TANDEM_RETURN_IF_ERROR(CheckRoleLayout(cmd.role, {rc.tensor_parallel, rc.pipeline_parallel},
-                                           model, fleet.model.path));
-  }
-  return Status::Ok();
-}
-
-// A follower rank (--rank R > 0) of a worker group (issue 18,
-// docs/parallelism.md "Rank processes"): its shard of the model, its
-// rank-local KV pool registered with its own transport (worker/rank_kv.h),
-// and rank 0's step plans until rank 0 shuts the group down (exit 0) or
-// disappears (exit 1). It listens on nothing; its ready line (empty
-// addresses) goes out once its pool exists, before it waits for rank 0.
-int RunFollower(const WorkerCommand& cmd, const FleetConfig& fleet, const RoleConfig& rc,
-                const std::string& name) {
-  auto fail = [&](const Status& s) {
-    spdlog::error("{} rank {} stopped: {}", name, cmd.rank, s.message());
-    std::cerr << fmt::format("tandem {} rank {}: {}\n", cmd.role, cmd.rank, s.message());
-    return 1;
-  };
-  const parallel::ParallelLayout layout{rc.tensor_parallel, rc.pipeline_parallel};
-  if (Status s = CheckTransportForLayout(cmd.role, layout, fleet.transport); !s.ok()) return fail(s);
-  auto model = model::LoadModelConfig(fleet.model.path);
-  if (!model.ok()) return fail(model.status());
-  const engine::EngineOptions eo = engine::EngineOptions::FromFleetConfig(fleet);
-  const uint32_t num_blocks = rc.num_blocks != 0 ? rc.num_blocks : eo.num_blocks;
-  kvtransfer::TransportOptions to;
-  to.backend = fleet.transport.backend;
-  to.agent_name = name;
-  to.num_blocks = num_blocks;
-  to.peer_timeout_s = fleet.transport.peer_timeout_seconds;
-  auto kv = FollowerRankKv::Create(to, layout, KvDimsOf(*model, eo.block_size), cmd.rank);
-  if (!kv.ok()) return fail(kv.status());
-  parallel::FollowerOptions fo;
-  fo.model_dir = fleet.model.path;
-  fo.layout = layout;
-  fo.rank = cmd.rank;
-  fo.group = cmd.group;
-  fo.threads = static_cast<int>(eo.threads);
-  fo.num_blocks = num_blocks;
-  fo.block_size = eo.block_size;
-  fo.join_timeout_ms = kRankJoinTimeoutMs;
-  fo.allocator = &(*kv)->allocator();
-  fo.on_pool_ready = [&cmd](engine::KvPool&) {
-    WriteReady(cmd.ready_fd, "", "");  // started: the launcher starts the next rank
-    return Status::Ok();
-  };
-  FollowerRankKv* rank_kv = kv->get();
-  fo.on_joined = [rank_kv](parallel::Communicator& world) { return rank_kv->OnJoined(world); };
-  fo.on_push_kv = [rank_kv](const parallel::StepPlan& plan, engine::KvPool&,
-                            parallel::Communicator& world) {
-    for (const parallel::PlanField& f : plan.extensions) {
-      if (f.tag == kvtransfer::kPushKvSpecTag) return rank_kv->OnPushKv(f.bytes, world);
-    }
-    return rank_kv->OnPushKv({}, world);  // reported to rank 0 as an undecodable spec
-  };
-  spdlog::info("{} rank {} of {} ({}): joining group {}", name, cmd.rank, layout.world(),
-               parallel::ToString(layout), cmd.group);
-  if (Status s = parallel::RunFollowerRank(fo); !s.ok()) return fail(s);
-  spdlog::info("{} rank {}: rank 0 shut the group down", name, cmd.rank);
-  return 0;
 }
 
 // Waits for SIGINT/SIGTERM (blocked in every thread); returns the signal.
