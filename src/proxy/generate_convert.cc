@@ -1,5 +1,9 @@
 #include "proxy/generate_convert.h"
 
+#include <fmt/format.h>
+
+#include "common/tracing.h"
+
 namespace tandem::proxy {
 
 namespace pb = ::tandem::v1;
@@ -42,6 +46,22 @@ pb::FinishReason FinishToProto(Finish f) {
     case Finish::kLength: return pb::FINISH_REASON_LENGTH;
     default: return pb::FINISH_REASON_UNSPECIFIED;
   }
+}
+
+Status RequestTooLarge(const Frontend& fe, uint64_t bytes) {
+  return InvalidArgumentError(fmt::format(
+      "the request has {} bytes; the limit is {} (proxy.limits.max_request_bytes)", bytes,
+      fe.limits().max_request_bytes));
+}
+
+Result<ValidatedRequest> PrepareGenerate(Frontend& fe, Status parsed,
+                                         pb::wire::GenerateRequestBytes& req, const Tenant* tenant,
+                                         const std::string& traceparent, double* retry_after) {
+  if (parsed.ok()) parsed = ExplainEmptyPrompt(req);
+  if (!parsed.ok()) return parsed;
+  Result<ValidatedRequest> v = fe.Validate(ClientRequestFromProto(req), tenant, retry_after);
+  if (v.ok()) v->trace = tracing::Tracer::Get().StartRequest(traceparent);
+  return v;
 }
 
 }  // namespace tandem::proxy

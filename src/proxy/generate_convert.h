@@ -1,8 +1,13 @@
-// tandem.v1.Generate's messages <-> the lifecycle's plain structs, shared by
-// the public gRPC front ends (generation_service.cc, h2/grpc_calls.cc).
+// tandem.v1.Generate's messages <-> the lifecycle's plain structs, and the
+// request steps both public gRPC front ends take alike
+// (generation_service.cc, h2/grpc_calls.cc).
 #pragma once
 
+#include <cstdint>
+#include <string>
+
 #include "common/status.h"
+#include "proxy/frontend.h"
 #include "proxy/lifecycle.h"
 #include "proxy/request.h"
 #include "tandem/v1/generation.pb.h"
@@ -18,5 +23,15 @@ ClientRequest ClientRequestFromProto(v1::wire::GenerateRequestBytes& r);
 Status ExplainEmptyPrompt(const v1::wire::GenerateRequestBytes& r);
 
 v1::FinishReason FinishToProto(Finish f);
+
+// INVALID_ARGUMENT naming proxy.limits.max_request_bytes for a request of
+// `bytes`.
+Status RequestTooLarge(const Frontend& fe, uint64_t bytes);
+
+// `parsed`: how parsing `req` went. Validates (tokenizing a text prompt)
+// and starts the request's trace.
+Result<ValidatedRequest> PrepareGenerate(Frontend& fe, Status parsed,
+                                         v1::wire::GenerateRequestBytes& req, const Tenant* tenant,
+                                         const std::string& traceparent, double* retry_after);
 
 }  // namespace tandem::proxy

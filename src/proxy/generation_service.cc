@@ -46,9 +46,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
       if (!st.ok()) SetRetryAfter(r.retry_after_seconds);
     }
     if (st.ok() && bytes->Length() > fe_->limits().max_request_bytes) {
-      st = InvalidArgumentError(fmt::format(
-          "the request has {} bytes; the limit is {} (proxy.limits.max_request_bytes)",
-          bytes->Length(), fe_->limits().max_request_bytes));
+      st = RequestTooLarge(*fe_, bytes->Length());
     }
     if (st.ok()) {
       st = fe_->Admit();
@@ -73,7 +71,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
       if (!parsed.ok() || req->prompt().empty()) {
         // Token ids (or an error): no tokenization, so done here.
         double retry_after = 0;
-        Result<ValidatedRequest> v = Prepare(fe_, parsed, *req, tenant_, traceparent, &retry_after);
+        Result<ValidatedRequest> v =
+            PrepareGenerate(*fe_, parsed, *req, tenant_, traceparent, &retry_after);
         Validated(std::move(v), retry_after, arrival);
         return;
       }
@@ -94,23 +93,11 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
         st = Parse(bytes, *req);
       }
       double retry_after = 0;
-      Result<ValidatedRequest> v = Prepare(fe, st, *req, tenant, traceparent, &retry_after);
+      Result<ValidatedRequest> v =
+          PrepareGenerate(*fe, st, *req, tenant, traceparent, &retry_after);
       std::lock_guard lock(guard->mu);
       if (guard->owner != nullptr) guard->owner->Validated(std::move(v), retry_after, arrival);
     });
-  }
-
-  // `parsed`: how parsing `req` went. Validates (tokenizing a text prompt)
-  // and starts the request's trace.
-  static Result<ValidatedRequest> Prepare(Frontend* fe, Status parsed,
-                                          pb::wire::GenerateRequestBytes& req,
-                                          const Tenant* tenant, const std::string& traceparent,
-                                          double* retry_after) {
-    if (parsed.ok()) parsed = ExplainEmptyPrompt(req);
-    if (!parsed.ok()) return parsed;
-    Result<ValidatedRequest> v = fe->Validate(ClientRequestFromProto(req), tenant, retry_after);
-    if (v.ok()) v->trace = tracing::Tracer::Get().StartRequest(traceparent);
-    return v;
   }
 
   // In the constructor (a small request of token ids), or on a work-pool

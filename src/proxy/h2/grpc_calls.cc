@@ -51,22 +51,6 @@ Status Authorize(Frontend& fe, H2Stream& s, long long* retry_after_s) {
   return r.status;
 }
 
-Status TooLarge(const Frontend& fe, uint64_t bytes) {
-  return InvalidArgumentError(fmt::format(
-      "the request has {} bytes; the limit is {} (proxy.limits.max_request_bytes)", bytes,
-      fe.limits().max_request_bytes));
-}
-
-Result<ValidatedRequest> Prepare(Frontend& fe, Status parsed, pb::wire::GenerateRequestBytes& req,
-                                 const Tenant* tenant, const std::string& traceparent,
-                                 double* retry_after) {
-  if (parsed.ok()) parsed = ExplainEmptyPrompt(req);
-  if (!parsed.ok()) return parsed;
-  Result<ValidatedRequest> v = fe.Validate(ClientRequestFromProto(req), tenant, retry_after);
-  if (v.ok()) v->trace = tracing::Tracer::Get().StartRequest(traceparent);
-  return v;
-}
-
 Status ParseRequest(const std::string& body, pb::wire::GenerateRequestBytes& out) {
   if (!out.ParseFromString(body)) {
     return InvalidArgumentError("the request is not a valid tandem.v1.GenerateRequest");
@@ -156,7 +140,7 @@ void Generate(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
     Status parsed = ParseRequest(s->body, *req);
     if (!parsed.ok() || req->prompt().empty()) {
       double retry_after = 0;
-      auto v = Prepare(fe, parsed, *req, s->tenant, traceparent, &retry_after);
+      auto v = PrepareGenerate(fe, parsed, *req, s->tenant, traceparent, &retry_after);
       Validated(conn, s, std::move(v), retry_after, arrival);
       return;
     }
@@ -173,7 +157,7 @@ void Generate(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
       parsed = ParseRequest(s->body, *req);
     }
     double retry_after = 0;
-    auto v = Prepare(f, parsed, *req, s->tenant, traceparent, &retry_after);
+    auto v = PrepareGenerate(f, parsed, *req, s->tenant, traceparent, &retry_after);
     Validated(conn, s, std::move(v), retry_after, arrival);
   });
 }
@@ -294,7 +278,7 @@ void OnMessagePrefix(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
     // As the gRPC front end: who is asking, and within its rate, first.
     long long retry = 0;
     Status st = s->kind == Method::kGenerate ? Authorize(fe, *s, &retry) : Status::Ok();
-    if (st.ok()) st = TooLarge(fe, p.length);
+    if (st.ok()) st = RequestTooLarge(fe, p.length);
     CountRejected(fe, st);
     c.PostStatus(s, st, retry);
     return;
