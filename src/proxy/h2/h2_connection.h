@@ -1,5 +1,6 @@
 // One HTTP/2 connection of the native gRPC front end: an nghttp2 server
-// session over a non-blocking socket (docs/grpc-frontend.md).
+// session over a non-blocking socket, plain or TLS (h2_io.h; every socket
+// read and write, and every SSL call, under mu_) (docs/grpc-frontend.md).
 //
 // Reading runs on the server's event thread. Calls queue their responses
 // from any thread (the decode stream's reader, a work-pool thread, the

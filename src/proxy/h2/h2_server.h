@@ -3,7 +3,8 @@
 // non-blocking sockets, one event thread (epoll) for accepting, reading
 // and timers; responses are flushed once per delivery batch by the thread
 // that delivered them (h2_connection.h). Serves tandem.v1.Generation and
-// grpc.health.v1.Health to unchanged gRPC clients.
+// grpc.health.v1.Health to unchanged gRPC clients, in plaintext or TLS
+// (h2_tls.h: security.public_tls's files, policy and renewal).
 //
 // Thread-safety: Start/Shutdown from the owning thread; SetServing and
 // serving from any thread.
