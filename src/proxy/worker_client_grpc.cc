@@ -94,9 +94,11 @@ class DecodeCall final : public grpc::ClientReadReactor<pb::DecodeResponse>,
         if (events_.on_registered) events_.on_registered();
         break;
       case pb::DecodeResponse::kTokens: {
-        std::vector<uint32_t> ids(resp_.tokens().token_ids().begin(),
-                                  resp_.tokens().token_ids().end());
-        if (events_.on_tokens) events_.on_tokens(resp_.tokens().first_index(), std::move(ids));
+        const auto& t = resp_.tokens().token_ids();
+        if (events_.on_tokens) {
+          events_.on_tokens(resp_.tokens().first_index(),
+                            std::span<const uint32_t>(t.data(), static_cast<size_t>(t.size())));
+        }
         break;
       }
       case pb::DecodeResponse::kFinished:
