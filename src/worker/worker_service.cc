@@ -53,6 +53,7 @@ void FillInfo(const WorkerIdentity& id, pb::WorkerInfo* out) {
   // Every decoder serves Decoder.DecodeStream (issue 23, docs/decode-stream.md).
   out->set_decode_stream(id.role == "decode" || id.role == "both");
   out->set_decode_mux_address(id.decode_mux_address);
+  out->set_prefill_frame_address(id.prefill_frame_address);
   out->set_tensor_parallel(id.tensor_parallel);
   out->set_pipeline_parallel(id.pipeline_parallel);
   for (const auto& [k, v] : id.labels) (*out->mutable_labels())[k] = v;
@@ -444,6 +445,11 @@ void WorkerService::SetAddresses(const std::string& grpc_address, const std::str
 void WorkerService::SetDecodeMuxAddress(const std::string& address) {
   std::lock_guard lock(impl_->mu_);
   impl_->identity_.decode_mux_address = address;
+}
+
+void WorkerService::SetPrefillFrameAddress(const std::string& address) {
+  std::lock_guard lock(impl_->mu_);
+  impl_->identity_.prefill_frame_address = address;
 }
 
 WorkerIdentity WorkerService::identity() const {

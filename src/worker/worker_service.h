@@ -62,6 +62,8 @@ struct WorkerIdentity {
   uint32_t pipeline_parallel = 1;
   // Issue 23: the decode stream's framed TCP listener ("" = none).
   std::string decode_mux_address;
+  // Issue 23: the Prefill call's framed TCP listener ("" = none).
+  std::string prefill_frame_address;
 };
 
 // LoadReport of worker.proto as plain numbers.
@@ -132,6 +134,8 @@ class WorkerService {
   void SetAddresses(const std::string& grpc_address, const std::string& metrics_address);
   // Issue 23: where the decode stream is served over framed TCP (before Start).
   void SetDecodeMuxAddress(const std::string& address);
+  // Issue 23: where Prefill is served over framed TCP (before Start).
+  void SetPrefillFrameAddress(const std::string& address);
   WorkerIdentity identity() const;
 
   void Start();
