@@ -173,6 +173,7 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
       l.Read("max_http_header_bytes", x.max_http_header_bytes, 1024, uint64_t{1} << 24);
       l.Read("max_http_body_bytes", x.max_http_body_bytes, 1024, uint64_t{64} << 20);
       l.Read("max_connections", x.max_connections, 1, 1u << 20);
+      l.Read("handshake_timeout_seconds", x.handshake_timeout_seconds, 0.1, 3600.0);
       l.Read("max_pipelined_requests", x.max_pipelined_requests, 1, 1024);
       l.Finish();
     }

@@ -59,6 +59,8 @@ struct ProxyLimitsConfig {
   uint64_t max_http_header_bytes = 16u << 10;  // past it: 431
   uint64_t max_http_body_bytes = 4u << 20;     // past it: 413
   uint32_t max_connections = 1024;             // open HTTP connections; past it: 429
+                                               // (native gRPC: its own; past it: closed)
+  double handshake_timeout_seconds = 20.0;     // native gRPC: TLS handshake + HTTP/2 preface
   uint32_t max_pipelined_requests = 8;         // HTTP requests read ahead on one connection
 };
 
@@ -102,7 +104,7 @@ struct ProxyConfig {
   std::string prefill_transport = "tcp";
   // Issue 23 (docs/grpc-frontend.md): what serves the public gRPC port.
   // grpc: gRPC C++; native: the proxy's own HTTP/2 server (nghttp2),
-  // plaintext only for now.
+  // plaintext or TLS.
   std::string grpc_server = "auto";  // auto | grpc | native (auto: native)
 };
 

@@ -104,8 +104,12 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
                           RpcServer::Start(pick(options.internal, fleet.proxy.internal),
                                            {p->registry_.get()}, options.internal_credentials));
   if (native) {
+    h2::H2ServerLimits limits;
+    limits.max_connections = fleet.proxy.limits.max_connections;
+    limits.handshake_timeout = std::chrono::milliseconds(
+        static_cast<int64_t>(fleet.proxy.limits.handshake_timeout_seconds * 1000));
     auto native_server = h2::H2Server::Start(pick(options.grpc, fleet.proxy.grpc),
-                                             p->frontend_.get(), options.public_tls);
+                                             p->frontend_.get(), options.public_tls, limits);
     if (!native_server.ok()) {
       return native_server.status().WithContext(
           options.public_tls.empty() ? "proxy.grpc" : "proxy.grpc with security.public_tls");

@@ -488,6 +488,9 @@ int H2Connection::OnHeader(nghttp2_session*, const nghttp2_frame* frame, const u
 
 int H2Connection::OnFrameRecv(nghttp2_session*, const nghttp2_frame* frame, void* self) {
   auto* c = static_cast<H2Connection*>(self);
+  if (frame->hd.type == NGHTTP2_SETTINGS && (frame->hd.flags & NGHTTP2_FLAG_ACK) == 0) {
+    c->established_ = true;  // the client's preface (H2Server's handshake deadline)
+  }
   if (frame->hd.type != NGHTTP2_HEADERS && frame->hd.type != NGHTTP2_DATA) return 0;
   auto s = c->Find(frame->hd.stream_id);
   if (!s) return 0;

@@ -18,6 +18,7 @@
 
 #include <nghttp2/nghttp2.h>
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -59,6 +60,9 @@ class H2Connection final : public Flushable, public std::enable_shared_from_this
   // Event thread (shutdown): GOAWAY; open calls end with `st`.
   void GoAway(const Status& st);
   bool broken() const;
+  // The client's HTTP/2 preface (its first SETTINGS) arrived; over TLS
+  // that is after the handshake. Event thread (set while reading).
+  bool established() const { return established_; }
 
   // Any thread: hands what calls queued to the session and writes it.
   // `batch`: at the end of a delivery batch (FlushDeferred); then what the
@@ -126,6 +130,7 @@ class H2Connection final : public Flushable, public std::enable_shared_from_this
   bool want_write_ = false;  // guarded by mu_: EPOLLOUT armed
   bool closed_ = false;      // guarded by mu_
   bool broken_ = false;      // guarded by mu_: a send failed; the event thread closes it
+  std::atomic<bool> established_{false};
   // Quiet reading (docs/grpc-frontend.md): while batches flush this
   // connection, SO_RCVLOWAT is raised just above one step's WINDOW_UPDATE
   // frames, which the next batch's flush reads instead of the event thread.

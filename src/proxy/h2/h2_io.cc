@@ -23,7 +23,9 @@ std::string SslErrors() {
   return out;
 }
 
-std::string PeerOf(int fd) {
+}  // namespace
+
+std::string PeerAddress(int fd) {
   sockaddr_storage ss{};
   socklen_t len = sizeof ss;
   if (getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return "?";
@@ -37,8 +39,6 @@ std::string PeerOf(int fd) {
   inet_ntop(AF_INET, &a->sin_addr, host, sizeof host);
   return std::string(host) + ":" + std::to_string(ntohs(a->sin_port));
 }
-
-}  // namespace
 
 H2Io::H2Io(int fd, SSL* ssl) : fd_(fd), ssl_(ssl), ready_(ssl == nullptr) {
   if (ssl_ == nullptr) return;
@@ -62,7 +62,7 @@ H2Io::~H2Io() {
 
 void H2Io::LogFailure(const char* what) {
   const std::string errors = SslErrors();
-  spdlog::warn("gRPC (native): TLS {} with {} failed{}{}", what, PeerOf(fd_),
+  spdlog::warn("gRPC (native): TLS {} with {} failed{}{}", what, PeerAddress(fd_),
                errors.empty() ? "" : ": ", errors);
 }
 
@@ -114,7 +114,7 @@ bool H2Io::Handshake(uint8_t* scratch, size_t cap, Got* got) {
     // (A client offering ALPN without "h2" failed the handshake already.)
     spdlog::warn("gRPC (native): refused the TLS client {}: it did not offer ALPN \"h2\" "
                  "(gRPC over TLS negotiates HTTP/2 with ALPN)",
-                 PeerOf(fd_));
+                 PeerAddress(fd_));
     got->closed = true;
     return false;
   }

@@ -22,6 +22,9 @@
 
 namespace tandem::proxy::h2 {
 
+// "host:port" of the socket's peer, for log lines ("?" if unknown).
+std::string PeerAddress(int fd);
+
 class H2Io {
  public:
   // `ssl` null: plaintext. Otherwise TLS, taking `ssl` (from

@@ -18,6 +18,7 @@
 #include "common/net.h"
 #include "proxy/h2/grpc_calls.h"
 #include "proxy/h2/h2_connection.h"
+#include "proxy/h2/h2_io.h"
 #include "proxy/h2/h2_tls.h"
 
 namespace tandem::proxy::h2 {
@@ -66,10 +67,11 @@ Result<int> Listen(const HostPort& hp, uint16_t* port) {
 }  // namespace
 
 Result<std::unique_ptr<H2Server>> H2Server::Start(const std::string& address, Frontend* frontend,
-                                                  const TlsFiles& tls) {
+                                                  const TlsFiles& tls, H2ServerLimits limits) {
   TANDEM_ASSIGN_OR_RETURN(HostPort hp, ParseHostPort(address));
   std::unique_ptr<H2Server> s(new H2Server());
   s->frontend_ = frontend;
+  s->limits_ = limits;
   if (!tls.empty()) {
     TANDEM_ASSIGN_OR_RETURN(s->tls_, H2TlsContext::Create(tls));
   }
@@ -180,6 +182,7 @@ int H2Server::NextTimeoutMs() {
     std::lock_guard lock(deadline_mu_);
     if (!deadlines_.empty()) until = std::min(until, deadlines_.top().at);
   }
+  if (!handshakes_.empty()) until = std::min(until, handshakes_.front().first);
   if (until == std::chrono::steady_clock::time_point::max()) return -1;
   const auto left = until - std::chrono::steady_clock::now();
   const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left).count();
@@ -203,6 +206,21 @@ void H2Server::ExpireDeadlines() {
   }
 }
 
+void H2Server::ExpireHandshakes(std::chrono::steady_clock::time_point now) {
+  while (!handshakes_.empty() && handshakes_.front().first <= now) {
+    std::shared_ptr<H2Connection> c = handshakes_.front().second.lock();
+    handshakes_.pop_front();
+    if (!c || c->established()) continue;
+    const auto it = conns_.find(c->fd());
+    if (it == conns_.end() || it->second != c) continue;  // closed already
+    spdlog::warn("gRPC (native): closed the connection from {}: no {}HTTP/2 preface within {} ms "
+                 "(proxy.limits.handshake_timeout_seconds)",
+                 PeerAddress(c->fd()), tls_ ? "TLS handshake and " : "",
+                 limits_.handshake_timeout.count());
+    CloseConnection(c->fd());
+  }
+}
+
 void H2Server::Accept() {
   for (;;) {
     const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
@@ -212,6 +230,19 @@ void H2Server::Accept() {
         spdlog::warn("gRPC (native): accept: {}", std::strerror(errno));
       }
       return;
+    }
+    if (conns_.size() >= limits_.max_connections) {
+      // Closed at once: a gRPC client sees UNAVAILABLE and retries with
+      // backoff. Logged at most once a second.
+      const auto now = std::chrono::steady_clock::now();
+      if (now - last_refusal_log_ >= std::chrono::seconds(1)) {
+        last_refusal_log_ = now;
+        spdlog::warn("gRPC (native): refused the connection from {}: {} connections are open, "
+                     "the limit is {} (proxy.limits.max_connections)",
+                     PeerAddress(fd), conns_.size(), limits_.max_connections);
+      }
+      close(fd);
+      continue;
     }
     const int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -236,6 +267,7 @@ void H2Server::Accept() {
     ev.data.fd = fd;
     epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev);
     conns_.emplace(fd, c);
+    handshakes_.emplace_back(std::chrono::steady_clock::now() + limits_.handshake_timeout, c);
     c->Flush();  // the server's SETTINGS (TLS: after the handshake)
   }
 }
@@ -294,6 +326,7 @@ void H2Server::Loop() {
     }
     ExpireDeadlines();
     const auto now = std::chrono::steady_clock::now();
+    ExpireHandshakes(now);
     if (quiet_ > 0 && (now >= next_cool_ || next_cool_ == std::chrono::steady_clock::time_point::max())) {
       next_cool_ = std::chrono::steady_clock::time_point::max();
       std::vector<int> over;

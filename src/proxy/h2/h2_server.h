@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <queue>
@@ -34,13 +35,24 @@ struct H2Stream;
 // for this long wakes the event thread for every byte again.
 inline constexpr auto kQuietFor = std::chrono::milliseconds(50);
 
+// What one listener admits (proxy.limits, docs/grpc-frontend.md).
+struct H2ServerLimits {
+  // Open connections; one more is closed as soon as it is accepted.
+  size_t max_connections = 1024;
+  // A connection whose TLS handshake and HTTP/2 preface have not both
+  // arrived by then is closed: a peer that connects and says nothing holds
+  // no socket for long.
+  std::chrono::milliseconds handshake_timeout{20'000};
+};
+
 class H2Server {
  public:
   // Listens on `address` ("host:port", port 0 picks one). `frontend`
   // outlives the server. `tls` (security.public_tls's files) not empty:
   // every connection speaks TLS (h2_tls.h).
   static Result<std::unique_ptr<H2Server>> Start(const std::string& address, Frontend* frontend,
-                                                 const TlsFiles& tls = {});
+                                                 const TlsFiles& tls = {},
+                                                 H2ServerLimits limits = {});
   ~H2Server();
   H2Server(const H2Server&) = delete;
   H2Server& operator=(const H2Server&) = delete;
@@ -84,6 +96,7 @@ class H2Server {
   void CloseConnection(int fd);
   int NextTimeoutMs();
   void ExpireDeadlines();
+  void ExpireHandshakes(std::chrono::steady_clock::time_point now);
 
   Frontend* frontend_ = nullptr;
   std::unique_ptr<H2TlsContext> tls_;  // null: plaintext
@@ -101,6 +114,12 @@ class H2Server {
   std::unordered_map<int, std::shared_ptr<H2Connection>> conns_;
   // When a quiet connection may have fallen quiet (min of CoolDown's).
   std::chrono::steady_clock::time_point next_cool_{};
+  H2ServerLimits limits_;
+  // Accepted connections in accept order, each with its handshake deadline
+  // (so the front is the earliest).
+  std::deque<std::pair<std::chrono::steady_clock::time_point, std::weak_ptr<H2Connection>>>
+      handshakes_;
+  std::chrono::steady_clock::time_point last_refusal_log_{};
   struct Deadline {
     std::chrono::steady_clock::time_point at;
     std::weak_ptr<H2Connection> conn;

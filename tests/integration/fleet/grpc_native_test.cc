@@ -11,9 +11,16 @@
 // TANDEM_TEST_GRPC_SERVER=native (fleet_harness.cc).
 #include <gtest/gtest.h>
 #include <grpcpp/grpcpp.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <filesystem>
 #include <future>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -35,7 +42,9 @@ class GrpcNative : public ::testing::Test {
   static void SetUpTestSuite() {
     if (!HaveModel()) return;
     FleetOptions o;  // 1P1D, CPU
-    o.proxy_yaml = "  grpc_server: native\n  limits:\n    max_request_bytes: 4096\n";
+    o.proxy_yaml =
+        "  grpc_server: native\n  limits:\n    max_request_bytes: 4096\n"
+        "    max_connections: 16\n    handshake_timeout_seconds: 2\n";
     auto f = Fleet::Launch(o);
     if (f.ok()) {
       fleet_ = f->release();
@@ -252,6 +261,67 @@ TEST_F(GrpcNative, AClientThatStopsReadingBlocksNoOneAndLosesNoToken) {
   ASSERT_TRUE(ref.ok()) << ref.status().ToString();
   EXPECT_EQ(tokens, *ref);
   EXPECT_LT(messages.size(), kMaxTokens / 4) << "the held tokens were not merged";
+}
+
+// A health Check on a connection of its own: true when the proxy served it
+// (OK), false when it closed the connection first.
+bool ServedOnNewConnection(const std::string& address, std::unique_ptr<RawH2Client>& c) {
+  c = std::make_unique<RawH2Client>(address);
+  if (!c->ok()) return false;
+  const int32_t id = c->Post("/grpc.health.v1.Health/Check", kGrpcHeaders, RawH2Client::Frame(""));
+  (void)c->RunUntil([&] { return c->response(id).closed; }, kWait);
+  return c->response(id).closed && c->response(id).GrpcStatus() == "0";
+}
+
+// proxy.limits on the native front end: a peer that connects and sends
+// nothing is closed after handshake_timeout_seconds (2 s here); past
+// max_connections (16 here) a new connection is closed at once, and one
+// closing makes room again.
+TEST_F(GrpcNative, ConnectionsAreCappedAndSilentOnesClosed) {
+  const std::string addr = fleet_->proxy_grpc();
+  {
+    const size_t colon = addr.rfind(':');
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* res = nullptr;
+    ASSERT_EQ(getaddrinfo(addr.substr(0, colon).c_str(), addr.substr(colon + 1).c_str(), &hints, &res), 0);
+    const int fd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(connect(fd, res->ai_addr, res->ai_addrlen), 0);
+    freeaddrinfo(res);
+    // Bounded: a proxy that never closes it fails the test after 60 s.
+    timeval tv{.tv_sec = 60, .tv_usec = 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    char buf[4096];
+    ssize_t n;
+    size_t got = 0;
+    while ((n = recv(fd, buf, sizeof buf, 0)) > 0) got += static_cast<size_t>(n);  // its SETTINGS
+    const int err = errno;
+    close(fd);
+    EXPECT_TRUE(n == 0 || err == ECONNRESET) << "the silent connection was not closed: " << std::strerror(err);
+    EXPECT_LT(got, sizeof buf);
+  }
+  std::vector<std::unique_ptr<RawH2Client>> open;
+  bool refused = false;
+  for (int i = 0; i < 24 && !refused; ++i) {
+    std::unique_ptr<RawH2Client> c;
+    if (ServedOnNewConnection(addr, c)) {
+      open.push_back(std::move(c));
+    } else {
+      refused = true;
+    }
+  }
+  EXPECT_TRUE(refused) << open.size() << " connections were all served";
+  EXPECT_LE(open.size(), 16u);
+  ASSERT_FALSE(open.empty());
+  open.pop_back();  // one closes: the next may open
+  bool served = false;
+  for (int i = 0; i < 50 && !served; ++i) {  // until the proxy has read that close
+    std::unique_ptr<RawH2Client> c;
+    served = ServedOnNewConnection(addr, c);
+    if (served) open.push_back(std::move(c));
+  }
+  EXPECT_TRUE(served) << "no connection was served after one closed";
 }
 
 }  // namespace
