@@ -53,6 +53,7 @@ void FillInfo(const WorkerIdentity& id, pb::WorkerInfo* out) {
   // Every decoder serves Decoder.DecodeStream (issue 23, docs/decode-stream.md).
   out->set_decode_stream(id.role == "decode" || id.role == "both");
   out->set_decode_mux_address(id.decode_mux_address);
+  out->set_watch_address(id.watch_address);
   out->set_tensor_parallel(id.tensor_parallel);
   out->set_pipeline_parallel(id.pipeline_parallel);
   for (const auto& [k, v] : id.labels) (*out->mutable_labels())[k] = v;
@@ -73,9 +74,25 @@ struct CancelHook {
   }
 };
 
+// A gRPC Watch stream's writer.
+class GrpcWatchSink final : public WatchSink {
+ public:
+  explicit GrpcWatchSink(std::shared_ptr<StreamWriter<pb::WorkerUpdate>> writer)
+      : writer_(std::move(writer)) {}
+  bool open() const override { return !writer_->finished(); }
+  void Write(const pb::WorkerUpdate& update) override { writer_->Write(update); }
+  void End(bool graceful) override {
+    writer_->Finish(graceful ? grpc::Status::OK
+                             : grpc::Status(grpc::StatusCode::UNAVAILABLE, "worker stopping"));
+  }
+
+ private:
+  const std::shared_ptr<StreamWriter<pb::WorkerUpdate>> writer_;
+};
+
 // What the monitor thread keeps per Watch stream.
 struct Watcher {
-  std::shared_ptr<StreamWriter<pb::WorkerUpdate>> writer;
+  std::shared_ptr<WatchSink> writer;
   bool needs_snapshot = true;
   bool needs_load = true;        // its first load report goes at the next sample
   uint64_t last_event_id = 0;    // events up to this one are in what it was sent
@@ -144,21 +161,25 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
   grpc::ServerWriteReactor<pb::WorkerUpdate>* Watch(grpc::CallbackServerContext*,
                                                     const pb::WatchRequest* req) override {
     auto* stream = new WatchStream(cancel_hook_);
+    if (!AddWatch(std::make_shared<GrpcWatchSink>(stream->writer()), req->batched())) {
+      stream->writer()->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "worker stopping"));
+    }
+    return stream;
+  }
+
+  bool AddWatch(std::shared_ptr<WatchSink> sink, bool batched) {
     {
       std::lock_guard lock(mu_);
-      if (stopped_) {
-        stream->writer()->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "worker stopping"));
-        return stream;
-      }
+      if (stopped_) return false;
       Watcher w;
-      w.writer = stream->writer();
+      w.writer = std::move(sink);
       w.last_write = std::chrono::steady_clock::now();
-      w.batched = req->batched();
+      w.batched = batched;
       watchers_.push_back(std::move(w));
       wake_ = true;
     }
     cv_.notify_all();
-    return stream;
+    return true;
   }
 
   static void FillEvent(const engine::KvEvent& e, pb::KvEvent* ev) {
@@ -220,8 +241,8 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
 
   void Loop(std::stop_token stop) {
     using Clock = std::chrono::steady_clock;
-    using Writes = std::vector<std::pair<std::shared_ptr<StreamWriter<pb::WorkerUpdate>>,
-                                         std::shared_ptr<const pb::WorkerUpdate>>>;
+    using Writes =
+        std::vector<std::pair<std::shared_ptr<WatchSink>, std::shared_ptr<const pb::WorkerUpdate>>>;
     auto next_load = Clock::now();
     LoadSample last_sent;
     bool sent_any = false;
@@ -263,7 +284,7 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
       bool any_snapshot = false;
       {
         std::lock_guard lock(mu_);
-        std::erase_if(watchers_, [](const Watcher& w) { return w.writer->finished(); });
+        std::erase_if(watchers_, [](const Watcher& w) { return !w.writer->open(); });
         for (auto& w : watchers_) {
           w.needs_snapshot |= gap;
           any_snapshot |= w.needs_snapshot;
@@ -404,7 +425,7 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
       stopped_ = true;
       ws.swap(watchers_);
     }
-    for (auto& w : ws) w.writer->Finish(grpc::Status::OK);
+    for (auto& w : ws) w.writer->End(/*graceful=*/true);
   }
 
   mutable std::mutex mu_;
@@ -445,6 +466,17 @@ void WorkerService::SetDecodeMuxAddress(const std::string& address) {
   std::lock_guard lock(impl_->mu_);
   impl_->identity_.decode_mux_address = address;
 }
+
+void WorkerService::SetWatchAddress(const std::string& address) {
+  std::lock_guard lock(impl_->mu_);
+  impl_->identity_.watch_address = address;
+}
+
+bool WorkerService::AddWatch(std::shared_ptr<WatchSink> sink, bool batched) {
+  return impl_->AddWatch(std::move(sink), batched);
+}
+
+void WorkerService::WatchBroken() { impl_->cancel_hook_->Run(); }
 
 WorkerIdentity WorkerService::identity() const {
   std::lock_guard lock(impl_->mu_);

@@ -36,6 +36,10 @@
 #include "common/tls.h"
 #include "engine/engine.h"
 
+namespace tandem::v1 {
+class WorkerUpdate;
+}
+
 namespace tandem::worker {
 
 struct WorkerIdentity {
@@ -62,6 +66,8 @@ struct WorkerIdentity {
   uint32_t pipeline_parallel = 1;
   // Issue 23: the decode stream's framed TCP listener ("" = none).
   std::string decode_mux_address;
+  // Issue 23: the Watch stream's framed TCP listener ("" = none).
+  std::string watch_address;
 };
 
 // LoadReport of worker.proto as plain numbers.
@@ -109,6 +115,20 @@ class IdleWake {
   std::function<void()> wake_;  // guarded by mu_
 };
 
+// A Watch stream's writer on a transport other than gRPC (issue 23,
+// worker/watch_tcp.h). The monitor thread calls Write and End; neither
+// blocks.
+class WatchSink {
+ public:
+  virtual ~WatchSink() = default;
+  // False once the stream is over (it broke, or End was called).
+  virtual bool open() const = 0;
+  virtual void Write(const tandem::v1::WorkerUpdate& update) = 0;
+  // Ends the stream. `graceful`: as a gRPC Watch ends with OK (the worker
+  // leaves: drain or stop); otherwise as one that breaks.
+  virtual void End(bool graceful) = 0;
+};
+
 class WorkerService {
  public:
   // A Watch stream gets a report at least this often until a proxy asks
@@ -132,6 +152,16 @@ class WorkerService {
   void SetAddresses(const std::string& grpc_address, const std::string& metrics_address);
   // Issue 23: where the decode stream is served over framed TCP (before Start).
   void SetDecodeMuxAddress(const std::string& address);
+  // Issue 23: where the Watch stream is served over framed TCP (before Start).
+  void SetWatchAddress(const std::string& address);
+  // Issue 23: a Watch stream on another transport (worker/watch_tcp.h),
+  // served exactly as a gRPC one (WatchRequest.batched = `batched`; a
+  // snapshot first). False (nothing kept) when the worker is stopping or
+  // has left.
+  bool AddWatch(std::shared_ptr<WatchSink> sink, bool batched);
+  // Such a stream broke or its proxy closed it: runs the
+  // SetOnWatchCancelled hook, as a cancelled gRPC stream does.
+  void WatchBroken();
   WorkerIdentity identity() const;
 
   void Start();
