@@ -37,6 +37,7 @@
 #include "engine/engine.h"
 
 namespace tandem::v1 {
+class WorkerInfo;
 class WorkerUpdate;
 }
 
@@ -185,6 +186,9 @@ class WorkerService {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// `id` as the WorkerInfo of GetInfo and registrations (proxy_channels.cc).
+void FillWorkerInfo(const WorkerIdentity& id, tandem::v1::WorkerInfo* out);
 
 // Registry.Register on the proxy's internal listener at `proxy_address`
 // over `credentials`, retried while the proxy is unreachable (UNAVAILABLE)
