@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <csignal>
 #include <condition_variable>
 #include <mutex>
 
@@ -96,6 +97,11 @@ pb::WatchRequest Batched() {
 class WatchTcpTest : public ::testing::Test {
  protected:
   void SetUp() override {
+    // A write to a connection the peer closed must fail with EPIPE, not
+    // kill the process: every tandem process ignores SIGPIPE (gRPC's init
+    // does it; SigIgn in /proc), and so does this test, which starts no
+    // gRPC (OpenSSL writes with write(2), without MSG_NOSIGNAL).
+    std::signal(SIGPIPE, SIG_IGN);
     auto ca = CreateCaCertificate("fleet-ca", 1);
     ASSERT_TRUE(ca.ok()) << ca.status().ToString();
     ca_ = *ca;
