@@ -26,9 +26,11 @@
 #include <functional>
 #include <vector>
 
+#include "common/frame_server.h"
 #include "common/rpc_server.h"
 #include "common/tls.h"
 #include "common/tls_certs.h"
+#include "proxy/prefill_tcp_client.h"
 #include "tandem/v1/worker.grpc.pb.h"
 
 namespace tandem::cli {
@@ -49,6 +51,30 @@ class FloorPrefiller final : public pb::Prefiller::CallbackService {
     r->Finish(grpc::Status::OK);
     return r;
   }
+};
+
+// The same over framed TCP (prefiller/prefill_tcp.h's protocol): every
+// request frame is parsed and answered at once on the listener's thread.
+class FloorFrameSession final : public FrameSession {
+ public:
+  explicit FloorFrameSession(std::shared_ptr<FrameConn> conn) : conn_(std::move(conn)) {}
+  Status OnFrame(std::string_view payload) override {
+    if (!in_.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+      return InvalidArgumentError("not a PrefillFrame");
+    }
+    if (in_.kind_case() != pb::PrefillFrame::kRequest) return Status::Ok();
+    out_.Clear();
+    out_.set_call_id(in_.call_id());
+    const auto& ids = in_.request().prompt_token_ids();
+    out_.mutable_response()->set_request_id(in_.request().request_id());
+    out_.mutable_response()->set_first_token_id(ids.empty() ? 0 : ids[0]);
+    return conn_->Send(out_);
+  }
+  void OnClosed(const Status&) override {}
+
+ private:
+  std::shared_ptr<FrameConn> conn_;
+  pb::PrefillFrame in_, out_;
 };
 
 double SelfCpuSeconds() {
@@ -95,7 +121,15 @@ void WriteAll(int fd, const std::string& s) {
   if (!plain.ok()) fail(plain.status());
   auto tls = RpcServer::Start("127.0.0.1:0", {&service}, *mtls);
   if (!tls.ok()) fail(tls.status());
-  WriteAll(ready_fd, fmt::format("ok {} {} {}\n", (*plain)->address(), (*tls)->address(), dir));
+  auto frame_tls = InternalFrameTls(*mtls);
+  if (!frame_tls.ok()) fail(frame_tls.status());
+  auto framed = FrameServer::Start("127.0.0.1:0", *frame_tls, FrameOptions{},
+                                   [](const std::shared_ptr<FrameConn>& conn) {
+                                     return std::make_shared<FloorFrameSession>(conn);
+                                   });
+  if (!framed.ok()) fail(framed.status());
+  WriteAll(ready_fd, fmt::format("ok {} {} {} {}\n", (*plain)->address(), (*tls)->address(), dir,
+                                 (*framed)->address()));
   // 'c': report this process's CPU seconds (getrusage: microseconds, every
   // thread that ever ran); end of file: exit.
   char c;
@@ -104,6 +138,7 @@ void WriteAll(int fd, const std::string& s) {
   }
   (*plain)->Shutdown();
   (*tls)->Shutdown();
+  (*framed)->Stop();
   std::error_code ec;
   fs::remove_all(dir, ec);
   _exit(0);
@@ -211,6 +246,90 @@ Result<Pass> Drive(const std::shared_ptr<grpc::Channel>& channel,
   return p;
 }
 
+// The same calls over the framed TCP transport with the proxy's own client
+// (proxy/prefill_tcp_client.h): one connection, the request built and
+// serialized per call, the reply read on the client's reader thread.
+Result<Pass> DriveFramed(const std::string& address, std::shared_ptr<FrameTls> tls,
+                         const std::function<double()>& server_cpu, uint32_t requests,
+                         const std::vector<uint32_t>& ids, uint32_t concurrency, double rate_per_s) {
+  auto client = proxy::PrefillTcpClient::Open(address, std::move(tls));
+  struct Shared {
+    std::shared_ptr<proxy::PrefillTcpClient> client;
+    proxy::PrefillArgs args;
+    uint32_t requests = 0;
+    std::mutex mu;
+    std::condition_variable cv;
+    uint32_t started = 0, done = 0, ok = 0;  // guarded by mu
+  };
+  auto sh = std::make_shared<Shared>();
+  sh->client = client;
+  sh->args.prompt_ids = std::make_shared<const std::vector<uint32_t>>(ids);
+  sh->args.params.max_tokens = 1;
+  sh->args.deadline = std::chrono::system_clock::time_point::max();
+  sh->args.decoder_address = "127.0.0.1:1";
+  sh->args.decoder_name = "decode-0";
+  struct Starter {
+    // With sh->mu held.
+    static void StartOne(const std::shared_ptr<Shared>& sh) {
+      sh->args.request_id = fmt::format("floor-{}", sh->started++);
+      auto call = sh->client->Start(sh->args, [sh](Result<proxy::PrefillResult> r) {
+        std::lock_guard lock(sh->mu);
+        ++sh->done;
+        if (r.ok()) ++sh->ok;
+        if (sh->started < sh->requests) StartOne(sh);
+        sh->cv.notify_all();
+      });
+      if (!call) ++sh->done;  // the connection is gone
+    }
+  };
+  {  // connect (and handshake) outside the measurement
+    std::unique_lock lock(sh->mu);
+    sh->requests = 1;
+    Starter::StartOne(sh);
+    if (!sh->cv.wait_for(lock, std::chrono::seconds(10), [&] { return sh->done == 1; }) ||
+        sh->ok != 1) {
+      lock.unlock();
+      client->Stop();
+      return UnavailableError("framed floor server: the first call failed");
+    }
+    sh->started = sh->done = sh->ok = 0;
+  }
+  const double server0 = server_cpu(), client0 = SelfCpuSeconds();
+  const auto t0 = std::chrono::steady_clock::now();
+  bool finished;
+  {
+    std::unique_lock lock(sh->mu);
+    if (rate_per_s > 0) {
+      sh->requests = 0;  // completions start nothing
+      for (uint32_t i = 0; i < requests; ++i) {
+        const auto at = t0 + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                 std::chrono::duration<double>(i / rate_per_s));
+        lock.unlock();
+        std::this_thread::sleep_until(at);
+        lock.lock();
+        Starter::StartOne(sh);
+      }
+      sh->requests = requests;
+    } else {
+      sh->requests = requests;
+      while (sh->started < std::min(requests, concurrency)) Starter::StartOne(sh);
+    }
+    finished = sh->cv.wait_for(lock, std::chrono::seconds(120), [&] { return sh->done == requests; });
+  }
+  Pass p;
+  p.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  p.server_s = server_cpu() - server0;
+  p.client_s = SelfCpuSeconds() - client0;
+  {
+    std::lock_guard lock(sh->mu);
+    p.ok = sh->ok;
+    sh->requests = 0;  // start nothing more
+  }
+  client->Stop();  // ends what is left (each `done` runs)
+  if (!finished) return DeadlineExceededError("framed floor: calls did not finish within 120 s");
+  return p;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<PromptFloor>> PromptFloor::Start() {
@@ -243,7 +362,7 @@ Result<std::unique_ptr<PromptFloor>> PromptFloor::Start() {
   if (word != "ok") {
     return UnavailableError(fmt::format("floor server did not start: {}", line.empty() ? "it exited" : line));
   }
-  in >> f->plain_address_ >> f->tls_address_ >> f->dir_;
+  in >> f->plain_address_ >> f->tls_address_ >> f->dir_ >> f->framed_address_;
   return f;
 }
 
@@ -289,7 +408,7 @@ Result<nlohmann::json> PromptFloor::Run(uint32_t requests, uint32_t ids, uint32_
   for (const double rate : rates) {
     const std::string mode =
         rate > 0 ? fmt::format("paced {:.2f}/s", rate) : std::string("back-to-back");
-    double estimate_us = 0;
+    double estimate_us = 0, plain_server_us = 0;
     // Paced calls take as long as the prompt workload did: at most 64.
     const uint32_t n = rate > 0 ? std::min(requests, 64u) : requests;
     for (const Kind& k : kinds) {
@@ -303,6 +422,7 @@ Result<nlohmann::json> PromptFloor::Run(uint32_t requests, uint32_t ids, uint32_
       const double server_us = p->server_s / n * 1e6;
       const double client_us = p->client_s / n * 1e6;
       estimate_us += k.channel == kinds[0].channel ? server_us : 2 * client_us;
+      if (k.channel == kinds[0].channel) plain_server_us = server_us;
       std::cout << fmt::format(
           "pfloor  {:>5} {:>6} {:>6} {:>4}  {:<9} {:<14} wall {:.2f} s  server {:.1f} us/call  "
           "client {:.1f} us/call\n",
@@ -319,9 +439,47 @@ Result<nlohmann::json> PromptFloor::Run(uint32_t requests, uint32_t ids, uint32_
                       {"server_us_per_call", server_us},
                       {"client_us_per_call", client_us}});
     }
+    // The Prefill call over the framed TCP transport (issue 23,
+    // proxy.prefill_transport tcp), with the proxy's client.
+    auto frame_tls = InternalFrameTls(*mtls);
+    if (!frame_tls.ok()) return frame_tls.status();
+    auto fp = DriveFramed(framed_address_, *frame_tls, [this] { return ServerCpuSeconds(); }, n,
+                          prompt, concurrency, rate);
+    if (!fp.ok()) return fp.status();
+    if (fp->ok != n) {
+      return UnavailableError(
+          fmt::format("prompt-floor (framed-mtls): {} of {} calls failed", n - fp->ok, n));
+    }
+    const double framed_server_us = fp->server_s / n * 1e6;
+    const double framed_client_us = fp->client_s / n * 1e6;
+    std::cout << fmt::format(
+        "pfloor  {:>5} {:>6} {:>6} {:>4}  {:<11} {:<14} wall {:.2f} s  server {:.1f} us/call  "
+        "client {:.1f} us/call\n",
+        n, ids, 1, rate > 0 ? 1 : concurrency, "framed-mtls", mode, fp->wall_s, framed_server_us,
+        framed_client_us);
+    rows.push_back({{"workload", "prompt-floor"},
+                    {"channel", "framed-mtls"},
+                    {"mode", rate > 0 ? "paced" : "back-to-back"},
+                    {"requests_ok", fp->ok},
+                    {"input_len", ids},
+                    {"concurrency", rate > 0 ? 0u : concurrency},
+                    {"paced_per_s", rate},
+                    {"duration_s", fp->wall_s},
+                    {"server_us_per_call", framed_server_us},
+                    {"client_us_per_call", framed_client_us}});
     std::cout << fmt::format(
         "pfloor  {:<14} proxy per prompt ~= plaintext server + 2 x mTLS client = {:.3f} ms\n",
         mode, estimate_us / 1e3);
+    // Both worker calls framed (the decode stream's start and Prefill: the
+    // default transports), the public call still a gRPC server's.
+    const double framed_estimate_us = plain_server_us + 2 * framed_client_us;
+    std::cout << fmt::format(
+        "pfloor  {:<14} proxy per prompt ~= plaintext server + 2 x framed client = {:.3f} ms\n",
+        mode, framed_estimate_us / 1e3);
+    rows.push_back({{"workload", "prompt-floor"},
+                    {"channel", "proxy-estimate-framed"},
+                    {"mode", rate > 0 ? "paced" : "back-to-back"},
+                    {"proxy_ms_per_request", framed_estimate_us / 1e3}});
     std::cout.flush();
     rows.push_back({{"workload", "prompt-floor"},
                     {"channel", "proxy-estimate"},

@@ -15,6 +15,11 @@
 // Generate) and a client of two (Decode, Prefill), so
 //   floor per prompt ~= server(plaintext) + 2 x client(mTLS).
 //
+// A third kind, `framed-mtls`, makes the same calls over the framed TCP
+// transport of proxy.prefill_transport tcp (issue 23) with the proxy's
+// PrefillTcpClient; its estimate line is plaintext server + 2 x framed
+// client (both worker calls framed, as by default).
+//
 // The child is forked before this process starts any gRPC machinery
 // (StartPromptFloor is called first), so it inherits no gRPC threads.
 #pragma once
@@ -53,7 +58,7 @@ class PromptFloor {
   int pid_ = -1;
   int control_fd_ = -1;  // 'c': report CPU; closing it tells the child to exit
   int reply_fd_ = -1;    // the child's answers
-  std::string plain_address_, tls_address_, dir_;
+  std::string plain_address_, tls_address_, dir_, framed_address_;
 };
 
 }  // namespace tandem::cli

@@ -39,6 +39,9 @@ class DeliveryScope {
     std::vector<std::shared_ptr<Flushable>> run;
     run.swap(s.deferred);
     for (auto& f : run) f->FlushDeferred();
+    // The list's storage serves the next scope (no allocation per batch).
+    run.clear();
+    if (s.deferred.empty()) s.deferred.swap(run);
   }
   DeliveryScope(const DeliveryScope&) = delete;
   DeliveryScope& operator=(const DeliveryScope&) = delete;

@@ -112,9 +112,9 @@ void FrameServer::Run() {
     int timeout_ms = -1;
     for (const Entry& e : conns) {
       fds.push_back({e.conn->fd(), e.conn->Events(), 0});
-      if (!e.session) {
-        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-                              e.conn->handshake_deadline() - now).count() + 1;
+      const auto due = e.session ? e.session->NextTimer() : e.conn->handshake_deadline();
+      if (due != std::chrono::steady_clock::time_point::max()) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(due - now).count() + 1;
         timeout_ms = static_cast<int>(std::clamp<int64_t>(
             left, 0, timeout_ms < 0 ? int64_t{1} << 30 : int64_t{timeout_ms}));
       }
@@ -134,7 +134,10 @@ void FrameServer::Run() {
       Entry& e = conns[i];
       const short revents = fds[i + 2].revents;
       Status st = Status::Ok();
-      if (!e.session && after >= e.conn->handshake_deadline()) {
+      if (e.session && e.session->NextTimer() <= after) st = e.session->OnTimer(after);
+      if (!st.ok()) {
+        e.conn->Close(st);
+      } else if (!e.session && after >= e.conn->handshake_deadline()) {
         st = DeadlineExceededError(
             fmt::format("{} did not complete the TLS handshake within {} ms", e.conn->peer(),
                         options_.handshake_timeout.count()));

@@ -32,6 +32,16 @@ class FrameSession {
   virtual Status OnFrame(std::string_view payload) = 0;
   // The connection is over (once, last).
   virtual void OnClosed(const Status& why) = 0;
+  // Optional timers on the I/O thread (the prefill listener's call
+  // deadlines): the earliest time OnTimer is wanted (max(): none), asked
+  // before each wait; OnTimer runs once it has passed, non-OK closes the
+  // connection. Asked again after every frame and timer, so a session
+  // whose timers change only there (or before a Send that this thread
+  // flushes) needs no wake-up of its own.
+  virtual std::chrono::steady_clock::time_point NextTimer() {
+    return std::chrono::steady_clock::time_point::max();
+  }
+  virtual Status OnTimer(std::chrono::steady_clock::time_point /*now*/) { return Status::Ok(); }
 };
 
 class FrameServer {

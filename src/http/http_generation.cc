@@ -143,7 +143,9 @@ void Session::OnPrepared(Prepared p, std::chrono::steady_clock::time_point arriv
   proxy::ResponseSink sink;
   // A token goes to the socket from the thread that delivers it (no
   // hand-off to the strand; http_outbox.h).
-  sink.on_delta = [out = outbox_](std::vector<uint32_t>, std::string text) { out->Delta(text); };
+  sink.on_delta = [out = outbox_](std::span<const uint32_t>, std::string_view text) {
+    out->Delta(text);
+  };
   sink.on_finish = [w, ex](proxy::Finish reason, proxy::Usage usage) {
     net::post(ex, [w, reason, usage] {
       if (auto s = w.lock()) s->OnFinish(reason, usage);

@@ -23,21 +23,33 @@ bool IsValidUtf8(std::string_view s) {
 }
 
 std::string IncrementalDetokenizer::Push(uint32_t id) {
-  if (!(skip_special_ && tokenizer_->IsSpecial(id))) pending_ += tokenizer_->TokenBytes(id);
   std::string out;
+  PushTo(id, &out);
+  return out;
+}
+
+void IncrementalDetokenizer::PushTo(uint32_t id, std::string* out) {
+  tokenizer_->AppendTokenBytes(id, skip_special_, &pending_);
   size_t i = 0;
+  // ASCII (most tokens) is complete as it is.
+  while (i < pending_.size() && static_cast<uint8_t>(pending_[i]) < 0x80) ++i;
+  if (i == pending_.size()) {
+    out->append(pending_);
+    pending_.clear();  // keeps its capacity
+    return;
+  }
+  out->append(pending_, 0, i);
   while (i < pending_.size()) {
     const auto st = NextUtf8(pending_, i);
     if (st.kind == Utf8Kind::kIncomplete) break;  // wait for the rest of the character
     if (st.kind == Utf8Kind::kValid) {
-      out.append(pending_, i, st.len_bytes);
+      out->append(pending_, i, st.len_bytes);
     } else {
-      out += "\xEF\xBF\xBD";  // bytes that can never complete: U+FFFD
+      out->append("\xEF\xBF\xBD");  // bytes that can never complete: U+FFFD
     }
     i += st.len_bytes;
   }
   pending_.erase(0, i);
-  return out;
 }
 
 std::string IncrementalDetokenizer::Flush() {

@@ -182,6 +182,10 @@ class BpeTokenizer final : public Tokenizer {
     return id < id_bytes_.size() ? id_bytes_[id] : std::string();
   }
   bool IsSpecial(uint32_t id) const override { return id < is_special_.size() && is_special_[id]; }
+  void AppendTokenBytes(uint32_t id, bool skip_special, std::string* out) const override {
+    if (id >= id_bytes_.size() || (skip_special && is_special_[id])) return;
+    out->append(id_bytes_[id]);
+  }
   uint32_t vocab_size() const override { return static_cast<uint32_t>(id_bytes_.size()); }
   std::optional<uint32_t> TokenToId(std::string_view token) const override {
     if (auto id = added_->FindByContent(token)) return id;

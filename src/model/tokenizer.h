@@ -47,6 +47,12 @@ class Tokenizer {
   // decoder does, added tokens included); empty for unknown ids.
   virtual std::string TokenBytes(uint32_t id) const = 0;
   virtual bool IsSpecial(uint32_t id) const = 0;
+  // Appends TokenBytes(id) to *out, nothing when `skip_special` and the
+  // token is special (the streaming detokenizer's per-token call: no
+  // string is made for it where the tokenizer can append in place).
+  virtual void AppendTokenBytes(uint32_t id, bool skip_special, std::string* out) const {
+    if (!(skip_special && IsSpecial(id))) out->append(TokenBytes(id));
+  }
   // Largest id + 1, added tokens included (equals Hugging Face's
   // get_vocab_size(with_added_tokens=True) when ids are dense).
   virtual uint32_t vocab_size() const = 0;
@@ -61,6 +67,8 @@ class IncrementalDetokenizer {
       : tokenizer_(tokenizer), skip_special_(skip_special_tokens) {}
   // Text that became complete with `id` (may be empty).
   std::string Push(uint32_t id);
+  // The same text, appended to *out (no allocation once warm).
+  void PushTo(uint32_t id, std::string* out);
   // Whatever is held at the end of the stream (invalid bytes become U+FFFD).
   std::string Flush();
 

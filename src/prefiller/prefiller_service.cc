@@ -48,44 +48,22 @@ class PrefillerServiceImpl final : public pb::Prefiller::CallbackService {
                                     pb::PrefillResponse* resp) override {
     // Each attempt is its own job (worker/attempt_key.h): a retry reaching
     // us before the abandoned attempt's cancel never collides with it.
-    const std::string key = worker::AttemptKey(req->request_id(), req->attempt());
-    auto* reactor = new PrefillReactor(prefiller_, key);
-    PrefillJob job;
-    job.request_id = key;
-    job.prompt_ids.assign(req->prompt_token_ids().begin(), req->prompt_token_ids().end());
-    job.sampling = ToSampling(req->params());
-    job.first_sample_index = req->params().first_sample_index();
-    job.cache_salt = req->tenant_salt();
-    job.priority = req->priority();
-    job.tenant = req->tenant();
-    job.tenant_weight = req->tenant_weight() > 0 ? req->tenant_weight() : 1.0;
-    if (req->deadline_unix_ms() > 0) {
-      job.deadline = std::chrono::system_clock::time_point(
-          std::chrono::milliseconds(req->deadline_unix_ms()));
-    }
-    job.decoder_address = req->decoder_address();
-    job.decoder_name = req->decoder_name().empty() ? req->decoder_address() : req->decoder_name();
+    std::string_view traceparent;
     if (tracing::Tracer::Get().enabled()) {
       auto it = ctx->client_metadata().find("traceparent");
       if (it != ctx->client_metadata().end()) {
-        job.trace = tracing::Tracer::Get().ContinueFrom(
-            std::string_view(it->second.data(), it->second.size()));
+        traceparent = std::string_view(it->second.data(), it->second.size());
       }
     }
+    PrefillJob job = ToPrefillJob(*req, traceparent);
+    auto* reactor = new PrefillReactor(prefiller_, job.request_id);
     const std::string id = req->request_id();
     Status s = prefiller_.Submit(std::move(job), [reactor, resp, id](Result<PrefillResult> r) {
       if (!r.ok()) {
         reactor->Finish(ToGrpcStatus(r.status()));
         return;
       }
-      resp->set_request_id(id);
-      resp->set_first_token_id(r->first_token_id);
-      resp->set_cached_prompt_tokens(r->cached_prompt_tokens);
-      resp->set_decoder_cached_blocks(r->decoder_cached_blocks);
-      resp->set_transferred_blocks(r->transferred_blocks);
-      resp->set_transferred_bytes(r->transferred_bytes);
-      resp->set_prefill_seconds(r->prefill_seconds);
-      resp->set_transfer_seconds(r->transfer_seconds);
+      ToPrefillResponse(id, *r, resp);
       reactor->Finish(grpc::Status::OK);
     });
     // A cancel before the reactor is returned still reaches OnCancel later.
@@ -193,6 +171,40 @@ class GrpcDecoderLink final : public DecoderLink {
 };
 
 }  // namespace
+
+PrefillJob ToPrefillJob(const pb::PrefillRequest& req, std::string_view traceparent) {
+  PrefillJob job;
+  job.request_id = worker::AttemptKey(req.request_id(), req.attempt());
+  job.prompt_ids.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
+  job.sampling = ToSampling(req.params());
+  job.first_sample_index = req.params().first_sample_index();
+  job.cache_salt = req.tenant_salt();
+  job.priority = req.priority();
+  job.tenant = req.tenant();
+  job.tenant_weight = req.tenant_weight() > 0 ? req.tenant_weight() : 1.0;
+  if (req.deadline_unix_ms() > 0) {
+    job.deadline = std::chrono::system_clock::time_point(
+        std::chrono::milliseconds(req.deadline_unix_ms()));
+  }
+  job.decoder_address = req.decoder_address();
+  job.decoder_name = req.decoder_name().empty() ? req.decoder_address() : req.decoder_name();
+  if (!traceparent.empty() && tracing::Tracer::Get().enabled()) {
+    job.trace = tracing::Tracer::Get().ContinueFrom(traceparent);
+  }
+  return job;
+}
+
+void ToPrefillResponse(const std::string& request_id, const PrefillResult& r,
+                       pb::PrefillResponse* resp) {
+  resp->set_request_id(request_id);
+  resp->set_first_token_id(r.first_token_id);
+  resp->set_cached_prompt_tokens(r.cached_prompt_tokens);
+  resp->set_decoder_cached_blocks(r.decoder_cached_blocks);
+  resp->set_transferred_blocks(r.transferred_blocks);
+  resp->set_transferred_bytes(r.transferred_bytes);
+  resp->set_prefill_seconds(r.prefill_seconds);
+  resp->set_transfer_seconds(r.transfer_seconds);
+}
 
 std::unique_ptr<grpc::Service> MakePrefillerService(Prefiller& prefiller) {
   return std::make_unique<PrefillerServiceImpl>(prefiller);

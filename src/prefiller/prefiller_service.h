@@ -16,11 +16,27 @@
 #include <grpcpp/impl/service_type.h>
 
 #include <memory>
+#include <string>
+#include <string_view>
 
 #include "common/tls.h"
 #include "prefiller/prefiller.h"
 
+namespace tandem::v1 {
+class PrefillRequest;
+class PrefillResponse;
+}  // namespace tandem::v1
+
 namespace tandem::prefiller {
+
+// The PrefillRequest -> PrefillJob and PrefillResult -> PrefillResponse
+// conversions, shared by the gRPC service and the framed TCP listener
+// (prefill_tcp.h). The job is keyed by the request's attempt
+// (worker/attempt_key.h); `traceparent` continues the caller's trace when
+// tracing is on ("" = not traced).
+PrefillJob ToPrefillJob(const v1::PrefillRequest& req, std::string_view traceparent);
+void ToPrefillResponse(const std::string& request_id, const PrefillResult& r,
+                       v1::PrefillResponse* resp);
 
 // `prefiller` is borrowed and must outlive the service.
 std::unique_ptr<grpc::Service> MakePrefillerService(Prefiller& prefiller);

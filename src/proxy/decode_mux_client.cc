@@ -27,8 +27,9 @@ class DecodeMux::Request final : public Call {
     if (done_.load(std::memory_order_relaxed)) return;
     if (item.registered() && events_.on_registered) events_.on_registered();
     if (item.token_ids_size() > 0 && events_.on_tokens) {
+      const auto& ids = item.token_ids();
       events_.on_tokens(item.first_index(),
-                        std::vector<uint32_t>(item.token_ids().begin(), item.token_ids().end()));
+                        std::span<const uint32_t>(ids.data(), static_cast<size_t>(ids.size())));
     }
     if (item.has_finished()) {
       if (done_.exchange(true)) return;

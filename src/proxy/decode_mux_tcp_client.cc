@@ -79,6 +79,15 @@ void DecodeMuxTcpClient::Run() {
   Status st = wake_fd_ < 0 ? InternalError(fmt::format("eventfd: {}", std::strerror(errno)))
                            : conn_->Connect();
   const auto on_frame = [this](std::string_view payload) {
+    if (!deliver_on_grpc_thread_) {  // here, in order: this is the only reader
+      // Clear() keeps the items' storage for the next step's parse.
+      inline_batch_.Clear();
+      if (!inline_batch_.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+        return InvalidArgumentError("a decode stream frame does not hold a DecodeStreamResponse");
+      }
+      Deliver(inline_batch_);
+      return Status::Ok();
+    }
     Posted p;
     if (!p.batch.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
       return InvalidArgumentError("a decode stream frame does not hold a DecodeStreamResponse");

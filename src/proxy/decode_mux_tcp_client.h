@@ -68,6 +68,9 @@ class DecodeMuxTcpClient final : public DecodeMux {
   const bool deliver_on_grpc_thread_;
   int wake_fd_ = -1;  // eventfd: Stop/abandon, output left for POLLOUT
   std::mutex post_mu_;
+  // The reader's batch when it delivers itself: parsed into the same
+  // message every step, so its items and their token arrays are reused.
+  v1::DecodeStreamResponse inline_batch_;  // reader thread only
   std::deque<Posted> posted_;   // guarded by post_mu_
   bool draining_ = false;       // guarded by post_mu_: an alarm is set or DrainPosted runs
   std::condition_variable drained_;  // draining_ went false

@@ -113,11 +113,11 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
     }
     request_id_ = v->client_request_id;
     ResponseSink sink;
-    sink.on_delta = [this](std::vector<uint32_t> ids, std::string text) {
+    sink.on_delta = [this](std::span<const uint32_t> ids, std::string_view text) {
       pb::GenerateResponse r;
       r.set_request_id(request_id_);
       r.mutable_token_ids()->Add(ids.begin(), ids.end());
-      r.set_text(std::move(text));
+      r.set_text(std::string(text));
       writer_.Write(std::move(r));
     };
     sink.on_finish = [this](proxy::Finish reason, Usage usage) {

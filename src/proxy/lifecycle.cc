@@ -154,8 +154,8 @@ void RequestLifecycle::Launch() {
   ev.on_registered = [weak, attempt] {
     if (auto s = weak.lock()) s->OnRegistered(attempt);
   };
-  ev.on_tokens = [weak, attempt](uint32_t idx, std::vector<uint32_t> ids) {
-    if (auto s = weak.lock()) s->OnTokens(attempt, idx, std::move(ids));
+  ev.on_tokens = [weak, attempt](uint32_t idx, std::span<const uint32_t> ids) {
+    if (auto s = weak.lock()) s->OnTokens(attempt, idx, ids);
   };
   ev.on_finished = [weak, attempt](Finish reason, uint32_t, uint32_t decoder_cached,
                                    uint32_t prefill_cached) {
@@ -254,7 +254,8 @@ void RequestLifecycle::OnPrefillDone(uint32_t attempt, Result<PrefillResult> r) 
   if (deps_.metrics) {
     deps_.metrics->ObservePrefillTimes(req_.request_id, r->prefill_seconds, r->transfer_seconds);
   }
-  to_cancel = DeliverLocked(base_, {r->first_token_id});
+  const uint32_t first = r->first_token_id;
+  to_cancel = DeliverLocked(base_, std::span<const uint32_t>(&first, 1));
   Finish reason = Finish::kNone;
   std::shared_ptr<Call> ending;
   if (!done_ && EndsAfterLastTokenLocked(&reason)) {
@@ -291,7 +292,7 @@ bool RequestLifecycle::EndsAfterLastTokenLocked(Finish* reason) const {
 }
 
 void RequestLifecycle::OnTokens(uint32_t attempt, uint32_t first_index,
-                                std::vector<uint32_t> ids) {
+                                std::span<const uint32_t> ids) {
   std::unique_lock lock(mu_);
   if (done_ || attempt != attempt_) return;
   Calls to_cancel = DeliverLocked(base_ + first_index, ids);
@@ -401,9 +402,10 @@ bool RequestLifecycle::MigrateLocked(const Status& st, Calls& to_cancel) {
 }
 
 RequestLifecycle::Calls RequestLifecycle::DeliverLocked(uint32_t first_index,
-                                                        const std::vector<uint32_t>& ids) {
-  auto d = out_.Push(first_index, ids);
-  if (!d.ok()) return FailLocked(d.status());
+                                                        std::span<const uint32_t> ids) {
+  OutputAssembler::Delta* d = &delta_;
+  d->Clear();
+  if (Status st = out_.PushTo(first_index, ids, d); !st.ok()) return FailLocked(std::move(st));
   if (d->token_ids.empty()) return {};
   EndPrefillLocked();  // a token of this attempt: its prefill is done
   sent_.insert(sent_.end(), d->token_ids.begin(), d->token_ids.end());
@@ -422,14 +424,14 @@ RequestLifecycle::Calls RequestLifecycle::DeliverLocked(uint32_t first_index,
     first_token_at_ = now;
   }
   last_token_at_ = now;
-  if (sink_.on_delta) sink_.on_delta(std::move(d->token_ids), std::move(d->text));
+  if (sink_.on_delta) sink_.on_delta(d->token_ids, d->text);
   if (d->stopped) return CompleteLocked(Finish::kStop);
   return {};
 }
 
 RequestLifecycle::Calls RequestLifecycle::CompleteLocked(Finish reason) {
   std::string tail = out_.Flush();
-  if (!tail.empty() && sink_.on_delta) sink_.on_delta({}, std::move(tail));
+  if (!tail.empty() && sink_.on_delta) sink_.on_delta({}, tail);
   done_ = true;
   Usage usage;
   usage.prompt_tokens = static_cast<uint32_t>(req_.prompt_ids.size());

@@ -25,7 +25,9 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/block_hash.h"
@@ -46,7 +48,9 @@ struct Usage {
 };
 
 struct ResponseSink {
-  std::function<void(std::vector<uint32_t> token_ids, std::string text)> on_delta;
+  // `token_ids` and `text` are valid during the call only (views of the
+  // request's reused delta buffer: nothing is allocated per token).
+  std::function<void(std::span<const uint32_t> token_ids, std::string_view text)> on_delta;
   std::function<void(Finish reason, Usage usage)> on_finish;  // last call on success
   std::function<void(Status status)> on_error;                // last call on failure
 };
@@ -85,13 +89,13 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   void Launch();  // one routing attempt
   void OnRegistered(uint32_t attempt);
   void OnPrefillDone(uint32_t attempt, Result<PrefillResult> r);
-  void OnTokens(uint32_t attempt, uint32_t first_index, std::vector<uint32_t> ids);
+  void OnTokens(uint32_t attempt, uint32_t first_index, std::span<const uint32_t> ids);
   void OnFinished(uint32_t attempt, Finish reason, uint32_t decoder_cached_tokens,
                   uint32_t prefill_cached_tokens);
   void OnDecodeError(uint32_t attempt, Status st, bool from_worker);
 
   // With mu_ held. Each returns the calls to cancel once the lock is released.
-  Calls DeliverLocked(uint32_t first_index, const std::vector<uint32_t>& ids);
+  Calls DeliverLocked(uint32_t first_index, std::span<const uint32_t> ids);
   Calls CompleteLocked(Finish reason);
   // Whether the last token sent ends the request the way the decoder's
   // engine would end it (a stop or EOS token, or max_tokens reached), and
@@ -127,6 +131,7 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   std::mutex mu_;
   ResponseSink sink_;                // guarded by mu_
   OutputAssembler out_;              // guarded by mu_
+  OutputAssembler::Delta delta_;     // guarded by mu_: the delivery's, reused
   bool done_ = false;                // guarded by mu_
   uint32_t attempt_ = 0;             // guarded by mu_: every route tried, a generation number
   uint32_t route_attempts_ = 0;      // guarded by mu_: routes tried since the last migration

@@ -25,12 +25,21 @@ class OutputAssembler {
     std::vector<uint32_t> token_ids;  // new tokens for the client
     std::string text;                 // new text for the client
     bool stopped = false;             // a stop string ended the completion
+    // Empties it, keeping the buffers (a request reuses one Delta).
+    void Clear() {
+      token_ids.clear();
+      text.clear();
+      stopped = false;
+    }
   };
 
   // Tokens whose first has completion index `first_index`. Already-seen
   // indices are dropped; a gap (first_index beyond the next expected) is an
   // INTERNAL error. After a stop, everything is dropped.
   Result<Delta> Push(uint32_t first_index, std::span<const uint32_t> ids);
+  // The same, appended to *d (the per-token path: no allocation once the
+  // caller's Delta is warm).
+  Status PushTo(uint32_t first_index, std::span<const uint32_t> ids, Delta* d);
   // End of stream: text still held (by the detokenizer or the stop matcher).
   std::string Flush();
 
@@ -40,6 +49,7 @@ class OutputAssembler {
  private:
   model::IncrementalDetokenizer detok_;
   model::StopStringMatcher stops_;
+  std::string scratch_;  // one token's text before the stop matcher
   uint32_t next_index_ = 0;
   bool stopped_ = false;
 };

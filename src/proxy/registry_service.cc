@@ -334,6 +334,7 @@ grpc::ServerUnaryReactor* RegistryService::Register(grpc::CallbackServerContext*
   if (st.ok()) {
     channels_->SetDecodeStream(rec.grpc_address, w.decode_stream());
     channels_->SetDecodeMuxAddress(rec.grpc_address, w.decode_mux_address());  // framed TCP
+    channels_->SetPrefillFrameAddress(rec.grpc_address, w.prefill_frame_address());  // framed TCP
   }
   if (!st.ok()) {
     spdlog::warn("{}", st.message());

@@ -15,7 +15,7 @@
 // (heartbeat_interval_ms): an idle worker's keep-alive.
 // WaitForSnapshots tells a restarted proxy when its index is warm.
 //
-// Issue 23 (docs/registry.md "Watch transport"): the Watch stream goes
+// Issue 23 (docs/serving-workers.md "Watch transport"): the Watch stream goes
 // over the worker's framed TCP listener when it advertises one and
 // proxy.watch_transport is tcp, with the same semantics as the gRPC one.
 //

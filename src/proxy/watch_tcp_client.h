@@ -1,5 +1,5 @@
 // The proxy's side of the Watch stream over framed TCP (issue 23,
-// docs/registry.md "Watch transport"; the worker's side is
+// docs/serving-workers.md "Watch transport"; the worker's side is
 // worker/watch_tcp.h): one framed connection per watch (mutual TLS when the
 // internal plane is TLS), the WatchRequest as its first frame, then the
 // worker's WorkerUpdate frames.

@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -57,8 +58,9 @@ struct DecodeArgs {
 
 struct DecodeEvents {
   std::function<void()> on_registered;
-  // `first_index`: index in the completion of ids[0].
-  std::function<void(uint32_t first_index, std::vector<uint32_t> ids)> on_tokens;
+  // `first_index`: index in the completion of ids[0]. `ids` is valid during
+  // the call only (a view of the message read: no copy per delivery).
+  std::function<void(uint32_t first_index, std::span<const uint32_t> ids)> on_tokens;
   // `prefill_cached_tokens`: the prefiller's prefix-cache hits as its KV
   // notice told the decoder (the prefill reply may arrive later).
   std::function<void(Finish reason, uint32_t completion_tokens, uint32_t decoder_cached_tokens,

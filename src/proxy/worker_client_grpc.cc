@@ -11,6 +11,7 @@
 #include "common/rpc_server.h"
 #include "proxy/decode_mux_client.h"
 #include "proxy/decode_mux_tcp_client.h"
+#include "proxy/prefill_tcp_client.h"
 #include "tandem/v1/worker.grpc.pb.h"
 
 namespace tandem::proxy {
@@ -93,9 +94,11 @@ class DecodeCall final : public grpc::ClientReadReactor<pb::DecodeResponse>,
         if (events_.on_registered) events_.on_registered();
         break;
       case pb::DecodeResponse::kTokens: {
-        std::vector<uint32_t> ids(resp_.tokens().token_ids().begin(),
-                                  resp_.tokens().token_ids().end());
-        if (events_.on_tokens) events_.on_tokens(resp_.tokens().first_index(), std::move(ids));
+        const auto& t = resp_.tokens().token_ids();
+        if (events_.on_tokens) {
+          events_.on_tokens(resp_.tokens().first_index(),
+                            std::span<const uint32_t>(t.data(), static_cast<size_t>(t.size())));
+        }
         break;
       }
       case pb::DecodeResponse::kFinished:
@@ -217,17 +220,50 @@ GrpcWorkerClient::GrpcWorkerClient(RpcCredentials credentials, bool decode_strea
     return;
   }
   frame_tls_ = std::move(tls).value();
+  frame_tls_ready_ = true;
+}
+
+void GrpcWorkerClient::SetPrefillTransport(bool tcp) {
+  std::lock_guard lock(mu_);
+  prefill_tcp_ = false;
+  if (!tcp) return;
+  if (!frame_tls_ready_) {
+    auto tls = InternalFrameTls(credentials_);
+    if (!tls.ok()) {
+      spdlog::warn("proxy.prefill_transport tcp: {}; Prefill calls use gRPC", tls.status().message());
+      return;
+    }
+    frame_tls_ = std::move(tls).value();
+    frame_tls_ready_ = true;
+  }
+  prefill_tcp_ = true;
+}
+
+void GrpcWorkerClient::SetPrefillFrameAddress(const std::string& address,
+                                              const std::string& frame_address) {
+  std::lock_guard lock(mu_);
+  if (frame_address.empty()) {
+    prefill_tcp_addresses_.erase(address);
+  } else {
+    prefill_tcp_addresses_[address] = frame_address;
+  }
 }
 
 GrpcWorkerClient::~GrpcWorkerClient() {
   std::vector<std::weak_ptr<DecodeMuxTcpClient>> tcp;
+  std::vector<std::weak_ptr<PrefillTcpClient>> prefill_tcp;
   {
     std::lock_guard lock(mu_);
     tcp.swap(tcp_muxes_);
     muxes_.clear();
+    prefill_tcp.swap(prefill_tcp_clients_);
+    prefill_clients_.clear();
   }
   for (auto& w : tcp) {
     if (auto m = w.lock()) m->Stop();
+  }
+  for (auto& w : prefill_tcp) {
+    if (auto c = w.lock()) c->Stop();
   }
 }
 
@@ -309,21 +345,66 @@ std::shared_ptr<Call> GrpcWorkerClient::Decode(const std::string& address, Decod
   return call;
 }
 
+void FillPrefillRequest(const PrefillArgs& args, pb::PrefillRequest* req) {
+  req->set_request_id(args.request_id);
+  AddPrompt(args.prompt_ids, req->mutable_prompt_token_ids());
+  FillParams(args.params, req->mutable_params());
+  req->set_deadline_unix_ms(UnixMs(args.deadline));
+  req->set_decoder_address(args.decoder_address);
+  req->set_decoder_name(args.decoder_name);
+  req->set_tenant_salt(args.tenant_salt);
+  req->set_attempt(args.attempt);
+  req->set_priority(args.params.priority);
+  req->set_tenant(args.params.tenant);
+  req->set_tenant_weight(args.params.tenant_weight);
+}
+
+PrefillResult ToPrefillResult(const pb::PrefillResponse& resp) {
+  PrefillResult r;
+  r.first_token_id = resp.first_token_id();
+  r.cached_prompt_tokens = resp.cached_prompt_tokens();
+  r.decoder_cached_blocks = resp.decoder_cached_blocks();
+  r.transferred_blocks = resp.transferred_blocks();
+  r.transferred_bytes = resp.transferred_bytes();
+  r.prefill_seconds = resp.prefill_seconds();
+  r.transfer_seconds = resp.transfer_seconds();
+  return r;
+}
+
+std::shared_ptr<PrefillTcpClient> GrpcWorkerClient::PrefillClient(const std::string& address,
+                                                                  const PrefillTcpClient* stale) {
+  std::lock_guard lock(mu_);
+  if (!prefill_tcp_) return nullptr;
+  const auto tcp = prefill_tcp_addresses_.find(address);
+  if (tcp == prefill_tcp_addresses_.end()) return nullptr;
+  auto& client = prefill_clients_[address];
+  // (A worker that registered again elsewhere gets a new connection.)
+  if (client && client.get() != stale && !client->ended() && client->address() == tcp->second) {
+    return client;
+  }
+  client = PrefillTcpClient::Open(tcp->second, frame_tls_);
+  std::erase_if(prefill_tcp_clients_, [](const auto& w) { return w.expired(); });
+  prefill_tcp_clients_.push_back(client);
+  return client;
+}
+
 std::shared_ptr<Call> GrpcWorkerClient::Prefill(const std::string& address, PrefillArgs args,
                                                 std::function<void(Result<PrefillResult>)> done) {
+  // The prefiller's framed TCP listener (issue 23); a connection that just
+  // ended is replaced once.
+  if (auto client = PrefillClient(address)) {
+    std::shared_ptr<PrefillTcpCall> call = client->Start(args, done);
+    if (!call) {
+      if (auto fresh = PrefillClient(address, client.get())) call = fresh->Start(args, done);
+    }
+    if (call) {
+      Track(address, call);
+      return call;
+    }
+  }
   auto call = std::make_shared<PrefillCall>();
   call->stub = pb::Prefiller::NewStub(Channel(address));
-  call->req.set_request_id(args.request_id);
-  AddPrompt(args.prompt_ids, call->req.mutable_prompt_token_ids());
-  FillParams(args.params, call->req.mutable_params());
-  call->req.set_deadline_unix_ms(UnixMs(args.deadline));
-  call->req.set_decoder_address(args.decoder_address);
-  call->req.set_decoder_name(args.decoder_name);
-  call->req.set_tenant_salt(args.tenant_salt);
-  call->req.set_attempt(args.attempt);
-  call->req.set_priority(args.params.priority);
-  call->req.set_tenant(args.params.tenant);
-  call->req.set_tenant_weight(args.params.tenant_weight);
+  FillPrefillRequest(args, &call->req);
   if (!args.traceparent.empty()) call->ctx.AddMetadata("traceparent", args.traceparent);
   if (args.deadline != std::chrono::system_clock::time_point::max()) {
     call->ctx.set_deadline(args.deadline);
@@ -339,15 +420,7 @@ std::shared_ptr<Call> GrpcWorkerClient::Prefill(const std::string& address, Pref
                              done(FromGrpcStatus(s));
                              return;
                            }
-                           PrefillResult r;
-                           r.first_token_id = call->resp.first_token_id();
-                           r.cached_prompt_tokens = call->resp.cached_prompt_tokens();
-                           r.decoder_cached_blocks = call->resp.decoder_cached_blocks();
-                           r.transferred_blocks = call->resp.transferred_blocks();
-                           r.transferred_bytes = call->resp.transferred_bytes();
-                           r.prefill_seconds = call->resp.prefill_seconds();
-                           r.transfer_seconds = call->resp.transfer_seconds();
-                           done(r);
+                           done(ToPrefillResult(call->resp));
                          });
   return call;
 }

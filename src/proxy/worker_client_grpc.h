@@ -21,6 +21,7 @@ namespace tandem::proxy {
 
 class DecodeMux;
 class DecodeMuxTcpClient;
+class PrefillTcpClient;
 
 class GrpcWorkerClient final : public WorkerClient {
  public:
@@ -45,6 +46,15 @@ class GrpcWorkerClient final : public WorkerClient {
   // Where the worker at `address` serves the decode stream over framed TCP
   // (WorkerInfo.decode_mux_address; empty: it does not).
   void SetDecodeMuxAddress(const std::string& address, const std::string& mux_address);
+  // proxy.prefill_transport (issue 23, docs/serving-workers.md "Prefill
+  // transport"): with `tcp`, Prefill goes over the prefiller's framed TCP
+  // listener where it advertises one (SetPrefillFrameAddress; one
+  // connection per prefiller, the internal plane's mutual TLS identity),
+  // else the gRPC Prefiller.Prefill. Set once, before the first call.
+  void SetPrefillTransport(bool tcp);
+  // Where the worker at `address` serves Prefill over framed TCP
+  // (WorkerInfo.prefill_frame_address; empty: it does not).
+  void SetPrefillFrameAddress(const std::string& address, const std::string& frame_address);
 
   std::shared_ptr<Call> Decode(const std::string& address, DecodeArgs args,
                                DecodeEvents events) override;
@@ -82,13 +92,22 @@ class GrpcWorkerClient final : public WorkerClient {
   // The live decode stream to `address` (a new one when `stale` is the
   // current one or there is none); null when it does not serve one.
   std::shared_ptr<DecodeMux> Mux(const std::string& address, const DecodeMux* stale = nullptr);
+  // The live framed Prefill connection to `address` (a new one when
+  // `stale` is the current one or there is none); null when it has none.
+  std::shared_ptr<PrefillTcpClient> PrefillClient(const std::string& address,
+                                                  const PrefillTcpClient* stale = nullptr);
 
   const RpcCredentials credentials_;
   const bool decode_stream_;
   bool decode_tcp_;
   const bool tcp_deliver_on_grpc_thread_;
   std::shared_ptr<FrameTls> frame_tls_;  // the framed connections' TLS; null: plaintext
+  bool frame_tls_ready_ = false;  // frame_tls_ was made (null can mean plaintext)
   std::mutex mu_;
+  bool prefill_tcp_ = false;  // guarded by mu_: proxy.prefill_transport tcp
+  std::unordered_map<std::string, std::string> prefill_tcp_addresses_;  // guarded by mu_
+  std::unordered_map<std::string, std::shared_ptr<PrefillTcpClient>> prefill_clients_;  // guarded by mu_
+  std::vector<std::weak_ptr<PrefillTcpClient>> prefill_tcp_clients_;  // guarded by mu_: stopped with the client
   std::unordered_set<std::string> mux_addresses_;  // guarded by mu_: serve DecodeStream
   std::unordered_map<std::string, std::string> tcp_addresses_;  // guarded by mu_: gRPC -> framed TCP
   std::unordered_map<std::string, std::shared_ptr<DecodeMux>> muxes_;  // guarded by mu_

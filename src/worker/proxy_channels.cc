@@ -47,6 +47,7 @@ void FillWorkerInfo(const WorkerIdentity& id, pb::WorkerInfo* out) {
   // Every decoder serves Decoder.DecodeStream (issue 23, docs/decode-stream.md).
   out->set_decode_stream(id.role == "decode" || id.role == "both");
   out->set_decode_mux_address(id.decode_mux_address);
+  out->set_prefill_frame_address(id.prefill_frame_address);
   out->set_watch_address(id.watch_address);
   out->set_tensor_parallel(id.tensor_parallel);
   out->set_pipeline_parallel(id.pipeline_parallel);

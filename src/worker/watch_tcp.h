@@ -1,4 +1,4 @@
-// The Watch stream over framed TCP (issue 23, docs/registry.md "Watch
+// The Watch stream over framed TCP (issue 23, docs/serving-workers.md "Watch
 // transport"): the same WatchRequest / WorkerUpdate messages as
 // Worker.Watch, one watch per connection, each message one frame
 // (common/frame_conn.h), mutual TLS when the internal plane is TLS (a

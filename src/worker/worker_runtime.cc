@@ -32,6 +32,7 @@
 #include "model/weights.h"
 #include "parallel/follower.h"
 #include "parallel/step_plan.h"
+#include "prefiller/prefill_tcp.h"
 #include "prefiller/prefiller.h"
 #include "prefiller/prefiller_service.h"
 #include "worker/kv_transport_setup.h"
@@ -138,6 +139,8 @@ struct Worker {
   std::unique_ptr<FrameServer> mux_server;
   // The Watch stream over framed TCP (issue 23, <role>.watch_listen).
   std::unique_ptr<FrameServer> watch_server;
+  // Prefill over framed TCP (issue 23, prefill.frame_listen).
+  std::unique_ptr<FrameServer> prefill_frame_server;
   // Keeps it registered with every proxy (--join, --join-dns); stopped
   // first when draining.
   std::unique_ptr<ProxyRegistrar> registrar;
@@ -266,7 +269,40 @@ Status StartDecodeMuxTcp(Worker& w, const RoleConfig& rc, const WorkerCommand& c
   return Status::Ok();
 }
 
-// The Watch stream's framed TCP listener (issue 23, docs/registry.md
+// Prefill's framed TCP listener (issue 23, docs/serving-workers.md
+// "Prefill transport"): as the decode stream's, under prefill.frame_listen.
+Status StartPrefillTcp(Worker& w, const RoleConfig& rc, const WorkerCommand& cmd) {
+  if (rc.frame_listen == "off") return Status::Ok();
+  std::string listen = rc.frame_listen;
+  if (listen == "auto") {
+    TANDEM_ASSIGN_OR_RETURN(HostPort grpc, ParseHostPort(w.server->address()));
+    listen = HostPort{grpc.host, 0}.ToString();
+  }
+  auto tls = InternalFrameTls(w.credentials);
+  if (!tls.ok()) return tls.status().WithContext("prefill.frame_listen");
+  prometheus::Counter* connections = &w.registry->Counter(
+      "tandem_prefill_tcp_connections_total",
+      "Authenticated framed TCP Prefill connections accepted (issue 23; one per proxy connection)");
+  prefiller::PrefillTcpOptions o;
+  o.address = listen;
+  o.tls = std::move(tls).value();
+  o.on_connection = [connections] { connections->Increment(); };
+  o.on_closed = [](const std::string& peer, const Status& why) {
+    spdlog::debug("prefill connection from {} ended: {}", peer, why.message());
+  };
+  auto server = prefiller::ServePrefillTcp(*w.prefiller, std::move(o));
+  if (!server.ok()) return server.status().WithContext("prefill.frame_listen");
+  w.prefill_frame_server = std::move(server).value();
+  std::string advertised = w.prefill_frame_server->address();
+  if (!cmd.advertise.empty()) {
+    TANDEM_ASSIGN_OR_RETURN(HostPort adv, ParseAdvertise(cmd.advertise));
+    advertised = Advertised(advertised, adv, false);
+  }
+  w.worker_service->SetPrefillFrameAddress(advertised);
+  return Status::Ok();
+}
+
+// The Watch stream's framed TCP listener (issue 23, docs/serving-workers.md
 // "Watch transport"): as the decode stream's, keyed <role>.watch_listen.
 Status StartWatchTcp(Worker& w, const RoleConfig& rc, const WorkerCommand& cmd) {
   if (rc.watch_listen == "off") return Status::Ok();
@@ -562,6 +598,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
                                    Advertised(w.registry->bound_address(), adv, false));
   }
   if (decodes) TANDEM_RETURN_IF_ERROR(StartDecodeMuxTcp(w, rc, cmd));
+  if (prefills) TANDEM_RETURN_IF_ERROR(StartPrefillTcp(w, rc, cmd));
   TANDEM_RETURN_IF_ERROR(StartWatchTcp(w, rc, cmd));
   w.worker_service->Start();
   return Status::Ok();
@@ -607,6 +644,7 @@ void Drain(Worker& w, double drain_seconds) {
   spdlog::debug("drain: shutting the gRPC server down");
   if (w.server) w.server->Shutdown(1000);
   if (w.mux_server) w.mux_server->Stop();  // ends the TCP decode streams, as Shutdown the gRPC ones
+  if (w.prefill_frame_server) w.prefill_frame_server->Stop();  // and cancels the TCP Prefill calls
   spdlog::debug("drain: stopping the prefiller, decoder and engine");
   if (w.prefiller) w.prefiller->Stop();
   if (w.decoder) w.decoder->Stop();

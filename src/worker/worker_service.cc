@@ -443,6 +443,11 @@ bool WorkerService::AddWatch(std::shared_ptr<WatchSink> sink, bool batched) {
 
 void WorkerService::WatchBroken() { impl_->cancel_hook_->Run(); }
 
+void WorkerService::SetPrefillFrameAddress(const std::string& address) {
+  std::lock_guard lock(impl_->mu_);
+  impl_->identity_.prefill_frame_address = address;
+}
+
 WorkerIdentity WorkerService::identity() const {
   std::lock_guard lock(impl_->mu_);
   return impl_->identity_;

@@ -69,6 +69,8 @@ struct WorkerIdentity {
   std::string decode_mux_address;
   // Issue 23: the Watch stream's framed TCP listener ("" = none).
   std::string watch_address;
+  // Issue 23: the Prefill call's framed TCP listener ("" = none).
+  std::string prefill_frame_address;
 };
 
 // LoadReport of worker.proto as plain numbers.
@@ -163,6 +165,8 @@ class WorkerService {
   // Such a stream broke or its proxy closed it: runs the
   // SetOnWatchCancelled hook, as a cancelled gRPC stream does.
   void WatchBroken();
+  // Issue 23: where Prefill is served over framed TCP (before Start).
+  void SetPrefillFrameAddress(const std::string& address);
   WorkerIdentity identity() const;
 
   void Start();

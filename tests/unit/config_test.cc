@@ -84,6 +84,36 @@ TEST(Config, DecodeMuxListenAndDecodeTransport) {  // issue 23
             std::string::npos);
 }
 
+TEST(Config, PrefillFrameListenAndPrefillTransport) {  // issue 23, prefill-tcp
+  auto r = Parse(kGood);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->prefill.frame_listen, "auto");
+  EXPECT_EQ(r->proxy.prefill_transport, "tcp");
+  auto set = Parse(
+      "model:\n  path: m\nproxy:\n  prefill_transport: grpc\nboth:\n  replicas: 1\n  frame_listen: "
+      "127.0.0.1:0\n");
+  ASSERT_TRUE(set.ok()) << set.status().message();
+  EXPECT_EQ(set->proxy.prefill_transport, "grpc");
+  EXPECT_EQ(set->both.frame_listen, "127.0.0.1:0");
+  auto off = Parse("model:\n  path: m\nprefill:\n  replicas: 1\n  frame_listen: off\n"
+                   "decode:\n  replicas: 1\n");
+  ASSERT_TRUE(off.ok()) << off.status().message();
+  EXPECT_EQ(off->prefill.frame_listen, "off");
+  EXPECT_EQ(ErrorOf("model:\n  path: m\nproxy:\n  prefill_transport: udp\nboth:\n  replicas: 1\n"),
+            "configs/x.yaml:4: key 'proxy.prefill_transport' must be one of 'tcp', 'grpc', got 'udp'");
+  EXPECT_NE(ErrorOf("model:\n  path: m\nboth:\n  replicas: 1\n  frame_listen: nowhere\n")
+                .find("both.frame_listen is 'nowhere': expected auto, off or host:port"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("model:\n  path: m\nprefill:\n  replicas: 1\ndecode:\n  replicas: 1\n"
+                    "  frame_listen: 127.0.0.1:0\n")
+                .find("decode.frame_listen is '127.0.0.1:0': only prefill and both workers serve Prefill"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("model:\n  path: m\nprefill:\n  replicas: 2\n  frame_listen: 127.0.0.1:7000\n"
+                    "decode:\n  replicas: 1\n")
+                .find("has a fixed port but prefill.replicas is 2"),
+            std::string::npos);
+}
+
 TEST(Config, WatchListenAndWatchTransport) {  // issue 23
   auto r = Parse(kGood);
   ASSERT_TRUE(r.ok()) << r.status().message();

@@ -82,27 +82,19 @@ void Validated(const std::shared_ptr<H2Connection>& conn, const std::shared_ptr<
   s->request_id = v->client_request_id;
   std::weak_ptr<H2Connection> wc = conn;
   ResponseSink sink;
-  sink.on_delta = [s, wc](std::vector<uint32_t> ids, std::string text) {
-    auto c = wc.lock();
-    if (!c) return;
-    pb::GenerateResponse r;
-    r.set_request_id(s->request_id);
-    r.mutable_token_ids()->Add(ids.begin(), ids.end());
-    r.set_text(std::move(text));
-    c->PostMessage(s, std::move(r), /*last=*/false);
+  // The stream's messages are kept as fields and encoded when the session
+  // takes them (H2Connection::PostDelta/PostFinal): no GenerateResponse per
+  // token.
+  sink.on_delta = [s, wc](std::span<const uint32_t> ids, std::string_view text) {
+    if (auto c = wc.lock()) c->PostDelta(s, ids, text);
   };
   sink.on_finish = [s, wc, fe = &fe](Finish reason, Usage usage) {
     // The slot is free before the client can see the end of its stream.
     ReleaseSlot(*fe, *s);
     auto c = wc.lock();
     if (!c) return;
-    pb::GenerateResponse r;
-    r.set_request_id(s->request_id);
-    r.set_finish_reason(FinishToProto(reason));
-    r.mutable_usage()->set_prompt_tokens(usage.prompt_tokens);
-    r.mutable_usage()->set_completion_tokens(usage.completion_tokens);
-    r.mutable_usage()->set_cached_prompt_tokens(usage.cached_prompt_tokens);
-    c->PostMessage(s, std::move(r), /*last=*/true);
+    c->PostFinal(s, FinishToProto(reason), usage.prompt_tokens, usage.completion_tokens,
+                 usage.cached_prompt_tokens);
   };
   sink.on_error = [s, wc, fe = &fe](Status st) {
     ReleaseSlot(*fe, *s);

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -27,5 +28,19 @@ struct MessagePrefix {
   uint32_t length = 0;
 };
 MessagePrefix ReadMessagePrefix(const uint8_t prefix[5]);
+
+// tandem.v1.GenerateResponse written straight into `out` as one framed
+// gRPC message (prefix + bytes), the bytes exactly those protobuf's
+// serializer writes for the message with these fields (fields in number
+// order, proto3 defaults left out, token_ids packed): the token path's
+// encoder, with no message object per token. `usage` null: no usage field.
+struct UsageFields {
+  uint32_t prompt_tokens = 0;
+  uint32_t completion_tokens = 0;
+  uint32_t cached_prompt_tokens = 0;
+};
+void AppendGenerateResponse(std::string& out, std::string_view request_id,
+                            std::span<const uint32_t> token_ids, std::string_view text,
+                            int32_t finish_reason, const UsageFields* usage);
 
 }  // namespace tandem::proxy::h2

@@ -7,7 +7,6 @@
 #include <cerrno>
 #include <cstring>
 
-#include "common/token_merge.h"
 #include "proxy/h2/grpc_calls.h"
 #include "proxy/h2/grpc_wire.h"
 #include "proxy/h2/h2_server.h"
@@ -237,19 +236,36 @@ void H2Connection::ScheduleFlush() {
   if (!DeliveryScope::Defer(shared_from_this())) server_->Wake(shared_from_this());
 }
 
-void H2Connection::PostMessage(const std::shared_ptr<H2Stream>& s, v1::GenerateResponse msg,
-                               bool last) {
+void H2Connection::PostDelta(const std::shared_ptr<H2Stream>& s,
+                             std::span<const uint32_t> token_ids, std::string_view text) {
   bool schedule;
   {
     std::lock_guard lock(out_mu_);
     if (s->out_closed || s->finishing) return;
-    if (last || s->pending.empty() || !MergeGenerateDelta(s->pending.back(), msg)) {
-      s->pending.push_back(std::move(msg));
-    }
-    if (last) {
-      s->finishing = true;
-      s->status_code = 0;
-    }
+    // A queued delta takes this one's tokens and text (nothing but deltas
+    // is queued before the final message, which ends the posts).
+    s->delta_queued = true;
+    s->delta_ids.insert(s->delta_ids.end(), token_ids.begin(), token_ids.end());
+    s->delta_text.append(text);
+    schedule = MarkDirtyLocked(s);
+  }
+  if (schedule) ScheduleFlush();
+}
+
+void H2Connection::PostFinal(const std::shared_ptr<H2Stream>& s, int32_t finish_reason,
+                             uint32_t prompt_tokens, uint32_t completion_tokens,
+                             uint32_t cached_prompt_tokens) {
+  bool schedule;
+  {
+    std::lock_guard lock(out_mu_);
+    if (s->out_closed || s->finishing) return;
+    s->final_queued = true;
+    s->final_reason = finish_reason;
+    s->final_usage[0] = prompt_tokens;
+    s->final_usage[1] = completion_tokens;
+    s->final_usage[2] = cached_prompt_tokens;
+    s->finishing = true;
+    s->status_code = 0;
     schedule = MarkDirtyLocked(s);
   }
   if (schedule) ScheduleFlush();
@@ -301,7 +317,8 @@ void H2Connection::PostStatus(const std::shared_ptr<H2Stream>& s, const Status& 
 // ---- Flushing (mu_ held).
 
 void H2Connection::FlushLocked() {
-  std::vector<std::shared_ptr<H2Stream>> dirty;
+  std::vector<std::shared_ptr<H2Stream>>& dirty = flushing_;
+  dirty.clear();
   {
     std::lock_guard lock(out_mu_);
     flush_scheduled_ = false;
@@ -325,7 +342,7 @@ void H2Connection::SubmitLocked(H2Stream& s) {
   bool trailers_only;
   {
     std::lock_guard lock(out_mu_);
-    trailers_only = s.finishing && s.pending.empty() && s.pending_raw.empty();
+    trailers_only = s.finishing && s.OutboxEmpty();
   }
   if (trailers_only) {
     // Nothing but a status: one HEADERS frame that ends the stream.
@@ -350,14 +367,17 @@ ssize_t H2Connection::ReadData(nghttp2_session* session, int32_t, uint8_t* buf, 
     s.wire.clear();
     s.wire_off = 0;
     std::lock_guard lock(c->out_mu_);
-    for (auto& m : s.pending) {
-      const size_t n = m.ByteSizeLong();
-      AppendMessagePrefix(s.wire, static_cast<uint32_t>(n));
-      const size_t at = s.wire.size();
-      s.wire.resize(at + n);
-      m.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(s.wire.data() + at));
+    if (s.delta_queued) {
+      AppendGenerateResponse(s.wire, s.request_id, s.delta_ids, s.delta_text, 0, nullptr);
+      s.delta_queued = false;
+      s.delta_ids.clear();
+      s.delta_text.clear();
     }
-    s.pending.clear();
+    if (s.final_queued) {
+      const UsageFields u{s.final_usage[0], s.final_usage[1], s.final_usage[2]};
+      AppendGenerateResponse(s.wire, s.request_id, {}, {}, s.final_reason, &u);
+      s.final_queued = false;
+    }
     s.wire.append(s.pending_raw);
     s.pending_raw.clear();
     final = s.finishing;
@@ -367,7 +387,7 @@ ssize_t H2Connection::ReadData(nghttp2_session* session, int32_t, uint8_t* buf, 
   s.wire_off += n;
   if (s.wire_off == s.wire.size() && !final) {
     std::lock_guard lock(c->out_mu_);
-    final = s.finishing && s.pending.empty() && s.pending_raw.empty();
+    final = s.finishing && s.OutboxEmpty();
   }
   if (s.wire_off == s.wire.size() && final) {
     *data_flags |= NGHTTP2_DATA_FLAG_EOF | NGHTTP2_DATA_FLAG_NO_END_STREAM;

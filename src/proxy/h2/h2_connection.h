@@ -20,7 +20,9 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -68,9 +70,13 @@ class H2Connection final : public Flushable, public std::enable_shared_from_this
   // when the connection does not read quietly).
   std::chrono::steady_clock::time_point CoolDown(std::chrono::steady_clock::time_point now);
 
-  // Any thread; never blocks on the session. `last`: the call ends OK
-  // after `msg`.
-  void PostMessage(const std::shared_ptr<H2Stream>& s, v1::GenerateResponse msg, bool last);
+  // Any thread; never blocks on the session. Generate's messages: a delta
+  // (merged into the one still queued), and the last message (finish
+  // reason and usage), after which the call ends OK.
+  void PostDelta(const std::shared_ptr<H2Stream>& s, std::span<const uint32_t> token_ids,
+                 std::string_view text);
+  void PostFinal(const std::shared_ptr<H2Stream>& s, int32_t finish_reason, uint32_t prompt_tokens,
+                 uint32_t completion_tokens, uint32_t cached_prompt_tokens);
   // A unary method's framed reply, then OK.
   void PostUnary(const std::shared_ptr<H2Stream>& s, std::string message);
   // One more message of a server stream of serialized messages (Health/Watch).
@@ -124,6 +130,8 @@ class H2Connection final : public Flushable, public std::enable_shared_from_this
 
   std::mutex out_mu_;
   std::vector<std::shared_ptr<H2Stream>> dirty_;  // guarded by out_mu_
+  // FlushLocked's copy of dirty_ (swapped, so both keep their capacity).
+  std::vector<std::shared_ptr<H2Stream>> flushing_;  // guarded by mu_
   bool flush_scheduled_ = false;                  // guarded by out_mu_
 };
 

@@ -53,8 +53,18 @@ struct H2Stream {
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
 
   // ---- The outbox (connection out_mu_).
-  std::vector<v1::GenerateResponse> pending;  // merged while queued (common/token_merge.h)
-  std::string pending_raw;                    // framed messages of unary methods
+  // Generate's response, kept as its fields until the session takes it and
+  // encoded then (grpc_wire.h AppendGenerateResponse): a token delta, into
+  // which later deltas merge while it is queued (common/token_merge.h's
+  // rule: only plain deltas merge), then the final message.
+  bool delta_queued = false;
+  std::vector<uint32_t> delta_ids;
+  std::string delta_text;
+  bool final_queued = false;  // finish_reason + usage, after the delta
+  int32_t final_reason = 0;
+  uint32_t final_usage[3] = {};  // prompt, completion, cached prompt tokens
+  std::string pending_raw;    // framed messages of unary methods
+  bool OutboxEmpty() const { return !delta_queued && !final_queued && pending_raw.empty(); }
   bool finishing = false;  // the status below is final
   int status_code = 0;
   std::string status_message;

@@ -36,7 +36,7 @@ struct Seen {
   DecodeEvents Events() {
     DecodeEvents e;
     e.on_registered = [this] { Set([&] { registered = true; }); };
-    e.on_tokens = [this](uint32_t, std::vector<uint32_t> ids) {
+    e.on_tokens = [this](uint32_t, std::span<const uint32_t> ids) {
       Set([&] { tokens.insert(tokens.end(), ids.begin(), ids.end()); });
     };
     e.on_finished = [this](Finish, uint32_t, uint32_t, uint32_t) { Set([&] { finished = true; }); };

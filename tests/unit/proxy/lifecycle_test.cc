@@ -166,7 +166,7 @@ class LifecycleTest : public ::testing::Test {
     req.max_tokens = max_tokens_;
     req.stop = std::move(stop);
     ResponseSink sink;
-    sink.on_delta = [&c](std::vector<uint32_t> ids, std::string text) {
+    sink.on_delta = [&c](std::span<const uint32_t> ids, std::string_view text) {
       c.ids.insert(c.ids.end(), ids.begin(), ids.end());
       c.text += text;
       ++c.deltas;

@@ -1,0 +1,271 @@
+#include "proxy/prefill_tcp_client.h"
+
+#include <fmt/format.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "common/delivery_scope.h"
+#include "tandem/v1/worker.pb.h"
+
+namespace tandem::proxy {
+
+namespace pb = ::tandem::v1;
+using SteadyClock = std::chrono::steady_clock;
+
+void PrefillTcpCall::Cancel() {
+  if (auto c = client_.lock()) c->CancelCall(*this);
+}
+
+PrefillTcpClient::PrefillTcpClient(std::shared_ptr<FrameConn> conn)
+    : conn_(std::move(conn)),
+      wake_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)),
+      reader_until_(SteadyClock::time_point::max()) {
+  conn_->SetWake([this] { Wake(); });
+}
+
+PrefillTcpClient::~PrefillTcpClient() {
+  if (reader_.joinable()) {
+    if (reader_.get_id() == std::this_thread::get_id()) {
+      reader_.detach();  // the reader dropped the last reference on its way out
+    } else {
+      reader_.join();
+    }
+  }
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+}
+
+std::shared_ptr<PrefillTcpClient> PrefillTcpClient::Open(const std::string& address,
+                                                         std::shared_ptr<FrameTls> tls,
+                                                         FrameOptions options) {
+  auto c = std::make_shared<PrefillTcpClient>(FrameConn::Client(address, std::move(tls), options));
+  c->self_ = c;
+  c->reader_ = std::thread([p = c.get()] { p->Run(); });
+  return c;
+}
+
+void PrefillTcpClient::Wake() {
+  if (wake_fd_ < 0) return;
+  const uint64_t one = 1;
+  (void)!::write(wake_fd_, &one, sizeof(one));
+}
+
+bool PrefillTcpClient::ended() const {
+  std::lock_guard lock(mu_);
+  return ended_;
+}
+
+size_t PrefillTcpClient::num_calls() const {
+  std::lock_guard lock(mu_);
+  return calls_.size();
+}
+
+void PrefillTcpClient::Stop() {
+  conn_->Close(UnavailableError("the proxy is stopping"));
+  Wake();
+  if (reader_.joinable() && reader_.get_id() != std::this_thread::get_id()) reader_.join();
+}
+
+std::shared_ptr<PrefillTcpCall> PrefillTcpClient::Start(
+    const PrefillArgs& args, std::function<void(Result<PrefillResult>)> done) {
+  // Built outside the lock; the prompt is copied once into the message and
+  // serialized once into the connection's output (FrameConn::Send).
+  pb::PrefillFrame frame;
+  FillPrefillRequest(args, frame.mutable_request());
+  if (!args.traceparent.empty()) frame.set_traceparent(args.traceparent);
+  auto deadline = SteadyClock::time_point::max();
+  if (args.deadline != std::chrono::system_clock::time_point::max()) {
+    // As gRPC's grpc-timeout: the time left, which the prefiller applies on
+    // its own clock (at least 1 µs: an expired deadline still expires there).
+    const auto left = std::chrono::duration_cast<std::chrono::microseconds>(
+        args.deadline - std::chrono::system_clock::now());
+    frame.set_timeout_us(static_cast<uint64_t>(std::max<int64_t>(1, left.count())));
+    deadline = SteadyClock::now() + left;
+  }
+  bool wake = false;
+  std::shared_ptr<PrefillTcpCall> call;
+  {
+    std::lock_guard lock(mu_);
+    if (ended_) return nullptr;
+    const uint64_t id = next_id_++;
+    call = std::make_shared<PrefillTcpCall>(weak_from_this(), id, std::move(done));
+    call->deadline_ = deadline;
+    frame.set_call_id(id);
+    // Under mu_: a call's request always leaves before its cancel.
+    Status st = conn_->Send(frame);
+    if (!st.ok() && st.code() == StatusCode::kInvalidArgument) {
+      posted_.emplace_back(call, std::move(st));  // over the frame limit: this call fails
+      wake = true;
+    } else {
+      if (!st.ok()) {
+        conn_->Close(st);  // the reader ends every call, this one too
+        wake = true;
+      }
+      calls_.emplace(id, call);
+      if (deadline != SteadyClock::time_point::max()) {
+        deadlines_.emplace(deadline, id);
+        if (deadline < reader_until_) wake = true;
+      }
+    }
+  }
+  if (wake) Wake();
+  return call;
+}
+
+std::shared_ptr<PrefillTcpCall> PrefillTcpClient::TakeLocked(uint64_t id) {
+  auto it = calls_.find(id);
+  if (it == calls_.end()) return nullptr;
+  std::shared_ptr<PrefillTcpCall> call = std::move(it->second);
+  calls_.erase(it);
+  if (call->deadline_ != SteadyClock::time_point::max()) deadlines_.erase({call->deadline_, id});
+  return call;
+}
+
+void PrefillTcpClient::CancelCall(PrefillTcpCall& c) {
+  bool wake = false;
+  {
+    std::lock_guard lock(mu_);
+    std::shared_ptr<PrefillTcpCall> call = TakeLocked(c.id_);
+    if (!call) return;  // over already
+    pb::PrefillFrame frame;
+    frame.set_call_id(c.id_);
+    frame.set_cancel(true);
+    if (Status st = conn_->Send(frame); !st.ok()) conn_->Close(st);
+    // As gRPC's TryCancel: `done` still runs once, later, on the reader.
+    posted_.emplace_back(std::move(call), CancelledError("Cancelled"));
+    wake = true;
+  }
+  if (wake) Wake();
+}
+
+void PrefillTcpClient::ExpireLocked(SteadyClock::time_point now, std::vector<Completion>& out) {
+  while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
+    const uint64_t id = deadlines_.begin()->second;
+    std::shared_ptr<PrefillTcpCall> call = TakeLocked(id);
+    pb::PrefillFrame frame;
+    frame.set_call_id(id);
+    frame.set_cancel(true);  // the prefiller expires it too; this stops it at once
+    if (Status st = conn_->Send(frame); !st.ok()) conn_->Close(st);
+    out.emplace_back(std::move(call), DeadlineExceededError("Deadline Exceeded"));
+  }
+}
+
+Status PrefillTcpClient::OnFrame(std::string_view payload, std::vector<Completion>& out) {
+  pb::PrefillFrame frame;
+  if (!frame.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+    return InvalidArgumentError("a prefill frame does not hold a PrefillFrame");
+  }
+  std::shared_ptr<PrefillTcpCall> call;
+  {
+    std::lock_guard lock(mu_);
+    call = TakeLocked(frame.call_id());
+  }
+  if (!call) return Status::Ok();  // cancelled or expired here first
+  switch (frame.kind_case()) {
+    case pb::PrefillFrame::kResponse:
+      out.emplace_back(std::move(call), ToPrefillResult(frame.response()));
+      return Status::Ok();
+    case pb::PrefillFrame::kError: {
+      const int code = frame.error().code();
+      const StatusCode c =
+          code > 0 && code <= 16 ? static_cast<StatusCode>(code) : StatusCode::kUnknown;
+      out.emplace_back(std::move(call), Status(c, frame.error().message()));
+      return Status::Ok();
+    }
+    default: {
+      Status st = InvalidArgumentError(
+          fmt::format("prefill frame of call {}: neither a response nor an error", frame.call_id()));
+      out.emplace_back(std::move(call), UnavailableError(st.message()));
+      return st;
+    }
+  }
+}
+
+void PrefillTcpClient::Complete(std::vector<Completion>& done) {
+  for (auto& [call, result] : done) {
+    auto fn = std::move(call->done_);
+    if (!fn) continue;
+    if (const std::string why = call->abandoned(); !why.empty()) {
+      fn(UnavailableError(why));  // the proxy's liveness check gave the worker up
+    } else {
+      fn(std::move(result));
+    }
+  }
+  done.clear();
+}
+
+void PrefillTcpClient::Run() {
+  pthread_setname_np(pthread_self(), "prefill-tcp-rd");
+  const std::string& peer = conn_->peer();
+  Status st = wake_fd_ < 0 ? InternalError(fmt::format("eventfd: {}", std::strerror(errno)))
+                           : conn_->Connect();
+  std::vector<Completion> done;
+  const auto on_frame = [this, &done](std::string_view payload) { return OnFrame(payload, done); };
+  while (st.ok()) {
+    auto until = SteadyClock::time_point::max();
+    {
+      std::lock_guard lock(mu_);
+      ExpireLocked(SteadyClock::now(), done);
+      for (auto& c : posted_) done.push_back(std::move(c));
+      posted_.clear();
+      if (!deadlines_.empty()) until = deadlines_.begin()->first;
+      reader_until_ = done.empty() ? until : SteadyClock::time_point::min();
+    }
+    if (!conn_->open()) until = std::min(until, conn_->handshake_deadline());
+    if (!done.empty()) {
+      DeliveryScope scope;  // the native front end flushes once, at its end
+      Complete(done);
+      continue;
+    }
+    int timeout_ms = -1;
+    if (until != SteadyClock::time_point::max()) {
+      timeout_ms = static_cast<int>(std::clamp<int64_t>(
+          std::chrono::duration_cast<std::chrono::milliseconds>(until - SteadyClock::now()).count() + 1,
+          0, int64_t{1} << 30));
+    }
+    pollfd fds[2] = {{conn_->fd(), conn_->Events(), 0}, {wake_fd_, POLLIN, 0}};
+    if (poll(fds, 2, timeout_ms) < 0 && errno != EINTR) {
+      st = InternalError(fmt::format("poll: {}", std::strerror(errno)));
+      break;
+    }
+    if (fds[1].revents != 0) {
+      uint64_t v;
+      (void)!::read(wake_fd_, &v, sizeof(v));
+    }
+    {
+      DeliveryScope scope;
+      st = conn_->Progress(fds[0].revents, on_frame);
+      Complete(done);
+    }
+    if (st.ok() && !conn_->open() && SteadyClock::now() >= conn_->handshake_deadline()) {
+      st = UnavailableError(fmt::format("no authenticated connection to {} within the timeout", peer));
+    }
+  }
+  conn_->Close(st);
+  // Every call still open ends as on a broken channel (after the replies
+  // read before the break, delivered above).
+  const Status broken =
+      UnavailableError(fmt::format("prefill connection to {} broken: {}", peer, st.message()));
+  {
+    std::lock_guard lock(mu_);
+    ended_ = true;
+    for (auto& c : posted_) done.push_back(std::move(c));
+    posted_.clear();
+    for (auto& [id, call] : calls_) done.emplace_back(std::move(call), broken);
+    calls_.clear();
+    deadlines_.clear();
+  }
+  {
+    DeliveryScope scope;
+    Complete(done);
+  }
+  // The last reference may be this one (then the destructor detaches).
+  std::shared_ptr<PrefillTcpClient> self = std::move(self_);
+}
+
+}  // namespace tandem::proxy

@@ -1,0 +1,123 @@
+// The proxy's side of Prefiller.Prefill over framed TCP (issue 23,
+// docs/serving-workers.md "Prefill transport"): one framed connection per
+// prefiller (common/frame_conn.h; mutual TLS when the internal plane is
+// TLS) carries every Prefill call the proxy makes to it, each a PrefillFrame
+// exchange told apart by a call id (worker.proto).
+//
+// A call's request frame is written inline by the thread that starts it
+// (never blocking: what the socket does not take waits for the reader's
+// POLLOUT). One reader thread per connection dials, runs the TLS
+// handshake, reads the replies and runs each call's `done` (inside a
+// DeliveryScope, so that the native front end flushes a batch of replies
+// once); it also ends calls whose deadline passed (DEADLINE_EXCEEDED, as a
+// gRPC client does, and a cancel frame so that the prefiller stops the
+// work). A connection that cannot be dialled or authenticated, or that
+// breaks, ends every call on it with UNAVAILABLE, as a broken gRPC channel
+// does: the lifecycle then retries or migrates as before.
+//
+// Threads: Start, PrefillTcpCall::Cancel/Abandon and Stop from any thread
+// (Stop not from the reader); `done` runs on the reader thread, never
+// inside Start or Cancel.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/frame_conn.h"
+#include "proxy/worker_client.h"
+#include "proxy/worker_client_grpc.h"
+
+namespace tandem::v1 {
+class PrefillRequest;
+class PrefillResponse;
+}  // namespace tandem::v1
+
+namespace tandem::proxy {
+
+// The Prefill request and reply, the same for both transports
+// (worker_client_grpc.cc).
+void FillPrefillRequest(const PrefillArgs& args, v1::PrefillRequest* req);
+PrefillResult ToPrefillResult(const v1::PrefillResponse& resp);
+
+class PrefillTcpClient;
+
+// One Prefill call on a PrefillTcpClient.
+class PrefillTcpCall final : public Call, public GrpcWorkerClient::Tracked {
+ public:
+  PrefillTcpCall(std::weak_ptr<PrefillTcpClient> client, uint64_t id,
+                 std::function<void(Result<PrefillResult>)> done)
+      : client_(std::move(client)), id_(id), done_(std::move(done)) {}
+  // Ends the call with CANCELLED (a cancel frame tells the prefiller).
+  void Cancel() override;
+
+ private:
+  friend class PrefillTcpClient;
+  void CancelRpc() override { Cancel(); }
+
+  const std::weak_ptr<PrefillTcpClient> client_;
+  const uint64_t id_;
+  std::function<void(Result<PrefillResult>)> done_;  // run once, by the reader
+  std::chrono::steady_clock::time_point deadline_ = std::chrono::steady_clock::time_point::max();
+};
+
+class PrefillTcpClient final : public std::enable_shared_from_this<PrefillTcpClient> {
+ public:
+  // Starts the reader, which dials `address` ("host:port").
+  static std::shared_ptr<PrefillTcpClient> Open(const std::string& address,
+                                                std::shared_ptr<FrameTls> tls,
+                                                FrameOptions options = {});
+  ~PrefillTcpClient();
+
+  // Sends the call's request; null when the connection has ended (the
+  // caller opens a new one). `done` runs once, later, on the reader.
+  std::shared_ptr<PrefillTcpCall> Start(const PrefillArgs& args,
+                                        std::function<void(Result<PrefillResult>)> done);
+  // Whether the connection has ended (no call can start on it).
+  bool ended() const;
+  // The "host:port" it dials.
+  const std::string& address() const { return conn_->peer(); }
+  size_t num_calls() const;
+  // Ends the connection (its calls get UNAVAILABLE) and joins the reader.
+  void Stop();
+
+  explicit PrefillTcpClient(std::shared_ptr<FrameConn> conn);  // use Open
+
+ private:
+  friend class PrefillTcpCall;
+  using Completion = std::pair<std::shared_ptr<PrefillTcpCall>, Result<PrefillResult>>;
+  void Run();
+  void Wake();
+  // The call's cancel: a cancel frame, and CANCELLED (or the abandon's
+  // UNAVAILABLE) from the reader.
+  void CancelCall(PrefillTcpCall& call);
+  // Takes the call `id` out of calls_ (null when it is already over).
+  std::shared_ptr<PrefillTcpCall> TakeLocked(uint64_t id);
+  Status OnFrame(std::string_view payload, std::vector<Completion>& out);
+  // Calls past their deadline: out of calls_, a cancel frame each.
+  void ExpireLocked(std::chrono::steady_clock::time_point now, std::vector<Completion>& out);
+  static void Complete(std::vector<Completion>& done);
+
+  const std::shared_ptr<FrameConn> conn_;
+  int wake_fd_ = -1;  // eventfd: Stop, a cancel's completion, an earlier deadline, output left
+  mutable std::mutex mu_;
+  bool ended_ = false;                                           // guarded by mu_
+  uint64_t next_id_ = 1;                                         // guarded by mu_
+  std::map<uint64_t, std::shared_ptr<PrefillTcpCall>> calls_;    // guarded by mu_
+  std::set<std::pair<std::chrono::steady_clock::time_point, uint64_t>> deadlines_;  // guarded by mu_
+  // When the reader's current wait ends (max(): no timeout); a call with
+  // an earlier deadline wakes it.
+  std::chrono::steady_clock::time_point reader_until_;           // guarded by mu_
+  std::vector<Completion> posted_;  // guarded by mu_: completions for the reader to run
+  std::thread reader_;
+  std::shared_ptr<PrefillTcpClient> self_;  // the reader's reference, until it ends
+};
+
+}  // namespace tandem::proxy
