@@ -138,6 +138,7 @@ double HistogramQuantile(const std::vector<std::pair<double, double>>& before,
 struct Fleet {
   std::string grpc;
   std::string http;  // proxy.http: the sse workload
+  std::string public_ca;  // the state file's public_ca_file (public TLS); empty: plaintext
   std::vector<Proc> procs;  // proxy first
   pid_t launcher = -1;
   std::string dir;  // our temp dir when launched here
@@ -154,6 +155,7 @@ Result<Fleet> ReadState(const std::string& path) {
   Fleet f;
   f.grpc = j["proxy"].value("grpc", "");
   f.http = j["proxy"].value("http", "");
+  f.public_ca = j.value("public_ca_file", "");  // security.public_tls on: the client speaks TLS
   f.procs.push_back({"proxy", j["proxy"]["pid"].get<int>(), j["proxy"].value("metrics", "")});
   for (const auto& w : j.value("workers", nlohmann::json::array())) {
     f.procs.push_back({w.value("role", "?"), w.value("pid", 0), w.value("metrics", "")});
@@ -340,7 +342,7 @@ int RunProxyBench(const ProxyBenchArgs& a) {
   int rc = 0;
   nlohmann::json out = nlohmann::json::array();
   {
-    auto client = lg::MakeGrpcClient({fleet->grpc, "", 4});
+    auto client = lg::MakeGrpcClient({fleet->grpc, "", 4, fleet->public_ca});
     auto mi = client->GetModelInfo("");
     if (!mi.ok()) {
       Stop(*fleet);

@@ -340,11 +340,6 @@ void CrossCheck(const FleetConfig& c, YamlErrors& errors, int line) {
     errors.Add(line, "model.backend 'sim' needs a 'sim' section (at least sim.model_shape: the "
                      "config.json of the simulated model)");
   }
-  if (c.proxy.grpc_server == "native" && c.security.public_tls != "off") {  // issue 23
-    errors.Add(line, "proxy.grpc_server 'native' does not serve TLS yet and security.public_tls "
-                     "is on: use proxy.grpc_server 'auto' (the default) or 'grpc' with public TLS "
-                     "(docs/grpc-frontend.md)");
-  }
   if (c.model.backend != "cuda" && c.transport.device_path != "auto") {
     errors.Add(line, fmt::format("transport.device_path '{}' is only read with model.backend "
                                  "'cuda' (a device KV pool); model.backend is '{}'",

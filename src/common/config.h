@@ -107,7 +107,7 @@ struct ProxyConfig {
   // Issue 23 (docs/grpc-frontend.md): what serves the public gRPC port.
   // grpc: gRPC C++; native: the proxy's own HTTP/2 server (nghttp2),
   // plaintext only for now.
-  std::string grpc_server = "auto";  // auto | grpc | native (auto: native unless public TLS)
+  std::string grpc_server = "auto";  // auto | grpc | native (auto: native)
 };
 
 struct RouterConfig {

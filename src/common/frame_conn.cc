@@ -112,11 +112,19 @@ FrameTls::~FrameTls() {
   SSL_CTX_free(client_);
 }
 
-SSL* FrameTls::NewServer() const { return SSL_new(server_); }
+// Read-ahead: a record (header and body) comes in one read() instead of
+// two; ReadLocked reads while SSL_has_pending, so nothing stays buffered
+// behind a poll() that would not report it.
+SSL* FrameTls::NewServer() const {
+  SSL* ssl = SSL_new(server_);
+  if (ssl != nullptr) SSL_set_read_ahead(ssl, 1);
+  return ssl;
+}
 
 SSL* FrameTls::NewClient(const std::string& host) const {
   SSL* ssl = SSL_new(client_);
   if (ssl == nullptr) return nullptr;
+  SSL_set_read_ahead(ssl, 1);
   // As gRPC does: the server's certificate must name the dialled host.
   X509_VERIFY_PARAM* param = SSL_get0_param(ssl);
   const bool ok = IsIpAddress(host) ? X509_VERIFY_PARAM_set1_ip_asc(param, host.c_str()) == 1
@@ -348,12 +356,13 @@ short FrameConn::Events() const {
 
 bool FrameConn::ReadLocked() {
   for (;;) {
-    if (in_off_ > 0 && in_off_ == in_.size()) {
-      in_.clear();
+    if (in_off_ > 0 && in_off_ == in_len_) {
+      in_len_ = 0;
       in_off_ = 0;
     }
-    const size_t at = in_.size();
-    in_.resize(at + kReadChunkBytes);
+    const size_t at = in_len_;
+    // Grown (and zero-filled) only when too small: not once per read.
+    if (in_.size() < at + kReadChunkBytes) in_.resize(at + kReadChunkBytes);
     ssize_t n;
     if (ssl_ != nullptr) {
       ERR_clear_error();
@@ -361,7 +370,6 @@ bool FrameConn::ReadLocked() {
       if (r > 0) {
         n = r;
       } else {
-        in_.resize(at);
         const int e = SSL_get_error(ssl_, r);
         if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE) return true;
         CloseLocked(TlsError("reading", r));
@@ -370,7 +378,6 @@ bool FrameConn::ReadLocked() {
     } else {
       n = ::recv(fd_, in_.data() + at, kReadChunkBytes, 0);
       if (n <= 0) {
-        in_.resize(at);
         if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
         if (n < 0 && errno == EINTR) continue;
         CloseLocked(UnavailableError(
@@ -379,7 +386,7 @@ bool FrameConn::ReadLocked() {
         return false;
       }
     }
-    in_.resize(at + static_cast<size_t>(n));
+    in_len_ = at + static_cast<size_t>(n);
     if (static_cast<size_t>(n) < kReadChunkBytes && (ssl_ == nullptr || SSL_has_pending(ssl_) == 0)) {
       return true;  // drained (the next read would say EAGAIN)
     }
@@ -435,7 +442,7 @@ Status FrameConn::Progress(short revents, const OnFrame& on_frame) {
     }
   }
   // Frames, outside the lock (a handler may Send on this connection).
-  while (in_.size() - in_off_ >= kHeaderBytes) {
+  while (in_len_ - in_off_ >= kHeaderBytes) {
     const auto* h = reinterpret_cast<const uint8_t*>(in_.data() + in_off_);
     const uint32_t n = uint32_t{h[0]} | uint32_t{h[1]} << 8 | uint32_t{h[2]} << 16 |
                        uint32_t{h[3]} << 24;
@@ -445,7 +452,7 @@ Status FrameConn::Progress(short revents, const OnFrame& on_frame) {
       Close(st);
       return st;
     }
-    if (in_.size() - in_off_ < kHeaderBytes + n) break;
+    if (in_len_ - in_off_ < kHeaderBytes + n) break;
     Status st = on_frame(std::string_view(in_.data() + in_off_ + kHeaderBytes, n));
     in_off_ += kHeaderBytes + n;
     if (!st.ok()) {
@@ -453,11 +460,12 @@ Status FrameConn::Progress(short revents, const OnFrame& on_frame) {
       return st;
     }
   }
-  if (in_off_ > 0 && in_off_ == in_.size()) {
-    in_.clear();
+  if (in_off_ > 0 && in_off_ == in_len_) {
+    in_len_ = 0;
     in_off_ = 0;
   } else if (in_off_ > (1u << 20)) {
     in_.erase(0, in_off_);
+    in_len_ -= in_off_;
     in_off_ = 0;
   }
   if (closed_after) return end;

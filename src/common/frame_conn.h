@@ -146,7 +146,8 @@ class FrameConn {
   int ssl_retry_len_ = 0;              // guarded by mu_: an SSL_write to repeat with this length
   bool write_blocked_ = false;         // guarded by mu_: output waits for POLLOUT
   bool handshake_wants_write_ = false;  // guarded by mu_
-  std::string in_;                     // I/O thread only: bytes read, from in_off_
+  std::string in_;                     // I/O thread only: bytes read, from in_off_ to in_len_
+  size_t in_len_ = 0;                  // I/O thread only: in_'s bytes in use (in_ may be longer)
   size_t in_off_ = 0;                  // I/O thread only
 };
 

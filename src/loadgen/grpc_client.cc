@@ -6,6 +6,8 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <fstream>
+#include <sstream>
 #include <mutex>
 #include <unordered_set>
 
@@ -80,13 +82,22 @@ class Call final : public grpc::ClientReadReactor<pb::GenerateResponse> {
 class GrpcClient final : public Client {
  public:
   explicit GrpcClient(const GrpcClientOptions& o) : o_(o) {
+    std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
+    if (!o.tls_ca_file.empty()) {
+      std::ifstream in(o.tls_ca_file, std::ios::binary);
+      std::stringstream ca;
+      ca << in.rdbuf();
+      grpc::SslCredentialsOptions so;
+      so.pem_root_certs = ca.str();
+      creds = grpc::SslCredentials(so);
+    }
     for (int i = 0; i < std::max(1, o.channels); ++i) {
       grpc::ChannelArguments args;
       // Distinct channel args keep gRPC from sharing one subchannel.
       args.SetInt("tandem.loadgen.channel", i);
       args.SetMaxReceiveMessageSize(64 << 20);
       stubs_.push_back(pb::Generation::NewStub(
-          grpc::CreateCustomChannel(o.address, grpc::InsecureChannelCredentials(), args)));
+          grpc::CreateCustomChannel(o.address, creds, args)));
     }
   }
 

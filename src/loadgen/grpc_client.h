@@ -16,6 +16,9 @@ struct GrpcClientOptions {
   // connection), so that one connection's flow control does not shape
   // the measurement at high concurrency.
   int channels = 4;
+  // Not empty: TLS, the server verified against this CA (PEM file; e.g. a
+  // state file's public_ca_file). Unreadable: every call fails UNAVAILABLE.
+  std::string tls_ca_file;
 };
 
 std::unique_ptr<Client> MakeGrpcClient(const GrpcClientOptions& o);

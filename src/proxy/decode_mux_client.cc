@@ -8,6 +8,7 @@
 
 #include "common/delivery_scope.h"
 #include "common/rpc_server.h"
+#include "proxy/proxy_metrics.h"
 
 namespace tandem::proxy {
 
@@ -112,7 +113,9 @@ void DecodeMux::Deliver(const pb::DecodeStreamResponse& batch) {
     }
   }
   // One batch: a front end that buffers per connection (the native gRPC
-  // server, docs/grpc-frontend.md) sends once at its end, not per item.
+  // server, docs/grpc-frontend.md) sends once at its end, not per item;
+  // the token metrics are applied once at its end too.
+  TokenMetricsBatch metrics_batch;
   DeliveryScope scope;
   for (auto& [req, item] : batch_) req->Deliver(*item);
   batch_.clear();

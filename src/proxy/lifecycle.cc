@@ -416,10 +416,10 @@ RequestLifecycle::Calls RequestLifecycle::DeliverLocked(uint32_t first_index,
         first_token_at_ = now;
         deps_.metrics->ttft.Observe(Seconds(now - arrival_));
       } else {
-        deps_.metrics->itl.Observe(i == 0 ? Seconds(now - last_token_at_) : 0.0);
+        deps_.metrics->ObserveItl(i == 0 ? Seconds(now - last_token_at_) : 0.0);
       }
     }
-    deps_.metrics->generation_tokens.Increment(static_cast<double>(d->token_ids.size()));
+    deps_.metrics->CountGenerationTokens(d->token_ids.size());
   } else if (first_token_at_ == SteadyClock::time_point{}) {
     first_token_at_ = now;
   }

@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+
 namespace tandem::proxy {
 namespace {
 
@@ -23,6 +25,43 @@ constexpr const char* kRequests = "tandem_requests_total";
 constexpr const char* kRequestsHelp = "Requests finished, by outcome";
 
 }  // namespace
+
+// The open batch of this thread: sums per bucket as Histogram::Observe
+// would count them (prometheus-cpp's bucket of v: the first boundary >= v,
+// the last bucket +Inf).
+struct TokenBatchState {
+  int depth = 0;
+  ProxyMetrics* metrics = nullptr;  // whose samples are held (one at a time)
+  std::vector<double> itl_buckets;
+  double itl_sum = 0;
+  size_t itl_count = 0;
+  size_t tokens = 0;
+
+  void Apply() {
+    if (metrics == nullptr) return;
+    if (itl_count > 0) {
+      metrics->itl.ObserveMultiple(itl_buckets, itl_sum);
+      std::fill(itl_buckets.begin(), itl_buckets.end(), 0.0);
+    }
+    if (tokens > 0) metrics->generation_tokens.Increment(static_cast<double>(tokens));
+    itl_sum = 0;
+    itl_count = 0;
+    tokens = 0;
+    metrics = nullptr;
+  }
+  // Holds samples of `m` from now (applies another's first).
+  void Hold(ProxyMetrics* m, size_t num_buckets) {
+    if (metrics == m) return;
+    Apply();
+    metrics = m;
+    itl_buckets.assign(num_buckets, 0.0);
+  }
+};
+
+TokenBatchState& BatchState() {
+  thread_local TokenBatchState state;
+  return state;
+}
 
 ProxyMetrics::ProxyMetrics(MetricsRegistry& r)
     : ttft(r.Histogram("tandem_time_to_first_token_seconds",
@@ -52,6 +91,7 @@ ProxyMetrics::ProxyMetrics(MetricsRegistry& r)
       overhead_ratio_p50(r.Gauge("tandem_kv_transfer_overhead_ratio_recent_p50",
                                  "Median KV transfer time over prefill compute time of the "
                                  "last 64 disaggregated requests")),
+      itl_bounds_(ItlBuckets()),
       overhead_check_({kOverheadWindow, kOverheadMinSamples, kOverheadWarnRatio,
                        std::chrono::seconds(60)}) {
   const char* kReasons[kNumRefusals] = {"ttft_slo", "max_inflight", "rate_limit", "deadline"};
@@ -75,6 +115,37 @@ void ProxyMetrics::ObservePrefillTimes(const std::string& request_id, double pre
         overhead_check_.size(), *warn, kOverheadWarnRatio, request_id, prefill_seconds,
         transfer_seconds);
   }
+}
+
+void ProxyMetrics::ObserveItl(double seconds) {
+  TokenBatchState& b = BatchState();
+  if (b.depth == 0) {
+    itl.Observe(seconds);
+    return;
+  }
+  b.Hold(this, itl_bounds_.size() + 1);
+  const size_t bucket = static_cast<size_t>(
+      std::lower_bound(itl_bounds_.begin(), itl_bounds_.end(), seconds) - itl_bounds_.begin());
+  b.itl_buckets[bucket] += 1;
+  b.itl_sum += seconds;
+  ++b.itl_count;
+}
+
+void ProxyMetrics::CountGenerationTokens(size_t n) {
+  TokenBatchState& b = BatchState();
+  if (b.depth == 0) {
+    generation_tokens.Increment(static_cast<double>(n));
+    return;
+  }
+  b.Hold(this, itl_bounds_.size() + 1);
+  b.tokens += n;
+}
+
+TokenMetricsBatch::TokenMetricsBatch() { ++BatchState().depth; }
+
+TokenMetricsBatch::~TokenMetricsBatch() {
+  TokenBatchState& b = BatchState();
+  if (--b.depth == 0) b.Apply();
 }
 
 void ProxyMetrics::CountOutcome(const std::string& outcome) {

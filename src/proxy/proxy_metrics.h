@@ -7,6 +7,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "common/metrics.h"
 #include "router/route_decision.h"
@@ -45,6 +46,13 @@ struct ProxyMetrics {
 
   // Counts one finished request under its outcome.
   void CountOutcome(const std::string& outcome);
+
+  // The token path's metrics: one inter-token gap, and completion tokens
+  // sent. Inside a TokenMetricsBatch on this thread they are summed there
+  // and applied when it ends (the same samples; one histogram lock per
+  // batch instead of one per token); outside one, at once.
+  void ObserveItl(double seconds);
+  void CountGenerationTokens(size_t n);
   std::array<prometheus::Counter*, kNumRefusals> refused{};
   void CountRefusal(Refusal reason) { refused[static_cast<size_t>(reason)]->Increment(); }
 
@@ -60,7 +68,21 @@ struct ProxyMetrics {
   static constexpr size_t kOverheadMinSamples = 8;
 
  private:
+  friend class TokenMetricsBatch;
+  std::vector<double> itl_bounds_;  // itl's bucket boundaries
   RecentMedianCheck overhead_check_;
+};
+
+// A delivery batch of the token path (the decode stream's step, as read):
+// the ITL samples and token counts of ProxyMetrics made on this thread
+// while it is open are applied at its end, before the next batch is read.
+// Nests (the outermost applies). Thread: the one that opened it.
+class TokenMetricsBatch {
+ public:
+  TokenMetricsBatch();
+  ~TokenMetricsBatch();
+  TokenMetricsBatch(const TokenMetricsBatch&) = delete;
+  TokenMetricsBatch& operator=(const TokenMetricsBatch&) = delete;
 };
 
 // The router's decisions (docs/router.md, "Observability"). Label names

@@ -46,9 +46,8 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
                                           &p->metrics_->itl, *p->metrics_registry_);
   p->planner_->Start();
   // proxy.grpc_server (docs/grpc-frontend.md): `auto` is the native front
-  // end, which does not serve TLS yet, unless the public port has TLS.
-  const bool native = fleet.proxy.grpc_server == "native" ||
-                      (fleet.proxy.grpc_server == "auto" && options.public_tls.empty());
+  // end, with or without public TLS; `grpc` keeps gRPC C++.
+  const bool native = fleet.proxy.grpc_server != "grpc";
   p->client_ = std::make_unique<GrpcWorkerClient>(options.internal_credentials,
                                                   fleet.proxy.decode_stream,
                                                   fleet.proxy.decode_transport == "tcp",
@@ -106,14 +105,13 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
                           RpcServer::Start(pick(options.internal, fleet.proxy.internal),
                                            {p->registry_.get()}, options.internal_credentials));
   if (native) {
-    // docs/grpc-frontend.md: TLS on the native front end is not there yet.
-    if (!options.public_tls.empty()) {
-      return InvalidArgumentError(
-          "proxy.grpc_server: native does not serve TLS yet, and security.public_tls is set: "
-          "use proxy.grpc_server: auto (the default) or grpc with TLS");
+    auto native_server = h2::H2Server::Start(pick(options.grpc, fleet.proxy.grpc),
+                                             p->frontend_.get(), options.public_tls);
+    if (!native_server.ok()) {
+      return native_server.status().WithContext(
+          options.public_tls.empty() ? "proxy.grpc" : "proxy.grpc with security.public_tls");
     }
-    TANDEM_ASSIGN_OR_RETURN(p->native_, h2::H2Server::Start(pick(options.grpc, fleet.proxy.grpc),
-                                                            p->frontend_.get()));
+    p->native_ = std::move(native_server).value();
     p->addresses_.grpc = p->native_->address();
   } else {
     RpcCredentials public_credentials;
@@ -148,7 +146,15 @@ ProxyServer::~ProxyServer() {
   Shutdown(0);
 }
 
-Status ProxyServer::ReloadPublicTls() { return http_ ? http_->ReloadTls() : Status::Ok(); }
+Status ProxyServer::ReloadPublicTls() {
+  // Both listeners try; the first error is reported (each keeps its old
+  // certificate on error).
+  Status st = http_ ? http_->ReloadTls() : Status::Ok();
+  if (native_) {
+    if (Status n = native_->ReloadTls(); !n.ok() && st.ok()) st = n.WithContext("gRPC");
+  }
+  return st;
+}
 
 void ProxyServer::SetServing(bool serving) {
   if (server_) server_->SetServing(serving);

@@ -88,7 +88,8 @@ class ProxyServer {
   // workers' snapshots rebuilt the prefix index or `limit` passed; returns
   // how many did.
   size_t WaitForWarmIndex(size_t n, std::chrono::milliseconds limit);
-  // SIGHUP: the HTTP API re-reads its TLS files now (the gRPC listener
+  // SIGHUP: the HTTP API and the native gRPC front end re-read their TLS
+  // files now (the native one also when they change, h2/h2_tls.h; gRPC C++
   // watches them on its own: RpcCredentials::ServerTls).
   Status ReloadPublicTls();
 

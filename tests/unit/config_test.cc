@@ -594,7 +594,7 @@ TEST(Config, ProxyGrpcServerIsAutoByDefaultAndNativeOrGrpcOnRequest) {
   auto g = Parse("model:\n  path: m\nproxy:\n  grpc_server: grpc\nboth:\n  replicas: 1\n");
   ASSERT_TRUE(g.ok()) << g.status().message();
   EXPECT_EQ(g->proxy.grpc_server, "grpc");
-  // auto with public TLS is fine (it picks grpc at start-up).
+  // auto with public TLS is fine (it picks native at start-up).
   auto a = Parse("model:\n  path: m\nsecurity:\n  public_tls: auto\nboth:\n  replicas: 1\n");
   ASSERT_TRUE(a.ok()) << a.status().message();
   auto n = Parse("model:\n  path: m\nproxy:\n  grpc_server: native\nboth:\n  replicas: 1\n");
@@ -604,10 +604,12 @@ TEST(Config, ProxyGrpcServerIsAutoByDefaultAndNativeOrGrpcOnRequest) {
       ErrorOf("model:\n  path: m\nproxy:\n  grpc_server: h2o\nboth:\n  replicas: 1\n");
   EXPECT_NE(bad.find("grpc_server"), std::string::npos) << bad;
   EXPECT_NE(bad.find("native"), std::string::npos) << bad;
-  const std::string tls = ErrorOf(
+  // native serves public TLS too (docs/grpc-frontend.md "TLS").
+  auto tls = Parse(
       "model:\n  path: m\nproxy:\n  grpc_server: native\nsecurity:\n  public_tls: auto\n"
       "both:\n  replicas: 1\n");
-  EXPECT_NE(tls.find("proxy.grpc_server 'native' does not serve TLS yet"), std::string::npos) << tls;
+  ASSERT_TRUE(tls.ok()) << tls.status().message();
+  EXPECT_EQ(tls->proxy.grpc_server, "native");
 }
 
 }  // namespace

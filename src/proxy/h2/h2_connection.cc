@@ -60,7 +60,8 @@ struct Trailers {
 
 }  // namespace
 
-H2Connection::H2Connection(int fd, H2Server* server) : fd_(fd), server_(server) {}
+H2Connection::H2Connection(int fd, SSL* ssl, H2Server* server)
+    : fd_(fd), server_(server), io_(fd, ssl) {}
 
 H2Connection::~H2Connection() {
   if (session_ != nullptr) nghttp2_session_del(session_);
@@ -113,13 +114,20 @@ bool H2Connection::DrainLocked() {
   // must reach nghttp2 in order.
   uint8_t buf[64 << 10];
   for (;;) {
-    const ssize_t n = recv(fd_, buf, sizeof buf, MSG_DONTWAIT);
-    if (n == 0) return false;  // the client closed
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return errno == EAGAIN || errno == EWOULDBLOCK;
+    const bool was_ready = io_.ready();
+    const H2Io::Got got = io_.Read(buf, sizeof buf);
+    if (got.closed) return false;  // the client closed, or TLS failed
+    if (!was_ready && io_.ready()) {
+      // TLS: the handshake is done; the server's SETTINGS waited for it.
+      FlushLocked();
+      if (broken_) return false;
     }
-    const ssize_t used = nghttp2_session_mem_recv(session_, buf, static_cast<size_t>(n));
+    if (got.n == 0) {
+      // Nothing more now; TLS handshake replies may wait to be sent.
+      return !io_.pending() || SendLocked();
+    }
+    const size_t n = got.n;
+    const ssize_t used = nghttp2_session_mem_recv(session_, buf, n);
     if (used < 0) {
       // A protocol error: nghttp2 queued GOAWAY; send it, then close.
       SendLocked();
@@ -130,7 +138,9 @@ bool H2Connection::DrainLocked() {
     if (!nghttp2_session_want_read(session_) && !nghttp2_session_want_write(session_)) {
       return false;
     }
-    if (static_cast<size_t>(n) < sizeof buf) return true;  // drained
+    // Plaintext: a short read drained the socket. TLS reads until nothing is
+    // left (records may be buffered where epoll does not see them).
+    if (!io_.tls() && n < sizeof buf) return true;
   }
 }
 
@@ -177,7 +187,9 @@ void H2Connection::Flush(bool batch) {
       if (!DrainLocked()) broken_ = true;
       last_batch_ = std::chrono::steady_clock::now();
       const int streams = static_cast<int>(streams_.size());
-      SetLowWaterLocked(std::min(kWindowUpdateBytes * (streams + 1) + 1, kMaxLowWater));
+      // (TLS: the client's write is one record, its overhead on top.)
+      SetLowWaterLocked(std::min(kWindowUpdateBytes * (streams + 1) + 1, kMaxLowWater) +
+                        io_.record_overhead());
     }
     broke = broken_;
   }
@@ -405,14 +417,15 @@ ssize_t H2Connection::ReadData(nghttp2_session* session, int32_t, uint8_t* buf, 
 
 bool H2Connection::SendLocked() {
   for (;;) {
-    while (out_.size() - out_off_ < kHighWater) {
+    // Before a TLS handshake ends, frames wait in the session.
+    while (io_.ready() && out_.size() - out_off_ < kHighWater) {
       const uint8_t* data = nullptr;
       const ssize_t n = nghttp2_session_mem_send(session_, &data);
       if (n < 0) return false;
       if (n == 0) break;
       out_.append(reinterpret_cast<const char*>(data), static_cast<size_t>(n));
     }
-    if (out_off_ == out_.size()) {
+    if (out_off_ == out_.size() && !io_.pending()) {
       out_.clear();
       out_off_ = 0;
       if (want_write_) {
@@ -421,18 +434,19 @@ bool H2Connection::SendLocked() {
       }
       return true;
     }
-    const ssize_t w = send(fd_, out_.data() + out_off_, out_.size() - out_off_,
-                           MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK) return false;
-    } else {
-      out_off_ += static_cast<size_t>(w);
-      if (out_off_ == out_.size()) {
+    bool blocked = false;
+    const ssize_t w = io_.Write(reinterpret_cast<const uint8_t*>(out_.data()) + out_off_,
+                                out_.size() - out_off_, &blocked);
+    if (w < 0) return false;
+    out_off_ += static_cast<size_t>(w);
+    if (!blocked) {
+      if (out_off_ == out_.size() && !io_.pending()) {
         out_.clear();
         out_off_ = 0;
         continue;  // more frames may be ready
       }
+      if (w == 0) return true;  // TLS takes nothing before the handshake ends
+      continue;
     }
     // The socket is full: the event thread goes on when it drains.
     if (!want_write_) {

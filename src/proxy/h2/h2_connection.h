@@ -1,5 +1,6 @@
 // One HTTP/2 connection of the native gRPC front end: an nghttp2 server
-// session over a non-blocking socket (docs/grpc-frontend.md).
+// session over a non-blocking socket, plain or TLS (h2_io.h; every socket
+// read and write, and every SSL call, under mu_) (docs/grpc-frontend.md).
 //
 // Reading runs on the server's event thread. Calls queue their responses
 // from any thread (the decode stream's reader, a work-pool thread, the
@@ -28,6 +29,7 @@
 
 #include "common/delivery_scope.h"
 #include "common/status.h"
+#include "proxy/h2/h2_io.h"
 #include "proxy/h2/h2_stream.h"
 
 namespace tandem::proxy::h2 {
@@ -36,7 +38,8 @@ class H2Server;
 
 class H2Connection final : public Flushable, public std::enable_shared_from_this<H2Connection> {
  public:
-  H2Connection(int fd, H2Server* server);
+  // `ssl` null: plaintext; else TLS over `fd` (h2_io.h), owned from here.
+  H2Connection(int fd, SSL* ssl, H2Server* server);
   ~H2Connection() override;
   H2Connection(const H2Connection&) = delete;
   H2Connection& operator=(const H2Connection&) = delete;
@@ -117,6 +120,7 @@ class H2Connection final : public Flushable, public std::enable_shared_from_this
   mutable std::mutex mu_;
   nghttp2_session* session_ = nullptr;                              // guarded by mu_
   std::unordered_map<int32_t, std::shared_ptr<H2Stream>> streams_;  // guarded by mu_
+  H2Io io_;               // guarded by mu_: every socket read and write (and TLS)
   std::string out_;       // guarded by mu_: frames not yet written
   size_t out_off_ = 0;    // guarded by mu_
   bool want_write_ = false;  // guarded by mu_: EPOLLOUT armed

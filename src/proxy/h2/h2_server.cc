@@ -18,6 +18,7 @@
 #include "common/net.h"
 #include "proxy/h2/grpc_calls.h"
 #include "proxy/h2/h2_connection.h"
+#include "proxy/h2/h2_tls.h"
 
 namespace tandem::proxy::h2 {
 namespace {
@@ -64,10 +65,14 @@ Result<int> Listen(const HostPort& hp, uint16_t* port) {
 
 }  // namespace
 
-Result<std::unique_ptr<H2Server>> H2Server::Start(const std::string& address, Frontend* frontend) {
+Result<std::unique_ptr<H2Server>> H2Server::Start(const std::string& address, Frontend* frontend,
+                                                  const TlsFiles& tls) {
   TANDEM_ASSIGN_OR_RETURN(HostPort hp, ParseHostPort(address));
   std::unique_ptr<H2Server> s(new H2Server());
   s->frontend_ = frontend;
+  if (!tls.empty()) {
+    TANDEM_ASSIGN_OR_RETURN(s->tls_, H2TlsContext::Create(tls));
+  }
   uint16_t port = 0;
   TANDEM_ASSIGN_OR_RETURN(s->listen_fd_, Listen(hp, &port));
   hp.port = port;
@@ -118,6 +123,8 @@ void H2Server::Wake(const std::shared_ptr<H2Connection>& c) {
 }
 
 bool H2Server::OnEventThread() { return t_event_thread; }
+
+Status H2Server::ReloadTls() { return tls_ ? tls_->Reload() : Status::Ok(); }
 
 void H2Server::SetServing(bool serving) {
   if (serving_.exchange(serving) == serving) return;
@@ -208,7 +215,17 @@ void H2Server::Accept() {
     }
     const int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    auto c = std::make_shared<H2Connection>(fd, this);
+    SSL* ssl = nullptr;
+    if (tls_) {
+      tls_->MaybeReload(std::chrono::steady_clock::now());  // renewed files (h2_tls.h)
+      ssl = tls_->NewSsl();
+      if (ssl == nullptr) {
+        spdlog::warn("gRPC (native): SSL_new failed; connection refused");
+        close(fd);
+        continue;
+      }
+    }
+    auto c = std::make_shared<H2Connection>(fd, ssl, this);
     if (Status st = c->Init(); !st.ok()) {
       spdlog::warn("gRPC (native): {}", st.ToString());
       c->Close();
@@ -219,7 +236,7 @@ void H2Server::Accept() {
     ev.data.fd = fd;
     epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev);
     conns_.emplace(fd, c);
-    c->Flush();  // the server's SETTINGS
+    c->Flush();  // the server's SETTINGS (TLS: after the handshake)
   }
 }
 

@@ -3,7 +3,8 @@
 // non-blocking sockets, one event thread (epoll) for accepting, reading
 // and timers; responses are flushed once per delivery batch by the thread
 // that delivered them (h2_connection.h). Serves tandem.v1.Generation and
-// grpc.health.v1.Health to unchanged gRPC clients.
+// grpc.health.v1.Health to unchanged gRPC clients, in plaintext or TLS
+// (h2_tls.h: security.public_tls's files, policy and renewal).
 //
 // Thread-safety: Start/Shutdown from the owning thread; SetServing and
 // serving from any thread.
@@ -20,11 +21,13 @@
 #include <vector>
 
 #include "common/status.h"
+#include "common/tls.h"
 #include "proxy/frontend.h"
 
 namespace tandem::proxy::h2 {
 
 class H2Connection;
+class H2TlsContext;
 struct H2Stream;
 
 // Quiet reading (h2_connection.h): a connection no delivery batch flushed
@@ -34,13 +37,20 @@ inline constexpr auto kQuietFor = std::chrono::milliseconds(50);
 class H2Server {
  public:
   // Listens on `address` ("host:port", port 0 picks one). `frontend`
-  // outlives the server.
-  static Result<std::unique_ptr<H2Server>> Start(const std::string& address, Frontend* frontend);
+  // outlives the server. `tls` (security.public_tls's files) not empty:
+  // every connection speaks TLS (h2_tls.h).
+  static Result<std::unique_ptr<H2Server>> Start(const std::string& address, Frontend* frontend,
+                                                 const TlsFiles& tls = {});
   ~H2Server();
   H2Server(const H2Server&) = delete;
   H2Server& operator=(const H2Server&) = delete;
 
   const std::string& address() const { return address_; }
+  bool tls() const { return tls_ != nullptr; }
+  // SIGHUP: re-reads the TLS files now; new connections get them, open ones
+  // keep theirs; on error the old certificate stays. No-op in plaintext.
+  // (The event thread also re-reads them when they change: h2_tls.h.)
+  Status ReloadTls();
   Frontend* frontend() const { return frontend_; }
 
   // Health: SERVING / NOT_SERVING (draining, warming up); a change is sent
@@ -76,6 +86,7 @@ class H2Server {
   void ExpireDeadlines();
 
   Frontend* frontend_ = nullptr;
+  std::unique_ptr<H2TlsContext> tls_;  // null: plaintext
   std::string address_;
   std::atomic<bool> serving_{true};
   int listen_fd_ = -1;

@@ -6,8 +6,8 @@
 // nothing stays held. With proxy.prefill_transport grpc, and with a
 // prefiller whose listener is off, the proxy uses Prefiller.Prefill over
 // gRPC with the same outputs. (The failure, retry, migration and security
-// suites run over the default transport; ctest re-runs this suite and
-// retry_test with TANDEM_TEST_PREFILL_TRANSPORT=grpc.)
+// suites run over the default transport; ctest re-runs retry_test with
+// TANDEM_TEST_PREFILL_TRANSPORT=grpc, which this suite also honours.)
 #include <gtest/gtest.h>
 
 #include <grpcpp/grpcpp.h>

@@ -7,6 +7,9 @@
 // reservation left behind: the decoder gets the error notice), and a peer
 // without a fleet client certificate refused. The fleet suites run the same
 // code through `tandem launch` (tests/integration/fleet, failure, serving).
+#include <poll.h>
+
+#include <condition_variable>
 #include <future>
 #include <sstream>
 
@@ -14,6 +17,7 @@
 #include "common/tls_certs.h"
 #include "prefiller/prefill_tcp.h"
 #include "proxy/prefill_tcp_client.h"
+#include "tandem/v1/worker.pb.h"
 #include "worker_test_util.h"
 
 namespace tandem::worker_test {
@@ -23,6 +27,7 @@ using prefiller::NoticeSpec;
 using prefiller::PrefillJob;
 using prefiller::ReserveTarget;
 using ProxyResult = Result<proxy::PrefillResult>;
+namespace pb = ::tandem::v1;
 
 // Holds each Reserve until the test answers it; notices as "id|reservation|code".
 class HoldingLink final : public prefiller::DecoderLink {
@@ -271,6 +276,68 @@ TEST_F(PrefillTcpTest, ADeadlineEndsTheCallOnBothSides) {
   Barrier();  // the client's cancel frame (or the listener's own expiry) was handled
   link_.Answer(Target({3, 4}, 9));
   ExpectNoticeAndNothingLeft("a#1|9|" + std::to_string(kCancelled));
+}
+
+// A bare framed client (no deadline timer of its own): the listener alone
+// expires the call, replies DEADLINE_EXCEEDED and cancels the work.
+TEST_F(PrefillTcpTest, TheListenerExpiresADeadlineOnItsOwnClock) {
+  auto conn = FrameConn::Client(server_->address(), Tls(Identity(ca_, "bare")), FrameOptions{});
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<pb::PrefillFrame> got;
+  std::atomic<bool> stop{false};
+  std::thread reader([&] {
+    if (!conn->Connect().ok()) return;
+    while (!stop.load()) {
+      pollfd fd{conn->fd(), conn->Events(), 0};
+      poll(&fd, 1, 20);
+      Status st = conn->Progress(fd.revents, [&](std::string_view payload) {
+        pb::PrefillFrame f;
+        if (!f.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+          return InvalidArgumentError("not a PrefillFrame");
+        }
+        std::lock_guard lock(mu);
+        got.push_back(std::move(f));
+        cv.notify_all();
+        return Status::Ok();
+      });
+      if (!st.ok()) return;
+    }
+  });
+  pb::PrefillFrame req;
+  req.set_call_id(7);
+  auto* r = req.mutable_request();
+  r->set_request_id("bare");
+  r->set_attempt(1);
+  for (uint32_t t : Prompt(20, 15)) r->add_prompt_token_ids(t);
+  r->mutable_params()->set_max_tokens(4);
+  r->mutable_params()->set_top_p(1.0f);
+  r->set_decoder_address("fake:1");
+  req.set_timeout_us(300'000);
+  // Joined however the test ends.
+  struct Join {
+    std::function<void()> fn;
+    ~Join() { fn(); }
+  } join{[&] {
+    stop.store(true);
+    conn->Close(UnavailableError("test over"));
+    if (reader.joinable()) reader.join();
+  }};
+  ASSERT_TRUE(conn->Send(req).ok());
+  ASSERT_TRUE(WaitFor([&] { return link_.NumReserves() == 1; }))  // reserving when it expires
+      << (got.empty() ? std::string("no reply") : got[0].DebugString());
+  {
+    std::unique_lock lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, 20s, [&] { return !got.empty(); }));
+    EXPECT_EQ(got[0].call_id(), 7u);
+    ASSERT_TRUE(got[0].has_error());
+    EXPECT_EQ(got[0].error().code(), static_cast<int>(StatusCode::kDeadlineExceeded));
+  }
+  link_.Answer(Target({9, 10}, 13));
+  ExpectNoticeAndNothingLeft("bare#1|13|" + std::to_string(kCancelled));
+  join.fn();
+  std::lock_guard lock(mu);
+  EXPECT_EQ(got.size(), 1u);  // nothing more for that call
 }
 
 TEST_F(PrefillTcpTest, ABrokenConnectionEndsEveryCallAndCancelsTheWork) {
