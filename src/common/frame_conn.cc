@@ -17,6 +17,7 @@
 #include <cstring>
 
 #include "common/net.h"
+#include "common/tls_pem.h"
 
 namespace tandem {
 namespace {
@@ -41,23 +42,14 @@ bool IsIpAddress(const std::string& host) {
   return inet_pton(AF_INET, host.c_str(), &a4) == 1 || inet_pton(AF_INET6, host.c_str(), &a6) == 1;
 }
 
-// Every certificate in `pem`, in order.
+// Every certificate in `pem`, in order (common/tls_pem.h).
 Status ForEachCert(const std::string& pem, const char* what,
                    const std::function<Status(X509*)>& fn) {
-  BIO* b = BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size()));
-  if (b == nullptr) return InternalError("BIO_new_mem_buf failed");
-  int n = 0;
-  Status st = Status::Ok();
-  while (X509* x = PEM_read_bio_X509(b, nullptr, nullptr, nullptr)) {
-    ++n;
-    st = fn(x);
-    X509_free(x);
-    if (!st.ok()) break;
-  }
-  ERR_clear_error();  // the read that ends the loop queues "no start line"
-  BIO_free(b);
-  if (st.ok() && n == 0) st = InvalidArgumentError(fmt::format("the {} holds no certificate", what));
-  return st;
+  TANDEM_ASSIGN_OR_RETURN(std::vector<X509Ptr> certs, ParsePemCertificates(pem));
+  ERR_clear_error();
+  if (certs.empty()) return InvalidArgumentError(fmt::format("the {} holds no certificate", what));
+  for (const X509Ptr& x : certs) TANDEM_RETURN_IF_ERROR(fn(x.get()));
+  return Status::Ok();
 }
 
 Status SetupContext(SSL_CTX* ctx, const TlsPem& pem) {
@@ -69,12 +61,9 @@ Status SetupContext(SSL_CTX* ctx, const TlsPem& pem) {
     first = false;
     return ok == 1 ? Status::Ok() : InternalError("loading the certificate: " + OpenSslErrors());
   }));
-  BIO* kb = BIO_new_mem_buf(pem.key.data(), static_cast<int>(pem.key.size()));
-  EVP_PKEY* key = kb ? PEM_read_bio_PrivateKey(kb, nullptr, nullptr, nullptr) : nullptr;
-  BIO_free(kb);
-  if (key == nullptr) return InvalidArgumentError("no readable private key: " + OpenSslErrors());
-  const int key_ok = SSL_CTX_use_PrivateKey(ctx, key);
-  EVP_PKEY_free(key);
+  EvpKeyPtr key = ParsePemPrivateKey(pem.key);
+  if (!key) return InvalidArgumentError("no readable private key: " + OpenSslErrors());
+  const int key_ok = SSL_CTX_use_PrivateKey(ctx, key.get());
   if (key_ok != 1 || SSL_CTX_check_private_key(ctx) != 1) {
     return InvalidArgumentError("the private key does not fit the certificate: " + OpenSslErrors());
   }

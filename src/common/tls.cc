@@ -5,12 +5,12 @@
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/security/tls_certificate_provider.h>
 #include <grpcpp/security/tls_credentials_options.h>
-#include <openssl/bio.h>
-#include <openssl/pem.h>
 #include <openssl/x509.h>
 
 #include <fstream>
 #include <sstream>
+
+#include "common/tls_pem.h"
 
 namespace tandem {
 namespace {
@@ -30,25 +30,21 @@ Result<std::string> ReadPem(const std::string& path, const char* what) {
 // The key must belong to the certificate: gRPC only logs a mismatch and
 // then fails every handshake, so it is checked here, at start-up.
 Status CheckKeyMatches(const TlsPem& pem, const TlsFiles& files) {
-  BIO* cb = BIO_new_mem_buf(pem.cert.data(), static_cast<int>(pem.cert.size()));
-  BIO* kb = BIO_new_mem_buf(pem.key.data(), static_cast<int>(pem.key.size()));
-  X509* cert = cb ? PEM_read_bio_X509(cb, nullptr, nullptr, nullptr) : nullptr;
-  EVP_PKEY* key = kb ? PEM_read_bio_PrivateKey(kb, nullptr, nullptr, nullptr) : nullptr;
-  Status st = Status::Ok();
-  if (!cert) {
-    st = InvalidArgumentError(fmt::format("{} holds no readable certificate", files.cert_file));
-  } else if (!key) {
-    st = InvalidArgumentError(
-        fmt::format("{} holds no readable (unencrypted) private key", files.key_file));
-  } else if (X509_check_private_key(cert, key) != 1) {
-    st = InvalidArgumentError(fmt::format("the key in {} does not belong to the certificate in {}",
-                                          files.key_file, files.cert_file));
+  auto certs = ParsePemCertificates(pem.cert);
+  if (!certs.ok()) return certs.status();
+  EvpKeyPtr key = ParsePemPrivateKey(pem.key);
+  if (certs->empty()) {
+    return InvalidArgumentError(fmt::format("{} holds no readable certificate", files.cert_file));
   }
-  EVP_PKEY_free(key);
-  X509_free(cert);
-  BIO_free(kb);
-  BIO_free(cb);
-  return st;
+  if (!key) {
+    return InvalidArgumentError(
+        fmt::format("{} holds no readable (unencrypted) private key", files.key_file));
+  }
+  if (X509_check_private_key(certs->front().get(), key.get()) != 1) {
+    return InvalidArgumentError(fmt::format("the key in {} does not belong to the certificate in {}",
+                                            files.key_file, files.cert_file));
+  }
+  return Status::Ok();
 }
 
 }  // namespace

@@ -25,6 +25,7 @@
 #include <sstream>
 
 #include "common/net.h"
+#include "common/tls_pem.h"
 
 namespace tandem {
 namespace {
@@ -76,16 +77,15 @@ Result<std::string> ToPem(EVP_PKEY* key) {
   return std::string(data, static_cast<size_t>(n));
 }
 
+// The first certificate of `pem` (common/tls_pem.h).
 Result<Ptr<X509>> ParseCert(const std::string& pem) {
-  Ptr<BIO> bio(BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())));
-  Ptr<X509> cert(bio ? PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr) : nullptr);
-  if (!cert) return InvalidArgumentError(SslError("reading a PEM certificate"));
-  return cert;
+  TANDEM_ASSIGN_OR_RETURN(std::vector<X509Ptr> certs, ParsePemCertificates(pem));
+  if (certs.empty()) return InvalidArgumentError(SslError("reading a PEM certificate"));
+  return Ptr<X509>(certs.front().release());
 }
 
 Result<Ptr<EVP_PKEY>> ParseKey(const std::string& pem) {
-  Ptr<BIO> bio(BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())));
-  Ptr<EVP_PKEY> key(bio ? PEM_read_bio_PrivateKey(bio.get(), nullptr, nullptr, nullptr) : nullptr);
+  Ptr<EVP_PKEY> key(ParsePemPrivateKey(pem).release());
   if (!key) return InvalidArgumentError(SslError("reading a PEM private key"));
   return key;
 }

@@ -2,12 +2,13 @@
 
 #include <fmt/format.h>
 #include <openssl/err.h>
-#include <openssl/pem.h>
 #include <openssl/x509.h>
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
 
 #include <cstring>
+
+#include "common/tls_pem.h"
 
 namespace tandem::proxy::h2 {
 namespace {
@@ -46,25 +47,20 @@ int SelectAlpn(SSL*, const unsigned char** out, unsigned char* outlen, const uns
   return SSL_TLSEXT_ERR_ALERT_FATAL;
 }
 
-// Every certificate of `pem` in order, with `fn` (1 = OK).
+// Every certificate of `pem` in order (common/tls_pem.h), with `fn` (1 = OK).
 template <class Fn>
 Status EachCert(const std::string& pem, const std::string& file, Fn fn) {
-  BIO* b = BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size()));
-  if (b == nullptr) return InternalError("BIO_new_mem_buf failed: " + SslErrors());
-  int n = 0;
-  Status st = Status::Ok();
-  while (X509* x = PEM_read_bio_X509(b, nullptr, nullptr, nullptr)) {
-    ++n;
-    if (fn(x, n == 1) != 1) {
-      st = InvalidArgumentError(fmt::format("{}: {}", file, SslErrors()));
-    }
-    X509_free(x);
-    if (!st.ok()) break;
+  TANDEM_ASSIGN_OR_RETURN(std::vector<X509Ptr> certs, ParsePemCertificates(pem));
+  if (certs.empty()) {
+    ERR_clear_error();
+    return InvalidArgumentError(fmt::format("{} holds no certificate", file));
   }
-  ERR_clear_error();  // the read that ends the loop queues "no start line"
-  BIO_free(b);
-  if (st.ok() && n == 0) st = InvalidArgumentError(fmt::format("{} holds no certificate", file));
-  return st;
+  for (size_t i = 0; i < certs.size(); ++i) {
+    if (fn(certs[i].get(), i == 0) != 1) {
+      return InvalidArgumentError(fmt::format("{}: {}", file, SslErrors()));
+    }
+  }
+  return Status::Ok();
 }
 
 }  // namespace
@@ -90,16 +86,12 @@ Result<SslCtxPtr> NewPublicServerContext(const TlsFiles& files) {
   TANDEM_RETURN_IF_ERROR(EachCert(pem.cert, files.cert_file, [&](X509* x, bool first) {
     return first ? SSL_CTX_use_certificate(c, x) : SSL_CTX_add1_chain_cert(c, x);
   }));
-  BIO* kb = BIO_new_mem_buf(pem.key.data(), static_cast<int>(pem.key.size()));
-  EVP_PKEY* key = kb ? PEM_read_bio_PrivateKey(kb, nullptr, nullptr, nullptr) : nullptr;
-  BIO_free(kb);
-  if (key == nullptr) {
+  EvpKeyPtr key = ParsePemPrivateKey(pem.key);
+  if (!key) {
     return InvalidArgumentError(
         fmt::format("{} holds no readable (unencrypted) private key: {}", files.key_file, SslErrors()));
   }
-  const int key_ok = SSL_CTX_use_PrivateKey(c, key);
-  EVP_PKEY_free(key);
-  if (key_ok != 1 || SSL_CTX_check_private_key(c) != 1) {
+  if (SSL_CTX_use_PrivateKey(c, key.get()) != 1 || SSL_CTX_check_private_key(c) != 1) {
     return InvalidArgumentError(fmt::format("the key in {} does not belong to the certificate in {}: {}",
                                             files.key_file, files.cert_file, SslErrors()));
   }

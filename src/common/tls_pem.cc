@@ -1,0 +1,38 @@
+#include "common/tls_pem.h"
+
+#include <openssl/bio.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+
+namespace tandem {
+namespace {
+
+struct BioFree {
+  void operator()(BIO* p) const { BIO_free(p); }
+};
+using BioPtr = std::unique_ptr<BIO, BioFree>;
+
+BioPtr ReadOnlyBio(std::string_view pem) {
+  return BioPtr(BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())));
+}
+
+}  // namespace
+
+Result<std::vector<X509Ptr>> ParsePemCertificates(std::string_view pem) {
+  BioPtr bio = ReadOnlyBio(pem);
+  if (!bio) return InternalError("BIO_new_mem_buf failed");
+  std::vector<X509Ptr> certs;
+  while (X509* x = PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr)) {
+    certs.emplace_back(x);
+  }
+  if (!certs.empty()) ERR_clear_error();  // the read that ends the list queues "no start line"
+  return certs;
+}
+
+EvpKeyPtr ParsePemPrivateKey(std::string_view pem) {
+  BioPtr bio = ReadOnlyBio(pem);
+  if (!bio) return nullptr;
+  return EvpKeyPtr(PEM_read_bio_PrivateKey(bio.get(), nullptr, nullptr, nullptr));
+}
+
+}  // namespace tandem
