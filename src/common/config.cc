@@ -45,6 +45,7 @@ void ReadRole(YamlMap m, RoleConfig& r) {
   m.Read("tensor_parallel", r.tensor_parallel, 1, 64);
   m.Read("pipeline_parallel", r.pipeline_parallel, 1, 64);
   m.Read("mux_listen", r.mux_listen);  // issue 23; checked in CrossCheck
+  m.Read("watch_listen", r.watch_listen);  // issue 23; checked in CrossCheck
   m.Read("frame_listen", r.frame_listen);  // issue 23 (Prefill over TCP); checked in CrossCheck
   m.Finish();
 }
@@ -160,6 +161,7 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.Read("restart", c.proxy.restart);
     m.Read("decode_stream", c.proxy.decode_stream);  // issue 23
     m.ReadEnum("decode_transport", c.proxy.decode_transport, {"tcp", "grpc"});  // issue 23
+    m.ReadEnum("watch_transport", c.proxy.watch_transport, {"tcp", "grpc"});  // issue 23
     m.ReadEnum("prefill_transport", c.proxy.prefill_transport, {"tcp", "grpc"});  // issue 23
     m.ReadEnum("grpc_server", c.proxy.grpc_server, {"auto", "grpc", "native"});  // issue 23
     {
@@ -293,6 +295,19 @@ void CrossCheck(const FleetConfig& c, YamlErrors& errors, int line) {
       errors.Add(line, fmt::format("{}.frame_listen is '{}': expected auto, off or host:port", role, v));
     } else if (hp->port != 0 && rc->replicas > 1) {
       errors.Add(line, fmt::format("{}.frame_listen '{}' has a fixed port but {}.replicas is {}: use "
+                                   "port 0 (or auto) so that each worker gets its own",
+                                   role, v, role, rc->replicas));
+    }
+  }
+  // Issue 23: the Watch stream's framed TCP listener.
+  for (auto [role, rc] : {std::pair{"prefill", &c.prefill}, std::pair{"decode", &c.decode},
+                          std::pair{"both", &c.both}}) {
+    const std::string& v = rc->watch_listen;
+    if (v == "auto" || v == "off") continue;
+    if (auto hp = ParseHostPort(v); !hp.ok() || hp->host.empty()) {
+      errors.Add(line, fmt::format("{}.watch_listen is '{}': expected auto, off or host:port", role, v));
+    } else if (hp->port != 0 && rc->replicas > 1) {
+      errors.Add(line, fmt::format("{}.watch_listen '{}' has a fixed port but {}.replicas is {}: use "
                                    "port 0 (or auto) so that each worker gets its own",
                                    role, v, role, rc->replicas));
     }

@@ -98,6 +98,10 @@ struct ProxyConfig {
   // to a decoder that serves both: tcp (its framed TCP listener,
   // decode.mux_listen) | grpc (Decoder.DecodeStream).
   std::string decode_transport = "tcp";
+  // Issue 23 (docs/serving-workers.md "Watch transport"): what carries the Watch
+  // stream from a worker that serves both: tcp (its framed TCP listener,
+  // <role>.watch_listen) | grpc (Worker.Watch).
+  std::string watch_transport = "tcp";
   // Issue 23 (docs/serving-workers.md "Prefill transport"): what carries
   // Prefill to a prefiller that serves both: tcp (its framed TCP listener,
   // prefill.frame_listen) | grpc (Prefiller.Prefill).
@@ -225,6 +229,11 @@ struct RoleConfig {
   // host of its gRPC address, any free port; off: not served (proxies use
   // the gRPC DecodeStream); or "host:port".
   std::string mux_listen = "auto";
+  // Issue 23 (docs/serving-workers.md "Watch transport"), every role: where the
+  // worker serves its Watch stream over framed TCP. auto: the host of its
+  // gRPC address, any free port; off: not served (proxies use the gRPC
+  // Worker.Watch); or "host:port".
+  std::string watch_listen = "auto";
   // Issue 23 (docs/serving-workers.md "Prefill transport"), prefill and
   // both roles: where the worker serves Prefill over framed TCP. auto: the
   // host of its gRPC address, any free port; off: not served (proxies use

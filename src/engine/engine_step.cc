@@ -240,9 +240,18 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
     // A decode step computed one output token's KV (its position is past
     // the prompt): its block waits for a run of them, or the end.
     const bool decode_step = s.num_tokens == 1 && seq.num_computed > seq.prompt_len;
-    // A run of output blocks: its stored event wakes nobody (kv_events.h,
-    // "quiet"); it leaves with the Watch loop's next update.
-    CommitFullBlocks(seq, decode_step ? kDecodeCommitBlocks : 1, /*quiet=*/decode_step);
+    // A chunk step of a prompt still being prefilled (its last chunk not
+    // yet computed): the blocks only extend that request's chain.
+    const bool partial_prefill = !decode_step && seq.num_computed < seq.prompt_len;
+    // A run of output blocks, or a prefill chunk before the prompt's last:
+    // its stored event wakes nobody (kv_events.h, "quiet"); it leaves with
+    // the Watch loop's next update (the prompt's last chunk, any other
+    // event, or the next load report).
+    CommitFullBlocks(seq, decode_step ? kDecodeCommitBlocks : 1,
+                     /*quiet=*/decode_step || partial_prefill);
+    // The prompt's last chunk: its earlier chunks' quiet events leave now
+    // (with this step's), even when this chunk filled no block.
+    if (!decode_step && !partial_prefill && events_ != nullptr) events_->WakeIfQuiet();
     if (seq.abort_requested) {
       Finish(seq, FinishReason::kAbort, CancelledError("request aborted"), out);
       if (s.samples) ++row;

@@ -41,12 +41,24 @@ void KvEventPublisher::Release() {
   std::lock_guard lock(mu_);
   if (holds_ == 0 || --holds_ > 0 || !wake_pending_) return;
   wake_pending_ = false;
+  quiet_queued_ = false;
   for (auto& [id, cb] : wake_subscribers_) cb();
 }
 
 void KvEventPublisher::SetQuiet(bool quiet) {
   std::lock_guard lock(mu_);
   quiet_ = quiet;
+}
+
+void KvEventPublisher::WakeIfQuiet() {
+  std::lock_guard lock(mu_);
+  if (!quiet_queued_) return;
+  if (holds_ > 0) {
+    wake_pending_ = true;
+    return;
+  }
+  quiet_queued_ = false;
+  for (auto& [id, cb] : wake_subscribers_) cb();
 }
 
 std::vector<KvEvent> KvEventPublisher::Drain(size_t max_events) {
@@ -56,6 +68,7 @@ std::vector<KvEvent> KvEventPublisher::Drain(size_t max_events) {
     out.push_back(std::move(queue_.front()));
     queue_.pop_front();
   }
+  if (queue_.empty()) quiet_queued_ = false;  // drained: nothing left to wake for
   return out;
 }
 
@@ -94,9 +107,11 @@ void KvEventPublisher::Publish(KvEvent event) {
   for (auto& [id, cb] : subscribers_) cb(event);
   if (quiet_) {
     // Queued only: leaves with the drainer's next wake-up.
+    quiet_queued_ = true;
   } else if (holds_ > 0) {
     wake_pending_ = true;
   } else {
+    quiet_queued_ = false;
     for (auto& [id, cb] : wake_subscribers_) cb();
   }
   if (queue_capacity_ == 0) return;

@@ -30,7 +30,10 @@
 // the drainer's next wake-up — any other event, or the Watch loop's next
 // load sample (worker.load_interval while the worker is busy; docs/
 // engine.md). Issue 23: a wake-up, a message and the proxy's answer to it
-// per run per sequence.
+// per run per sequence. The stored events of a long prompt's chunk steps
+// before its last are quiet too; the last chunk's step wakes the drainer
+// (WakeIfQuiet) even when it stores no block, so a prompt's blocks leave
+// at once when its prefill is done (docs/kv-routing.md, "Freshness").
 #pragma once
 
 #include <cstdint>
@@ -93,6 +96,10 @@ class KvEventPublisher {
   // (see above). The publishing thread turns it on and off around one
   // publish, under the lock that orders its publishes (the engine's).
   void SetQuiet(bool quiet);
+  // Wakes the wake subscribers (as a publish does: at the release while
+  // held) when quiet events were queued since the last wake-up; nothing
+  // otherwise.
+  void WakeIfQuiet();
 
   // Takes up to `max_events` queued events, oldest first.
   std::vector<KvEvent> Drain(size_t max_events = SIZE_MAX);
@@ -117,6 +124,7 @@ class KvEventPublisher {
   uint32_t holds_ = 0;       // guarded by mu_
   bool wake_pending_ = false;  // guarded by mu_: published during the current hold
   bool quiet_ = false;         // guarded by mu_
+  bool quiet_queued_ = false;  // guarded by mu_: quiet events since the last wake-up
 };
 
 }  // namespace tandem::engine

@@ -98,7 +98,8 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
   p->generation_ = std::make_unique<GenerationService>(p->frontend_.get());
   p->registry_ = std::make_unique<RegistryService>(
       p->fleet_.get(), p->client_.get(),
-      std::chrono::milliseconds(static_cast<int64_t>(fleet.proxy.liveness_timeout_seconds * 1000)));
+      std::chrono::milliseconds(static_cast<int64_t>(fleet.proxy.liveness_timeout_seconds * 1000)),
+      fleet.proxy.watch_transport == "tcp", options.internal_credentials);
 
   TANDEM_ASSIGN_OR_RETURN(p->internal_server_,
                           RpcServer::Start(pick(options.internal, fleet.proxy.internal),

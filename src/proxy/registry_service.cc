@@ -10,6 +10,7 @@
 
 #include "common/rpc_server.h"
 #include "common/tls.h"
+#include "proxy/watch_tcp_client.h"
 
 namespace tandem::proxy {
 
@@ -17,11 +18,13 @@ namespace pb = ::tandem::v1;
 
 class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
  public:
+  // `tcp_address` non-empty: over the worker's framed TCP listener
+  // (proxy/watch_tcp_client.h) instead of the gRPC Worker.Watch.
   WorkerWatch(RegistryService* owner, std::string name, std::string address, uint64_t epoch,
-              std::optional<WorkerRecord> rejoin)
+              std::optional<WorkerRecord> rejoin, std::string tcp_address)
       : owner_(owner), name_(std::move(name)), address_(std::move(address)), epoch_(epoch),
-        rejoin_(std::move(rejoin)) {
-    stub_ = pb::Worker::NewStub(owner_->channels_->Channel(address_));
+        rejoin_(std::move(rejoin)), tcp_address_(std::move(tcp_address)) {
+    if (tcp_address_.empty()) stub_ = pb::Worker::NewStub(owner_->channels_->Channel(address_));
     Touch();  // its liveness deadline counts from now (housekeeping may look before Begin)
   }
 
@@ -31,18 +34,35 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
     req_.set_epoch(epoch_);
     req_.set_batched(true);  // one update per round of the worker's watch loop (issue 23)
     Touch();
+    if (!tcp_address_.empty()) {
+      auto tcp = WatchTcpClient::Create(tcp_address_, owner_->watch_tls_, req_);
+      {
+        std::lock_guard lock(mu_);
+        tcp_ = tcp;
+      }
+      tcp->Start({[this](const pb::WorkerUpdate& u) { OnUpdate(u); },
+                  [this](bool graceful, const Status& why) { Ended(graceful, why.message()); }});
+      if (stopping_.load()) tcp->Stop(CancelledError("watch stopped"));  // before tcp_ was set
+      return;
+    }
     stub_->async()->Watch(&ctx_, &req_, this);
     StartRead(&update_);
     StartCall();
   }
 
   void Stop(std::string why) {
+    std::shared_ptr<WatchTcpClient> tcp;
     {
       std::lock_guard lock(mu_);
       if (why_.empty()) why_ = std::move(why);
+      tcp = tcp_;
     }
     stopping_.store(true);
-    ctx_.TryCancel();
+    if (tcp) {
+      tcp->Stop(CancelledError("watch stopped"));
+    } else if (tcp_address_.empty()) {
+      ctx_.TryCancel();
+    }
   }
 
   // Stop() was called: its end is on the way (housekeeping skips it).
@@ -55,52 +75,62 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
 
   void OnReadDone(bool ok) override {
     if (!ok) return;
-    Touch();
-    if (rejoin_ && !rejoined_) {
-      // A probe: the worker answers again. Back into the fleet first, so
-      // that its snapshot lands in the router.
-      rejoined_ = true;
-      if (!owner_->Rejoin(name_, this, *rejoin_, update_.epoch())) {
-        Stop("probe no longer current");
-        return;
-      }
-    }
-    auto& router = owner_->fleet_->router();
-    auto id = router.FindWorker(name_);
-    if (id) Apply(router, *id);
-    StartRead(&update_);
+    if (OnUpdate(update_)) StartRead(&update_);
   }
 
-  void OnDone(const grpc::Status& s) override {
-    std::string why;
-    bool graceful;
-    {
-      std::lock_guard lock(mu_);
-      graceful = s.ok() && why_.empty();
-      why = why_.empty() ? fmt::format("watch stream ended: {}", s.ok() ? "closed by the worker"
-                                                                         : s.error_message())
-                         : why_;
-    }
-    owner_->WatchEnded(name_, this, why, resync_.load(), graceful, address_, epoch_,
-                       rejoined_ ? std::nullopt : rejoin_);
-    self_.reset();  // may delete this
-  }
+  void OnDone(const grpc::Status& s) override { Ended(s.ok(), s.error_message()); }
 
  private:
   void Touch() {
     last_seen_.store(std::chrono::steady_clock::now().time_since_epoch().count());
   }
 
-  void Apply(router::Router& router, router::WorkerId id) {
-    switch (update_.kind_case()) {
+  // An update (either transport; updates are serialized). False: stop
+  // reading (a probe that is no longer current).
+  bool OnUpdate(const pb::WorkerUpdate& update) {
+    Touch();
+    if (rejoin_ && !rejoined_) {
+      // A probe: the worker answers again. Back into the fleet first, so
+      // that its snapshot lands in the router.
+      rejoined_ = true;
+      if (!owner_->Rejoin(name_, this, *rejoin_, update.epoch())) {
+        Stop("probe no longer current");
+        return false;
+      }
+    }
+    auto& router = owner_->fleet_->router();
+    auto id = router.FindWorker(name_);
+    if (id) Apply(router, *id, update);
+    return true;
+  }
+
+  // The stream is over (either transport, once): `ended_ok` = the worker
+  // ended it (OK status, watch_ended).
+  void Ended(bool ended_ok, const std::string& message) {
+    std::string why;
+    bool graceful;
+    {
+      std::lock_guard lock(mu_);
+      graceful = ended_ok && why_.empty();
+      why = why_.empty() ? fmt::format("watch stream ended: {}",
+                                       ended_ok ? "closed by the worker" : message)
+                         : why_;
+    }
+    owner_->WatchEnded(name_, this, why, resync_.load(), graceful, address_, epoch_,
+                       rejoined_ ? std::nullopt : rejoin_);
+    std::shared_ptr<WorkerWatch> self = std::move(self_);  // may delete this
+  }
+
+  void Apply(router::Router& router, router::WorkerId id, const pb::WorkerUpdate& u) {
+    switch (u.kind_case()) {
       case pb::WorkerUpdate::kSnapshot: {
         const auto span = [](const google::protobuf::RepeatedField<uint64_t>& f) {
           return std::span<const uint64_t>(f.data(), static_cast<size_t>(f.size()));
         };
-        const auto hashes = span(update_.snapshot().block_hashes());
-        const auto host = span(update_.snapshot_host_hashes());
-        const auto disk = span(update_.snapshot_disk_hashes());
-        if (router.ApplySnapshot(id, update_.epoch(), update_.snapshot_event_id(), hashes, host,
+        const auto hashes = span(u.snapshot().block_hashes());
+        const auto host = span(u.snapshot_host_hashes());
+        const auto disk = span(u.snapshot_disk_hashes());
+        if (router.ApplySnapshot(id, u.epoch(), u.snapshot_event_id(), hashes, host,
                                  disk)
                 .ok()) {
           owner_->SnapshotApplied(name_);
@@ -108,18 +138,18 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
         break;
       }
       case pb::WorkerUpdate::kEvent:
-        ApplyEvent(router, id, update_.event());
+        ApplyEvent(router, id, u.event());
         break;
       case pb::WorkerUpdate::kLoad:
-        ApplyLoad(router, id, update_.load());
+        ApplyLoad(router, id, u.load());
         break;
       case pb::WorkerUpdate::KIND_NOT_SET:
         // A batch (WatchRequest.batched): events in id order, then the
         // round's load report. After a gap the rest of the batch is moot.
-        for (const pb::KvEvent& e : update_.events()) {
+        for (const pb::KvEvent& e : u.events()) {
           if (!ApplyEvent(router, id, e)) break;
         }
-        if (update_.has_batched_load()) ApplyLoad(router, id, update_.batched_load());
+        if (u.has_batched_load()) ApplyLoad(router, id, u.batched_load());
         break;
       default:
         break;
@@ -176,7 +206,9 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
   bool rejoined_ = false;  // read callbacks are serialized
   std::atomic<bool> resync_{false};
   std::atomic<bool> stopping_{false};
+  const std::string tcp_address_;
   std::unique_ptr<pb::Worker::Stub> stub_;
+  std::shared_ptr<WatchTcpClient> tcp_;  // guarded by mu_ (set once, in Begin)
   grpc::ClientContext ctx_;
   pb::WatchRequest req_;
   pb::WorkerUpdate update_;
@@ -199,8 +231,18 @@ router::WorkerRole RoleFromProto(pb::WorkerRole r) {
 }  // namespace
 
 RegistryService::RegistryService(Fleet* fleet, GrpcWorkerClient* channels,
-                                 std::chrono::milliseconds liveness_timeout)
+                                 std::chrono::milliseconds liveness_timeout, bool watch_tcp,
+                                 const RpcCredentials& credentials)
     : fleet_(fleet), channels_(channels), liveness_timeout_(liveness_timeout) {
+  if (watch_tcp) {
+    auto tls = InternalFrameTls(credentials);
+    if (tls.ok()) {
+      watch_tcp_ = true;
+      watch_tls_ = std::move(tls).value();
+    } else {
+      spdlog::warn("proxy.watch_transport tcp: {}; Watch streams use gRPC", tls.status().message());
+    }
+  }
   housekeeping_ = std::jthread([this](std::stop_token st) { Housekeeping(st); });
 }
 
@@ -276,6 +318,12 @@ grpc::ServerUnaryReactor* RegistryService::Register(grpc::CallbackServerContext*
       st = fleet_->Register(rec);
       if (st.ok()) {
         identities_.emplace(rec.name, identity);
+        // Issue 23: where its Watch goes over framed TCP (none: gRPC).
+        if (watch_tcp_ && !w.watch_address().empty()) {
+          watch_addresses_[rec.grpc_address] = w.watch_address();
+        } else {
+          watch_addresses_.erase(rec.grpc_address);
+        }
         // A worker out of routing may come back through its periodic
         // re-registration before the proxy's probe reaches it.
         was_lost = lost_.erase(rec.name) > 0;
@@ -322,7 +370,15 @@ size_t RegistryService::WaitForSnapshots(size_t n, std::chrono::milliseconds lim
 
 void RegistryService::StartWatch(const std::string& name, const std::string& address,
                                  uint64_t epoch, std::optional<WorkerRecord> rejoin) {
-  auto watch = std::make_shared<WorkerWatch>(this, name, address, epoch, std::move(rejoin));
+  std::string tcp_address;
+  {
+    std::lock_guard lock(mu_);
+    if (auto it = watch_addresses_.find(address); it != watch_addresses_.end()) {
+      tcp_address = it->second;
+    }
+  }
+  auto watch = std::make_shared<WorkerWatch>(this, name, address, epoch, std::move(rejoin),
+                                             std::move(tcp_address));
   std::shared_ptr<WorkerWatch> old;
   {
     std::lock_guard lock(mu_);

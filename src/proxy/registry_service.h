@@ -15,6 +15,10 @@
 // (heartbeat_interval_ms): an idle worker's keep-alive.
 // WaitForSnapshots tells a restarted proxy when its index is warm.
 //
+// Issue 23 (docs/serving-workers.md "Watch transport"): the Watch stream goes
+// over the worker's framed TCP listener when it advertises one and
+// proxy.watch_transport is tcp, with the same semantics as the gRPC one.
+//
 // A worker name is bound to the certificate identity (common name) that
 // first registered it; a registration of that name under another identity
 // is refused with PERMISSION_DENIED (docs/security.md).
@@ -30,6 +34,8 @@
 #include <string>
 #include <thread>
 
+#include "common/frame_conn.h"
+#include "common/tls.h"
 #include "proxy/fleet.h"
 #include "proxy/worker_client_grpc.h"
 #include "tandem/v1/worker.grpc.pb.h"
@@ -40,8 +46,13 @@ class WorkerWatch;
 
 class RegistryService final : public tandem::v1::Registry::CallbackService {
  public:
+  // `watch_tcp` (proxy.watch_transport tcp; issue 23): a worker that
+  // advertises a framed TCP Watch listener (WorkerInfo.watch_address) is
+  // watched there, with `credentials`' mutual TLS identity
+  // (proxy/watch_tcp_client.h); otherwise, and for the others, over gRPC.
   RegistryService(Fleet* fleet, GrpcWorkerClient* channels,
-                  std::chrono::milliseconds liveness_timeout);
+                  std::chrono::milliseconds liveness_timeout, bool watch_tcp = false,
+                  const RpcCredentials& credentials = RpcCredentials());
   ~RegistryService() override;
 
   grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* ctx,
@@ -78,6 +89,10 @@ class RegistryService final : public tandem::v1::Registry::CallbackService {
 
   Fleet* fleet_;
   GrpcWorkerClient* channels_;
+  bool watch_tcp_ = false;
+  std::shared_ptr<FrameTls> watch_tls_;  // the framed Watch connections' TLS; null: plaintext
+  // Worker gRPC address -> its framed TCP Watch listener (watch_tcp_ only).
+  std::map<std::string, std::string> watch_addresses_;  // guarded by mu_
   const std::chrono::milliseconds liveness_timeout_;
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<WorkerWatch>> watches_;  // guarded by mu_

@@ -42,6 +42,7 @@
 #include "worker/rank_process.h"
 #include "worker/role_capabilities.h"
 #include "worker/worker_metrics.h"
+#include "worker/watch_tcp.h"
 #include "worker/worker_service.h"
 
 namespace tandem::worker {
@@ -136,6 +137,8 @@ struct Worker {
   std::unique_ptr<RpcServer> server;
   // The decode stream over framed TCP (issue 23, decode.mux_listen).
   std::unique_ptr<FrameServer> mux_server;
+  // The Watch stream over framed TCP (issue 23, <role>.watch_listen).
+  std::unique_ptr<FrameServer> watch_server;
   // Prefill over framed TCP (issue 23, prefill.frame_listen).
   std::unique_ptr<FrameServer> prefill_frame_server;
   // Keeps it registered with every proxy (--join, --join-dns); stopped
@@ -296,6 +299,36 @@ Status StartPrefillTcp(Worker& w, const RoleConfig& rc, const WorkerCommand& cmd
     advertised = Advertised(advertised, adv, false);
   }
   w.worker_service->SetPrefillFrameAddress(advertised);
+  return Status::Ok();
+}
+
+// The Watch stream's framed TCP listener (issue 23, docs/serving-workers.md
+// "Watch transport"): as the decode stream's, keyed <role>.watch_listen.
+Status StartWatchTcp(Worker& w, const RoleConfig& rc, const WorkerCommand& cmd) {
+  if (rc.watch_listen == "off") return Status::Ok();
+  std::string listen = rc.watch_listen;
+  if (listen == "auto") {
+    TANDEM_ASSIGN_OR_RETURN(HostPort grpc, ParseHostPort(w.server->address()));
+    listen = HostPort{grpc.host, 0}.ToString();
+  }
+  auto tls = InternalFrameTls(w.credentials);
+  if (!tls.ok()) return tls.status().WithContext("watch_listen");
+  prometheus::Counter* connections = &w.registry->Counter(
+      "tandem_watch_tcp_connections_total",
+      "Authenticated framed TCP Watch connections accepted (issue 23; one per proxy watch)");
+  WatchTcpOptions o;
+  o.address = listen;
+  o.tls = std::move(tls).value();
+  o.on_connection = [connections] { connections->Increment(); };
+  auto server = ServeWatchTcp(*w.worker_service, std::move(o));
+  if (!server.ok()) return server.status().WithContext("watch_listen");
+  w.watch_server = std::move(server).value();
+  std::string advertised = w.watch_server->address();
+  if (!cmd.advertise.empty()) {
+    TANDEM_ASSIGN_OR_RETURN(HostPort adv, ParseAdvertise(cmd.advertise));
+    advertised = Advertised(advertised, adv, false);
+  }
+  w.worker_service->SetWatchAddress(advertised);
   return Status::Ok();
 }
 
@@ -566,6 +599,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   }
   if (decodes) TANDEM_RETURN_IF_ERROR(StartDecodeMuxTcp(w, rc, cmd));
   if (prefills) TANDEM_RETURN_IF_ERROR(StartPrefillTcp(w, rc, cmd));
+  TANDEM_RETURN_IF_ERROR(StartWatchTcp(w, rc, cmd));
   w.worker_service->Start();
   return Status::Ok();
 }
@@ -606,6 +640,7 @@ void Drain(Worker& w, double drain_seconds) {
   }
   spdlog::debug("drain: in-flight work done; stopping Watch streams");
   if (w.worker_service) w.worker_service->Stop();
+  if (w.watch_server) w.watch_server->Stop();  // after the streams' graceful end
   spdlog::debug("drain: shutting the gRPC server down");
   if (w.server) w.server->Shutdown(1000);
   if (w.mux_server) w.mux_server->Stop();  // ends the TCP decode streams, as Shutdown the gRPC ones

@@ -24,41 +24,6 @@ namespace {
 namespace pb = ::tandem::v1;
 using tandem::StreamWriter;
 
-pb::WorkerRole RoleToProto(const std::string& role) {
-  if (role == "prefill") return pb::WORKER_ROLE_PREFILL;
-  if (role == "decode") return pb::WORKER_ROLE_DECODE;
-  if (role == "both") return pb::WORKER_ROLE_BOTH;
-  return pb::WORKER_ROLE_UNSPECIFIED;
-}
-
-void FillInfo(const WorkerIdentity& id, pb::WorkerInfo* out) {
-  out->set_name(id.name);
-  out->set_role(RoleToProto(id.role));
-  out->set_grpc_address(id.grpc_address);
-  out->set_metrics_address(id.metrics_address);
-  out->set_protocol_version(1);
-  out->set_model(id.model);
-  out->set_revision(id.revision);
-  out->set_block_size(id.block_size);
-  out->set_kv_dtype(id.kv_dtype);
-  out->set_num_layers(id.num_layers);
-  out->set_num_kv_heads(id.num_kv_heads);
-  out->set_head_dim(id.head_dim);
-  out->set_block_bytes(id.block_bytes);
-  out->set_num_blocks(id.num_blocks);
-  out->set_epoch(id.epoch);
-  out->set_transport_backend(id.transport_backend);
-  out->set_fleet_salt_fingerprint(id.fleet_salt_fingerprint);
-  out->set_hash_root(id.hash_root);
-  // Every decoder serves Decoder.DecodeStream (issue 23, docs/decode-stream.md).
-  out->set_decode_stream(id.role == "decode" || id.role == "both");
-  out->set_decode_mux_address(id.decode_mux_address);
-  out->set_prefill_frame_address(id.prefill_frame_address);
-  out->set_tensor_parallel(id.tensor_parallel);
-  out->set_pipeline_parallel(id.pipeline_parallel);
-  for (const auto& [k, v] : id.labels) (*out->mutable_labels())[k] = v;
-}
-
 // Who to tell when a Watch stream is cancelled (WorkerService::SetOnWatchCancelled);
 // shared with the streams, which may outlive the service's Impl.
 struct CancelHook {
@@ -74,9 +39,25 @@ struct CancelHook {
   }
 };
 
+// A gRPC Watch stream's writer.
+class GrpcWatchSink final : public WatchSink {
+ public:
+  explicit GrpcWatchSink(std::shared_ptr<StreamWriter<pb::WorkerUpdate>> writer)
+      : writer_(std::move(writer)) {}
+  bool open() const override { return !writer_->finished(); }
+  void Write(const pb::WorkerUpdate& update) override { writer_->Write(update); }
+  void End(bool graceful) override {
+    writer_->Finish(graceful ? grpc::Status::OK
+                             : grpc::Status(grpc::StatusCode::UNAVAILABLE, "worker stopping"));
+  }
+
+ private:
+  const std::shared_ptr<StreamWriter<pb::WorkerUpdate>> writer_;
+};
+
 // What the monitor thread keeps per Watch stream.
 struct Watcher {
-  std::shared_ptr<StreamWriter<pb::WorkerUpdate>> writer;
+  std::shared_ptr<WatchSink> writer;
   bool needs_snapshot = true;
   bool needs_load = true;        // its first load report goes at the next sample
   uint64_t last_event_id = 0;    // events up to this one are in what it was sent
@@ -135,7 +116,7 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
                                     pb::WorkerInfo* resp) override {
     {
       std::lock_guard lock(mu_);
-      FillInfo(identity_, resp);
+      FillWorkerInfo(identity_, resp);
     }
     auto* r = ctx->DefaultReactor();
     r->Finish(grpc::Status::OK);
@@ -145,21 +126,25 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
   grpc::ServerWriteReactor<pb::WorkerUpdate>* Watch(grpc::CallbackServerContext*,
                                                     const pb::WatchRequest* req) override {
     auto* stream = new WatchStream(cancel_hook_);
+    if (!AddWatch(std::make_shared<GrpcWatchSink>(stream->writer()), req->batched())) {
+      stream->writer()->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "worker stopping"));
+    }
+    return stream;
+  }
+
+  bool AddWatch(std::shared_ptr<WatchSink> sink, bool batched) {
     {
       std::lock_guard lock(mu_);
-      if (stopped_) {
-        stream->writer()->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "worker stopping"));
-        return stream;
-      }
+      if (stopped_) return false;
       Watcher w;
-      w.writer = stream->writer();
+      w.writer = std::move(sink);
       w.last_write = std::chrono::steady_clock::now();
-      w.batched = req->batched();
+      w.batched = batched;
       watchers_.push_back(std::move(w));
       wake_ = true;
     }
     cv_.notify_all();
-    return stream;
+    return true;
   }
 
   static void FillEvent(const engine::KvEvent& e, pb::KvEvent* ev) {
@@ -221,8 +206,8 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
 
   void Loop(std::stop_token stop) {
     using Clock = std::chrono::steady_clock;
-    using Writes = std::vector<std::pair<std::shared_ptr<StreamWriter<pb::WorkerUpdate>>,
-                                         std::shared_ptr<const pb::WorkerUpdate>>>;
+    using Writes =
+        std::vector<std::pair<std::shared_ptr<WatchSink>, std::shared_ptr<const pb::WorkerUpdate>>>;
     auto next_load = Clock::now();
     LoadSample last_sent;
     bool sent_any = false;
@@ -264,7 +249,7 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
       bool any_snapshot = false;
       {
         std::lock_guard lock(mu_);
-        std::erase_if(watchers_, [](const Watcher& w) { return w.writer->finished(); });
+        std::erase_if(watchers_, [](const Watcher& w) { return !w.writer->open(); });
         for (auto& w : watchers_) {
           w.needs_snapshot |= gap;
           any_snapshot |= w.needs_snapshot;
@@ -405,7 +390,7 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
       stopped_ = true;
       ws.swap(watchers_);
     }
-    for (auto& w : ws) w.writer->Finish(grpc::Status::OK);
+    for (auto& w : ws) w.writer->End(/*graceful=*/true);
   }
 
   mutable std::mutex mu_;
@@ -446,6 +431,17 @@ void WorkerService::SetDecodeMuxAddress(const std::string& address) {
   std::lock_guard lock(impl_->mu_);
   impl_->identity_.decode_mux_address = address;
 }
+
+void WorkerService::SetWatchAddress(const std::string& address) {
+  std::lock_guard lock(impl_->mu_);
+  impl_->identity_.watch_address = address;
+}
+
+bool WorkerService::AddWatch(std::shared_ptr<WatchSink> sink, bool batched) {
+  return impl_->AddWatch(std::move(sink), batched);
+}
+
+void WorkerService::WatchBroken() { impl_->cancel_hook_->Run(); }
 
 void WorkerService::SetPrefillFrameAddress(const std::string& address) {
   std::lock_guard lock(impl_->mu_);
@@ -488,108 +484,6 @@ void WorkerService::SetKeepalive(const std::string& proxy_address, std::chrono::
 void WorkerService::SetOnWatchCancelled(std::function<void()> fn) {
   std::lock_guard lock(impl_->cancel_hook_->mu);
   impl_->cancel_hook_->fn = std::move(fn);
-}
-
-namespace {
-
-// A failed TLS handshake is not transient: retrying cannot fix a
-// certificate of another CA (gRPC reports it as UNAVAILABLE).
-bool IsTlsFailure(const std::string& message) {
-  std::string m = message;
-  for (char& c : m) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return m.find("handshake") != std::string::npos || m.find("ssl") != std::string::npos ||
-         m.find("certificate") != std::string::npos || m.find("tls") != std::string::npos;
-}
-
-}  // namespace
-
-Status RegisterWithProxy(const std::string& proxy_address, const WorkerIdentity& identity,
-                         const RpcCredentials& credentials, std::chrono::milliseconds retry_for,
-                         std::shared_ptr<grpc::Channel> channel,
-                         std::chrono::milliseconds* heartbeat) {
-  auto stub = pb::Registry::NewStub(channel ? std::move(channel) : credentials.Dial(proxy_address));
-  pb::RegisterRequest req;
-  FillInfo(identity, req.mutable_worker());
-  const auto give_up = std::chrono::steady_clock::now() + retry_for;
-  Status last;
-  int closed_in_a_row = 0;
-  while (true) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    pb::RegisterResponse resp;
-    grpc::Status st = stub->Register(&ctx, req, &resp);
-    if (st.ok()) {
-      if (resp.has_error()) {
-        return FailedPreconditionError(fmt::format("the proxy at {} refused this worker: {}",
-                                                   proxy_address, resp.error().message()));
-      }
-      if (heartbeat != nullptr) {
-        *heartbeat = std::chrono::milliseconds(static_cast<int64_t>(
-            std::min<uint64_t>(resp.heartbeat_interval_ms(), 3'600'000)));
-      }
-      return Status::Ok();
-    }
-    last = FromGrpcStatus(st);
-    // A connection the proxy accepts and closes at once, again and again,
-    // is refused, not early (a proxy that is not up refuses the connect):
-    // over TLS 1.3 a client certificate the proxy does not trust shows so,
-    // and so does plaintext to a proxy that speaks TLS.
-    closed_in_a_row = st.error_message().find("Socket closed") != std::string::npos
-                          ? closed_in_a_row + 1
-                          : 0;
-    if (credentials.secure() && (IsTlsFailure(st.error_message()) || closed_in_a_row >= 3)) {
-      return UnauthenticatedError(fmt::format(
-          "registering with the proxy at {}: the TLS handshake failed or the proxy refused this "
-          "worker's certificate ({}); the internal plane uses mutual TLS: this worker's "
-          "--tls-ca/--tls-cert/--tls-key must come from the fleet's CA (the state file's tls "
-          "entry names it), and --join must name the proxy's internal listener (proxy.internal)",
-          proxy_address, st.error_message()));
-    }
-    if (!credentials.secure() && closed_in_a_row >= 3) {
-      return UnauthenticatedError(fmt::format(
-          "registering with the proxy at {}: it closes every plaintext connection ({}); it most "
-          "likely requires mutual TLS (security.internal_tls auto): give this worker "
-          "--tls-ca/--tls-cert/--tls-key of the fleet's CA",
-          proxy_address, st.error_message()));
-    }
-    const bool retryable = st.error_code() == grpc::StatusCode::UNAVAILABLE ||
-                           st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
-    if (!retryable || std::chrono::steady_clock::now() >= give_up) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  }
-  return last.WithContext(fmt::format(
-      "registering with the proxy at {}{}", proxy_address,
-      credentials.secure()
-          ? ""
-          : " over plaintext (security.internal_tls: off; a proxy with mutual TLS drops "
-            "plaintext connections)"));
-}
-
-Status ProxyChannels::Register(const std::string& proxy_address, const WorkerIdentity& identity,
-                               std::chrono::milliseconds retry_for,
-                               std::chrono::milliseconds* heartbeat) {
-  std::shared_ptr<grpc::Channel> channel;
-  {
-    std::lock_guard lock(mu_);
-    auto& kept = channels_[proxy_address];
-    if (!kept) {
-      kept = credentials_.Dial(proxy_address);
-      ++dials_;
-    }
-    channel = kept;
-  }
-  Status s = RegisterWithProxy(proxy_address, identity, credentials_, retry_for, channel, heartbeat);
-  if (!s.ok()) {
-    std::lock_guard lock(mu_);
-    auto it = channels_.find(proxy_address);
-    if (it != channels_.end() && it->second == channel) channels_.erase(it);
-  }
-  return s;
-}
-
-uint64_t ProxyChannels::dials() const {
-  std::lock_guard lock(mu_);
-  return dials_;
 }
 
 }  // namespace tandem::worker

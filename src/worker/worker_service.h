@@ -36,6 +36,11 @@
 #include "common/tls.h"
 #include "engine/engine.h"
 
+namespace tandem::v1 {
+class WorkerInfo;
+class WorkerUpdate;
+}
+
 namespace tandem::worker {
 
 struct WorkerIdentity {
@@ -62,6 +67,8 @@ struct WorkerIdentity {
   uint32_t pipeline_parallel = 1;
   // Issue 23: the decode stream's framed TCP listener ("" = none).
   std::string decode_mux_address;
+  // Issue 23: the Watch stream's framed TCP listener ("" = none).
+  std::string watch_address;
   // Issue 23: the Prefill call's framed TCP listener ("" = none).
   std::string prefill_frame_address;
 };
@@ -111,6 +118,20 @@ class IdleWake {
   std::function<void()> wake_;  // guarded by mu_
 };
 
+// A Watch stream's writer on a transport other than gRPC (issue 23,
+// worker/watch_tcp.h). The monitor thread calls Write and End; neither
+// blocks.
+class WatchSink {
+ public:
+  virtual ~WatchSink() = default;
+  // False once the stream is over (it broke, or End was called).
+  virtual bool open() const = 0;
+  virtual void Write(const tandem::v1::WorkerUpdate& update) = 0;
+  // Ends the stream. `graceful`: as a gRPC Watch ends with OK (the worker
+  // leaves: drain or stop); otherwise as one that breaks.
+  virtual void End(bool graceful) = 0;
+};
+
 class WorkerService {
  public:
   // A Watch stream gets a report at least this often until a proxy asks
@@ -134,6 +155,16 @@ class WorkerService {
   void SetAddresses(const std::string& grpc_address, const std::string& metrics_address);
   // Issue 23: where the decode stream is served over framed TCP (before Start).
   void SetDecodeMuxAddress(const std::string& address);
+  // Issue 23: where the Watch stream is served over framed TCP (before Start).
+  void SetWatchAddress(const std::string& address);
+  // Issue 23: a Watch stream on another transport (worker/watch_tcp.h),
+  // served exactly as a gRPC one (WatchRequest.batched = `batched`; a
+  // snapshot first). False (nothing kept) when the worker is stopping or
+  // has left.
+  bool AddWatch(std::shared_ptr<WatchSink> sink, bool batched);
+  // Such a stream broke or its proxy closed it: runs the
+  // SetOnWatchCancelled hook, as a cancelled gRPC stream does.
+  void WatchBroken();
   // Issue 23: where Prefill is served over framed TCP (before Start).
   void SetPrefillFrameAddress(const std::string& address);
   WorkerIdentity identity() const;
@@ -159,6 +190,9 @@ class WorkerService {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// `id` as the WorkerInfo of GetInfo and registrations (proxy_channels.cc).
+void FillWorkerInfo(const WorkerIdentity& id, tandem::v1::WorkerInfo* out);
 
 // Registry.Register on the proxy's internal listener at `proxy_address`
 // over `credentials`, retried while the proxy is unreachable (UNAVAILABLE)

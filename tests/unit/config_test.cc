@@ -114,6 +114,30 @@ TEST(Config, PrefillFrameListenAndPrefillTransport) {  // issue 23, prefill-tcp
             std::string::npos);
 }
 
+TEST(Config, WatchListenAndWatchTransport) {  // issue 23
+  auto r = Parse(kGood);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->prefill.watch_listen, "auto");
+  EXPECT_EQ(r->decode.watch_listen, "auto");
+  EXPECT_EQ(r->proxy.watch_transport, "tcp");
+  auto set = Parse(
+      "model:\n  path: m\nproxy:\n  watch_transport: grpc\nprefill:\n  replicas: 1\n  "
+      "watch_listen: 127.0.0.1:0\ndecode:\n  replicas: 1\n  watch_listen: off\n");
+  ASSERT_TRUE(set.ok()) << set.status().message();
+  EXPECT_EQ(set->proxy.watch_transport, "grpc");
+  EXPECT_EQ(set->prefill.watch_listen, "127.0.0.1:0");
+  EXPECT_EQ(set->decode.watch_listen, "off");
+  EXPECT_EQ(ErrorOf("model:\n  path: m\nproxy:\n  watch_transport: quic\nboth:\n  replicas: 1\n"),
+            "configs/x.yaml:4: key 'proxy.watch_transport' must be one of 'tcp', 'grpc', got 'quic'");
+  EXPECT_NE(ErrorOf("model:\n  path: m\nboth:\n  replicas: 1\n  watch_listen: nowhere\n")
+                .find("both.watch_listen is 'nowhere': expected auto, off or host:port"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("model:\n  path: m\nprefill:\n  replicas: 2\n  watch_listen: 127.0.0.1:7000\n"
+                    "decode:\n  replicas: 1\n")
+                .find("prefill.watch_listen '127.0.0.1:7000' has a fixed port but prefill.replicas is 2"),
+            std::string::npos);
+}
+
 TEST(Config, TransportPushIsStreamingOrAfterPrefill) {
   auto r = Parse("model:\n  path: m\ntransport:\n  push: after_prefill\nboth:\n  replicas: 1\n");
   ASSERT_TRUE(r.ok()) << r.status().message();

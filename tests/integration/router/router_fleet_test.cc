@@ -231,6 +231,23 @@ PolicyResult RunPolicy(const std::string& policy) {
       EXPECT_EQ(v.value_or(-1), 0) << w.name;
     }
   }
+  // Issue 23: every worker's Watch stream (the events this test routes by)
+  // goes over its framed TCP listener (proxy.watch_transport tcp, the
+  // default), or over gRPC when the suite runs with TANDEM_TEST_WATCH_TRANSPORT=grpc.
+  {
+    const char* wt = getenv("TANDEM_TEST_WATCH_TRANSPORT");
+    const bool grpc_watch = wt != nullptr && std::string(wt) == "grpc";
+    for (const auto& w : (*fleet)->workers()) {
+      auto text = Scrape(w.metrics);
+      EXPECT_TRUE(text.ok()) << text.status().ToString();
+      const double n = text.ok() ? MetricValue(*text, "tandem_watch_tcp_connections_total") : -1;
+      if (grpc_watch) {
+        EXPECT_EQ(n, 0) << w.name;
+      } else {
+        EXPECT_GE(n, 1) << w.name;
+      }
+    }
+  }
   const Counts start = Read(**fleet);
   const auto prompts = DocumentPrompts();
   const auto& refs = DocumentReference();

@@ -251,6 +251,49 @@ TEST(EngineTest, DecodeRunEventsAreQueuedWithoutAWakeUp) {
   EXPECT_EQ(wakes, 2);
 }
 
+// Issue 23: the blocks a long prompt's chunk steps store before its last
+// chunk are quiet (queued, no wake-up); the last chunk's step wakes the
+// drainer once even when it stores no block itself, and every event is
+// drained in chain order.
+TEST(EngineTest, PrefillChunkEventsLeaveWithTheLastChunk) {
+  EngineOptions o;
+  o.num_blocks = 64;
+  o.scheduler.max_batched_tokens = 32;
+  auto e = MakeEngine(TinyModel(), o);
+  int wakes = 0;
+  e->events().SubscribeWake([&] { ++wakes; });
+  Collector a;
+  // 100 tokens in chunks of 32, 32, 32, 4: 2 full blocks per chunk of 32,
+  // none in the last (96..100 fills no block).
+  ASSERT_TRUE(e->Submit(Req("a", Prompt(100, 4), 2, &a)).ok());
+  for (int chunk = 1; chunk <= 3; ++chunk) {
+    ASSERT_TRUE(e->Step());
+    EXPECT_EQ(wakes, 0) << "chunk " << chunk;
+    EXPECT_TRUE(a.tokens.empty());
+  }
+  EXPECT_GE(e->events().last_event_id(), 3u);  // stored, queued without a wake-up
+  ASSERT_TRUE(e->Step());  // the last chunk: samples the first token
+  EXPECT_EQ(a.tokens.size(), 1u);
+  EXPECT_EQ(wakes, 1);
+  std::vector<uint64_t> stored;
+  uint64_t last_id = 0;
+  for (const auto& x : e->events().Drain()) {
+    ASSERT_EQ(x.kind, KvEventKind::kStored);
+    EXPECT_EQ(x.event_id, ++last_id);
+    EXPECT_EQ(x.parent_hash, stored.empty() ? e->root_hash() : stored.back());
+    stored.insert(stored.end(), x.hashes.begin(), x.hashes.end());
+  }
+  EXPECT_EQ(stored, HashBlocks(e->root_hash(), std::span<const uint32_t>(Prompt(100, 4)).first(96), 16));
+  e->RunUntilIdle();
+  EXPECT_EQ(a.tokens, GenerateAlone(Prompt(100, 4), 2));
+  // A prompt of one chunk wakes the drainer as before.
+  Collector b;
+  ASSERT_TRUE(e->Submit(Req("b", Prompt(20, 6), 1, &b)).ok());
+  const int before = wakes;
+  ASSERT_TRUE(e->Step());
+  EXPECT_EQ(wakes, before + 1);
+}
+
 // Issue 23: work that does not fit waits for a release without polling;
 // a release, and a queued request's deadline, end the wait.
 TEST(EngineTest, BlockedWorkWaitsForAReleaseOrItsDeadline) {

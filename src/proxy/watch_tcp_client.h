@@ -1,0 +1,66 @@
+// The proxy's side of the Watch stream over framed TCP (issue 23,
+// docs/serving-workers.md "Watch transport"; the worker's side is
+// worker/watch_tcp.h): one framed connection per watch (mutual TLS when the
+// internal plane is TLS), the WatchRequest as its first frame, then the
+// worker's WorkerUpdate frames.
+//
+// One reader thread per connection dials, runs the TLS handshake, sends the
+// request and reads the updates: at idle it wakes once per worker
+// keep-alive and writes nothing back (no WINDOW_UPDATE, no ping). A
+// connection that cannot be dialled or authenticated within the handshake
+// timeout, or that breaks, ends the watch (not gracefully); a last update
+// with `watch_ended` ends it gracefully (the worker leaves).
+//
+// Threads: Create/Start/Stop from any thread (Stop also from a callback);
+// the callbacks run on the reader thread, in order, on_end once and last.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "common/frame_conn.h"
+#include "tandem/v1/worker.pb.h"
+
+namespace tandem::proxy {
+
+class WatchTcpClient : public std::enable_shared_from_this<WatchTcpClient> {
+ public:
+  struct Callbacks {
+    std::function<void(const v1::WorkerUpdate&)> on_update;
+    // `graceful`: the worker ended the watch (watch_ended); otherwise `why`
+    // says why it broke (or Stop's reason).
+    std::function<void(bool graceful, const Status& why)> on_end;
+  };
+
+  static std::shared_ptr<WatchTcpClient> Create(const std::string& address,
+                                                std::shared_ptr<FrameTls> tls,
+                                                v1::WatchRequest request, FrameOptions options = {});
+  // Starts the reader (once).
+  void Start(Callbacks callbacks);
+  // Ends the watch: no update is handed on after it returns to its caller's
+  // thread's next read; on_end follows on the reader thread. Idempotent.
+  void Stop(const Status& why);
+  ~WatchTcpClient();
+
+  WatchTcpClient(std::shared_ptr<FrameConn> conn, v1::WatchRequest request);  // use Create
+  WatchTcpClient(const WatchTcpClient&) = delete;
+  WatchTcpClient& operator=(const WatchTcpClient&) = delete;
+
+ private:
+  void Run();
+  void Wake();
+
+  const std::shared_ptr<FrameConn> conn_;
+  const v1::WatchRequest request_;
+  Callbacks callbacks_;
+  int wake_fd_ = -1;  // eventfd: Stop, output left for POLLOUT
+  std::atomic<bool> stopped_{false};
+  v1::WorkerUpdate update_;  // the reader thread only: reused
+  std::thread reader_;
+  std::shared_ptr<WatchTcpClient> self_;  // the reader's reference, until it ends
+};
+
+}  // namespace tandem::proxy
