@@ -373,19 +373,28 @@ PrefillResult ToPrefillResult(const pb::PrefillResponse& resp) {
 
 std::shared_ptr<PrefillTcpClient> GrpcWorkerClient::PrefillClient(const std::string& address,
                                                                   const PrefillTcpClient* stale) {
-  std::lock_guard lock(mu_);
-  if (!prefill_tcp_) return nullptr;
-  const auto tcp = prefill_tcp_addresses_.find(address);
-  if (tcp == prefill_tcp_addresses_.end()) return nullptr;
-  auto& client = prefill_clients_[address];
-  // (A worker that registered again elsewhere gets a new connection.)
-  if (client && client.get() != stale && !client->ended() && client->address() == tcp->second) {
-    return client;
+  std::shared_ptr<PrefillTcpClient> moved;  // stopped outside the lock (Stop joins its reader)
+  std::shared_ptr<PrefillTcpClient> fresh;
+  {
+    std::lock_guard lock(mu_);
+    if (!prefill_tcp_) return nullptr;
+    const auto tcp = prefill_tcp_addresses_.find(address);
+    if (tcp == prefill_tcp_addresses_.end()) return nullptr;
+    auto& client = prefill_clients_[address];
+    if (client && client.get() != stale && !client->ended() && client->address() == tcp->second) {
+      return client;
+    }
+    // A worker that registered again elsewhere gets a new connection; the
+    // one to its old address is closed (its calls end UNAVAILABLE), not left
+    // open until that peer goes away.
+    if (client && !client->ended() && client->address() != tcp->second) moved = client;
+    client = PrefillTcpClient::Open(tcp->second, frame_tls_);
+    std::erase_if(prefill_tcp_clients_, [](const auto& w) { return w.expired(); });
+    prefill_tcp_clients_.push_back(client);
+    fresh = client;
   }
-  client = PrefillTcpClient::Open(tcp->second, frame_tls_);
-  std::erase_if(prefill_tcp_clients_, [](const auto& w) { return w.expired(); });
-  prefill_tcp_clients_.push_back(client);
-  return client;
+  if (moved) moved->Stop();
+  return fresh;
 }
 
 std::shared_ptr<Call> GrpcWorkerClient::Prefill(const std::string& address, PrefillArgs args,
