@@ -112,7 +112,7 @@ TEST(BenchProxy, StreamAndSseCountEveryTokenOnBothApis) {
 // prompt-floor: a bare Prefill server in a child process, called over
 // plaintext and mutual TLS, back to back and at the prompt workload's
 // cadence; every call succeeds and both sides are charged CPU.
-TEST(BenchProxy, PromptFloorCallsABareServerOverBothChannels) {
+TEST(BenchProxy, PromptFloorCallsABareServerOverEveryChannel) {
   if (!fs::exists(BundledModel() + "/model.safetensors")) GTEST_SKIP() << "bundled model missing";
   auto fleet = Fleet::Launch(FleetOptions{});
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
@@ -127,17 +127,21 @@ TEST(BenchProxy, PromptFloorCallsABareServerOverBothChannels) {
   const auto j = nlohmann::json::parse(in, nullptr, false);
   fs::remove(json_path);
   ASSERT_TRUE(j.is_array()) << r.out;
-  // prompt, then per mode (back-to-back, paced): plaintext, mtls, estimate.
-  ASSERT_EQ(j.size(), 7u) << j.dump();
+  // prompt, then per mode (back-to-back, paced): plaintext, mtls,
+  // framed-mtls, then the estimates (framed worker calls, gRPC worker calls).
+  constexpr size_t kPerMode = 5;
+  ASSERT_EQ(j.size(), 1 + 2 * kPerMode) << j.dump();
   EXPECT_EQ(j[0]["workload"], "prompt");
   EXPECT_EQ(j[0]["requests_ok"], 4);
   const char* modes[] = {"back-to-back", "paced"};
+  const char* channels[] = {"plaintext", "mtls", "framed-mtls"};
   for (size_t m = 0; m < 2; ++m) {
-    for (size_t c = 0; c < 2; ++c) {
-      const auto& w = j[1 + m * 3 + c];
+    const size_t at = 1 + m * kPerMode;
+    for (size_t c = 0; c < 3; ++c) {
+      const auto& w = j[at + c];
       SCOPED_TRACE(w.dump());
       EXPECT_EQ(w["workload"], "prompt-floor");
-      EXPECT_EQ(w["channel"], c == 0 ? "plaintext" : "mtls");
+      EXPECT_EQ(w["channel"], channels[c]);
       EXPECT_EQ(w["mode"], modes[m]);
       EXPECT_EQ(w["requests_ok"], 4);
       EXPECT_EQ(w["input_len"], 64);
@@ -145,14 +149,19 @@ TEST(BenchProxy, PromptFloorCallsABareServerOverBothChannels) {
       EXPECT_GT(w["server_us_per_call"].get<double>(), 0.0);
       EXPECT_GT(w["client_us_per_call"].get<double>(), 0.0);
     }
-    const auto& e = j[1 + m * 3 + 2];
-    EXPECT_EQ(e["channel"], "proxy-estimate");
-    EXPECT_NEAR(e["proxy_ms_per_request"].get<double>(),
-                (j[1 + m * 3]["server_us_per_call"].get<double>() +
-                 2 * j[2 + m * 3]["client_us_per_call"].get<double>()) / 1e3,
-                1e-9);
+    // The proxy's estimate: the public (plaintext) server's call plus two
+    // worker calls as a client, over the framed transport or over gRPC mTLS.
+    const double server = j[at]["server_us_per_call"].get<double>();
+    const auto& framed = j[at + 3];
+    EXPECT_EQ(framed["channel"], "proxy-estimate-framed");
+    EXPECT_NEAR(framed["proxy_ms_per_request"].get<double>(),
+                (server + 2 * j[at + 2]["client_us_per_call"].get<double>()) / 1e3, 1e-9);
+    const auto& grpc = j[at + 4];
+    EXPECT_EQ(grpc["channel"], "proxy-estimate");
+    EXPECT_NEAR(grpc["proxy_ms_per_request"].get<double>(),
+                (server + 2 * j[at + 1]["client_us_per_call"].get<double>()) / 1e3, 1e-9);
   }
-  EXPECT_GT(j[4]["paced_per_s"].get<double>(), 0.0);
+  EXPECT_GT(j[1 + kPerMode]["paced_per_s"].get<double>(), 0.0);
   EXPECT_NE(r.out.find("\npfloor "), std::string::npos) << r.out;
 }
 
