@@ -26,13 +26,7 @@ constexpr size_t kHeaderBytes = 4;
 constexpr size_t kReadChunkBytes = 64 << 10;
 
 std::string OpenSslErrors() {
-  std::string out;
-  while (unsigned long e = ERR_get_error()) {
-    char buf[256];
-    ERR_error_string_n(e, buf, sizeof(buf));
-    if (!out.empty()) out += "; ";
-    out += buf;
-  }
+  std::string out = DrainOpenSslErrors();
   return out.empty() ? "no OpenSSL error queued" : out;
 }
 

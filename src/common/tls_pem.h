@@ -9,6 +9,7 @@
 #include <openssl/x509.h>
 
 #include <memory>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -32,5 +33,9 @@ Result<std::vector<X509Ptr>> ParsePemCertificates(std::string_view pem);
 // The first private key of `pem` (unencrypted PEM); null when none can be
 // read (OpenSSL's reason stays queued).
 EvpKeyPtr ParsePemPrivateKey(std::string_view pem);
+
+// This thread's queued OpenSSL errors, "; "-joined, the queue emptied;
+// "" when none was queued.
+std::string DrainOpenSslErrors();
 
 }  // namespace tandem

@@ -237,16 +237,27 @@ struct Worker {
   }
 };
 
+// Where a framed TCP listener binds: its setting, `auto` = the gRPC
+// address's host on a port the kernel picks.
+Result<std::string> FrameListenAddress(const Worker& w, const std::string& setting) {
+  if (setting != "auto") return setting;
+  TANDEM_ASSIGN_OR_RETURN(HostPort grpc, ParseHostPort(w.server->address()));
+  return HostPort{grpc.host, 0}.ToString();
+}
+
+// What such a listener bound at `bound` advertises (--advertise's host).
+Result<std::string> AdvertisedFrameAddress(const std::string& bound, const WorkerCommand& cmd) {
+  if (cmd.advertise.empty()) return bound;
+  TANDEM_ASSIGN_OR_RETURN(HostPort adv, ParseAdvertise(cmd.advertise));
+  return Advertised(bound, adv, false);
+}
+
 // The decode stream's framed TCP listener (issue 23, docs/decode-stream.md
 // "Transport"): on the gRPC address's host unless decode.mux_listen says
 // otherwise, with the internal plane's mutual TLS identity.
 Status StartDecodeMuxTcp(Worker& w, const RoleConfig& rc, const WorkerCommand& cmd) {
   if (rc.mux_listen == "off") return Status::Ok();
-  std::string listen = rc.mux_listen;
-  if (listen == "auto") {
-    TANDEM_ASSIGN_OR_RETURN(HostPort grpc, ParseHostPort(w.server->address()));
-    listen = HostPort{grpc.host, 0}.ToString();
-  }
+  TANDEM_ASSIGN_OR_RETURN(const std::string listen, FrameListenAddress(w, rc.mux_listen));
   auto tls = InternalFrameTls(w.credentials);
   if (!tls.ok()) return tls.status().WithContext("decode.mux_listen");
   prometheus::Counter* connections = &w.registry->Counter(
@@ -260,11 +271,8 @@ Status StartDecodeMuxTcp(Worker& w, const RoleConfig& rc, const WorkerCommand& c
   auto server = decoder::ServeDecodeMuxTcp(*w.decoder, std::move(o));
   if (!server.ok()) return server.status().WithContext("decode.mux_listen");
   w.mux_server = std::move(server).value();
-  std::string advertised = w.mux_server->address();
-  if (!cmd.advertise.empty()) {
-    TANDEM_ASSIGN_OR_RETURN(HostPort adv, ParseAdvertise(cmd.advertise));
-    advertised = Advertised(advertised, adv, false);
-  }
+  TANDEM_ASSIGN_OR_RETURN(const std::string advertised,
+                          AdvertisedFrameAddress(w.mux_server->address(), cmd));
   w.worker_service->SetDecodeMuxAddress(advertised);
   return Status::Ok();
 }
@@ -273,11 +281,7 @@ Status StartDecodeMuxTcp(Worker& w, const RoleConfig& rc, const WorkerCommand& c
 // "Prefill transport"): as the decode stream's, under prefill.frame_listen.
 Status StartPrefillTcp(Worker& w, const RoleConfig& rc, const WorkerCommand& cmd) {
   if (rc.frame_listen == "off") return Status::Ok();
-  std::string listen = rc.frame_listen;
-  if (listen == "auto") {
-    TANDEM_ASSIGN_OR_RETURN(HostPort grpc, ParseHostPort(w.server->address()));
-    listen = HostPort{grpc.host, 0}.ToString();
-  }
+  TANDEM_ASSIGN_OR_RETURN(const std::string listen, FrameListenAddress(w, rc.frame_listen));
   auto tls = InternalFrameTls(w.credentials);
   if (!tls.ok()) return tls.status().WithContext("prefill.frame_listen");
   prometheus::Counter* connections = &w.registry->Counter(
@@ -293,11 +297,8 @@ Status StartPrefillTcp(Worker& w, const RoleConfig& rc, const WorkerCommand& cmd
   auto server = prefiller::ServePrefillTcp(*w.prefiller, std::move(o));
   if (!server.ok()) return server.status().WithContext("prefill.frame_listen");
   w.prefill_frame_server = std::move(server).value();
-  std::string advertised = w.prefill_frame_server->address();
-  if (!cmd.advertise.empty()) {
-    TANDEM_ASSIGN_OR_RETURN(HostPort adv, ParseAdvertise(cmd.advertise));
-    advertised = Advertised(advertised, adv, false);
-  }
+  TANDEM_ASSIGN_OR_RETURN(const std::string advertised,
+                          AdvertisedFrameAddress(w.prefill_frame_server->address(), cmd));
   w.worker_service->SetPrefillFrameAddress(advertised);
   return Status::Ok();
 }
@@ -306,11 +307,7 @@ Status StartPrefillTcp(Worker& w, const RoleConfig& rc, const WorkerCommand& cmd
 // "Watch transport"): as the decode stream's, keyed <role>.watch_listen.
 Status StartWatchTcp(Worker& w, const RoleConfig& rc, const WorkerCommand& cmd) {
   if (rc.watch_listen == "off") return Status::Ok();
-  std::string listen = rc.watch_listen;
-  if (listen == "auto") {
-    TANDEM_ASSIGN_OR_RETURN(HostPort grpc, ParseHostPort(w.server->address()));
-    listen = HostPort{grpc.host, 0}.ToString();
-  }
+  TANDEM_ASSIGN_OR_RETURN(const std::string listen, FrameListenAddress(w, rc.watch_listen));
   auto tls = InternalFrameTls(w.credentials);
   if (!tls.ok()) return tls.status().WithContext("watch_listen");
   prometheus::Counter* connections = &w.registry->Counter(
@@ -323,11 +320,8 @@ Status StartWatchTcp(Worker& w, const RoleConfig& rc, const WorkerCommand& cmd) 
   auto server = ServeWatchTcp(*w.worker_service, std::move(o));
   if (!server.ok()) return server.status().WithContext("watch_listen");
   w.watch_server = std::move(server).value();
-  std::string advertised = w.watch_server->address();
-  if (!cmd.advertise.empty()) {
-    TANDEM_ASSIGN_OR_RETURN(HostPort adv, ParseAdvertise(cmd.advertise));
-    advertised = Advertised(advertised, adv, false);
-  }
+  TANDEM_ASSIGN_OR_RETURN(const std::string advertised,
+                          AdvertisedFrameAddress(w.watch_server->address(), cmd));
   w.worker_service->SetWatchAddress(advertised);
   return Status::Ok();
 }

@@ -9,21 +9,9 @@
 #include <cerrno>
 #include <cstring>
 
+#include "common/tls_pem.h"
+
 namespace tandem::proxy::h2 {
-namespace {
-
-std::string SslErrors() {
-  std::string out;
-  while (unsigned long e = ERR_get_error()) {
-    char buf[256];
-    ERR_error_string_n(e, buf, sizeof buf);
-    if (!out.empty()) out += "; ";
-    out += buf;
-  }
-  return out;
-}
-
-}  // namespace
 
 std::string PeerAddress(int fd) {
   sockaddr_storage ss{};
@@ -61,7 +49,7 @@ H2Io::~H2Io() {
 }
 
 void H2Io::LogFailure(const char* what) {
-  const std::string errors = SslErrors();
+  const std::string errors = DrainOpenSslErrors();
   spdlog::warn("gRPC (native): TLS {} with {} failed{}{}", what, PeerAddress(fd_),
                errors.empty() ? "" : ": ", errors);
 }

@@ -20,13 +20,7 @@ constexpr char kTls12Ciphers[] =
     "ECDHE-RSA-AES128-GCM-SHA256:ECDHE-RSA-AES256-GCM-SHA384";
 
 std::string SslErrors() {
-  std::string out;
-  while (unsigned long e = ERR_get_error()) {
-    char buf[256];
-    ERR_error_string_n(e, buf, sizeof buf);
-    if (!out.empty()) out += "; ";
-    out += buf;
-  }
+  std::string out = DrainOpenSslErrors();
   return out.empty() ? "no OpenSSL error queued" : out;
 }
 
