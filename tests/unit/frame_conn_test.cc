@@ -16,28 +16,16 @@
 #include <mutex>
 #include <thread>
 
-#include "common/frame_conn.h"
-#include "common/frame_server.h"
 #include "common/net.h"
-#include "common/tls_certs.h"
+#include "frame_test_support.h"
 #include "tandem/v1/worker.pb.h"
 
 namespace tandem {
 namespace {
 
 namespace pb = ::tandem::v1;
-
-TlsPem Identity(const CertKeyPem& ca, const std::string& name) {
-  auto cert = IssueCertificate(ca, name, {"127.0.0.1", "localhost"}, 1);
-  EXPECT_TRUE(cert.ok()) << cert.status().ToString();
-  return TlsPem{ca.cert, cert->cert, cert->key};
-}
-
-std::shared_ptr<FrameTls> Tls(const TlsPem& pem) {
-  auto t = FrameTls::Create(pem);
-  EXPECT_TRUE(t.ok()) << t.status().ToString();
-  return t.ok() ? *t : nullptr;
-}
+using frame_testing::Identity;
+using frame_testing::Tls;
 
 // What a server session saw.
 struct Seen {
@@ -95,12 +83,12 @@ class EchoSession final : public FrameSession {
 
 std::unique_ptr<FrameServer> Serve(std::shared_ptr<FrameTls> tls, Seen* seen, FrameOptions o = {},
                                    bool echo = true) {
-  auto s = FrameServer::Start("127.0.0.1:0", std::move(tls), o,
-                              [seen, echo](const std::shared_ptr<FrameConn>& c) {
-                                return std::make_shared<EchoSession>(c, seen, echo);
-                              });
-  EXPECT_TRUE(s.ok()) << s.status().ToString();
-  return s.ok() ? std::move(*s) : nullptr;
+  return frame_testing::Listen(
+      std::move(tls),
+      [seen, echo](const std::shared_ptr<FrameConn>& c) {
+        return std::make_shared<EchoSession>(c, seen, echo);
+      },
+      o);
 }
 
 // A client connection driven by its own thread (as DecodeMuxTcpClient's reader).
@@ -172,14 +160,10 @@ pb::DecodeStreamRequest Cancel(uint64_t n) {
 class FrameConnTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto ca = CreateCaCertificate("fleet-ca", 1);
-    ASSERT_TRUE(ca.ok()) << ca.status().ToString();
-    ca_ = *ca;
-    auto other = CreateCaCertificate("other-ca", 1);
-    ASSERT_TRUE(other.ok()) << other.status().ToString();
-    other_ca_ = *other;
+    ca_ = frame_testing::MakeCa("fleet-ca");
+    ASSERT_FALSE(HasFailure());
   }
-  CertKeyPem ca_, other_ca_;
+  CertKeyPem ca_;
 };
 
 void RoundTrip(std::shared_ptr<FrameTls> server_tls, std::shared_ptr<FrameTls> client_tls) {
@@ -241,9 +225,7 @@ TEST_F(FrameConnTest, AClientWithoutAFleetCertificateIsRefused) {
   ASSERT_NE(server, nullptr);
   {
     // Its own certificate is from another CA (it trusts the fleet's).
-    TlsPem stranger = Identity(other_ca_, "stranger");
-    stranger.ca = ca_.cert;
-    Client client(server->address(), Tls(stranger));
+    Client client(server->address(), Tls(frame_testing::Stranger(ca_, "stranger")));
     // The handshake may have failed already: then the send fails too.
     (void)client.conn().Send(Cancel(1));
     EXPECT_FALSE(client.WaitEnd().ok());
@@ -265,9 +247,8 @@ TEST_F(FrameConnTest, AClientWithoutAFleetCertificateIsRefused) {
 
 TEST_F(FrameConnTest, AServerWithoutAFleetCertificateIsRefusedByTheClient) {
   Seen seen;
-  TlsPem impostor = Identity(other_ca_, "impostor");
-  impostor.ca = ca_.cert;  // it would accept the fleet's clients
-  auto server = Serve(Tls(impostor), &seen);
+  // It would accept the fleet's clients.
+  auto server = Serve(Tls(frame_testing::Stranger(ca_, "impostor")), &seen);
   ASSERT_NE(server, nullptr);
   Client client(server->address(), Tls(Identity(ca_, "proxy")));
   // The handshake may have failed already: then the send fails too.
