@@ -1,5 +1,6 @@
-// The framed TCP transport (common/frame_conn.h, common/frame_server.h;
-// issue 23): frames round trip in order over mutual TLS and plaintext; an
+// The framed TCP transport (common/frame_conn.h, common/frame_server.h,
+// common/frame_reader.h; issue 23): frames round trip in order over mutual
+// TLS and plaintext; an
 // over-limit frame is refused with a clear error on both sides; a peer
 // without a certificate of the fleet CA is refused by the server and a
 // server without one by the client; a peer that does not read never blocks
@@ -16,6 +17,7 @@
 #include <mutex>
 #include <thread>
 
+#include "common/frame_reader.h"
 #include "common/net.h"
 #include "frame_test_support.h"
 #include "tandem/v1/worker.pb.h"
@@ -91,16 +93,34 @@ std::unique_ptr<FrameServer> Serve(std::shared_ptr<FrameTls> tls, Seen* seen, Fr
       o);
 }
 
-// A client connection driven by its own thread (as DecodeMuxTcpClient's reader).
+// A client connection served by a FrameReader (as the proxy's clients).
 class Client {
  public:
   Client(const std::string& address, std::shared_ptr<FrameTls> tls, FrameOptions o = {})
-      : conn_(FrameConn::Client(address, std::move(tls), o)) {
-    thread_ = std::thread([this] { Run(); });
+      : conn_(FrameConn::Client(address, std::move(tls), o)), reader_(conn_) {
+    FrameReader::Hooks hooks;
+    hooks.on_frame = [this](std::string_view payload) {
+      pb::DecodeStreamResponse r;
+      if (!r.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+        return InvalidArgumentError("not a DecodeStreamResponse");
+      }
+      std::lock_guard lock(mu_);
+      for (const auto& item : r.items()) handles_.push_back(item.handle());
+      cv_.notify_all();
+      return Status::Ok();
+    };
+    hooks.on_end = [this](const Status& why) {
+      std::lock_guard lock(mu_);
+      ended_ = true;
+      end_ = why;
+      cv_.notify_all();
+    };
+    reader_.Start("test-frame-rd", std::move(hooks), nullptr);
   }
   ~Client() {
     conn_->Close(CancelledError("test over"));
-    thread_.join();
+    reader_.Wake();
+    reader_.Join();
   }
   FrameConn& conn() { return *conn_; }
   // Waits for `n` answers (or the end); the handles received.
@@ -114,41 +134,19 @@ class Client {
     cv_.wait_for(lock, std::chrono::seconds(20), [&] { return ended_; });
     return ended_ ? end_ : InternalError("still open");
   }
-
- private:
-  void Run() {
-    Status st = conn_->Connect();
-    while (st.ok()) {
-      pollfd p{conn_->fd(), conn_->Events(), 0};
-      poll(&p, 1, 100);
-      st = conn_->Progress(p.revents, [this](std::string_view payload) {
-        pb::DecodeStreamResponse r;
-        if (!r.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
-          return InvalidArgumentError("not a DecodeStreamResponse");
-        }
-        std::lock_guard lock(mu_);
-        for (const auto& item : r.items()) handles_.push_back(item.handle());
-        cv_.notify_all();
-        return Status::Ok();
-      });
-      if (st.ok() && !conn_->open() &&
-          std::chrono::steady_clock::now() > conn_->handshake_deadline()) {
-        st = DeadlineExceededError("handshake timeout");
-      }
-    }
+  bool ended() {
     std::lock_guard lock(mu_);
-    ended_ = true;
-    end_ = st;
-    cv_.notify_all();
+    return ended_;
   }
 
+ private:
   std::shared_ptr<FrameConn> conn_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<uint64_t> handles_;
   bool ended_ = false;
   Status end_ = Status::Ok();
-  std::thread thread_;
+  FrameReader reader_;  // last: it ends before the members above go
 };
 
 pb::DecodeStreamRequest Cancel(uint64_t n) {
