@@ -8,7 +8,12 @@ namespace tandem::proxy {
 
 Frontend::Frontend(ServingLimits limits, LifecycleDeps deps, uint32_t max_inflight,
                    std::unique_ptr<Tenants> tenants)
-    : limits_(std::move(limits)), deps_(deps), max_inflight_(max_inflight),
+    : limits_(std::move(limits)),
+      deps_([this, d = std::move(deps)]() mutable {
+        d.defer_launch = [this](std::function<void()> job) { work_->Submit(std::move(job)); };
+        return std::move(d);
+      }()),
+      max_inflight_(max_inflight),
       tenants_(std::move(tenants)),
       work_(std::make_unique<WorkPool>(WorkPool::DefaultThreads())) {
   if (!tenants_) tenants_ = std::move(Tenants::Parse("", "", "")).value();

@@ -79,6 +79,14 @@ RequestLifecycle::RequestLifecycle(const LifecycleDeps& deps, ValidatedRequest r
   }
 }
 
+void RequestLifecycle::Relaunch() {
+  if (!deps_.defer_launch) {
+    Launch();
+    return;
+  }
+  deps_.defer_launch([self = shared_from_this()] { self->Launch(); });
+}
+
 void RequestLifecycle::Launch() {
   std::unique_lock lock(mu_);
   if (done_) return;
@@ -247,7 +255,7 @@ void RequestLifecycle::OnPrefillDone(uint32_t attempt, Result<PrefillResult> r) 
     const bool relaunch = !done_;
     lock.unlock();
     CancelAll(to_cancel);
-    if (relaunch) Launch();
+    if (relaunch) Relaunch();
     return;
   }
   if (base_ == 0) cached_tokens_ = r->cached_prompt_tokens;
@@ -344,7 +352,7 @@ void RequestLifecycle::OnDecodeError(uint32_t attempt, Status st, bool from_work
   const bool relaunch = !done_;
   lock.unlock();
   CancelAll(to_cancel);
-  if (relaunch) Launch();
+  if (relaunch) Relaunch();
 }
 
 bool RequestLifecycle::RetryLocked(const Status& st, const std::string& exclude,

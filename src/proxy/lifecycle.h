@@ -67,6 +67,12 @@ struct LifecycleDeps {
   uint32_t max_migrations = 3;  // proxy.max_migrations
   // The model's eos ids: a stream that broke right after an eos is complete.
   std::vector<uint32_t> eos_token_ids;
+  // Runs a new attempt after a failed one. The worker calls' callbacks come
+  // on transport threads (the shared frame loop serves every Watch and
+  // Prefill connection; a decode stream's reader serves all its requests),
+  // and an attempt may wait for the registry (up to ~1 s) or connect to a
+  // worker, so the frontend hands it to its work pool. Unset (tests): inline.
+  std::function<void(std::function<void()>)> defer_launch;
 };
 
 class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
@@ -87,6 +93,7 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   using Calls = std::vector<std::shared_ptr<Call>>;
 
   void Launch();  // one routing attempt
+  void Relaunch();  // Launch, through deps_.defer_launch when set
   void OnRegistered(uint32_t attempt);
   void OnPrefillDone(uint32_t attempt, Result<PrefillResult> r);
   void OnTokens(uint32_t attempt, uint32_t first_index, std::span<const uint32_t> ids);

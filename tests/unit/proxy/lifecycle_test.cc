@@ -160,6 +160,7 @@ class LifecycleTest : public ::testing::Test {
     deps.tokenizer = tokenizer_.get();
     deps.root_hash = 1;
     deps.block_size = 16;
+    deps.defer_launch = defer_launch_;
     ValidatedRequest req;
     req.request_id = "r1";
     req.prompt_ids = std::vector<uint32_t>(40, 7);
@@ -184,6 +185,7 @@ class LifecycleTest : public ::testing::Test {
   std::unique_ptr<Fleet> fleet_;
   ScriptedWorkers workers_;
   uint32_t max_tokens_ = 64;
+  std::function<void(std::function<void()>)> defer_launch_;
 };
 
 // Every route puts its prompt's uncached tokens on the prefilling worker's
@@ -441,6 +443,33 @@ TEST_F(LifecycleTest, CancelledByADrainingPrefillerIsRetried) {
   EXPECT_EQ(c.ids, workers_.completion);
   ASSERT_EQ(workers_.prefill_addresses.size(), 2u);
   EXPECT_NE(workers_.prefill_addresses[0], workers_.prefill_addresses[1]);  // the cut one avoided
+}
+
+// A new attempt after a failed one is handed to deps.defer_launch (the
+// frontend's work pool), never run on the thread that delivered the
+// failure: that is a transport thread (the shared frame loop, a decode
+// stream's reader), and an attempt may wait for the registry or connect.
+TEST_F(LifecycleTest, RetryAfterAFailureRunsWhereDeferLaunchSays) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("p1", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  workers_.completion = tokenizer_->Encode("Amen");
+  workers_.first_prefill_errors = {Status(StatusCode::kUnavailable, "gone")};
+  std::vector<std::function<void()>> deferred;
+  defer_launch_ = [&deferred](std::function<void()> job) { deferred.push_back(std::move(job)); };
+  Collected c;
+  auto lifecycle = Run(c);
+  // The first attempt failed; the second waits in the queue, not started.
+  ASSERT_EQ(deferred.size(), 1u);
+  EXPECT_EQ(workers_.prefill_addresses.size(), 1u);
+  EXPECT_FALSE(c.finished);
+  EXPECT_TRUE(c.error.ok()) << c.error.ToString();
+  std::move(deferred.front())();
+  ASSERT_TRUE(c.finished) << c.error.ToString();
+  EXPECT_EQ(c.ids, workers_.completion);
+  ASSERT_EQ(workers_.prefill_addresses.size(), 2u);
+  EXPECT_NE(workers_.prefill_addresses[0], workers_.prefill_addresses[1]);
+  EXPECT_EQ(deferred.size(), 1u);  // the successful attempt needed no other
 }
 
 TEST_F(LifecycleTest, DecodeCancelledByADrainingDecoderMigrates) {
