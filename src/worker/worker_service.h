@@ -217,20 +217,31 @@ Status RegisterWithProxy(const std::string& proxy_address, const WorkerIdentity&
 // rotated certificate), as before.
 //
 // Thread-safety: Register from any thread.
+//
+// `tcp` (proxy.register_transport tcp, the default; proxy/register_tcp.h):
+// the registrations go as frames over one kept framed connection per proxy
+// (mutual TLS as the internal plane), with the same retries, refusals and
+// TLS errors as RegisterWithProxy; otherwise Registry.Register over gRPC.
 class ProxyChannels {
  public:
-  explicit ProxyChannels(RpcCredentials credentials) : credentials_(std::move(credentials)) {}
+  explicit ProxyChannels(RpcCredentials credentials, bool tcp = false);
+  ~ProxyChannels();
 
   // RegisterWithProxy over the address's kept channel (dialed if none).
   Status Register(const std::string& proxy_address, const WorkerIdentity& identity,
                   std::chrono::milliseconds retry_for,
                   std::chrono::milliseconds* heartbeat = nullptr);
 
-  // Channels dialed so far (tests).
+  // Channels (or framed connections) dialed so far (tests).
   uint64_t dials() const;
 
  private:
+  struct Framed;  // proxy_channels.cc
+  Status RegisterFramed(const std::string& proxy_address, const WorkerIdentity& identity,
+                        std::chrono::milliseconds retry_for, std::chrono::milliseconds* heartbeat);
+
   const RpcCredentials credentials_;
+  std::unique_ptr<Framed> framed_;  // null: gRPC
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;  // guarded by mu_
   uint64_t dials_ = 0;                                               // guarded by mu_
