@@ -37,6 +37,15 @@ std::string PeerName(const sockaddr_storage& ss) {
 
 }  // namespace
 
+Result<std::unique_ptr<FrameServer>> FrameServer::Serve(FrameListenOptions options, Accept accept) {
+  return Start(options.address, std::move(options.tls), options.frame,
+               [on_connection = std::move(options.on_connection),
+                accept = std::move(accept)](const std::shared_ptr<FrameConn>& conn) {
+                 if (on_connection) on_connection();
+                 return accept(conn);
+               });
+}
+
 Result<std::unique_ptr<FrameServer>> FrameServer::Start(const std::string& address,
                                                         std::shared_ptr<FrameTls> tls,
                                                         FrameOptions options, Accept accept) {

@@ -44,9 +44,23 @@ class FrameSession {
   virtual Status OnTimer(std::chrono::steady_clock::time_point /*now*/) { return Status::Ok(); }
 };
 
+// The options every framed listener takes (the decode stream's, Prefill's
+// and Watch's: decoder/decode_mux_tcp.h, prefiller/prefill_tcp.h,
+// worker/watch_tcp.h).
+struct FrameListenOptions {
+  std::string address;             // "host:port"; port 0 = any free port
+  std::shared_ptr<FrameTls> tls;   // null: plaintext (security.internal_tls off)
+  FrameOptions frame;
+  std::function<void()> on_connection;  // an authenticated connection (metrics)
+};
+
 class FrameServer {
  public:
   using Accept = std::function<std::shared_ptr<FrameSession>(const std::shared_ptr<FrameConn>&)>;
+
+  // Start with `options`: runs its on_connection for each authenticated
+  // connection, then `accept` makes its session.
+  static Result<std::unique_ptr<FrameServer>> Serve(FrameListenOptions options, Accept accept);
 
   // Listens on `address` ("host:port", port 0 = any free port); `tls` null
   // = plaintext. `accept` makes the session of each authenticated connection.

@@ -47,13 +47,9 @@ class TcpMuxSession final : public FrameSession {
 }  // namespace
 
 Result<std::unique_ptr<FrameServer>> ServeDecodeMuxTcp(Decoder& decoder, DecodeMuxTcpOptions options) {
-  auto on_connection = std::move(options.on_connection);
-  return FrameServer::Start(
-      options.address, std::move(options.tls), options.frame,
-      [&decoder, on_connection](const std::shared_ptr<FrameConn>& conn) {
-        if (on_connection) on_connection();
-        return std::make_shared<TcpMuxSession>(decoder, conn);
-      });
+  return FrameServer::Serve(std::move(options), [&decoder](const std::shared_ptr<FrameConn>& conn) {
+    return std::make_shared<TcpMuxSession>(decoder, conn);
+  });
 }
 
 }  // namespace tandem::decoder

@@ -9,21 +9,14 @@
 // requests. Starts and cancels are read on the listener's one I/O thread.
 #pragma once
 
-#include <functional>
 #include <memory>
-#include <string>
 
 #include "common/frame_server.h"
 #include "decoder/decoder.h"
 
 namespace tandem::decoder {
 
-struct DecodeMuxTcpOptions {
-  std::string address;             // "host:port"; port 0 = any free port
-  std::shared_ptr<FrameTls> tls;   // null: plaintext (security.internal_tls off)
-  FrameOptions frame;
-  std::function<void()> on_connection;  // an authenticated connection (metrics)
-};
+using DecodeMuxTcpOptions = FrameListenOptions;
 
 // Serves the decode stream of `decoder` (borrowed: it must outlive the
 // server) on a new listener.

@@ -174,12 +174,9 @@ class PrefillTcpSession final : public FrameSession,
 }  // namespace
 
 Result<std::unique_ptr<FrameServer>> ServePrefillTcp(Prefiller& prefiller, PrefillTcpOptions options) {
-  auto on_connection = std::move(options.on_connection);
   auto on_closed = std::move(options.on_closed);
-  return FrameServer::Start(
-      options.address, std::move(options.tls), options.frame,
-      [&prefiller, on_connection, on_closed](const std::shared_ptr<FrameConn>& conn) {
-        if (on_connection) on_connection();
+  return FrameServer::Serve(
+      std::move(options), [&prefiller, on_closed](const std::shared_ptr<FrameConn>& conn) {
         return std::make_shared<PrefillTcpSession>(prefiller, conn, on_closed);
       });
 }

@@ -24,11 +24,7 @@
 
 namespace tandem::prefiller {
 
-struct PrefillTcpOptions {
-  std::string address;             // "host:port"; port 0 = any free port
-  std::shared_ptr<FrameTls> tls;   // null: plaintext (security.internal_tls off)
-  FrameOptions frame;
-  std::function<void()> on_connection;  // an authenticated connection (metrics)
+struct PrefillTcpOptions : FrameListenOptions {
   // An authenticated connection ended, after its calls were cancelled
   // (logs, tests).
   std::function<void(const std::string& peer, const Status& why)> on_closed;

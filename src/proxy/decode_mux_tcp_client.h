@@ -25,9 +25,9 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <thread>
 
 #include "common/frame_conn.h"
+#include "common/frame_reader.h"
 #include "proxy/decode_mux_client.h"
 
 namespace tandem::proxy {
@@ -55,10 +55,11 @@ class DecodeMuxTcpClient final : public DecodeMux {
     v1::DecodeStreamResponse batch;
     std::optional<Status> end;
   };
-  void Run();
+  // The reader's hooks.
+  Status OnFrame(std::string_view payload);
+  void OnEnd(const Status& why);
   void SendLocked(std::unique_lock<std::mutex>& lock, v1::DecodeStreamRequest msg) override;
   void CancelRpc() override;
-  void Wake();
   // Queues `p` for DrainPosted on a gRPC thread (the reader thread).
   void Post(Posted p);
   // Delivers what was posted, in order (one gRPC thread at a time).
@@ -66,7 +67,6 @@ class DecodeMuxTcpClient final : public DecodeMux {
 
   const std::shared_ptr<FrameConn> conn_;
   const bool deliver_on_grpc_thread_;
-  int wake_fd_ = -1;  // eventfd: Stop/abandon, output left for POLLOUT
   std::mutex post_mu_;
   // The reader's batch when it delivers itself: parsed into the same
   // message every step, so its items and their token arrays are reused.
@@ -75,8 +75,7 @@ class DecodeMuxTcpClient final : public DecodeMux {
   bool draining_ = false;       // guarded by post_mu_: an alarm is set or DrainPosted runs
   std::condition_variable drained_;  // draining_ went false
   std::unique_ptr<grpc::Alarm> alarm_;  // the reader's last alarm
-  std::thread reader_;
-  std::shared_ptr<DecodeMuxTcpClient> self_;  // the reader's reference, until it ends
+  FrameReader reader_;  // last: its thread ends before the members above go
 };
 
 }  // namespace tandem::proxy

@@ -1,14 +1,8 @@
 #include "proxy/prefill_tcp_client.h"
 
 #include <fmt/format.h>
-#include <poll.h>
-#include <pthread.h>
-#include <sys/eventfd.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 
 #include "common/delivery_scope.h"
 #include "tandem/v1/worker.pb.h"
@@ -23,36 +17,22 @@ void PrefillTcpCall::Cancel() {
 }
 
 PrefillTcpClient::PrefillTcpClient(std::shared_ptr<FrameConn> conn)
-    : conn_(std::move(conn)),
-      wake_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)),
-      reader_until_(SteadyClock::time_point::max()) {
-  conn_->SetWake([this] { Wake(); });
-}
+    : conn_(std::move(conn)), reader_until_(SteadyClock::time_point::max()), reader_(conn_) {}
 
-PrefillTcpClient::~PrefillTcpClient() {
-  if (reader_.joinable()) {
-    if (reader_.get_id() == std::this_thread::get_id()) {
-      reader_.detach();  // the reader dropped the last reference on its way out
-    } else {
-      reader_.join();
-    }
-  }
-  if (wake_fd_ >= 0) ::close(wake_fd_);
-}
+PrefillTcpClient::~PrefillTcpClient() = default;
 
 std::shared_ptr<PrefillTcpClient> PrefillTcpClient::Open(const std::string& address,
                                                          std::shared_ptr<FrameTls> tls,
                                                          FrameOptions options) {
   auto c = std::make_shared<PrefillTcpClient>(FrameConn::Client(address, std::move(tls), options));
-  c->self_ = c;
-  c->reader_ = std::thread([p = c.get()] { p->Run(); });
+  PrefillTcpClient* p = c.get();
+  FrameReader::Hooks hooks;
+  hooks.on_frame = [p](std::string_view payload) { return p->OnFrame(payload, p->done_); };
+  hooks.before_wait = [p] { return p->BeforeWait(); };
+  hooks.after_progress = [p] { p->AfterProgress(); };
+  hooks.on_end = [p](const Status& why) { p->OnEnd(why); };
+  p->reader_.Start("prefill-tcp-rd", std::move(hooks), c);
   return c;
-}
-
-void PrefillTcpClient::Wake() {
-  if (wake_fd_ < 0) return;
-  const uint64_t one = 1;
-  (void)!::write(wake_fd_, &one, sizeof(one));
 }
 
 bool PrefillTcpClient::ended() const {
@@ -67,8 +47,8 @@ size_t PrefillTcpClient::num_calls() const {
 
 void PrefillTcpClient::Stop() {
   conn_->Close(UnavailableError("the proxy is stopping"));
-  Wake();
-  if (reader_.joinable() && reader_.get_id() != std::this_thread::get_id()) reader_.join();
+  reader_.Wake();
+  reader_.Join();
 }
 
 std::shared_ptr<PrefillTcpCall> PrefillTcpClient::Start(
@@ -113,7 +93,7 @@ std::shared_ptr<PrefillTcpCall> PrefillTcpClient::Start(
       }
     }
   }
-  if (wake) Wake();
+  if (wake) reader_.Wake();
   return call;
 }
 
@@ -140,7 +120,7 @@ void PrefillTcpClient::CancelCall(PrefillTcpCall& c) {
     posted_.emplace_back(std::move(call), CancelledError("Cancelled"));
     wake = true;
   }
-  if (wake) Wake();
+  if (wake) reader_.Wake();
 }
 
 void PrefillTcpClient::ExpireLocked(SteadyClock::time_point now, std::vector<Completion>& out) {
@@ -199,73 +179,44 @@ void PrefillTcpClient::Complete(std::vector<Completion>& done) {
   done.clear();
 }
 
-void PrefillTcpClient::Run() {
-  pthread_setname_np(pthread_self(), "prefill-tcp-rd");
-  const std::string& peer = conn_->peer();
-  Status st = wake_fd_ < 0 ? InternalError(fmt::format("eventfd: {}", std::strerror(errno)))
-                           : conn_->Connect();
-  std::vector<Completion> done;
-  const auto on_frame = [this, &done](std::string_view payload) { return OnFrame(payload, done); };
-  while (st.ok()) {
+SteadyClock::time_point PrefillTcpClient::BeforeWait() {
+  for (;;) {
     auto until = SteadyClock::time_point::max();
     {
       std::lock_guard lock(mu_);
-      ExpireLocked(SteadyClock::now(), done);
-      for (auto& c : posted_) done.push_back(std::move(c));
+      ExpireLocked(SteadyClock::now(), done_);
+      for (auto& c : posted_) done_.push_back(std::move(c));
       posted_.clear();
       if (!deadlines_.empty()) until = deadlines_.begin()->first;
-      reader_until_ = done.empty() ? until : SteadyClock::time_point::min();
+      reader_until_ = done_.empty() ? until : SteadyClock::time_point::min();
     }
-    if (!conn_->open()) until = std::min(until, conn_->handshake_deadline());
-    if (!done.empty()) {
-      DeliveryScope scope;  // the native front end flushes once, at its end
-      Complete(done);
-      continue;
-    }
-    int timeout_ms = -1;
-    if (until != SteadyClock::time_point::max()) {
-      timeout_ms = static_cast<int>(std::clamp<int64_t>(
-          std::chrono::duration_cast<std::chrono::milliseconds>(until - SteadyClock::now()).count() + 1,
-          0, int64_t{1} << 30));
-    }
-    pollfd fds[2] = {{conn_->fd(), conn_->Events(), 0}, {wake_fd_, POLLIN, 0}};
-    if (poll(fds, 2, timeout_ms) < 0 && errno != EINTR) {
-      st = InternalError(fmt::format("poll: {}", std::strerror(errno)));
-      break;
-    }
-    if (fds[1].revents != 0) {
-      uint64_t v;
-      (void)!::read(wake_fd_, &v, sizeof(v));
-    }
-    {
-      DeliveryScope scope;
-      st = conn_->Progress(fds[0].revents, on_frame);
-      Complete(done);
-    }
-    if (st.ok() && !conn_->open() && SteadyClock::now() >= conn_->handshake_deadline()) {
-      st = UnavailableError(fmt::format("no authenticated connection to {} within the timeout", peer));
-    }
+    if (done_.empty()) return until;
+    DeliveryScope scope;  // the native front end flushes once, at its end
+    Complete(done_);
   }
-  conn_->Close(st);
+}
+
+void PrefillTcpClient::AfterProgress() {
+  DeliveryScope scope;
+  Complete(done_);
+}
+
+void PrefillTcpClient::OnEnd(const Status& why) {
   // Every call still open ends as on a broken channel (after the replies
-  // read before the break, delivered above).
+  // read before the break, delivered by AfterProgress).
   const Status broken =
-      UnavailableError(fmt::format("prefill connection to {} broken: {}", peer, st.message()));
+      UnavailableError(fmt::format("prefill connection to {} broken: {}", conn_->peer(), why.message()));
   {
     std::lock_guard lock(mu_);
     ended_ = true;
-    for (auto& c : posted_) done.push_back(std::move(c));
+    for (auto& c : posted_) done_.push_back(std::move(c));
     posted_.clear();
-    for (auto& [id, call] : calls_) done.emplace_back(std::move(call), broken);
+    for (auto& [id, call] : calls_) done_.emplace_back(std::move(call), broken);
     calls_.clear();
     deadlines_.clear();
   }
-  {
-    DeliveryScope scope;
-    Complete(done);
-  }
-  // The last reference may be this one (then the destructor detaches).
-  std::shared_ptr<PrefillTcpClient> self = std::move(self_);
+  DeliveryScope scope;
+  Complete(done_);
 }
 
 }  // namespace tandem::proxy

@@ -28,10 +28,10 @@
 #include <mutex>
 #include <set>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "common/frame_conn.h"
+#include "common/frame_reader.h"
 #include "proxy/worker_client.h"
 #include "proxy/worker_client_grpc.h"
 
@@ -93,8 +93,11 @@ class PrefillTcpClient final : public std::enable_shared_from_this<PrefillTcpCli
  private:
   friend class PrefillTcpCall;
   using Completion = std::pair<std::shared_ptr<PrefillTcpCall>, Result<PrefillResult>>;
-  void Run();
-  void Wake();
+  // The reader's hooks: runs due completions and returns the next
+  // deadline; a frame; the completions of a read round; the end.
+  std::chrono::steady_clock::time_point BeforeWait();
+  void AfterProgress();
+  void OnEnd(const Status& why);
   // The call's cancel: a cancel frame, and CANCELLED (or the abandon's
   // UNAVAILABLE) from the reader.
   void CancelCall(PrefillTcpCall& call);
@@ -106,7 +109,6 @@ class PrefillTcpClient final : public std::enable_shared_from_this<PrefillTcpCli
   static void Complete(std::vector<Completion>& done);
 
   const std::shared_ptr<FrameConn> conn_;
-  int wake_fd_ = -1;  // eventfd: Stop, a cancel's completion, an earlier deadline, output left
   mutable std::mutex mu_;
   bool ended_ = false;                                           // guarded by mu_
   uint64_t next_id_ = 1;                                         // guarded by mu_
@@ -116,8 +118,9 @@ class PrefillTcpClient final : public std::enable_shared_from_this<PrefillTcpCli
   // an earlier deadline wakes it.
   std::chrono::steady_clock::time_point reader_until_;           // guarded by mu_
   std::vector<Completion> posted_;  // guarded by mu_: completions for the reader to run
-  std::thread reader_;
-  std::shared_ptr<PrefillTcpClient> self_;  // the reader's reference, until it ends
+  std::vector<Completion> done_;    // the reader thread only: completions to run now
+  // Woken by Stop, a cancel's completion, an earlier deadline, output left.
+  FrameReader reader_;  // last: its thread ends before the members above go
 };
 
 }  // namespace tandem::proxy

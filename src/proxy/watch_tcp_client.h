@@ -19,9 +19,9 @@
 #include <functional>
 #include <memory>
 #include <string>
-#include <thread>
 
 #include "common/frame_conn.h"
+#include "common/frame_reader.h"
 #include "tandem/v1/worker.pb.h"
 
 namespace tandem::proxy {
@@ -50,17 +50,17 @@ class WatchTcpClient : public std::enable_shared_from_this<WatchTcpClient> {
   WatchTcpClient& operator=(const WatchTcpClient&) = delete;
 
  private:
-  void Run();
-  void Wake();
+  // The reader's hooks.
+  Status OnFrame(std::string_view payload);
+  void OnEnd(const Status& why);
 
   const std::shared_ptr<FrameConn> conn_;
   const v1::WatchRequest request_;
   Callbacks callbacks_;
-  int wake_fd_ = -1;  // eventfd: Stop, output left for POLLOUT
   std::atomic<bool> stopped_{false};
   v1::WorkerUpdate update_;  // the reader thread only: reused
-  std::thread reader_;
-  std::shared_ptr<WatchTcpClient> self_;  // the reader's reference, until it ends
+  bool graceful_ = false;    // the reader thread only: the worker ended the watch
+  FrameReader reader_;  // last: its thread ends before the members above go
 };
 
 }  // namespace tandem::proxy

@@ -73,13 +73,9 @@ class TcpWatchSession final : public FrameSession {
 }  // namespace
 
 Result<std::unique_ptr<FrameServer>> ServeWatchTcp(WorkerService& service, WatchTcpOptions options) {
-  auto on_connection = std::move(options.on_connection);
-  return FrameServer::Start(
-      options.address, std::move(options.tls), options.frame,
-      [&service, on_connection](const std::shared_ptr<FrameConn>& conn) {
-        if (on_connection) on_connection();
-        return std::make_shared<TcpWatchSession>(service, conn);
-      });
+  return FrameServer::Serve(std::move(options), [&service](const std::shared_ptr<FrameConn>& conn) {
+    return std::make_shared<TcpWatchSession>(service, conn);
+  });
 }
 
 }  // namespace tandem::worker

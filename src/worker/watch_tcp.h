@@ -15,21 +15,14 @@
 // gRPC Watch does.
 #pragma once
 
-#include <functional>
 #include <memory>
-#include <string>
 
 #include "common/frame_server.h"
 #include "worker/worker_service.h"
 
 namespace tandem::worker {
 
-struct WatchTcpOptions {
-  std::string address;             // "host:port"; port 0 = any free port
-  std::shared_ptr<FrameTls> tls;   // null: plaintext (security.internal_tls off)
-  FrameOptions frame;
-  std::function<void()> on_connection;  // an authenticated connection (metrics)
-};
+using WatchTcpOptions = FrameListenOptions;
 
 // Serves the Watch stream of `service` (borrowed: it must outlive the
 // server) on a new listener.

@@ -1,5 +1,6 @@
-// The framed TCP transport (common/frame_conn.h, common/frame_server.h;
-// issue 23): frames round trip in order over mutual TLS and plaintext; an
+// The framed TCP transport (common/frame_conn.h, common/frame_server.h,
+// common/frame_reader.h; issue 23): frames round trip in order over mutual
+// TLS and plaintext; an
 // over-limit frame is refused with a clear error on both sides; a peer
 // without a certificate of the fleet CA is refused by the server and a
 // server without one by the client; a peer that does not read never blocks
@@ -16,28 +17,17 @@
 #include <mutex>
 #include <thread>
 
-#include "common/frame_conn.h"
-#include "common/frame_server.h"
+#include "common/frame_reader.h"
 #include "common/net.h"
-#include "common/tls_certs.h"
+#include "frame_test_support.h"
 #include "tandem/v1/worker.pb.h"
 
 namespace tandem {
 namespace {
 
 namespace pb = ::tandem::v1;
-
-TlsPem Identity(const CertKeyPem& ca, const std::string& name) {
-  auto cert = IssueCertificate(ca, name, {"127.0.0.1", "localhost"}, 1);
-  EXPECT_TRUE(cert.ok()) << cert.status().ToString();
-  return TlsPem{ca.cert, cert->cert, cert->key};
-}
-
-std::shared_ptr<FrameTls> Tls(const TlsPem& pem) {
-  auto t = FrameTls::Create(pem);
-  EXPECT_TRUE(t.ok()) << t.status().ToString();
-  return t.ok() ? *t : nullptr;
-}
+using frame_testing::Identity;
+using frame_testing::Tls;
 
 // What a server session saw.
 struct Seen {
@@ -95,24 +85,42 @@ class EchoSession final : public FrameSession {
 
 std::unique_ptr<FrameServer> Serve(std::shared_ptr<FrameTls> tls, Seen* seen, FrameOptions o = {},
                                    bool echo = true) {
-  auto s = FrameServer::Start("127.0.0.1:0", std::move(tls), o,
-                              [seen, echo](const std::shared_ptr<FrameConn>& c) {
-                                return std::make_shared<EchoSession>(c, seen, echo);
-                              });
-  EXPECT_TRUE(s.ok()) << s.status().ToString();
-  return s.ok() ? std::move(*s) : nullptr;
+  return frame_testing::Listen(
+      std::move(tls),
+      [seen, echo](const std::shared_ptr<FrameConn>& c) {
+        return std::make_shared<EchoSession>(c, seen, echo);
+      },
+      o);
 }
 
-// A client connection driven by its own thread (as DecodeMuxTcpClient's reader).
+// A client connection served by a FrameReader (as the proxy's clients).
 class Client {
  public:
   Client(const std::string& address, std::shared_ptr<FrameTls> tls, FrameOptions o = {})
-      : conn_(FrameConn::Client(address, std::move(tls), o)) {
-    thread_ = std::thread([this] { Run(); });
+      : conn_(FrameConn::Client(address, std::move(tls), o)), reader_(conn_) {
+    FrameReader::Hooks hooks;
+    hooks.on_frame = [this](std::string_view payload) {
+      pb::DecodeStreamResponse r;
+      if (!r.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+        return InvalidArgumentError("not a DecodeStreamResponse");
+      }
+      std::lock_guard lock(mu_);
+      for (const auto& item : r.items()) handles_.push_back(item.handle());
+      cv_.notify_all();
+      return Status::Ok();
+    };
+    hooks.on_end = [this](const Status& why) {
+      std::lock_guard lock(mu_);
+      ended_ = true;
+      end_ = why;
+      cv_.notify_all();
+    };
+    reader_.Start("test-frame-rd", std::move(hooks), nullptr);
   }
   ~Client() {
     conn_->Close(CancelledError("test over"));
-    thread_.join();
+    reader_.Wake();
+    reader_.Join();
   }
   FrameConn& conn() { return *conn_; }
   // Waits for `n` answers (or the end); the handles received.
@@ -126,41 +134,19 @@ class Client {
     cv_.wait_for(lock, std::chrono::seconds(20), [&] { return ended_; });
     return ended_ ? end_ : InternalError("still open");
   }
-
- private:
-  void Run() {
-    Status st = conn_->Connect();
-    while (st.ok()) {
-      pollfd p{conn_->fd(), conn_->Events(), 0};
-      poll(&p, 1, 100);
-      st = conn_->Progress(p.revents, [this](std::string_view payload) {
-        pb::DecodeStreamResponse r;
-        if (!r.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
-          return InvalidArgumentError("not a DecodeStreamResponse");
-        }
-        std::lock_guard lock(mu_);
-        for (const auto& item : r.items()) handles_.push_back(item.handle());
-        cv_.notify_all();
-        return Status::Ok();
-      });
-      if (st.ok() && !conn_->open() &&
-          std::chrono::steady_clock::now() > conn_->handshake_deadline()) {
-        st = DeadlineExceededError("handshake timeout");
-      }
-    }
+  bool ended() {
     std::lock_guard lock(mu_);
-    ended_ = true;
-    end_ = st;
-    cv_.notify_all();
+    return ended_;
   }
 
+ private:
   std::shared_ptr<FrameConn> conn_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<uint64_t> handles_;
   bool ended_ = false;
   Status end_ = Status::Ok();
-  std::thread thread_;
+  FrameReader reader_;  // last: it ends before the members above go
 };
 
 pb::DecodeStreamRequest Cancel(uint64_t n) {
@@ -172,14 +158,10 @@ pb::DecodeStreamRequest Cancel(uint64_t n) {
 class FrameConnTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto ca = CreateCaCertificate("fleet-ca", 1);
-    ASSERT_TRUE(ca.ok()) << ca.status().ToString();
-    ca_ = *ca;
-    auto other = CreateCaCertificate("other-ca", 1);
-    ASSERT_TRUE(other.ok()) << other.status().ToString();
-    other_ca_ = *other;
+    ca_ = frame_testing::MakeCa("fleet-ca");
+    ASSERT_FALSE(HasFailure());
   }
-  CertKeyPem ca_, other_ca_;
+  CertKeyPem ca_;
 };
 
 void RoundTrip(std::shared_ptr<FrameTls> server_tls, std::shared_ptr<FrameTls> client_tls) {
@@ -241,9 +223,7 @@ TEST_F(FrameConnTest, AClientWithoutAFleetCertificateIsRefused) {
   ASSERT_NE(server, nullptr);
   {
     // Its own certificate is from another CA (it trusts the fleet's).
-    TlsPem stranger = Identity(other_ca_, "stranger");
-    stranger.ca = ca_.cert;
-    Client client(server->address(), Tls(stranger));
+    Client client(server->address(), Tls(frame_testing::Stranger(ca_, "stranger")));
     // The handshake may have failed already: then the send fails too.
     (void)client.conn().Send(Cancel(1));
     EXPECT_FALSE(client.WaitEnd().ok());
@@ -265,9 +245,8 @@ TEST_F(FrameConnTest, AClientWithoutAFleetCertificateIsRefused) {
 
 TEST_F(FrameConnTest, AServerWithoutAFleetCertificateIsRefusedByTheClient) {
   Seen seen;
-  TlsPem impostor = Identity(other_ca_, "impostor");
-  impostor.ca = ca_.cert;  // it would accept the fleet's clients
-  auto server = Serve(Tls(impostor), &seen);
+  // It would accept the fleet's clients.
+  auto server = Serve(Tls(frame_testing::Stranger(ca_, "impostor")), &seen);
   ASSERT_NE(server, nullptr);
   Client client(server->address(), Tls(Identity(ca_, "proxy")));
   // The handshake may have failed already: then the send fails too.

@@ -10,51 +10,39 @@
 // TANDEM_TEST_PREFILL_TRANSPORT=grpc, which this suite also honours.)
 #include <gtest/gtest.h>
 
-#include <grpcpp/grpcpp.h>
-
 #include <cstdlib>
-#include <filesystem>
-#include <future>
 #include <string>
 #include <vector>
 
-#include "fleet_harness.h"
-#include "tandem/v1/generation.grpc.pb.h"
+#include "stream_suite.h"
 
 namespace tandem::testing {
 namespace {
 
 constexpr uint32_t kVocab = 4096;
-constexpr uint32_t kStreams = 16;
-constexpr uint32_t kMaxTokens = 12;
-constexpr uint32_t kCancelled = 5;  // cancelled after its first message (the prefill's token)
-
-bool HaveModel() { return std::filesystem::exists(BundledModel() + "/model.safetensors"); }
 
 std::vector<uint32_t> Prompt(uint32_t i) { return PromptIds(900 + i, 5 + (i * 37) % 200, kVocab); }
 
-const std::vector<std::vector<uint32_t>>& References() {
-  static std::vector<std::vector<uint32_t>> refs = [] {
-    std::vector<std::vector<uint32_t>> r;
-    for (uint32_t i = 0; i < kStreams; ++i) {
-      auto ids = ReferenceGenerate(Prompt(i), kMaxTokens);
-      EXPECT_TRUE(ids.ok()) << ids.status().ToString();
-      r.push_back(ids.ok() ? *ids : std::vector<uint32_t>{});
-    }
-    return r;
+// 16 streams of different prompt lengths; stream 5 is cancelled after its
+// first message (the prefill's token).
+const StreamSuite& Suite() {
+  static const StreamSuite suite = [] {
+    StreamSuite s;
+    s.streams = 16;
+    s.max_tokens = 12;
+    s.prompt = Prompt;
+    s.cancelled = 5;
+    s.cancelled_max_tokens = 400;
+    s.cancel_after = 1;
+    return s;
   }();
-  return refs;
+  return suite;
 }
 
+const std::vector<std::vector<uint32_t>>& References() { return Suite().References(); }
+
 double PrefillerMetric(const Fleet& fleet, const std::string& name) {
-  double v = 0;
-  for (const auto& w : fleet.workers()) {
-    if (w.role != "prefill") continue;
-    auto m = Scrape(w.metrics);
-    EXPECT_TRUE(m.ok()) << m.status().ToString();
-    if (m.ok()) v += MetricValue(*m, name);
-  }
-  return v;
+  return RoleMetric(fleet, "prefill", name);
 }
 
 // Whether the suite runs with proxy.prefill_transport grpc (the ctest re-run).
@@ -63,58 +51,10 @@ bool GrpcByEnv() {
   return env != nullptr && std::string(env) == "grpc";
 }
 
-struct Outcome {
-  std::vector<uint32_t> tokens;
-  grpc::Status status;
-};
-
-Outcome Stream(const std::string& proxy, const std::vector<uint32_t>& prompt, bool cancel) {
-  auto stub = tandem::v1::Generation::NewStub(
-      grpc::CreateChannel(proxy, grpc::InsecureChannelCredentials()));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
-  tandem::v1::GenerateRequest req;
-  for (uint32_t t : prompt) req.add_prompt_token_ids(t);
-  req.set_max_tokens(cancel ? 400 : kMaxTokens);
-  req.mutable_sampling()->set_temperature(0);
-  req.set_ignore_eos(true);
-  auto reader = stub->Generate(&ctx, req);
-  Outcome o;
-  tandem::v1::GenerateResponse resp;
-  while (reader->Read(&resp)) {
-    o.tokens.insert(o.tokens.end(), resp.token_ids().begin(), resp.token_ids().end());
-    if (cancel) ctx.TryCancel();
-  }
-  o.status = reader->Finish();
-  return o;
-}
-
-void RunStreams(const Fleet& fleet) {
-  const auto& refs = References();
-  std::vector<std::future<Outcome>> futures;
-  for (uint32_t i = 0; i < kStreams; ++i) {
-    futures.push_back(std::async(std::launch::async, [&, i] {
-      return Stream(fleet.proxy_grpc(), Prompt(i), i == kCancelled);
-    }));
-  }
-  for (uint32_t i = 0; i < kStreams; ++i) {
-    Outcome o = futures[i].get();
-    if (i == kCancelled) {
-      EXPECT_EQ(o.status.error_code(), grpc::StatusCode::CANCELLED) << o.status.error_message();
-      const size_t n = std::min<size_t>(o.tokens.size(), refs[i].size());
-      EXPECT_EQ(std::vector<uint32_t>(o.tokens.begin(), o.tokens.begin() + n),
-                std::vector<uint32_t>(refs[i].begin(), refs[i].begin() + n));
-      continue;
-    }
-    ASSERT_TRUE(o.status.ok()) << "stream " << i << ": " << o.status.error_message();
-    EXPECT_EQ(o.tokens, refs[i]) << "stream " << i;
-  }
-  // Nothing is held anywhere once they ended (the cancelled one included).
-  EXPECT_EQ(WaitFleetIdle(fleet.workers(), fleet.proxy_metrics(), std::chrono::seconds(20)), "");
-}
+void RunStreams(const Fleet& fleet) { Suite().Run(fleet, /*cancel_one=*/true); }
 
 TEST(PrefillTransport, TcpByDefaultEqualsGenerateAndACancelDisturbsNone) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
   References();
   auto fleet = Fleet::Launch(FleetOptions{});
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
@@ -130,7 +70,7 @@ TEST(PrefillTransport, TcpByDefaultEqualsGenerateAndACancelDisturbsNone) {
 }
 
 TEST(PrefillTransport, GrpcTransportGivesTheSameOutput) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
   References();
   FleetOptions o;
   o.proxy_yaml = "  prefill_transport: grpc\n";
@@ -141,7 +81,7 @@ TEST(PrefillTransport, GrpcTransportGivesTheSameOutput) {
 }
 
 TEST(PrefillTransport, APrefillerWithoutAListenerGetsGrpc) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
   References();
   FleetOptions o;
   o.prefill_yaml = "  frame_listen: off\n";  // the proxy asks for tcp; the prefiller offers none

@@ -13,7 +13,7 @@
 
 #include "common/frame_server.h"
 #include "common/net.h"
-#include "common/tls_certs.h"
+#include "../frame_test_support.h"
 #include "proxy/decode_mux_tcp_client.h"
 #include "tandem/v1/worker.pb.h"
 
@@ -112,12 +112,9 @@ class ScriptedDecoder final : public FrameSession {
 };
 
 std::unique_ptr<FrameServer> Serve(std::shared_ptr<FrameTls> tls, Script* script) {
-  auto s = FrameServer::Start("127.0.0.1:0", std::move(tls), {},
-                              [script](const std::shared_ptr<FrameConn>& c) {
-                                return std::make_shared<ScriptedDecoder>(c, script);
-                              });
-  EXPECT_TRUE(s.ok()) << s.status().ToString();
-  return s.ok() ? std::move(*s) : nullptr;
+  return frame_testing::Listen(std::move(tls), [script](const std::shared_ptr<FrameConn>& c) {
+    return std::make_shared<ScriptedDecoder>(c, script);
+  });
 }
 
 DecodeArgs Args(uint32_t max_tokens) {
@@ -214,19 +211,15 @@ TEST(DecodeMuxTcpClient, NothingListeningEndsTheRequestUnavailable) {
 }
 
 TEST(DecodeMuxTcpClient, ADecoderOutsideTheFleetCaIsRefused) {
-  auto ca = CreateCaCertificate("fleet-ca", 1);
-  auto other = CreateCaCertificate("other-ca", 1);
-  ASSERT_TRUE(ca.ok() && other.ok());
-  auto impostor = IssueCertificate(*other, "decode-0", {"127.0.0.1"}, 1);
-  auto proxy = IssueCertificate(*ca, "proxy", {"127.0.0.1"}, 1);
-  ASSERT_TRUE(impostor.ok() && proxy.ok());
-  auto server_tls = FrameTls::Create(TlsPem{ca->cert, impostor->cert, impostor->key});
-  auto client_tls = FrameTls::Create(TlsPem{ca->cert, proxy->cert, proxy->key});
-  ASSERT_TRUE(server_tls.ok() && client_tls.ok());
+  const CertKeyPem ca = frame_testing::MakeCa("fleet-ca");
+  // Its certificate is from another CA (it trusts the fleet's).
+  auto server_tls = frame_testing::Tls(frame_testing::Stranger(ca, "decode-0"));
+  auto client_tls = frame_testing::Tls(frame_testing::Identity(ca, "proxy"));
+  ASSERT_TRUE(server_tls && client_tls);
   Script script;
-  auto server = Serve(*server_tls, &script);
+  auto server = Serve(server_tls, &script);
   ASSERT_NE(server, nullptr);
-  auto mux = DecodeMuxTcpClient::Open(server->address(), *client_tls);
+  auto mux = DecodeMuxTcpClient::Open(server->address(), client_tls);
   Seen s;
   DecodeEvents e = s.Events();
   ASSERT_NE(mux->Start(Args(1), e), nullptr);

@@ -10,13 +10,11 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
-#include <csignal>
 #include <condition_variable>
 #include <mutex>
 
 #include "../engine/test_models.h"
-#include "common/frame_server.h"
-#include "common/tls_certs.h"
+#include "../frame_test_support.h"
 #include "proxy/watch_tcp_client.h"
 #include "tandem/v1/worker.pb.h"
 #include "worker/watch_tcp.h"
@@ -29,18 +27,9 @@ namespace pb = ::tandem::v1;
 using engine::testing::MakeEngine;
 using engine::testing::Prompt;
 using engine::testing::TinyModel;
+using frame_testing::Identity;
+using frame_testing::Tls;
 
-TlsPem Identity(const CertKeyPem& ca, const std::string& name) {
-  auto cert = IssueCertificate(ca, name, {"127.0.0.1", "localhost"}, 1);
-  EXPECT_TRUE(cert.ok()) << cert.status().ToString();
-  return TlsPem{ca.cert, cert->cert, cert->key};
-}
-
-std::shared_ptr<FrameTls> Tls(const TlsPem& pem) {
-  auto t = FrameTls::Create(pem);
-  EXPECT_TRUE(t.ok()) << t.status().ToString();
-  return t.ok() ? *t : nullptr;
-}
 
 // What the proxy's side saw.
 struct Seen {
@@ -97,14 +86,9 @@ pb::WatchRequest Batched() {
 class WatchTcpTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    // A write to a connection the peer closed must fail with EPIPE, not
-    // kill the process: every tandem process ignores SIGPIPE (gRPC's init
-    // does it; SigIgn in /proc), and so does this test, which starts no
-    // gRPC (OpenSSL writes with write(2), without MSG_NOSIGNAL).
-    std::signal(SIGPIPE, SIG_IGN);
-    auto ca = CreateCaCertificate("fleet-ca", 1);
-    ASSERT_TRUE(ca.ok()) << ca.status().ToString();
-    ca_ = *ca;
+    // (MakeCa also ignores SIGPIPE, as every tandem process does.)
+    ca_ = frame_testing::MakeCa("fleet-ca");
+    ASSERT_FALSE(HasFailure());
     engine::EngineOptions o;
     o.num_blocks = 64;
     engine_ = MakeEngine(TinyModel(), o);
@@ -255,10 +239,7 @@ TEST_F(WatchTcpTest, TheProxyClosingItRunsTheCancelHookAndABrokenListenerEndsIt)
 }
 
 TEST_F(WatchTcpTest, AClientWithoutAFleetCertificateIsRefused) {
-  auto other = CreateCaCertificate("other-ca", 1);
-  ASSERT_TRUE(other.ok()) << other.status().ToString();
-  TlsPem stranger = Identity(*other, "stranger");
-  stranger.ca = ca_.cert;  // it trusts the fleet's worker
+  const TlsPem stranger = frame_testing::Stranger(ca_, "stranger");  // it trusts the fleet's worker
   for (const std::shared_ptr<FrameTls>& tls : {Tls(stranger), std::shared_ptr<FrameTls>()}) {
     Seen seen;
     auto client = proxy::WatchTcpClient::Create(server_->address(), tls, Batched());

@@ -13,8 +13,7 @@
 #include <future>
 #include <sstream>
 
-#include "common/frame_server.h"
-#include "common/tls_certs.h"
+#include "../frame_test_support.h"
 #include "prefiller/prefill_tcp.h"
 #include "proxy/prefill_tcp_client.h"
 #include "tandem/v1/worker.pb.h"
@@ -89,24 +88,14 @@ struct Outcome {
   }
 };
 
-TlsPem Identity(const CertKeyPem& ca, const std::string& name) {
-  auto cert = IssueCertificate(ca, name, {"127.0.0.1", "localhost"}, 1);
-  EXPECT_TRUE(cert.ok()) << cert.status().ToString();
-  return TlsPem{ca.cert, cert->cert, cert->key};
-}
-
-std::shared_ptr<FrameTls> Tls(const TlsPem& pem) {
-  auto t = FrameTls::Create(pem);
-  EXPECT_TRUE(t.ok()) << t.status().ToString();
-  return t.ok() ? *t : nullptr;
-}
+using frame_testing::Identity;
+using frame_testing::Tls;
 
 class PrefillTcpTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto ca = CreateCaCertificate("fleet-ca", 1);
-    ASSERT_TRUE(ca.ok()) << ca.status().ToString();
-    ca_ = *ca;
+    ca_ = frame_testing::MakeCa("fleet-ca");
+    ASSERT_FALSE(HasFailure());
     node_ = Node::Make("prefill-tcp-unit", 64, progress_);
     ASSERT_NE(node_, nullptr);
     kvtransfer::TransportOptions o;
@@ -370,10 +359,7 @@ TEST_F(PrefillTcpTest, TheProxyGoingAwayCancelsItsCalls) {
 }
 
 TEST_F(PrefillTcpTest, APeerWithoutAFleetClientCertificateIsRefused) {
-  auto other = CreateCaCertificate("other-ca", 1);
-  ASSERT_TRUE(other.ok());
-  TlsPem stranger = Identity(*other, "stranger");
-  stranger.ca = ca_.cert;  // it trusts the fleet's server
+  const TlsPem stranger = frame_testing::Stranger(ca_, "stranger");  // it trusts the fleet's server
   // The fixture's own client, a fleet identity, is accepted (it connects
   // without waiting for a call).
   ASSERT_TRUE(WaitFor([&] { return server_->accepted() == 1; }));
