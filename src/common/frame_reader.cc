@@ -10,17 +10,23 @@
 #include <cerrno>
 #include <cstring>
 
+#include "common/frame_loop.h"
+
 namespace tandem {
 
 using SteadyClock = std::chrono::steady_clock;
 
-FrameReader::FrameReader(std::shared_ptr<FrameConn> conn)
-    : conn_(std::move(conn)), wake_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {
-  if (wake_fd_ < 0) wake_errno_ = errno;
+FrameReader::FrameReader(std::shared_ptr<FrameConn> conn, FrameLoop* loop)
+    : conn_(std::move(conn)), loop_(loop) {
+  if (loop_ == nullptr) {
+    wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (wake_fd_ < 0) wake_errno_ = errno;
+  }
   conn_->SetWake([this] { Wake(); });
 }
 
 FrameReader::~FrameReader() {
+  if (loop_ != nullptr) loop_->Forget(this);
   if (thread_.joinable()) {
     if (thread_.get_id() == std::this_thread::get_id()) {
       thread_.detach();  // the reader dropped the last reference on its way out
@@ -36,30 +42,80 @@ bool FrameReader::Start(const char* name, Hooks hooks, std::shared_ptr<void> kee
   started_ = true;
   hooks_ = std::move(hooks);
   keep_alive_ = std::move(keep_alive);
-  thread_ = std::thread([this, name] { Run(name); });
+  if (loop_ != nullptr) {
+    loop_->Add(this);
+  } else {
+    thread_ = std::thread([this, name] { Run(name); });
+  }
   return true;
 }
 
 void FrameReader::Wake() {
+  if (loop_ != nullptr) {
+    loop_->Wake(this);
+    return;
+  }
   if (wake_fd_ < 0) return;
   const uint64_t one = 1;
   (void)!::write(wake_fd_, &one, sizeof(one));
 }
 
 bool FrameReader::Join() {
-  if (!thread_.joinable() || thread_.get_id() == std::this_thread::get_id()) return false;
-  thread_.join();
+  if (loop_ == nullptr) {
+    if (!thread_.joinable() || thread_.get_id() == std::this_thread::get_id()) return false;
+    thread_.join();
+    return true;
+  }
+  if (!started_ || joined_ || loop_->on_loop_thread()) return false;
+  std::unique_lock lock(end_mu_);
+  end_cv_.wait(lock, [this] { return ended_; });
+  joined_ = true;
   return true;
+}
+
+Status FrameReader::Begin() {
+  if (loop_ == nullptr && wake_fd_ < 0) {
+    return InternalError(fmt::format("eventfd: {}", std::strerror(wake_errno_)));
+  }
+  return conn_->Connect();
+}
+
+SteadyClock::time_point FrameReader::Until() {
+  auto until = hooks_.before_wait ? hooks_.before_wait() : SteadyClock::time_point::max();
+  if (!conn_->open()) until = std::min(until, conn_->handshake_deadline());
+  return until;
+}
+
+Status FrameReader::Step(short revents) {
+  Status st = conn_->Progress(revents, hooks_.on_frame);
+  if (hooks_.after_progress) hooks_.after_progress();
+  if (st.ok() && !conn_->open() && SteadyClock::now() >= conn_->handshake_deadline()) {
+    st = UnavailableError(
+        fmt::format("no authenticated connection to {} within the timeout", conn_->peer()));
+  }
+  return st;
+}
+
+std::shared_ptr<void> FrameReader::Finish(const Status& why) {
+  std::shared_ptr<void> keep = std::move(keep_alive_);
+  conn_->Close(why);
+  hooks_.on_end(why);
+  hooks_ = {};
+  if (loop_ != nullptr) {
+    // Under the lock: a Join that returns may let the owner go (not before
+    // `keep` is dropped, by the caller).
+    std::lock_guard lock(end_mu_);
+    ended_ = true;
+    end_cv_.notify_all();
+  }
+  return keep;
 }
 
 void FrameReader::Run(const char* name) {
   pthread_setname_np(pthread_self(), name);
-  const std::string& peer = conn_->peer();
-  Status st = wake_fd_ < 0 ? InternalError(fmt::format("eventfd: {}", std::strerror(wake_errno_)))
-                           : conn_->Connect();
+  Status st = Begin();
   while (st.ok()) {
-    auto until = hooks_.before_wait ? hooks_.before_wait() : SteadyClock::time_point::max();
-    if (!conn_->open()) until = std::min(until, conn_->handshake_deadline());
+    const auto until = Until();
     int timeout_ms = -1;
     if (until != SteadyClock::time_point::max()) {
       timeout_ms = static_cast<int>(std::clamp<int64_t>(
@@ -75,18 +131,11 @@ void FrameReader::Run(const char* name) {
       uint64_t v;
       (void)!::read(wake_fd_, &v, sizeof(v));
     }
-    st = conn_->Progress(fds[0].revents, hooks_.on_frame);
-    if (hooks_.after_progress) hooks_.after_progress();
-    if (st.ok() && !conn_->open() && SteadyClock::now() >= conn_->handshake_deadline()) {
-      st = UnavailableError(fmt::format("no authenticated connection to {} within the timeout", peer));
-    }
+    st = Step(fds[0].revents);
   }
-  conn_->Close(st);
-  hooks_.on_end(st);
-  hooks_ = {};
-  // The last reference may be this one (then the owner's destructor, and
+  // The last reference may be `keep` (then the owner's destructor, and
   // this reader's, run here and detach): nothing of `this` is used after.
-  std::shared_ptr<void> keep = std::move(keep_alive_);
+  std::shared_ptr<void> keep = Finish(st);
 }
 
 }  // namespace tandem

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "common/delivery_scope.h"
+#include "common/frame_loop.h"
 #include "tandem/v1/worker.pb.h"
 
 namespace tandem::proxy {
@@ -17,7 +18,7 @@ void PrefillTcpCall::Cancel() {
 }
 
 PrefillTcpClient::PrefillTcpClient(std::shared_ptr<FrameConn> conn)
-    : conn_(std::move(conn)), reader_until_(SteadyClock::time_point::max()), reader_(conn_) {}
+    : conn_(std::move(conn)), reader_until_(SteadyClock::time_point::max()), reader_(conn_, &FrameLoop::Shared()) {}
 
 PrefillTcpClient::~PrefillTcpClient() = default;
 

@@ -6,8 +6,9 @@
 //
 // A call's request frame is written inline by the thread that starts it
 // (never blocking: what the socket does not take waits for the reader's
-// POLLOUT). One reader thread per connection dials, runs the TLS
-// handshake, reads the replies and runs each call's `done` (inside a
+// POLLOUT). The proxy's frame loop (common/frame_loop.h: one thread for
+// every Prefill and Watch connection) dials, runs the TLS handshake, reads
+// the replies and runs each call's `done` (inside a
 // DeliveryScope, so that the native front end flushes a batch of replies
 // once); it also ends calls whose deadline passed (DEADLINE_EXCEEDED, as a
 // gRPC client does, and a cancel frame so that the prefiller stops the
@@ -16,8 +17,8 @@
 // does: the lifecycle then retries or migrates as before.
 //
 // Threads: Start, PrefillTcpCall::Cancel/Abandon and Stop from any thread
-// (Stop not from the reader); `done` runs on the reader thread, never
-// inside Start or Cancel.
+// (Stop not from the reader); `done` runs on the frame loop's thread,
+// never inside Start or Cancel.
 #pragma once
 
 #include <chrono>

@@ -2,12 +2,14 @@
 
 #include <fmt/format.h>
 
+#include "common/frame_loop.h"
+
 namespace tandem::proxy {
 
 namespace pb = ::tandem::v1;
 
 WatchTcpClient::WatchTcpClient(std::shared_ptr<FrameConn> conn, pb::WatchRequest request)
-    : conn_(std::move(conn)), request_(std::move(request)), reader_(conn_) {}
+    : conn_(std::move(conn)), request_(std::move(request)), reader_(conn_, &FrameLoop::Shared()) {}
 
 WatchTcpClient::~WatchTcpClient() = default;
 

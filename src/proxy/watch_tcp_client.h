@@ -4,15 +4,17 @@
 // internal plane is TLS), the WatchRequest as its first frame, then the
 // worker's WorkerUpdate frames.
 //
-// One reader thread per connection dials, runs the TLS handshake, sends the
-// request and reads the updates: at idle it wakes once per worker
-// keep-alive and writes nothing back (no WINDOW_UPDATE, no ping). A
+// The proxy's frame loop (common/frame_loop.h: one thread for every Watch
+// and Prefill connection) dials, runs the TLS handshake, sends the request
+// and reads the updates: at idle it wakes once per worker keep-alive and
+// writes nothing back (no WINDOW_UPDATE, no ping). A
 // connection that cannot be dialled or authenticated within the handshake
 // timeout, or that breaks, ends the watch (not gracefully); a last update
 // with `watch_ended` ends it gracefully (the worker leaves).
 //
 // Threads: Create/Start/Stop from any thread (Stop also from a callback);
-// the callbacks run on the reader thread, in order, on_end once and last.
+// the callbacks run on the frame loop's thread, in order, on_end once and
+// last.
 #pragma once
 
 #include <atomic>

@@ -8,7 +8,11 @@
 //            LoadReport: load is sampled every `load_interval` (every
 //            keep-alive period while the worker is quiescent and nothing
 //            changed, until IdleWake::Notify) and sent
-//            when it changed (or KV events went out since the last report),
+//            when it changed (or KV events went out since the last report);
+//            a round whose KV events go to a batched watcher samples it at
+//            once and the report leaves with them (the next sample then an
+//            interval later: issue 23, one update per batch, not a batch
+//            plus reports),
 //            and to a stream that carried nothing for the keep-alive period
 //            (the proxies ask for it when the worker registers:
 //            RegisterResponse.heartbeat_interval_ms), so an idle worker

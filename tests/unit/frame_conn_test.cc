@@ -1,10 +1,13 @@
 // The framed TCP transport (common/frame_conn.h, common/frame_server.h,
-// common/frame_reader.h; issue 23): frames round trip in order over mutual
-// TLS and plaintext; an
+// common/frame_reader.h, common/frame_loop.h; issue 23): frames round trip
+// in order over mutual TLS and plaintext, on a reader thread of their own
+// and on a shared frame loop; an
 // over-limit frame is refused with a clear error on both sides; a peer
 // without a certificate of the fleet CA is refused by the server and a
 // server without one by the client; a peer that does not read never blocks
-// the sender and is disconnected at the bound. Real sockets on 127.0.0.1.
+// the sender and is disconnected at the bound. On one frame loop, a
+// connection that breaks ends alone and a peer that never answers holds up
+// no other connection's frames. Real sockets on 127.0.0.1.
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -17,6 +20,7 @@
 #include <mutex>
 #include <thread>
 
+#include "common/frame_loop.h"
 #include "common/frame_reader.h"
 #include "common/net.h"
 #include "frame_test_support.h"
@@ -93,11 +97,13 @@ std::unique_ptr<FrameServer> Serve(std::shared_ptr<FrameTls> tls, Seen* seen, Fr
       o);
 }
 
-// A client connection served by a FrameReader (as the proxy's clients).
+// A client connection served by a FrameReader: a thread of its own (as the
+// decode stream's), or `loop`'s (as the Watch and Prefill connections').
 class Client {
  public:
-  Client(const std::string& address, std::shared_ptr<FrameTls> tls, FrameOptions o = {})
-      : conn_(FrameConn::Client(address, std::move(tls), o)), reader_(conn_) {
+  Client(const std::string& address, std::shared_ptr<FrameTls> tls, FrameOptions o = {},
+         FrameLoop* loop = nullptr)
+      : conn_(FrameConn::Client(address, std::move(tls), o)), reader_(conn_, loop) {
     FrameReader::Hooks hooks;
     hooks.on_frame = [this](std::string_view payload) {
       pb::DecodeStreamResponse r;
@@ -316,6 +322,71 @@ TEST_F(FrameConnTest, APeerThatDoesNotReadNeverBlocksTheSenderAndIsDisconnectedA
   ASSERT_TRUE(seen.WaitFor([&] { return seen.is_closed; }));  // the session ended too
   EXPECT_EQ(seen.closed.code(), StatusCode::kUnavailable);
   close(fd);
+}
+
+// A listening socket on 127.0.0.1 that never accepts: connections to it
+// complete (the kernel's backlog) and are never answered.
+class SilentPeer {
+ public:
+  SilentPeer() {
+    fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    EXPECT_EQ(bind(fd_, reinterpret_cast<sockaddr*>(&a), len), 0);
+    EXPECT_EQ(listen(fd_, 8), 0);
+    getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len);
+    address_ = HostPort{"127.0.0.1", ntohs(a.sin_port)}.ToString();
+  }
+  ~SilentPeer() { ::close(fd_); }
+  const std::string& address() const { return address_; }
+
+ private:
+  int fd_ = -1;
+  std::string address_;
+};
+
+TEST_F(FrameConnTest, OnOneLoopABrokenConnectionEndsAloneAndASilentPeerHoldsUpNoOne) {
+  FrameLoop loop("test-loop");
+  Seen seen_a, seen_b;
+  auto server_a = Serve(Tls(Identity(ca_, "decode-0")), &seen_a);
+  auto server_b = Serve(Tls(Identity(ca_, "decode-1")), &seen_b);
+  ASSERT_TRUE(server_a && server_b);
+  SilentPeer silent;
+  auto proxy_tls = Tls(Identity(ca_, "proxy"));
+  Client a(server_a->address(), proxy_tls, {}, &loop);
+  Client b(server_b->address(), proxy_tls, {}, &loop);
+  FrameOptions short_handshake;
+  short_handshake.handshake_timeout = std::chrono::milliseconds(300);
+  Client late(silent.address(), proxy_tls, short_handshake, &loop);  // ends at its deadline
+  Client dead(silent.address(), proxy_tls, {}, &loop);               // waits 10 s
+  ASSERT_TRUE(a.conn().Send(Cancel(1)).ok());
+  ASSERT_TRUE(b.conn().Send(Cancel(1)).ok());
+  ASSERT_EQ(a.WaitHandles(1).size(), 1u);
+  ASSERT_EQ(b.WaitHandles(1).size(), 1u);
+
+  // The peer that never answers ends at its own handshake deadline.
+  const Status late_end = late.WaitEnd();
+  EXPECT_EQ(late_end.code(), StatusCode::kUnavailable) << late_end.ToString();
+  EXPECT_NE(late_end.message().find("within the timeout"), std::string::npos) << late_end.message();
+
+  // a's server closes a's connection: a ends, the others do not.
+  {
+    std::lock_guard lock(seen_a.mu);
+    ASSERT_NE(seen_a.conn, nullptr);
+    seen_a.conn->Close(UnavailableError("server gone"));
+  }
+  EXPECT_EQ(a.WaitEnd().code(), StatusCode::kUnavailable);
+
+  // b's frames keep flowing, in order, while `dead` is still unanswered.
+  constexpr uint64_t kFrames = 100;
+  for (uint64_t i = 2; i <= kFrames; ++i) ASSERT_TRUE(b.conn().Send(Cancel(i)).ok());
+  const auto got = b.WaitHandles(kFrames);
+  ASSERT_EQ(got.size(), kFrames);
+  for (uint64_t i = 0; i < kFrames; ++i) EXPECT_EQ(got[i], i + 1);
+  EXPECT_FALSE(b.ended());
+  EXPECT_FALSE(dead.ended());
 }
 
 }  // namespace

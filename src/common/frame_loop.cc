@@ -1,0 +1,184 @@
+#include "common/frame_loop.h"
+
+#include <pthread.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <unordered_set>
+
+#include "common/delivery_scope.h"
+#include "common/frame_reader.h"
+#include "common/status.h"
+
+namespace tandem {
+
+using SteadyClock = std::chrono::steady_clock;
+
+FrameLoop& FrameLoop::Shared() {
+  // Never destroyed: connections may end during static destruction.
+  static FrameLoop* loop = new FrameLoop("frame-loop");
+  return *loop;
+}
+
+FrameLoop::FrameLoop(const char* name)
+    : epoll_fd_(epoll_create1(EPOLL_CLOEXEC)), wake_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {
+  if (epoll_fd_ >= 0 && wake_fd_ >= 0) {
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.ptr = nullptr;  // the wake fd
+    epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &ev);
+  }
+  thread_ = std::thread([this, name] { Run(name); });
+}
+
+FrameLoop::~FrameLoop() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  Signal();
+  if (thread_.joinable()) thread_.join();
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+  if (epoll_fd_ >= 0) ::close(epoll_fd_);
+}
+
+void FrameLoop::Signal() {
+  if (wake_fd_ < 0) return;
+  const uint64_t one = 1;
+  (void)!::write(wake_fd_, &one, sizeof(one));
+}
+
+void FrameLoop::Add(FrameReader* r) {
+  {
+    std::lock_guard lock(mu_);
+    added_.push_back(r);
+  }
+  Signal();
+}
+
+void FrameLoop::Wake(FrameReader* r) {
+  {
+    std::lock_guard lock(mu_);
+    woken_.push_back(r);
+  }
+  Signal();
+}
+
+void FrameLoop::Forget(FrameReader* r) {
+  std::lock_guard lock(mu_);
+  std::erase(added_, r);
+  std::erase(woken_, r);
+}
+
+void FrameLoop::Run(const char* name) {
+  pthread_setname_np(pthread_self(), name);
+  // The connections served now. Pointers are only compared until found
+  // here: a reader is destroyed only after it left this set.
+  std::unordered_set<FrameReader*> readers;
+  std::vector<FrameReader*> added, woken, due;
+  const Status setup =
+      epoll_fd_ < 0 || wake_fd_ < 0
+          ? InternalError(std::string("frame loop: epoll/eventfd: ") + std::strerror(errno))
+          : Status::Ok();
+  const auto finish = [&](FrameReader* r, const Status& st) {
+    if (r->loop_registered_) epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, r->conn_->fd(), nullptr);
+    r->loop_registered_ = false;
+    readers.erase(r);
+    // The owner may go with its reference (then r too): r is not used after.
+    std::shared_ptr<void> keep = r->Finish(st);
+  };
+  // Its next deadline and the events it waits for now; false when it ended.
+  const auto arm = [&](FrameReader* r) {
+    r->loop_until_ = r->Until();
+    const uint32_t events = static_cast<uint16_t>(r->conn_->Events());
+    if (r->loop_registered_ && events == r->loop_events_) return;
+    epoll_event ev{};
+    ev.events = events;
+    ev.data.ptr = r;
+    const int op = r->loop_registered_ ? EPOLL_CTL_MOD : EPOLL_CTL_ADD;
+    if (epoll_ctl(epoll_fd_, op, r->conn_->fd(), &ev) != 0) {
+      finish(r, InternalError(std::string("frame loop: epoll_ctl: ") + std::strerror(errno)));
+      return;
+    }
+    r->loop_registered_ = true;
+    r->loop_events_ = events;
+  };
+  const auto step = [&](FrameReader* r, short revents) {
+    if (Status st = r->Step(revents); !st.ok()) {
+      finish(r, st);
+    } else {
+      arm(r);
+    }
+  };
+  epoll_event evs[64];
+  for (;;) {
+    bool stop;
+    {
+      std::lock_guard lock(mu_);
+      stop = stop_;
+      added.swap(added_);
+      woken.swap(woken_);
+    }
+    if (stop || !setup.ok()) break;
+    {
+      // The native front end flushes once for all the connections' deliveries.
+      DeliveryScope scope;
+      for (FrameReader* r : added) {
+        readers.insert(r);
+        if (Status st = r->Begin(); !st.ok()) {
+          finish(r, st);
+        } else {
+          arm(r);
+        }
+      }
+      added.clear();
+      for (FrameReader* r : woken) {
+        if (readers.count(r) != 0) step(r, 0);
+      }
+      woken.clear();
+    }
+    auto until = SteadyClock::time_point::max();
+    for (FrameReader* r : readers) until = std::min(until, r->loop_until_);
+    int timeout_ms = -1;
+    if (until != SteadyClock::time_point::max()) {
+      timeout_ms = static_cast<int>(std::clamp<int64_t>(
+          std::chrono::duration_cast<std::chrono::milliseconds>(until - SteadyClock::now()).count() + 1,
+          0, int64_t{1} << 30));
+    }
+    const int n = epoll_wait(epoll_fd_, evs, 64, timeout_ms);
+    DeliveryScope scope;
+    for (int i = 0; i < n; ++i) {
+      auto* r = static_cast<FrameReader*>(evs[i].data.ptr);
+      if (r == nullptr) {
+        uint64_t v;
+        (void)!::read(wake_fd_, &v, sizeof(v));
+        continue;
+      }
+      if (readers.count(r) != 0) step(r, static_cast<short>(evs[i].events & 0xffff));
+    }
+    const auto now = SteadyClock::now();
+    for (FrameReader* r : readers) {
+      if (r->loop_until_ <= now) due.push_back(r);
+    }
+    for (FrameReader* r : due) {
+      if (readers.count(r) != 0) step(r, 0);
+    }
+    due.clear();
+  }
+  // Stopped (or no epoll): every connection still served ends.
+  const Status why = setup.ok() ? UnavailableError("the frame loop stopped") : setup;
+  for (FrameReader* r : added) readers.insert(r);
+  {
+    std::lock_guard lock(mu_);
+    for (FrameReader* r : added_) readers.insert(r);
+    added_.clear();
+    woken_.clear();
+  }
+  while (!readers.empty()) finish(*readers.begin(), why);
+}
+
+}  // namespace tandem
