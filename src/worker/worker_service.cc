@@ -299,13 +299,16 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
         // the idle pace below (or is in the sample).
         if (idle_wake_) idle_wake_->armed_.store(true);
         const LoadSample sample = load_();
-        load_changed = !sent_any || events_since_load || !(sample == last_sent);
+        load_changed = !sent_any || events_since_load || !sample.SameForRouting(last_sent);
+        // Unchanged for the router: no update of its own, but the next one
+        // (a batch, a keep-alive, a new stream's first) carries these values.
+        const bool others_changed = !load_changed && !(sample == last_sent);
+        if (load_changed || others_changed) last_sent = sample;
         if (load_changed) {
-          last_sent = sample;
           sent_any = true;
           events_since_load = false;
-          if (on_tick_) on_tick_();
         }
+        if ((load_changed || others_changed) && on_tick_) on_tick_();
         now = Clock::now();
         // Quiescent and unchanged: the next sample at the keep-alive pace
         // (or at once on IdleWake::Notify); otherwise every interval.

@@ -8,7 +8,8 @@
 //            LoadReport: load is sampled every `load_interval` (every
 //            keep-alive period while the worker is quiescent and nothing
 //            changed, until IdleWake::Notify) and sent
-//            when it changed (or KV events went out since the last report);
+//            when what the router reads of it changed (LoadSample::
+//            SameForRouting; or KV events went out since the last report);
 //            a round whose KV events go to a batched watcher samples it at
 //            once and the report leaves with them (the next sample then an
 //            interval later: issue 23, one update per batch, not a batch
@@ -94,6 +95,18 @@ struct LoadSample {
   uint64_t prefill_tokens_total = 0;   // engine: prefill tokens computed, total
   double prefill_seconds_total = 0;    // engine: seconds of steps with prefill tokens, total
   bool operator==(const LoadSample&) const = default;
+  // The fields the proxy's router reads (proxy/registry_service.cc
+  // ApplyLoad; router/types.h LoadReport) are equal. A change in the others
+  // alone (registered requests, reservations, waiting, parked, queued
+  // requests, leases, notices, usage ratio) sends no update of its own: the
+  // next update carries it (issue 23).
+  bool SameForRouting(const LoadSample& o) const {
+    return queued_prefill_tokens == o.queued_prefill_tokens &&
+           active_decode_blocks == o.active_decode_blocks && free_blocks == o.free_blocks &&
+           running_requests == o.running_requests &&
+           prefill_tokens_total == o.prefill_tokens_total &&
+           prefill_seconds_total == o.prefill_seconds_total;
+  }
   // Nothing queued, waiting, running, reserved or registered.
   bool quiescent() const {
     return queued_prefill_tokens == 0 && running_requests == 0 && waiting_requests == 0 &&

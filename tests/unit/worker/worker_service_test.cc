@@ -56,9 +56,10 @@ class RecordingSink final : public WatchSink {
 
 class WorkerServiceWatchTest : public ::testing::Test {
  protected:
-  // `interval`: the load sampling period; the keep-alive is as long, so
-  // nothing but events and the first report make an update on its own.
-  void Start(std::chrono::milliseconds interval) {
+  // `interval`: the load sampling period; the keep-alive (default: as
+  // long), so nothing but events, changes and the first report make an
+  // update on its own.
+  void Start(std::chrono::milliseconds interval, std::chrono::milliseconds keepalive = {}) {
     engine::EngineOptions o;
     o.num_blocks = 64;
     engine_ = MakeEngine(TinyModel(), o);
@@ -70,13 +71,16 @@ class WorkerServiceWatchTest : public ::testing::Test {
     service_ = std::make_unique<WorkerService>(
         id, *engine_,
         [this] {
-          samples_.fetch_add(1);
           LoadSample s;
           s.queued_prefill_tokens = queued_.load();
+          s.registered_requests = registered_.load();
+          std::lock_guard lock(samples_mu_);
+          ++samples_;
+          samples_cv_.notify_all();
           return s;
         },
         nullptr, interval);
-    service_->SetKeepalive("proxy", interval);
+    service_->SetKeepalive("proxy", keepalive.count() > 0 ? keepalive : interval);
     service_->Start();
   }
   void TearDown() override {
@@ -102,8 +106,21 @@ class WorkerServiceWatchTest : public ::testing::Test {
 
   std::unique_ptr<engine::Engine> engine_;
   std::unique_ptr<WorkerService> service_;
+  // Until the loop has sampled the load `n` times in all.
+  void WaitSamples(int n) {
+    std::unique_lock lock(samples_mu_);
+    ASSERT_TRUE(samples_cv_.wait_for(lock, 20s, [&] { return samples_ >= n; }));
+  }
+  int samples() {
+    std::lock_guard lock(samples_mu_);
+    return samples_;
+  }
+
   std::atomic<uint32_t> queued_{0};
-  std::atomic<int> samples_{0};
+  std::atomic<uint32_t> registered_{0};
+  std::mutex samples_mu_;
+  std::condition_variable samples_cv_;
+  int samples_ = 0;  // guarded by samples_mu_
 };
 
 TEST_F(WorkerServiceWatchTest, EveryBatchOfEventsCarriesTheLoadOfItsRound) {
@@ -177,6 +194,45 @@ TEST_F(WorkerServiceWatchTest, AnUnbatchedWatcherGetsTheReportAfterTheEvents) {
   }
   EXPECT_GT(seen_last_at, 0u);
   EXPECT_GT(load_at, seen_last_at);
+}
+
+// A change only in what the proxy does not route by (registered requests,
+// reservations, waiting, leases, notices, usage ratio: docs/serving-workers.md)
+// sends no update of its own; the next update carries it.
+TEST_F(WorkerServiceWatchTest, AChangeTheRouterDoesNotReadWaitsForTheNextUpdate) {
+  Start(std::chrono::milliseconds(5), std::chrono::hours(1));
+  auto sink = std::make_shared<RecordingSink>();
+  ASSERT_TRUE(service_->AddWatch(sink, /*batched=*/true));
+  ASSERT_TRUE(sink->WaitFor([](const auto& us) {
+    for (const auto& u : us) {
+      if (u.has_batched_load()) return true;
+    }
+    return false;
+  }));
+  registered_ = 3;
+  // Several samples see only that change...
+  const int seen = samples();
+  WaitSamples(seen + 3);
+  // ...then one the router reads.
+  queued_ = 64;
+  ASSERT_TRUE(sink->WaitFor([](const auto& us) {
+    for (const auto& u : us) {
+      if (u.batched_load().queued_prefill_tokens() == 64) return true;
+    }
+    return false;
+  }));
+  const auto us = sink->updates();
+  int loads = 0;
+  for (const auto& u : us) {
+    if (!u.has_batched_load()) continue;
+    ++loads;
+    if (u.batched_load().queued_prefill_tokens() == 0) {
+      EXPECT_EQ(u.batched_load().registered_requests(), 0u) << "an update for registered_requests alone";
+    } else {
+      EXPECT_EQ(u.batched_load().registered_requests(), 3u);
+    }
+  }
+  EXPECT_EQ(loads, 2);
 }
 
 }  // namespace
