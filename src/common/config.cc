@@ -163,6 +163,7 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.ReadEnum("decode_transport", c.proxy.decode_transport, {"tcp", "grpc"});  // issue 23
     m.ReadEnum("watch_transport", c.proxy.watch_transport, {"tcp", "grpc"});  // issue 23
     m.ReadEnum("prefill_transport", c.proxy.prefill_transport, {"tcp", "grpc"});  // issue 23
+    m.ReadEnum("register_transport", c.proxy.register_transport, {"tcp", "grpc"});  // issue 23
     m.ReadEnum("grpc_server", c.proxy.grpc_server, {"auto", "grpc", "native"});  // issue 23
     {
       YamlMap l = m.Sub("limits");

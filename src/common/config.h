@@ -106,6 +106,11 @@ struct ProxyConfig {
   // Prefill to a prefiller that serves both: tcp (its framed TCP listener,
   // prefill.frame_listen) | grpc (Prefiller.Prefill).
   std::string prefill_transport = "tcp";
+  // Issue 23 (docs/serving-workers.md "Register transport"): what the
+  // workers' registrations use on proxy.internal, read by the proxy and the
+  // workers alike: tcp (framed RegisterRequest/RegisterResponse; the proxy
+  // runs no gRPC server) | grpc (Registry.Register).
+  std::string register_transport = "tcp";
   // Issue 23 (docs/grpc-frontend.md): what serves the public gRPC port.
   // grpc: gRPC C++; native: the proxy's own HTTP/2 server (nghttp2),
   // plaintext or TLS.

@@ -229,6 +229,18 @@ void FrameConn::CloseLocked(const Status& why) {
   out_off_ = 0;
 }
 
+std::string FrameConn::PeerCommonName() const {
+  std::lock_guard lock(mu_);
+  if (ssl_ == nullptr || state_ != State::kOpen) return "";
+  X509* cert = SSL_get1_peer_certificate(ssl_);
+  if (cert == nullptr) return "";
+  char cn[256] = "";
+  const int n = X509_NAME_get_text_by_NID(X509_get_subject_name(cert), NID_commonName, cn,
+                                          sizeof(cn));
+  X509_free(cert);
+  return n > 0 ? std::string(cn, static_cast<size_t>(n)) : std::string();
+}
+
 Status FrameConn::TlsError(const char* what, int ret) {
   const int e = SSL_get_error(ssl_, ret);
   std::string detail;

@@ -106,6 +106,10 @@ class FrameConn {
   const std::string& peer() const { return peer_; }
   // True once connected and (with TLS) authenticated.
   bool open() const;
+  // The common name of the peer's verified certificate; "" over plaintext,
+  // before the handshake or once closed (the proxy's framed Register binds
+  // a worker name to it, as gRPC's x509_common_name; docs/security.md).
+  std::string PeerCommonName() const;
 
   // ---- the I/O thread ----
   // Client: resolves the address and starts a non-blocking connect.

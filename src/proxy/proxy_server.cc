@@ -101,9 +101,28 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
       std::chrono::milliseconds(static_cast<int64_t>(fleet.proxy.liveness_timeout_seconds * 1000)),
       fleet.proxy.watch_transport == "tcp", options.internal_credentials);
 
-  TANDEM_ASSIGN_OR_RETURN(p->internal_server_,
-                          RpcServer::Start(pick(options.internal, fleet.proxy.internal),
-                                           {p->registry_.get()}, options.internal_credentials));
+  // proxy.register_transport (issue 23, docs/serving-workers.md "Register
+  // transport"): tcp serves Register as frames on proxy.internal, so that
+  // the proxy runs no gRPC server; grpc keeps Registry.Register there.
+  const std::string internal = pick(options.internal, fleet.proxy.internal);
+  if (fleet.proxy.register_transport == "grpc") {
+    TANDEM_ASSIGN_OR_RETURN(p->internal_server_,
+                            RpcServer::Start(internal, {p->registry_.get()},
+                                             options.internal_credentials));
+    p->addresses_.internal = p->internal_server_->address();
+  } else {
+    TANDEM_ASSIGN_OR_RETURN(auto tls, InternalFrameTls(options.internal_credentials));
+    auto reg = RegisterTcpServer::Start(
+        internal, std::move(tls),
+        [registry = p->registry_.get()](const tandem::v1::RegisterRequest& request,
+                                        const std::string& identity,
+                                        tandem::v1::RegisterResponse* response) {
+          registry->HandleRegister(request, identity, response);
+        });
+    if (!reg.ok()) return reg.status().WithContext("proxy.internal (proxy.register_transport tcp)");
+    p->register_tcp_ = std::move(reg).value();
+    p->addresses_.internal = p->register_tcp_->address();
+  }
   if (native) {
     h2::H2ServerLimits limits;
     limits.max_connections = fleet.proxy.limits.max_connections;
@@ -127,7 +146,6 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
                                                          public_credentials));
     p->addresses_.grpc = p->server_->address();
   }
-  p->addresses_.internal = p->internal_server_->address();
   p->addresses_.metrics = p->metrics_registry_->bound_address();
   if (options.http_factory) {
     HttpContext hc{&fleet, p->frontend_.get(), p->fleet_.get(), p->metrics_registry_.get(),
@@ -136,11 +154,11 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
     p->addresses_.http = p->http_->address();
   }
   spdlog::info("proxy serving {} on {} (gRPC{}{}), {} (HTTP), metrics on {}; workers register on {} "
-               "({})",
+               "({}, {})",
                fleet.model.name, p->addresses_.grpc, p->native_ ? ", native HTTP/2" : "",
                options.public_tls.empty() ? "" : ", TLS",
                p->addresses_.http.empty() ? "-" : p->addresses_.http, p->addresses_.metrics,
-               p->addresses_.internal,
+               p->addresses_.internal, p->register_tcp_ ? "framed TCP" : "gRPC",
                options.internal_credentials.secure() ? "mutual TLS" : "plaintext");
   return p;
 }
@@ -188,10 +206,12 @@ void ProxyServer::Shutdown(int grace_ms) {
   if (server_) server_->Shutdown(0);
   if (native_) native_->Shutdown();
   if (internal_server_) internal_server_->Shutdown(0);
+  if (register_tcp_) register_tcp_->Stop();
   registry_->Shutdown();
   server_.reset();
   native_.reset();
   internal_server_.reset();
+  register_tcp_.reset();
 }
 
 }  // namespace tandem::proxy

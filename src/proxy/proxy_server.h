@@ -20,6 +20,7 @@
 #include "proxy/h2/h2_server.h"
 #include "proxy/planner.h"
 #include "proxy/proxy_metrics.h"
+#include "proxy/register_tcp.h"
 #include "proxy/registry_service.h"
 #include "proxy/worker_client_grpc.h"
 
@@ -61,7 +62,7 @@ struct ProxyStartOptions {
   std::string grpc;      // public gRPC API (proxy.grpc)
   std::string metrics;   // /metrics (proxy.metrics)
   std::string http;      // OpenAI-compatible HTTP API (proxy.http)
-  std::string internal;  // Registry for workers (proxy.internal)
+  std::string internal;  // Registry for workers (proxy.internal; proxy.register_transport)
   HttpFactory http_factory;  // null: no HTTP API
   // The internal plane: the Registry listener and every call to a worker.
   RpcCredentials internal_credentials;
@@ -109,7 +110,8 @@ class ProxyServer {
   std::unique_ptr<RegistryService> registry_;
   std::unique_ptr<RpcServer> server_;           // public (proxy.grpc_server: grpc)
   std::unique_ptr<h2::H2Server> native_;        // public (proxy.grpc_server: native)
-  std::unique_ptr<RpcServer> internal_server_;  // Registry
+  std::unique_ptr<RpcServer> internal_server_;  // Registry (proxy.register_transport: grpc)
+  std::unique_ptr<RegisterTcpServer> register_tcp_;  // Registry (proxy.register_transport: tcp)
   std::unique_ptr<HttpFrontEnd> http_;  // last: stopped before what it uses
   ProxyAddresses addresses_;
 };

@@ -272,7 +272,17 @@ void RegistryService::Shutdown() {
 grpc::ServerUnaryReactor* RegistryService::Register(grpc::CallbackServerContext* ctx,
                                                     const pb::RegisterRequest* request,
                                                     pb::RegisterResponse* response) {
-  const auto& w = request->worker();
+  // The verified certificate identity of the caller ("" over plaintext).
+  HandleRegister(*request, PeerIdentity(*ctx), response);
+  auto* reactor = ctx->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+void RegistryService::HandleRegister(const pb::RegisterRequest& request,
+                                     const std::string& identity,
+                                     pb::RegisterResponse* response) {
+  const auto& w = request.worker();
   WorkerRecord rec;
   rec.name = w.name();
   rec.role = RoleFromProto(w.role());
@@ -295,8 +305,6 @@ grpc::ServerUnaryReactor* RegistryService::Register(grpc::CallbackServerContext*
   if (auto it = w.labels().find("node"); it != w.labels().end()) rec.node = it->second;
   if (auto it = w.labels().find("zone"); it != w.labels().end()) rec.zone = it->second;
 
-  // The verified certificate identity of the caller ("" over plaintext).
-  const std::string identity = PeerIdentity(*ctx);
   Status st = Status::Ok();
   bool refresh = false;
   bool was_lost = false;
@@ -348,9 +356,6 @@ grpc::ServerUnaryReactor* RegistryService::Register(grpc::CallbackServerContext*
     if (was_lost) spdlog::info("worker {} answers again: back in routing", rec.name);
     if (!refresh) StartWatch(rec.name, rec.grpc_address, rec.epoch);
   }
-  auto* reactor = ctx->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
 }
 
 void RegistryService::SnapshotApplied(const std::string& name) {

@@ -58,6 +58,11 @@ class RegistryService final : public tandem::v1::Registry::CallbackService {
   grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* ctx,
                                      const tandem::v1::RegisterRequest* request,
                                      tandem::v1::RegisterResponse* response) override;
+  // One registration, from the gRPC Register above or the framed listener
+  // (proxy/register_tcp.h): `identity` is the caller's verified certificate
+  // common name ("" over plaintext). A refusal is response->error.
+  void HandleRegister(const tandem::v1::RegisterRequest& request, const std::string& identity,
+                      tandem::v1::RegisterResponse* response);
 
   // Stops watching every worker (at shutdown).
   void Shutdown();

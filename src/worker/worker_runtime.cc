@@ -733,7 +733,8 @@ int RunWorker(const WorkerCommand& cmd) {
     ro.join_dns = cmd.join_dns;
     ro.discovery_interval = std::chrono::milliseconds(cmd.discovery_interval_ms);
     // One kept connection per proxy for the refresh every interval.
-    auto channels = std::make_shared<ProxyChannels>(w->credentials);
+    auto channels = std::make_shared<ProxyChannels>(
+        w->credentials, w->fleet.proxy.register_transport == "tcp");  // grpc-idle: framed Register
     auto register_fn = [&w = *w, channels](const std::string& address,
                                            std::chrono::milliseconds retry_for) {
       std::chrono::milliseconds heartbeat{0};

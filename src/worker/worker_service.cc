@@ -279,21 +279,36 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
       // (or KV events went out since the last report: a request may have
       // come and gone between two samples), otherwise only to new streams
       // and as the keep-alive of a stream that carried nothing for its period.
+      // Issue 23 (load piggyback): a round whose events go to a batched
+      // watcher samples the load at once and the report leaves in the same
+      // update, and the next sample is an interval after it: the periodic
+      // report fires only when nothing left for the interval, so a busy
+      // worker sends one update per batch of events instead of a batch plus
+      // reports, and the router's view is never older than before.
+      bool piggyback = false;
+      if (!events.empty()) {
+        std::lock_guard lock(mu_);
+        piggyback = std::any_of(watchers_.begin(), watchers_.end(),
+                                [](const Watcher& w) { return w.batched; });
+      }
       std::shared_ptr<const pb::WorkerUpdate> load;
       bool load_changed = false;
       auto now = Clock::now();
-      if (now >= next_load) {
+      if (now >= next_load || piggyback) {
         // Armed before sampling: work that arrives after this sample wakes
         // the idle pace below (or is in the sample).
         if (idle_wake_) idle_wake_->armed_.store(true);
         const LoadSample sample = load_();
-        load_changed = !sent_any || events_since_load || !(sample == last_sent);
+        load_changed = !sent_any || events_since_load || !sample.SameForRouting(last_sent);
+        // Unchanged for the router: no update of its own, but the next one
+        // (a batch, a keep-alive, a new stream's first) carries these values.
+        const bool others_changed = !load_changed && !(sample == last_sent);
+        if (load_changed || others_changed) last_sent = sample;
         if (load_changed) {
-          last_sent = sample;
           sent_any = true;
           events_since_load = false;
-          if (on_tick_) on_tick_();
         }
+        if ((load_changed || others_changed) && on_tick_) on_tick_();
         now = Clock::now();
         // Quiescent and unchanged: the next sample at the keep-alive pace
         // (or at once on IdleWake::Notify); otherwise every interval.

@@ -8,7 +8,12 @@
 //            LoadReport: load is sampled every `load_interval` (every
 //            keep-alive period while the worker is quiescent and nothing
 //            changed, until IdleWake::Notify) and sent
-//            when it changed (or KV events went out since the last report),
+//            when what the router reads of it changed (LoadSample::
+//            SameForRouting; or KV events went out since the last report);
+//            a round whose KV events go to a batched watcher samples it at
+//            once and the report leaves with them (the next sample then an
+//            interval later: issue 23, one update per batch, not a batch
+//            plus reports),
 //            and to a stream that carried nothing for the keep-alive period
 //            (the proxies ask for it when the worker registers:
 //            RegisterResponse.heartbeat_interval_ms), so an idle worker
@@ -90,6 +95,18 @@ struct LoadSample {
   uint64_t prefill_tokens_total = 0;   // engine: prefill tokens computed, total
   double prefill_seconds_total = 0;    // engine: seconds of steps with prefill tokens, total
   bool operator==(const LoadSample&) const = default;
+  // The fields the proxy's router reads (proxy/registry_service.cc
+  // ApplyLoad; router/types.h LoadReport) are equal. A change in the others
+  // alone (registered requests, reservations, waiting, parked, queued
+  // requests, leases, notices, usage ratio) sends no update of its own: the
+  // next update carries it (issue 23).
+  bool SameForRouting(const LoadSample& o) const {
+    return queued_prefill_tokens == o.queued_prefill_tokens &&
+           active_decode_blocks == o.active_decode_blocks && free_blocks == o.free_blocks &&
+           running_requests == o.running_requests &&
+           prefill_tokens_total == o.prefill_tokens_total &&
+           prefill_seconds_total == o.prefill_seconds_total;
+  }
   // Nothing queued, waiting, running, reserved or registered.
   bool quiescent() const {
     return queued_prefill_tokens == 0 && running_requests == 0 && waiting_requests == 0 &&
@@ -217,20 +234,31 @@ Status RegisterWithProxy(const std::string& proxy_address, const WorkerIdentity&
 // rotated certificate), as before.
 //
 // Thread-safety: Register from any thread.
+//
+// `tcp` (proxy.register_transport tcp, the default; proxy/register_tcp.h):
+// the registrations go as frames over one kept framed connection per proxy
+// (mutual TLS as the internal plane), with the same retries, refusals and
+// TLS errors as RegisterWithProxy; otherwise Registry.Register over gRPC.
 class ProxyChannels {
  public:
-  explicit ProxyChannels(RpcCredentials credentials) : credentials_(std::move(credentials)) {}
+  explicit ProxyChannels(RpcCredentials credentials, bool tcp = false);
+  ~ProxyChannels();
 
   // RegisterWithProxy over the address's kept channel (dialed if none).
   Status Register(const std::string& proxy_address, const WorkerIdentity& identity,
                   std::chrono::milliseconds retry_for,
                   std::chrono::milliseconds* heartbeat = nullptr);
 
-  // Channels dialed so far (tests).
+  // Channels (or framed connections) dialed so far (tests).
   uint64_t dials() const;
 
  private:
+  struct Framed;  // proxy_channels.cc
+  Status RegisterFramed(const std::string& proxy_address, const WorkerIdentity& identity,
+                        std::chrono::milliseconds retry_for, std::chrono::milliseconds* heartbeat);
+
   const RpcCredentials credentials_;
+  std::unique_ptr<Framed> framed_;  // null: gRPC
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;  // guarded by mu_
   uint64_t dials_ = 0;                                               // guarded by mu_

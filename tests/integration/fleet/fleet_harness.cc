@@ -77,6 +77,18 @@ static std::string WatchTransportYaml(const FleetOptions& o) {
   return fmt::format("  watch_transport: {}\n", env);
 }
 
+// TANDEM_TEST_REGISTER_TRANSPORT=grpc (or tcp) in the environment: what the
+// workers' registrations use on proxy.internal (proxy.register_transport,
+// docs/serving-workers.md "Register transport"), unless the test chose one.
+static std::string RegisterTransportYaml(const FleetOptions& o) {
+  const char* env = getenv("TANDEM_TEST_REGISTER_TRANSPORT");
+  if (env == nullptr || *env == 0 ||
+      o.proxy_yaml.find("register_transport:") != std::string::npos) {
+    return "";
+  }
+  return fmt::format("  register_transport: {}\n", env);
+}
+
 Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
   auto f = std::make_unique<Fleet>();
   char tmpl[] = "/tmp/tandem-fleet-XXXXXX";
@@ -93,7 +105,8 @@ Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
         "router:\n  policy: {}\n{}"
         "logging:\n  level: {}\n  format: {}\n",
         BundledModel(), o.model_yaml, o.num_blocks, o.cache_yaml, o.max_num_seqs, o.max_batched_tokens, o.max_waiting,
-        o.max_inflight, o.proxy_yaml + GrpcServerYaml(o) + PrefillTransportYaml(o) + WatchTransportYaml(o), o.policy, o.router_yaml, LogLevel(o), o.log_format);
+        o.max_inflight, o.proxy_yaml + GrpcServerYaml(o) + PrefillTransportYaml(o) + WatchTransportYaml(o) +
+            RegisterTransportYaml(o), o.policy, o.router_yaml, LogLevel(o), o.log_format);
     for (auto [role, n, extra] : {std::tuple{"prefill", o.prefill, &o.prefill_yaml},
                                   {"decode", o.decode, &o.decode_yaml},
                                   {"both", o.both, &o.both_yaml}}) {

@@ -25,6 +25,7 @@
 #include "common/tls_certs.h"
 #include "fleet_harness.h"
 #include "tandem/v1/worker.grpc.pb.h"
+#include "worker/worker_service.h"
 
 namespace tandem::testing {
 namespace {
@@ -111,9 +112,13 @@ std::vector<std::string> JoiningDecoder(const Fleet& fleet, const std::string& c
           "--name", name, "--join", fleet.proxy_internal()};
 }
 
-TEST(Security, InternalPortsRefusePlaintextAndAcceptTheFleetIdentity) {
+// proxy.internal as the fleet file has it: the framed Register (the
+// default, proxy.register_transport tcp) or gRPC's Registry.
+void ExpectInternalPortRefusesPlaintextAndAcceptsTheFleetIdentity(bool grpc_registry) {
   if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
-  auto fleet = Fleet::Launch(FleetOptions{});
+  FleetOptions o;
+  if (grpc_registry) o.proxy_yaml = "  register_transport: grpc\n";
+  auto fleet = Fleet::Launch(o);
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
   const Fleet& f = **fleet;
   ASSERT_FALSE(f.tls_ca().empty()) << "the state file has no tls entry";
@@ -138,11 +143,36 @@ TEST(Security, InternalPortsRefusePlaintextAndAcceptTheFleetIdentity) {
     EXPECT_TRUE(ok.ok()) << w.name << ": " << ok.error_message();
   }
   EXPECT_EQ(Register(f.proxy_internal(), plain).error_code(), grpc::StatusCode::UNAVAILABLE);
-  const grpc::Status internal_ok = Health(f.proxy_internal(), *op);
-  EXPECT_TRUE(internal_ok.ok()) << internal_ok.error_message();
+  if (grpc_registry) {
+    const grpc::Status internal_ok = Health(f.proxy_internal(), *op);
+    EXPECT_TRUE(internal_ok.ok()) << internal_ok.error_message();
+  } else {
+    // The framed Register: plaintext is refused in the handshake; the fleet
+    // identity gets the proxy's answer (a refusal: "intruder" is no worker
+    // of this model).
+    worker::WorkerIdentity id;
+    id.name = "intruder";
+    id.role = "decode";
+    id.grpc_address = "127.0.0.1:1";
+    const Status refused =
+        worker::ProxyChannels(plain, true).Register(f.proxy_internal(), id, 5s);
+    EXPECT_EQ(refused.code(), StatusCode::kUnauthenticated) << refused.ToString();
+    const Status answered = worker::ProxyChannels(*op, true).Register(f.proxy_internal(), id, 0s);
+    EXPECT_EQ(answered.code(), StatusCode::kFailedPrecondition) << answered.ToString();
+    EXPECT_NE(answered.message().find("refused this worker"), std::string::npos)
+        << answered.message();
+  }
   // The public port serves no Registry at all.
   EXPECT_EQ(Register(f.proxy_grpc(), plain).error_code(), grpc::StatusCode::UNIMPLEMENTED);
   ExpectServes(f);
+}
+
+TEST(Security, InternalPortsRefusePlaintextAndAcceptTheFleetIdentity) {
+  ExpectInternalPortRefusesPlaintextAndAcceptsTheFleetIdentity(false);
+}
+
+TEST(Security, InternalPortsRefusePlaintextAndAcceptTheFleetIdentityOverGrpcRegister) {
+  ExpectInternalPortRefusesPlaintextAndAcceptsTheFleetIdentity(true);
 }
 
 TEST(Security, WorkerOfAnotherCaOrWithoutCertificateCannotJoin) {

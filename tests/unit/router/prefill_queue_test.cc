@@ -311,6 +311,61 @@ TEST(PrefillCompletion, StoredLastBlockEndsThePrediction) {
   EXPECT_EQ(s.router->load(d->decode)->active_decode_blocks, 13);
 }
 
+// Issue 23 (load piggyback): a worker's Watch update that carries KV
+// events carries its load report too, sampled in the same round, and the
+// proxy applies the events first, then the report. The router's view after
+// each such batch: the prefiller's report (sampled while the prompt was
+// still counted, or after) neither revives the finished prefill nor hides
+// foreign work; the decoder's report, arriving with the stored event of
+// the blocks it received, replaces the prediction instead of adding to it.
+TEST(PrefillCompletion, ALoadReportCarriedOnTheStoredBatchIsApplied) {
+  TwoByTwo s;
+  const auto doc = Chain(500, 12);
+  const uint32_t prompt = 12 * 16 + 5;
+  auto d = s.router->Route({doc, prompt});
+  ASSERT_TRUE(d.ok());
+  const WorkerId p = d->prefill;
+  s.AdvanceMs(3);
+  // An earlier chunk's events with the report of that round: the whole
+  // prompt waiting/running there (the router's own work: nothing added).
+  s.Store(p, std::span(doc).first(8));
+  s.Report(p, prompt, 1);
+  EXPECT_EQ(s.Queued(p), prompt);
+  EXPECT_EQ(s.router->load(p)->running_requests, 1);
+  // The last chunk's batch: the stored event, then a report sampled in the
+  // same round that still counts the prompt (its request had not left the
+  // engine yet). The prefill is over and stays over.
+  s.AdvanceMs(40);
+  s.Store(p, std::span(doc).subspan(8));
+  s.Report(p, prompt, 1);
+  EXPECT_EQ(s.Queued(p), 0);
+  EXPECT_EQ(s.router->load(p)->running_requests, 0);
+  // A report on the next batch with another proxy's prompt queued: that
+  // one counts.
+  s.AdvanceMs(40);
+  s.Report(p, 300, 1);
+  EXPECT_EQ(s.Queued(p), 300);
+  EXPECT_EQ(s.router->load(p)->running_requests, 1);
+
+  // The decoder: 13 blocks predicted at routing; its batch (the received
+  // blocks stored, then its report counting them) replaces the prediction.
+  const WorkerId dec = d->decode;
+  EXPECT_EQ(s.router->load(dec)->active_decode_blocks, 13);
+  s.Store(dec, doc);
+  ASSERT_TRUE(s.router
+                  ->ApplyLoadReport(dec, {.active_decode_blocks = 13, .free_blocks = 10000 - 13,
+                                          .running_requests = 1})
+                  .ok());
+  EXPECT_EQ(s.router->load(dec)->active_decode_blocks, 13);
+  EXPECT_EQ(s.router->load(dec)->free_blocks, 10000 - 13);
+  EXPECT_EQ(s.router->load(dec)->running_requests, 1);
+  // The request ended: the next batch's report says so.
+  s.AdvanceMs(1);
+  ASSERT_TRUE(s.router->ApplyLoadReport(dec, {.free_blocks = 10000}).ok());
+  EXPECT_EQ(s.router->load(dec)->active_decode_blocks, 0);
+  EXPECT_EQ(s.router->load(dec)->running_requests, 0);
+}
+
 TEST(PrefillCompletion, OneEventCompletesOnePrediction) {
   TwoByTwo s;
   const auto doc = Chain(100, 4);
