@@ -376,8 +376,14 @@ TEST(Failure, JoinedDecoderServesAndMismatchIsRefused) {
 TEST(Failure, LeaseExpiryWithStoppedPrefiller) {
   if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
   constexpr uint32_t kMaxTokens = 16;
+  constexpr uint32_t kLong = 400;
   FleetOptions o = FailureFleet(2, 1);
-  o.max_batched_tokens = 8;  // long prompts prefill in many chunks: a wide window to stop in
+  // Long prompts prefill in many chunks: a wide window to stop in. The
+  // lease is longer than the other failure tests' 2 s: a healthy prefiller
+  // that holds six long prompts (its own and the stopped one's retries)
+  // must not overrun it on a slow machine.
+  o.max_batched_tokens = 16;
+  o.extra_yaml = "transport:\n  lease_seconds: 4\n  peer_timeout_seconds: 1.5\n";
   o.log_level = "info";      // the proxy's "answers again" line
   auto fleet = Fleet::Launch(o);
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
@@ -396,7 +402,7 @@ TEST(Failure, LeaseExpiryWithStoppedPrefiller) {
       EXPECT_EQ(c->token_ids, Reference(a.prompt_ids, kMaxTokens)) << "prompt " << seed;
     }
   };
-  for (uint32_t s = 800; s < 806; ++s) Reference(PromptIds(s, 700, kVocab), kMaxTokens);
+  for (uint32_t s = 800; s < 806; ++s) Reference(PromptIds(s, kLong, kVocab), kMaxTokens);
   for (uint32_t s = 900; s < 908; ++s) Reference(PromptIds(s, 60, kVocab), kMaxTokens);
 
   // Stop prefill-0 while it works on long prompts, until a lease expires
@@ -405,7 +411,7 @@ TEST(Failure, LeaseExpiryWithStoppedPrefiller) {
   for (int attempt = 0; attempt < 4 && !expired; ++attempt) {
     const double before = Metric(d0->metrics, "tandem_kv_lease_expired_total");
     std::vector<std::thread> load;
-    for (uint32_t s = 800; s < 806; ++s) load.emplace_back([&, s] { run(s, 700); });
+    for (uint32_t s = 800; s < 806; ++s) load.emplace_back([&, s] { run(s, kLong); });
     // Stop it while it prefills: the event is its engine running a request
     // (a prefiller reserves decoder blocks only when its engine can start at
     // once, so it holds a reservation then).
@@ -414,7 +420,7 @@ TEST(Failure, LeaseExpiryWithStoppedPrefiller) {
     // Requests keep being served meanwhile, by prefill-1.
     for (auto& t : load) t.join();
     expired = WaitFor([&] { return Metric(d0->metrics, "tandem_kv_lease_expired_total") > before; },
-                      4s);
+                      6s);
     if (!expired) {
       const size_t log_at = ReadText((*fleet)->log_path()).size();
       ASSERT_EQ(kill(p0->pid, SIGCONT), 0);
@@ -452,7 +458,7 @@ TEST(Failure, LeaseExpiryWithStoppedPrefiller) {
   EXPECT_TRUE(back) << "prefill-0 did not come back into routing";
   std::vector<std::thread> after;
   for (uint32_t s = 904; s < 908; ++s) after.emplace_back([&, s] { run(s, 60); });
-  for (uint32_t s = 800; s < 802; ++s) after.emplace_back([&, s] { run(s, 700); });
+  for (uint32_t s = 800; s < 802; ++s) after.emplace_back([&, s] { run(s, kLong); });
   for (auto& t : after) t.join();
   // Awake, prefill-0 confirmed its writes ended: the quarantine is over and
   // the decoder idle.
