@@ -179,7 +179,7 @@ TEST(BenchServe, OneP1DTableJsonAndReport) {
 
   // 2. Shared prefixes and two-turn conversations, Poisson arrivals, JSON
   //    on stdout: turn 2 resends turn 1, so the prefix caches must hit.
-  r = BenchServe(dir, proxy + "--num-requests 8 --request-rate 20 --turns 2 --input-len 24 "
+  r = BenchServe(dir, proxy + "--num-requests 8 --request-rate 5 --turns 2 --input-len 24 "
                               "--output-len 8 --shared-prefix-groups 2 --shared-prefix-len 64 "
                               "--ignore-eos --seed 3 --json -");
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -188,15 +188,22 @@ TEST(BenchServe, OneP1DTableJsonAndReport) {
   EXPECT_EQ(j["total_output_tokens"], 64);
   EXPECT_GT(j["cached_prompt_tokens"].get<uint64_t>(), 0u);
   EXPECT_GT(j["cached_token_ratio"].get<double>(), 0.0);
-  int second_turns = 0;
+  int first_turns = 0, second_turns = 0;
   for (const auto& x : j["per_request"]) {
+    if (x["turn"] == 0) ++first_turns;
     if (x["turn"] == 1) {
       ++second_turns;
       // Turn 2 = shared prefix 64 + 24 + 8 answered + 24 new.
       EXPECT_EQ(x["prompt_tokens"], 120);
     }
   }
-  EXPECT_EQ(second_turns, 4);
+  // How many of the 8 are second turns depends on how soon first turns
+  // finish against the Poisson arrivals of new sessions (4 when every
+  // first turn ends before the next session arrives; fewer on a slow
+  // machine): at least one, and never a second turn without its first.
+  EXPECT_GE(second_turns, 1);
+  EXPECT_GE(first_turns, second_turns);
+  EXPECT_EQ(first_turns + second_turns, 8);
   EXPECT_NE(r.err.find("Successful requests:"), std::string::npos);  // the table moved to stderr
 
   // 3. A Mooncake-format trace: requests 2 and 3 share request 1's first

@@ -54,6 +54,9 @@ class WorkerJoinTest : public ::testing::Test {
   void SetUp() override {
     dir_ = fs::temp_directory_path() / ("tandem-join-" + std::to_string(getpid()));
     fleet_ = WriteFleetFile(dir_);
+    // The test plays the proxy's gRPC Registry (register_transport: grpc);
+    // the framed registration has its own test (register_tcp_test).
+    std::ofstream(fleet_, std::ios::app) << "proxy:\n  register_transport: grpc\n";
   }
   void TearDown() override {
     std::error_code ec;
