@@ -13,6 +13,7 @@
 
 #include "common/delivery_scope.h"
 #include "common/tracing.h"
+#include "common/wire_ids.h"
 #include "decoder/decode_mux_batch.h"
 #include "worker/attempt_key.h"
 #include "worker/engine_params.h"
@@ -26,7 +27,9 @@ DecodeSpec DecodeSpecFromProto(const pb::DecodeRequest& req) {
   // Registered under the attempt's key (worker/attempt_key.h); the
   // prefiller reserves and notifies under the same key.
   spec.request_id = worker::AttemptKey(req.request_id(), req.attempt());
-  spec.prompt_ids.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
+  // Either encoding (common/wire_ids.h): a proxy of this version sends fixed32.
+  const std::span<const uint32_t> prompt = PromptIdsOf(req);
+  spec.prompt_ids.assign(prompt.begin(), prompt.end());
   spec.sampling = worker::ToSampling(req.params());
   if (req.deadline_unix_ms() > 0) {
     spec.deadline =

@@ -10,6 +10,7 @@
 
 #include "common/rpc_server.h"
 #include "common/tracing.h"
+#include "common/wire_ids.h"
 #include "tandem/v1/worker.grpc.pb.h"
 #include "worker/attempt_key.h"
 #include "worker/engine_params.h"
@@ -175,7 +176,9 @@ class GrpcDecoderLink final : public DecoderLink {
 PrefillJob ToPrefillJob(const pb::PrefillRequest& req, std::string_view traceparent) {
   PrefillJob job;
   job.request_id = worker::AttemptKey(req.request_id(), req.attempt());
-  job.prompt_ids.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
+  // Either encoding (common/wire_ids.h): a proxy of this version sends fixed32.
+  const std::span<const uint32_t> prompt = PromptIdsOf(req);
+  job.prompt_ids.assign(prompt.begin(), prompt.end());
   job.sampling = ToSampling(req.params());
   job.first_sample_index = req.params().first_sample_index();
   job.cache_salt = req.tenant_salt();

@@ -10,11 +10,32 @@
 
 #include "common/rpc_server.h"
 #include "common/tls.h"
+#include "common/wire_ids.h"
 #include "proxy/watch_tcp_client.h"
 
 namespace tandem::proxy {
 
 namespace pb = ::tandem::v1;
+
+router::KvEventView KvEventViewFromProto(const pb::KvEvent& e) {
+  router::KvEventView v;
+  v.epoch = e.epoch();
+  v.event_id = e.event_id();
+  // The view reads the message's hashes in place (no copy per event).
+  if (e.has_stored()) {
+    v.kind = router::KvEventKind::kStored;
+    v.parent_hash = e.stored().parent_hash();
+    v.tier = static_cast<router::KvTier>(e.stored().tier());
+    v.hashes = BlockHashesOf(e.stored());
+  } else if (e.has_removed()) {
+    v.kind = router::KvEventKind::kRemoved;
+    v.tier = static_cast<router::KvTier>(e.removed().tier());
+    v.hashes = BlockHashesOf(e.removed());
+  } else {
+    v.kind = router::KvEventKind::kCleared;
+  }
+  return v;
+}
 
 class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
  public:
@@ -33,6 +54,9 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
     req_.set_after_event_id(0);  // start with a snapshot
     req_.set_epoch(epoch_);
     req_.set_batched(true);  // one update per round of the worker's watch loop (issue 23)
+    // Hashes as fixed64 (common/wire_ids.h); an older worker still sends
+    // block_hashes, read as before.
+    req_.set_fixed64_hashes(true);
     Touch();
     if (!tcp_address_.empty()) {
       auto tcp = WatchTcpClient::Create(tcp_address_, owner_->watch_tls_, req_);
@@ -127,7 +151,7 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
         const auto span = [](const google::protobuf::RepeatedField<uint64_t>& f) {
           return std::span<const uint64_t>(f.data(), static_cast<size_t>(f.size()));
         };
-        const auto hashes = span(u.snapshot().block_hashes());
+        const auto hashes = BlockHashesOf(u.snapshot());
         const auto host = span(u.snapshot_host_hashes());
         const auto disk = span(u.snapshot_disk_hashes());
         if (router.ApplySnapshot(id, u.epoch(), u.snapshot_event_id(), hashes, host,
@@ -158,25 +182,7 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
 
   // False when the event asks for a snapshot (the stream is being dropped).
   bool ApplyEvent(router::Router& router, router::WorkerId id, const pb::KvEvent& e) {
-    router::KvEventView v;
-    v.epoch = e.epoch();
-    v.event_id = e.event_id();
-    // The view reads the message's hashes in place (no copy per event).
-    if (e.has_stored()) {
-      v.kind = router::KvEventKind::kStored;
-      v.parent_hash = e.stored().parent_hash();
-      v.tier = static_cast<router::KvTier>(e.stored().tier());
-      v.hashes = {e.stored().block_hashes().data(),
-                  static_cast<size_t>(e.stored().block_hashes_size())};
-    } else if (e.has_removed()) {
-      v.kind = router::KvEventKind::kRemoved;
-      v.tier = static_cast<router::KvTier>(e.removed().tier());
-      v.hashes = {e.removed().block_hashes().data(),
-                  static_cast<size_t>(e.removed().block_hashes_size())};
-    } else {
-      v.kind = router::KvEventKind::kCleared;
-    }
-    auto r = router.ApplyEvent(id, v);
+    auto r = router.ApplyEvent(id, KvEventViewFromProto(e));
     if (r.ok() && *r == router::EventResult::kNeedsSnapshot) {
       // A gap or a restart: drop the stream; the worker is watched anew
       // (from a snapshot) when it registers again, or now by the owner.
@@ -343,6 +349,7 @@ void RegistryService::HandleRegister(const pb::RegisterRequest& request,
     channels_->SetDecodeStream(rec.grpc_address, w.decode_stream());
     channels_->SetDecodeMuxAddress(rec.grpc_address, w.decode_mux_address());  // framed TCP
     channels_->SetPrefillFrameAddress(rec.grpc_address, w.prefill_frame_address());  // framed TCP
+    channels_->SetPromptFixed32(rec.grpc_address, w.reads_fixed32_prompt());
   }
   if (!st.ok()) {
     spdlog::warn("{}", st.message());

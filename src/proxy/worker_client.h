@@ -54,6 +54,9 @@ struct DecodeArgs {
   // retry never meets an earlier attempt's state (worker/attempt_key.h).
   uint32_t attempt = 0;
   std::string traceparent;  // W3C trace context for the worker; "" = not traced
+  // The worker reads the prompt as fixed32 (WorkerInfo.reads_fixed32_prompt;
+  // set by the worker client from the worker's registration).
+  bool prompt_fixed32 = false;
 };
 
 struct DecodeEvents {
@@ -82,6 +85,7 @@ struct PrefillArgs {
   std::string tenant_salt;  // as in DecodeArgs
   uint32_t attempt = 0;  // as in DecodeArgs: the same for both calls of one attempt
   std::string traceparent;  // as in DecodeArgs
+  bool prompt_fixed32 = false;  // as in DecodeArgs
 };
 
 struct PrefillResult {

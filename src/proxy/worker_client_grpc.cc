@@ -46,13 +46,20 @@ Finish FinishFromProto(pb::FinishReason r) {
   }
 }
 
-void AddPrompt(const PromptIds& ids, google::protobuf::RepeatedField<uint32_t>* out) {
-  if (ids) out->Add(ids->begin(), ids->end());
+// The prompt into the field the worker reads (docs/serving-workers.md,
+// "Prompt and hash encoding"): fixed32 is one copy to write and to parse;
+// the packed varints of an older worker's field cost a size pass and an
+// encoding pass per token here and a decoding pass there.
+template <typename Req>
+void AddPrompt(const PromptIds& ids, bool fixed32, Req* req) {
+  if (!ids) return;
+  auto* out = fixed32 ? req->mutable_prompt_token_ids_fixed32() : req->mutable_prompt_token_ids();
+  out->Add(ids->begin(), ids->end());
 }
 
 void FillDecodeRequest(const DecodeArgs& args, pb::DecodeRequest* req) {
   req->set_request_id(args.request_id);
-  AddPrompt(args.prompt_ids, req->mutable_prompt_token_ids());
+  AddPrompt(args.prompt_ids, args.prompt_fixed32, req);
   FillParams(args.params, req->mutable_params());
   req->set_deadline_unix_ms(UnixMs(args.deadline));
   req->set_prefill_locally(args.prefill_locally);
@@ -277,6 +284,20 @@ void GrpcWorkerClient::SetDecodeMuxAddress(const std::string& address,
   }
 }
 
+void GrpcWorkerClient::SetPromptFixed32(const std::string& address, bool reads) {
+  std::lock_guard lock(mu_);
+  if (reads) {
+    fixed32_prompt_addresses_.insert(address);
+  } else {
+    fixed32_prompt_addresses_.erase(address);
+  }
+}
+
+bool GrpcWorkerClient::PromptFixed32(const std::string& address) {
+  std::lock_guard lock(mu_);
+  return fixed32_prompt_addresses_.count(address) > 0;
+}
+
 void GrpcWorkerClient::SetDecodeStream(const std::string& address, bool served) {
   std::lock_guard lock(mu_);
   if (served) {
@@ -330,6 +351,7 @@ std::shared_ptr<grpc::Channel> GrpcWorkerClient::ChannelLocked(const std::string
 
 std::shared_ptr<Call> GrpcWorkerClient::Decode(const std::string& address, DecodeArgs args,
                                                DecodeEvents events) {
+  args.prompt_fixed32 = PromptFixed32(address);
   // The decoder's multiplexed stream (issue 23); a stream that just ended
   // is replaced once.
   if (auto mux = Mux(address)) {
@@ -347,7 +369,7 @@ std::shared_ptr<Call> GrpcWorkerClient::Decode(const std::string& address, Decod
 
 void FillPrefillRequest(const PrefillArgs& args, pb::PrefillRequest* req) {
   req->set_request_id(args.request_id);
-  AddPrompt(args.prompt_ids, req->mutable_prompt_token_ids());
+  AddPrompt(args.prompt_ids, args.prompt_fixed32, req);
   FillParams(args.params, req->mutable_params());
   req->set_deadline_unix_ms(UnixMs(args.deadline));
   req->set_decoder_address(args.decoder_address);
@@ -399,6 +421,7 @@ std::shared_ptr<PrefillTcpClient> GrpcWorkerClient::PrefillClient(const std::str
 
 std::shared_ptr<Call> GrpcWorkerClient::Prefill(const std::string& address, PrefillArgs args,
                                                 std::function<void(Result<PrefillResult>)> done) {
+  args.prompt_fixed32 = PromptFixed32(address);
   // The prefiller's framed TCP listener (issue 23); a connection that just
   // ended is replaced once.
   if (auto client = PrefillClient(address)) {

@@ -55,6 +55,11 @@ class GrpcWorkerClient final : public WorkerClient {
   // Where the worker at `address` serves Prefill over framed TCP
   // (WorkerInfo.prefill_frame_address; empty: it does not).
   void SetPrefillFrameAddress(const std::string& address, const std::string& frame_address);
+  // Whether the worker at `address` reads the prompt as fixed32
+  // (WorkerInfo.reads_fixed32_prompt; docs/serving-workers.md, "Prompt
+  // encoding"): Decode and Prefill to it then send
+  // prompt_token_ids_fixed32 instead of the packed varints.
+  void SetPromptFixed32(const std::string& address, bool reads);
 
   std::shared_ptr<Call> Decode(const std::string& address, DecodeArgs args,
                                DecodeEvents events) override;
@@ -89,6 +94,7 @@ class GrpcWorkerClient final : public WorkerClient {
  private:
   void Track(const std::string& address, const std::shared_ptr<Tracked>& call);
   std::shared_ptr<grpc::Channel> ChannelLocked(const std::string& address);
+  bool PromptFixed32(const std::string& address);
   // The live decode stream to `address` (a new one when `stale` is the
   // current one or there is none); null when it does not serve one.
   std::shared_ptr<DecodeMux> Mux(const std::string& address, const DecodeMux* stale = nullptr);
@@ -109,6 +115,8 @@ class GrpcWorkerClient final : public WorkerClient {
   std::unordered_map<std::string, std::shared_ptr<PrefillTcpClient>> prefill_clients_;  // guarded by mu_
   std::vector<std::weak_ptr<PrefillTcpClient>> prefill_tcp_clients_;  // guarded by mu_: stopped with the client
   std::unordered_set<std::string> mux_addresses_;  // guarded by mu_: serve DecodeStream
+  // guarded by mu_: read the fixed32 prompt (WorkerInfo.reads_fixed32_prompt)
+  std::unordered_set<std::string> fixed32_prompt_addresses_;
   std::unordered_map<std::string, std::string> tcp_addresses_;  // guarded by mu_: gRPC -> framed TCP
   std::unordered_map<std::string, std::shared_ptr<DecodeMux>> muxes_;  // guarded by mu_
   // Every TCP stream opened (stopped and joined with the client).

@@ -49,7 +49,7 @@ class TcpWatchSession final : public FrameSession {
       return InvalidArgumentError("a Watch frame does not hold a WatchRequest");
     }
     sink_ = std::make_shared<TcpWatchSink>(conn_);
-    if (!service_.AddWatch(sink_, req.batched())) {
+    if (!service_.AddWatch(sink_, req.batched(), req.fixed64_hashes())) {
       refused_ = true;
       return UnavailableError("worker stopping");
     }

@@ -6,11 +6,13 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <condition_variable>
 #include <map>
 #include <mutex>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "common/rpc_server.h"
@@ -62,6 +64,7 @@ struct Watcher {
   bool needs_load = true;        // its first load report goes at the next sample
   uint64_t last_event_id = 0;    // events up to this one are in what it was sent
   bool batched = false;  // WatchRequest.batched: one update per round (issue 23)
+  bool fixed64 = false;  // WatchRequest.fixed64_hashes: hashes in block_hashes_fixed64
   std::chrono::steady_clock::time_point last_write;  // for the keep-alive
 };
 
@@ -126,13 +129,14 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
   grpc::ServerWriteReactor<pb::WorkerUpdate>* Watch(grpc::CallbackServerContext*,
                                                     const pb::WatchRequest* req) override {
     auto* stream = new WatchStream(cancel_hook_);
-    if (!AddWatch(std::make_shared<GrpcWatchSink>(stream->writer()), req->batched())) {
+    if (!AddWatch(std::make_shared<GrpcWatchSink>(stream->writer()), req->batched(),
+                  req->fixed64_hashes())) {
       stream->writer()->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "worker stopping"));
     }
     return stream;
   }
 
-  bool AddWatch(std::shared_ptr<WatchSink> sink, bool batched) {
+  bool AddWatch(std::shared_ptr<WatchSink> sink, bool batched, bool fixed64) {
     {
       std::lock_guard lock(mu_);
       if (stopped_) return false;
@@ -140,6 +144,7 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
       w.writer = std::move(sink);
       w.last_write = std::chrono::steady_clock::now();
       w.batched = batched;
+      w.fixed64 = fixed64;
       watchers_.push_back(std::move(w));
       wake_ = true;
     }
@@ -147,7 +152,16 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
     return true;
   }
 
-  static void FillEvent(const engine::KvEvent& e, pb::KvEvent* ev) {
+  // `fixed64` (WatchRequest.fixed64_hashes): the hashes go to
+  // block_hashes_fixed64, a copy of their bytes instead of a 10-byte varint
+  // each (common/wire_ids.h).
+  template <typename Ev>
+  static void AddHashes(const std::vector<uint64_t>& hashes, bool fixed64, Ev* ev) {
+    auto* out = fixed64 ? ev->mutable_block_hashes_fixed64() : ev->mutable_block_hashes();
+    out->Add(hashes.begin(), hashes.end());
+  }
+
+  static void FillEvent(const engine::KvEvent& e, bool fixed64, pb::KvEvent* ev) {
     ev->set_event_id(e.event_id);
     ev->set_epoch(e.epoch);
     switch (e.kind) {
@@ -155,21 +169,21 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
         auto* st = ev->mutable_stored();
         st->set_parent_hash(e.parent_hash);
         st->set_tier(static_cast<pb::KvTier>(e.tier));
-        st->mutable_block_hashes()->Add(e.hashes.begin(), e.hashes.end());
+        AddHashes(e.hashes, fixed64, st);
         break;
       }
       case engine::KvEventKind::kRemoved:
         ev->mutable_removed()->set_tier(static_cast<pb::KvTier>(e.tier));
-        ev->mutable_removed()->mutable_block_hashes()->Add(e.hashes.begin(), e.hashes.end());
+        AddHashes(e.hashes, fixed64, ev->mutable_removed());
         break;
       case engine::KvEventKind::kCleared: ev->mutable_cleared(); break;
     }
   }
 
-  static pb::WorkerUpdate EventUpdate(const engine::KvEvent& e) {
+  static pb::WorkerUpdate EventUpdate(const engine::KvEvent& e, bool fixed64) {
     pb::WorkerUpdate u;
     u.set_epoch(e.epoch);
-    FillEvent(e, u.mutable_event());
+    FillEvent(e, fixed64, u.mutable_event());
     return u;
   }
 
@@ -246,34 +260,43 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
         events_since_load = true;
       }
 
-      bool any_snapshot = false;
+      std::array<bool, 2> any_snapshot{};  // [fixed64]
       {
         std::lock_guard lock(mu_);
         std::erase_if(watchers_, [](const Watcher& w) { return !w.writer->open(); });
         for (auto& w : watchers_) {
           w.needs_snapshot |= gap;
-          any_snapshot |= w.needs_snapshot;
+          any_snapshot[w.fixed64] |= w.needs_snapshot;
         }
       }
       // Taken after the drain, so it covers every drained event; later
-      // events are filtered by id.
-      std::shared_ptr<const pb::WorkerUpdate> snapshot;
+      // events are filtered by id. One message per hash encoding asked for.
+      std::array<std::shared_ptr<const pb::WorkerUpdate>, 2> snapshot;  // [fixed64]
       uint64_t snapshot_id = 0;
-      if (any_snapshot) {
+      if (any_snapshot[0] || any_snapshot[1]) {
         const engine::KvSnapshot snap = engine_.SnapshotKv();
-        auto u = std::make_shared<pb::WorkerUpdate>();
-        u->set_epoch(snap.epoch);
-        u->set_snapshot_event_id(snap.last_event_id);
-        auto* s = u->mutable_snapshot();
-        for (const auto& b : snap.blocks) {
-          switch (b.tier) {
-            case engine::KvTier::kDevice: s->add_block_hashes(b.hash); break;
-            case engine::KvTier::kHost: u->add_snapshot_host_hashes(b.hash); break;
-            case engine::KvTier::kDisk: u->add_snapshot_disk_hashes(b.hash); break;
-          }
-        }
-        snapshot = std::move(u);
         snapshot_id = snap.last_event_id;
+        for (const bool fixed64 : {false, true}) {
+          if (!any_snapshot[fixed64]) continue;
+          auto u = std::make_shared<pb::WorkerUpdate>();
+          u->set_epoch(snap.epoch);
+          u->set_snapshot_event_id(snap.last_event_id);
+          auto* s = u->mutable_snapshot();
+          for (const auto& b : snap.blocks) {
+            switch (b.tier) {
+              case engine::KvTier::kDevice:
+                if (fixed64) {
+                  s->add_block_hashes_fixed64(b.hash);
+                } else {
+                  s->add_block_hashes(b.hash);
+                }
+                break;
+              case engine::KvTier::kHost: u->add_snapshot_host_hashes(b.hash); break;
+              case engine::KvTier::kDisk: u->add_snapshot_disk_hashes(b.hash); break;
+            }
+          }
+          snapshot[fixed64] = std::move(u);
+        }
       }
       // Load: sampled every interval; sent to every stream when it changed
       // (or KV events went out since the last report: a request may have
@@ -322,27 +345,32 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
         next_load = now + pace;
       }
       // Per-event updates only for watchers that did not ask for batches.
-      std::vector<std::shared_ptr<const pb::WorkerUpdate>> updates;
+      std::array<std::vector<std::shared_ptr<const pb::WorkerUpdate>>, 2> updates;  // [fixed64]
       {
         std::lock_guard lock(mu_);
-        const bool any_single = std::any_of(watchers_.begin(), watchers_.end(),
-                                            [](const Watcher& w) { return !w.batched; });
-        if (any_single) {
+        for (const bool fixed64 : {false, true}) {
+          const bool any_single =
+              std::any_of(watchers_.begin(), watchers_.end(), [fixed64](const Watcher& w) {
+                return !w.batched && w.fixed64 == fixed64;
+              });
+          if (!any_single) continue;
           for (const auto& e : events) {
-            updates.push_back(std::make_shared<pb::WorkerUpdate>(EventUpdate(e)));
+            updates[fixed64].push_back(std::make_shared<pb::WorkerUpdate>(EventUpdate(e, fixed64)));
           }
         }
       }
       // Batched watchers: this round's events (from the first one a watcher
       // lacks) and, when it gets one, the load report in one update, built
-      // once per (start, with load).
-      std::map<std::pair<size_t, bool>, std::shared_ptr<const pb::WorkerUpdate>> batches;
-      const auto batch_from = [&](size_t first, bool with_load) {
-        auto& b = batches[{first, with_load}];
+      // once per (start, with load, hash encoding).
+      std::map<std::tuple<size_t, bool, bool>, std::shared_ptr<const pb::WorkerUpdate>> batches;
+      const auto batch_from = [&](size_t first, bool with_load, bool fixed64) {
+        auto& b = batches[{first, with_load, fixed64}];
         if (!b) {
           auto u = std::make_shared<pb::WorkerUpdate>();
           u->set_epoch(identity_.epoch);
-          for (size_t i = first; i < events.size(); ++i) FillEvent(events[i], u->add_events());
+          for (size_t i = first; i < events.size(); ++i) {
+            FillEvent(events[i], fixed64, u->add_events());
+          }
           if (with_load) *u->mutable_batched_load() = load->load();
           b = std::move(u);
         }
@@ -356,10 +384,10 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
         for (auto& w : watchers_) {
           const size_t before = writes.size();
           if (w.needs_snapshot) {
-            if (!snapshot) continue;  // joined after the snapshot: next round
+            if (!snapshot[w.fixed64]) continue;  // joined after the snapshot: next round
             w.needs_snapshot = false;
             w.last_event_id = snapshot_id;
-            writes.emplace_back(w.writer, snapshot);
+            writes.emplace_back(w.writer, snapshot[w.fixed64]);
           }
           size_t first = 0;  // batched: the first event it lacks
           if (w.batched) {
@@ -381,12 +409,14 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
             w.needs_load = false;
           }
           if (w.batched) {
-            if (new_events || with_load) writes.emplace_back(w.writer, batch_from(first, with_load));
+            if (new_events || with_load) {
+              writes.emplace_back(w.writer, batch_from(first, with_load, w.fixed64));
+            }
           } else {
             for (size_t i = 0; i < events.size(); ++i) {
               if (events[i].event_id <= w.last_event_id) continue;
               w.last_event_id = events[i].event_id;
-              writes.emplace_back(w.writer, updates[i]);
+              writes.emplace_back(w.writer, updates[w.fixed64][i]);
             }
             if (with_load) writes.emplace_back(w.writer, load);
           }
@@ -452,8 +482,8 @@ void WorkerService::SetWatchAddress(const std::string& address) {
   impl_->identity_.watch_address = address;
 }
 
-bool WorkerService::AddWatch(std::shared_ptr<WatchSink> sink, bool batched) {
-  return impl_->AddWatch(std::move(sink), batched);
+bool WorkerService::AddWatch(std::shared_ptr<WatchSink> sink, bool batched, bool fixed64_hashes) {
+  return impl_->AddWatch(std::move(sink), batched, fixed64_hashes);
 }
 
 void WorkerService::WatchBroken() { impl_->cancel_hook_->Run(); }

@@ -175,10 +175,10 @@ class WorkerService {
   // Issue 23: where the Watch stream is served over framed TCP (before Start).
   void SetWatchAddress(const std::string& address);
   // Issue 23: a Watch stream on another transport (worker/watch_tcp.h),
-  // served exactly as a gRPC one (WatchRequest.batched = `batched`; a
-  // snapshot first). False (nothing kept) when the worker is stopping or
-  // has left.
-  bool AddWatch(std::shared_ptr<WatchSink> sink, bool batched);
+  // served exactly as a gRPC one (WatchRequest.batched = `batched`,
+  // .fixed64_hashes = `fixed64_hashes`; a snapshot first). False (nothing
+  // kept) when the worker is stopping or has left.
+  bool AddWatch(std::shared_ptr<WatchSink> sink, bool batched, bool fixed64_hashes = false);
   // Such a stream broke or its proxy closed it: runs the
   // SetOnWatchCancelled hook, as a cancelled gRPC stream does.
   void WatchBroken();

@@ -220,6 +220,26 @@ TEST_F(PrefillTcpTest, CallsOnOneConnectionGetTheirOwnReplies) {
   EXPECT_EQ(b.runs.load(), 1);
 }
 
+// Session 8 (docs/serving-workers.md, "Prompt and hash encoding"): the prompt as
+// fixed32 (a prefiller that advertises reads_fixed32_prompt) and as packed
+// varints (an older one) reaches the prefiller's job as the same ids.
+TEST_F(PrefillTcpTest, BothPromptEncodingsArriveIntact) {
+  const auto p = Prompt(40, 16);
+  for (const bool fixed32 : {true, false}) {
+    SCOPED_TRACE(fixed32 ? "fixed32" : "varint");
+    Outcome o;
+    auto args = Args(fixed32 ? "f" : "v", p);
+    args.prompt_fixed32 = fixed32;
+    ASSERT_NE(client_->Start(args, o.Done()), nullptr);
+    const size_t n = fixed32 ? 1 : 2;
+    ASSERT_TRUE(WaitFor([&] { return link_.NumReserves() == n; }));
+    EXPECT_EQ(link_.Prompt(n - 1), p);
+    link_.Answer(Target({5, 6, 7}, n));
+    auto r = o.Get();
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+  }
+}
+
 TEST_F(PrefillTcpTest, AnErrorKeepsItsStatusAndMessage) {
   Outcome a;
   ASSERT_NE(client_->Start(Args("a", Prompt(20, 3)), a.Done()), nullptr);

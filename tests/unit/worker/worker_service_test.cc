@@ -12,9 +12,13 @@
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <set>
 #include <vector>
 
 #include "../engine/test_models.h"
+#include "common/wire_ids.h"
+#include "proxy/registry_service.h"
+#include "router/prefix_index.h"
 #include "tandem/v1/worker.pb.h"
 #include "worker/worker_service.h"
 
@@ -233,6 +237,92 @@ TEST_F(WorkerServiceWatchTest, AChangeTheRouterDoesNotReadWaitsForTheNextUpdate)
     }
   }
   EXPECT_EQ(loads, 2);
+}
+
+
+// Session 8 (WatchRequest.fixed64_hashes): a watcher that asks for fixed64
+// hashes gets every event's and snapshot's hashes there and none in
+// block_hashes (an older watcher: the reverse), and what it receives,
+// read by the proxy's conversion (proxy::KvEventViewFromProto), rebuilds
+// the same prefix index as an older watcher's, batched or not; so does a
+// late watcher's snapshot in either encoding.
+TEST_F(WorkerServiceWatchTest, Fixed64HashesRebuildTheSameIndexAsVarints) {
+  Start(std::chrono::hours(1));
+  struct Watch {
+    std::shared_ptr<RecordingSink> sink;
+    bool fixed64;
+  };
+  std::vector<Watch> ws;
+  for (const bool batched : {true, false}) {
+    for (const bool fixed64 : {false, true}) {
+      ws.push_back({std::make_shared<RecordingSink>(), fixed64});
+      ASSERT_TRUE(service_->AddWatch(ws.back().sink, batched, fixed64));
+    }
+  }
+  // 8 prompts of 10 full blocks on a 64-block engine: stores, then removals.
+  for (uint32_t i = 0; i < 8; ++i) Run("r" + std::to_string(i), 10, 100 + i);
+  const uint64_t last = engine_->events().last_event_id();
+  const auto has_last = [&](const std::vector<pb::WorkerUpdate>& us) {
+    for (const auto& u : us) {
+      if (u.has_event() && u.event().event_id() == last) return true;
+    }
+    return HasEvent(us, last);
+  };
+  for (auto& w : ws) ASSERT_TRUE(w.sink->WaitFor(has_last));
+  // Late watchers: a snapshot of what the events left.
+  for (const bool fixed64 : {false, true}) {
+    ws.push_back({std::make_shared<RecordingSink>(), fixed64});
+    ASSERT_TRUE(service_->AddWatch(ws.back().sink, /*batched=*/true, fixed64));
+  }
+  for (size_t i = ws.size() - 2; i < ws.size(); ++i) {
+    ASSERT_TRUE(ws[i].sink->WaitFor([](const auto& us) {
+      return !us.empty() && us.front().has_snapshot();
+    }));
+  }
+
+  const uint64_t epoch = engine_->events().epoch();
+  std::set<uint64_t> all;  // every hash any update named
+  int removed = 0;
+  std::vector<std::unique_ptr<router::PrefixIndex>> indexes;
+  for (const Watch& w : ws) {
+    auto index = std::make_unique<router::PrefixIndex>();
+    ASSERT_TRUE(index->AddWorker(3, epoch).ok());
+    const auto apply = [&](const pb::KvEvent& e) {
+      const auto& fixed =
+          e.has_stored() ? e.stored().block_hashes_fixed64() : e.removed().block_hashes_fixed64();
+      const auto& varint = e.has_stored() ? e.stored().block_hashes() : e.removed().block_hashes();
+      EXPECT_EQ((w.fixed64 ? varint : fixed).size(), 0) << "hashes in the field not asked for";
+      removed += e.has_removed();
+      const router::KvEventView v = proxy::KvEventViewFromProto(e);
+      all.insert(v.hashes.begin(), v.hashes.end());
+      auto r = index->Apply(3, v);
+      ASSERT_TRUE(r.ok());
+      EXPECT_EQ(*r, router::EventResult::kApplied);
+    };
+    for (const auto& u : w.sink->updates()) {
+      if (u.has_snapshot()) {
+        const auto& s = u.snapshot();
+        EXPECT_EQ((w.fixed64 ? s.block_hashes() : s.block_hashes_fixed64()).size(), 0);
+        const auto hashes = BlockHashesOf(u.snapshot());
+        all.insert(hashes.begin(), hashes.end());
+        ASSERT_TRUE(index->ApplySnapshot(3, u.epoch(), u.snapshot_event_id(), hashes).ok());
+      }
+      if (u.has_event()) apply(u.event());
+      for (const auto& e : u.events()) apply(e);
+    }
+    indexes.push_back(std::move(index));
+  }
+  EXPECT_GT(removed, 0) << "no removal was exercised";
+  ASSERT_GT(indexes[0]->size(), 0u);
+  EXPECT_GT(all.size(), indexes[0]->size());  // some blocks came and went
+  for (size_t i = 1; i < indexes.size(); ++i) {
+    SCOPED_TRACE("watcher " + std::to_string(i));
+    EXPECT_EQ(indexes[i]->size(), indexes[0]->size());
+    EXPECT_EQ(indexes[i]->HeldBlocks(3), indexes[0]->HeldBlocks(3));
+    for (uint64_t h : all) {
+      ASSERT_EQ(indexes[i]->Holders(h).Test(3), indexes[0]->Holders(h).Test(3)) << h;
+    }
+  }
 }
 
 }  // namespace
