@@ -350,7 +350,15 @@ void H2Connection::FlushLocked() {
     dirty.swap(dirty_);
     for (auto& s : dirty) {
       s->dirty = false;
-      if (!s->eof && s->in_session) TakeOutboxLocked(*s);
+      if (s->eof || !s->in_session) continue;
+      if (s->wire_off == s->wire.size()) {
+        TakeOutboxLocked(*s);
+      } else {
+        // The client's window holds the wire back: later deltas merge in
+        // the outbox meanwhile (one message, not one per step), and the
+        // data provider takes them when the wire is out.
+        s->outbox_waits = true;
+      }
     }
   }
   for (auto& s : dirty) {
@@ -366,10 +374,9 @@ void H2Connection::FlushLocked() {
 }
 
 void H2Connection::TakeOutboxLocked(H2Stream& s) {
-  if (s.wire_off == s.wire.size()) {
-    s.wire.clear();  // keeps its capacity
-    s.wire_off = 0;
-  }
+  s.wire.clear();  // (all sent) keeps its capacity
+  s.wire_off = 0;
+  s.outbox_waits = false;
   if (s.delta_queued) {
     AppendGenerateResponse(s.wire, s.request_id, s.delta_ids, s.delta_text, 0, nullptr);
     s.delta_queued = false;
@@ -406,11 +413,17 @@ void H2Connection::SubmitLocked(H2Stream& s) {
 }
 
 ssize_t H2Connection::ReadData(nghttp2_session* session, int32_t, uint8_t* buf, size_t length,
-                               uint32_t* data_flags, nghttp2_data_source* source, void*) {
-  // Only what the flushes moved to the wire (TakeOutboxLocked): what was
-  // posted since waits for the flush its post scheduled, which resumes the
-  // stream.
+                               uint32_t* data_flags, nghttp2_data_source* source, void* self) {
+  // What the flushes moved to the wire (TakeOutboxLocked); what was posted
+  // since waits for the flush its post scheduled, which resumes the
+  // stream. Only a stream the client's window held back takes its outbox
+  // here (under the outbox mutex), once its wire is out.
   auto& s = *static_cast<H2Stream*>(source->ptr);
+  if (s.outbox_waits && s.wire_off == s.wire.size()) {
+    auto* c = static_cast<H2Connection*>(self);
+    std::lock_guard lock(c->out_mu_);
+    c->TakeOutboxLocked(s);
+  }
   const size_t n = std::min(length, s.wire.size() - s.wire_off);
   std::memcpy(buf, s.wire.data() + s.wire_off, n);
   s.wire_off += n;

@@ -111,7 +111,8 @@ class H2Connection final : public Flushable, public std::enable_shared_from_this
   bool MarkDirtyLocked(const std::shared_ptr<H2Stream>& s);
   void ScheduleFlush();
   void FlushLocked();          // mu_ held
-  // mu_ and out_mu_ held: moves the stream's queued messages to its wire.
+  // mu_ and out_mu_ held, the stream's wire all sent: moves its queued
+  // messages there.
   void TakeOutboxLocked(H2Stream& s);
   void SubmitLocked(H2Stream& s);  // mu_ held: response HEADERS (or Trailers-Only)
   bool SendLocked();           // mu_ held; false: the socket failed

@@ -80,6 +80,7 @@ struct H2Stream {
   std::string wire;
   size_t wire_off = 0;
   bool wire_final = false;  // the status is final: after `wire`, the trailers
+  bool outbox_waits = false;  // a flush left the outbox (the wire was not out yet)
   bool in_session = true;   // false once the stream closed (left the connection's map)
   bool submitted = false;  // response HEADERS submitted
   bool deferred = false;   // the data provider returned NGHTTP2_ERR_DEFERRED
