@@ -9,6 +9,7 @@
 // connection that breaks ends alone and a peer that never answers holds up
 // no other connection's frames. Real sockets on 127.0.0.1.
 #include <gtest/gtest.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <openssl/err.h>
@@ -139,7 +140,9 @@ class Client {
       end_ = why;
       cv_.notify_all();
     };
-    reader_.Start("test-frame-rd", std::move(hooks), nullptr);
+    // The connection is what the reader keeps; the destructor's Join
+    // waits for the end before the reader goes.
+    reader_.Start("test-frame-rd", std::move(hooks), conn_);
   }
   ~Client() {
     conn_->Close(CancelledError("test over"));
@@ -490,6 +493,60 @@ TEST_F(FrameConnTest, OnOneLoopABrokenConnectionEndsAloneAndASilentPeerHoldsUpNo
   for (uint64_t i = 0; i < kFrames; ++i) EXPECT_EQ(got[i], i + 1);
   EXPECT_FALSE(b.ended());
   EXPECT_FALSE(dead.ended());
+}
+
+// A lookup that waits until the test lets it go (a DNS server that is slow
+// to answer), then asks getaddrinfo for an IPv4 address.
+struct SlowDns {
+  static inline std::mutex mu;
+  static inline std::condition_variable cv;
+  static inline bool asked = false;
+  static inline bool answer = false;
+  static int Lookup(const char* host, const char* port, const addrinfo* hints, addrinfo** res) {
+    std::unique_lock lock(mu);
+    asked = true;
+    cv.notify_all();
+    cv.wait(lock, [] { return answer; });
+    lock.unlock();
+    addrinfo v4 = *hints;
+    v4.ai_family = AF_INET;  // the servers listen on 127.0.0.1 only
+    return getaddrinfo(host, port, &v4, res);
+  }
+};
+
+TEST_F(FrameConnTest, OnOneLoopANameIsResolvedOffTheLoopThread) {
+  EXPECT_FALSE(FrameConn::Client("127.0.0.1:1", nullptr, {})->NeedsLookup());
+  EXPECT_FALSE(FrameConn::Client("[::1]:1", nullptr, {})->NeedsLookup());
+  EXPECT_TRUE(FrameConn::Client("localhost:1", nullptr, {})->NeedsLookup());
+
+  FrameLoop loop("test-loop");
+  Seen seen_a, seen_b;
+  auto server_a = Serve(Tls(Identity(ca_, "decode-0")), &seen_a);
+  auto server_b = Serve(Tls(Identity(ca_, "decode-1")), &seen_b);
+  ASSERT_TRUE(server_a && server_b);
+  auto proxy_tls = Tls(Identity(ca_, "proxy"));
+  const std::string named = "localhost:" + server_a->address().substr(server_a->address().rfind(':') + 1);
+  FrameOptions slow_dns;
+  slow_dns.lookup = &SlowDns::Lookup;
+  Client a(named, proxy_tls, slow_dns, &loop);
+  {
+    std::unique_lock lock(SlowDns::mu);
+    SlowDns::cv.wait(lock, [] { return SlowDns::asked; });
+  }
+  // While a's name is unanswered, the loop serves b.
+  Client b(server_b->address(), proxy_tls, {}, &loop);
+  ASSERT_TRUE(b.conn().Send(Cancel(7)).ok());
+  EXPECT_EQ(b.WaitHandles(1), std::vector<uint64_t>{7});
+  EXPECT_FALSE(a.ended());
+  {
+    std::lock_guard lock(SlowDns::mu);
+    SlowDns::answer = true;
+  }
+  SlowDns::cv.notify_all();
+  // Then a connects (TLS verified against the name dialled) and answers.
+  ASSERT_TRUE(a.conn().Send(Cancel(9)).ok());
+  EXPECT_EQ(a.WaitHandles(1), std::vector<uint64_t>{9});
+  EXPECT_FALSE(a.ended());
 }
 
 }  // namespace
