@@ -56,6 +56,7 @@ void FillWorkerInfo(const WorkerIdentity& id, pb::WorkerInfo* out) {
   out->set_decode_mux_address(id.decode_mux_address);
   out->set_prefill_frame_address(id.prefill_frame_address);
   out->set_watch_address(id.watch_address);
+  out->set_reserve_address(id.reserve_address);
   out->set_tensor_parallel(id.tensor_parallel);
   out->set_pipeline_parallel(id.pipeline_parallel);
   for (const auto& [k, v] : id.labels) (*out->mutable_labels())[k] = v;
