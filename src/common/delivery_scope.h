@@ -9,12 +9,18 @@
 // the batch returned, on the same thread. Outside any scope, Defer returns
 // false and the caller flushes at once.
 //
+// Now(): one clock reading per batch. The outputs of one batch arrived
+// together (one step, one frame read), so the consumers that stamp each
+// output (the proxy's TTFT/ITL samples, one per token) share the time the
+// batch's first stamp read, instead of reading the clock per output.
+//
 // Threads: the scope is per thread (thread_local); scopes nest, the
 // outermost one runs the deferred flushes. A Flushable may be deferred by
 // several threads' scopes; each flush must be safe then (flushing what is
 // pending, possibly nothing).
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <vector>
 
@@ -38,10 +44,13 @@ class DeliveryScope {
     // refused (that caller flushes at once).
     std::vector<std::shared_ptr<Flushable>> run;
     run.swap(s.deferred);
+    s.flushing = true;
     for (auto& f : run) f->FlushDeferred();
+    s.flushing = false;
     // The list's storage serves the next scope (no allocation per batch).
     run.clear();
     if (s.deferred.empty()) s.deferred.swap(run);
+    s.now = {};
   }
   DeliveryScope(const DeliveryScope&) = delete;
   DeliveryScope& operator=(const DeliveryScope&) = delete;
@@ -55,10 +64,22 @@ class DeliveryScope {
     return true;
   }
 
+  // Inside a scope: the time this thread's outermost scope first asked for
+  // (the same for every call until it ends, its deferred flushes included).
+  // Outside any scope: the clock.
+  static std::chrono::steady_clock::time_point Now() {
+    auto& s = State();
+    if (s.depth == 0 && !s.flushing) return std::chrono::steady_clock::now();
+    if (s.now == std::chrono::steady_clock::time_point{}) s.now = std::chrono::steady_clock::now();
+    return s.now;
+  }
+
  private:
   struct ThreadState {
     int depth = 0;
     std::vector<std::shared_ptr<Flushable>> deferred;
+    bool flushing = false;  // the outermost scope's end runs the deferred flushes
+    std::chrono::steady_clock::time_point now{};  // Now()'s reading in this scope, or none
   };
   static ThreadState& State() {
     thread_local ThreadState state;

@@ -24,7 +24,9 @@
 // client's reader).
 #pragma once
 
+#include <netdb.h>
 #include <openssl/ssl.h>
+#include <sys/socket.h>
 
 #include <chrono>
 #include <cstdint>
@@ -47,6 +49,9 @@ struct FrameOptions {
   uint32_t max_frame_bytes = 64u << 20;      // one message, either way
   uint64_t max_buffered_bytes = 64u << 20;   // unsent output before the peer counts as too slow
   std::chrono::milliseconds handshake_timeout{10000};  // connect + TLS handshake
+  // How a client resolves its peer's name (getaddrinfo; a test may put a
+  // slow one here).
+  int (*lookup)(const char* host, const char* port, const addrinfo* hints, addrinfo** res) = nullptr;
 };
 
 // The TLS side of framed connections: SSL contexts built from the process's
@@ -111,8 +116,20 @@ class FrameConn {
   // a worker name to it, as gRPC's x509_common_name; docs/security.md).
   std::string PeerCommonName() const;
 
+  // ---- any thread, before Connect ----
+  // Client: resolves the peer's host (getaddrinfo, which may wait on DNS)
+  // and keeps the address, or the error, for Connect. Idempotent. Where one
+  // thread serves many connections (common/frame_loop.h), the name is
+  // resolved on another thread first (NeedsLookup), so that a slow DNS
+  // answer holds up no other connection.
+  void Lookup();
+  // True when Connect would have to resolve a name: the host is not an IP
+  // literal and Lookup has not run.
+  bool NeedsLookup() const;
+
   // ---- the I/O thread ----
-  // Client: resolves the address and starts a non-blocking connect.
+  // Client: resolves the address unless Lookup did, and starts a
+  // non-blocking connect.
   Status Connect();
   int fd() const { return fd_; }
   // The poll events to wait for now.
@@ -142,6 +159,10 @@ class FrameConn {
 
   mutable std::mutex mu_;
   int fd_ = -1;
+  bool looked_up_ = false;             // guarded by mu_: Lookup ran; then peer_addr_ or lookup_error_
+  sockaddr_storage peer_addr_{};       // guarded by mu_
+  socklen_t peer_addr_len_ = 0;        // guarded by mu_
+  Status lookup_error_;                // guarded by mu_
   SSL* ssl_ = nullptr;                 // guarded by mu_
   State state_ = State::kIdle;         // guarded by mu_
   Status closed_why_;                  // guarded by mu_

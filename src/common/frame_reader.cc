@@ -42,7 +42,16 @@ bool FrameReader::Start(const char* name, Hooks hooks, std::shared_ptr<void> kee
   started_ = true;
   hooks_ = std::move(hooks);
   keep_alive_ = std::move(keep_alive);
-  if (loop_ != nullptr) {
+  if (loop_ != nullptr && conn_->NeedsLookup() && keep_alive_ != nullptr) {
+    // The loop's one thread serves every connection on it: a name is
+    // resolved (getaddrinfo may wait on DNS) on a thread of its own, which
+    // holds the owner (and so this reader) until the loop has it.
+    std::thread([this, keep = keep_alive_] {
+      pthread_setname_np(pthread_self(), "frame-lookup");
+      conn_->Lookup();
+      loop_->Add(this);
+    }).detach();
+  } else if (loop_ != nullptr) {
     loop_->Add(this);
   } else {
     thread_ = std::thread([this, name] { Run(name); });

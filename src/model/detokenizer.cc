@@ -29,7 +29,20 @@ std::string IncrementalDetokenizer::Push(uint32_t id) {
 }
 
 void IncrementalDetokenizer::PushTo(uint32_t id, std::string* out) {
-  tokenizer_->AppendTokenBytes(id, skip_special_, &pending_);
+  if (pending_.empty()) {
+    // Nothing held (the usual case): the token's bytes go straight to
+    // `out`; only a token that is not all ASCII goes the long way, from
+    // its first non-ASCII byte on.
+    const size_t start = out->size();
+    tokenizer_->AppendTokenBytes(id, skip_special_, out);
+    size_t i = start;
+    while (i < out->size() && static_cast<uint8_t>((*out)[i]) < 0x80) ++i;
+    if (i == out->size()) return;
+    pending_.assign(*out, i);
+    out->resize(i);
+  } else {
+    tokenizer_->AppendTokenBytes(id, skip_special_, &pending_);
+  }
   size_t i = 0;
   // ASCII (most tokens) is complete as it is.
   while (i < pending_.size() && static_cast<uint8_t>(pending_[i]) < 0x80) ++i;

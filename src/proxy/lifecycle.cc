@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "common/block_hash.h"
+#include "common/delivery_scope.h"
 #include "common/logging.h"
 #include "common/tracing.h"
 
@@ -418,7 +419,9 @@ RequestLifecycle::Calls RequestLifecycle::DeliverLocked(uint32_t first_index,
   if (d->token_ids.empty()) return {};
   EndPrefillLocked();  // a token of this attempt: its prefill is done
   sent_.insert(sent_.end(), d->token_ids.begin(), d->token_ids.end());
-  const auto now = SteadyClock::now();
+  // The batch's arrival time (one clock reading per decode stream frame,
+  // not per token); every token still gets its own ITL sample.
+  const auto now = DeliveryScope::Now();
   if (deps_.metrics) {
     for (size_t i = 0; i < d->token_ids.size(); ++i) {
       if (first_token_at_ == SteadyClock::time_point{}) {

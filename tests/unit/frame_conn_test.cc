@@ -9,7 +9,10 @@
 // connection that breaks ends alone and a peer that never answers holds up
 // no other connection's frames. Real sockets on 127.0.0.1.
 #include <gtest/gtest.h>
+#include <netdb.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <openssl/err.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -18,6 +21,7 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
+#include <string>
 #include <thread>
 
 #include "common/frame_loop.h"
@@ -52,8 +56,8 @@ struct Seen {
 // Answers each DecodeStreamRequest{cancel: n} with an item of handle n.
 class EchoSession final : public FrameSession {
  public:
-  EchoSession(std::shared_ptr<FrameConn> conn, Seen* seen, bool echo)
-      : conn_(std::move(conn)), seen_(seen), echo_(echo) {
+  EchoSession(std::shared_ptr<FrameConn> conn, Seen* seen, bool echo, bool stale_error)
+      : conn_(std::move(conn)), seen_(seen), echo_(echo), stale_error_(stale_error) {
     std::lock_guard lock(seen_->mu);
     seen_->conn = conn_;
   }
@@ -67,10 +71,16 @@ class EchoSession final : public FrameSession {
       seen_->cancels.push_back(req.cancel());
     }
     seen_->cv.notify_all();
-    if (!echo_) return Status::Ok();
-    pb::DecodeStreamResponse resp;
-    resp.add_items()->set_handle(req.cancel());
-    return conn_->Send(resp);
+    Status st = Status::Ok();
+    if (echo_) {
+      pb::DecodeStreamResponse resp;
+      resp.add_items()->set_handle(req.cancel());
+      st = conn_->Send(resp);
+    }
+    // An entry some other TLS call on this thread could have left behind
+    // (after the echo: its write clears the queue first).
+    if (stale_error_) ERR_raise_data(ERR_LIB_USER, 1, "stale entry left by the test");
+    return st;
   }
   void OnClosed(const Status& why) override {
     {
@@ -85,14 +95,15 @@ class EchoSession final : public FrameSession {
   std::shared_ptr<FrameConn> conn_;
   Seen* seen_;
   bool echo_;
+  bool stale_error_;
 };
 
 std::unique_ptr<FrameServer> Serve(std::shared_ptr<FrameTls> tls, Seen* seen, FrameOptions o = {},
-                                   bool echo = true) {
+                                   bool echo = true, bool stale_error = false) {
   return frame_testing::Listen(
       std::move(tls),
-      [seen, echo](const std::shared_ptr<FrameConn>& c) {
-        return std::make_shared<EchoSession>(c, seen, echo);
+      [seen, echo, stale_error](const std::shared_ptr<FrameConn>& c) {
+        return std::make_shared<EchoSession>(c, seen, echo, stale_error);
       },
       o);
 }
@@ -101,10 +112,18 @@ std::unique_ptr<FrameServer> Serve(std::shared_ptr<FrameTls> tls, Seen* seen, Fr
 // decode stream's), or `loop`'s (as the Watch and Prefill connections').
 class Client {
  public:
+  // `stale_error`: an OpenSSL error entry is left in the reader thread's
+  // queue before every wait, as another TLS call on that thread could.
   Client(const std::string& address, std::shared_ptr<FrameTls> tls, FrameOptions o = {},
-         FrameLoop* loop = nullptr)
+         FrameLoop* loop = nullptr, bool stale_error = false)
       : conn_(FrameConn::Client(address, std::move(tls), o)), reader_(conn_, loop) {
     FrameReader::Hooks hooks;
+    if (stale_error) {
+      hooks.before_wait = [] {
+        ERR_raise_data(ERR_LIB_USER, 1, "stale entry left by the test");
+        return std::chrono::steady_clock::time_point::max();
+      };
+    }
     hooks.on_frame = [this](std::string_view payload) {
       pb::DecodeStreamResponse r;
       if (!r.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
@@ -121,7 +140,9 @@ class Client {
       end_ = why;
       cv_.notify_all();
     };
-    reader_.Start("test-frame-rd", std::move(hooks), nullptr);
+    // The connection is what the reader keeps; the destructor's Join
+    // waits for the end before the reader goes.
+    reader_.Start("test-frame-rd", std::move(hooks), conn_);
   }
   ~Client() {
     conn_->Close(CancelledError("test over"));
@@ -153,6 +174,65 @@ class Client {
   bool ended_ = false;
   Status end_ = Status::Ok();
   FrameReader reader_;  // last: it ends before the members above go
+};
+
+// A TCP relay on 127.0.0.1 for one connection to `port`: what the client
+// sends goes on as it comes; what the server sends reaches the client one
+// byte per write, so the client's reads find TLS records in pieces.
+class DribblingRelay {
+ public:
+  explicit DribblingRelay(int port) {
+    listen_fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    EXPECT_EQ(bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), len), 0);
+    EXPECT_EQ(listen(listen_fd_, 1), 0);
+    EXPECT_EQ(getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len), 0);
+    port_ = ntohs(a.sin_port);
+    thread_ = std::thread([this, port] { Run(port); });
+  }
+  ~DribblingRelay() {
+    ::shutdown(listen_fd_, SHUT_RDWR);  // ends a pending accept
+    thread_.join();
+    close(listen_fd_);
+  }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  void Run(int port) {
+    const int c = accept(listen_fd_, nullptr, nullptr);
+    if (c < 0) return;
+    const int s = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    const int one = 1;
+    setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    if (connect(s, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) {
+      std::thread up([c, s] {
+        char buf[16 << 10];
+        for (ssize_t n; (n = recv(c, buf, sizeof buf, 0)) > 0;) {
+          if (send(s, buf, static_cast<size_t>(n), MSG_NOSIGNAL) != n) break;
+        }
+        ::shutdown(s, SHUT_RDWR);
+      });
+      char buf[16 << 10];
+      bool open = true;
+      for (ssize_t n; open && (n = recv(s, buf, sizeof buf, 0)) > 0;) {
+        for (ssize_t i = 0; open && i < n; ++i) open = send(c, buf + i, 1, MSG_NOSIGNAL) == 1;
+      }
+      ::shutdown(c, SHUT_RDWR);
+      up.join();
+    }
+    close(s);
+    close(c);
+  }
+  int listen_fd_ = -1;
+  int port_ = 0;
+  std::thread thread_;
 };
 
 pb::DecodeStreamRequest Cancel(uint64_t n) {
@@ -190,6 +270,32 @@ TEST_F(FrameConnTest, FramesRoundTripInOrderOverMutualTls) {
 }
 
 TEST_F(FrameConnTest, FramesRoundTripInOrderOverPlaintext) { RoundTrip(nullptr, nullptr); }
+
+// The reader does not clear the thread's OpenSSL error queue before every
+// read (frame_conn.cc ReadLocked): an entry another TLS call on its thread
+// left there must not be taken for the connection's failure. The client's
+// reader finds one in its queue at every read, and the server's bytes
+// reach it one at a time: its reads that find part of a record (WANT_READ)
+// are judged with the entry there, and the connection lives.
+TEST_F(FrameConnTest, AStaleOpenSslErrorOnTheReadersThreadIsNotItsConnectionsFailure) {
+  Seen seen;
+  auto server = Serve(Tls(Identity(ca_, "decode-0")), &seen, {}, /*echo=*/true,
+                      /*stale_error=*/true);
+  ASSERT_NE(server, nullptr);
+  const std::string addr = server->address();
+  DribblingRelay relay(std::stoi(addr.substr(addr.rfind(':') + 1)));
+  Client client(relay.address(), Tls(Identity(ca_, "proxy")), {}, nullptr,
+                /*stale_error=*/true);
+  ASSERT_TRUE(client.conn().Send(Cancel(1)).ok());
+  ASSERT_EQ(client.WaitHandles(1).size(), 1u);
+  for (uint64_t i = 2; i <= 20; ++i) ASSERT_TRUE(client.conn().Send(Cancel(i)).ok());
+  const auto got = client.WaitHandles(20);
+  ASSERT_EQ(got.size(), 20u);
+  for (uint64_t i = 0; i < 20; ++i) EXPECT_EQ(got[i], i + 1);
+  EXPECT_FALSE(client.ended());
+  std::lock_guard lock(seen.mu);
+  EXPECT_FALSE(seen.is_closed) << seen.closed.ToString();
+}
 
 TEST_F(FrameConnTest, AFrameOverTheLimitIsRefusedWithAClearErrorOnBothSides) {
   FrameOptions small;
@@ -387,6 +493,60 @@ TEST_F(FrameConnTest, OnOneLoopABrokenConnectionEndsAloneAndASilentPeerHoldsUpNo
   for (uint64_t i = 0; i < kFrames; ++i) EXPECT_EQ(got[i], i + 1);
   EXPECT_FALSE(b.ended());
   EXPECT_FALSE(dead.ended());
+}
+
+// A lookup that waits until the test lets it go (a DNS server that is slow
+// to answer), then asks getaddrinfo for an IPv4 address.
+struct SlowDns {
+  static inline std::mutex mu;
+  static inline std::condition_variable cv;
+  static inline bool asked = false;
+  static inline bool answer = false;
+  static int Lookup(const char* host, const char* port, const addrinfo* hints, addrinfo** res) {
+    std::unique_lock lock(mu);
+    asked = true;
+    cv.notify_all();
+    cv.wait(lock, [] { return answer; });
+    lock.unlock();
+    addrinfo v4 = *hints;
+    v4.ai_family = AF_INET;  // the servers listen on 127.0.0.1 only
+    return getaddrinfo(host, port, &v4, res);
+  }
+};
+
+TEST_F(FrameConnTest, OnOneLoopANameIsResolvedOffTheLoopThread) {
+  EXPECT_FALSE(FrameConn::Client("127.0.0.1:1", nullptr, {})->NeedsLookup());
+  EXPECT_FALSE(FrameConn::Client("[::1]:1", nullptr, {})->NeedsLookup());
+  EXPECT_TRUE(FrameConn::Client("localhost:1", nullptr, {})->NeedsLookup());
+
+  FrameLoop loop("test-loop");
+  Seen seen_a, seen_b;
+  auto server_a = Serve(Tls(Identity(ca_, "decode-0")), &seen_a);
+  auto server_b = Serve(Tls(Identity(ca_, "decode-1")), &seen_b);
+  ASSERT_TRUE(server_a && server_b);
+  auto proxy_tls = Tls(Identity(ca_, "proxy"));
+  const std::string named = "localhost:" + server_a->address().substr(server_a->address().rfind(':') + 1);
+  FrameOptions slow_dns;
+  slow_dns.lookup = &SlowDns::Lookup;
+  Client a(named, proxy_tls, slow_dns, &loop);
+  {
+    std::unique_lock lock(SlowDns::mu);
+    SlowDns::cv.wait(lock, [] { return SlowDns::asked; });
+  }
+  // While a's name is unanswered, the loop serves b.
+  Client b(server_b->address(), proxy_tls, {}, &loop);
+  ASSERT_TRUE(b.conn().Send(Cancel(7)).ok());
+  EXPECT_EQ(b.WaitHandles(1), std::vector<uint64_t>{7});
+  EXPECT_FALSE(a.ended());
+  {
+    std::lock_guard lock(SlowDns::mu);
+    SlowDns::answer = true;
+  }
+  SlowDns::cv.notify_all();
+  // Then a connects (TLS verified against the name dialled) and answers.
+  ASSERT_TRUE(a.conn().Send(Cancel(9)).ok());
+  EXPECT_EQ(a.WaitHandles(1), std::vector<uint64_t>{9});
+  EXPECT_FALSE(a.ended());
 }
 
 }  // namespace

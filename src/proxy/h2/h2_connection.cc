@@ -109,7 +109,7 @@ bool H2Connection::OnReadable() {
   return DrainLocked();
 }
 
-bool H2Connection::DrainLocked() {
+bool H2Connection::DrainLocked(bool flush) {
   // Under mu_: a batch's flush may read this socket too, and the bytes
   // must reach nghttp2 in order.
   uint8_t buf[64 << 10];
@@ -133,8 +133,10 @@ bool H2Connection::DrainLocked() {
       SendLocked();
       return false;
     }
-    FlushLocked();
-    if (broken_) return false;
+    if (flush) {
+      FlushLocked();
+      if (broken_) return false;
+    }
     if (!nghttp2_session_want_read(session_) && !nghttp2_session_want_write(session_)) {
       return false;
     }
@@ -188,11 +190,12 @@ void H2Connection::Flush(bool batch) {
       // acknowledgements joined the previous batch's in the socket, crossed
       // the low-water mark and woke the event thread, which then found
       // them read already (~0.6 empty wake-ups per step in `stream`).
-      if (!DrainLocked()) broken_ = true;  // (flushes when it read anything)
+      // (The flush below sends what reading them queued too.)
+      if (!DrainLocked(/*flush=*/false)) broken_ = true;
     }
     if (!broken_) FlushLocked();
     if (quiet && !broken_ && !streams_.empty()) {
-      last_batch_ = std::chrono::steady_clock::now();
+      last_batch_ = DeliveryScope::Now();  // (the batch's: no clock read per connection)
       const int streams = static_cast<int>(streams_.size());
       // (TLS: the client's write is one record, its overhead on top.)
       SetLowWaterLocked(std::min(kWindowUpdateBytes * (streams + 1) + 1, kMaxLowWater) +
@@ -212,6 +215,7 @@ void H2Connection::Close() {
     if (low_water_ != 1) server_->ChangeQuiet(-1);
     low_water_ = 1;
     streams.swap(streams_);
+    for (auto& [id, s] : streams) s->in_session = false;
     close(fd_);
   }
   {
@@ -339,13 +343,26 @@ void H2Connection::FlushLocked() {
   std::vector<std::shared_ptr<H2Stream>>& dirty = flushing_;
   dirty.clear();
   {
+    // One lock for the whole flush: every dirty stream's queued messages
+    // move to its wire here, so the data provider (ReadData) takes none.
     std::lock_guard lock(out_mu_);
     flush_scheduled_ = false;
     dirty.swap(dirty_);
-    for (auto& s : dirty) s->dirty = false;
+    for (auto& s : dirty) {
+      s->dirty = false;
+      if (s->eof || !s->in_session) continue;
+      if (s->wire_off == s->wire.size()) {
+        TakeOutboxLocked(*s);
+      } else {
+        // The client's window holds the wire back: later deltas merge in
+        // the outbox meanwhile (one message, not one per step), and the
+        // data provider takes them when the wire is out.
+        s->outbox_waits = true;
+      }
+    }
   }
   for (auto& s : dirty) {
-    if (s->eof || Find(s->id) != s) continue;  // ended, or closed meanwhile
+    if (s->eof || !s->in_session) continue;  // ended, or closed meanwhile
     if (!s->submitted) {
       SubmitLocked(*s);
     } else if (s->deferred) {
@@ -356,14 +373,32 @@ void H2Connection::FlushLocked() {
   if (!SendLocked()) broken_ = true;
 }
 
+void H2Connection::TakeOutboxLocked(H2Stream& s) {
+  s.wire.clear();  // (all sent) keeps its capacity
+  s.wire_off = 0;
+  s.outbox_waits = false;
+  if (s.delta_queued) {
+    AppendGenerateResponse(s.wire, s.request_id, s.delta_ids, s.delta_text, 0, nullptr);
+    s.delta_queued = false;
+    s.delta_ids.clear();
+    s.delta_text.clear();
+  }
+  if (s.final_queued) {
+    const UsageFields u{s.final_usage[0], s.final_usage[1], s.final_usage[2]};
+    AppendGenerateResponse(s.wire, s.request_id, {}, {}, s.final_reason, &u);
+    s.final_queued = false;
+  }
+  if (!s.pending_raw.empty()) {
+    s.wire.append(s.pending_raw);
+    s.pending_raw.clear();
+  }
+  // The outbox is empty now: a final status ends the stream after the wire.
+  s.wire_final = s.finishing;
+}
+
 void H2Connection::SubmitLocked(H2Stream& s) {
   s.submitted = true;
-  bool trailers_only;
-  {
-    std::lock_guard lock(out_mu_);
-    trailers_only = s.finishing && s.OutboxEmpty();
-  }
-  if (trailers_only) {
+  if (s.wire_final && s.wire_off == s.wire.size()) {
     // Nothing but a status: one HEADERS frame that ends the stream.
     s.eof = true;
     Trailers t(s, /*trailers_only=*/true);
@@ -379,36 +414,20 @@ void H2Connection::SubmitLocked(H2Stream& s) {
 
 ssize_t H2Connection::ReadData(nghttp2_session* session, int32_t, uint8_t* buf, size_t length,
                                uint32_t* data_flags, nghttp2_data_source* source, void* self) {
-  auto* c = static_cast<H2Connection*>(self);
+  // What the flushes moved to the wire (TakeOutboxLocked); what was posted
+  // since waits for the flush its post scheduled, which resumes the
+  // stream. Only a stream the client's window held back takes its outbox
+  // here (under the outbox mutex), once its wire is out.
   auto& s = *static_cast<H2Stream*>(source->ptr);
-  bool final = false;
-  if (s.wire_off == s.wire.size()) {
-    s.wire.clear();
-    s.wire_off = 0;
+  if (s.outbox_waits && s.wire_off == s.wire.size()) {
+    auto* c = static_cast<H2Connection*>(self);
     std::lock_guard lock(c->out_mu_);
-    if (s.delta_queued) {
-      AppendGenerateResponse(s.wire, s.request_id, s.delta_ids, s.delta_text, 0, nullptr);
-      s.delta_queued = false;
-      s.delta_ids.clear();
-      s.delta_text.clear();
-    }
-    if (s.final_queued) {
-      const UsageFields u{s.final_usage[0], s.final_usage[1], s.final_usage[2]};
-      AppendGenerateResponse(s.wire, s.request_id, {}, {}, s.final_reason, &u);
-      s.final_queued = false;
-    }
-    s.wire.append(s.pending_raw);
-    s.pending_raw.clear();
-    final = s.finishing;
+    c->TakeOutboxLocked(s);
   }
   const size_t n = std::min(length, s.wire.size() - s.wire_off);
   std::memcpy(buf, s.wire.data() + s.wire_off, n);
   s.wire_off += n;
-  if (s.wire_off == s.wire.size() && !final) {
-    std::lock_guard lock(c->out_mu_);
-    final = s.finishing && s.OutboxEmpty();
-  }
-  if (s.wire_off == s.wire.size() && final) {
+  if (s.wire_off == s.wire.size() && s.wire_final) {
     *data_flags |= NGHTTP2_DATA_FLAG_EOF | NGHTTP2_DATA_FLAG_NO_END_STREAM;
     s.eof = true;
     Trailers t(s, /*trailers_only=*/false);
@@ -566,6 +585,7 @@ int H2Connection::OnStreamClose(nghttp2_session*, int32_t stream_id, uint32_t, v
   if (it == c->streams_.end()) return 0;
   std::shared_ptr<H2Stream> s = std::move(it->second);
   c->streams_.erase(it);
+  s->in_session = false;
   // No stream left to flush a batch: read at once again, so that the
   // client's next (small) request is not left below the low-water mark.
   if (c->streams_.empty()) c->SetLowWaterLocked(1);

@@ -111,12 +111,16 @@ class H2Connection final : public Flushable, public std::enable_shared_from_this
   bool MarkDirtyLocked(const std::shared_ptr<H2Stream>& s);
   void ScheduleFlush();
   void FlushLocked();          // mu_ held
+  // mu_ and out_mu_ held, the stream's wire all sent: moves its queued
+  // messages there.
+  void TakeOutboxLocked(H2Stream& s);
   void SubmitLocked(H2Stream& s);  // mu_ held: response HEADERS (or Trailers-Only)
   bool SendLocked();           // mu_ held; false: the socket failed
   void EndCallsLocked();       // mu_ held: every stream's call ends (cancelled)
   // mu_ held: reads what the client sent without blocking; false: the
-  // connection is over (the event thread closes it).
-  bool DrainLocked();
+  // connection is over (the event thread closes it). `flush`: after each
+  // read, hands what is ready to the socket (else the caller flushes).
+  bool DrainLocked(bool flush = true);
   void SetLowWaterLocked(int bytes);  // SO_RCVLOWAT
 
   const int fd_;

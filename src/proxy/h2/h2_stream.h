@@ -74,8 +74,14 @@ struct H2Stream {
   bool dirty = false;       // on the connection's dirty list
 
   // ---- The session side (connection mu_).
-  std::string wire;  // framed bytes the data provider hands out
+  // Framed bytes the data provider hands out: the connection's flush moves
+  // the outbox here (under out_mu_, once per flush for all its streams), so
+  // the data provider itself takes no lock.
+  std::string wire;
   size_t wire_off = 0;
+  bool wire_final = false;  // the status is final: after `wire`, the trailers
+  bool outbox_waits = false;  // a flush left the outbox (the wire was not out yet)
+  bool in_session = true;   // false once the stream closed (left the connection's map)
   bool submitted = false;  // response HEADERS submitted
   bool deferred = false;   // the data provider returned NGHTTP2_ERR_DEFERRED
   bool eof = false;        // the data provider ended (trailers submitted)

@@ -212,6 +212,18 @@ TEST(Failure, KillPrefillerThenDecoderUnderLoad) {
   double longest_stall_ms = 0;
   std::vector<std::string> errors;
   std::vector<std::thread> clients;
+  // A failed ASSERT returns from here: the clients stop and are joined
+  // first (each within its stream's deadline), not left to abort the run.
+  struct JoinClients {
+    std::atomic<bool>& stop;
+    std::vector<std::thread>& clients;
+    ~JoinClients() {
+      stop = true;
+      for (auto& c : clients) {
+        if (c.joinable()) c.join();
+      }
+    }
+  } join_clients{stop, clients};
   const auto load_start = Clock::now();
   for (int t = 0; t < kStreams; ++t) {
     clients.emplace_back([&, t] {

@@ -2,7 +2,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
 #include "model/tokenizer.h"
+#include "model/utf8.h"
 #include "test_util.h"
 
 namespace tandem::model {
@@ -106,6 +113,51 @@ TEST_P(Detokenizer, InvalidBytesBecomeReplacementCharacters) {
   EXPECT_EQ(out, "a\xEF\xBF\xBD" "b");  // the incomplete 日 is held
   EXPECT_EQ(detok.Flush(), "\xEF\xBF\xBD");
   EXPECT_EQ(detok.Flush(), "");
+}
+
+// The proxy's way (one growing string per message, PushTo per token), over
+// every token of the bundled model's vocabulary, in order and then each
+// followed by an ASCII token: the same text as one Push per token into a
+// string of its own, and as the whole sequence's bytes decoded at once
+// (invalid bytes as U+FFFD).
+TEST(DetokenizerVocabulary, AppendingInPlaceGivesTheDecodedTextForEveryToken) {
+  auto tok = Tokenizer::Load(std::string(TANDEM_SOURCE_DIR) + "/models/tandem-kjv");
+  if (!tok.ok()) GTEST_SKIP() << "bundled model missing: " << tok.status().ToString();
+  const Tokenizer& t = **tok;
+  std::optional<uint32_t> ascii;
+  size_t not_utf8 = 0;  // tokens that are not whole characters on their own
+  for (uint32_t id = 0; id < t.vocab_size(); ++id) {
+    const std::string b = t.TokenBytes(id);
+    if (!IsValidUtf8(b)) ++not_utf8;
+    if (!ascii && !b.empty() && !t.IsSpecial(id) &&
+        std::all_of(b.begin(), b.end(), [](char c) { return static_cast<uint8_t>(c) < 0x80; })) {
+      ascii = id;
+    }
+  }
+  ASSERT_TRUE(ascii.has_value());
+  EXPECT_GT(not_utf8, 0u);
+  std::vector<uint32_t> in_order, interleaved;
+  for (uint32_t id = 0; id < t.vocab_size(); ++id) {
+    in_order.push_back(id);
+    interleaved.push_back(id);
+    interleaved.push_back(*ascii);
+  }
+  for (const auto* ids : {&in_order, &interleaved}) {
+    for (bool skip : {true, false}) {
+      IncrementalDetokenizer in_place(&t, skip), per_token(&t, skip);
+      std::string message = "prefix ", pieces = "prefix ";
+      for (uint32_t id : *ids) {
+        const size_t before = message.size();
+        in_place.PushTo(id, &message);
+        EXPECT_TRUE(IsValidUtf8(std::string_view(message).substr(before))) << id;
+        pieces += per_token.Push(id);
+      }
+      message += in_place.Flush();
+      pieces += per_token.Flush();
+      EXPECT_EQ(message, pieces);
+      EXPECT_EQ(message, "prefix " + internal::SanitizeUtf8(t.Decode(*ids, skip)));
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, Detokenizer, ::testing::Values("gpt2_style", "llama3_style"));

@@ -9,9 +9,11 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 
 #include "common/block_hash.h"
 #include "common/config.h"
+#include "common/delivery_scope.h"
 
 namespace tandem::proxy {
 namespace {
@@ -48,6 +50,9 @@ class ScriptedWorkers : public WorkerClient {
   uint32_t die_after = 0;
   Status die_status = UnavailableError("Socket closed");  // how they break
   bool die_in_band = false;                                // ... and whether in band
+  // Each chunk is delivered inside a DeliveryScope, as the decode stream
+  // delivers one frame (DecodeMux::Deliver).
+  bool scope_per_chunk = false;
 
   std::shared_ptr<Call> Decode(const std::string& address, DecodeArgs args,
                                DecodeEvents events) override {
@@ -95,6 +100,8 @@ class ScriptedWorkers : public WorkerClient {
     const uint32_t stop = dies_[decoder] ? std::min(n, die_after) : n;
     for (uint32_t i = 0; i < stop; i += chunk) {
       const auto end = std::min<size_t>(stop, i + chunk);
+      std::optional<DeliveryScope> scope;
+      if (scope_per_chunk) scope.emplace();
       ev.on_tokens(i, std::vector<uint32_t>(completion.begin() + base + i,
                                             completion.begin() + base + end));
     }
@@ -161,6 +168,7 @@ class LifecycleTest : public ::testing::Test {
     deps.root_hash = 1;
     deps.block_size = 16;
     deps.defer_launch = defer_launch_;
+    deps.metrics = metrics_;
     ValidatedRequest req;
     req.request_id = "r1";
     req.prompt_ids = std::vector<uint32_t>(40, 7);
@@ -186,6 +194,7 @@ class LifecycleTest : public ::testing::Test {
   ScriptedWorkers workers_;
   uint32_t max_tokens_ = 64;
   std::function<void(std::function<void()>)> defer_launch_;
+  ProxyMetrics* metrics_ = nullptr;
 };
 
 // Every route puts its prompt's uncached tokens on the prefilling worker's
@@ -301,6 +310,35 @@ TEST_F(LifecycleTest, FirstTokenOnceWhenTheStreamWins) {
   // the prefiller's hits, relayed by the decoder (seen once in CI: the
   // OpenAI test's repeated prompt reported 0 cached tokens).
   EXPECT_EQ(c.usage.cached_prompt_tokens, 16u);
+}
+
+// A frame's tokens share one clock reading (DeliveryScope::Now) and still
+// get one ITL sample each: the first of a frame the gap since the last
+// frame, the others 0 (they arrived together), as with a reading per token.
+TEST_F(LifecycleTest, EveryTokenOfABatchKeepsItsOwnItlSample) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  MetricsRegistry registry{MetricLabels{"m", "proxy", "proxy"}};
+  ProxyMetrics metrics(registry);
+  metrics_ = &metrics;
+  workers_.completion = tokenizer_->Encode("In the beginning God created the heaven and the earth.");
+  ASSERT_GE(workers_.completion.size(), 7u);
+  workers_.scope_per_chunk = true;
+  Collected c;
+  Run(c);
+  ASSERT_TRUE(c.finished) << c.error.ToString();
+  EXPECT_EQ(c.ids, workers_.completion);
+  const size_t n = workers_.completion.size();
+  const auto itl = metrics.itl.Collect().histogram;
+  EXPECT_EQ(itl.sample_count, n - 1);  // every token but the first
+  EXPECT_EQ(metrics.ttft.Collect().histogram.sample_count, 1u);
+  EXPECT_EQ(metrics.generation_tokens.Value(), static_cast<double>(n));
+  EXPECT_GE(itl.sample_sum, 0.0);
+  // The prefill reply's token came alone; the stream's first chunk then
+  // holds only tokens 1-2 (index 0 is a duplicate): gaps at tokens 1, 3,
+  // 6, ...; the rest are 0 and fall in the first bucket.
+  const size_t chunks = (n + workers_.chunk - 1) / workers_.chunk;
+  EXPECT_GE(itl.bucket.front().cumulative_count, (n - 1) - chunks);
 }
 
 TEST_F(LifecycleTest, StopStringEndsTheRequestAndCancelsTheDecoder) {

@@ -100,6 +100,13 @@ class RegisterTcpTest : public ::testing::Test {
     return s.ok() ? std::move(s).value() : nullptr;
   }
 
+  // Registers once (keeping the connection), then the proxy goes away.
+  void RegisterThenStop(worker::ProxyChannels& channels, std::unique_ptr<proxy::RegisterTcpServer>& server) {
+    Status s = channels.Register(server->address(), Worker(), milliseconds(0));
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    server.reset();
+  }
+
   std::string dir_;
   CertKeyPem ca_;
 };
@@ -140,10 +147,9 @@ TEST_F(RegisterTcpTest, ARestartedProxyGetsTheRegistrationOnANewConnection) {
   ASSERT_NE(server, nullptr);
   const std::string address = server->address();
   worker::ProxyChannels channels(Creds(Files(ca_, "decode-7")), /*tcp=*/true);
-  ASSERT_TRUE(channels.Register(address, Worker(), milliseconds(0)).ok());
+  RegisterThenStop(channels, server);
 
-  // The proxy goes away: the kept connection is closed; nobody listens.
-  server.reset();
+  // Nobody listens now.
   Status down = channels.Register(address, Worker(), milliseconds(0));
   EXPECT_EQ(down.code(), StatusCode::kUnavailable) << down.ToString();
 
@@ -163,10 +169,9 @@ TEST_F(RegisterTcpTest, AKeptConnectionTheProxyClosedIsReplacedWithoutWaiting) {
   ASSERT_NE(server, nullptr);
   const std::string address = server->address();
   worker::ProxyChannels channels(Creds(Files(ca_, "decode-7")), /*tcp=*/true);
-  ASSERT_TRUE(channels.Register(address, Worker(), milliseconds(0)).ok());
+  RegisterThenStop(channels, server);
   // A restart between two refreshes: the refresh (no retry time) still
   // succeeds, on a new connection.
-  server.reset();
   Recorder second;
   auto again = Serve(second, address);
   ASSERT_NE(again, nullptr);

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <functional>
 #include <map>
 #include <random>
@@ -238,6 +239,36 @@ TEST(DeliveryScope, DeferredFlushesRunWhenTheOutermostScopeEnds) {
   EXPECT_EQ(c->flushes, 3);
   EXPECT_FALSE(deferred_inside);
   EXPECT_FALSE(DeliveryScope::Defer(c));
+}
+
+// One clock reading per batch: every Now() of a scope (inner scopes and the
+// deferred flushes included) is the first one's; outside, the clock.
+TEST(DeliveryScope, NowIsOneReadingPerBatchItsFlushesIncluded) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point before = DeliveryScope::Now();
+  Clock::time_point first, inner_now, flush_now;
+  auto c = std::make_shared<Counter>();
+  c->on_flush = [&] { flush_now = DeliveryScope::Now(); };
+  {
+    DeliveryScope outer;
+    first = DeliveryScope::Now();
+    while (Clock::now() == first) {
+    }  // until the clock moved
+    {
+      DeliveryScope inner;
+      inner_now = DeliveryScope::Now();
+    }
+    EXPECT_TRUE(DeliveryScope::Defer(c));
+  }
+  EXPECT_GE(first, before);
+  EXPECT_EQ(inner_now, first);
+  EXPECT_EQ(c->flushes, 1);
+  EXPECT_EQ(flush_now, first);
+  EXPECT_GT(DeliveryScope::Now(), first);  // outside: the clock
+  {
+    DeliveryScope next;  // a new batch reads the clock afresh
+    EXPECT_GT(DeliveryScope::Now(), first);
+  }
 }
 
 }  // namespace

@@ -123,6 +123,14 @@ class WorkerServiceWatchTest : public ::testing::Test {
   int samples_ = 0;  // guarded by samples_mu_
 };
 
+// Waits for an update that carried a load report on a batch.
+constexpr auto kAnyBatchedLoad = [](const auto& updates) {
+  for (const auto& u : updates) {
+    if (u.has_batched_load()) return true;
+  }
+  return false;
+};
+
 TEST_F(WorkerServiceWatchTest, EveryBatchOfEventsCarriesTheLoadOfItsRound) {
   // An hour between samples: only the piggyback can put a report on the
   // batches below.
@@ -130,12 +138,7 @@ TEST_F(WorkerServiceWatchTest, EveryBatchOfEventsCarriesTheLoadOfItsRound) {
   auto sink = std::make_shared<RecordingSink>();
   ASSERT_TRUE(service_->AddWatch(sink, /*batched=*/true));
   // The snapshot, then the first report (the stream's first load).
-  ASSERT_TRUE(sink->WaitFor([](const auto& us) {
-    for (const auto& u : us) {
-      if (u.has_batched_load()) return true;
-    }
-    return false;
-  }));
+  ASSERT_TRUE(sink->WaitFor(kAnyBatchedLoad));
   ASSERT_TRUE(sink->updates().front().has_snapshot());
   EXPECT_EQ(sink->updates().back().batched_load().queued_prefill_tokens(), 0u);
 
@@ -203,12 +206,7 @@ TEST_F(WorkerServiceWatchTest, AChangeTheRouterDoesNotReadWaitsForTheNextUpdate)
   Start(std::chrono::milliseconds(5), std::chrono::hours(1));
   auto sink = std::make_shared<RecordingSink>();
   ASSERT_TRUE(service_->AddWatch(sink, /*batched=*/true));
-  ASSERT_TRUE(sink->WaitFor([](const auto& us) {
-    for (const auto& u : us) {
-      if (u.has_batched_load()) return true;
-    }
-    return false;
-  }));
+  ASSERT_TRUE(sink->WaitFor(kAnyBatchedLoad));
   registered_ = 3;
   // Several samples see only that change...
   const int seen = samples();
