@@ -127,7 +127,7 @@ TEST(Config, ReserveListenAndTransport) {  // issue 23, reserve-tcp
   EXPECT_EQ(set->prefill.reserve_transport, "grpc");
   EXPECT_EQ(set->decode.reserve_listen, "off");
   EXPECT_EQ(ErrorOf("model:\n  path: m\nboth:\n  replicas: 1\n  reserve_transport: udp\n"),
-            "configs/x.yaml:4: key 'both.reserve_transport' must be one of 'tcp', 'grpc', got 'udp'");
+            "configs/x.yaml:5: key 'both.reserve_transport' must be one of 'tcp', 'grpc', got 'udp'");
   EXPECT_NE(ErrorOf("model:\n  path: m\nboth:\n  replicas: 1\n  reserve_listen: nowhere\n")
                 .find("both.reserve_listen is 'nowhere': expected auto, off or host:port"),
             std::string::npos);
