@@ -47,6 +47,8 @@ void ReadRole(YamlMap m, RoleConfig& r) {
   m.Read("mux_listen", r.mux_listen);  // issue 23; checked in CrossCheck
   m.Read("watch_listen", r.watch_listen);  // issue 23; checked in CrossCheck
   m.Read("frame_listen", r.frame_listen);  // issue 23 (Prefill over TCP); checked in CrossCheck
+  m.Read("reserve_listen", r.reserve_listen);  // issue 23 (Reserve over TCP); checked in CrossCheck
+  m.ReadEnum("reserve_transport", r.reserve_transport, {"tcp", "grpc"});  // issue 23
   m.Finish();
 }
 
@@ -266,51 +268,43 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
 
 // Checks that involve more than one key.
 void CrossCheck(const FleetConfig& c, YamlErrors& errors, int line) {
-  // Issue 23: the decode stream's framed TCP listener.
+  // Issue 23: the framed TCP listeners (decode stream, Prefill, Watch,
+  // Reserve): auto, off or host:port, a fixed port only for one replica,
+  // and set only where the role serves it.
   for (auto [role, rc] : {std::pair{"prefill", &c.prefill}, std::pair{"decode", &c.decode},
                           std::pair{"both", &c.both}}) {
-    const std::string& v = rc->mux_listen;
-    if (v == "auto" || v == "off") continue;
-    if (std::string_view(role) == "prefill") {
-      errors.Add(line, fmt::format("prefill.mux_listen is '{}': only decode and both workers serve "
-                                   "the decode stream",
-                                   v));
-    } else if (auto hp = ParseHostPort(v); !hp.ok() || hp->host.empty()) {
-      errors.Add(line, fmt::format("{}.mux_listen is '{}': expected auto, off or host:port", role, v));
-    } else if (hp->port != 0 && rc->replicas > 1) {
-      errors.Add(line, fmt::format("{}.mux_listen '{}' has a fixed port but {}.replicas is {}: use "
-                                   "port 0 (or auto) so that each worker gets its own",
-                                   role, v, role, rc->replicas));
+    const bool is_prefill = std::string_view(role) == "prefill";
+    const bool is_decode = std::string_view(role) == "decode";
+    const struct {
+      const char* key;
+      const std::string* value;
+      const char* refused;  // why this role cannot have it; null: it can
+    } listeners[] = {
+        {"mux_listen", &rc->mux_listen,
+         is_prefill ? "only decode and both workers serve the decode stream" : nullptr},
+        {"frame_listen", &rc->frame_listen,
+         is_decode ? "only prefill and both workers serve Prefill" : nullptr},
+        {"watch_listen", &rc->watch_listen, nullptr},
+        {"reserve_listen", &rc->reserve_listen,
+         is_prefill ? "only decode and both workers serve Reserve" : nullptr},
+    };
+    for (const auto& l : listeners) {
+      const std::string& v = *l.value;
+      if (v == "auto" || v == "off") continue;
+      if (l.refused != nullptr) {
+        errors.Add(line, fmt::format("{}.{} is '{}': {}", role, l.key, v, l.refused));
+      } else if (auto hp = ParseHostPort(v); !hp.ok() || hp->host.empty()) {
+        errors.Add(line, fmt::format("{}.{} is '{}': expected auto, off or host:port", role, l.key, v));
+      } else if (hp->port != 0 && rc->replicas > 1) {
+        errors.Add(line, fmt::format("{}.{} '{}' has a fixed port but {}.replicas is {}: use "
+                                     "port 0 (or auto) so that each worker gets its own",
+                                     role, l.key, v, role, rc->replicas));
+      }
     }
-  }
-  // Issue 23: the Prefill call's framed TCP listener.
-  for (auto [role, rc] : {std::pair{"prefill", &c.prefill}, std::pair{"decode", &c.decode},
-                          std::pair{"both", &c.both}}) {
-    const std::string& v = rc->frame_listen;
-    if (v == "auto" || v == "off") continue;
-    if (std::string_view(role) == "decode") {
-      errors.Add(line, fmt::format("decode.frame_listen is '{}': only prefill and both workers serve "
-                                   "Prefill",
-                                   v));
-    } else if (auto hp = ParseHostPort(v); !hp.ok() || hp->host.empty()) {
-      errors.Add(line, fmt::format("{}.frame_listen is '{}': expected auto, off or host:port", role, v));
-    } else if (hp->port != 0 && rc->replicas > 1) {
-      errors.Add(line, fmt::format("{}.frame_listen '{}' has a fixed port but {}.replicas is {}: use "
-                                   "port 0 (or auto) so that each worker gets its own",
-                                   role, v, role, rc->replicas));
-    }
-  }
-  // Issue 23: the Watch stream's framed TCP listener.
-  for (auto [role, rc] : {std::pair{"prefill", &c.prefill}, std::pair{"decode", &c.decode},
-                          std::pair{"both", &c.both}}) {
-    const std::string& v = rc->watch_listen;
-    if (v == "auto" || v == "off") continue;
-    if (auto hp = ParseHostPort(v); !hp.ok() || hp->host.empty()) {
-      errors.Add(line, fmt::format("{}.watch_listen is '{}': expected auto, off or host:port", role, v));
-    } else if (hp->port != 0 && rc->replicas > 1) {
-      errors.Add(line, fmt::format("{}.watch_listen '{}' has a fixed port but {}.replicas is {}: use "
-                                   "port 0 (or auto) so that each worker gets its own",
-                                   role, v, role, rc->replicas));
+    if (is_decode && rc->reserve_transport != "tcp") {
+      errors.Add(line, fmt::format("decode.reserve_transport is '{}': only prefill and both "
+                                   "workers call Reserve",
+                                   rc->reserve_transport));
     }
   }
   if (c.proxy.default_max_tokens > c.proxy.max_tokens_limit) {

@@ -244,6 +244,15 @@ struct RoleConfig {
   // host of its gRPC address, any free port; off: not served (proxies use
   // the gRPC Prefiller.Prefill); or "host:port".
   std::string frame_listen = "auto";
+  // Issue 23 (docs/serving-workers.md "Reserve transport"), decode and both
+  // roles: where the worker serves Decoder.Reserve over framed TCP. auto:
+  // the host of its gRPC address, any free port; off: not served
+  // (prefillers call the gRPC Decoder.Reserve); or "host:port".
+  std::string reserve_listen = "auto";
+  // Issue 23, prefill and both roles: how the worker's prefiller calls
+  // decoders' Reserve: tcp (over a decoder's reserve_listen; gRPC with a
+  // decoder that advertises none) | grpc (Decoder.Reserve always).
+  std::string reserve_transport = "tcp";
 };
 
 // autoscale: the proxy's planner (src/proxy/planner.h) and `tandem launch`

@@ -7,6 +7,7 @@
 #include <grpcpp/security/tls_credentials_options.h>
 #include <openssl/x509.h>
 
+#include <atomic>
 #include <fstream>
 #include <sstream>
 
@@ -64,8 +65,7 @@ Result<TlsPem> ReadTlsFiles(const TlsFiles& files) {
   return pem;
 }
 
-RpcCredentials::RpcCredentials()
-    : server_(grpc::InsecureServerCredentials()), channel_(grpc::InsecureChannelCredentials()) {}
+RpcCredentials::RpcCredentials() : grpc_(std::make_shared<Grpc>()) {}
 
 Result<RpcCredentials> RpcCredentials::MutualTls(const TlsFiles& files) {
   if (files.ca_file.empty() || files.cert_file.empty() || files.key_file.empty()) {
@@ -77,15 +77,8 @@ Result<RpcCredentials> RpcCredentials::MutualTls(const TlsFiles& files) {
   TANDEM_ASSIGN_OR_RETURN(TlsPem pem, ReadTlsFiles(files));
   RpcCredentials c;
   c.secure_ = true;
-  grpc::SslServerCredentialsOptions so(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-  so.pem_root_certs = pem.ca;
-  so.pem_key_cert_pairs.push_back({pem.key, pem.cert});
-  c.server_ = grpc::SslServerCredentials(so);
-  grpc::SslCredentialsOptions co;
-  co.pem_root_certs = pem.ca;
-  co.pem_private_key = pem.key;
-  co.pem_cert_chain = pem.cert;
-  c.channel_ = grpc::SslCredentials(co);
+  c.grpc_->kind = Grpc::Kind::kMutual;
+  c.grpc_->pem = pem;
   c.mutual_pem_ = std::make_shared<const TlsPem>(std::move(pem));
   return c;
 }
@@ -97,27 +90,68 @@ Result<RpcCredentials> RpcCredentials::ServerTls(const TlsFiles& files) {
   TANDEM_ASSIGN_OR_RETURN(TlsPem pem, ReadTlsFiles(files));
   RpcCredentials c;
   c.secure_ = true;
-  // A file-watching provider: renewed files are served without a restart.
-  auto provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
-      files.key_file, files.cert_file, files.ca_file, kReloadSeconds);
-  grpc::experimental::TlsServerCredentialsOptions so(provider);
-  so.watch_identity_key_cert_pairs();
-  if (!files.ca_file.empty()) {
-    so.watch_root_certs();
-    so.set_cert_request_type(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-  } else {
-    so.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
-  }
-  c.server_ = grpc::experimental::TlsServerCredentials(so);
-  grpc::SslCredentialsOptions co;
-  co.pem_root_certs = pem.ca;
-  c.channel_ = grpc::SslCredentials(co);
+  c.grpc_->kind = Grpc::Kind::kServer;
+  c.grpc_->pem = std::move(pem);
+  c.grpc_->files = files;
   return c;
+}
+
+bool RpcCredentials::grpc_made() const {
+  return grpc_->made.load(std::memory_order_acquire);
+}
+
+const RpcCredentials::Grpc& RpcCredentials::Made() const {
+  Grpc& g = *grpc_;
+  std::call_once(g.once, [&g] {
+    std::shared_ptr<grpc::ServerCredentials> server;
+    std::shared_ptr<grpc::ChannelCredentials> channel;
+    switch (g.kind) {
+      case Grpc::Kind::kPlaintext:
+        server = grpc::InsecureServerCredentials();
+        channel = grpc::InsecureChannelCredentials();
+        break;
+      case Grpc::Kind::kMutual: {
+        grpc::SslServerCredentialsOptions so(
+            GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+        so.pem_root_certs = g.pem.ca;
+        so.pem_key_cert_pairs.push_back({g.pem.key, g.pem.cert});
+        server = grpc::SslServerCredentials(so);
+        grpc::SslCredentialsOptions co;
+        co.pem_root_certs = g.pem.ca;
+        co.pem_private_key = g.pem.key;
+        co.pem_cert_chain = g.pem.cert;
+        channel = grpc::SslCredentials(co);
+        break;
+      }
+      case Grpc::Kind::kServer: {
+        // A file-watching provider: renewed files are served without a restart.
+        auto provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+            g.files.key_file, g.files.cert_file, g.files.ca_file, kReloadSeconds);
+        grpc::experimental::TlsServerCredentialsOptions so(provider);
+        so.watch_identity_key_cert_pairs();
+        if (!g.files.ca_file.empty()) {
+          so.watch_root_certs();
+          so.set_cert_request_type(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+        } else {
+          so.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+        }
+        server = grpc::experimental::TlsServerCredentials(so);
+        grpc::SslCredentialsOptions co;
+        co.pem_root_certs = g.pem.ca;
+        channel = grpc::SslCredentials(co);
+        break;
+      }
+    }
+    g.server = std::move(server);
+    g.channel = std::move(channel);
+    g.made.store(true, std::memory_order_release);
+  });
+  return g;
 }
 
 std::shared_ptr<grpc::Channel> RpcCredentials::Dial(const std::string& address,
                                                     const grpc::ChannelArguments& args) const {
-  return grpc::CreateCustomChannel(address, channel_, args);
+  return grpc::CreateCustomChannel(address, channel(), args);
 }
 
 Result<RpcCredentials> InternalCredentials(const SecurityConfig& security, const TlsFiles& flags) {

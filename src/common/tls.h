@@ -11,11 +11,18 @@
 // Certificate and key generation (tandem launch) is in common/tls_certs.h.
 //
 // Thread-safety: RpcCredentials is immutable once built; share it freely.
+// Its gRPC credential objects are made on first use (server(), channel(),
+// Dial()), not when it is built: making one initialises gRPC, whose timer
+// thread then wakes about once a second for the life of the process, and
+// a default fleet's proxy uses only the PEM identity (mutual_pem(), for its
+// framed connections; issue 23, docs/security.md).
 #pragma once
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "common/config.h"
@@ -57,20 +64,36 @@ class RpcCredentials {
   static constexpr unsigned kReloadSeconds = 1;
 
   bool secure() const { return secure_; }
-  std::shared_ptr<grpc::ServerCredentials> server() const { return server_; }
-  std::shared_ptr<grpc::ChannelCredentials> channel() const { return channel_; }
+  // Made on the first call of either (or of Dial) by any copy.
+  std::shared_ptr<grpc::ServerCredentials> server() const { return Made().server; }
+  std::shared_ptr<grpc::ChannelCredentials> channel() const { return Made().channel; }
   // A channel to "host:port" with these credentials and `args`.
   std::shared_ptr<grpc::Channel> Dial(const std::string& address,
                                       const grpc::ChannelArguments& args = {}) const;
   // The PEM identity of mutual TLS (MutualTls); null otherwise. The framed
   // internal connections (common/frame_conn.h) use the same identity.
   const TlsPem* mutual_pem() const { return mutual_pem_.get(); }
+  // Whether the gRPC credential objects have been made (tests: a default
+  // proxy never makes them).
+  bool grpc_made() const;
 
  private:
+  // What the gRPC credentials are made from, and, once made, them; shared
+  // by the copies.
+  struct Grpc {
+    enum class Kind { kPlaintext, kMutual, kServer } kind = Kind::kPlaintext;
+    TlsPem pem;      // kMutual, kServer: the identity read at start-up
+    TlsFiles files;  // kServer: the files its provider watches
+    std::once_flag once;
+    std::atomic<bool> made{false};  // set once server and channel are
+    std::shared_ptr<grpc::ServerCredentials> server;
+    std::shared_ptr<grpc::ChannelCredentials> channel;
+  };
+  const Grpc& Made() const;
+
   bool secure_ = false;
   std::shared_ptr<const TlsPem> mutual_pem_;
-  std::shared_ptr<grpc::ServerCredentials> server_;
-  std::shared_ptr<grpc::ChannelCredentials> channel_;
+  std::shared_ptr<Grpc> grpc_;
 };
 
 // The internal plane's credentials of one process: the command line's

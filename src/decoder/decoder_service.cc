@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <span>
 
 #include "common/rpc_server.h"
 #include "common/stream_writer.h"
@@ -142,53 +143,12 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
   grpc::ServerUnaryReactor* Reserve(grpc::CallbackServerContext* ctx,
                                     const pb::ReserveRequest* req,
                                     pb::ReserveResponse* resp) override {
-    const tracing::SpanContext trace = TraceOf(ctx);
-    const uint64_t start = trace.sampled ? tracing::NowUnixNs() : 0;
-    std::vector<uint32_t> prompt(req->prompt_token_ids().begin(), req->prompt_token_ids().end());
-    const parallel::ParallelLayout prefill_layout{
-        .tp = std::max(1u, req->prefill_tensor_parallel()),
-        .pp = std::max(1u, req->prefill_pipeline_parallel())};
-    auto target = decoder_.Reserve(req->request_id(), req->prefiller(), prompt,
-                                   req->prefiller_transport_descriptor(), prefill_layout);
-    if (target.ok()) {
-      auto* t = resp->mutable_target();
-      t->set_request_id(target->request_id);
-      t->set_reservation_id(target->reservation_id);
-      t->set_generation(target->generation);
-      t->set_transport_descriptor(target->transport_descriptor);
-      t->mutable_slots()->Add(target->slots.begin(), target->slots.end());
-      t->set_cached_blocks(target->cached_blocks);
-      t->set_lease_expiry_unix_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                      target->lease_expiry.time_since_epoch())
-                                      .count());
-      t->set_capability(target->capability);
-      t->set_kv_key(target->kv_key);
-      t->set_decode_tensor_parallel(target->layout.tp);
-      t->set_decode_pipeline_parallel(target->layout.pp);
-      for (const auto& d : target->rank_descriptors) t->add_rank_transport_descriptors(d);
-    } else {
-      resp->mutable_error()->set_code(static_cast<int>(target.status().code()));
-      resp->mutable_error()->set_message(target.status().message());
-    }
-    if (trace.sampled) {
-      // The prefiller's reservation of KV slots here (its span's child).
-      tracing::SpanBuilder b("tandem.decode.reserve", trace, tracing::SpanKind::kServer, start);
-      b.Attr("tandem.prefiller", req->prefiller())
-          .Attr("tandem.prompt_tokens", static_cast<int64_t>(prompt.size()));
-      if (target.ok()) {
-        b.Attr("tandem.kv.slots", static_cast<int64_t>(target->slots.size()))
-            .Attr("tandem.kv.cached_blocks", static_cast<int64_t>(target->cached_blocks));
-      } else {
-        b.Error(target.status().ToString());
-      }
-      b.End();
-    }
+    ServeReserve(decoder_, *req, TraceOf(ctx), resp);
     auto* reactor = ctx->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
     return reactor;
   }
 
- private:
   // The caller's W3C trace context (gRPC metadata `traceparent`).
   static tracing::SpanContext TraceOf(grpc::CallbackServerContext* ctx) {
     if (!tracing::Tracer::Get().enabled()) return {};
@@ -211,6 +171,51 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
 };
 
 }  // namespace
+
+void ServeReserve(Decoder& decoder, const v1::ReserveRequest& req, tracing::SpanContext trace,
+                  v1::ReserveResponse* resp) {
+  const uint64_t start = trace.sampled ? tracing::NowUnixNs() : 0;
+  const parallel::ParallelLayout prefill_layout{
+      .tp = std::max(1u, req.prefill_tensor_parallel()),
+      .pp = std::max(1u, req.prefill_pipeline_parallel())};
+  const std::span<const uint32_t> prompt(req.prompt_token_ids().data(),
+                                         static_cast<size_t>(req.prompt_token_ids().size()));
+  auto target = decoder.Reserve(req.request_id(), req.prefiller(), prompt,
+                                req.prefiller_transport_descriptor(), prefill_layout);
+  if (target.ok()) {
+    auto* t = resp->mutable_target();
+    t->set_request_id(target->request_id);
+    t->set_reservation_id(target->reservation_id);
+    t->set_generation(target->generation);
+    t->set_transport_descriptor(target->transport_descriptor);
+    t->mutable_slots()->Add(target->slots.begin(), target->slots.end());
+    t->set_cached_blocks(target->cached_blocks);
+    t->set_lease_expiry_unix_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                    target->lease_expiry.time_since_epoch())
+                                    .count());
+    t->set_capability(target->capability);
+    t->set_kv_key(target->kv_key);
+    t->set_decode_tensor_parallel(target->layout.tp);
+    t->set_decode_pipeline_parallel(target->layout.pp);
+    for (const auto& d : target->rank_descriptors) t->add_rank_transport_descriptors(d);
+  } else {
+    resp->mutable_error()->set_code(static_cast<int>(target.status().code()));
+    resp->mutable_error()->set_message(target.status().message());
+  }
+  if (trace.sampled) {
+    // The prefiller's reservation of KV slots here (its span's child).
+    tracing::SpanBuilder b("tandem.decode.reserve", trace, tracing::SpanKind::kServer, start);
+    b.Attr("tandem.prefiller", req.prefiller())
+        .Attr("tandem.prompt_tokens", static_cast<int64_t>(prompt.size()));
+    if (target.ok()) {
+      b.Attr("tandem.kv.slots", static_cast<int64_t>(target->slots.size()))
+          .Attr("tandem.kv.cached_blocks", static_cast<int64_t>(target->cached_blocks));
+    } else {
+      b.Error(target.status().ToString());
+    }
+    b.End();
+  }
+}
 
 std::unique_ptr<grpc::Service> MakeDecoderService(Decoder& decoder,
                                                   kvtransfer::Transport& transport) {

@@ -18,9 +18,22 @@
 
 #include <memory>
 
+#include "common/tracing.h"
 #include "decoder/decoder.h"
 
+namespace tandem::v1 {
+class ReserveRequest;
+class ReserveResponse;
+}  // namespace tandem::v1
+
 namespace tandem::decoder {
+
+// Decoder.Reserve, for both transports (this gRPC service and the framed
+// listener, decoder/reserve_tcp.h): reserves on `decoder` and fills `resp`
+// (KvTarget, or ReserveResponse.error); records the span when `trace` is
+// sampled.
+void ServeReserve(Decoder& decoder, const v1::ReserveRequest& req, tracing::SpanContext trace,
+                  v1::ReserveResponse* resp);
 
 // The tandem.v1.Decoder callback service around `decoder`; also routes
 // `transport`'s notifications to it. Both are borrowed and must outlive the

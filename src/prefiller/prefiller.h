@@ -57,6 +57,9 @@ struct PrefillJob {
   std::optional<std::chrono::system_clock::time_point> deadline;
   std::string decoder_address;  // gRPC address of the decoder holding the Decode stream
   std::string decoder_name;
+  // Where that decoder serves Reserve over framed TCP (issue 23); empty:
+  // it does not (the gRPC call then).
+  std::string decoder_reserve_address;
   uint32_t first_sample_index = 0;  // migration: output tokens produced elsewhere
   std::string cache_salt;  // the tenant's (engine::GenerateRequest::cache_salt)
   // Scheduling (docs/scheduling.md): engine::GenerateRequest's fields.

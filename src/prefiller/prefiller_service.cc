@@ -91,48 +91,18 @@ class GrpcDecoderLink final : public DecoderLink {
       pb::ReserveResponse resp;
     };
     auto call = std::make_shared<Call>();
-    call->req.set_request_id(job.request_id);
-    call->req.set_prefiller(prefiller_name);
-    call->req.set_prefiller_transport_descriptor(prefiller_descriptor_);
-    call->req.set_prefill_tensor_parallel(layout_.tp);
-    call->req.set_prefill_pipeline_parallel(layout_.pp);
-    call->req.mutable_prompt_token_ids()->Add(job.prompt_ids.begin(), job.prompt_ids.end());
-    auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(10);
-    if (job.deadline && *job.deadline < deadline) deadline = *job.deadline;
-    call->ctx.set_deadline(deadline);
+    FillReserveRequest(job, prefiller_name, prefiller_descriptor_, layout_, &call->req);
+    call->ctx.set_deadline(ReserveDeadline(job));
     if (job.trace.sampled) call->ctx.AddMetadata("traceparent", tracing::FormatTraceparent(job.trace));
     pb::Decoder::Stub* stub = StubFor(job.decoder_address);
     stub->async()->Reserve(&call->ctx, &call->req, &call->resp,
                            [call, done = std::move(done)](grpc::Status st) {
+                             // An unreachable decoder is the proxy's to re-route.
                              if (!st.ok()) {
-                               Status s = FromGrpcStatus(st);
-                               // An unreachable decoder is the proxy's to re-route.
-                               done(s);
-                               return;
+                               done(FromGrpcStatus(st));
+                             } else {
+                               done(FromReserveResponse(call->resp));
                              }
-                             if (call->resp.has_error()) {
-                               done(FromErrorInfo(call->resp.error()));
-                               return;
-                             }
-                             const pb::KvTarget& t = call->resp.target();
-                             ReserveTarget out;
-                             out.reservation_id = t.reservation_id();
-                             out.generation = t.generation();
-                             out.transport_descriptor = t.transport_descriptor();
-                             out.slots.assign(t.slots().begin(), t.slots().end());
-                             out.cached_blocks = t.cached_blocks();
-                             out.capability = t.capability();
-                             out.kv_key = t.kv_key();
-                             out.decode_layout = {
-                                 .tp = std::max(1u, t.decode_tensor_parallel()),
-                                 .pp = std::max(1u, t.decode_pipeline_parallel())};
-                             out.rank_descriptors.assign(t.rank_transport_descriptors().begin(),
-                                                         t.rank_transport_descriptors().end());
-                             if (t.lease_expiry_unix_ms() > 0) {
-                               out.lease_expiry = std::chrono::system_clock::time_point(
-                                   std::chrono::milliseconds(t.lease_expiry_unix_ms()));
-                             }
-                             done(std::move(out));
                            });
   }
 
@@ -173,6 +143,45 @@ class GrpcDecoderLink final : public DecoderLink {
 
 }  // namespace
 
+void FillReserveRequest(const PrefillJob& job, const std::string& prefiller_name,
+                        const std::string& prefiller_descriptor, parallel::ParallelLayout layout,
+                        v1::ReserveRequest* req) {
+  req->set_request_id(job.request_id);
+  req->set_prefiller(prefiller_name);
+  req->set_prefiller_transport_descriptor(prefiller_descriptor);
+  req->set_prefill_tensor_parallel(layout.tp);
+  req->set_prefill_pipeline_parallel(layout.pp);
+  req->mutable_prompt_token_ids()->Add(job.prompt_ids.begin(), job.prompt_ids.end());
+}
+
+std::chrono::system_clock::time_point ReserveDeadline(const PrefillJob& job) {
+  auto deadline = std::chrono::system_clock::now() + kReserveTimeout;
+  if (job.deadline && *job.deadline < deadline) deadline = *job.deadline;
+  return deadline;
+}
+
+Result<ReserveTarget> FromReserveResponse(const v1::ReserveResponse& resp) {
+  if (resp.has_error()) return FromErrorInfo(resp.error());
+  const pb::KvTarget& t = resp.target();
+  ReserveTarget out;
+  out.reservation_id = t.reservation_id();
+  out.generation = t.generation();
+  out.transport_descriptor = t.transport_descriptor();
+  out.slots.assign(t.slots().begin(), t.slots().end());
+  out.cached_blocks = t.cached_blocks();
+  out.capability = t.capability();
+  out.kv_key = t.kv_key();
+  out.decode_layout = {.tp = std::max(1u, t.decode_tensor_parallel()),
+                       .pp = std::max(1u, t.decode_pipeline_parallel())};
+  out.rank_descriptors.assign(t.rank_transport_descriptors().begin(),
+                              t.rank_transport_descriptors().end());
+  if (t.lease_expiry_unix_ms() > 0) {
+    out.lease_expiry = std::chrono::system_clock::time_point(
+        std::chrono::milliseconds(t.lease_expiry_unix_ms()));
+  }
+  return out;
+}
+
 PrefillJob ToPrefillJob(const pb::PrefillRequest& req, std::string_view traceparent) {
   PrefillJob job;
   job.request_id = worker::AttemptKey(req.request_id(), req.attempt());
@@ -191,6 +200,7 @@ PrefillJob ToPrefillJob(const pb::PrefillRequest& req, std::string_view tracepar
   }
   job.decoder_address = req.decoder_address();
   job.decoder_name = req.decoder_name().empty() ? req.decoder_address() : req.decoder_name();
+  job.decoder_reserve_address = req.decoder_reserve_address();
   if (!traceparent.empty() && tracing::Tracer::Get().enabled()) {
     job.trace = tracing::Tracer::Get().ContinueFrom(traceparent);
   }

@@ -15,6 +15,7 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/impl/service_type.h>
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -25,6 +26,8 @@
 namespace tandem::v1 {
 class PrefillRequest;
 class PrefillResponse;
+class ReserveRequest;
+class ReserveResponse;
 }  // namespace tandem::v1
 
 namespace tandem::prefiller {
@@ -37,6 +40,19 @@ namespace tandem::prefiller {
 PrefillJob ToPrefillJob(const v1::PrefillRequest& req, std::string_view traceparent);
 void ToPrefillResponse(const std::string& request_id, const PrefillResult& r,
                        v1::PrefillResponse* resp);
+
+// Decoder.Reserve's request and reply, the same for both transports (the
+// gRPC link below and the framed one, prefiller/reserve_tcp_link.h): the
+// request of `job` from this prefiller (`prefiller_descriptor`: its KV
+// transport descriptor; `layout`: its rank layout); the call's deadline
+// (the job's, at most kReserveTimeout from now); the reply as a target or
+// the decoder's refusal.
+inline constexpr std::chrono::seconds kReserveTimeout{10};
+void FillReserveRequest(const PrefillJob& job, const std::string& prefiller_name,
+                        const std::string& prefiller_descriptor, parallel::ParallelLayout layout,
+                        v1::ReserveRequest* req);
+std::chrono::system_clock::time_point ReserveDeadline(const PrefillJob& job);
+Result<ReserveTarget> FromReserveResponse(const v1::ReserveResponse& resp);
 
 // `prefiller` is borrowed and must outlive the service.
 std::unique_ptr<grpc::Service> MakePrefillerService(Prefiller& prefiller);

@@ -27,6 +27,7 @@ struct WorkerRecord {
   std::string name;
   router::WorkerRole role = router::WorkerRole::kBoth;
   std::string grpc_address;
+  std::string reserve_address;  // issue 23: WorkerInfo.reserve_address (decoders; "" = none)
   std::string metrics_address;
   uint32_t protocol_version = 0;
   std::string model;
@@ -74,6 +75,7 @@ struct RoutedPair {
   std::string prefill_address;
   std::string decode_name;
   std::string decode_address;
+  std::string decode_reserve_address;  // issue 23: its framed Reserve listener ("" = none)
   bool local = false;
   router::RouteDecision decision;
 };

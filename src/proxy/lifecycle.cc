@@ -197,6 +197,7 @@ void RequestLifecycle::OnRegistered(uint32_t attempt) {
   args.params = ToEngineArgs(req_, base_);
   args.deadline = deadline_;
   args.decoder_address = route_.decode_address;
+  args.decoder_reserve_address = route_.decode_reserve_address;  // reserve-tcp (issue 23)
   args.decoder_name = route_.decode_name;
   args.tenant_salt = req_.tenant_salt;
   args.attempt = attempt;

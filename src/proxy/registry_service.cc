@@ -293,6 +293,7 @@ void RegistryService::HandleRegister(const pb::RegisterRequest& request,
   rec.name = w.name();
   rec.role = RoleFromProto(w.role());
   rec.grpc_address = w.grpc_address();
+  rec.reserve_address = w.reserve_address();
   rec.metrics_address = w.metrics_address();
   rec.protocol_version = w.protocol_version();
   rec.model = w.model();

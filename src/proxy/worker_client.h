@@ -81,6 +81,7 @@ struct PrefillArgs {
   EngineArgs params;
   std::chrono::system_clock::time_point deadline;
   std::string decoder_address;
+  std::string decoder_reserve_address;  // issue 23: PrefillRequest.decoder_reserve_address
   std::string decoder_name;
   std::string tenant_salt;  // as in DecodeArgs
   uint32_t attempt = 0;  // as in DecodeArgs: the same for both calls of one attempt

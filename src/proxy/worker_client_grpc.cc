@@ -373,6 +373,7 @@ void FillPrefillRequest(const PrefillArgs& args, pb::PrefillRequest* req) {
   FillParams(args.params, req->mutable_params());
   req->set_deadline_unix_ms(UnixMs(args.deadline));
   req->set_decoder_address(args.decoder_address);
+  req->set_decoder_reserve_address(args.decoder_reserve_address);  // reserve-tcp (issue 23)
   req->set_decoder_name(args.decoder_name);
   req->set_tenant_salt(args.tenant_salt);
   req->set_attempt(args.attempt);

@@ -59,6 +59,7 @@ void FillWorkerInfo(const WorkerIdentity& id, pb::WorkerInfo* out) {
   // Session 8 (prompt-copy): DecodeSpecFromProto and ToPrefillJob read the
   // fixed32 prompt (docs/serving-workers.md, "Prompt and hash encoding").
   out->set_reads_fixed32_prompt(true);
+  out->set_reserve_address(id.reserve_address);
   out->set_tensor_parallel(id.tensor_parallel);
   out->set_pipeline_parallel(id.pipeline_parallel);
   for (const auto& [k, v] : id.labels) (*out->mutable_labels())[k] = v;

@@ -22,6 +22,7 @@
 #include "decoder/decoder.h"
 #include "decoder/decode_mux_tcp.h"
 #include "decoder/decoder_service.h"
+#include "decoder/reserve_tcp.h"
 #include "engine/engine.h"
 #include "engine/llama_forward.h"
 #include "engine/parallel_backend.h"
@@ -35,6 +36,8 @@
 #include "prefiller/prefill_tcp.h"
 #include "prefiller/prefiller.h"
 #include "prefiller/prefiller_service.h"
+#include "prefiller/reserve_tcp_link.h"
+#include "worker/advertise.h"
 #include "worker/kv_transport_setup.h"
 #include "worker/proxy_registrar.h"
 #include "worker/rank_kv.h"
@@ -75,41 +78,6 @@ uint64_t RandomEpoch() {
   return e;
 }
 
-// --advertise HOST[:PORT] (worker_runtime.h); port 0 when not given.
-Result<HostPort> ParseAdvertise(const std::string& a) {
-  const std::string expect = fmt::format(
-      "--advertise must be HOST or HOST:PORT (IPv6 in brackets) with a host peers can reach "
-      "(not 0.0.0.0 or ::) and a port in [1, 65535], got '{}'",
-      a);
-  const bool has_port = a.starts_with('[') ? a.find("]:") != std::string::npos
-                                           : a.find(':') != std::string::npos;
-  HostPort hp;
-  if (has_port) {
-    auto parsed = ParseHostPort(a);
-    if (!parsed.ok() || parsed->port == 0) return InvalidArgumentError(expect);
-    hp = *parsed;
-  } else {
-    hp.host = a.size() > 2 && a.front() == '[' && a.back() == ']' ? a.substr(1, a.size() - 2) : a;
-  }
-  const bool unbracketed_v6 = !a.starts_with('[') && hp.host.find(':') != std::string::npos;
-  const bool bad_char = unbracketed_v6 || hp.host.find_first_of(" \t/[]") != std::string::npos;
-  if (hp.host.empty() || hp.host.size() > 253 || bad_char || hp.host == "0.0.0.0" ||
-      hp.host == "::") {
-    return InvalidArgumentError(expect);
-  }
-  return hp;
-}
-
-// The bound `address` with its host replaced by --advertise's (and its port
-// too when --advertise has one and `use_port`).
-std::string Advertised(const std::string& address, const HostPort& advertise, bool use_port) {
-  auto bound = ParseHostPort(address);
-  if (!bound.ok()) return address;
-  HostPort out{advertise.host, bound->port};
-  if (use_port && advertise.port != 0) out.port = advertise.port;
-  return out.ToString();
-}
-
 // Everything one worker process runs, in construction order (destroyed in
 // reverse: servers before services before the engine before the transport,
 // whose memory the engine's pool is).
@@ -141,6 +109,8 @@ struct Worker {
   std::unique_ptr<FrameServer> watch_server;
   // Prefill over framed TCP (issue 23, prefill.frame_listen).
   std::unique_ptr<FrameServer> prefill_frame_server;
+  // Reserve over framed TCP (issue 23, decode.reserve_listen).
+  std::unique_ptr<FrameServer> reserve_server;
   // Keeps it registered with every proxy (--join, --join-dns); stopped
   // first when draining.
   std::unique_ptr<ProxyRegistrar> registrar;
@@ -252,77 +222,80 @@ Result<std::string> AdvertisedFrameAddress(const std::string& bound, const Worke
   return Advertised(bound, adv, false);
 }
 
-// The decode stream's framed TCP listener (issue 23, docs/decode-stream.md
-// "Transport"): on the gRPC address's host unless decode.mux_listen says
-// otherwise, with the internal plane's mutual TLS identity.
-Status StartDecodeMuxTcp(Worker& w, const RoleConfig& rc, const WorkerCommand& cmd) {
-  if (rc.mux_listen == "off") return Status::Ok();
-  TANDEM_ASSIGN_OR_RETURN(const std::string listen, FrameListenAddress(w, rc.mux_listen));
+// One framed TCP listener (issue 23): on the gRPC address's host unless its
+// setting `key` says otherwise, with the internal plane's mutual TLS
+// identity; its authenticated connections counted in `metric`. `serve`
+// starts it from its options; the result is the address to advertise, ""
+// when the setting is off.
+template <typename Options, typename Serve>
+Result<std::string> StartFramed(Worker& w, const WorkerCommand& cmd, const std::string& setting,
+                                const char* key, const char* metric, const char* help,
+                                Options o, Serve serve, std::unique_ptr<FrameServer>& out) {
+  if (setting == "off") return std::string();
+  TANDEM_ASSIGN_OR_RETURN(const std::string listen, FrameListenAddress(w, setting));
   auto tls = InternalFrameTls(w.credentials);
-  if (!tls.ok()) return tls.status().WithContext("decode.mux_listen");
-  prometheus::Counter* connections = &w.registry->Counter(
-      "tandem_decode_mux_tcp_connections_total",
-      "Authenticated framed TCP decode stream connections accepted (issue 23; one per proxy "
-      "connection)");
-  decoder::DecodeMuxTcpOptions o;
+  if (!tls.ok()) return tls.status().WithContext(key);
+  prometheus::Counter* connections = &w.registry->Counter(metric, help);
   o.address = listen;
   o.tls = std::move(tls).value();
   o.on_connection = [connections] { connections->Increment(); };
-  auto server = decoder::ServeDecodeMuxTcp(*w.decoder, std::move(o));
-  if (!server.ok()) return server.status().WithContext("decode.mux_listen");
-  w.mux_server = std::move(server).value();
-  TANDEM_ASSIGN_OR_RETURN(const std::string advertised,
-                          AdvertisedFrameAddress(w.mux_server->address(), cmd));
-  w.worker_service->SetDecodeMuxAddress(advertised);
-  return Status::Ok();
+  auto server = serve(std::move(o));
+  if (!server.ok()) return server.status().WithContext(key);
+  out = std::move(server).value();
+  return AdvertisedFrameAddress(out->address(), cmd);
 }
 
-// Prefill's framed TCP listener (issue 23, docs/serving-workers.md
-// "Prefill transport"): as the decode stream's, under prefill.frame_listen.
-Status StartPrefillTcp(Worker& w, const RoleConfig& rc, const WorkerCommand& cmd) {
-  if (rc.frame_listen == "off") return Status::Ok();
-  TANDEM_ASSIGN_OR_RETURN(const std::string listen, FrameListenAddress(w, rc.frame_listen));
-  auto tls = InternalFrameTls(w.credentials);
-  if (!tls.ok()) return tls.status().WithContext("prefill.frame_listen");
-  prometheus::Counter* connections = &w.registry->Counter(
-      "tandem_prefill_tcp_connections_total",
-      "Authenticated framed TCP Prefill connections accepted (issue 23; one per proxy connection)");
-  prefiller::PrefillTcpOptions o;
-  o.address = listen;
-  o.tls = std::move(tls).value();
-  o.on_connection = [connections] { connections->Increment(); };
-  o.on_closed = [](const std::string& peer, const Status& why) {
-    spdlog::debug("prefill connection from {} ended: {}", peer, why.message());
-  };
-  auto server = prefiller::ServePrefillTcp(*w.prefiller, std::move(o));
-  if (!server.ok()) return server.status().WithContext("prefill.frame_listen");
-  w.prefill_frame_server = std::move(server).value();
-  TANDEM_ASSIGN_OR_RETURN(const std::string advertised,
-                          AdvertisedFrameAddress(w.prefill_frame_server->address(), cmd));
-  w.worker_service->SetPrefillFrameAddress(advertised);
-  return Status::Ok();
-}
-
-// The Watch stream's framed TCP listener (issue 23, docs/serving-workers.md
-// "Watch transport"): as the decode stream's, keyed <role>.watch_listen.
-Status StartWatchTcp(Worker& w, const RoleConfig& rc, const WorkerCommand& cmd) {
-  if (rc.watch_listen == "off") return Status::Ok();
-  TANDEM_ASSIGN_OR_RETURN(const std::string listen, FrameListenAddress(w, rc.watch_listen));
-  auto tls = InternalFrameTls(w.credentials);
-  if (!tls.ok()) return tls.status().WithContext("watch_listen");
-  prometheus::Counter* connections = &w.registry->Counter(
-      "tandem_watch_tcp_connections_total",
-      "Authenticated framed TCP Watch connections accepted (issue 23; one per proxy watch)");
-  WatchTcpOptions o;
-  o.address = listen;
-  o.tls = std::move(tls).value();
-  o.on_connection = [connections] { connections->Increment(); };
-  auto server = ServeWatchTcp(*w.worker_service, std::move(o));
-  if (!server.ok()) return server.status().WithContext("watch_listen");
-  w.watch_server = std::move(server).value();
-  TANDEM_ASSIGN_OR_RETURN(const std::string advertised,
-                          AdvertisedFrameAddress(w.watch_server->address(), cmd));
-  w.worker_service->SetWatchAddress(advertised);
+// The framed TCP listeners of this worker's role, each advertised in its
+// WorkerInfo field: the decode stream (docs/decode-stream.md "Transport")
+// and Reserve (docs/serving-workers.md "Reserve transport") of a decoder,
+// Prefill of a prefiller ("Prefill transport"), every worker's Watch
+// ("Watch transport").
+Status StartFrameListeners(Worker& w, const RoleConfig& rc, const WorkerCommand& cmd,
+                           bool decodes, bool prefills) {
+  std::string a;
+  if (decodes) {
+    TANDEM_ASSIGN_OR_RETURN(
+        a, StartFramed(w, cmd, rc.mux_listen, "decode.mux_listen",
+                       "tandem_decode_mux_tcp_connections_total",
+                       "Authenticated framed TCP decode stream connections accepted (issue 23; one "
+                       "per proxy connection)",
+                       decoder::DecodeMuxTcpOptions{},
+                       [&w](auto o) { return decoder::ServeDecodeMuxTcp(*w.decoder, std::move(o)); },
+                       w.mux_server));
+    w.worker_service->SetDecodeMuxAddress(a);
+    TANDEM_ASSIGN_OR_RETURN(
+        a, StartFramed(w, cmd, rc.reserve_listen, "decode.reserve_listen",
+                       "tandem_reserve_tcp_connections_total",
+                       "Authenticated framed TCP Reserve connections accepted (issue 23; one per "
+                       "prefiller connection)",
+                       decoder::ReserveTcpOptions{},
+                       [&w](auto o) { return decoder::ServeReserveTcp(*w.decoder, std::move(o)); },
+                       w.reserve_server));
+    w.worker_service->SetReserveAddress(a);
+  }
+  if (prefills) {
+    prefiller::PrefillTcpOptions po;
+    po.on_closed = [](const std::string& peer, const Status& why) {
+      spdlog::debug("prefill connection from {} ended: {}", peer, why.message());
+    };
+    TANDEM_ASSIGN_OR_RETURN(
+        a, StartFramed(w, cmd, rc.frame_listen, "prefill.frame_listen",
+                       "tandem_prefill_tcp_connections_total",
+                       "Authenticated framed TCP Prefill connections accepted (issue 23; one per "
+                       "proxy connection)",
+                       std::move(po),
+                       [&w](auto o) { return prefiller::ServePrefillTcp(*w.prefiller, std::move(o)); },
+                       w.prefill_frame_server));
+    w.worker_service->SetPrefillFrameAddress(a);
+  }
+  TANDEM_ASSIGN_OR_RETURN(
+      a, StartFramed(w, cmd, rc.watch_listen, "watch_listen", "tandem_watch_tcp_connections_total",
+                     "Authenticated framed TCP Watch connections accepted (issue 23; one per proxy "
+                     "watch)",
+                     WatchTcpOptions{},
+                     [&w](auto o) { return ServeWatchTcp(*w.worker_service, std::move(o)); },
+                     w.watch_server));
+  w.worker_service->SetWatchAddress(a);
   return Status::Ok();
 }
 
@@ -492,7 +465,15 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     services.push_back(w.decoder_service.get());
   }
   if (prefills) {
+    // Reserve (issue 23, docs/serving-workers.md "Reserve transport"): over a
+    // decoder's framed listener unless <role>.reserve_transport is grpc.
     w.link = prefiller::MakeGrpcDecoderLink(w.credentials, w.transport->LocalDescriptor());
+    if (rc.reserve_transport == "tcp") {
+      auto tls = InternalFrameTls(w.credentials);
+      if (!tls.ok()) return tls.status().WithContext("reserve_transport");
+      w.link = prefiller::MakeTcpDecoderLink(std::move(w.link), std::move(tls).value(),
+                                             w.transport->LocalDescriptor());
+    }
     prefiller::PrefillerOptions popt;
     popt.name = name;
     popt.max_queue = w.fleet.scheduler.max_waiting;
@@ -591,9 +572,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     w.worker_service->SetAddresses(Advertised(w.server->address(), adv, true),
                                    Advertised(w.registry->bound_address(), adv, false));
   }
-  if (decodes) TANDEM_RETURN_IF_ERROR(StartDecodeMuxTcp(w, rc, cmd));
-  if (prefills) TANDEM_RETURN_IF_ERROR(StartPrefillTcp(w, rc, cmd));
-  TANDEM_RETURN_IF_ERROR(StartWatchTcp(w, rc, cmd));
+  TANDEM_RETURN_IF_ERROR(StartFrameListeners(w, rc, cmd, decodes, prefills));
   w.worker_service->Start();
   return Status::Ok();
 }
@@ -639,6 +618,7 @@ void Drain(Worker& w, double drain_seconds) {
   if (w.server) w.server->Shutdown(1000);
   if (w.mux_server) w.mux_server->Stop();  // ends the TCP decode streams, as Shutdown the gRPC ones
   if (w.prefill_frame_server) w.prefill_frame_server->Stop();  // and cancels the TCP Prefill calls
+  if (w.reserve_server) w.reserve_server->Stop();  // as the gRPC server's Reserve
   spdlog::debug("drain: stopping the prefiller, decoder and engine");
   if (w.prefiller) w.prefiller->Stop();
   if (w.decoder) w.decoder->Stop();

@@ -493,6 +493,11 @@ void WorkerService::SetPrefillFrameAddress(const std::string& address) {
   impl_->identity_.prefill_frame_address = address;
 }
 
+void WorkerService::SetReserveAddress(const std::string& address) {
+  std::lock_guard lock(impl_->mu_);
+  impl_->identity_.reserve_address = address;
+}
+
 WorkerIdentity WorkerService::identity() const {
   std::lock_guard lock(impl_->mu_);
   return impl_->identity_;

@@ -76,6 +76,8 @@ struct WorkerIdentity {
   std::string watch_address;
   // Issue 23: the Prefill call's framed TCP listener ("" = none).
   std::string prefill_frame_address;
+  // Issue 23: the decoder's framed TCP Reserve listener ("" = none).
+  std::string reserve_address;
 };
 
 // LoadReport of worker.proto as plain numbers.
@@ -184,6 +186,8 @@ class WorkerService {
   void WatchBroken();
   // Issue 23: where Prefill is served over framed TCP (before Start).
   void SetPrefillFrameAddress(const std::string& address);
+  // Issue 23: where Decoder.Reserve is served over framed TCP (before Start).
+  void SetReserveAddress(const std::string& address);
   WorkerIdentity identity() const;
 
   void Start();

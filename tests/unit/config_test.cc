@@ -114,6 +114,37 @@ TEST(Config, PrefillFrameListenAndPrefillTransport) {  // issue 23, prefill-tcp
             std::string::npos);
 }
 
+// The decoder's framed Reserve listener and the
+// prefiller's choice of transport.
+TEST(Config, ReserveListenAndTransport) {  // issue 23, reserve-tcp
+  auto defaults = Parse("model:\n  path: m\nprefill:\n  replicas: 1\ndecode:\n  replicas: 1\n");
+  ASSERT_TRUE(defaults.ok()) << defaults.status().message();
+  EXPECT_EQ(defaults->decode.reserve_listen, "auto");
+  EXPECT_EQ(defaults->prefill.reserve_transport, "tcp");
+  auto set = Parse("model:\n  path: m\nprefill:\n  replicas: 1\n  reserve_transport: grpc\n"
+                   "decode:\n  replicas: 1\n  reserve_listen: off\n");
+  ASSERT_TRUE(set.ok()) << set.status().message();
+  EXPECT_EQ(set->prefill.reserve_transport, "grpc");
+  EXPECT_EQ(set->decode.reserve_listen, "off");
+  EXPECT_EQ(ErrorOf("model:\n  path: m\nboth:\n  replicas: 1\n  reserve_transport: udp\n"),
+            "configs/x.yaml:5: key 'both.reserve_transport' must be one of 'tcp', 'grpc', got 'udp'");
+  EXPECT_NE(ErrorOf("model:\n  path: m\nboth:\n  replicas: 1\n  reserve_listen: nowhere\n")
+                .find("both.reserve_listen is 'nowhere': expected auto, off or host:port"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("model:\n  path: m\nprefill:\n  replicas: 1\n  reserve_listen: 127.0.0.1:0\n"
+                    "decode:\n  replicas: 1\n")
+                .find("prefill.reserve_listen is '127.0.0.1:0': only decode and both workers serve Reserve"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("model:\n  path: m\nprefill:\n  replicas: 1\ndecode:\n  replicas: 1\n"
+                    "  reserve_transport: grpc\n")
+                .find("decode.reserve_transport is 'grpc': only prefill and both workers call Reserve"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf("model:\n  path: m\nprefill:\n  replicas: 1\ndecode:\n  replicas: 2\n"
+                    "  reserve_listen: 127.0.0.1:7000\n")
+                .find("decode.reserve_listen '127.0.0.1:7000' has a fixed port but decode.replicas is 2"),
+            std::string::npos);
+}
+
 TEST(Config, WatchListenAndWatchTransport) {  // issue 23
   auto r = Parse(kGood);
   ASSERT_TRUE(r.ok()) << r.status().message();

@@ -80,6 +80,35 @@ TEST_F(TlsTest, MutualTlsAcceptsFleetCertificatesAndNamesThePeer) {
   EXPECT_EQ(resp.error().message(), "decode-0");
 }
 
+// Issue 23 (reserve-tcp): building credentials makes no gRPC object (that
+// would initialise gRPC, whose timer thread then wakes an idle proxy about
+// once a second); the first use makes them, once, for every copy.
+TEST_F(TlsTest, GrpcCredentialsAreMadeOnFirstUseOnly) {
+  auto files = ca_->Issue("proxy", {"127.0.0.1"});
+  ASSERT_TRUE(files.ok());
+  auto creds = RpcCredentials::MutualTls(*files);
+  ASSERT_TRUE(creds.ok()) << creds.status().ToString();
+  const RpcCredentials copy = *creds;
+  EXPECT_TRUE(creds->secure());
+  ASSERT_NE(creds->mutual_pem(), nullptr);  // the framed connections' identity
+  EXPECT_FALSE(creds->grpc_made());
+  EXPECT_FALSE(copy.grpc_made());
+  const auto channel = copy.channel();
+  ASSERT_NE(channel, nullptr);
+  EXPECT_TRUE(creds->grpc_made());
+  EXPECT_EQ(creds->channel(), channel);  // made once
+  EXPECT_NE(creds->server(), nullptr);
+
+  RpcCredentials plain;
+  EXPECT_FALSE(plain.grpc_made());
+  EXPECT_NE(plain.server(), nullptr);
+  EXPECT_TRUE(plain.grpc_made());
+  auto server_tls = RpcCredentials::ServerTls(*files);
+  ASSERT_TRUE(server_tls.ok()) << server_tls.status().ToString();
+  EXPECT_FALSE(server_tls->grpc_made());
+  EXPECT_NE(server_tls->server(), nullptr);
+}
+
 TEST_F(TlsTest, MutualTlsRefusesOtherCaNoCertificateAndPlaintext) {
   auto server_files = ca_->Issue("proxy", {"127.0.0.1"});
   ASSERT_TRUE(server_files.ok());

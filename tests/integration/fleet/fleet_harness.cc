@@ -89,6 +89,18 @@ static std::string RegisterTransportYaml(const FleetOptions& o) {
   return fmt::format("  register_transport: {}\n", env);
 }
 
+// TANDEM_TEST_RESERVE_TRANSPORT=grpc (or tcp) in the environment: how the
+// prefill and both workers call decoders' Reserve (<role>.reserve_transport,
+// docs/serving-workers.md "Reserve transport"), unless the test chose it.
+static std::string ReserveTransportYaml(const std::string& role, const std::string& role_yaml) {
+  const char* env = getenv("TANDEM_TEST_RESERVE_TRANSPORT");
+  if (env == nullptr || *env == 0 || role == "decode" ||
+      role_yaml.find("reserve_transport:") != std::string::npos) {
+    return "";
+  }
+  return fmt::format("  reserve_transport: {}\n", env);
+}
+
 Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
   auto f = std::make_unique<Fleet>();
   char tmpl[] = "/tmp/tandem-fleet-XXXXXX";
@@ -110,8 +122,8 @@ Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
     for (auto [role, n, extra] : {std::tuple{"prefill", o.prefill, &o.prefill_yaml},
                                   {"decode", o.decode, &o.decode_yaml},
                                   {"both", o.both, &o.both_yaml}}) {
-      y << fmt::format("{}:\n  replicas: {}\n  grpc: 127.0.0.1:0\n  metrics: 127.0.0.1:0\n{}",
-                       role, n, *extra);
+      y << fmt::format("{}:\n  replicas: {}\n  grpc: 127.0.0.1:0\n  metrics: 127.0.0.1:0\n{}{}",
+                       role, n, *extra, ReserveTransportYaml(role, *extra));
     }
     y << o.extra_yaml;
   }

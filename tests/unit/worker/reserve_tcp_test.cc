@@ -1,0 +1,300 @@
+// Decoder.Reserve over framed TCP (issue 23, docs/serving-workers.md
+// "Reserve transport"): the decoder's listener (decoder/reserve_tcp.h) in
+// front of a real Decoder, called by the prefiller's link
+// (prefiller/reserve_tcp_link.h) over real sockets on 127.0.0.1 with the
+// fleet's mutual TLS: targets and refusals per call, a deadline, a broken
+// connection (pending calls UNAVAILABLE, a new connection for the next
+// call), a reply that could not be sent (its reservation released at once),
+// peers without a fleet certificate refused, and the gRPC fallback for a
+// decoder without the listener. The fleet suites run the same code through
+// `tandem launch` (tests/integration: the default transport).
+#include <future>
+
+#include "../frame_test_support.h"
+#include "decoder/decoder_service.h"
+#include "decoder/reserve_tcp.h"
+#include "prefiller/prefiller_service.h"
+#include "prefiller/reserve_tcp_link.h"
+#include "tandem/v1/worker.pb.h"
+#include "worker_test_util.h"
+
+namespace tandem::worker_test {
+namespace {
+
+using frame_testing::Identity;
+using frame_testing::Tls;
+using prefiller::PrefillJob;
+using prefiller::ReserveTarget;
+
+// Records the jobs that went to the gRPC link instead (a decoder without a
+// framed address), answering each NOT_FOUND at once.
+class FallbackLink final : public prefiller::DecoderLink {
+ public:
+  void Reserve(const PrefillJob& job, const std::string&, ReserveDone done) override {
+    {
+      std::lock_guard lock(mu_);
+      ids_.push_back(job.request_id);
+    }
+    std::thread([done = std::move(done)] { done(NotFoundError("fallback")); }).detach();
+  }
+  std::string EncodeNotice(const prefiller::NoticeSpec& n) override { return "notice:" + n.request_id; }
+  std::vector<std::string> Ids() {
+    std::lock_guard lock(mu_);
+    return ids_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::string> ids_;
+};
+
+// One call's outcome (its `done` must run exactly once).
+struct Outcome {
+  std::promise<Result<ReserveTarget>> p;
+  std::future<Result<ReserveTarget>> f = p.get_future();
+  std::atomic<int> runs{0};
+  prefiller::DecoderLink::ReserveDone Done() {
+    return [this](Result<ReserveTarget> r) {
+      if (runs.fetch_add(1) == 0) p.set_value(std::move(r));
+    };
+  }
+  Result<ReserveTarget> Get() {
+    EXPECT_EQ(f.wait_for(20s), std::future_status::ready);
+    return f.get();
+  }
+};
+
+// A listener whose sessions read every frame and answer none.
+class Silent final : public FrameSession {
+ public:
+  Status OnFrame(std::string_view) override { return Status::Ok(); }
+  void OnClosed(const Status&) override {}
+};
+
+class ReserveTcpTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ca_ = frame_testing::MakeCa("fleet-ca");
+    ASSERT_FALSE(HasFailure());
+    node_ = Node::Make("reserve-tcp-unit", 32);
+    ASSERT_NE(node_, nullptr);
+    decoder::DecoderOptions o;
+    o.lease_seconds = 30;
+    decoder_ = std::make_unique<decoder::Decoder>(*node_->engine, *node_->transport, o);
+    decoder_->Start();
+    Serve();
+    auto fallback = std::make_unique<FallbackLink>();
+    fallback_ = fallback.get();
+    link_ = prefiller::MakeTcpDecoderLink(std::move(fallback), Tls(Identity(ca_, "prefill-0")),
+                                          "prefiller-descriptor");
+  }
+  void TearDown() override {
+    link_.reset();  // its connections end first
+    if (server_) server_->Stop();
+    if (decoder_) decoder_->Stop();
+  }
+  void Serve(FrameOptions frame = {}) {
+    decoder::ReserveTcpOptions so;
+    so.address = "127.0.0.1:0";
+    so.tls = Tls(Identity(ca_, "decode-0"));
+    so.frame = frame;
+    auto server = decoder::ServeReserveTcp(*decoder_, so);
+    ASSERT_TRUE(server.ok()) << server.status().ToString();
+    server_ = std::move(server).value();
+  }
+  std::shared_ptr<RecordingSink> Register(const std::string& id, const std::vector<uint32_t>& prompt) {
+    auto sink = std::make_shared<RecordingSink>();
+    decoder::DecodeSpec s;
+    s.request_id = id;
+    s.prompt_ids = prompt;
+    s.sampling = Greedy(4);
+    EXPECT_TRUE(decoder_->Register(s, sink).ok());
+    return sink;
+  }
+  PrefillJob Job(const std::string& id, std::vector<uint32_t> prompt, const std::string& address) {
+    PrefillJob j;
+    j.request_id = id;
+    j.prompt_ids = std::move(prompt);
+    j.decoder_address = "decoder-grpc:1";
+    j.decoder_name = "decode-0";
+    j.decoder_reserve_address = address;
+    return j;
+  }
+  Result<ReserveTarget> Call(const PrefillJob& job) {
+    Outcome o;
+    link_->Reserve(job, "prefill-0", o.Done());
+    return o.Get();
+  }
+  uint32_t Reservations() { return decoder_->counts().reservations; }
+
+  CertKeyPem ca_;
+  std::unique_ptr<Node> node_;
+  std::unique_ptr<decoder::Decoder> decoder_;
+  std::unique_ptr<FrameServer> server_;
+  FallbackLink* fallback_ = nullptr;
+  std::unique_ptr<prefiller::DecoderLink> link_;
+};
+
+TEST_F(ReserveTcpTest, CallsOnOneConnectionGetTheDecodersTargets) {
+  const auto pa = Prompt(40, 1), pb = Prompt(20, 2);
+  Register("a", pa);
+  Register("b", pb);
+  Outcome a, b;
+  link_->Reserve(Job("a", pa, server_->address()), "prefill-0", a.Done());
+  link_->Reserve(Job("b", pb, server_->address()), "prefill-0", b.Done());
+  auto ta = a.Get(), tb = b.Get();
+  ASSERT_TRUE(ta.ok()) << ta.status().ToString();
+  ASSERT_TRUE(tb.ok()) << tb.status().ToString();
+  EXPECT_EQ(ta->slots.size(), 3u);  // 40 tokens in 16-token blocks
+  EXPECT_EQ(tb->slots.size(), 2u);
+  EXPECT_NE(ta->reservation_id, tb->reservation_id);
+  EXPECT_EQ(ta->generation, node_->transport->generation());
+  EXPECT_EQ(ta->transport_descriptor, node_->transport->LocalDescriptor());
+  EXPECT_FALSE(ta->capability.empty());
+  EXPECT_GT(ta->lease_expiry, std::chrono::system_clock::now() + 20s);
+  EXPECT_EQ(Reservations(), 2u);
+  EXPECT_EQ(server_->accepted(), 1u);  // both calls on one connection
+  EXPECT_TRUE(fallback_->Ids().empty());
+}
+
+TEST_F(ReserveTcpTest, TheDecodersRefusalsKeepTheirStatus) {
+  const auto big = Prompt(300, 3);  // 19 of the 32 blocks
+  Register("a", big);
+  Register("b", Prompt(300, 4));
+  ASSERT_TRUE(Call(Job("a", big, server_->address())).ok());
+  auto none = Call(Job("nope", big, server_->address()));
+  EXPECT_EQ(none.status().code(), StatusCode::kNotFound) << none.status().ToString();
+  auto full = Call(Job("b", Prompt(300, 4), server_->address()));
+  EXPECT_EQ(full.status().code(), StatusCode::kResourceExhausted) << full.status().ToString();
+  auto other = Call(Job("b", Prompt(40, 5), server_->address()));  // not its prompt
+  EXPECT_EQ(other.status().code(), StatusCode::kInvalidArgument) << other.status().ToString();
+  EXPECT_EQ(Reservations(), 1u);
+  EXPECT_EQ(decoder_->counts().reservations_refused, 1u);
+}
+
+TEST_F(ReserveTcpTest, ADeadlineEndsTheCallWhenTheDecoderDoesNotAnswer) {
+  auto silent = frame_testing::Listen(Tls(Identity(ca_, "decode-1")),
+                                      [](const std::shared_ptr<FrameConn>&) { return std::make_shared<Silent>(); });
+  ASSERT_NE(silent, nullptr);
+  PrefillJob job = Job("a", Prompt(20, 6), silent->address());
+  job.deadline = std::chrono::system_clock::now() + 300ms;
+  auto r = Call(job);
+  EXPECT_EQ(r.status().code(), StatusCode::kDeadlineExceeded) << r.status().ToString();
+  silent->Stop();
+}
+
+TEST_F(ReserveTcpTest, ABrokenConnectionEndsItsCallsAndTheNextCallDialsAgain) {
+  auto silent = frame_testing::Listen(Tls(Identity(ca_, "decode-1")),
+                                      [](const std::shared_ptr<FrameConn>&) { return std::make_shared<Silent>(); });
+  ASSERT_NE(silent, nullptr);
+  const std::string address = silent->address();
+  Outcome a, b;
+  link_->Reserve(Job("a", Prompt(20, 7), address), "prefill-0", a.Done());
+  link_->Reserve(Job("b", Prompt(20, 8), address), "prefill-0", b.Done());
+  ASSERT_TRUE(WaitFor([&] { return silent->accepted() == 1; }));
+  // As the decoder's process going away mid-call (destroyed, not only
+  // stopped: FrameServer::Stop keeps the listening socket until then).
+  silent.reset();
+  for (Outcome* o : {&a, &b}) {
+    auto r = o->Get();
+    EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().ToString();
+    EXPECT_NE(r.status().message().find("reserve connection to decoder"), std::string::npos);
+  }
+  // Nothing listens there now: the next call dials again and fails the same way.
+  auto c = Call(Job("c", Prompt(20, 9), address));
+  EXPECT_EQ(c.status().code(), StatusCode::kUnavailable) << c.status().ToString();
+  // The real decoder's listener killed: no reservation is left there.
+  const auto prompt = Prompt(20, 10);
+  Register("d", prompt);
+  const std::string real = server_->address();
+  server_.reset();
+  auto d = Call(Job("d", prompt, real));
+  EXPECT_EQ(d.status().code(), StatusCode::kUnavailable) << d.status().ToString();
+  EXPECT_EQ(Reservations(), 0u);
+  // A new listener (a restarted decoder's): the link dials it afresh.
+  Serve();
+  auto again = Call(Job("d", prompt, server_->address()));
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(Reservations(), 1u);
+}
+
+TEST_F(ReserveTcpTest, AReplyThatCannotBeSentReleasesItsReservation) {
+  // A frame limit between the request's size and the reply's: the decoder
+  // reserves, cannot send the reply and closes the connection. The reply's
+  // size is measured on a probe reservation, then released.
+  const auto prompt = Prompt(4, 11);
+  Register("a", prompt);
+  Register("probe", prompt);
+  v1::ReserveFrame request;
+  request.set_call_id(1);
+  prefiller::FillReserveRequest(Job("a", prompt, ""), "prefill-0", "prefiller-descriptor", {},
+                                request.mutable_request());
+  v1::ReserveFrame reply;
+  reply.set_call_id(1);
+  v1::ReserveRequest probe = request.request();
+  probe.set_request_id("probe");
+  decoder::ServeReserve(*decoder_, probe, {}, reply.mutable_response());
+  ASSERT_TRUE(reply.response().has_target());
+  decoder::KvNoticeInfo release;
+  release.request_id = "probe";
+  release.reservation_id = reply.response().target().reservation_id();
+  release.generation = reply.response().target().generation();
+  release.capability = reply.response().target().capability();
+  release.error = CancelledError("probe");
+  decoder_->OnKvNotice(release);
+  decoder_->Cancel("probe");
+  ASSERT_EQ(Reservations(), 0u);
+  const size_t limit = request.ByteSizeLong() + 8;
+  ASSERT_GT(reply.ByteSizeLong(), limit + 8);
+
+  server_->Stop();
+  FrameOptions small;
+  small.max_frame_bytes = static_cast<uint32_t>(limit);
+  Serve(small);
+  auto r = Call(Job("a", prompt, server_->address()));
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().ToString();
+  // Released at once, as by the prefiller's error notice: nothing held, and
+  // the request is registered again for a retry.
+  EXPECT_TRUE(WaitFor([&] { return Reservations() == 0; }));
+  EXPECT_EQ(node_->engine->stats().free_blocks, 32u);
+  server_->Stop();
+  Serve();
+  auto retry = Call(Job("a", prompt, server_->address()));
+  ASSERT_TRUE(retry.ok()) << retry.status().ToString();
+  EXPECT_EQ(Reservations(), 1u);
+}
+
+TEST_F(ReserveTcpTest, APeerWithoutAFleetClientCertificateIsRefused) {
+  const auto prompt = Prompt(20, 12);
+  Register("a", prompt);
+  const TlsPem stranger = frame_testing::Stranger(ca_, "stranger");  // it trusts the fleet's server
+  for (auto tls : {Tls(stranger), std::shared_ptr<FrameTls>()}) {  // then no TLS at all
+    auto link = prefiller::MakeTcpDecoderLink(std::make_unique<FallbackLink>(), tls);
+    Outcome o;
+    link->Reserve(Job("a", prompt, server_->address()), "stranger", o.Done());
+    EXPECT_EQ(o.Get().status().code(), StatusCode::kUnavailable);
+  }
+  EXPECT_TRUE(server_->WaitForRefused(2, std::chrono::seconds(20)));
+  EXPECT_EQ(server_->accepted(), 0u);
+  EXPECT_EQ(Reservations(), 0u);  // nothing reached the decoder
+  // A server without a fleet certificate is refused by the prefiller.
+  auto impostor = frame_testing::Listen(Tls(frame_testing::Stranger(ca_, "impostor")),
+                                        [](const std::shared_ptr<FrameConn>&) { return std::make_shared<Silent>(); });
+  ASSERT_NE(impostor, nullptr);
+  auto r = Call(Job("a", prompt, impostor->address()));
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().ToString();
+  EXPECT_EQ(impostor->accepted(), 0u);
+  impostor->Stop();
+}
+
+TEST_F(ReserveTcpTest, ADecoderWithoutTheListenerIsReservedOverGrpc) {
+  auto r = Call(Job("a", Prompt(20, 13), ""));
+  EXPECT_EQ(r.status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(r.status().message(), "fallback");
+  EXPECT_EQ(fallback_->Ids(), std::vector<std::string>{"a"});
+  EXPECT_EQ(link_->EncodeNotice({.request_id = "a"}), "notice:a");  // the gRPC link's encoding
+  EXPECT_EQ(server_->accepted(), 0u);
+}
+
+}  // namespace
+}  // namespace tandem::worker_test
