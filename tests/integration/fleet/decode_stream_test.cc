@@ -24,16 +24,7 @@ std::vector<uint32_t> Prompt(uint32_t i) { return PromptIds(500 + i, 8 + (i * 13
 
 // 32 streams; stream 7 is cancelled after 3 messages.
 const StreamSuite& Suite() {
-  static const StreamSuite suite = [] {
-    StreamSuite s;
-    s.streams = 32;
-    s.max_tokens = kMaxTokens;
-    s.prompt = Prompt;
-    s.cancelled = 7;
-    s.cancelled_max_tokens = 400;
-    s.cancel_after = 3;
-    return s;
-  }();
+  static const StreamSuite suite = CancellingSuite(32, kMaxTokens, Prompt, 7, 3);
   return suite;
 }
 

@@ -26,16 +26,7 @@ std::vector<uint32_t> Prompt(uint32_t i) { return PromptIds(900 + i, 5 + (i * 37
 // 16 streams of different prompt lengths; stream 5 is cancelled after its
 // first message (the prefill's token).
 const StreamSuite& Suite() {
-  static const StreamSuite suite = [] {
-    StreamSuite s;
-    s.streams = 16;
-    s.max_tokens = 12;
-    s.prompt = Prompt;
-    s.cancelled = 5;
-    s.cancelled_max_tokens = 400;
-    s.cancel_after = 1;
-    return s;
-  }();
+  static const StreamSuite suite = CancellingSuite(16, 12, Prompt, 5, 1);
   return suite;
 }
 

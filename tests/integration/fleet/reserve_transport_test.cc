@@ -32,16 +32,7 @@ std::vector<uint32_t> Prompt(uint32_t i) { return PromptIds(1300 + i, 5 + (i * 4
 // 16 streams of different prompt lengths; stream 6 is cancelled after its
 // first message (the prefill's token).
 const StreamSuite& Suite() {
-  static const StreamSuite suite = [] {
-    StreamSuite s;
-    s.streams = 16;
-    s.max_tokens = 12;
-    s.prompt = Prompt;
-    s.cancelled = 6;
-    s.cancelled_max_tokens = 400;
-    s.cancel_after = 1;
-    return s;
-  }();
+  static const StreamSuite suite = CancellingSuite(16, 12, Prompt, 6, 1);
   return suite;
 }
 

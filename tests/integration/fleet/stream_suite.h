@@ -120,4 +120,20 @@ struct StreamSuite {
   mutable std::vector<std::vector<uint32_t>> refs_;
 };
 
+// `streams` streams of `max_tokens` tokens, stream i asking `prompt(i)`;
+// stream `cancelled` (when a run cancels one) asks 400 tokens and is
+// cancelled after `cancel_after` messages.
+inline StreamSuite CancellingSuite(uint32_t streams, uint32_t max_tokens,
+                                   std::function<std::vector<uint32_t>(uint32_t)> prompt,
+                                   uint32_t cancelled, int cancel_after) {
+  StreamSuite s;
+  s.streams = streams;
+  s.max_tokens = max_tokens;
+  s.prompt = std::move(prompt);
+  s.cancelled = cancelled;
+  s.cancelled_max_tokens = 400;
+  s.cancel_after = cancel_after;
+  return s;
+}
+
 }  // namespace tandem::testing
