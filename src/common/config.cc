@@ -122,6 +122,7 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.Read("num_blocks", c.cache.num_blocks, 1, 1u << 24);
     m.Read("salt", c.cache.salt);
     m.Read("host_tier_blocks", c.cache.host_tier_blocks, 0, 1u << 30);
+    m.Read("prefault", c.cache.prefault);
     if (m.Has("disk_tier")) {
       YamlMap d = m.Sub("disk_tier");
       d.Require("path");

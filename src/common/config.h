@@ -39,6 +39,9 @@ struct CacheConfig {
   uint32_t host_tier_blocks = 0;  // host-memory tier, in blocks; 0: off
   std::string disk_tier_path;     // cache.disk_tier.path; empty: no disk tier
   double disk_tier_max_gib = 0;   // cache.disk_tier.max_gib
+  // Make the KV pool resident at start-up (docs/serving-workers.md, "KV pool
+  // residency"); false: pages fault in as blocks are first written.
+  bool prefault = true;
 };
 
 struct SchedulerConfig {

@@ -94,6 +94,7 @@ EngineOptions EngineOptions::FromFleetConfig(const FleetConfig& fleet) {
   o.host_tier_blocks = fleet.cache.host_tier_blocks;
   o.disk_tier_path = fleet.cache.disk_tier_path;
   o.disk_tier_max_gib = fleet.cache.disk_tier_max_gib;
+  o.prefault_kv_pool = fleet.cache.prefault;
   return o;
 }
 
@@ -151,6 +152,10 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
     allocator = e->own_allocator_.get();
   }
   TANDEM_ASSIGN_OR_RETURN(e->pool_, KvPool::Create(layout, o.num_blocks, *allocator));
+  if (o.prefault_kv_pool) {
+    TANDEM_RETURN_IF_ERROR(PrefaultMemory(
+        {reinterpret_cast<std::byte*>(e->pool_->base()), e->pool_->size_bytes()}));
+  }
   if (o.backend == "sim") {
     if (o.sim_timing == nullptr) {
       return InvalidArgumentError(

@@ -79,6 +79,9 @@ struct EngineOptions {
   uint64_t epoch = 0;  // KV event epoch; 0: derived from the clock
   // Borrowed; must outlive the engine. Null: plain aligned memory.
   KvPoolAllocator* allocator = nullptr;
+  // cache.prefault: make the whole KV pool resident in Engine::Create
+  // (PrefaultMemory), not page by page as blocks are first written.
+  bool prefault_kv_pool = true;
   // Model parallelism (issue 18, docs/parallelism.md): with parallel.world()
   // > 1 this engine is rank 0 of the group; its pool holds rank 0's shard
   // (engine::ShardKvLayout) and the backend is ParallelBackend, which waits

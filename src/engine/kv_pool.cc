@@ -1,7 +1,10 @@
 #include "engine/kv_pool.h"
 
 #include <fmt/format.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 
@@ -18,6 +21,53 @@ Result<std::span<std::byte>> AlignedKvPoolAllocator::Allocate(size_t bytes) {
   }
   std::memset(data_, 0, rounded);
   return std::span<std::byte>(data_, bytes);
+}
+
+namespace {
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14 (older headers lack it)
+#endif
+
+// One write per page of [begin, end), keeping each byte's value.
+void TouchPages(std::byte* begin, std::byte* end, size_t page) {
+  for (std::byte* p = begin; p < end; p += page) {
+    volatile std::byte* v = p;
+    *v = *v;
+  }
+}
+
+}  // namespace
+
+Status PrefaultMemory(std::span<std::byte> mem) {
+  if (mem.empty()) return Status::Ok();
+  const long sc = sysconf(_SC_PAGESIZE);
+  const size_t page = sc > 0 ? static_cast<size_t>(sc) : 4096;
+  std::byte* const begin = mem.data();
+  std::byte* const end = begin + mem.size();
+  // madvise wants a page-aligned start; the pages only partly in `mem` may
+  // be shared with other memory, so they are touched by hand.
+  auto* first = reinterpret_cast<std::byte*>(
+      (reinterpret_cast<uintptr_t>(begin) + page - 1) / page * page);
+  auto* last = reinterpret_cast<std::byte*>(reinterpret_cast<uintptr_t>(end) / page * page);
+  if (first >= last) {
+    TouchPages(begin, end, page);
+    TouchPages(end - 1, end, page);
+    return Status::Ok();
+  }
+  if (begin < first) TouchPages(begin, first, page);
+  if (last < end) TouchPages(last, end, page);
+  if (madvise(first, static_cast<size_t>(last - first), MADV_POPULATE_WRITE) == 0) {
+    return Status::Ok();
+  }
+  const int err = errno;
+  if (err == EINVAL) {  // a kernel before 5.14: touch every page instead
+    TouchPages(first, last, page);
+    return Status::Ok();
+  }
+  return ResourceExhaustedError(fmt::format(
+      "KV pool: cannot make its {} bytes resident at start-up (cache.prefault): madvise: {}",
+      mem.size(), std::strerror(err)));
 }
 
 Result<std::unique_ptr<KvPool>> KvPool::Create(const KvLayout& layout, uint32_t num_blocks,

@@ -43,6 +43,14 @@ class AlignedKvPoolAllocator final : public KvPoolAllocator {
   std::byte* data_ = nullptr;
 };
 
+// Makes every page of `mem` resident and writable now (issue 23): a
+// serving engine's KV pool is touched once at start-up, like vLLM's, instead
+// of one page fault (a shmem fault for UCX's pool) per new block on the
+// decode step's critical path. MADV_POPULATE_WRITE (Linux >= 5.14) where the
+// kernel has it, else one write per page (the bytes keep their value). Call
+// it before anything else writes the memory. Errors name the range.
+Status PrefaultMemory(std::span<std::byte> mem);
+
 // Geometry of one block; all offsets/strides in floats unless named _bytes.
 struct KvLayout {
   uint32_t num_layers = 0;

@@ -466,6 +466,19 @@ TEST(Config, KvTierKeys) {
             std::string::npos);
 }
 
+// cache.prefault (docs/serving-workers.md, "KV pool residency"): on by
+// default, a strict boolean.
+TEST(Config, CachePrefaultKey) {
+  auto d = Parse(kGood);
+  ASSERT_TRUE(d.ok());
+  EXPECT_TRUE(d->cache.prefault);
+  auto off = Parse("model:\n  path: m\ncache:\n  prefault: false\nboth:\n  replicas: 1\n");
+  ASSERT_TRUE(off.ok()) << off.status().message();
+  EXPECT_FALSE(off->cache.prefault);
+  EXPECT_EQ(ErrorOf("model:\n  path: m\ncache:\n  prefault: lazy\nboth:\n  replicas: 1\n"),
+            "configs/x.yaml:4: key 'cache.prefault' must be true or false, got 'lazy'");
+}
+
 TEST(Config, AutoscaleKeys) {
   auto d = Parse(kGood);
   ASSERT_TRUE(d.ok());
