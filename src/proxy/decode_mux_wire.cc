@@ -5,7 +5,9 @@ namespace {
 
 // Wire types (protobuf encoding).
 constexpr uint32_t kVarint = 0;
+constexpr uint32_t kFixed64 = 1;
 constexpr uint32_t kLen = 2;
+constexpr uint32_t kFixed32 = 5;
 
 // A cursor over the bytes of one message. Every read says whether it
 // succeeded; a failed read leaves the batch to protobuf.
@@ -37,6 +39,24 @@ struct Cursor {
     *wire_type = static_cast<uint32_t>(t & 7);
     return true;
   }
+  // A field this reader does not use (protobuf keeps it as an unknown
+  // field: it changes nothing the demultiplexer reads). Groups: refused.
+  bool Skip(uint32_t wire_type) {
+    uint64_t v = 0;
+    Cursor inner;
+    switch (wire_type) {
+      case kVarint: return Varint(&v);
+      case kLen: return Len(&inner);
+      case kFixed64: return Bytes(8);
+      case kFixed32: return Bytes(4);
+      default: return false;
+    }
+  }
+  bool Bytes(size_t n) {
+    if (n > static_cast<size_t>(end - p)) return false;
+    p += n;
+    return true;
+  }
   // A length-delimited field's bytes.
   bool Len(Cursor* inner) {
     uint64_t n = 0;
@@ -52,13 +72,17 @@ bool ParseFinished(Cursor c, DecodeItem* item) {
   while (!c.done()) {
     uint32_t field = 0, wt = 0;
     uint64_t v = 0;
-    if (!c.Tag(&field, &wt) || wt != kVarint || !c.Varint(&v)) return false;
+    if (!c.Tag(&field, &wt)) return false;
+    if (field > 4 || wt != kVarint) {  // unknown, or a known number of another type
+      if (!c.Skip(wt)) return false;
+      continue;
+    }
+    if (!c.Varint(&v)) return false;
     switch (field) {
       case 1: item->finish_reason = static_cast<int32_t>(static_cast<uint32_t>(v)); break;
       case 2: item->completion_tokens = static_cast<uint32_t>(v); break;
       case 3: item->decoder_cached_prompt_tokens = static_cast<uint32_t>(v); break;
-      case 4: item->prefill_cached_prompt_tokens = static_cast<uint32_t>(v); break;
-      default: return false;
+      default: item->prefill_cached_prompt_tokens = static_cast<uint32_t>(v); break;
     }
   }
   item->end = DecodeItem::End::kFinished;
@@ -87,13 +111,17 @@ bool ParseItem(Cursor c, DecodeItem* item, std::vector<uint32_t>* ids) {
       if (!c.Len(&f) || !ParseFinished(f, item)) return false;
       continue;
     }
-    if (wt != kVarint || !c.Varint(&v)) return false;
+    if (field == 6 && wt == kLen) return false;  // an error item: left to protobuf
+    if (field > 4 || wt != kVarint) {  // unknown, or a known number of another type
+      if (!c.Skip(wt)) return false;
+      continue;
+    }
+    if (!c.Varint(&v)) return false;
     switch (field) {
       case 1: item->handle = v; break;
       case 2: item->registered = v != 0; break;
       case 3: item->first_index = static_cast<uint32_t>(v); break;
-      case 4: ids->push_back(static_cast<uint32_t>(v)); break;  // token_ids, one value
-      default: return false;  // error (6) or a field this reader does not know
+      default: ids->push_back(static_cast<uint32_t>(v)); break;  // token_ids, one value
     }
   }
   item->token_ids = std::span<const uint32_t>(ids->data() + first, ids->size() - first);
@@ -114,8 +142,12 @@ bool ParseDecodeBatch(std::string_view bytes, std::vector<DecodeItem>* items,
   while (!c.done()) {
     uint32_t field = 0, wt = 0;
     Cursor item;
-    if (!c.Tag(&field, &wt) || field != 1 || wt != kLen || !c.Len(&item)) return false;
-    if (!ParseItem(item, &items->emplace_back(), ids)) return false;
+    if (!c.Tag(&field, &wt)) return false;
+    if (field != 1 || wt != kLen) {  // unknown, or `items` of another type
+      if (!c.Skip(wt)) return false;
+      continue;
+    }
+    if (!c.Len(&item) || !ParseItem(item, &items->emplace_back(), ids)) return false;
   }
   return true;
 }

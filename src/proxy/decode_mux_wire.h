@@ -6,10 +6,12 @@
 //
 // ParseDecodeBatch reads handle, registered, first_index, token_ids (packed
 // or not) and finished, with protobuf's rules (a scalar's last value wins,
-// repeated values append, a repeated sub-message merges). Anything else
-// (an error item, a field this reader does not know, bytes protobuf would
-// refuse) makes it return false, and the caller parses the message with
-// protobuf (ItemsOf): what a batch means never depends on the reader.
+// repeated values append, a repeated sub-message merges, a field it does
+// not know or of another wire type than its own is skipped, as protobuf
+// keeps it aside as an unknown field). An error item, a group or bytes
+// protobuf might refuse make it return false, and the caller parses the
+// message with protobuf (ItemsOf): what a batch means never depends on the
+// reader.
 #pragma once
 
 #include <cstdint>

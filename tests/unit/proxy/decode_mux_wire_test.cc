@@ -141,7 +141,7 @@ TEST(DecodeMuxWireTest, UnpackedTokensLastScalarAndMergedFinishedAsProtobuf) {
   EXPECT_TRUE(items[0].registered);
 }
 
-TEST(DecodeMuxWireTest, LeavesErrorsUnknownFieldsAndBadBytesToProtobuf) {
+TEST(DecodeMuxWireTest, LeavesErrorsGroupsAndBadBytesToProtobuf) {
   pb::DecodeStreamResponse msg;
   auto* ok = msg.add_items();
   ok->set_handle(1);
@@ -159,37 +159,14 @@ TEST(DecodeMuxWireTest, LeavesErrorsUnknownFieldsAndBadBytesToProtobuf) {
   ASSERT_NE(items[1].error, nullptr);
   EXPECT_EQ(items[1].error->message(), "lost");
 
-  std::string item;
-  PutTag(item, 1, 0);
-  PutVarint(item, 3);
-  PutTag(item, 9, 0);  // a field this reader does not know
-  PutVarint(item, 1);
+  std::string group;  // a group (wire type 3): refused
+  PutTag(group, 1, 0);
+  PutVarint(group, 3);
+  PutTag(group, 9, 3);
+  PutTag(group, 9, 4);
   std::string b;
-  PutLen(b, 1, item);
+  PutLen(b, 1, group);
   EXPECT_FALSE(Fast(b));
-  pb::DecodeStreamResponse parsed;
-  EXPECT_TRUE(parsed.ParseFromString(b));  // protobuf keeps it as an unknown field
-
-  std::string fin;  // an unknown field inside `finished`
-  PutTag(fin, 7, 0);
-  PutVarint(fin, 1);
-  std::string item2;
-  PutLen(item2, 5, fin);
-  std::string b2;
-  PutLen(b2, 1, item2);
-  EXPECT_FALSE(Fast(b2));
-
-  std::string top;  // an unknown field of the batch itself
-  PutTag(top, 2, 0);
-  PutVarint(top, 1);
-  EXPECT_FALSE(Fast(top));
-
-  std::string wrong_type;  // handle as a fixed64
-  PutTag(wrong_type, 1, 1);
-  wrong_type.append(8, '\0');
-  std::string b3;
-  PutLen(b3, 1, wrong_type);
-  EXPECT_FALSE(Fast(b3));
 
   const std::string good = [] {
     pb::DecodeStreamResponse m;
@@ -208,6 +185,54 @@ TEST(DecodeMuxWireTest, LeavesErrorsUnknownFieldsAndBadBytesToProtobuf) {
   PutLen(b4, 1, long_varint);
   EXPECT_FALSE(Fast(b4));
   EXPECT_FALSE(Fast(std::string(1, '\0')));  // field number 0
+}
+
+TEST(DecodeMuxWireTest, SkipsUnknownFieldsAsProtobufDoes) {
+  // A newer decoder's fields (any wire type), and known numbers written
+  // with another wire type: protobuf keeps them aside, both readers ignore.
+  std::string fin;
+  PutTag(fin, 7, 0);
+  PutVarint(fin, 1);
+  PutTag(fin, 2, 0);
+  PutVarint(fin, 12);
+  PutTag(fin, 1, 5);  // finish_reason as fixed32: unknown
+  fin.append(4, '\x01');
+  std::string item;
+  PutTag(item, 1, 0);
+  PutVarint(item, 3);
+  PutTag(item, 411, 0);
+  PutVarint(item, 99);
+  PutLen(item, 412, "abc");
+  PutTag(item, 413, 1);
+  item.append(8, '\x02');
+  PutTag(item, 414, 5);
+  item.append(4, '\x03');
+  PutTag(item, 1, 1);  // handle as fixed64: unknown, the handle stays 3
+  item.append(8, '\x04');
+  PutTag(item, 6, 0);  // `error` as a varint: unknown
+  PutVarint(item, 5);
+  PutTag(item, 5, 0);  // `finished` as a varint: unknown
+  PutVarint(item, 5);
+  PutTag(item, 4, 0);
+  PutVarint(item, 77);
+  PutLen(item, 5, fin);
+  std::string b;
+  PutLen(b, 1, item);
+  PutTag(b, 2, 0);  // the batch's own unknown field
+  PutVarint(b, 1);
+  PutTag(b, 1, 0);  // `items` as a varint: unknown
+  PutVarint(b, 1);
+  ExpectSameAsProtobuf(b);
+  std::vector<DecodeItem> items;
+  std::vector<uint32_t> ids;
+  ASSERT_TRUE(ParseDecodeBatch(b, &items, &ids));
+  ASSERT_EQ(items.size(), 1u);
+  EXPECT_EQ(items[0].handle, 3u);
+  ASSERT_EQ(items[0].token_ids.size(), 1u);
+  EXPECT_EQ(items[0].token_ids[0], 77u);
+  EXPECT_EQ(items[0].end, DecodeItem::End::kFinished);
+  EXPECT_EQ(items[0].completion_tokens, 12u);
+  EXPECT_EQ(items[0].finish_reason, 0);
 }
 
 TEST(DecodeMuxWireTest, TokenViewsSurviveManyItems) {
