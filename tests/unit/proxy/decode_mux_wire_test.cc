@@ -3,6 +3,7 @@
 // reads in it; whatever else it refuses (protobuf reads it then).
 #include "proxy/decode_mux_wire.h"
 
+#include <google/protobuf/io/coded_stream.h>
 #include <gtest/gtest.h>
 
 #include <random>
@@ -15,11 +16,9 @@ namespace {
 namespace pb = ::tandem::v1;
 
 void PutVarint(std::string& out, uint64_t v) {
-  while (v >= 0x80) {
-    out.push_back(static_cast<char>((v & 0x7f) | 0x80));
-    v >>= 7;
-  }
-  out.push_back(static_cast<char>(v));
+  uint8_t buf[10];
+  const uint8_t* end = google::protobuf::io::CodedOutputStream::WriteVarint64ToArray(v, buf);
+  out.append(reinterpret_cast<const char*>(buf), static_cast<size_t>(end - buf));
 }
 void PutTag(std::string& out, uint32_t field, uint32_t wire_type) {
   PutVarint(out, (uint64_t{field} << 3) | wire_type);
