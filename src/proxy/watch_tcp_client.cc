@@ -8,6 +8,25 @@ namespace tandem::proxy {
 
 namespace pb = ::tandem::v1;
 
+namespace {
+google::protobuf::ArenaOptions BlockOptions(char* block) {
+  google::protobuf::ArenaOptions o;
+  o.initial_block = block;
+  o.initial_block_size = WorkerUpdateParser::kBlockBytes;
+  return o;
+}
+}  // namespace
+
+WorkerUpdateParser::WorkerUpdateParser()
+    : block_(new char[kBlockBytes]), arena_(BlockOptions(block_.get())) {}
+
+const pb::WorkerUpdate* WorkerUpdateParser::Parse(std::string_view payload) {
+  arena_.Reset();  // the previous update goes; the first block stays
+  auto* u = google::protobuf::Arena::CreateMessage<pb::WorkerUpdate>(&arena_);
+  if (!u->ParseFromArray(payload.data(), static_cast<int>(payload.size()))) return nullptr;
+  return u;
+}
+
 WatchTcpClient::WatchTcpClient(std::shared_ptr<FrameConn> conn, pb::WatchRequest request)
     : conn_(std::move(conn)), request_(std::move(request)), reader_(conn_, &FrameLoop::Shared()) {}
 
@@ -43,14 +62,13 @@ void WatchTcpClient::Stop(const Status& why) {
 
 Status WatchTcpClient::OnFrame(std::string_view payload) {
   if (stopped_.load()) return CancelledError("watch stopped");
-  if (!update_.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
-    return InvalidArgumentError("a Watch frame does not hold a WorkerUpdate");
-  }
-  if (update_.watch_ended()) {
+  const pb::WorkerUpdate* update = parser_.Parse(payload);
+  if (update == nullptr) return InvalidArgumentError("a Watch frame does not hold a WorkerUpdate");
+  if (update->watch_ended()) {
     graceful_ = true;
     return UnavailableError("the worker ended the watch");
   }
-  callbacks_.on_update(update_);
+  callbacks_.on_update(*update);
   return Status::Ok();
 }
 
