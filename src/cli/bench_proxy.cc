@@ -235,6 +235,7 @@ struct Workload {
 struct Measured {
   Workload w;
   lg::Summary s;
+  std::map<std::string, std::string> failures;  // status -> its first message
   std::map<std::string, double> cpu;  // role -> CPU seconds over the run
   double step_p50 = NAN, step_p99 = NAN;  // decoder's tandem_decode_step_seconds
   double load1 = 0;
@@ -280,6 +281,7 @@ Result<Measured> RunOne(lg::Client& client, const lg::ModelInfo& mi, const Fleet
   m.step_p50 = HistogramQuantile(step_before, step_after, 0.5);
   m.step_p99 = HistogramQuantile(step_before, step_after, 0.99);
   m.s = lg::Summarize(run->records, {});
+  m.failures = lg::FirstFailureMessages(run->records);
   return m;
 }
 
@@ -441,6 +443,10 @@ int RunProxyBench(const ProxyBenchArgs& a) {
       if (m->s.failed > 0) {
         std::cerr << fmt::format("tandem bench proxy: workload {}: {} requests failed\n", w.name,
                                  m->s.failed);
+        for (const auto& [code, msg] : m->failures) {
+          std::cerr << fmt::format("tandem bench proxy: workload {}: {} failed with {}, e.g.: {}\n",
+                                   w.name, m->s.failed_by_status.at(code), code, msg);
+        }
         rc = 3;
       }
     }

@@ -492,11 +492,7 @@ int RunServe(ServeArgs a) {
     }
   }
   // Show what failed: the first message of each status.
-  std::map<std::string, std::string> first_message;
-  for (const auto& r : run->records) {
-    if (!r.ok) first_message.emplace(r.error, r.message);
-  }
-  for (const auto& [code, msg] : first_message) {
+  for (const auto& [code, msg] : lg::FirstFailureMessages(run->records)) {
     std::cerr << fmt::format("tandem bench serve: {} requests failed with {}, e.g.: {}\n",
                              s.failed_by_status.at(code), code, msg);
   }

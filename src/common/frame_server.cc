@@ -98,6 +98,13 @@ void FrameServer::Stop() {
     (void)!::write(wake_fd_, &one, sizeof(one));
   }
   if (thread_.joinable()) thread_.join();
+  // Refuse new connections now: a listener left open would let the kernel
+  // accept a dialler whose handshake nobody answers (it would wait out its
+  // handshake timeout instead of failing at once).
+  if (listen_fd_ >= 0) {
+    ::close(listen_fd_);
+    listen_fd_ = -1;
+  }
 }
 
 void FrameServer::Run() {

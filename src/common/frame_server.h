@@ -73,8 +73,9 @@ class FrameServer {
 
   // The bound "host:port".
   const std::string& address() const { return address_; }
-  // Closes the listener and every connection (their sessions' OnClosed
-  // run), joins the thread. Idempotent.
+  // Closes every connection (their sessions' OnClosed run), joins the
+  // thread, then closes the listening socket, so that a later dial is
+  // refused at once (ECONNREFUSED). Idempotent.
   void Stop();
 
   uint64_t accepted() const { return accepted_.load(); }  // authenticated connections

@@ -56,6 +56,14 @@ bool MeetsSlo(const RequestRecord& r, const Slo& slo) {
   return true;
 }
 
+std::map<std::string, std::string> FirstFailureMessages(const std::vector<RequestRecord>& records) {
+  std::map<std::string, std::string> first;
+  for (const auto& r : records) {
+    if (!r.ok) first.emplace(r.error.empty() ? "UNKNOWN" : r.error, r.message);
+  }
+  return first;
+}
+
 Summary Summarize(const std::vector<RequestRecord>& records, const Slo& slo) {
   Summary s;
   s.requests = records.size();

@@ -92,6 +92,10 @@ struct Summary {
 
 Summary Summarize(const std::vector<RequestRecord>& records, const Slo& slo);
 
+// The first message of each failure status among `records` (status -> message):
+// what a bench prints next to its counts of failed requests.
+std::map<std::string, std::string> FirstFailureMessages(const std::vector<RequestRecord>& records);
+
 // Output tokens received per time bin of `bin_s` seconds, from 0 to the
 // last token: element i counts tokens arriving in [i*bin_s, (i+1)*bin_s).
 std::vector<double> TokensPerBin(const std::vector<RequestRecord>& records, double bin_s);

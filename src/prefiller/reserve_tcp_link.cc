@@ -74,6 +74,12 @@ class ReserveConn final : public std::enable_shared_from_this<ReserveConn> {
     return true;
   }
 
+  // True once the connection has ended (no call can start on it).
+  bool ended() {
+    std::lock_guard lock(mu_);
+    return ended_;
+  }
+
   // Ends the connection (its calls get UNAVAILABLE) and waits for the end.
   void Stop() {
     conn_->Close(UnavailableError("the prefiller is stopping"));
@@ -206,12 +212,27 @@ class TcpDecoderLink final : public DecoderLink {
                                                    ReserveDeadline(job) - std::chrono::system_clock::now());
     for (;;) {
       std::shared_ptr<ReserveConn> conn;
+      std::vector<std::shared_ptr<ReserveConn>> gone;  // destroyed after the lock
       {
         std::lock_guard lock(mu_);
-        auto& c = conns_[job.decoder_reserve_address];
-        if (!c) c = ReserveConn::Open(job.decoder_reserve_address, tls_, options_);
-        conn = c;
+        auto it = conns_.find(job.decoder_reserve_address);
+        if (it == conns_.end()) {
+          // A new connection: first drop the entries whose connection has
+          // ended (decoders that went away), so that a fleet whose decoders
+          // come and go keeps one entry per live connection, not one per
+          // address ever dialled.
+          std::erase_if(conns_, [&gone](auto& entry) {
+            if (!entry.second->ended()) return false;
+            gone.push_back(std::move(entry.second));
+            return true;
+          });
+          it = conns_.emplace(job.decoder_reserve_address,
+                              ReserveConn::Open(job.decoder_reserve_address, tls_, options_))
+                   .first;
+        }
+        conn = it->second;
       }
+      gone.clear();
       if (conn->Start(frame, deadline, done)) return;
       // That connection has ended: a new one (once per ended connection).
       std::lock_guard lock(mu_);
@@ -221,6 +242,14 @@ class TcpDecoderLink final : public DecoderLink {
   }
 
   std::string EncodeNotice(const NoticeSpec& n) override { return grpc_->EncodeNotice(n); }
+
+  ReserveLinkEntries Entries() {
+    std::lock_guard lock(mu_);
+    ReserveLinkEntries e;
+    e.total = conns_.size();
+    for (auto& [address, c] : conns_) e.ended += c->ended() ? 1 : 0;
+    return e;
+  }
 
  private:
   const std::unique_ptr<DecoderLink> grpc_;
@@ -234,6 +263,11 @@ class TcpDecoderLink final : public DecoderLink {
 };
 
 }  // namespace
+
+ReserveLinkEntries TcpDecoderLinkEntries(DecoderLink& link) {
+  auto* tcp = dynamic_cast<TcpDecoderLink*>(&link);
+  return tcp != nullptr ? tcp->Entries() : ReserveLinkEntries{};
+}
 
 std::unique_ptr<DecoderLink> MakeTcpDecoderLink(std::unique_ptr<DecoderLink> grpc,
                                                 std::shared_ptr<FrameTls> tls,

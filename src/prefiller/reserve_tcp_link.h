@@ -24,6 +24,7 @@
 // frame loop's thread (or a gRPC thread), never inside Reserve.
 #pragma once
 
+#include <cstddef>
 #include <memory>
 #include <string>
 
@@ -40,5 +41,14 @@ std::unique_ptr<DecoderLink> MakeTcpDecoderLink(std::unique_ptr<DecoderLink> grp
                                                 std::string prefiller_descriptor = {},
                                                 parallel::ParallelLayout layout = {},
                                                 FrameOptions options = {});
+
+// The connections a link made by MakeTcpDecoderLink keeps (zeros for any
+// other link): one entry per decoder address in use; an entry whose
+// connection has ended is dropped when the link next dials a new one.
+struct ReserveLinkEntries {
+  size_t total = 0;
+  size_t ended = 0;
+};
+ReserveLinkEntries TcpDecoderLinkEntries(DecoderLink& link);
 
 }  // namespace tandem::prefiller

@@ -24,23 +24,21 @@ class DecodeMux::Request final : public Call {
   }
 
   // One item of a batch, on the reader thread.
-  void Deliver(const pb::DecodeStreamItem& item) {
+  void Deliver(const DecodeItem& item) {
     if (done_.load(std::memory_order_relaxed)) return;
-    if (item.registered() && events_.on_registered) events_.on_registered();
-    if (item.token_ids_size() > 0 && events_.on_tokens) {
-      const auto& ids = item.token_ids();
-      events_.on_tokens(item.first_index(),
-                        std::span<const uint32_t>(ids.data(), static_cast<size_t>(ids.size())));
+    if (item.registered && events_.on_registered) events_.on_registered();
+    if (!item.token_ids.empty() && events_.on_tokens) {
+      events_.on_tokens(item.first_index, item.token_ids);
     }
-    if (item.has_finished()) {
+    if (item.end == DecodeItem::End::kFinished) {
       if (done_.exchange(true)) return;
-      const auto& f = item.finished();
       if (events_.on_finished) {
-        events_.on_finished(FinishFromProto(f.finish_reason()), f.completion_tokens(),
-                            f.decoder_cached_prompt_tokens(), f.prefill_cached_prompt_tokens());
+        events_.on_finished(FinishFromProto(static_cast<pb::FinishReason>(item.finish_reason)),
+                            item.completion_tokens, item.decoder_cached_prompt_tokens,
+                            item.prefill_cached_prompt_tokens);
       }
-    } else if (item.has_error()) {
-      Fail(Status(static_cast<StatusCode>(item.error().code()), item.error().message()),
+    } else if (item.end == DecodeItem::End::kError) {
+      Fail(Status(static_cast<StatusCode>(item.error->code()), item.error->message()),
            /*from_worker=*/true);
     }
   }
@@ -101,15 +99,20 @@ void DecodeMux::CancelRequest(uint64_t handle) {
 }
 
 void DecodeMux::Deliver(const pb::DecodeStreamResponse& batch) {
+  ItemsOf(batch, &items_);
+  Deliver(items_);
+}
+
+void DecodeMux::Deliver(std::span<const DecodeItem> items) {
   // One lock for the whole batch, then the events outside it.
   batch_.clear();
   {
     std::lock_guard lock(mu_);
-    for (const pb::DecodeStreamItem& item : batch.items()) {
-      auto it = requests_.find(item.handle());
+    for (const DecodeItem& item : items) {
+      auto it = requests_.find(item.handle);
       if (it == requests_.end()) continue;  // cancelled meanwhile
       batch_.emplace_back(it->second, &item);
-      if (item.has_finished() || item.has_error()) requests_.erase(it);
+      if (item.end != DecodeItem::End::kNone) requests_.erase(it);
     }
   }
   // One batch: a front end that buffers per connection (the native gRPC

@@ -26,10 +26,12 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "proxy/decode_mux_wire.h"
 #include "proxy/worker_client.h"
 #include "proxy/worker_client_grpc.h"
 #include "tandem/v1/worker.grpc.pb.h"
@@ -58,6 +60,7 @@ class DecodeMux : public GrpcWorkerClient::Tracked, public std::enable_shared_fr
   virtual void SendLocked(std::unique_lock<std::mutex>& lock, v1::DecodeStreamRequest msg) = 0;
   // One batch read: each item to its request, in order (the reader thread).
   void Deliver(const v1::DecodeStreamResponse& batch);
+  void Deliver(std::span<const DecodeItem> items);
   // The stream is over: every request still on it ends with `status` (the
   // abandon reason instead, when AbandonCalls ended it), from_worker = false.
   void EndAll(const Status& status);
@@ -71,7 +74,8 @@ class DecodeMux : public GrpcWorkerClient::Tracked, public std::enable_shared_fr
 
   uint64_t next_handle_ = 1;  // guarded by mu_
   std::unordered_map<uint64_t, std::shared_ptr<Request>> requests_;  // guarded by mu_
-  std::vector<std::pair<std::shared_ptr<Request>, const v1::DecodeStreamItem*>> batch_;  // reader only
+  std::vector<std::pair<std::shared_ptr<Request>, const DecodeItem*>> batch_;  // reader only
+  std::vector<DecodeItem> items_;  // reader only: a parsed message's items
 };
 
 class DecodeMuxClient final

@@ -50,6 +50,12 @@ void DecodeMuxTcpClient::SendLocked(std::unique_lock<std::mutex>&, pb::DecodeStr
 
 Status DecodeMuxTcpClient::OnFrame(std::string_view payload) {
   if (!deliver_on_grpc_thread_) {  // here, in order: this is the only reader
+    // What the decoder writes every step is read without a protobuf
+    // message (decode_mux_wire.h); anything else goes to protobuf.
+    if (ParseDecodeBatch(payload, &wire_items_, &wire_ids_)) {
+      Deliver(wire_items_);
+      return Status::Ok();
+    }
     // Clear() keeps the items' storage for the next step's parse.
     inline_batch_.Clear();
     if (!inline_batch_.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {

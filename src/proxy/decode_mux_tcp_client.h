@@ -25,6 +25,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "common/frame_conn.h"
 #include "common/frame_reader.h"
@@ -71,6 +72,10 @@ class DecodeMuxTcpClient final : public DecodeMux {
   // The reader's batch when it delivers itself: parsed into the same
   // message every step, so its items and their token arrays are reused.
   v1::DecodeStreamResponse inline_batch_;  // reader thread only
+  // The reader's batch as ParseDecodeBatch reads it (the usual case; the
+  // vectors keep their capacity from step to step).
+  std::vector<DecodeItem> wire_items_;  // reader thread only
+  std::vector<uint32_t> wire_ids_;      // reader thread only
   std::deque<Posted> posted_;   // guarded by post_mu_
   bool draining_ = false;       // guarded by post_mu_: an alarm is set or DrainPosted runs
   std::condition_variable drained_;  // draining_ went false

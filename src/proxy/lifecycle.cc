@@ -227,6 +227,11 @@ void RequestLifecycle::OnPrefillDone(uint32_t attempt, Result<PrefillResult> r) 
   std::unique_lock lock(mu_);
   if (done_ || attempt != attempt_) return;
   EndPrefillLocked();
+  // The call is over: nothing to cancel at the request's end (a cancel of
+  // an ended call only looks it up, on the decode stream's reader: issue
+  // 23). (A reply that came before Launch kept the call is cancelled then,
+  // harmlessly, as before.)
+  prefill_call_.reset();
   Calls to_cancel;
   if (!r.ok() && out_.next_index() > base_) {
     // The decoder already has the KV and streams: only the reply was lost
@@ -321,6 +326,9 @@ void RequestLifecycle::OnFinished(uint32_t attempt, Finish reason,
   // (relayed by the decoder from the KV notice: with a short completion the
   // decoder can finish before the prefill reply reaches us).
   if (base_ == 0) cached_tokens_ = route_.local ? decoder_cached_tokens : prefill_cached_tokens;
+  // The decode call ended with this item (the stream dropped its handle):
+  // no cancel for it (issue 23: a lookup under the stream's mutex per request).
+  decode_call_.reset();
   Calls to_cancel = CompleteLocked(reason == Finish::kNone ? Finish::kStop : reason);
   lock.unlock();
   CancelAll(to_cancel);

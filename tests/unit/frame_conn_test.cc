@@ -18,7 +18,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <mutex>
 #include <string>
@@ -270,6 +272,34 @@ TEST_F(FrameConnTest, FramesRoundTripInOrderOverMutualTls) {
 }
 
 TEST_F(FrameConnTest, FramesRoundTripInOrderOverPlaintext) { RoundTrip(nullptr, nullptr); }
+
+// Stop() closes the listening socket: a dial to a stopped server is refused
+// by the kernel at once, instead of being accepted into a backlog nobody
+// reads (where a client waits out its handshake timeout). A connection
+// open before Stop() is ended with it.
+TEST_F(FrameConnTest, AStoppedServerRefusesADialAtOnce) {
+  Seen seen;
+  auto server = Serve(Tls(Identity(ca_, "decode-0")), &seen);
+  ASSERT_NE(server, nullptr);
+  const std::string addr = server->address();
+  Client client(addr, Tls(Identity(ca_, "proxy")));
+  ASSERT_TRUE(client.conn().Send(Cancel(1)).ok());
+  ASSERT_EQ(client.WaitHandles(1).size(), 1u);
+  server->Stop();
+  ASSERT_TRUE(seen.WaitFor([&] { return seen.is_closed; }));
+
+  sockaddr_in sin{};
+  sin.sin_family = AF_INET;
+  sin.sin_port = htons(static_cast<uint16_t>(std::stoi(addr.substr(addr.rfind(':') + 1))));
+  sin.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  const int rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&sin), sizeof(sin));
+  const int err = errno;
+  ::close(fd);
+  EXPECT_EQ(rc, -1) << "the stopped server's port still accepts connections";
+  EXPECT_EQ(err, ECONNREFUSED) << std::strerror(err);
+}
 
 // The reader does not clear the thread's OpenSSL error queue before every
 // read (frame_conn.cc ReadLocked): an entry another TLS call on its thread

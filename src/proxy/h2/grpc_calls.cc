@@ -80,25 +80,26 @@ void Validated(const std::shared_ptr<H2Connection>& conn, const std::shared_ptr<
     return;
   }
   s->request_id = v->client_request_id;
-  std::weak_ptr<H2Connection> wc = conn;
   ResponseSink sink;
   // The stream's messages are kept as fields and encoded when the session
   // takes them (H2Connection::PostDelta/PostFinal): no GenerateResponse per
-  // token.
-  sink.on_delta = [s, wc](std::span<const uint32_t> ids, std::string_view text) {
-    if (auto c = wc.lock()) c->PostDelta(s, ids, text);
+  // token. The per-token callback captures the stream only (its `conn` is
+  // the connection's weak pointer): a 16-byte capture std::function keeps
+  // inline, so a delta touches no separate heap block (tok-hops, issue 23).
+  sink.on_delta = [s](std::span<const uint32_t> ids, std::string_view text) {
+    if (auto c = s->conn.lock()) c->PostDelta(s, ids, text);
   };
-  sink.on_finish = [s, wc, fe = &fe](Finish reason, Usage usage) {
+  sink.on_finish = [s, fe = &fe](Finish reason, Usage usage) {
     // The slot is free before the client can see the end of its stream.
     ReleaseSlot(*fe, *s);
-    auto c = wc.lock();
+    auto c = s->conn.lock();
     if (!c) return;
     c->PostFinal(s, FinishToProto(reason), usage.prompt_tokens, usage.completion_tokens,
                  usage.cached_prompt_tokens);
   };
-  sink.on_error = [s, wc, fe = &fe](Status st) {
+  sink.on_error = [s, fe = &fe](Status st) {
     ReleaseSlot(*fe, *s);
-    if (auto c = wc.lock()) c->PostStatus(s, st);
+    if (auto c = s->conn.lock()) c->PostStatus(s, st);
   };
   std::lock_guard lock(s->call_mu);
   if (s->call_closed) {  // the client went away while it was validated

@@ -56,6 +56,24 @@ RequestRecord Rec(double send, double ttft, std::vector<double> itl, double e2e,
   return r;
 }
 
+// A bench names each failure status with the first message of that status;
+// a failure without a status counts as UNKNOWN, as in failed_by_status.
+TEST(Summarize, FirstFailureMessageOfEachStatus) {
+  std::vector<RequestRecord> records = {Rec(0, 0.1, {}, 1, 4), Rec(0, 0.1, {}, 1, 0, false),
+                                        Rec(0, 0.1, {}, 1, 0, false), Rec(0, 0.1, {}, 1, 0, false)};
+  records[1].message = "no worker can take the request";
+  records[2].message = "a later one";
+  records[3].error.clear();
+  records[3].message = "no status";
+  const auto first = FirstFailureMessages(records);
+  ASSERT_EQ(first.size(), 2u);
+  EXPECT_EQ(first.at("UNAVAILABLE"), "no worker can take the request");
+  EXPECT_EQ(first.at("UNKNOWN"), "no status");
+  const Summary s = Summarize(records, {});
+  EXPECT_EQ(s.failed_by_status.at("UNAVAILABLE"), 2u);
+  EXPECT_EQ(s.failed_by_status.at("UNKNOWN"), 1u);
+}
+
 TEST(Tpot, Definition) {
   // TPOT = (e2e - TTFT) / (output tokens - 1).
   auto r = Rec(0, 0.1, {0.05, 0.05}, 0.2, 3);

@@ -163,7 +163,7 @@ class LifecycleTest : public ::testing::Test {
     LifecycleDeps deps;
     deps.max_migrations = max_migrations;
     deps.fleet = fleet_.get();
-    deps.client = &workers_;
+    deps.client = client_ != nullptr ? client_ : &workers_;
     deps.tokenizer = tokenizer_.get();
     deps.root_hash = 1;
     deps.block_size = 16;
@@ -192,10 +192,64 @@ class LifecycleTest : public ::testing::Test {
   std::unique_ptr<model::Tokenizer> tokenizer_;
   std::unique_ptr<Fleet> fleet_;
   ScriptedWorkers workers_;
+  WorkerClient* client_ = nullptr;  // instead of workers_ when set
   uint32_t max_tokens_ = 64;
   std::function<void(std::function<void()>)> defer_launch_;
   ProxyMetrics* metrics_ = nullptr;
 };
+
+// Workers that answer only when the test says so.
+class HeldWorkers : public WorkerClient {
+ public:
+  DecodeEvents events;
+  std::function<void(Result<PrefillResult>)> prefill_done;
+  std::shared_ptr<FakeCall> decode_call = std::make_shared<FakeCall>();
+  std::shared_ptr<FakeCall> prefill_call = std::make_shared<FakeCall>();
+  std::shared_ptr<Call> Decode(const std::string&, DecodeArgs, DecodeEvents ev) override {
+    events = std::move(ev);
+    return decode_call;
+  }
+  std::shared_ptr<Call> Prefill(const std::string&, PrefillArgs,
+                                std::function<void(Result<PrefillResult>)> done) override {
+    prefill_done = std::move(done);
+    return prefill_call;
+  }
+};
+
+// Calls that ended by themselves (the prefill replied; the decode stream's
+// finished item ended its handle) are not cancelled at the request's end:
+// a cancel of an ended call is only a lookup, on the decode stream's
+// reader (issue 23). A client that goes away still cancels both.
+TEST_F(LifecycleTest, CallsThatEndedAreNotCancelledAtTheEnd) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  for (const bool client_leaves : {false, true}) {
+    SCOPED_TRACE(client_leaves);
+    HeldWorkers held;
+    client_ = &held;
+    Collected c;
+    auto lifecycle = Run(c);
+    held.events.on_registered();
+    ASSERT_TRUE(held.prefill_done);
+    if (client_leaves) {
+      lifecycle->Cancel();
+      EXPECT_TRUE(held.decode_call->cancelled);
+      EXPECT_TRUE(held.prefill_call->cancelled);
+      continue;
+    }
+    PrefillResult r;
+    r.first_token_id = 5;
+    held.prefill_done(r);
+    const std::vector<uint32_t> ids = {5, 6};
+    held.events.on_tokens(0, ids);
+    held.events.on_finished(Finish::kLength, 2, 0, 0);
+    EXPECT_TRUE(c.finished);
+    EXPECT_EQ(c.ids, ids);
+    EXPECT_FALSE(held.decode_call->cancelled);
+    EXPECT_FALSE(held.prefill_call->cancelled);
+  }
+  client_ = nullptr;
+}
 
 // Every route puts its prompt's uncached tokens on the prefilling worker's
 // predicted queue (docs/router.md, "Load"); whatever becomes of the

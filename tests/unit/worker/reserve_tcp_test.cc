@@ -192,8 +192,7 @@ TEST_F(ReserveTcpTest, ABrokenConnectionEndsItsCallsAndTheNextCallDialsAgain) {
   link_->Reserve(Job("a", Prompt(20, 7), address), "prefill-0", a.Done());
   link_->Reserve(Job("b", Prompt(20, 8), address), "prefill-0", b.Done());
   ASSERT_TRUE(WaitFor([&] { return silent->accepted() == 1; }));
-  // As the decoder's process going away mid-call (destroyed, not only
-  // stopped: FrameServer::Stop keeps the listening socket until then).
+  // As the decoder's process going away mid-call.
   silent.reset();
   for (Outcome* o : {&a, &b}) {
     auto r = o->Get();
@@ -216,6 +215,37 @@ TEST_F(ReserveTcpTest, ABrokenConnectionEndsItsCallsAndTheNextCallDialsAgain) {
   auto again = Call(Job("d", prompt, server_->address()));
   ASSERT_TRUE(again.ok()) << again.status().ToString();
   EXPECT_EQ(Reservations(), 1u);
+}
+
+// Decoders that come and go leave no entries behind: the link keeps one per
+// live connection, and drops the ended ones when it dials a new decoder.
+TEST_F(ReserveTcpTest, TheLinkKeepsNoEntryForADecoderThatWentAway) {
+  const auto prompt = Prompt(20, 12);
+  Register("a", prompt);
+  ASSERT_TRUE(Call(Job("a", prompt, server_->address())).ok());
+  auto gone = frame_testing::Listen(Tls(Identity(ca_, "decode-1")), [](const std::shared_ptr<FrameConn>&) {
+    return std::make_shared<Silent>();
+  });
+  ASSERT_NE(gone, nullptr);
+  Outcome lost;
+  link_->Reserve(Job("b", Prompt(20, 13), gone->address()), "prefill-0", lost.Done());
+  ASSERT_TRUE(WaitFor([&] { return gone->accepted() == 1; }));
+  EXPECT_EQ(prefiller::TcpDecoderLinkEntries(*link_).total, 2u);
+  gone.reset();  // that decoder goes away: its connection ends
+  EXPECT_EQ(lost.Get().status().code(), StatusCode::kUnavailable);
+  ASSERT_TRUE(WaitFor([&] { return prefiller::TcpDecoderLinkEntries(*link_).ended == 1; }));
+  // A new decoder: dialling it drops the ended entry.
+  auto next = frame_testing::Listen(Tls(Identity(ca_, "decode-2")), [](const std::shared_ptr<FrameConn>&) {
+    return std::make_shared<Silent>();
+  });
+  ASSERT_NE(next, nullptr);
+  Outcome pending;
+  link_->Reserve(Job("c", Prompt(20, 14), next->address()), "prefill-0", pending.Done());
+  const auto entries = prefiller::TcpDecoderLinkEntries(*link_);
+  EXPECT_EQ(entries.total, 2u);  // the first decoder's and the new one's
+  EXPECT_EQ(entries.ended, 0u);
+  next.reset();
+  EXPECT_EQ(pending.Get().status().code(), StatusCode::kUnavailable);
 }
 
 TEST_F(ReserveTcpTest, AReplyThatCannotBeSentReleasesItsReservation) {
