@@ -36,7 +36,9 @@ namespace tandem::proxy {
 // stored/removed submessages and hash arrays cost no malloc or free and no
 // destructor walk (a reused message deletes and reallocates each event's
 // oneof submessage and its hash array per frame). Frames larger than the
-// block (snapshots) take more blocks from the heap, freed at the next Parse.
+// block (snapshots) take more blocks from the heap. The arena is reset
+// (earlier updates dropped) once the frames since the last reset add up to
+// a quarter of the first block, not per frame.
 // One thread at a time.
 class WorkerUpdateParser {
  public:
@@ -51,6 +53,7 @@ class WorkerUpdateParser {
  private:
   std::unique_ptr<char[]> block_;
   google::protobuf::Arena arena_;
+  size_t parsed_bytes_ = 0;  // wire bytes parsed since the last Reset
 };
 
 class WatchTcpClient : public std::enable_shared_from_this<WatchTcpClient> {
