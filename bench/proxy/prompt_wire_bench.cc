@@ -6,7 +6,9 @@
 //                     then serialize into the connection's buffer);
 //   BM_ParseEvents    parsing one WorkerUpdate batch holding 1,000 block
 //                     hashes (an 8k prompt's stored events from the
-//                     prefiller and the decoder) into the reused message.
+//                     prefiller and the decoder) into the reused message
+//                     (arena=0, the reader before issue 23's session 9) or
+//                     with the Watch reader's WorkerUpdateParser (arena=1).
 // Ids are spread over a Llama-3 vocabulary (128,256: mostly 3-byte varints);
 // hashes are random 64-bit values (10-byte varints).
 #include <benchmark/benchmark.h>
@@ -18,6 +20,7 @@
 
 #include "proxy/decode_mux_client.h"
 #include "proxy/prefill_tcp_client.h"
+#include "proxy/watch_tcp_client.h"
 #include "tandem/v1/worker.pb.h"
 
 namespace tandem::proxy {
@@ -68,6 +71,7 @@ BENCHMARK(BM_BuildRequests)->ArgName("fixed32")->Arg(0)->Arg(1)->Unit(benchmark:
 
 void BM_ParseEvents(benchmark::State& state) {
   const bool fixed64 = state.range(0) != 0;
+  const bool arena = state.range(1) != 0;
   std::mt19937_64 rng(11);
   pb::WorkerUpdate u;
   for (int e = 0; e < 8; ++e) {  // 8 stored events of 125 blocks
@@ -84,14 +88,22 @@ void BM_ParseEvents(benchmark::State& state) {
     }
   }
   const std::string wire = u.SerializeAsString();
-  pb::WorkerUpdate parsed;  // reused, as the watch reader's
+  pb::WorkerUpdate parsed;  // reused, as the watch reader's was
+  WorkerUpdateParser parser;
   for (auto _ : state) {
-    parsed.ParseFromArray(wire.data(), static_cast<int>(wire.size()));
-    benchmark::DoNotOptimize(parsed.events_size());
+    if (arena) {
+      benchmark::DoNotOptimize(parser.Parse(wire)->events_size());
+    } else {
+      parsed.ParseFromArray(wire.data(), static_cast<int>(wire.size()));
+      benchmark::DoNotOptimize(parsed.events_size());
+    }
   }
   state.counters["wire_bytes"] = static_cast<double>(wire.size());
 }
-BENCHMARK(BM_ParseEvents)->ArgName("fixed64")->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_ParseEvents)
+    ->ArgNames({"fixed64", "arena"})
+    ->Args({0, 0})->Args({1, 0})->Args({1, 1})
+    ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace tandem::proxy

@@ -314,6 +314,55 @@ void BM_ApplyEvents(benchmark::State& state) {
 }
 BENCHMARK(BM_ApplyEvents)->ArgName("blocks_per_event")->Arg(1)->Arg(16)->Arg(64);
 
+// The proxy's case in the sim 1P1D bench (issue 23, `prompt`): two workers
+// (a prefiller and a decoder) of 26,624 blocks each; every 8k prompt stores
+// 500 new blocks on both, and once a worker is full the oldest prompt's 500
+// are removed. Between events the caches are cold (the proxy's frame loop
+// sleeps while the workers run): 32 MiB of other memory is touched outside
+// the timing. One iteration = one event; items = blocks stored or removed.
+void BM_ApplyColdEvents(benchmark::State& state) {
+  constexpr uint32_t kPerEvent = 500;
+  constexpr uint32_t kCapacity = 26'624;
+  constexpr size_t kThrash = size_t{32} << 20;
+  PrefixIndex index;
+  for (WorkerId w = 0; w < 2; ++w) (void)index.AddWorker(w, 1);
+  std::vector<uint64_t> next_id(2, 1);
+  std::vector<char> thrash(kThrash, 1);
+  uint64_t doc = 0, oldest = 0, blocks = 0, sink = 0;
+  bool timed = false;
+  const auto apply = [&](WorkerId w, KvEventKind kind, uint64_t d) {
+    const std::vector<uint64_t> h = Doc(50'000'000 + d, kPerEvent);
+    if (timed) state.ResumeTiming();
+    (void)index.Apply(w, {kind, 1, next_id[w]++, 0, h});
+    if (timed) state.PauseTiming();
+    blocks += kPerEvent;
+  };
+  const auto step = [&] {
+    const WorkerId w = static_cast<WorkerId>(doc % 2);
+    apply(w, KvEventKind::kStored, doc / 2);
+    if (w == 1 && index.HeldBlocks(1) > kCapacity) {
+      apply(0, KvEventKind::kRemoved, oldest);
+      apply(1, KvEventKind::kRemoved, oldest);
+      ++oldest;
+    }
+    ++doc;
+  };
+  // Untimed: the pool fills (the tables grow to their steady size).
+  while (oldest < 8) step();
+  blocks = 0;
+  timed = true;
+  for (auto _ : state) {
+    state.PauseTiming();
+    for (size_t i = 0; i < kThrash; i += 64) sink += static_cast<unsigned char>(thrash[i]++);
+    step();
+    state.ResumeTiming();
+  }
+  benchmark::DoNotOptimize(sink);
+  state.SetItemsProcessed(static_cast<int64_t>(blocks));
+  state.counters["indexed_hashes"] = static_cast<double>(index.size());
+}
+BENCHMARK(BM_ApplyColdEvents)->Unit(benchmark::kMicrosecond)->Iterations(600);
+
 // The same stream through Router::ApplyEvent (index + the prefill-completion
 // check), on a 32P32D router with 64 documents indexed. Args: blocks per
 // event; keyed predictions pending on every prefiller (0: the check is one

@@ -149,6 +149,18 @@ class FrameConn {
   // Reads what the socket has into in_; false with closed_why_ set at EOF/error.
   bool ReadLocked();
   Status TlsError(const char* what, int ret);
+  // One SSL_read / SSL_write (`io`) without clearing the thread's OpenSSL
+  // error queue first (ERR_clear_error per call is a cost per decode step,
+  // issue 23): an answer with bytes never looks at the queue. A failed
+  // answer is believed only with the queue cleared first (an entry some
+  // earlier TLS call on this thread left behind turns any answer into
+  // SSL_ERROR_SSL): then `io` runs again on an empty queue (OpenSSL wants a
+  // failed call repeated with the same arguments anyway), and `first`
+  // keeps the first answer's reason.
+  template <typename Io>
+  int SslIoLocked(const char* what, Io io, Status* first);
+  // The status that a failed SslIoLocked (answer `ret`) closes with.
+  Status SslIoError(const char* what, int ret, const Status& first);
 
   const FrameOptions options_;
   const std::string peer_;  // "host:port"

@@ -146,8 +146,11 @@ void RequestLifecycle::Launch() {
   route_ = *route;
   prefill_open_ = true;
   if (req_.trace.sampled) TraceRoute(attempt, route_start);
-  LogRequest(spdlog::level::debug, req_.request_id, "attempt {} {}", attempt,
-                route_.decision.DebugString());
+  // DebugString formats every score (snprintf of floats): only when logged.
+  if (spdlog::should_log(spdlog::level::debug)) {
+    LogRequest(spdlog::level::debug, req_.request_id, "attempt {} {}", attempt,
+               route_.decision.DebugString());
+  }
 
   DecodeArgs args;
   args.request_id = req_.request_id;

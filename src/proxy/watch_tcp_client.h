@@ -17,16 +17,44 @@
 // last.
 #pragma once
 
+#include <google/protobuf/arena.h>
+
 #include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "common/frame_conn.h"
 #include "common/frame_reader.h"
 #include "tandem/v1/worker.pb.h"
 
 namespace tandem::proxy {
+
+// Parses Watch frames into a WorkerUpdate on an arena whose first block is
+// owned here and kept between frames (issue 23): a frame's events, their
+// stored/removed submessages and hash arrays cost no malloc or free and no
+// destructor walk (a reused message deletes and reallocates each event's
+// oneof submessage and its hash array per frame). Frames larger than the
+// block (snapshots) take more blocks from the heap. The arena is reset
+// (earlier updates dropped) once the frames since the last reset add up to
+// a quarter of the first block, not per frame.
+// One thread at a time.
+class WorkerUpdateParser {
+ public:
+  static constexpr size_t kBlockBytes = size_t{64} << 10;
+  WorkerUpdateParser();
+  WorkerUpdateParser(const WorkerUpdateParser&) = delete;
+  WorkerUpdateParser& operator=(const WorkerUpdateParser&) = delete;
+  // The update, valid until the next Parse; nullptr when `payload` is not a
+  // WorkerUpdate.
+  const v1::WorkerUpdate* Parse(std::string_view payload);
+
+ private:
+  std::unique_ptr<char[]> block_;
+  google::protobuf::Arena arena_;
+  size_t parsed_bytes_ = 0;  // wire bytes parsed since the last Reset
+};
 
 class WatchTcpClient : public std::enable_shared_from_this<WatchTcpClient> {
  public:
@@ -60,7 +88,7 @@ class WatchTcpClient : public std::enable_shared_from_this<WatchTcpClient> {
   const v1::WatchRequest request_;
   Callbacks callbacks_;
   std::atomic<bool> stopped_{false};
-  v1::WorkerUpdate update_;  // the reader thread only: reused
+  WorkerUpdateParser parser_;  // the reader thread only
   bool graceful_ = false;    // the reader thread only: the worker ended the watch
   FrameReader reader_;  // last: its thread ends before the members above go
 };

@@ -80,7 +80,8 @@ class EchoSession final : public FrameSession {
       st = conn_->Send(resp);
     }
     // An entry some other TLS call on this thread could have left behind
-    // (after the echo: its write clears the queue first).
+    // (after the echo: the writer's own test is
+    // AStaleOpenSslErrorOnTheWritersThreadIsNotItsConnectionsFailure).
     if (stale_error_) ERR_raise_data(ERR_LIB_USER, 1, "stale entry left by the test");
     return st;
   }
@@ -180,10 +181,13 @@ class Client {
 
 // A TCP relay on 127.0.0.1 for one connection to `port`: what the client
 // sends goes on as it comes; what the server sends reaches the client one
-// byte per write, so the client's reads find TLS records in pieces.
+// byte per write, so the client's reads find TLS records in pieces. Not
+// dribbling: what the server sends goes on as it comes, except between
+// Hold() and Open(), when it waits (in a small receive buffer, so the
+// server's writes soon find its socket full).
 class DribblingRelay {
  public:
-  explicit DribblingRelay(int port) {
+  explicit DribblingRelay(int port, bool dribble = true) : dribble_(dribble) {
     listen_fd_ = socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in a{};
     a.sin_family = AF_INET;
@@ -196,17 +200,31 @@ class DribblingRelay {
     thread_ = std::thread([this, port] { Run(port); });
   }
   ~DribblingRelay() {
+    Open();  // a test that failed early: nothing waits
     ::shutdown(listen_fd_, SHUT_RDWR);  // ends a pending accept
     thread_.join();
     close(listen_fd_);
   }
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  void Hold() {
+    std::lock_guard lock(mu_);
+    held_ = true;
+  }
+  void Open() {
+    std::lock_guard lock(mu_);
+    held_ = false;
+    cv_.notify_all();
+  }
 
  private:
   void Run(int port) {
     const int c = accept(listen_fd_, nullptr, nullptr);
     if (c < 0) return;
     const int s = socket(AF_INET, SOCK_STREAM, 0);
+    if (!dribble_) {
+      const int small = 4096;
+      setsockopt(s, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+    }
     sockaddr_in a{};
     a.sin_family = AF_INET;
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -224,6 +242,13 @@ class DribblingRelay {
       char buf[16 << 10];
       bool open = true;
       for (ssize_t n; open && (n = recv(s, buf, sizeof buf, 0)) > 0;) {
+        if (!dribble_) {
+          std::unique_lock lock(mu_);
+          cv_.wait(lock, [&] { return !held_; });
+          lock.unlock();
+          open = send(c, buf, static_cast<size_t>(n), MSG_NOSIGNAL) == n;
+          continue;
+        }
         for (ssize_t i = 0; open && i < n; ++i) open = send(c, buf + i, 1, MSG_NOSIGNAL) == 1;
       }
       ::shutdown(c, SHUT_RDWR);
@@ -234,6 +259,10 @@ class DribblingRelay {
   }
   int listen_fd_ = -1;
   int port_ = 0;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  const bool dribble_;
+  bool held_ = false;  // guarded by mu_
   std::thread thread_;
 };
 
@@ -323,6 +352,48 @@ TEST_F(FrameConnTest, AStaleOpenSslErrorOnTheReadersThreadIsNotItsConnectionsFai
   ASSERT_EQ(got.size(), 20u);
   for (uint64_t i = 0; i < 20; ++i) EXPECT_EQ(got[i], i + 1);
   EXPECT_FALSE(client.ended());
+  std::lock_guard lock(seen.mu);
+  EXPECT_FALSE(seen.is_closed) << seen.closed.ToString();
+}
+
+// Nor does the writer clear it before every write (frame_conn.cc
+// FlushLocked, issue 23): the sending thread has an entry in its queue at
+// every Send, and the client's side holds back what the server sends (a
+// relay) until ~10 MiB were sent, so the server's writes find the
+// socket full (WANT_WRITE, judged with the entry there) and leave the rest
+// to the I/O thread. Then every frame arrives, in order, and neither
+// side's connection fails.
+TEST_F(FrameConnTest, AStaleOpenSslErrorOnTheWritersThreadIsNotItsConnectionsFailure) {
+  Seen seen;
+  auto server = Serve(Tls(Identity(ca_, "decode-0")), &seen, {}, /*echo=*/false);
+  ASSERT_NE(server, nullptr);
+  const std::string addr = server->address();
+  DribblingRelay relay(std::stoi(addr.substr(addr.rfind(':') + 1)), /*dribble=*/false);
+  Client client(relay.address(), Tls(Identity(ca_, "proxy")));
+  ASSERT_TRUE(client.conn().Send(Cancel(1)).ok());
+  ASSERT_TRUE(seen.WaitFor([&] { return !seen.cancels.empty(); }));  // handshake done
+  std::shared_ptr<FrameConn> conn;
+  {
+    std::lock_guard lock(seen.mu);
+    conn = seen.conn;
+  }
+  relay.Hold();
+  constexpr uint64_t kFrames = 200;
+  pb::DecodeStreamResponse batch;
+  auto* item = batch.add_items();
+  item->mutable_token_ids()->Resize(16 << 10, 12345);  // ~48 KiB a frame
+  for (uint64_t i = 1; i <= kFrames; ++i) {
+    item->set_handle(i);
+    ERR_raise_data(ERR_LIB_USER, 1, "stale entry left by the test");
+    ASSERT_TRUE(conn->Send(batch).ok()) << "frame " << i;
+  }
+  ERR_clear_error();
+  relay.Open();
+  const auto got = client.WaitHandles(kFrames);
+  ASSERT_EQ(got.size(), kFrames);
+  for (uint64_t i = 0; i < kFrames; ++i) EXPECT_EQ(got[i], i + 1);
+  EXPECT_FALSE(client.ended());
+  EXPECT_FALSE(conn->closed());
   std::lock_guard lock(seen.mu);
   EXPECT_FALSE(seen.is_closed) << seen.closed.ToString();
 }

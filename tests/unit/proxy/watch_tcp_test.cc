@@ -254,5 +254,47 @@ TEST_F(WatchTcpTest, AClientWithoutAFleetCertificateIsRefused) {
   EXPECT_EQ(cancels_.load(), 0);
 }
 
+// The Watch reader's parser (issue 23, session 9): updates parsed on its
+// arena read back exactly what was sent, frame after frame, including one
+// larger than the arena's first block (a snapshot) and a smaller one after
+// it; a payload that is not a WorkerUpdate gives nullptr.
+TEST(WorkerUpdateParserTest, ParsesFrameAfterFrameOnItsArena) {
+  const auto batch = [](uint64_t first_id, int events, int hashes) {
+    pb::WorkerUpdate u;
+    u.set_epoch(7);
+    for (int e = 0; e < events; ++e) {
+      auto* ev = u.add_events();
+      ev->set_epoch(7);
+      ev->set_event_id(first_id + static_cast<uint64_t>(e));
+      auto* hs = e % 2 == 0 ? ev->mutable_stored()->mutable_block_hashes_fixed64()
+                            : ev->mutable_removed()->mutable_block_hashes_fixed64();
+      for (int i = 0; i < hashes; ++i) hs->Add(first_id * 1'000'003u + static_cast<uint64_t>(e * hashes + i));
+    }
+    u.mutable_batched_load()->set_free_blocks(static_cast<uint32_t>(first_id));
+    return u;
+  };
+  pb::WorkerUpdate snapshot;
+  snapshot.set_epoch(7);
+  snapshot.set_snapshot_event_id(41);
+  for (uint64_t i = 0; i < 20'000; ++i) snapshot.mutable_snapshot()->add_block_hashes_fixed64(i * 77 + 1);
+  ASSERT_GT(snapshot.ByteSizeLong(), proxy::WorkerUpdateParser::kBlockBytes);
+
+  proxy::WorkerUpdateParser parser;
+  for (const pb::WorkerUpdate& sent : {batch(1, 4, 500), snapshot, batch(42, 1, 3), batch(43, 8, 125)}) {
+    const std::string wire = sent.SerializeAsString();
+    const pb::WorkerUpdate* got = parser.Parse(wire);
+    ASSERT_NE(got, nullptr);
+    EXPECT_EQ(got->SerializeAsString(), wire);
+    EXPECT_EQ(got->events_size(), sent.events_size());
+  }
+  EXPECT_EQ(parser.Parse(std::string_view("\xff\xff\xff", 3)), nullptr);
+  // Still usable after a bad frame.
+  const std::string wire = batch(51, 2, 10).SerializeAsString();
+  const pb::WorkerUpdate* got = parser.Parse(wire);
+  ASSERT_NE(got, nullptr);
+  EXPECT_EQ(got->events(1).event_id(), 52u);
+  EXPECT_EQ(got->events(1).removed().block_hashes_fixed64(9), 51u * 1'000'003u + 19u);
+}
+
 }  // namespace
 }  // namespace tandem
