@@ -87,13 +87,15 @@ Result<SimSetup> PrepareSim(const SimConfig& cfg, const model::ModelConfig& toke
 SimBackend::SimBackend(const model::ModelConfig& config, const sim::TimingModel& timing,
                        KvPool* pool)
     : config_(config), timing_(timing), pool_(pool) {
-  for (uint32_t id = 0; id < config_.vocab_size; ++id) {
-    const bool eos = std::find(config_.eos_token_ids.begin(), config_.eos_token_ids.end(), id) !=
-                     config_.eos_token_ids.end();
-    const bool bos = config_.bos_token_id >= 0 && id == static_cast<uint32_t>(config_.bos_token_id);
-    if (!eos && !bos) allowed_.push_back(id);
+  for (uint32_t id : config_.eos_token_ids) {
+    if (id < config_.vocab_size) excluded_.push_back(id);
   }
-  if (allowed_.empty()) allowed_.push_back(0);
+  if (config_.bos_token_id >= 0 && static_cast<uint32_t>(config_.bos_token_id) < config_.vocab_size) {
+    excluded_.push_back(static_cast<uint32_t>(config_.bos_token_id));
+  }
+  std::sort(excluded_.begin(), excluded_.end());
+  excluded_.erase(std::unique(excluded_.begin(), excluded_.end()), excluded_.end());
+  num_allowed_ = config_.vocab_size - static_cast<uint32_t>(excluded_.size());
 }
 
 bool SimBackend::Supports(BackendFeature feature) const {
@@ -114,7 +116,14 @@ uint64_t* SimBackend::Slot(std::span<const uint32_t> block_table, uint32_t pos) 
 }
 
 uint32_t SimBackend::TokenFor(uint64_t hash) const {
-  return allowed_[SplitMix(hash) % allowed_.size()];
+  if (num_allowed_ == 0) return 0;  // every id is eos or bos
+  // The index-th allowed id: step over the excluded ids at or below it.
+  uint32_t id = static_cast<uint32_t>(SplitMix(hash) % num_allowed_);
+  for (uint32_t e : excluded_) {
+    if (e > id) break;
+    ++id;
+  }
+  return id;
 }
 
 Status SimBackend::Forward(std::span<const SeqChunk> batch, std::span<float> logits) {
@@ -125,6 +134,16 @@ Status SimBackend::Forward(std::span<const SeqChunk> batch, std::span<float> log
   const bool fill = !logits.empty();
   size_t row = 0;
   double onboard_seconds = 0;
+  // The slots this step reads and writes are cold after the last step's
+  // sleep (cache and TLB): ask for all of them first, so their misses
+  // overlap instead of coming one sequence after another.
+  const uint32_t bs = pool_->layout().block_size;
+  for (const SeqChunk& c : batch) {
+    const size_t end = c.start_pos + c.tokens.size();
+    if (c.tokens.empty() || (end + bs - 1) / bs > c.block_table.size()) continue;
+    if (c.start_pos > 0) __builtin_prefetch(Slot(c.block_table, c.start_pos - 1), 0);
+    __builtin_prefetch(Slot(c.block_table, c.start_pos), 1);
+  }
   for (const SeqChunk& c : batch) {
     if (c.tokens.empty()) continue;
     const uint32_t end = c.start_pos + static_cast<uint32_t>(c.tokens.size());

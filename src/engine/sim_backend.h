@@ -86,7 +86,11 @@ class SimBackend final : public ComputeBackend {
   model::ModelConfig config_;
   const sim::TimingModel& timing_;
   KvPool* pool_;
-  std::vector<uint32_t> allowed_;  // token ids the backend may emit
+  // The ids the backend may emit are [0, vocab) but these (eos, bos),
+  // ascending: TokenFor maps an index among the allowed ids to its id with
+  // no vocabulary-sized table (a cache miss per token after a step's sleep).
+  std::vector<uint32_t> excluded_;
+  uint32_t num_allowed_ = 0;
   std::vector<sim::SeqWork> work_;
   std::vector<uint32_t> hot_;  // the last Forward's hot token per logits row
   double last_step_seconds_ = 0;

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <map>
 
+#include "common/splitmix.h"
 #include "engine/engine.h"
 #include "model/model_config.h"
 
@@ -105,6 +106,42 @@ TEST(SimSetup, GeometryAndCapacityFromTheSimulatedDevice) {
   big.tensor_parallel = 2;
   big.profile = "H200";
   EXPECT_TRUE(PrepareSim(big, Tokenizer(), 16).ok());
+}
+
+// The tokens are pinned to the sim's definition: token = the allowed ids
+// (the vocabulary less eos and bos, ascending) indexed by SplitMix64 of the
+// running hash modulo their count; the running hash chains over the prompt
+// and every output token. Computed here from that definition alone.
+TEST(SimBackend, TokensFollowTheRunningHashDefinition) {
+  const SimSetup s = MakeSetup();
+  const sim::TimingModel fast = Instant();
+  const model::ModelConfig& mc = s.storage_config;
+  std::vector<uint32_t> allowed;
+  for (uint32_t id = 0; id < mc.vocab_size; ++id) {
+    const bool eos = std::find(mc.eos_token_ids.begin(), mc.eos_token_ids.end(), id) !=
+                     mc.eos_token_ids.end();
+    const bool bos = mc.bos_token_id >= 0 && id == static_cast<uint32_t>(mc.bos_token_id);
+    if (!eos && !bos) allowed.push_back(id);
+  }
+  ASSERT_LT(allowed.size(), mc.vocab_size);  // some ids are excluded
+  std::map<std::string, Outcome> runs;
+  auto e = MakeSimEngine(s, &fast);
+  for (uint32_t r = 0; r < 4; ++r) {
+    const std::vector<uint32_t> prompt = Prompt(17 + 9 * r, 100 + r);
+    const std::string id = "p" + std::to_string(r);
+    ASSERT_TRUE(e->Submit(Req(id, prompt, 40, &runs)).ok());
+    e->RunUntilIdle();
+    uint64_t h = kSimHashSeed;
+    uint32_t pos = 0;
+    for (uint32_t t : prompt) h = SimHashStep(h, t, pos++);
+    std::vector<uint32_t> want;
+    for (uint32_t k = 0; k < 40; ++k) {
+      const uint32_t t = allowed[SplitMix64(h) % allowed.size()];
+      want.push_back(t);
+      h = SimHashStep(h, t, pos++);
+    }
+    EXPECT_EQ(runs[id].tokens, want) << id;
+  }
 }
 
 TEST(SimBackend, SameRequestSameTokensAloneBatchedChunkedCached) {
