@@ -71,6 +71,13 @@ class Silent final : public FrameSession {
   void OnClosed(const Status&) override {}
 };
 
+// A listener with the identity `pem` whose sessions answer nothing.
+std::unique_ptr<FrameServer> SilentListener(const TlsPem& pem) {
+  return frame_testing::Listen(Tls(pem), [](const std::shared_ptr<FrameConn>&) {
+    return std::make_shared<Silent>();
+  });
+}
+
 class ReserveTcpTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -173,8 +180,7 @@ TEST_F(ReserveTcpTest, TheDecodersRefusalsKeepTheirStatus) {
 }
 
 TEST_F(ReserveTcpTest, ADeadlineEndsTheCallWhenTheDecoderDoesNotAnswer) {
-  auto silent = frame_testing::Listen(Tls(Identity(ca_, "decode-1")),
-                                      [](const std::shared_ptr<FrameConn>&) { return std::make_shared<Silent>(); });
+  auto silent = SilentListener(Identity(ca_, "decode-1"));
   ASSERT_NE(silent, nullptr);
   PrefillJob job = Job("a", Prompt(20, 6), silent->address());
   job.deadline = std::chrono::system_clock::now() + 300ms;
@@ -184,8 +190,7 @@ TEST_F(ReserveTcpTest, ADeadlineEndsTheCallWhenTheDecoderDoesNotAnswer) {
 }
 
 TEST_F(ReserveTcpTest, ABrokenConnectionEndsItsCallsAndTheNextCallDialsAgain) {
-  auto silent = frame_testing::Listen(Tls(Identity(ca_, "decode-1")),
-                                      [](const std::shared_ptr<FrameConn>&) { return std::make_shared<Silent>(); });
+  auto silent = SilentListener(Identity(ca_, "decode-1"));
   ASSERT_NE(silent, nullptr);
   const std::string address = silent->address();
   Outcome a, b;
@@ -223,9 +228,7 @@ TEST_F(ReserveTcpTest, TheLinkKeepsNoEntryForADecoderThatWentAway) {
   const auto prompt = Prompt(20, 12);
   Register("a", prompt);
   ASSERT_TRUE(Call(Job("a", prompt, server_->address())).ok());
-  auto gone = frame_testing::Listen(Tls(Identity(ca_, "decode-1")), [](const std::shared_ptr<FrameConn>&) {
-    return std::make_shared<Silent>();
-  });
+  auto gone = SilentListener(Identity(ca_, "decode-1"));
   ASSERT_NE(gone, nullptr);
   Outcome lost;
   link_->Reserve(Job("b", Prompt(20, 13), gone->address()), "prefill-0", lost.Done());
@@ -235,9 +238,7 @@ TEST_F(ReserveTcpTest, TheLinkKeepsNoEntryForADecoderThatWentAway) {
   EXPECT_EQ(lost.Get().status().code(), StatusCode::kUnavailable);
   ASSERT_TRUE(WaitFor([&] { return prefiller::TcpDecoderLinkEntries(*link_).ended == 1; }));
   // A new decoder: dialling it drops the ended entry.
-  auto next = frame_testing::Listen(Tls(Identity(ca_, "decode-2")), [](const std::shared_ptr<FrameConn>&) {
-    return std::make_shared<Silent>();
-  });
+  auto next = SilentListener(Identity(ca_, "decode-2"));
   ASSERT_NE(next, nullptr);
   Outcome pending;
   link_->Reserve(Job("c", Prompt(20, 14), next->address()), "prefill-0", pending.Done());
@@ -308,8 +309,7 @@ TEST_F(ReserveTcpTest, APeerWithoutAFleetClientCertificateIsRefused) {
   EXPECT_EQ(server_->accepted(), 0u);
   EXPECT_EQ(Reservations(), 0u);  // nothing reached the decoder
   // A server without a fleet certificate is refused by the prefiller.
-  auto impostor = frame_testing::Listen(Tls(frame_testing::Stranger(ca_, "impostor")),
-                                        [](const std::shared_ptr<FrameConn>&) { return std::make_shared<Silent>(); });
+  auto impostor = SilentListener(frame_testing::Stranger(ca_, "impostor"));
   ASSERT_NE(impostor, nullptr);
   auto r = Call(Job("a", prompt, impostor->address()));
   EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().ToString();
