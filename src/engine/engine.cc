@@ -152,10 +152,6 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
     allocator = e->own_allocator_.get();
   }
   TANDEM_ASSIGN_OR_RETURN(e->pool_, KvPool::Create(layout, o.num_blocks, *allocator));
-  if (o.prefault_kv_pool) {
-    TANDEM_RETURN_IF_ERROR(PrefaultMemory(
-        {reinterpret_cast<std::byte*>(e->pool_->base()), e->pool_->size_bytes()}));
-  }
   if (o.backend == "sim") {
     if (o.sim_timing == nullptr) {
       return InvalidArgumentError(
@@ -190,6 +186,12 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
   } else {
     TANDEM_ASSIGN_OR_RETURN(e->backend_, CreateBackend(o.backend, config, weights, e->pool_.get(),
                                                        static_cast<int>(o.threads)));
+  }
+  // Only a pool the backend computes in: the cuda backend keeps its KV in
+  // device memory and reads this host pool's geometry only.
+  if (o.prefault_kv_pool && e->backend_->Supports(BackendFeature::kHostKvPool)) {
+    TANDEM_RETURN_IF_ERROR(PrefaultMemory(
+        {reinterpret_cast<std::byte*>(e->pool_->base()), e->pool_->size_bytes()}));
   }
   uint64_t epoch = o.epoch;
   if (epoch == 0) {
