@@ -1,7 +1,7 @@
 // `tandem bench proxy`: the serving path's own CPU cost (issue 23). Drives a
 // sim fleet (launched here, or a running one) with the public gRPC API and
-// charges the proxy's and the decoder's CPU time (utime + stime from
-// /proc/PID/stat) to the tokens and prompts they served. CPU time, not wall
+// charges the proxy's and the decoder's CPU time (their CPU clocks, in ns:
+// cli/proc_stats.h) to the tokens and prompts they served. CPU time, not wall
 // time, so the result holds on a loaded machine. Docs: docs/bench-serve.md,
 // "tandem bench proxy".
 #include <fmt/format.h>
@@ -377,7 +377,7 @@ int RunProxyBench(const ProxyBenchArgs& a) {
         }
         for (const FloorRow& r : *rows) {
           const double tok = double(r.tokens);
-          const bool grpc = r.name != "floor-tcp";
+          const bool grpc = r.grpc;  // the raw TCP rows have no client ITL
           std::cout << fmt::format(
               "{:<11} {:>1} {:>6} {:>6} {:>4} {:>8} {:>7.1f} {:>9.3f} {:>11.2f} {:>11.3f} {:>10} "
               "{:>9.2f} {:>9.2f} {:>9.2f} {:>5.1f}\n",
