@@ -24,8 +24,14 @@ class DecodeMux::Request final : public Call {
   // token callback. Cache-cold after a decode step; loaded for the whole
   // batch at once, the misses overlap instead of following one another.
   void Prefetch() const {
-    __builtin_prefetch(reinterpret_cast<const char*>(this) - 16, 1);
-    __builtin_prefetch(&events_.on_tokens);
+    const char* from = reinterpret_cast<const char*>(this) - 16;
+    const char* to = reinterpret_cast<const char*>(&events_.on_tokens + 1);
+    HotBytes{from, static_cast<uint32_t>(to - from)}.Prefetch();
+  }
+  // Then what its token callback reads first (DecodeEvents::hot), once
+  // Prefetch's lines are on their way.
+  void PrefetchReceiver() const {
+    for (const HotBytes& h : events_.hot) h.Prefetch();
   }
 
   void Cancel() override {
@@ -57,7 +63,7 @@ class DecodeMux::Request final : public Call {
   }
 
  private:
-  // What a token item reads first (done_, then events_.on_tokens).
+  // What a token item reads first (done_, events_.hot, events_.on_tokens).
   std::atomic<bool> done_{false};
   const uint64_t handle_;
   const std::weak_ptr<DecodeMux> mux_;
@@ -118,6 +124,10 @@ void DecodeMux::Deliver(std::span<const DecodeItem> items) {
     std::lock_guard lock(mu_);
     for (const DecodeItem& item : items) {
       if (std::shared_ptr<Request>* req = requests_.Find(item.handle)) (*req)->Prefetch();
+    }
+    for (const DecodeItem& item : items) {
+      if (item.token_ids.empty()) continue;
+      if (std::shared_ptr<Request>* req = requests_.Find(item.handle)) (*req)->PrefetchReceiver();
     }
     for (const DecodeItem& item : items) {
       if (item.end != DecodeItem::End::kNone) {  // its last item: the handle is over

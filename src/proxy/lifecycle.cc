@@ -163,6 +163,14 @@ void RequestLifecycle::Launch() {
   if (req_.trace.sampled) args.traceparent = tracing::FormatTraceparent(req_.trace);
   std::weak_ptr<RequestLifecycle> weak = weak_from_this();
   DecodeEvents ev;
+  // What a token reads first: the reference count and deps_ (make_shared
+  // puts the count just before the object), the per-token members, and
+  // what the sink reads.
+  ev.hot[0] = {reinterpret_cast<const char*>(this) - 16, 64};
+  ev.hot[1] = {&mu_, static_cast<uint32_t>(reinterpret_cast<const char*>(&sink_.on_delta + 1) -
+                                           reinterpret_cast<const char*>(&mu_))};
+  ev.hot[2] = sink_.hot[0];
+  ev.hot[3] = sink_.hot[1];
   ev.on_registered = [weak, attempt] {
     if (auto s = weak.lock()) s->OnRegistered(attempt);
   };

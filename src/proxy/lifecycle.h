@@ -53,6 +53,9 @@ struct ResponseSink {
   std::function<void(std::span<const uint32_t> token_ids, std::string_view text)> on_delta;
   std::function<void(Finish reason, Usage usage)> on_finish;  // last call on success
   std::function<void(Status status)> on_error;                // last call on failure
+  // Optional: what on_delta reads first (worker_client.h HotBytes); the
+  // decode stream's reader prefetches it with the batch.
+  std::array<HotBytes, 2> hot{};
 };
 
 struct LifecycleDeps {

@@ -6,6 +6,7 @@
 // callback threads, one at a time per call, and must not block.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -59,7 +60,26 @@ struct DecodeArgs {
   bool prompt_fixed32 = false;
 };
 
+// Memory a callback reads first (issue 23, mux-deliver): a caller that
+// hands a batch of events to many receivers (the decode stream's reader)
+// prefetches it for the whole batch before the first call, so that the
+// receivers' cache misses overlap instead of following one another. Only
+// ever prefetched, never read: a stale address costs nothing.
+struct HotBytes {
+  const void* addr = nullptr;
+  uint32_t bytes = 0;  // 0: none
+
+  // Prefetches the lines (at most kMaxBytes), for writing.
+  static constexpr uint32_t kMaxBytes = 512;
+  void Prefetch() const {
+    const char* p = static_cast<const char*>(addr);
+    for (uint32_t off = 0; off < bytes && off < kMaxBytes; off += 64) __builtin_prefetch(p + off, 1);
+  }
+};
+
 struct DecodeEvents {
+  // Optional: what on_tokens reads first (its receiver's state).
+  std::array<HotBytes, 4> hot{};
   std::function<void()> on_registered;
   // `first_index`: index in the completion of ids[0]. `ids` is valid during
   // the call only (a view of the message read: no copy per delivery).

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <condition_variable>
+#include <memory>
 #include <mutex>
 
 #include "common/frame_server.h"
@@ -137,6 +138,13 @@ TEST_P(DecodeMuxTcpClientTest, EventsCancelAndABrokenConnection) {
 
   Seen done;
   DecodeEvents e1 = done.Events();
+  // The receiver's hot bytes are only prefetched, never read: freed
+  // memory, a range past HotBytes::kMaxBytes and none change nothing.
+  {
+    auto freed = std::make_unique<char[]>(256);
+    e1.hot[0] = {freed.get(), 256};
+  }
+  e1.hot[1] = {&done, 1u << 20};
   ASSERT_NE(mux->Start(Args(1), e1), nullptr);
   ASSERT_TRUE(done.WaitEnd());
   EXPECT_TRUE(done.registered);

@@ -186,6 +186,7 @@ class LifecycleTest : public ::testing::Test {
       c.usage = u;
     };
     sink.on_error = [&c](Status s) { c.error = s; };
+    sink.hot = sink_hot_;
     return RequestLifecycle::Start(deps, req, sink, std::chrono::system_clock::time_point::max());
   }
 
@@ -196,6 +197,7 @@ class LifecycleTest : public ::testing::Test {
   uint32_t max_tokens_ = 64;
   std::function<void(std::function<void()>)> defer_launch_;
   ProxyMetrics* metrics_ = nullptr;
+  std::array<HotBytes, 2> sink_hot_{};  // the sink's HotBytes
 };
 
 // Workers that answer only when the test says so.
@@ -249,6 +251,35 @@ TEST_F(LifecycleTest, CallsThatEndedAreNotCancelledAtTheEnd) {
     EXPECT_FALSE(held.prefill_call->cancelled);
   }
   client_ = nullptr;
+}
+
+// The decode call names what its token callback reads first, for the
+// decode stream's reader to prefetch with the batch (DecodeEvents::hot):
+// the lifecycle's own state, inside the object, and what its sink reads.
+TEST_F(LifecycleTest, TheDecodeCallNamesWhatItsTokensReadFirst) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  HeldWorkers held;
+  client_ = &held;
+  const char outbox[100] = {};
+  sink_hot_ = {HotBytes{outbox, 8}, HotBytes{outbox + 50, 50}};
+  Collected c;
+  auto lifecycle = Run(c);
+  const auto* begin = reinterpret_cast<const char*>(lifecycle.get());
+  const auto* end = begin + sizeof(RequestLifecycle);
+  const auto* state = static_cast<const char*>(held.events.hot[1].addr);
+  EXPECT_GE(state, begin);
+  EXPECT_GT(held.events.hot[1].bytes, 0u);
+  EXPECT_LE(held.events.hot[1].bytes, HotBytes::kMaxBytes);
+  EXPECT_LE(state + held.events.hot[1].bytes, end);
+  EXPECT_EQ(static_cast<const char*>(held.events.hot[0].addr) + 16, begin);
+  EXPECT_EQ(held.events.hot[2].addr, outbox);
+  EXPECT_EQ(held.events.hot[2].bytes, 8u);
+  EXPECT_EQ(held.events.hot[3].addr, outbox + 50);
+  EXPECT_EQ(held.events.hot[3].bytes, 50u);
+  lifecycle->Cancel();
+  client_ = nullptr;
+  sink_hot_ = {};
 }
 
 // Every route puts its prompt's uncached tokens on the prefilling worker's
