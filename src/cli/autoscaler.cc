@@ -32,6 +32,16 @@ std::optional<uint32_t> DesiredWorkers(const std::string& metrics_text, const st
   return std::nullopt;
 }
 
+std::optional<uint32_t> DesiredAcrossReplicas(const std::vector<std::string>& metrics_texts,
+                                              const std::string& role) {
+  std::optional<uint32_t> most;
+  for (const auto& text : metrics_texts) {
+    const auto d = DesiredWorkers(text, role);
+    if (d && *d > 0 && (!most || *d > *most)) most = d;
+  }
+  return most;
+}
+
 Result<std::string> FetchMetrics(const std::string& address) {
   TANDEM_ASSIGN_OR_RETURN(HostPort hp, ParseHostPort(address));
   sockaddr_in sa{};
@@ -69,7 +79,7 @@ Result<std::string> FetchMetrics(const std::string& address) {
   return resp.substr(body + 4);
 }
 
-Autoscaler::Autoscaler(const AutoscaleConfig& config, std::string proxy_metrics,
+Autoscaler::Autoscaler(const AutoscaleConfig& config, std::vector<std::string> proxy_metrics,
                        Supervisor* supervisor, StartWorker start,
                        std::map<std::string, uint32_t> next_index)
     : config_(config),
@@ -88,11 +98,20 @@ uint32_t Autoscaler::Serving(const std::string& role) const {
 }
 
 bool Autoscaler::Poll() {
-  auto text = FetchMetrics(proxy_metrics_);
-  if (!text.ok()) {
+  std::vector<std::string> texts;
+  std::string unreachable;
+  for (const auto& address : proxy_metrics_) {
+    auto text = FetchMetrics(address);
+    if (text.ok()) {
+      texts.push_back(std::move(*text));
+    } else {
+      unreachable += fmt::format("{}{}", unreachable.empty() ? "" : "; ", text.status().message());
+    }
+  }
+  if (texts.empty()) {
     if (!warned_unreachable_) {
-      spdlog::warn("autoscale: cannot read the planner ({}); the fleet stays as it is",
-                   text.status().message());
+      spdlog::warn("autoscale: cannot read any proxy's planner ({}); the fleet stays as it is",
+                   unreachable);
       warned_unreachable_ = true;
     }
     return false;
@@ -101,8 +120,8 @@ bool Autoscaler::Poll() {
   bool changed = false;
   for (auto [role, bounds] : {std::pair{"decode", &config_.decode},
                               std::pair{"prefill", &config_.prefill}}) {
-    const auto desired = DesiredWorkers(*text, role);
-    if (!desired || *desired == 0) continue;  // the proxy's planner is off or not there yet
+    const auto desired = DesiredAcrossReplicas(texts, role);
+    if (!desired) continue;  // the proxies' planners are off or not there yet
     changed = Follow(role, *bounds, *desired) || changed;
   }
   return changed;

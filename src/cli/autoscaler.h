@@ -1,7 +1,10 @@
 // `tandem launch` with autoscale.enabled (docs/scheduling.md, "Autoscaling"):
 // every autoscale.interval_s the launcher reads
-// tandem_planner_desired_workers{role} from the proxy's /metrics (the same
-// series a Prometheus/HPA reads; no extra RPC) and follows it:
+// tandem_planner_desired_workers{role} from every proxy replica's /metrics
+// (the same series a Prometheus/HPA reads; no extra RPC) and follows the
+// largest value among the replicas it can read (so one replica that sees
+// pressure scales the fleet up, it scales down only when every replica
+// agrees, and a replica that is down stops nothing):
 //   fewer live workers of a role than desired → starts one more (named
 //     ROLE-N, N continuing after the fleet file's replicas), waiting for it
 //     to be ready as at launch;
@@ -21,6 +24,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "cli/supervisor.h"
 #include "common/config.h"
@@ -32,6 +36,12 @@ namespace tandem::cli {
 // text; nullopt when absent.
 std::optional<uint32_t> DesiredWorkers(const std::string& metrics_text, const std::string& role);
 
+// The largest non-zero tandem_planner_desired_workers{role} among the
+// replicas' metrics texts (0 or absent: that replica's planner is off or
+// has not decided yet); nullopt when none has a number.
+std::optional<uint32_t> DesiredAcrossReplicas(const std::vector<std::string>& metrics_texts,
+                                              const std::string& role);
+
 // GET http://ADDRESS/metrics with a short timeout (plain HTTP, loopback or
 // cluster-internal: the proxy's metrics listener).
 Result<std::string> FetchMetrics(const std::string& address);
@@ -42,10 +52,12 @@ class Autoscaler {
   // own start, so it gets the same flags, TLS identity and --join).
   using StartWorker = std::function<Status(const std::string& role, uint32_t index)>;
 
-  // `next_index`: per role, the index of the next worker to start (the
-  // fleet file's replicas).
-  Autoscaler(const AutoscaleConfig& config, std::string proxy_metrics, Supervisor* supervisor,
-             StartWorker start, std::map<std::string, uint32_t> next_index);
+  // `proxy_metrics`: every proxy replica's metrics address (a restarted
+  // replica keeps its own). `next_index`: per role, the index of the next
+  // worker to start (the fleet file's replicas).
+  Autoscaler(const AutoscaleConfig& config, std::vector<std::string> proxy_metrics,
+             Supervisor* supervisor, StartWorker start,
+             std::map<std::string, uint32_t> next_index);
 
   // One poll: read the desired counts and start or drain at most one
   // worker per role. Returns true when the set of serving workers changed
@@ -59,7 +71,7 @@ class Autoscaler {
   bool Follow(const std::string& role, const AutoscaleRoleConfig& bounds, uint32_t desired);
 
   const AutoscaleConfig config_;
-  const std::string proxy_metrics_;
+  const std::vector<std::string> proxy_metrics_;
   Supervisor* const sup_;
   const StartWorker start_;
   std::map<std::string, uint32_t> next_index_;

@@ -1,7 +1,7 @@
 // `tandem bench proxy`: the serving path's own CPU cost (issue 23). Drives a
 // sim fleet (launched here, or a running one) with the public gRPC API and
-// charges the proxy's and the decoder's CPU time (utime + stime from
-// /proc/PID/stat) to the tokens and prompts they served. CPU time, not wall
+// charges the proxy's and the decoder's CPU time (their CPU clocks, in ns:
+// cli/proc_stats.h) to the tokens and prompts they served. CPU time, not wall
 // time, so the result holds on a loaded machine. Docs: docs/bench-serve.md,
 // "tandem bench proxy".
 #include <fmt/format.h>

@@ -455,15 +455,17 @@ int RunLaunch(const std::string& config_path, const std::string& state_file,
           return c.spec.role != "proxy" && c.alive && !c.draining && c.spec.rank == 0;
         }));
   };
-  // docs/scheduling.md, "Autoscaling": follow the planner of proxy 0 (the
-  // first replica; a restarted one keeps its metrics address).
+  // docs/scheduling.md, "Autoscaling": follow the largest count the
+  // replicas' planners want (a restarted replica keeps its metrics address).
   std::unique_ptr<Autoscaler> scaler;
   // Without the autoscaler: a second's poll keeps the state file current
   // when a worker (or one rank of its group) exits.
   auto poll = std::chrono::milliseconds(1000);
   if (cfg->autoscale.enabled) {
-    scaler = std::make_unique<Autoscaler>(cfg->autoscale, proxies[0].child->metrics, &sup,
-                                          start_worker, started);
+    std::vector<std::string> metrics;
+    for (const auto& p : proxies) metrics.push_back(p.child->metrics);
+    scaler = std::make_unique<Autoscaler>(cfg->autoscale, std::move(metrics), &sup, start_worker,
+                                          started);
     poll = std::chrono::milliseconds(static_cast<int64_t>(cfg->autoscale.interval_s * 1000));
   }
   int sig = 0;
