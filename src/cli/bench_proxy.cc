@@ -377,7 +377,7 @@ int RunProxyBench(const ProxyBenchArgs& a) {
         }
         for (const FloorRow& r : *rows) {
           const double tok = double(r.tokens);
-          const bool grpc = r.name != "floor-tcp";
+          const bool grpc = r.grpc;  // the raw TCP rows have no client ITL
           std::cout << fmt::format(
               "{:<11} {:>1} {:>6} {:>6} {:>4} {:>8} {:>7.1f} {:>9.3f} {:>11.2f} {:>11.3f} {:>10} "
               "{:>9.2f} {:>9.2f} {:>9.2f} {:>5.1f}\n",

@@ -28,6 +28,7 @@
 #include <sstream>
 #include <thread>
 
+#include "cli/bench_proxy_floor_step.h"
 #include "cli/proc_stats.h"
 #include "common/stream_writer.h"
 #include "common/token_merge.h"
@@ -301,14 +302,8 @@ int ServeAsync(Service& service, grpc::ServerCompletionQueue* cq, double step_ms
 // round-robin over the connections, `messages` in all; then closes them.
 int ServeTcp(int listen_fd, uint32_t connections, uint32_t streams, uint64_t messages,
              uint32_t bytes, double step_ms) {
-  std::vector<int> fds;
-  while (fds.size() < connections) {
-    const int fd = accept(listen_fd, nullptr, nullptr);
-    if (fd < 0) return 1;
-    const int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    fds.push_back(fd);
-  }
+  const std::vector<int> fds = floor_detail::AcceptNoDelay(listen_fd, connections);
+  if (fds.empty()) return 1;
   const std::string buf(bytes, 'x');
   const auto step = std::chrono::microseconds(int64_t(step_ms * 1000));
   auto next = Clock::now();
@@ -336,7 +331,7 @@ struct ServerArgs {
 
 int RunFloorServer(const ServerArgs& a) {
   prctl(PR_SET_PDEATHSIG, SIGKILL);
-  if (a.mode == "tcp") {
+  if (a.mode == "tcp" || a.mode == "step" || a.mode == "step-ack") {
     const int fd = socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
@@ -348,7 +343,10 @@ int RunFloorServer(const ServerArgs& a) {
       return 1;
     }
     std::cout << "PORT " << ntohs(addr.sin_port) << std::endl;
-    return ServeTcp(fd, a.connections, a.streams, a.messages, a.bytes, a.step_ms);
+    if (a.mode == "tcp") {
+      return ServeTcp(fd, a.connections, a.streams, a.messages, a.bytes, a.step_ms);
+    }
+    return ServeStepFloor(fd, a.connections, a.streams, a.messages, a.bytes, a.mode == "step-ack");
   }
   grpc::ServerBuilder builder;
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
@@ -381,16 +379,95 @@ int RunFloorServer(const ServerArgs& a) {
     std::cout << "PORT " << port << std::endl;
     return ServeAsync(service, cq.get(), a.step_ms);
   }
-  std::cerr << "proxy-floor-server: --mode must be callback, async, async-cb or tcp\n";
+  std::cerr << "proxy-floor-server: --mode must be callback, async, async-cb, tcp, step or "
+               "step-ack\n";
   return 2;
 }
 
 // ------------------------------------------------------------------ parent
 
-struct Child {
-  pid_t pid = -1;
-  int port = 0;
-};
+using floor_detail::Child;
+using floor_detail::SpawnServer;
+using floor_detail::StopChild;
+
+Result<FloorRow> RunGrpcFloor(const std::string& self, const std::string& mode,
+                              const FloorSpec& spec, const lg::ModelInfo& mi) {
+  TANDEM_ASSIGN_OR_RETURN(Child child, SpawnServer(self, {"--mode", mode, "--step-ms",
+                                                          fmt::format("{}", spec.step_ms)}));
+  FloorRow row;
+  row.name = mode == "callback" ? "floor-cb" : mode == "async" ? "floor-cq" : "floor-cq+cb";
+  {
+    auto client = lg::MakeGrpcClient({fmt::format("127.0.0.1:{}", child.port), "", 4});
+    lg::SyntheticOptions so;
+    so.input = {lg::LengthDist::Kind::kFixed, double(spec.input), 0};
+    so.output = {lg::LengthDist::Kind::kFixed, double(spec.output), 0};
+    so.seed = 1;
+    so.vocab = mi.vocab_size;
+    so.max_model_len = mi.max_model_len;
+    auto source = lg::MakeSyntheticSource(so);
+    lg::RunOptions ro;
+    ro.num_requests = spec.requests;
+    ro.duration_s = spec.duration_s;
+    ro.arrival.kind = lg::ArrivalKind::kConcurrency;
+    ro.arrival.concurrency = spec.concurrency;
+    ro.ignore_eos = true;
+    ro.model = mi.id;
+    ro.request_id_prefix = fmt::format("bench-proxy-{}-{}", getpid(), row.name);
+    ro.request_timeout = std::chrono::milliseconds(int64_t(spec.duration_s * 1000) + 60000);
+    const double cpu0 = ProcessCpuSeconds(child.pid);
+    const double load0 = LoadAverage1();
+    auto run = lg::Run(*client, *source, ro);
+    row.server_cpu_s = ProcessCpuSeconds(child.pid) - cpu0;
+    row.load1 = (load0 + LoadAverage1()) / 2;
+    if (!run.ok()) {
+      StopChild(child);
+      return run.status();
+    }
+    row.summary = lg::Summarize(run->records, {});
+    row.tokens = row.summary.output_tokens;
+    row.requests_ok = row.summary.ok;
+    row.requests_failed = row.summary.failed;
+  }
+  StopChild(child);
+  return row;
+}
+
+Result<FloorRow> RunTcpFloor(const std::string& self, const FloorSpec& spec) {
+  const uint32_t bytes = floor_detail::TokenWireBytes();
+  const uint64_t messages = uint64_t(spec.requests) * spec.output;
+  constexpr uint32_t kConnections = 4;  // as the gRPC client's channels
+  TANDEM_ASSIGN_OR_RETURN(
+      Child child,
+      SpawnServer(self, {"--mode", "tcp", "--step-ms", fmt::format("{}", spec.step_ms),
+                         "--connections", std::to_string(kConnections), "--streams",
+                         std::to_string(spec.concurrency), "--messages", std::to_string(messages),
+                         "--bytes", std::to_string(bytes)}));
+  auto fds = floor_detail::ConnectLoopback(child.port, kConnections);
+  if (!fds.ok()) {
+    StopChild(child);
+    return UnavailableError("floor-tcp: cannot connect to the floor server");
+  }
+  FloorRow row;
+  row.name = "floor-tcp";
+  row.grpc = false;
+  const double cpu0 = ProcessCpuSeconds(child.pid);
+  const double load0 = LoadAverage1();
+  const auto got = floor_detail::ReadUntilClosed(*fds, spec.duration_s, 0);
+  row.summary.duration_s = got.duration_s;
+  row.server_cpu_s = ProcessCpuSeconds(child.pid) - cpu0;
+  row.load1 = (load0 + LoadAverage1()) / 2;
+  for (int f : *fds) close(f);
+  StopChild(child);
+  row.tokens = got.bytes / bytes;
+  row.summary.output_tokens = row.tokens;
+  row.requests_ok = got.all_closed ? spec.requests : 0;
+  row.requests_failed = got.all_closed ? 0 : spec.requests;
+  return row;
+}
+
+}  // namespace
+
+namespace floor_detail {
 
 Result<Child> SpawnServer(const std::string& self, const std::vector<std::string>& args) {
   int p[2];
@@ -439,119 +516,81 @@ void StopChild(Child& c) {
   c.pid = -1;
 }
 
-Result<FloorRow> RunGrpcFloor(const std::string& self, const std::string& mode,
-                              const FloorSpec& spec, const lg::ModelInfo& mi) {
-  TANDEM_ASSIGN_OR_RETURN(Child child, SpawnServer(self, {"--mode", mode, "--step-ms",
-                                                          fmt::format("{}", spec.step_ms)}));
-  FloorRow row;
-  row.name = mode == "callback" ? "floor-cb" : mode == "async" ? "floor-cq" : "floor-cq+cb";
-  {
-    auto client = lg::MakeGrpcClient({fmt::format("127.0.0.1:{}", child.port), "", 4});
-    lg::SyntheticOptions so;
-    so.input = {lg::LengthDist::Kind::kFixed, double(spec.input), 0};
-    so.output = {lg::LengthDist::Kind::kFixed, double(spec.output), 0};
-    so.seed = 1;
-    so.vocab = mi.vocab_size;
-    so.max_model_len = mi.max_model_len;
-    auto source = lg::MakeSyntheticSource(so);
-    lg::RunOptions ro;
-    ro.num_requests = spec.requests;
-    ro.duration_s = spec.duration_s;
-    ro.arrival.kind = lg::ArrivalKind::kConcurrency;
-    ro.arrival.concurrency = spec.concurrency;
-    ro.ignore_eos = true;
-    ro.model = mi.id;
-    ro.request_id_prefix = fmt::format("bench-proxy-{}-{}", getpid(), row.name);
-    ro.request_timeout = std::chrono::milliseconds(int64_t(spec.duration_s * 1000) + 60000);
-    const double cpu0 = ProcessCpuSeconds(child.pid);
-    const double load0 = LoadAverage1();
-    auto run = lg::Run(*client, *source, ro);
-    row.server_cpu_s = ProcessCpuSeconds(child.pid) - cpu0;
-    row.load1 = (load0 + LoadAverage1()) / 2;
-    if (!run.ok()) {
-      StopChild(child);
-      return run.status();
+std::vector<int> AcceptNoDelay(int listen_fd, uint32_t n) {
+  std::vector<int> fds;
+  while (fds.size() < n) {
+    const int fd = accept(listen_fd, nullptr, nullptr);
+    if (fd < 0) {
+      for (int f : fds) close(f);
+      return {};
     }
-    row.summary = lg::Summarize(run->records, {});
-    row.tokens = row.summary.output_tokens;
-    row.requests_ok = row.summary.ok;
-    row.requests_failed = row.summary.failed;
+    const int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    fds.push_back(fd);
   }
-  StopChild(child);
-  return row;
+  return fds;
 }
 
-Result<FloorRow> RunTcpFloor(const std::string& self, const FloorSpec& spec) {
-  // The wire size of one token message as the gRPC floors send it: the
-  // protobuf, gRPC's 5-byte message prefix, HTTP/2's 9-byte DATA header.
+uint32_t TokenWireBytes() {
   pb::GenerateResponse r;
   FillToken(r, fmt::format("bench-proxy-{}-stream-{}", getpid(), 10), 0, 1);
-  const uint32_t bytes = uint32_t(r.ByteSizeLong()) + 5 + 9;
-  const uint64_t messages = uint64_t(spec.requests) * spec.output;
-  constexpr uint32_t kConnections = 4;  // as the gRPC client's channels
-  TANDEM_ASSIGN_OR_RETURN(
-      Child child,
-      SpawnServer(self, {"--mode", "tcp", "--step-ms", fmt::format("{}", spec.step_ms),
-                         "--connections", std::to_string(kConnections), "--streams",
-                         std::to_string(spec.concurrency), "--messages", std::to_string(messages),
-                         "--bytes", std::to_string(bytes)}));
-  FloorRow row;
-  row.name = "floor-tcp";
-  const int ep = epoll_create1(0);
+  return uint32_t(r.ByteSizeLong()) + 5 + 9;
+}
+
+Result<std::vector<int>> ConnectLoopback(int port, uint32_t n) {
   std::vector<int> fds;
-  for (uint32_t i = 0; i < kConnections; ++i) {
+  for (uint32_t i = 0; i < n; ++i) {
     const int fd = socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
     addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    addr.sin_port = htons(uint16_t(child.port));
+    addr.sin_port = htons(uint16_t(port));
     if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
       for (int f : fds) close(f);
       if (fd >= 0) close(fd);
-      close(ep);
-      StopChild(child);
-      return UnavailableError("floor-tcp: cannot connect to the floor server");
+      return UnavailableError(fmt::format("cannot connect to 127.0.0.1:{}", port));
     }
+    fds.push_back(fd);
+  }
+  return fds;
+}
+
+ReadResult ReadUntilClosed(const std::vector<int>& fds, double duration_s, uint32_t ack_bytes) {
+  const int ep = epoll_create1(0);
+  for (int fd : fds) {
     epoll_event ev{};
     ev.events = EPOLLIN;
     ev.data.fd = fd;
     epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev);
-    fds.push_back(fd);
   }
-  const double cpu0 = ProcessCpuSeconds(child.pid);
-  const double load0 = LoadAverage1();
+  ReadResult r;
   const auto t0 = Clock::now();
-  uint64_t received = 0;
+  const auto until = t0 + std::chrono::milliseconds(int64_t(duration_s * 1000));
   size_t open = fds.size();
-  const auto until = t0 + std::chrono::milliseconds(int64_t(spec.duration_s * 1000));
   std::vector<char> buf(1 << 16);
+  const std::string ack(ack_bytes, '\0');
   while (open > 0 && Clock::now() < until) {
     epoll_event evs[8];
     const int n = epoll_wait(ep, evs, 8, 1000);
     for (int i = 0; i < n; ++i) {
-      const ssize_t got = read(evs[i].data.fd, buf.data(), buf.size());
+      const int fd = evs[i].data.fd;
+      const ssize_t got = read(fd, buf.data(), buf.size());
       if (got > 0) {
-        received += uint64_t(got);
+        r.bytes += uint64_t(got);
+        if (ack_bytes > 0) send(fd, ack.data(), ack.size(), MSG_NOSIGNAL);
       } else {
-        epoll_ctl(ep, EPOLL_CTL_DEL, evs[i].data.fd, nullptr);
+        epoll_ctl(ep, EPOLL_CTL_DEL, fd, nullptr);
         --open;
       }
     }
   }
-  row.summary.duration_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  row.server_cpu_s = ProcessCpuSeconds(child.pid) - cpu0;
-  row.load1 = (load0 + LoadAverage1()) / 2;
-  for (int f : fds) close(f);
+  r.duration_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  r.all_closed = open == 0;
   close(ep);
-  StopChild(child);
-  row.tokens = received / bytes;
-  row.summary.output_tokens = row.tokens;
-  row.requests_ok = open == 0 ? spec.requests : 0;
-  row.requests_failed = open == 0 ? 0 : spec.requests;
-  return row;
+  return r;
 }
 
-}  // namespace
+}  // namespace floor_detail
 
 Result<std::vector<FloorRow>> RunProxyFloors(const std::string& self, const FloorSpec& spec,
                                              const lg::ModelInfo& model) {
@@ -562,6 +601,10 @@ Result<std::vector<FloorRow>> RunProxyFloors(const std::string& self, const Floo
   }
   TANDEM_ASSIGN_OR_RETURN(FloorRow t, RunTcpFloor(self, spec));
   rows.push_back(std::move(t));
+  for (const bool ack : {false, true}) {
+    TANDEM_ASSIGN_OR_RETURN(FloorRow r, RunStepFloor(self, spec, ack));
+    rows.push_back(std::move(r));
+  }
   return rows;
 }
 
@@ -570,12 +613,12 @@ void RegisterBenchProxyFloorServer(CLI::App& bench, int& exit_code) {
                                    "a floor server of tandem bench proxy (internal)");
   cmd->group("");  // hidden
   auto a = std::make_shared<ServerArgs>();
-  cmd->add_option("--mode", a->mode, "callback, async, async-cb or tcp");
-  cmd->add_option("--step-ms", a->step_ms, "one token per stream per step");
-  cmd->add_option("--connections", a->connections, "tcp: connections to accept");
-  cmd->add_option("--streams", a->streams, "tcp: messages per step");
-  cmd->add_option("--messages", a->messages, "tcp: messages in all");
-  cmd->add_option("--bytes", a->bytes, "tcp: bytes per message");
+  cmd->add_option("--mode", a->mode, "callback, async, async-cb, tcp, step or step-ack");
+  cmd->add_option("--step-ms", a->step_ms, "one token per stream per step (step: the feeder's)");
+  cmd->add_option("--connections", a->connections, "tcp, step: client connections to accept");
+  cmd->add_option("--streams", a->streams, "tcp, step: messages per step");
+  cmd->add_option("--messages", a->messages, "tcp, step: messages in all");
+  cmd->add_option("--bytes", a->bytes, "tcp, step: bytes per message");
   cmd->callback([a, &exit_code] { exit_code = RunFloorServer(*a); });
 }
 

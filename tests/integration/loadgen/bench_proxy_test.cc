@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -165,8 +166,9 @@ TEST(BenchProxy, PromptFloorCallsABareServerOverEveryChannel) {
   EXPECT_NE(r.out.find("\npfloor "), std::string::npos) << r.out;
 }
 
-// floor: each bare server (callback, async, async + callback, raw TCP) in
-// its own process streams every token of every request to the client.
+// floor: each bare server (callback, async, async + callback, raw TCP per
+// token, raw TCP per step with and without the clients' acks) in its own
+// process streams every token of every request to the client.
 TEST(BenchProxy, FloorServersStreamEveryToken) {
   if (!fs::exists(BundledModel() + "/model.safetensors")) GTEST_SKIP() << "bundled model missing";
   auto fleet = Fleet::Launch(FleetOptions{});
@@ -182,9 +184,10 @@ TEST(BenchProxy, FloorServersStreamEveryToken) {
   const auto j = nlohmann::json::parse(in, nullptr, false);
   fs::remove(json_path);
   ASSERT_TRUE(j.is_array()) << r.out;
-  ASSERT_EQ(j.size(), 4u) << j.dump();
-  const char* rows[] = {"floor-cb", "floor-cq", "floor-cq+cb", "floor-tcp"};
-  for (size_t i = 0; i < 4; ++i) {
+  const char* rows[] = {"floor-cb",  "floor-cq",   "floor-cq+cb",
+                        "floor-tcp", "floor-step", "floor-step+ack"};
+  ASSERT_EQ(j.size(), std::size(rows)) << j.dump();
+  for (size_t i = 0; i < std::size(rows); ++i) {
     const auto& w = j[i];
     SCOPED_TRACE(w.dump());
     EXPECT_EQ(w["workload"], rows[i]);
@@ -193,7 +196,37 @@ TEST(BenchProxy, FloorServersStreamEveryToken) {
     EXPECT_EQ(w["output_tokens"], 3 * 20);
     EXPECT_EQ(w["floor_step_ms"], 2.0);
     EXPECT_GE(w["cpu_s"]["floor_server"].get<double>(), 0.0);
+    EXPECT_NE(r.out.find(fmt::format("\n{} ", rows[i])), std::string::npos) << r.out;
   }
+}
+
+// floor-step with more streams than connections, and a last step with fewer
+// tokens than streams (3 x 7 tokens over 5 streams: 21 = 4 x 5 + 1): every
+// token arrives once, in whole messages.
+TEST(BenchProxy, FloorStepCountsEveryTokenOfAPartialLastStep) {
+  if (!fs::exists(BundledModel() + "/model.safetensors")) GTEST_SKIP() << "bundled model missing";
+  auto fleet = Fleet::Launch(FleetOptions{});
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  const std::string json_path = TempPath("stepfloor.json"), err = TempPath("err5");
+  auto r = BenchProxy("--state-file " + (*fleet)->state_path() +
+                          " --workloads floor --floor-requests 3 --stream-concurrency 5"
+                          " --stream-output 7 --floor-step-ms 1 --json " + json_path,
+                      err);
+  fs::remove(err);
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  std::ifstream in(json_path);
+  const auto j = nlohmann::json::parse(in, nullptr, false);
+  fs::remove(json_path);
+  ASSERT_TRUE(j.is_array()) << r.out;
+  size_t seen = 0;
+  for (const auto& w : j) {
+    if (w["workload"] != "floor-step" && w["workload"] != "floor-step+ack") continue;
+    SCOPED_TRACE(w.dump());
+    ++seen;
+    EXPECT_EQ(w["requests_ok"], 3);
+    EXPECT_EQ(w["output_tokens"], 3 * 7);
+  }
+  EXPECT_EQ(seen, 2u) << j.dump();
 }
 
 }  // namespace
