@@ -29,6 +29,17 @@ std::string IncrementalDetokenizer::Push(uint32_t id) {
 }
 
 void IncrementalDetokenizer::PushTo(uint32_t id, std::string* out) {
+  if (table_ != nullptr && pending_.empty()) {
+    // The usual case (issue 23, mux-deliver): nothing held and an ASCII
+    // token, whole text as it is: one table entry, its bytes appended. An
+    // unknown id has no bytes (as AppendTokenBytes).
+    if (id >= table_->entries.size()) return;
+    const TokenBytesTable::Entry& e = table_->entries[id];
+    if (e.ascii) {
+      if (!(skip_special_ && e.special)) out->append(table_->Bytes(e));
+      return;
+    }
+  }
   if (pending_.empty()) {
     // Nothing held (the usual case): the token's bytes go straight to
     // `out`; only a token that is not all ASCII goes the long way, from

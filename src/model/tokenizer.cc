@@ -1,7 +1,9 @@
 // Tokenizer::Load and the byte-level BPE tokenizer behind it.
 #include "model/tokenizer.h"
 
+#include <algorithm>
 #include <filesystem>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "model/added_vocabulary.h"
@@ -125,14 +127,23 @@ class BpeTokenizer final : public Tokenizer {
     const auto& model_tokens = t->bpe_->id_to_token();
     size_t n = model_tokens.size();
     for (const auto& a : t->added_->tokens()) n = std::max<size_t>(n, a.id + 1);
-    t->id_bytes_.resize(n);
-    t->is_special_.assign(n, false);
+    std::vector<std::string> id_bytes(n);
+    std::vector<bool> is_special(n, false);
     for (size_t id = 0; id < model_tokens.size(); ++id) {
-      t->id_bytes_[id] = internal::ByteLevelDecode(model_tokens[id]);
+      id_bytes[id] = internal::ByteLevelDecode(model_tokens[id]);
     }
     for (const auto& a : t->added_->tokens()) {
-      t->id_bytes_[a.id] = internal::ByteLevelDecode(a.content);
-      t->is_special_[a.id] = a.special;
+      id_bytes[a.id] = internal::ByteLevelDecode(a.content);
+      is_special[a.id] = a.special;
+    }
+    t->table_.entries.reserve(n);
+    for (size_t id = 0; id < n; ++id) {
+      if (!t->table_.Add(id_bytes[id], is_special[id])) {
+        return InvalidArgumentError("token id " + std::to_string(id) + " has " +
+                                    std::to_string(id_bytes[id].size()) +
+                                    " bytes; the vocabulary's table takes tokens under 1 GiB and "
+                                    "at most 4 GiB of bytes in all");
+      }
     }
     for (uint32_t id : t->post_.prefix_ids) {
       if (id >= n) return InvalidArgumentError("post_processor uses unknown id " + std::to_string(id));
@@ -171,22 +182,24 @@ class BpeTokenizer final : public Tokenizer {
 
   std::string Decode(std::span<const uint32_t> ids, bool skip_special_tokens) const override {
     std::string out;
-    for (uint32_t id : ids) {
-      if (id >= id_bytes_.size() || (skip_special_tokens && is_special_[id])) continue;
-      out += id_bytes_[id];
-    }
+    for (uint32_t id : ids) AppendTokenBytes(id, skip_special_tokens, &out);
     return out;
   }
 
   std::string TokenBytes(uint32_t id) const override {
-    return id < id_bytes_.size() ? id_bytes_[id] : std::string();
+    if (id >= table_.entries.size()) return std::string();
+    return std::string(table_.Bytes(table_.entries[id]));
   }
-  bool IsSpecial(uint32_t id) const override { return id < is_special_.size() && is_special_[id]; }
+  bool IsSpecial(uint32_t id) const override {
+    return id < table_.entries.size() && table_.entries[id].special;
+  }
   void AppendTokenBytes(uint32_t id, bool skip_special, std::string* out) const override {
-    if (id >= id_bytes_.size() || (skip_special && is_special_[id])) return;
-    out->append(id_bytes_[id]);
+    if (id >= table_.entries.size()) return;
+    const TokenBytesTable::Entry& e = table_.entries[id];
+    if (!(skip_special && e.special)) out->append(table_.Bytes(e));
   }
-  uint32_t vocab_size() const override { return static_cast<uint32_t>(id_bytes_.size()); }
+  const TokenBytesTable* token_table() const override { return &table_; }
+  uint32_t vocab_size() const override { return static_cast<uint32_t>(table_.entries.size()); }
   std::optional<uint32_t> TokenToId(std::string_view token) const override {
     if (auto id = added_->FindByContent(token)) return id;
     return bpe_->TokenToId(token);
@@ -198,11 +211,26 @@ class BpeTokenizer final : public Tokenizer {
   std::unique_ptr<PreTokenizer> pre_;
   std::unique_ptr<BpeModel> bpe_;
   PostProcessor post_;
-  std::vector<std::string> id_bytes_;  // [vocab_size]
-  std::vector<bool> is_special_;       // [vocab_size]
+  TokenBytesTable table_;  // every id's bytes
 };
 
 }  // namespace
+
+bool TokenBytesTable::Add(std::string_view token_bytes, bool special) {
+  if (token_bytes.size() >= (size_t{1} << 30) ||
+      bytes.size() + token_bytes.size() > std::numeric_limits<uint32_t>::max()) {
+    return false;
+  }
+  Entry e;
+  e.offset = static_cast<uint32_t>(bytes.size());
+  e.size = static_cast<uint32_t>(token_bytes.size()) & ((1u << 30) - 1);
+  e.ascii = std::all_of(token_bytes.begin(), token_bytes.end(),
+                        [](char c) { return static_cast<uint8_t>(c) < 0x80; });
+  e.special = special;
+  entries.push_back(e);
+  bytes.append(token_bytes);
+  return true;
+}
 
 Result<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& path) {
   namespace fs = std::filesystem;

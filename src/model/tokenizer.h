@@ -28,6 +28,25 @@
 
 namespace tandem::model {
 
+// The bytes of every id in one flat table, for the streaming detokenizer's
+// per-token lookup (issue 23, mux-deliver): one 8-byte entry and the bytes
+// it points at, no virtual call, and a token that is all ASCII (most of
+// them) known to be whole text without looking at its bytes.
+struct TokenBytesTable {
+  struct Entry {
+    uint32_t offset = 0;     // into `bytes`
+    uint32_t size : 30 = 0;  // bytes of the token
+    uint32_t ascii : 1 = 0;  // every byte < 0x80 (true for an empty token)
+    uint32_t special : 1 = 0;
+  };
+  std::vector<Entry> entries;  // [vocab_size]
+  std::string bytes;           // every token's bytes, one after the other
+  std::string_view Bytes(const Entry& e) const { return {bytes.data() + e.offset, e.size}; }
+  // Appends the next id's entry; false (nothing added) when the token is
+  // 2^30 bytes or more or the table would pass 4 GiB of bytes.
+  bool Add(std::string_view token_bytes, bool special);
+};
+
 class Tokenizer {
  public:
   // `path` is a tokenizer.json file or a model directory holding one.
@@ -53,6 +72,9 @@ class Tokenizer {
   virtual void AppendTokenBytes(uint32_t id, bool skip_special, std::string* out) const {
     if (!(skip_special && IsSpecial(id))) out->append(TokenBytes(id));
   }
+  // The flat table of every id's bytes, when the tokenizer keeps one (the
+  // byte-level BPE does; it lives as long as the tokenizer); null otherwise.
+  virtual const TokenBytesTable* token_table() const { return nullptr; }
   // Largest id + 1, added tokens included (equals Hugging Face's
   // get_vocab_size(with_added_tokens=True) when ids are dense).
   virtual uint32_t vocab_size() const = 0;
@@ -64,7 +86,9 @@ class Tokenizer {
 class IncrementalDetokenizer {
  public:
   explicit IncrementalDetokenizer(const Tokenizer* tokenizer, bool skip_special_tokens = true)
-      : tokenizer_(tokenizer), skip_special_(skip_special_tokens) {}
+      : tokenizer_(tokenizer),
+        table_(tokenizer != nullptr ? tokenizer->token_table() : nullptr),
+        skip_special_(skip_special_tokens) {}
   // Text that became complete with `id` (may be empty).
   std::string Push(uint32_t id);
   // The same text, appended to *out (no allocation once warm).
@@ -74,6 +98,7 @@ class IncrementalDetokenizer {
 
  private:
   const Tokenizer* tokenizer_;
+  const TokenBytesTable* table_;  // tokenizer_'s, or null
   bool skip_special_;
   std::string pending_;
 };

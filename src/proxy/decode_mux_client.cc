@@ -17,7 +17,16 @@ namespace pb = ::tandem::v1;
 class DecodeMux::Request final : public Call {
  public:
   Request(std::weak_ptr<DecodeMux> mux, uint64_t handle, DecodeEvents events)
-      : mux_(std::move(mux)), handle_(handle), events_(std::move(events)) {}
+      : handle_(handle), mux_(std::move(mux)), events_(std::move(events)) {}
+
+  // Starts loading what Deliver reads of a token item: the reference count
+  // (make_shared's control block, just before the object), done_ and the
+  // token callback. Cache-cold after a decode step; loaded for the whole
+  // batch at once, the misses overlap instead of following one another.
+  void Prefetch() const {
+    __builtin_prefetch(reinterpret_cast<const char*>(this) - 16, 1);
+    __builtin_prefetch(&events_.on_tokens);
+  }
 
   void Cancel() override {
     if (auto m = mux_.lock()) m->CancelRequest(handle_);
@@ -48,12 +57,13 @@ class DecodeMux::Request final : public Call {
   }
 
  private:
-  const std::weak_ptr<DecodeMux> mux_;
+  // What a token item reads first (done_, then events_.on_tokens).
+  std::atomic<bool> done_{false};
   const uint64_t handle_;
+  const std::weak_ptr<DecodeMux> mux_;
   // Never reset: the reader may be inside one of them while another thread
   // ends the request (the lifecycle serializes its own callbacks).
   const DecodeEvents events_;
-  std::atomic<bool> done_{false};
 };
 
 std::shared_ptr<Call> DecodeMux::Start(const DecodeArgs& args, DecodeEvents& events) {
@@ -66,7 +76,7 @@ std::shared_ptr<Call> DecodeMux::Start(const DecodeArgs& args, DecodeEvents& eve
   const uint64_t handle = next_handle_++;
   start->set_handle(handle);
   auto req = std::make_shared<Request>(weak_from_this(), handle, std::move(events));
-  requests_.emplace(handle, req);
+  requests_.Insert(handle, req);
   SendLocked(lock, std::move(msg));
   return req;
 }
@@ -83,10 +93,8 @@ size_t DecodeMux::num_requests() const {
 
 void DecodeMux::CancelRequest(uint64_t handle) {
   std::unique_lock lock(mu_);
-  auto it = requests_.find(handle);
-  if (it == requests_.end()) return;  // ended already
-  std::shared_ptr<Request> req = std::move(it->second);
-  requests_.erase(it);
+  std::shared_ptr<Request> req = requests_.Take(handle);
+  if (!req) return;  // ended already
   if (!ended_) {
     pb::DecodeStreamRequest msg;
     msg.set_cancel(handle);
@@ -109,10 +117,18 @@ void DecodeMux::Deliver(std::span<const DecodeItem> items) {
   {
     std::lock_guard lock(mu_);
     for (const DecodeItem& item : items) {
-      auto it = requests_.find(item.handle);
-      if (it == requests_.end()) continue;  // cancelled meanwhile
-      batch_.emplace_back(it->second, &item);
-      if (item.end != DecodeItem::End::kNone) requests_.erase(it);
+      if (std::shared_ptr<Request>* req = requests_.Find(item.handle)) (*req)->Prefetch();
+    }
+    for (const DecodeItem& item : items) {
+      if (item.end != DecodeItem::End::kNone) {  // its last item: the handle is over
+        if (std::shared_ptr<Request> req = requests_.Take(item.handle)) {
+          batch_.emplace_back(std::move(req), &item);
+        }
+        continue;
+      }
+      std::shared_ptr<Request>* req = requests_.Find(item.handle);
+      if (req == nullptr) continue;  // cancelled meanwhile
+      batch_.emplace_back(*req, &item);
     }
   }
   // One batch: a front end that buffers per connection (the native gRPC
@@ -125,7 +141,7 @@ void DecodeMux::Deliver(std::span<const DecodeItem> items) {
 }
 
 void DecodeMux::EndAll(const Status& status) {
-  std::unordered_map<uint64_t, std::shared_ptr<Request>> left;
+  HandleTable<std::shared_ptr<Request>> left;
   {
     std::lock_guard lock(mu_);
     ended_ = true;
@@ -133,7 +149,9 @@ void DecodeMux::EndAll(const Status& status) {
   }
   const std::string why = abandoned();
   const Status st = !why.empty() ? UnavailableError(why) : status;
-  for (auto& [handle, req] : left) req->Fail(st, /*from_worker=*/false);
+  left.ForEach([&st](uint64_t, std::shared_ptr<Request>& req) {
+    req->Fail(st, /*from_worker=*/false);
+  });
 }
 
 std::shared_ptr<DecodeMuxClient> DecodeMuxClient::Open(const std::shared_ptr<grpc::Channel>& channel) {

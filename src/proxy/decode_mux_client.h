@@ -27,10 +27,10 @@
 #include <memory>
 #include <mutex>
 #include <span>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "proxy/decode_mux_handles.h"
 #include "proxy/decode_mux_wire.h"
 #include "proxy/worker_client.h"
 #include "proxy/worker_client_grpc.h"
@@ -73,7 +73,7 @@ class DecodeMux : public GrpcWorkerClient::Tracked, public std::enable_shared_fr
   void CancelRequest(uint64_t handle);
 
   uint64_t next_handle_ = 1;  // guarded by mu_
-  std::unordered_map<uint64_t, std::shared_ptr<Request>> requests_;  // guarded by mu_
+  HandleTable<std::shared_ptr<Request>> requests_;  // guarded by mu_
   std::vector<std::pair<std::shared_ptr<Request>, const DecodeItem*>> batch_;  // reader only
   std::vector<DecodeItem> items_;  // reader only: a parsed message's items
 };

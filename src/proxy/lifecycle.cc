@@ -62,8 +62,8 @@ RequestLifecycle::RequestLifecycle(const LifecycleDeps& deps, ValidatedRequest r
       deadline_(deadline),
       arrival_(arrival),
       root_hash_(TenantRoot(deps_, req_.tenant_salt)),
-      sink_(std::move(sink)),
-      out_(deps.tokenizer, req_.stop) {
+      out_(deps.tokenizer, req_.stop),
+      sink_(std::move(sink)) {
   if (deps_.metrics) {
     deps_.metrics->inflight.Increment();
     deps_.metrics->prompt_tokens.Increment(static_cast<double>(req_.prompt_ids.size()));

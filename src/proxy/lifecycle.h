@@ -135,17 +135,22 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   const uint64_t root_hash_;  // deps_.root_hash, or the tenant-salted root
   std::vector<uint64_t> hashes_;
 
+  // What every token reads (OnTokens, DeliverLocked) comes first, together:
+  // after a decode step (~6 ms) it is cache-cold, one miss per line.
   std::mutex mu_;
-  ResponseSink sink_;                // guarded by mu_
-  OutputAssembler out_;              // guarded by mu_
-  OutputAssembler::Delta delta_;     // guarded by mu_: the delivery's, reused
   bool done_ = false;                // guarded by mu_
+  bool prefill_open_ = false;        // guarded by mu_: route_'s prefill not yet ended at the router
   uint32_t attempt_ = 0;             // guarded by mu_: every route tried, a generation number
+  uint32_t base_ = 0;                // guarded by mu_: completion index of this attempt's token 0
+  std::chrono::steady_clock::time_point first_token_at_{};  // guarded by mu_
+  std::chrono::steady_clock::time_point last_token_at_{};   // guarded by mu_
+  std::vector<uint32_t> sent_;       // guarded by mu_: completion tokens sent to the client
+  OutputAssembler::Delta delta_;     // guarded by mu_: the delivery's, reused
+  OutputAssembler out_;              // guarded by mu_
+  ResponseSink sink_;                // guarded by mu_
   uint32_t route_attempts_ = 0;      // guarded by mu_: routes tried since the last migration
   uint32_t migrations_ = 0;          // guarded by mu_
-  uint32_t base_ = 0;                // guarded by mu_: completion index of this attempt's token 0
   bool registered_ = false;          // guarded by mu_: this attempt's decoder registered it
-  std::vector<uint32_t> sent_;       // guarded by mu_: completion tokens sent to the client
   // This attempt's prompt: the request's own ids, or after a migration
   // those + the tokens already sent (migrated_, immutable once made).
   PromptIds migrated_;               // guarded by mu_: null before any migration
@@ -162,12 +167,9 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   std::set<std::string> excluded_;   // guarded by mu_
   Status last_error_;                // guarded by mu_: why the last attempt was abandoned
   RoutedPair route_;                 // guarded by mu_
-  bool prefill_open_ = false;        // guarded by mu_: route_'s prefill not yet ended at the router
   std::shared_ptr<Call> decode_call_;   // guarded by mu_
   std::shared_ptr<Call> prefill_call_;  // guarded by mu_
   uint32_t cached_tokens_ = 0;          // guarded by mu_
-  std::chrono::steady_clock::time_point first_token_at_{};  // guarded by mu_
-  std::chrono::steady_clock::time_point last_token_at_{};   // guarded by mu_
 };
 
 }  // namespace tandem::proxy

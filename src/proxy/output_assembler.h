@@ -47,11 +47,12 @@ class OutputAssembler {
   bool stopped() const { return stopped_; }
 
  private:
+  // Every token reads these first (then the detokenizer's state): one line.
+  uint32_t next_index_ = 0;
+  bool stopped_ = false;
   model::IncrementalDetokenizer detok_;
   model::StopStringMatcher stops_;
   std::string scratch_;  // one token's text before the stop matcher
-  uint32_t next_index_ = 0;
-  bool stopped_ = false;
 };
 
 }  // namespace tandem::proxy

@@ -160,6 +160,95 @@ TEST(DetokenizerVocabulary, AppendingInPlaceGivesTheDecodedTextForEveryToken) {
   }
 }
 
+// The flat table (TokenBytesTable, the detokenizer's per-token lookup)
+// holds every id's bytes and flags as TokenBytes / IsSpecial give them.
+TEST(DetokenizerVocabulary, TheTokenTableAgreesWithTokenBytesForEveryToken) {
+  auto tok = Tokenizer::Load(std::string(TANDEM_SOURCE_DIR) + "/models/tandem-kjv");
+  if (!tok.ok()) GTEST_SKIP() << "bundled model missing: " << tok.status().ToString();
+  const Tokenizer& t = **tok;
+  const TokenBytesTable* table = t.token_table();
+  ASSERT_NE(table, nullptr);
+  ASSERT_EQ(table->entries.size(), t.vocab_size());
+  size_t ascii = 0, special = 0;
+  for (uint32_t id = 0; id < t.vocab_size(); ++id) {
+    const TokenBytesTable::Entry& e = table->entries[id];
+    const std::string b = t.TokenBytes(id);
+    EXPECT_EQ(table->Bytes(e), b) << id;
+    EXPECT_EQ(bool(e.special), t.IsSpecial(id)) << id;
+    EXPECT_EQ(bool(e.ascii), std::all_of(b.begin(), b.end(), [](char c) {
+                return static_cast<uint8_t>(c) < 0x80;
+              })) << id;
+    ascii += e.ascii;
+    special += e.special;
+  }
+  EXPECT_GT(ascii, 0u);
+  EXPECT_LT(ascii, t.vocab_size());  // the vocabulary has non-ASCII tokens too
+  EXPECT_GT(special, 0u);
+}
+
+// The same tokenizer without its table (the general path: AppendTokenBytes
+// through the interface), to check the table's fast path against.
+class NoTableTokenizer final : public Tokenizer {
+ public:
+  explicit NoTableTokenizer(const Tokenizer& t) : t_(t) {}
+  std::vector<uint32_t> Encode(std::string_view text, bool add_special) const override {
+    return t_.Encode(text, add_special);
+  }
+  std::string Decode(std::span<const uint32_t> ids, bool skip) const override {
+    return t_.Decode(ids, skip);
+  }
+  std::string TokenBytes(uint32_t id) const override { return t_.TokenBytes(id); }
+  bool IsSpecial(uint32_t id) const override { return t_.IsSpecial(id); }
+  uint32_t vocab_size() const override { return t_.vocab_size(); }
+  std::optional<uint32_t> TokenToId(std::string_view token) const override {
+    return t_.TokenToId(token);
+  }
+
+ private:
+  const Tokenizer& t_;
+};
+
+// Every token, in order, each after an ASCII one and each after a
+// non-ASCII one (a character left incomplete before it, sometimes), plus
+// ids past the vocabulary: the table's path streams exactly the text of
+// the general path, piece by piece.
+TEST(DetokenizerVocabulary, TheTablePathStreamsWhatTheGeneralPathStreams) {
+  auto tok = Tokenizer::Load(std::string(TANDEM_SOURCE_DIR) + "/models/tandem-kjv");
+  if (!tok.ok()) GTEST_SKIP() << "bundled model missing: " << tok.status().ToString();
+  const Tokenizer& t = **tok;
+  const NoTableTokenizer general(t);
+  ASSERT_EQ(general.token_table(), nullptr);
+  std::optional<uint32_t> ascii, non_ascii;
+  for (uint32_t id = 0; id < t.vocab_size(); ++id) {
+    const TokenBytesTable::Entry& e = t.token_table()->entries[id];
+    if (e.special || e.size == 0) continue;
+    if (e.ascii && !ascii) ascii = id;
+    if (!e.ascii && !non_ascii) non_ascii = id;
+  }
+  ASSERT_TRUE(ascii && non_ascii);
+  std::vector<uint32_t> ids;
+  for (uint32_t id = 0; id < t.vocab_size(); ++id) ids.push_back(id);
+  for (uint32_t id = 0; id < t.vocab_size(); ++id) {
+    ids.push_back(*ascii);
+    ids.push_back(id);
+    ids.push_back(*non_ascii);
+    ids.push_back(id);
+  }
+  ids.push_back(t.vocab_size());
+  ids.push_back(*ascii);
+  ids.push_back(t.vocab_size() + 1000);
+  for (bool skip : {true, false}) {
+    IncrementalDetokenizer fast(&t, skip), slow(&general, skip);
+    std::string fast_out = "x", slow_out = "x";
+    for (size_t i = 0; i < ids.size(); ++i) {
+      fast.PushTo(ids[i], &fast_out);
+      slow.PushTo(ids[i], &slow_out);
+      ASSERT_EQ(fast_out, slow_out) << "token " << i << " id " << ids[i] << " skip " << skip;
+    }
+    EXPECT_EQ(fast.Flush(), slow.Flush());
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Fixtures, Detokenizer, ::testing::Values("gpt2_style", "llama3_style"));
 
 }  // namespace
