@@ -73,9 +73,10 @@ bool HeldAcks::Hold(std::span<const uint8_t> bytes) {
     const bool known = std::any_of(held_.begin(), held_.end(),
                                    [id](const Held& h) { return h.stream_id == id; });
     // (A stream repeated within `bytes` is counted twice: conservative.)
-    if (!known) ++new_streams;
+    // Past the cap, stop here: a read of hundreds of streams' updates (a
+    // connection with that many open) is not searched through.
+    if (!known && held_.size() + ++new_streams > kMaxStreams) return false;
   }
-  if (held_.size() + new_streams > kMaxStreams) return false;
   for (size_t at = 0; at < bytes.size(); at += kWindowUpdateBytes) {
     const uint8_t* f = bytes.data() + at;
     const uint32_t id = Read31(f + 5);

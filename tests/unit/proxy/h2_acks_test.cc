@@ -149,6 +149,12 @@ TEST(HeldAcks, SumsPastTheLargestIncrementAreSplitAndStreamsAreCapped) {
 
   std::string many;
   for (uint32_t id = 1; id <= 2 * HeldAcks::kMaxStreams; id += 2) many += WindowUpdate(id, 1);
+  {
+    HeldAcks fresh;  // one read of more streams than that: handed over whole
+    fresh.Fed(Bytes(kPreface));
+    EXPECT_FALSE(fresh.Hold(Bytes(many + WindowUpdate(2001, 1))));
+    EXPECT_TRUE(fresh.empty());
+  }
   ASSERT_TRUE(acks.Hold(Bytes(many)));  // exactly kMaxStreams streams
   EXPECT_FALSE(acks.Hold(Bytes(WindowUpdate(1001, 1))));  // one more stream
   EXPECT_TRUE(acks.Hold(Bytes(WindowUpdate(1, 1))));      // a held stream again
