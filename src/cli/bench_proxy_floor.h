@@ -46,7 +46,7 @@ struct FloorSpec {
 struct FloorRow {
   std::string name;           // floor-cb, floor-cq, floor-cq+cb, floor-tcp, floor-step, ...
   bool grpc = true;           // a gRPC server: the summary has the client's ITL
-  double server_cpu_s = 0;    // utime + stime of the floor server's process
+  double server_cpu_s = 0;    // CPU time of the floor server's process (ProcessCpuSeconds)
   uint64_t tokens = 0;        // tokens (messages, for tcp) delivered
   uint64_t requests_ok = 0, requests_failed = 0;
   loadgen::Summary summary;   // gRPC rows: the client's view (ITL); tcp: duration only

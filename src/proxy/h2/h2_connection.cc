@@ -30,6 +30,9 @@ constexpr int kMaxLowWater = 80;
 // Frames buffered before a write; past it, the socket must drain first
 // (a client that does not read stops the session's output here).
 constexpr size_t kHighWater = 256 << 10;
+// Held acknowledgements: reads held before they all go to the session (the
+// window bound in MayHoldLocked comes first when windows are small).
+constexpr size_t kMaxHeldReads = 16;
 
 nghttp2_nv Nv(std::string_view name, std::string_view value) {
   return nghttp2_nv{reinterpret_cast<uint8_t*>(const_cast<char*>(name.data())),
@@ -109,9 +112,13 @@ bool H2Connection::OnReadable() {
   return DrainLocked();
 }
 
-bool H2Connection::DrainLocked(bool flush) {
+bool H2Connection::DrainLocked(bool flush, bool hold) {
   // Under mu_: a batch's flush may read this socket too, and the bytes
   // must reach nghttp2 in order.
+  if (!hold && !acks_.empty() && !FeedHeldLocked()) {
+    SendLocked();  // the GOAWAY
+    return false;
+  }
   uint8_t buf[64 << 10];
   for (;;) {
     const bool was_ready = io_.ready();
@@ -127,8 +134,11 @@ bool H2Connection::DrainLocked(bool flush) {
       return !io_.pending() || SendLocked();
     }
     const size_t n = got.n;
-    const ssize_t used = nghttp2_session_mem_recv(session_, buf, n);
-    if (used < 0) {
+    if (hold && MayHoldLocked() && acks_.Hold({buf, n})) {
+      if (!io_.tls() && n < sizeof buf) return true;
+      continue;
+    }
+    if (!FeedLocked({buf, n})) {
       // A protocol error: nghttp2 queued GOAWAY; send it, then close.
       SendLocked();
       return false;
@@ -144,6 +154,41 @@ bool H2Connection::DrainLocked(bool flush) {
     // left (records may be buffered where epoll does not see them).
     if (!io_.tls() && n < sizeof buf) return true;
   }
+}
+
+bool H2Connection::FeedLocked(std::span<const uint8_t> bytes) {
+  if (!acks_.empty() && !FeedHeldLocked()) return false;
+  acks_.Fed(bytes);
+  // What this holds may open streams or change the client's windows.
+  floor_stale_ = true;
+  return nghttp2_session_mem_recv(session_, bytes.data(), bytes.size()) >= 0;
+}
+
+bool H2Connection::FeedHeldLocked() {
+  acks_out_.clear();
+  acks_.Take(acks_out_);
+  floor_stale_ = true;
+  return nghttp2_session_mem_recv(session_, reinterpret_cast<const uint8_t*>(acks_out_.data()),
+                                  acks_out_.size()) >= 0;
+}
+
+bool H2Connection::MayHoldLocked() {
+  return acks_.reads() < kMaxHeldReads && WindowsOpenLocked();
+}
+
+bool H2Connection::WindowsOpenLocked() {
+  if (floor_stale_) {
+    // A stream nghttp2 no longer has (-1) has no window to protect.
+    int64_t floor = nghttp2_session_get_remote_window_size(session_);
+    for (const auto& [id, s] : streams_) {
+      const int32_t w = nghttp2_session_get_stream_remote_window_size(session_, id);
+      if (w >= 0) floor = std::min<int64_t>(floor, w);
+    }
+    ack_floor_ = floor;
+    sent_since_floor_ = 0;
+    floor_stale_ = false;
+  }
+  return static_cast<int64_t>(sent_since_floor_) * 2 < ack_floor_;
 }
 
 void H2Connection::SetLowWaterLocked(int bytes) {
@@ -191,7 +236,10 @@ void H2Connection::Flush(bool batch) {
       // the low-water mark and woke the event thread, which then found
       // them read already (~0.6 empty wake-ups per step in `stream`).
       // (The flush below sends what reading them queued too.)
-      if (!DrainLocked(/*flush=*/false)) broken_ = true;
+      // A read of nothing but acknowledgements is held (HeldAcks): the
+      // session gets them with the next frame that is not one, after
+      // kMaxHeldReads reads, or when its view of a window may be closing.
+      if (!DrainLocked(/*flush=*/false, /*hold=*/true)) broken_ = true;
     }
     if (!broken_) FlushLocked();
     if (quiet && !broken_ && !streams_.empty()) {
@@ -427,6 +475,7 @@ ssize_t H2Connection::ReadData(nghttp2_session* session, int32_t, uint8_t* buf, 
   const size_t n = std::min(length, s.wire.size() - s.wire_off);
   std::memcpy(buf, s.wire.data() + s.wire_off, n);
   s.wire_off += n;
+  static_cast<H2Connection*>(self)->sent_since_floor_ += n;  // (flow-controlled bytes)
   if (s.wire_off == s.wire.size() && s.wire_final) {
     *data_flags |= NGHTTP2_DATA_FLAG_EOF | NGHTTP2_DATA_FLAG_NO_END_STREAM;
     s.eof = true;
@@ -442,6 +491,19 @@ ssize_t H2Connection::ReadData(nghttp2_session* session, int32_t, uint8_t* buf, 
 }
 
 bool H2Connection::SendLocked() {
+  if (!SendFramesLocked()) return false;
+  if (acks_.empty() || WindowsOpenLocked()) return true;
+  // The session may think a window of the client is closing that the held
+  // acknowledgements reopened: they go to it now, and what it then lets
+  // out is sent (no stream waits for a read that may not come).
+  if (!FeedHeldLocked()) {
+    SendFramesLocked();  // the GOAWAY
+    return false;
+  }
+  return SendFramesLocked();
+}
+
+bool H2Connection::SendFramesLocked() {
   for (;;) {
     // Before a TLS handshake ends, frames wait in the session.
     while (io_.ready() && out_.size() - out_off_ < kHighWater) {

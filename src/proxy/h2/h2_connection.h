@@ -30,6 +30,7 @@
 
 #include "common/delivery_scope.h"
 #include "common/status.h"
+#include "proxy/h2/h2_acks.h"
 #include "proxy/h2/h2_io.h"
 #include "proxy/h2/h2_stream.h"
 
@@ -115,12 +116,29 @@ class H2Connection final : public Flushable, public std::enable_shared_from_this
   // messages there.
   void TakeOutboxLocked(H2Stream& s);
   void SubmitLocked(H2Stream& s);  // mu_ held: response HEADERS (or Trailers-Only)
-  bool SendLocked();           // mu_ held; false: the socket failed
+  // mu_ held; false: the socket failed. Hands the held acknowledgements
+  // over first when the session may think a window closed (see below).
+  bool SendLocked();
+  bool SendFramesLocked();     // mu_ held: SendLocked without that check
   void EndCallsLocked();       // mu_ held: every stream's call ends (cancelled)
   // mu_ held: reads what the client sent without blocking; false: the
   // connection is over (the event thread closes it). `flush`: after each
   // read, hands what is ready to the socket (else the caller flushes).
-  bool DrainLocked(bool flush = true);
+  // `hold`: a read of nothing but acknowledgements may be held (HeldAcks;
+  // the batch's flush); otherwise what is held goes to the session first.
+  bool DrainLocked(bool flush = true, bool hold = false);
+  // mu_ held: hands `bytes` to the session, behind what is held. false: a
+  // protocol error (nghttp2 queued GOAWAY).
+  bool FeedLocked(std::span<const uint8_t> bytes);
+  bool FeedHeldLocked();  // mu_ held: what is held, now
+  // mu_ held: true while acknowledgements may be held: fewer than
+  // kMaxHeldReads reads are, and WindowsOpenLocked.
+  bool MayHoldLocked();
+  // mu_ held: the session's view of the client's windows (connection and
+  // streams) is far from closing: the smallest when last measured (after
+  // the last frame that was not held), less the DATA sent since, stays
+  // above half of it.
+  bool WindowsOpenLocked();
   void SetLowWaterLocked(int bytes);  // SO_RCVLOWAT
 
   const int fd_;
@@ -140,6 +158,14 @@ class H2Connection final : public Flushable, public std::enable_shared_from_this
   // frames, which the next batch's flush reads instead of the event thread.
   int low_water_ = 1;                                     // guarded by mu_
   std::chrono::steady_clock::time_point last_batch_{};   // guarded by mu_
+  // Held acknowledgements (h2_acks.h), all guarded by mu_: the client's
+  // smallest window as the session saw it when measured (after the last
+  // frame handed over that was not held), and the DATA bytes sent since.
+  HeldAcks acks_;
+  std::string acks_out_;  // Take's frames (kept for its capacity)
+  int64_t ack_floor_ = 0;
+  uint64_t sent_since_floor_ = 0;
+  bool floor_stale_ = true;
 
   std::mutex out_mu_;
   std::vector<std::shared_ptr<H2Stream>> dirty_;  // guarded by out_mu_

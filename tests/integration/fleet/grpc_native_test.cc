@@ -6,7 +6,8 @@
 // method, a malformed grpc-timeout) gets a status that says what is wrong,
 // health Check and Watch answer SERVING;
 // a client that stops reading neither blocks other streams nor loses
-// tokens (its backlog is merged, not queued message by message).
+// tokens (its backlog is merged, not queued message by message); held
+// acknowledgements stall no stream and delay no request or PING.
 // The other fleet suites run against this front end with
 // TANDEM_TEST_GRPC_SERVER=native (fleet_harness.cc).
 #include <gtest/gtest.h>
@@ -261,6 +262,52 @@ TEST_F(GrpcNative, AClientThatStopsReadingBlocksNoOneAndLosesNoToken) {
   ASSERT_TRUE(ref.ok()) << ref.status().ToString();
   EXPECT_EQ(tokens, *ref);
   EXPECT_LT(messages.size(), kMaxTokens / 4) << "the held tokens were not merged";
+}
+
+// Tokens of a Generate response's messages.
+std::vector<uint32_t> TokensOf(const RawH2Client::Response& r) {
+  std::vector<uint32_t> tokens;
+  for (const auto& m : RawH2Client::Messages(r.data)) {
+    pb::GenerateResponse g;
+    EXPECT_TRUE(g.ParseFromString(m));
+    tokens.insert(tokens.end(), g.token_ids().begin(), g.token_ids().end());
+  }
+  return tokens;
+}
+
+// Held acknowledgements (docs/grpc-frontend.md): while a stream gets tokens,
+// the client's WINDOW_UPDATE-only writes reach nghttp2 late and summed. A
+// 512-byte stream window that the client reopens as it reads (nghttp2's
+// automatic updates, at half the window) makes the proxy hand them over
+// whenever the window may be closing: every token still arrives, in order;
+// a PING and a new request on the busy connection are answered while the
+// first stream still runs.
+TEST_F(GrpcNative, HeldAcknowledgementsStallNoStreamAndDelayNoRequestOrPing) {
+  constexpr uint32_t kLong = 400, kShort = 8;
+  RawH2Client c(fleet_->proxy_grpc(), /*window=*/512);
+  ASSERT_TRUE(c.ok());
+  const std::string gen = "/tandem.v1.Generation/Generate";
+  const int32_t long_id = c.Post(gen, kGrpcHeaders, RawH2Client::Frame(IdsRequest(Prompt(6), kLong)));
+  // Well past the first window: the proxy has had acknowledgements to hold.
+  ASSERT_TRUE(c.RunUntil([&] { return c.response(long_id).data.size() > 2048; }, kWait));
+  c.Ping();
+  ASSERT_TRUE(c.RunUntil([&] { return c.pings_acked() == 1; }, kWait));
+  EXPECT_FALSE(c.response(long_id).closed) << "the PING was answered only after the stream";
+  const int32_t short_id =
+      c.Post(gen, kGrpcHeaders, RawH2Client::Frame(IdsRequest(Prompt(7), kShort)));
+  ASSERT_TRUE(c.RunUntil([&] { return c.response(short_id).closed; }, kWait));
+  EXPECT_FALSE(c.response(long_id).closed) << "the new request was answered only after the stream";
+  EXPECT_EQ(c.response(short_id).GrpcStatus(), "0") << c.response(short_id).GrpcMessage();
+  auto short_ref = ReferenceGenerate(Prompt(7), kShort);
+  ASSERT_TRUE(short_ref.ok()) << short_ref.status().ToString();
+  EXPECT_EQ(TokensOf(c.response(short_id)), *short_ref);
+
+  ASSERT_TRUE(c.RunUntil([&] { return c.response(long_id).closed; }, kWait));
+  EXPECT_EQ(c.response(long_id).GrpcStatus(), "0") << c.response(long_id).GrpcMessage();
+  auto long_ref = ReferenceGenerate(Prompt(6), kLong);
+  ASSERT_TRUE(long_ref.ok()) << long_ref.status().ToString();
+  EXPECT_EQ(TokensOf(c.response(long_id)), *long_ref);
+  EXPECT_EQ(WaitFleetIdle(fleet_->workers(), fleet_->proxy_metrics(), std::chrono::seconds(20)), "");
 }
 
 // A health Check on a connection of its own: true when the proxy served it

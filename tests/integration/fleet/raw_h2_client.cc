@@ -41,6 +41,7 @@ RawH2Client::RawH2Client(const std::string& host_port, uint32_t window, bool aut
   nghttp2_session_callbacks_set_on_header_callback(cb, &OnHeader);
   nghttp2_session_callbacks_set_on_data_chunk_recv_callback(cb, &OnData);
   nghttp2_session_callbacks_set_on_stream_close_callback(cb, &OnClose);
+  nghttp2_session_callbacks_set_on_frame_recv_callback(cb, &OnFrame);
   nghttp2_option* opt;
   nghttp2_option_new(&opt);
   if (!auto_window) nghttp2_option_set_no_auto_window_update(opt, 1);
@@ -109,6 +110,15 @@ int RawH2Client::OnClose(nghttp2_session*, int32_t id, uint32_t code, void* self
   r.close_code = code;
   return 0;
 }
+
+int RawH2Client::OnFrame(nghttp2_session*, const nghttp2_frame* f, void* self) {
+  if (f->hd.type == NGHTTP2_PING && (f->hd.flags & NGHTTP2_FLAG_ACK)) {
+    ++static_cast<RawH2Client*>(self)->pings_acked_;
+  }
+  return 0;
+}
+
+void RawH2Client::Ping() { nghttp2_submit_ping(session_, NGHTTP2_FLAG_NONE, nullptr); }
 
 void RawH2Client::Consume(int32_t stream) {
   consuming_all_ = true;

@@ -43,6 +43,10 @@ class RawH2Client {
   // from now on acknowledges as data arrives.
   void Consume(int32_t stream);
   const Response& response(int32_t stream) { return responses_[stream]; }
+  // Queues a PING (sent by the next RunUntil); pings_acked() counts the
+  // server's PING ACKs.
+  void Ping();
+  int pings_acked() const { return pings_acked_; }
 
   // `message` with the 5-byte gRPC prefix (`compressed` flag as given).
   static std::string Frame(const std::string& message, bool compressed = false);
@@ -54,6 +58,7 @@ class RawH2Client {
                       const uint8_t*, size_t, uint8_t, void*);
   static int OnData(nghttp2_session*, uint8_t, int32_t, const uint8_t*, size_t, void*);
   static int OnClose(nghttp2_session*, int32_t, uint32_t, void*);
+  static int OnFrame(nghttp2_session*, const nghttp2_frame*, void*);
   static ssize_t ReadBody(nghttp2_session*, int32_t, uint8_t*, size_t, uint32_t*,
                           nghttp2_data_source*, void*);
   bool Pump(int timeout_ms);  // one poll round; false: the connection ended
@@ -61,6 +66,7 @@ class RawH2Client {
   int fd_ = -1;
   nghttp2_session* session_ = nullptr;
   bool consuming_all_ = false;
+  int pings_acked_ = 0;
   std::map<int32_t, Response> responses_;
   std::map<int32_t, std::pair<std::string, size_t>> bodies_;  // body, bytes sent
 };

@@ -131,7 +131,7 @@ TEST(Autoscaler, ALargerCountOnAnotherReplicaWins) {
   config.enabled = true;
   Supervisor sup;
   const std::string ready =
-      "printf '{\"grpc\":\"127.0.0.1:1\",\"metrics\":\"127.0.0.1:2\"}\\n' >&\"$2\"; "
+      "printf '{\"grpc\":\"127.0.0.1:1\",\"metrics\":\"127.0.0.1:2\"}\\n' >\"/proc/self/fd/$2\"; "
       "exec sleep 30";
   for (const char* role : {"decode", "prefill"}) {
     auto c = sup.Start({fmt::format("{}-0", role), role, {"/bin/sh", "-c", ready, "sh"}}, 10s);

@@ -15,12 +15,14 @@ namespace {
 using namespace std::chrono_literals;
 
 // A child that runs `before`, writes its ready line to the fd given as
-// `--ready-fd N` ($2), then runs `then`.
+// `--ready-fd N` ($2), then runs `then`. Through /proc/self/fd/N: dash's
+// `>&N` takes single-digit descriptors only, and N is 10 or more when the
+// test process has enough open.
 ChildSpec ShChild(const std::string& name, const std::string& then,
                   const std::string& before = "") {
   const std::string script =
       before +
-      "printf '{\"grpc\":\"127.0.0.1:1%s\",\"metrics\":\"127.0.0.1:2%s\"}\\n' $$ $$ >&\"$2\"; " +
+      "printf '{\"grpc\":\"127.0.0.1:1%s\",\"metrics\":\"127.0.0.1:2%s\"}\\n' $$ $$ >\"/proc/self/fd/$2\"; " +
       then;
   return {name, "prefill", {"/bin/sh", "-c", script, "sh"}};
 }
@@ -183,7 +185,7 @@ TEST(Supervisor, ChildEnvironmentReplacesTheLaunchersValue) {
   ChildSpec spec{"decode-0", "decode",
                  {"/bin/sh", "-c",
                   "printf '{\"grpc\":\"%s\",\"metrics\":\"%s\"}\\n' \"$TANDEM_SUPERVISOR_TEST_A\" "
-                  "\"$TANDEM_SUPERVISOR_TEST_B\" >&\"$2\"; exec sleep 30",
+                  "\"$TANDEM_SUPERVISOR_TEST_B\" >\"/proc/self/fd/$2\"; exec sleep 30",
                   "sh"}};
   spec.env = {"TANDEM_SUPERVISOR_TEST_A=child", "TANDEM_SUPERVISOR_TEST_B=2"};
   Supervisor sup;
