@@ -73,7 +73,9 @@ struct HotBytes {
   static constexpr uint32_t kMaxBytes = 512;
   void Prefetch() const {
     const char* p = static_cast<const char*>(addr);
-    for (uint32_t off = 0; off < bytes && off < kMaxBytes; off += 64) __builtin_prefetch(p + off, 1);
+    for (uint32_t off = 0; off < bytes && off < kMaxBytes; off += 64) {
+      __builtin_prefetch(p + off, 1);
+    }
   }
 };
 

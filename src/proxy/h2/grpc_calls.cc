@@ -92,8 +92,9 @@ void Validated(const std::shared_ptr<H2Connection>& conn, const std::shared_ptr<
   // What it reads first: the stream's connection, then its outbox (the
   // decode stream's reader prefetches both with the batch: issue 23).
   const auto* outbox = reinterpret_cast<const char*>(&s->delta_queued);
+  const auto* outbox_end = reinterpret_cast<const char*>(&s->dirty + 1);
   sink.hot[0] = {&s->conn, sizeof(s->conn)};
-  sink.hot[1] = {outbox, static_cast<uint32_t>(reinterpret_cast<const char*>(&s->dirty + 1) - outbox)};
+  sink.hot[1] = {outbox, static_cast<uint32_t>(outbox_end - outbox)};
   sink.on_finish = [s, fe = &fe](Finish reason, Usage usage) {
     // The slot is free before the client can see the end of its stream.
     ReleaseSlot(*fe, *s);
