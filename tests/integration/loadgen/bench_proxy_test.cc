@@ -31,8 +31,8 @@ struct CmdResult {
 
 // Runs `tandem bench proxy ARGS` (bounded by `timeout 300`); stderr goes to `err_path`.
 CmdResult BenchProxy(const std::string& args, const std::string& err_path) {
-  const std::string cmd = "timeout 300 " + std::string(TANDEM_BINARY_DIR) +
-                          "/tandem bench proxy " + args + " 2>" + err_path;
+  const std::string cmd = "timeout 300 " + std::string(TANDEM_BINARY_DIR) + "/tandem bench proxy " +
+                          args + " 2>" + err_path;
   CmdResult r;
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return r;
@@ -52,6 +52,24 @@ std::string TempPath(const std::string& name) {
       .string();
 }
 
+// `tandem bench proxy --state-file FLEET ARGS --json TMP`: the command's
+// result and the JSON rows it wrote (not an array when it wrote none).
+struct JsonRun {
+  CmdResult cmd;
+  nlohmann::json rows;
+};
+JsonRun BenchProxyJson(const Fleet& fleet, const std::string& args, const std::string& tag) {
+  const std::string json_path = TempPath(tag + ".json"), err = TempPath(tag + ".err");
+  JsonRun r;
+  r.cmd =
+      BenchProxy("--state-file " + fleet.state_path() + " " + args + " --json " + json_path, err);
+  fs::remove(err);
+  std::ifstream in(json_path);
+  r.rows = nlohmann::json::parse(in, nullptr, false);
+  fs::remove(json_path);
+  return r;
+}
+
 TEST(BenchProxy, UnknownWorkloadIsRefusedNamingTheList) {
   const std::string err = TempPath("err1");
   auto r = BenchProxy("--state-file /nonexistent.json --workloads stream,nope", err);
@@ -67,17 +85,14 @@ TEST(BenchProxy, StreamAndSseCountEveryTokenOnBothApis) {
   if (!fs::exists(BundledModel() + "/model.safetensors")) GTEST_SKIP() << "bundled model missing";
   auto fleet = Fleet::Launch(FleetOptions{});
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
-  const std::string json_path = TempPath("out.json"), err = TempPath("err2");
-  auto r = BenchProxy("--state-file " + (*fleet)->state_path() +
-                          " --workloads idle,stream,sse --idle-seconds 2"
-                          " --stream-requests 4 --stream-concurrency 2"
-                          " --stream-input 16 --stream-output 12 --json " + json_path,
-                      err);
-  fs::remove(err);
+  const auto run = BenchProxyJson(**fleet,
+                                  "--workloads idle,stream,sse --idle-seconds 2"
+                                  " --stream-requests 4 --stream-concurrency 2"
+                                  " --stream-input 16 --stream-output 12",
+                                  "out");
+  const CmdResult& r = run.cmd;
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
-  std::ifstream in(json_path);
-  const auto j = nlohmann::json::parse(in, nullptr, false);
-  fs::remove(json_path);
+  const auto& j = run.rows;
   ASSERT_TRUE(j.is_array()) << r.out;
   ASSERT_EQ(j.size(), 3u);
   // idle (issue 23): one row per fleet process, before any request; each
@@ -101,10 +116,9 @@ TEST(BenchProxy, StreamAndSseCountEveryTokenOnBothApis) {
     EXPECT_EQ(w["requests_ok"], 4);
     EXPECT_EQ(w["requests_failed"], 0);
     EXPECT_EQ(w["output_tokens"], 4 * 12);
-    // CPU comes in clock ticks (10 ms): a run this short may be charged
-    // none, so only its presence is checked.
+    // The proxy's CPU clock (nanoseconds): serving never costs nothing.
     ASSERT_TRUE(w["cpu_s"].contains("proxy"));
-    EXPECT_GE(w["cpu_s"]["proxy"].get<double>(), 0.0);
+    EXPECT_GT(w["cpu_s"]["proxy"].get<double>(), 0.0);
   }
   // The table has a row per workload.
   EXPECT_NE(r.out.find("\nsse "), std::string::npos) << r.out;
@@ -117,16 +131,13 @@ TEST(BenchProxy, PromptFloorCallsABareServerOverEveryChannel) {
   if (!fs::exists(BundledModel() + "/model.safetensors")) GTEST_SKIP() << "bundled model missing";
   auto fleet = Fleet::Launch(FleetOptions{});
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
-  const std::string json_path = TempPath("floor.json"), err = TempPath("err3");
-  auto r = BenchProxy("--state-file " + (*fleet)->state_path() +
-                          " --workloads prompt,prompt-floor --prompt-requests 4"
-                          " --prompt-concurrency 2 --prompt-input 64 --json " + json_path,
-                      err);
-  fs::remove(err);
+  const auto run = BenchProxyJson(**fleet,
+                                  "--workloads prompt,prompt-floor --prompt-requests 4"
+                                  " --prompt-concurrency 2 --prompt-input 64",
+                                  "floor");
+  const CmdResult& r = run.cmd;
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
-  std::ifstream in(json_path);
-  const auto j = nlohmann::json::parse(in, nullptr, false);
-  fs::remove(json_path);
+  const auto& j = run.rows;
   ASSERT_TRUE(j.is_array()) << r.out;
   // prompt, then per mode (back-to-back, paced): plaintext, mtls,
   // framed-mtls, then the estimates (framed worker calls, gRPC worker calls).
@@ -173,16 +184,13 @@ TEST(BenchProxy, FloorServersStreamEveryToken) {
   if (!fs::exists(BundledModel() + "/model.safetensors")) GTEST_SKIP() << "bundled model missing";
   auto fleet = Fleet::Launch(FleetOptions{});
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
-  const std::string json_path = TempPath("sfloor.json"), err = TempPath("err4");
-  auto r = BenchProxy("--state-file " + (*fleet)->state_path() +
-                          " --workloads floor --floor-requests 3 --stream-concurrency 2"
-                          " --stream-output 20 --floor-step-ms 2 --json " + json_path,
-                      err);
-  fs::remove(err);
+  const auto run = BenchProxyJson(**fleet,
+                                  "--workloads floor --floor-requests 3 --stream-concurrency 2"
+                                  " --stream-output 20 --floor-step-ms 2",
+                                  "sfloor");
+  const CmdResult& r = run.cmd;
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
-  std::ifstream in(json_path);
-  const auto j = nlohmann::json::parse(in, nullptr, false);
-  fs::remove(json_path);
+  const auto& j = run.rows;
   ASSERT_TRUE(j.is_array()) << r.out;
   const char* rows[] = {"floor-cb",  "floor-cq",   "floor-cq+cb",
                         "floor-tcp", "floor-step", "floor-step+ack"};
@@ -195,7 +203,7 @@ TEST(BenchProxy, FloorServersStreamEveryToken) {
     EXPECT_EQ(w["requests_failed"], 0);
     EXPECT_EQ(w["output_tokens"], 3 * 20);
     EXPECT_EQ(w["floor_step_ms"], 2.0);
-    EXPECT_GE(w["cpu_s"]["floor_server"].get<double>(), 0.0);
+    EXPECT_GT(w["cpu_s"]["floor_server"].get<double>(), 0.0);
     EXPECT_NE(r.out.find(fmt::format("\n{} ", rows[i])), std::string::npos) << r.out;
   }
 }
@@ -207,16 +215,13 @@ TEST(BenchProxy, FloorStepCountsEveryTokenOfAPartialLastStep) {
   if (!fs::exists(BundledModel() + "/model.safetensors")) GTEST_SKIP() << "bundled model missing";
   auto fleet = Fleet::Launch(FleetOptions{});
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
-  const std::string json_path = TempPath("stepfloor.json"), err = TempPath("err5");
-  auto r = BenchProxy("--state-file " + (*fleet)->state_path() +
-                          " --workloads floor --floor-requests 3 --stream-concurrency 5"
-                          " --stream-output 7 --floor-step-ms 1 --json " + json_path,
-                      err);
-  fs::remove(err);
+  const auto run = BenchProxyJson(**fleet,
+                                  "--workloads floor --floor-requests 3 --stream-concurrency 5"
+                                  " --stream-output 7 --floor-step-ms 1",
+                                  "stepfloor");
+  const CmdResult& r = run.cmd;
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
-  std::ifstream in(json_path);
-  const auto j = nlohmann::json::parse(in, nullptr, false);
-  fs::remove(json_path);
+  const auto& j = run.rows;
   ASSERT_TRUE(j.is_array()) << r.out;
   size_t seen = 0;
   for (const auto& w : j) {
