@@ -350,7 +350,7 @@ int RunProxyBench(const ProxyBenchArgs& a) {
       Stop(*fleet);
       return bad(mi.status());
     }
-    std::cout << fmt::format("{:<7} {:>5} {:>6} {:>6} {:>4} {:>8} {:>7} {:>9} {:>11} {:>11} "
+    std::cout << fmt::format("{:<14} {:>5} {:>6} {:>6} {:>4} {:>8} {:>7} {:>9} {:>11} {:>11} "
                              "{:>10} {:>9} {:>9} {:>9} {:>5}\n",
                              "load", "reqs", "in", "out", "conc", "out tok", "wall s", "proxy s",
                              "proxy us/tok", "proxy ms/req", "dec us/tok", "ITL p50ms",
@@ -379,7 +379,7 @@ int RunProxyBench(const ProxyBenchArgs& a) {
           const double tok = double(r.tokens);
           const bool grpc = r.grpc;  // the raw TCP rows have no client ITL
           std::cout << fmt::format(
-              "{:<11} {:>1} {:>6} {:>6} {:>4} {:>8} {:>7.1f} {:>9.3f} {:>11.2f} {:>11.3f} {:>10} "
+              "{:<14} {:>5} {:>6} {:>6} {:>4} {:>8} {:>7.1f} {:>9.3f} {:>11.2f} {:>11.3f} {:>10} "
               "{:>9.2f} {:>9.2f} {:>9.2f} {:>5.1f}\n",
               r.name, r.requests_ok, w.input, w.output, w.concurrency, r.tokens,
               r.summary.duration_s, r.server_cpu_s, tok > 0 ? r.server_cpu_s / tok * 1e6 : NAN,
@@ -421,7 +421,7 @@ int RunProxyBench(const ProxyBenchArgs& a) {
       const double proxy = m->cpu["proxy"];
       const double dec = m->cpu["decode"] + m->cpu["both"];
       std::cout << fmt::format(
-          "{:<7} {:>5} {:>6} {:>6} {:>4} {:>8} {:>7.1f} {:>9.3f} {:>11.2f} {:>11.3f} {:>10.2f} "
+          "{:<14} {:>5} {:>6} {:>6} {:>4} {:>8} {:>7.1f} {:>9.3f} {:>11.2f} {:>11.3f} {:>10.2f} "
           "{:>9.2f} {:>9.2f} {:>9.2f} {:>5.1f}\n",
           w.name, m->s.ok, w.input, w.output, w.concurrency, m->s.output_tokens,
           m->s.duration_s, proxy, tok > 0 ? proxy / tok * 1e6 : NAN,
