@@ -235,6 +235,15 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     YamlMap m = top.Sub("observability");
     m.ReadAddress("otlp_endpoint", c.observability.otlp_endpoint);
     m.Read("trace_sample_ratio", c.observability.trace_sample_ratio, 0.0, 1.0);
+    if (m.Has("otlp_tls")) {
+      c.observability.otlp_tls = true;
+      YamlMap t = m.Sub("otlp_tls");
+      t.Require("ca_file");
+      t.Read("ca_file", c.observability.otlp_ca_file);
+      t.Read("cert_file", c.observability.otlp_cert_file);
+      t.Read("key_file", c.observability.otlp_key_file);
+      t.Finish();
+    }
     m.Finish();
   }
   ReadSecurity(top.Sub("security"), c.security);
@@ -269,6 +278,19 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
 
 // Checks that involve more than one key.
 void CrossCheck(const FleetConfig& c, YamlErrors& errors, int line) {
+  const ObservabilityConfig& o = c.observability;
+  if (o.otlp_cert_file.empty() != o.otlp_key_file.empty()) {
+    errors.Add(line, "observability.otlp_tls: cert_file and key_file go together (a client "
+                     "certificate and its key), or neither");
+  }
+  if (o.otlp_tls && o.otlp_ca_file.empty()) {
+    errors.Add(line, "observability.otlp_tls.ca_file must not be empty: it is the CA the "
+                     "collector's certificate is verified against");
+  }
+  if (o.otlp_tls && o.otlp_endpoint.empty()) {
+    errors.Add(line, "observability.otlp_tls is set but observability.otlp_endpoint is empty: "
+                     "there is no collector to dial");
+  }
   // Issue 23: the framed TCP listeners (decode stream, Prefill, Watch,
   // Reserve): auto, off or host:port, a fixed port only for one replica,
   // and set only where the role serves it.
@@ -381,7 +403,9 @@ Result<FleetConfig> ParseFleetConfig(const std::string& text, const std::string&
   for (std::string* p : {&cfg.security.internal_ca_file, &cfg.security.internal_cert_file,
                          &cfg.security.internal_key_file, &cfg.security.public_cert_file,
                          &cfg.security.public_key_file, &cfg.security.public_client_ca_file,
-                         &cfg.security.dir, &cfg.security.api_keys_file}) {
+                         &cfg.security.dir, &cfg.security.api_keys_file,
+                         &cfg.observability.otlp_ca_file, &cfg.observability.otlp_cert_file,
+                         &cfg.observability.otlp_key_file}) {
     if (!p->empty() && fs::path(*p).is_relative()) {
       *p = (fs::path(base_dir) / *p).lexically_normal().string();
     }

@@ -215,6 +215,12 @@ struct LoggingConfig {
 struct ObservabilityConfig {
   std::string otlp_endpoint;       // host:port of an OTLP/gRPC collector; "" = tracing off
   double trace_sample_ratio = 0;   // 0..1: share of requests traced without a client traceparent
+  // observability.otlp_tls: the collector is dialled over TLS, its
+  // certificate verified against otlp_ca_file; otlp_cert_file/key_file (both
+  // or neither) are a client certificate for collectors that require one.
+  // All empty: plaintext gRPC.
+  bool otlp_tls = false;  // the otlp_tls section is present
+  std::string otlp_ca_file, otlp_cert_file, otlp_key_file;
 };
 
 // One group of identical workers. A port of 0 picks a free port; a port P

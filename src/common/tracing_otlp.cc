@@ -56,9 +56,8 @@ bool AllZero(const std::array<uint8_t, N>& a) {
 
 class OtlpGrpcExporter {
  public:
-  explicit OtlpGrpcExporter(const std::string& endpoint)
-      : stub_(otlp_collector::TraceService::NewStub(
-            grpc::CreateChannel(endpoint, grpc::InsecureChannelCredentials()))) {}
+  OtlpGrpcExporter(const std::string& endpoint, std::shared_ptr<grpc::ChannelCredentials> creds)
+      : stub_(otlp_collector::TraceService::NewStub(grpc::CreateChannel(endpoint, creds))) {}
 
   Status Export(const TracerOptions& opts, std::vector<SpanRecord> spans) {
     otlp_collector::ExportTraceServiceRequest req;
@@ -104,11 +103,24 @@ class OtlpGrpcExporter {
 
 }  // namespace
 
-ExportFn MakeOtlpGrpcExporter(const std::string& endpoint) {
-  auto exporter = std::make_shared<OtlpGrpcExporter>(endpoint);
-  return [exporter](const TracerOptions& opts, std::vector<SpanRecord> spans) {
+Result<ExportFn> MakeOtlpGrpcExporter(const std::string& endpoint, const TlsFiles& tls) {
+  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
+  if (!tls.empty()) {
+    if (tls.ca_file.empty()) {
+      return InvalidArgumentError("OTLP over TLS needs the CA that verifies the collector");
+    }
+    auto pem = ReadTlsFiles(tls);
+    if (!pem.ok()) return pem.status();
+    grpc::SslCredentialsOptions o;
+    o.pem_root_certs = pem->ca;
+    o.pem_cert_chain = pem->cert;
+    o.pem_private_key = pem->key;
+    creds = grpc::SslCredentials(o);
+  }
+  auto exporter = std::make_shared<OtlpGrpcExporter>(endpoint, std::move(creds));
+  return ExportFn([exporter](const TracerOptions& opts, std::vector<SpanRecord> spans) {
     return exporter->Export(opts, std::move(spans));
-  };
+  });
 }
 
 Status StartTracing(const ObservabilityConfig& config, std::string service_name,
@@ -119,8 +131,14 @@ Status StartTracing(const ObservabilityConfig& config, std::string service_name,
   o.sample_ratio = config.trace_sample_ratio;
   o.service_name = std::move(service_name);
   o.instance_id = std::move(instance_id);
-  TANDEM_RETURN_IF_ERROR(Tracer::Get().Start(o, MakeOtlpGrpcExporter(config.otlp_endpoint)));
-  spdlog::info("tracing: OTLP/gRPC spans to {} (plaintext), sample ratio {}", o.otlp_endpoint,
+  const TlsFiles tls{config.otlp_ca_file, config.otlp_cert_file, config.otlp_key_file};
+  auto exporter = MakeOtlpGrpcExporter(config.otlp_endpoint, tls);
+  if (!exporter.ok()) return exporter.status().WithContext("observability.otlp_tls");
+  TANDEM_RETURN_IF_ERROR(Tracer::Get().Start(o, std::move(exporter).value()));
+  spdlog::info("tracing: OTLP/gRPC spans to {} ({}), sample ratio {}", o.otlp_endpoint,
+               tls.empty()               ? "plaintext"
+               : tls.cert_file.empty()   ? "TLS"
+                                         : "mutual TLS",
                o.sample_ratio);
   return Status::Ok();
 }

@@ -196,6 +196,29 @@ TEST(Config, ObservabilityTracingIsOffByDefault) {
   const std::string endpoint = ErrorOf(
       "model:\n  path: m\nobservability:\n  otlp_endpoint: collector\nboth:\n  replicas: 1\n");
   EXPECT_NE(endpoint.find("observability.otlp_endpoint"), std::string::npos) << endpoint;
+  // observability.otlp_tls: the CA is required, a client certificate comes
+  // with its key, and relative paths are the config file's.
+  auto tls = Parse(
+      "model:\n  path: m\nobservability:\n  otlp_endpoint: 127.0.0.1:4317\n  otlp_tls:\n"
+      "    ca_file: ca.pem\n    cert_file: /etc/c.pem\n    key_file: c.key\nboth:\n  replicas: 1\n");
+  ASSERT_TRUE(tls.ok()) << tls.status().message();
+  EXPECT_TRUE(tls->observability.otlp_tls);
+  EXPECT_EQ(tls->observability.otlp_ca_file, "/repo/configs/ca.pem");
+  EXPECT_EQ(tls->observability.otlp_cert_file, "/etc/c.pem");
+  EXPECT_EQ(tls->observability.otlp_key_file, "/repo/configs/c.key");
+  const std::string half = ErrorOf(
+      "model:\n  path: m\nobservability:\n  otlp_endpoint: 127.0.0.1:4317\n  otlp_tls:\n"
+      "    ca_file: ca.pem\n    cert_file: c.pem\nboth:\n  replicas: 1\n");
+  EXPECT_NE(half.find("cert_file and key_file go together"), std::string::npos) << half;
+  const std::string no_ca = ErrorOf(
+      "model:\n  path: m\nobservability:\n  otlp_endpoint: 127.0.0.1:4317\n  otlp_tls:\n"
+      "    cert_file: c.pem\n    key_file: c.key\nboth:\n  replicas: 1\n");
+  EXPECT_NE(no_ca.find("observability.otlp_tls.ca_file"), std::string::npos) << no_ca;
+  const std::string no_endpoint = ErrorOf(
+      "model:\n  path: m\nobservability:\n  otlp_tls:\n    ca_file: ca.pem\n"
+      "both:\n  replicas: 1\n");
+  EXPECT_NE(no_endpoint.find("observability.otlp_endpoint is empty"), std::string::npos)
+      << no_endpoint;
   const std::string unknown = ErrorOf(
       "model:\n  path: m\nobservability:\n  otlp: x\nboth:\n  replicas: 1\n");
   EXPECT_NE(unknown.find("unknown key 'otlp' in 'observability'"), std::string::npos) << unknown;

@@ -40,13 +40,18 @@ class Span:
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self):
+    def __init__(self, tls=None):
+        """tls: (certificate PEM, key PEM) to serve TLS with; None: plaintext."""
         self.spans = []
         self.exports = 0
         self.cv = threading.Condition()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        if tls:
+            creds = grpc.ssl_server_credentials([(tls[1], tls[0])])
+            self.port = self.server.add_secure_port("127.0.0.1:0", creds)
+        else:
+            self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
         self.endpoint = f"127.0.0.1:{self.port}"
 

@@ -1,7 +1,7 @@
 """Distributed tracing against a real 1P1D CPU fleet (docs/observability.md):
-the fleet exports to a test OTLP/gRPC receiver (otlp_receiver.py) with
-observability.trace_sample_ratio 0, so only a client's sampled traceparent
-is traced.
+the fleet exports over TLS (observability.otlp_tls) to a test OTLP/gRPC
+receiver (otlp_receiver.py) with observability.trace_sample_ratio 0, so only
+a client's sampled traceparent is traced.
 
 - An HTTP request with a sampled `traceparent` header and a gRPC request
   with a sampled `traceparent` metadata entry: the receiver gets spans from
@@ -17,7 +17,10 @@ Run by ctest through tests/integration/http/venv.sh (label integration)."""
 import json
 import os
 import secrets
+import shutil
+import subprocess
 import sys
+import tempfile
 import urllib.request
 
 import grpc
@@ -141,9 +144,23 @@ def check_trace(spans, trace_id, client_span, names):
     return len(mine)
 
 
+def collector_tls(directory):
+    """A CA and the collector's certificate for 127.0.0.1, issued by
+    `tandem certs`: returns (ca file, certificate PEM, key PEM)."""
+    subprocess.run([fl.BINARY, "certs", "--dir", directory, "--name", "collector", "--host",
+                    "127.0.0.1"], check=True, capture_output=True)
+    read = lambda name: open(os.path.join(directory, name), "rb").read()  # noqa: E731
+    return os.path.join(directory, "ca.pem"), read("collector.pem"), read("collector.key")
+
+
 def main():
-    rx = Receiver()
-    f = fl.Fleet(extra=f"observability:\n  otlp_endpoint: {rx.endpoint}\n  trace_sample_ratio: 0\n")
+    # The collector serves TLS (observability.otlp_tls); tracing_otlp_test
+    # covers plaintext and mutual TLS against a TraceService of its own.
+    tls_dir = tempfile.mkdtemp(prefix="tandem-otlp-")
+    ca_file, cert, key = collector_tls(tls_dir)
+    rx = Receiver(tls=(cert, key))
+    f = fl.Fleet(extra=f"observability:\n  otlp_endpoint: {rx.endpoint}\n  trace_sample_ratio: 0\n"
+                       f"  otlp_tls:\n    ca_file: {ca_file}\n")
     try:
         workers = {w["role"]: w for w in f.state["workers"]}
         names = {"proxy": "proxy-" + f.state["proxy"]["grpc"].rsplit(":", 1)[1],
@@ -172,6 +189,7 @@ def main():
     n_grpc = check_trace(spans, t_grpc, s_grpc, names)
     others = [s for s in spans if s.trace_id not in (t_http, t_grpc)]
     assert not others, others
+    shutil.rmtree(tls_dir, ignore_errors=True)
     print(f"traced: {n_http} spans (HTTP traceparent), {n_grpc} spans (gRPC metadata) in "
           f"{exports} exports; untraced requests: 0 spans")
     print("OK")
