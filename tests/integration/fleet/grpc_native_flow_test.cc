@@ -83,17 +83,17 @@ TEST_F(GrpcNativeFlow, ManyStreamsOnOneConnectionArriveExact) {
 // one message larger than the window), which arrives in window-sized DATA
 // frames as the client reads.
 TEST_F(GrpcNativeFlow, AGrpcClientThatReadsLateGetsEveryTokenThroughItsSmallWindow) {
-  constexpr uint32_t kTokens = 500;
+  constexpr uint32_t kTokens = 300;  // merged: one message of ~1.5 KB
   auto stub = pb::Generation::NewStub(Channel(fleet_->proxy_grpc(), 1024));
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(240));
   pb::GenerateRequest req;
   for (uint32_t t : Prompt(30)) req.add_prompt_token_ids(t);
   req.set_max_tokens(kTokens);
   req.mutable_sampling()->set_temperature(0);
   req.set_ignore_eos(true);
   auto reader = stub->Generate(&ctx, req);
-  EXPECT_EQ(WaitFleetIdle(fleet_->workers(), fleet_->proxy_metrics(), std::chrono::seconds(60)), "");
+  EXPECT_EQ(WaitFleetIdle(fleet_->workers(), fleet_->proxy_metrics(), std::chrono::seconds(120)), "");
   std::vector<uint32_t> tokens;
   pb::GenerateResponse resp;
   int messages = 0;
