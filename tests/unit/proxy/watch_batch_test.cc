@@ -13,6 +13,8 @@
 
 #include "proxy/registry_service.h"
 
+#include "wire_corrupt.h"
+
 namespace tandem::proxy {
 namespace {
 
@@ -118,16 +120,7 @@ TEST(WatchBatchTest, CorruptedBatchesAreTakenOnlyAsProtobufReadsThem) {
   WatchBatch b;
   int taken = 0;
   for (int round = 0; round < 20000; ++round) {
-    std::string frame = valid;
-    const int edits = 1 + static_cast<int>(rng() % 3);
-    for (int e = 0; e < edits && !frame.empty(); ++e) {
-      const size_t at = rng() % frame.size();
-      switch (rng() % 3) {
-        case 0: frame[at] = static_cast<char>(rng()); break;
-        case 1: frame.resize(at); break;
-        default: frame.insert(at, 1, static_cast<char>(rng())); break;
-      }
-    }
+    const std::string frame = wire_test::Corrupt(valid, rng);
     SCOPED_TRACE(round);
     taken += ExpectSame(frame, b);
     if (HasFailure()) return;
