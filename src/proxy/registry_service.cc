@@ -145,7 +145,14 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
         return false;
       }
     }
-    *id = owner_->fleet_->router().FindWorker(name_);
+    // The router's answer is kept while its membership does not change.
+    const router::Router& router = owner_->fleet_->router();
+    const uint64_t generation = router.membership_generation();
+    if (generation != id_generation_) {
+      id_ = router.FindWorker(name_);
+      id_generation_ = generation;
+    }
+    *id = id_;
     return true;
   }
 
@@ -234,6 +241,10 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
   const uint64_t epoch_;
   const std::optional<WorkerRecord> rejoin_;
   bool rejoined_ = false;  // read callbacks are serialized
+  // Received's cache of FindWorker(name_), as of the router's membership
+  // generation (read callbacks are serialized).
+  std::optional<router::WorkerId> id_;
+  uint64_t id_generation_ = UINT64_MAX;
   std::atomic<bool> resync_{false};
   std::atomic<bool> stopping_{false};
   const std::string tcp_address_;
