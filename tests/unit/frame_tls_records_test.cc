@@ -159,56 +159,20 @@ class PlainServer {
   std::thread thread_;
 };
 
-// Our side as a client: a FrameConn on a reader thread of its own, which
-// keeps the texts of the frames that came and how it ended.
-class OurClient {
+// Our side as a client (a FrameConn on a reader thread of its own), whose
+// frames are ErrorInfos: their texts.
+class OurClient : public frame_testing::FrameClient {
  public:
-  OurClient(const std::string& address, std::shared_ptr<FrameTls> tls)
-      : conn_(FrameConn::Client(address, std::move(tls), {})), reader_(conn_) {
-    FrameReader::Hooks hooks;
-    hooks.on_frame = [this](std::string_view payload) {
-      pb::ErrorInfo m;
-      if (!m.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
-        return InvalidArgumentError("not an ErrorInfo");
-      }
-      std::lock_guard lock(mu_);
-      texts_.push_back(m.message());
-      cv_.notify_all();
-      return Status::Ok();
-    };
-    hooks.on_end = [this](const Status& why) {
-      std::lock_guard lock(mu_);
-      ended_ = true;
-      end_ = why;
-      cv_.notify_all();
-    };
-    reader_.Start("test-tls-rd", std::move(hooks), conn_);
-  }
-  ~OurClient() {
-    conn_->Close(CancelledError("test over"));
-    reader_.Wake();
-    reader_.Join();
-  }
-  FrameConn& conn() { return *conn_; }
+  using FrameClient::FrameClient;
   std::vector<std::string> WaitTexts(size_t n) {
-    std::unique_lock lock(mu_);
-    cv_.wait_for(lock, std::chrono::seconds(20), [&] { return texts_.size() >= n || ended_; });
-    return texts_;
+    std::vector<std::string> texts;
+    for (const std::string& payload : WaitFrames(n)) {
+      pb::ErrorInfo m;
+      EXPECT_TRUE(m.ParseFromString(payload)) << "not an ErrorInfo";
+      texts.push_back(m.message());
+    }
+    return texts;
   }
-  Status WaitEnd() {
-    std::unique_lock lock(mu_);
-    cv_.wait_for(lock, std::chrono::seconds(20), [&] { return ended_; });
-    return ended_ ? end_ : InternalError("still open");
-  }
-
- private:
-  std::shared_ptr<FrameConn> conn_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<std::string> texts_;
-  bool ended_ = false;
-  Status end_ = Status::Ok();
-  FrameReader reader_;  // last: it ends before the members above go
 };
 
 class FrameTlsRecordsTest : public ::testing::Test {
