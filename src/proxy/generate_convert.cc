@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "common/tracing.h"
+#include "proxy/wire_scan.h"
 
 namespace tandem::proxy {
 
@@ -11,20 +12,6 @@ namespace pb = ::tandem::v1;
 namespace {
 
 constexpr uint32_t kPromptTokenIdsField = 4;  // GenerateRequest.prompt_token_ids
-
-// A varint at p (at most 10 bytes, before end); false when it does not end there.
-bool ReadVarint(const uint8_t*& p, const uint8_t* end, uint64_t* v) {
-  uint64_t r = 0;
-  for (int shift = 0; shift < 70 && p < end; shift += 7) {
-    const uint8_t b = *p++;
-    r |= uint64_t{b & 0x7fu} << shift;
-    if (b < 0x80) {
-      *v = r;
-      return true;
-    }
-  }
-  return false;
-}
 
 // Appends the packed varints of [p, end) to `ids` (each truncated to 32
 // bits, as protobuf reads a uint32). False when the last one is cut off or
@@ -59,7 +46,7 @@ bool AppendPackedVarints(const uint8_t* p, const uint8_t* end, std::vector<uint3
       continue;
     }
     uint64_t v;
-    if (!ReadVarint(p, end, &v)) return false;
+    if (!wire::ReadVarint(p, end, &v)) return false;
     *o++ = static_cast<uint32_t>(v);
   }
   return true;
@@ -69,39 +56,17 @@ bool AppendPackedVarints(const uint8_t* p, const uint8_t* end, std::vector<uint3
 // the other fields (appended to `rest`, in their order). False for
 // anything else: the caller leaves the body to protobuf.
 bool SplitPromptIds(std::string_view body, std::string& rest, std::vector<uint32_t>& ids) {
-  const auto* p = reinterpret_cast<const uint8_t*>(body.data());
-  const uint8_t* const end = p + body.size();
+  const uint8_t* p = wire::Begin(body);
+  const uint8_t* const end = wire::End(body);
+  wire::Field f;
   while (p < end) {
-    const uint8_t* field = p;
-    uint64_t tag;
-    uint64_t len;
-    if (!ReadVarint(p, end, &tag)) return false;
-    switch (tag & 7) {
-      case 0:
-        if (!ReadVarint(p, end, &len)) return false;
-        break;
-      case 1:
-        if (end - p < 8) return false;
-        p += 8;
-        break;
-      case 2:
-        if (!ReadVarint(p, end, &len) || len > static_cast<uint64_t>(end - p)) return false;
-        if (tag >> 3 == kPromptTokenIdsField) {
-          if (!AppendPackedVarints(p, p + len, ids)) return false;
-          p += len;
-          continue;
-        }
-        p += len;
-        break;
-      case 5:
-        if (end - p < 4) return false;
-        p += 4;
-        break;
-      default:  // groups, invalid wire types
-        return false;
+    if (!wire::NextField(p, end, &f)) return false;
+    if (f.number == kPromptTokenIdsField) {
+      if (f.type != 2) return false;  // unpacked, or a wrong wire type
+      if (!AppendPackedVarints(wire::Begin(f.bytes), wire::End(f.bytes), ids)) return false;
+      continue;
     }
-    if (tag >> 3 == kPromptTokenIdsField) return false;  // unpacked, or a wrong wire type
-    rest.append(reinterpret_cast<const char*>(field), static_cast<size_t>(p - field));
+    rest.append(reinterpret_cast<const char*>(f.begin), static_cast<size_t>(p - f.begin));
   }
   return true;
 }

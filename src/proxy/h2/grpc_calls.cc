@@ -77,8 +77,10 @@ void Validated(const std::shared_ptr<H2Connection>& conn, const std::shared_ptr<
   // The stream's messages are kept as fields and encoded when the session
   // takes them (H2Connection::PostDelta/PostFinal): no GenerateResponse per
   // token. The per-token callback captures the stream only (its `conn` is
-  // the connection's weak pointer): a 16-byte capture std::function keeps
-  // inline, so a delta touches no separate heap block (tok-hops, issue 23).
+  // the connection's weak pointer): ResponseSink::on_delta keeps it inline
+  // (an InlineFunction: std::function put this non-trivially-copyable
+  // capture in a heap block), so a delta touches no separate heap block
+  // (issue 23).
   sink.on_delta = [s](std::span<const uint32_t> ids, std::string_view text) {
     if (auto c = s->conn.lock()) c->PostDelta(s, ids, text);
   };

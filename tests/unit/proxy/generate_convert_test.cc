@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "wire_corrupt.h"
+
 namespace tandem::proxy {
 namespace {
 
@@ -142,16 +144,7 @@ TEST(ParseGenerateRequestTest, CorruptedRequestsAsProtobufReadsThem) {
   std::mt19937 rng(23);
   int accepted = 0;
   for (int round = 0; round < 20000; ++round) {
-    std::string body = valid;
-    const int edits = 1 + static_cast<int>(rng() % 3);
-    for (int e = 0; e < edits && !body.empty(); ++e) {
-      const size_t at = rng() % body.size();
-      switch (rng() % 3) {
-        case 0: body[at] = static_cast<char>(rng()); break;
-        case 1: body.resize(at); break;
-        default: body.insert(at, 1, static_cast<char>(rng())); break;
-      }
-    }
+    const std::string body = wire_test::Corrupt(valid, rng);
     SCOPED_TRACE(round);
     ExpectSame(body);
     if (HasFailure()) return;
