@@ -30,8 +30,8 @@
 #include <utility>
 #include <vector>
 
+#include "common/handle_table.h"
 #include "model/tokenizer.h"
-#include "proxy/decode_mux_handles.h"
 #include "proxy/decode_mux_wire.h"
 #include "proxy/worker_client.h"
 #include "proxy/worker_client_grpc.h"
