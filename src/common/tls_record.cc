@@ -94,7 +94,8 @@ Result<TlsRecordCipher> TlsRecordCipher::FromTrafficSecret(std::span<const uint8
 }
 
 Result<TlsRecordCipher> TlsRecordCipher::FromKeyIv(std::span<const uint8_t> key,
-                                                   std::span<const uint8_t> iv, Direction d) {
+                                                   std::span<const uint8_t> iv, Direction d,
+                                                   uint64_t sequence) {
   if (key.size() != kKeyBytes || iv.size() != kIvBytes) {
     return InvalidArgumentError(fmt::format(
         "AES-128-GCM records take a 16-byte key and a 12-byte IV, not {} and {}", key.size(),
@@ -112,6 +113,7 @@ Result<TlsRecordCipher> TlsRecordCipher::FromKeyIv(std::span<const uint8_t> key,
     return InternalError("AES-128-GCM: the cipher context could not be set up");
   }
   std::memcpy(c.iv_, iv.data(), kIvBytes);
+  c.seq_ = sequence;
   return c;
 }
 

@@ -62,9 +62,11 @@ class TlsRecordCipher {
   // From a direction's application traffic secret (32 bytes, SHA-256):
   // key = HKDF-Expand-Label(secret, "key", "", 16), iv = (..., "iv", "", 12).
   static Result<TlsRecordCipher> FromTrafficSecret(std::span<const uint8_t> secret, Direction d);
-  // From a key (16 bytes) and IV (12 bytes) directly.
+  // From a key (16 bytes) and IV (12 bytes) directly; the first record's
+  // sequence number `sequence` (a test starts near the end of the range).
   static Result<TlsRecordCipher> FromKeyIv(std::span<const uint8_t> key,
-                                           std::span<const uint8_t> iv, Direction d);
+                                           std::span<const uint8_t> iv, Direction d,
+                                           uint64_t sequence = 0);
 
   bool valid() const { return ctx_ != nullptr; }
   uint64_t sequence() const { return seq_; }

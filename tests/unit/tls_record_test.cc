@@ -7,6 +7,7 @@
 #include <openssl/core_names.h>
 #include <openssl/kdf.h>
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -122,6 +123,28 @@ TEST(TlsRecordTest, TooMuchForOneRecordIsRefused) {
   Status st = p.seal.Seal(msg, TlsContentType::kApplicationData, rec.data());
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("16384"), std::string::npos) << st.ToString();
+}
+
+TEST(TlsRecordTest, TheSequenceNumberNeverWraps) {
+  const std::vector<uint8_t> key(16, 1), iv(12, 2);
+  constexpr uint64_t kLast = std::numeric_limits<uint64_t>::max() - 1;  // the last one used
+  auto seal = TlsRecordCipher::FromKeyIv(key, iv, TlsRecordCipher::Direction::kSeal, kLast);
+  auto open = TlsRecordCipher::FromKeyIv(key, iv, TlsRecordCipher::Direction::kOpen, kLast);
+  ASSERT_TRUE(seal.ok() && open.ok());
+  std::vector<uint8_t> msg(10, 'z');
+  std::vector<uint8_t> rec(TlsRecordBytes(msg.size()));
+  ASSERT_TRUE(seal->Seal(msg, TlsContentType::kApplicationData, rec.data()).ok());
+  size_t n = 0;
+  TlsContentType type{};
+  ASSERT_TRUE(open->Open(rec, &n, &type).ok());
+  EXPECT_EQ(n, msg.size());
+  // Both directions are now at 2^64 - 1: no further record either way.
+  Status st = seal->Seal(msg, TlsContentType::kApplicationData, rec.data());
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(st.message().find("would wrap"), std::string::npos) << st.ToString();
+  st = open->Open(rec, &n, &type);
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(st.message().find("would wrap"), std::string::npos) << st.ToString();
 }
 
 }  // namespace
