@@ -139,6 +139,7 @@ bool H2Connection::DrainLocked(bool flush) {
       return !io_.pending() || SendLocked();
     }
     const size_t n = got.n;
+    session_in_ = false;
     if (!FeedLocked({buf, n})) {
       // A protocol error: nghttp2 queued GOAWAY; send it, then close.
       SendLocked();
@@ -148,7 +149,9 @@ bool H2Connection::DrainLocked(bool flush) {
       FlushLocked();
       if (broken_) return false;
     }
-    if (!nghttp2_session_want_read(session_) && !nghttp2_session_want_write(session_)) {
+    // (A read the AckFilter took whole changed nothing in the session.)
+    if ((session_in_ || goaway_) && !nghttp2_session_want_read(session_) &&
+        !nghttp2_session_want_write(session_)) {
       return false;
     }
     // Plaintext: a short read drained the socket. TLS reads until nothing is
@@ -162,6 +165,7 @@ bool H2Connection::FeedLocked(std::span<const uint8_t> bytes) {
 }
 
 bool H2Connection::Pass(std::span<const uint8_t> bytes) {
+  session_in_ = session_out_ = true;
   return nghttp2_session_mem_recv(session_, bytes.data(), bytes.size()) >= 0;
 }
 
@@ -176,20 +180,30 @@ bool H2Connection::Window(uint32_t stream_id, uint32_t increment) {
     conn_window_ += increment;
     if (conn_window_ > kMaxWindow && !flow_error_) {
       flow_error_ = true;  // RFC 9113 6.9.1: a connection error
-      nghttp2_session_terminate_session(session_, NGHTTP2_FLOW_CONTROL_ERROR);
+      TerminateLocked(NGHTTP2_FLOW_CONTROL_ERROR);
     }
     return true;
   }
-  auto it = streams_.find(static_cast<int32_t>(stream_id));
-  if (it == streams_.end() || !it->second->in_session) return false;
-  H2Stream& s = *it->second;
-  s.send_window += increment;
-  if (s.send_window > kMaxWindow && !s.eof) {
+  const int32_t id = static_cast<int32_t>(stream_id);
+  H2Stream* s = recent_[(stream_id >> 1) % kRecent];
+  if (s == nullptr || s->id != id) {
+    auto it = streams_.find(id);
+    s = it == streams_.end() ? nullptr : it->second.get();
+  }
+  if (s == nullptr || !s->in_session) return false;
+  s->send_window += increment;
+  if (s->send_window > kMaxWindow && !s->eof) {
     // A stream error: RST_STREAM; its queued data is never written.
-    s.eof = true;
-    nghttp2_submit_rst_stream(session_, NGHTTP2_FLAG_NONE, s.id, NGHTTP2_FLOW_CONTROL_ERROR);
+    s->eof = true;
+    session_out_ = session_in_ = true;
+    nghttp2_submit_rst_stream(session_, NGHTTP2_FLAG_NONE, s->id, NGHTTP2_FLOW_CONTROL_ERROR);
   }
   return true;
+}
+
+void H2Connection::TerminateLocked(uint32_t error_code) {
+  session_out_ = session_in_ = goaway_ = true;
+  nghttp2_session_terminate_session(session_, error_code);
 }
 
 void H2Connection::OnSettingsLocked() {
@@ -205,7 +219,7 @@ void H2Connection::OnSettingsLocked() {
     s->send_window += delta;
     if (s->send_window > kMaxWindow && !flow_error_) {
       flow_error_ = true;
-      nghttp2_session_terminate_session(session_, NGHTTP2_FLOW_CONTROL_ERROR);
+      TerminateLocked(NGHTTP2_FLOW_CONTROL_ERROR);
     }
   }
 }
@@ -283,6 +297,7 @@ void H2Connection::Close() {
     streams.swap(streams_);
     for (auto& [id, s] : streams) s->in_session = false;
     sending_.clear();
+    recent_.fill(nullptr);
     close(fd_);
   }
   {
@@ -303,6 +318,7 @@ void H2Connection::GoAway(const Status& st) {
   std::lock_guard lock(mu_);
   if (closed_) return;
   for (auto& [id, s] : streams_) AbortCall(*this, s, st);
+  session_out_ = goaway_ = true;
   nghttp2_submit_goaway(session_, NGHTTP2_FLAG_NONE,
                         nghttp2_session_get_last_proc_stream_id(session_), NGHTTP2_NO_ERROR,
                         nullptr, 0);
@@ -464,6 +480,7 @@ void H2Connection::TakeOutboxLocked(H2Stream& s) {
 
 void H2Connection::SubmitLocked(H2Stream& s) {
   s.submitted = true;
+  session_out_ = true;
   if (s.wire_final && s.wire_off == s.wire.size()) {
     // Nothing but a status: one HEADERS frame that ends the stream.
     s.eof = true;
@@ -507,7 +524,7 @@ bool H2Connection::WriteDataLocked() {
           s.eof = true;
           Trailers t(s, /*trailers_only=*/false);
           nghttp2_submit_trailer(session_, s.id, t.nv.data(), t.nv.size());
-          trailers = true;
+          trailers = session_out_ = true;
           done = true;
         } else if (!s.outbox_waits) {
           done = true;  // all out; the next post's flush puts it back
@@ -529,16 +546,19 @@ bool H2Connection::SendLocked() {
   for (;;) {
     // Before a TLS handshake ends, frames wait in the session.
     while (io_.ready() && out_.size() - out_off_ < kHighWater) {
-      const uint8_t* data = nullptr;
-      const ssize_t n = nghttp2_session_mem_send(session_, &data);
-      if (n < 0) return false;
-      if (n == 0) {
-        // nghttp2's frames are whole in out_ (mem_send returns one whole
-        // frame per call): ours follow. Trailers they submit go next.
-        if (sending_.empty() || !WriteDataLocked()) break;
-        continue;
+      if (session_out_) {
+        const uint8_t* data = nullptr;
+        const ssize_t n = nghttp2_session_mem_send(session_, &data);
+        if (n < 0) return false;
+        if (n > 0) {
+          out_.append(reinterpret_cast<const char*>(data), static_cast<size_t>(n));
+          continue;
+        }
+        session_out_ = false;
       }
-      out_.append(reinterpret_cast<const char*>(data), static_cast<size_t>(n));
+      // nghttp2's frames are whole in out_ (mem_send returns one whole
+      // frame per call): ours follow. Trailers they submit go next.
+      if (sending_.empty() || !WriteDataLocked()) break;
     }
     if (out_off_ == out_.size() && !io_.pending()) {
       out_.clear();
@@ -580,6 +600,7 @@ int H2Connection::OnBeginHeaders(nghttp2_session*, const nghttp2_frame* frame, v
   auto s = std::make_shared<H2Stream>(frame->hd.stream_id);
   s->conn = c->weak_from_this();
   s->send_window = c->initial_window_;
+  c->recent_[(static_cast<uint32_t>(s->id) >> 1) % kRecent] = s.get();
   c->streams_[s->id] = std::move(s);
   return 0;
 }
@@ -672,6 +693,7 @@ int H2Connection::OnFrameSend(nghttp2_session* session, const nghttp2_frame* fra
   if (frame->hd.type != NGHTTP2_HEADERS || !(frame->hd.flags & NGHTTP2_FLAG_END_STREAM)) return 0;
   auto s = static_cast<H2Connection*>(self)->Find(frame->hd.stream_id);
   if (s && !s->request_done) {
+    static_cast<H2Connection*>(self)->session_out_ = true;
     nghttp2_submit_rst_stream(session, NGHTTP2_FLAG_NONE, s->id, NGHTTP2_NO_ERROR);
   }
   return 0;
@@ -683,6 +705,8 @@ int H2Connection::OnStreamClose(nghttp2_session*, int32_t stream_id, uint32_t, v
   if (it == c->streams_.end()) return 0;
   std::shared_ptr<H2Stream> s = std::move(it->second);
   c->streams_.erase(it);
+  H2Stream*& slot = c->recent_[(static_cast<uint32_t>(stream_id) >> 1) % kRecent];
+  if (slot == s.get()) slot = nullptr;
   s->in_session = false;
   // No stream left to flush a batch: read at once again, so that the
   // client's next (small) request is not left below the low-water mark.

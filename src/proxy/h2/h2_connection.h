@@ -19,6 +19,7 @@
 
 #include <nghttp2/nghttp2.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -112,6 +113,8 @@ class H2Connection final : public Flushable,
   bool Window(uint32_t stream_id, uint32_t increment) override;
   // mu_ held: the client's SETTINGS changed (initial window, frame size).
   void OnSettingsLocked();
+  // mu_ held: GOAWAY with `error_code`; the connection ends.
+  void TerminateLocked(uint32_t error_code);
 
   std::shared_ptr<H2Stream> Find(int32_t id) const;  // mu_ held
   // With out_mu_ held: puts `s` on the dirty list; true when the caller
@@ -169,6 +172,20 @@ class H2Connection final : public Flushable,
   size_t max_frame_ = 16384;
   bool flow_error_ = false;  // the client overflowed a window: GOAWAY, no more DATA
   std::vector<std::shared_ptr<H2Stream>> sending_;
+  // Where Window looks first (the map's buckets and nodes are cache-cold
+  // after a step): open streams by (id / 2) % kRecent; a slot holds an open
+  // stream (cleared when it closes) or null.
+  static constexpr size_t kRecent = 64;
+  std::array<H2Stream*, kRecent> recent_{};
+  // nghttp2 is called only when it may have something to do: a step whose
+  // only input is WINDOW_UPDATEs and whose only output is DATA never
+  // touches the (cache-cold) session. session_out_: a call since the last
+  // mem_send that returned nothing may have queued a frame (a submit, bytes
+  // fed); session_in_: this read fed it bytes (its want_read/want_write may
+  // have changed); goaway_: we ended the session (checked after every read).
+  bool session_out_ = true;
+  bool session_in_ = false;
+  bool goaway_ = false;
 
   std::mutex out_mu_;
   std::vector<std::shared_ptr<H2Stream>> dirty_;  // guarded by out_mu_

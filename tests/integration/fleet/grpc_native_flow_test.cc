@@ -93,6 +93,14 @@ TEST_F(GrpcNativeFlow, AGrpcClientThatReadsLateGetsEveryTokenThroughItsSmallWind
   req.mutable_sampling()->set_temperature(0);
   req.set_ignore_eos(true);
   auto reader = stub->Generate(&ctx, req);
+  // The request is in flight first (else the fleet looks idle before it
+  // arrived), then has ended at the workers.
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        auto m = Scrape(fleet_->proxy_metrics());
+        return m.ok() && MetricValue(*m, "tandem_requests_inflight") > 0;
+      },
+      std::chrono::seconds(60)));
   EXPECT_EQ(WaitFleetIdle(fleet_->workers(), fleet_->proxy_metrics(), std::chrono::seconds(120)), "");
   std::vector<uint32_t> tokens;
   pb::GenerateResponse resp;
