@@ -25,6 +25,8 @@ namespace {
 
 constexpr size_t kHeaderBytes = 4;
 constexpr size_t kReadChunkBytes = 64 << 10;
+// Plaintext sealed per round of a flush (16 records of 2^14 bytes).
+constexpr size_t kSealChunkBytes = 256 << 10;
 
 std::string OpenSslErrors() {
   std::string out = DrainOpenSslErrors();
@@ -86,8 +88,12 @@ Result<std::shared_ptr<FrameTls>> FrameTls::Create(const TlsPem& pem) {
   // Mutual TLS: a peer without a certificate of the fleet CA is refused.
   SSL_CTX_set_verify(t->server_, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT, nullptr);
   SSL_CTX_set_verify(t->client_, SSL_VERIFY_PEER, nullptr);
-  // Connections are long-lived: no session tickets to write after the handshake.
+  // Connections are long-lived: no session tickets to write after the
+  // handshake (nor any post-handshake message the record layer here would
+  // have to carry: common/frame_tls_records.h).
   SSL_CTX_set_num_tickets(t->server_, 0);
+  TANDEM_RETURN_IF_ERROR(SetupFrameTlsRecords(t->server_));
+  TANDEM_RETURN_IF_ERROR(SetupFrameTlsRecords(t->client_));
   return t;
 }
 
@@ -98,7 +104,8 @@ FrameTls::~FrameTls() {
 
 // Read-ahead: a record (header and body) comes in one read() instead of
 // two; ReadLocked reads while SSL_has_pending, so nothing stays buffered
-// behind a poll() that would not report it.
+// behind a poll() that would not report it. (AttachSecrets turns it off
+// for the handshake; a connection that stays on OpenSSL gets it back.)
 SSL* FrameTls::NewServer() const {
   SSL* ssl = SSL_new(server_);
   if (ssl != nullptr) SSL_set_read_ahead(ssl, 1);
@@ -146,6 +153,8 @@ std::shared_ptr<FrameConn> FrameConn::Accepted(int fd, const FrameTls* tls, Fram
       c->CloseLocked(InternalError("SSL_new failed: " + OpenSslErrors()));
       return c;
     }
+    c->secrets_ = std::make_unique<FrameTlsSecrets>();
+    AttachSecrets(c->ssl_, c->secrets_.get());
     SSL_set_accept_state(c->ssl_);
     c->state_ = State::kHandshake;
   } else {
@@ -233,6 +242,8 @@ Status FrameConn::Connect() {
       CloseLocked(InternalError("SSL_new failed: " + OpenSslErrors()));
       return closed_why_;
     }
+    secrets_ = std::make_unique<FrameTlsSecrets>();
+    AttachSecrets(ssl_, secrets_.get());
     SSL_set_connect_state(ssl_);
   }
   state_ = State::kConnecting;
@@ -247,6 +258,11 @@ bool FrameConn::closed() const {
 bool FrameConn::open() const {
   std::lock_guard lock(mu_);
   return state_ == State::kOpen;
+}
+
+bool FrameConn::sealing_records() const {
+  std::lock_guard lock(mu_);
+  return records_ != nullptr;
 }
 
 void FrameConn::Close(const Status& why) {
@@ -350,7 +366,48 @@ Status FrameConn::Send(const google::protobuf::MessageLite& msg) {
   return Status::Ok();
 }
 
+ssize_t FrameConn::SendLocked(const void* p, size_t bytes) {
+  for (;;) {
+    const ssize_t n = ::send(fd_, p, bytes, MSG_NOSIGNAL);
+    if (n > 0) return n;
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      write_blocked_ = true;
+      return 0;
+    }
+    CloseLocked(UnavailableError(fmt::format("writing to {} failed: {}", peer_, std::strerror(errno))));
+    return -1;
+  }
+}
+
+void FrameConn::FlushRecordsLocked() {
+  for (;;) {
+    while (sealed_off_ < sealed_len_) {
+      const ssize_t n = SendLocked(sealed_.data() + sealed_off_, sealed_len_ - sealed_off_);
+      if (n <= 0) return;  // blocked (for POLLOUT) or closed
+      sealed_off_ += static_cast<size_t>(n);
+    }
+    sealed_off_ = sealed_len_ = 0;
+    if (out_off_ == out_.size()) break;
+    const size_t take = std::min(out_.size() - out_off_, kSealChunkBytes);
+    Status st = records_->Seal(reinterpret_cast<const uint8_t*>(out_.data() + out_off_), take,
+                               &sealed_, &sealed_len_);
+    if (!st.ok()) {
+      CloseLocked(st);
+      return;
+    }
+    out_off_ += take;
+  }
+  out_.clear();
+  out_off_ = 0;
+  write_blocked_ = false;
+}
+
 void FrameConn::FlushLocked() {
+  if (records_ != nullptr) {
+    FlushRecordsLocked();
+    return;
+  }
   while (out_off_ < out_.size()) {
     const char* p = out_.data() + out_off_;
     const size_t left = out_.size() - out_off_;
@@ -377,22 +434,24 @@ void FrameConn::FlushLocked() {
       CloseLocked(SslIoError("writing", n, first));
       return;
     }
-    const ssize_t n = ::send(fd_, p, left, MSG_NOSIGNAL);
-    if (n > 0) {
-      out_off_ += static_cast<size_t>(n);
-      continue;
-    }
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      write_blocked_ = true;
-      return;
-    }
-    if (n < 0 && errno == EINTR) continue;
-    CloseLocked(UnavailableError(fmt::format("writing to {} failed: {}", peer_, std::strerror(errno))));
-    return;
+    const ssize_t n = SendLocked(p, left);
+    if (n <= 0) return;  // blocked (for POLLOUT) or closed
+    out_off_ += static_cast<size_t>(n);
   }
   out_.clear();
   out_off_ = 0;
   write_blocked_ = false;
+}
+
+void FrameConn::StartRecordsLocked() {
+  if (ssl_ == nullptr || secrets_ == nullptr) return;
+  auto records = FrameTlsRecords::Start(ssl_, server_tls_ != nullptr, secrets_.get(), peer_);
+  secrets_.reset();
+  if (!records.ok()) {
+    CloseLocked(records.status());
+    return;
+  }
+  records_ = std::move(*records);
 }
 
 short FrameConn::Events() const {
@@ -405,7 +464,39 @@ short FrameConn::Events() const {
   }
 }
 
+bool FrameConn::ReadRecordsLocked() {
+  for (;;) {
+    if (in_off_ > 0 && in_off_ == in_len_) {
+      in_len_ = 0;
+      in_off_ = 0;
+    }
+    if (raw_off_ > 0) {  // a partial record (or nothing) left: to the front
+      std::memmove(raw_.data(), raw_.data() + raw_off_, raw_len_ - raw_off_);
+      raw_len_ -= raw_off_;
+      raw_off_ = 0;
+    }
+    if (raw_.size() < raw_len_ + kReadChunkBytes) raw_.resize(raw_len_ + kReadChunkBytes);
+    const ssize_t n = ::recv(fd_, raw_.data() + raw_len_, kReadChunkBytes, 0);
+    if (n <= 0) {
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+      if (n < 0 && errno == EINTR) continue;
+      CloseLocked(UnavailableError(
+          n == 0 ? fmt::format("{} closed the connection", peer_)
+                 : fmt::format("reading from {} failed: {}", peer_, std::strerror(errno))));
+      return false;
+    }
+    raw_len_ += static_cast<size_t>(n);
+    Status st = records_->Open(raw_.data(), &raw_off_, raw_len_, &in_, &in_len_);
+    if (!st.ok()) {
+      CloseLocked(st);
+      return false;
+    }
+    if (static_cast<size_t>(n) < kReadChunkBytes) return true;  // drained
+  }
+}
+
 bool FrameConn::ReadLocked() {
+  if (records_ != nullptr) return ReadRecordsLocked();
   for (;;) {
     if (in_off_ > 0 && in_off_ == in_len_) {
       in_len_ = 0;
@@ -482,6 +573,8 @@ Status FrameConn::Progress(short revents, const OnFrame& on_frame) {
         return closed_why_;
       }
       state_ = State::kOpen;
+      StartRecordsLocked();
+      if (state_ == State::kClosed) return closed_why_;
       revents |= POLLIN | POLLOUT;  // data may have come with the handshake; flush what waits
       write_blocked_ = true;
     }

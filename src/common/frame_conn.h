@@ -17,7 +17,10 @@
 //
 // TLS: one SSL object is never used by two threads at once: every SSL (and
 // socket) call happens under the connection's mutex; the I/O thread waits
-// for readiness (poll) outside it.
+// for readiness (poll) outside it. After a TLS 1.3 handshake the connection
+// seals and opens its records itself (common/frame_tls_records.h), on the
+// same wire; OpenSSL keeps only the handshake's results (the peer's
+// certificate).
 //
 // Threads: Send and Close from any thread. Connect, Events and Progress
 // from the one I/O thread that owns the connection (FrameServer's, or the
@@ -35,7 +38,9 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <vector>
 
+#include "common/frame_tls_records.h"
 #include "common/status.h"
 #include "common/tls.h"
 
@@ -111,6 +116,10 @@ class FrameConn {
   const std::string& peer() const { return peer_; }
   // True once connected and (with TLS) authenticated.
   bool open() const;
+  // True when the connection seals and opens its TLS records itself
+  // (common/frame_tls_records.h), false over plaintext, before the
+  // handshake, or when it stays on OpenSSL's SSL_read / SSL_write.
+  bool sealing_records() const;
   // The common name of the peer's verified certificate; "" over plaintext,
   // before the handshake or once closed (the proxy's framed Register binds
   // a worker name to it, as gRPC's x509_common_name; docs/security.md).
@@ -148,6 +157,14 @@ class FrameConn {
   void FlushLocked();
   // Reads what the socket has into in_; false with closed_why_ set at EOF/error.
   bool ReadLocked();
+  // Writes from `p` what the socket takes now: the count; 0 when it takes
+  // nothing (write_blocked_ set, for POLLOUT); -1 when it failed (closed).
+  ssize_t SendLocked(const void* p, size_t bytes);
+  // ReadLocked / FlushLocked once records_ seals and opens the records.
+  bool ReadRecordsLocked();
+  void FlushRecordsLocked();
+  // After the handshake: the record layer, or stays on OpenSSL.
+  void StartRecordsLocked();
   Status TlsError(const char* what, int ret);
   // One SSL_read / SSL_write (`io`) without clearing the thread's OpenSSL
   // error queue first (ERR_clear_error per call is a cost per decode step,
@@ -176,6 +193,16 @@ class FrameConn {
   socklen_t peer_addr_len_ = 0;        // guarded by mu_
   Status lookup_error_;                // guarded by mu_
   SSL* ssl_ = nullptr;                 // guarded by mu_
+  // guarded by mu_: the handshake's secrets (until it is done), then the
+  // records sealed and opened here (null: OpenSSL's, or plaintext).
+  std::unique_ptr<FrameTlsSecrets> secrets_;
+  std::unique_ptr<FrameTlsRecords> records_;
+  std::vector<uint8_t> sealed_;        // guarded by mu_: records not yet written, [sealed_off_, sealed_len_)
+  size_t sealed_len_ = 0;              // guarded by mu_
+  size_t sealed_off_ = 0;              // guarded by mu_
+  std::vector<uint8_t> raw_;           // I/O thread only: records read, [raw_off_, raw_len_)
+  size_t raw_len_ = 0;                 // I/O thread only
+  size_t raw_off_ = 0;                 // I/O thread only
   State state_ = State::kIdle;         // guarded by mu_
   Status closed_why_;                  // guarded by mu_
   std::string out_;                    // guarded by mu_: frames not yet written, from out_off_

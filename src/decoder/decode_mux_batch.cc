@@ -5,12 +5,16 @@ namespace tandem::decoder {
 namespace pb = ::tandem::v1;
 
 pb::DecodeStreamItem* MuxBatcher::Open(uint64_t handle) {
-  auto it = open_.find(handle);
-  return it == open_.end() ? nullptr : batch_.mutable_items(it->second);
+  const int* index = open_.Find(handle);
+  return index == nullptr ? nullptr : batch_.mutable_items(*index);
 }
 
 pb::DecodeStreamItem* MuxBatcher::Add(uint64_t handle) {
-  open_[handle] = batch_.items_size();
+  if (int* index = open_.Find(handle)) {
+    *index = batch_.items_size();  // the handle's new open item
+  } else if (handle != 0) {
+    open_.Insert(handle, batch_.items_size());
+  }
   pb::DecodeStreamItem* item = batch_.add_items();
   item->set_handle(handle);
   return item;
@@ -40,7 +44,7 @@ void MuxBatcher::Finished(uint64_t handle, const pb::DecodeFinished& finished) {
   pb::DecodeStreamItem* item = Open(handle);
   if (item == nullptr) item = Add(handle);
   *item->mutable_finished() = finished;
-  open_.erase(handle);
+  open_.Take(handle);
 }
 
 void MuxBatcher::Error(uint64_t handle, const Status& status) {
@@ -48,25 +52,25 @@ void MuxBatcher::Error(uint64_t handle, const Status& status) {
   if (item == nullptr) item = Add(handle);
   item->mutable_error()->set_code(static_cast<int>(status.code()));
   item->mutable_error()->set_message(status.message());
-  open_.erase(handle);
+  open_.Take(handle);
 }
 
 pb::DecodeStreamResponse MuxBatcher::Take() {
   pb::DecodeStreamResponse out;
   out.Swap(&batch_);
-  open_.clear();
+  open_.Clear();
   return out;
 }
 
 void MuxBatcher::TakeInto(pb::DecodeStreamResponse* out) {
   out->Swap(&batch_);
   batch_.Clear();  // keeps the cleared items for reuse
-  open_.clear();
+  open_.Clear();
 }
 
 void MuxBatcher::Clear() {
   batch_.Clear();
-  open_.clear();
+  open_.Clear();
 }
 
 }  // namespace tandem::decoder

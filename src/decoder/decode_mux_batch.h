@@ -15,8 +15,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
-#include <unordered_map>
-
+#include "common/handle_table.h"
 #include "common/status.h"
 #include "tandem/v1/worker.pb.h"
 
@@ -46,7 +45,11 @@ class MuxBatcher {
   v1::DecodeStreamItem* Add(uint64_t handle);
 
   v1::DecodeStreamResponse batch_;
-  std::unordered_map<uint64_t, int> open_;  // handle -> index in batch_ of its item without an end
+  // handle -> index in batch_ of its item without an end. A HandleTable
+  // (common/handle_table.h): filled and cleared every batch without a node
+  // allocated per item as std::unordered_map did (issue 23, tok-chain).
+  // Handle 0 (refused by the stream: an error item) is never open.
+  HandleTable<int> open_;
 };
 
 }  // namespace tandem::decoder

@@ -30,7 +30,8 @@
 #include <utility>
 #include <vector>
 
-#include "proxy/decode_mux_handles.h"
+#include "common/handle_table.h"
+#include "model/tokenizer.h"
 #include "proxy/decode_mux_wire.h"
 #include "proxy/worker_client.h"
 #include "proxy/worker_client_grpc.h"
@@ -53,6 +54,10 @@ class DecodeMux : public GrpcWorkerClient::Tracked, public std::enable_shared_fr
 
   bool ended() const;
   size_t num_requests() const;  // started and not yet ended or cancelled
+  // The receivers' token byte table (null: none): each batch read
+  // prefetches its tokens' entries and bytes before the first delivery, so
+  // that the detokenizers' misses overlap (issue 23, tok-chain).
+  void SetTokenTable(const model::TokenBytesTable* table);
 
  protected:
   // Sends `msg` on the stream, in the order of the calls (mu_ is held; an
@@ -73,6 +78,7 @@ class DecodeMux : public GrpcWorkerClient::Tracked, public std::enable_shared_fr
   void CancelRequest(uint64_t handle);
 
   uint64_t next_handle_ = 1;  // guarded by mu_
+  const model::TokenBytesTable* token_table_ = nullptr;  // guarded by mu_
   HandleTable<std::shared_ptr<Request>> requests_;  // guarded by mu_
   std::vector<std::pair<std::shared_ptr<Request>, const DecodeItem*>> batch_;  // reader only
   std::vector<DecodeItem> items_;  // reader only: a parsed message's items

@@ -3,18 +3,99 @@
 #include <fmt/format.h>
 
 #include "common/tracing.h"
+#include "proxy/wire_scan.h"
 
 namespace tandem::proxy {
 
 namespace pb = ::tandem::v1;
 
-ClientRequest ClientRequestFromProto(pb::wire::GenerateRequestBytes& r) {
+namespace {
+
+constexpr uint32_t kPromptTokenIdsField = 4;  // GenerateRequest.prompt_token_ids
+
+// Appends the packed varints of [p, end) to `ids` (each truncated to 32
+// bits, as protobuf reads a uint32). False when the last one is cut off or
+// one is longer than 10 bytes.
+bool AppendPackedVarints(const uint8_t* p, const uint8_t* end, std::vector<uint32_t>& ids) {
+  if (p == end) return true;
+  if (end[-1] >= 0x80) return false;
+  size_t n = 0;  // every varint ends with exactly one byte below 0x80
+  for (const uint8_t* q = p; q < end; ++q) n += *q < 0x80;
+  const size_t at = ids.size();
+  ids.resize(at + n);
+  uint32_t* o = ids.data() + at;
+  // Token ids take 1-3 bytes (below 2^21). A byte >= 0x80 is never the
+  // last one (checked above), so the next byte can be read.
+  while (p < end) {
+    const uint32_t b0 = p[0];
+    if (b0 < 0x80) {
+      *o++ = b0;
+      p += 1;
+      continue;
+    }
+    const uint32_t b1 = p[1];
+    if (b1 < 0x80) {
+      *o++ = (b0 & 0x7f) | (b1 << 7);
+      p += 2;
+      continue;
+    }
+    const uint32_t b2 = p[2];
+    if (b2 < 0x80) {
+      *o++ = (b0 & 0x7f) | ((b1 & 0x7f) << 7) | (b2 << 14);
+      p += 3;
+      continue;
+    }
+    uint64_t v;
+    if (!wire::ReadVarint(p, end, &v)) return false;
+    *o++ = static_cast<uint32_t>(v);
+  }
+  return true;
+}
+
+// Splits `body` into its prompt_token_ids (packed: appended to `ids`) and
+// the other fields (appended to `rest`, in their order). False for
+// anything else: the caller leaves the body to protobuf.
+bool SplitPromptIds(std::string_view body, std::string& rest, std::vector<uint32_t>& ids) {
+  const uint8_t* p = wire::Begin(body);
+  const uint8_t* const end = wire::End(body);
+  wire::Field f;
+  while (p < end) {
+    if (!wire::NextField(p, end, &f)) return false;
+    if (f.number == kPromptTokenIdsField) {
+      if (f.type != 2) return false;  // unpacked, or a wrong wire type
+      if (!AppendPackedVarints(wire::Begin(f.bytes), wire::End(f.bytes), ids)) return false;
+      continue;
+    }
+    rest.append(reinterpret_cast<const char*>(f.begin), static_cast<size_t>(p - f.begin));
+  }
+  return true;
+}
+
+}  // namespace
+
+Status ParseGenerateRequest(std::string_view body, GenerateRequestParts& out) {
+  std::string rest;
+  out.prompt_token_ids.clear();
+  const bool split = SplitPromptIds(body, rest, out.prompt_token_ids);
+  if (!split) out.prompt_token_ids.clear();
+  const std::string_view whole = split ? std::string_view(rest) : body;
+  if (!out.rest.ParseFromArray(whole.data(), static_cast<int>(whole.size()))) {
+    return InvalidArgumentError("the request is not a valid tandem.v1.GenerateRequest");
+  }
+  return Status::Ok();
+}
+
+ClientRequest ClientRequestFromProto(pb::wire::GenerateRequestBytes& r, std::vector<uint32_t> ids) {
   ClientRequest c;
   c.request_id = std::move(*r.mutable_request_id());
   c.model = std::move(*r.mutable_model());
   c.has_prompt = !r.prompt().empty();
   c.prompt = std::move(*r.mutable_prompt());
-  c.prompt_token_ids.assign(r.prompt_token_ids().begin(), r.prompt_token_ids().end());
+  if (r.prompt_token_ids().empty()) {
+    c.prompt_token_ids = std::move(ids);
+  } else {
+    c.prompt_token_ids.assign(r.prompt_token_ids().begin(), r.prompt_token_ids().end());
+  }
   if (r.has_max_tokens()) c.max_tokens = r.max_tokens();
   if (r.has_sampling()) {
     const auto& s = r.sampling();
@@ -32,8 +113,8 @@ ClientRequest ClientRequestFromProto(pb::wire::GenerateRequestBytes& r) {
   return c;
 }
 
-Status ExplainEmptyPrompt(const pb::wire::GenerateRequestBytes& r) {
-  if (r.prompt().empty() && r.prompt_token_ids().empty()) {
+Status ExplainEmptyPrompt(const pb::wire::GenerateRequestBytes& r, bool has_ids) {
+  if (r.prompt().empty() && r.prompt_token_ids().empty() && !has_ids) {
     return InvalidArgumentError(
         "prompt is empty and prompt_token_ids is empty: give exactly one of them");
   }
@@ -54,14 +135,32 @@ Status RequestTooLarge(const Frontend& fe, uint64_t bytes) {
       fe.limits().max_request_bytes));
 }
 
+namespace {
+
+Result<ValidatedRequest> Prepare(Frontend& fe, Status parsed, pb::wire::GenerateRequestBytes& req,
+                                 std::vector<uint32_t> ids, const Tenant* tenant,
+                                 const std::string& traceparent, double* retry_after) {
+  if (parsed.ok()) parsed = ExplainEmptyPrompt(req, !ids.empty());
+  if (!parsed.ok()) return parsed;
+  Result<ValidatedRequest> v =
+      fe.Validate(ClientRequestFromProto(req, std::move(ids)), tenant, retry_after);
+  if (v.ok()) v->trace = tracing::Tracer::Get().StartRequest(traceparent);
+  return v;
+}
+
+}  // namespace
+
 Result<ValidatedRequest> PrepareGenerate(Frontend& fe, Status parsed,
                                          pb::wire::GenerateRequestBytes& req, const Tenant* tenant,
                                          const std::string& traceparent, double* retry_after) {
-  if (parsed.ok()) parsed = ExplainEmptyPrompt(req);
-  if (!parsed.ok()) return parsed;
-  Result<ValidatedRequest> v = fe.Validate(ClientRequestFromProto(req), tenant, retry_after);
-  if (v.ok()) v->trace = tracing::Tracer::Get().StartRequest(traceparent);
-  return v;
+  return Prepare(fe, std::move(parsed), req, {}, tenant, traceparent, retry_after);
+}
+
+Result<ValidatedRequest> PrepareGenerate(Frontend& fe, Status parsed, GenerateRequestParts& req,
+                                         const Tenant* tenant, const std::string& traceparent,
+                                         double* retry_after) {
+  return Prepare(fe, std::move(parsed), req.rest, std::move(req.prompt_token_ids), tenant,
+                 traceparent, retry_after);
 }
 
 }  // namespace tandem::proxy

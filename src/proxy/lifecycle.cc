@@ -337,6 +337,12 @@ void RequestLifecycle::OnFinished(uint32_t attempt, Finish reason,
   // The decode call ended with this item (the stream dropped its handle):
   // no cancel for it (issue 23: a lookup under the stream's mutex per request).
   decode_call_.reset();
+  // Nor for the prefill: the decoder finished, so it had the KV and the
+  // prefiller's work is over; its reply is on its way and will find this
+  // request done. A cancel would cost a frame to the prefiller and a
+  // wake-up of the proxy's frame loop (a quarter of 8k prompts with one
+  // output token finish at the decoder first: issue 23).
+  prefill_call_.reset();
   Calls to_cancel = CompleteLocked(reason == Finish::kNone ? Finish::kStop : reason);
   lock.unlock();
   CancelAll(to_cancel);

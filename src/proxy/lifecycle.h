@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "common/block_hash.h"
+#include "common/inline_function.h"
 #include "common/status.h"
 #include "model/tokenizer.h"
 #include "proxy/fleet.h"
@@ -50,7 +51,8 @@ struct Usage {
 struct ResponseSink {
   // `token_ids` and `text` are valid during the call only (views of the
   // request's reused delta buffer: nothing is allocated per token).
-  std::function<void(std::span<const uint32_t> token_ids, std::string_view text)> on_delta;
+  // Kept inline (common/inline_function.h: no heap block to read per call).
+  InlineFunction<void(std::span<const uint32_t> token_ids, std::string_view text)> on_delta;
   std::function<void(Finish reason, Usage usage)> on_finish;  // last call on success
   std::function<void(Status status)> on_error;                // last call on failure
   // Optional: what on_delta reads first (worker_client.h HotBytes); the

@@ -54,6 +54,7 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
                                                   /*tcp_deliver_on_grpc_thread=*/
                                                   !native);
   p->client_->SetPrefillTransport(fleet.proxy.prefill_transport == "tcp");  // issue 23, prefill-tcp
+  p->client_->SetTokenTable(p->tokenizer_->token_table());  // issue 23, tok-chain
 
   ServingLimits limits;
   limits.model = fleet.model.name;

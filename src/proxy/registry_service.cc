@@ -65,7 +65,8 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
         tcp_ = tcp;
       }
       tcp->Start({[this](const pb::WorkerUpdate& u) { OnUpdate(u); },
-                  [this](bool graceful, const Status& why) { Ended(graceful, why.message()); }});
+                  [this](bool graceful, const Status& why) { Ended(graceful, why.message()); },
+                  [this](const WatchBatch& b) { OnBatch(b); }});
       if (stopping_.load()) tcp->Stop(CancelledError("watch stopped"));  // before tcp_ was set
       return;
     }
@@ -112,19 +113,46 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
   // An update (either transport; updates are serialized). False: stop
   // reading (a probe that is no longer current).
   bool OnUpdate(const pb::WorkerUpdate& update) {
+    std::optional<router::WorkerId> id;
+    if (!Received(update.epoch(), &id)) return false;
+    if (id) Apply(owner_->fleet_->router(), *id, update);
+    return true;
+  }
+
+  // A batch read without protobuf (framed TCP, watch_batch.h): as the
+  // same update through OnUpdate.
+  void OnBatch(const WatchBatch& b) {
+    std::optional<router::WorkerId> id;
+    if (!Received(b.epoch, &id) || !id) return;
+    auto& router = owner_->fleet_->router();
+    for (const router::KvEventView& e : b.events) {
+      if (!ApplyEvent(router, *id, e)) break;
+    }
+    if (b.has_load) ApplyLoad(router, *id, b.load);
+  }
+
+  // What every update does first: the liveness stamp, a probe's rejoin;
+  // `id`: the worker's router id, if it has one now. False: stop reading
+  // (a probe that is no longer current).
+  bool Received(uint64_t epoch, std::optional<router::WorkerId>* id) {
     Touch();
     if (rejoin_ && !rejoined_) {
       // A probe: the worker answers again. Back into the fleet first, so
       // that its snapshot lands in the router.
       rejoined_ = true;
-      if (!owner_->Rejoin(name_, this, *rejoin_, update.epoch())) {
+      if (!owner_->Rejoin(name_, this, *rejoin_, epoch)) {
         Stop("probe no longer current");
         return false;
       }
     }
-    auto& router = owner_->fleet_->router();
-    auto id = router.FindWorker(name_);
-    if (id) Apply(router, *id, update);
+    // The router's answer is kept while its membership does not change.
+    const router::Router& router = owner_->fleet_->router();
+    const uint64_t generation = router.membership_generation();
+    if (generation != id_generation_) {
+      id_ = router.FindWorker(name_);
+      id_generation_ = generation;
+    }
+    *id = id_;
     return true;
   }
 
@@ -182,7 +210,10 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
 
   // False when the event asks for a snapshot (the stream is being dropped).
   bool ApplyEvent(router::Router& router, router::WorkerId id, const pb::KvEvent& e) {
-    auto r = router.ApplyEvent(id, KvEventViewFromProto(e));
+    return ApplyEvent(router, id, KvEventViewFromProto(e));
+  }
+  bool ApplyEvent(router::Router& router, router::WorkerId id, const router::KvEventView& e) {
+    auto r = router.ApplyEvent(id, e);
     if (r.ok() && *r == router::EventResult::kNeedsSnapshot) {
       // A gap or a restart: drop the stream; the worker is watched anew
       // (from a snapshot) when it registers again, or now by the owner.
@@ -210,6 +241,10 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
   const uint64_t epoch_;
   const std::optional<WorkerRecord> rejoin_;
   bool rejoined_ = false;  // read callbacks are serialized
+  // Received's cache of FindWorker(name_), as of the router's membership
+  // generation (read callbacks are serialized).
+  std::optional<router::WorkerId> id_;
+  uint64_t id_generation_ = UINT64_MAX;
   std::atomic<bool> resync_{false};
   std::atomic<bool> stopping_{false};
   const std::string tcp_address_;

@@ -71,6 +71,10 @@ void WatchTcpClient::Stop(const Status& why) {
 
 Status WatchTcpClient::OnFrame(std::string_view payload) {
   if (stopped_.load()) return CancelledError("watch stopped");
+  if (callbacks_.on_batch && ParseWatchBatch(payload, batch_)) {
+    callbacks_.on_batch(batch_);
+    return Status::Ok();
+  }
   const pb::WorkerUpdate* update = parser_.Parse(payload);
   if (update == nullptr) return InvalidArgumentError("a Watch frame does not hold a WorkerUpdate");
   if (update->watch_ended()) {

@@ -27,6 +27,7 @@
 
 #include "common/frame_conn.h"
 #include "common/frame_reader.h"
+#include "proxy/watch_batch.h"
 #include "tandem/v1/worker.pb.h"
 
 namespace tandem::proxy {
@@ -63,6 +64,9 @@ class WatchTcpClient : public std::enable_shared_from_this<WatchTcpClient> {
     // `graceful`: the worker ended the watch (watch_ended); otherwise `why`
     // says why it broke (or Stop's reason).
     std::function<void(bool graceful, const Status& why)> on_end;
+    // A batch of the usual shape (watch_batch.h), read without protobuf;
+    // unset: every frame goes to on_update.
+    std::function<void(const WatchBatch&)> on_batch;
   };
 
   static std::shared_ptr<WatchTcpClient> Create(const std::string& address,
@@ -89,6 +93,7 @@ class WatchTcpClient : public std::enable_shared_from_this<WatchTcpClient> {
   Callbacks callbacks_;
   std::atomic<bool> stopped_{false};
   WorkerUpdateParser parser_;  // the reader thread only
+  WatchBatch batch_;           // the reader thread only
   bool graceful_ = false;    // the reader thread only: the worker ended the watch
   FrameReader reader_;  // last: its thread ends before the members above go
 };

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "common/inline_function.h"
 #include "common/status.h"
 
 namespace tandem::proxy {
@@ -85,7 +86,8 @@ struct DecodeEvents {
   std::function<void()> on_registered;
   // `first_index`: index in the completion of ids[0]. `ids` is valid during
   // the call only (a view of the message read: no copy per delivery).
-  std::function<void(uint32_t first_index, std::span<const uint32_t> ids)> on_tokens;
+  // Kept inline (common/inline_function.h: no heap block to read per call).
+  InlineFunction<void(uint32_t first_index, std::span<const uint32_t> ids)> on_tokens;
   // `prefill_cached_tokens`: the prefiller's prefix-cache hits as its KV
   // notice told the decoder (the prefill reply may arrive later).
   std::function<void(Finish reason, uint32_t completion_tokens, uint32_t decoder_cached_tokens,

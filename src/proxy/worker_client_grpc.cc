@@ -230,6 +230,11 @@ GrpcWorkerClient::GrpcWorkerClient(RpcCredentials credentials, bool decode_strea
   frame_tls_ready_ = true;
 }
 
+void GrpcWorkerClient::SetTokenTable(const model::TokenBytesTable* table) {
+  std::lock_guard lock(mu_);
+  token_table_ = table;
+}
+
 void GrpcWorkerClient::SetPrefillTransport(bool tcp) {
   std::lock_guard lock(mu_);
   prefill_tcp_ = false;
@@ -323,6 +328,7 @@ std::shared_ptr<DecodeMux> GrpcWorkerClient::Mux(const std::string& address,
   } else {
     mux = DecodeMuxClient::Open(ChannelLocked(address));
   }
+  mux->SetTokenTable(token_table_);
   return mux;
 }
 

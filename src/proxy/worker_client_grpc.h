@@ -13,6 +13,10 @@
 #include "common/tls.h"
 #include "proxy/worker_client.h"
 
+namespace tandem::model {
+struct TokenBytesTable;
+}  // namespace tandem::model
+
 namespace grpc {
 class Channel;
 }
@@ -52,6 +56,11 @@ class GrpcWorkerClient final : public WorkerClient {
   // connection per prefiller, the internal plane's mutual TLS identity),
   // else the gRPC Prefiller.Prefill. Set once, before the first call.
   void SetPrefillTransport(bool tcp);
+  // The proxy tokenizer's byte table (may be null): every decode stream
+  // prefetches the entries and bytes of a batch's tokens with it, before
+  // its requests detokenize them (issue 23, tok-chain). Set once, before
+  // the first call.
+  void SetTokenTable(const model::TokenBytesTable* table);
   // Where the worker at `address` serves Prefill over framed TCP
   // (WorkerInfo.prefill_frame_address; empty: it does not).
   void SetPrefillFrameAddress(const std::string& address, const std::string& frame_address);
@@ -110,6 +119,7 @@ class GrpcWorkerClient final : public WorkerClient {
   std::shared_ptr<FrameTls> frame_tls_;  // the framed connections' TLS; null: plaintext
   bool frame_tls_ready_ = false;  // frame_tls_ was made (null can mean plaintext)
   std::mutex mu_;
+  const model::TokenBytesTable* token_table_ = nullptr;  // guarded by mu_
   bool prefill_tcp_ = false;  // guarded by mu_: proxy.prefill_transport tcp
   std::unordered_map<std::string, std::string> prefill_tcp_addresses_;  // guarded by mu_
   std::unordered_map<std::string, std::shared_ptr<PrefillTcpClient>> prefill_clients_;  // guarded by mu_

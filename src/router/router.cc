@@ -65,6 +65,7 @@ Result<WorkerId> Router::AddWorker(const WorkerInfo& info) {
     workers_.Remove(id).IgnoreError();
     return st;
   }
+  membership_generation_.fetch_add(1, std::memory_order_release);
   loads_.Reset(id, info.num_blocks);
   rates_[id].Reset();
   tiers_.Replace(id, info.epoch, {}, {});
@@ -85,7 +86,9 @@ Status Router::RemoveWorker(WorkerId id) {
   TANDEM_RETURN_IF_ERROR(index_.RemoveWorker(id));
   tiers_.Clear(id);
   std::lock_guard lock(mu_);
-  return workers_.Remove(id);
+  Status st = workers_.Remove(id);
+  membership_generation_.fetch_add(1, std::memory_order_release);
+  return st;
 }
 
 std::optional<WorkerId> Router::FindWorker(std::string_view name) const {

@@ -83,6 +83,13 @@ class Router {
   Result<WorkerId> AddWorker(const WorkerInfo& info);
   Status RemoveWorker(WorkerId id);
   std::optional<WorkerId> FindWorker(std::string_view name) const;
+  // Changes whenever a worker is added or removed (after the change, with
+  // release order): a caller may keep FindWorker's answer while it reads
+  // the same value (issue 23: a Watch update per frame, without the router
+  // mutex and a name lookup).
+  uint64_t membership_generation() const {
+    return membership_generation_.load(std::memory_order_acquire);
+  }
   size_t num_workers() const;
 
   // KV events; see PrefixIndex for the rules. On kNeedsSnapshot the caller
@@ -155,6 +162,7 @@ class Router {
 
   std::array<std::atomic<uint64_t>, kNumPolicies> routes_{};
   std::array<std::atomic<uint64_t>, kNumPolicies> route_errors_{};
+  std::atomic<uint64_t> membership_generation_{0};  // bumped under mu_
   std::atomic<uint64_t> local_prefills_{0};
   std::atomic<uint64_t> conditional_local_{0};
   std::atomic<uint64_t> hot_prefix_guards_{0};

@@ -111,72 +111,20 @@ std::unique_ptr<FrameServer> Serve(std::shared_ptr<FrameTls> tls, Seen* seen, Fr
       o);
 }
 
-// A client connection served by a FrameReader: a thread of its own (as the
-// decode stream's), or `loop`'s (as the Watch and Prefill connections').
-class Client {
+// frame_testing::FrameClient whose frames are DecodeStreamResponses.
+class Client : public frame_testing::FrameClient {
  public:
-  // `stale_error`: an OpenSSL error entry is left in the reader thread's
-  // queue before every wait, as another TLS call on that thread could.
-  Client(const std::string& address, std::shared_ptr<FrameTls> tls, FrameOptions o = {},
-         FrameLoop* loop = nullptr, bool stale_error = false)
-      : conn_(FrameConn::Client(address, std::move(tls), o)), reader_(conn_, loop) {
-    FrameReader::Hooks hooks;
-    if (stale_error) {
-      hooks.before_wait = [] {
-        ERR_raise_data(ERR_LIB_USER, 1, "stale entry left by the test");
-        return std::chrono::steady_clock::time_point::max();
-      };
-    }
-    hooks.on_frame = [this](std::string_view payload) {
-      pb::DecodeStreamResponse r;
-      if (!r.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
-        return InvalidArgumentError("not a DecodeStreamResponse");
-      }
-      std::lock_guard lock(mu_);
-      for (const auto& item : r.items()) handles_.push_back(item.handle());
-      cv_.notify_all();
-      return Status::Ok();
-    };
-    hooks.on_end = [this](const Status& why) {
-      std::lock_guard lock(mu_);
-      ended_ = true;
-      end_ = why;
-      cv_.notify_all();
-    };
-    // The connection is what the reader keeps; the destructor's Join
-    // waits for the end before the reader goes.
-    reader_.Start("test-frame-rd", std::move(hooks), conn_);
-  }
-  ~Client() {
-    conn_->Close(CancelledError("test over"));
-    reader_.Wake();
-    reader_.Join();
-  }
-  FrameConn& conn() { return *conn_; }
-  // Waits for `n` answers (or the end); the handles received.
+  using FrameClient::FrameClient;
+  // Waits for `n` answers (one handle each, or the end); the handles received.
   std::vector<uint64_t> WaitHandles(size_t n) {
-    std::unique_lock lock(mu_);
-    cv_.wait_for(lock, std::chrono::seconds(20), [&] { return handles_.size() >= n || ended_; });
-    return handles_;
+    std::vector<uint64_t> handles;
+    for (const std::string& payload : WaitFrames(n)) {
+      pb::DecodeStreamResponse r;
+      EXPECT_TRUE(r.ParseFromString(payload)) << "not a DecodeStreamResponse";
+      for (const auto& item : r.items()) handles.push_back(item.handle());
+    }
+    return handles;
   }
-  Status WaitEnd() {
-    std::unique_lock lock(mu_);
-    cv_.wait_for(lock, std::chrono::seconds(20), [&] { return ended_; });
-    return ended_ ? end_ : InternalError("still open");
-  }
-  bool ended() {
-    std::lock_guard lock(mu_);
-    return ended_;
-  }
-
- private:
-  std::shared_ptr<FrameConn> conn_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<uint64_t> handles_;
-  bool ended_ = false;
-  Status end_ = Status::Ok();
-  FrameReader reader_;  // last: it ends before the members above go
 };
 
 // A TCP relay on 127.0.0.1 for one connection to `port`: what the client

@@ -1,16 +1,23 @@
 // What the framed-transport tests share (frame_conn_test,
-// proxy/decode_mux_tcp_client_test, proxy/watch_tcp_test,
-// worker/prefill_tcp_test): certificates of a test CA for 127.0.0.1, their
-// framed-connection TLS, and a framed listener on 127.0.0.1.
+// frame_tls_records_test, proxy/decode_mux_tcp_client_test,
+// proxy/watch_tcp_test, worker/prefill_tcp_test): certificates of a test CA
+// for 127.0.0.1, their framed-connection TLS, a framed listener on
+// 127.0.0.1, and a client connection that keeps the frames it reads.
 #pragma once
 
 #include <gtest/gtest.h>
+#include <openssl/err.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <csignal>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "common/frame_conn.h"
+#include "common/frame_reader.h"
 #include "common/frame_server.h"
 #include "common/tls_certs.h"
 
@@ -56,5 +63,72 @@ inline std::unique_ptr<FrameServer> Listen(std::shared_ptr<FrameTls> tls, FrameS
   EXPECT_TRUE(s.ok()) << s.status().ToString();
   return s.ok() ? std::move(*s) : nullptr;
 }
+
+// A client connection served by a FrameReader: a thread of its own (as the
+// decode stream's), or `loop`'s (as the Watch and Prefill connections').
+// It keeps every frame's payload and how the connection ended.
+class FrameClient {
+ public:
+  // `stale_error`: an OpenSSL error entry is left in the reader thread's
+  // queue before every wait, as another TLS call on that thread could.
+  FrameClient(const std::string& address, std::shared_ptr<FrameTls> tls, FrameOptions o = {},
+              FrameLoop* loop = nullptr, bool stale_error = false)
+      : conn_(FrameConn::Client(address, std::move(tls), o)), reader_(conn_, loop) {
+    FrameReader::Hooks hooks;
+    if (stale_error) {
+      hooks.before_wait = [] {
+        ERR_raise_data(ERR_LIB_USER, 1, "stale entry left by the test");
+        return std::chrono::steady_clock::time_point::max();
+      };
+    }
+    hooks.on_frame = [this](std::string_view payload) {
+      std::lock_guard lock(mu_);
+      frames_.emplace_back(payload);
+      cv_.notify_all();
+      return Status::Ok();
+    };
+    hooks.on_end = [this](const Status& why) {
+      std::lock_guard lock(mu_);
+      ended_ = true;
+      end_ = why;
+      cv_.notify_all();
+    };
+    // The connection is what the reader keeps; the destructor's Join
+    // waits for the end before the reader goes.
+    reader_.Start("test-frame-rd", std::move(hooks), conn_);
+  }
+  ~FrameClient() {
+    conn_->Close(CancelledError("test over"));
+    reader_.Wake();
+    reader_.Join();
+  }
+  FrameClient(const FrameClient&) = delete;
+  FrameClient& operator=(const FrameClient&) = delete;
+  FrameConn& conn() { return *conn_; }
+  // Waits for `n` frames (or the end); the payloads received.
+  std::vector<std::string> WaitFrames(size_t n) {
+    std::unique_lock lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(20), [&] { return frames_.size() >= n || ended_; });
+    return frames_;
+  }
+  Status WaitEnd() {
+    std::unique_lock lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(20), [&] { return ended_; });
+    return ended_ ? end_ : InternalError("still open");
+  }
+  bool ended() {
+    std::lock_guard lock(mu_);
+    return ended_;
+  }
+
+ private:
+  std::shared_ptr<FrameConn> conn_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::string> frames_;
+  bool ended_ = false;
+  Status end_ = Status::Ok();
+  FrameReader reader_;  // last: it ends before the members above go
+};
 
 }  // namespace tandem::frame_testing

@@ -51,13 +51,6 @@ Status Authorize(Frontend& fe, H2Stream& s, long long* retry_after_s) {
   return r.status;
 }
 
-Status ParseRequest(const std::string& body, pb::wire::GenerateRequestBytes& out) {
-  if (!out.ParseFromString(body)) {
-    return InvalidArgumentError("the request is not a valid tandem.v1.GenerateRequest");
-  }
-  return Status::Ok();
-}
-
 std::chrono::system_clock::time_point SystemDeadline(const H2Stream& s) {
   if (s.deadline == std::chrono::steady_clock::time_point::max()) {
     return std::chrono::system_clock::time_point::max();
@@ -84,8 +77,10 @@ void Validated(const std::shared_ptr<H2Connection>& conn, const std::shared_ptr<
   // The stream's messages are kept as fields and encoded when the session
   // takes them (H2Connection::PostDelta/PostFinal): no GenerateResponse per
   // token. The per-token callback captures the stream only (its `conn` is
-  // the connection's weak pointer): a 16-byte capture std::function keeps
-  // inline, so a delta touches no separate heap block (tok-hops, issue 23).
+  // the connection's weak pointer): ResponseSink::on_delta keeps it inline
+  // (an InlineFunction: std::function put this non-trivially-copyable
+  // capture in a heap block), so a delta touches no separate heap block
+  // (issue 23).
   sink.on_delta = [s](std::span<const uint32_t> ids, std::string_view text) {
     if (auto c = s->conn.lock()) c->PostDelta(s, ids, text);
   };
@@ -134,10 +129,10 @@ void Generate(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
   std::string traceparent;
   if (tracing::Tracer::Get().enabled()) traceparent = s->traceparent;
   auto conn = c.shared_from_this();
-  auto req = std::make_shared<pb::wire::GenerateRequestBytes>();
+  auto req = std::make_shared<GenerateRequestParts>();
   if (s->body.size() <= kInlineRequestBytes) {
-    Status parsed = ParseRequest(s->body, *req);
-    if (!parsed.ok() || req->prompt().empty()) {
+    Status parsed = ParseGenerateRequest(s->body, *req);
+    if (!parsed.ok() || req->rest.prompt().empty()) {
       double retry_after = 0;
       auto v = PrepareGenerate(fe, parsed, *req, s->tenant, traceparent, &retry_after);
       Validated(conn, s, std::move(v), retry_after, arrival);
@@ -152,8 +147,8 @@ void Generate(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
     Frontend& f = Fe(*conn);
     Status parsed = Status::Ok();
     if (!req) {
-      req = std::make_shared<pb::wire::GenerateRequestBytes>();
-      parsed = ParseRequest(s->body, *req);
+      req = std::make_shared<GenerateRequestParts>();
+      parsed = ParseGenerateRequest(s->body, *req);
     }
     double retry_after = 0;
     auto v = PrepareGenerate(f, parsed, *req, s->tenant, traceparent, &retry_after);

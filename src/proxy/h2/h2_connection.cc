@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -30,9 +31,17 @@ constexpr int kMaxLowWater = 80;
 // Frames buffered before a write; past it, the socket must drain first
 // (a client that does not read stops the session's output here).
 constexpr size_t kHighWater = 256 << 10;
-// Held acknowledgements: reads held before they all go to the session (the
-// window bound in MayHoldLocked comes first when windows are small).
-constexpr size_t kMaxHeldReads = 16;
+// RFC 9113 6.9.1: a flow-control window never exceeds 2^31-1.
+constexpr int64_t kMaxWindow = 0x7fffffff;
+
+// A DATA frame's header (no flags: the trailers end the stream).
+void AppendDataHeader(std::string& out, size_t length, int32_t stream_id) {
+  const char header[9] = {static_cast<char>(length >> 16), static_cast<char>(length >> 8),
+                          static_cast<char>(length), 0 /* DATA */, 0,
+                          static_cast<char>(stream_id >> 24), static_cast<char>(stream_id >> 16),
+                          static_cast<char>(stream_id >> 8), static_cast<char>(stream_id)};
+  out.append(header, sizeof header);
+}
 
 nghttp2_nv Nv(std::string_view name, std::string_view value) {
   return nghttp2_nv{reinterpret_cast<uint8_t*>(const_cast<char*>(name.data())),
@@ -112,13 +121,9 @@ bool H2Connection::OnReadable() {
   return DrainLocked();
 }
 
-bool H2Connection::DrainLocked(bool flush, bool hold) {
+bool H2Connection::DrainLocked(bool flush) {
   // Under mu_: a batch's flush may read this socket too, and the bytes
   // must reach nghttp2 in order.
-  if (!hold && !acks_.empty() && !FeedHeldLocked()) {
-    SendLocked();  // the GOAWAY
-    return false;
-  }
   uint8_t buf[64 << 10];
   for (;;) {
     const bool was_ready = io_.ready();
@@ -134,10 +139,7 @@ bool H2Connection::DrainLocked(bool flush, bool hold) {
       return !io_.pending() || SendLocked();
     }
     const size_t n = got.n;
-    if (hold && MayHoldLocked() && acks_.Hold({buf, n})) {
-      if (!io_.tls() && n < sizeof buf) return true;
-      continue;
-    }
+    session_in_ = false;
     if (!FeedLocked({buf, n})) {
       // A protocol error: nghttp2 queued GOAWAY; send it, then close.
       SendLocked();
@@ -147,7 +149,9 @@ bool H2Connection::DrainLocked(bool flush, bool hold) {
       FlushLocked();
       if (broken_) return false;
     }
-    if (!nghttp2_session_want_read(session_) && !nghttp2_session_want_write(session_)) {
+    // (A read the AckFilter took whole changed nothing in the session.)
+    if ((session_in_ || goaway_) && !nghttp2_session_want_read(session_) &&
+        !nghttp2_session_want_write(session_)) {
       return false;
     }
     // Plaintext: a short read drained the socket. TLS reads until nothing is
@@ -157,38 +161,67 @@ bool H2Connection::DrainLocked(bool flush, bool hold) {
 }
 
 bool H2Connection::FeedLocked(std::span<const uint8_t> bytes) {
-  if (!acks_.empty() && !FeedHeldLocked()) return false;
-  acks_.Fed(bytes);
-  // What this holds may open streams or change the client's windows.
-  floor_stale_ = true;
+  return acks_.Split(bytes, *this);
+}
+
+bool H2Connection::Pass(std::span<const uint8_t> bytes) {
+  session_in_ = session_out_ = true;
   return nghttp2_session_mem_recv(session_, bytes.data(), bytes.size()) >= 0;
 }
 
-bool H2Connection::FeedHeldLocked() {
-  acks_out_.clear();
-  acks_.Take(acks_out_);
-  floor_stale_ = true;
-  return nghttp2_session_mem_recv(session_, reinterpret_cast<const uint8_t*>(acks_out_.data()),
-                                  acks_out_.size()) >= 0;
-}
-
-bool H2Connection::MayHoldLocked() {
-  return acks_.reads() < kMaxHeldReads && WindowsOpenLocked();
-}
-
-bool H2Connection::WindowsOpenLocked() {
-  if (floor_stale_) {
-    // A stream nghttp2 no longer has (-1) has no window to protect.
-    int64_t floor = nghttp2_session_get_remote_window_size(session_);
-    for (const auto& [id, s] : streams_) {
-      const int32_t w = nghttp2_session_get_stream_remote_window_size(session_, id);
-      if (w >= 0) floor = std::min<int64_t>(floor, w);
+bool H2Connection::Window(uint32_t stream_id, uint32_t increment) {
+  // Increment 0 is an error nghttp2 answers (PROTOCOL_ERROR), as it does
+  // an update of a stream that is not open (ignored when closed): they go
+  // to it. Its own windows never count DATA (it sends none), so the
+  // updates it does see are bounded by what a client can send for a
+  // closed stream.
+  if (increment == 0) return false;
+  if (stream_id == 0) {
+    conn_window_ += increment;
+    if (conn_window_ > kMaxWindow && !flow_error_) {
+      flow_error_ = true;  // RFC 9113 6.9.1: a connection error
+      TerminateLocked(NGHTTP2_FLOW_CONTROL_ERROR);
     }
-    ack_floor_ = floor;
-    sent_since_floor_ = 0;
-    floor_stale_ = false;
+    return true;
   }
-  return static_cast<int64_t>(sent_since_floor_) * 2 < ack_floor_;
+  const int32_t id = static_cast<int32_t>(stream_id);
+  H2Stream* s = recent_[(stream_id >> 1) % kRecent];
+  if (s == nullptr || s->id != id) {
+    auto it = streams_.find(id);
+    s = it == streams_.end() ? nullptr : it->second.get();
+  }
+  if (s == nullptr || !s->in_session) return false;
+  s->send_window += increment;
+  if (s->send_window > kMaxWindow && !s->eof) {
+    // A stream error: RST_STREAM; its queued data is never written.
+    s->eof = true;
+    session_out_ = session_in_ = true;
+    nghttp2_submit_rst_stream(session_, NGHTTP2_FLAG_NONE, s->id, NGHTTP2_FLOW_CONTROL_ERROR);
+  }
+  return true;
+}
+
+void H2Connection::TerminateLocked(uint32_t error_code) {
+  session_out_ = session_in_ = goaway_ = true;
+  nghttp2_session_terminate_session(session_, error_code);
+}
+
+void H2Connection::OnSettingsLocked() {
+  // nghttp2 applied them already (it calls OnFrameRecv after).
+  const int64_t initial =
+      nghttp2_session_get_remote_settings(session_, NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE);
+  max_frame_ = nghttp2_session_get_remote_settings(session_, NGHTTP2_SETTINGS_MAX_FRAME_SIZE);
+  if (initial == initial_window_) return;
+  // RFC 9113 6.9.2: the change applies to every open stream's window.
+  const int64_t delta = initial - initial_window_;
+  initial_window_ = initial;
+  for (auto& [id, s] : streams_) {
+    s->send_window += delta;
+    if (s->send_window > kMaxWindow && !flow_error_) {
+      flow_error_ = true;
+      TerminateLocked(NGHTTP2_FLOW_CONTROL_ERROR);
+    }
+  }
 }
 
 void H2Connection::SetLowWaterLocked(int bytes) {
@@ -236,10 +269,9 @@ void H2Connection::Flush(bool batch) {
       // the low-water mark and woke the event thread, which then found
       // them read already (~0.6 empty wake-ups per step in `stream`).
       // (The flush below sends what reading them queued too.)
-      // A read of nothing but acknowledgements is held (HeldAcks): the
-      // session gets them with the next frame that is not one, after
-      // kMaxHeldReads reads, or when its view of a window may be closing.
-      if (!DrainLocked(/*flush=*/false, /*hold=*/true)) broken_ = true;
+      // The acknowledgements (WINDOW_UPDATE) are counted here (AckFilter)
+      // and never reach nghttp2.
+      if (!DrainLocked(/*flush=*/false)) broken_ = true;
     }
     if (!broken_) FlushLocked();
     if (quiet && !broken_ && !streams_.empty()) {
@@ -264,6 +296,8 @@ void H2Connection::Close() {
     low_water_ = 1;
     streams.swap(streams_);
     for (auto& [id, s] : streams) s->in_session = false;
+    sending_.clear();
+    recent_.fill(nullptr);
     close(fd_);
   }
   {
@@ -284,6 +318,7 @@ void H2Connection::GoAway(const Status& st) {
   std::lock_guard lock(mu_);
   if (closed_) return;
   for (auto& [id, s] : streams_) AbortCall(*this, s, st);
+  session_out_ = goaway_ = true;
   nghttp2_submit_goaway(session_, NGHTTP2_FLAG_NONE,
                         nghttp2_session_get_last_proc_stream_id(session_), NGHTTP2_NO_ERROR,
                         nullptr, 0);
@@ -392,7 +427,7 @@ void H2Connection::FlushLocked() {
   dirty.clear();
   {
     // One lock for the whole flush: every dirty stream's queued messages
-    // move to its wire here, so the data provider (ReadData) takes none.
+    // move to its wire here, so WriteDataLocked takes none.
     std::lock_guard lock(out_mu_);
     flush_scheduled_ = false;
     dirty.swap(dirty_);
@@ -403,19 +438,18 @@ void H2Connection::FlushLocked() {
         TakeOutboxLocked(*s);
       } else {
         // The client's window holds the wire back: later deltas merge in
-        // the outbox meanwhile (one message, not one per step), and the
-        // data provider takes them when the wire is out.
+        // the outbox meanwhile (one message, not one per step), and
+        // WriteDataLocked takes them when the wire is out.
         s->outbox_waits = true;
       }
     }
   }
   for (auto& s : dirty) {
     if (s->eof || !s->in_session) continue;  // ended, or closed meanwhile
-    if (!s->submitted) {
-      SubmitLocked(*s);
-    } else if (s->deferred) {
-      s->deferred = false;
-      nghttp2_session_resume_data(session_, s->id);
+    if (!s->submitted) SubmitLocked(*s);
+    if (!s->eof && !s->sending) {
+      s->sending = true;
+      sending_.push_back(s);
     }
   }
   if (!SendLocked()) broken_ = true;
@@ -446,6 +480,7 @@ void H2Connection::TakeOutboxLocked(H2Stream& s) {
 
 void H2Connection::SubmitLocked(H2Stream& s) {
   s.submitted = true;
+  session_out_ = true;
   if (s.wire_final && s.wire_off == s.wire.size()) {
     // Nothing but a status: one HEADERS frame that ends the stream.
     s.eof = true;
@@ -453,65 +488,77 @@ void H2Connection::SubmitLocked(H2Stream& s) {
     nghttp2_submit_response(session_, s.id, t.nv.data(), t.nv.size(), nullptr);
     return;
   }
+  // The response HEADERS without END_STREAM; the DATA is ours
+  // (WriteDataLocked), once OnFrameSend saw them go out.
   const nghttp2_nv nv[] = {Nv(":status", "200"), Nv("content-type", "application/grpc")};
-  nghttp2_data_provider provider;
-  provider.source.ptr = &s;
-  provider.read_callback = &ReadData;
-  nghttp2_submit_response(session_, s.id, nv, std::size(nv), &provider);
+  nghttp2_submit_headers(session_, NGHTTP2_FLAG_NONE, s.id, nullptr, nv, std::size(nv), nullptr);
 }
 
-ssize_t H2Connection::ReadData(nghttp2_session* session, int32_t, uint8_t* buf, size_t length,
-                               uint32_t* data_flags, nghttp2_data_source* source, void* self) {
-  // What the flushes moved to the wire (TakeOutboxLocked); what was posted
-  // since waits for the flush its post scheduled, which resumes the
-  // stream. Only a stream the client's window held back takes its outbox
-  // here (under the outbox mutex), once its wire is out.
-  auto& s = *static_cast<H2Stream*>(source->ptr);
-  if (s.outbox_waits && s.wire_off == s.wire.size()) {
-    auto* c = static_cast<H2Connection*>(self);
-    std::lock_guard lock(c->out_mu_);
-    c->TakeOutboxLocked(s);
+bool H2Connection::WriteDataLocked() {
+  bool trailers = false;
+  size_t keep = 0;
+  for (size_t i = 0; i < sending_.size(); ++i) {
+    H2Stream& s = *sending_[i];
+    // Ended, reset or closed: what it still had queued is dropped, never
+    // written after its RST_STREAM or trailers.
+    bool done = s.eof || !s.in_session || flow_error_;
+    if (!done && s.headers_out && out_.size() - out_off_ < kHighWater) {
+      if (s.outbox_waits && s.wire_off == s.wire.size()) {
+        // What was posted while the client's window held the wire back.
+        std::lock_guard lock(out_mu_);
+        TakeOutboxLocked(s);
+      }
+      while (s.wire_off < s.wire.size()) {
+        const int64_t room =
+            std::min({conn_window_, s.send_window, static_cast<int64_t>(max_frame_)});
+        if (room <= 0) break;  // waits for the client's WINDOW_UPDATE
+        const size_t n = std::min(s.wire.size() - s.wire_off, static_cast<size_t>(room));
+        AppendDataHeader(out_, n, s.id);
+        out_.append(s.wire, s.wire_off, n);
+        s.wire_off += n;
+        conn_window_ -= static_cast<int64_t>(n);
+        s.send_window -= static_cast<int64_t>(n);
+      }
+      if (s.wire_off == s.wire.size()) {
+        if (s.wire_final) {
+          s.eof = true;
+          Trailers t(s, /*trailers_only=*/false);
+          nghttp2_submit_trailer(session_, s.id, t.nv.data(), t.nv.size());
+          trailers = session_out_ = true;
+          done = true;
+        } else if (!s.outbox_waits) {
+          done = true;  // all out; the next post's flush puts it back
+        }
+      }
+    }
+    if (done) {
+      s.sending = false;
+      continue;
+    }
+    if (keep != i) sending_[keep] = std::move(sending_[i]);
+    ++keep;
   }
-  const size_t n = std::min(length, s.wire.size() - s.wire_off);
-  std::memcpy(buf, s.wire.data() + s.wire_off, n);
-  s.wire_off += n;
-  static_cast<H2Connection*>(self)->sent_since_floor_ += n;  // (flow-controlled bytes)
-  if (s.wire_off == s.wire.size() && s.wire_final) {
-    *data_flags |= NGHTTP2_DATA_FLAG_EOF | NGHTTP2_DATA_FLAG_NO_END_STREAM;
-    s.eof = true;
-    Trailers t(s, /*trailers_only=*/false);
-    nghttp2_submit_trailer(session, s.id, t.nv.data(), t.nv.size());
-    return static_cast<ssize_t>(n);
-  }
-  if (n == 0) {
-    s.deferred = true;
-    return NGHTTP2_ERR_DEFERRED;
-  }
-  return static_cast<ssize_t>(n);
+  sending_.resize(keep);
+  return trailers;
 }
 
 bool H2Connection::SendLocked() {
-  if (!SendFramesLocked()) return false;
-  if (acks_.empty() || WindowsOpenLocked()) return true;
-  // The session may think a window of the client is closing that the held
-  // acknowledgements reopened: they go to it now, and what it then lets
-  // out is sent (no stream waits for a read that may not come).
-  if (!FeedHeldLocked()) {
-    SendFramesLocked();  // the GOAWAY
-    return false;
-  }
-  return SendFramesLocked();
-}
-
-bool H2Connection::SendFramesLocked() {
   for (;;) {
     // Before a TLS handshake ends, frames wait in the session.
     while (io_.ready() && out_.size() - out_off_ < kHighWater) {
-      const uint8_t* data = nullptr;
-      const ssize_t n = nghttp2_session_mem_send(session_, &data);
-      if (n < 0) return false;
-      if (n == 0) break;
-      out_.append(reinterpret_cast<const char*>(data), static_cast<size_t>(n));
+      if (session_out_) {
+        const uint8_t* data = nullptr;
+        const ssize_t n = nghttp2_session_mem_send(session_, &data);
+        if (n < 0) return false;
+        if (n > 0) {
+          out_.append(reinterpret_cast<const char*>(data), static_cast<size_t>(n));
+          continue;
+        }
+        session_out_ = false;
+      }
+      // nghttp2's frames are whole in out_ (mem_send returns one whole
+      // frame per call): ours follow. Trailers they submit go next.
+      if (sending_.empty() || !WriteDataLocked()) break;
     }
     if (out_off_ == out_.size() && !io_.pending()) {
       out_.clear();
@@ -552,6 +599,8 @@ int H2Connection::OnBeginHeaders(nghttp2_session*, const nghttp2_frame* frame, v
   if (frame->hd.type != NGHTTP2_HEADERS || frame->headers.cat != NGHTTP2_HCAT_REQUEST) return 0;
   auto s = std::make_shared<H2Stream>(frame->hd.stream_id);
   s->conn = c->weak_from_this();
+  s->send_window = c->initial_window_;
+  c->recent_[(static_cast<uint32_t>(s->id) >> 1) % kRecent] = s.get();
   c->streams_[s->id] = std::move(s);
   return 0;
 }
@@ -578,6 +627,7 @@ int H2Connection::OnFrameRecv(nghttp2_session*, const nghttp2_frame* frame, void
   auto* c = static_cast<H2Connection*>(self);
   if (frame->hd.type == NGHTTP2_SETTINGS && (frame->hd.flags & NGHTTP2_FLAG_ACK) == 0) {
     c->established_ = true;  // the client's preface (H2Server's handshake deadline)
+    c->OnSettingsLocked();
   }
   if (frame->hd.type != NGHTTP2_HEADERS && frame->hd.type != NGHTTP2_DATA) return 0;
   auto s = c->Find(frame->hd.stream_id);
@@ -630,12 +680,20 @@ int H2Connection::OnDataChunk(nghttp2_session*, uint8_t, int32_t stream_id, cons
 }
 
 int H2Connection::OnFrameSend(nghttp2_session* session, const nghttp2_frame* frame, void* self) {
+  if (frame->hd.type == NGHTTP2_HEADERS && !(frame->hd.flags & NGHTTP2_FLAG_END_STREAM)) {
+    // The response HEADERS are in out_ (mem_send returns them with this
+    // callback): the stream's DATA may follow them.
+    auto s = static_cast<H2Connection*>(self)->Find(frame->hd.stream_id);
+    if (s) s->headers_out = true;
+    return 0;
+  }
   // The response ended before the client finished sending (an early
   // error): the rest of the request is not wanted, as gRPC servers say
   // with RST_STREAM(NO_ERROR). After the HEADERS, so that they arrive.
   if (frame->hd.type != NGHTTP2_HEADERS || !(frame->hd.flags & NGHTTP2_FLAG_END_STREAM)) return 0;
   auto s = static_cast<H2Connection*>(self)->Find(frame->hd.stream_id);
   if (s && !s->request_done) {
+    static_cast<H2Connection*>(self)->session_out_ = true;
     nghttp2_submit_rst_stream(session, NGHTTP2_FLAG_NONE, s->id, NGHTTP2_NO_ERROR);
   }
   return 0;
@@ -647,6 +705,8 @@ int H2Connection::OnStreamClose(nghttp2_session*, int32_t stream_id, uint32_t, v
   if (it == c->streams_.end()) return 0;
   std::shared_ptr<H2Stream> s = std::move(it->second);
   c->streams_.erase(it);
+  H2Stream*& slot = c->recent_[(static_cast<uint32_t>(stream_id) >> 1) % kRecent];
+  if (slot == s.get()) slot = nullptr;
   s->in_session = false;
   // No stream left to flush a batch: read at once again, so that the
   // client's next (small) request is not left below the low-water mark.

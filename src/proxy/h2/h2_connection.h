@@ -9,8 +9,9 @@
 // whole batch: at the end of the poster's DeliveryScope
 // (common/delivery_scope.h: the decode stream's batch, or the event
 // thread's batch of events), or by waking the event thread when no scope is
-// open. A flush hands every dirty stream's bytes to nghttp2 and writes all
-// frames that are ready in one send().
+// open. A flush writes every dirty stream's bytes as DATA frames (our own,
+// within the client's windows; HEADERS, trailers and every other frame are
+// nghttp2's) and writes all frames that are ready in one send().
 //
 // Locks: mu_ (session, socket, streams) before a lifecycle's mutex before
 // out_mu_ (outboxes, dirty list). Post* take only out_mu_.
@@ -18,6 +19,7 @@
 
 #include <nghttp2/nghttp2.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -38,7 +40,9 @@ namespace tandem::proxy::h2 {
 
 class H2Server;
 
-class H2Connection final : public Flushable, public std::enable_shared_from_this<H2Connection> {
+class H2Connection final : public Flushable,
+                           private AckFilter::Sink,
+                           public std::enable_shared_from_this<H2Connection> {
  public:
   // `ssl` null: plaintext; else TLS over `fd` (h2_io.h), owned from here.
   H2Connection(int fd, SSL* ssl, H2Server* server);
@@ -103,8 +107,14 @@ class H2Connection final : public Flushable, public std::enable_shared_from_this
                          size_t len, void* self);
   static int OnFrameSend(nghttp2_session*, const nghttp2_frame* frame, void* self);
   static int OnStreamClose(nghttp2_session*, int32_t stream_id, uint32_t error_code, void* self);
-  static ssize_t ReadData(nghttp2_session*, int32_t stream_id, uint8_t* buf, size_t length,
-                          uint32_t* data_flags, nghttp2_data_source* source, void* self);
+  // AckFilter::Sink (mu_ held, inside FeedLocked): bytes for the session;
+  // the client's WINDOW_UPDATEs, counted here.
+  bool Pass(std::span<const uint8_t> bytes) override;
+  bool Window(uint32_t stream_id, uint32_t increment) override;
+  // mu_ held: the client's SETTINGS changed (initial window, frame size).
+  void OnSettingsLocked();
+  // mu_ held: GOAWAY with `error_code`; the connection ends.
+  void TerminateLocked(uint32_t error_code);
 
   std::shared_ptr<H2Stream> Find(int32_t id) const;  // mu_ held
   // With out_mu_ held: puts `s` on the dirty list; true when the caller
@@ -116,29 +126,24 @@ class H2Connection final : public Flushable, public std::enable_shared_from_this
   // messages there.
   void TakeOutboxLocked(H2Stream& s);
   void SubmitLocked(H2Stream& s);  // mu_ held: response HEADERS (or Trailers-Only)
-  // mu_ held; false: the socket failed. Hands the held acknowledgements
-  // over first when the session may think a window closed (see below).
+  // mu_ held; false: the socket failed. Appends nghttp2's frames and our
+  // DATA (WriteDataLocked) to out_ and writes them.
   bool SendLocked();
-  bool SendFramesLocked();     // mu_ held: SendLocked without that check
+  // mu_ held, after nghttp2's frames are all in out_: the DATA frames of
+  // the sending streams whose HEADERS are out, within the client's windows
+  // and SETTINGS_MAX_FRAME_SIZE; a stream whose wire is out and final gets
+  // its trailers submitted. true: trailers were submitted (nghttp2 has
+  // frames again).
+  bool WriteDataLocked();
   void EndCallsLocked();       // mu_ held: every stream's call ends (cancelled)
   // mu_ held: reads what the client sent without blocking; false: the
   // connection is over (the event thread closes it). `flush`: after each
   // read, hands what is ready to the socket (else the caller flushes).
-  // `hold`: a read of nothing but acknowledgements may be held (HeldAcks;
-  // the batch's flush); otherwise what is held goes to the session first.
-  bool DrainLocked(bool flush = true, bool hold = false);
-  // mu_ held: hands `bytes` to the session, behind what is held. false: a
+  bool DrainLocked(bool flush = true);
+  // mu_ held: what the client sent, through the AckFilter: its
+  // WINDOW_UPDATEs counted here, the rest to the session. false: a
   // protocol error (nghttp2 queued GOAWAY).
   bool FeedLocked(std::span<const uint8_t> bytes);
-  bool FeedHeldLocked();  // mu_ held: what is held, now
-  // mu_ held: true while acknowledgements may be held: fewer than
-  // kMaxHeldReads reads are, and WindowsOpenLocked.
-  bool MayHoldLocked();
-  // mu_ held: the session's view of the client's windows (connection and
-  // streams) is far from closing: the smallest when last measured (after
-  // the last frame that was not held), less the DATA sent since, stays
-  // above half of it.
-  bool WindowsOpenLocked();
   void SetLowWaterLocked(int bytes);  // SO_RCVLOWAT
 
   const int fd_;
@@ -158,14 +163,29 @@ class H2Connection final : public Flushable, public std::enable_shared_from_this
   // frames, which the next batch's flush reads instead of the event thread.
   int low_water_ = 1;                                     // guarded by mu_
   std::chrono::steady_clock::time_point last_batch_{};   // guarded by mu_
-  // Held acknowledgements (h2_acks.h), all guarded by mu_: the client's
-  // smallest window as the session saw it when measured (after the last
-  // frame handed over that was not held), and the DATA bytes sent since.
-  HeldAcks acks_;
-  std::string acks_out_;  // Take's frames (kept for its capacity)
-  int64_t ack_floor_ = 0;
-  uint64_t sent_since_floor_ = 0;
-  bool floor_stale_ = true;
+  // Response DATA and flow control (h2_acks.h), all guarded by mu_: the
+  // client's connection window, its SETTINGS_INITIAL_WINDOW_SIZE and
+  // SETTINGS_MAX_FRAME_SIZE, and the streams with DATA or trailers to write.
+  AckFilter acks_;
+  int64_t conn_window_ = 65535;
+  int64_t initial_window_ = 65535;
+  size_t max_frame_ = 16384;
+  bool flow_error_ = false;  // the client overflowed a window: GOAWAY, no more DATA
+  std::vector<std::shared_ptr<H2Stream>> sending_;
+  // Where Window looks first (the map's buckets and nodes are cache-cold
+  // after a step): open streams by (id / 2) % kRecent; a slot holds an open
+  // stream (cleared when it closes) or null.
+  static constexpr size_t kRecent = 64;
+  std::array<H2Stream*, kRecent> recent_{};
+  // nghttp2 is called only when it may have something to do: a step whose
+  // only input is WINDOW_UPDATEs and whose only output is DATA never
+  // touches the (cache-cold) session. session_out_: a call since the last
+  // mem_send that returned nothing may have queued a frame (a submit, bytes
+  // fed); session_in_: this read fed it bytes (its want_read/want_write may
+  // have changed); goaway_: we ended the session (checked after every read).
+  bool session_out_ = true;
+  bool session_in_ = false;
+  bool goaway_ = false;
 
   std::mutex out_mu_;
   std::vector<std::shared_ptr<H2Stream>> dirty_;  // guarded by out_mu_

@@ -32,6 +32,12 @@ enum class Method { kUnknown, kGenerate, kListModels, kHealthCheck, kHealthWatch
 struct H2Stream {
   explicit H2Stream(int32_t stream_id) : id(stream_id) {}
   const int32_t id;
+  // ---- Read with the id for every WINDOW_UPDATE (connection mu_): one line.
+  bool in_session = true;  // false once the stream closed (left the connection's map)
+  // The client's flow-control window for this stream: the connection
+  // writes the DATA frames itself and counts it (docs/grpc-frontend.md
+  // "Response DATA and flow control").
+  int64_t send_window = 0;
   std::weak_ptr<H2Connection> conn;
 
   // ---- The request (event thread, connection mu_).
@@ -74,17 +80,16 @@ struct H2Stream {
   bool dirty = false;       // on the connection's dirty list
 
   // ---- The session side (connection mu_).
-  // Framed bytes the data provider hands out: the connection's flush moves
-  // the outbox here (under out_mu_, once per flush for all its streams), so
-  // the data provider itself takes no lock.
+  // Framed messages the connection writes as DATA frames: its flush moves
+  // the outbox here (under out_mu_, once per flush for all its streams).
   std::string wire;
   size_t wire_off = 0;
   bool wire_final = false;  // the status is final: after `wire`, the trailers
   bool outbox_waits = false;  // a flush left the outbox (the wire was not out yet)
-  bool in_session = true;   // false once the stream closed (left the connection's map)
   bool submitted = false;  // response HEADERS submitted
-  bool deferred = false;   // the data provider returned NGHTTP2_ERR_DEFERRED
-  bool eof = false;        // the data provider ended (trailers submitted)
+  bool headers_out = false;  // ... and in the connection's output: DATA may follow
+  bool sending = false;      // on the connection's sending list
+  bool eof = false;          // the wire is all out and the trailers submitted
 
   // ---- The call.
   std::mutex call_mu;

@@ -6,8 +6,9 @@
 // method, a malformed grpc-timeout) gets a status that says what is wrong,
 // health Check and Watch answer SERVING;
 // a client that stops reading neither blocks other streams nor loses
-// tokens (its backlog is merged, not queued message by message); held
-// acknowledgements stall no stream and delay no request or PING.
+// tokens (its backlog is merged, not queued message by message); a small
+// window the client reopens as it reads stalls no stream and delays no
+// request or PING (grpc_native_flow_test.cc has more on flow control).
 // The other fleet suites run against this front end with
 // TANDEM_TEST_GRPC_SERVER=native (fleet_harness.cc).
 #include <gtest/gtest.h>
@@ -275,14 +276,13 @@ std::vector<uint32_t> TokensOf(const RawH2Client::Response& r) {
   return tokens;
 }
 
-// Held acknowledgements (docs/grpc-frontend.md): while a stream gets tokens,
-// the client's WINDOW_UPDATE-only writes reach nghttp2 late and summed. A
-// 512-byte stream window that the client reopens as it reads (nghttp2's
-// automatic updates, at half the window) makes the proxy hand them over
-// whenever the window may be closing: every token still arrives, in order;
-// a PING and a new request on the busy connection are answered while the
-// first stream still runs.
-TEST_F(GrpcNative, HeldAcknowledgementsStallNoStreamAndDelayNoRequestOrPing) {
+// Flow control is the proxy's (docs/grpc-frontend.md "Response DATA and
+// flow control"): a 512-byte stream window that the client reopens as it
+// reads (nghttp2's automatic updates, at half the window) holds the stream
+// back and lets it go on at each update: every token still arrives, in
+// order; a PING and a new request on the busy connection are answered
+// while the first stream still runs.
+TEST_F(GrpcNative, ASmallWindowReopenedAsTheClientReadsStallsNoStreamAndDelaysNoRequestOrPing) {
   constexpr uint32_t kLong = 400, kShort = 8;
   RawH2Client c(fleet_->proxy_grpc(), /*window=*/512);
   ASSERT_TRUE(c.ok());

@@ -120,6 +120,10 @@ int RawH2Client::OnFrame(nghttp2_session*, const nghttp2_frame* f, void* self) {
 
 void RawH2Client::Ping() { nghttp2_submit_ping(session_, NGHTTP2_FLAG_NONE, nullptr); }
 
+void RawH2Client::UpdateWindow(int32_t stream, int32_t increment) {
+  nghttp2_submit_window_update(session_, NGHTTP2_FLAG_NONE, stream, increment);
+}
+
 void RawH2Client::Consume(int32_t stream) {
   consuming_all_ = true;
   nghttp2_session_consume(session_, stream, responses_[stream].data.size());

@@ -46,6 +46,8 @@ class RawH2Client {
   // Queues a PING (sent by the next RunUntil); pings_acked() counts the
   // server's PING ACKs.
   void Ping();
+  // Queues a WINDOW_UPDATE of `stream` (0: the connection) by `increment`.
+  void UpdateWindow(int32_t stream, int32_t increment);
   int pings_acked() const { return pings_acked_; }
 
   // `message` with the 5-byte gRPC prefix (`compressed` flag as given).

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <functional>
+#include <memory>
 #include <future>
 #include <string>
 #include <vector>
@@ -43,12 +44,12 @@ struct StreamOutcome {
   grpc::Status status;
 };
 
-// One Generate stream (greedy, ignore_eos); with `cancel_after` > 0 the
-// client cancels it after that many messages.
-inline StreamOutcome StreamGenerate(const std::string& proxy, const std::vector<uint32_t>& prompt,
-                                    uint32_t max_tokens, int cancel_after) {
-  auto stub = tandem::v1::Generation::NewStub(
-      grpc::CreateChannel(proxy, grpc::InsecureChannelCredentials()));
+// One Generate stream (greedy, ignore_eos) on `channel`; with
+// `cancel_after` > 0 the client cancels it after that many messages.
+inline StreamOutcome StreamGenerate(const std::shared_ptr<grpc::Channel>& channel,
+                                    const std::vector<uint32_t>& prompt, uint32_t max_tokens,
+                                    int cancel_after) {
+  auto stub = tandem::v1::Generation::NewStub(channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
   tandem::v1::GenerateRequest req;
@@ -67,6 +68,13 @@ inline StreamOutcome StreamGenerate(const std::string& proxy, const std::vector<
   return o;
 }
 
+// ... on a channel of its own.
+inline StreamOutcome StreamGenerate(const std::string& proxy, const std::vector<uint32_t>& prompt,
+                                    uint32_t max_tokens, int cancel_after) {
+  return StreamGenerate(grpc::CreateChannel(proxy, grpc::InsecureChannelCredentials()), prompt,
+                        max_tokens, cancel_after);
+}
+
 struct StreamSuite {
   uint32_t streams = 0;
   uint32_t max_tokens = 0;
@@ -74,6 +82,9 @@ struct StreamSuite {
   uint32_t cancelled = 0;             // this stream is cancelled (when asked for)
   uint32_t cancelled_max_tokens = 400;
   int cancel_after = 1;               // messages
+  // Set: every stream on this one channel (one HTTP/2 connection); else
+  // each on a channel of its own.
+  std::shared_ptr<grpc::Channel> channel;
 
   // `tandem generate`'s output for every stream (computed once per suite).
   const std::vector<std::vector<uint32_t>>& References() const {
@@ -94,8 +105,10 @@ struct StreamSuite {
     for (uint32_t i = 0; i < streams; ++i) {
       const bool cancel = cancel_one && i == cancelled;
       futures.push_back(std::async(std::launch::async, [&, i, cancel] {
-        return StreamGenerate(fleet.proxy_grpc(), prompt(i),
-                              cancel ? cancelled_max_tokens : max_tokens, cancel ? cancel_after : 0);
+        const uint32_t n = cancel ? cancelled_max_tokens : max_tokens;
+        const int after = cancel ? cancel_after : 0;
+        return channel ? StreamGenerate(channel, prompt(i), n, after)
+                       : StreamGenerate(fleet.proxy_grpc(), prompt(i), n, after);
       }));
     }
     for (uint32_t i = 0; i < streams; ++i) {

@@ -1,8 +1,8 @@
-// The decode stream's handle table (proxy/decode_mux_handles.h) against
+// The decode stream's handle table (common/handle_table.h) against
 // std::unordered_map: the same entries after every insert, take and find,
 // for the proxy's own handles (consecutive) and for keys that all share a
 // home slot (every probe run long, every erase shifting).
-#include "proxy/decode_mux_handles.h"
+#include "common/handle_table.h"
 
 #include <gtest/gtest.h>
 
@@ -101,6 +101,25 @@ TEST(DecodeMuxHandles, TakeReleasesTheValueAndSwapMovesEverything) {
   one.reset();
   EXPECT_TRUE(weak.expired());  // the table kept no copy
   EXPECT_EQ(**left.Find(200), 200);
+}
+
+// Clear (the decoder's batcher, every batch): nothing found after it, the
+// values released, and the table refills (slots kept) as a fresh one.
+TEST(DecodeMuxHandles, ClearEmptiesAndTheTableRefills) {
+  HandleTable<std::shared_ptr<int>> table;
+  auto v = std::make_shared<int>(1);
+  std::weak_ptr<int> weak = v;
+  table.Insert(1, std::move(v));
+  for (uint64_t h = 2; h <= 100; ++h) table.Insert(h, std::make_shared<int>(static_cast<int>(h)));
+  table.Clear();
+  EXPECT_EQ(table.size(), 0u);
+  EXPECT_TRUE(weak.expired());
+  for (uint64_t h = 1; h <= 100; ++h) EXPECT_EQ(table.Find(h), nullptr) << h;
+  table.Clear();  // empty: nothing to do
+  for (uint64_t h = 101; h <= 140; ++h) table.Insert(h, std::make_shared<int>(static_cast<int>(h)));
+  EXPECT_EQ(table.size(), 40u);
+  for (uint64_t h = 101; h <= 140; ++h) EXPECT_EQ(**table.Find(h), static_cast<int>(h));
+  EXPECT_EQ(table.Find(100), nullptr);
 }
 
 }  // namespace

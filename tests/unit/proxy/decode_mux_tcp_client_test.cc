@@ -11,6 +11,8 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <vector>
 
 #include "common/frame_server.h"
 #include "common/net.h"
@@ -186,6 +188,31 @@ TEST_P(DecodeMuxTcpClientTest, EventsCancelAndABrokenConnection) {
   DecodeEvents e5 = late.Events();
   EXPECT_TRUE(mux->ended());
   EXPECT_EQ(mux->Start(Args(1), e5), nullptr);
+  mux->Stop();
+}
+
+// With the receivers' token table set, a batch's tokens are prefetched from
+// it (issue 23, tok-chain): delivery is unchanged, an id past the table
+// included (43 here; the detokenizer gives it no bytes), and a table set
+// again (or none) takes effect for the next batch.
+TEST_P(DecodeMuxTcpClientTest, ATokenTableOnlyPrefetches) {
+  Script script;
+  auto server = Serve(nullptr, &script);
+  ASSERT_NE(server, nullptr);
+  auto mux = DecodeMuxTcpClient::Open(server->address(), nullptr, /*deliver_on_grpc_thread=*/GetParam());
+  model::TokenBytesTable table;
+  for (int i = 0; i < 43; ++i) ASSERT_TRUE(table.Add(std::to_string(i), /*special=*/false));
+  const model::TokenBytesTable* tables[] = {&table, nullptr};
+  for (const model::TokenBytesTable* t : tables) {
+    mux->SetTokenTable(t);
+    Seen done;
+    DecodeEvents e = done.Events();
+    ASSERT_NE(mux->Start(Args(1), e), nullptr);
+    ASSERT_TRUE(done.WaitEnd());
+    EXPECT_TRUE(done.registered);
+    EXPECT_EQ(done.tokens, (std::vector<uint32_t>{42, 43}));
+    EXPECT_TRUE(done.finished);
+  }
   mux->Stop();
 }
 

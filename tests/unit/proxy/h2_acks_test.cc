@@ -1,14 +1,17 @@
-// HeldAcks (src/proxy/h2/h2_acks.h): which reads of a client may be held
-// (whole WINDOW_UPDATE frames at a frame boundary, past the preface), and
-// the frames handed over for them (one per stream, sums split at 2^31-1).
+// AckFilter (src/proxy/h2/h2_acks.h): what a client sends is split into the
+// bytes the session gets, unchanged and in order, and the WINDOW_UPDATE
+// frames the connection counts; the same however the bytes arrive cut into
+// reads; frames the connection refuses (increment 0, unknown stream) and
+// malformed updates go to the session in place.
 #include "proxy/h2/h2_acks.h"
 
 #include <gtest/gtest.h>
 
 #include <cstdint>
-#include <map>
+#include <set>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace tandem::proxy::h2 {
@@ -41,129 +44,103 @@ std::span<const uint8_t> Bytes(const std::string& s) {
 
 const std::string kPreface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
-// Parses Take's output: stream -> increments in order; fails on anything
-// that is not a well-formed WINDOW_UPDATE.
-std::map<uint32_t, std::vector<uint32_t>> Parse(const std::string& out) {
-  std::map<uint32_t, std::vector<uint32_t>> got;
-  EXPECT_EQ(out.size() % 13, 0u);
-  for (size_t at = 0; at + 13 <= out.size(); at += 13) {
-    const auto* f = reinterpret_cast<const uint8_t*>(out.data() + at);
-    EXPECT_EQ(f[0] | f[1], 0);
-    EXPECT_EQ(f[2], 4);
-    EXPECT_EQ(f[3], 0x8);
-    const uint32_t id = (uint32_t{f[5]} << 24) | (uint32_t{f[6]} << 16) | (uint32_t{f[7]} << 8) | f[8];
-    const uint32_t inc = (uint32_t{f[9]} << 24) | (uint32_t{f[10]} << 16) | (uint32_t{f[11]} << 8) | f[12];
-    EXPECT_EQ(inc & 0x80000000u, 0u);
-    EXPECT_GT(inc, 0u);
-    got[id].push_back(inc);
+// Takes updates of the connection and of `known` streams with a non-zero
+// increment; records everything.
+struct Recorder : AckFilter::Sink {
+  std::set<uint32_t> known = {1, 3};
+  std::string passed;
+  std::vector<std::pair<uint32_t, uint32_t>> taken;
+  int passes = 0;
+  int fail_at_pass = -1;  // Pass number that returns false
+  bool Pass(std::span<const uint8_t> bytes) override {
+    if (passes++ == fail_at_pass) return false;
+    passed.append(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    return true;
   }
-  return got;
-}
-
-// A client's usual step: one update per stream that got data, one for the
-// connection, all in one write.
-std::string Step(uint32_t per_stream) {
-  return WindowUpdate(1, per_stream) + WindowUpdate(3, per_stream) + WindowUpdate(0, 2 * per_stream);
-}
-
-TEST(HeldAcks, NothingIsHeldBeforeThePrefaceAndTheFirstFramesWereFed) {
-  HeldAcks acks;
-  EXPECT_FALSE(acks.Hold(Bytes(Step(10))));  // the preface is still expected
-  acks.Fed(Bytes(kPreface.substr(0, 10)));
-  EXPECT_FALSE(acks.Hold(Bytes(Step(10))));
-  acks.Fed(Bytes(kPreface.substr(10) + Frame(6, 0x4, 0, std::string(6, '\0'))));  // + SETTINGS
-  EXPECT_TRUE(acks.Hold(Bytes(Step(10))));
-  EXPECT_EQ(acks.reads(), 1u);
-}
-
-TEST(HeldAcks, StepsAreSummedIntoOneUpdatePerStreamConnectionFirst) {
-  HeldAcks acks;
-  acks.Fed(Bytes(kPreface));
-  for (int i = 0; i < 5; ++i) ASSERT_TRUE(acks.Hold(Bytes(Step(40 + i))));
-  EXPECT_EQ(acks.reads(), 5u);
-  EXPECT_FALSE(acks.empty());
-  std::string out;
-  acks.Take(out);
-  ASSERT_EQ(out.size(), 3u * 13);
-  EXPECT_EQ(out.substr(0, 13), WindowUpdate(0, 2 * (40 + 41 + 42 + 43 + 44)));
-  const auto got = Parse(out);
-  EXPECT_EQ(got.at(1), std::vector<uint32_t>{210});
-  EXPECT_EQ(got.at(3), std::vector<uint32_t>{210});
-  EXPECT_TRUE(acks.empty());
-  EXPECT_EQ(acks.reads(), 0u);
-  std::string again;
-  acks.Take(again);
-  EXPECT_TRUE(again.empty());
-}
-
-TEST(HeldAcks, AnyOtherFrameOrAMalformedUpdateIsNotHeld) {
-  HeldAcks acks;
-  acks.Fed(Bytes(kPreface));
-  const std::string ping = Frame(8, 0x6, 0, std::string(8, 'p'));
-  const std::string rst = Frame(4, 0x3, 5, U32(8));
-  EXPECT_FALSE(acks.Hold(Bytes(WindowUpdate(1, 10) + ping)));      // a PING behind acks
-  EXPECT_FALSE(acks.Hold(Bytes(rst + WindowUpdate(0, 10))));
-  EXPECT_FALSE(acks.Hold(Bytes(WindowUpdate(1, 0))));              // increment 0: an error
-  EXPECT_FALSE(acks.Hold(Bytes(Frame(5, 0x8, 1, U32(7) + "x"))));  // length 5: an error
-  EXPECT_FALSE(acks.Hold(Bytes(WindowUpdate(1, 10).substr(0, 12))));  // a partial frame
-  EXPECT_FALSE(acks.Hold(Bytes(std::string())));
-  EXPECT_TRUE(acks.empty());
-  // The reserved bit is ignored (RFC 9113 6.9), as the session would.
-  EXPECT_TRUE(acks.Hold(Bytes(WindowUpdate(1, 0x80000000u | 7))));
-  std::string out;
-  acks.Take(out);
-  EXPECT_EQ(out, WindowUpdate(1, 7));
-}
-
-TEST(HeldAcks, ReadsAreHeldOnlyAtAFrameBoundaryOfWhatWasFed) {
-  HeldAcks acks;
-  acks.Fed(Bytes(kPreface));
-  const std::string data = Frame(100, 0x0, 1, std::string(100, 'd'));
-  acks.Fed(Bytes(data.substr(0, 4)));  // inside a frame header
-  EXPECT_FALSE(acks.Hold(Bytes(Step(1))));
-  acks.Fed(Bytes(data.substr(4, 50)));  // inside its payload
-  EXPECT_FALSE(acks.Hold(Bytes(Step(1))));
-  acks.Fed(Bytes(data.substr(54)));
-  EXPECT_TRUE(acks.Hold(Bytes(Step(1))));
-  // A large frame (16 MiB - 1 payload) is skipped by its length.
-  std::string big_header = Frame(0xffffff, 0x0, 1, "");
-  acks.Fed(Bytes(big_header));
-  EXPECT_FALSE(acks.Hold(Bytes(Step(1))));
-  const std::string chunk(1 << 20, 'x');
-  for (int i = 0; i < 15; ++i) acks.Fed(Bytes(chunk));
-  acks.Fed(Bytes(chunk.substr(0, (1 << 20) - 2)));
-  EXPECT_FALSE(acks.Hold(Bytes(Step(1))));
-  acks.Fed(Bytes(chunk.substr(0, 1)));
-  EXPECT_TRUE(acks.Hold(Bytes(Step(1))));
-}
-
-TEST(HeldAcks, SumsPastTheLargestIncrementAreSplitAndStreamsAreCapped) {
-  HeldAcks acks;
-  acks.Fed(Bytes(kPreface));
-  ASSERT_TRUE(acks.Hold(Bytes(WindowUpdate(7, 0x7fffffff))));
-  ASSERT_TRUE(acks.Hold(Bytes(WindowUpdate(7, 0x7fffffff))));
-  ASSERT_TRUE(acks.Hold(Bytes(WindowUpdate(7, 5))));
-  std::string out;
-  acks.Take(out);
-  EXPECT_EQ(Parse(out).at(7), (std::vector<uint32_t>{0x7fffffff, 0x7fffffff, 5}));
-
-  std::string many;
-  for (uint32_t id = 1; id <= 2 * HeldAcks::kMaxStreams; id += 2) many += WindowUpdate(id, 1);
-  {
-    HeldAcks fresh;  // one read of more streams than that: handed over whole
-    fresh.Fed(Bytes(kPreface));
-    EXPECT_FALSE(fresh.Hold(Bytes(many + WindowUpdate(2001, 1))));
-    EXPECT_TRUE(fresh.empty());
+  bool Window(uint32_t stream_id, uint32_t increment) override {
+    if (increment == 0 || (stream_id != 0 && known.count(stream_id) == 0)) return false;
+    taken.emplace_back(stream_id, increment);
+    return true;
   }
-  ASSERT_TRUE(acks.Hold(Bytes(many)));  // exactly kMaxStreams streams
-  EXPECT_FALSE(acks.Hold(Bytes(WindowUpdate(1001, 1))));  // one more stream
-  EXPECT_TRUE(acks.Hold(Bytes(WindowUpdate(1, 1))));      // a held stream again
-  out.clear();
-  acks.Take(out);
-  const auto got = Parse(out);
-  EXPECT_EQ(got.size(), HeldAcks::kMaxStreams);
-  EXPECT_EQ(got.at(1), std::vector<uint32_t>{2});
-  EXPECT_EQ(got.count(1001), 0u);
+};
+
+// A conversation: the preface, SETTINGS, request HEADERS and DATA (whose
+// payload looks like a WINDOW_UPDATE: it must not be taken), updates the
+// connection takes, one of an unknown stream, one with increment 0, one of
+// the wrong length, a PING.
+struct Conversation {
+  std::string bytes, session;
+  std::vector<std::pair<uint32_t, uint32_t>> taken;
+  Conversation() {
+    auto pass = [&](const std::string& f) {
+      bytes += f;
+      session += f;
+    };
+    auto take = [&](uint32_t id, uint32_t inc) {
+      bytes += WindowUpdate(id, inc);
+      taken.emplace_back(id, inc & 0x7fffffffu);
+    };
+    pass(kPreface);
+    pass(Frame(6, 0x4, 0, std::string("\x00\x04\x00\x00\x02\x00", 6)));  // SETTINGS
+    pass(Frame(3, 0x1, 1, "abc"));                                         // HEADERS
+    pass(Frame(13, 0x0, 1, WindowUpdate(0, 77)));                          // DATA
+    take(0, 1000);
+    take(1, 65535);
+    take(3, 0x7fffffff);
+    pass(WindowUpdate(5, 10));   // unknown stream: the session's
+    pass(WindowUpdate(1, 0));    // increment 0: the session's error
+    pass(Frame(5, 0x8, 1, U32(9) + "x"));  // wrong length: the session's error
+    take(0, 13);
+    pass(Frame(8, 0x6, 0, "pingpong"));  // PING
+    take(1, 26);
+    take(1, 0x80000000u | 5);  // the reserved bit is ignored
+  }
+};
+
+TEST(AckFilter, UpdatesAreTakenAndEverythingElsePassesUnchangedInOrder) {
+  Conversation c;
+  AckFilter f;
+  Recorder r;
+  ASSERT_TRUE(f.Split(Bytes(c.bytes), r));
+  EXPECT_EQ(r.passed, c.session);
+  EXPECT_EQ(r.taken, c.taken);
+  EXPECT_EQ(f.taken(), c.taken.size());
+}
+
+TEST(AckFilter, TheSameWhereverTheReadsAreCut) {
+  Conversation c;
+  // Every cut into two reads, and one byte per read.
+  for (size_t cut = 0; cut <= c.bytes.size(); ++cut) {
+    AckFilter f;
+    Recorder r;
+    ASSERT_TRUE(f.Split(Bytes(c.bytes.substr(0, cut)), r));
+    ASSERT_TRUE(f.Split(Bytes(c.bytes.substr(cut)), r));
+    ASSERT_EQ(r.passed, c.session) << "cut at " << cut;
+    ASSERT_EQ(r.taken, c.taken) << "cut at " << cut;
+  }
+  AckFilter f;
+  Recorder r;
+  for (char ch : c.bytes) ASSERT_TRUE(f.Split(Bytes(std::string(1, ch)), r));
+  EXPECT_EQ(r.passed, c.session);
+  EXPECT_EQ(r.taken, c.taken);
+}
+
+TEST(AckFilter, AReadOfOnlyUpdatesPassesNothing) {
+  AckFilter f;
+  Recorder r;
+  ASSERT_TRUE(f.Split(Bytes(kPreface), r));
+  const int passes = r.passes;
+  ASSERT_TRUE(f.Split(Bytes(WindowUpdate(1, 40) + WindowUpdate(3, 40) + WindowUpdate(0, 80)), r));
+  EXPECT_EQ(r.passes, passes);
+  EXPECT_EQ(r.taken.size(), 3u);
+}
+
+TEST(AckFilter, ASessionErrorStopsTheSplit) {
+  AckFilter f;
+  Recorder r;
+  r.fail_at_pass = 1;  // the second run: the unknown stream's update
+  EXPECT_FALSE(f.Split(Bytes(kPreface + WindowUpdate(5, 1) + WindowUpdate(1, 1)), r));
+  EXPECT_TRUE(r.taken.empty());  // nothing after the error
 }
 
 }  // namespace

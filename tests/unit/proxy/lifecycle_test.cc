@@ -218,33 +218,33 @@ class HeldWorkers : public WorkerClient {
   }
 };
 
-// Calls that ended by themselves (the prefill replied; the decode stream's
-// finished item ended its handle) are not cancelled at the request's end:
-// a cancel of an ended call is only a lookup, on the decode stream's
-// reader (issue 23). A client that goes away still cancels both.
+// Calls that ended by themselves (the prefill replied, or the decoder finished: it had the KV;
+// the decode stream's finished item ended its handle) are not cancelled at the end (issue 23:
+// a cancel costs a lookup, or a frame and a wake-up). A client that goes away cancels both.
 TEST_F(LifecycleTest, CallsThatEndedAreNotCancelledAtTheEnd) {
   AddWorker("p0", router::WorkerRole::kPrefill);
   AddWorker("d0", router::WorkerRole::kDecode);
-  for (const bool client_leaves : {false, true}) {
-    SCOPED_TRACE(client_leaves);
+  enum Order { kClientLeaves, kPrefillReplyFirst, kDecoderFinishesFirst };
+  for (const Order order : {kClientLeaves, kPrefillReplyFirst, kDecoderFinishesFirst}) {
+    SCOPED_TRACE(order);
     HeldWorkers held;
     client_ = &held;
     Collected c;
     auto lifecycle = Run(c);
     held.events.on_registered();
     ASSERT_TRUE(held.prefill_done);
-    if (client_leaves) {
+    if (order == kClientLeaves) {
       lifecycle->Cancel();
       EXPECT_TRUE(held.decode_call->cancelled);
       EXPECT_TRUE(held.prefill_call->cancelled);
       continue;
     }
-    PrefillResult r;
-    r.first_token_id = 5;
-    held.prefill_done(r);
+    const PrefillResult r = {.first_token_id = 5};
+    if (order == kPrefillReplyFirst) held.prefill_done(r);
     const std::vector<uint32_t> ids = {5, 6};
     held.events.on_tokens(0, ids);
     held.events.on_finished(Finish::kLength, 2, 0, 0);
+    if (order == kDecoderFinishesFirst) held.prefill_done(r);  // the reply comes late: ignored
     EXPECT_TRUE(c.finished);
     EXPECT_EQ(c.ids, ids);
     EXPECT_FALSE(held.decode_call->cancelled);

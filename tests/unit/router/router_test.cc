@@ -80,16 +80,30 @@ TEST(RouterTest, CreateRejectsBadConfig) {
   }
 }
 
+// The membership generation changes with every add and removal (a Watch
+// keeps FindWorker's answer while it does not), and only then.
 TEST(RouterTest, Membership) {
   Fleet f;
+  uint64_t gen = f.router->membership_generation();
+  const auto changed = [&] {
+    const uint64_t now = f.router->membership_generation();
+    const bool c = now != gen;
+    gen = now;
+    return c;
+  };
   EXPECT_EQ(f.Add("a", WorkerRole::kPrefill), 0u);
+  EXPECT_TRUE(changed());
   EXPECT_EQ(f.Add("b", WorkerRole::kDecode), 1u);
+  EXPECT_TRUE(changed());
   WorkerInfo dup;
   dup.name = "a";
   EXPECT_EQ(f.router->AddWorker(dup).status().code(), StatusCode::kAlreadyExists);
+  EXPECT_FALSE(changed());
   ASSERT_TRUE(f.router->RemoveWorker(0).ok());
+  EXPECT_TRUE(changed());
   EXPECT_FALSE(f.router->FindWorker("a").has_value());
   EXPECT_EQ(f.Add("c", WorkerRole::kPrefill), 0u);  // lowest free id is reused
+  EXPECT_TRUE(changed());
   for (uint32_t i = 2; i < kMaxWorkers; ++i) f.Add(Name("w", i), WorkerRole::kDecode);
   WorkerInfo extra;
   extra.name = "one-too-many";

@@ -135,6 +135,38 @@ TEST(MuxBatcher, TokensThatDoNotContinueAndEventsAfterAnEndGetTheirOwnItems) {
   EXPECT_EQ(m.items(2).token_ids_size(), 0);
 }
 
+// The open items are a HandleTable (common/handle_table.h): handle 0 (the
+// stream refuses it with an error item) is never open, an item ended in one
+// batch is not continued in the next, and a handle whose tokens did not
+// continue its item continues its newest item.
+TEST(MuxBatcher, HandleZeroAndItemsAcrossBatches) {
+  MuxBatcher b;
+  b.Error(0, InvalidArgumentError("decode stream handle 0 is reserved"));
+  b.Tokens(0, 0, std::vector<uint32_t>{1});
+  b.Tokens(3, 0, std::vector<uint32_t>{30});
+  b.Tokens(3, 4, std::vector<uint32_t>{34});  // not a continuation: a new item
+  b.Tokens(3, 5, std::vector<uint32_t>{35});  // continues the new item
+  pb::DecodeStreamResponse m = RoundTrip(b);
+  ASSERT_EQ(m.items_size(), 4);
+  EXPECT_EQ(m.items(0).handle(), 0u);
+  EXPECT_TRUE(m.items(0).has_error());
+  EXPECT_EQ(m.items(1).handle(), 0u);  // handle 0 never continues an item
+  EXPECT_EQ(m.items(1).token_ids_size(), 1);
+  EXPECT_EQ(m.items(2).token_ids_size(), 1);
+  EXPECT_EQ(m.items(3).first_index(), 4u);
+  EXPECT_EQ(m.items(3).token_ids_size(), 2);
+  // The next batch starts with nothing open.
+  b.Tokens(3, 6, std::vector<uint32_t>{36});
+  b.Finished(3, Fin(7));
+  b.Tokens(3, 7, std::vector<uint32_t>{37});  // after the end: its own item
+  m = RoundTrip(b);
+  ASSERT_EQ(m.items_size(), 2);
+  EXPECT_EQ(m.items(0).first_index(), 6u);
+  EXPECT_TRUE(m.items(0).has_finished());
+  EXPECT_EQ(m.items(1).first_index(), 7u);
+  EXPECT_FALSE(m.items(1).has_finished());
+}
+
 TEST(MuxBatcher, RandomInterleavingsReadBackAsEachRequestsOwnStream) {
   std::mt19937 rng(23);
   for (int round = 0; round < 50; ++round) {

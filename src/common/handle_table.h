@@ -1,17 +1,21 @@
-// The decode stream's requests by handle (proxy/decode_mux_client.h): an
-// open-addressing table read once per item of every batch (issue 23,
-// mux-deliver; docs/decode-stream.md "Reading a batch").
+// A table of values by stream handle: open addressing, read once per item
+// of every batch of a multiplexed decode stream, at both ends (issue 23):
+// the proxy's requests by handle (proxy/decode_mux_client.h; session 10,
+// mux-deliver; docs/decode-stream.md "Reading a batch") and the decoder's
+// open item per handle in the batch it assembles (decoder/decode_mux_batch.h;
+// session 11, tok-chain).
 //
 // Why not std::unordered_map: its find walks the bucket array, the node
 // before the entry and the entry, three dependent loads that are all
-// cache-cold after a decode step (~6 ms); here one slot holds the key and
-// the value. The proxy makes the handles (1, 2, 3, ... per stream), so the
-// handle's low bits are its home slot: the live handles are a window of
-// consecutive numbers and rarely collide. Linear probing; an erase shifts
-// the entries behind it back (no tombstones); the table doubles past half
-// full and never shrinks (it is as big as the stream's peak of requests).
+// cache-cold after a decode step (~6 ms), and every insert allocates a
+// node; here one slot holds the key and the value. The proxy makes the
+// handles (1, 2, 3, ... per stream), so the handle's low bits are its home
+// slot: the live handles are a window of consecutive numbers and rarely
+// collide. Linear probing; an erase shifts the entries behind it back (no
+// tombstones); the table doubles past half full and never shrinks (it is
+// as big as the stream's peak of requests).
 //
-// Thread-safety: none (the mux's mu_ guards it).
+// Thread-safety: none (the owner's lock guards it).
 #pragma once
 
 #include <cstddef>
@@ -19,7 +23,7 @@
 #include <utility>
 #include <vector>
 
-namespace tandem::proxy {
+namespace tandem {
 
 template <class V>
 class HandleTable {
@@ -45,6 +49,18 @@ class HandleTable {
     return out;
   }
   size_t size() const { return size_; }
+  // Empties it, keeping its slots (a table refilled every batch allocates
+  // nothing once grown).
+  void Clear() {
+    if (size_ == 0) return;
+    for (Slot& s : slots_) {
+      if (s.handle != 0) {
+        s.handle = 0;
+        s.value = V();
+      }
+    }
+    size_ = 0;
+  }
   // Calls f(handle, value&) for every entry, in no particular order.
   template <class F>
   void ForEach(F&& f) {
@@ -108,4 +124,4 @@ class HandleTable {
   size_t size_ = 0;
 };
 
-}  // namespace tandem::proxy
+}  // namespace tandem

@@ -1,0 +1,171 @@
+// The native front end writes the response DATA frames itself and counts the
+// client's flow-control windows (docs/grpc-frontend.md "Response DATA and
+// flow control"), on a real CPU 1P1D fleet with the gRPC C++ client as the
+// peer: long streams through a small client window (BDP probe off) arrive
+// token for token, a stream cancelled mid-way ends without disturbing the
+// others, many streams share one connection; the client's WINDOW_UPDATEs
+// are counted by the proxy, not by nghttp2 (which never sent that DATA
+// and would refuse a window it saw grow past 2^31-1).
+#include <gtest/gtest.h>
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fleet_harness.h"
+#include "raw_h2_client.h"
+#include "stream_suite.h"
+#include "tandem/v1/generation.pb.h"
+
+namespace tandem::testing {
+namespace {
+
+namespace pb = ::tandem::v1;
+constexpr uint32_t kVocab = 4096;
+constexpr auto kWait = std::chrono::seconds(60);
+
+class GrpcNativeFlow : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!HaveBundledModel()) return;
+    FleetOptions o;  // 1P1D, CPU
+    o.proxy_yaml = "  grpc_server: native\n";
+    auto f = Fleet::Launch(o);
+    if (f.ok()) {
+      fleet_ = f->release();
+    } else {
+      launch_error_ = new std::string(f.status().ToString());
+    }
+  }
+  static void TearDownTestSuite() {
+    delete fleet_;
+    fleet_ = nullptr;
+  }
+  void SetUp() override {
+    if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
+    ASSERT_NE(fleet_, nullptr) << (launch_error_ ? *launch_error_ : "no fleet");
+  }
+  static Fleet* fleet_;
+  static std::string* launch_error_;
+};
+Fleet* GrpcNativeFlow::fleet_ = nullptr;
+std::string* GrpcNativeFlow::launch_error_ = nullptr;
+
+std::vector<uint32_t> Prompt(uint32_t i) { return PromptIds(700 + i, 12 + (i * 5) % 30, kVocab); }
+
+// One channel (one HTTP/2 connection); `window` > 0: the client's stream
+// window that small, not grown by BDP probes.
+std::shared_ptr<grpc::Channel> Channel(const std::string& address, int window) {
+  grpc::ChannelArguments args;
+  if (window > 0) {
+    args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+    args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, window);
+  }
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+}
+
+TEST_F(GrpcNativeFlow, LongStreamsThroughASmallClientWindowArriveExactAndACancelEndsOnlyItsOwn) {
+  // 500 tokens per stream: ~10 KB and more of messages, many windows of 1 KB.
+  auto suite = CancellingSuite(4, 500, Prompt, /*cancelled=*/2, /*cancel_after=*/5);
+  suite.channel = Channel(fleet_->proxy_grpc(), 1024);
+  suite.Run(*fleet_, /*cancel_one=*/true);
+}
+
+TEST_F(GrpcNativeFlow, ManyStreamsOnOneConnectionArriveExact) {
+  auto suite = CancellingSuite(32, 40, Prompt, /*cancelled=*/7, /*cancel_after=*/2);
+  suite.channel = Channel(fleet_->proxy_grpc(), 0);
+  suite.Run(*fleet_, /*cancel_one=*/true);
+}
+
+// The client reads nothing until the request has ended at the workers: the
+// proxy sends what the 1 KB window allows and holds the rest (merged into
+// one message larger than the window), which arrives in window-sized DATA
+// frames as the client reads.
+TEST_F(GrpcNativeFlow, AGrpcClientThatReadsLateGetsEveryTokenThroughItsSmallWindow) {
+  constexpr uint32_t kTokens = 300;  // merged: one message of ~1.5 KB
+  auto stub = pb::Generation::NewStub(Channel(fleet_->proxy_grpc(), 1024));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(240));
+  pb::GenerateRequest req;
+  for (uint32_t t : Prompt(30)) req.add_prompt_token_ids(t);
+  req.set_max_tokens(kTokens);
+  req.mutable_sampling()->set_temperature(0);
+  req.set_ignore_eos(true);
+  auto reader = stub->Generate(&ctx, req);
+  // The request is in flight first (else the fleet looks idle before it
+  // arrived), then has ended at the workers.
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        auto m = Scrape(fleet_->proxy_metrics());
+        return m.ok() && MetricValue(*m, "tandem_requests_inflight") > 0;
+      },
+      std::chrono::seconds(60)));
+  EXPECT_EQ(WaitFleetIdle(fleet_->workers(), fleet_->proxy_metrics(), std::chrono::seconds(120)), "");
+  std::vector<uint32_t> tokens;
+  pb::GenerateResponse resp;
+  int messages = 0;
+  while (reader->Read(&resp)) {
+    tokens.insert(tokens.end(), resp.token_ids().begin(), resp.token_ids().end());
+    ++messages;
+  }
+  const grpc::Status st = reader->Finish();
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  auto ref = ReferenceGenerate(Prompt(30), kTokens);
+  ASSERT_TRUE(ref.ok()) << ref.status().ToString();
+  EXPECT_EQ(tokens, *ref);
+  EXPECT_LT(messages, static_cast<int>(kTokens / 4)) << "the held tokens were not merged";
+}
+
+std::string IdsRequest(const std::vector<uint32_t>& prompt, uint32_t max_tokens) {
+  pb::GenerateRequest r;
+  for (uint32_t t : prompt) r.add_prompt_token_ids(t);
+  r.set_max_tokens(max_tokens);
+  r.mutable_sampling()->set_temperature(0);
+  r.set_ignore_eos(true);
+  return r.SerializeAsString();
+}
+
+std::vector<uint32_t> TokensOf(const RawH2Client::Response& r) {
+  std::vector<uint32_t> tokens;
+  for (const auto& m : RawH2Client::Messages(r.data)) {
+    pb::GenerateResponse g;
+    EXPECT_TRUE(g.ParseFromString(m));
+    tokens.insert(tokens.end(), g.token_ids().begin(), g.token_ids().end());
+  }
+  return tokens;
+}
+
+// The client opens the connection window to 2^31-1 at once, gets a
+// response, then acknowledges that response's bytes: the proxy's count is
+// back at 2^31-1, not above (had nghttp2 counted the updates without the
+// DATA, that acknowledgement would have passed the limit, and it would
+// have ended the connection with FLOW_CONTROL_ERROR). A second request on
+// the connection is served.
+TEST_F(GrpcNativeFlow, TheClientsUpdatesAreCountedWithTheDataTheyAcknowledge) {
+  const std::vector<std::pair<std::string, std::string>> headers = {
+      {"content-type", "application/grpc"}, {"te", "trailers"}};
+  const std::string gen = "/tandem.v1.Generation/Generate";
+  RawH2Client c(fleet_->proxy_grpc());
+  ASSERT_TRUE(c.ok());
+  c.UpdateWindow(0, 0x7fffffff - 65535);
+  const int32_t first = c.Post(gen, headers, RawH2Client::Frame(IdsRequest(Prompt(40), 64)));
+  ASSERT_TRUE(c.RunUntil([&] { return c.response(first).closed; }, kWait));
+  ASSERT_EQ(c.response(first).GrpcStatus(), "0") << c.response(first).GrpcMessage();
+  const size_t got = c.response(first).data.size();
+  ASSERT_GT(got, 64u * 3);
+  c.UpdateWindow(0, static_cast<int32_t>(got));
+  const int32_t second = c.Post(gen, headers, RawH2Client::Frame(IdsRequest(Prompt(41), 16)));
+  ASSERT_TRUE(c.RunUntil([&] { return c.response(second).closed; }, kWait))
+      << "the connection ended after the acknowledgement";
+  EXPECT_EQ(c.response(second).GrpcStatus(), "0") << c.response(second).GrpcMessage();
+  auto ref = ReferenceGenerate(Prompt(41), 16);
+  ASSERT_TRUE(ref.ok()) << ref.status().ToString();
+  EXPECT_EQ(TokensOf(c.response(second)), *ref);
+  auto ref_first = ReferenceGenerate(Prompt(40), 64);
+  ASSERT_TRUE(ref_first.ok()) << ref_first.status().ToString();
+  EXPECT_EQ(TokensOf(c.response(first)), *ref_first);
+}
+
+}  // namespace
+}  // namespace tandem::testing
