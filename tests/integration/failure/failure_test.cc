@@ -255,10 +255,8 @@ TEST(Failure, KillPrefillerThenDecoderUnderLoad) {
   // With one prefiller left most streams wait on prefill, so decode-0 can
   // be empty at any given moment: kill it as soon as a scrape (which
   // samples the engine afresh) shows a request in its running batch.
-  const auto decode_busy_until = Clock::now() + 30s;
-  while (Metric(d0->metrics, "tandem_num_requests_running") < 1 && Clock::now() < decode_busy_until) {
-    std::this_thread::sleep_for(5ms);
-  }
+  ASSERT_TRUE(WaitFor([&] { return Metric(d0->metrics, "tandem_num_requests_running") >= 1; }, 30s))
+      << "decode-0 never had a request in its running batch";
   ASSERT_EQ(kill(d0->pid, SIGKILL), 0);
   const int at_decode_kill = completed;
   EXPECT_TRUE(wait_completed(at_decode_kill + 2 * kStreams, 60s))
