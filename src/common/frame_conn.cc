@@ -103,7 +103,7 @@ FrameTls::~FrameTls() {
 }
 
 // Read-ahead: a record (header and body) comes in one read() instead of
-// two; ReadLocked reads while SSL_has_pending, so nothing stays buffered
+// two; ReadSslLocked reads while SSL_has_pending, so nothing stays buffered
 // behind a poll() that would not report it. (AttachSecrets turns it off
 // for the handshake; a connection that stays on OpenSSL gets it back.)
 SSL* FrameTls::NewServer() const {
@@ -250,15 +250,9 @@ Status FrameConn::Connect() {
   return Status::Ok();
 }
 
-bool FrameConn::closed() const {
-  std::lock_guard lock(mu_);
-  return state_ == State::kClosed;
-}
+bool FrameConn::closed() const { return state_ == State::kClosed; }
 
-bool FrameConn::open() const {
-  std::lock_guard lock(mu_);
-  return state_ == State::kOpen;
-}
+bool FrameConn::open() const { return state_ == State::kOpen; }
 
 bool FrameConn::sealing_records() const {
   std::lock_guard lock(mu_);
@@ -326,8 +320,8 @@ Status FrameConn::TlsError(const char* what, int ret) {
   return UnavailableError(fmt::format("{} with {} failed: {}", what, peer_, detail));
 }
 
-Status FrameConn::Send(const google::protobuf::MessageLite& msg) {
-  const size_t size = msg.ByteSizeLong();
+template <typename Write>
+Status FrameConn::SendFrame(size_t size, const Write& write) {
   if (size > options_.max_frame_bytes) {
     return InvalidArgumentError(fmt::format("a frame of {} bytes exceeds the limit of {} bytes",
                                             size, options_.max_frame_bytes));
@@ -355,7 +349,7 @@ Status FrameConn::Send(const google::protobuf::MessageLite& msg) {
     p[1] = static_cast<uint8_t>(n >> 8);
     p[2] = static_cast<uint8_t>(n >> 16);
     p[3] = static_cast<uint8_t>(n >> 24);
-    msg.SerializeWithCachedSizesToArray(p + kHeaderBytes);
+    write(p + kHeaderBytes);
     if (state_ == State::kOpen && !write_blocked_) {
       FlushLocked();
       wake = write_blocked_;
@@ -364,6 +358,23 @@ Status FrameConn::Send(const google::protobuf::MessageLite& msg) {
   }
   if (wake && wake_) wake_();
   return Status::Ok();
+}
+
+Status FrameConn::Send(const google::protobuf::MessageLite& msg) {
+  return SendFrame(msg.ByteSizeLong(),
+                   [&](uint8_t* p) { msg.SerializeWithCachedSizesToArray(p); });
+}
+
+Status FrameConn::SendParts(std::initializer_list<std::string_view> parts) {
+  size_t size = 0;
+  for (std::string_view part : parts) size += part.size();
+  return SendFrame(size, [&](uint8_t* p) {
+    for (std::string_view part : parts) {
+      if (part.empty()) continue;
+      std::memcpy(p, part.data(), part.size());
+      p += part.size();
+    }
+  });
 }
 
 ssize_t FrameConn::SendLocked(const void* p, size_t bytes) {
@@ -455,8 +466,9 @@ void FrameConn::StartRecordsLocked() {
 }
 
 short FrameConn::Events() const {
-  std::lock_guard lock(mu_);
-  switch (state_) {
+  // Without the lock: the I/O thread's own state, and write_blocked_, which
+  // a Send that sets it follows with a wake (SetWake).
+  switch (state_.load()) {
     case State::kConnecting: return POLLOUT;
     case State::kHandshake: return static_cast<short>(POLLIN | (handshake_wants_write_ ? POLLOUT : 0));
     case State::kOpen: return static_cast<short>(POLLIN | (write_blocked_ ? POLLOUT : 0));
@@ -464,7 +476,20 @@ short FrameConn::Events() const {
   }
 }
 
-bool FrameConn::ReadRecordsLocked() {
+ssize_t FrameConn::RecvSome(void* p, size_t bytes) {
+  for (;;) {
+    const ssize_t n = ::recv(fd_, p, bytes, 0);
+    if (n > 0) return n;
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
+    Close(UnavailableError(
+        n == 0 ? fmt::format("{} closed the connection", peer_)
+               : fmt::format("reading from {} failed: {}", peer_, std::strerror(errno))));
+    return -1;
+  }
+}
+
+bool FrameConn::ReadRecords() {
   for (;;) {
     if (in_off_ > 0 && in_off_ == in_len_) {
       in_len_ = 0;
@@ -476,27 +501,21 @@ bool FrameConn::ReadRecordsLocked() {
       raw_off_ = 0;
     }
     if (raw_.size() < raw_len_ + kReadChunkBytes) raw_.resize(raw_len_ + kReadChunkBytes);
-    const ssize_t n = ::recv(fd_, raw_.data() + raw_len_, kReadChunkBytes, 0);
-    if (n <= 0) {
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
-      if (n < 0 && errno == EINTR) continue;
-      CloseLocked(UnavailableError(
-          n == 0 ? fmt::format("{} closed the connection", peer_)
-                 : fmt::format("reading from {} failed: {}", peer_, std::strerror(errno))));
-      return false;
-    }
+    const ssize_t n = RecvSome(raw_.data() + raw_len_, kReadChunkBytes);
+    if (n <= 0) return n == 0;
     raw_len_ += static_cast<size_t>(n);
+    // Opening is the I/O thread's alone (a sender seals with the other
+    // key, under mu_: common/frame_tls_records.h).
     Status st = records_->Open(raw_.data(), &raw_off_, raw_len_, &in_, &in_len_);
     if (!st.ok()) {
-      CloseLocked(st);
+      Close(st);
       return false;
     }
     if (static_cast<size_t>(n) < kReadChunkBytes) return true;  // drained
   }
 }
 
-bool FrameConn::ReadLocked() {
-  if (records_ != nullptr) return ReadRecordsLocked();
+bool FrameConn::ReadPlain() {
   for (;;) {
     if (in_off_ > 0 && in_off_ == in_len_) {
       in_len_ = 0;
@@ -505,36 +524,36 @@ bool FrameConn::ReadLocked() {
     const size_t at = in_len_;
     // Grown (and zero-filled) only when too small: not once per read.
     if (in_.size() < at + kReadChunkBytes) in_.resize(at + kReadChunkBytes);
-    ssize_t n;
-    if (ssl_ != nullptr) {
-      // Not ERR_clear_error first (SslIoLocked): cold per step, it cost
-      // ~2 % of the decode stream's reader.
-      Status first;
-      const int r = SslIoLocked(
-          "reading",
-          [&] { return SSL_read(ssl_, in_.data() + at, static_cast<int>(kReadChunkBytes)); },
-          &first);
-      if (r > 0) {
-        n = r;
-      } else {
-        const int e = SSL_get_error(ssl_, r);
-        if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE) return true;
-        CloseLocked(SslIoError("reading", r, first));
-        return false;
-      }
-    } else {
-      n = ::recv(fd_, in_.data() + at, kReadChunkBytes, 0);
-      if (n <= 0) {
-        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
-        if (n < 0 && errno == EINTR) continue;
-        CloseLocked(UnavailableError(
-            n == 0 ? fmt::format("{} closed the connection", peer_)
-                   : fmt::format("reading from {} failed: {}", peer_, std::strerror(errno))));
-        return false;
-      }
-    }
+    const ssize_t n = RecvSome(in_.data() + at, kReadChunkBytes);
+    if (n <= 0) return n == 0;
     in_len_ = at + static_cast<size_t>(n);
-    if (static_cast<size_t>(n) < kReadChunkBytes && (ssl_ == nullptr || SSL_has_pending(ssl_) == 0)) {
+    if (static_cast<size_t>(n) < kReadChunkBytes) return true;  // drained
+  }
+}
+
+bool FrameConn::ReadSslLocked() {
+  for (;;) {
+    if (in_off_ > 0 && in_off_ == in_len_) {
+      in_len_ = 0;
+      in_off_ = 0;
+    }
+    const size_t at = in_len_;
+    if (in_.size() < at + kReadChunkBytes) in_.resize(at + kReadChunkBytes);
+    // Not ERR_clear_error first (SslIoLocked): cold per step, it cost ~2 %
+    // of the decode stream's reader.
+    Status first;
+    const int r = SslIoLocked(
+        "reading",
+        [&] { return SSL_read(ssl_, in_.data() + at, static_cast<int>(kReadChunkBytes)); },
+        &first);
+    if (r <= 0) {
+      const int e = SSL_get_error(ssl_, r);
+      if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE) return true;
+      CloseLocked(SslIoError("reading", r, first));
+      return false;
+    }
+    in_len_ = at + static_cast<size_t>(r);
+    if (static_cast<size_t>(r) < kReadChunkBytes && SSL_has_pending(ssl_) == 0) {
       return true;  // drained (the next read would say EAGAIN)
     }
   }
@@ -543,7 +562,14 @@ bool FrameConn::ReadLocked() {
 Status FrameConn::Progress(short revents, const OnFrame& on_frame) {
   bool closed_after = false;  // EOF/error after the bytes read: frames first
   Status end;
-  {
+  constexpr short kReadable = POLLIN | POLLHUP | POLLERR;
+  // Reading needs no lock (ReadRecords, ReadPlain) unless the connection
+  // is on OpenSSL; the lock is taken only to connect, handshake or flush.
+  const bool unlocked_reads = records_ != nullptr || ssl_ == nullptr;
+  bool read = false;
+  if (unlocked_reads && (revents & POLLOUT) == 0 && state_ == State::kOpen) {
+    read = (revents & kReadable) != 0;
+  } else {
     std::lock_guard lock(mu_);
     if (state_ == State::kClosed) return closed_why_;
     if (state_ == State::kConnecting) {
@@ -579,9 +605,13 @@ Status FrameConn::Progress(short revents, const OnFrame& on_frame) {
       write_blocked_ = true;
     }
     if (state_ == State::kOpen) {
-      if ((revents & (POLLIN | POLLHUP | POLLERR)) != 0 && !ReadLocked()) {
-        closed_after = true;
-        end = closed_why_;
+      read = (revents & kReadable) != 0;
+      if (read && records_ == nullptr && ssl_ != nullptr) {  // OpenSSL's: under the lock
+        read = false;
+        if (!ReadSslLocked()) {
+          closed_after = true;
+          end = closed_why_;
+        }
       }
       if (!closed_after && (revents & POLLOUT) != 0 && write_blocked_) {
         write_blocked_ = false;
@@ -589,6 +619,11 @@ Status FrameConn::Progress(short revents, const OnFrame& on_frame) {
         if (state_ == State::kClosed) return closed_why_;
       }
     }
+  }
+  if (read && !(records_ != nullptr ? ReadRecords() : ReadPlain())) {
+    closed_after = true;
+    std::lock_guard lock(mu_);
+    end = closed_why_;
   }
   // Frames, outside the lock (a handler may Send on this connection).
   while (in_len_ - in_off_ >= kHeaderBytes) {
@@ -618,8 +653,9 @@ Status FrameConn::Progress(short revents, const OnFrame& on_frame) {
     in_off_ = 0;
   }
   if (closed_after) return end;
+  if (state_ != State::kClosed) return Status::Ok();
   std::lock_guard lock(mu_);
-  return state_ == State::kClosed ? closed_why_ : Status::Ok();
+  return closed_why_;
 }
 
 }  // namespace tandem

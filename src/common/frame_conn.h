@@ -15,12 +15,20 @@
 // does not read fast enough: the connection is closed (the peer then sees
 // the stream break).
 //
-// TLS: one SSL object is never used by two threads at once: every SSL (and
-// socket) call happens under the connection's mutex; the I/O thread waits
-// for readiness (poll) outside it. After a TLS 1.3 handshake the connection
-// seals and opens its records itself (common/frame_tls_records.h), on the
-// same wire; OpenSSL keeps only the handshake's results (the peer's
-// certificate).
+// TLS: one SSL object is never used by two threads at once: every SSL call
+// happens under the connection's mutex; the I/O thread waits for readiness
+// (poll) outside it. After a TLS 1.3 handshake the connection seals and
+// opens its records itself (common/frame_tls_records.h), on the same wire;
+// OpenSSL keeps only the handshake's results (the peer's certificate).
+//
+// Locking (issue 23): the mutex guards the state and the output side (the
+// frames queued, the records sealed, their sequence numbers, the socket's
+// writes), so two senders never interleave bytes of a frame or of a record.
+// The input side is the I/O thread's own: with records sealed here, or over
+// plaintext, it reads the socket and opens records without the mutex, so a
+// Send from another thread never waits for the reader's read (nor the
+// reader for a Send of a 32 kB prompt); only a connection left on OpenSSL's
+// SSL_read / SSL_write reads under it (one SSL object).
 //
 // Threads: Send and Close from any thread. Connect, Events and Progress
 // from the one I/O thread that owns the connection (FrameServer's, or the
@@ -31,9 +39,11 @@
 #include <openssl/ssl.h>
 #include <sys/socket.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -105,6 +115,11 @@ class FrameConn {
   // kept); UNAVAILABLE when the connection is closed, or closes it because
   // the backlog went over the bound.
   Status Send(const google::protobuf::MessageLite& msg);
+  // The same for a frame whose payload is the concatenation of `parts`,
+  // already encoded by the caller (e.g. a message's small fields, then a
+  // packed field's bytes straight from where the caller keeps them): each
+  // part is copied once, into the connection's output.
+  Status SendParts(std::initializer_list<std::string_view> parts);
   // Ends the connection (idempotent): later Sends fail with `why`, the I/O
   // thread's next Progress returns it. The socket is shut down (which wakes
   // a poll on it) and closed with the object.
@@ -155,13 +170,24 @@ class FrameConn {
   FrameConn(FrameOptions options, std::string peer) : options_(options), peer_(std::move(peer)) {}
   void CloseLocked(const Status& why);
   void FlushLocked();
-  // Reads what the socket has into in_; false with closed_why_ set at EOF/error.
-  bool ReadLocked();
+  // Queues a frame of `size` payload bytes that `write` writes (to the
+  // pointer it is given) and flushes: Send and SendParts.
+  template <typename Write>
+  Status SendFrame(size_t size, const Write& write);
+  // The I/O thread, once open: reads what the socket has into in_; false
+  // once the connection is closed (EOF/error; closed_why_ says why).
+  // Plaintext and records without the mutex (the input side is the I/O
+  // thread's), OpenSSL's SSL_read under it.
+  bool ReadPlain();
+  bool ReadRecords();
+  bool ReadSslLocked();
+  // One recv into `p`: the count; 0 when the socket has nothing now; -1
+  // when the connection ended (closed, naming the EOF or the error).
+  ssize_t RecvSome(void* p, size_t bytes);
   // Writes from `p` what the socket takes now: the count; 0 when it takes
   // nothing (write_blocked_ set, for POLLOUT); -1 when it failed (closed).
   ssize_t SendLocked(const void* p, size_t bytes);
-  // ReadLocked / FlushLocked once records_ seals and opens the records.
-  bool ReadRecordsLocked();
+  // FlushLocked once records_ seals and opens the records.
   void FlushRecordsLocked();
   // After the handshake: the record layer, or stays on OpenSSL.
   void StartRecordsLocked();
@@ -192,9 +218,12 @@ class FrameConn {
   sockaddr_storage peer_addr_{};       // guarded by mu_
   socklen_t peer_addr_len_ = 0;        // guarded by mu_
   Status lookup_error_;                // guarded by mu_
-  SSL* ssl_ = nullptr;                 // guarded by mu_
+  // Set before the connection is shared or by the I/O thread (under mu_,
+  // which the I/O thread may skip to read them); SSL calls under mu_.
+  SSL* ssl_ = nullptr;
   // guarded by mu_: the handshake's secrets (until it is done), then the
-  // records sealed and opened here (null: OpenSSL's, or plaintext).
+  // records sealed and opened here (null: OpenSSL's, or plaintext), set as
+  // ssl_; sealing under mu_, opening by the I/O thread alone.
   std::unique_ptr<FrameTlsSecrets> secrets_;
   std::unique_ptr<FrameTlsRecords> records_;
   std::vector<uint8_t> sealed_;        // guarded by mu_: records not yet written, [sealed_off_, sealed_len_)
@@ -203,13 +232,15 @@ class FrameConn {
   std::vector<uint8_t> raw_;           // I/O thread only: records read, [raw_off_, raw_len_)
   size_t raw_len_ = 0;                 // I/O thread only
   size_t raw_off_ = 0;                 // I/O thread only
-  State state_ = State::kIdle;         // guarded by mu_
+  std::atomic<State> state_{State::kIdle};  // written under mu_; read without it for a glance
   Status closed_why_;                  // guarded by mu_
   std::string out_;                    // guarded by mu_: frames not yet written, from out_off_
   size_t out_off_ = 0;                 // guarded by mu_
   int ssl_retry_len_ = 0;              // guarded by mu_: an SSL_write to repeat with this length
-  bool write_blocked_ = false;         // guarded by mu_: output waits for POLLOUT
-  bool handshake_wants_write_ = false;  // guarded by mu_
+  // Written under mu_: output waits for POLLOUT (Events reads it without
+  // the lock: a Send that sets it wakes the I/O thread).
+  std::atomic<bool> write_blocked_{false};
+  bool handshake_wants_write_ = false;  // I/O thread only
   std::string in_;                     // I/O thread only: bytes read, from in_off_ to in_len_
   size_t in_len_ = 0;                  // I/O thread only: in_'s bytes in use (in_ may be longer)
   size_t in_off_ = 0;                  // I/O thread only

@@ -24,8 +24,10 @@
 // record over 2^14 + 256 bytes is refused; the sequence numbers never wrap
 // (the connection closes first).
 //
-// Thread-safety: FrameConn's mutex guards it (sealing from Send's thread,
-// opening from the I/O thread, never at once).
+// Thread-safety: sealing under FrameConn's mutex (from a sender's thread),
+// opening by the connection's I/O thread alone, without it: the two
+// directions share nothing (each its own key, cipher context and sequence
+// number), so a seal and an open may run at once.
 #pragma once
 
 #include <openssl/ssl.h>

@@ -5,7 +5,8 @@
 // over-limit frame is refused with a clear error on both sides; a peer
 // without a certificate of the fleet CA is refused by the server and a
 // server without one by the client; a peer that does not read never blocks
-// the sender and is disconnected at the bound. On one frame loop, a
+// the sender and is disconnected at the bound; four threads sending at
+// once while the reader reads interleave no frame nor record. On one frame loop, a
 // connection that breaks ends alone and a peer that never answers holds up
 // no other connection's frames. Real sockets on 127.0.0.1.
 #include <gtest/gtest.h>
@@ -25,6 +26,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "common/frame_loop.h"
 #include "common/frame_reader.h"
@@ -249,6 +251,65 @@ TEST_F(FrameConnTest, FramesRoundTripInOrderOverMutualTls) {
 }
 
 TEST_F(FrameConnTest, FramesRoundTripInOrderOverPlaintext) { RoundTrip(nullptr, nullptr); }
+
+// Four threads Send at once on one connection while its reader is busy
+// with the answers (with records sealed here, or over plaintext, the reader
+// reads, and opens records, without the connection's mutex): every frame
+// arrives once, in each sender's order, in records that authenticate (two
+// writers interleaving a record's bytes, or sealing out of sequence, would
+// end the connection). Every other frame goes through SendParts, ~20 kB in
+// two parts: several records a frame.
+void ConcurrentSenders(std::shared_ptr<FrameTls> server_tls, std::shared_ptr<FrameTls> client_tls) {
+  Seen seen;
+  auto server = Serve(server_tls, &seen);
+  ASSERT_NE(server, nullptr);
+  Client client(server->address(), client_tls);
+  ASSERT_TRUE(client.conn().Send(Cancel(1)).ok());
+  ASSERT_EQ(client.WaitHandles(1).size(), 1u);  // connected (and authenticated)
+  EXPECT_EQ(client.conn().sealing_records(), client_tls != nullptr);
+  // The big part first: the oneof's last field (the cancel) is what parses.
+  pb::DecodeStreamRequest big;
+  big.mutable_start()->mutable_request()->mutable_prompt_token_ids_fixed32()->Resize(5000, 7);
+  const std::string big_bytes = big.SerializeAsString();
+  constexpr uint64_t kSenders = 4;
+  constexpr uint64_t kFrames = 200;
+  std::atomic<int> failed{0};
+  std::vector<std::thread> senders;
+  for (uint64_t s = 0; s < kSenders; ++s) {
+    senders.emplace_back([&, s] {
+      for (uint64_t i = 0; i < kFrames; ++i) {
+        const pb::DecodeStreamRequest cancel = Cancel((s + 1) << 32 | i);
+        const Status st = i % 2 == 0 ? client.conn().Send(cancel)
+                                     : client.conn().SendParts({big_bytes, cancel.SerializeAsString()});
+        if (!st.ok()) failed.fetch_add(1);
+      }
+    });
+  }
+  for (std::thread& t : senders) t.join();
+  EXPECT_EQ(failed.load(), 0);
+  const auto got = client.WaitHandles(1 + kSenders * kFrames);
+  ASSERT_EQ(got.size(), 1 + kSenders * kFrames) << "the connection ended";
+  std::vector<uint64_t> next(kSenders, 0);
+  for (size_t k = 1; k < got.size(); ++k) {
+    const uint64_t s = (got[k] >> 32) - 1;
+    ASSERT_LT(s, kSenders) << got[k];
+    EXPECT_EQ(got[k] & 0xffffffffu, next[s]) << "sender " << s;
+    ++next[s];
+  }
+  for (uint64_t s = 0; s < kSenders; ++s) EXPECT_EQ(next[s], kFrames) << "sender " << s;
+  EXPECT_FALSE(client.ended());
+  std::lock_guard lock(seen.mu);
+  EXPECT_FALSE(seen.is_closed) << seen.closed.ToString();
+  EXPECT_EQ(seen.cancels.size(), 1 + kSenders * kFrames);
+}
+
+TEST_F(FrameConnTest, FourConcurrentSendersWhileTheReaderReadsOverMutualTls) {
+  ConcurrentSenders(Tls(Identity(ca_, "decode-0")), Tls(Identity(ca_, "proxy")));
+}
+
+TEST_F(FrameConnTest, FourConcurrentSendersWhileTheReaderReadsOverPlaintext) {
+  ConcurrentSenders(nullptr, nullptr);
+}
 
 // Stop() closes the listening socket: a dial to a stopped server is refused
 // by the kernel at once, instead of being accepted into a backlog nobody
