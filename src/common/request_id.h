@@ -19,8 +19,10 @@ namespace tandem {
 inline constexpr size_t kFleetNonceChars = 32;
 inline constexpr char kFleetIdSeparator = '~';
 
-// 32 hex digits from 16 random bytes (getrandom(2); aborts only if the
-// kernel's random source fails, which a running Linux never does).
+// 32 hex digits from 16 random bytes of the kernel's CSPRNG (getrandom(2),
+// one call per 256 ids, through a per-thread pool; a forked child starts
+// with an empty pool). Aborts only if the kernel's random source fails,
+// which a running Linux never does.
 std::string RandomHex128();
 
 // A new fleet id for a request labelled `client_label` ("" = none).
