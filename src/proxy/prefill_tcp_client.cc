@@ -1,8 +1,11 @@
 #include "proxy/prefill_tcp_client.h"
 
 #include <fmt/format.h>
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/wire_format_lite.h>
 
 #include <algorithm>
+#include <bit>
 
 #include "common/delivery_scope.h"
 #include "common/frame_loop.h"
@@ -21,6 +24,54 @@ PrefillTcpClient::PrefillTcpClient(std::shared_ptr<FrameConn> conn)
     : conn_(std::move(conn)), reader_until_(SteadyClock::time_point::max()), reader_(conn_, &FrameLoop::Shared()) {}
 
 PrefillTcpClient::~PrefillTcpClient() = default;
+
+namespace {
+
+using WireFormat = google::protobuf::internal::WireFormatLite;
+using Coded = google::protobuf::io::CodedOutputStream;
+
+void AppendVarint(uint64_t v, std::string* out) {
+  uint8_t buf[10];
+  const uint8_t* end = Coded::WriteVarint64ToArray(v, buf);
+  out->append(reinterpret_cast<const char*>(buf), static_cast<size_t>(end - buf));
+}
+
+}  // namespace
+
+bool PrefillRequestInParts(const PrefillArgs& args, uint64_t timeout_us, PrefillRequestParts* out) {
+  if constexpr (std::endian::native != std::endian::little) return false;
+  if (!args.prompt_fixed32 || !args.prompt_ids || args.prompt_ids->empty()) return false;
+  pb::PrefillFrame outer;  // the frame's own small fields
+  if (timeout_us != 0) outer.set_timeout_us(timeout_us);
+  if (!args.traceparent.empty()) outer.set_traceparent(args.traceparent);
+  pb::PrefillRequest req;
+  FillPrefillRequestFields(args, &req);
+  const size_t prompt_bytes = args.prompt_ids->size() * sizeof(uint32_t);
+  const uint32_t prompt_tag = WireFormat::MakeTag(pb::PrefillRequest::kPromptTokenIdsFixed32FieldNumber,
+                                                  WireFormat::WIRETYPE_LENGTH_DELIMITED);
+  const size_t req_bytes = req.ByteSizeLong() + Coded::VarintSize32(prompt_tag) +
+                           Coded::VarintSize64(prompt_bytes) + prompt_bytes;
+  std::string& head = out->head;
+  head.clear();
+  outer.AppendToString(&head);
+  AppendVarint(WireFormat::MakeTag(pb::PrefillFrame::kRequestFieldNumber,
+                                   WireFormat::WIRETYPE_LENGTH_DELIMITED),
+               &head);
+  AppendVarint(req_bytes, &head);
+  req.AppendToString(&head);
+  AppendVarint(prompt_tag, &head);
+  AppendVarint(prompt_bytes, &head);
+  out->prompt = std::string_view(reinterpret_cast<const char*>(args.prompt_ids->data()), prompt_bytes);
+  return true;
+}
+
+std::string PrefillCallIdField(uint64_t call_id) {
+  std::string out;
+  AppendVarint(WireFormat::MakeTag(pb::PrefillFrame::kCallIdFieldNumber, WireFormat::WIRETYPE_VARINT),
+               &out);
+  AppendVarint(call_id, &out);
+  return out;
+}
 
 std::shared_ptr<PrefillTcpClient> PrefillTcpClient::Open(const std::string& address,
                                                          std::shared_ptr<FrameTls> tls,
@@ -54,19 +105,26 @@ void PrefillTcpClient::Stop() {
 
 std::shared_ptr<PrefillTcpCall> PrefillTcpClient::Start(
     const PrefillArgs& args, std::function<void(Result<PrefillResult>)> done) {
-  // Built outside the lock; the prompt is copied once into the message and
-  // serialized once into the connection's output (FrameConn::Send).
-  pb::PrefillFrame frame;
-  FillPrefillRequest(args, frame.mutable_request());
-  if (!args.traceparent.empty()) frame.set_traceparent(args.traceparent);
+  // Built outside the lock. The prompt is copied once, straight into the
+  // connection's output (PrefillRequestInParts), or, for a worker that reads
+  // the varint field, into the message and then into the output.
+  uint64_t timeout_us = 0;
   auto deadline = SteadyClock::time_point::max();
   if (args.deadline != std::chrono::system_clock::time_point::max()) {
     // As gRPC's grpc-timeout: the time left, which the prefiller applies on
     // its own clock (at least 1 µs: an expired deadline still expires there).
     const auto left = std::chrono::duration_cast<std::chrono::microseconds>(
         args.deadline - std::chrono::system_clock::now());
-    frame.set_timeout_us(static_cast<uint64_t>(std::max<int64_t>(1, left.count())));
+    timeout_us = static_cast<uint64_t>(std::max<int64_t>(1, left.count()));
     deadline = SteadyClock::now() + left;
+  }
+  PrefillRequestParts parts;
+  pb::PrefillFrame frame;
+  const bool in_parts = PrefillRequestInParts(args, timeout_us, &parts);
+  if (!in_parts) {
+    FillPrefillRequest(args, frame.mutable_request());
+    if (!args.traceparent.empty()) frame.set_traceparent(args.traceparent);
+    if (timeout_us != 0) frame.set_timeout_us(timeout_us);
   }
   bool wake = false;
   std::shared_ptr<PrefillTcpCall> call;
@@ -76,9 +134,14 @@ std::shared_ptr<PrefillTcpCall> PrefillTcpClient::Start(
     const uint64_t id = next_id_++;
     call = std::make_shared<PrefillTcpCall>(weak_from_this(), id, std::move(done));
     call->deadline_ = deadline;
-    frame.set_call_id(id);
     // Under mu_: a call's request always leaves before its cancel.
-    Status st = conn_->Send(frame);
+    Status st = Status::Ok();
+    if (in_parts) {
+      st = conn_->SendParts({PrefillCallIdField(id), parts.head, parts.prompt});
+    } else {
+      frame.set_call_id(id);
+      st = conn_->Send(frame);
+    }
     if (!st.ok() && st.code() == StatusCode::kInvalidArgument) {
       posted_.emplace_back(call, std::move(st));  // over the frame limit: this call fails
       wake = true;

@@ -374,8 +374,12 @@ std::shared_ptr<Call> GrpcWorkerClient::Decode(const std::string& address, Decod
 }
 
 void FillPrefillRequest(const PrefillArgs& args, pb::PrefillRequest* req) {
-  req->set_request_id(args.request_id);
   AddPrompt(args.prompt_ids, args.prompt_fixed32, req);
+  FillPrefillRequestFields(args, req);
+}
+
+void FillPrefillRequestFields(const PrefillArgs& args, pb::PrefillRequest* req) {
+  req->set_request_id(args.request_id);
   FillParams(args.params, req->mutable_params());
   req->set_deadline_unix_ms(UnixMs(args.deadline));
   req->set_decoder_address(args.decoder_address);
