@@ -453,6 +453,9 @@ void H2Connection::FlushLocked() {
     }
   }
   if (!SendLocked()) broken_ = true;
+  // RFC 9113 5.4.1: after the GOAWAY of a connection error the connection
+  // closes; once that GOAWAY is written, the event thread closes it.
+  if (flow_error_ && out_.empty() && !nghttp2_session_want_write(session_)) broken_ = true;
 }
 
 void H2Connection::TakeOutboxLocked(H2Stream& s) {
