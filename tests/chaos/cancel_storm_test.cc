@@ -45,8 +45,6 @@ using namespace std::chrono_literals;
 constexpr uint32_t kVocab = 4096;
 constexpr uint32_t kMaxTokens = 48;
 
-bool HaveModel() { return std::filesystem::exists(BundledModel() + "/model.safetensors"); }
-
 enum class When { kAtOnce, kAfterDelay, kAfterTokens };
 const char* Name(When w) {
   return w == When::kAtOnce ? "at once" : w == When::kAfterDelay ? "after a delay" : "mid-decode";
@@ -149,7 +147,7 @@ std::string HttpOne(const std::string& address, const std::vector<uint32_t>& pro
 }
 
 TEST(CancelStorm, EveryBlockIsFreedOnEveryWorker) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   const char* env_n = getenv("TANDEM_CANCEL_STORM_N");
   const int total = env_n && *env_n ? std::atoi(env_n) : 400;
   constexpr int kClients = 32;

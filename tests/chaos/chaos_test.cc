@@ -44,8 +44,6 @@ using namespace std::chrono_literals;
 constexpr int kStreams = 64;
 constexpr auto kDeadline = 30s;
 
-bool HaveModel() { return std::filesystem::exists(BundledModel() + "/model.safetensors"); }
-
 int EnvInt(const char* name, int fallback) {
   const char* v = getenv(name);
   return v && *v ? std::atoi(v) : fallback;
@@ -305,7 +303,7 @@ class ChaosSuite {
 };
 
 TEST(Chaos, FaultsOneAfterAnotherUnder64Streams) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   const int rounds = EnvInt("TANDEM_CHAOS_ROUNDS", 1);
   auto jobs = MakeJobs(16, 20);
   ASSERT_TRUE(jobs.ok()) << jobs.status().ToString();

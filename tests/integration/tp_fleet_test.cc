@@ -28,8 +28,6 @@ using namespace std::chrono_literals;
 constexpr uint32_t kVocab = 4096;
 constexpr uint32_t kMaxTokens = 16;
 
-bool HaveModel() { return std::filesystem::exists(BundledModel() + "/model.safetensors"); }
-
 // 16 prompts, 5 .. ~290 tokens (several longer than one 128-token chunk,
 // so blocks are pushed whole and partial), four sharing a 64-token prefix.
 std::vector<std::vector<uint32_t>> Prompts() {
@@ -98,7 +96,7 @@ void ExpectConcurrentGreedyEqualsGenerate(const Fleet& fleet) {
 }
 
 TEST(TpFleet, PrefillTp2DecodeTp1GreedyEqualsGenerate) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
   ASSERT_EQ(References().size(), 16u);
   auto fleet = Fleet::Launch(LayoutFleet("  tensor_parallel: 2\n", ""));
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
@@ -109,7 +107,7 @@ TEST(TpFleet, PrefillTp2DecodeTp1GreedyEqualsGenerate) {
 }
 
 TEST(TpFleet, PrefillTp1DecodePp2GreedyEqualsGenerate) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
   ASSERT_EQ(References().size(), 16u);
   auto fleet = Fleet::Launch(LayoutFleet("", "  pipeline_parallel: 2\n"));
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
@@ -120,7 +118,7 @@ TEST(TpFleet, PrefillTp1DecodePp2GreedyEqualsGenerate) {
 }
 
 TEST(TpFleet, KillMinus9OfADecoderFollowerRankMigratesItsRequests) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
   const auto prompts = Prompts();
   const auto& refs = References();
   ASSERT_EQ(refs.size(), prompts.size());

@@ -44,8 +44,6 @@ using namespace std::chrono_literals;
 
 constexpr uint32_t kVocab = 4096;
 
-bool HaveModel() { return std::filesystem::exists(BundledModel() + "/model.safetensors"); }
-
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
 // `tandem generate` once per (prompt, max_tokens), cached for the binary.
@@ -189,7 +187,7 @@ FleetOptions FailureFleet(int prefill, int decode) {
 
 // kill -9 one prefiller, later one decoder, under 16 concurrent streams.
 TEST(Failure, KillPrefillerThenDecoderUnderLoad) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   constexpr int kStreams = 16;
   constexpr uint32_t kMaxTokens = 64;
   constexpr auto kDeadline = 30s;
@@ -289,7 +287,7 @@ TEST(Failure, KillPrefillerThenDecoderUnderLoad) {
 
 // A decoder joins a running fleet and serves; another block size is refused.
 TEST(Failure, JoinedDecoderServesAndMismatchIsRefused) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   FleetOptions o = FailureFleet(1, 1);
   o.log_level = "info";  // the proxy's "joined" line
   auto fleet = Fleet::Launch(o);
@@ -391,7 +389,7 @@ TEST(Failure, JoinedDecoderServesAndMismatchIsRefused) {
 // meanwhile; after SIGCONT the late one confirms no write is outstanding,
 // the quarantine ends, nothing is corrupted and it serves again.
 TEST(Failure, LeaseExpiryWithStoppedPrefiller) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   constexpr uint32_t kMaxTokens = 16;
   constexpr uint32_t kLong = 400;
   FleetOptions o = FailureFleet(2, 1);
@@ -501,7 +499,7 @@ TEST(Failure, LeaseExpiryWithStoppedPrefiller) {
 // SIGTERM to `tandem launch` under load: in-flight requests finish, new
 // ones get UNAVAILABLE, every process is gone within the grace period.
 TEST(Failure, SigtermToLaunchDrainsUnderLoad) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   constexpr uint32_t kMaxTokens = 400;
   constexpr double kDrainSeconds = 8;  // FailureFleet's proxy.drain_seconds
   auto fleet = Fleet::Launch(FailureFleet(1, 1));

@@ -28,8 +28,6 @@ using namespace std::chrono_literals;
 
 constexpr uint32_t kVocab = 4096;
 
-bool HaveModel() { return std::filesystem::exists(BundledModel() + "/model.safetensors"); }
-
 const std::vector<uint32_t>& Reference(const std::vector<uint32_t>& prompt, uint32_t max_tokens) {
   static std::mutex mu;
   static std::map<std::pair<std::vector<uint32_t>, uint32_t>, std::vector<uint32_t>> cache;
@@ -93,7 +91,7 @@ Result<std::unique_ptr<Fleet>> LaunchWithFault(const FleetOptions& o, const std:
 // reservation's blocks quarantined until prefill-0 confirms the write
 // ended; a request scheduled meanwhile decodes correctly.
 TEST(KvReliability, SlowPushPastTheLeaseKeepsItsBlocksQuarantinedUntilConfirmed) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   constexpr uint32_t kMaxTokens = 16;
   FleetOptions o;
   o.prefill = 2;
@@ -184,7 +182,7 @@ TEST(KvReliability, SlowPushPastTheLeaseKeepsItsBlocksQuarantinedUntilConfirmed)
 // decoder's UCX endpoint to it (keepalive), and the blocks are released as
 // peer_dead — the process that could have written is gone.
 TEST(KvReliability, KilledWriterEndsItsQuarantine) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   constexpr uint32_t kMaxTokens = 8;
   FleetOptions o;
   o.prefill = 2;
@@ -242,7 +240,7 @@ TEST(KvReliability, KilledWriterEndsItsQuarantine) {
 // first) and completes with `tandem generate`'s output; the flip is
 // counted once, and nothing else fails.
 TEST(KvReliability, FlippedByteIsCaughtAndTheRequestCompletesElsewhere) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   constexpr uint32_t kMaxTokens = 16;
   FleetOptions o;
   o.prefill = 2;

@@ -29,8 +29,6 @@ using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kVocab = 4096;
 
-bool HaveModel() { return std::filesystem::exists(BundledModel() + "/model.safetensors"); }
-
 const WorkerAddr* FindWorker(const Fleet& f, const std::string& name) {
   for (const auto& w : f.workers()) {
     if (w.name == name) return &w;
@@ -141,7 +139,7 @@ void PauseUnderLoad(int prefill, int decode, const std::string& victim) {
 
 // The reproduction: a prefiller paused under 32 streams in 2P2D.
 TEST(Retry, PausedPrefillerUnder32StreamsEveryRequestCompletes) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   PauseUnderLoad(2, 2, "prefill-0");
 }
 
@@ -150,7 +148,7 @@ TEST(Retry, PausedPrefillerUnder32StreamsEveryRequestCompletes) {
 // still holds its first attempt (waiting on its Reserve to the paused
 // decoder, or prefilling it until the cancel lands).
 TEST(Retry, PausedDecoderRetriesReachTheSamePrefiller) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   PauseUnderLoad(1, 2, "decode-0");
 }
 
@@ -161,7 +159,7 @@ TEST(Retry, PausedDecoderRetriesReachTheSamePrefiller) {
 // (first_sample_index), so every completion equals `tandem generate
 // --temperature T --seed S` for the same request (docs/failure-handling.md).
 TEST(Migration, SeededSamplingThroughAMigrationEqualsTheUnmigratedOutput) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   namespace pb = ::tandem::v1;
   constexpr int kStreams = 4;
   constexpr uint32_t kMaxTokens = 400;

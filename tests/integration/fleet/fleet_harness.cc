@@ -33,6 +33,8 @@ namespace pb = ::tandem::v1;
 
 std::string BundledModel() { return std::string(TANDEM_SOURCE_DIR) + "/models/tandem-kjv"; }
 
+bool HaveBundledModel() { return std::filesystem::exists(BundledModel() + "/model.safetensors"); }
+
 static std::string Tandem() { return std::string(TANDEM_BINARY_DIR) + "/tandem"; }
 
 // TANDEM_TEST_LOG_LEVEL (e.g. debug) overrides the default level, so that a

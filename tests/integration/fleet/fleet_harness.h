@@ -117,6 +117,8 @@ std::vector<ProxyAddr> ReadProxies(const std::string& state_path);
 
 // The bundled model's folder.
 std::string BundledModel();
+// Whether the bundled model's weights are there (fleet tests skip without them).
+bool HaveBundledModel();
 
 struct Completion {
   std::vector<uint32_t> token_ids;

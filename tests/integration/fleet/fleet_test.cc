@@ -30,8 +30,6 @@ namespace {
 constexpr uint32_t kVocab = 4096;
 constexpr uint32_t kMaxTokens = 16;
 
-bool HaveModel() { return std::filesystem::exists(BundledModel() + "/model.safetensors"); }
-
 // 64 prompts: lengths 1 .. ~300 tokens, groups of four sharing a 64-token
 // prefix, several longer than one 128-token chunk.
 std::vector<std::vector<uint32_t>> Prompts() {
@@ -75,7 +73,7 @@ void ExpectMatches(const Result<Completion>& c, const std::vector<uint32_t>& pro
 }
 
 TEST_P(FleetEquivalence, GreedyOutputEqualsGenerate) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
   const auto& refs = References();
   const auto prompts = Prompts();
   FleetOptions o;
@@ -127,7 +125,7 @@ void ExpectWorkersIdle(const Fleet& fleet) {
 }
 
 TEST(Fleet, CancelAtRandomPointsFreesEveryBlock) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   FleetOptions o;
   auto fleet = Fleet::Launch(o);
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
@@ -191,7 +189,7 @@ struct BadInput {
 };
 
 TEST(Fleet, BadInputsGetTheirStatusAndTheFleetKeepsServing) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   FleetOptions o;
   auto fleet = Fleet::Launch(o);
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
@@ -284,7 +282,7 @@ namespace {
 // SIGTERM to `tandem launch` while requests run: it exits 0 and leaves no
 // process of the fleet behind.
 TEST(Fleet, SigtermToLaunchStopsEveryProcess) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   FleetOptions o;
   auto fleet = Fleet::Launch(o);
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
@@ -317,7 +315,7 @@ TEST(Fleet, SigtermToLaunchStopsEveryProcess) {
 }
 
 TEST(Fleet, ProxyWithoutWorkersAnswersUnavailable) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   char dir[] = "/tmp/tandem-proxy-XXXXXX";
   ASSERT_NE(mkdtemp(dir), nullptr);
   const std::string cfg = std::string(dir) + "/fleet.yaml";
@@ -350,7 +348,7 @@ TEST(Fleet, ProxyWithoutWorkersAnswersUnavailable) {
 }
 
 TEST(Fleet, FullProxyAnswersResourceExhaustedAtOnce) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   FleetOptions o;
   o.max_inflight = 4;
   auto fleet = Fleet::Launch(o);

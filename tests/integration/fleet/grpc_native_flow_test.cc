@@ -15,6 +15,7 @@
 
 #include "fleet_harness.h"
 #include "raw_h2_client.h"
+#include "shared_fleet_test.h"
 #include "stream_suite.h"
 #include "tandem/v1/generation.pb.h"
 
@@ -25,32 +26,14 @@ namespace pb = ::tandem::v1;
 constexpr uint32_t kVocab = 4096;
 constexpr auto kWait = std::chrono::seconds(60);
 
-class GrpcNativeFlow : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    if (!HaveBundledModel()) return;
+class GrpcNativeFlow : public SharedFleetTest<GrpcNativeFlow> {
+ public:
+  static Result<FleetOptions> SuiteOptions() {
     FleetOptions o;  // 1P1D, CPU
     o.proxy_yaml = "  grpc_server: native\n";
-    auto f = Fleet::Launch(o);
-    if (f.ok()) {
-      fleet_ = f->release();
-    } else {
-      launch_error_ = new std::string(f.status().ToString());
-    }
+    return o;
   }
-  static void TearDownTestSuite() {
-    delete fleet_;
-    fleet_ = nullptr;
-  }
-  void SetUp() override {
-    if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
-    ASSERT_NE(fleet_, nullptr) << (launch_error_ ? *launch_error_ : "no fleet");
-  }
-  static Fleet* fleet_;
-  static std::string* launch_error_;
 };
-Fleet* GrpcNativeFlow::fleet_ = nullptr;
-std::string* GrpcNativeFlow::launch_error_ = nullptr;
 
 std::vector<uint32_t> Prompt(uint32_t i) { return PromptIds(700 + i, 12 + (i * 5) % 30, kVocab); }
 

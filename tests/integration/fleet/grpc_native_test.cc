@@ -28,6 +28,7 @@
 
 #include "fleet_harness.h"
 #include "raw_h2_client.h"
+#include "shared_fleet_test.h"
 #include "tandem/v1/generation.grpc.pb.h"
 
 namespace tandem::testing {
@@ -37,36 +38,16 @@ namespace pb = ::tandem::v1;
 constexpr uint32_t kVocab = 4096;
 constexpr auto kWait = std::chrono::seconds(60);
 
-bool HaveModel() { return std::filesystem::exists(BundledModel() + "/model.safetensors"); }
-
-class GrpcNative : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    if (!HaveModel()) return;
+class GrpcNative : public SharedFleetTest<GrpcNative> {
+ public:
+  static Result<FleetOptions> SuiteOptions() {
     FleetOptions o;  // 1P1D, CPU
     o.proxy_yaml =
         "  grpc_server: native\n  limits:\n    max_request_bytes: 4096\n"
         "    max_connections: 16\n    handshake_timeout_seconds: 2\n";
-    auto f = Fleet::Launch(o);
-    if (f.ok()) {
-      fleet_ = f->release();
-    } else {
-      launch_error_ = new std::string(f.status().ToString());
-    }
+    return o;
   }
-  static void TearDownTestSuite() {
-    delete fleet_;
-    fleet_ = nullptr;
-  }
-  void SetUp() override {
-    if (!HaveModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
-    ASSERT_NE(fleet_, nullptr) << (launch_error_ ? *launch_error_ : "no fleet");
-  }
-  static Fleet* fleet_;
-  static std::string* launch_error_;
 };
-Fleet* GrpcNative::fleet_ = nullptr;
-std::string* GrpcNative::launch_error_ = nullptr;
 
 std::vector<uint32_t> Prompt(uint32_t i) { return PromptIds(900 + i, 10 + (i * 7) % 40, kVocab); }
 

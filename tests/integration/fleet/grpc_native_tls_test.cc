@@ -32,6 +32,7 @@
 #include "common/net.h"
 #include "common/tls_certs.h"
 #include "fleet_harness.h"
+#include "shared_fleet_test.h"
 #include "tandem/v1/generation.grpc.pb.h"
 
 namespace tandem::testing {
@@ -41,8 +42,6 @@ namespace fs = std::filesystem;
 namespace pb = ::tandem::v1;
 constexpr uint32_t kVocab = 4096;
 constexpr auto kWait = std::chrono::seconds(60);
-
-bool HaveModel() { return fs::exists(BundledModel() + "/model.safetensors"); }
 
 std::string Slurp(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -188,32 +187,21 @@ RawTls RawConnect(const std::string& address, const std::string& server_ca, cons
   return out;
 }
 
-class GrpcNativeTls : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
+class GrpcNativeTls : public SharedFleetTest<GrpcNativeTls> {
+ public:
+  static Result<FleetOptions> SuiteOptions() {
     signal(SIGPIPE, SIG_IGN);  // RawConnect writes to connections the server refused
-    if (!HaveModel()) return;
-    auto pki = MakePki();
-    if (!pki.ok()) {
-      launch_error_ = new std::string(pki.status().ToString());
-      return;
-    }
-    pki_ = new Pki(std::move(pki).value());
+    TANDEM_ASSIGN_OR_RETURN(Pki pki, MakePki());
+    pki_ = new Pki(std::move(pki));
     FleetOptions o;  // 1P1D, CPU; proxy.grpc_server auto
     o.log_level = "info";  // the proxy's TLS lines are asserted
     o.extra_yaml = fmt::format(
         "security:\n  public_tls:\n    cert_file: {}\n    key_file: {}\n    client_ca_file: {}\n",
         pki_->server.cert_file, pki_->server.key_file, pki_->client_ca->ca_file());
-    auto f = Fleet::Launch(o);
-    if (f.ok()) {
-      fleet_ = f->release();
-    } else {
-      launch_error_ = new std::string(f.status().ToString());
-    }
+    return o;
   }
   static void TearDownTestSuite() {
-    delete fleet_;
-    fleet_ = nullptr;
+    SharedFleetTest::TearDownTestSuite();
     if (pki_ != nullptr) {
       std::error_code ec;
       fs::remove_all(pki_->dir, ec);
@@ -221,18 +209,11 @@ class GrpcNativeTls : public ::testing::Test {
       pki_ = nullptr;
     }
   }
-  void SetUp() override {
-    if (!HaveModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
-    ASSERT_NE(fleet_, nullptr) << (launch_error_ ? *launch_error_ : "no fleet");
-  }
+
+ protected:
   static std::string ServerCa() { return pki_->server_ca->ca_file(); }
-  static Fleet* fleet_;
-  static Pki* pki_;
-  static std::string* launch_error_;
+  static inline Pki* pki_ = nullptr;
 };
-Fleet* GrpcNativeTls::fleet_ = nullptr;
-Pki* GrpcNativeTls::pki_ = nullptr;
-std::string* GrpcNativeTls::launch_error_ = nullptr;
 
 std::vector<uint32_t> Prompt(uint32_t i) { return PromptIds(700 + i, 12 + (i * 5) % 30, kVocab); }
 

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "fleet_harness.h"
+#include "shared_fleet_test.h"
 #include "tandem/v1/generation.grpc.pb.h"
 
 namespace tandem::testing {
@@ -28,8 +29,6 @@ namespace {
 
 namespace pb = ::tandem::v1;
 constexpr uint32_t kVocab = 4096;
-
-bool HaveModel() { return std::filesystem::exists(BundledModel() + "/model.safetensors"); }
 
 // A connected socket to "host:port" (-1 on failure), with a receive timeout.
 int Connect(const std::string& address) {
@@ -165,10 +164,9 @@ void ExpectNothingLeft(const Fleet& fleet) {
   }
 }
 
-class HostileInput : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    if (!HaveModel()) return;
+class HostileInput : public SharedFleetTest<HostileInput> {
+ public:
+  static Result<FleetOptions> SuiteOptions() {
     dir_ = new std::string(std::filesystem::temp_directory_path() /
                            ("tandem-hostile-" + std::to_string(getpid())));
     std::filesystem::create_directories(*dir_);
@@ -188,32 +186,18 @@ class HostileInput : public ::testing::Test {
         "    max_http_header_bytes: 2048\n    max_http_body_bytes: 3000\n"
         "    max_connections: 4\n    max_pipelined_requests: 2\n";
     o.extra_yaml = "security:\n  api_keys_file: " + *dir_ + "/keys.yaml\n";
-    auto f = Fleet::Launch(o);
-    if (f.ok()) {
-      fleet_ = f->release();
-    } else {
-      launch_error_ = new std::string(f.status().ToString());
-    }
+    return o;
   }
   static void TearDownTestSuite() {
-    delete fleet_;
-    fleet_ = nullptr;
+    SharedFleetTest::TearDownTestSuite();
     if (dir_) std::filesystem::remove_all(*dir_);
     delete dir_;
     dir_ = nullptr;
   }
-  void SetUp() override {
-    if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
-    ASSERT_NE(fleet_, nullptr) << (launch_error_ ? *launch_error_ : "");
-  }
 
-  static Fleet* fleet_;
-  static std::string* dir_;
-  static std::string* launch_error_;
+ protected:
+  static inline std::string* dir_ = nullptr;
 };
-Fleet* HostileInput::fleet_ = nullptr;
-std::string* HostileInput::dir_ = nullptr;
-std::string* HostileInput::launch_error_ = nullptr;
 
 TEST_F(HostileInput, EveryLimitIsRefusedWithItsNameOnBothApis) {
   const std::string proxy = fleet_->proxy_grpc(), http = fleet_->proxy_http();
@@ -438,7 +422,7 @@ TEST_F(HostileInput, ReusedRequestIdsDisturbNoOneElsesRequest) {
 // The fleet salt (cache.salt) defaults to a random one per launch, handed
 // to the children; a worker joining by hand needs it.
 TEST(FleetSalt, EachLaunchMakesItsOwnAndAWorkerWithoutItCannotJoin) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   FleetOptions o;
   o.prefill = 0;
   o.decode = 0;

@@ -22,8 +22,6 @@ namespace {
 constexpr uint32_t kMaxTokens = 8;
 constexpr uint32_t kVocab = 4000;
 
-bool HaveModel() { return std::filesystem::exists(BundledModel() + "/model.safetensors"); }
-
 // Lengths from one block to several 128-token chunks, two sharing a prefix.
 std::vector<std::vector<uint32_t>> Prompts() {
   std::vector<std::vector<uint32_t>> p;
@@ -94,7 +92,7 @@ void ExpectStreamedAndNot(const std::vector<int>& streaming, const std::vector<i
 }
 
 TEST(KvStreaming, CpuFleetOutputsEqualAfterPrefillAndGenerate) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
   const auto prompts = Prompts();
   std::vector<std::vector<uint32_t>> refs;
   for (const auto& p : prompts) {

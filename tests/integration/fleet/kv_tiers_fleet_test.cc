@@ -31,8 +31,6 @@ constexpr uint32_t kMaxTokens = 8;
 constexpr uint32_t kPromptTokens = 200;  // 12 full blocks reusable (the last token is computed)
 constexpr uint32_t kPrompts = 8;         // 96 committed blocks per worker > 64 device + 16 host
 
-bool HaveModel() { return fs::exists(BundledModel() + "/model.safetensors"); }
-
 // Value of `metric{...tier="TIER"...}` in Prometheus text; -1 when absent.
 double TierValue(const std::string& text, const std::string& metric, const std::string& tier) {
   const std::regex re("^" + metric + R"(\{[^}]*tier=")" + tier + R"("[^}]*\} ([-+0-9.eE]+)$)");
@@ -98,7 +96,7 @@ Result<Completion> Ask(const Fleet& f, const std::vector<uint32_t>& prompt) {
 }
 
 TEST(KvTiersFleet, LowerTiersServeEvictedPrefixesAndSurviveARestart) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
   char tmpl[] = "/tmp/tandem-kv-disk-XXXXXX";
   ASSERT_NE(mkdtemp(tmpl), nullptr);
   const std::string disk = tmpl;

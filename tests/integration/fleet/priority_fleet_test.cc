@@ -40,8 +40,6 @@ namespace lg = tandem::loadgen;
 constexpr uint32_t kVocab = 4096;
 using Seconds = std::chrono::duration<double>;
 
-bool HaveModel() { return std::filesystem::exists(BundledModel() + "/model.safetensors"); }
-
 std::string WriteKeys(const std::string& name, const std::string& yaml) {
   const std::string dir = std::filesystem::temp_directory_path() /
                           ("tandem-" + name + "-" + std::to_string(getpid()));
@@ -209,7 +207,7 @@ std::vector<double> Probe(lg::Client& client, const std::string& key, const std:
 }
 
 TEST(PriorityFleet, PriorityCutsThroughAFlood) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   const std::string keys = WriteKeys(
       "priority", "- key: key-flood\n  tenant: flood\n  priority: 10\n  min_priority: 5\n"
                   "- key: key-vip\n  tenant: vip\n");
@@ -300,7 +298,7 @@ TEST(PriorityFleet, PriorityCutsThroughAFlood) {
 }
 
 TEST(PriorityFleet, TenantsShareTokensEquallyWhileBothAreBacklogged) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   const std::string keys = WriteKeys(
       "fair", "- key: key-heavy\n  tenant: heavy\n  weight: 1\n"
               "- key: key-light\n  tenant: light\n  weight: 1\n");

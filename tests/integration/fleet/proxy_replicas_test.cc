@@ -29,8 +29,6 @@ namespace {
 constexpr uint32_t kVocab = 4096;
 constexpr uint32_t kMaxTokens = 8;
 
-bool HaveModel() { return std::filesystem::exists(BundledModel() + "/model.safetensors"); }
-
 // tandem_prefix_cache_queries_tokens_total of every prefiller.
 std::vector<double> PrefillQueries(const Fleet& f) {
   std::vector<double> out;
@@ -63,7 +61,7 @@ Served SendAndWatch(const Fleet& f, const std::string& proxy, const std::vector<
 }
 
 TEST(ProxyReplicas, TwoProxiesFollowTheEventsAndSurviveAKill) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
   FleetOptions o;
   o.prefill = 2;
   o.decode = 2;

@@ -38,8 +38,6 @@ using Clock = std::chrono::steady_clock;
 constexpr uint32_t kVocab = 4096;
 constexpr uint32_t kMaxTokens = 24;
 
-bool HaveModel() { return std::filesystem::exists(BundledModel() + "/model.safetensors"); }
-
 bool Alive(pid_t pid) { return pid > 0 && kill(pid, 0) == 0; }
 
 // Worker names in the state file right now.
@@ -53,7 +51,7 @@ std::vector<std::string> StateWorkers(const std::string& state_path) {
 }
 
 TEST(RankFleet, TwoRankWorkersServeListEveryRankAndDieAsAGroup) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   std::vector<std::vector<uint32_t>> prompts;
   for (uint32_t i = 0; i < 6; ++i) prompts.push_back(PromptIds(1800 + i, 20 + 30 * i, kVocab));
   std::vector<std::vector<uint32_t>> reference;
@@ -181,7 +179,7 @@ pid_t SpawnFollower(const std::string& config, const std::string& group, const s
 }
 
 TEST(RankFleet, HandStartedRankZeroLeavesWhenARankIsLost) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   const std::vector<uint32_t> prompt = PromptIds(1900, 40, kVocab);
   auto reference = ReferenceGenerate(prompt, kMaxTokens);
   ASSERT_TRUE(reference.ok()) << reference.status().ToString();

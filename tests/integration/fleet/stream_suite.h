@@ -22,10 +22,6 @@
 
 namespace tandem::testing {
 
-inline bool HaveBundledModel() {
-  return std::filesystem::exists(BundledModel() + "/model.safetensors");
-}
-
 // `name` summed over the fleet's workers of `role` ("decode", "prefill").
 inline double RoleMetric(const Fleet& fleet, const std::string& role, const std::string& name) {
   double v = 0;

@@ -19,8 +19,6 @@ namespace {
 
 constexpr uint32_t kVocab = 4096;
 
-bool HaveModel() { return std::filesystem::exists(BundledModel() + "/model.safetensors"); }
-
 // One HTTP/1.1 request on a fresh connection (Connection: close); the whole
 // response, or "" when the connection failed.
 std::string HttpCall(const std::string& address, const std::string& request) {
@@ -51,7 +49,7 @@ std::string PostCompletion(const std::string& address, const std::string& auth_h
 }
 
 TEST(TenantFleet, TenantsShareNoCacheEntriesAndBadKeysAreRefused) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   const std::string dir = std::filesystem::temp_directory_path() /
                           ("tandem-tenants-" + std::to_string(getpid()));
   std::filesystem::create_directories(dir);

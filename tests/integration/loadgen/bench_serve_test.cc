@@ -65,8 +65,6 @@ CmdResult BenchServe(const TempDir& dir, const std::string& args) {
   return r;
 }
 
-bool HaveModel() { return fs::exists(BundledModel() + "/model.safetensors"); }
-
 // The value of a table row ("Successful requests:      24").
 std::string Row(const std::string& table, const std::string& key) {
   const size_t p = table.find(key);
@@ -127,7 +125,7 @@ TEST(BenchServe, BadInputIsRefusedBeforeSending) {
 }
 
 TEST(BenchServe, OneP1DTableJsonAndReport) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   FleetOptions fo;
   fo.policy = "kv_aware";
   auto fleet = Fleet::Launch(fo);
@@ -259,7 +257,7 @@ TEST(BenchServe, OneP1DTableJsonAndReport) {
 // Issue 22: a mix of tenants (--tenant-api-keys) and priorities
 // (--priority) is sent as asked and reported per tenant and per priority.
 TEST(BenchServe, TenantAndPriorityMixesAreReportedPerGroup) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   TempDir dir;
   {
     std::ofstream k(dir / "keys.yaml");

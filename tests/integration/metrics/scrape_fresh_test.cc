@@ -20,10 +20,6 @@ using namespace std::chrono_literals;
 
 constexpr uint32_t kVocab = 4096;
 
-bool HaveModel() {
-  return std::filesystem::exists(testing::BundledModel() + "/model.safetensors");
-}
-
 double Sample(const std::string& metrics_address, const std::string& name) {
   auto text = testing::Scrape(metrics_address);
   EXPECT_TRUE(text.ok()) << text.status().ToString();
@@ -72,7 +68,7 @@ TEST(ScrapeFresh, WorkerWithoutProxyCountsTheRequestJustFinished) {
 // A 1P1D fleet: right after Generate returns, the prefiller counts the
 // prompt it prefilled and the decoder the prompt it reserved for.
 TEST(ScrapeFresh, FleetWorkersCountTheRequestJustFinished) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!testing::HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   auto fleet = testing::Fleet::Launch(testing::FleetOptions{});
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
   std::string prefill, decode;

@@ -41,8 +41,6 @@ constexpr uint32_t kMaxTokens = 4;
 constexpr uint32_t kConversations = 3;  // odd, as above
 constexpr uint32_t kTurns = 3;
 
-bool HaveModel() { return std::filesystem::exists(BundledModel() + "/model.safetensors"); }
-
 std::vector<uint32_t> Concat(std::vector<uint32_t> a, const std::vector<uint32_t>& b) {
   a.insert(a.end(), b.begin(), b.end());
   return a;
@@ -293,7 +291,7 @@ PolicyResult RunPolicy(const std::string& policy) {
 }
 
 TEST(RouterFleet, KvAwareDoublesPrefillCacheHitsOfRoundRobin) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
   ASSERT_EQ(DocumentReference().size(), kDocs * kQuestions);
   ASSERT_EQ(MultiTurnReference().size(), kConversations * kTurns);
   // Requests one at a time, back to back: the next one is routed well

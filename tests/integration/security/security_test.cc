@@ -34,8 +34,6 @@ namespace fs = std::filesystem;
 namespace pb = ::tandem::v1;
 using namespace std::chrono_literals;
 
-bool HaveModel() { return fs::exists(BundledModel() + "/model.safetensors"); }
-
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
   std::stringstream ss;
@@ -115,7 +113,7 @@ std::vector<std::string> JoiningDecoder(const Fleet& fleet, const std::string& c
 // proxy.internal as the fleet file has it: the framed Register (the
 // default, proxy.register_transport tcp) or gRPC's Registry.
 void ExpectInternalPortRefusesPlaintextAndAcceptsTheFleetIdentity(bool grpc_registry) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   FleetOptions o;
   if (grpc_registry) o.proxy_yaml = "  register_transport: grpc\n";
   auto fleet = Fleet::Launch(o);
@@ -176,7 +174,7 @@ TEST(Security, InternalPortsRefusePlaintextAndAcceptTheFleetIdentityOverGrpcRegi
 }
 
 TEST(Security, WorkerOfAnotherCaOrWithoutCertificateCannotJoin) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   auto fleet = Fleet::Launch(FleetOptions{});
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
   const Fleet& f = **fleet;
@@ -218,7 +216,7 @@ TEST(Security, WorkerOfAnotherCaOrWithoutCertificateCannotJoin) {
 }
 
 TEST(Security, WorkerNameIsBoundToTheIdentityThatRegisteredIt) {
-  if (!HaveModel()) GTEST_SKIP() << "bundled model missing";
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
   auto fleet = Fleet::Launch(FleetOptions{});
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
   const Fleet& f = **fleet;
