@@ -1,8 +1,11 @@
 // One 512-byte TLS 1.3 application record (AES-128-GCM), read and written
 // through OpenSSL's SSL_read / SSL_write against the same record opened and
-// sealed directly with EVP (common/tls_record.h: a reused EVP_CIPHER_CTX,
-// the cipher fetched once). Issue 23: the proxy's decode-stream reader pays
-// one SSL_read per 16-token step, cache-cold after the step's sleep.
+// sealed directly (common/tls_record.h: since session 12 the provider's
+// AES-128-GCM functions called per record on a context keyed once; session
+// 11's version went through EVP_*Init_ex2 / Update / Final / ctrl). Issue
+// 23: the proxy's decode-stream reader opens one record per 16-token step,
+// cache-cold after the step's sleep. The "Evp" names stay for comparison
+// with earlier results.
 //
 // The SSL pair is two FrameTls SSL objects (the framed connections'
 // contexts, read-ahead on) joined by a BIO pair (memory, no syscalls: the

@@ -99,7 +99,8 @@ Result<std::unique_ptr<FrameTlsRecords>> FrameTlsRecords::Start(SSL* ssl, bool i
                                                                 const std::string& peer) {
   SSL_set_ex_data(ssl, SecretsIndex(), nullptr);
   const SSL_CIPHER* cipher = SSL_get_current_cipher(ssl);
-  const bool direct = SSL_version(ssl) == TLS1_3_VERSION && cipher != nullptr &&
+  const bool direct = TlsRecordCipher::Available() && SSL_version(ssl) == TLS1_3_VERSION &&
+                      cipher != nullptr &&
                       SSL_CIPHER_get_id(cipher) == TLS1_3_CK_AES_128_GCM_SHA256 &&
                       SSL_has_pending(ssl) == 0 && secrets->client_bytes == kSecretBytes &&
                       secrets->server_bytes == kSecretBytes;

@@ -13,8 +13,9 @@
 // logged. The switch happens only when nothing is left for OpenSSL to
 // carry on: TLS 1.3 with TLS_AES_128_GCM_SHA256 (the internal contexts pin
 // it), no byte read past the handshake (read-ahead is off until then), no
-// session tickets due (the contexts send none). Otherwise the connection
-// stays on SSL_read / SSL_write.
+// session tickets due (the contexts send none), and OpenSSL's AES-128-GCM
+// provider offers the functions TlsRecordCipher calls. Otherwise the
+// connection stays on SSL_read / SSL_write.
 //
 // After the switch: an alert ends the connection with an error naming it
 // (close_notify: the peer closed it); a handshake record (KeyUpdate,

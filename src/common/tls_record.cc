@@ -1,12 +1,18 @@
 #include "common/tls_record.h"
 
 #include <fmt/format.h>
+#include <openssl/core_dispatch.h>
+#include <openssl/core_names.h>
 #include <openssl/crypto.h>
 #include <openssl/err.h>
+#include <openssl/evp.h>
 #include <openssl/hmac.h>
+#include <openssl/params.h>
+#include <openssl/provider.h>
 
 #include <cstring>
 #include <limits>
+#include <string_view>
 #include <utility>
 
 namespace tandem {
@@ -15,11 +21,95 @@ namespace {
 constexpr size_t kKeyBytes = 16;
 constexpr size_t kIvBytes = 12;
 
-// Fetched once (an EVP_CIPHER_fetch per connection would look the
-// provider's algorithm up again).
-const EVP_CIPHER* Aes128Gcm() {
+// The provider functions behind the fetched AES-128-GCM: what EVP's
+// EVP_CIPHER_CTX_new / Init / Update / Final / get_params / free call.
+struct GcmFunctions {
+  OSSL_FUNC_cipher_newctx_fn* newctx = nullptr;
+  OSSL_FUNC_cipher_freectx_fn* freectx = nullptr;
+  OSSL_FUNC_cipher_encrypt_init_fn* encrypt_init = nullptr;
+  OSSL_FUNC_cipher_decrypt_init_fn* decrypt_init = nullptr;
+  OSSL_FUNC_cipher_update_fn* update = nullptr;
+  OSSL_FUNC_cipher_final_fn* final = nullptr;
+  OSSL_FUNC_cipher_get_ctx_params_fn* get_ctx_params = nullptr;
+  void* provider_ctx = nullptr;
+  bool complete() const {
+    return newctx != nullptr && freectx != nullptr && encrypt_init != nullptr &&
+           decrypt_init != nullptr && update != nullptr && final != nullptr &&
+           get_ctx_params != nullptr;
+  }
+};
+
+bool NamesAes128Gcm(const char* names) {
+  // "AES-128-GCM:id-aes128-GCM:2.16.840.1.101.3.4.1.6": names split by ':'.
+  for (std::string_view rest = names; !rest.empty();) {
+    const size_t colon = rest.find(':');
+    if (rest.substr(0, colon) == "AES-128-GCM") return true;
+    if (colon == std::string_view::npos) break;
+    rest.remove_prefix(colon + 1);
+  }
+  return false;
+}
+
+GcmFunctions LookUpGcm() {
+  GcmFunctions g;
+  // Fetched once and kept: it holds the provider (and the functions' code)
+  // loaded for the process's life.
   static EVP_CIPHER* const cipher = EVP_CIPHER_fetch(nullptr, "AES-128-GCM", nullptr);
-  return cipher;
+  const OSSL_PROVIDER* prov = cipher == nullptr ? nullptr : EVP_CIPHER_get0_provider(cipher);
+  if (prov == nullptr) {
+    ERR_clear_error();
+    return g;
+  }
+  int no_cache = 0;
+  const OSSL_ALGORITHM* algs = OSSL_PROVIDER_query_operation(prov, OSSL_OP_CIPHER, &no_cache);
+  for (const OSSL_ALGORITHM* a = algs; a != nullptr && a->algorithm_names != nullptr; ++a) {
+    if (!NamesAes128Gcm(a->algorithm_names)) continue;
+    for (const OSSL_DISPATCH* f = a->implementation; f->function_id != 0; ++f) {
+      switch (f->function_id) {
+        case OSSL_FUNC_CIPHER_NEWCTX:
+          g.newctx = OSSL_FUNC_cipher_newctx(f);
+          break;
+        case OSSL_FUNC_CIPHER_FREECTX:
+          g.freectx = OSSL_FUNC_cipher_freectx(f);
+          break;
+        case OSSL_FUNC_CIPHER_ENCRYPT_INIT:
+          g.encrypt_init = OSSL_FUNC_cipher_encrypt_init(f);
+          break;
+        case OSSL_FUNC_CIPHER_DECRYPT_INIT:
+          g.decrypt_init = OSSL_FUNC_cipher_decrypt_init(f);
+          break;
+        case OSSL_FUNC_CIPHER_UPDATE:
+          g.update = OSSL_FUNC_cipher_update(f);
+          break;
+        case OSSL_FUNC_CIPHER_FINAL:
+          g.final = OSSL_FUNC_cipher_final(f);
+          break;
+        case OSSL_FUNC_CIPHER_GET_CTX_PARAMS:
+          g.get_ctx_params = OSSL_FUNC_cipher_get_ctx_params(f);
+          break;
+        default:
+          break;
+      }
+    }
+    break;
+  }
+  if (algs != nullptr) OSSL_PROVIDER_unquery_operation(prov, OSSL_OP_CIPHER, algs);
+  g.provider_ctx = OSSL_PROVIDER_get0_provider_ctx(prov);
+  if (!g.complete()) g = GcmFunctions{};
+  return g;
+}
+
+const GcmFunctions& Gcm() {
+  static const GcmFunctions g = LookUpGcm();
+  return g;
+}
+
+// The one parameter a record passes: the tag (read after sealing, given
+// before opening).
+void TagParams(uint8_t* tag, OSSL_PARAM (&params)[2]) {
+  params[0] =
+      OSSL_PARAM_construct_octet_string(OSSL_CIPHER_PARAM_AEAD_TAG, tag, kTlsRecordTagBytes);
+  params[1] = OSSL_PARAM_construct_end();
 }
 
 }  // namespace
@@ -56,8 +146,10 @@ Status HkdfExpandLabelSha256(std::span<const uint8_t> secret, std::string_view l
   return Status::Ok();
 }
 
+bool TlsRecordCipher::Available() { return Gcm().complete(); }
+
 TlsRecordCipher::~TlsRecordCipher() {
-  EVP_CIPHER_CTX_free(ctx_);
+  if (ctx_ != nullptr) Gcm().freectx(ctx_);
   OPENSSL_cleanse(iv_, sizeof(iv_));
 }
 
@@ -69,7 +161,7 @@ TlsRecordCipher::TlsRecordCipher(TlsRecordCipher&& o) noexcept
 
 TlsRecordCipher& TlsRecordCipher::operator=(TlsRecordCipher&& o) noexcept {
   if (this != &o) {
-    EVP_CIPHER_CTX_free(ctx_);
+    if (ctx_ != nullptr) Gcm().freectx(ctx_);
     ctx_ = std::exchange(o.ctx_, nullptr);
     seq_ = o.seq_;
     std::memcpy(iv_, o.iv_, sizeof(iv_));
@@ -81,8 +173,8 @@ TlsRecordCipher& TlsRecordCipher::operator=(TlsRecordCipher&& o) noexcept {
 Result<TlsRecordCipher> TlsRecordCipher::FromTrafficSecret(std::span<const uint8_t> secret,
                                                            Direction d) {
   if (secret.size() != 32) {
-    return InvalidArgumentError(fmt::format(
-        "a TLS_AES_128_GCM_SHA256 traffic secret has 32 bytes, not {}", secret.size()));
+    return InvalidArgumentError(
+        fmt::format("a TLS_AES_128_GCM_SHA256 traffic secret has 32 bytes, not {}", secret.size()));
   }
   uint8_t key[kKeyBytes], iv[kIvBytes];
   Status st = HkdfExpandLabelSha256(secret, "key", key);
@@ -97,17 +189,21 @@ Result<TlsRecordCipher> TlsRecordCipher::FromKeyIv(std::span<const uint8_t> key,
                                                    std::span<const uint8_t> iv, Direction d,
                                                    uint64_t sequence) {
   if (key.size() != kKeyBytes || iv.size() != kIvBytes) {
-    return InvalidArgumentError(fmt::format(
-        "AES-128-GCM records take a 16-byte key and a 12-byte IV, not {} and {}", key.size(),
-        iv.size()));
+    return InvalidArgumentError(
+        fmt::format("AES-128-GCM records take a 16-byte key and a 12-byte IV, not {} and {}",
+                    key.size(), iv.size()));
+  }
+  const GcmFunctions& g = Gcm();
+  if (!g.complete()) {
+    return UnimplementedError(
+        "AES-128-GCM: OpenSSL's provider offers no cipher functions for TLS records");
   }
   TlsRecordCipher c;
-  c.ctx_ = EVP_CIPHER_CTX_new();
-  const EVP_CIPHER* cipher = Aes128Gcm();
-  const int ok = c.ctx_ == nullptr || cipher == nullptr ? 0
+  c.ctx_ = g.newctx(g.provider_ctx);
+  const int ok = c.ctx_ == nullptr ? 0
                  : d == Direction::kSeal
-                     ? EVP_EncryptInit_ex2(c.ctx_, cipher, key.data(), nullptr, nullptr)
-                     : EVP_DecryptInit_ex2(c.ctx_, cipher, key.data(), nullptr, nullptr);
+                     ? g.encrypt_init(c.ctx_, key.data(), kKeyBytes, nullptr, 0, nullptr)
+                     : g.decrypt_init(c.ctx_, key.data(), kKeyBytes, nullptr, 0, nullptr);
   if (ok != 1) {
     ERR_clear_error();
     return InternalError("AES-128-GCM: the cipher context could not be set up");
@@ -138,17 +234,20 @@ Status TlsRecordCipher::Seal(std::span<const uint8_t> plain, TlsContentType type
   out[4] = static_cast<uint8_t>(body);
   uint8_t nonce[kIvBytes];
   Nonce(nonce);
+  // TLSInnerPlaintext (content || type) in place: one update for both.
   uint8_t* c = out + kTlsRecordHeaderBytes;
-  const auto inner = static_cast<uint8_t>(type);
-  int n = 0, m = 0, k = 0, f = 0;
+  const size_t inner = plain.size() + 1;
+  if (!plain.empty()) std::memcpy(c, plain.data(), plain.size());
+  c[plain.size()] = static_cast<uint8_t>(type);
+  OSSL_PARAM tag[2];
+  TagParams(c + inner, tag);
+  const GcmFunctions& g = Gcm();
+  size_t n = 0, m = 0, f = 0;
   const bool ok =
-      EVP_EncryptInit_ex2(ctx_, nullptr, nullptr, nonce, nullptr) == 1 &&
-      EVP_EncryptUpdate(ctx_, nullptr, &n, out, kTlsRecordHeaderBytes) == 1 &&
-      EVP_EncryptUpdate(ctx_, c, &m, plain.data(), static_cast<int>(plain.size())) == 1 &&
-      EVP_EncryptUpdate(ctx_, c + m, &k, &inner, 1) == 1 &&
-      EVP_EncryptFinal_ex(ctx_, c + m + k, &f) == 1 &&
-      static_cast<size_t>(m + k + f) == plain.size() + 1 &&
-      EVP_CIPHER_CTX_ctrl(ctx_, EVP_CTRL_AEAD_GET_TAG, kTlsRecordTagBytes, c + plain.size() + 1) == 1;
+      g.encrypt_init(ctx_, nullptr, 0, nonce, kIvBytes, nullptr) == 1 &&
+      g.update(ctx_, nullptr, &n, kTlsRecordHeaderBytes, out, kTlsRecordHeaderBytes) == 1 &&
+      g.update(ctx_, c, &m, inner, c, inner) == 1 && m == inner &&
+      g.final(ctx_, c + inner, &f, 0) == 1 && f == 0 && g.get_ctx_params(ctx_, tag) == 1;
   if (!ok) {
     ERR_clear_error();
     return InternalError("AES-128-GCM: sealing a TLS record failed");
@@ -169,13 +268,16 @@ Status TlsRecordCipher::Open(std::span<uint8_t> record, size_t* content_bytes,
   const size_t clen = record.size() - kTlsRecordHeaderBytes - kTlsRecordTagBytes;
   uint8_t nonce[kIvBytes];
   Nonce(nonce);
-  int n = 0, m = 0, f = 0;
-  const bool ok =
-      EVP_DecryptInit_ex2(ctx_, nullptr, nullptr, nonce, nullptr) == 1 &&
-      EVP_DecryptUpdate(ctx_, nullptr, &n, record.data(), kTlsRecordHeaderBytes) == 1 &&
-      EVP_DecryptUpdate(ctx_, c, &m, c, static_cast<int>(clen)) == 1 &&
-      EVP_CIPHER_CTX_ctrl(ctx_, EVP_CTRL_AEAD_SET_TAG, kTlsRecordTagBytes, c + clen) == 1 &&
-      EVP_DecryptFinal_ex(ctx_, c + m, &f) == 1;
+  // The expected tag goes in with the nonce (no separate call to set it).
+  OSSL_PARAM tag[2];
+  TagParams(c + clen, tag);
+  const GcmFunctions& g = Gcm();
+  size_t n = 0, m = 0, f = 0;
+  const bool ok = g.decrypt_init(ctx_, nullptr, 0, nonce, kIvBytes, tag) == 1 &&
+                  g.update(ctx_, nullptr, &n, kTlsRecordHeaderBytes, record.data(),
+                           kTlsRecordHeaderBytes) == 1 &&
+                  g.update(ctx_, c, &m, clen, c, clen) == 1 && m == clen &&
+                  g.final(ctx_, c + m, &f, 0) == 1;
   if (!ok) {
     ERR_clear_error();
     return DataLossError("a TLS record failed authentication (AES-128-GCM tag mismatch)");

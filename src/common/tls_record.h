@@ -12,10 +12,19 @@
 //   IV XOR the 64-bit sequence number (big-endian, right-aligned).
 // No padding is added; padding received is stripped.
 //
+// Per record, the cipher calls the provider's AES-128-GCM functions
+// directly (looked up once from the fetched EVP_CIPHER's provider: the same
+// functions EVP_EncryptInit_ex2 / Update / Final dispatch to), without
+// EVP's per-call wrappers: evp_cipher_init_internal, the IV length query it
+// redoes after every parameter set (an OSSL_PARAM round trip of ~8
+// OSSL_PARAM_locate), EVP_CIPHER_CTX_ctrl. Per record: init with the nonce
+// (and, opening, the expected tag), the header as AAD, one update over
+// content || type, final, and for a seal one get of the tag. Cold (after
+// a 6 ms sim step) that is ~0.65-0.7 of the EVP calls' time
+// (bench_tls_record; bench/results/proxy_cost/session-12.md).
+//
 // Thread-safety: none; one connection's reader or writer owns each cipher.
 #pragma once
-
-#include <openssl/evp.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -68,12 +77,19 @@ class TlsRecordCipher {
                                            std::span<const uint8_t> iv, Direction d,
                                            uint64_t sequence = 0);
 
+  // Whether this OpenSSL's provider of AES-128-GCM offers the functions
+  // the cipher calls (the default and FIPS providers do); if not, every
+  // From* fails and FrameTlsRecords stays on SSL_read / SSL_write.
+  static bool Available();
+
   bool valid() const { return ctx_ != nullptr; }
   uint64_t sequence() const { return seq_; }
 
   // kSeal: writes one record of `plain` (at most kTlsMaxPlaintextBytes) of
-  // type `type` to `out`, which must hold TlsRecordBytes(plain.size()).
-  // Fails (nothing usable written) when the sequence number would wrap.
+  // type `type` to `out`, which must hold TlsRecordBytes(plain.size()) and
+  // must not overlap `plain` (the content is copied there and encrypted in
+  // place). Fails (nothing usable written) when the sequence number would
+  // wrap.
   Status Seal(std::span<const uint8_t> plain, TlsContentType type, uint8_t* out);
 
   // kOpen: `record` is one whole record (header and body, the body at most
@@ -85,7 +101,9 @@ class TlsRecordCipher {
 
  private:
   void Nonce(uint8_t nonce[12]) const;
-  EVP_CIPHER_CTX* ctx_ = nullptr;
+  // The provider's AES-128-GCM context (its key schedule and GHASH table),
+  // keyed once for this direction.
+  void* ctx_ = nullptr;
   uint8_t iv_[12] = {};
   uint64_t seq_ = 0;
 };

@@ -182,6 +182,19 @@ class PrefixIndex::Shard {
 
   uint64_t live() const { return live_; }
 
+  // Grows the table (never shrinks it) to hold `live` entries with room
+  // before the next rehash, and keeps at least that capacity from now on.
+  // The new table is written here, so its pages are resident before the
+  // first event needs them.
+  void Reserve(uint64_t live) {
+    uint64_t cap = 1024;
+    while (cap < live * 2) cap <<= 1;  // `live` stays under the rehash mark (half full)
+    min_capacity_ = std::max(min_capacity_, cap);
+    if (cap > slots_.size()) Rehash();
+  }
+
+  uint64_t capacity() const { return slots_.size(); }
+
  private:
   struct Slot {
     uint64_t key = 0;
@@ -189,23 +202,44 @@ class PrefixIndex::Shard {
   };
 
   // Rebuilds with only live entries, at most 40 % full afterwards (so that
-  // the next rehash, at 50 % used, is many inserts away). Under half full
-  // the probe runs stay short: a lookup of Overlap's search went from ~28
-  // to ~20 ns when the maximum load went from 70 % to 50 % (the bench's
-  // staggered prompt), for 48–120 bytes of table per indexed hash.
+  // the next rehash, at 50 % used, is many inserts away), and never below
+  // the reserved capacity. Under half full the probe runs stay short: a
+  // lookup of Overlap's search went from ~28 to ~20 ns when the maximum
+  // load went from 70 % to 50 % (the bench's staggered prompt), for 48–120
+  // bytes of table per indexed hash. A rehash at the same capacity (the
+  // steady state: removals left tombstones) rebuilds the table in place, so
+  // its pages stay resident instead of a fresh allocation faulting them in
+  // again.
   void Rehash() {
     uint64_t cap = 1024;
     while (cap * 2 < (live_ + 1) * 5) cap <<= 1;
+    cap = std::max(cap, min_capacity_);
+    ++generation_;
+    if (cap == slots_.size()) {
+      live_scratch_.clear();
+      for (const Slot& s : slots_) {
+        if (s.key != 0 && s.mask.Any()) live_scratch_.push_back(s);
+      }
+      std::fill(slots_.begin(), slots_.end(), Slot{});
+      Reinsert(live_scratch_.begin(), live_scratch_.end());
+      return;
+    }
     std::vector<Slot, HugePageAllocator<Slot>> old;
     old.swap(slots_);
     slots_.assign(cap, Slot{});
     mask_ = cap - 1;
-    used_ = 0;
-    ++generation_;
     hint_base_.store(nullptr, std::memory_order_relaxed);
     hint_mask_.store(mask_, std::memory_order_relaxed);
     hint_base_.store(reinterpret_cast<const char*>(slots_.data()), std::memory_order_relaxed);
-    for (const Slot& s : old) {
+    Reinsert(old.begin(), old.end());
+  }
+
+  // Puts the live slots of [begin, end) into the empty table.
+  template <typename It>
+  void Reinsert(It begin, It end) {
+    used_ = 0;
+    for (It it = begin; it != end; ++it) {
+      const Slot& s = *it;
       if (s.key == 0 || !s.mask.Any()) continue;
       uint64_t i = s.key & mask_;
       while (slots_[i].key != 0) i = (i + 1) & mask_;
@@ -220,6 +254,8 @@ class PrefixIndex::Shard {
   uint64_t live_ = 0;        // keys with a non-empty mask (zero_ included)
   WorkerMask zero_;          // holders of the hash 0
   uint64_t generation_ = 0;  // rehashes so far
+  uint64_t min_capacity_ = 0;  // Reserve's: a rehash never goes below it
+  std::vector<Slot> live_scratch_;  // an in-place rehash's live entries (kept: no allocation next time)
   std::atomic<const char*> hint_base_{nullptr};  // slots_.data(), for PrefetchHint
   std::atomic<uint64_t> hint_mask_{0};           // mask_, for PrefetchHint
 };
@@ -551,6 +587,35 @@ void PrefixIndex::Overlap(std::span<const uint64_t> block_hashes, OverlapBlocks*
     lookup();
     for (const Gap& g : t.gaps) split(g.lo, g.who, g.hi, g.probes_begin, g.probes_end);
   }
+}
+
+void PrefixIndex::Reserve(uint64_t hashes) {
+  hashes = std::min(hashes, kReserveMaxHashes);
+  // A shard's share, plus room for the hash's uneven spread over shards.
+  const uint64_t share = hashes / kNumShards;
+  const uint64_t per_shard = share + share / 8 + 64;
+  for (auto& shard : shards_) {
+    std::unique_lock lock(shard->mu);
+    shard->Reserve(per_shard);
+  }
+}
+
+uint64_t PrefixIndex::TableSlots() const {
+  uint64_t n = 0;
+  for (const auto& shard : shards_) {
+    std::shared_lock lock(shard->mu);
+    n += shard->capacity();
+  }
+  return n;
+}
+
+uint64_t PrefixIndex::Rehashes() const {
+  uint64_t n = 0;
+  for (const auto& shard : shards_) {
+    std::shared_lock lock(shard->mu);
+    n += shard->generation();
+  }
+  return n;
 }
 
 WorkerMask PrefixIndex::Holders(uint64_t hash) const {

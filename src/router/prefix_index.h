@@ -70,6 +70,18 @@ class PrefixIndex {
   // The epochs it had stay remembered as stale for the id's next holder.
   Status RemoveWorker(WorkerId worker);
 
+  // Sizes the tables for `hashes` distinct indexed hashes (capped at
+  // kReserveMaxHashes) so that storing that many grows no table, and writes
+  // them now: a fresh fleet's first prompts then neither rehash nor fault
+  // pages in on the event path. Never shrinks; tables still grow past it
+  // on demand. The router calls it at AddWorker with the registered
+  // workers' KV capacity (blocks) summed.
+  void Reserve(uint64_t hashes);
+  static constexpr uint64_t kReserveMaxHashes = uint64_t{1} << 18;  // ~25 MiB of tables
+  // Slots of all tables (24 bytes each) and rehashes so far (tests, debugging).
+  uint64_t TableSlots() const;
+  uint64_t Rehashes() const;
+
   // Applies one event. Error (NotFound) only for an unregistered worker.
   Result<EventResult> Apply(WorkerId worker, const KvEventView& event);
 

@@ -59,6 +59,14 @@ int64_t Router::Now() const {
 }
 
 Result<WorkerId> Router::AddWorker(const WorkerInfo& info) {
+  uint64_t fleet_blocks = 0;  // the registered workers' KV capacity
+  TANDEM_ASSIGN_OR_RETURN(WorkerId id, AddWorkerEntry(info, &fleet_blocks));
+  // Outside the router mutex: growing the tables must not hold up Route.
+  index_.Reserve(fleet_blocks);
+  return id;
+}
+
+Result<WorkerId> Router::AddWorkerEntry(const WorkerInfo& info, uint64_t* fleet_blocks) {
   std::lock_guard lock(mu_);
   TANDEM_ASSIGN_OR_RETURN(WorkerId id, workers_.Add(info));
   if (Status st = index_.AddWorker(id, info.epoch); !st.ok()) {
@@ -75,6 +83,7 @@ Result<WorkerId> Router::AddWorker(const WorkerInfo& info) {
   c.decode_routes = 0;
   c.local_routes = 0;
   c.predicted_hit_blocks = 0;
+  for (WorkerId w : workers_.ids()) *fleet_blocks += workers_.Find(w)->info.num_blocks;
   return id;
 }
 

@@ -79,7 +79,8 @@ class Router {
 
   // Membership. AddWorker registers the worker in the index with its epoch
   // and no cached blocks (the proxy then watches its events from the start
-  // or asks for a snapshot).
+  // or asks for a snapshot), and sizes the index for the fleet's KV
+  // capacity (PrefixIndex::Reserve).
   Result<WorkerId> AddWorker(const WorkerInfo& info);
   Status RemoveWorker(WorkerId id);
   std::optional<WorkerId> FindWorker(std::string_view name) const;
@@ -134,6 +135,9 @@ class Router {
  private:
   Router(const RouterConfig& config, Policy policy, RouterOptions options);
   int64_t Now() const;
+  // AddWorker's part under mu_; sets *fleet_blocks to the registered
+  // workers' KV capacity summed (the size the index reserves).
+  Result<WorkerId> AddWorkerEntry(const WorkerInfo& info, uint64_t* fleet_blocks);
   // Fills candidates_ (with mu_ held) from the index's overlaps.
   void BuildCandidatesLocked(const OverlapBlocks& overlap, const TierOverlap& lower, int64_t now);
   // Prefill rates by worker id, for router/ttft_predictor.h (with mu_ held).

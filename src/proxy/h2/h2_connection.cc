@@ -479,6 +479,9 @@ void H2Connection::FlushLocked() {
   if (!SendLocked()) broken_ = true;
   flushed_open_ = 0;
   for (auto& s : dirty) flushed_open_ += !s->eof && s->in_session;
+  // RFC 9113 5.4.1: after the GOAWAY of a connection error the connection
+  // closes; once that GOAWAY is written, the event thread closes it.
+  if (flow_error_ && out_.empty() && !nghttp2_session_want_write(session_)) broken_ = true;
 }
 
 void H2Connection::TakeOutboxLocked(H2Stream& s) {

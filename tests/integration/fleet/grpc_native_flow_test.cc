@@ -5,7 +5,9 @@
 // token for token, a stream cancelled mid-way ends without disturbing the
 // others, many streams share one connection; the client's WINDOW_UPDATEs
 // are counted by the proxy, not by nghttp2 (which never sent that DATA
-// and would refuse a window it saw grow past 2^31-1).
+// and would refuse a window it saw grow past 2^31-1); windows pushed past
+// 2^31-1 end the stream or the connection, and a SETTINGS change of the
+// initial window moves the open streams' windows (raw frames).
 #include <gtest/gtest.h>
 #include <grpcpp/grpcpp.h>
 
@@ -111,25 +113,6 @@ TEST_F(GrpcNativeFlow, AGrpcClientThatReadsLateGetsEveryTokenThroughItsSmallWind
   EXPECT_LT(messages, static_cast<int>(kTokens / 4)) << "the held tokens were not merged";
 }
 
-std::string IdsRequest(const std::vector<uint32_t>& prompt, uint32_t max_tokens) {
-  pb::GenerateRequest r;
-  for (uint32_t t : prompt) r.add_prompt_token_ids(t);
-  r.set_max_tokens(max_tokens);
-  r.mutable_sampling()->set_temperature(0);
-  r.set_ignore_eos(true);
-  return r.SerializeAsString();
-}
-
-std::vector<uint32_t> TokensOf(const RawH2Client::Response& r) {
-  std::vector<uint32_t> tokens;
-  for (const auto& m : RawH2Client::Messages(r.data)) {
-    pb::GenerateResponse g;
-    EXPECT_TRUE(g.ParseFromString(m));
-    tokens.insert(tokens.end(), g.token_ids().begin(), g.token_ids().end());
-  }
-  return tokens;
-}
-
 // The client opens the connection window to 2^31-1 at once, gets a
 // response, then acknowledges that response's bytes: the proxy's count is
 // back at 2^31-1, not above (had nghttp2 counted the updates without the
@@ -143,22 +126,104 @@ TEST_F(GrpcNativeFlow, TheClientsUpdatesAreCountedWithTheDataTheyAcknowledge) {
   RawH2Client c(fleet_->proxy_grpc());
   ASSERT_TRUE(c.ok());
   c.UpdateWindow(0, 0x7fffffff - 65535);
-  const int32_t first = c.Post(gen, headers, RawH2Client::Frame(IdsRequest(Prompt(40), 64)));
+  const int32_t first = c.Post(gen, headers, RawH2Client::Frame(GreedyGenerateRequest(Prompt(40), 64)));
   ASSERT_TRUE(c.RunUntil([&] { return c.response(first).closed; }, kWait));
   ASSERT_EQ(c.response(first).GrpcStatus(), "0") << c.response(first).GrpcMessage();
   const size_t got = c.response(first).data.size();
   ASSERT_GT(got, 64u * 3);
   c.UpdateWindow(0, static_cast<int32_t>(got));
-  const int32_t second = c.Post(gen, headers, RawH2Client::Frame(IdsRequest(Prompt(41), 16)));
+  const int32_t second = c.Post(gen, headers, RawH2Client::Frame(GreedyGenerateRequest(Prompt(41), 16)));
   ASSERT_TRUE(c.RunUntil([&] { return c.response(second).closed; }, kWait))
       << "the connection ended after the acknowledgement";
   EXPECT_EQ(c.response(second).GrpcStatus(), "0") << c.response(second).GrpcMessage();
   auto ref = ReferenceGenerate(Prompt(41), 16);
   ASSERT_TRUE(ref.ok()) << ref.status().ToString();
-  EXPECT_EQ(TokensOf(c.response(second)), *ref);
+  EXPECT_EQ(GenerateTokens(c.response(second)), *ref);
   auto ref_first = ReferenceGenerate(Prompt(40), 64);
   ASSERT_TRUE(ref_first.ok()) << ref_first.status().ToString();
-  EXPECT_EQ(TokensOf(c.response(first)), *ref_first);
+  EXPECT_EQ(GenerateTokens(c.response(first)), *ref_first);
+}
+
+const std::vector<std::pair<std::string, std::string>> kGrpcHeaders = {
+    {"content-type", "application/grpc"}, {"te", "trailers"}};
+constexpr char kGenerate[] = "/tandem.v1.Generation/Generate";
+
+// RFC 9113 6.9.1: a WINDOW_UPDATE that takes the connection's window past
+// 2^31-1 is a connection error: GOAWAY FLOW_CONTROL_ERROR, and the
+// connection closes; its request is cancelled at the workers and the proxy
+// serves on. (nghttp2 refuses to send such an update: it goes raw.)
+TEST_F(GrpcNativeFlow, AConnectionWindowPastTheLimitEndsTheConnectionWithFlowControlError) {
+  RawH2Client c(fleet_->proxy_grpc());
+  ASSERT_TRUE(c.ok());
+  const int32_t id = c.Post(kGenerate, kGrpcHeaders, RawH2Client::Frame(GreedyGenerateRequest(Prompt(50), 400)));
+  ASSERT_TRUE(c.RunUntil([&] { return !c.response(id).data.empty(); }, kWait));
+  // The proxy's count of the window is 65,535 less the DATA it wrote plus the
+  // client's updates: above 0, so this increment passes the limit.
+  c.SendRaw(RawH2Client::WindowUpdateFrame(0, 0x7fffffff));
+  ASSERT_TRUE(c.RunUntil([&] { return c.goaway(); }, kWait)) << "no GOAWAY";
+  EXPECT_EQ(c.goaway_code(), static_cast<uint32_t>(NGHTTP2_FLOW_CONTROL_ERROR));
+  EXPECT_TRUE(c.RunUntil([&] { return c.ended(); }, kWait)) << "the connection stayed open";
+  EXPECT_FALSE(c.response(id).GrpcStatus() == "0") << "the stream ran to its end";
+  EXPECT_EQ(WaitFleetIdle(fleet_->workers(), fleet_->proxy_metrics(), std::chrono::seconds(30)), "");
+  GenerateArgs a;
+  a.prompt_ids = Prompt(53);
+  a.max_tokens = 8;
+  auto got = Generate(fleet_->proxy_grpc(), a);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->token_ids.size(), 8u);
+}
+
+// ... and one that takes a stream's window past it is a stream error:
+// RST_STREAM FLOW_CONTROL_ERROR for that stream only; another stream on the
+// same connection runs to its end, token for token.
+TEST_F(GrpcNativeFlow, AStreamWindowPastTheLimitResetsOnlyThatStream) {
+  // 64-byte stream windows the client does not reopen by itself.
+  RawH2Client c(fleet_->proxy_grpc(), /*window=*/64, /*auto_window=*/false);
+  ASSERT_TRUE(c.ok());
+  const int32_t bad = c.Post(kGenerate, kGrpcHeaders, RawH2Client::Frame(GreedyGenerateRequest(Prompt(54), 300)));
+  const int32_t good = c.Post(kGenerate, kGrpcHeaders, RawH2Client::Frame(GreedyGenerateRequest(Prompt(55), 40)));
+  ASSERT_TRUE(c.RunUntil([&] { return !c.response(bad).data.empty(); }, kWait));
+  // `bad`'s window is 64 less what was written (0..64): the first update
+  // takes it to at most 2^31-1, the second past it whatever it was. One
+  // write, so no DATA can come between them (the client's own 64-byte
+  // window would refuse it).
+  c.SendRaw(RawH2Client::WindowUpdateFrame(bad, 0x7fffffff - 64) + RawH2Client::WindowUpdateFrame(bad, 65));
+  ASSERT_TRUE(c.RunUntil([&] { return c.response(bad).closed; }, kWait));
+  EXPECT_EQ(c.response(bad).close_code, static_cast<uint32_t>(NGHTTP2_FLOW_CONTROL_ERROR));
+  EXPECT_FALSE(c.goaway()) << "a stream error ended the connection";
+  c.Consume(good);
+  ASSERT_TRUE(c.RunUntil([&] { return c.response(good).closed; }, kWait));
+  EXPECT_EQ(c.response(good).GrpcStatus(), "0") << c.response(good).GrpcMessage();
+  auto ref = ReferenceGenerate(Prompt(55), 40);
+  ASSERT_TRUE(ref.ok()) << ref.status().ToString();
+  EXPECT_EQ(GenerateTokens(c.response(good)), *ref);
+  EXPECT_EQ(WaitFleetIdle(fleet_->workers(), fleet_->proxy_metrics(), std::chrono::seconds(30)), "");
+}
+
+// SETTINGS_INITIAL_WINDOW_SIZE changed mid-connection moves the window of
+// every open stream by the difference (RFC 9113 6.9.2): a stream held at
+// its 64-byte window goes on to its end once the client raises the setting,
+// without a single WINDOW_UPDATE for the stream. (A byte past the window
+// would make the client's nghttp2 end the connection.)
+TEST_F(GrpcNativeFlow, ASettingsChangeOfTheInitialWindowMovesTheOpenStreamsWindows) {
+  constexpr uint32_t kTokens = 120;
+  RawH2Client c(fleet_->proxy_grpc(), /*window=*/64, /*auto_window=*/false);
+  ASSERT_TRUE(c.ok());
+  const int32_t id = c.Post(kGenerate, kGrpcHeaders, RawH2Client::Frame(GreedyGenerateRequest(Prompt(56), kTokens)));
+  ASSERT_TRUE(c.RunUntil([&] { return !c.response(id).data.empty(); }, kWait));
+  // The request ends at the workers; the proxy holds what the window does not allow.
+  EXPECT_EQ(WaitFleetIdle(fleet_->workers(), fleet_->proxy_metrics(), std::chrono::seconds(60)), "");
+  c.Ping();
+  ASSERT_TRUE(c.RunUntil([&] { return c.pings_acked() == 1; }, kWait));
+  EXPECT_LE(c.response(id).data.size(), 64u);
+  ASSERT_FALSE(c.response(id).closed);
+  c.SetInitialWindow(1 << 20);
+  ASSERT_TRUE(c.RunUntil([&] { return c.response(id).closed; }, kWait)) << "the stream stayed held";
+  EXPECT_FALSE(c.goaway());
+  EXPECT_EQ(c.response(id).GrpcStatus(), "0") << c.response(id).GrpcMessage();
+  auto ref = ReferenceGenerate(Prompt(56), kTokens);
+  ASSERT_TRUE(ref.ok()) << ref.status().ToString();
+  EXPECT_EQ(GenerateTokens(c.response(id)), *ref);
 }
 
 // A client that acknowledges lazily (nghttp2: at half its 64 KB window)

@@ -51,15 +51,6 @@ class GrpcNative : public SharedFleetTest<GrpcNative> {
 
 std::vector<uint32_t> Prompt(uint32_t i) { return PromptIds(900 + i, 10 + (i * 7) % 40, kVocab); }
 
-std::string IdsRequest(const std::vector<uint32_t>& prompt, uint32_t max_tokens) {
-  pb::GenerateRequest r;
-  for (uint32_t t : prompt) r.add_prompt_token_ids(t);
-  r.set_max_tokens(max_tokens);
-  r.mutable_sampling()->set_temperature(0);
-  r.set_ignore_eos(true);
-  return r.SerializeAsString();
-}
-
 const std::vector<std::pair<std::string, std::string>> kGrpcHeaders = {
     {"content-type", "application/grpc"}, {"te", "trailers"}};
 
@@ -116,7 +107,7 @@ TEST_F(GrpcNative, WhatGrpcClientsNeverSendGetsAStatusNamingTheProblem) {
   RawH2Client c(fleet_->proxy_grpc());
   ASSERT_TRUE(c.ok());
   const std::string gen = "/tandem.v1.Generation/Generate";
-  const std::string small = IdsRequest(Prompt(2), 4);
+  const std::string small = GreedyGenerateRequest(Prompt(2), 4);
   const int32_t text_plain = c.Post(gen, {{"content-type", "text/plain"}}, RawH2Client::Frame(small));
   const int32_t oversized = c.Post(gen, kGrpcHeaders, RawH2Client::Frame(std::string(5000, 'x')));
   const int32_t compressed = c.Post(gen, kGrpcHeaders, RawH2Client::Frame(small, true));
@@ -167,13 +158,7 @@ TEST_F(GrpcNative, WhatGrpcClientsNeverSendGetsAStatusNamingTheProblem) {
   EXPECT_EQ(RawH2Client::Messages(c.response(watch).data), std::vector<std::string>{"\x08\x01"});
   EXPECT_FALSE(c.response(watch).closed);
   EXPECT_EQ(c.response(fine).GrpcStatus(), "0") << c.response(fine).GrpcMessage();
-  size_t tokens = 0;
-  for (const auto& m : RawH2Client::Messages(c.response(fine).data)) {
-    pb::GenerateResponse r;
-    ASSERT_TRUE(r.ParseFromString(m));
-    tokens += r.token_ids_size();
-  }
-  EXPECT_EQ(tokens, 4u);
+  EXPECT_EQ(GenerateTokens(c.response(fine)).size(), 4u);
   EXPECT_EQ(WaitFleetIdle(fleet_->workers(), fleet_->proxy_metrics(), std::chrono::seconds(20)), "");
 }
 
@@ -214,7 +199,7 @@ TEST_F(GrpcNative, AClientThatStopsReadingBlocksNoOneAndLosesNoToken) {
   RawH2Client slow(fleet_->proxy_grpc(), /*window=*/64, /*auto_window=*/false);
   ASSERT_TRUE(slow.ok());
   const int32_t id = slow.Post("/tandem.v1.Generation/Generate", kGrpcHeaders,
-                               RawH2Client::Frame(IdsRequest(Prompt(5), kMaxTokens)));
+                               RawH2Client::Frame(GreedyGenerateRequest(Prompt(5), kMaxTokens)));
   ASSERT_TRUE(slow.RunUntil([&] { return !slow.response(id).data.empty(); }, kWait));
   // Meanwhile other clients are served to the end.
   for (uint32_t i = 0; i < 3; ++i) {
@@ -233,28 +218,12 @@ TEST_F(GrpcNative, AClientThatStopsReadingBlocksNoOneAndLosesNoToken) {
   slow.Consume(id);
   ASSERT_TRUE(slow.RunUntil([&] { return slow.response(id).closed; }, kWait));
   EXPECT_EQ(slow.response(id).GrpcStatus(), "0") << slow.response(id).GrpcMessage();
-  std::vector<uint32_t> tokens;
+  const std::vector<uint32_t> tokens = GenerateTokens(slow.response(id));
   const auto messages = RawH2Client::Messages(slow.response(id).data);
-  for (const auto& m : messages) {
-    pb::GenerateResponse r;
-    ASSERT_TRUE(r.ParseFromString(m));
-    tokens.insert(tokens.end(), r.token_ids().begin(), r.token_ids().end());
-  }
   auto ref = ReferenceGenerate(Prompt(5), kMaxTokens);
   ASSERT_TRUE(ref.ok()) << ref.status().ToString();
   EXPECT_EQ(tokens, *ref);
   EXPECT_LT(messages.size(), kMaxTokens / 4) << "the held tokens were not merged";
-}
-
-// Tokens of a Generate response's messages.
-std::vector<uint32_t> TokensOf(const RawH2Client::Response& r) {
-  std::vector<uint32_t> tokens;
-  for (const auto& m : RawH2Client::Messages(r.data)) {
-    pb::GenerateResponse g;
-    EXPECT_TRUE(g.ParseFromString(m));
-    tokens.insert(tokens.end(), g.token_ids().begin(), g.token_ids().end());
-  }
-  return tokens;
 }
 
 // Flow control is the proxy's (docs/grpc-frontend.md "Response DATA and
@@ -268,26 +237,26 @@ TEST_F(GrpcNative, ASmallWindowReopenedAsTheClientReadsStallsNoStreamAndDelaysNo
   RawH2Client c(fleet_->proxy_grpc(), /*window=*/512);
   ASSERT_TRUE(c.ok());
   const std::string gen = "/tandem.v1.Generation/Generate";
-  const int32_t long_id = c.Post(gen, kGrpcHeaders, RawH2Client::Frame(IdsRequest(Prompt(6), kLong)));
+  const int32_t long_id = c.Post(gen, kGrpcHeaders, RawH2Client::Frame(GreedyGenerateRequest(Prompt(6), kLong)));
   // Well past the first window: the proxy has had acknowledgements to hold.
   ASSERT_TRUE(c.RunUntil([&] { return c.response(long_id).data.size() > 2048; }, kWait));
   c.Ping();
   ASSERT_TRUE(c.RunUntil([&] { return c.pings_acked() == 1; }, kWait));
   EXPECT_FALSE(c.response(long_id).closed) << "the PING was answered only after the stream";
   const int32_t short_id =
-      c.Post(gen, kGrpcHeaders, RawH2Client::Frame(IdsRequest(Prompt(7), kShort)));
+      c.Post(gen, kGrpcHeaders, RawH2Client::Frame(GreedyGenerateRequest(Prompt(7), kShort)));
   ASSERT_TRUE(c.RunUntil([&] { return c.response(short_id).closed; }, kWait));
   EXPECT_FALSE(c.response(long_id).closed) << "the new request was answered only after the stream";
   EXPECT_EQ(c.response(short_id).GrpcStatus(), "0") << c.response(short_id).GrpcMessage();
   auto short_ref = ReferenceGenerate(Prompt(7), kShort);
   ASSERT_TRUE(short_ref.ok()) << short_ref.status().ToString();
-  EXPECT_EQ(TokensOf(c.response(short_id)), *short_ref);
+  EXPECT_EQ(GenerateTokens(c.response(short_id)), *short_ref);
 
   ASSERT_TRUE(c.RunUntil([&] { return c.response(long_id).closed; }, kWait));
   EXPECT_EQ(c.response(long_id).GrpcStatus(), "0") << c.response(long_id).GrpcMessage();
   auto long_ref = ReferenceGenerate(Prompt(6), kLong);
   ASSERT_TRUE(long_ref.ok()) << long_ref.status().ToString();
-  EXPECT_EQ(TokensOf(c.response(long_id)), *long_ref);
+  EXPECT_EQ(GenerateTokens(c.response(long_id)), *long_ref);
   EXPECT_EQ(WaitFleetIdle(fleet_->workers(), fleet_->proxy_metrics(), std::chrono::seconds(20)), "");
 }
 

@@ -7,6 +7,8 @@
 
 #include <cstring>
 
+#include "tandem/v1/generation.pb.h"
+
 namespace tandem::testing {
 
 std::string RawH2Client::Response::GrpcStatus() const {
@@ -112,10 +114,27 @@ int RawH2Client::OnClose(nghttp2_session*, int32_t id, uint32_t code, void* self
 }
 
 int RawH2Client::OnFrame(nghttp2_session*, const nghttp2_frame* f, void* self) {
-  if (f->hd.type == NGHTTP2_PING && (f->hd.flags & NGHTTP2_FLAG_ACK)) {
-    ++static_cast<RawH2Client*>(self)->pings_acked_;
+  auto* c = static_cast<RawH2Client*>(self);
+  if (f->hd.type == NGHTTP2_PING && (f->hd.flags & NGHTTP2_FLAG_ACK)) ++c->pings_acked_;
+  if (f->hd.type == NGHTTP2_GOAWAY) {
+    c->goaway_ = true;
+    c->goaway_code_ = f->goaway.error_code;
   }
   return 0;
+}
+
+void RawH2Client::SetInitialWindow(uint32_t window) {
+  const nghttp2_settings_entry iv[] = {{NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE, window}};
+  nghttp2_submit_settings(session_, NGHTTP2_FLAG_NONE, iv, 1);
+}
+
+std::string RawH2Client::WindowUpdateFrame(int32_t stream, uint32_t increment) {
+  auto be32 = [](uint32_t v) {
+    return std::string{static_cast<char>(v >> 24), static_cast<char>(v >> 16), static_cast<char>(v >> 8),
+                       static_cast<char>(v)};
+  };
+  // length 4, type WINDOW_UPDATE (8), no flags, the stream id, the increment
+  return std::string{0, 0, 4, 8, 0} + be32(static_cast<uint32_t>(stream)) + be32(increment);
 }
 
 void RawH2Client::Ping() { nghttp2_submit_ping(session_, NGHTTP2_FLAG_NONE, nullptr); }
@@ -137,6 +156,11 @@ bool RawH2Client::Pump(int timeout_ms) {
     if (n == 0) break;
     if (send(fd_, out, static_cast<size_t>(n), MSG_NOSIGNAL) != n) return false;
   }
+  // nghttp2's output is whole frames, so the raw ones go in between frames.
+  if (!raw_.empty()) {
+    if (send(fd_, raw_.data(), raw_.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(raw_.size())) return false;
+    raw_.clear();
+  }
   pollfd p{fd_, POLLIN, 0};
   if (poll(&p, 1, timeout_ms) <= 0) return true;
   uint8_t buf[16384];
@@ -148,7 +172,11 @@ bool RawH2Client::Pump(int timeout_ms) {
 bool RawH2Client::RunUntil(const std::function<bool()>& done, std::chrono::milliseconds limit) {
   const auto end = std::chrono::steady_clock::now() + limit;
   while (!done()) {
-    if (std::chrono::steady_clock::now() > end || !Pump(20)) return done();
+    if (std::chrono::steady_clock::now() > end) return done();
+    if (!Pump(20)) {
+      ended_ = true;
+      return done();
+    }
   }
   // What the last read made nghttp2 answer (acks, WINDOW_UPDATE) goes out.
   Pump(0);
@@ -173,6 +201,25 @@ std::vector<std::string> RawH2Client::Messages(const std::string& data) {
     at += 5 + n;
   }
   return out;
+}
+
+std::string GreedyGenerateRequest(const std::vector<uint32_t>& prompt, uint32_t max_tokens) {
+  tandem::v1::GenerateRequest r;
+  for (uint32_t t : prompt) r.add_prompt_token_ids(t);
+  r.set_max_tokens(max_tokens);
+  r.mutable_sampling()->set_temperature(0);
+  r.set_ignore_eos(true);
+  return r.SerializeAsString();
+}
+
+std::vector<uint32_t> GenerateTokens(const RawH2Client::Response& r) {
+  std::vector<uint32_t> tokens;
+  for (const auto& m : RawH2Client::Messages(r.data)) {
+    tandem::v1::GenerateResponse g;
+    if (!g.ParseFromString(m)) return {};  // (an empty answer fails the caller's comparison)
+    tokens.insert(tokens.end(), g.token_ids().begin(), g.token_ids().end());
+  }
+  return tokens;
 }
 
 }  // namespace tandem::testing

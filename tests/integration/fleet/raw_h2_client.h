@@ -6,6 +6,7 @@
 #include <nghttp2/nghttp2.h>
 
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <string>
@@ -49,6 +50,19 @@ class RawH2Client {
   // Queues a WINDOW_UPDATE of `stream` (0: the connection) by `increment`.
   void UpdateWindow(int32_t stream, int32_t increment);
   int pings_acked() const { return pings_acked_; }
+  // Queues a SETTINGS frame that sets SETTINGS_INITIAL_WINDOW_SIZE (the
+  // client's stream windows, open streams included, once acknowledged).
+  void SetInitialWindow(uint32_t window);
+  // Queues `bytes` (whole frames), written after what nghttp2 has to send:
+  // frames nghttp2 itself would refuse to send. nghttp2 does not see them.
+  void SendRaw(std::string bytes) { raw_ += std::move(bytes); }
+  // A WINDOW_UPDATE frame's bytes (any increment, even an invalid one).
+  static std::string WindowUpdateFrame(int32_t stream, uint32_t increment);
+  // The server's GOAWAY: received, and its error code.
+  bool goaway() const { return goaway_; }
+  // The connection ended (the server closed it, or a read or write failed).
+  bool ended() const { return ended_; }
+  uint32_t goaway_code() const { return goaway_code_; }
 
   // `message` with the 5-byte gRPC prefix (`compressed` flag as given).
   static std::string Frame(const std::string& message, bool compressed = false);
@@ -69,8 +83,17 @@ class RawH2Client {
   nghttp2_session* session_ = nullptr;
   bool consuming_all_ = false;
   int pings_acked_ = 0;
+  bool goaway_ = false;
+  bool ended_ = false;
+  uint32_t goaway_code_ = 0;
+  std::string raw_;  // SendRaw's frames not yet written
   std::map<int32_t, Response> responses_;
   std::map<int32_t, std::pair<std::string, size_t>> bodies_;  // body, bytes sent
 };
+
+// A greedy tandem.v1 Generate request (ignore_eos) of these ids, serialized.
+std::string GreedyGenerateRequest(const std::vector<uint32_t>& prompt, uint32_t max_tokens);
+// The tokens of a Generate response's messages, in order.
+std::vector<uint32_t> GenerateTokens(const RawH2Client::Response& r);
 
 }  // namespace tandem::testing

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <atomic>
 #include <numeric>
 #include <random>
@@ -107,6 +108,93 @@ TEST(PrefixIndexTest, RemovalsLeaveTombstonesThatInsertsReuse) {
   }
   EXPECT_EQ(OverlapOf(index, 1, all), 10u);
   EXPECT_EQ(index.BlocksOf(0), 20000u);
+}
+
+// Reserve sizes the tables for the fleet's capacity up front: storing that
+// many distinct hashes grows no table, and it never shrinks them.
+TEST(PrefixIndexTest, ReserveSizesTheTablesSoStoresDoNotGrowThem) {
+  constexpr uint64_t kPerWorker = 26'624;  // the sim fleet's KV pool (blocks)
+  PrefixIndex index;
+  ASSERT_TRUE(index.AddWorker(0, 1).ok());
+  ASSERT_TRUE(index.AddWorker(1, 1).ok());
+  const uint64_t unreserved = index.TableSlots();
+  index.Reserve(2 * kPerWorker);
+  const uint64_t slots = index.TableSlots();
+  EXPECT_GT(slots, unreserved);
+  EXPECT_GE(slots, 4 * kPerWorker);  // under half full when every hash is distinct
+  const uint64_t rehashes = index.Rehashes();
+  const std::vector<uint64_t> a = Chain(0, kPerWorker), b = Chain(kPerWorker, kPerWorker);
+  ASSERT_EQ(*index.Apply(0, Stored(1, 1, a)), EventResult::kApplied);
+  ASSERT_EQ(*index.Apply(1, Stored(1, 1, b)), EventResult::kApplied);
+  EXPECT_EQ(index.TableSlots(), slots);
+  EXPECT_EQ(index.Rehashes(), rehashes);
+  EXPECT_EQ(index.size(), 2 * kPerWorker);
+  EXPECT_EQ(OverlapOf(index, 0, a), kPerWorker);
+  EXPECT_EQ(OverlapOf(index, 1, b), kPerWorker);
+  index.Reserve(10);  // never shrinks
+  EXPECT_EQ(index.TableSlots(), slots);
+  // Capped: a huge fleet reserves at most kReserveMaxHashes' worth.
+  PrefixIndex big;
+  big.Reserve(uint64_t{1} << 40);
+  EXPECT_LE(big.TableSlots(), 8 * PrefixIndex::kReserveMaxHashes);
+  EXPECT_GE(big.TableSlots(), 2 * PrefixIndex::kReserveMaxHashes);
+}
+
+// Store/remove churn on reserved tables: a window of keys slides on, so
+// removals leave tombstones that force rehashes at the same capacity
+// (rebuilt in place). Differential check against a plain model every 100
+// rounds: holders of every key ever used, sizes, per-worker counts.
+TEST(PrefixIndexTest, ChurnOnReservedTablesMatchesAModel) {
+  constexpr WorkerId kWorkers = 3;
+  constexpr uint64_t kWindow = 2000, kSlide = 20;
+  PrefixIndex index;
+  for (WorkerId w = 0; w < kWorkers; ++w) ASSERT_TRUE(index.AddWorker(w, 1).ok());
+  index.Reserve(kWorkers * kWindow);
+  const uint64_t slots = index.TableSlots();
+  const uint64_t rehashes = index.Rehashes();
+  const auto hash = [](uint64_t k) { return k == 7 ? 0 : H(k); };  // the hash 0 too
+  std::vector<std::array<bool, kWorkers>> model;  // [key]: holders
+  std::vector<uint64_t> next_id(kWorkers, 1);
+  std::mt19937_64 rng(23);
+  const auto apply = [&](WorkerId w, bool store, uint64_t first, uint64_t end) {
+    if (model.size() < end) model.resize(end, {false, false, false});
+    std::vector<uint64_t> hashes;
+    for (uint64_t k = first; k < end; ++k) {
+      hashes.push_back(hash(k));
+      model[k][w] = store;
+    }
+    const KvEventView e = store ? Stored(1, next_id[w]++, hashes) : Removed(1, next_id[w]++, hashes);
+    ASSERT_EQ(*index.Apply(w, e), EventResult::kApplied);
+  };
+  for (uint64_t round = 0; round < 3000; ++round) {
+    const uint64_t base = round * kSlide;  // the window is [base, base + kWindow)
+    const WorkerId w = static_cast<WorkerId>(rng() % kWorkers);
+    const uint64_t first = base + rng() % kWindow;
+    apply(w, rng() % 3 != 0, first, first + 1 + rng() % 64);
+    if (base >= kSlide) {
+      for (WorkerId x = 0; x < kWorkers; ++x) apply(x, false, base - kSlide, base);  // left the window
+    }
+    if (round % 100 != 99) continue;
+    uint64_t live = 0;
+    std::array<uint64_t, kWorkers> held{};
+    for (uint64_t k = 0; k < model.size(); ++k) {
+      const WorkerMask m = index.Holders(hash(k));
+      bool any = false;
+      for (WorkerId x = 0; x < kWorkers; ++x) {
+        ASSERT_EQ(m.Test(x), model[k][x]) << "key " << k << " worker " << x << " round " << round;
+        held[x] += model[k][x];
+        any |= model[k][x];
+      }
+      live += any;
+    }
+    EXPECT_EQ(index.size(), live);
+    for (WorkerId x = 0; x < kWorkers; ++x) {
+      EXPECT_EQ(index.HeldBlocks(x), held[x]);
+      EXPECT_EQ(index.BlocksOf(x), held[x]);
+    }
+  }
+  EXPECT_GT(index.Rehashes(), rehashes + PrefixIndex::kNumShards);  // tombstones forced rebuilds
+  EXPECT_EQ(index.TableSlots(), slots);  // all of them in place
 }
 
 // Overlap searches (probes a few blocks per round) for prompts longer than
