@@ -231,30 +231,27 @@ TEST_F(GrpcNativeFlow, ASettingsChangeOfTheInitialWindowMovesTheOpenStreamsWindo
 // are answered while the stream still runs (the connection reads one batch
 // at a time: nothing it sends waits for acknowledgements that never come).
 TEST_F(GrpcNativeFlow, ALazyAcknowledgerGetsItsPingAndNewRequestAnsweredMidStream) {
-  const std::vector<std::pair<std::string, std::string>> headers = {
-      {"content-type", "application/grpc"}, {"te", "trailers"}};
-  const std::string gen = "/tandem.v1.Generation/Generate";
   constexpr uint32_t kLong = 400, kShort = 8;
   RawH2Client c(fleet_->proxy_grpc());
   ASSERT_TRUE(c.ok());
-  const int32_t long_id = c.Post(gen, headers, RawH2Client::Frame(IdsRequest(Prompt(50), kLong)));
+  const int32_t long_id = c.Post(kGenerate, kGrpcHeaders, RawH2Client::Frame(GreedyGenerateRequest(Prompt(60), kLong)));
   ASSERT_TRUE(c.RunUntil([&] { return c.response(long_id).data.size() > 512; }, kWait));
   c.Ping();
   ASSERT_TRUE(c.RunUntil([&] { return c.pings_acked() == 1; }, kWait));
   EXPECT_FALSE(c.response(long_id).closed) << "the PING was answered only after the stream";
   const int32_t short_id =
-      c.Post(gen, headers, RawH2Client::Frame(IdsRequest(Prompt(51), kShort)));
+      c.Post(kGenerate, kGrpcHeaders, RawH2Client::Frame(GreedyGenerateRequest(Prompt(61), kShort)));
   ASSERT_TRUE(c.RunUntil([&] { return c.response(short_id).closed; }, kWait));
   EXPECT_FALSE(c.response(long_id).closed) << "the new request was answered only after the stream";
   EXPECT_EQ(c.response(short_id).GrpcStatus(), "0") << c.response(short_id).GrpcMessage();
   ASSERT_TRUE(c.RunUntil([&] { return c.response(long_id).closed; }, kWait));
   EXPECT_EQ(c.response(long_id).GrpcStatus(), "0") << c.response(long_id).GrpcMessage();
-  auto ref = ReferenceGenerate(Prompt(50), kLong);
+  auto ref = ReferenceGenerate(Prompt(60), kLong);
   ASSERT_TRUE(ref.ok()) << ref.status().ToString();
-  EXPECT_EQ(TokensOf(c.response(long_id)), *ref);
-  auto ref_short = ReferenceGenerate(Prompt(51), kShort);
+  EXPECT_EQ(GenerateTokens(c.response(long_id)), *ref);
+  auto ref_short = ReferenceGenerate(Prompt(61), kShort);
   ASSERT_TRUE(ref_short.ok()) << ref_short.status().ToString();
-  EXPECT_EQ(TokensOf(c.response(short_id)), *ref_short);
+  EXPECT_EQ(GenerateTokens(c.response(short_id)), *ref_short);
 }
 
 }  // namespace
