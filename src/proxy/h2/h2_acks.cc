@@ -25,7 +25,33 @@ bool IsUpdate(const uint8_t* header) {
   return header[3] == kWindowUpdate && Length(header) == 4;
 }
 
+// Quiet reading: kMaxLowWater bounds what a request must add to the
+// acknowledgements already in the socket to wake the event thread: one
+// step's acknowledgements at or above it get this mark (such a connection
+// wakes the event thread as before); below it, several steps'
+// acknowledgements are left in the socket as long as (steps - 1) of them
+// stay under it, and one read takes them all.
+constexpr int kMaxLowWater = 80;
+
 }  // namespace
+
+int StepAckBytes(int streams) { return static_cast<int>(kWindowUpdateBytes) * (streams + 1); }
+
+QuietMark QuietMarkFor(int streams, int record_overhead, bool acks_each_step) {
+  const int acks = StepAckBytes(streams);
+  const int step = acks + record_overhead;  // one step's write of acknowledgements
+  if (!acks_each_step || step >= kMaxLowWater) {
+    // One step's acknowledgements reach the cap: read every batch, mark
+    // at the cap (plus a record's overhead in TLS, on top of a request).
+    return {std::min(acks + 1, kMaxLowWater) + record_overhead, 1};
+  }
+  // k steps stay in the socket while (k - 1) steps plus any request of
+  // kMaxLowWater bytes or more still cross the mark: once the batch's
+  // acknowledgements are in, a request wakes the event thread at once, as
+  // with one step.
+  const int every = 1 + (kMaxLowWater - 1) / step;
+  return {every * step + 1, every};
+}
 
 bool AckFilter::Split(std::span<const uint8_t> bytes, Sink& sink) {
   const uint8_t* p = bytes.data();

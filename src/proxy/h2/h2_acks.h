@@ -10,6 +10,8 @@
 // errors. A gRPC client's every-step write of nothing but WINDOW_UPDATEs
 // never reaches nghttp2.
 //
+// QuietMarkFor (below) sizes the quiet reading of those acknowledgements.
+//
 // This class only tracks frame boundaries (a frame header or an update
 // split across reads is kept until whole). Not thread-safe: the connection
 // calls it under its mutex.
@@ -49,5 +51,20 @@ class AckFilter {
   uint64_t payload_left_ = 0;  // payload of a passed frame still to pass
   uint64_t taken_ = 0;
 };
+
+// Quiet reading's low-water mark for a connection whose batches write to
+// `streams` streams (docs/grpc-frontend.md "Quiet reading", "Several steps
+// per read"): SO_RCVLOWAT, and every how many batches their flush reads
+// the client's acknowledgements. `acks_each_step`: the client's reads so
+// far found its acknowledgements of every batch (else one batch at a time,
+// the mark just above them). `record_overhead`: TLS's per record (0 plain).
+struct QuietMark {
+  int low_water = 1;
+  int read_every = 1;
+};
+QuietMark QuietMarkFor(int streams, int record_overhead, bool acks_each_step);
+// The WINDOW_UPDATE bytes a client sends for one batch to `streams` streams
+// (one per stream and one for the connection).
+int StepAckBytes(int streams);
 
 }  // namespace tandem::proxy::h2

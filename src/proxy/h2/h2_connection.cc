@@ -21,13 +21,10 @@ namespace {
 constexpr uint32_t kMaxConcurrentStreams = 4096;
 // Per-stream receive window: an 8k-token prompt (~30 KB) in one flight.
 constexpr uint32_t kInitialWindow = 1 << 20;
-// Quiet reading: a stream's WINDOW_UPDATE is 13 bytes; a step's
-// acknowledgements on a connection are one per stream that got data and one
-// for the connection. Above this many streams the threshold stays here (a
-// small request must never wait for a batch), so such a connection wakes
-// the event thread as before.
-constexpr int kWindowUpdateBytes = 13;
-constexpr int kMaxLowWater = 80;
+// Quiet reading (QuietMarkFor, h2_acks.h): a window with less room than
+// this many times what a flush wrote into it is read at the next batch,
+// whatever the read schedule.
+constexpr int64_t kShortWindowSteps = 8;
 // Frames buffered before a write; past it, the socket must drain first
 // (a client that does not read stops the session's output here).
 constexpr size_t kHighWater = 256 << 10;
@@ -124,6 +121,8 @@ bool H2Connection::OnReadable() {
 bool H2Connection::DrainLocked(bool flush) {
   // Under mu_: a batch's flush may read this socket too, and the bytes
   // must reach nghttp2 in order.
+  unread_batches_ = 0;  // what the batches' clients sent so far is read here
+  drained_ = 0;
   uint8_t buf[64 << 10];
   for (;;) {
     const bool was_ready = io_.ready();
@@ -139,6 +138,7 @@ bool H2Connection::DrainLocked(bool flush) {
       return !io_.pending() || SendLocked();
     }
     const size_t n = got.n;
+    drained_ += n;
     session_in_ = false;
     if (!FeedLocked({buf, n})) {
       // A protocol error: nghttp2 queued GOAWAY; send it, then close.
@@ -270,16 +270,36 @@ void H2Connection::Flush(bool batch) {
       // them read already (~0.6 empty wake-ups per step in `stream`).
       // (The flush below sends what reading them queued too.)
       // The acknowledgements (WINDOW_UPDATE) are counted here (AckFilter)
-      // and never reach nghttp2.
-      if (!DrainLocked(/*flush=*/false)) broken_ = true;
+      // and never reach nghttp2. Several steps' acknowledgements may wait
+      // in the socket (QuietMark): read when as many batches went out
+      // since the last read as the mark holds, or when a window runs short.
+      if (unread_batches_ >= read_every_ || window_short_) {
+        const size_t expected = static_cast<size_t>(unread_batches_) * step_acks_;
+        if (!DrainLocked(/*flush=*/false)) broken_ = true;
+        // Only a client that acknowledges every step (gRPC C++) may have
+        // several steps wait: one that acknowledges lazily (nghttp2 and Go
+        // at half the window) leaves the socket empty, and a small request
+        // below a several-step mark would wait for the read. (Half: a
+        // stream that ended in a batch gets no update of its own.)
+        if (expected > 0) acks_each_step_ = 2 * drained_ >= expected;
+      }
     }
     if (!broken_) FlushLocked();
-    if (quiet && !broken_ && !streams_.empty()) {
+    // Quiet only while a stream the batch wrote to goes on: after a batch
+    // that ended all of them (`prompt`: one token, then the trailers) the
+    // next batch may be far off, and a raised mark would cost two
+    // setsockopt and CoolDown's wake-up for nothing.
+    if (quiet && !broken_ && flushed_open_ > 0 && !streams_.empty()) {
       last_batch_ = DeliveryScope::Now();  // (the batch's: no clock read per connection)
-      const int streams = static_cast<int>(streams_.size());
-      // (TLS: the client's write is one record, its overhead on top.)
-      SetLowWaterLocked(std::min(kWindowUpdateBytes * (streams + 1) + 1, kMaxLowWater) +
-                        io_.record_overhead());
+      ++unread_batches_;
+      // The streams this batch wrote to are the ones the client
+      // acknowledges. (TLS: the client's write is one record, its
+      // overhead on top.)
+      const int streams = std::max(flushed_streams_, 1);
+      const QuietMark mark = QuietMarkFor(streams, io_.record_overhead(), acks_each_step_);
+      read_every_ = mark.read_every;
+      step_acks_ = static_cast<size_t>(StepAckBytes(streams));
+      SetLowWaterLocked(mark.low_water);
     }
     broke = broken_;
   }
@@ -444,8 +464,12 @@ void H2Connection::FlushLocked() {
       }
     }
   }
+  flushed_streams_ = 0;
+  flush_wrote_ = 0;
+  window_short_ = false;  // WriteDataLocked looks at every sending stream
   for (auto& s : dirty) {
     if (s->eof || !s->in_session) continue;  // ended, or closed meanwhile
+    ++flushed_streams_;
     if (!s->submitted) SubmitLocked(*s);
     if (!s->eof && !s->sending) {
       s->sending = true;
@@ -453,6 +477,8 @@ void H2Connection::FlushLocked() {
     }
   }
   if (!SendLocked()) broken_ = true;
+  flushed_open_ = 0;
+  for (auto& s : dirty) flushed_open_ += !s->eof && s->in_session;
   // RFC 9113 5.4.1: after the GOAWAY of a connection error the connection
   // closes; once that GOAWAY is written, the event thread closes it.
   if (flow_error_ && out_.empty() && !nghttp2_session_want_write(session_)) broken_ = true;
@@ -511,6 +537,7 @@ bool H2Connection::WriteDataLocked() {
         std::lock_guard lock(out_mu_);
         TakeOutboxLocked(s);
       }
+      const size_t wire_was = s.wire_off;
       while (s.wire_off < s.wire.size()) {
         const int64_t room =
             std::min({conn_window_, s.send_window, static_cast<int64_t>(max_frame_)});
@@ -521,6 +548,15 @@ bool H2Connection::WriteDataLocked() {
         s.wire_off += n;
         conn_window_ -= static_cast<int64_t>(n);
         s.send_window -= static_cast<int64_t>(n);
+      }
+      // A window that would not take kShortWindowSteps more writes like
+      // this one (or that holds the wire back now): the next batch reads
+      // the client's acknowledgements, whatever the read schedule.
+      const int64_t wrote = static_cast<int64_t>(s.wire_off - wire_was);
+      flush_wrote_ += wrote;
+      if (s.wire_off < s.wire.size() || s.send_window < kShortWindowSteps * wrote ||
+          conn_window_ < kShortWindowSteps * flush_wrote_) {
+        window_short_ = true;
       }
       if (s.wire_off == s.wire.size()) {
         if (s.wire_final) {

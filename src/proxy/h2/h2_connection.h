@@ -163,6 +163,22 @@ class H2Connection final : public Flushable,
   // frames, which the next batch's flush reads instead of the event thread.
   int low_water_ = 1;                                     // guarded by mu_
   std::chrono::steady_clock::time_point last_batch_{};   // guarded by mu_
+  // Batches flushed since the socket was last read, and how many the mark
+  // holds (QuietMark); a window that runs short reads at the next batch.
+  // flushed_streams_, flush_wrote_: streams the last flush wrote to, and
+  // the DATA bytes it wrote. All guarded by mu_.
+  // step_acks_: StepAckBytes of the last batch; drained_: bytes the last
+  // DrainLocked read; acks_each_step_: the last read found step_acks_ per
+  // batch read (QuietMarkFor).
+  int unread_batches_ = 0;
+  int read_every_ = 1;
+  size_t step_acks_ = 0;
+  size_t drained_ = 0;
+  bool acks_each_step_ = false;
+  int flushed_streams_ = 0;
+  int flushed_open_ = 0;  // of those, the ones still open after the flush
+  int64_t flush_wrote_ = 0;
+  bool window_short_ = false;
   // Response DATA and flow control (h2_acks.h), all guarded by mu_: the
   // client's connection window, its SETTINGS_INITIAL_WINDOW_SIZE and
   // SETTINGS_MAX_FRAME_SIZE, and the streams with DATA or trailers to write.

@@ -57,6 +57,17 @@ TEST_F(GrpcNativeFlow, LongStreamsThroughASmallClientWindowArriveExactAndACancel
   suite.Run(*fleet_, /*cancel_one=*/true);
 }
 
+// Quiet reading (docs/grpc-frontend.md): a gRPC C++ client acknowledges
+// every batch, so with 4 streams on its connection and room in the windows
+// the batches' flushes read its acknowledgements every other batch; every
+// token still arrives, and a cancel (RST_STREAM, below the mark) ends only
+// its own stream, within those batches.
+TEST_F(GrpcNativeFlow, FourStreamsReadEveryOtherBatchArriveExactAndACancelEndsOnlyItsOwn) {
+  auto suite = CancellingSuite(4, 300, Prompt, /*cancelled=*/1, /*cancel_after=*/5);
+  suite.channel = Channel(fleet_->proxy_grpc(), 0);
+  suite.Run(*fleet_, /*cancel_one=*/true);
+}
+
 TEST_F(GrpcNativeFlow, ManyStreamsOnOneConnectionArriveExact) {
   auto suite = CancellingSuite(32, 40, Prompt, /*cancelled=*/7, /*cancel_after=*/2);
   suite.channel = Channel(fleet_->proxy_grpc(), 0);
@@ -213,6 +224,34 @@ TEST_F(GrpcNativeFlow, ASettingsChangeOfTheInitialWindowMovesTheOpenStreamsWindo
   auto ref = ReferenceGenerate(Prompt(56), kTokens);
   ASSERT_TRUE(ref.ok()) << ref.status().ToString();
   EXPECT_EQ(GenerateTokens(c.response(id)), *ref);
+}
+
+// A client that acknowledges lazily (nghttp2: at half its 64 KB window)
+// while one long stream runs on its connection: a PING and a new request
+// are answered while the stream still runs (the connection reads one batch
+// at a time: nothing it sends waits for acknowledgements that never come).
+TEST_F(GrpcNativeFlow, ALazyAcknowledgerGetsItsPingAndNewRequestAnsweredMidStream) {
+  constexpr uint32_t kLong = 400, kShort = 8;
+  RawH2Client c(fleet_->proxy_grpc());
+  ASSERT_TRUE(c.ok());
+  const int32_t long_id = c.Post(kGenerate, kGrpcHeaders, RawH2Client::Frame(GreedyGenerateRequest(Prompt(60), kLong)));
+  ASSERT_TRUE(c.RunUntil([&] { return c.response(long_id).data.size() > 512; }, kWait));
+  c.Ping();
+  ASSERT_TRUE(c.RunUntil([&] { return c.pings_acked() == 1; }, kWait));
+  EXPECT_FALSE(c.response(long_id).closed) << "the PING was answered only after the stream";
+  const int32_t short_id =
+      c.Post(kGenerate, kGrpcHeaders, RawH2Client::Frame(GreedyGenerateRequest(Prompt(61), kShort)));
+  ASSERT_TRUE(c.RunUntil([&] { return c.response(short_id).closed; }, kWait));
+  EXPECT_FALSE(c.response(long_id).closed) << "the new request was answered only after the stream";
+  EXPECT_EQ(c.response(short_id).GrpcStatus(), "0") << c.response(short_id).GrpcMessage();
+  ASSERT_TRUE(c.RunUntil([&] { return c.response(long_id).closed; }, kWait));
+  EXPECT_EQ(c.response(long_id).GrpcStatus(), "0") << c.response(long_id).GrpcMessage();
+  auto ref = ReferenceGenerate(Prompt(60), kLong);
+  ASSERT_TRUE(ref.ok()) << ref.status().ToString();
+  EXPECT_EQ(GenerateTokens(c.response(long_id)), *ref);
+  auto ref_short = ReferenceGenerate(Prompt(61), kShort);
+  ASSERT_TRUE(ref_short.ok()) << ref_short.status().ToString();
+  EXPECT_EQ(GenerateTokens(c.response(short_id)), *ref_short);
 }
 
 }  // namespace
