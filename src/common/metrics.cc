@@ -19,6 +19,7 @@ class MetricsRegistry::Refreshing final : public prometheus::Collectable {
       // Held while it runs: once Set({}) returns, no refresh is running
       // (the owner may then tear down what it reads).
       std::lock_guard lock(mu_);
+      RunHooksLocked();
       if (refresh_) refresh_();
     }
     return registry_->Collect();
@@ -27,11 +28,30 @@ class MetricsRegistry::Refreshing final : public prometheus::Collectable {
     std::lock_guard lock(mu_);
     refresh_ = std::move(refresh);
   }
+  size_t AddHook(std::function<void()> hook) {
+    std::lock_guard lock(mu_);
+    hooks_.emplace(++last_hook_, std::move(hook));
+    return last_hook_;
+  }
+  void RemoveHook(size_t id) {
+    std::lock_guard lock(mu_);
+    hooks_.erase(id);
+  }
+  void RunHooks() const {
+    std::lock_guard lock(mu_);
+    RunHooksLocked();
+  }
 
  private:
+  void RunHooksLocked() const {
+    for (const auto& [id, hook] : hooks_) hook();
+  }
+
   const std::shared_ptr<prometheus::Registry> registry_;
   mutable std::mutex mu_;
-  std::function<void()> refresh_;  // guarded by mu_
+  std::function<void()> refresh_;                   // guarded by mu_
+  std::map<size_t, std::function<void()>> hooks_;  // guarded by mu_
+  size_t last_hook_ = 0;                            // guarded by mu_
 };
 
 MetricsRegistry::MetricsRegistry(MetricLabels labels)
@@ -40,6 +60,14 @@ MetricsRegistry::MetricsRegistry(MetricLabels labels)
       refreshing_(std::make_shared<Refreshing>(registry_)) {}
 
 void MetricsRegistry::OnScrape(std::function<void()> refresh) { refreshing_->Set(std::move(refresh)); }
+
+size_t MetricsRegistry::AddCollectHook(std::function<void()> hook) {
+  return refreshing_->AddHook(std::move(hook));
+}
+
+void MetricsRegistry::RemoveCollectHook(size_t id) { refreshing_->RemoveHook(id); }
+
+void MetricsRegistry::RunCollectHooks() const { refreshing_->RunHooks(); }
 
 MetricsRegistry::~MetricsRegistry() = default;
 

@@ -60,6 +60,16 @@ class MetricsRegistry {
   // OnScrape({}) returns once no refresh runs any more.
   void OnScrape(std::function<void()> refresh);
 
+  // Collect hooks: each runs before every collection (Render, /metrics,
+  // RunCollectHooks), on the collecting thread, until removed; they fold
+  // values held elsewhere into their metrics (the proxy's token path keeps
+  // its samples in atomics between scrapes: ProxyMetrics). Thread-safe;
+  // RemoveCollectHook returns once the hook no longer runs.
+  size_t AddCollectHook(std::function<void()> hook);
+  void RemoveCollectHook(size_t id);
+  // Runs them now: for readers of a metric's Collect() (the planner).
+  void RunCollectHooks() const;
+
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
 
   // Bucket helpers: `count` boundaries from `start`, each `factor` times the last.

@@ -180,9 +180,11 @@ void DecodeMux::Deliver(std::span<const DecodeItem> items) {
   }
   // One batch: a front end that buffers per connection (the native gRPC
   // server, docs/grpc-frontend.md) sends once at its end, not per item;
-  // the token metrics are applied once at its end too.
-  TokenMetricsBatch metrics_batch;
+  // the token metrics are applied once at its end too, before that send
+  // (declared after the scope: a client that has its token finds it in a
+  // scrape).
   DeliveryScope scope;
+  TokenMetricsBatch metrics_batch;
   for (auto& [req, item] : batch_) req->Deliver(*item);
   batch_.clear();
 }

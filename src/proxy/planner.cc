@@ -209,6 +209,7 @@ PlannerInputs Planner::Measure(double now_s) {
         break;
     }
   }
+  registry_.RunCollectHooks();  // (the token path's ITL samples held between scrapes)
   const prometheus::ClientMetric ttft_now = ttft_->Collect();
   Snapshot now{now_s, ttft_now.histogram.bucket, Buckets(itl_), ttft_now.histogram.sample_sum,
                in.queued_prefill_tokens, kv_known > 0 ? kv_sum / kv_known : 0.0};

@@ -32,18 +32,25 @@ constexpr const char* kRequestsHelp = "Requests finished, by outcome";
 struct TokenBatchState {
   int depth = 0;
   ProxyMetrics* metrics = nullptr;  // whose samples are held (one at a time)
-  std::vector<double> itl_buckets;
+  std::vector<uint64_t> itl_buckets;
   double itl_sum = 0;
   size_t itl_count = 0;
   size_t tokens = 0;
 
+  // Adds the batch to its ProxyMetrics' held atomics: one add per bucket
+  // touched (a step's gaps fall in one or two), not one per bucket with
+  // the histogram's lock (ObserveMultiple: 22 buckets and the sum).
   void Apply() {
     if (metrics == nullptr) return;
     if (itl_count > 0) {
-      metrics->itl.ObserveMultiple(itl_buckets, itl_sum);
-      std::fill(itl_buckets.begin(), itl_buckets.end(), 0.0);
+      for (size_t i = 0; i < itl_buckets.size(); ++i) {
+        if (itl_buckets[i] == 0) continue;
+        metrics->held_counts_[i].fetch_add(itl_buckets[i], std::memory_order_relaxed);
+        itl_buckets[i] = 0;
+      }
+      metrics->held_sum_.fetch_add(itl_sum, std::memory_order_relaxed);
     }
-    if (tokens > 0) metrics->generation_tokens.Increment(static_cast<double>(tokens));
+    if (tokens > 0) metrics->held_tokens_.fetch_add(tokens, std::memory_order_relaxed);
     itl_sum = 0;
     itl_count = 0;
     tokens = 0;
@@ -54,7 +61,7 @@ struct TokenBatchState {
     if (metrics == m) return;
     Apply();
     metrics = m;
-    itl_buckets.assign(num_buckets, 0.0);
+    itl_buckets.assign(num_buckets, 0);
   }
 };
 
@@ -91,7 +98,9 @@ ProxyMetrics::ProxyMetrics(MetricsRegistry& r)
       overhead_ratio_p50(r.Gauge("tandem_kv_transfer_overhead_ratio_recent_p50",
                                  "Median KV transfer time over prefill compute time of the "
                                  "last 64 disaggregated requests")),
+      registry_(r),
       itl_bounds_(ItlBuckets()),
+      held_counts_(itl_bounds_.size() + 1),
       overhead_check_({kOverheadWindow, kOverheadMinSamples, kOverheadWarnRatio,
                        std::chrono::seconds(60)}) {
   const char* kReasons[kNumRefusals] = {"ttft_slo", "max_inflight", "rate_limit", "deadline"};
@@ -100,6 +109,25 @@ ProxyMetrics::ProxyMetrics(MetricsRegistry& r)
                             "Requests refused, or dropped before their first token, by reason",
                             {{"reason", kReasons[i]}});
   }
+  collect_hook_ = r.AddCollectHook([this] { FoldTokenMetrics(); });
+}
+
+ProxyMetrics::~ProxyMetrics() { registry_.RemoveCollectHook(collect_hook_); }
+
+void ProxyMetrics::FoldTokenMetrics() {
+  // Each atomic is taken whole; a batch adding meanwhile lands in this
+  // fold or the next, never in neither.
+  std::vector<double> counts(held_counts_.size());
+  bool any = false;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    const uint64_t n = held_counts_[i].exchange(0, std::memory_order_relaxed);
+    counts[i] = static_cast<double>(n);
+    any = any || n > 0;
+  }
+  const double sum = held_sum_.exchange(0, std::memory_order_relaxed);
+  if (any || sum != 0) itl.ObserveMultiple(counts, sum);
+  const uint64_t tokens = held_tokens_.exchange(0, std::memory_order_relaxed);
+  if (tokens > 0) generation_tokens.Increment(static_cast<double>(tokens));
 }
 
 void ProxyMetrics::ObservePrefillTimes(const std::string& request_id, double prefill_seconds,

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <string>
@@ -25,6 +26,9 @@ inline constexpr size_t kNumRefusals = 4;
 
 struct ProxyMetrics {
   explicit ProxyMetrics(MetricsRegistry& registry);
+  ~ProxyMetrics();
+  ProxyMetrics(const ProxyMetrics&) = delete;
+  ProxyMetrics& operator=(const ProxyMetrics&) = delete;
 
   prometheus::Histogram& ttft;  // first token at the client side minus arrival
   prometheus::Histogram& itl;   // every gap between consecutive tokens
@@ -49,10 +53,16 @@ struct ProxyMetrics {
 
   // The token path's metrics: one inter-token gap, and completion tokens
   // sent. Inside a TokenMetricsBatch on this thread they are summed there
-  // and applied when it ends (the same samples; one histogram lock per
-  // batch instead of one per token); outside one, at once.
+  // and, when it ends, added to per-bucket atomics (one add per bucket the
+  // batch touched, no lock); every collection of the registry (scrape,
+  // Render, the planner's RunCollectHooks) first folds those into `itl` and
+  // `generation_tokens` (FoldTokenMetrics), so what it shows is exactly
+  // one Observe / Increment per token. Outside a batch: at once.
   void ObserveItl(double seconds);
   void CountGenerationTokens(size_t n);
+  // Moves what the batches added since the last fold into `itl` and
+  // `generation_tokens`. Any thread (the registry's collect hook).
+  void FoldTokenMetrics();
   std::array<prometheus::Counter*, kNumRefusals> refused{};
   void CountRefusal(Refusal reason) { refused[static_cast<size_t>(reason)]->Increment(); }
 
@@ -69,7 +79,15 @@ struct ProxyMetrics {
 
  private:
   friend class TokenMetricsBatch;
+  friend struct TokenBatchState;
+  MetricsRegistry& registry_;
+  size_t collect_hook_ = 0;
   std::vector<double> itl_bounds_;  // itl's bucket boundaries
+  // Added by ended batches, not folded yet: samples per bucket of `itl`
+  // (itl_bounds_.size() + 1, the last +Inf), their sum, tokens.
+  std::vector<std::atomic<uint64_t>> held_counts_;
+  std::atomic<double> held_sum_{0};
+  std::atomic<uint64_t> held_tokens_{0};
   RecentMedianCheck overhead_check_;
 };
 

@@ -1,10 +1,13 @@
 // ProxyMetrics' token path: samples summed in a TokenMetricsBatch reach the
 // ITL histogram and the token counter exactly as one Observe / Increment
-// per token would have put them there.
+// per token would have put them there, once folded — and every collection
+// of the registry (a scrape, Render) folds first.
 #include "proxy/proxy_metrics.h"
 
 #include <gtest/gtest.h>
 
+#include <sstream>
+#include <string>
 #include <vector>
 
 namespace tandem::proxy {
@@ -18,6 +21,7 @@ struct Snapshot {
 };
 
 Snapshot Take(ProxyMetrics& m) {
+  m.FoldTokenMetrics();
   Snapshot s;
   const auto h = m.itl.Collect().histogram;
   for (const auto& b : h.bucket) s.cumulative.push_back(b.cumulative_count);
@@ -80,6 +84,54 @@ TEST(ProxyMetricsTest, ABatchHoldsTwoMetricsObjectsApart) {
   EXPECT_DOUBLE_EQ(Take(b).sum, 0.005);
   EXPECT_EQ(Take(a).tokens, 2);
   EXPECT_EQ(Take(b).tokens, 5);
+}
+
+// The value of the series `name{...}` in Prometheus text (-1: absent).
+double TextValue(const std::string& text, const std::string& name) {
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(name + "{", 0) == 0) return std::stod(line.substr(line.rfind(' ') + 1));
+  }
+  return -1;
+}
+
+std::string WithoutSeries(const std::string& text, const std::string& name) {
+  std::istringstream in(text);
+  std::string out;
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(name + "{", 0) != 0) out += line + "\n";
+  }
+  return out;
+}
+
+TEST(ProxyMetricsTest, AScrapeShowsEveryEndedBatchWithoutAnExplicitFold) {
+  MetricsRegistry direct_reg{MetricLabels{"m", "proxy", "proxy"}};
+  MetricsRegistry batch_reg{MetricLabels{"m", "proxy", "proxy"}};
+  ProxyMetrics direct(direct_reg), batched(batch_reg);
+  // Batches of a step's gaps (one per stream), then one within a message.
+  for (size_t step = 0; step < 3; ++step) {
+    TokenMetricsBatch batch;
+    for (double g : kGaps) {
+      batched.ObserveItl(g + 0.001 * static_cast<double>(step));
+      batched.CountGenerationTokens(1);
+    }
+  }
+  for (size_t step = 0; step < 3; ++step) {
+    for (double g : kGaps) {
+      direct.itl.Observe(g + 0.001 * static_cast<double>(step));
+      direct.generation_tokens.Increment(1);
+    }
+  }
+  const std::string got = batch_reg.Render(), want = direct_reg.Render();
+  EXPECT_EQ(TextValue(got, "tandem_inter_token_latency_seconds_count"), 3.0 * kGaps.size());
+  EXPECT_EQ(TextValue(got, "tandem_generation_tokens_total"), 3.0 * kGaps.size());
+  // Every bucket and counter the same text; the sum the same up to the
+  // order of its additions.
+  const std::string sum = "tandem_inter_token_latency_seconds_sum";
+  EXPECT_EQ(WithoutSeries(got, sum), WithoutSeries(want, sum));
+  EXPECT_NEAR(TextValue(got, sum), TextValue(want, sum), 1e-12);
+  // A second scrape folds nothing twice.
+  EXPECT_EQ(batch_reg.Render(), got);
 }
 
 }  // namespace
