@@ -25,6 +25,18 @@ namespace {
 
 constexpr size_t kHeaderBytes = 4;
 constexpr size_t kReadChunkBytes = 64 << 10;
+
+// Room for one read chunk at the end of `in` (bytes in use from `off` to
+// `len`; a buffer read to its end starts over): where the read goes. Grown
+// (and zero-filled) only when too small, not once per read.
+size_t MakeReadRoom(std::string& in, size_t& off, size_t& len) {
+  if (off > 0 && off == len) {
+    len = 0;
+    off = 0;
+  }
+  if (in.size() < len + kReadChunkBytes) in.resize(len + kReadChunkBytes);
+  return len;
+}
 // Plaintext sealed per round of a flush (16 records of 2^14 bytes).
 constexpr size_t kSealChunkBytes = 256 << 10;
 
@@ -517,13 +529,7 @@ bool FrameConn::ReadRecords() {
 
 bool FrameConn::ReadPlain() {
   for (;;) {
-    if (in_off_ > 0 && in_off_ == in_len_) {
-      in_len_ = 0;
-      in_off_ = 0;
-    }
-    const size_t at = in_len_;
-    // Grown (and zero-filled) only when too small: not once per read.
-    if (in_.size() < at + kReadChunkBytes) in_.resize(at + kReadChunkBytes);
+    const size_t at = MakeReadRoom(in_, in_off_, in_len_);
     const ssize_t n = RecvSome(in_.data() + at, kReadChunkBytes);
     if (n <= 0) return n == 0;
     in_len_ = at + static_cast<size_t>(n);
@@ -533,12 +539,7 @@ bool FrameConn::ReadPlain() {
 
 bool FrameConn::ReadSslLocked() {
   for (;;) {
-    if (in_off_ > 0 && in_off_ == in_len_) {
-      in_len_ = 0;
-      in_off_ = 0;
-    }
-    const size_t at = in_len_;
-    if (in_.size() < at + kReadChunkBytes) in_.resize(at + kReadChunkBytes);
+    const size_t at = MakeReadRoom(in_, in_off_, in_len_);
     // Not ERR_clear_error first (SslIoLocked): cold per step, it cost ~2 %
     // of the decode stream's reader.
     Status first;
