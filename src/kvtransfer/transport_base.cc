@@ -588,71 +588,6 @@ void TransportBase::SweepReleasingPeers() {
   }
 }
 
-void TransportBase::WatchStalledPeers() {
-  if (active_.empty() || options_.peer_timeout_s <= 0) {  // <= 0: no bound (not configurable)
-    if (!stall_watch_.empty()) stall_watch_.clear();
-    return;
-  }
-  const auto now = StallClock();
-  if (now < next_stall_check_) return;
-  const auto bound = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-      std::chrono::duration<double>(options_.peer_timeout_s));
-  next_stall_check_ = now + std::clamp<std::chrono::steady_clock::duration>(
-                                bound / 16, std::chrono::milliseconds(1),
-                                std::chrono::milliseconds(100));
-  // A long gap since the last check means this thread did not run (the
-  // process was stopped, or starved): the peers' silence over that time
-  // says nothing about them, so every wait restarts now.
-  const bool self_gap = now - last_stall_check_ > bound / 2;
-  last_stall_check_ = now;
-  for (auto& [_, w] : stall_watch_) {
-    w.outstanding = 0;
-    w.progressed = false;
-  }
-  for (Xfer* x : active_) {
-    const bool progressed = x->ops_completed != x->ops_completed_seen;
-    if (x->outstanding == 0 && !progressed) continue;
-    x->ops_completed_seen = x->ops_completed;
-    auto [it, fresh] = stall_watch_.try_emplace(x->peer);
-    if (fresh) it->second.since = now;  // the wait starts (within one check period)
-    it->second.outstanding += x->outstanding;
-    it->second.progressed |= progressed;
-  }
-  std::vector<std::pair<PeerId, StallWatch>> stalled;
-  for (auto it = stall_watch_.begin(); it != stall_watch_.end();) {
-    StallWatch& w = it->second;
-    if (w.outstanding == 0) {
-      it = stall_watch_.erase(it);
-      continue;
-    }
-    if (w.progressed || self_gap) {
-      w.since = now;
-    } else if (now - w.since >= bound) {
-      stalled.emplace_back(it->first, w);
-    }
-    ++it;
-  }
-  for (const auto& [peer, w] : stalled) {
-    stall_watch_.erase(peer);
-    PeerEntry* p = nullptr;
-    {
-      std::lock_guard lock(mu_);
-      auto it = peers_.find(peer);
-      if (it == peers_.end() || it->second->failed) continue;  // gone, or the backend said so
-      p = it->second.get();
-    }
-    OnPeerFailed(
-        peer, UnavailableError(fmt::format(
-                  "KV peer {} (generation {}): {} operation(s) outstanding and none completed for "
-                  "{:.2f} s, over the bound peer_timeout_s = {:g} s "
-                  "(transport.peer_timeout_seconds); declared lost: it died or stopped "
-                  "answering and the backend's keep-alive did not report it",
-                  p->desc.agent_name, p->desc.generation, w.outstanding,
-                  std::chrono::duration<double>(now - w.since).count(), options_.peer_timeout_s)));
-    if (p->state) AbandonPeer(*p->state);
-  }
-}
-
 void TransportBase::ReleaseDuePaced() {
   if (paced_.empty()) return;
   const auto now = std::chrono::steady_clock::now();
@@ -694,7 +629,6 @@ void TransportBase::ProgressLoop(std::stop_token stop) {
     const size_t active_before = active_.size();
     SweepActive();
     SweepReleasingPeers();
-    WatchStalledPeers();
     busy = busy || puts_posted_.load(std::memory_order_relaxed) != puts_before ||
            active_.size() != active_before;
     bool pending_commands = false;

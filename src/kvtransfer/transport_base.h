@@ -66,8 +66,6 @@ struct Xfer {
   size_t next_segment = 0;
   uint64_t segment_offset_bytes = 0;  // within segments[next_segment]
   uint32_t outstanding = 0;           // backend operations not yet completed
-  uint64_t ops_completed = 0;         // backend operations completed (stall watch)
-  uint64_t ops_completed_seen = 0;    // ops_completed at the last stall check
   bool stopping = false;              // abort seen: issue nothing new
   bool finished = false;              // [progress] mirror of IsTerminal(status)
   Status op_error;                    // first failed operation
@@ -84,12 +82,6 @@ struct Xfer {
   std::optional<uint64_t> flip_remote_offset;
   std::byte flip_value{};  // stays alive for the backend's put
   bool flip_done = false;  // [progress]
-
-  // [progress] A backend operation of this transfer completed (any status).
-  void OpCompleted() {
-    --outstanding;
-    ++ops_completed;
-  }
 };
 
 // Notice wire format (inside one message): u64 target_generation |
@@ -150,17 +142,8 @@ class TransportBase : public Transport {
   virtual void WaitForEvents(int timeout_ms) = 0;
   // [any thread] Interrupts WaitForEvents.
   virtual void Wake() = 0;
-  // [progress] The peer was declared lost by the stall watch (below) while
-  // operations to it are outstanding: end them (they complete, with an
-  // error, in later progress rounds) and use nothing of the peer again
-  // except DisconnectPeer. Default: nothing to do.
-  virtual void AbandonPeer(PeerState& /*peer*/) {}
   // [progress]
   virtual Result<std::string> DescribePeerTransports(PeerState& peer) = 0;
-  // [progress] The stall watch's clock (tests substitute their own).
-  virtual std::chrono::steady_clock::time_point StallClock() const {
-    return std::chrono::steady_clock::now();
-  }
   // [any thread] The generation notices must name to be accepted.
   virtual uint64_t CurrentGeneration() const { return generation(); }
 
@@ -188,13 +171,6 @@ class TransportBase : public Transport {
   void RunCommands();
   void SweepActive();
   void SweepReleasingPeers();
-  // Stall watch: a peer with backend operations outstanding and none of
-  // them completed for peer_timeout_s is declared lost (OnPeerFailed, then
-  // AbandonPeer). Runs only while transfers are active; an idle peer is
-  // left to the backend's keep-alive (docs/kvtransfer.md, "Peer loss").
-  // Time this thread itself did not run (a gap of over half the bound
-  // between checks) is not held against the peers.
-  void WatchStalledPeers();
   Status CheckPeerUsable(const PeerEntry& p) const;  // mu_ held
 
   TransportOptions options_;
@@ -227,14 +203,6 @@ class TransportBase : public Transport {
   uint64_t fault_blocks_ = 0;  // guarded by mu_: remote blocks they touched
 
   std::vector<Xfer*> active_;  // [progress]
-  struct StallWatch {
-    uint64_t outstanding = 0;  // summed at the last check
-    bool progressed = false;   // an operation completed since the check before
-    std::chrono::steady_clock::time_point since;  // last completion (or start of the wait)
-  };
-  std::unordered_map<PeerId, StallWatch> stall_watch_;  // [progress]
-  std::chrono::steady_clock::time_point next_stall_check_{};  // [progress]
-  std::chrono::steady_clock::time_point last_stall_check_{};  // [progress]
   std::jthread progress_thread_;
   bool shut_down_ = false;
 };

@@ -311,24 +311,7 @@ class UcxTransport final : public detail::TransportBase {
   }
 
   Result<std::string> DescribePeerTransports(detail::PeerState& state) override {
-    const auto& p = static_cast<UcxPeer&>(state);
-    if (p.ep == nullptr) {
-      return FailedPreconditionError("the peer's endpoint is closed: it was declared lost");
-    }
-    return ucx::EndpointTransports(p.ep);
-  }
-
-  // The stall watch declared the peer lost; UCX did not (its keep-alive can
-  // miss a dead peer: docs/kvtransfer.md, "Peer loss"). A forced close
-  // discards the endpoint's lanes and completes its outstanding requests
-  // with an error in the next progress rounds, so every transfer to the
-  // peer drains. The remote key stays until DisconnectPeer (UCX 1.13's
-  // ucp_rkey_destroy does not touch the endpoint, and no request uses the
-  // key any more).
-  void AbandonPeer(detail::PeerState& state) override {
-    auto& p = static_cast<UcxPeer&>(state);
-    CloseEndpoint(p.ep);
-    p.ep = nullptr;
+    return ucx::EndpointTransports(static_cast<UcxPeer&>(state).ep);
   }
 
  private:
@@ -460,7 +443,7 @@ class UcxTransport final : public detail::TransportBase {
   static void OnPutDone(void* request, ucs_status_t status, void* user_data) {
     auto* op = static_cast<PutOp*>(user_data);
     Xfer& x = *op->xfer;
-    x.OpCompleted();
+    --x.outstanding;
     if (status == UCS_OK) {
       x.bytes_done += op->bytes;
       op->transport->bytes_written_ += op->bytes;
@@ -473,7 +456,7 @@ class UcxTransport final : public detail::TransportBase {
 
   static void OnFlushDone(void* request, ucs_status_t status, void* user_data) {
     Xfer& x = *static_cast<Xfer*>(user_data);
-    x.OpCompleted();
+    --x.outstanding;
     x.phase = Phase::kFlushed;
     if (status != UCS_OK && x.op_error.ok()) x.op_error = ucx::UcsError("flush", status);
     ucp_request_free(request);
@@ -481,7 +464,7 @@ class UcxTransport final : public detail::TransportBase {
 
   static void OnNoticeSent(void* request, ucs_status_t status, void* user_data) {
     Xfer& x = *static_cast<Xfer*>(user_data);
-    x.OpCompleted();
+    --x.outstanding;
     if (status != UCS_OK && x.op_error.ok()) x.op_error = ucx::UcsError("notice send", status);
     // Finish happens in the next Advance.
     if (status == UCS_OK) x.notice_sent = true;
