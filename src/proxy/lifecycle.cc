@@ -99,7 +99,7 @@ void RequestLifecycle::Launch() {
     // the tokens already sent, and so do its block hashes.
     if (base_ > 0) {
       auto grown = std::make_shared<std::vector<uint32_t>>(req_.prompt_ids);
-      grown->insert(grown->end(), sent_.begin(), sent_.begin() + base_);
+      sent_.CopyPrefixTo(base_, grown.get());
       migrated_ = std::move(grown);
     }
     if (base_ == 0 && !req_.block_hashes.empty() && req_.block_hashes_root == root_hash_ &&
@@ -443,7 +443,7 @@ RequestLifecycle::Calls RequestLifecycle::DeliverLocked(uint32_t first_index,
   if (Status st = out_.PushTo(first_index, ids, d); !st.ok()) return FailLocked(std::move(st));
   if (d->token_ids.empty()) return {};
   EndPrefillLocked();  // a token of this attempt: its prefill is done
-  sent_.insert(sent_.end(), d->token_ids.begin(), d->token_ids.end());
+  sent_.Append(d->token_ids);
   // The batch's arrival time (one clock reading per decode stream frame,
   // not per token); every token still gets its own ITL sample.
   const auto now = DeliveryScope::Now();

@@ -38,6 +38,7 @@
 #include "proxy/output_assembler.h"
 #include "proxy/proxy_metrics.h"
 #include "proxy/request.h"
+#include "proxy/sent_tokens.h"
 #include "proxy/worker_client.h"
 
 namespace tandem::proxy {
@@ -149,7 +150,7 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   uint32_t base_ = 0;                // guarded by mu_: completion index of this attempt's token 0
   std::chrono::steady_clock::time_point first_token_at_{};  // guarded by mu_
   std::chrono::steady_clock::time_point last_token_at_{};   // guarded by mu_
-  std::vector<uint32_t> sent_;       // guarded by mu_: completion tokens sent to the client
+  SentTokens sent_;                  // guarded by mu_: completion tokens sent to the client
   OutputAssembler::Delta delta_;     // guarded by mu_: the delivery's, reused
   OutputAssembler out_;              // guarded by mu_
   ResponseSink sink_;                // guarded by mu_
