@@ -105,11 +105,13 @@ const GcmFunctions& Gcm() {
 }
 
 // The one parameter a record passes: the tag (read after sealing, given
-// before opening).
+// before opening). Filled in place (what OSSL_PARAM_construct_octet_string
+// and OSSL_PARAM_construct_end return), not by two calls into libcrypto
+// per record.
 void TagParams(uint8_t* tag, OSSL_PARAM (&params)[2]) {
-  params[0] =
-      OSSL_PARAM_construct_octet_string(OSSL_CIPHER_PARAM_AEAD_TAG, tag, kTlsRecordTagBytes);
-  params[1] = OSSL_PARAM_construct_end();
+  params[0] = OSSL_PARAM{OSSL_CIPHER_PARAM_AEAD_TAG, OSSL_PARAM_OCTET_STRING, tag,
+                         kTlsRecordTagBytes, OSSL_PARAM_UNMODIFIED};
+  params[1] = OSSL_PARAM{nullptr, 0, nullptr, 0, 0};
 }
 
 }  // namespace
