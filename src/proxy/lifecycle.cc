@@ -453,7 +453,9 @@ RequestLifecycle::Calls RequestLifecycle::DeliverLocked(uint32_t first_index,
         first_token_at_ = now;
         deps_.metrics->ttft.Observe(Seconds(now - arrival_));
       } else {
-        deps_.metrics->ObserveItl(i == 0 ? Seconds(now - last_token_at_) : 0.0);
+        // (Never below 0: the first token may have been stamped by another
+        // thread's batch clock, microseconds off this one.)
+        deps_.metrics->ObserveItl(i == 0 ? std::max(0.0, Seconds(now - last_token_at_)) : 0.0);
       }
     }
     deps_.metrics->CountGenerationTokens(d->token_ids.size());
