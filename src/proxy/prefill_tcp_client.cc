@@ -101,6 +101,7 @@ std::shared_ptr<PrefillTcpCall> PrefillTcpClient::Start(
     if (timeout_us != 0) frame.set_timeout_us(timeout_us);
   }
   bool wake = false;
+  auto wake_by = SteadyClock::time_point::max();
   std::shared_ptr<PrefillTcpCall> call;
   {
     std::lock_guard lock(mu_);
@@ -127,11 +128,17 @@ std::shared_ptr<PrefillTcpCall> PrefillTcpClient::Start(
       calls_.emplace(id, call);
       if (deadline != SteadyClock::time_point::max()) {
         deadlines_.emplace(deadline, id);
-        if (deadline < reader_until_) wake = true;
+        if (deadline < reader_until_) wake_by = reader_until_ = deadline;
       }
     }
   }
-  if (wake) reader_.Wake();
+  // A deadline earlier than the reader's wait is the only reason to tell
+  // the reader about the call: it is told without being woken (WakeBy).
+  if (wake) {
+    reader_.Wake();
+  } else if (wake_by != SteadyClock::time_point::max()) {
+    reader_.WakeBy(wake_by);
+  }
   return call;
 }
 
