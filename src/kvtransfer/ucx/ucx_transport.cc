@@ -7,9 +7,13 @@
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <memory>
 #include <mutex>
+#include <string>
+#include <vector>
 
 #include "kvtransfer/transport_base.h"
 #include "kvtransfer/ucx/ucx_config.h"
@@ -21,6 +25,12 @@ using detail::Phase;
 using detail::Xfer;
 
 constexpr unsigned kNoticeAmId = 0x7a;
+// The connection handshake (docs/kvtransfer.md, "Peer loss"): one eager
+// active message per new endpoint, too long for a short message on any
+// transport here (shared memory ~100 B, TCP ~8 kB, verbs inline ~200 B), so
+// UCX resolves the peer's endpoint id while we can still bound the wait.
+constexpr unsigned kHelloAmId = 0x7b;
+constexpr size_t kHelloBytes = 16 << 10;
 constexpr uint32_t kMaxOutstandingPerXfer = 8;
 // Bytes one Advance call may put before yielding to other transfers and to
 // aborts (puts into shared memory complete inside ucp_put_nbx).
@@ -38,6 +48,10 @@ struct UcxPeer : detail::PeerState {
     UcxTransport* transport = nullptr;
     PeerId peer = 0;
   } err_arg;
+  std::string agent;  // the peer's agent name, for errors
+  // The handshake's message while UCX holds it; answered: hello is null.
+  std::unique_ptr<std::string> hello;
+  std::chrono::steady_clock::time_point hello_sent_at;
 };
 
 // One outstanding put: how many bytes it carries, for progress accounting.
@@ -155,6 +169,10 @@ class UcxTransport final : public detail::TransportBase {
     am.arg = this;
     s = ucp_worker_set_am_recv_handler(worker_, &am);
     if (s != UCS_OK) return ucx::UcsError("ucp_worker_set_am_recv_handler", s);
+    am.id = kHelloAmId;
+    am.cb = &UcxTransport::OnHello;
+    s = ucp_worker_set_am_recv_handler(worker_, &am);
+    if (s != UCS_OK) return ucx::UcsError("ucp_worker_set_am_recv_handler(hello)", s);
 
     int worker_fd = -1;
     s = ucp_worker_get_efd(worker_, &worker_fd);
@@ -208,6 +226,7 @@ class UcxTransport final : public detail::TransportBase {
                                                          const PeerDescriptor& desc) override {
     auto p = std::make_unique<UcxPeer>();
     p->err_arg = {this, id};
+    p->agent = desc.agent_name;
     p->remote_base = desc.remote_base;
     ucp_ep_params_t params{};
     params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -224,6 +243,7 @@ class UcxTransport final : public detail::TransportBase {
       return ucx::UcsError("ucp_ep_rkey_unpack", s);
     }
     live_remote_keys_++;
+    SendHello(*p);
     return std::unique_ptr<detail::PeerState>(std::move(p));
   }
 
@@ -234,8 +254,9 @@ class UcxTransport final : public detail::TransportBase {
       p.rkey = nullptr;
       live_remote_keys_--;
     }
-    CloseEndpoint(p.ep);
+    CloseEndpoint(p.ep);  // ends an unanswered hello too (OnHelloDone)
     p.ep = nullptr;
+    std::erase(hellos_, &p);
   }
 
   void Advance(Xfer& x, detail::PeerEntry& entry) override {
@@ -286,7 +307,11 @@ class UcxTransport final : public detail::TransportBase {
     }
   }
 
-  bool ProgressOnce() override { return ucp_worker_progress(worker_) != 0; }
+  bool ProgressOnce() override {
+    const bool progressed = ucp_worker_progress(worker_) != 0;
+    if (!hellos_.empty()) CheckHellos();
+    return progressed;
+  }
 
   void WaitForEvents(int timeout_ms) override {
     const ucs_status_t s = ucp_worker_arm(worker_);
@@ -311,10 +336,85 @@ class UcxTransport final : public detail::TransportBase {
   }
 
   Result<std::string> DescribePeerTransports(detail::PeerState& state) override {
-    return ucx::EndpointTransports(static_cast<UcxPeer&>(state).ep);
+    const auto& p = static_cast<UcxPeer&>(state);
+    if (p.ep == nullptr) {
+      return FailedPreconditionError("the peer's endpoint is closed: it was declared lost");
+    }
+    return ucx::EndpointTransports(p.ep);
   }
 
  private:
+  // The handshake. UCX 1.13 learns the peer's endpoint id only when a
+  // message needs it (any active message that is not a short one); until
+  // the peer's reply it keeps a wire-up proxy on the endpoint's active
+  // message lane, and its keep-alive skips that lane, so a peer that dies in
+  // that window is never reported (docs/kvtransfer.md, "Peer loss"). The
+  // hello makes that window the connection's first round trip, where
+  // CheckHellos bounds it by peer_timeout_s; afterwards UCX's keep-alive
+  // covers the peer whatever is sent. The hello completes only once the
+  // proxy is gone (UCX holds it behind the wire-up).
+  void SendHello(UcxPeer& p) {
+    p.hello = std::make_unique<std::string>(kHelloBytes, '\0');
+    p.hello_sent_at = std::chrono::steady_clock::now();
+    ucp_request_param_t param{};
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_AM_SEND_FLAG_EAGER;
+    param.cb.send = &UcxTransport::OnHelloDone;
+    param.user_data = &p;
+    ucs_status_ptr_t req =
+        ucp_am_send_nbx(p.ep, kHelloAmId, nullptr, 0, p.hello->data(), p.hello->size(), &param);
+    if (UCS_PTR_IS_ERR(req)) {
+      // The endpoint already failed; its error handler reports the peer.
+      spdlog::warn("kvtransfer: peer {} handshake: {}", p.err_arg.peer,
+                   ucs_status_string(UCS_PTR_STATUS(req)));
+      p.hello.reset();
+    } else if (req == nullptr) {
+      p.hello.reset();
+    } else {
+      hellos_.push_back(&p);
+    }
+  }
+
+  static void OnHelloDone(void* request, ucs_status_t /*status*/, void* user_data) {
+    // A failure is the endpoint's: its error handler reports it.
+    auto& p = *static_cast<UcxPeer*>(user_data);
+    p.hello.reset();
+    std::erase(p.err_arg.transport->hellos_, &p);
+    ucp_request_free(request);
+  }
+
+  // [progress] Fails every peer whose hello is unanswered after
+  // peer_timeout_s. Time this thread itself did not run (the process was
+  // stopped or starved) is not held against the peers.
+  void CheckHellos() {
+    const auto now = std::chrono::steady_clock::now();
+    const auto bound = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+        std::chrono::duration<double>(options().peer_timeout_s));
+    const auto own_gap = std::max<std::chrono::steady_clock::duration>(
+        bound / 2, std::chrono::milliseconds(4 * options().idle_wait_ms));
+    if (now - last_hello_check_ > own_gap) {
+      for (UcxPeer* p : hellos_) p->hello_sent_at = std::max(p->hello_sent_at, now);
+    }
+    last_hello_check_ = now;
+    std::vector<UcxPeer*> lost;
+    for (UcxPeer* p : hellos_) {
+      if (now - p->hello_sent_at >= bound) lost.push_back(p);
+    }
+    for (UcxPeer* p : lost) {
+      std::erase(hellos_, p);
+      OnPeerFailed(p->err_arg.peer,
+                   UnavailableError(fmt::format(
+                       "KV peer {} did not answer the connection handshake within "
+                       "transport.peer_timeout_seconds = {:g} s; declared lost",
+                       p->agent, options().peer_timeout_s)));
+      // A forced close ends the hello and any write queued behind the
+      // wire-up with an error, so every transfer to the peer drains.
+      CloseEndpoint(p->ep);
+      p->ep = nullptr;
+    }
+  }
+
   void IssuePuts(Xfer& x, UcxPeer& peer) {
     uint64_t budget = std::min(kPutBudgetPerAdvanceBytes, 8 * options().max_put_bytes);
     while (!x.stopping && x.next_segment < x.segments.size() &&
@@ -483,6 +583,11 @@ class UcxTransport final : public detail::TransportBase {
     return UCS_OK;
   }
 
+  static ucs_status_t OnHello(void*, const void*, size_t, void*, size_t,
+                              const ucp_am_recv_param_t*) {
+    return UCS_OK;  // its delivery was the point
+  }
+
   static void OnEndpointError(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
     auto* a = static_cast<UcxPeer::ErrArg*>(arg);
     a->transport->OnPeerFailed(a->peer, ucx::UcsError("peer endpoint failed", status));
@@ -494,6 +599,8 @@ class UcxTransport final : public detail::TransportBase {
   int epoll_fd_ = -1;
   int wake_fd_ = -1;
   std::string descriptor_;
+  std::vector<UcxPeer*> hellos_;  // [progress] peers whose hello is unanswered
+  std::chrono::steady_clock::time_point last_hello_check_{};  // [progress]
 };
 
 }  // namespace

@@ -7,9 +7,11 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <future>
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <set>
 
 #include "kv_test_util.h"
@@ -426,6 +428,70 @@ TEST_P(ConformanceTest, IdlePeerKilledIsReportedByTheKeepalive) {
   EXPECT_EQ(lost[0].second, desc->generation);
 }
 
+// A peer that does not answer the connection handshake (here: stopped
+// before the import) is declared lost after peer_timeout_s, even though its
+// process lives: UCX's keep-alive cannot see that endpoint until the peer
+// answers (docs/kvtransfer.md, "Peer loss"). A write posted meanwhile, which
+// UCX holds behind the wire-up, ends with the peer's error and leaves
+// nothing behind.
+TEST_P(ConformanceTest, PeerThatNeverAnswersTheHandshakeIsDeclaredLost) {
+  if (backend() != "ucx") GTEST_SKIP() << "loopback has no handshake";
+  std::mutex mu;  // declared before the transport: its callbacks may run until it is gone
+  std::vector<std::string> lost;
+  std::optional<std::pair<XferStatus, Status>> ended;
+  auto a = Make("mute-a", 4096, 4);  // peer_timeout_s 1.5
+  ASSERT_TRUE(a);
+  ChildProcess child({KV_PEER_BIN, "target", "backend=ucx", "name=mute-b-" + GetParam(),
+                      "block_bytes=4096", "blocks=4"});
+  ASSERT_TRUE(child.ok());
+  auto hex = child.Expect("DESC ");
+  ASSERT_TRUE(hex.has_value()) << "peer did not start";
+  auto bytes = FromHex(*hex);
+  ASSERT_TRUE(bytes.ok());
+  a->SetPeerFailureCallback([&](const std::string& agent, uint64_t, const Status& why) {
+    std::lock_guard lock(mu);
+    lost.push_back(agent + ": " + why.ToString());
+  });
+  ASSERT_TRUE(child.Stop());
+  const auto imported_at = std::chrono::steady_clock::now();
+  auto peer = a->ImportPeer(*bytes);
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  auto x = a->PrepareWrite(*peer, {{0, 0, 4096}}, "held");
+  ASSERT_TRUE(x.ok()) << x.status().ToString();
+  ASSERT_TRUE(a->Post(*x, [&](XferId, XferStatus st, const Status& d) {
+                 std::lock_guard lock(mu);
+                 ended.emplace(st, d);
+               }).ok());
+  ASSERT_TRUE(WaitFor([&] {
+    std::lock_guard lock(mu);
+    return !lost.empty() && ended.has_value();
+  })) << "a peer that never answered was not declared lost";
+  const double after_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - imported_at).count();
+  std::printf("[conformance] %s: mute peer declared lost %.2f s after the import\n",
+              GetParam().c_str(), after_s);
+  EXPECT_GE(after_s, 1.5);  // not before the bound
+  {
+    std::lock_guard lock(mu);
+    ASSERT_EQ(lost.size(), 1u);
+    EXPECT_NE(lost[0].find("mute-b-" + GetParam() + ": UNAVAILABLE"), std::string::npos) << lost[0];
+    EXPECT_NE(lost[0].find("handshake"), std::string::npos) << lost[0];
+    EXPECT_NE(lost[0].find("peer_timeout_seconds = 1.5 s"), std::string::npos) << lost[0];
+    EXPECT_EQ(ended->first, XferStatus::kErrRemoteDisconnect) << ended->second.ToString();
+  }
+  EXPECT_EQ(a->PrepareWrite(*peer, {{0, 0, 4096}}, "again").status().code(),
+            StatusCode::kUnavailable);
+  EXPECT_TRUE(a->Release(*x).ok());
+  EXPECT_TRUE(WaitFor([&] { return a->stats().live_requests == 0; }));
+  EXPECT_TRUE(a->ReleasePeer(*peer).ok());
+  a->SetPeerFailureCallback({});
+  const TransportStats s = a->stats();
+  EXPECT_EQ(s.live_peers, 0u);
+  EXPECT_EQ(s.live_remote_keys, 0u);
+  EXPECT_EQ(s.inflight_requests, 0u);
+  child.Kill();
+}
+
 TEST_P(ConformanceTest, PeerKilledMidTransfer) {
   const uint64_t bb = kMiB;
   const uint32_t blocks = 16;
@@ -498,6 +564,101 @@ TEST_P(ConformanceTest, PeerKilledMidTransfer) {
   EXPECT_EQ(s.live_peers, 0u);
   EXPECT_EQ(s.live_remote_keys, 0u);
   EXPECT_EQ(s.live_requests, 0u);
+  EXPECT_EQ(s.inflight_requests, 0u);
+}
+
+// A peer that stops answering with writes queued to it, and is then killed:
+// every write still ends (delivered, or with an error within about
+// peer_timeout_s), and nothing of it stays behind. The stopped peer no
+// longer drains its shared-memory receive FIFO (64 slots), so the notices
+// after the first 64 cannot be sent as short messages. Without the
+// connection handshake (ucx_transport.cc SendHello) the first of them makes
+// UCX 1.13 resolve the peer's endpoint id: it puts a wire-up proxy on the
+// endpoint's keep-alive lane and sends a wire-up request the stopped peer
+// never answers, and until that reply the keep-alive skips the lane, so the
+// peer's death is never reported and those writes never end
+// (docs/kvtransfer.md, "Peer loss"). A busy peer that dies with its FIFO
+// full got there too (StagedTwoProcess.PeerKilledMidTransferSurfacesAnError,
+// 1 run in ~10 under load). With the handshake the id is known from the
+// import on, and the keep-alive reports the death.
+TEST_P(ConformanceTest, WritesQueuedToAStoppedPeerEndWhenItDies) {
+  if (GetParam() != "ucx") {
+    GTEST_SKIP() << "the keep-alive gap is shared memory's; over TCP the stopped peer's kernel "
+                    "resets the connection when it is killed";
+  }
+  // Declared before the transport: its callbacks may run until it is gone.
+  std::mutex mu;
+  std::vector<std::string> lost;
+  std::map<XferStatus, int> ended;
+  int ended_count = 0;
+  auto a = Make("stall-a", 4096, 4);  // peer_timeout_s 1.5
+  ASSERT_TRUE(a);
+  ChildProcess child({KV_PEER_BIN, "target", "backend=ucx", "name=stall-b-" + GetParam(),
+                      "block_bytes=4096", "blocks=4"});
+  ASSERT_TRUE(child.ok());
+  auto hex = child.Expect("DESC ");
+  ASSERT_TRUE(hex.has_value()) << "peer did not start";
+  auto bytes = FromHex(*hex);
+  ASSERT_TRUE(bytes.ok());
+  a->SetPeerFailureCallback([&](const std::string& agent, uint64_t, const Status&) {
+    std::lock_guard lock(mu);
+    lost.push_back(agent);
+  });
+  auto peer = a->ImportPeer(*bytes);
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  ASSERT_EQ(WriteAndWait(*a, *peer, {{0, 0, 4096}}, "short"), XferStatus::kSuccess);
+
+  ASSERT_TRUE(child.Stop());
+  constexpr int kWrites = 256;  // 4x the receive FIFO
+  std::vector<XferId> xfers;
+  for (int i = 0; i < kWrites; ++i) {
+    auto x = a->PrepareWrite(*peer, {{0, 0, 4096}}, "queued " + std::to_string(i));
+    ASSERT_TRUE(x.ok()) << x.status().ToString();
+    xfers.push_back(*x);
+    ASSERT_TRUE(a->Post(*x, [&](XferId, XferStatus s, const Status&) {
+                   std::lock_guard lock(mu);
+                   ended[s]++;
+                   ended_count++;
+                 }).ok());
+  }
+  // Killed with the writes queued: the stopped peer drained none of its
+  // FIFO, so whatever the progress thread has reached by now, the notices
+  // past the 64th find it full (the dead peer never drains it either).
+  child.Kill();
+  const auto killed_at = std::chrono::steady_clock::now();
+  ASSERT_TRUE(WaitFor([&] {
+    std::lock_guard lock(mu);
+    return ended_count == kWrites;
+  })) << "writes to a dead peer never ended (" << a->stats().inflight_requests << " in flight)";
+  {
+    std::lock_guard lock(mu);
+    std::printf("[conformance] %s: %d writes queued to a stopped peer ended %.2f s after its "
+                "kill: %d delivered, %d remote-disconnect\n",
+                GetParam().c_str(), kWrites,
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count(),
+                ended[XferStatus::kSuccess], ended[XferStatus::kErrRemoteDisconnect]);
+    EXPECT_GT(ended[XferStatus::kErrRemoteDisconnect], 0);
+    EXPECT_EQ(ended[XferStatus::kSuccess] + ended[XferStatus::kErrRemoteDisconnect], kWrites);
+  }
+  // The peer-failure callback runs right after the transfers' callbacks.
+  EXPECT_TRUE(WaitFor([&] {
+    std::lock_guard lock(mu);
+    return !lost.empty();
+  }));
+  {
+    std::lock_guard lock(mu);
+    EXPECT_EQ(lost, std::vector<std::string>{"stall-b-" + GetParam()});
+  }
+  EXPECT_EQ(a->PrepareWrite(*peer, {{0, 0, 4096}}, "again").status().code(),
+            StatusCode::kUnavailable);
+  for (XferId x : xfers) EXPECT_TRUE(a->Release(x).ok());
+  // Nothing of them stays: their operations were ended, not abandoned.
+  EXPECT_TRUE(WaitFor([&] { return a->stats().live_requests == 0; }));
+  EXPECT_TRUE(a->ReleasePeer(*peer).ok());
+  a->SetPeerFailureCallback({});
+  const TransportStats s = a->stats();
+  EXPECT_EQ(s.live_peers, 0u);
+  EXPECT_EQ(s.live_remote_keys, 0u);
   EXPECT_EQ(s.inflight_requests, 0u);
 }
 

@@ -123,6 +123,12 @@ class ChildProcess {
     waitpid(pid_, nullptr, 0);
     pid_ = -1;
   }
+  // SIGSTOP; returns once the child is stopped (waitpid WUNTRACED).
+  bool Stop() {
+    if (pid_ <= 0 || ::kill(pid_, SIGSTOP) != 0) return false;
+    int st = 0;
+    return waitpid(pid_, &st, WUNTRACED) == pid_ && WIFSTOPPED(st);
+  }
   // Waits for exit; true if it exited within `timeout`.
   bool Reap(std::chrono::milliseconds timeout, int* exit_code = nullptr) {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
