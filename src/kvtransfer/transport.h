@@ -110,7 +110,7 @@ struct TransportStats {
 // Fault injection for tests (docs/failure-handling.md, "KV fault
 // injection"). Off unless a test sets TransportOptions::fault or the
 // process runs with TANDEM_KV_FAULT set (e.g.
-// TANDEM_KV_FAULT=fail_every=5,delay_ms=2000,delay_writes=1,flip_block=3);
+// TANDEM_KV_FAULT=fail_every=5,delay_ms=2000,delay_writes=1,flip_block=3,lose_peer_at=7);
 // off costs one branch per posted write. Counting is per transport, over
 // "data writes" (posted writes with at least one segment) in post order.
 struct KvFaultOptions {
@@ -128,10 +128,19 @@ struct KvFaultOptions {
   // receiver after its data landed and before the write's notice. The
   // sender's pool is not changed.
   uint32_t flip_block = 0;
+  // Once: the Nth data write (1 = the first) makes the transport declare its
+  // peer lost before any byte of it moves, as an endpoint error from the
+  // backend would (the write and every unfinished one to that peer end
+  // kErrRemoteDisconnect, the peer-failure callback runs, later writes to
+  // that PeerId are refused) while the peer itself is alive: a false
+  // keep-alive failure or a partition that heals.
+  uint32_t lose_peer_at = 0;
   // TANDEM_KV_FAULT only: when set, only the transport of this agent (e.g.
   // "prefill-0") takes the faults; others in the fleet ignore the variable.
   std::string agent;
-  bool enabled() const { return fail_every != 0 || delay_ms != 0 || flip_block != 0; }
+  bool enabled() const {
+    return fail_every != 0 || delay_ms != 0 || flip_block != 0 || lose_peer_at != 0;
+  }
   std::string ToString() const;
 };
 inline constexpr const char* kKvFaultEnv = "TANDEM_KV_FAULT";

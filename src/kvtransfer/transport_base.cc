@@ -294,6 +294,15 @@ Status TransportBase::Post(XferId xfer, XferCallback on_done) {
                                          kKvFaultEnv, options_.fault.fail_every)));
         active_.push_back(x);  // SweepActive drops it
       });
+    } else if (x->fault_lose_peer) {
+      commands_.push_back([this, x] {
+        active_.push_back(x);  // OnPeerFailed ends it with the peer's other writes
+        const uint32_t n = options_.fault.lose_peer_at;
+        OnPeerFailed(x->peer, UnavailableError(fmt::format(
+                                  "injected fault ({} lose_peer_at={}): peer declared lost at "
+                                  "data write {} (transfer {})",
+                                  kKvFaultEnv, n, n, x->id)));
+      });
     } else if (fault_delay.count() > 0) {
       x->fault_in_flight = true;
       const auto due = std::chrono::steady_clock::now() + fault_delay;
@@ -323,6 +332,14 @@ std::chrono::milliseconds TransportBase::InjectFaults(Xfer& x, const PeerEntry& 
     x.fault_fail = true;
     faults_injected_++;
     spdlog::warn("kvtransfer: injected fault: data write {} (transfer {}) fails", n, x.id);
+    return std::chrono::milliseconds(0);
+  }
+  if (f.lose_peer_at != 0 && n == f.lose_peer_at) {
+    x.fault_lose_peer = true;
+    faults_injected_++;
+    spdlog::warn("kvtransfer: injected fault: data write {} (transfer {}) declares peer {} ({}) "
+                 "lost",
+                 n, x.id, peer.id, peer.desc.agent_name);
     return std::chrono::milliseconds(0);
   }
   std::chrono::milliseconds delay{0};

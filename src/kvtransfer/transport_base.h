@@ -76,6 +76,8 @@ struct Xfer {
   // byte at `flip_remote_offset` of the peer's pool to `flip_value` once the
   // data landed and before the notice (only when not stopping).
   bool fault_fail = false;
+  // lose_peer_at: this write makes the transport declare its peer lost.
+  bool fault_lose_peer = false;
   // Delayed by the hook: the write is "on the wire" and an abort takes
   // effect only once all its data landed (no notice then).
   bool fault_in_flight = false;

@@ -31,7 +31,7 @@ Status StatusFor(const engine::RequestOutput& out) {
 Prefiller::Prefiller(engine::Engine& engine, kvtransfer::Transport& transport, DecoderLink& link,
                      PrefillerOptions options)
     : engine_(engine), transport_(transport), link_(link), options_(std::move(options)),
-      sealer_(transport), slice_pusher_(transport, /*rank=*/0) {}
+      sealer_(transport), slice_pusher_(transport, /*rank=*/0), targets_(transport) {}
 
 Result<std::optional<PushPlan::Sliced>> Prefiller::SlicedPlan(const ReserveTarget& t) {
   const parallel::ParallelLayout& mine = options_.layout;
@@ -283,17 +283,6 @@ void Prefiller::DispatchLoop(std::stop_token stop) {
   }
 }
 
-Result<kvtransfer::PeerId> Prefiller::PeerFor(const std::string& descriptor) {
-  {
-    std::lock_guard lock(peers_mu_);
-    if (auto it = peers_.find(descriptor); it != peers_.end()) return it->second;
-  }
-  TANDEM_ASSIGN_OR_RETURN(kvtransfer::PeerId peer, transport_.ImportPeer(descriptor));
-  std::lock_guard lock(peers_mu_);
-  peers_[descriptor] = peer;
-  return peer;
-}
-
 void Prefiller::OnReserved(const JobPtr& job, Result<ReserveTarget> target) {
   auto admitted = [this] {
     std::lock_guard lock(mu_);
@@ -328,7 +317,7 @@ void Prefiller::OnReserved(const JobPtr& job, Result<ReserveTarget> target) {
     job->have_target = true;
     job->lease_deadline = deadline;
   }
-  auto peer = PeerFor(target->transport_descriptor);
+  auto peer = targets_.PeerFor(target->transport_descriptor);
   if (!peer.ok()) {
     {
       std::lock_guard lock(mu_);
@@ -553,38 +542,95 @@ void Prefiller::OnTransferDone(const JobPtr& job, kvtransfer::XferStatus status,
     ++totals_.dropped_target_lost;
     LogRequest(spdlog::level::warn, id, "push target lost; dropped, blocks freed: {}", s.message());
   }
-  // No byte of the aborted push lands after this: the decoder may reuse the slots.
-  if (status != kvtransfer::XferStatus::kErrRemoteDisconnect &&
-      status != kvtransfer::XferStatus::kErrStaleDescriptor) {
-    SendErrorNotice(job, s);
+  if (status == kvtransfer::XferStatus::kErrRemoteDisconnect) {
+    // The transport declared the endpoint lost; the decoder may well be
+    // alive (a keep-alive failure, a partition that healed, a pause) and
+    // holds the reservation until it hears from us: SendErrorNotice tells
+    // it over a fresh endpoint once this one is released.
+    std::string descriptor;
+    kvtransfer::PeerId peer = 0;
+    bool have_peer = false;
+    {
+      std::lock_guard lock(mu_);
+      descriptor = job->target.transport_descriptor;
+      peer = job->peer;
+      have_peer = job->have_peer;
+    }
+    if (have_peer) targets_.Lost(descriptor, peer);
   }
+  // No byte of the aborted push lands after this: the decoder may reuse the
+  // slots. A decoder that restarted (stale descriptor) holds none of ours.
+  if (status != kvtransfer::XferStatus::kErrStaleDescriptor) SendErrorNotice(job, s);
   Complete(job, s);
 }
 
 void Prefiller::SendErrorNotice(const JobPtr& job, const Status& why) {
   NoticeSpec n;
   kvtransfer::PeerId peer;
+  std::string descriptor;
   {
     std::lock_guard lock(mu_);
     if (!job->have_target || !job->have_peer) return;
     peer = job->peer;
+    descriptor = job->target.transport_descriptor;
     n.request_id = job->spec.request_id;
     n.reservation_id = job->target.reservation_id;
     n.generation = job->target.generation;
     n.capability = job->target.capability;
   }
   n.error = why.ok() ? UnknownError() : why;
+  if (targets_.WasLost(peer)) {
+    NoticeAfterLoss(peer, n, descriptor);
+  } else {
+    PostNotice(peer, n, descriptor, /*retry_after_loss=*/true);
+  }
+}
+
+void Prefiller::PostNotice(kvtransfer::PeerId peer, const NoticeSpec& n,
+                           const std::string& descriptor, bool retry_after_loss) {
+  // Refused as lost: the endpoint failed (UNAVAILABLE) or is being or was
+  // released (CANCELLED, NOT_FOUND).
+  auto lost = [](const Status& s) {
+    return s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kCancelled ||
+           s.code() == StatusCode::kNotFound;
+  };
   auto x = transport_.PrepareWrite(peer, {}, link_.EncodeNotice(n));
-  if (!x.ok()) {
-    LogRequest(spdlog::level::warn, n.request_id, "cannot tell the decoder we gave up: {}",
-                 x.status().message());
+  Status s = x.status();
+  if (x.ok()) {
+    s = transport_.Post(*x, [this, peer, n, descriptor, retry_after_loss](
+                                kvtransfer::XferId id, kvtransfer::XferStatus st, const Status&) {
+      transport_.Release(id).IgnoreError();
+      if (st == kvtransfer::XferStatus::kErrRemoteDisconnect && retry_after_loss) {
+        NoticeAfterLoss(peer, n, descriptor);
+      }
+    });
+    if (!s.ok()) transport_.Release(*x).IgnoreError();
+  }
+  if (s.ok()) return;
+  if (retry_after_loss && lost(s)) {
+    NoticeAfterLoss(peer, n, descriptor);
     return;
   }
-  kvtransfer::Transport* t = &transport_;
-  Status s = transport_.Post(*x, [t](kvtransfer::XferId id, kvtransfer::XferStatus, const Status&) {
-    t->Release(id).IgnoreError();
-  });
-  if (!s.ok()) transport_.Release(*x).IgnoreError();
+  LogRequest(spdlog::level::warn, n.request_id, "cannot tell the decoder we gave up: {}",
+             s.message());
+}
+
+void Prefiller::NoticeAfterLoss(kvtransfer::PeerId lost, const NoticeSpec& n,
+                                const std::string& descriptor) {
+  auto then = [this, lost, n, descriptor](Result<kvtransfer::PeerId> fresh) {
+    if (!fresh.ok()) {
+      LogRequest(spdlog::level::warn, n.request_id,
+                 "cannot tell the decoder we gave up: its KV endpoint {} was lost and importing "
+                 "it again failed: {}",
+                 lost, fresh.status().message());
+      return;
+    }
+    LogRequest(spdlog::level::info, n.request_id,
+               "telling the decoder we gave up over a fresh KV endpoint {} (endpoint {} was lost)",
+               *fresh, lost);
+    PostNotice(*fresh, n, descriptor, /*retry_after_loss=*/false);
+  };
+  targets_.AfterLoss(descriptor, lost, std::move(then));
 }
 
 Status Prefiller::UnknownError() { return Status(StatusCode::kUnknown, "prefiller gave up"); }

@@ -47,6 +47,7 @@
 #include "parallel/parallel_layout.h"
 #include "prefiller/kv_sealer.h"
 #include "prefiller/push_stream.h"
+#include "prefiller/push_targets.h"
 
 namespace tandem::prefiller {
 
@@ -276,10 +277,17 @@ class Prefiller {
   void GiveUp(const JobPtr& job, Status why, bool release_prefill);
   // Whether a put posted now still lands well inside the decoder's lease.
   bool LeaseAllowsPost(const Job& job) const;
-  Result<kvtransfer::PeerId> PeerFor(const std::string& descriptor);
   // Tells the decoder we gave up (when it holds a reservation for us);
-  // call only once no data transfer of the job can land any more.
+  // call only once no data transfer of the job can land any more. When the
+  // job's endpoint was declared lost (the decoder may be alive), the notice
+  // goes over a fresh one once the lost one is released (PushTargets).
   void SendErrorNotice(const JobPtr& job, const Status& why);
+  // Posts `n` to `peer`; on a loss of that endpoint (refused, or the write
+  // ended kErrRemoteDisconnect) and `retry_after_loss`, once more over a
+  // fresh endpoint for `descriptor`.
+  void PostNotice(kvtransfer::PeerId peer, const NoticeSpec& n, const std::string& descriptor,
+                  bool retry_after_loss);
+  void NoticeAfterLoss(kvtransfer::PeerId lost, const NoticeSpec& n, const std::string& descriptor);
   // With mu_ held, when job.spec.trace is sampled: the prefill's spans
   // (queue, reserve, compute, KV push) as the job ends with `result`.
   void TraceLocked(const Job& job, const Result<PrefillResult>& result) const;
@@ -325,10 +333,9 @@ class Prefiller {
   bool draining_ = false;                  // guarded by mu_
   PrefillerCounts totals_;                 // guarded by mu_ (the totals)
 
-  std::mutex peers_mu_;
-  std::map<std::string, kvtransfer::PeerId> peers_;  // descriptor -> imported peer
-
   std::jthread dispatcher_;
+  // Last: destroyed first, running its queued notices while the rest lives.
+  PushTargets targets_;
 };
 
 }  // namespace tandem::prefiller

@@ -9,6 +9,27 @@ namespace tandem::prefiller {
 
 namespace kv = kvtransfer;
 
+namespace {
+
+// How a write the transport refused ends the stream: a peer it declared
+// lost (UNAVAILABLE) or released (being released: CANCELLED; gone:
+// NOT_FOUND) as kErrRemoteDisconnect, so that the prefiller treats it as
+// the loss it is; a restarted one as stale.
+kv::XferStatus RefusedAs(const Status& s, kv::XferStatus otherwise) {
+  switch (s.code()) {
+    case StatusCode::kUnavailable:
+    case StatusCode::kCancelled:
+    case StatusCode::kNotFound:
+      return kv::XferStatus::kErrRemoteDisconnect;
+    case StatusCode::kFailedPrecondition:
+      return kv::XferStatus::kErrStaleDescriptor;
+    default:
+      return otherwise;
+  }
+}
+
+}  // namespace
+
 std::shared_ptr<PushStream> PushStream::Create(kv::Transport& transport, PushPlan plan,
                                                PushMode mode) {
   return std::shared_ptr<PushStream>(new PushStream(transport, std::move(plan), mode));
@@ -160,7 +181,8 @@ bool PushStream::PostLocked(std::unique_lock<std::mutex>& lock, std::vector<kv::
     --outstanding_;
     bytes_posted_ -= bytes;
     --transfers_posted_;
-    Fail(kv::XferStatus::kErrInvalidArgument, x.status().WithContext("preparing the KV push"));
+    Fail(RefusedAs(x.status(), kv::XferStatus::kErrInvalidArgument),
+         x.status().WithContext("preparing the KV push"));
     return false;
   }
   inflight_.insert(*x);
@@ -178,7 +200,7 @@ bool PushStream::PostLocked(std::unique_lock<std::mutex>& lock, std::vector<kv::
     --outstanding_;
     bytes_posted_ -= bytes;
     --transfers_posted_;
-    Fail(kv::XferStatus::kErrBackend, posted.WithContext("posting the KV push"));
+    Fail(RefusedAs(posted, kv::XferStatus::kErrBackend), posted.WithContext("posting the KV push"));
     return false;
   }
   if (abort_now) transport_.Abort(*x).IgnoreError();

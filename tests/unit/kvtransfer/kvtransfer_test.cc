@@ -4,6 +4,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
+
 #include "kv_test_util.h"
 #include "kvtransfer/descriptor.h"
 #include "kvtransfer/loopback/loopback_transport.h"
@@ -206,6 +208,60 @@ TEST(KvFault, EnvironmentVariableEnablesOrRefuses) {
   unsetenv(kKvFaultEnv);
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("fail_evry"), std::string::npos);
+}
+
+// lose_peer_at=N (peer-lost, session 13): the Nth data write declares its
+// peer lost while the peer is alive; the peer-failure callback runs, later
+// writes to that PeerId are refused, and importing the same descriptor
+// again gives a fresh endpoint that works.
+TEST(KvFault, LosePeerAtDeclaresALivePeerLostAndAFreshImportWorks) {
+  auto spec = ParseKvFault("lose_peer_at=2,agent=lose-a");
+  ASSERT_TRUE(spec.ok()) << spec.status().ToString();
+  EXPECT_EQ(spec->lose_peer_at, 2u);
+  EXPECT_TRUE(spec->enabled());
+  EXPECT_NE(spec->ToString().find("lose_peer_at=2"), std::string::npos);
+  TransportOptions o;
+  o.backend = "loopback";
+  o.agent_name = "lose-a";
+  o.block_bytes = 64;
+  o.num_blocks = 4;
+  o.fault = *spec;
+  auto a = CreateTransport(o);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  o.agent_name = "lose-b";
+  o.fault = {};
+  auto b = CreateTransport(o);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  std::atomic<int> lost{0};
+  (*a)->SetPeerFailureCallback([&](const std::string& agent, uint64_t, const Status&) {
+    if (agent == "lose-b") ++lost;
+  });
+  auto peer = (*a)->ImportPeer((*b)->LocalDescriptor());
+  ASSERT_TRUE(peer.ok());
+  auto write = [&](PeerId p) {
+    auto x = (*a)->PrepareWrite(p, {{0, 0, 64}}, std::string("n"));
+    if (!x.ok()) return XferStatus::kErrInvalidArgument;
+    EXPECT_TRUE((*a)->Post(*x).ok());
+    EXPECT_TRUE(testing::WaitFor([&] { return IsTerminal((*a)->Poll(*x)); }));
+    const XferStatus st = (*a)->Poll(*x);
+    EXPECT_TRUE((*a)->Release(*x).ok());
+    return st;
+  };
+  EXPECT_EQ(write(*peer), XferStatus::kSuccess);
+  EXPECT_EQ(write(*peer), XferStatus::kErrRemoteDisconnect);  // the 2nd data write
+  EXPECT_TRUE(testing::WaitFor([&] { return lost.load() == 1; }));
+  auto refused = (*a)->PrepareWrite(*peer, {{0, 0, 64}}, std::nullopt);
+  EXPECT_EQ(refused.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(refused.status().message().find("lose_peer_at"), std::string::npos);
+  auto fresh = (*a)->ImportPeer((*b)->LocalDescriptor());
+  ASSERT_TRUE(fresh.ok()) << fresh.status().ToString();
+  EXPECT_NE(*fresh, *peer);
+  EXPECT_EQ(write(*fresh), XferStatus::kSuccess);  // once only
+  EXPECT_EQ((*b)->stats().notifications_received, 2u);
+  EXPECT_EQ((*a)->stats().faults_injected, 1u);
+  EXPECT_TRUE((*a)->ReleasePeer(*peer).ok());
+  EXPECT_TRUE((*a)->ReleasePeer(*fresh).ok());
+  (*a)->SetPeerFailureCallback({});
 }
 
 TEST(LoopbackFaults, DropPeerFailsInFlightWrite) {

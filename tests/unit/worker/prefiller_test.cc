@@ -251,6 +251,54 @@ TEST_F(PrefillerTest, CancelWhileReservingTellsTheDecoderToFreeTheSlots) {
   EXPECT_TRUE(BlockIsZero(2));
 }
 
+// The prefiller's transport declares the decoder's endpoint lost at its
+// first data write while the decoder is alive (TANDEM_KV_FAULT
+// lose_peer_at=1): that request fails naming the decoder, the decoder still
+// hears that its reservation is abandoned (an error notice over a fresh
+// endpoint, so it can free the slots), and the next request to the same
+// decoder is pushed over that fresh endpoint instead of the lost one.
+TEST_F(PrefillerTest, DecoderEndpointDeclaredLostIsToldOverAFreshOneAndUsedAgain) {
+  setenv(kvtransfer::kKvFaultEnv, "lose_peer_at=1,agent=prefill-lost", 1);
+  auto node = Node::Make("prefill-lost", 64, progress_);
+  unsetenv(kvtransfer::kKvFaultEnv);
+  ASSERT_NE(node, nullptr);
+  PrefillerOptions o;
+  o.name = "prefill-lost";
+  o.push_mode = prefiller::PushMode::kAfterPrefill;  // one data write per request
+  o.engine_progress = progress_;
+  prefiller::Prefiller p(*node->engine, *node->transport, link_, o);
+  p.Start();
+  auto run = [&](const std::string& id, uint32_t seed, ReserveTarget target) {
+    std::promise<Result<PrefillResult>> done;
+    EXPECT_TRUE(p.Submit(Job(id, Prompt(20, seed)), [&](Result<PrefillResult> r) {
+      done.set_value(std::move(r));
+    }).ok());
+    EXPECT_TRUE(WaitFor([&] { return link_.NumPending() == 1; }));
+    link_.Answer(std::move(target));
+    return done.get_future().get();
+  };
+  auto a = run("a", 8, Target({1, 2}, 0, /*reservation=*/7));
+  ASSERT_FALSE(a.ok());
+  EXPECT_EQ(a.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(a.status().message().find("decoder 'fake'"), std::string::npos)
+      << a.status().ToString();
+  EXPECT_NE(a.status().message().find("ERR_REMOTE_DISCONNECT"), std::string::npos);
+  ASSERT_TRUE(WaitFor([&] { return Notices().size() == 1; })) << "the decoder never heard";
+  EXPECT_EQ(Notices()[0], "a|7|" + std::to_string(target_->generation()) + "|0|" +
+                              std::to_string(static_cast<int>(StatusCode::kUnavailable)));
+  auto b = run("b", 9, Target({3, 4}, 0, /*reservation=*/8));
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_FALSE(BlockIsZero(3));
+  EXPECT_FALSE(BlockIsZero(4));
+  ASSERT_TRUE(WaitFor([&] { return Notices().size() == 2; }));
+  EXPECT_EQ(Notices()[1], "b|8|" + std::to_string(target_->generation()) + "|" +
+                              std::to_string(b->first_token_id) + "|0");
+  // The lost endpoint was released: one live endpoint, the fresh one.
+  EXPECT_TRUE(WaitFor([&] { return node->transport->stats().live_peers == 1; }));
+  EXPECT_EQ(node->transport->stats().faults_injected, 1u);
+  p.Stop();
+}
+
 TEST_F(PrefillerTest, ExpiredDeadlineIsRefusedAndDrainingRefusesNewWork) {
   MakePrefiller();
   PrefillJob j = Job("late", Prompt(10, 7));
