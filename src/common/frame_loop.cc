@@ -3,6 +3,7 @@
 #include <pthread.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/timerfd.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -31,6 +32,13 @@ FrameLoop::FrameLoop(const char* name)
     ev.events = EPOLLIN;
     ev.data.ptr = nullptr;  // the wake fd
     epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &ev);
+    // Without a timer, WakeBy wakes the loop as Wake does.
+    timer_fd_ = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
+    ev.data.ptr = &timer_fd_;
+    if (timer_fd_ >= 0 && epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, timer_fd_, &ev) != 0) {
+      ::close(timer_fd_);
+      timer_fd_ = -1;
+    }
   }
   thread_ = std::thread([this, name] { Run(name); });
 }
@@ -42,8 +50,23 @@ FrameLoop::~FrameLoop() {
   }
   Signal();
   if (thread_.joinable()) thread_.join();
+  if (timer_fd_ >= 0) ::close(timer_fd_);
   if (wake_fd_ >= 0) ::close(wake_fd_);
   if (epoll_fd_ >= 0) ::close(epoll_fd_);
+}
+
+bool FrameLoop::SetTimer(SteadyClock::time_point at) {
+  if (timer_fd_ < 0) return false;
+  itimerspec spec{};  // all zero: off
+  if (at != SteadyClock::time_point::max()) {
+    // Absolute on CLOCK_MONOTONIC, which steady_clock reads; never zero
+    // (that would turn it off): a time already past fires at once.
+    const int64_t ns = std::max<int64_t>(
+        1, std::chrono::duration_cast<std::chrono::nanoseconds>(at.time_since_epoch()).count());
+    spec.it_value.tv_sec = static_cast<time_t>(ns / 1'000'000'000);
+    spec.it_value.tv_nsec = static_cast<long>(ns % 1'000'000'000);
+  }
+  return timerfd_settime(timer_fd_, TFD_TIMER_ABSTIME, &spec, nullptr) == 0;
 }
 
 void FrameLoop::Signal() {
@@ -68,10 +91,24 @@ void FrameLoop::Wake(FrameReader* r) {
   Signal();
 }
 
+void FrameLoop::WakeBy(FrameReader* r, SteadyClock::time_point at) {
+  {
+    std::lock_guard lock(mu_);
+    wake_by_.emplace_back(at, r);
+    if (at >= timer_at_) return;  // the timer goes off earlier already
+    if (SetTimer(at)) {
+      timer_at_ = at;
+      return;
+    }
+  }
+  Signal();  // no timer: the loop takes it now
+}
+
 void FrameLoop::Forget(FrameReader* r) {
   std::lock_guard lock(mu_);
   std::erase(added_, r);
   std::erase(woken_, r);
+  std::erase_if(wake_by_, [r](const auto& w) { return w.second == r; });
 }
 
 void FrameLoop::Run(const char* name) {
@@ -80,6 +117,7 @@ void FrameLoop::Run(const char* name) {
   // here: a reader is destroyed only after it left this set.
   std::unordered_set<FrameReader*> readers;
   std::vector<FrameReader*> added, woken, due;
+  std::vector<std::pair<SteadyClock::time_point, FrameReader*>> wake_by;
   const Status setup =
       epoll_fd_ < 0 || wake_fd_ < 0
           ? InternalError(std::string("frame loop: epoll/eventfd: ") + std::strerror(errno))
@@ -122,6 +160,12 @@ void FrameLoop::Run(const char* name) {
       stop = stop_;
       added.swap(added_);
       woken.swap(woken_);
+      wake_by.swap(wake_by_);
+      // Its requests are the loop's from here (its wait below honours
+      // them): the timer is no longer needed for them.
+      if (timer_at_ != SteadyClock::time_point::max() && SetTimer(SteadyClock::time_point::max())) {
+        timer_at_ = SteadyClock::time_point::max();
+      }
     }
     if (stop || !setup.ok()) break;
     {
@@ -141,6 +185,11 @@ void FrameLoop::Run(const char* name) {
       }
       woken.clear();
     }
+    // Until the reader is next served, which asks its owner again.
+    for (const auto& [at, r] : wake_by) {
+      if (readers.count(r) != 0) r->loop_until_ = std::min(r->loop_until_, at);
+    }
+    wake_by.clear();
     auto until = SteadyClock::time_point::max();
     for (FrameReader* r : readers) until = std::min(until, r->loop_until_);
     int timeout_ms = -1;
@@ -153,9 +202,9 @@ void FrameLoop::Run(const char* name) {
     DeliveryScope scope;
     for (int i = 0; i < n; ++i) {
       auto* r = static_cast<FrameReader*>(evs[i].data.ptr);
-      if (r == nullptr) {
+      if (r == nullptr || evs[i].data.ptr == &timer_fd_) {  // the wake fd or the timer
         uint64_t v;
-        (void)!::read(wake_fd_, &v, sizeof(v));
+        (void)!::read(r == nullptr ? wake_fd_ : timer_fd_, &v, sizeof(v));
         continue;
       }
       if (readers.count(r) != 0) step(r, static_cast<short>(evs[i].events & 0xffff));
@@ -177,6 +226,7 @@ void FrameLoop::Run(const char* name) {
     for (FrameReader* r : added_) readers.insert(r);
     added_.clear();
     woken_.clear();
+    wake_by_.clear();
   }
   while (!readers.empty()) finish(*readers.begin(), why);
 }

@@ -69,6 +69,14 @@ void FrameReader::Wake() {
   (void)!::write(wake_fd_, &one, sizeof(one));
 }
 
+void FrameReader::WakeBy(SteadyClock::time_point at) {
+  if (loop_ != nullptr) {
+    loop_->WakeBy(this, at);
+  } else {
+    Wake();
+  }
+}
+
 bool FrameReader::Join() {
   if (loop_ == nullptr) {
     if (!thread_.joinable() || thread_.get_id() == std::this_thread::get_id()) return false;

@@ -71,6 +71,10 @@ class FrameReader {
   bool started() const { return started_; }
   // Wakes the wait: a Close, an earlier deadline, work to run.
   void Wake();
+  // The owner has a new deadline at `at`: the wait ends by then. Served by
+  // a loop, nothing is woken now (FrameLoop::WakeBy); on a thread of its
+  // own, as Wake.
+  void WakeBy(std::chrono::steady_clock::time_point at);
   // Waits until the connection ended (on_end ran); false (nothing waited)
   // when it was never started, was joined already, or when called from
   // the thread that runs the hooks.

@@ -117,7 +117,7 @@ Decoder::Decoder(engine::Engine& engine, kvtransfer::Transport& transport, Decod
       descriptor_(transport.LocalDescriptor()) {
   transport_.SetPeerFailureCallback(
       [this](const std::string& agent, uint64_t generation, const Status&) {
-        OnPrefillerLost(agent, generation);
+        OnPrefillerEndpointFailed(agent, generation);
       });
 }
 
@@ -699,6 +699,30 @@ void Decoder::OnPrefillerLost(const std::string& agent, uint64_t generation) {
   for (uint64_t id : release) engine_.ReleaseReservation(id).IgnoreError();
 }
 
+void Decoder::OnPrefillerEndpointFailed(const std::string& agent, uint64_t generation) {
+  {
+    std::lock_guard lock(mu_);
+    uint64_t& g = endpoint_failed_[agent];
+    g = std::max(g, generation);
+  }
+  OnPrefillerLost(agent, generation);
+}
+
+bool Decoder::ReviveWriter(const std::string& agent, uint64_t generation) {
+  std::lock_guard lock(mu_);
+  auto it = endpoint_failed_.find(agent);
+  if (it == endpoint_failed_.end() || it->second != generation) return false;
+  endpoint_failed_.erase(it);
+  // Older generations stay dead (generations only grow); this one lives.
+  if (auto d = dead_writers_.find(agent); d != dead_writers_.end() && d->second >= generation) {
+    d->second = generation - 1;
+  }
+  spdlog::info("prefiller '{}' (generation {}) was declared dead by its KV endpoint but reserves "
+               "again: alive; watched again through a new endpoint",
+               agent, generation);
+  return true;
+}
+
 void Decoder::WatchPrefiller(std::string_view descriptor, std::string* agent, uint64_t* generation) {
   auto desc = kvtransfer::ParseDescriptor(descriptor);
   if (!desc.ok()) {
@@ -712,10 +736,14 @@ void Decoder::WatchPrefiller(std::string_view descriptor, std::string* agent, ui
   if (desc->agent_name == transport_.agent_name()) return;  // ourselves (role both): alive while we are
   std::string key(descriptor);
   uint64_t older = 0;
+  const bool revived = ReviveWriter(desc->agent_name, desc->generation);
   {
     std::lock_guard lock(watch_mu_);
     if (auto w = watched_.find(key); w != watched_.end()) {
-      return;
+      // Watched already, unless that endpoint failed: then a new one (the
+      // failed one stays with the transport, unused).
+      if (!revived) return;
+      watched_.erase(w);
     }
     // A newer generation of the same agent: the older process is gone.
     for (const auto& [d, peer] : watched_) {

@@ -224,6 +224,13 @@ class Decoder {
   // older one) dead: its quarantined reservations are released, later
   // expiring ones of it are released at expiry. Any thread.
   void OnPrefillerLost(const std::string& agent, uint64_t generation);
+  // The same, reported by the decoder's own KV endpoint to that prefiller
+  // (an endpoint error, a keep-alive failure): it may be a false loss (a
+  // partition that healed, a stopped process, the prefiller closing a lost
+  // endpoint of its own). A later Reserve from that very generation proves
+  // it alive: it is watched again through a new endpoint and no longer
+  // counts as dead (docs/failure-handling.md). Any thread.
+  void OnPrefillerEndpointFailed(const std::string& agent, uint64_t generation);
 
   // New registrations fail with UNAVAILABLE; Reserve for registered ones
   // still works so that in-flight requests finish.
@@ -278,6 +285,9 @@ class Decoder {
   // Connects to a prefiller's transport so that its death is reported
   // (once per descriptor; failures are logged).
   void WatchPrefiller(std::string_view descriptor, std::string* agent, uint64_t* generation);
+  // A Reserve came from `agent` at `generation`: if only its endpoint's
+  // failure made it dead, it is alive after all (takes mu_). True if so.
+  bool ReviveWriter(const std::string& agent, uint64_t generation);
   // Verifies the pushed blocks of reservation `h` against `checksums`;
   // the error names the first bad block.
   Status VerifyChecksums(const Held& h, const std::vector<uint64_t>& checksums) const;
@@ -299,6 +309,9 @@ class Decoder {
   bool draining_ = false;                   // guarded by mu_
   DecoderCounts counts_;                    // guarded by mu_ (totals)
   std::map<std::string, uint64_t> dead_writers_;  // guarded by mu_: agent -> newest dead generation
+  // guarded by mu_: agent -> the generation its endpoint's failure declared
+  // dead (OnPrefillerEndpointFailed), until a Reserve of it revives it.
+  std::map<std::string, uint64_t> endpoint_failed_;
   std::mutex watch_mu_;
   std::map<std::string, kvtransfer::PeerId> watched_;  // guarded by watch_mu_: descriptor -> peer
   std::condition_variable_any lease_cv_;

@@ -597,13 +597,22 @@ void Prefiller::PostNotice(kvtransfer::PeerId peer, const NoticeSpec& n,
   auto x = transport_.PrepareWrite(peer, {}, link_.EncodeNotice(n));
   Status s = x.status();
   if (x.ok()) {
-    s = transport_.Post(*x, [this, peer, n, descriptor, retry_after_loss](
-                                kvtransfer::XferId id, kvtransfer::XferStatus st, const Status&) {
-      transport_.Release(id).IgnoreError();
-      if (st == kvtransfer::XferStatus::kErrRemoteDisconnect && retry_after_loss) {
-        NoticeAfterLoss(peer, n, descriptor);
-      }
-    });
+    // Only a notice that may be retried needs this prefiller in its
+    // callback (which may run as late as the transport's shutdown).
+    kvtransfer::Transport* t = &transport_;
+    if (retry_after_loss) {
+      s = transport_.Post(*x, [this, t, peer, n, descriptor](
+                                  kvtransfer::XferId id, kvtransfer::XferStatus st, const Status&) {
+        t->Release(id).IgnoreError();
+        if (st == kvtransfer::XferStatus::kErrRemoteDisconnect) {
+          NoticeAfterLoss(peer, n, descriptor);
+        }
+      });
+    } else {
+      s = transport_.Post(*x, [t](kvtransfer::XferId id, kvtransfer::XferStatus, const Status&) {
+        t->Release(id).IgnoreError();
+      });
+    }
     if (!s.ok()) transport_.Release(*x).IgnoreError();
   }
   if (s.ok()) return;

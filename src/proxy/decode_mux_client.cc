@@ -8,6 +8,7 @@
 
 #include "common/delivery_scope.h"
 #include "common/rpc_server.h"
+#include "proxy/prompt_parts.h"
 #include "proxy/proxy_metrics.h"
 
 namespace tandem::proxy {
@@ -107,18 +108,61 @@ class DecodeMux::Request final : public Call {
   const DecodeEvents events_;
 };
 
+bool DecodeStartInParts(const DecodeArgs& args, DecodeStartParts* out) {
+  const std::string_view prompt = PackedFixed32Prompt(args.prompt_ids, args.prompt_fixed32);
+  if (prompt.empty()) return false;
+  pb::DecodeRequest req;
+  FillDecodeRequestFields(args, &req);
+  out->head.clear();
+  out->bytes = AppendPromptMessageField(pb::DecodeStreamStart::kRequestFieldNumber, req,
+                                        pb::DecodeRequest::kPromptTokenIdsFixed32FieldNumber,
+                                        prompt.size(), &out->head);
+  out->prompt = prompt;
+  out->tail.clear();
+  if (!args.traceparent.empty()) {
+    pb::DecodeStreamStart traced;  // only its traceparent: the field after the request
+    traced.set_traceparent(args.traceparent);
+    traced.AppendToString(&out->tail);
+  }
+  out->bytes += out->tail.size();
+  return true;
+}
+
+std::string DecodeStartPrefix(uint64_t handle, const DecodeStartParts& parts) {
+  std::string handle_field;
+  AppendVarintFieldTag(pb::DecodeStreamStart::kHandleFieldNumber, &handle_field);
+  AppendVarint(handle, &handle_field);
+  std::string out;
+  AppendLengthDelimitedTag(pb::DecodeStreamRequest::kStartFieldNumber, &out);
+  AppendVarint(handle_field.size() + parts.bytes, &out);
+  out += handle_field;
+  return out;
+}
+
 std::shared_ptr<Call> DecodeMux::Start(const DecodeArgs& args, DecodeEvents& events) {
+  // Built outside the lock: the start in parts (the prompt copied once,
+  // into the connection's output) where the transport takes them, else as
+  // a message.
+  DecodeStartParts parts;
+  const bool in_parts = SendsParts() && DecodeStartInParts(args, &parts);
   pb::DecodeStreamRequest msg;
-  auto* start = msg.mutable_start();
-  FillDecodeRequest(args, start->mutable_request());
-  start->set_traceparent(args.traceparent);
+  if (!in_parts) {
+    auto* start = msg.mutable_start();
+    FillDecodeRequest(args, start->mutable_request());
+    start->set_traceparent(args.traceparent);
+  }
   std::unique_lock lock(mu_);
   if (ended_) return nullptr;
   const uint64_t handle = next_handle_++;
-  start->set_handle(handle);
   auto req = std::make_shared<Request>(weak_from_this(), handle, std::move(events));
   requests_.Insert(handle, req);
-  SendLocked(lock, std::move(msg));
+  if (in_parts) {
+    const std::string prefix = DecodeStartPrefix(handle, parts);
+    SendPartsLocked(lock, {prefix, parts.head, parts.prompt, parts.tail});
+  } else {
+    msg.mutable_start()->set_handle(handle);
+    SendLocked(lock, std::move(msg));
+  }
   return req;
 }
 

@@ -24,9 +24,12 @@
 #include <grpcpp/grpcpp.h>
 
 #include <deque>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <span>
+#include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -39,9 +42,31 @@
 
 namespace tandem::proxy {
 
-// Shared with the Decode RPC (worker_client_grpc.cc).
+// Shared with the Decode RPC (worker_client_grpc.cc). FillDecodeRequestFields:
+// every field but the prompt.
 void FillDecodeRequest(const DecodeArgs& args, v1::DecodeRequest* req);
+void FillDecodeRequestFields(const DecodeArgs& args, v1::DecodeRequest* req);
 Finish FinishFromProto(v1::FinishReason r);
+
+// A decode stream's start (a DecodeStreamRequest holding `start`) in parts
+// for FrameConn::SendParts (issue 23, dec-parts; proxy/prompt_parts.h): the
+// 32 kB prompt is copied once, from the proxy's vector into the
+// connection's output, instead of into the message and out of it again.
+// The parts, in order: DecodeStartPrefix(handle) (made under the stream's
+// lock, once the handle is known), `head`, `prompt`, `tail` -- byte for
+// byte the message's own serialization (fields in number order). False
+// (parts untouched) when the start is not sent so: a decoder that reads
+// the varint field, no prompt, or a big-endian host.
+struct DecodeStartParts {
+  // The start's request field: tag, length, the request without its
+  // prompt, the prompt field's tag and length.
+  std::string head;
+  std::string_view prompt;  // points into the args' prompt
+  std::string tail;         // the start's traceparent field ("" when not traced)
+  size_t bytes = 0;         // the start's bytes but its handle field's
+};
+bool DecodeStartInParts(const DecodeArgs& args, DecodeStartParts* out);
+std::string DecodeStartPrefix(uint64_t handle, const DecodeStartParts& parts);
 
 // The demultiplexer of one decode stream, whatever carries it (gRPC below,
 // framed TCP in proxy/decode_mux_tcp_client.h): handles, the requests'
@@ -63,6 +88,12 @@ class DecodeMux : public GrpcWorkerClient::Tracked, public std::enable_shared_fr
   // Sends `msg` on the stream, in the order of the calls (mu_ is held; an
   // implementation may release it).
   virtual void SendLocked(std::unique_lock<std::mutex>& lock, v1::DecodeStreamRequest msg) = 0;
+  // A transport that writes frames from parts (SendsParts()) gets a start
+  // as DecodeStartInParts' parts (SendPartsLocked, mu_ held), the rest as
+  // messages.
+  virtual bool SendsParts() const { return false; }
+  virtual void SendPartsLocked(std::unique_lock<std::mutex>& /*lock*/,
+                               std::initializer_list<std::string_view> /*parts*/) {}
   // One batch read: each item to its request, in order (the reader thread).
   void Deliver(const v1::DecodeStreamResponse& batch);
   void Deliver(std::span<const DecodeItem> items);

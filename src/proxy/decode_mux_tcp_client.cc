@@ -39,13 +39,20 @@ void DecodeMuxTcpClient::CancelRpc() {
   reader_.Wake();
 }
 
+// Under mu_: starts and cancels go out in the order they were made.
 void DecodeMuxTcpClient::SendLocked(std::unique_lock<std::mutex>&, pb::DecodeStreamRequest msg) {
-  // Under mu_: starts and cancels go out in the order they were made. A
-  // failure closes the connection; the reader then ends every request.
-  if (Status st = conn_->Send(msg); !st.ok()) {
-    conn_->Close(st);
-    reader_.Wake();
-  }
+  Sent(conn_->Send(msg));
+}
+
+void DecodeMuxTcpClient::SendPartsLocked(std::unique_lock<std::mutex>&,
+                                         std::initializer_list<std::string_view> parts) {
+  Sent(conn_->SendParts(parts));
+}
+
+void DecodeMuxTcpClient::Sent(const Status& st) {
+  if (st.ok()) return;
+  conn_->Close(st);
+  reader_.Wake();
 }
 
 Status DecodeMuxTcpClient::OnFrame(std::string_view payload) {

@@ -60,6 +60,12 @@ class DecodeMuxTcpClient final : public DecodeMux {
   Status OnFrame(std::string_view payload);
   void OnEnd(const Status& why);
   void SendLocked(std::unique_lock<std::mutex>& lock, v1::DecodeStreamRequest msg) override;
+  bool SendsParts() const override { return true; }
+  void SendPartsLocked(std::unique_lock<std::mutex>& lock,
+                       std::initializer_list<std::string_view> parts) override;
+  // A send's status: a failure closes the connection; the reader then ends
+  // every request.
+  void Sent(const Status& st);
   void CancelRpc() override;
   // Queues `p` for DrainPosted on a gRPC thread (the reader thread).
   void Post(Posted p);

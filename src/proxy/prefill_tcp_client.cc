@@ -1,14 +1,12 @@
 #include "proxy/prefill_tcp_client.h"
 
 #include <fmt/format.h>
-#include <google/protobuf/io/coded_stream.h>
-#include <google/protobuf/wire_format_lite.h>
 
 #include <algorithm>
-#include <bit>
 
 #include "common/delivery_scope.h"
 #include "common/frame_loop.h"
+#include "proxy/prompt_parts.h"
 #include "tandem/v1/worker.pb.h"
 
 namespace tandem::proxy {
@@ -25,50 +23,26 @@ PrefillTcpClient::PrefillTcpClient(std::shared_ptr<FrameConn> conn)
 
 PrefillTcpClient::~PrefillTcpClient() = default;
 
-namespace {
-
-using WireFormat = google::protobuf::internal::WireFormatLite;
-using Coded = google::protobuf::io::CodedOutputStream;
-
-void AppendVarint(uint64_t v, std::string* out) {
-  uint8_t buf[10];
-  const uint8_t* end = Coded::WriteVarint64ToArray(v, buf);
-  out->append(reinterpret_cast<const char*>(buf), static_cast<size_t>(end - buf));
-}
-
-}  // namespace
-
 bool PrefillRequestInParts(const PrefillArgs& args, uint64_t timeout_us, PrefillRequestParts* out) {
-  if constexpr (std::endian::native != std::endian::little) return false;
-  if (!args.prompt_fixed32 || !args.prompt_ids || args.prompt_ids->empty()) return false;
+  const std::string_view prompt = PackedFixed32Prompt(args.prompt_ids, args.prompt_fixed32);
+  if (prompt.empty()) return false;
   pb::PrefillFrame outer;  // the frame's own small fields
   if (timeout_us != 0) outer.set_timeout_us(timeout_us);
   if (!args.traceparent.empty()) outer.set_traceparent(args.traceparent);
   pb::PrefillRequest req;
   FillPrefillRequestFields(args, &req);
-  const size_t prompt_bytes = args.prompt_ids->size() * sizeof(uint32_t);
-  const uint32_t prompt_tag = WireFormat::MakeTag(pb::PrefillRequest::kPromptTokenIdsFixed32FieldNumber,
-                                                  WireFormat::WIRETYPE_LENGTH_DELIMITED);
-  const size_t req_bytes = req.ByteSizeLong() + Coded::VarintSize32(prompt_tag) +
-                           Coded::VarintSize64(prompt_bytes) + prompt_bytes;
   std::string& head = out->head;
   head.clear();
   outer.AppendToString(&head);
-  AppendVarint(WireFormat::MakeTag(pb::PrefillFrame::kRequestFieldNumber,
-                                   WireFormat::WIRETYPE_LENGTH_DELIMITED),
-               &head);
-  AppendVarint(req_bytes, &head);
-  req.AppendToString(&head);
-  AppendVarint(prompt_tag, &head);
-  AppendVarint(prompt_bytes, &head);
-  out->prompt = std::string_view(reinterpret_cast<const char*>(args.prompt_ids->data()), prompt_bytes);
+  AppendPromptMessageField(pb::PrefillFrame::kRequestFieldNumber, req,
+                           pb::PrefillRequest::kPromptTokenIdsFixed32FieldNumber, prompt.size(), &head);
+  out->prompt = prompt;
   return true;
 }
 
 std::string PrefillCallIdField(uint64_t call_id) {
   std::string out;
-  AppendVarint(WireFormat::MakeTag(pb::PrefillFrame::kCallIdFieldNumber, WireFormat::WIRETYPE_VARINT),
-               &out);
+  AppendVarintFieldTag(pb::PrefillFrame::kCallIdFieldNumber, &out);
   AppendVarint(call_id, &out);
   return out;
 }
@@ -127,6 +101,7 @@ std::shared_ptr<PrefillTcpCall> PrefillTcpClient::Start(
     if (timeout_us != 0) frame.set_timeout_us(timeout_us);
   }
   bool wake = false;
+  auto wake_by = SteadyClock::time_point::max();
   std::shared_ptr<PrefillTcpCall> call;
   {
     std::lock_guard lock(mu_);
@@ -153,11 +128,17 @@ std::shared_ptr<PrefillTcpCall> PrefillTcpClient::Start(
       calls_.emplace(id, call);
       if (deadline != SteadyClock::time_point::max()) {
         deadlines_.emplace(deadline, id);
-        if (deadline < reader_until_) wake = true;
+        if (deadline < reader_until_) wake_by = reader_until_ = deadline;
       }
     }
   }
-  if (wake) reader_.Wake();
+  // A deadline earlier than the reader's wait is the only reason to tell
+  // the reader about the call: it is told without being woken (WakeBy).
+  if (wake) {
+    reader_.Wake();
+  } else if (wake_by != SteadyClock::time_point::max()) {
+    reader_.WakeBy(wake_by);
+  }
   return call;
 }
 

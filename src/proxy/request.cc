@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "common/request_id.h"
@@ -70,11 +71,19 @@ Result<ValidatedRequest> ValidateRequest(ClientRequest req, const ServingLimits&
     if (req.prompt_token_ids.size() > max_prompt) {
       return too_long(req.prompt_token_ids.size(), "prompt_token_ids");
     }
-    for (size_t i = 0; i < req.prompt_token_ids.size(); ++i) {
-      if (req.prompt_token_ids[i] >= limits.vocab_size) {
-        return InvalidArgumentError(fmt::format(
-            "prompt_token_ids[{}] is {}; token ids must be below the vocabulary size {}", i,
-            req.prompt_token_ids[i], limits.vocab_size));
+    // The largest id first: a pass with no exit in it, which the compiler
+    // vectorizes (8 ids an instruction; issue 23: the loop that stopped
+    // at the first offender took one compare and branch per id of every
+    // 8k prompt). The offender's index is looked for only when there is one.
+    uint32_t largest = 0;
+    for (const uint32_t id : req.prompt_token_ids) largest = std::max(largest, id);
+    if (largest >= limits.vocab_size) {
+      for (size_t i = 0; i < req.prompt_token_ids.size(); ++i) {
+        if (req.prompt_token_ids[i] >= limits.vocab_size) {
+          return InvalidArgumentError(fmt::format(
+              "prompt_token_ids[{}] is {}; token ids must be below the vocabulary size {}", i,
+              req.prompt_token_ids[i], limits.vocab_size));
+        }
       }
     }
     out.prompt_ids = std::move(req.prompt_token_ids);

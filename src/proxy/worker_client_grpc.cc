@@ -58,8 +58,12 @@ void AddPrompt(const PromptIds& ids, bool fixed32, Req* req) {
 }
 
 void FillDecodeRequest(const DecodeArgs& args, pb::DecodeRequest* req) {
-  req->set_request_id(args.request_id);
   AddPrompt(args.prompt_ids, args.prompt_fixed32, req);
+  FillDecodeRequestFields(args, req);
+}
+
+void FillDecodeRequestFields(const DecodeArgs& args, pb::DecodeRequest* req) {
+  req->set_request_id(args.request_id);
   FillParams(args.params, req->mutable_params());
   req->set_deadline_unix_ms(UnixMs(args.deadline));
   req->set_prefill_locally(args.prefill_locally);

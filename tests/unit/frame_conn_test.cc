@@ -7,8 +7,9 @@
 // server without one by the client; a peer that does not read never blocks
 // the sender and is disconnected at the bound; four threads sending at
 // once while the reader reads interleave no frame nor record. On one frame loop, a
-// connection that breaks ends alone and a peer that never answers holds up
-// no other connection's frames. Real sockets on 127.0.0.1.
+// connection that breaks ends alone, a peer that never answers holds up
+// no other connection's frames, and a deadline given without a wake-up
+// (WakeBy) holds. Real sockets on 127.0.0.1.
 #include <gtest/gtest.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -607,6 +608,82 @@ TEST_F(FrameConnTest, OnOneLoopABrokenConnectionEndsAloneAndASilentPeerHoldsUpNo
 
 // A lookup that waits until the test lets it go (a DNS server that is slow
 // to answer), then asks getaddrinfo for an IPv4 address.
+// Issue 23 (dec-parts): a deadline handed to the loop with WakeBy (as a
+// new Prefill call's) holds although nothing wakes the loop for it: the
+// owner is asked again (before_wait) at the deadline, not before it; and
+// when another connection's frame wakes the loop first (which then turns
+// its timer off), the loop keeps the deadline itself. The owner's due work
+// runs once per deadline, at or after it.
+TEST_F(FrameConnTest, OnOneLoopADeadlineGivenByWakeByHoldsWithoutAWakeUp) {
+  using SteadyClock = std::chrono::steady_clock;
+  static constexpr auto kNone = SteadyClock::time_point::max();
+  FrameLoop loop("test-loop");
+  Seen seen, seen_other;
+  auto server = Serve(nullptr, &seen, {}, /*echo=*/false);
+  auto other_server = Serve(nullptr, &seen_other);
+  ASSERT_TRUE(server && other_server);
+  Client other(other_server->address(), nullptr, {}, &loop);
+  struct Owner {
+    std::mutex mu;
+    std::condition_variable cv;
+    SteadyClock::time_point deadline = kNone;
+    std::vector<SteadyClock::time_point> due;  // when each deadline was found due
+  } owner;
+  auto conn = FrameConn::Client(server->address(), nullptr, {});
+  FrameReader reader(conn, &loop);
+  FrameReader::Hooks hooks;
+  hooks.on_frame = [](std::string_view) { return Status::Ok(); };
+  hooks.before_wait = [&owner] {
+    std::lock_guard lock(owner.mu);
+    const auto now = SteadyClock::now();
+    if (owner.deadline == kNone || now < owner.deadline) return owner.deadline;
+    owner.due.push_back(now);
+    owner.deadline = kNone;
+    owner.cv.notify_all();
+    return kNone;
+  };
+  hooks.on_end = [](const Status&) {};
+  ASSERT_TRUE(reader.Start("unused", std::move(hooks), nullptr));
+  struct Ender {  // the connection ends before the loop goes, whatever the test found
+    FrameConn& conn;
+    FrameReader& reader;
+    ~Ender() {
+      conn.Close(CancelledError("test over"));
+      reader.Wake();
+      reader.Join();
+    }
+  } ender{*conn, reader};
+  ASSERT_TRUE(conn->Send(Cancel(1)).ok());
+  ASSERT_TRUE(seen.WaitFor([&] { return seen.cancels.size() == 1; }));
+  const auto due_after = [&owner](size_t n) {
+    std::unique_lock lock(owner.mu);
+    owner.cv.wait_for(lock, std::chrono::seconds(20), [&] { return owner.due.size() >= n; });
+    return owner.due;
+  };
+  // 1. Nothing else happens on the loop: its timer wakes it at the deadline.
+  auto at = SteadyClock::now() + std::chrono::milliseconds(100);
+  {
+    std::lock_guard lock(owner.mu);
+    owner.deadline = at;
+  }
+  reader.WakeBy(at);
+  auto due = due_after(1);
+  ASSERT_EQ(due.size(), 1u);
+  EXPECT_GE(due[0], at);
+  // 2. Another connection's answer wakes the loop before the deadline.
+  at = SteadyClock::now() + std::chrono::milliseconds(300);
+  {
+    std::lock_guard lock(owner.mu);
+    owner.deadline = at;
+  }
+  reader.WakeBy(at);
+  ASSERT_TRUE(other.conn().Send(Cancel(2)).ok());
+  EXPECT_EQ(other.WaitHandles(1), std::vector<uint64_t>{2});
+  due = due_after(2);
+  ASSERT_EQ(due.size(), 2u);
+  EXPECT_GE(due[1], at);
+}
+
 struct SlowDns {
   static inline std::mutex mu;
   static inline std::condition_variable cv;

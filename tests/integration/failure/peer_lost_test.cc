@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <future>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -153,6 +154,22 @@ TEST_P(PeerLost, LiveDecoderDeclaredLostStrandsNoRequestAndNoBlock) {
   }
   EXPECT_GT(Metric(d0->metrics, "tandem_decode_step_seconds_count"), steps);
   EXPECT_EQ(WaitFleetIdle((*fleet)->workers(), (*fleet)->proxy_metrics(), 15s), "");
+  // Closing the lost endpoint may make decode-0's own endpoint to prefill-0
+  // fail (UCX over TCP: a reset); decode-0 then counts prefill-0 dead until
+  // prefill-0 reserves again, which proves it alive.
+  const std::string log = ReadText((*fleet)->log_path());
+  std::istringstream lines(log);
+  bool decoder_saw_failure = false;
+  for (std::string line; std::getline(lines, line);) {
+    decoder_saw_failure |= line.find("[decode-0] kvtransfer: peer") != std::string::npos &&
+                           line.find("(prefill-0 generation") != std::string::npos;
+  }
+  std::printf("[peer_lost] decode-0's endpoint to prefill-0 %s\n",
+              decoder_saw_failure ? "failed too" : "stayed up");
+  if (decoder_saw_failure) {
+    EXPECT_NE(log.find("reserves again: alive"), std::string::npos)
+        << "decode-0 kept the live prefill-0 for dead";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Push, PeerLost, ::testing::Values("after_prefill", "streaming"),

@@ -4,7 +4,8 @@
 // the request CANCELLED; a decoder that cannot be dialled, that is not of
 // the fleet CA, or that closes the connection ends every request on it with
 // UNAVAILABLE and from_worker = false (the lifecycle then retries or
-// migrates, as for a broken gRPC stream). Real sockets on 127.0.0.1; the
+// migrates, as for a broken gRPC stream); a start to a decoder that reads
+// the fixed32 prompt, written in parts, is the message's bytes. Real sockets on 127.0.0.1; the
 // whole path with real decoders is decode_stream_test.
 #include <gtest/gtest.h>
 
@@ -75,6 +76,7 @@ struct Script {
   std::mutex mu;
   std::condition_variable cv;
   std::vector<uint64_t> cancels;
+  std::vector<std::string> starts;  // each start's frame payload, as read
 };
 
 class ScriptedDecoder final : public FrameSession {
@@ -93,6 +95,10 @@ class ScriptedDecoder final : public FrameSession {
       }
       script_->cv.notify_all();
       return Status::Ok();
+    }
+    {
+      std::lock_guard lock(script_->mu);
+      script_->starts.emplace_back(payload);
     }
     const uint32_t max_tokens = req.start().request().params().max_tokens();
     if (max_tokens == 2) return UnavailableError("scripted close");
@@ -213,6 +219,54 @@ TEST_P(DecodeMuxTcpClientTest, ATokenTableOnlyPrefetches) {
     EXPECT_EQ(done.tokens, (std::vector<uint32_t>{42, 43}));
     EXPECT_TRUE(done.finished);
   }
+  mux->Stop();
+}
+
+// Issue 23 (dec-parts): a start to a decoder that reads the fixed32 prompt
+// leaves in parts (DecodeStartInParts); the decoder reads, byte for byte,
+// the message's serialization, and answers it as any start.
+TEST_P(DecodeMuxTcpClientTest, AStartInPartsReachesTheDecoderAsTheMessage) {
+  // Over mutual TLS: the 32 kB frame spans several records.
+  const CertKeyPem ca = frame_testing::MakeCa("fleet-ca");
+  Script script;
+  auto server = Serve(frame_testing::Tls(frame_testing::Identity(ca, "decode-0")), &script);
+  ASSERT_NE(server, nullptr);
+  auto mux = DecodeMuxTcpClient::Open(server->address(),
+                                      frame_testing::Tls(frame_testing::Identity(ca, "proxy")),
+                                      /*deliver_on_grpc_thread=*/GetParam());
+  DecodeArgs args = Args(1);
+  std::vector<uint32_t> ids(8000);
+  for (uint32_t i = 0; i < ids.size(); ++i) ids[i] = i * 2654435761u;
+  args.prompt_ids = std::make_shared<const std::vector<uint32_t>>(ids);
+  args.prompt_fixed32 = true;
+  args.traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+  for (int i = 0; i < 2; ++i) {
+    Seen seen;
+    DecodeEvents e = seen.Events();
+    ASSERT_NE(mux->Start(args, e), nullptr);
+    ASSERT_TRUE(seen.WaitEnd());
+    EXPECT_TRUE(seen.finished);
+    EXPECT_EQ(seen.tokens, (std::vector<uint32_t>{42, 43}));
+  }
+  std::vector<std::string> starts;
+  {
+    std::lock_guard lock(script.mu);
+    starts = script.starts;
+  }
+  ASSERT_EQ(starts.size(), 2u);
+  for (uint64_t handle = 1; handle <= 2; ++handle) {
+    pb::DecodeStreamRequest want;
+    auto* start = want.mutable_start();
+    start->set_handle(handle);
+    FillDecodeRequest(args, start->mutable_request());
+    start->set_traceparent(args.traceparent);
+    EXPECT_EQ(starts[handle - 1], want.SerializeAsString()) << "handle " << handle;
+  }
+  pb::DecodeStreamRequest got;
+  ASSERT_TRUE(got.ParseFromString(starts[0]));
+  EXPECT_EQ(std::vector<uint32_t>(got.start().request().prompt_token_ids_fixed32().begin(),
+                                  got.start().request().prompt_token_ids_fixed32().end()),
+            ids);
   mux->Stop();
 }
 

@@ -124,6 +124,13 @@ std::vector<BadCase> BadCases() {
   ids.prompt_token_ids = {1, 2, 4096};
   add("token out of vocab", ids, StatusCode::kInvalidArgument,
       "prompt_token_ids[2] is 4096; token ids must be below the vocabulary size 4096");
+  // The first offender is named, not the largest (a larger one follows it).
+  ClientRequest two_bad;
+  two_bad.prompt_token_ids = std::vector<uint32_t>(40, 7);
+  two_bad.prompt_token_ids[17] = 4097;
+  two_bad.prompt_token_ids[31] = 99999;
+  add("first token out of vocab", two_bad, StatusCode::kInvalidArgument,
+      "prompt_token_ids[17] is 4097; token ids must be below the vocabulary size 4096");
   ClientRequest long_prompt = Text(std::string(1024, 'a'));
   add("prompt too long", long_prompt, StatusCode::kInvalidArgument,
       "prompt has 1024 tokens; this model accepts at most 1024 (prompt + completion; "

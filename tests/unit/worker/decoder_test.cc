@@ -492,6 +492,43 @@ TEST_F(DecoderTest, QuarantineEndsWhenTheWriterIsDeclaredDead) {
   EXPECT_EQ(decoder_->counts().quarantined_blocks, 0u);
 }
 
+// The decoder's own endpoint to a prefiller failed (what the transport's
+// peer-failure callback reports) while the prefiller is alive: e.g. the
+// prefiller closed an endpoint its transport had declared lost (peer-lost,
+// docs/failure-handling.md). Until it is heard from, it counts as dead; a
+// Reserve from that very generation proves it alive, and its expired
+// reservations are quarantined again instead of freed under a live writer.
+TEST_F(DecoderTest, WriterDeclaredDeadByItsEndpointIsAliveWhenItReservesAgain) {
+  MakeDecoder(/*lease_seconds=*/0.2);
+  auto writer = Node::Make("prefill-unit", 4);
+  ASSERT_NE(writer, nullptr);
+  const std::string agent = writer->transport->agent_name();
+  const std::string desc = writer->transport->LocalDescriptor();
+  const auto prompt = Prompt(40, 21);
+  auto sink_a = Register("a", prompt);
+  ASSERT_TRUE(decoder_->Reserve("a", agent, prompt, desc).ok());
+  decoder_->OnPrefillerEndpointFailed(agent, writer->transport->generation());
+  // Dead as far as the decoder knows: a's expired blocks are freed at once.
+  ASSERT_TRUE(WaitFor([&] { return sink_a->Ended(); }));
+  ASSERT_TRUE(WaitFor([&] { return decoder_->counts().reservations == 0; }));
+  EXPECT_EQ(decoder_->counts().quarantined_blocks, 0u);
+  EXPECT_EQ(decoder_->counts().quarantine_released_dead, 1u);
+  // The same generation reserves again: alive, so b's expired blocks wait
+  // in quarantine for its word.
+  const auto other = Prompt(40, 22);
+  auto sink_b = Register("b", other);
+  auto t = decoder_->Reserve("b", agent, other, desc);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  ASSERT_TRUE(WaitFor([&] { return sink_b->Ended(); }));
+  EXPECT_EQ(decoder_->counts().quarantined_blocks, 3u);
+  EXPECT_EQ(decoder_->counts().quarantine_released_dead, 1u);
+  // Its notice (the writer is done) releases them.
+  decoder_->OnKvNotice(Notice(*t, 0));
+  EXPECT_EQ(decoder_->counts().quarantined_blocks, 0u);
+  EXPECT_EQ(decoder_->counts().reservations, 0u);
+  EXPECT_EQ(FreeBlocks(), 32u);
+}
+
 // End-to-end checksums: verified before the request is added to the
 // engine; a flipped byte (or a notice without checksums) fails the request
 // closed with UNAVAILABLE, counted, blocks freed, nothing decoded.

@@ -4,7 +4,8 @@
 // that advertises WorkerInfo.reads_fixed32_prompt, the packed varints to an
 // older one — and a worker still reads a request that has only the varint
 // field (what an older proxy sends). The framed Prefill request written in
-// parts (prompt-io, issue 23) is the same frame. Over the wire: the messages are
+// parts (prompt-io, issue 23) is the same frame, and the decode stream's
+// start in parts (dec-parts) the same bytes. Over the wire: the messages are
 // serialized and parsed back, as the transports do.
 #include <gtest/gtest.h>
 
@@ -43,7 +44,7 @@ Msg OverTheWire(const Msg& m) {
 
 proxy::DecodeArgs DecodeArgsFor(const std::vector<uint32_t>& ids, bool fixed32) {
   proxy::DecodeArgs a;
-  a.request_id = "r";
+  a.request_id = std::string("r");  // as in PrefillArgsFor (GCC bug 105329)
   a.attempt = 2;
   a.prompt_ids = std::make_shared<const std::vector<uint32_t>>(ids);
   a.deadline = std::chrono::system_clock::time_point::max();
@@ -138,6 +139,59 @@ TEST(PromptEncodingTest, ThePrefillFrameInPartsIsTheFrameTheMessageWayBuilds) {
   args.prompt_ids = std::make_shared<const std::vector<uint32_t>>();
   EXPECT_FALSE(proxy::PrefillRequestInParts(args, 0, &parts));
   EXPECT_TRUE(parts.head.empty());
+}
+
+// Issue 23 (dec-parts): the decode stream's start written in parts (the
+// prefix made once the handle is known, the head, the prompt's bytes as the
+// proxy holds them, the traceparent) is byte for byte the serialization of
+// the message the message way builds, for handles of every varint length
+// and with or without a trace context, and the decoder reads the same ids.
+// A decoder that reads only the varint field, or an empty prompt, gets the
+// message.
+TEST(PromptEncodingTest, TheDecodeStartInPartsIsTheMessagesSerialization) {
+  const std::vector<uint32_t> ids = Ids();
+  proxy::DecodeArgs args = DecodeArgsFor(ids, true);
+  args.params.max_tokens = 17;
+  args.params.stop_token_ids = {7, 9};
+  args.tenant_salt = std::string("salt");
+  args.params.tenant = std::string("t");
+  args.params.priority = -3;
+  const std::string traced = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+  for (const std::string& traceparent : {std::string(), traced}) {
+    args.traceparent = traceparent;
+    for (const uint64_t handle : {uint64_t{1}, uint64_t{300}, uint64_t{1} << 40, ~uint64_t{0}}) {
+      SCOPED_TRACE(testing::Message() << "handle " << handle << " traced " << !traceparent.empty());
+      proxy::DecodeStartParts parts;
+      ASSERT_TRUE(proxy::DecodeStartInParts(args, &parts));
+      EXPECT_EQ(parts.prompt.size(), 4u * ids.size());
+      EXPECT_EQ(static_cast<const void*>(parts.prompt.data()),
+                static_cast<const void*>(args.prompt_ids->data()));  // not a copy
+      std::string wire = proxy::DecodeStartPrefix(handle, parts);
+      wire.append(parts.head);
+      wire.append(parts.prompt);
+      wire.append(parts.tail);
+      pb::DecodeStreamRequest want;
+      auto* start = want.mutable_start();
+      start->set_handle(handle);
+      proxy::FillDecodeRequest(args, start->mutable_request());
+      start->set_traceparent(args.traceparent);
+      EXPECT_EQ(wire, want.SerializeAsString());
+      pb::DecodeStreamRequest got;
+      ASSERT_TRUE(got.ParseFromString(wire));
+      ASSERT_EQ(got.kind_case(), pb::DecodeStreamRequest::kStart);
+      EXPECT_EQ(got.start().handle(), handle);
+      EXPECT_EQ(got.start().traceparent(), traceparent);
+      const decoder::DecodeSpec spec = decoder::DecodeSpecFromProto(got.start().request());
+      EXPECT_EQ(spec.prompt_ids, ids);
+      EXPECT_EQ(spec.request_id, "r#2");
+    }
+  }
+  proxy::DecodeStartParts parts;
+  EXPECT_FALSE(proxy::DecodeStartInParts(DecodeArgsFor(ids, false), &parts));
+  args.prompt_ids = std::make_shared<const std::vector<uint32_t>>();
+  EXPECT_FALSE(proxy::DecodeStartInParts(args, &parts));
+  EXPECT_TRUE(parts.head.empty());
+  EXPECT_EQ(parts.bytes, 0u);
 }
 
 // An older proxy fills only prompt_token_ids (field 2), element by element.
