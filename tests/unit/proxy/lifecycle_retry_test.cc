@@ -1,0 +1,171 @@
+// The proxy's request lifecycle when a worker fails or drains: decode
+// migration without a gap or a duplicate token, retries of a cancelled
+// prefill, the migration limit, a stream broken after its last token.
+#include <gtest/gtest.h>
+
+#include "lifecycle_test_util.h"
+#include "proxy/lifecycle.h"
+
+namespace tandem::proxy {
+namespace {
+
+using namespace lifecycle_testing;
+
+TEST_F(LifecycleTest, DecoderLostMidStreamMigratesWithoutGapOrDuplicate) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  AddWorker("d1", router::WorkerRole::kDecode);
+  workers_.completion = tokenizer_->Encode("In the beginning God created the heaven and the earth");
+  ASSERT_GT(workers_.completion.size(), 8u);
+  workers_.dying_decodes = 1;
+  workers_.die_after = 5;
+  Collected c;
+  Run(c);
+  ASSERT_TRUE(c.finished) << c.error.ToString();
+  EXPECT_EQ(c.ids, workers_.completion);  // token 5 onwards from the new pair, once each
+  EXPECT_EQ(c.text, "In the beginning God created the heaven and the earth");
+  EXPECT_EQ(c.usage.prompt_tokens, 40u);  // the client's prompt, not the migrated one
+  EXPECT_EQ(c.usage.completion_tokens, workers_.completion.size());
+  ASSERT_EQ(workers_.decode_args.size(), 2u);
+  EXPECT_NE(workers_.decode_addresses[0], workers_.decode_addresses[1]);  // the lost one is avoided
+  const DecodeArgs& moved = workers_.decode_args[1];
+  ASSERT_EQ(moved.prompt_ids->size(), 45u);  // prompt + the 5 tokens already sent
+  EXPECT_EQ(std::vector<uint32_t>(moved.prompt_ids->begin() + 40, moved.prompt_ids->end()),
+            std::vector<uint32_t>(workers_.completion.begin(), workers_.completion.begin() + 5));
+  EXPECT_EQ(moved.params.first_sample_index, 5u);
+  EXPECT_EQ(moved.params.max_tokens, 64u - 5u);
+}
+
+// A draining worker's gRPC server cancels the calls still open when its
+// drain ends: CANCELLED that the proxy did not ask for. The client never
+// sees it: the prefill is retried on another pair, the decode migrated.
+TEST_F(LifecycleTest, CancelledByADrainingPrefillerIsRetried) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("p1", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  workers_.completion = tokenizer_->Encode("Amen");
+  workers_.first_prefill_errors = {Status(StatusCode::kCancelled, "")};
+  Collected c;
+  Run(c);
+  ASSERT_TRUE(c.finished) << c.error.ToString();
+  EXPECT_EQ(c.ids, workers_.completion);
+  ASSERT_EQ(workers_.prefill_addresses.size(), 2u);
+  EXPECT_NE(workers_.prefill_addresses[0], workers_.prefill_addresses[1]);  // the cut one avoided
+}
+
+// A new attempt after a failed one is handed to deps.defer_launch (the
+// frontend's work pool), never run on the thread that delivered the
+// failure: that is a transport thread (the shared frame loop, a decode
+// stream's reader), and an attempt may wait for the registry or connect.
+TEST_F(LifecycleTest, RetryAfterAFailureRunsWhereDeferLaunchSays) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("p1", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  workers_.completion = tokenizer_->Encode("Amen");
+  workers_.first_prefill_errors = {Status(StatusCode::kUnavailable, "gone")};
+  std::vector<std::function<void()>> deferred;
+  defer_launch_ = [&deferred](std::function<void()> job) { deferred.push_back(std::move(job)); };
+  Collected c;
+  auto lifecycle = Run(c);
+  // The first attempt failed; the second waits in the queue, not started.
+  ASSERT_EQ(deferred.size(), 1u);
+  EXPECT_EQ(workers_.prefill_addresses.size(), 1u);
+  EXPECT_FALSE(c.finished);
+  EXPECT_TRUE(c.error.ok()) << c.error.ToString();
+  std::move(deferred.front())();
+  ASSERT_TRUE(c.finished) << c.error.ToString();
+  EXPECT_EQ(c.ids, workers_.completion);
+  ASSERT_EQ(workers_.prefill_addresses.size(), 2u);
+  EXPECT_NE(workers_.prefill_addresses[0], workers_.prefill_addresses[1]);
+  EXPECT_EQ(deferred.size(), 1u);  // the successful attempt needed no other
+}
+
+TEST_F(LifecycleTest, DecodeCancelledByADrainingDecoderMigrates) {
+  for (const bool in_band : {false, true}) {
+    SCOPED_TRACE(in_band ? "in band" : "stream status");
+    workers_ = ScriptedWorkers();
+    fleet_.reset();
+    SetUp();
+    AddWorker("p0", router::WorkerRole::kPrefill);
+    AddWorker("d0", router::WorkerRole::kDecode);
+    AddWorker("d1", router::WorkerRole::kDecode);
+    workers_.completion = tokenizer_->Encode("In the beginning God created the heaven and the earth");
+    workers_.dying_decodes = 1;
+    workers_.die_after = 5;
+    workers_.die_status = in_band ? CancelledError("request aborted") : Status(StatusCode::kCancelled, "");
+    workers_.die_in_band = in_band;
+    Collected c;
+    Run(c);
+    ASSERT_TRUE(c.finished) << c.error.ToString();
+    EXPECT_EQ(c.ids, workers_.completion);
+    ASSERT_EQ(workers_.decode_args.size(), 2u);
+    EXPECT_EQ(workers_.decode_args[1].params.first_sample_index, 5u);
+  }
+}
+
+TEST_F(LifecycleTest, MigrationLimitEndsWithUnavailableNamingIt) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  AddWorker("d1", router::WorkerRole::kDecode);
+  workers_.completion = tokenizer_->Encode("In the beginning God created the heaven and the earth");
+  workers_.dying_decodes = 100;  // every decoder breaks after 3 tokens
+  workers_.die_after = 3;
+  Collected c;
+  Run(c, {}, /*max_migrations=*/1);
+  EXPECT_FALSE(c.finished);
+  EXPECT_EQ(c.error.code(), StatusCode::kUnavailable) << c.error.ToString();
+  EXPECT_NE(c.error.message().find("proxy.max_migrations = 1"), std::string::npos)
+      << c.error.message();
+  EXPECT_EQ(workers_.decode_args.size(), 2u);
+  // What the client got is a prefix of the right completion: 3 + 3 tokens.
+  EXPECT_EQ(c.ids, std::vector<uint32_t>(workers_.completion.begin(), workers_.completion.begin() + 6));
+}
+
+TEST_F(LifecycleTest, MigrationOffFailsAtOnce) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  AddWorker("d1", router::WorkerRole::kDecode);
+  workers_.completion = tokenizer_->Encode("and God said, Let there be light");
+  workers_.dying_decodes = 1;
+  workers_.die_after = 2;
+  Collected c;
+  Run(c, {}, /*max_migrations=*/0);
+  EXPECT_EQ(c.error.code(), StatusCode::kUnavailable);
+  EXPECT_NE(c.error.message().find("migration is off"), std::string::npos) << c.error.message();
+  EXPECT_EQ(workers_.decode_args.size(), 1u);
+}
+
+TEST_F(LifecycleTest, NoDecoderLeftToMigrateToSaysSo) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  workers_.completion = tokenizer_->Encode("and God said, Let there be light");
+  workers_.dying_decodes = 1;
+  workers_.die_after = 2;
+  Collected c;
+  Run(c);
+  EXPECT_EQ(c.error.code(), StatusCode::kUnavailable);
+  EXPECT_NE(c.error.message().find("was lost after 2 completion tokens"), std::string::npos)
+      << c.error.message();
+}
+
+TEST_F(LifecycleTest, StreamBrokenAfterTheLastTokenCompletes) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  workers_.completion = tokenizer_->Encode("Amen amen amen");
+  workers_.dying_decodes = 1;
+  workers_.die_after = static_cast<uint32_t>(workers_.completion.size());
+  max_tokens_ = static_cast<uint32_t>(workers_.completion.size());
+  Collected c;
+  Run(c);
+  // Nothing was left to generate: no migration (there is no other decoder
+  // anyway), the request ends as it would have.
+  ASSERT_TRUE(c.finished) << c.error.ToString();
+  EXPECT_EQ(c.reason, Finish::kLength);
+  EXPECT_EQ(c.ids, workers_.completion);
+  EXPECT_EQ(workers_.decode_args.size(), 1u);
+}
+
+// --join compatibility: a worker that differs in model, block size or KV
+// dtype is refused with a message naming the field and both values.
+}  // namespace
+}  // namespace tandem::proxy
