@@ -356,14 +356,8 @@ class UcxTransport final : public detail::TransportBase {
   void SendHello(UcxPeer& p) {
     p.hello = std::make_unique<std::string>(kHelloBytes, '\0');
     p.hello_sent_at = std::chrono::steady_clock::now();
-    ucp_request_param_t param{};
-    param.op_attr_mask =
-        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = UCP_AM_SEND_FLAG_EAGER;
-    param.cb.send = &UcxTransport::OnHelloDone;
-    param.user_data = &p;
     ucs_status_ptr_t req =
-        ucp_am_send_nbx(p.ep, kHelloAmId, nullptr, 0, p.hello->data(), p.hello->size(), &param);
+        SendEagerAm(p.ep, kHelloAmId, *p.hello, &UcxTransport::OnHelloDone, &p);
     if (UCS_PTR_IS_ERR(req)) {
       // The endpoint already failed; its error handler reports the peer.
       spdlog::warn("kvtransfer: peer {} handshake: {}", p.err_arg.peer,
@@ -497,14 +491,8 @@ class UcxTransport final : public detail::TransportBase {
     x.phase = Phase::kNotice;
     x.notice_wire =
         detail::EncodeNotice(entry.desc.generation, generation(), agent_name(), *x.notice);
-    ucp_request_param_t param{};
-    param.op_attr_mask =
-        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = UCP_AM_SEND_FLAG_EAGER;
-    param.cb.send = &UcxTransport::OnNoticeSent;
-    param.user_data = &x;
-    ucs_status_ptr_t req = ucp_am_send_nbx(peer.ep, kNoticeAmId, nullptr, 0, x.notice_wire.data(),
-                                           x.notice_wire.size(), &param);
+    ucs_status_ptr_t req =
+        SendEagerAm(peer.ep, kNoticeAmId, x.notice_wire, &UcxTransport::OnNoticeSent, &x);
     if (UCS_PTR_IS_ERR(req)) {
       x.op_error = ucx::UcsError("ucp_am_send_nbx(notice)", UCS_PTR_STATUS(req));
       return;
@@ -515,6 +503,20 @@ class UcxTransport final : public detail::TransportBase {
     } else {
       ++x.outstanding;
     }
+  }
+
+  // An active message without a header, sent eagerly (multi-fragment above
+  // one fragment) so that the receiver gets it whole; `data` stays alive
+  // until `done` runs.
+  static ucs_status_ptr_t SendEagerAm(ucp_ep_h ep, unsigned am_id, const std::string& data,
+                                      ucp_send_nbx_callback_t done, void* user_data) {
+    ucp_request_param_t param{};
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_AM_SEND_FLAG_EAGER;
+    param.cb.send = done;
+    param.user_data = user_data;
+    return ucp_am_send_nbx(ep, am_id, nullptr, 0, data.data(), data.size(), &param);
   }
 
   void CloseEndpoint(ucp_ep_h ep) {

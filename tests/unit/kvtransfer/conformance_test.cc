@@ -62,6 +62,13 @@ class ConformanceTest : public ::testing::TestWithParam<std::string> {
     return t.Poll(x);
   }
 
+  // The descriptor a started kvtransfer_peer target prints.
+  static Result<std::string> PeerDescriptor(ChildProcess& child) {
+    auto hex = child.Expect("DESC ");
+    if (!hex.has_value()) return UnavailableError("the peer did not start");
+    return FromHex(*hex);
+  }
+
   // Writes `segments` with an optional notice and waits for the outcome.
   static XferStatus WriteAndWait(Transport& t, PeerId peer, std::vector<Segment> segments,
                                  std::optional<std::string> notice = std::nullopt) {
@@ -399,10 +406,8 @@ TEST_P(ConformanceTest, IdlePeerKilledIsReportedByTheKeepalive) {
       KV_PEER_BIN, "target", "backend=ucx", "name=idle-b-" + GetParam(), "block_bytes=4096",
       "blocks=4"});
   ASSERT_TRUE(child->ok());
-  auto hex = child->Expect("DESC ");
-  ASSERT_TRUE(hex.has_value()) << "peer did not start";
-  auto bytes = FromHex(*hex);
-  ASSERT_TRUE(bytes.ok());
+  auto bytes = PeerDescriptor(*child);
+  ASSERT_TRUE(bytes.ok()) << bytes.status().ToString();
   auto desc = ParseDescriptor(*bytes);
   ASSERT_TRUE(desc.ok());
   std::mutex mu;
@@ -444,10 +449,8 @@ TEST_P(ConformanceTest, PeerThatNeverAnswersTheHandshakeIsDeclaredLost) {
   ChildProcess child({KV_PEER_BIN, "target", "backend=ucx", "name=mute-b-" + GetParam(),
                       "block_bytes=4096", "blocks=4"});
   ASSERT_TRUE(child.ok());
-  auto hex = child.Expect("DESC ");
-  ASSERT_TRUE(hex.has_value()) << "peer did not start";
-  auto bytes = FromHex(*hex);
-  ASSERT_TRUE(bytes.ok());
+  auto bytes = PeerDescriptor(child);
+  ASSERT_TRUE(bytes.ok()) << bytes.status().ToString();
   a->SetPeerFailureCallback([&](const std::string& agent, uint64_t, const Status& why) {
     std::lock_guard lock(mu);
     lost.push_back(agent + ": " + why.ToString());
@@ -505,10 +508,8 @@ TEST_P(ConformanceTest, PeerKilledMidTransfer) {
         KV_PEER_BIN, "target", "backend=ucx", "name=kill-b-" + GetParam(),
         "block_bytes=" + std::to_string(bb), "blocks=" + std::to_string(blocks)});
     ASSERT_TRUE(child->ok());
-    auto hex = child->Expect("DESC ");
-    ASSERT_TRUE(hex.has_value()) << "peer did not start";
-    auto bytes = FromHex(*hex);
-    ASSERT_TRUE(bytes.ok());
+    auto bytes = PeerDescriptor(*child);
+    ASSERT_TRUE(bytes.ok()) << bytes.status().ToString();
     desc = *bytes;
   } else {
     local_peer = Make("kill-b", bb, blocks);
@@ -596,10 +597,8 @@ TEST_P(ConformanceTest, WritesQueuedToAStoppedPeerEndWhenItDies) {
   ChildProcess child({KV_PEER_BIN, "target", "backend=ucx", "name=stall-b-" + GetParam(),
                       "block_bytes=4096", "blocks=4"});
   ASSERT_TRUE(child.ok());
-  auto hex = child.Expect("DESC ");
-  ASSERT_TRUE(hex.has_value()) << "peer did not start";
-  auto bytes = FromHex(*hex);
-  ASSERT_TRUE(bytes.ok());
+  auto bytes = PeerDescriptor(child);
+  ASSERT_TRUE(bytes.ok()) << bytes.status().ToString();
   a->SetPeerFailureCallback([&](const std::string& agent, uint64_t, const Status&) {
     std::lock_guard lock(mu);
     lost.push_back(agent);
