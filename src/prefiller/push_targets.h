@@ -16,20 +16,18 @@
 //
 // Threads: every method from any thread, the transport's progress thread
 // included (nothing here blocks on the transport there). One worker thread
-// (started by the constructor, joined by the destructor) releases and
-// re-imports, in order; AfterLoss callbacks run on it.
+// (a WorkPool of one; the destructor runs what is queued, then joins)
+// releases and re-imports, in order; AfterLoss callbacks run on it.
 #pragma once
 
-#include <condition_variable>
-#include <deque>
 #include <functional>
 #include <map>
 #include <mutex>
 #include <set>
 #include <string>
-#include <thread>
 
 #include "common/status.h"
+#include "common/work_pool.h"
 #include "kvtransfer/transport.h"
 
 namespace tandem::prefiller {
@@ -37,7 +35,6 @@ namespace tandem::prefiller {
 class PushTargets {
  public:
   explicit PushTargets(kvtransfer::Transport& transport);
-  ~PushTargets();  // runs what is queued, then joins the worker
   PushTargets(const PushTargets&) = delete;
   PushTargets& operator=(const PushTargets&) = delete;
 
@@ -54,20 +51,12 @@ class PushTargets {
   void AfterLoss(const std::string& descriptor, kvtransfer::PeerId peer,
                  std::function<void(Result<kvtransfer::PeerId>)> then);
 
-  uint64_t losses() const;  // Lost calls that forgot an endpoint
-
  private:
-  void Run(std::function<void()> task);  // on the worker, in order
-  void WorkLoop(std::stop_token stop);
-
   kvtransfer::Transport& transport_;
   mutable std::mutex mu_;
   std::map<std::string, kvtransfer::PeerId> peers_;  // guarded by mu_: descriptor -> live endpoint
   std::set<kvtransfer::PeerId> lost_;                // guarded by mu_ (ids are never reused)
-  uint64_t losses_ = 0;                              // guarded by mu_
-  std::deque<std::function<void()>> tasks_;          // guarded by mu_
-  std::condition_variable_any cv_;
-  std::jthread worker_;
+  WorkPool worker_{1};  // last: its destructor runs what is queued while the rest lives
 };
 
 }  // namespace tandem::prefiller

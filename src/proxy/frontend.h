@@ -12,7 +12,7 @@
 #include "proxy/slo_admission.h"
 #include "proxy/request.h"
 #include "proxy/tenants.h"
-#include "proxy/work_pool.h"
+#include "common/work_pool.h"
 
 namespace tandem::proxy {
 

@@ -67,12 +67,6 @@ FleetOptions LayoutFleet(const std::string& prefill_yaml, const std::string& dec
   return o;
 }
 
-const WorkerAddr* FindWorker(const Fleet& f, const std::string& name) {
-  for (const auto& w : f.workers()) {
-    if (w.name == name) return &w;
-  }
-  return nullptr;
-}
 
 // Sends every prompt at once and checks every completion.
 void ExpectConcurrentGreedyEqualsGenerate(const Fleet& fleet) {

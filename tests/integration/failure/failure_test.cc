@@ -135,25 +135,7 @@ std::string ReadFile(const std::string& path) {
   return ss.str();
 }
 
-double Metric(const std::string& address, const std::string& name) {
-  auto m = Scrape(address);
-  return m.ok() ? MetricValue(*m, name) : -1;
-}
 
-// Sum of `name`'s samples that carry `label` (e.g. reason="target_lost").
-double LabeledMetric(const std::string& address, const std::string& name, const std::string& label) {
-  auto m = Scrape(address);
-  if (!m.ok()) return -1;
-  double sum = 0;
-  std::istringstream in(*m);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind(name + "{", 0) == 0 && line.find(label) != std::string::npos) {
-      sum += std::stod(line.substr(line.rfind(' ') + 1));
-    }
-  }
-  return sum;
-}
 
 // Polls until `pred` holds (bounded); returns whether it did.
 template <typename Pred>
@@ -166,12 +148,6 @@ bool WaitFor(Pred pred, std::chrono::milliseconds limit) {
   return pred();
 }
 
-const WorkerAddr* FindWorker(const Fleet& f, const std::string& name) {
-  for (const auto& w : f.workers()) {
-    if (w.name == name) return &w;
-  }
-  return nullptr;
-}
 
 // The fleets of this file: short leases and liveness so failures resolve
 // within seconds.

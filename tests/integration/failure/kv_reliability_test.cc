@@ -42,24 +42,7 @@ const std::vector<uint32_t>& Reference(const std::vector<uint32_t>& prompt, uint
   return it->second;
 }
 
-double Metric(const std::string& address, const std::string& name) {
-  auto m = Scrape(address);
-  return m.ok() ? MetricValue(*m, name) : -1;
-}
 
-double LabeledMetric(const std::string& address, const std::string& name, const std::string& label) {
-  auto m = Scrape(address);
-  if (!m.ok()) return -1;
-  double sum = 0;
-  std::istringstream in(*m);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind(name + "{", 0) == 0 && line.find(label) != std::string::npos) {
-      sum += std::stod(line.substr(line.rfind(' ') + 1));
-    }
-  }
-  return sum;
-}
 
 double SumOverDecoders(const Fleet& f, const std::string& name) {
   double sum = 0;
@@ -69,12 +52,6 @@ double SumOverDecoders(const Fleet& f, const std::string& name) {
   return sum;
 }
 
-const WorkerAddr* FindWorker(const Fleet& f, const std::string& name) {
-  for (const auto& w : f.workers()) {
-    if (w.name == name) return &w;
-  }
-  return nullptr;
-}
 
 // Launches with TANDEM_KV_FAULT set for the fleet (the spec names the one
 // worker that takes the faults).

@@ -38,17 +38,7 @@ constexpr uint32_t kMaxTokens = 24;
 constexpr int kRequests = 16;
 constexpr auto kDeadline = 30s;  // each call's; the default lease is 30 s too
 
-double Metric(const std::string& address, const std::string& name) {
-  auto m = Scrape(address);
-  return m.ok() ? MetricValue(*m, name) : -1;
-}
 
-const WorkerAddr* FindWorker(const Fleet& f, const std::string& name) {
-  for (const auto& w : f.workers()) {
-    if (w.name == name) return &w;
-  }
-  return nullptr;
-}
 
 struct Outcome {
   Result<Completion> result;

@@ -29,17 +29,7 @@ using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kVocab = 4096;
 
-const WorkerAddr* FindWorker(const Fleet& f, const std::string& name) {
-  for (const auto& w : f.workers()) {
-    if (w.name == name) return &w;
-  }
-  return nullptr;
-}
 
-double Metric(const std::string& address, const std::string& name) {
-  auto m = Scrape(address);
-  return m.ok() ? MetricValue(*m, name) : -1;
-}
 
 // 32 streams of back-to-back requests on a fleet of `prefill` x `decode`;
 // once the load is steady, `victim` is paused (SIGSTOP) for ~3 s in all,

@@ -392,6 +392,33 @@ double MetricValue(const std::string& text, const std::string& metric) {
   return sum;
 }
 
+double Metric(const std::string& address, const std::string& metric) {
+  auto m = Scrape(address);
+  return m.ok() ? MetricValue(*m, metric) : -1;
+}
+
+double LabeledMetric(const std::string& address, const std::string& metric,
+                     const std::string& label) {
+  auto m = Scrape(address);
+  if (!m.ok()) return -1;
+  double sum = 0;
+  std::istringstream in(*m);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(metric + "{", 0) == 0 && line.find(label) != std::string::npos) {
+      sum += std::stod(line.substr(line.rfind(' ') + 1));
+    }
+  }
+  return sum;
+}
+
+const WorkerAddr* FindWorker(const Fleet& fleet, const std::string& name) {
+  for (const auto& w : fleet.workers()) {
+    if (w.name == name) return &w;
+  }
+  return nullptr;
+}
+
 std::vector<uint32_t> PromptIds(uint32_t seed, uint32_t n, uint32_t vocab, uint32_t prefix_seed,
                                 uint32_t shared) {
   std::vector<uint32_t> out;

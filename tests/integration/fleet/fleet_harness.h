@@ -160,6 +160,14 @@ Result<std::vector<uint32_t>> ReferenceGenerate(const std::vector<uint32_t>& pro
 Result<std::string> Scrape(const std::string& address);
 // Sum of the samples of `metric` (exact name, any labels) in Prometheus text.
 double MetricValue(const std::string& text, const std::string& metric);
+// Scrape + MetricValue; -1 when ADDRESS does not answer.
+double Metric(const std::string& address, const std::string& metric);
+// Sum of `metric`'s samples whose labels contain `label` (e.g.
+// reason="target_lost"); -1 when ADDRESS does not answer.
+double LabeledMetric(const std::string& address, const std::string& metric,
+                     const std::string& label);
+// The fleet's worker called `name` (e.g. "prefill-0"), or null.
+const WorkerAddr* FindWorker(const Fleet& fleet, const std::string& name);
 
 // Deterministic prompt token ids: `n` ids from a seeded stream, all below
 // `vocab`; prompts with the same `prefix_seed` share their first

@@ -75,7 +75,7 @@ PromText SettledScrape(const std::string& address) {
   return last;
 }
 
-const WorkerAddr* FindWorker(const Fleet& f, const std::string& role) {
+const WorkerAddr* FindRole(const Fleet& f, const std::string& role) {
   for (const auto& w : f.workers()) {
     if (w.role == role) return &w;
   }
@@ -174,8 +174,8 @@ TEST(MetricsFleet, DisaggregatedCountsMatchTheRequestsSent) {
   auto fleet = Fleet::Launch(o);
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
   const Fleet& f = **fleet;
-  const WorkerAddr* p = FindWorker(f, "prefill");
-  const WorkerAddr* d = FindWorker(f, "decode");
+  const WorkerAddr* p = FindRole(f, "prefill");
+  const WorkerAddr* d = FindRole(f, "decode");
   ASSERT_TRUE(p && d);
   EXPECT_EQ(p->name, "prefill-0");
   ExpectStartupSeries(f);
@@ -256,7 +256,7 @@ TEST(MetricsFleet, AggregatedCountsMatchTheRequestsSent) {
   auto fleet = Fleet::Launch(o);
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
   const Fleet& f = **fleet;
-  const WorkerAddr* b = FindWorker(f, "both");
+  const WorkerAddr* b = FindRole(f, "both");
   ASSERT_TRUE(b);
   ExpectStartupSeries(f);
 

@@ -89,10 +89,6 @@ std::string HttpCall(const std::string& address, const std::string& request) {
   return out;
 }
 
-double Metric(const std::string& address, const std::string& name) {
-  auto m = Scrape(address);
-  return m.ok() ? MetricValue(*m, name) : -1;
-}
 
 // tandem_requests_refused_total{..., reason="REASON", ...} on the proxy; -1 when absent.
 double Refused(const Fleet& f, const std::string& reason) {

@@ -1,8 +1,8 @@
-#include "proxy/work_pool.h"
+#include "common/work_pool.h"
 
 #include <algorithm>
 
-namespace tandem::proxy {
+namespace tandem {
 
 WorkPool::WorkPool(size_t threads) {
   for (size_t i = 0; i < std::max<size_t>(threads, 1); ++i) threads_.emplace_back([this] { Run(); });
@@ -43,4 +43,4 @@ void WorkPool::Run() {
   }
 }
 
-}  // namespace tandem::proxy
+}  // namespace tandem

@@ -1,9 +1,11 @@
-// A few threads for the CPU work of a request before it is routed (JSON
-// parsing, the chat template, tokenization), so that it runs neither on
+// A few threads that run submitted jobs; with one thread, in order. The
+// proxy runs the CPU work of a request before it is routed (JSON parsing,
+// the chat template, tokenization) on one, so that it runs neither on
 // gRPC's callback threads nor on the HTTP I/O threads, where one large
 // prompt would stall every other connection (docs/security.md, "Hostile
-// input"). The queue holds admitted requests only (proxy.max_inflight
-// bounds it), each of bounded size (proxy.limits).
+// input"); its queue holds admitted requests only (proxy.max_inflight
+// bounds it). The prefiller releases lost KV endpoints on one
+// (prefiller/push_targets.h).
 //
 // Thread-safety: Submit from any thread. The destructor runs what is queued,
 // then joins.
@@ -17,7 +19,7 @@
 #include <thread>
 #include <vector>
 
-namespace tandem::proxy {
+namespace tandem {
 
 class WorkPool {
  public:
@@ -42,4 +44,4 @@ class WorkPool {
   std::vector<std::thread> threads_;
 };
 
-}  // namespace tandem::proxy
+}  // namespace tandem
