@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-targets=(safetensors tokenizer config request http_request kv_notice)
+targets=(safetensors tokenizer config request http_request kv_notice descriptor)
 
 need_clang() {
   if ! command -v clang++-14 >/dev/null 2>&1; then
@@ -60,7 +60,7 @@ case "${1:-}" in
       cp "$f" "$c/tokenizer/$(basename "$(dirname "$f")").json"
     done
     for f in "$root"/configs/*.yaml; do cp "$f" "$c/config/"; done
-    UCX_HANDLE_ERRORS=none "$root/build-fuzz/tests/fuzz/fuzz_make_seeds" "$c/kv_notice"
+    UCX_HANDLE_ERRORS=none "$root/build-fuzz/tests/fuzz/fuzz_make_seeds" "$c/kv_notice" "$c/descriptor"
     ;;
   *)
     echo "usage: tools/fuzz.sh ci | long TARGET RUNS | seeds | run BIN SEEDS RUNS" >&2

@@ -105,9 +105,11 @@ Result<std::unique_ptr<Transport>> CreateBackend(const TransportOptions& options
 
 std::string KvFaultOptions::ToString() const {
   if (!enabled()) return "off";
-  return fmt::format("fail_every={},delay_ms={},delay_writes={},flip_block={},lose_peer_at={}{}",
-                     fail_every, delay_ms, delay_writes, flip_block, lose_peer_at,
-                     agent.empty() ? "" : ",agent=" + agent);
+  return fmt::format(
+      "fail_every={},delay_ms={},delay_writes={},flip_block={},lose_peer_at={},"
+      "stop_peer_at_import={}{}",
+      fail_every, delay_ms, delay_writes, flip_block, lose_peer_at, stop_peer_at_import,
+      agent.empty() ? "" : ",agent=" + agent);
 }
 
 Result<KvFaultOptions> ParseKvFault(std::string_view spec) {
@@ -132,11 +134,12 @@ Result<KvFaultOptions> ParseKvFault(std::string_view spec) {
                       : key == "delay_writes" ? &f.delay_writes
                       : key == "flip_block"   ? &f.flip_block
                       : key == "lose_peer_at" ? &f.lose_peer_at
+                      : key == "stop_peer_at_import" ? &f.stop_peer_at_import
                                               : nullptr;
     if (field == nullptr) {
       return InvalidArgumentError(fmt::format(
           "{}: unknown key '{}' (expected fail_every, delay_ms, delay_writes, flip_block, "
-          "lose_peer_at or agent)",
+          "lose_peer_at, stop_peer_at_import or agent)",
           kKvFaultEnv, key));
     }
     uint64_t v = 0;

@@ -105,6 +105,10 @@ struct TransportStats {
   uint64_t notifications_received = 0;
   uint64_t stale_notifications_dropped = 0;  // addressed to an older generation of this agent
   uint64_t faults_injected = 0;  // writes failed, delayed or corrupted by KvFaultOptions
+  // Checks that found a peer's connection handshake overdue and its process
+  // alive on this host (stopped): the handshake kept waiting
+  // (docs/kvtransfer.md, "Connection handshake").
+  uint64_t handshakes_waiting_on_live_peers = 0;
 };
 
 // Fault injection for tests (docs/failure-handling.md, "KV fault
@@ -135,11 +139,17 @@ struct KvFaultOptions {
   // that PeerId are refused) while the peer itself is alive: a false
   // keep-alive failure or a partition that heals.
   uint32_t lose_peer_at = 0;
+  // Once: the Nth ImportPeer that makes a new endpoint (1 = the first) sends
+  // SIGSTOP to the peer's process first — a local one, by the pid in its
+  // descriptor — and waits until it is stopped: a peer stopped before it
+  // could answer the new endpoint's handshake. The test SIGCONTs it.
+  uint32_t stop_peer_at_import = 0;
   // TANDEM_KV_FAULT only: when set, only the transport of this agent (e.g.
   // "prefill-0") takes the faults; others in the fleet ignore the variable.
   std::string agent;
   bool enabled() const {
-    return fail_every != 0 || delay_ms != 0 || flip_block != 0 || lose_peer_at != 0;
+    return fail_every != 0 || delay_ms != 0 || flip_block != 0 || lose_peer_at != 0 ||
+           stop_peer_at_import != 0;
   }
   std::string ToString() const;
 };

@@ -141,6 +141,7 @@ Result<PeerId> TransportBase::ImportPeer(std::string_view descriptor) {
     return InvalidArgumentError("KV descriptor describes an empty pool");
   }
   PeerId id = 0;
+  bool stop_peer = false;
   {
     std::lock_guard lock(mu_);
     auto it = latest_generation_.find(desc.agent_name);
@@ -158,6 +159,15 @@ Result<PeerId> TransportBase::ImportPeer(std::string_view descriptor) {
     }
     latest_generation_[desc.agent_name] = desc.generation;
     id = next_peer_id_++;
+    stop_peer = options_.fault.stop_peer_at_import != 0 &&
+                ++fault_imports_ == options_.fault.stop_peer_at_import;
+  }
+  if (stop_peer) {  // fault injection: the peer stops before it can answer our handshake
+    const Status stopped = StopLocalProcess(desc.process);
+    if (stopped.ok()) faults_injected_++;
+    spdlog::warn("kvtransfer: injected fault stop_peer_at_import={}: process {} of {}: {}",
+                 options_.fault.stop_peer_at_import, desc.process.pid, desc.agent_name,
+                 stopped.ok() ? "stopped (SIGSTOP) before its endpoint is made" : stopped.ToString());
   }
   auto entry = std::make_shared<std::unique_ptr<PeerEntry>>(std::make_unique<PeerEntry>());
   (*entry)->id = id;
@@ -460,6 +470,7 @@ TransportStats TransportBase::stats() const {
   s.notifications_received = notifications_received_;
   s.stale_notifications_dropped = stale_notifications_dropped_;
   s.faults_injected = faults_injected_.load();
+  s.handshakes_waiting_on_live_peers = handshakes_waiting_on_live_peers_.load();
   return s;
 }
 

@@ -165,6 +165,7 @@ class TransportBase : public Transport {
   std::atomic<uint64_t> bytes_written_{0};
   std::atomic<uint64_t> notifications_sent_{0};
   std::atomic<uint64_t> faults_injected_{0};
+  std::atomic<uint64_t> handshakes_waiting_on_live_peers_{0};
 
  private:
   void ProgressLoop(std::stop_token stop);
@@ -203,6 +204,7 @@ class TransportBase : public Transport {
   std::chrono::milliseconds InjectFaults(Xfer& x, const PeerEntry& peer);
   uint64_t fault_writes_ = 0;  // guarded by mu_: data writes posted
   uint64_t fault_blocks_ = 0;  // guarded by mu_: remote blocks they touched
+  uint64_t fault_imports_ = 0;  // guarded by mu_: imports that made a new endpoint
 
   std::vector<Xfer*> active_;  // [progress]
   std::jthread progress_thread_;

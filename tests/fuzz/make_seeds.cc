@@ -1,8 +1,10 @@
-// fuzz_make_seeds OUT_DIR: writes the seed inputs of fuzz_kv_notice (binary
-// formats with checksums, so they are made by the code that defines them):
-// transport descriptors, framed notices and KvNotice payloads of the kinds a
-// decoder receives. The other targets' seeds are the repository's fixtures
-// (tools/fuzz.sh seeds).
+// fuzz_make_seeds KV_NOTICE_DIR [DESCRIPTOR_DIR]: writes the seed inputs of
+// fuzz_kv_notice and fuzz_descriptor (binary formats with checksums, so
+// they are made by the code that defines them): transport descriptors,
+// framed notices and KvNotice payloads of the kinds a decoder receives.
+// The version-1 descriptor seeds (v1_*) are committed as session 13's code
+// wrote them and not regenerated. The other targets' seeds are the
+// repository's fixtures (tools/fuzz.sh seeds).
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -28,11 +30,12 @@ void Write(const std::string& dir, const std::string& name, const std::string& b
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: fuzz_make_seeds OUT_DIR\n");
+  if (argc != 2 && argc != 3) {
+    std::fprintf(stderr, "usage: fuzz_make_seeds KV_NOTICE_DIR [DESCRIPTOR_DIR]\n");
     return 2;
   }
   const std::string dir = argv[1];
+  const std::string desc_dir = argc == 3 ? argv[2] : argv[1];
   namespace kv = tandem::kvtransfer;
   kv::PeerDescriptor d;
   d.backend = "ucx";
@@ -43,11 +46,15 @@ int main(int argc, char** argv) {
   d.remote_base = 0x7f0000000000ull;
   d.address = std::string(64, '\x11');
   d.rkey = std::string(32, '\x22');
-  Write(dir, "descriptor_ucx", kv::SerializeDescriptor(d));
+  d.process = {4711, 123456789, 4026531836, "d511850e-c1f7-44f5-ba3b-85b6c6eee4bf"};
+  Write(desc_dir, "descriptor_ucx", kv::SerializeDescriptor(d));
+  kv::PeerDescriptor unknown = d;  // an exporter that could not read /proc
+  unknown.process = {};
+  Write(desc_dir, "descriptor_unknown_process", kv::SerializeDescriptor(unknown));
   d.backend = "loopback";
   d.address.clear();
   d.rkey.clear();
-  Write(dir, "descriptor_loopback", kv::SerializeDescriptor(d));
+  Write(desc_dir, "descriptor_loopback", kv::SerializeDescriptor(d));
 
   tandem::v1::KvNotice ok;
   ok.set_request_id("req-1");

@@ -110,6 +110,7 @@ class LoopbackTransport final : public detail::TransportBase {
     d.block_bytes = block_bytes();
     d.num_blocks = num_blocks();
     d.remote_base = reinterpret_cast<uint64_t>(pool());
+    d.process = LocalProcessIdentity();  // the same descriptor format as ucx's
     return SerializeDescriptor(d);
   }
 

@@ -12,9 +12,11 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "kvtransfer/process_identity.h"
 #include "kvtransfer/transport_base.h"
 #include "kvtransfer/ucx/ucx_config.h"
 
@@ -52,6 +54,12 @@ struct UcxPeer : detail::PeerState {
   // The handshake's message while UCX holds it; answered: hello is null.
   std::unique_ptr<std::string> hello;
   std::chrono::steady_clock::time_point hello_sent_at;
+  // The peer's process, when it runs on this host in our pid namespace
+  // (its descriptor says so): an overdue hello then waits while it lives.
+  bool local = false;
+  ProcessIdentity process;
+  std::chrono::steady_clock::time_point next_liveness_check{};
+  bool logged_waiting = false;
 };
 
 // One outstanding put: how many bytes it carries, for progress accounting.
@@ -200,6 +208,8 @@ class UcxTransport final : public detail::TransportBase {
     d.remote_base = reinterpret_cast<uint64_t>(pool());
     d.address = std::move(addr);
     d.rkey = std::move(rkey);
+    // Lets a peer on this host tell us stopped from gone (CheckHellos).
+    d.process = LocalProcessIdentity();
     descriptor_ = SerializeDescriptor(d);
     StartProgressThread();
     return Status::Ok();
@@ -228,6 +238,8 @@ class UcxTransport final : public detail::TransportBase {
     p->err_arg = {this, id};
     p->agent = desc.agent_name;
     p->remote_base = desc.remote_base;
+    p->local = desc.process.SameHostAndNamespace(LocalProcessIdentity());
+    p->process = desc.process;
     ucp_ep_params_t params{};
     params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                         UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -379,7 +391,8 @@ class UcxTransport final : public detail::TransportBase {
   }
 
   // [progress] Fails every peer whose hello is unanswered after
-  // peer_timeout_s. Time this thread itself did not run (the process was
+  // peer_timeout_s, unless its process is provably alive on this host
+  // (OverdueVerdict). Time this thread itself did not run (the process was
   // stopped or starved) is not held against the peers.
   void CheckHellos() {
     const auto now = std::chrono::steady_clock::now();
@@ -391,22 +404,63 @@ class UcxTransport final : public detail::TransportBase {
       for (UcxPeer* p : hellos_) p->hello_sent_at = std::max(p->hello_sent_at, now);
     }
     last_hello_check_ = now;
-    std::vector<UcxPeer*> lost;
+    std::vector<std::pair<UcxPeer*, Status>> lost;
     for (UcxPeer* p : hellos_) {
-      if (now - p->hello_sent_at >= bound) lost.push_back(p);
+      if (now - p->hello_sent_at < bound) continue;
+      if (std::optional<Status> why = OverdueVerdict(*p, now, bound)) lost.emplace_back(p, *why);
     }
-    for (UcxPeer* p : lost) {
+    for (auto& [p, why] : lost) {
       std::erase(hellos_, p);
-      OnPeerFailed(p->err_arg.peer,
-                   UnavailableError(fmt::format(
-                       "KV peer {} did not answer the connection handshake within "
-                       "transport.peer_timeout_seconds = {:g} s; declared lost",
-                       p->agent, options().peer_timeout_s)));
+      OnPeerFailed(p->err_arg.peer, why);
       // A forced close ends the hello and any write queued behind the
       // wire-up with an error, so every transfer to the peer drains.
       CloseEndpoint(p->ep);
       p->ep = nullptr;
     }
+  }
+
+  // [progress] An overdue hello: nullopt keeps it waiting, else why the peer
+  // is lost. A peer process alive on this host is stopped (or starved), not
+  // dead — UCX's keep-alive of an answered endpoint judges it the same way
+  // over shared memory — so the handshake must not be stricter: it waits,
+  // and checks again every bound / 3 (UCX's keep-alive interval here), which
+  // also catches the peer killed later (UCX's keep-alive skips this
+  // endpoint until the answer, "Known UCX traps"). At most one /proc read
+  // per overdue local peer per interval; remote peers cost none.
+  std::optional<Status> OverdueVerdict(UcxPeer& p, std::chrono::steady_clock::time_point now,
+                                       std::chrono::steady_clock::duration bound) {
+    if (p.local) {
+      if (now < p.next_liveness_check) return std::nullopt;
+      switch (CheckLiveness(p.process)) {
+        case Liveness::kAlive:
+          p.next_liveness_check = now + bound / 3;
+          handshakes_waiting_on_live_peers_++;
+          if (!p.logged_waiting) {
+            p.logged_waiting = true;
+            spdlog::info("kvtransfer: KV peer {} has not answered the connection handshake within "
+                         "transport.peer_timeout_seconds = {:g} s, but its process {} on this "
+                         "host is alive (stopped?): waiting for it",
+                         p.agent, options().peer_timeout_s, p.process.pid);
+          }
+          return std::nullopt;
+        case Liveness::kExited:
+          return UnavailableError(fmt::format(
+              "KV peer {} (process {} on this host) exited before it answered the connection "
+              "handshake; declared lost",
+              p.agent, p.process.pid));
+        case Liveness::kPidReused:
+          return UnavailableError(fmt::format(
+              "KV peer {} (process {} on this host) exited before it answered the connection "
+              "handshake (pid {} now belongs to a process started later); declared lost",
+              p.agent, p.process.pid, p.process.pid));
+        case Liveness::kUnknown:
+          break;  // /proc unreadable: judged as a remote peer
+      }
+    }
+    return UnavailableError(fmt::format(
+        "KV peer {} did not answer the connection handshake within "
+        "transport.peer_timeout_seconds = {:g} s; declared lost",
+        p.agent, options().peer_timeout_s));
   }
 
   void IssuePuts(Xfer& x, UcxPeer& peer) {

@@ -434,11 +434,13 @@ TEST_P(ConformanceTest, IdlePeerKilledIsReportedByTheKeepalive) {
 }
 
 // A peer that does not answer the connection handshake (here: stopped
-// before the import) is declared lost after peer_timeout_s, even though its
-// process lives: UCX's keep-alive cannot see that endpoint until the peer
-// answers (docs/kvtransfer.md, "Peer loss"). A write posted meanwhile, which
-// UCX holds behind the wire-up, ends with the peer's error and leaves
-// nothing behind.
+// before the import) is declared lost after peer_timeout_s when this host
+// cannot vouch for its process: its descriptor here names another host's
+// boot id, as a peer on another machine's does. UCX's keep-alive cannot see
+// that endpoint until the peer answers (docs/kvtransfer.md, "Peer loss").
+// A write posted meanwhile, which UCX holds behind the wire-up, ends with
+// the peer's error and leaves nothing behind. (A stopped peer on this host:
+// handshake_test.cc.)
 TEST_P(ConformanceTest, PeerThatNeverAnswersTheHandshakeIsDeclaredLost) {
   if (backend() != "ucx") GTEST_SKIP() << "loopback has no handshake";
   std::mutex mu;  // declared before the transport: its callbacks may run until it is gone
@@ -451,6 +453,10 @@ TEST_P(ConformanceTest, PeerThatNeverAnswersTheHandshakeIsDeclaredLost) {
   ASSERT_TRUE(child.ok());
   auto bytes = PeerDescriptor(child);
   ASSERT_TRUE(bytes.ok()) << bytes.status().ToString();
+  auto remote = ParseDescriptor(*bytes);
+  ASSERT_TRUE(remote.ok()) << remote.status().ToString();
+  remote->process.boot_id = "00000000-0000-4000-8000-000000000000";  // another host
+  *bytes = SerializeDescriptor(*remote);
   a->SetPeerFailureCallback([&](const std::string& agent, uint64_t, const Status& why) {
     std::lock_guard lock(mu);
     lost.push_back(agent + ": " + why.ToString());
