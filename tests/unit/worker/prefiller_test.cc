@@ -2,6 +2,7 @@
 // the slots of a second loopback transport ("the decoder's pool"), so the
 // pushed bytes and the notice can be checked.
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <future>
 #include <map>
@@ -297,6 +298,70 @@ TEST_F(PrefillerTest, DecoderEndpointDeclaredLostIsToldOverAFreshOneAndUsedAgain
   EXPECT_TRUE(WaitFor([&] { return node->transport->stats().live_peers == 1; }));
   EXPECT_EQ(node->transport->stats().faults_injected, 1u);
   p.Stop();
+}
+
+// Stop with a push on the wire (its data write held back by TANDEM_KV_FAULT
+// delay_ms, as a slow link would): Stop aborts it, and when its end does
+// not come within stop_wait_seconds it ends the request itself, before it
+// returns. The write's completion, which the transport runs after the
+// prefiller is gone, runs nothing of the prefiller.
+TEST_F(PrefillerTest, StopEndsAPushOnTheWireAndItsLateCompletionRunsNothing) {
+  setenv(kvtransfer::kKvFaultEnv, "delay_ms=1000,delay_writes=1,agent=prefill-stop", 1);
+  auto node = Node::Make("prefill-stop", 64, progress_);
+  unsetenv(kvtransfer::kKvFaultEnv);
+  ASSERT_NE(node, nullptr);
+  PrefillerOptions o;
+  o.name = "prefill-stop";
+  o.push_mode = prefiller::PushMode::kAfterPrefill;
+  o.engine_progress = progress_;
+  o.stop_wait_seconds = 0.05;
+  auto p = std::make_unique<prefiller::Prefiller>(*node->engine, *node->transport, link_, o);
+  p->Start();
+  std::atomic<int> dones{0};
+  Status status;
+  ASSERT_TRUE(p->Submit(Job("a", Prompt(20, 8)), [&](Result<PrefillResult> r) {
+    status = r.status();
+    ++dones;
+  }).ok());
+  ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1; }));
+  link_.Answer(Target({1, 2}, 0, /*reservation=*/7));
+  ASSERT_TRUE(WaitFor([&] { return node->transport->stats().faults_injected == 1; }))
+      << "the data write never went on the wire";
+  p->Stop();
+  EXPECT_EQ(dones.load(), 1) << "Stop returned with the request still open";
+  EXPECT_EQ(status.code(), StatusCode::kUnavailable) << status.ToString();
+  EXPECT_NE(status.message().find("shutting down"), std::string::npos) << status.ToString();
+  p.reset();
+  // The held write lands, then ends ERR_CANCELED: its completion finds no prefiller.
+  ASSERT_TRUE(WaitFor([&] { return node->transport->stats().inflight_requests == 0; }));
+  EXPECT_EQ(dones.load(), 1);
+  EXPECT_TRUE(Notices().empty()) << "a notice went out after Stop";
+}
+
+// A Reserve still unanswered at Stop: the request ends before Stop returns,
+// and the answer that comes after the prefiller is gone runs nothing.
+TEST_F(PrefillerTest, StopEndsAReserveInFlightAndItsLateAnswerRunsNothing) {
+  PrefillerOptions o;
+  o.name = "prefill-unit";
+  o.engine_progress = progress_;
+  o.stop_wait_seconds = 0.05;
+  auto p = std::make_unique<prefiller::Prefiller>(*node_->engine, *node_->transport, link_, o);
+  p->Start();
+  std::atomic<int> dones{0};
+  Status status;
+  ASSERT_TRUE(p->Submit(Job("a", Prompt(20, 6)), [&](Result<PrefillResult> r) {
+    status = r.status();
+    ++dones;
+  }).ok());
+  ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1; }));
+  p->Stop();
+  EXPECT_EQ(dones.load(), 1) << "Stop returned with the request still open";
+  EXPECT_EQ(status.code(), StatusCode::kUnavailable) << status.ToString();
+  p.reset();
+  link_.Answer(Target({1, 2}, 0, /*reservation=*/7));
+  EXPECT_EQ(dones.load(), 1);
+  EXPECT_EQ(node_->transport->stats().puts_posted, 0u);
+  EXPECT_TRUE(Notices().empty());
 }
 
 TEST_F(PrefillerTest, ExpiredDeadlineIsRefusedAndDrainingRefusesNewWork) {
