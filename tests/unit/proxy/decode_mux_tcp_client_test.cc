@@ -270,6 +270,64 @@ TEST_P(DecodeMuxTcpClientTest, AStartInPartsReachesTheDecoderAsTheMessage) {
   mux->Stop();
 }
 
+// Session 14 (issue 23): with the client's own packed varints in the args
+// the start carries those bytes as the request's prompt_token_ids (a
+// decoder that reads fixed32 reads that field too), and the decoder parses
+// the message the message way builds with the varint field: the same ids.
+TEST_P(DecodeMuxTcpClientTest, TheClientsVarintsReachTheDecoderAsItsPromptField) {
+  const CertKeyPem ca = frame_testing::MakeCa("fleet-ca");
+  Script script;
+  auto server = Serve(frame_testing::Tls(frame_testing::Identity(ca, "decode-0")), &script);
+  ASSERT_NE(server, nullptr);
+  auto mux = DecodeMuxTcpClient::Open(server->address(),
+                                      frame_testing::Tls(frame_testing::Identity(ca, "proxy")),
+                                      /*deliver_on_grpc_thread=*/GetParam());
+  DecodeArgs args = Args(1);
+  std::vector<uint32_t> ids(8000);
+  std::string varints;  // the shortest packed encoding, as a client writes it
+  for (uint32_t i = 0; i < ids.size(); ++i) {
+    ids[i] = (i * 2654435761u) % 128256u;  // 1- to 3-byte varints
+    for (uint32_t v = ids[i]; ; v >>= 7) {
+      if (v < 0x80) {
+        varints.push_back(static_cast<char>(v));
+        break;
+      }
+      varints.push_back(static_cast<char>((v & 0x7f) | 0x80));
+    }
+  }
+  args.prompt_ids = std::make_shared<const std::vector<uint32_t>>(ids);
+  args.prompt_varints = varints;
+  args.prompt_fixed32 = true;
+  Seen seen;
+  DecodeEvents e = seen.Events();
+  ASSERT_NE(mux->Start(args, e), nullptr);
+  ASSERT_TRUE(seen.WaitEnd());
+  EXPECT_TRUE(seen.finished);
+  EXPECT_EQ(seen.tokens, (std::vector<uint32_t>{42, 43}));
+  std::string start;
+  {
+    std::lock_guard lock(script.mu);
+    ASSERT_EQ(script.starts.size(), 1u);
+    start = script.starts[0];
+  }
+  EXPECT_NE(start.find(varints), std::string::npos);  // the client's bytes, as they came
+  EXPECT_LT(start.size(), varints.size() + 256);
+  pb::DecodeStreamRequest got;
+  ASSERT_TRUE(got.ParseFromString(start));
+  EXPECT_EQ(got.start().request().prompt_token_ids_fixed32_size(), 0);
+  EXPECT_EQ(std::vector<uint32_t>(got.start().request().prompt_token_ids().begin(),
+                                  got.start().request().prompt_token_ids().end()),
+            ids);
+  pb::DecodeStreamRequest want;
+  want.mutable_start()->set_handle(1);
+  DecodeArgs as_varints = args;
+  as_varints.prompt_varints = {};
+  as_varints.prompt_fixed32 = false;
+  FillDecodeRequest(as_varints, want.mutable_start()->mutable_request());
+  EXPECT_EQ(got.SerializeAsString(), want.SerializeAsString());
+  mux->Stop();
+}
+
 INSTANTIATE_TEST_SUITE_P(DeliveryThread, DecodeMuxTcpClientTest, ::testing::Bool(),
                          [](const auto& info) { return info.param ? "grpc" : "reader"; });
 
