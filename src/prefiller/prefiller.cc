@@ -120,11 +120,38 @@ void Prefiller::Stop() {
     dispatcher_.join();
   }
   std::deque<JobPtr> queued;
+  std::vector<std::string> live;
   {
     std::lock_guard lock(mu_);
     queued.swap(queue_);
+    stopping_ = true;
+    for (const auto& [id, job] : jobs_) {
+      if (job->stage != Stage::kQueued) live.push_back(id);
+    }
   }
   for (auto& job : queued) Complete(job, UnavailableError("this prefiller is shutting down"));
+  // In flight (a drain that ran out of time): aborted like a cancel, then a
+  // bounded wait for their ends, which tell the decoders (error notices).
+  for (const auto& id : live) CancelJob(id, UnavailableError("this prefiller is shutting down"));
+  std::vector<JobPtr> late;
+  {
+    std::unique_lock lock(mu_);
+    cv_.wait_for(lock, std::chrono::duration<double>(options_.stop_wait_seconds),
+                 [&] { return jobs_.empty(); });
+    for (const auto& [id, job] : jobs_) late.push_back(job);
+  }
+  lifeline_.End();
+  // Their ends did not come in time (a write still on the wire, a Reserve
+  // unanswered): the decoder keeps the reservation until its lease (it
+  // cannot know whether bytes still land), and what arrives for them now
+  // runs nothing here.
+  for (const auto& job : late) {
+    engine_.ReleasePrefill(job->spec.request_id).IgnoreError();
+    Complete(job, UnavailableError(fmt::format(
+                      "this prefiller is shutting down: request '{}' did not end within {} s of "
+                      "being aborted",
+                      job->spec.request_id, options_.stop_wait_seconds)));
+  }
 }
 
 void Prefiller::SetDraining() {
@@ -251,8 +278,9 @@ void Prefiller::DispatchLoop(std::stop_token stop) {
         job->reserve_sent = SteadyClock::now();
         ++admitting_;
         lock.unlock();
-        link_.Reserve(job->spec, options_.name,
-                      [this, job](Result<ReserveTarget> t) { OnReserved(job, std::move(t)); });
+        link_.Reserve(job->spec, options_.name, lifeline_.Guard([this, job](Result<ReserveTarget> t) {
+                        OnReserved(job, std::move(t));
+                      }));
         lock.lock();
         continue;
       }
@@ -342,7 +370,7 @@ void Prefiller::OnReserved(const JobPtr& job, Result<ReserveTarget> target) {
   if (cancelled) {
     admitted();
     SendErrorNotice(job, CancelledError("prefill cancelled"));
-    Complete(job, CancelledError(fmt::format("request '{}' was cancelled", id)));
+    Complete(job, job->cancel_status);  // written before `cancelled`, never after
     return;
   }
   auto sliced = SlicedPlan(*target);
@@ -389,12 +417,13 @@ void Prefiller::OnReserved(const JobPtr& job, Result<ReserveTarget> target) {
   req.tenant = job->spec.tenant;
   req.tenant_weight = job->spec.tenant_weight;
   req.queued_since = job->queued_at;  // queue time counts the service queue too
-  req.on_output = [this, job](const engine::RequestOutput& out) { OnOutput(job, out); };
+  req.on_output =
+      lifeline_.Guard([this, job](const engine::RequestOutput& out) { OnOutput(job, out); });
   if (options_.push_mode == PushMode::kStreaming) {
     // job->push and lease_deadline are written before Submit and never after.
-    req.on_kv_progress = [this, job](const engine::KvProgress& p) {
+    req.on_kv_progress = lifeline_.Guard([this, job](const engine::KvProgress& p) {
       job->push->OnProgress(p, LeaseAllowsPost(*job));
-    };
+    });
   }
   Status s = engine_.Submit(std::move(req));
   admitted();
@@ -413,11 +442,11 @@ bool Prefiller::LeaseAllowsPost(const Job& job) const {
 }
 
 void Prefiller::GiveUp(const JobPtr& job, Status why, bool release_prefill) {
-  auto finish = [this, job, why, release_prefill] {
+  auto finish = lifeline_.Guard([this, job, why, release_prefill] {
     if (release_prefill) engine_.ReleasePrefill(job->spec.request_id).IgnoreError();
     SendErrorNotice(job, why);
     Complete(job, why);
-  };
+  });
   std::shared_ptr<PushStream> push;
   {
     std::lock_guard lock(mu_);
@@ -441,7 +470,7 @@ void Prefiller::OnOutput(const JobPtr& job, const engine::RequestOutput& out) {
       std::lock_guard lock(mu_);
       cancelled = job->cancelled;
     }
-    Status s = cancelled ? CancelledError(fmt::format("request '{}' was cancelled", id)) : StatusFor(out);
+    Status s = cancelled ? job->cancel_status : StatusFor(out);
     GiveUp(job, s, /*release_prefill=*/false);
     return;
   }
@@ -478,7 +507,7 @@ void Prefiller::OnOutput(const JobPtr& job, const engine::RequestOutput& out) {
     }
   }
   if (cancelled || !bad.ok()) {
-    GiveUp(job, cancelled ? CancelledError(fmt::format("request '{}' was cancelled", id)) : bad,
+    GiveUp(job, cancelled ? job->cancel_status : bad,
            /*release_prefill=*/true);
     return;
   }
@@ -498,13 +527,13 @@ void Prefiller::OnOutput(const JobPtr& job, const engine::RequestOutput& out) {
   // The notice goes after every byte of the reservation (push_stream.h);
   // a cancel from here on aborts the push (Cancel, stage kTransferring).
   job->push->Finish(std::move(blocks),
-                    [this, n](std::vector<uint64_t> sums) mutable {
+                    lifeline_.Guard([this, n](std::vector<uint64_t> sums) mutable {
                       n.block_checksums = std::move(sums);
                       return link_.EncodeNotice(n);
-                    },
-                    [this, job](kvtransfer::XferStatus st, const Status& detail) {
+                    }),
+                    lifeline_.Guard([this, job](kvtransfer::XferStatus st, const Status& detail) {
                       OnTransferDone(job, st, detail);
-                    });
+                    }));
 }
 
 void Prefiller::OnTransferDone(const JobPtr& job, kvtransfer::XferStatus status,
@@ -533,7 +562,7 @@ void Prefiller::OnTransferDone(const JobPtr& job, kvtransfer::XferStatus status,
     std::lock_guard lock(mu_);
     cancelled = job->cancelled;
   }
-  Status s = cancelled ? CancelledError(fmt::format("request '{}' was cancelled", id))
+  Status s = cancelled ? job->cancel_status
                        : UnavailableError(fmt::format(
                              "KV push to decoder '{}' failed ({}): {}", job->spec.decoder_name,
                              kvtransfer::XferStatusName(status), detail.message()));
@@ -601,12 +630,13 @@ void Prefiller::PostNotice(kvtransfer::PeerId peer, const NoticeSpec& n,
     // callback (which may run as late as the transport's shutdown).
     kvtransfer::Transport* t = &transport_;
     if (retry_after_loss) {
-      s = transport_.Post(*x, [this, t, peer, n, descriptor](
-                                  kvtransfer::XferId id, kvtransfer::XferStatus st, const Status&) {
+      s = transport_.Post(*x, [t, peer, n, descriptor, retry = lifeline_.Guard([this](
+                                  kvtransfer::PeerId p, const NoticeSpec& spec,
+                                  const std::string& d) { NoticeAfterLoss(p, spec, d); })](
+                                  kvtransfer::XferId id, kvtransfer::XferStatus st,
+                                  const Status&) mutable {
         t->Release(id).IgnoreError();
-        if (st == kvtransfer::XferStatus::kErrRemoteDisconnect) {
-          NoticeAfterLoss(peer, n, descriptor);
-        }
+        if (st == kvtransfer::XferStatus::kErrRemoteDisconnect) retry(peer, n, descriptor);
       });
     } else {
       s = transport_.Post(*x, [t](kvtransfer::XferId id, kvtransfer::XferStatus, const Status&) {
@@ -679,6 +709,7 @@ void Prefiller::Complete(const JobPtr& job, Result<PrefillResult> result) {
     job->stage = Stage::kDone;
     auto it = jobs_.find(job->spec.request_id);
     if (it != jobs_.end() && it->second == job) jobs_.erase(it);
+    if (stopping_ && jobs_.empty()) cv_.notify_all();
     done = std::move(job->done);
     push = job->push;
     if (job->spec.trace.sampled) TraceLocked(*job, result);
@@ -693,65 +724,11 @@ void Prefiller::Complete(const JobPtr& job, Result<PrefillResult> result) {
   if (done) done(std::move(result));
 }
 
-void Prefiller::TraceLocked(const Job& job, const Result<PrefillResult>& result) const {
-  using tracing::SpanBuilder;
-  using tracing::SpanKind;
-  const SteadyClock::time_point none{};
-  const tracing::SpanContext& ctx = job.spec.trace;
-  const tracing::ClockMap unix_ns;  // one reading of both clocks for every span here
-  const uint64_t now = unix_ns.now();
-  const std::string error = result.ok() ? "" : result.status().ToString();
-  auto child = [&](const char* name, SteadyClock::time_point from) {
-    SpanBuilder b(name, tracing::ChildOf(ctx), SpanKind::kInternal, unix_ns(from));
-    b.Attr("tandem.decoder", job.spec.decoder_name);
-    return b;
-  };
-  // Queue: Submit until the dispatcher sent the reservation (or the end).
-  const uint64_t dispatched = job.reserve_sent != none ? unix_ns(job.reserve_sent) : now;
-  child("tandem.prefill.queue", job.queued_at).End(dispatched);
-  if (job.reserve_sent != none) {
-    const uint64_t reserved = job.submitted != none ? unix_ns(job.submitted) : now;
-    auto b = child("tandem.prefill.reserve", job.reserve_sent);
-    if (job.have_target) b.Attr("tandem.decoder_cached_blocks", static_cast<int64_t>(job.target.cached_blocks));
-    b.End(reserved);
-  }
-  if (job.submitted != none) {
-    const uint64_t computed = job.transfer_started != none ? unix_ns(job.transfer_started) : now;
-    auto b = child("tandem.prefill.compute", job.submitted);
-    b.Attr("tandem.prompt_tokens", static_cast<int64_t>(job.spec.prompt_ids.size()));
-    if (result.ok()) b.Attr("tandem.cached_prompt_tokens", static_cast<int64_t>(result->cached_prompt_tokens));
-    if (job.transfer_started == none && !error.empty()) b.Error(error);
-    b.End(computed);
-  }
-  if (job.push && job.submitted != none) {
-    // The KV push to the decoder: streaming starts with the compute,
-    // after_prefill once it is done; it ends with the notice sent.
-    const bool streaming = options_.push_mode == PushMode::kStreaming;
-    const SteadyClock::time_point from = streaming ? job.submitted : job.transfer_started;
-    if (from != none) {
-      auto b = child("tandem.kv.push", from);
-      b.Attr("tandem.push_mode", streaming ? "streaming" : "after_prefill")
-          .Attr("tandem.kv.blocks", static_cast<int64_t>(job.result.transferred_blocks))
-          .Attr("tandem.kv.bytes", static_cast<int64_t>(job.push->bytes_posted()))
-          .Attr("tandem.kv.transfers", static_cast<int64_t>(job.push->transfers_posted()))
-          .Attr("tandem.kv.decoder_cached_blocks", static_cast<int64_t>(job.result.decoder_cached_blocks));
-      if (!error.empty()) b.Error(error);
-      b.End(now);
-    }
-  }
-  SpanBuilder root("tandem.prefill", ctx, SpanKind::kServer, unix_ns(job.queued_at));
-  root.Attr("tandem.prefiller", options_.name)
-      .Attr("tandem.decoder", job.spec.decoder_name)
-      .Attr("tandem.prompt_tokens", static_cast<int64_t>(job.spec.prompt_ids.size()));
-  if (result.ok()) {
-    root.Attr("tandem.cached_prompt_tokens", static_cast<int64_t>(result->cached_prompt_tokens));
-  } else {
-    root.Error(error);
-  }
-  root.End(now);
+void Prefiller::Cancel(const std::string& request_id) {
+  CancelJob(request_id, CancelledError(fmt::format("request '{}' was cancelled", request_id)));
 }
 
-void Prefiller::Cancel(const std::string& request_id) {
+void Prefiller::CancelJob(const std::string& request_id, Status why) {
   JobPtr job;
   Stage stage;
   std::shared_ptr<PushStream> push;
@@ -760,6 +737,8 @@ void Prefiller::Cancel(const std::string& request_id) {
     auto it = jobs_.find(request_id);
     if (it == jobs_.end()) return;
     job = it->second;
+    if (job->cancelled) return;  // the first reason stands
+    job->cancel_status = std::move(why);
     job->cancelled = true;
     stage = job->stage;
     push = job->push;

@@ -42,6 +42,7 @@
 #include "common/tracing.h"
 #include "engine/engine.h"
 #include "engine/fair_share.h"
+#include "common/lifeline.h"
 #include "kvtransfer/transport.h"
 #include "parallel/kv_slices.h"
 #include "parallel/parallel_layout.h"
@@ -185,6 +186,11 @@ struct PrefillerOptions {
   // The engine's progress (see EngineProgress). Null: while the engine has
   // no room, the dispatcher looks again every kEnginePoll.
   std::shared_ptr<EngineProgress> engine_progress;
+  // Stop: how long it waits for the requests still in flight to end once
+  // aborted (a push's bytes on the wire, a Reserve not answered yet); a
+  // request whose end does not come in time is ended UNAVAILABLE and what
+  // still arrives for it later is ignored.
+  double stop_wait_seconds = 2.0;
 };
 
 struct PrefillerCounts {
@@ -242,6 +248,7 @@ class Prefiller {
     PrefillDone done;
     Stage stage = Stage::kQueued;
     bool cancelled = false;
+    Status cancel_status;  // why, when cancelled (CANCELLED, or UNAVAILABLE at Stop)
     std::optional<std::chrono::steady_clock::time_point> deadline;
     // Known once reserved:
     ReserveTarget target;
@@ -272,6 +279,8 @@ class Prefiller {
   void OnReserved(const JobPtr& job, Result<ReserveTarget> target);
   void OnOutput(const JobPtr& job, const engine::RequestOutput& out);
   void OnTransferDone(const JobPtr& job, kvtransfer::XferStatus status, const Status& detail);
+  // Cancel with `why` as the request's status.
+  void CancelJob(const std::string& request_id, Status why);
   // Aborts the job's push; once no byte of it can land, frees the engine's
   // blocks, tells the decoder and completes the job with `why`.
   void GiveUp(const JobPtr& job, Status why, bool release_prefill);
@@ -331,9 +340,14 @@ class Prefiller {
   bool wake_ = false;
   std::chrono::steady_clock::time_point asleep_until_ = std::chrono::steady_clock::time_point::max();
   bool draining_ = false;                  // guarded by mu_
+  bool stopping_ = false;                  // guarded by mu_: Stop runs; cv_ hears jobs_ empty
   PrefillerCounts totals_;                 // guarded by mu_ (the totals)
 
   std::jthread dispatcher_;
+  // Every callback handed to the engine, the link or the transport runs
+  // through it: after Stop none runs (the transport outlives this object
+  // and may complete a write as late as its own shutdown).
+  Lifeline lifeline_;
   // Last: destroyed first, running its queued notices while the rest lives.
   PushTargets targets_;
 };

@@ -2,6 +2,7 @@
 // the slots of a second loopback transport ("the decoder's pool"), so the
 // pushed bytes and the notice can be checked.
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <future>
 #include <map>
@@ -297,6 +298,76 @@ TEST_F(PrefillerTest, DecoderEndpointDeclaredLostIsToldOverAFreshOneAndUsedAgain
   EXPECT_TRUE(WaitFor([&] { return node->transport->stats().live_peers == 1; }));
   EXPECT_EQ(node->transport->stats().faults_injected, 1u);
   p.Stop();
+}
+
+// A prefiller for the Stop tests on `node` (stop_wait_seconds 50 ms) with
+// `job` submitted; `dones` counts its ends and `status` holds the last.
+struct StopCase {
+  std::unique_ptr<prefiller::Prefiller> p;
+  std::atomic<int> dones{0};
+  Status status;
+};
+std::unique_ptr<StopCase> StartStopCase(Node& node, const std::string& name,
+                                        prefiller::PushMode mode, prefiller::DecoderLink& link,
+                                        std::shared_ptr<prefiller::EngineProgress> progress,
+                                        PrefillJob job) {
+  auto c = std::make_unique<StopCase>();
+  PrefillerOptions o;
+  o.name = name;
+  o.push_mode = mode;
+  o.engine_progress = std::move(progress);
+  o.stop_wait_seconds = 0.05;
+  c->p = std::make_unique<prefiller::Prefiller>(*node.engine, *node.transport, link, o);
+  c->p->Start();
+  StopCase* raw = c.get();
+  EXPECT_TRUE(c->p->Submit(std::move(job), [raw](Result<PrefillResult> r) {
+    raw->status = r.status();
+    ++raw->dones;
+  }).ok());
+  return c;
+}
+
+// Stop with a push on the wire (its data write held back by TANDEM_KV_FAULT
+// delay_ms, as a slow link would): Stop aborts it, and when its end does
+// not come within stop_wait_seconds it ends the request itself, before it
+// returns. The write's completion, which the transport runs after the
+// prefiller is gone, runs nothing of the prefiller.
+TEST_F(PrefillerTest, StopEndsAPushOnTheWireAndItsLateCompletionRunsNothing) {
+  setenv(kvtransfer::kKvFaultEnv, "delay_ms=1000,delay_writes=1,agent=prefill-stop", 1);
+  auto node = Node::Make("prefill-stop", 64, progress_);
+  unsetenv(kvtransfer::kKvFaultEnv);
+  ASSERT_NE(node, nullptr);
+  auto c = StartStopCase(*node, "prefill-stop", prefiller::PushMode::kAfterPrefill, link_,
+                         progress_, Job("a", Prompt(20, 8)));
+  ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1; }));
+  link_.Answer(Target({1, 2}, 0, /*reservation=*/7));
+  ASSERT_TRUE(WaitFor([&] { return node->transport->stats().faults_injected == 1; }))
+      << "the data write never went on the wire";
+  c->p->Stop();
+  EXPECT_EQ(c->dones.load(), 1) << "Stop returned with the request still open";
+  EXPECT_EQ(c->status.code(), StatusCode::kUnavailable) << c->status.ToString();
+  EXPECT_NE(c->status.message().find("shutting down"), std::string::npos) << c->status.ToString();
+  c->p.reset();
+  // The held write lands, then ends ERR_CANCELED: its completion finds no prefiller.
+  ASSERT_TRUE(WaitFor([&] { return node->transport->stats().inflight_requests == 0; }));
+  EXPECT_EQ(c->dones.load(), 1);
+  EXPECT_TRUE(Notices().empty()) << "a notice went out after Stop";
+}
+
+// A Reserve still unanswered at Stop: the request ends before Stop returns,
+// and the answer that comes after the prefiller is gone runs nothing.
+TEST_F(PrefillerTest, StopEndsAReserveInFlightAndItsLateAnswerRunsNothing) {
+  auto c = StartStopCase(*node_, "prefill-unit", prefiller::PushMode::kStreaming, link_, progress_,
+                         Job("a", Prompt(20, 6)));
+  ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1; }));
+  c->p->Stop();
+  EXPECT_EQ(c->dones.load(), 1) << "Stop returned with the request still open";
+  EXPECT_EQ(c->status.code(), StatusCode::kUnavailable) << c->status.ToString();
+  c->p.reset();
+  link_.Answer(Target({1, 2}, 0, /*reservation=*/7));
+  EXPECT_EQ(c->dones.load(), 1);
+  EXPECT_EQ(node_->transport->stats().puts_posted, 0u);
+  EXPECT_TRUE(Notices().empty());
 }
 
 TEST_F(PrefillerTest, ExpiredDeadlineIsRefusedAndDrainingRefusesNewWork) {
