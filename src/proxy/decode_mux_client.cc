@@ -109,15 +109,18 @@ class DecodeMux::Request final : public Call {
 };
 
 bool DecodeStartInParts(const DecodeArgs& args, DecodeStartParts* out) {
-  const std::string_view prompt = PackedFixed32Prompt(args.prompt_ids, args.prompt_fixed32);
-  if (prompt.empty()) return false;
+  const PackedPrompt prompt =
+      PromptForParts(args.prompt_ids, args.prompt_varints, args.prompt_fixed32);
+  if (prompt.bytes.empty()) return false;
   pb::DecodeRequest req;
   FillDecodeRequestFields(args, &req);
   out->head.clear();
-  out->bytes = AppendPromptMessageField(pb::DecodeStreamStart::kRequestFieldNumber, req,
-                                        pb::DecodeRequest::kPromptTokenIdsFixed32FieldNumber,
-                                        prompt.size(), &out->head);
-  out->prompt = prompt;
+  out->bytes = AppendPromptMessageField(
+      pb::DecodeStreamStart::kRequestFieldNumber, req,
+      prompt.varints ? pb::DecodeRequest::kPromptTokenIdsFieldNumber
+                     : pb::DecodeRequest::kPromptTokenIdsFixed32FieldNumber,
+      prompt.bytes.size(), &out->head);
+  out->prompt = prompt.bytes;
   out->tail.clear();
   if (!args.traceparent.empty()) {
     pb::DecodeStreamStart traced;  // only its traceparent: the field after the request

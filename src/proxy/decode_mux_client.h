@@ -50,18 +50,22 @@ Finish FinishFromProto(v1::FinishReason r);
 
 // A decode stream's start (a DecodeStreamRequest holding `start`) in parts
 // for FrameConn::SendParts (issue 23, dec-parts; proxy/prompt_parts.h): the
-// 32 kB prompt is copied once, from the proxy's vector into the
+// prompt is copied once, from where the proxy holds it into the
 // connection's output, instead of into the message and out of it again.
 // The parts, in order: DecodeStartPrefix(handle) (made under the stream's
-// lock, once the handle is known), `head`, `prompt`, `tail` -- byte for
-// byte the message's own serialization (fields in number order). False
-// (parts untouched) when the start is not sent so: a decoder that reads
-// the varint field, no prompt, or a big-endian host.
+// lock, once the handle is known), `head`, `prompt`, `tail`. With the
+// prompt as fixed32 that is byte for byte the message's own serialization
+// (fields in number order); with the client's varints (session 14,
+// PromptForParts) the request's prompt_token_ids comes after its other
+// fields, which protobuf parses to the same message. False (parts
+// untouched) when the start is not sent so: no client varints and a
+// decoder that reads only the varint field, no prompt, or a big-endian
+// host.
 struct DecodeStartParts {
   // The start's request field: tag, length, the request without its
   // prompt, the prompt field's tag and length.
   std::string head;
-  std::string_view prompt;  // points into the args' prompt
+  std::string_view prompt;  // points into the args' prompt (or its varints)
   std::string tail;         // the start's traceparent field ("" when not traced)
   size_t bytes = 0;         // the start's bytes but its handle field's
 };

@@ -22,20 +22,26 @@ namespace tandem::proxy {
 struct GenerateRequestParts {
   v1::wire::GenerateRequestBytes rest;  // every other field (and ids it could not take apart)
   std::vector<uint32_t> prompt_token_ids;
+  // prompt_token_ids' bytes in the body (which it then owns) when the
+  // workers can be sent them as they came: one packed field whose every
+  // varint is in its shortest form (request.h). Empty otherwise.
+  PromptVarints prompt_varints;
 };
 
 // Parses `body` as a tandem.v1.GenerateRequest, exactly as protobuf would,
 // but decodes prompt_token_ids' packed varints straight into
 // `out.prompt_token_ids` (issue 23: protobuf's packed-varint parse into a
 // RepeatedField, then a copy into the request's vector, cost ~40 us of an
-// 8k prompt). Any other encoding of that field (unpacked, wrong wire type),
-// a group or a malformed field leaves the whole body to protobuf.
-Status ParseGenerateRequest(std::string_view body, GenerateRequestParts& out);
+// 8k prompt), and keeps the body for their forwarding
+// (`out.prompt_varints`). Any other encoding of that field (unpacked,
+// wrong wire type), a group or a malformed field leaves the whole body to
+// protobuf.
+Status ParseGenerateRequest(std::string body, GenerateRequestParts& out);
 
-// Takes the strings out of `r`, and the prompt's ids from `ids` when `r`
-// has none.
+// Takes the strings out of `r`, and the prompt's ids from `ids` (and
+// their bytes from `varints`) when `r` has none.
 ClientRequest ClientRequestFromProto(v1::wire::GenerateRequestBytes& r,
-                                     std::vector<uint32_t> ids = {});
+                                     std::vector<uint32_t> ids = {}, PromptVarints varints = {});
 
 // An empty prompt string is "not set" in proto3; says "empty" when the
 // client clearly sent neither ids nor text.

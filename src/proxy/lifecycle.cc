@@ -177,6 +177,7 @@ void RequestLifecycle::Launch() {
   DecodeArgs args;
   args.request_id = req_.request_id;
   args.prompt_ids = PromptRefLocked();
+  args.prompt_varints = PromptVarintsLocked();
   args.params = ToEngineArgs(req_, base_);
   args.deadline = deadline_;
   args.prefill_locally = route_.local;
@@ -227,6 +228,7 @@ void RequestLifecycle::OnRegistered(uint32_t attempt) {
   PrefillArgs args;
   args.request_id = req_.request_id;
   args.prompt_ids = PromptRefLocked();
+  args.prompt_varints = PromptVarintsLocked();
   args.params = ToEngineArgs(req_, base_);
   args.deadline = deadline_;
   args.decoder_address = route_.decode_address;

@@ -170,6 +170,11 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   PromptIds PromptRefLocked() {
     return migrated_ ? migrated_ : PromptIds(shared_from_this(), &req_.prompt_ids);
   }
+  // The client's bytes of this attempt's prompt, alive as long as
+  // PromptRefLocked()'s reference; none after a migration (the prompt grew).
+  std::string_view PromptVarintsLocked() const {
+    return migrated_ ? std::string_view() : req_.prompt_varints.bytes();
+  }
   std::set<std::string> excluded_;   // guarded by mu_
   // guarded by mu_: decoders lost mid-stream, excluded even when no other
   // pair exists (excluded_ alone is a preference: see Launch)

@@ -24,8 +24,9 @@ PrefillTcpClient::PrefillTcpClient(std::shared_ptr<FrameConn> conn)
 PrefillTcpClient::~PrefillTcpClient() = default;
 
 bool PrefillRequestInParts(const PrefillArgs& args, uint64_t timeout_us, PrefillRequestParts* out) {
-  const std::string_view prompt = PackedFixed32Prompt(args.prompt_ids, args.prompt_fixed32);
-  if (prompt.empty()) return false;
+  const PackedPrompt prompt =
+      PromptForParts(args.prompt_ids, args.prompt_varints, args.prompt_fixed32);
+  if (prompt.bytes.empty()) return false;
   pb::PrefillFrame outer;  // the frame's own small fields
   if (timeout_us != 0) outer.set_timeout_us(timeout_us);
   if (!args.traceparent.empty()) outer.set_traceparent(args.traceparent);
@@ -35,8 +36,10 @@ bool PrefillRequestInParts(const PrefillArgs& args, uint64_t timeout_us, Prefill
   head.clear();
   outer.AppendToString(&head);
   AppendPromptMessageField(pb::PrefillFrame::kRequestFieldNumber, req,
-                           pb::PrefillRequest::kPromptTokenIdsFixed32FieldNumber, prompt.size(), &head);
-  out->prompt = prompt;
+                           prompt.varints ? pb::PrefillRequest::kPromptTokenIdsFieldNumber
+                                          : pb::PrefillRequest::kPromptTokenIdsFixed32FieldNumber,
+                           prompt.bytes.size(), &head);
+  out->prompt = prompt.bytes;
   return true;
 }
 

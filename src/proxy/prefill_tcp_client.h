@@ -54,17 +54,19 @@ PrefillResult ToPrefillResult(const v1::PrefillResponse& resp);
 // A Prefill request's PrefillFrame in parts for FrameConn::SendParts (issue
 // 23): `head` holds the frame's fields but the call id (the timeout, the
 // trace context, the request without its prompt), ending with the tag and
-// length of the request's prompt_token_ids_fixed32, and `prompt` is that
-// field's bytes: the prompt as the proxy holds it (little-endian uint32s,
-// the packed fixed32 encoding). The 32 kB prompt is then copied once, into
-// the connection's output, instead of into a message and out of it again.
-// The call id's field (PrefillCallIdField) goes in front: a message's
-// fields may come in any order. False (parts untouched) when the request
-// is not sent so: a worker that reads the varint field, no prompt, or a
-// big-endian host.
+// length of the request's prompt field, and `prompt` is that field's
+// bytes as the proxy holds them: the client's packed varints in
+// prompt_token_ids (session 14, PromptForParts), else the ids'
+// little-endian uint32s in prompt_token_ids_fixed32. The prompt is then
+// copied once, into the connection's output, instead of into a message
+// and out of it again. The call id's field (PrefillCallIdField) goes in
+// front: a message's fields may come in any order. False (parts
+// untouched) when the request is not sent so: no client varints and a
+// worker that reads only the varint field, no prompt, or a big-endian
+// host.
 struct PrefillRequestParts {
   std::string head;
-  std::string_view prompt;  // points into the args' prompt
+  std::string_view prompt;  // points into the args' prompt (or its varints)
 };
 bool PrefillRequestInParts(const PrefillArgs& args, uint64_t timeout_us, PrefillRequestParts* out);
 std::string PrefillCallIdField(uint64_t call_id);

@@ -19,10 +19,11 @@ uint32_t LengthDelimitedTag(int field) {
 
 }  // namespace
 
-std::string_view PackedFixed32Prompt(const PromptIds& ids, bool fixed32) {
+PackedPrompt PromptForParts(const PromptIds& ids, std::string_view varints, bool fixed32) {
+  if (!varints.empty()) return {varints, true};
   if constexpr (std::endian::native != std::endian::little) return {};
   if (!fixed32 || !ids || ids->empty()) return {};
-  return {reinterpret_cast<const char*>(ids->data()), ids->size() * sizeof(uint32_t)};
+  return {{reinterpret_cast<const char*>(ids->data()), ids->size() * sizeof(uint32_t)}, false};
 }
 
 void AppendVarint(uint64_t v, std::string* out) {

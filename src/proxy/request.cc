@@ -87,6 +87,9 @@ Result<ValidatedRequest> ValidateRequest(ClientRequest req, const ServingLimits&
       }
     }
     out.prompt_ids = std::move(req.prompt_token_ids);
+    // The ids just checked are these bytes' (ParseGenerateRequest decoded
+    // them): what is validated is what the workers are sent.
+    out.prompt_varints = std::move(req.prompt_varints);
   }
 
   if (req.max_tokens.has_value()) {

@@ -16,6 +16,20 @@
 
 namespace tandem::proxy {
 
+// The client's own encoding of its prompt_token_ids (issue 23, session 14;
+// docs/serving-workers.md "Prompt and hash encoding"): the packed varints of
+// the native gRPC front end's request, kept in the request's body, which
+// this owns. The workers are sent these bytes as their prompt_token_ids
+// (the same ids, half the bytes of fixed32, no encoding pass) when they are
+// exactly what protobuf writes for the ids the proxy decoded and validated:
+// one packed field, every varint in its shortest form.
+struct PromptVarints {
+  std::string owner;  // the request's bytes, which hold the varints
+  size_t at = 0;      // offset of the varints in `owner`
+  size_t size = 0;    // 0: none (a text prompt, the HTTP API, another encoding)
+  std::string_view bytes() const { return std::string_view(owner).substr(at, size); }
+};
+
 // Mirrors tandem.v1.GenerateRequest: optional fields stay optional, so
 // "unset" (take the default) and "set to 0" (an error for max_tokens) differ.
 struct ClientRequest {
@@ -24,6 +38,7 @@ struct ClientRequest {
   bool has_prompt = false;
   std::string prompt;
   std::vector<uint32_t> prompt_token_ids;  // non-empty means "given"
+  PromptVarints prompt_varints;            // prompt_token_ids as the client encoded them, if kept
   std::optional<uint32_t> max_tokens;
   std::optional<float> temperature;
   std::optional<float> top_p;
@@ -66,6 +81,9 @@ struct ValidatedRequest {
   std::string client_request_id;
   std::string model;
   std::vector<uint32_t> prompt_ids;
+  // prompt_ids as the client encoded them (ClientRequest::prompt_varints),
+  // kept only when the client gave ids and they passed validation.
+  PromptVarints prompt_varints;
   uint32_t max_tokens = 0;
   float temperature = 1.0f;
   float top_p = 1.0f;

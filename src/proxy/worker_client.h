@@ -14,6 +14,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/inline_function.h"
@@ -48,6 +49,12 @@ using PromptIds = std::shared_ptr<const std::vector<uint32_t>>;
 struct DecodeArgs {
   std::string request_id;
   PromptIds prompt_ids;  // never null when the lifecycle makes the call
+  // prompt_ids as the client encoded them, packed varints in their
+  // shortest form (ValidatedRequest::prompt_varints), in memory that
+  // prompt_ids keeps alive (the lifecycle's); empty: none. The framed
+  // transports send these bytes as the prompt_token_ids field (issue 23,
+  // session 14); the others encode prompt_ids.
+  std::string_view prompt_varints;
   EngineArgs params;
   std::chrono::system_clock::time_point deadline;  // max(): none
   bool prefill_locally = false;
@@ -102,6 +109,7 @@ struct DecodeEvents {
 struct PrefillArgs {
   std::string request_id;
   PromptIds prompt_ids;  // as in DecodeArgs
+  std::string_view prompt_varints;  // as in DecodeArgs
   EngineArgs params;
   std::chrono::system_clock::time_point deadline;
   std::string decoder_address;

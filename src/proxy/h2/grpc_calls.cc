@@ -131,7 +131,9 @@ void Generate(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
   auto conn = c.shared_from_this();
   auto req = std::make_shared<GenerateRequestParts>();
   if (s->body.size() <= kInlineRequestBytes) {
-    Status parsed = ParseGenerateRequest(s->body, *req);
+    // The body moves into the request: its prompt's bytes may go to the
+    // workers as they came (GenerateRequestParts::prompt_varints).
+    Status parsed = ParseGenerateRequest(std::move(s->body), *req);
     if (!parsed.ok() || req->rest.prompt().empty()) {
       double retry_after = 0;
       auto v = PrepareGenerate(fe, parsed, *req, s->tenant, traceparent, &retry_after);
@@ -148,7 +150,7 @@ void Generate(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
     Status parsed = Status::Ok();
     if (!req) {
       req = std::make_shared<GenerateRequestParts>();
-      parsed = ParseGenerateRequest(s->body, *req);
+      parsed = ParseGenerateRequest(std::move(s->body), *req);
     }
     double retry_after = 0;
     auto v = PrepareGenerate(f, parsed, *req, s->tenant, traceparent, &retry_after);

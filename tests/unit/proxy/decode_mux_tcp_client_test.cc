@@ -136,7 +136,37 @@ DecodeArgs Args(uint32_t max_tokens) {
   return a;
 }
 
-class DecodeMuxTcpClientTest : public ::testing::TestWithParam<bool> {};
+class DecodeMuxTcpClientTest : public ::testing::TestWithParam<bool> {
+ protected:
+  // A scripted decoder and the proxy's stream to it over mutual TLS (a
+  // 32 kB frame spans several records), delivering on the parameter's
+  // thread.
+  void OpenOverTls() {
+    const CertKeyPem ca = frame_testing::MakeCa("fleet-ca");
+    server_ = Serve(frame_testing::Tls(frame_testing::Identity(ca, "decode-0")), &script_);
+    ASSERT_NE(server_, nullptr);
+    mux_ = DecodeMuxTcpClient::Open(server_->address(),
+                                    frame_testing::Tls(frame_testing::Identity(ca, "proxy")),
+                                    /*deliver_on_grpc_thread=*/GetParam());
+  }
+  // One request on the stream, answered by the script: tokens 42, 43.
+  void StartAndFinish(const DecodeArgs& args) {
+    Seen seen;
+    DecodeEvents e = seen.Events();
+    ASSERT_NE(mux_->Start(args, e), nullptr);
+    ASSERT_TRUE(seen.WaitEnd());
+    EXPECT_TRUE(seen.finished);
+    EXPECT_EQ(seen.tokens, (std::vector<uint32_t>{42, 43}));
+  }
+  std::vector<std::string> Starts() {
+    std::lock_guard lock(script_.mu);
+    return script_.starts;
+  }
+
+  Script script_;
+  std::unique_ptr<FrameServer> server_;
+  std::shared_ptr<DecodeMuxTcpClient> mux_;
+};
 
 TEST_P(DecodeMuxTcpClientTest, EventsCancelAndABrokenConnection) {
   Script script;
@@ -226,33 +256,15 @@ TEST_P(DecodeMuxTcpClientTest, ATokenTableOnlyPrefetches) {
 // leaves in parts (DecodeStartInParts); the decoder reads, byte for byte,
 // the message's serialization, and answers it as any start.
 TEST_P(DecodeMuxTcpClientTest, AStartInPartsReachesTheDecoderAsTheMessage) {
-  // Over mutual TLS: the 32 kB frame spans several records.
-  const CertKeyPem ca = frame_testing::MakeCa("fleet-ca");
-  Script script;
-  auto server = Serve(frame_testing::Tls(frame_testing::Identity(ca, "decode-0")), &script);
-  ASSERT_NE(server, nullptr);
-  auto mux = DecodeMuxTcpClient::Open(server->address(),
-                                      frame_testing::Tls(frame_testing::Identity(ca, "proxy")),
-                                      /*deliver_on_grpc_thread=*/GetParam());
+  ASSERT_NO_FATAL_FAILURE(OpenOverTls());
   DecodeArgs args = Args(1);
   std::vector<uint32_t> ids(8000);
   for (uint32_t i = 0; i < ids.size(); ++i) ids[i] = i * 2654435761u;
   args.prompt_ids = std::make_shared<const std::vector<uint32_t>>(ids);
   args.prompt_fixed32 = true;
   args.traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
-  for (int i = 0; i < 2; ++i) {
-    Seen seen;
-    DecodeEvents e = seen.Events();
-    ASSERT_NE(mux->Start(args, e), nullptr);
-    ASSERT_TRUE(seen.WaitEnd());
-    EXPECT_TRUE(seen.finished);
-    EXPECT_EQ(seen.tokens, (std::vector<uint32_t>{42, 43}));
-  }
-  std::vector<std::string> starts;
-  {
-    std::lock_guard lock(script.mu);
-    starts = script.starts;
-  }
+  for (int i = 0; i < 2; ++i) ASSERT_NO_FATAL_FAILURE(StartAndFinish(args));
+  const std::vector<std::string> starts = Starts();
   ASSERT_EQ(starts.size(), 2u);
   for (uint64_t handle = 1; handle <= 2; ++handle) {
     pb::DecodeStreamRequest want;
@@ -267,7 +279,51 @@ TEST_P(DecodeMuxTcpClientTest, AStartInPartsReachesTheDecoderAsTheMessage) {
   EXPECT_EQ(std::vector<uint32_t>(got.start().request().prompt_token_ids_fixed32().begin(),
                                   got.start().request().prompt_token_ids_fixed32().end()),
             ids);
-  mux->Stop();
+  mux_->Stop();
+}
+
+// Session 14 (issue 23): with the client's own packed varints in the args
+// the start carries those bytes as the request's prompt_token_ids (a
+// decoder that reads fixed32 reads that field too), and the decoder parses
+// the message the message way builds with the varint field: the same ids.
+TEST_P(DecodeMuxTcpClientTest, TheClientsVarintsReachTheDecoderAsItsPromptField) {
+  ASSERT_NO_FATAL_FAILURE(OpenOverTls());
+  DecodeArgs args = Args(1);
+  std::vector<uint32_t> ids(8000);
+  std::string varints;  // the shortest packed encoding, as a client writes it
+  for (uint32_t i = 0; i < ids.size(); ++i) {
+    ids[i] = (i * 2654435761u) % 128256u;  // 1- to 3-byte varints
+    for (uint32_t v = ids[i]; ; v >>= 7) {
+      if (v < 0x80) {
+        varints.push_back(static_cast<char>(v));
+        break;
+      }
+      varints.push_back(static_cast<char>((v & 0x7f) | 0x80));
+    }
+  }
+  args.prompt_ids = std::make_shared<const std::vector<uint32_t>>(ids);
+  args.prompt_varints = varints;
+  args.prompt_fixed32 = true;
+  ASSERT_NO_FATAL_FAILURE(StartAndFinish(args));
+  const std::vector<std::string> starts = Starts();
+  ASSERT_EQ(starts.size(), 1u);
+  const std::string& start = starts[0];
+  EXPECT_NE(start.find(varints), std::string::npos);  // the client's bytes, as they came
+  EXPECT_LT(start.size(), varints.size() + 256);
+  pb::DecodeStreamRequest got;
+  ASSERT_TRUE(got.ParseFromString(start));
+  EXPECT_EQ(got.start().request().prompt_token_ids_fixed32_size(), 0);
+  EXPECT_EQ(std::vector<uint32_t>(got.start().request().prompt_token_ids().begin(),
+                                  got.start().request().prompt_token_ids().end()),
+            ids);
+  pb::DecodeStreamRequest want;
+  want.mutable_start()->set_handle(1);
+  DecodeArgs as_varints = args;
+  as_varints.prompt_varints = {};
+  as_varints.prompt_fixed32 = false;
+  FillDecodeRequest(as_varints, want.mutable_start()->mutable_request());
+  EXPECT_EQ(got.SerializeAsString(), want.SerializeAsString());
+  mux_->Stop();
 }
 
 INSTANTIATE_TEST_SUITE_P(DeliveryThread, DecodeMuxTcpClientTest, ::testing::Bool(),

@@ -84,12 +84,31 @@ Parsed Fast(const std::string& body) {
   return p;
 }
 
+// The shortest packed encoding of `ids` (what protobuf writes).
+std::string ShortestVarints(const std::vector<uint32_t>& ids) {
+  std::string s;
+  for (uint32_t id : ids) s += Varint(id);
+  return s;
+}
+
+// Session 14: bytes kept for the workers (prompt_varints) are exactly the
+// shortest encoding of the ids the proxy decoded (so what it validates is
+// what the workers read), and lie in the body it keeps.
+void ExpectForwardable(const GenerateRequestParts& parts) {
+  const PromptVarints& v = parts.prompt_varints;
+  if (v.size == 0) return;
+  ASSERT_LE(v.at + v.size, v.owner.size());
+  EXPECT_EQ(v.bytes(), ShortestVarints(parts.prompt_token_ids));
+}
+
 void ExpectSame(const std::string& body) {
   const Parsed want = Reference(body);
   const Parsed got = Fast(body);
   ASSERT_EQ(got.ok, want.ok);
   EXPECT_EQ(got.ids, want.ids);
   EXPECT_EQ(got.rest, want.rest);
+  GenerateRequestParts parts;
+  if (ParseGenerateRequest(body, parts).ok()) ExpectForwardable(parts);
 }
 
 TEST(ParseGenerateRequestTest, PackedIdsAreDecodedIntoThePartsVector) {
@@ -152,6 +171,53 @@ TEST(ParseGenerateRequestTest, CorruptedRequestsAsProtobufReadsThem) {
   }
   EXPECT_GT(accepted, 1000);  // both paths were exercised
   EXPECT_LT(accepted, 19000);
+}
+
+// Session 14: the client's packed varints are kept, in the body, when they
+// are one run of shortest varints (3-byte ones included), and not kept for
+// any other encoding of the same ids, which then go to the workers as the
+// proxy re-encodes them. The ids are the same either way.
+TEST(ParseGenerateRequestTest, TheClientsVarintsAreKeptOnlyInTheirShortestForm) {
+  const std::vector<uint32_t> ids = {0, 1, 127, 128, 300, 16383, 16384, 128255, 2097151};
+  const std::string body = FullRequest(ids);
+  GenerateRequestParts parts;
+  ASSERT_TRUE(ParseGenerateRequest(body, parts).ok());
+  EXPECT_EQ(parts.prompt_token_ids, ids);
+  ASSERT_EQ(parts.prompt_varints.size, ShortestVarints(ids).size());
+  EXPECT_EQ(parts.prompt_varints.bytes(), ShortestVarints(ids));
+  EXPECT_EQ(parts.prompt_varints.owner, body);  // the body, kept whole
+  ExpectForwardable(parts);
+
+  const std::string head = Varint((1 << 3) | 2) + Varint(2) + "id";
+  auto run = [](const std::string& payload) {
+    return Varint((4 << 3) | 2) + Varint(payload.size()) + payload;
+  };
+  const struct {
+    const char* name;
+    std::string body;
+    std::vector<uint32_t> ids;
+  } not_kept[] = {
+      {"0 as 0x80 0x00", head + run(std::string("\x05\x80\x00", 3)), {5, 0}},
+      {"300 in 3 bytes", head + run(std::string("\xac\x82\x00", 3)), {300}},
+      {"5 in 5 bytes", head + run(std::string("\x85\x80\x80\x80\x00", 5)), {5}},
+      {"5 with bits past 64 (10 bytes)",
+       head + run("\x85" + std::string(8, '\x80') + "\x02"), {5}},
+      {"a 64-bit value, truncated", head + PackedIds({(uint64_t{1} << 32) + 7}), {7}},
+      {"bits 32-34 in a 5-byte varint",
+       head + run(std::string("\xd9\xec\xfe\xd0\x28", 5)), {0x8a1fb659u}},
+      {"two packed runs", PackedIds({1, 2}) + head + PackedIds({3}), {1, 2, 3}},
+      {"an empty run", head + PackedIds({}), {}},
+  };
+  for (const auto& c : not_kept) {
+    SCOPED_TRACE(c.name);
+    ASSERT_TRUE(ParseGenerateRequest(c.body, parts).ok());
+    EXPECT_EQ(parts.prompt_token_ids, c.ids);
+    EXPECT_EQ(parts.prompt_varints.size, 0u);
+    ExpectSame(c.body);
+  }
+  // A 4- or 5-byte varint in its shortest form is kept.
+  ASSERT_TRUE(ParseGenerateRequest(head + PackedIds({1u << 21, 0xffffffffu, 9}), parts).ok());
+  EXPECT_EQ(parts.prompt_varints.bytes(), ShortestVarints({1u << 21, 0xffffffffu, 9}));
 }
 
 // A request with ids and no text is not "empty" because its ids are in

@@ -34,6 +34,13 @@ TEST_F(LifecycleTest, DecoderLostMidStreamMigratesWithoutGapOrDuplicate) {
             std::vector<uint32_t>(workers_.completion.begin(), workers_.completion.begin() + 5));
   EXPECT_EQ(moved.params.first_sample_index, 5u);
   EXPECT_EQ(moved.params.max_tokens, 64u - 5u);
+  // The client's varints (session 14) go with the client's prompt only:
+  // the migrated prompt is re-encoded from its ids.
+  EXPECT_EQ(workers_.decode_args[0].prompt_varints, std::string(40, '\x07'));
+  EXPECT_EQ(workers_.prefill_args[0].prompt_varints, std::string(40, '\x07'));
+  EXPECT_TRUE(moved.prompt_varints.empty());
+  ASSERT_EQ(workers_.prefill_args.size(), 2u);
+  EXPECT_TRUE(workers_.prefill_args[1].prompt_varints.empty());
 }
 
 // A draining worker's gRPC server cancels the calls still open when its
@@ -51,6 +58,10 @@ TEST_F(LifecycleTest, CancelledByADrainingPrefillerIsRetried) {
   EXPECT_EQ(c.ids, workers_.completion);
   ASSERT_EQ(workers_.prefill_addresses.size(), 2u);
   EXPECT_NE(workers_.prefill_addresses[0], workers_.prefill_addresses[1]);  // the cut one avoided
+  // A retry sends the client's prompt again: its varints too (session 14).
+  for (const PrefillArgs& a : workers_.prefill_args) {
+    EXPECT_EQ(a.prompt_varints, std::string(40, '\x07'));
+  }
 }
 
 // A prefiller that answered that its prefill outlasted the decoder's lease

@@ -171,6 +171,10 @@ class LifecycleTest : public ::testing::Test {
     ValidatedRequest req;
     req.request_id = "r1";
     req.prompt_ids = std::vector<uint32_t>(40, 7);
+    // As the native front end keeps them: the packed field in the body.
+    req.prompt_varints.owner = "\x22\x28" + std::string(40, '\x07');
+    req.prompt_varints.at = 2;
+    req.prompt_varints.size = 40;
     req.max_tokens = max_tokens_;
     req.stop = std::move(stop);
     ResponseSink sink;

@@ -222,16 +222,26 @@ TEST_F(PrefillTcpTest, CallsOnOneConnectionGetTheirOwnReplies) {
 
 // Session 8 (docs/serving-workers.md, "Prompt and hash encoding"): the prompt as
 // fixed32 (a prefiller that advertises reads_fixed32_prompt) and as packed
-// varints (an older one) reaches the prefiller's job as the same ids.
+// varints (an older one) reaches the prefiller's job as the same ids; so
+// does the client's own varint bytes, forwarded as prompt_token_ids
+// (session 14).
 TEST_F(PrefillTcpTest, BothPromptEncodingsArriveIntact) {
   const auto p = Prompt(40, 16);
-  for (const bool fixed32 : {true, false}) {
-    SCOPED_TRACE(fixed32 ? "fixed32" : "varint");
+  std::string varints;  // p's shortest packed encoding, as a client writes it
+  for (uint32_t id : p) {
+    for (; id >= 0x80; id >>= 7) varints.push_back(static_cast<char>((id & 0x7f) | 0x80));
+    varints.push_back(static_cast<char>(id));
+  }
+  ASSERT_GT(varints.size(), p.size());  // 2-byte varints among them
+  for (const int encoding : {0, 1, 2}) {
+    const bool fixed32 = encoding != 1;
+    SCOPED_TRACE(encoding == 0 ? "fixed32" : encoding == 1 ? "varint" : "client varints");
     Outcome o;
-    auto args = Args(fixed32 ? "f" : "v", p);
+    auto args = Args(encoding == 0 ? "f" : encoding == 1 ? "v" : "c", p);
     args.prompt_fixed32 = fixed32;
+    if (encoding == 2) args.prompt_varints = varints;
     ASSERT_NE(client_->Start(args, o.Done()), nullptr);
-    const size_t n = fixed32 ? 1 : 2;
+    const size_t n = static_cast<size_t>(encoding) + 1;
     ASSERT_TRUE(WaitFor([&] { return link_.NumReserves() == n; }));
     EXPECT_EQ(link_.Prompt(n - 1), p);
     link_.Answer(Target({5, 6, 7}, n));

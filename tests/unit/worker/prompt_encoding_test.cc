@@ -19,7 +19,9 @@
 #include "decoder/decode_mux.h"
 #include "prefiller/prefiller_service.h"
 #include "proxy/decode_mux_client.h"
+#include "proxy/generate_convert.h"
 #include "proxy/prefill_tcp_client.h"
+#include "proxy/request.h"
 #include "tandem/v1/worker.pb.h"
 
 namespace tandem {
@@ -192,6 +194,81 @@ TEST(PromptEncodingTest, TheDecodeStartInPartsIsTheMessagesSerialization) {
   EXPECT_FALSE(proxy::DecodeStartInParts(args, &parts));
   EXPECT_TRUE(parts.head.empty());
   EXPECT_EQ(parts.bytes, 0u);
+}
+
+// Session 14 (issue 23): a client's GenerateRequest of 8k ids (1- to
+// 3-byte varints, ids >= 2^14 included) goes through the native front
+// end's parse and the proxy's validation, and both worker requests in parts
+// carry the client's own varint bytes (not a copy, not re-encoded) in
+// prompt_token_ids, whichever field the worker advertises; each parses to
+// the message the message way builds with the varint field, and the
+// decoder's DecodeSpec and the prefiller's PrefillJob hold exactly the ids
+// the client sent.
+TEST(PromptEncodingTest, TheWorkersReadTheIdsTheClientSentAsItsVarints) {
+  constexpr uint32_t kVocab = 128256;
+  std::vector<uint32_t> ids = {0, 127, 128, 16383, 16384, kVocab - 1};
+  for (uint32_t i = 0; ids.size() < 8000; ++i) ids.push_back((i * 2654435761u) % kVocab);
+  v1::GenerateRequest client;
+  for (uint32_t id : ids) client.add_prompt_token_ids(id);
+  client.set_max_tokens(1);
+  const std::string body = client.SerializeAsString();
+
+  proxy::GenerateRequestParts parsed;
+  ASSERT_TRUE(proxy::ParseGenerateRequest(body, parsed).ok());
+  proxy::ServingLimits limits;
+  limits.model = "m";
+  limits.vocab_size = kVocab;
+  limits.max_model_len = 8192;
+  auto v = proxy::ValidateRequest(
+      proxy::ClientRequestFromProto(parsed.rest, std::move(parsed.prompt_token_ids),
+                                    std::move(parsed.prompt_varints)),
+      limits, [](std::string_view) { return std::vector<uint32_t>{}; }, 1);
+  ASSERT_TRUE(v.ok()) << v.status().ToString();
+  ASSERT_EQ(v->prompt_ids, ids);
+  const std::string_view varints = v->prompt_varints.bytes();
+  // The bytes the client sent in its field 4, after the field's tag (1
+  // byte) and length (3 bytes).
+  ASSERT_EQ(body.find(varints), 4u);
+  EXPECT_LT(varints.size(), 3u * ids.size());
+  EXPECT_GT(varints.size(), 2u * ids.size());  // many 3-byte ids
+
+  for (const bool fixed32 : {true, false}) {
+    SCOPED_TRACE(fixed32 ? "worker reads fixed32" : "worker reads varints only");
+    proxy::PrefillArgs pa = PrefillArgsFor(v->prompt_ids, fixed32);
+    pa.prompt_varints = varints;
+    proxy::PrefillRequestParts pp;
+    ASSERT_TRUE(proxy::PrefillRequestInParts(pa, 0, &pp));
+    EXPECT_EQ(static_cast<const void*>(pp.prompt.data()),
+              static_cast<const void*>(varints.data()));  // not a copy
+    std::string wire = proxy::PrefillCallIdField(7) + pp.head + std::string(pp.prompt);
+    pb::PrefillFrame frame;
+    ASSERT_TRUE(frame.ParseFromString(wire));
+    EXPECT_EQ(frame.request().prompt_token_ids_fixed32_size(), 0);
+    EXPECT_EQ(frame.request().prompt_token_ids_size(), 8000);
+    pb::PrefillFrame want;
+    want.set_call_id(7);
+    proxy::FillPrefillRequest(PrefillArgsFor(ids, /*fixed32=*/false), want.mutable_request());
+    EXPECT_EQ(frame.SerializeAsString(), want.SerializeAsString());
+    EXPECT_EQ(prefiller::ToPrefillJob(frame.request(), "").prompt_ids, ids);
+
+    proxy::DecodeArgs da = DecodeArgsFor(v->prompt_ids, fixed32);
+    da.prompt_varints = varints;
+    proxy::DecodeStartParts dp;
+    ASSERT_TRUE(proxy::DecodeStartInParts(da, &dp));
+    EXPECT_EQ(static_cast<const void*>(dp.prompt.data()),
+              static_cast<const void*>(varints.data()));
+    wire = proxy::DecodeStartPrefix(300, dp) + dp.head + std::string(dp.prompt) + dp.tail;
+    pb::DecodeStreamRequest start;
+    ASSERT_TRUE(start.ParseFromString(wire));
+    EXPECT_EQ(start.start().handle(), 300u);
+    EXPECT_EQ(start.start().request().prompt_token_ids_fixed32_size(), 0);
+    pb::DecodeStreamRequest want_start;
+    want_start.mutable_start()->set_handle(300);
+    proxy::FillDecodeRequest(DecodeArgsFor(ids, /*fixed32=*/false),
+                             want_start.mutable_start()->mutable_request());
+    EXPECT_EQ(start.SerializeAsString(), want_start.SerializeAsString());
+    EXPECT_EQ(decoder::DecodeSpecFromProto(start.start().request()).prompt_ids, ids);
+  }
 }
 
 // An older proxy fills only prompt_token_ids (field 2), element by element.
