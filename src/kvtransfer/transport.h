@@ -262,12 +262,15 @@ class Transport {
   // Notifications received and not yet taken, oldest first.
   virtual std::vector<Notification> TakeNotifications() = 0;
   // When set, notifications go to `cb` (on the progress thread) instead of
-  // the queue TakeNotifications reads.
+  // the queue TakeNotifications reads. Returns once no call of the callback
+  // it replaces is running (unless called from inside one), so a component
+  // that unsets its callback in its Stop is not called afterwards.
   virtual void SetNotificationCallback(NotificationCallback cb) = 0;
 
   // When set, `cb` runs (on the progress thread, must not block nor call
   // ReleasePeer) once for each imported peer declared lost. Default: no
-  // failure reports (a transport without peer-failure detection).
+  // failure reports (a transport without peer-failure detection). Returns
+  // as SetNotificationCallback does.
   virtual void SetPeerFailureCallback(PeerFailureCallback cb) { (void)cb; }
 
   virtual TransportStats stats() const = 0;

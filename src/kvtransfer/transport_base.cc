@@ -443,8 +443,7 @@ std::vector<Notification> TransportBase::TakeNotifications() {
 }
 
 void TransportBase::SetNotificationCallback(NotificationCallback cb) {
-  std::lock_guard lock(mu_);
-  notice_cb_ = std::move(cb);
+  notice_cb_.Set(std::move(cb));
 }
 
 TransportStats TransportBase::stats() const {
@@ -480,7 +479,6 @@ void TransportBase::Finish(Xfer& x, XferStatus status, Status detail) {
 }
 
 void TransportBase::OnPeerFailed(PeerId peer, const Status& why) {
-  PeerFailureCallback cb;
   std::string agent;
   uint64_t generation = 0;
   {
@@ -490,7 +488,6 @@ void TransportBase::OnPeerFailed(PeerId peer, const Status& why) {
     it->second->failed = true;
     it->second->failed_seen = true;
     it->second->failure = why;
-    cb = peer_failure_cb_;
     agent = it->second->desc.agent_name;
     generation = it->second->desc.generation;
   }
@@ -499,12 +496,11 @@ void TransportBase::OnPeerFailed(PeerId peer, const Status& why) {
   for (Xfer* x : active_) {
     if (x->peer == peer) Finish(*x, XferStatus::kErrRemoteDisconnect, why);
   }
-  if (cb) cb(agent, generation, why);
+  peer_failure_cb_.Call([] {}, agent, generation, why);
 }
 
 void TransportBase::SetPeerFailureCallback(PeerFailureCallback cb) {
-  std::lock_guard lock(mu_);
-  peer_failure_cb_ = std::move(cb);
+  peer_failure_cb_.Set(std::move(cb));
 }
 
 void TransportBase::DeliverNotice(std::string_view wire) {
@@ -513,7 +509,6 @@ void TransportBase::DeliverNotice(std::string_view wire) {
     spdlog::warn("kvtransfer: dropping malformed notice: {}", decoded.status().ToString());
     return;
   }
-  NotificationCallback cb;
   {
     std::lock_guard lock(mu_);
     if (decoded->target_generation != CurrentGeneration()) {
@@ -521,13 +516,14 @@ void TransportBase::DeliverNotice(std::string_view wire) {
       return;
     }
     ++notifications_received_;
-    if (!notice_cb_) {
-      notices_.push_back(std::move(decoded->notification));
-      return;
-    }
-    cb = notice_cb_;
   }
-  cb(std::move(decoded->notification));
+  Notification& n = decoded->notification;
+  notice_cb_.Call(
+      [&] {
+        std::lock_guard lock(mu_);
+        notices_.push_back(std::move(n));
+      },
+      std::move(n));
 }
 
 void TransportBase::RunCommands() {

@@ -20,6 +20,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "kvtransfer/callback_slot.h"
 #include "kvtransfer/descriptor.h"
 #include "kvtransfer/transport.h"
 
@@ -186,8 +187,8 @@ class TransportBase : public Transport {
   PeerId next_peer_id_ = 1;
   std::deque<std::function<void()>> commands_;
   std::deque<Notification> notices_;
-  NotificationCallback notice_cb_;
-  PeerFailureCallback peer_failure_cb_;  // guarded by mu_
+  CallbackSlot<NotificationCallback> notice_cb_;
+  CallbackSlot<PeerFailureCallback> peer_failure_cb_;
   uint64_t inflight_ = 0;
   uint64_t notifications_received_ = 0;
   uint64_t stale_notifications_dropped_ = 0;

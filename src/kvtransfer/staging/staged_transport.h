@@ -50,6 +50,7 @@
 #include <set>
 #include <unordered_map>
 
+#include "kvtransfer/callback_slot.h"
 #include "kvtransfer/staging/copy_engine.h"
 #include "kvtransfer/transport.h"
 
@@ -216,7 +217,7 @@ class StagedTransport final : public Transport {
   uint64_t next_post_seq_ = 1;
   uint64_t bytes_written_ = 0;
   StagingStats counters_;
-  NotificationCallback user_cb_;
+  CallbackSlot<NotificationCallback> user_cb_;
   std::deque<Notification> notices_;
 };
 

@@ -108,17 +108,14 @@ void StagedTransport::OnH2dDone(const RecvKey& key, const Status& st) {
 }
 
 void StagedTransport::Deliver(std::vector<Notification> ready) {
-  if (ready.empty()) return;
-  NotificationCallback cb;
-  {
-    std::lock_guard lock(mu_);
-    if (!user_cb_) {
-      for (auto& n : ready) notices_.push_back(std::move(n));
-      return;
-    }
-    cb = user_cb_;
+  for (auto& n : ready) {
+    user_cb_.Call(
+        [&] {
+          std::lock_guard lock(mu_);
+          notices_.push_back(std::move(n));
+        },
+        std::move(n));
   }
-  for (auto& n : ready) cb(std::move(n));
 }
 
 std::vector<Notification> StagedTransport::TakeNotifications() {
@@ -130,8 +127,7 @@ std::vector<Notification> StagedTransport::TakeNotifications() {
 }
 
 void StagedTransport::SetNotificationCallback(NotificationCallback cb) {
-  std::lock_guard lock(mu_);
-  user_cb_ = std::move(cb);
+  user_cb_.Set(std::move(cb));
 }
 
 }  // namespace tandem::kvtransfer
