@@ -1,6 +1,7 @@
 #include "proxy/lifecycle.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -127,6 +128,27 @@ void RequestLifecycle::Launch() {
     if (done_ || attempt != attempt_) return;
     route = deps_.fleet->Route(hashes_, static_cast<uint32_t>(prompt_len_), excluded_,
                                req_.ttft_slo_ms);
+  }
+  // Exclusion is a preference, not a verdict: a worker excluded for a
+  // failure that is still in routing after that wait passes the liveness
+  // check, so it answers (e.g. a prefiller whose prefill outlasted a short
+  // lease on a loaded host: slow, not lost). With no other pair, the retry
+  // goes back to it rather than failing the request (a 1P fleet failed every
+  // such request with UNAVAILABLE). A worker that is really gone has left
+  // routing by now, so it is not chosen; nor is a decoder whose stream broke
+  // mid-stream (never_again_). Not after a refusal for lack of room.
+  if (!route.ok() && !excluded_.empty() &&
+      last_error_.code() != StatusCode::kResourceExhausted &&
+      route.status().code() == StatusCode::kResourceExhausted) {
+    auto again = deps_.fleet->Route(hashes_, static_cast<uint32_t>(prompt_len_), never_again_,
+                                    req_.ttft_slo_ms);
+    if (again.ok()) {
+      LogRequest(spdlog::level::info, req_.request_id,
+                 "no pair without {}; attempt {} goes to prefiller '{}' and decoder '{}', "
+                 "still in routing", fmt::join(excluded_, ", "), attempt,
+                 again->local ? again->decode_name : again->prefill_name, again->decode_name);
+      route = std::move(again);
+    }
   }
   if (!route.ok()) {
     if (req_.trace.sampled) {
@@ -429,6 +451,7 @@ bool RequestLifecycle::MigrateLocked(const Status& st, Calls& to_cancel) {
   base_ = sent;
   route_attempts_ = 0;
   excluded_ = {lost};  // earlier refusals may not hold any more; the lost one does
+  never_again_.insert(lost);  // its stream broke: not even when no other pair exists
   last_error_ = UnavailableError(fmt::format(
       "decoder '{}' was lost after {} completion tokens and no other pair could continue",
       lost, sent));

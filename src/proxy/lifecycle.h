@@ -176,6 +176,9 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
     return migrated_ ? std::string_view() : req_.prompt_varints.bytes();
   }
   std::set<std::string> excluded_;   // guarded by mu_
+  // guarded by mu_: decoders lost mid-stream, excluded even when no other
+  // pair exists (excluded_ alone is a preference: see Launch)
+  std::set<std::string> never_again_;
   Status last_error_;                // guarded by mu_: why the last attempt was abandoned
   RoutedPair route_;                 // guarded by mu_
   std::shared_ptr<Call> decode_call_;   // guarded by mu_

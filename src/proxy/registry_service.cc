@@ -382,6 +382,7 @@ void RegistryService::HandleRegister(const pb::RegisterRequest& request,
   }
   // Issue 23: requests to this decoder go over its multiplexed stream.
   if (st.ok()) {
+    channels_->Reachable(rec.grpc_address);  // it registered: calls to it are made again
     channels_->SetDecodeStream(rec.grpc_address, w.decode_stream());
     channels_->SetDecodeMuxAddress(rec.grpc_address, w.decode_mux_address());  // framed TCP
     channels_->SetPrefillFrameAddress(rec.grpc_address, w.prefill_frame_address());  // framed TCP
@@ -498,16 +499,20 @@ void RegistryService::WatchEnded(const std::string& name, WorkerWatch* watch,
 
 bool RegistryService::Rejoin(const std::string& name, WorkerWatch* watch, WorkerRecord rec,
                              uint64_t epoch) {
-  std::lock_guard lock(mu_);
-  auto it = watches_.find(name);
-  if (shut_down_ || it == watches_.end() || it->second.get() != watch) return false;
-  lost_.erase(name);
-  if (epoch != 0) rec.epoch = epoch;
-  Status st = fleet_->Register(rec);
-  if (!st.ok()) {
-    spdlog::warn("worker {} answers again but cannot rejoin: {}", name, st.message());
-    return false;
+  {
+    std::lock_guard lock(mu_);
+    auto it = watches_.find(name);
+    if (shut_down_ || it == watches_.end() || it->second.get() != watch) return false;
+    lost_.erase(name);
+    if (epoch != 0) rec.epoch = epoch;
+    Status st = fleet_->Register(rec);
+    if (!st.ok()) {
+      spdlog::warn("worker {} answers again but cannot rejoin: {}", name, st.message());
+      return false;
+    }
   }
+  // Calls to it were given up with it (AbandonCalls); they are made again.
+  channels_->Reachable(rec.grpc_address);
   spdlog::info("worker {} answers again: back in routing", name);
   return true;
 }

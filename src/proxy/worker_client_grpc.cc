@@ -184,10 +184,23 @@ std::string GrpcWorkerClient::Tracked::abandoned() const {
 }
 
 void GrpcWorkerClient::Track(const std::string& address, const std::shared_ptr<Tracked>& call) {
-  std::lock_guard lock(mu_);
-  auto& v = calls_[address];
-  std::erase_if(v, [](const std::weak_ptr<Tracked>& w) { return w.expired(); });
-  v.push_back(call);
+  std::string why;
+  {
+    std::lock_guard lock(mu_);
+    if (auto a = abandoned_.empty() ? abandoned_.end() : abandoned_.find(address);
+        a != abandoned_.end()) {
+      why = a->second;
+    } else {
+      auto& v = calls_[address];
+      std::erase_if(v, [](const std::weak_ptr<Tracked>& w) { return w.expired(); });
+      v.push_back(call);
+      return;
+    }
+  }
+  // Started after the worker was given up (routed to it just before): it
+  // ends as the calls in flight then did, instead of waiting for a worker
+  // that may never answer. Its callback runs later, on the call's thread.
+  call->Abandon(why);
 }
 
 size_t GrpcWorkerClient::AbandonCalls(const std::string& address, const std::string& why) {
@@ -212,9 +225,15 @@ size_t GrpcWorkerClient::AbandonCalls(const std::string& address, const std::str
       }
       calls_.erase(it);
     }
+    abandoned_[address] = why.empty() ? "worker abandoned" : why;
   }
   for (auto& c : live) c->Abandon(why);
   return n;
+}
+
+void GrpcWorkerClient::Reachable(const std::string& address) {
+  std::lock_guard lock(mu_);
+  abandoned_.erase(address);
 }
 
 GrpcWorkerClient::GrpcWorkerClient(RpcCredentials credentials, bool decode_stream, bool decode_tcp,
@@ -320,6 +339,9 @@ std::shared_ptr<DecodeMux> GrpcWorkerClient::Mux(const std::string& address,
                                                  const DecodeMux* stale) {
   std::lock_guard lock(mu_);
   if (!decode_stream_) return nullptr;
+  // No new stream to a decoder given up: the Decode RPC below is tracked,
+  // and so ends at once (Track).
+  if (abandoned_.count(address) > 0) return nullptr;
   const auto tcp = decode_tcp_ ? tcp_addresses_.find(address) : tcp_addresses_.end();
   if (tcp == tcp_addresses_.end() && mux_addresses_.count(address) == 0) return nullptr;
   auto& mux = muxes_[address];
@@ -415,6 +437,9 @@ std::shared_ptr<PrefillTcpClient> GrpcWorkerClient::PrefillClient(const std::str
   {
     std::lock_guard lock(mu_);
     if (!prefill_tcp_) return nullptr;
+    // Nothing is written to a prefiller given up: the gRPC call below is
+    // tracked, and so ends at once (Track).
+    if (abandoned_.count(address) > 0) return nullptr;
     const auto tcp = prefill_tcp_addresses_.find(address);
     if (tcp == prefill_tcp_addresses_.end()) return nullptr;
     auto& client = prefill_clients_[address];

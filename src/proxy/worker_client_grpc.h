@@ -81,8 +81,15 @@ class GrpcWorkerClient final : public WorkerClient {
   // Ends every Decode and Prefill call in flight to `address` as if the
   // worker had died (UNAVAILABLE with `why`): the proxy's liveness check
   // decided it is gone, e.g. a paused process whose connections stay open.
+  // Calls started to `address` from then on end the same way, at once,
+  // until Reachable(address): a request routed there just before (its
+  // Prefill starts only once the decoder registered it) would otherwise
+  // wait for a stopped worker that may never answer, up to its deadline.
   // Returns how many calls were ended. Any thread; callbacks run later.
   size_t AbandonCalls(const std::string& address, const std::string& why);
+  // The worker at `address` answers again (a probe's snapshot, or it
+  // registered): calls to it are made normally again.
+  void Reachable(const std::string& address);
 
   // A call that AbandonCalls can end.
   class Tracked {
@@ -101,6 +108,8 @@ class GrpcWorkerClient final : public WorkerClient {
   };
 
  private:
+  // Registers `call` for AbandonCalls; a call to an address given up
+  // already is abandoned at once.
   void Track(const std::string& address, const std::shared_ptr<Tracked>& call);
   std::shared_ptr<grpc::Channel> ChannelLocked(const std::string& address);
   bool PromptFixed32(const std::string& address);
@@ -134,6 +143,8 @@ class GrpcWorkerClient final : public WorkerClient {
   std::unordered_map<std::string, std::shared_ptr<grpc::Channel>> channels_;  // guarded by mu_
   // Calls in flight per worker address (expired entries pruned as we go).
   std::unordered_map<std::string, std::vector<std::weak_ptr<Tracked>>> calls_;  // guarded by mu_
+  // Addresses given up by AbandonCalls and not Reachable since -> why.
+  std::unordered_map<std::string, std::string> abandoned_;  // guarded by mu_
 };
 
 }  // namespace tandem::proxy

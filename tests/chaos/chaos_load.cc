@@ -86,10 +86,17 @@ void Load::Run(int stream) {
     req.mutable_sampling()->set_temperature(job.temperature);
     if (job.temperature != 0) req.mutable_sampling()->set_seed(job.seed);
     req.set_ignore_eos(true);
+    // Our own id, so that a request that hangs can be found in the fleet's
+    // logs (the proxy logs it as [req=ID]).
+    req.set_request_id(fmt::format("chaos-{}-{}", stream, i));
     auto reader = stub->Generate(&ctx, req);
     std::vector<uint32_t> got;
     pb::GenerateResponse resp;
+    Clock::time_point first_at{}, last_at{};
     while (reader->Read(&resp)) {
+      if (resp.token_ids().empty()) continue;
+      last_at = Clock::now();
+      if (first_at == Clock::time_point{}) first_at = last_at;
       got.insert(got.end(), resp.token_ids().begin(), resp.token_ids().end());
     }
     const grpc::Status st = reader->Finish();
@@ -100,6 +107,16 @@ void Load::Run(int stream) {
       ++stats_.hung;
       stats_.statuses[fmt::format("hung: {} {}", static_cast<int>(st.error_code()),
                                   st.error_message().substr(0, 80))]++;
+      // Where it stood: waiting for its first token, or streaming slowly.
+      const auto at = [&](Clock::time_point t) {
+        return t == Clock::time_point{} ? std::string("never")
+                                        : fmt::format("{:.1f} s", std::chrono::duration<double>(t - start).count());
+      };
+      std::printf("[chaos] hung: request %s (%zu prompt tokens): %zu of %u tokens received, first at "
+                  "%s, last at %s\n",
+                  req.request_id().c_str(), job.prompt.size(), got.size(), job.max_tokens,
+                  at(first_at).c_str(), at(last_at).c_str());
+      std::fflush(stdout);
     } else if (st.ok()) {
       if (got == job.expected) {
         ++stats_.completed;

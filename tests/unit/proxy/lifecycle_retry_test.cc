@@ -64,6 +64,47 @@ TEST_F(LifecycleTest, CancelledByADrainingPrefillerIsRetried) {
   }
 }
 
+// A prefiller that answered that its prefill outlasted the decoder's lease
+// (a short lease on a loaded host) is excluded from the retry, but it is
+// the only one and still in routing (alive): the retry goes back to it
+// instead of failing the request (docs/failure-handling.md, "Prefiller
+// lost before the first token"). Before, the client got UNAVAILABLE
+// "every worker that could take the request refused it" (session 14:
+// Retry.PausedDecoderRetriesReachTheSamePrefiller under load).
+TEST_F(LifecycleTest, RetryGoesBackToAnExcludedWorkerStillInRoutingWhenNoOtherPairExists) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  workers_.completion = tokenizer_->Encode("Amen");
+  workers_.first_prefill_errors = {UnavailableError(
+      "request 'r1#1': the KV was ready too late for the decoder's lease on its slots (2 s); "
+      "dropped without writing (was this prefiller paused?)")};
+  Collected c;
+  Run(c);
+  ASSERT_TRUE(c.finished) << c.error.ToString();
+  EXPECT_EQ(c.ids, workers_.completion);
+  ASSERT_EQ(workers_.prefill_addresses.size(), 2u);
+  EXPECT_EQ(workers_.prefill_addresses[1], "p0:1");
+  EXPECT_GT(workers_.prefill_args[1].attempt, workers_.prefill_args[0].attempt);
+}
+
+// A worker that left routing (the liveness check gave it up) is not gone
+// back to: with no other prefiller the request fails, naming the reason.
+TEST_F(LifecycleTest, RetryNeverGoesBackToAWorkerThatLeftRouting) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  HeldWorkers held;
+  client_ = &held;
+  Collected c;
+  auto life = Run(c);
+  held.events.on_registered();
+  ASSERT_TRUE(held.prefill_done);
+  fleet_->Remove("p0");
+  held.prefill_done(UnavailableError("worker 'p0' stopped answering (no update for 1000 ms)"));
+  EXPECT_FALSE(c.finished);
+  EXPECT_EQ(c.error.code(), StatusCode::kUnavailable) << c.error.ToString();
+  EXPECT_NE(c.error.message().find("stopped answering"), std::string::npos) << c.error.ToString();
+}
+
 // A new attempt after a failed one is handed to deps.defer_launch (the
 // frontend's work pool), never run on the thread that delivered the
 // failure: that is a transport thread (the shared frame loop, a decode
