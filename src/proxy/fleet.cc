@@ -126,12 +126,30 @@ void Fleet::Remove(const std::string& name) {
 
 Result<RoutedPair> Fleet::Route(std::span<const uint64_t> hashes, uint32_t prompt_tokens,
                                 const std::set<std::string>& exclude, double ttft_slo_ms) {
-  // The router has no notion of exclusion; retry a few times and skip
-  // decisions that land on an excluded worker.
+  // The router leaves the excluded workers out itself: one decision per
+  // call. (Routing and dropping the decisions that landed on one used to
+  // count each one's decode blocks until the decoder's next report: a few
+  // retries on a 1-decoder fleet made it look full; docs/failure-handling.md
+  // "Under load".)
+  router::WorkerMask mask;
+  bool refused = false;  // a worker that could take it is excluded
+  for (const std::string& name : exclude) {
+    if (auto id = router_->FindWorker(name)) {
+      mask.Set(*id);
+      refused = true;
+    }
+  }
+  // A decision may still land on a worker that is leaving (out of workers_
+  // already, not yet out of the router): then without it.
   for (int attempt = 0; attempt < 8; ++attempt) {
-    auto d = router_->Route(router::RouteRequest{hashes, prompt_tokens, ttft_slo_ms});
+    auto d = router_->Route(
+        router::RouteRequest{hashes, prompt_tokens, ttft_slo_ms, mask.Any() ? &mask : nullptr});
     if (!d.ok()) {
       if (metrics_) metrics_->CountError(router_->policy());
+      if (refused) {
+        return ResourceExhaustedError(fmt::format(
+            "every worker that could take the request refused it ({})", d.status().message()));
+      }
       return UnavailableError(fmt::format("no worker can take the request: {}",
                                           d.status().message()));
     }
@@ -147,8 +165,10 @@ Result<RoutedPair> Fleet::Route(std::span<const uint64_t> hashes, uint32_t promp
     };
     const WorkerRecord* dec = name_of(d->decode);
     const WorkerRecord* pre = out.local ? dec : name_of(d->prefill);
-    if (!dec || !pre || exclude.count(dec->name) || exclude.count(pre->name)) {
-      router_->EndPrefill(d->prefill_ticket);  // not used: its prefill never starts
+    if (!dec || !pre) {
+      router_->EndAttempt(d->prefill_ticket);  // not used: nothing of it reaches a worker
+      if (!dec) mask.Set(d->decode);
+      if (!pre) mask.Set(d->prefill);
       continue;
     }
     out.decode_name = dec->name;

@@ -100,8 +100,10 @@ class Fleet {
 
   // Chooses workers for a prompt's block hashes; `exclude` names workers
   // not to use (e.g. a decoder that just refused). UNAVAILABLE when no live
-  // worker of a needed role exists. The caller ends the pair's prefill with
-  // router().EndPrefill(decision.prefill_ticket) once it is over.
+  // worker of a needed role exists; RESOURCE_EXHAUSTED when only excluded
+  // ones could take it. The caller ends the pair's prefill with
+  // router().EndPrefill(decision.prefill_ticket) once it is over, and the
+  // attempt with router().EndAttempt(decision.prefill_ticket) once that is.
   // `ttft_slo_ms` (0: none): prefillers predicted over it are left out while
   // another one meets it (router/ttft_predictor.h).
   Result<RoutedPair> Route(std::span<const uint64_t> hashes, uint32_t prompt_tokens,

@@ -166,7 +166,7 @@ void RequestLifecycle::Launch() {
     return;
   }
   route_ = *route;
-  prefill_open_ = true;
+  prefill_open_ = attempt_open_ = true;
   if (req_.trace.sampled) TraceRoute(attempt, route_start);
   // DebugString formats every score (snprintf of floats): only when logged.
   if (spdlog::should_log(spdlog::level::debug)) {
@@ -591,8 +591,16 @@ void RequestLifecycle::EndPrefillLocked() {
   deps_.fleet->router().EndPrefill(route_.decision.prefill_ticket);
 }
 
+void RequestLifecycle::EndAttemptLocked() {
+  if (!attempt_open_) return;
+  attempt_open_ = false;
+  const bool prefill_ended = !prefill_open_;
+  prefill_open_ = false;
+  deps_.fleet->router().EndAttempt(route_.decision.prefill_ticket, prefill_ended);
+}
+
 RequestLifecycle::Calls RequestLifecycle::TakeCallsLocked() {
-  EndPrefillLocked();
+  EndAttemptLocked();
   Calls c;
   if (decode_call_) c.push_back(std::move(decode_call_));
   if (prefill_call_) c.push_back(std::move(prefill_call_));

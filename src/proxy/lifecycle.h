@@ -122,12 +122,16 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   // prompt + sent tokens when migrations remain (true: Launch again), and
   // fails it with UNAVAILABLE naming the reason otherwise.
   bool MigrateLocked(const Status& st, Calls& to_cancel);
-  // The calls of this attempt end, and with them its prefill.
+  // The calls of this attempt end, and with them the attempt.
   Calls TakeCallsLocked();
   // Tells the router this attempt's prefill is over (once), so that its
   // tokens leave the prefiller's predicted queue now: the prefill reply,
   // a local prefill's first token, or the attempt's end, whichever first.
   void EndPrefillLocked();
+  // Tells the router this attempt is over (once): finished, failed or
+  // abandoned. Its prefill ends if still open, and its decode blocks stop
+  // counting on its decoder if no load report counted them yet.
+  void EndAttemptLocked();
   static void CancelAll(const Calls& calls);
   // Tracing (only when req_.trace.sampled): the routing span of an attempt,
   // and at the end the stream and request spans ("" error: success).
@@ -146,6 +150,7 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   std::mutex mu_;
   bool done_ = false;                // guarded by mu_
   bool prefill_open_ = false;        // guarded by mu_: route_'s prefill not yet ended at the router
+  bool attempt_open_ = false;        // guarded by mu_: route_'s attempt not yet ended at the router
   uint32_t attempt_ = 0;             // guarded by mu_: every route tried, a generation number
   uint32_t base_ = 0;                // guarded by mu_: completion index of this attempt's token 0
   std::chrono::steady_clock::time_point first_token_at_{};  // guarded by mu_

@@ -9,8 +9,17 @@ void LoadTracker::Refresh(State& s) {
   e.queued_prefill_tokens = s.foreign_tokens + s.open_tokens;
   e.active_decode_blocks = s.report.active_decode_blocks + s.timed_sum.decode_blocks;
   e.free_blocks = s.report.free_blocks - s.timed_sum.decode_blocks;
+  e.reported_free_blocks = s.report.free_blocks;
   e.running_requests = s.foreign_running + s.open_running + s.timed_sum.running;
   e.free_known = s.free_known;
+}
+
+void LoadTracker::DropTimedBefore(State& s, int64_t cutoff_ns) {
+  while (!s.timed.empty() && s.timed.front().time_ns < cutoff_ns) {
+    s.timed_sum.decode_blocks -= s.timed.front().delta.decode_blocks;
+    s.timed_sum.running -= s.timed.front().delta.running;
+    s.timed.pop_front();
+  }
 }
 
 void LoadTracker::EndAt(State& s, Prefill& p) {
@@ -45,21 +54,30 @@ void LoadTracker::ApplyReport(WorkerId worker, const LoadReport& report, int64_t
   s.report = report;
   s.free_known = true;
   // Timed parts made long enough before it: the report counts them.
-  const int64_t cutoff = now_ns - report_lag_ns_ + 1;
-  while (!s.timed.empty() && s.timed.front().time_ns < cutoff) {
-    s.timed_sum.decode_blocks -= s.timed.front().delta.decode_blocks;
-    s.timed_sum.running -= s.timed.front().delta.running;
-    s.timed.pop_front();
-  }
+  DropTimedBefore(s, now_ns - report_lag_ns_ + 1);
   Refresh(s);
 }
 
-void LoadTracker::Predict(WorkerId worker, const LoadDelta& delta, int64_t now_ns) {
+void LoadTracker::Predict(WorkerId worker, const LoadDelta& delta, int64_t now_ns, uint64_t ticket) {
   State& s = workers_[worker];
-  s.timed.push_back({now_ns, delta});
+  s.timed.push_back({now_ns, ticket, delta});
   s.timed_sum.decode_blocks += delta.decode_blocks;
   s.timed_sum.running += delta.running;
   Refresh(s);
+}
+
+bool LoadTracker::Withdraw(WorkerId worker, uint64_t ticket) {
+  State& s = workers_[worker];
+  if (ticket == 0) return false;
+  auto it = std::lower_bound(s.timed.begin(), s.timed.end(), ticket,
+                             [](const Timed& t, uint64_t k) { return t.ticket < k; });
+  if (it == s.timed.end() || it->ticket != ticket) return false;
+  if (it->delta.decode_blocks == 0 && it->delta.running == 0) return false;
+  s.timed_sum.decode_blocks -= it->delta.decode_blocks;
+  s.timed_sum.running -= it->delta.running;
+  it->delta = {};  // stays queued until a report or its age drops it
+  Refresh(s);
+  return true;
 }
 
 void LoadTracker::AddPrefill(WorkerId worker, const PrefillWork& work, int64_t now_ns) {
@@ -100,13 +118,8 @@ uint32_t LoadTracker::Complete(WorkerId worker, std::span<const uint64_t> hashes
 void LoadTracker::Expire(WorkerId worker, int64_t now_ns) {
   State& s = workers_[worker];
   const int64_t cutoff = now_ns - max_prediction_age_ns_;
-  bool changed = false;
-  while (!s.timed.empty() && s.timed.front().time_ns < cutoff) {
-    s.timed_sum.decode_blocks -= s.timed.front().delta.decode_blocks;
-    s.timed_sum.running -= s.timed.front().delta.running;
-    s.timed.pop_front();
-    changed = true;
-  }
+  bool changed = !s.timed.empty() && s.timed.front().time_ns < cutoff;
+  DropTimedBefore(s, cutoff);
   while (!s.prefills.empty() && s.prefills.front().time_ns < cutoff) {
     if (s.prefills.front().open) EndAt(s, s.prefills.front());
     s.prefills.pop_front();

@@ -12,7 +12,9 @@
 // - Timed part (Predict): decode blocks and running requests. A report
 //   received at least `report_lag_ns` after the prediction replaces it (the
 //   request has had time to reach the worker, so the report counts it);
-//   max_prediction_age_ns bounds it when reports stop.
+//   max_prediction_age_ns bounds it when reports stop. Withdraw drops it
+//   sooner: the attempt it predicts is over (finished, failed, abandoned,
+//   or the decision was not used), so no later report will count it.
 //
 // A report's queued prefill tokens are the whole prompts of the requests
 // waiting at the worker when it sampled them, up to one report interval
@@ -41,6 +43,7 @@ struct WorkerLoad {
   int64_t free_blocks = 0;  // may be under 0 when predictions overshoot
   int64_t running_requests = 0;
   bool free_known = false;  // false: no report and no pool size yet
+  int64_t reported_free_blocks = 0;  // the last report's alone (before one: the pool size)
 };
 
 // The timed part of a prediction.
@@ -66,7 +69,12 @@ class LoadTracker {
   // A worker joins: no report, no predictions; `num_blocks` free (0: unknown).
   void Reset(WorkerId worker, uint32_t num_blocks);
   void ApplyReport(WorkerId worker, const LoadReport& report, int64_t now_ns);
-  void Predict(WorkerId worker, const LoadDelta& delta, int64_t now_ns);
+  // `ticket`: the route's (RouteDecision::prefill_ticket.id), for Withdraw;
+  // increasing from call to call like AddPrefill's (0: none, never withdrawn).
+  void Predict(WorkerId worker, const LoadDelta& delta, int64_t now_ns, uint64_t ticket = 0);
+  // The attempt of the route `ticket` is over: its timed part stops counting
+  // if no report has replaced it yet. Returns false when none was pending.
+  bool Withdraw(WorkerId worker, uint64_t ticket);
   // Tickets must increase from call to call (Router hands them out in order).
   void AddPrefill(WorkerId worker, const PrefillWork& work, int64_t now_ns);
   // The prefill with this ticket is over (done, failed or abandoned).
@@ -92,7 +100,8 @@ class LoadTracker {
  private:
   struct Timed {
     int64_t time_ns;
-    LoadDelta delta;
+    uint64_t ticket;
+    LoadDelta delta;  // zero once withdrawn
   };
   struct Prefill {
     int64_t time_ns;
@@ -102,7 +111,7 @@ class LoadTracker {
   struct State {
     LoadReport report;
     bool free_known = false;
-    std::deque<Timed> timed;      // oldest first
+    std::deque<Timed> timed;      // oldest first (so by ticket too)
     std::deque<Prefill> prefills;  // by ticket, oldest first
     uint32_t keyed = 0;            // open prefills with a key
     // Sums over the live entries, kept as they change (no rescans: a
@@ -114,6 +123,7 @@ class LoadTracker {
     WorkerLoad effective;
   };
   static void Refresh(State& s);
+  static void DropTimedBefore(State& s, int64_t cutoff_ns);
   void EndAt(State& s, Prefill& p);
   static void PopEnded(State& s);
 

@@ -21,13 +21,19 @@ struct RouteRequest {
   // exceeds it are left out of the choice while another one meets it
   // (router/ttft_predictor.h).
   double ttft_slo_ms = 0;
+  // Workers the request must not go to (the proxy's retry excludes the ones
+  // that failed it); null: none. Borrowed for the call.
+  const WorkerMask* exclude = nullptr;
 };
 
-// Names the prefill work one decision added to its prefilling worker's
-// load (docs/router.md, "Load"), for Router::EndPrefill. id 0: none.
+// Names the load one decision added (docs/router.md, "Load"): the prefill
+// work on its prefilling worker, for Router::EndPrefill, and the decode
+// blocks on `decode`, for Router::EndAttempt. id 0: none.
 struct PrefillTicket {
   WorkerId worker = kNoWorker;
   uint64_t id = 0;
+  WorkerId decode = kNoWorker;
+  int64_t time_ns = 0;  // when it was routed (the router's clock)
 };
 
 // One worker's cost on one side of the pair (lower is better).
@@ -64,9 +70,15 @@ struct RouteDecision {
   // < 0: unknown (the prefiller's rate is not measured yet).
   double predicted_ttft_ms = -1;
   uint32_t slo_excluded = 0;  // prefillers left out for a predicted TTFT over the SLO
+  // No decoder had room by the router's estimate (last report minus the
+  // predictions since), so the decoder was chosen by its last report alone:
+  // its Reserve decides (docs/router.md, "Room").
+  bool room_by_report = false;
 
   // Set by Router::Route (not by Score): the caller ends it with
-  // Router::EndPrefill once this route's prefill is over.
+  // Router::EndPrefill once this route's prefill is over, and with
+  // Router::EndAttempt once the attempt is (finished, failed, abandoned,
+  // or the decision not used).
   PrefillTicket prefill_ticket;
 
   std::vector<WorkerScore> prefill_scores;  // every prefill candidate, by id

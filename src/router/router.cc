@@ -75,6 +75,7 @@ Result<WorkerId> Router::AddWorkerEntry(const WorkerInfo& info, uint64_t* fleet_
   }
   membership_generation_.fetch_add(1, std::memory_order_release);
   loads_.Reset(id, info.num_blocks);
+  report_ns_[id].store(INT64_MIN, std::memory_order_relaxed);
   rates_[id].Reset();
   tiers_.Replace(id, info.epoch, {}, {});
   keyed_pending_[id].store(0, std::memory_order_relaxed);
@@ -153,7 +154,9 @@ Result<EventResult> Router::ApplySnapshot(WorkerId id, uint64_t epoch, uint64_t 
 Status Router::ApplyLoadReport(WorkerId id, const LoadReport& report) {
   std::lock_guard lock(mu_);
   if (!workers_.Find(id)) return NotFoundError("no worker with id " + std::to_string(id));
-  loads_.ApplyReport(id, report, Now());
+  const int64_t now = Now();
+  loads_.ApplyReport(id, report, now);
+  report_ns_[id].store(now, std::memory_order_relaxed);
   rates_[id].Update(report.prefill_tokens_total, report.prefill_seconds_total);
   keyed_pending_[id].store(loads_.keyed_predictions(id), std::memory_order_relaxed);
   return Status::Ok();
@@ -176,7 +179,7 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
 
   std::lock_guard lock(mu_);
   const int64_t now = Now();
-  BuildCandidatesLocked(overlap, lower, now);
+  BuildCandidatesLocked(overlap, lower, now, request.exclude);
   const TtftInputs ttft_in{request.prompt_tokens, (request.prompt_tokens + bs - 1) / bs, bs};
   const std::array<double, kMaxWorkers> rates = RatesLocked();
   uint32_t slo_excluded = 0;
@@ -229,10 +232,11 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
     }
   }
   if (slo_excluded > 0) slo_steered_.fetch_add(1, std::memory_order_relaxed);
+  if (out->room_by_report) room_by_report_.fetch_add(1, std::memory_order_relaxed);
 
   // Count the request on its workers: its prefill until that ends
   // (EndPrefill, its stored event, or age), its decode blocks and running
-  // request until the workers' reports do.
+  // request until the workers' reports do (or EndAttempt, before them).
   const int64_t prompt_tokens = request.prompt_tokens;
   const int64_t new_blocks = std::max<int64_t>(0, int64_t{out->prompt_blocks} - out->decode_overlap_blocks);
   PrefillWork work;
@@ -247,14 +251,14 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
     // A local prefill waits in the engine, not in a prefill queue that the
     // worker reports; the decode side counts the running request.
     loads_.AddPrefill(out->decode, work, now);
-    loads_.Predict(out->decode, {new_blocks, 1}, now);
+    loads_.Predict(out->decode, {new_blocks, 1}, now, work.ticket);
   } else {
     work.reported_tokens = prompt_tokens;  // a prefiller reports a waiting request's whole prompt
     work.running = 1;
     loads_.AddPrefill(out->prefill, work, now);
-    loads_.Predict(out->decode, {new_blocks, 1}, now);
+    loads_.Predict(out->decode, {new_blocks, 1}, now, work.ticket);
   }
-  out->prefill_ticket = {out->prefill, work.ticket};
+  out->prefill_ticket = {out->prefill, work.ticket, out->decode, now};
   if (work.key != 0) {
     keyed_pending_[out->prefill].store(loads_.keyed_predictions(out->prefill), std::memory_order_relaxed);
   }
@@ -274,9 +278,11 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
   return Status::Ok();
 }
 
-void Router::BuildCandidatesLocked(const OverlapBlocks& overlap, const TierOverlap& lower, int64_t now) {
+void Router::BuildCandidatesLocked(const OverlapBlocks& overlap, const TierOverlap& lower, int64_t now,
+                                   const WorkerMask* exclude) {
   candidates_.clear();
   for (WorkerId id : workers_.ids()) {
+    if (exclude != nullptr && exclude->Test(id)) continue;
     const WorkerSet::Entry& e = *workers_.Find(id);
     loads_.Expire(id, now);
     const double held = static_cast<double>(index_.HeldBlocks(id));
@@ -325,9 +331,30 @@ double Router::prefill_rate(WorkerId id) const {
 void Router::EndPrefill(const PrefillTicket& ticket) {
   if (ticket.id == 0 || ticket.worker >= kMaxWorkers) return;
   std::lock_guard lock(mu_);
+  EndPrefillLocked(ticket);
+}
+
+void Router::EndPrefillLocked(const PrefillTicket& ticket) {
   if (!workers_.Find(ticket.worker)) return;
   if (loads_.End(ticket.worker, ticket.id)) prefills_ended_.fetch_add(1, std::memory_order_relaxed);
   keyed_pending_[ticket.worker].store(loads_.keyed_predictions(ticket.worker), std::memory_order_relaxed);
+}
+
+void Router::EndAttempt(const PrefillTicket& ticket, bool prefill_ended) {
+  if (ticket.id == 0) return;
+  const bool prefill = !prefill_ended && ticket.worker < kMaxWorkers;
+  // A report received report_lag_ns after the route replaced the decode
+  // prediction (LoadTracker::ApplyReport): then there is nothing to withdraw
+  // and, with the prefill ended, no need for the mutex.
+  const bool decode = ticket.decode < kMaxWorkers &&
+                      report_ns_[ticket.decode].load(std::memory_order_relaxed) <
+                          ticket.time_ns + options_.report_lag_ns;
+  if (!prefill && !decode) return;
+  std::lock_guard lock(mu_);
+  if (prefill) EndPrefillLocked(ticket);
+  if (decode && workers_.Find(ticket.decode) && loads_.Withdraw(ticket.decode, ticket.id)) {
+    predictions_withdrawn_.fetch_add(1, std::memory_order_relaxed);
+  }
 }
 
 Result<RouteDecision> Router::Route(const RouteRequest& request) {
@@ -368,6 +395,8 @@ RouterCounters Router::counters() const {
   c.prefills_completed = prefills_completed_.load(std::memory_order_relaxed);
   c.prefills_ended = prefills_ended_.load(std::memory_order_relaxed);
   c.slo_steered = slo_steered_.load(std::memory_order_relaxed);
+  c.predictions_withdrawn = predictions_withdrawn_.load(std::memory_order_relaxed);
+  c.room_by_report = room_by_report_.load(std::memory_order_relaxed);
   std::lock_guard lock(mu_);
   for (WorkerId id : workers_.ids()) {
     const WorkerCounters& wc = worker_counters_[id];

@@ -14,6 +14,7 @@
 //   router->ApplyLoadReport(id, report);                   // on each LoadReport
 //   RouteDecision d;  router->Route({hashes, n_tokens}, &d); // per request
 //   router->EndPrefill(d.prefill_ticket);                  // its prefill is over
+//   router->EndAttempt(d.prefill_ticket);                  // the attempt is over
 //   router->RemoveWorker(id);                              // worker gone
 //
 // Thread-safety: every method may be called from any thread, concurrently.
@@ -61,6 +62,8 @@ struct RouterCounters {
   uint64_t prefills_completed = 0;  // prefills ended by the prompt's stored event
   uint64_t prefills_ended = 0;      // ... by EndPrefill (before their stored event, or without one)
   uint64_t slo_steered = 0;         // decisions that left out prefillers predicted over the TTFT SLO
+  uint64_t predictions_withdrawn = 0;  // decode predictions ended by EndAttempt before a report
+  uint64_t room_by_report = 0;      // decisions whose decoder had room only by its last report
   struct Worker {
     WorkerId id = kNoWorker;
     std::string name;
@@ -121,6 +124,16 @@ class Router {
   // stored event or after max_prediction_age. Idempotent; a ticket of a
   // worker that left is ignored.
   void EndPrefill(const PrefillTicket& ticket);
+  // The attempt of a routed request is over: it finished, failed, was
+  // abandoned (a retry, a migration, a cancel), or the decision was not
+  // used. Ends its prefill as EndPrefill does, and its decode blocks and
+  // running request stop counting on its decoder now if no load report has
+  // replaced them yet (it holds nothing there any more, or the decoder's
+  // next report shows what it still holds, e.g. a quarantined
+  // reservation). Idempotent. `prefill_ended`: the caller already ended
+  // its prefill (EndPrefill); then the call takes no lock when a report has
+  // replaced the decode prediction already.
+  void EndAttempt(const PrefillTicket& ticket, bool prefill_ended = false);
 
   // Switches the policy (experiments comparing policies on one fleet).
   void SetPolicy(Policy policy);
@@ -138,10 +151,13 @@ class Router {
   // AddWorker's part under mu_; sets *fleet_blocks to the registered
   // workers' KV capacity summed (the size the index reserves).
   Result<WorkerId> AddWorkerEntry(const WorkerInfo& info, uint64_t* fleet_blocks);
-  // Fills candidates_ (with mu_ held) from the index's overlaps.
-  void BuildCandidatesLocked(const OverlapBlocks& overlap, const TierOverlap& lower, int64_t now);
+  // Fills candidates_ (with mu_ held) from the index's overlaps, leaving
+  // out the workers in `exclude` (may be null).
+  void BuildCandidatesLocked(const OverlapBlocks& overlap, const TierOverlap& lower, int64_t now,
+                             const WorkerMask* exclude = nullptr);
   // Prefill rates by worker id, for router/ttft_predictor.h (with mu_ held).
   std::array<double, kMaxWorkers> RatesLocked() const;
+  void EndPrefillLocked(const PrefillTicket& ticket);
 
   struct WorkerCounters {
     std::atomic<uint64_t> prefill_routes{0};
@@ -181,6 +197,12 @@ class Router {
   std::atomic<uint64_t> prefills_completed_{0};
   std::atomic<uint64_t> prefills_ended_{0};
   std::atomic<uint64_t> slo_steered_{0};
+  std::atomic<uint64_t> predictions_withdrawn_{0};
+  // When each worker's last load report was applied (Now(); INT64_MIN:
+  // none since it joined), so EndAttempt can tell without the mutex that a
+  // report replaced a route's decode prediction.
+  std::array<std::atomic<int64_t>, kMaxWorkers> report_ns_{};
+  std::atomic<uint64_t> room_by_report_{0};
 };
 
 }  // namespace tandem::router

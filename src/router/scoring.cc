@@ -50,6 +50,7 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
   out->prompt_blocks = (prompt_tokens + bs - 1) / bs;
   out->prefill_overlap_blocks = out->decode_overlap_blocks = out->transfer_blocks = 0;
   out->prefill_cost = out->decode_cost = out->transfer_cost = out->cost = 0;
+  out->room_by_report = false;
   out->prefill_scores.clear();
   out->decode_scores.clear();
   const int64_t prompt_blocks = out->prompt_blocks;
@@ -59,6 +60,7 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
   std::array<double, kMaxWorkers> decode_load;   // [workers]: active decode blocks
   std::array<int64_t, kMaxWorkers> need;         // [workers]: blocks the decoder must receive
   std::array<bool, kMaxWorkers> room;            // [workers]
+  uint32_t with_room = 0;                        // decoders with room
   for (uint32_t i = 0; i < w.size(); ++i) {
     const Candidate& c = w[i];
     prefill_load[i] = static_cast<double>(std::max<int64_t>(0, c.load.queued_prefill_tokens)) / bs;
@@ -66,7 +68,10 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
     need[i] = std::max<int64_t>(0, prompt_blocks - c.overlap_blocks - (kv ? c.tier_blocks : 0));
     room[i] = !c.load.free_known || c.load.free_blocks >= need[i];
     if (CanPrefill(c.role)) ps.idx[ps.n++] = i;
-    if (CanDecode(c.role)) ds.idx[ds.n++] = i;
+    if (CanDecode(c.role)) {
+      ds.idx[ds.n++] = i;
+      with_room += room[i] ? 1 : 0;
+    }
   }
   if (ps.n == 0) return UnavailableError("no prefill-capable worker is registered");
   if (ds.n == 0) return UnavailableError("no decode-capable worker is registered");
@@ -84,19 +89,32 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
                : prefill_load[i];
     out->prefill_scores.push_back({w[i].id, pc[i], w[i].overlap_blocks, false});
   }
-  int64_t most_free = INT64_MIN;
-  uint32_t with_room = 0;
+  if (with_room == 0) {
+    // Only the estimate may be wrong (predictions of routes the workers
+    // have not reported yet): the decoders whose last report alone has room
+    // stay candidates, and their Reserve decides. One that really is full
+    // refuses holding nothing, and the request is re-routed or shed then.
+    int64_t most_free = INT64_MIN, most_reported = INT64_MIN;
+    for (uint32_t k = 0; k < ds.n; ++k) {
+      const Candidate& c = w[ds.idx[k]];
+      most_free = std::max(most_free, c.load.free_blocks);
+      most_reported = std::max(most_reported, c.load.reported_free_blocks);
+      room[ds.idx[k]] = c.load.reported_free_blocks >= need[ds.idx[k]];
+      with_room += room[ds.idx[k]] ? 1 : 0;
+    }
+    if (with_room == 0) {
+      return ResourceExhaustedError("no decoder has room: the prompt needs up to " + std::to_string(prompt_blocks) +
+                                    " blocks; the most free on any decoder is " + std::to_string(most_reported) +
+                                    " by its last load report (" + std::to_string(most_free) +
+                                    " counting the routes made since)");
+    }
+    out->room_by_report = true;
+  }
   for (uint32_t k = 0; k < ds.n; ++k) {
     const uint32_t i = ds.idx[k];
     const double ovl = out->hot_prefix_decode ? 0 : w[i].overlap_blocks + w[i].tier_credit_blocks;
     dc[i] = kv ? decode_load[i] + std::max(0.0, static_cast<double>(prompt_blocks) - ovl) : decode_load[i];
     out->decode_scores.push_back({w[i].id, dc[i], w[i].overlap_blocks, !room[i]});
-    most_free = std::max(most_free, w[i].load.free_blocks);
-    with_room += room[i] ? 1 : 0;
-  }
-  if (with_room == 0) {
-    return ResourceExhaustedError("no decoder has room: the prompt needs up to " + std::to_string(prompt_blocks) +
-                                  " blocks; the most free on any decoder is " + std::to_string(most_free));
   }
 
   // Transfer cost per decoder and link class (0: same node, 1: same zone,

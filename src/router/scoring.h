@@ -9,7 +9,9 @@
 //   (tier_credit: the host/disk-tier blocks right after the device overlap,
 //    each worth 1 - its onboarding cost in blocks of prefill; tier_blocks:
 //    their number — the decoder onboards them instead of receiving them)
-//                 d is rejected when its free blocks < new_blocks_d
+//                 d is rejected when its free blocks < new_blocks_d (the
+//                 estimate; when that rejects every decoder, the last
+//                 report's free blocks alone: RouteDecision::room_by_report)
 //   transfer    = transfer_cost_per_ms * new_blocks_d * block_bytes / bandwidth(p, d) in ms
 //                 (0 when p == d)
 //   cost        = prefill(p) + decode(d) + transfer

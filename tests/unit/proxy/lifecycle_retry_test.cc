@@ -217,6 +217,32 @@ TEST_F(LifecycleTest, StreamBrokenAfterTheLastTokenCompletes) {
   EXPECT_EQ(workers_.decode_args.size(), 1u);
 }
 
+// An attempt that is over (finished, or abandoned for a retry) stops
+// counting its decode blocks on its decoder at once, not at the decoder's
+// next load report: requests that follow each other between two reports
+// do not add up to "no decoder has room" (docs/router.md, "Room").
+TEST_F(LifecycleTest, AttemptsThatAreOverLeaveTheDecoderItsRoom) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("p1", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  const router::WorkerId d0 = *fleet_->router().FindWorker("d0");
+  workers_.completion = tokenizer_->Encode("Amen");
+  Collected done;
+  Run(done);
+  ASSERT_TRUE(done.finished) << done.error.ToString();
+  EXPECT_EQ(fleet_->router().load(d0)->free_blocks, 1000);
+  // A prefiller that is lost before the first token: the retry's attempt
+  // counts, the abandoned one does not.
+  workers_.first_prefill_errors = {UnavailableError("worker 'p0' stopped answering")};
+  workers_.prefill_addresses.clear();
+  Collected retried;
+  Run(retried);
+  ASSERT_TRUE(retried.finished) << retried.error.ToString();
+  EXPECT_EQ(workers_.prefill_addresses.size(), 2u);
+  EXPECT_EQ(fleet_->router().load(d0)->free_blocks, 1000);
+  EXPECT_EQ(fleet_->router().load(d0)->running_requests, 0);
+}
+
 // --join compatibility: a worker that differs in model, block size or KV
 // dtype is refused with a message naming the field and both values.
 }  // namespace

@@ -1,0 +1,165 @@
+// A decoder's room as the router sees it (docs/router.md, "Room"): its last
+// load report minus the decode blocks of the routes made since. An attempt
+// that is over withdraws its blocks at once (Router::EndAttempt), excluded
+// workers are left out without a decision (RouteRequest::exclude), and an
+// estimate alone never refuses a request the decoder's last report has
+// room for: the decoder's Reserve decides then.
+//
+// Session 14's Failure.LeaseExpiryWithStoppedPrefiller under load: six
+// retries after expired leases on a 2P1D fleet (512 blocks) were refused
+// "no decoder has room ... the most free on any decoder is 12": the proxy
+// routed each retry up to 8 times a call to skip an excluded prefiller, and
+// every dropped decision kept its 25 blocks until the decoder's next report.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "router/router.h"
+
+namespace tandem::router {
+namespace {
+
+constexpr uint32_t kBs = 16;
+constexpr uint32_t kBlocks = 512;
+constexpr uint32_t kPromptTokens = 400;  // 25 blocks
+
+std::vector<uint64_t> Chain(uint64_t first, uint64_t n) {
+  std::vector<uint64_t> v(n);
+  for (uint64_t i = 0; i < n; ++i) v[i] = (first + i + 1) * 0x9E3779B97F4A7C15ull;
+  return v;
+}
+
+// 2P1D on a fake clock (report_lag 5 ms, the default).
+struct TwoByOne {
+  std::shared_ptr<std::atomic<int64_t>> now = std::make_shared<std::atomic<int64_t>>(1'000'000'000);
+  std::unique_ptr<Router> router;
+  WorkerId p0, p1, d0;
+  uint64_t next_prompt = 0;
+
+  TwoByOne() {
+    RouterOptions o;
+    o.clock = [c = now] { return c->load(); };
+    router = Router::Create(RouterConfig{}, o).value();
+    p0 = Add("p0", WorkerRole::kPrefill);
+    p1 = Add("p1", WorkerRole::kPrefill);
+    d0 = Add("d0", WorkerRole::kDecode);
+  }
+  WorkerId Add(const char* name, WorkerRole role) {
+    WorkerInfo info;
+    info.name = name;
+    info.role = role;
+    info.epoch = 1;
+    info.num_blocks = kBlocks;
+    return router->AddWorker(info).value();
+  }
+  void Report(WorkerId w, uint32_t free_blocks) {
+    ASSERT_TRUE(router->ApplyLoadReport(w, {.active_decode_blocks = kBlocks - free_blocks,
+                                            .free_blocks = free_blocks})
+                    .ok());
+  }
+  // A new 400-token prompt (nothing of it cached anywhere).
+  Result<RouteDecision> Route(const WorkerMask* exclude = nullptr) {
+    const std::vector<uint64_t> hashes = Chain(1000 * ++next_prompt, kPromptTokens / kBs);
+    return router->Route({hashes, kPromptTokens, 0, exclude});
+  }
+  int64_t Free(WorkerId w) { return router->load(w)->free_blocks; }
+  void AdvanceMs(int64_t ms) { now->fetch_add(ms * 1'000'000); }
+};
+
+// Decisions the caller does not use, and attempts that end before the
+// decoder reports them, give their blocks back at once: any number of them
+// between two reports leaves the decoder's room as its report says.
+TEST(Room, AttemptsThatEndBeforeAReportGiveTheirBlocksBack) {
+  TwoByOne f;
+  f.Report(f.d0, kBlocks);
+  for (int i = 0; i < 100; ++i) {  // 2500 blocks routed at a 512-block decoder
+    auto d = f.Route();
+    ASSERT_TRUE(d.ok()) << "route " << i << ": " << d.status().ToString();
+    EXPECT_FALSE(d->room_by_report) << "route " << i;
+    EXPECT_EQ(d->prefill_ticket.decode, f.d0);
+    EXPECT_EQ(f.Free(f.d0), int64_t{kBlocks} - 25);
+    f.router->EndAttempt(d->prefill_ticket);
+    f.router->EndAttempt(d->prefill_ticket);  // idempotent
+    EXPECT_EQ(f.Free(f.d0), int64_t{kBlocks});
+  }
+  EXPECT_EQ(f.router->counters().predictions_withdrawn, 100u);
+  EXPECT_EQ(f.router->load(f.p0)->queued_prefill_tokens + f.router->load(f.p1)->queued_prefill_tokens, 0)
+      << "EndAttempt ends the prefill too";
+}
+
+// Once a report counts the request, it is the report's: ending the attempt
+// takes nothing off (the decoder's next report says what it freed).
+TEST(Room, AnAttemptAReportCountedIsNotWithdrawnTwice) {
+  TwoByOne f;
+  f.Report(f.d0, kBlocks);
+  auto d = f.Route();
+  ASSERT_TRUE(d.ok());
+  f.router->EndPrefill(d->prefill_ticket);  // the prefill reply
+  f.AdvanceMs(10);
+  f.Report(f.d0, kBlocks - 25);  // the decoder holds its blocks
+  EXPECT_EQ(f.Free(f.d0), int64_t{kBlocks} - 25);
+  f.router->EndAttempt(d->prefill_ticket, /*prefill_ended=*/true);
+  EXPECT_EQ(f.Free(f.d0), int64_t{kBlocks} - 25);
+  EXPECT_EQ(f.router->counters().predictions_withdrawn, 0u);
+  // A later route's prediction is withdrawn, the counted one's still not.
+  auto e = f.Route();
+  ASSERT_TRUE(e.ok());
+  f.router->EndAttempt(e->prefill_ticket);
+  EXPECT_EQ(f.Free(f.d0), int64_t{kBlocks} - 25);
+  EXPECT_EQ(f.router->counters().predictions_withdrawn, 1u);
+}
+
+// Excluded workers are not candidates: one decision, on the other pair.
+TEST(Room, ExcludedWorkersAreLeftOutOfTheDecision) {
+  TwoByOne f;
+  f.Report(f.d0, kBlocks);
+  WorkerMask no_p0;
+  no_p0.Set(f.p0);
+  for (int i = 0; i < 4; ++i) {
+    auto d = f.Route(&no_p0);
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    EXPECT_EQ(d->prefill, f.p1);
+    f.router->EndAttempt(d->prefill_ticket);
+  }
+  WorkerMask no_prefiller = no_p0;
+  no_prefiller.Set(f.p1);
+  auto none = f.Route(&no_prefiller);
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.status().code(), StatusCode::kUnavailable) << none.status().ToString();
+  EXPECT_EQ(f.Free(f.d0), int64_t{kBlocks}) << "a refused route predicts nothing";
+  EXPECT_EQ(f.router->counters().routes[static_cast<size_t>(Policy::kKvAware)], 4u);
+}
+
+// Routes in flight the decoder has not reported yet may add up to more than
+// its last report's free blocks: the estimate. It alone does not refuse a
+// request the report has room for; the decision says so and the decoder's
+// Reserve decides. A decoder whose own report has no room refuses.
+TEST(Room, TheEstimateAloneNeverRefuses) {
+  TwoByOne f;
+  f.Report(f.d0, 30);
+  auto a = f.Route();
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_FALSE(a->room_by_report);
+  EXPECT_EQ(f.Free(f.d0), 5);
+  auto b = f.Route();  // 25 blocks: the estimate says 5 free, the report 30
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_TRUE(b->room_by_report);
+  EXPECT_EQ(b->decode, f.d0);
+  EXPECT_NE(b->DebugString().find("room=report"), std::string::npos) << b->DebugString();
+  EXPECT_EQ(f.router->counters().room_by_report, 1u);
+
+  f.AdvanceMs(10);
+  f.Report(f.d0, 12);  // it took both: really full for a third
+  auto c = f.Route();
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(c.status().message().find("the most free on any decoder is 12 by its last load report"),
+            std::string::npos)
+      << c.status().ToString();
+}
+
+}  // namespace
+}  // namespace tandem::router
