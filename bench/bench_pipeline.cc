@@ -37,7 +37,7 @@ using namespace tandem;
 constexpr uint32_t kBlockSize = 16;
 constexpr uint32_t kPrompt = 64;      // tokens prefilled per sequence before decoding
 constexpr uint32_t kMaxSteps = 384;   // decode positions available per sequence
-const char* kModel = TANDEM_SOURCE_DIR "/models/tandem-kjv";
+const std::string kModel = std::string(TANDEM_SOURCE_DIR) + "/models/tandem-kjv";
 
 struct Setup {
   model::ModelConfig config;
@@ -70,9 +70,17 @@ std::unique_ptr<Runner> MakeRunner(const Setup& s, uint32_t seqs, uint32_t pp, u
   } else {
     const std::string group = fmt::format("tandem-benchpp-{}-{}", getpid(), mbs);
     auto ranks = parallel::RankProcesses::Start(layout.world(), [&](uint32_t rank) {
-      return std::vector<std::string>{TANDEM_BINARY_DIR "/tandem", "rank", "--model", kModel,
-                                      "--pipeline-parallel", std::to_string(pp), "--rank",
-                                      std::to_string(rank), "--group", group, "--num-blocks",
+      return std::vector<std::string>{std::string(TANDEM_BINARY_DIR) + "/tandem",
+                                      "rank",
+                                      "--model",
+                                      kModel,
+                                      "--pipeline-parallel",
+                                      std::to_string(pp),
+                                      "--rank",
+                                      std::to_string(rank),
+                                      "--group",
+                                      group,
+                                      "--num-blocks",
                                       std::to_string(blocks)};
     });
     if (!ranks.ok()) return nullptr;

@@ -315,53 +315,81 @@ void BM_ApplyEvents(benchmark::State& state) {
 BENCHMARK(BM_ApplyEvents)->ArgName("blocks_per_event")->Arg(1)->Arg(16)->Arg(64);
 
 // The proxy's case in the sim 1P1D bench (issue 23, `prompt`): two workers
-// (a prefiller and a decoder) of 26,624 blocks each; every 8k prompt stores
-// 500 new blocks on both, and once a worker is full the oldest prompt's 500
-// are removed. Between events the caches are cold (the proxy's frame loop
-// sleeps while the workers run): 32 MiB of other memory is touched outside
-// the timing. One iteration = one event; items = blocks stored or removed.
+// (a prefiller and a decoder) of range(0) blocks each, the tables reserved
+// for both pools as the router does at AddWorker (PrefixIndex::Reserve);
+// every 8k prompt stores 500 new blocks on both, and once a worker is full
+// the oldest prompt's 500 are removed from both. 26,624 blocks is the sim
+// fleet's pool (configs/sim-1p1d.yaml: 53,248 reserved, 131,072 slots);
+// 131,072 fills the largest reservation (kReserveMaxHashes: ~262k hashes
+// indexed at most, 1M slots). Between events the caches are cold (the
+// proxy's frame loop sleeps while the workers run): 32 MiB of other memory
+// is touched outside the timing. One iteration = one prompt's events on
+// one worker (its store, and its share of the removals once full); the
+// time is this thread's CPU time inside Apply only. Counters: CPU ns per
+// stored and per removed hash (means, every rehash included) and the
+// rehashes over the timed events.
 void BM_ApplyColdEvents(benchmark::State& state) {
   constexpr uint32_t kPerEvent = 500;
-  constexpr uint32_t kCapacity = 26'624;
   constexpr size_t kThrash = size_t{32} << 20;
+  const uint32_t capacity = static_cast<uint32_t>(state.range(0));
   PrefixIndex index;
   for (WorkerId w = 0; w < 2; ++w) (void)index.AddWorker(w, 1);
+  index.Reserve(2 * uint64_t{capacity});
   std::vector<uint64_t> next_id(2, 1);
   std::vector<char> thrash(kThrash, 1);
-  uint64_t doc = 0, oldest = 0, blocks = 0, sink = 0;
+  uint64_t doc = 0, oldest = 0, sink = 0;
+  // [0]: stored, [1]: removed; CPU ns and hashes over the timed events.
+  std::array<int64_t, 2> cpu_ns{};
+  std::array<uint64_t, 2> hashes{};
+  int64_t step_ns = 0;
   bool timed = false;
   const auto apply = [&](WorkerId w, KvEventKind kind, uint64_t d) {
     const std::vector<uint64_t> h = Doc(50'000'000 + d, kPerEvent);
-    if (timed) state.ResumeTiming();
+    const int64_t c0 = ThreadCpuNs();
     (void)index.Apply(w, {kind, 1, next_id[w]++, 0, h});
-    if (timed) state.PauseTiming();
-    blocks += kPerEvent;
+    const int64_t ns = ThreadCpuNs() - c0;
+    if (!timed) return;
+    const size_t k = kind == KvEventKind::kStored ? 0 : 1;
+    cpu_ns[k] += ns;
+    hashes[k] += kPerEvent;
+    step_ns += ns;
   };
   const auto step = [&] {
     const WorkerId w = static_cast<WorkerId>(doc % 2);
     apply(w, KvEventKind::kStored, doc / 2);
-    if (w == 1 && index.HeldBlocks(1) > kCapacity) {
+    if (w == 1 && index.HeldBlocks(1) > capacity) {
       apply(0, KvEventKind::kRemoved, oldest);
       apply(1, KvEventKind::kRemoved, oldest);
       ++oldest;
     }
     ++doc;
   };
-  // Untimed: the pool fills (the tables grow to their steady size).
-  while (oldest < 8) step();
-  blocks = 0;
+  // Untimed: the pools fill and churn for a while (tombstones, if any,
+  // accumulate as in a running proxy).
+  while (oldest < 64) step();
+  const uint64_t rehashes = index.Rehashes();
   timed = true;
   for (auto _ : state) {
-    state.PauseTiming();
     for (size_t i = 0; i < kThrash; i += 64) sink += static_cast<unsigned char>(thrash[i]++);
+    step_ns = 0;
     step();
-    state.ResumeTiming();
+    state.SetIterationTime(static_cast<double>(step_ns) * 1e-9);
   }
   benchmark::DoNotOptimize(sink);
-  state.SetItemsProcessed(static_cast<int64_t>(blocks));
+  state.SetItemsProcessed(static_cast<int64_t>(hashes[0] + hashes[1]));
+  state.counters["store_ns_per_hash"] = hashes[0] ? static_cast<double>(cpu_ns[0]) / hashes[0] : 0;
+  state.counters["remove_ns_per_hash"] = hashes[1] ? static_cast<double>(cpu_ns[1]) / hashes[1] : 0;
+  state.counters["rehashes"] = static_cast<double>(index.Rehashes() - rehashes);
   state.counters["indexed_hashes"] = static_cast<double>(index.size());
+  state.counters["table_slots"] = static_cast<double>(index.TableSlots());
 }
-BENCHMARK(BM_ApplyColdEvents)->Unit(benchmark::kMicrosecond)->Iterations(600);
+BENCHMARK(BM_ApplyColdEvents)
+    ->ArgName("pool_blocks")
+    ->Arg(26'624)
+    ->Arg(131'072)
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond)
+    ->Iterations(1200);
 
 // The same stream through Router::ApplyEvent (index + the prefill-completion
 // check), on a 32P32D router with 64 documents indexed. Args: blocks per

@@ -31,6 +31,7 @@
 #include "common/tls.h"
 #include "common/tls_certs.h"
 #include "proxy/prefill_tcp_client.h"
+#include "proxy/prompt_parts.h"
 #include "tandem/v1/worker.grpc.pb.h"
 
 namespace tandem::cli {
@@ -147,6 +148,7 @@ void WriteAll(int fd, const std::string& s) {
 struct Pass {
   double server_s = 0, client_s = 0, wall_s = 0;
   uint32_t ok = 0;
+  size_t request_bytes = 0;  // framed: one request frame's payload (prompt included)
 };
 
 // `requests` Prefill calls, `concurrency` in flight, each a fresh request
@@ -247,14 +249,18 @@ Result<Pass> Drive(const std::shared_ptr<grpc::Channel>& channel,
 }
 
 // The same calls over the framed TCP transport with the proxy's own client
-// (proxy/prefill_tcp_client.h): one connection, the request built and
-// serialized per call, the reply read on the client's reader thread.
+// (proxy/prefill_tcp_client.h): one connection, the request's head built
+// per call and the prompt sent as the proxy sends it since session 14: the
+// client's packed varints (encoded once here, as the client's request
+// brings them), written in parts after the head (PrefillRequestInParts),
+// the reply read on the client's reader thread.
 Result<Pass> DriveFramed(const std::string& address, std::shared_ptr<FrameTls> tls,
                          const std::function<double()>& server_cpu, uint32_t requests,
                          const std::vector<uint32_t>& ids, uint32_t concurrency, double rate_per_s) {
   auto client = proxy::PrefillTcpClient::Open(address, std::move(tls));
   struct Shared {
     std::shared_ptr<proxy::PrefillTcpClient> client;
+    std::string varints;  // the prompt as the client encodes it; args.prompt_varints views it
     proxy::PrefillArgs args;
     uint32_t requests = 0;
     std::mutex mu;
@@ -264,6 +270,8 @@ Result<Pass> DriveFramed(const std::string& address, std::shared_ptr<FrameTls> t
   auto sh = std::make_shared<Shared>();
   sh->client = client;
   sh->args.prompt_ids = std::make_shared<const std::vector<uint32_t>>(ids);
+  for (const uint32_t id : ids) proxy::AppendVarint(id, &sh->varints);
+  sh->args.prompt_varints = sh->varints;
   sh->args.params.max_tokens = 1;
   sh->args.deadline = std::chrono::system_clock::time_point::max();
   sh->args.decoder_address = "127.0.0.1:1";
@@ -320,6 +328,9 @@ Result<Pass> DriveFramed(const std::string& address, std::shared_ptr<FrameTls> t
   p.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   p.server_s = server_cpu() - server0;
   p.client_s = SelfCpuSeconds() - client0;
+  if (proxy::PrefillRequestParts parts; proxy::PrefillRequestInParts(sh->args, 0, &parts)) {
+    p.request_bytes = proxy::PrefillCallIdField(1).size() + parts.head.size() + parts.prompt.size();
+  }
   {
     std::lock_guard lock(sh->mu);
     p.ok = sh->ok;
@@ -454,9 +465,9 @@ Result<nlohmann::json> PromptFloor::Run(uint32_t requests, uint32_t ids, uint32_
     const double framed_client_us = fp->client_s / n * 1e6;
     std::cout << fmt::format(
         "pfloor  {:>5} {:>6} {:>6} {:>4}  {:<11} {:<14} wall {:.2f} s  server {:.1f} us/call  "
-        "client {:.1f} us/call\n",
+        "client {:.1f} us/call  request {} B (client varints)\n",
         n, ids, 1, rate > 0 ? 1 : concurrency, "framed-mtls", mode, fp->wall_s, framed_server_us,
-        framed_client_us);
+        framed_client_us, fp->request_bytes);
     rows.push_back({{"workload", "prompt-floor"},
                     {"channel", "framed-mtls"},
                     {"mode", rate > 0 ? "paced" : "back-to-back"},
@@ -466,7 +477,8 @@ Result<nlohmann::json> PromptFloor::Run(uint32_t requests, uint32_t ids, uint32_
                     {"paced_per_s", rate},
                     {"duration_s", fp->wall_s},
                     {"server_us_per_call", framed_server_us},
-                    {"client_us_per_call", framed_client_us}});
+                    {"client_us_per_call", framed_client_us},
+                    {"request_bytes", fp->request_bytes}});
     std::cout << fmt::format(
         "pfloor  {:<14} proxy per prompt ~= plaintext server + 2 x mTLS client = {:.3f} ms\n",
         mode, estimate_us / 1e3);

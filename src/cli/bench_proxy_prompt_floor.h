@@ -17,8 +17,9 @@
 //
 // A third kind, `framed-mtls`, makes the same calls over the framed TCP
 // transport of proxy.prefill_transport tcp (issue 23) with the proxy's
-// PrefillTcpClient; its estimate line is plaintext server + 2 x framed
-// client (both worker calls framed, as by default).
+// PrefillTcpClient, the prompt sent as the proxy forwards it (the client's
+// packed varints, in parts); its estimate line is plaintext server + 2 x
+// framed client (both worker calls framed, as by default).
 //
 // The child is forked before this process starts any gRPC machinery
 // (StartPromptFloor is called first), so it inherits no gRPC threads.

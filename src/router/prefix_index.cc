@@ -62,9 +62,14 @@ struct HugePageAllocator {
 // One shard: an open-addressing (linear probing) table hash -> WorkerMask.
 // The hashes are XXH3 outputs, so their low bits index the table directly
 // (the top bits chose the shard). Key 0 marks an empty slot; the one real
-// hash equal to 0 lives in `zero_`. A slot whose mask became empty is a
-// tombstone: it keeps its key so probes pass over it, is reused by inserts
-// and is dropped at the next rehash.
+// hash equal to 0 lives in `zero_`. A removal that empties a slot's mask
+// deletes the slot by backward shift (the entries after it in its probe
+// run move back into the gap), so steady store/remove churn leaves no
+// tombstones and never rehashes a table. Only while a worker's entries are
+// being dropped (DropWorkerEntries' sliced scan, which entries must not
+// move under) does an emptied slot stay as a tombstone: it keeps its key so
+// probes pass over it, is reused by inserts and is dropped at the next
+// rehash.
 class PrefixIndex::Shard {
  public:
   mutable std::shared_mutex mu;
@@ -142,12 +147,13 @@ class PrefixIndex::Shard {
     for (uint64_t i = key & mask_;; i = (i + 1) & mask_) {
       Slot& s = slots_[i];
       if (s.key == key) {
-        if (s.mask.Test(worker)) {
-          s.mask.Clear(worker);
-          if (!s.mask.Any()) --live_;
-          return true;
+        if (!s.mask.Test(worker)) return false;
+        s.mask.Clear(worker);
+        if (!s.mask.Any()) {
+          --live_;
+          if (drops_ == 0) Erase(i);
         }
-        return false;
+        return true;
       }
       if (s.key == 0) return false;
     }
@@ -173,6 +179,13 @@ class PrefixIndex::Shard {
 
   // Bumped by every rehash (entries move): a sliced scan restarts.
   uint64_t generation() const { return generation_; }
+
+  // Brackets a sliced scan of DropWorkerEntries (calls nest: one per worker
+  // being dropped). In between, removals leave tombstones instead of
+  // shifting entries, which could carry an entry from a slice not yet
+  // scanned into one already scanned.
+  void BeginDrop() { ++drops_; }
+  void EndDrop() { --drops_; }
 
   uint64_t CountWorker(WorkerId worker) const {
     uint64_t n = zero_.Test(worker) ? 1 : 0;
@@ -201,13 +214,32 @@ class PrefixIndex::Shard {
     WorkerMask mask;
   };
 
+  // Empties slot i, whose mask is empty, by backward shift: each later
+  // entry of the probe run whose home slot is not in (i, j] moves back into
+  // the gap, which moves on to where it was. The run ends at an empty slot.
+  // Tombstones move like entries. Lookups then find every key as before,
+  // and the slot counts as unused again.
+  void Erase(uint64_t i) {
+    for (uint64_t j = (i + 1) & mask_;; j = (j + 1) & mask_) {
+      const Slot& s = slots_[j];
+      if (s.key == 0) break;
+      // How far j is from its home slot and from the gap.
+      if (((j - s.key) & mask_) >= ((j - i) & mask_)) {
+        slots_[i] = s;
+        i = j;
+      }
+    }
+    slots_[i] = Slot{};
+    --used_;
+  }
+
   // Rebuilds with only live entries, at most 40 % full afterwards (so that
   // the next rehash, at 50 % used, is many inserts away), and never below
   // the reserved capacity. Under half full the probe runs stay short: a
   // lookup of Overlap's search went from ~28 to ~20 ns when the maximum
   // load went from 70 % to 50 % (the bench's staggered prompt), for 48–120
   // bytes of table per indexed hash. A rehash at the same capacity (the
-  // steady state: removals left tombstones) rebuilds the table in place, so
+  // tombstones a worker's drop left) rebuilds the table in place, so
   // its pages stay resident instead of a fresh allocation faulting them in
   // again.
   void Rehash() {
@@ -254,6 +286,7 @@ class PrefixIndex::Shard {
   uint64_t live_ = 0;        // keys with a non-empty mask (zero_ included)
   WorkerMask zero_;          // holders of the hash 0
   uint64_t generation_ = 0;  // rehashes so far
+  uint32_t drops_ = 0;       // DropWorkerEntries scans in progress (BeginDrop)
   uint64_t min_capacity_ = 0;  // Reserve's: a rehash never goes below it
   std::vector<Slot> live_scratch_;  // an in-place rehash's live entries (kept: no allocation next time)
   std::atomic<const char*> hint_base_{nullptr};  // slots_.data(), for PrefetchHint
@@ -436,9 +469,12 @@ void PrefixIndex::DropWorkerEntries(WorkerId worker) {
   for (auto& shard : shards_) {
     uint64_t begin = 0;
     uint64_t generation = 0;
+    bool started = false;
     for (;;) {
       std::unique_lock lock(shard->mu);
-      if (begin == 0) {
+      if (!started) {
+        shard->BeginDrop();  // other workers' removals shift no entry meanwhile
+        started = true;
         generation = shard->generation();
       } else if (shard->generation() != generation) {
         begin = 0;
@@ -447,7 +483,10 @@ void PrefixIndex::DropWorkerEntries(WorkerId worker) {
       uint64_t cleared = 0;
       const bool more = shard->ClearWorkerSlice(worker, begin, begin + kSliceSlots, &cleared);
       held_[worker].fetch_sub(cleared, std::memory_order_relaxed);
-      if (!more) break;
+      if (!more) {
+        shard->EndDrop();
+        break;
+      }
       begin += kSliceSlots;
     }
   }

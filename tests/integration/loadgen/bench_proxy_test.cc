@@ -161,6 +161,13 @@ TEST(BenchProxy, PromptFloorCallsABareServerOverEveryChannel) {
       EXPECT_GT(w["server_us_per_call"].get<double>(), 0.0);
       EXPECT_GT(w["client_us_per_call"].get<double>(), 0.0);
     }
+    // The framed calls carry the prompt as the proxy forwards a client's:
+    // packed varints (ids < 32,000: 1-3 bytes each), not fixed32 (4 bytes
+    // each), after a head of well under 100 bytes.
+    ASSERT_TRUE(j[at + 2].contains("request_bytes")) << j[at + 2].dump();
+    const size_t request_bytes = j[at + 2]["request_bytes"].get<size_t>();
+    EXPECT_GT(request_bytes, 64u);
+    EXPECT_LT(request_bytes, 64u * 3 + 100);
     // The proxy's estimate: the public (plaintext) server's call plus two
     // worker calls as a client, over the framed transport or over gRPC mTLS.
     const double server = j[at]["server_us_per_call"].get<double>();

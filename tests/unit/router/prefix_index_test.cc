@@ -4,6 +4,7 @@
 
 #include <array>
 #include <atomic>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <algorithm>
@@ -37,6 +38,35 @@ uint32_t OverlapOf(const PrefixIndex& index, WorkerId w, std::span<const uint64_
   OverlapBlocks out;
   index.Overlap(h, &out);
   return out[w];
+}
+
+// The model tests' reference: the holders of each key, for three workers.
+constexpr WorkerId kModelWorkers = 3;
+using HolderModel = std::vector<std::array<bool, kModelWorkers>>;  // [key]: holders
+
+// Every key's holders (`hash(k)` is key k's hash), the index's size and each
+// worker's HeldBlocks, and with `scan` its BlocksOf, equal the model's.
+void ExpectIndexEqualsModel(const PrefixIndex& index, const HolderModel& model,
+                            const std::function<uint64_t(uint64_t)>& hash, uint64_t round, bool scan) {
+  uint64_t live = 0;
+  std::array<uint64_t, kModelWorkers> held{};
+  for (uint64_t k = 0; k < model.size(); ++k) {
+    const WorkerMask m = index.Holders(hash(k));
+    bool any = false;
+    for (WorkerId x = 0; x < kModelWorkers; ++x) {
+      ASSERT_EQ(m.Test(x), model[k][x]) << "key " << k << " worker " << x << " round " << round;
+      held[x] += model[k][x];
+      any |= model[k][x];
+    }
+    live += any;
+  }
+  ASSERT_EQ(index.size(), live) << "round " << round;
+  for (WorkerId x = 0; x < kModelWorkers; ++x) {
+    ASSERT_EQ(index.HeldBlocks(x), held[x]) << "worker " << x << " round " << round;
+    if (scan) {
+      ASSERT_EQ(index.BlocksOf(x), held[x]) << "worker " << x << " round " << round;
+    }
+  }
 }
 
 TEST(PrefixIndexTest, OverlapStopsAtEachWorkersFirstMiss) {
@@ -90,7 +120,7 @@ TEST(PrefixIndexTest, HashZeroIsAnOrdinaryKey) {
   EXPECT_EQ(index.size(), 1u);
 }
 
-TEST(PrefixIndexTest, RemovalsLeaveTombstonesThatInsertsReuse) {
+TEST(PrefixIndexTest, RemovingAndStoringAgainKeepsCountsAndOverlap) {
   PrefixIndex index;
   ASSERT_TRUE(index.AddWorker(0, 1).ok());
   ASSERT_TRUE(index.AddWorker(1, 1).ok());
@@ -145,7 +175,7 @@ TEST(PrefixIndexTest, ReserveSizesTheTablesSoStoresDoNotGrowThem) {
 // (rebuilt in place). Differential check against a plain model every 100
 // rounds: holders of every key ever used, sizes, per-worker counts.
 TEST(PrefixIndexTest, ChurnOnReservedTablesMatchesAModel) {
-  constexpr WorkerId kWorkers = 3;
+  constexpr WorkerId kWorkers = kModelWorkers;
   constexpr uint64_t kWindow = 2000, kSlide = 20;
   PrefixIndex index;
   for (WorkerId w = 0; w < kWorkers; ++w) ASSERT_TRUE(index.AddWorker(w, 1).ok());
@@ -153,7 +183,7 @@ TEST(PrefixIndexTest, ChurnOnReservedTablesMatchesAModel) {
   const uint64_t slots = index.TableSlots();
   const uint64_t rehashes = index.Rehashes();
   const auto hash = [](uint64_t k) { return k == 7 ? 0 : H(k); };  // the hash 0 too
-  std::vector<std::array<bool, kWorkers>> model;  // [key]: holders
+  HolderModel model;
   std::vector<uint64_t> next_id(kWorkers, 1);
   std::mt19937_64 rng(23);
   const auto apply = [&](WorkerId w, bool store, uint64_t first, uint64_t end) {
@@ -175,26 +205,96 @@ TEST(PrefixIndexTest, ChurnOnReservedTablesMatchesAModel) {
       for (WorkerId x = 0; x < kWorkers; ++x) apply(x, false, base - kSlide, base);  // left the window
     }
     if (round % 100 != 99) continue;
-    uint64_t live = 0;
-    std::array<uint64_t, kWorkers> held{};
-    for (uint64_t k = 0; k < model.size(); ++k) {
-      const WorkerMask m = index.Holders(hash(k));
-      bool any = false;
-      for (WorkerId x = 0; x < kWorkers; ++x) {
-        ASSERT_EQ(m.Test(x), model[k][x]) << "key " << k << " worker " << x << " round " << round;
-        held[x] += model[k][x];
-        any |= model[k][x];
-      }
-      live += any;
+    ASSERT_NO_FATAL_FAILURE(ExpectIndexEqualsModel(index, model, hash, round, true));
+  }
+  // Removals shift entries back instead of leaving tombstones: the churn
+  // rebuilds no table.
+  EXPECT_EQ(index.Rehashes(), rehashes);
+  EXPECT_EQ(index.TableSlots(), slots);
+}
+
+// The proxy's steady state (sim 1P1D): a prefiller and a decoder store each
+// prompt's blocks and remove the oldest prompt's once their pools are full.
+// Ten times the reserved number of distinct hashes go through the tables;
+// with removals deleting their slots (backward shift) no table is ever
+// rebuilt, and every count and answer stays exact.
+TEST(PrefixIndexTest, SteadyStoreRemoveChurnRebuildsNoTable) {
+  constexpr uint64_t kPerPrompt = 100, kPool = 2000, kPrompts = 10 * kPool / kPerPrompt;
+  PrefixIndex index;
+  ASSERT_TRUE(index.AddWorker(0, 1).ok());
+  ASSERT_TRUE(index.AddWorker(1, 1).ok());
+  index.Reserve(2 * kPool);
+  const uint64_t slots = index.TableSlots();
+  const uint64_t rehashes = index.Rehashes();
+  std::array<uint64_t, 2> next_id = {1, 1};
+  const auto prompt = [](uint64_t p) { return Chain(p * kPerPrompt, kPerPrompt); };
+  for (uint64_t p = 0; p < kPrompts; ++p) {
+    for (WorkerId w : {0u, 1u}) {
+      ASSERT_EQ(*index.Apply(w, Stored(1, next_id[w]++, prompt(p))), EventResult::kApplied);
     }
-    EXPECT_EQ(index.size(), live);
-    for (WorkerId x = 0; x < kWorkers; ++x) {
-      EXPECT_EQ(index.HeldBlocks(x), held[x]);
-      EXPECT_EQ(index.BlocksOf(x), held[x]);
+    if (p * kPerPrompt >= kPool) {
+      const uint64_t old = p - kPool / kPerPrompt;
+      for (WorkerId w : {0u, 1u}) {
+        ASSERT_EQ(*index.Apply(w, Removed(1, next_id[w]++, prompt(old))), EventResult::kApplied);
+      }
+      EXPECT_EQ(index.Holders(prompt(old)[0]).Any(), false) << "prompt " << old;
     }
   }
-  EXPECT_GT(index.Rehashes(), rehashes + PrefixIndex::kNumShards);  // tombstones forced rebuilds
-  EXPECT_EQ(index.TableSlots(), slots);  // all of them in place
+  EXPECT_EQ(index.Rehashes(), rehashes);
+  EXPECT_EQ(index.TableSlots(), slots);
+  EXPECT_EQ(index.size(), kPool);
+  for (WorkerId w : {0u, 1u}) {
+    EXPECT_EQ(index.HeldBlocks(w), kPool);
+    EXPECT_EQ(index.BlocksOf(w), kPool);
+    EXPECT_EQ(OverlapOf(index, w, prompt(kPrompts - 1)), kPerPrompt);
+    EXPECT_EQ(OverlapOf(index, w, prompt(kPrompts - kPool / kPerPrompt)), kPerPrompt);  // the oldest held
+    EXPECT_EQ(OverlapOf(index, w, prompt(kPrompts - 1 - kPool / kPerPrompt)), 0u);
+  }
+}
+
+// Keys of shard 0 whose home slots crowd both ends of the smallest table
+// (1024 slots: low bits 1020..1023 and 0..3), so probe runs are long and
+// wrap from the last slot to the first. Random stores and removals of
+// single hashes and of whole groups (the chunked path), by three workers,
+// with a worker's entries dropped now and then (its drop leaves
+// tombstones, which later removals shift like entries): after every event
+// each key's holders, the sizes and the per-worker counts equal a model.
+TEST(PrefixIndexTest, RemovalsShiftCrowdedProbeRunsAcrossTheTableEnd) {
+  constexpr WorkerId kWorkers = kModelWorkers;
+  constexpr uint64_t kKeys = 48;
+  const auto key = [](uint64_t k) {
+    const uint64_t home = (1020 + k % 8) & 1023;  // 1020..1023, 0..3
+    return ((k + 1) << 20) | home;                 // top bits 0: shard 0
+  };
+  std::vector<uint64_t> keys(kKeys);
+  for (uint64_t k = 0; k < kKeys; ++k) keys[k] = key(k);
+  PrefixIndex index;
+  for (WorkerId w = 0; w < kWorkers; ++w) ASSERT_TRUE(index.AddWorker(w, 1).ok());
+  HolderModel model(kKeys, {false, false, false});
+  std::array<uint64_t, kWorkers> next_id{1, 1, 1};
+  std::mt19937_64 rng(41);
+  for (uint64_t round = 0; round < 4000; ++round) {
+    const WorkerId w = static_cast<WorkerId>(rng() % kWorkers);
+    const uint64_t r = rng() % 100;
+    if (r < 2) {  // a drop: the worker's entries go, as after a restart
+      ASSERT_EQ(*index.Apply(w, Cleared(1, next_id[w]++)), EventResult::kApplied);
+      for (auto& m : model) m[w] = false;
+    } else {
+      const bool store = r < 55;
+      // One hash, or a group of 8-24 (ForEachByShard's chunked path).
+      const uint64_t n = rng() % 4 == 0 ? 8 + rng() % 17 : 1;
+      std::vector<uint64_t> hashes;
+      for (uint64_t i = 0; i < n; ++i) {
+        const uint64_t k = rng() % kKeys;
+        if (std::find(hashes.begin(), hashes.end(), keys[k]) != hashes.end()) continue;
+        hashes.push_back(keys[k]);
+        model[k][w] = store;
+      }
+      const KvEventView e = store ? Stored(1, next_id[w]++, hashes) : Removed(1, next_id[w]++, hashes);
+      ASSERT_EQ(*index.Apply(w, e), EventResult::kApplied);
+    }
+    ASSERT_NO_FATAL_FAILURE(ExpectIndexEqualsModel(index, model, key, round, round % 500 == 499));
+  }
 }
 
 // Overlap searches (probes a few blocks per round) for prompts longer than
