@@ -6,10 +6,14 @@
 // runs as late as its own shutdown (the transport outlives the component)
 // would run on a destroyed object.
 //
-// Guarded callbacks may nest (one calling another inline). End must not
-// be called from a guarded callback (it would wait for itself).
+// A component's own entry points (methods other components call, which
+// may race with its Stop) take a Pass instead: held, it counts as a
+// guarded callback running; empty (End began), the method does nothing.
 //
-// Thread-safety: Guard's wrappers and End from any thread.
+// Guarded callbacks and Passes may nest (one calling another inline). End
+// must not be called from either (it would wait for itself).
+//
+// Thread-safety: Guard's wrappers, Enter and End from any thread.
 #pragma once
 
 #include <condition_variable>
@@ -20,15 +24,37 @@
 namespace tandem {
 
 class Lifeline {
+  struct State;
+
  public:
+  // Entry into the component while it lives: End waits until every held
+  // Pass is gone. False (and nothing held) once End began.
+  class Pass {
+   public:
+    explicit operator bool() const { return state_ != nullptr; }
+    ~Pass() {
+      if (state_ != nullptr) state_->Leave();
+    }
+    Pass(const Pass&) = delete;
+    Pass& operator=(const Pass&) = delete;
+
+   private:
+    friend class Lifeline;
+    explicit Pass(State* state) : state_(state->Enter() ? state : nullptr) {}
+    State* const state_;
+  };
+  // For the component's own methods; the component outlives the Pass (its
+  // Stop ends the Lifeline, and End waits for the Pass).
+  Pass Enter() const { return Pass(state_.get()); }
+
   // `fn` wrapped: it runs only until End (after it, the wrapper returns a
   // value-initialized result), and End waits for it.
   template <typename F>
   auto Guard(F fn) const {
     return [state = state_, fn = std::move(fn)](auto&&... args) mutable {
       using R = decltype(fn(std::forward<decltype(args)>(args)...));
-      if (!state->Enter()) return R();
-      const Inside inside{state.get()};
+      const Pass pass(state.get());
+      if (!pass) return R();
       return fn(std::forward<decltype(args)>(args)...);
     };
   }
@@ -43,7 +69,7 @@ class Lifeline {
     std::mutex mu;
     std::condition_variable cv;
     bool alive = true;  // guarded by mu
-    int running = 0;    // guarded by mu: guarded callbacks inside fn
+    int running = 0;    // guarded by mu: guarded callbacks inside fn, Passes held
 
     bool Enter() {
       std::lock_guard lock(mu);
@@ -64,10 +90,6 @@ class Lifeline {
       std::lock_guard lock(mu);
       return !alive;
     }
-  };
-  struct Inside {  // a guarded callback running
-    State* state;
-    ~Inside() { state->Leave(); }
   };
   std::shared_ptr<State> state_ = std::make_shared<State>();
 };

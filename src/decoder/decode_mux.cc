@@ -100,11 +100,13 @@ struct Registration {
 }  // namespace
 
 // What the session, the sinks and the delivery scopes share. The output
-// is used only until Finish has been called on it.
+// is used only until Finish has been called on it. It holds nothing of the
+// Decoder but its stream tally: a step's batch may be flushed (at the end
+// of the engine's delivery, or when a write is done) after Decoder::Stop.
 class MuxState final : public Flushable, public std::enable_shared_from_this<MuxState> {
  public:
-  MuxState(MuxOutput* out, std::shared_ptr<MuxOutput> keep, Decoder& decoder)
-      : out_(out), keep_(std::move(keep)), decoder_(decoder) {}
+  MuxState(MuxOutput* out, std::shared_ptr<MuxOutput> keep, std::shared_ptr<StreamTally> tally)
+      : out_(out), keep_(std::move(keep)), tally_(std::move(tally)) {}
 
   // ---- from the sinks (engine thread, KV notice and lease threads) ----
   void Tokens(MuxSink& s, uint32_t first_index, std::span<const uint32_t> ids) {
@@ -240,7 +242,7 @@ class MuxState final : public Flushable, public std::enable_shared_from_this<Mux
       if (!pending_.empty()) {
         pending_.TakeInto(&current_);
         writing_ = true;
-        decoder_.CountStreamMessage(static_cast<size_t>(current_.items_size()));
+        tally_->Count(static_cast<size_t>(current_.items_size()));
         lock.unlock();
         if (!out_->Write(current_)) return;  // OnWriteDone follows
         lock.lock();
@@ -258,7 +260,7 @@ class MuxState final : public Flushable, public std::enable_shared_from_this<Mux
 
   MuxOutput* const out_;
   const std::shared_ptr<MuxOutput> keep_;
-  Decoder& decoder_;
+  const std::shared_ptr<StreamTally> tally_;
   std::mutex mu_;
   MuxBatcher pending_;                              // guarded by mu_
   pb::DecodeStreamResponse current_;                // the batch being written
@@ -350,7 +352,8 @@ class DecodeMuxReactor final : public Reactor, public MuxOutput {
 Reactor* NewDecodeMuxReactor(Decoder& decoder) { return new DecodeMuxReactor(decoder); }
 
 MuxSession::MuxSession(Decoder& decoder, MuxOutput* out, std::shared_ptr<MuxOutput> keep)
-    : decoder_(decoder), state_(std::make_shared<MuxState>(out, std::move(keep), decoder)) {}
+    : decoder_(decoder),
+      state_(std::make_shared<MuxState>(out, std::move(keep), decoder.stream_tally())) {}
 
 void MuxSession::OnRequest(const pb::DecodeStreamRequest& req) {
   if (req.has_start()) {

@@ -75,11 +75,19 @@ class Decoder::Emitter {
     std::lock_guard lock(mu_);
     done_ = true;
   }
+  // A running request's step (first token seen, not finished): touches
+  // nothing but this emitter, so it needs no guard (after Decoder::Stop
+  // the emitter is done and drops it).
+  void Step(const engine::RequestOutput& out) {
+    if (out.token_ids.empty()) return;
+    const uint32_t n = static_cast<uint32_t>(out.token_ids.size());
+    Tokens(out.completion_tokens - n, out.token_ids);
+  }
   bool Uses(const DecodeSink* sink) const { return sink_.get() == sink; }
   // Whether the request's Entry needs no update for an output that does
-  // not finish it (its first token was seen): OnOutput then skips the
-  // lookup by id (issue 23: one map lookup under the decoder's lock per
-  // request per step).
+  // not finish it (its first token was seen): the engine's callback then
+  // calls Step alone, no lookup by id (issue 23: one map lookup under the
+  // decoder's lock per request per step) and no guard.
   void MarkFirstSeen() { first_seen_.store(true, std::memory_order_release); }
   bool first_seen() const { return first_seen_.load(std::memory_order_acquire); }
 
@@ -115,10 +123,10 @@ class Decoder::Emitter {
 Decoder::Decoder(engine::Engine& engine, kvtransfer::Transport& transport, DecoderOptions options)
     : engine_(engine), transport_(transport), options_(std::move(options)),
       descriptor_(transport.LocalDescriptor()) {
-  transport_.SetPeerFailureCallback(
+  transport_.SetPeerFailureCallback(lifeline_.Guard(
       [this](const std::string& agent, uint64_t generation, const Status&) {
         OnPrefillerEndpointFailed(agent, generation);
-      });
+      }));
 }
 
 Decoder::~Decoder() { Stop(); }
@@ -129,17 +137,42 @@ void Decoder::Start() {
 
 void Decoder::Stop() {
   transport_.SetPeerFailureCallback({});
+  {
+    std::lock_guard lock(mu_);
+    draining_ = true;
+  }
   if (lease_thread_.joinable()) {
     lease_thread_.request_stop();
     lease_cv_.notify_all();
     lease_thread_.join();
   }
+  // Waits for a Register, Reserve or notice under way (one may be adding
+  // a request to the engine) and for the engine's callbacks running; none
+  // runs after. What is left changes only through Cancel now.
+  lifeline_.End();
+  std::vector<std::shared_ptr<Emitter>> open;
+  std::vector<std::string> running;
   std::vector<uint64_t> release;
   {
     std::lock_guard lock(mu_);
+    for (const auto& [id, e] : requests_) {
+      open.push_back(e.emitter);
+      if (e.stage == Stage::kRunning) running.push_back(id);
+    }
+    requests_.clear();
     for (const auto& [id, held] : reservations_) release.push_back(id);
     reservations_.clear();
   }
+  if (!open.empty() || !release.empty()) {
+    spdlog::warn("decoder stopping: {} open requests ended ({} decoding), {} reservations released",
+                 open.size(), running.size(), release.size());
+  }
+  // The streams end first: the engine's abort output runs nothing now. A
+  // prefiller still writing into a released reservation writes into blocks
+  // nothing here decodes again (the engine stops next).
+  const Status shutting_down = UnavailableError("this decoder is shutting down");
+  for (const auto& emitter : open) emitter->Error(shutting_down);
+  for (const auto& id : running) engine_.Abort(id).IgnoreError();  // NOT_FOUND if it just finished
   for (uint64_t id : release) engine_.ReleaseReservation(id).IgnoreError();
 }
 
@@ -151,8 +184,8 @@ void Decoder::SetDraining() {
 DecoderCounts Decoder::counts() const {
   std::lock_guard lock(mu_);
   DecoderCounts c = counts_;
-  c.stream_messages = stream_messages_.load(std::memory_order_relaxed);
-  c.stream_items = stream_items_.load(std::memory_order_relaxed);
+  c.stream_messages = stream_tally_->messages();
+  c.stream_items = stream_tally_->items();
   c.registered = static_cast<uint32_t>(requests_.size());
   c.reservations = static_cast<uint32_t>(reservations_.size());
   for (const auto& [id, h] : reservations_) {
@@ -175,14 +208,26 @@ engine::GenerateRequest Decoder::MakeEngineRequest(const DecodeSpec& spec,
   r.tenant = spec.tenant;
   r.tenant_weight = spec.tenant_weight;
   r.deadline = ToSteady(spec.deadline);
-  const std::string id = spec.request_id;
-  r.on_output = [this, id, emitter = std::move(emitter)](const engine::RequestOutput& out) {
-    OnOutput(id, *emitter, out);
+  // A running request's plain step goes to its emitter alone (one call
+  // per request per step, issue 23's token path: no guard); the first
+  // token and the end run the decoder's code, through the Lifeline.
+  r.on_output = [emitter = std::move(emitter),
+                 rest = lifeline_.Guard([this, id = spec.request_id](
+                                            Emitter& e, const engine::RequestOutput& out) {
+                   OnOutput(id, e, out);
+                 })](const engine::RequestOutput& out) mutable {
+    if (!out.finished && emitter->first_seen()) {
+      emitter->Step(out);
+      return;
+    }
+    rest(*emitter, out);
   };
   return r;
 }
 
 Status Decoder::Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
+  const auto pass = lifeline_.Enter();
+  if (!pass) return UnavailableError("this decoder is shutting down");
   if (spec.request_id.empty()) return InvalidArgumentError("request_id is empty");
   // Fail before any prefiller works for it.
   TANDEM_RETURN_IF_ERROR(
@@ -233,6 +278,8 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
                                       std::span<const uint32_t> prompt_ids,
                                       std::string_view prefiller_descriptor,
                                       parallel::ParallelLayout prefill_layout) {
+  const auto pass = lifeline_.Enter();
+  if (!pass) return UnavailableError("this decoder is shutting down");
   if (prefill_layout.world() > 1 || options_.layout.world() > 1) {
     // docs/parallelism.md: no rank holds a whole block, so a sliced push is
     // neither sealed nor checksummed.
@@ -345,6 +392,12 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
 }
 
 void Decoder::OnKvNotice(const KvNoticeInfo& n) {
+  const auto pass = lifeline_.Enter();
+  if (!pass) {  // Stop released every reservation: nothing to act on
+    spdlog::debug("ignoring KV notice for '{}' reservation {}: this decoder is stopped", n.request_id,
+                  n.reservation_id);
+    return;
+  }
   std::shared_ptr<Emitter> emitter;
   engine::GenerateRequest req;
   bool release = false;
@@ -495,14 +548,6 @@ void Decoder::OnUnreadableNotice(const std::string& sender, size_t bytes) {
 
 void Decoder::OnOutput(const std::string& request_id, Emitter& emitter,
                        const engine::RequestOutput& out) {
-  if (!out.finished && emitter.first_seen()) {
-    // A running request's step: nothing in its Entry changes.
-    if (!out.token_ids.empty()) {
-      const uint32_t n = static_cast<uint32_t>(out.token_ids.size());
-      emitter.Tokens(out.completion_tokens - n, out.token_ids);
-    }
-    return;
-  }
   double local_prefill_s = -1;
   uint32_t prefill_cached = 0;
   {

@@ -31,6 +31,17 @@
 // callbacks, the transport's progress thread for OnKvNotice). Sinks are
 // called on the engine thread, the progress thread or the lease thread,
 // never under the decoder's lock. The lease thread is started by Start().
+//
+// Stop (docs/failure-handling.md "Leave"): after a drain, what is still
+// open is cut. Every request's stream ends UNAVAILABLE "this decoder is
+// shutting down", the engine's requests are aborted and every reservation
+// is released (quarantined ones too: nothing will decode here again). The
+// callbacks the decoder hands to the engine and the transport, and its
+// entry points (Register, Reserve, OnKvNotice), run through a Lifeline
+// (common/lifeline.h) that Stop ends: none runs decoder code after Stop,
+// also when the engine or the transport delivers later (they outlive the
+// decoder). A running request's per-step output touches only its stream's
+// emitter, which Stop has ended: no guard per token (issue 23).
 #pragma once
 
 #include <atomic>
@@ -46,6 +57,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/lifeline.h"
 #include "common/status.h"
 #include "engine/engine.h"
 #include "kvtransfer/transport.h"
@@ -168,6 +180,23 @@ struct DecoderCounts {
   uint64_t stream_items = 0;
 };
 
+// Decoder.DecodeStream's totals (issue 23): messages sent (one per delivery
+// batch) and the per-request items they carried. Shared with the streams,
+// which may flush a batch after the decoder is gone. Any thread.
+class StreamTally {
+ public:
+  void Count(size_t items) {
+    messages_.fetch_add(1, std::memory_order_relaxed);
+    items_.fetch_add(items, std::memory_order_relaxed);
+  }
+  uint64_t messages() const { return messages_.load(std::memory_order_relaxed); }
+  uint64_t items() const { return items_.load(std::memory_order_relaxed); }
+
+ private:
+  std::atomic<uint64_t> messages_{0};
+  std::atomic<uint64_t> items_{0};
+};
+
 // Checks a request as the engine will (token ids, sampling, context
 // length), so that bad input fails before any KV is reserved or moved.
 Status ValidateSpec(const engine::Engine& engine, const std::vector<uint32_t>& prompt,
@@ -182,7 +211,11 @@ class Decoder {
   Decoder& operator=(const Decoder&) = delete;
 
   void Start();  // lease thread
-  void Stop();   // joins the lease thread; held reservations are released
+  // Joins the lease thread and ends the Lifeline (waits for the entry
+  // points and callbacks running); then ends every open stream with
+  // UNAVAILABLE, aborts the engine's requests and releases every
+  // reservation. Idempotent. Not from a sink or an engine callback.
+  void Stop();
 
   // Registers a request whose KV will come from a prefiller (or, with
   // prefill_locally, submits it to the engine). UNAVAILABLE while draining,
@@ -237,11 +270,8 @@ class Decoder {
   void SetDraining();
 
   DecoderCounts counts() const;
-  // A DecodeStream message of `items` items left (decode_mux.cc). Any thread.
-  void CountStreamMessage(size_t items) {
-    stream_messages_.fetch_add(1, std::memory_order_relaxed);
-    stream_items_.fetch_add(items, std::memory_order_relaxed);
-  }
+  // Where the DecodeStream messages that leave are counted (decode_mux.cc).
+  std::shared_ptr<StreamTally> stream_tally() const { return stream_tally_; }
 
  private:
   enum class Stage { kRegistered, kReserved, kRunning };
@@ -276,6 +306,8 @@ class Decoder {
   Status OpenPushedBlocks(uint64_t reservation_id, const Held& held, const std::string& tags);
 
   engine::GenerateRequest MakeEngineRequest(const DecodeSpec& spec, std::shared_ptr<Emitter> emitter);
+  // An output that is not a running request's plain step (the first
+  // token, the end); through the Lifeline.
   void OnOutput(const std::string& request_id, Emitter& emitter, const engine::RequestOutput& out);
   void LeaseLoop(std::stop_token stop);
   // Wakes LeaseLoop when `due` is sooner than the time it sleeps to (mu_ held).
@@ -320,8 +352,10 @@ class Decoder {
   std::chrono::steady_clock::time_point lease_wake_at_ = std::chrono::steady_clock::time_point::min();
   bool lease_kick_ = false;
   std::jthread lease_thread_;
-  std::atomic<uint64_t> stream_messages_{0};
-  std::atomic<uint64_t> stream_items_{0};
+  const std::shared_ptr<StreamTally> stream_tally_ = std::make_shared<StreamTally>();
+  // Ended by Stop: the engine's output callbacks, the transport's
+  // peer-failure callback and the entry points run through it.
+  Lifeline lifeline_;
 };
 
 }  // namespace tandem::decoder

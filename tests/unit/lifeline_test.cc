@@ -58,5 +58,38 @@ TEST(Lifeline, EndWaitsForARunningCallback) {
   EXPECT_TRUE(finished_when_ended.load()) << "End returned before the running callback finished";
 }
 
+// A component's entry point holds a Pass: End waits for it to be given
+// back, and once End began an entry gets an empty one (it does nothing).
+TEST(Lifeline, EndWaitsForAHeldPassAndLaterEntriesGetNone) {
+  Lifeline life;
+  {
+    const auto pass = life.Enter();
+    EXPECT_TRUE(static_cast<bool>(pass));
+    const auto nested = life.Enter();  // an entry point calling another
+    EXPECT_TRUE(static_cast<bool>(nested));
+  }
+  std::promise<void> entered, release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<bool> left{false};
+  std::thread holder([&] {
+    const auto pass = life.Enter();
+    entered.set_value();
+    released.wait();
+    left = true;
+  });
+  entered.get_future().wait();
+  std::atomic<bool> left_when_ended{false};
+  std::thread stopper([&] {
+    life.End();
+    left_when_ended = left.load();
+  });
+  while (!life.ended()) std::this_thread::yield();
+  EXPECT_FALSE(static_cast<bool>(life.Enter())) << "an entry got a Pass after End began";
+  release.set_value();
+  stopper.join();
+  holder.join();
+  EXPECT_TRUE(left_when_ended.load()) << "End returned while a Pass was held";
+}
+
 }  // namespace
 }  // namespace tandem

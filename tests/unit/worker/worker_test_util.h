@@ -76,8 +76,10 @@ struct Node {
 
   // `progress`: wired to the engine's scheduling and step hooks, as
   // worker_runtime does for a prefiller (prefiller::EngineProgress).
+  // `tune`: changes the engine's options last (e.g. a step hook).
   static std::unique_ptr<Node> Make(const std::string& name, uint32_t num_blocks,
-                                    std::shared_ptr<prefiller::EngineProgress> progress = nullptr) {
+                                    std::shared_ptr<prefiller::EngineProgress> progress = nullptr,
+                                    const std::function<void(engine::EngineOptions&)>& tune = {}) {
     auto n = std::make_unique<Node>();
     kvtransfer::TransportOptions o;
     o.backend = "loopback";
@@ -98,6 +100,7 @@ struct Node {
       eo.on_queue_time = [progress](int32_t, const std::string&, double) { progress->Scheduled(); };
       eo.on_step = [progress](const engine::StepStats&) { progress->StepEnded(); };
     }
+    if (tune) tune(eo);
     auto e = engine::Engine::Create(Tiny().config, Tiny().weights, eo);
     EXPECT_TRUE(e.ok()) << e.status().ToString();
     if (!e.ok()) return nullptr;
