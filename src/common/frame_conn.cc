@@ -194,11 +194,12 @@ void FrameConn::Lookup() {
     if (looked_up_) return;
   }
   Status error;
-  sockaddr_storage addr{};
-  socklen_t len = 0;
+  std::vector<PeerAddr> addrs;
+  bool named = false;
   if (auto hp = ParseHostPort(peer_); !hp.ok()) {
     error = hp.status();
   } else {
+    named = !IsIpAddress(hp->host);
     addrinfo hints{};
     hints.ai_socktype = SOCK_STREAM;
     addrinfo* res = nullptr;
@@ -207,16 +208,20 @@ void FrameConn::Lookup() {
     if (int rc = lookup(hp->host.c_str(), port.c_str(), &hints, &res); rc != 0) {
       error = UnavailableError(fmt::format("cannot resolve {}: {}", peer_, gai_strerror(rc)));
     } else {
-      len = static_cast<socklen_t>(std::min<size_t>(res->ai_addrlen, sizeof(addr)));
-      std::memcpy(&addr, res->ai_addr, len);
+      for (const addrinfo* ai = res; ai != nullptr && addrs.size() < kMaxAddresses; ai = ai->ai_next) {
+        PeerAddr& a = addrs.emplace_back();
+        a.len = static_cast<socklen_t>(std::min<size_t>(ai->ai_addrlen, sizeof(a.addr)));
+        std::memcpy(&a.addr, ai->ai_addr, a.len);
+      }
       freeaddrinfo(res);
+      if (addrs.empty()) error = UnavailableError(fmt::format("cannot resolve {}: no address", peer_));
     }
   }
   std::lock_guard lock(mu_);
   if (looked_up_) return;
   looked_up_ = true;
-  peer_addr_ = addr;
-  peer_addr_len_ = len;
+  named_ = named;
+  peer_addrs_ = std::move(addrs);
   lookup_error_ = std::move(error);
 }
 
@@ -239,27 +244,63 @@ Status FrameConn::Connect() {
     CloseLocked(lookup_error_);
     return closed_why_;
   }
-  fd_ = socket(peer_addr_.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  int rc = fd_ < 0 ? -1 : ::connect(fd_, reinterpret_cast<const sockaddr*>(&peer_addr_), peer_addr_len_);
-  const int err = errno;
-  if (fd_ < 0 || (rc != 0 && err != EINPROGRESS)) {
-    CloseLocked(UnavailableError(fmt::format("cannot connect to {}: {}", peer_, std::strerror(err))));
-    return closed_why_;
-  }
-  const int one = 1;
-  setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  if (tls_) {
-    ssl_ = tls_->NewClient(ParseHostPort(peer_)->host);  // parsed by Lookup
-    if (ssl_ == nullptr || SSL_set_fd(ssl_, fd_) != 1) {
-      CloseLocked(InternalError("SSL_new failed: " + OpenSslErrors()));
-      return closed_why_;
+  return DialLocked();
+}
+
+Status FrameConn::DialLocked() {
+  while (next_addr_ < peer_addrs_.size()) {
+    const PeerAddr& a = peer_addrs_[next_addr_++];
+    if (ssl_ != nullptr) {  // bound to the socket of the address that failed
+      SSL_free(ssl_);
+      ssl_ = nullptr;
+      secrets_.reset();
     }
-    secrets_ = std::make_unique<FrameTlsSecrets>();
-    AttachSecrets(ssl_, secrets_.get());
-    SSL_set_connect_state(ssl_);
+    if (fd_ >= 0) ::close(fd_);
+    ++dials_;
+    fd_ = socket(a.addr.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    const int rc = fd_ < 0 ? -1 : ::connect(fd_, reinterpret_cast<const sockaddr*>(&a.addr), a.len);
+    const int err = errno;
+    if (fd_ < 0 || (rc != 0 && err != EINPROGRESS)) {
+      NoteDialFailedLocked(err);
+      continue;
+    }
+    const int one = 1;
+    setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    if (tls_) {
+      ssl_ = tls_->NewClient(ParseHostPort(peer_)->host);  // parsed by Lookup
+      if (ssl_ == nullptr || SSL_set_fd(ssl_, fd_) != 1) {
+        CloseLocked(InternalError("SSL_new failed: " + OpenSslErrors()));
+        return closed_why_;
+      }
+      secrets_ = std::make_unique<FrameTlsSecrets>();
+      AttachSecrets(ssl_, secrets_.get());
+      SSL_set_connect_state(ssl_);
+    }
+    state_ = State::kConnecting;
+    return Status::Ok();
   }
-  state_ = State::kConnecting;
-  return Status::Ok();
+  CloseLocked(UnavailableError(fmt::format("cannot connect to {}: {}", peer_, dial_errors_)));
+  return closed_why_;
+}
+
+void FrameConn::NoteDialFailedLocked(int err) {
+  if (!dial_errors_.empty()) dial_errors_ += "; ";
+  // An IP literal: its one address is the peer's own.
+  if (!named_) {
+    dial_errors_ += std::strerror(err);
+    return;
+  }
+  const PeerAddr& a = peer_addrs_[next_addr_ - 1];
+  char host[INET6_ADDRSTRLEN] = "?";
+  if (a.addr.ss_family == AF_INET6) {
+    const auto* v6 = reinterpret_cast<const sockaddr_in6*>(&a.addr);
+    inet_ntop(AF_INET6, &v6->sin6_addr, host, sizeof(host));
+    dial_errors_ += fmt::format("[{}]:{} {}", host, ntohs(v6->sin6_port), std::strerror(err));
+  } else {
+    const auto* v4 = reinterpret_cast<const sockaddr_in*>(&a.addr);
+    inet_ntop(AF_INET, &v4->sin_addr, host, sizeof(host));
+    dial_errors_ += fmt::format("{}:{} {}", host, ntohs(v4->sin_port), std::strerror(err));
+  }
 }
 
 bool FrameConn::closed() const { return state_ == State::kClosed; }
@@ -579,8 +620,9 @@ Status FrameConn::Progress(short revents, const OnFrame& on_frame) {
       socklen_t len = sizeof(err);
       getsockopt(fd_, SOL_SOCKET, SO_ERROR, &err, &len);
       if (err != 0) {
-        CloseLocked(UnavailableError(fmt::format("cannot connect to {}: {}", peer_, std::strerror(err))));
-        return closed_why_;
+        // Not connected: the peer's next address, if it has one.
+        NoteDialFailedLocked(err);
+        return DialLocked();
       }
       state_ = ssl_ != nullptr ? State::kHandshake : State::kOpen;
       // Try the handshake now; once open, flush what was sent meanwhile.

@@ -142,7 +142,8 @@ class FrameConn {
 
   // ---- any thread, before Connect ----
   // Client: resolves the peer's host (getaddrinfo, which may wait on DNS)
-  // and keeps the address, or the error, for Connect. Idempotent. Where one
+  // and keeps its addresses (the first kMaxAddresses, in getaddrinfo's
+  // order), or the error, for Connect. Idempotent. Where one
   // thread serves many connections (common/frame_loop.h), the name is
   // resolved on another thread first (NeedsLookup), so that a slow DNS
   // answer holds up no other connection.
@@ -153,9 +154,18 @@ class FrameConn {
 
   // ---- the I/O thread ----
   // Client: resolves the address unless Lookup did, and starts a
-  // non-blocking connect.
+  // non-blocking connect to the first address. When the TCP connect to an
+  // address fails (refused, unreachable, reset: at once or when Progress
+  // sees it complete), the next one is dialled on a new socket, without a
+  // new lookup; after the last, the connection closes with an error naming
+  // the peer and each address tried with its error. A TLS handshake that
+  // fails after TCP connected moves on to no other address.
   Status Connect();
+  // The socket: a fallback to the next address replaces it (dials() counts
+  // the sockets opened, so that an epoll registration can be redone).
   int fd() const { return fd_; }
+  uint32_t dials() const { return dials_; }
+  static constexpr size_t kMaxAddresses = 8;
   // The poll events to wait for now.
   short Events() const;
   // After poll: connects, handshakes, reads frames (each handed to
@@ -169,6 +179,12 @@ class FrameConn {
   enum class State { kIdle, kConnecting, kHandshake, kOpen, kClosed };
   FrameConn(FrameOptions options, std::string peer) : options_(options), peer_(std::move(peer)) {}
   void CloseLocked(const Status& why);
+  // Client: starts a non-blocking connect to the next address not tried
+  // (a TCP connect that fails at once counts as tried); closes the
+  // connection with every address's error when none is left.
+  Status DialLocked();
+  // A TCP connect to the address dialled last failed with `err`.
+  void NoteDialFailedLocked(int err);
   void FlushLocked();
   // Queues a frame of `size` payload bytes that `write` writes (to the
   // pointer it is given) and flushes: Send and SendParts.
@@ -214,10 +230,17 @@ class FrameConn {
 
   mutable std::mutex mu_;
   int fd_ = -1;
-  bool looked_up_ = false;             // guarded by mu_: Lookup ran; then peer_addr_ or lookup_error_
-  sockaddr_storage peer_addr_{};       // guarded by mu_
-  socklen_t peer_addr_len_ = 0;        // guarded by mu_
+  struct PeerAddr {
+    sockaddr_storage addr{};
+    socklen_t len = 0;
+  };
+  bool looked_up_ = false;             // guarded by mu_: Lookup ran; then peer_addrs_ or lookup_error_
+  bool named_ = false;                 // guarded by mu_: the host is a name, not an IP literal
+  std::vector<PeerAddr> peer_addrs_;   // guarded by mu_: in getaddrinfo's order
   Status lookup_error_;                // guarded by mu_
+  size_t next_addr_ = 0;               // guarded by mu_: the next of peer_addrs_ to dial
+  std::string dial_errors_;            // guarded by mu_: "ADDR ERROR; ..." for each address tried
+  uint32_t dials_ = 0;                 // guarded by mu_ (the I/O thread reads it without)
   // Set before the connection is shared or by the I/O thread (under mu_,
   // which the I/O thread may skip to read them); SSL calls under mu_.
   SSL* ssl_ = nullptr;

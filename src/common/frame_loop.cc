@@ -133,17 +133,21 @@ void FrameLoop::Run(const char* name) {
   const auto arm = [&](FrameReader* r) {
     r->loop_until_ = r->Until();
     const uint32_t events = static_cast<uint16_t>(r->conn_->Events());
-    if (r->loop_registered_ && events == r->loop_events_) return;
+    // A connect that fell back to the peer's next address is on a new
+    // socket: the old one's registration went with it, the new one is added.
+    const bool same_socket = r->loop_registered_ && r->conn_->dials() == r->loop_dials_;
+    if (same_socket && events == r->loop_events_) return;
     epoll_event ev{};
     ev.events = events;
     ev.data.ptr = r;
-    const int op = r->loop_registered_ ? EPOLL_CTL_MOD : EPOLL_CTL_ADD;
+    const int op = same_socket ? EPOLL_CTL_MOD : EPOLL_CTL_ADD;
     if (epoll_ctl(epoll_fd_, op, r->conn_->fd(), &ev) != 0) {
       finish(r, InternalError(std::string("frame loop: epoll_ctl: ") + std::strerror(errno)));
       return;
     }
     r->loop_registered_ = true;
     r->loop_events_ = events;
+    r->loop_dials_ = r->conn_->dials();
   };
   const auto step = [&](FrameReader* r, short revents) {
     if (Status st = r->Step(revents); !st.ok()) {

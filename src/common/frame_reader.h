@@ -109,6 +109,7 @@ class FrameReader {
   // The loop's view of it (the loop thread only).
   bool loop_registered_ = false;
   uint32_t loop_events_ = 0;
+  uint32_t loop_dials_ = 0;  // the connection's socket registered (FrameConn::dials)
   std::chrono::steady_clock::time_point loop_until_;
 };
 

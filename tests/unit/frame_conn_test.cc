@@ -9,7 +9,11 @@
 // once while the reader reads interleave no frame nor record. On one frame loop, a
 // connection that breaks ends alone, a peer that never answers holds up
 // no other connection's frames, and a deadline given without a wake-up
-// (WakeBy) holds. Real sockets on 127.0.0.1.
+// (WakeBy) holds. A name whose first address refuses is connected to on
+// its next one (not after a failed TLS handshake), and one whose addresses
+// all refuse fails naming each. Real sockets on 127.0.0.1.
+#include <arpa/inet.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -734,6 +738,145 @@ TEST_F(FrameConnTest, OnOneLoopANameIsResolvedOffTheLoopThread) {
   ASSERT_TRUE(a.conn().Send(Cancel(9)).ok());
   EXPECT_EQ(a.WaitHandles(1), std::vector<uint64_t>{9});
   EXPECT_FALSE(a.ended());
+}
+
+// A socket on 127.0.0.1 bound to a free port: listening (non-blocking; it
+// counts the connections made to it) or not (a connect to it is refused).
+class LocalPort {
+ public:
+  explicit LocalPort(bool listening) {
+    fd_ = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    EXPECT_EQ(bind(fd_, reinterpret_cast<sockaddr*>(&a), len), 0) << std::strerror(errno);
+    EXPECT_EQ(getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len), 0);
+    port_ = std::to_string(ntohs(a.sin_port));
+    if (listening) {
+      EXPECT_EQ(listen(fd_, 8), 0) << std::strerror(errno);
+    }
+  }
+  ~LocalPort() { ::close(fd_); }
+  LocalPort(const LocalPort&) = delete;
+  LocalPort& operator=(const LocalPort&) = delete;
+  const std::string& port() const { return port_; }
+  // The connections made to it so far (each accepted and closed).
+  int Accepted() {
+    for (int c; (c = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC)) >= 0;) {
+      ::close(c);
+      ++accepted_;
+    }
+    return accepted_;
+  }
+
+ private:
+  int fd_ = -1;
+  std::string port_;
+  int accepted_ = 0;
+};
+
+std::string PortOf(const std::string& address) { return address.substr(address.rfind(':') + 1); }
+
+// A name with several addresses: the lookup answers 127.0.0.1 on each of
+// `ports`, in order, whatever the name and port asked.
+struct ManyAddresses {
+  static inline std::vector<std::string> ports;
+  static int Lookup(const char*, const char*, const addrinfo* hints, addrinfo** res) {
+    addrinfo* head = nullptr;
+    addrinfo** tail = &head;
+    for (const std::string& port : ports) {
+      if (int rc = getaddrinfo("127.0.0.1", port.c_str(), hints, tail); rc != 0) {
+        if (head != nullptr) freeaddrinfo(head);
+        return rc;
+      }
+      while (*tail != nullptr) tail = &(*tail)->ai_next;
+    }
+    *res = head;
+    return 0;
+  }
+  static FrameOptions Options(std::vector<std::string> p) {
+    ports = std::move(p);
+    FrameOptions o;
+    o.lookup = &Lookup;
+    return o;
+  }
+};
+
+// Session 15 (conn-addrs): a peer's name that resolves to an address
+// that refuses (::1 first for localhost, a worker on 127.0.0.1) is
+// connected to on its next address, on the same Connect, on a reader
+// thread of its own and on a frame loop (whose epoll registration follows
+// the new socket).
+TEST_F(FrameConnTest, ANameWhoseFirstAddressRefusesConnectsToTheNext) {
+  LocalPort refusing(/*listening=*/false);
+  Seen seen;
+  auto server = Serve(Tls(Identity(ca_, "decode-0")), &seen);
+  ASSERT_NE(server, nullptr);
+  const FrameOptions o = ManyAddresses::Options({refusing.port(), PortOf(server->address())});
+  auto proxy_tls = Tls(Identity(ca_, "proxy"));
+  const std::string named = "localhost:" + refusing.port();
+  FrameLoop loop("test-loop");
+  Client own(named, proxy_tls, o);
+  Client looped(named, proxy_tls, o, &loop);
+  ASSERT_TRUE(own.conn().Send(Cancel(3)).ok());
+  ASSERT_TRUE(looped.conn().Send(Cancel(4)).ok());
+  EXPECT_EQ(own.WaitHandles(1), std::vector<uint64_t>{3});
+  EXPECT_EQ(looped.WaitHandles(1), std::vector<uint64_t>{4});
+  EXPECT_FALSE(own.ended());
+  EXPECT_FALSE(looped.ended());
+  EXPECT_EQ(own.conn().dials(), 2u);
+  EXPECT_EQ(looped.conn().dials(), 2u);
+}
+
+TEST_F(FrameConnTest, ANameWhoseAddressesAllRefuseFailsNamingEach) {
+  LocalPort a(/*listening=*/false), b(/*listening=*/false);
+  Client client("localhost:" + a.port(), nullptr, ManyAddresses::Options({a.port(), b.port()}));
+  const Status end = client.WaitEnd();
+  EXPECT_EQ(end.code(), StatusCode::kUnavailable);
+  const std::string refused = std::strerror(ECONNREFUSED);
+  EXPECT_EQ(end.message(), fmt::format("cannot connect to localhost:{}: 127.0.0.1:{} {}; 127.0.0.1:{} {}",
+                                       a.port(), a.port(), refused, b.port(), refused));
+}
+
+// A TLS handshake that fails after TCP connected is not an address's
+// problem: the next address is not dialled.
+TEST_F(FrameConnTest, ATlsHandshakeFailureMovesOnToNoOtherAddress) {
+  Seen seen;
+  auto impostor = Serve(Tls(frame_testing::Stranger(ca_, "impostor")), &seen);
+  ASSERT_NE(impostor, nullptr);
+  LocalPort next(/*listening=*/true);
+  Client client("localhost:" + PortOf(impostor->address()), Tls(Identity(ca_, "proxy")),
+                ManyAddresses::Options({PortOf(impostor->address()), next.port()}));
+  const Status end = client.WaitEnd();
+  EXPECT_EQ(end.code(), StatusCode::kUnavailable);
+  EXPECT_NE(end.message().find("TLS handshake"), std::string::npos) << end.message();
+  EXPECT_EQ(client.conn().dials(), 1u);
+  EXPECT_EQ(next.Accepted(), 0);
+}
+
+// The real thing, where the host resolves localhost to an IPv6 address
+// before 127.0.0.1 (Debian's /etc/hosts): a worker on 127.0.0.1 is reached.
+TEST_F(FrameConnTest, LocalhostReachesAServerOn127001WhenItResolvesToIpv6First) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  bool v6_first = false;
+  if (getaddrinfo("localhost", "1", &hints, &res) == 0) {
+    v6_first = res->ai_family == AF_INET6;
+    bool v4 = false;
+    for (const addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) v4 = v4 || ai->ai_family == AF_INET;
+    v6_first = v6_first && v4;
+    freeaddrinfo(res);
+  }
+  if (!v6_first) GTEST_SKIP() << "localhost does not resolve to an IPv6 address before an IPv4 one here";
+  Seen seen;
+  auto server = Serve(nullptr, &seen);
+  ASSERT_NE(server, nullptr);
+  Client client("localhost:" + PortOf(server->address()), nullptr);
+  ASSERT_TRUE(client.conn().Send(Cancel(5)).ok());
+  EXPECT_EQ(client.WaitHandles(1), std::vector<uint64_t>{5});
+  EXPECT_FALSE(client.ended());
 }
 
 }  // namespace
