@@ -69,9 +69,10 @@ class LoadTracker {
   // A worker joins: no report, no predictions; `num_blocks` free (0: unknown).
   void Reset(WorkerId worker, uint32_t num_blocks);
   void ApplyReport(WorkerId worker, const LoadReport& report, int64_t now_ns);
-  // `ticket`: the route's (RouteDecision::prefill_ticket.id), for Withdraw;
-  // increasing from call to call like AddPrefill's (0: none, never withdrawn).
-  void Predict(WorkerId worker, const LoadDelta& delta, int64_t now_ns, uint64_t ticket = 0);
+  // `ticket`: the route's (RouteDecision::prefill_ticket.id, > 0), for
+  // Withdraw; increasing from call to call like AddPrefill's (Withdraw
+  // finds it by binary search).
+  void Predict(WorkerId worker, const LoadDelta& delta, int64_t now_ns, uint64_t ticket);
   // The attempt of the route `ticket` is over: its timed part stops counting
   // if no report has replaced it yet. Returns false when none was pending.
   bool Withdraw(WorkerId worker, uint64_t ticket);
