@@ -286,7 +286,10 @@ TEST_F(ReserveTcpTest, AReplyThatCannotBeSentReleasesItsReservation) {
   EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().ToString();
   // Released at once, as by the prefiller's error notice: nothing held, and
   // the request is registered again for a retry.
-  EXPECT_TRUE(WaitFor([&] { return Reservations() == 0; }));
+  // (The decoder forgets the reservation, then the engine frees its blocks:
+  // wait for both.)
+  EXPECT_TRUE(WaitFor(
+      [&] { return Reservations() == 0 && node_->engine->stats().free_blocks == 32u; }));
   EXPECT_EQ(node_->engine->stats().free_blocks, 32u);
   server_->Stop();
   Serve();
