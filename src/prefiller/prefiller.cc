@@ -1,8 +1,11 @@
 #include "prefiller/prefiller.h"
-#include "common/logging.h"
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
+
+#include <algorithm>
+
+#include "common/logging.h"
 
 namespace tandem::prefiller {
 
@@ -27,6 +30,15 @@ Status StatusFor(const engine::RequestOutput& out) {
 }
 
 }  // namespace
+
+uint64_t ArrivalKey(SteadyClock::time_point now, std::chrono::microseconds waited) {
+  using std::chrono::nanoseconds;
+  const int64_t at = std::chrono::duration_cast<nanoseconds>(now.time_since_epoch()).count();
+  const int64_t back =
+      std::chrono::duration_cast<nanoseconds>(std::clamp(waited, std::chrono::microseconds(0), kMaxWaited))
+          .count();
+  return at - back >= 1 ? static_cast<uint64_t>(at - back) : 1;
+}
 
 Prefiller::Prefiller(engine::Engine& engine, kvtransfer::Transport& transport, DecoderLink& link,
                      PrefillerOptions options)
@@ -200,8 +212,8 @@ Status Prefiller::Submit(PrefillJob spec, PrefillDone done) {
       return ResourceExhaustedError(fmt::format("prefill queue is full ({} requests)", options_.max_queue));
     }
     jobs_.emplace(job->spec.request_id, job);
-    job->arrival = ++next_arrival_;
     job->queued_at = SteadyClock::now();
+    job->arrival = ArrivalKey(job->queued_at, job->spec.waited);
     fair_.Enqueue(job->spec.tenant, job->spec.tenant_weight);
     queue_.push_back(job);
     LogRequest(spdlog::level::debug, job->spec.request_id,

@@ -52,6 +52,14 @@
 
 namespace tandem::prefiller {
 
+// The longest wait a PrefillJob's `waited` counts (a proxy's claim).
+inline constexpr std::chrono::microseconds kMaxWaited = std::chrono::hours(1);
+
+// The service queue's arrival order: the steady clock (ns) at `now` less
+// `waited` (at most kMaxWaited), at least 1. Smaller = earlier; requests
+// with equal keys keep their submission order.
+uint64_t ArrivalKey(std::chrono::steady_clock::time_point now, std::chrono::microseconds waited);
+
 struct PrefillJob {
   std::string request_id;
   std::vector<uint32_t> prompt_ids;
@@ -68,6 +76,11 @@ struct PrefillJob {
   int32_t priority = 0;
   std::string tenant;
   double tenant_weight = 1.0;
+  // How long the request had waited since the proxy received it
+  // (PrefillRequest.waited_us): the service queue orders it as having
+  // arrived that long ago, so a retry keeps its place ahead of requests
+  // that came after it. Counted up to kMaxWaited.
+  std::chrono::microseconds waited{0};
   // This prefill's span (a child of the proxy's; common/tracing.h). The
   // Reserve call carries it to the decoder. Not sampled: no span.
   tracing::SpanContext trace;
@@ -262,7 +275,7 @@ class Prefiller {
     uint32_t ranks_pushed = 0;  // sliced push: the prefill ranks sending (KvNotice.ranks_pushed)
     std::chrono::steady_clock::time_point submitted, transfer_started;
     PrefillResult result;
-    uint64_t arrival = 0;  // service-queue order within a tenant
+    uint64_t arrival = 0;  // service-queue order within a tenant: ArrivalKey
     std::chrono::steady_clock::time_point queued_at;  // Submit
   };
   using JobPtr = std::shared_ptr<Job>;
@@ -329,7 +342,6 @@ class Prefiller {
   // (engine/fair_share.h, docs/scheduling.md).
   std::deque<JobPtr> queue_;               // guarded by mu_
   engine::FairShare fair_;                 // guarded by mu_: charged prompt tokens at dispatch
-  uint64_t next_arrival_ = 0;              // guarded by mu_
   std::map<std::string, JobPtr> jobs_;     // guarded by mu_: every live job by id
   uint32_t admitting_ = 0;                 // guarded by mu_: reserving, not yet in the engine
   // The dispatcher's sleep (guarded by mu_): whether it sleeps, whether it

@@ -433,5 +433,65 @@ TEST_F(PrefillerTest, ServiceQueueOrdersByPriorityThenFairShareThenArrival) {
   EXPECT_EQ(node_->engine->stats().free_blocks, 64u);
 }
 
+// A retry keeps its place (docs/scheduling.md): a request that the proxy
+// says has waited 5 s (PrefillJob::waited, from PrefillRequest.waited_us)
+// is served before one that reached this prefiller earlier but arrived at
+// the proxy after it; equal keys keep their submission order. Before, the
+// service queue ordered by arrival here only: a request retried after its
+// prefiller died went to the back of the new one's queue.
+TEST_F(PrefillerTest, ARetriedRequestKeepsItsPlaceInTheServiceQueue) {
+  MakePrefiller();
+  struct Spec {
+    std::string id;
+    std::chrono::microseconds waited;
+    uint32_t salt;
+  };
+  const std::vector<Spec> specs = {{"first", {}, 1},
+                                   {"later", {}, 2},
+                                   {"retried", std::chrono::seconds(5), 3},
+                                   {"retried-later", std::chrono::seconds(2), 4},
+                                   {"last", {}, 5}};
+  std::vector<std::promise<Result<PrefillResult>>> done(specs.size());
+  std::map<std::vector<uint32_t>, std::string> by_prompt;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    PrefillJob j = Job(specs[i].id, Prompt(20, specs[i].salt));
+    j.waited = specs[i].waited;
+    by_prompt[j.prompt_ids] = specs[i].id;
+    ASSERT_TRUE(prefiller_->Submit(std::move(j), [&done, i](Result<PrefillResult> r) {
+      done[i].set_value(std::move(r));
+    }).ok());
+    if (i == 0) {
+      ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1; }));
+    }
+  }
+  std::vector<std::string> order;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1; })) << i;
+    {
+      std::lock_guard lock(link_.mu_);
+      order.push_back(by_prompt[link_.last_prompt]);
+    }
+    link_.Answer(ResourceExhaustedError("no room"));
+  }
+  EXPECT_EQ(order,
+            (std::vector<std::string>{"first", "retried", "retried-later", "later", "last"}));
+  for (auto& d : done) {
+    EXPECT_EQ(d.get_future().get().status().code(), StatusCode::kResourceExhausted);
+  }
+}
+
+TEST(ArrivalKey, CountsTheWaitUpToTheBoundAndNeverReachesZero) {
+  using std::chrono::microseconds;
+  const auto now = std::chrono::steady_clock::time_point(std::chrono::hours(3));
+  const uint64_t at = 3ull * 3600 * 1'000'000'000;
+  EXPECT_EQ(prefiller::ArrivalKey(now, microseconds(0)), at);
+  EXPECT_EQ(prefiller::ArrivalKey(now, microseconds(1500)), at - 1'500'000);
+  EXPECT_EQ(prefiller::ArrivalKey(now, microseconds(-7)), at);  // nothing negative
+  // A claim beyond the bound counts as the bound (one hour).
+  EXPECT_EQ(prefiller::ArrivalKey(now, std::chrono::hours(5)), at - 3600ull * 1'000'000'000);
+  const auto early = std::chrono::steady_clock::time_point(std::chrono::seconds(2));
+  EXPECT_EQ(prefiller::ArrivalKey(early, std::chrono::seconds(30)), 1u);
+}
+
 }  // namespace
 }  // namespace tandem::worker_test
