@@ -22,10 +22,11 @@
 namespace tandem::frame_testing {
 
 // A socket on 127.0.0.1 bound to a free port: listening (non-blocking; it
-// counts the connections made to it) or not (a connect to it is refused).
+// counts the connections made to it), with an accept queue of `backlog`,
+// or not (a connect to it is refused).
 class LocalPort {
  public:
-  explicit LocalPort(bool listening) {
+  explicit LocalPort(bool listening, int backlog = 8) {
     fd_ = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     sockaddr_in a{};
     a.sin_family = AF_INET;
@@ -35,13 +36,14 @@ class LocalPort {
     EXPECT_EQ(getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len), 0);
     port_ = std::to_string(ntohs(a.sin_port));
     if (listening) {
-      EXPECT_EQ(listen(fd_, 8), 0) << std::strerror(errno);
+      EXPECT_EQ(listen(fd_, backlog), 0) << std::strerror(errno);
     }
   }
   ~LocalPort() { ::close(fd_); }
   LocalPort(const LocalPort&) = delete;
   LocalPort& operator=(const LocalPort&) = delete;
   const std::string& port() const { return port_; }
+  int fd() const { return fd_; }
   // The connections made to it so far (each accepted and closed).
   int Accepted() {
     for (int c; (c = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC)) >= 0;) {
