@@ -164,5 +164,87 @@ TEST(HandshakeStop, PrefillerStoppedBeforeTheWatchHandshakeKeepsItsQuarantine) {
   EXPECT_EQ(held, "") << "still held after the load: " << held;
 }
 
+// The same stop, held past the stopped prefiller's Reserve deadline (the
+// request's own: the client's 5 s timeout, sooner than the link's 10 s):
+// when it wakes, its Reserve call has ended here before the decoder's reply,
+// which waits in its socket, is read (a stopped process's epoll_wait ends
+// EINTR after SIGCONT and the frame loop expires the call first). The
+// decoder holds a reservation for it all the same, quarantined once the
+// lease expired: the late reply must still be acknowledged (an error
+// notice), or the blocks stay out of use until that prefiller dies (session
+// 15: released as "dead" only when the fleet stopped;
+// docs/failure-handling.md, "Quarantine").
+TEST(HandshakeStop, PrefillerStoppedPastItsReserveDeadlineStillEndsItsQuarantine) {
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
+  FleetOptions o;
+  o.prefill = 2;
+  o.decode = 1;
+  o.num_blocks = 512;
+  o.log_level = "info";
+  o.proxy_yaml = "  liveness_timeout_seconds: 1\n  max_migrations: 3\n  drain_seconds: 8\n";
+  o.extra_yaml = "transport:\n  lease_seconds: 2\n  peer_timeout_seconds: 1\n";
+  const auto prompt = PromptIds(1500, 80, kVocab);
+  auto want = ReferenceGenerate(prompt, kMaxTokens);
+  ASSERT_TRUE(want.ok()) << want.status().ToString();
+  setenv("TANDEM_KV_FAULT", "stop_peer_at_import=1,agent=decode-0", 1);
+  auto fleet = Fleet::Launch(o);
+  unsetenv("TANDEM_KV_FAULT");
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  const WorkerAddr* d0 = FindWorker(**fleet, "decode-0");
+  const WorkerAddr* p[2] = {FindWorker(**fleet, "prefill-0"), FindWorker(**fleet, "prefill-1")};
+  ASSERT_TRUE(d0 && p[0] && p[1]);
+  const std::string proxy = (*fleet)->proxy_grpc();
+  GenerateArgs a;
+  a.prompt_ids = prompt;
+  a.max_tokens = kMaxTokens;
+  a.timeout = 5s;  // the prefill job's deadline, so its Reserve call's too
+  const auto deadline = std::chrono::system_clock::now() + a.timeout;
+  auto first = std::async(std::launch::async, [&] { return Generate(proxy, a); });
+  const WorkerAddr* victim = nullptr;
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        for (const WorkerAddr* w : p) {
+          if (ProcState(w->pid) == 'T') victim = w;
+        }
+        return victim != nullptr;
+      },
+      20s))
+      << "no prefiller was stopped at decode-0's first import";
+  struct Resume {
+    pid_t pid;
+    ~Resume() { kill(pid, SIGCONT); }
+  } resume{victim->pid};
+  ASSERT_TRUE(WaitUntil([&] { return Metric(d0->metrics, "tandem_kv_quarantined_blocks") > 0; },
+                        15s))
+      << "the stopped prefiller's reservation was never quarantined";
+  // The event: the request's deadline, which its Reserve call had, passed
+  // while the prefiller was stopped (the client's call has ended by then).
+  first.wait();
+  ASSERT_TRUE(WaitUntil([&] { return std::chrono::system_clock::now() > deadline; }, 10s));
+  EXPECT_EQ(ProcState(victim->pid), 'T');
+  EXPECT_GT(Metric(d0->metrics, "tandem_kv_quarantined_blocks"), 0);
+
+  const auto woke = Clock::now();
+  ASSERT_EQ(kill(victim->pid, SIGCONT), 0);
+  EXPECT_TRUE(WaitUntil(
+      [&] {
+        return Metric(d0->metrics, "tandem_kv_quarantined_blocks") == 0 &&
+               LabeledMetric(d0->metrics, "tandem_kv_quarantine_released_total", "acknowledged") >= 1;
+      },
+      15s))
+      << "the woken prefiller did not acknowledge the reservation whose reply came after its "
+         "Reserve deadline";
+  std::printf("[handshake-stop] late reply acknowledged %.2f s after SIGCONT\n",
+              std::chrono::duration<double>(Clock::now() - woke).count());
+  EXPECT_EQ(LabeledMetric(d0->metrics, "tandem_kv_quarantine_released_total", "peer_dead"), 0);
+  // The fleet still serves exact tokens.
+  a.timeout = 30s;
+  auto c = Generate(proxy, a);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->token_ids, *want);
+  const std::string held = WaitFleetIdle((*fleet)->workers(), "", 15s);
+  EXPECT_EQ(held, "") << "still held after the load: " << held;
+}
+
 }  // namespace
 }  // namespace tandem::testing
