@@ -6,6 +6,7 @@
 
 #include <poll.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cstring>
@@ -184,15 +185,18 @@ Result<pb::RegisterResponse> Exchange(FrameConn& conn, const pb::RegisterRequest
   TANDEM_RETURN_IF_ERROR(conn.Send(req));
   std::optional<pb::RegisterResponse> got;
   while (!got) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
-    if (left.count() <= 0) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) {
       conn.Close(DeadlineExceededError("no answer to the registration in time"));
       return DeadlineExceededError(
           fmt::format("the proxy at {} did not answer the registration in time", conn.peer()));
     }
+    // Before it opens, Progress also runs at the connection's own deadline
+    // (a pending TCP connect's: it dials the proxy name's next address).
+    const auto until = conn.open() ? deadline : std::min(deadline, conn.progress_deadline());
+    const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(until - now);
     pollfd p{conn.fd(), conn.Events(), 0};
-    if (poll(&p, 1, static_cast<int>(left.count()) + 1) < 0 && errno != EINTR) {
+    if (poll(&p, 1, static_cast<int>(std::max<int64_t>(wait.count(), 0)) + 1) < 0 && errno != EINTR) {
       return UnavailableError(fmt::format("poll: {}", std::strerror(errno)));
     }
     Status st = conn.Progress(p.revents, [&](std::string_view payload) {
@@ -206,6 +210,9 @@ Result<pb::RegisterResponse> Exchange(FrameConn& conn, const pb::RegisterRequest
       got = std::move(resp);
       return Status::Ok();
     });
+    if (st.ok() && !conn.open() && std::chrono::steady_clock::now() >= conn.handshake_deadline()) {
+      st = conn.Expire();
+    }
     if (!st.ok() && !got) return st;
   }
   return *std::move(got);
