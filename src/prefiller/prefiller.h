@@ -142,6 +142,15 @@ class DecoderLink {
   virtual void Reserve(const PrefillJob& job, const std::string& prefiller_name,
                        ReserveDone done) = 0;
   virtual std::string EncodeNotice(const NoticeSpec& notice) = 0;
+  // A decoder's target that arrived after its call had ended here (past
+  // its deadline, e.g. read only after this process woke from a stop): the
+  // decoder holds a reservation for `request_id` that no one will write
+  // into, quarantined once its lease expires until the writer's word or
+  // death (docs/failure-handling.md, "Quarantine"). Runs on the link's
+  // thread; set before the first Reserve, empty to clear. A link that
+  // cannot read a late reply (gRPC drops it at the deadline) ignores this.
+  using LateTarget = std::function<void(const std::string& request_id, ReserveTarget target)>;
+  virtual void SetLateTargetHandler(LateTarget /*handler*/) {}
 };
 
 class Prefiller;
@@ -290,6 +299,10 @@ class Prefiller {
   // With mu_ held: wakes the dispatcher if it sleeps.
   void WakeDispatcherLocked();
   void OnReserved(const JobPtr& job, Result<ReserveTarget> target);
+  // A target whose Reserve call had already ended (DecoderLink::LateTarget):
+  // nothing was or will be written into it, so the decoder is told at once
+  // (an error notice) and frees the reservation.
+  void OnLateTarget(const std::string& request_id, const ReserveTarget& target);
   void OnOutput(const JobPtr& job, const engine::RequestOutput& out);
   void OnTransferDone(const JobPtr& job, kvtransfer::XferStatus status, const Status& detail);
   // Cancel with `why` as the request's status.
@@ -304,6 +317,9 @@ class Prefiller {
   // job's endpoint was declared lost (the decoder may be alive), the notice
   // goes over a fresh one once the lost one is released (PushTargets).
   void SendErrorNotice(const JobPtr& job, const Status& why);
+  // The error notice `n` to `peer` (imported from `descriptor`), over a
+  // fresh endpoint when that one was declared lost.
+  void TellGaveUp(kvtransfer::PeerId peer, const NoticeSpec& n, const std::string& descriptor);
   // Posts `n` to `peer`; on a loss of that endpoint (refused, or the write
   // ended kErrRemoteDisconnect) and `retry_after_loss`, once more over a
   // fresh endpoint for `descriptor`.

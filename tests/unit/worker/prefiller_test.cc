@@ -51,12 +51,27 @@ class FakeLink final : public prefiller::DecoderLink {
     std::lock_guard lock(mu_);
     return pending.size();
   }
+  void SetLateTargetHandler(LateTarget handler) override {
+    std::lock_guard lock(mu_);
+    late = std::move(handler);
+  }
+  // A target that came after its call ended (as the TCP link reports it).
+  void Late(const std::string& request_id, ReserveTarget t) {
+    LateTarget handler;
+    {
+      std::lock_guard lock(mu_);
+      handler = late;
+    }
+    ASSERT_TRUE(handler) << "the prefiller set no late-target handler";
+    std::thread([&] { handler(request_id, std::move(t)); }).join();
+  }
 
   std::mutex mu_;
   int reserves = 0;
   size_t max_pending = 0;  // Reserves in flight at once, at most
   std::vector<ReserveDone> pending;
   std::vector<uint32_t> last_prompt;
+  LateTarget late;
 };
 
 class PrefillerTest : public ::testing::Test {
@@ -248,6 +263,27 @@ TEST_F(PrefillerTest, CancelWhileReservingTellsTheDecoderToFreeTheSlots) {
   ASSERT_TRUE(WaitFor([&] { return Notices().size() == 1; }));
   EXPECT_EQ(Notices()[0], "a|7|" + std::to_string(target_->generation()) + "|0|" +
                               std::to_string(static_cast<int>(StatusCode::kCancelled)));
+  EXPECT_TRUE(BlockIsZero(1));
+  EXPECT_TRUE(BlockIsZero(2));
+}
+
+// A decoder's target that came after the Reserve call had ended here (its
+// deadline passed while this process was stopped): the job is over, nothing
+// writes into those slots, and the decoder hears so at once (an error
+// notice), instead of keeping them quarantined until this prefiller dies.
+TEST_F(PrefillerTest, ATargetAfterTheReserveCallEndedIsGivenBackAtOnce) {
+  MakePrefiller();
+  std::promise<Result<PrefillResult>> done;
+  ASSERT_TRUE(prefiller_->Submit(Job("a#1", Prompt(20, 6)), [&](Result<PrefillResult> r) {
+    done.set_value(std::move(r));
+  }).ok());
+  ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1; }));
+  link_.Answer(DeadlineExceededError("Deadline Exceeded"));
+  EXPECT_EQ(done.get_future().get().status().code(), StatusCode::kDeadlineExceeded);
+  link_.Late("a#1", Target({1, 2}, 0, /*reservation=*/9));
+  ASSERT_TRUE(WaitFor([&] { return Notices().size() == 1; }));
+  EXPECT_EQ(Notices()[0], "a#1|9|" + std::to_string(target_->generation()) + "|0|" +
+                              std::to_string(static_cast<int>(StatusCode::kDeadlineExceeded)));
   EXPECT_TRUE(BlockIsZero(1));
   EXPECT_TRUE(BlockIsZero(2));
 }
