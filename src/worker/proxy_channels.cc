@@ -66,16 +66,24 @@ void FillWorkerInfo(const WorkerIdentity& id, pb::WorkerInfo* out) {
   for (const auto& [k, v] : id.labels) (*out->mutable_labels())[k] = v;
 }
 
-namespace {
-
 // A failed TLS handshake is not transient: retrying cannot fix a
 // certificate of another CA (gRPC reports it as UNAVAILABLE).
-bool IsTlsFailure(const std::string& message) {
-  std::string m = message;
+bool IsTlsFailure(std::string_view message, std::string_view proxy_address) {
+  std::string m(message);
+  // Every mention of the proxy's address, host or port, is blanked first.
+  const std::string_view host = proxy_address.substr(0, proxy_address.rfind(':'));
+  for (const std::string_view name : {proxy_address, host}) {
+    if (name.empty()) continue;
+    for (size_t at = m.find(name); at != std::string::npos; at = m.find(name, at + name.size())) {
+      m.replace(at, name.size(), name.size(), ' ');
+    }
+  }
   for (char& c : m) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return m.find("handshake") != std::string::npos || m.find("ssl") != std::string::npos ||
          m.find("certificate") != std::string::npos || m.find("tls") != std::string::npos;
 }
+
+namespace {
 
 // A failed attempt that retrying cannot fix, or OK. A connection the proxy
 // accepts and closes at once, again and again (`closed_in_a_row`), is
@@ -84,7 +92,8 @@ bool IsTlsFailure(const std::string& message) {
 // plaintext to a proxy that speaks TLS.
 Status Refusal(const std::string& proxy_address, const RpcCredentials& credentials,
                const Status& st, int closed_in_a_row) {
-  if (credentials.secure() && (IsTlsFailure(st.message()) || closed_in_a_row >= 3)) {
+  if (credentials.secure() &&
+      (IsTlsFailure(st.message(), proxy_address) || closed_in_a_row >= 3)) {
     return UnauthenticatedError(fmt::format(
         "registering with the proxy at {}: the TLS handshake failed or the proxy refused this "
         "worker's certificate ({}); the internal plane uses mutual TLS: this worker's "
