@@ -276,11 +276,36 @@ Status FrameConn::DialLocked() {
       AttachSecrets(ssl_, secrets_.get());
       SSL_set_connect_state(ssl_);
     }
+    // Its share of the time left (the addresses after it may need theirs);
+    // the last one has it all.
+    const auto now = std::chrono::steady_clock::now();
+    const size_t addrs_left = peer_addrs_.size() - next_addr_ + 1;  // this one and those after
+    attempt_deadline_ = deadline_;
+    if (addrs_left > 1) {
+      const auto share = std::max(deadline_ - now, std::chrono::steady_clock::duration::zero()) /
+                         static_cast<int64_t>(addrs_left);
+      attempt_deadline_ = now + std::min<std::chrono::steady_clock::duration>(
+                                    options_.connect_attempt_timeout, share);
+    }
     state_ = State::kConnecting;
     return Status::Ok();
   }
   CloseLocked(UnavailableError(fmt::format("cannot connect to {}: {}", peer_, dial_errors_)));
   return closed_why_;
+}
+
+Status FrameConn::Expire() {
+  std::lock_guard lock(mu_);
+  if (state_ == State::kClosed) return closed_why_;
+  if (state_ != State::kConnecting) {
+    CloseLocked(UnavailableError(
+        fmt::format("no authenticated connection to {} within the timeout", peer_)));
+    return closed_why_;
+  }
+  // The pending connect timed out; no address is left to try.
+  NoteDialFailedLocked(ETIMEDOUT);
+  next_addr_ = peer_addrs_.size();
+  return DialLocked();
 }
 
 void FrameConn::NoteDialFailedLocked(int err) {
@@ -615,7 +640,18 @@ Status FrameConn::Progress(short revents, const OnFrame& on_frame) {
     std::lock_guard lock(mu_);
     if (state_ == State::kClosed) return closed_why_;
     if (state_ == State::kConnecting) {
-      if ((revents & (POLLOUT | POLLERR | POLLHUP)) == 0) return Status::Ok();
+      constexpr short kDialDone = POLLOUT | POLLERR | POLLHUP;
+      if ((revents & kDialDone) == 0) {
+        if (std::chrono::steady_clock::now() < attempt_deadline_) return Status::Ok();
+        // The address's share of the deadline is over: unless it connected
+        // just now (its event and the timer at once), the next address.
+        pollfd p{fd_, POLLOUT, 0};
+        if (poll(&p, 1, 0) <= 0 || (p.revents & kDialDone) == 0) {
+          NoteDialFailedLocked(ETIMEDOUT);
+          return DialLocked();
+        }
+        revents = p.revents;
+      }
       int err = 0;
       socklen_t len = sizeof(err);
       getsockopt(fd_, SOL_SOCKET, SO_ERROR, &err, &len);

@@ -64,6 +64,12 @@ struct FrameOptions {
   uint32_t max_frame_bytes = 64u << 20;      // one message, either way
   uint64_t max_buffered_bytes = 64u << 20;   // unsent output before the peer counts as too slow
   std::chrono::milliseconds handshake_timeout{10000};  // connect + TLS handshake
+  // A client's TCP connect to one of its peer's addresses that is still
+  // pending after this (at most: after its share of the time left, that
+  // time over the addresses not yet tried) is abandoned for the next
+  // address; the last address has all the time left. An address that
+  // drops SYNs silently then costs this much, not the whole deadline.
+  std::chrono::milliseconds connect_attempt_timeout{1000};
   // How a client resolves its peer's name (getaddrinfo; a test may put a
   // slow one here).
   int (*lookup)(const char* host, const char* port, const addrinfo* hints, addrinfo** res) = nullptr;
@@ -156,10 +162,13 @@ class FrameConn {
   // Client: resolves the address unless Lookup did, and starts a
   // non-blocking connect to the first address. When the TCP connect to an
   // address fails (refused, unreachable, reset: at once or when Progress
-  // sees it complete), the next one is dialled on a new socket, without a
-  // new lookup; after the last, the connection closes with an error naming
-  // the peer and each address tried with its error. A TLS handshake that
-  // fails after TCP connected moves on to no other address.
+  // sees it complete), or is still pending at its attempt deadline
+  // (FrameOptions::connect_attempt_timeout: Progress, run then without an
+  // event, abandons it as timed out), the next one is dialled on a new
+  // socket, without a new lookup; after the last, the connection closes
+  // with an error naming the peer and each address tried with its error.
+  // A TLS handshake that fails after TCP connected moves on to no other
+  // address.
   Status Connect();
   // The socket: a fallback to the next address replaces it (dials() counts
   // the sockets opened, so that an epoll registration can be redone).
@@ -174,6 +183,17 @@ class FrameConn {
   Status Progress(short revents, const OnFrame& on_frame);
   // When the connect + handshake must be done by (steady clock).
   std::chrono::steady_clock::time_point handshake_deadline() const { return deadline_; }
+  // While not open: when Progress must run even without an event (steady
+  // clock): the pending TCP connect's attempt deadline, which is at most
+  // handshake_deadline() (that, for the last address and the handshake).
+  std::chrono::steady_clock::time_point progress_deadline() const {
+    return state_ == State::kConnecting ? attempt_deadline_ : deadline_;
+  }
+  // Past handshake_deadline() and not open: closes the connection and
+  // returns why (UNAVAILABLE): each address's error, the pending one as
+  // timed out, while the TCP connect is pending; else that no
+  // authenticated connection came within the timeout.
+  Status Expire();
 
  private:
   enum class State { kIdle, kConnecting, kHandshake, kOpen, kClosed };
@@ -241,6 +261,9 @@ class FrameConn {
   size_t next_addr_ = 0;               // guarded by mu_: the next of peer_addrs_ to dial
   std::string dial_errors_;            // guarded by mu_: "ADDR ERROR; ..." for each address tried
   uint32_t dials_ = 0;                 // guarded by mu_ (the I/O thread reads it without)
+  // guarded by mu_ (the I/O thread reads it without): when the pending TCP
+  // connect is abandoned for the next address.
+  std::chrono::steady_clock::time_point attempt_deadline_;
   // Set before the connection is shared or by the I/O thread (under mu_,
   // which the I/O thread may skip to read them); SSL calls under mu_.
   SSL* ssl_ = nullptr;

@@ -99,7 +99,7 @@ Status FrameReader::Begin() {
 
 SteadyClock::time_point FrameReader::Until() {
   auto until = hooks_.before_wait ? hooks_.before_wait() : SteadyClock::time_point::max();
-  if (!conn_->open()) until = std::min(until, conn_->handshake_deadline());
+  if (!conn_->open()) until = std::min(until, conn_->progress_deadline());
   return until;
 }
 
@@ -107,8 +107,7 @@ Status FrameReader::Step(short revents) {
   Status st = conn_->Progress(revents, hooks_.on_frame);
   if (hooks_.after_progress) hooks_.after_progress();
   if (st.ok() && !conn_->open() && SteadyClock::now() >= conn_->handshake_deadline()) {
-    st = UnavailableError(
-        fmt::format("no authenticated connection to {} within the timeout", conn_->peer()));
+    st = conn_->Expire();
   }
   return st;
 }

@@ -6,7 +6,9 @@
 // It dials the connection, then waits on its socket (and on a wake-up) and
 // hands each frame read to the owner's on_frame, in order. The wait ends at
 // the handshake deadline while the connection is not yet authenticated
-// (past it, the connection ends UNAVAILABLE naming the peer), and at the
+// (past it, the connection ends UNAVAILABLE naming the peer: FrameConn::
+// Expire), sooner at a pending TCP connect's attempt deadline (the next
+// address is dialled then: FrameConn::progress_deadline), and at the
 // owner's own deadline (before_wait). Once the connection is over (an
 // error, the peer closed it, a frame the owner refused, or Close from any
 // thread followed by Wake) it is closed with that status and on_end runs,
@@ -84,7 +86,8 @@ class FrameReader {
   friend class FrameLoop;
   // The steps of serving the connection, on the thread that serves it.
   Status Begin();  // dials
-  // When the next wait must end (the owner's deadline, the handshake's).
+  // When the next wait must end (the owner's deadline, the connection's
+  // while not open: FrameConn::progress_deadline).
   std::chrono::steady_clock::time_point Until();
   // After a wait: reads, flushes, hands frames on. Non-OK: it is over.
   Status Step(short revents);

@@ -1,8 +1,11 @@
 #include "prefiller/prefiller.h"
-#include "common/logging.h"
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
+
+#include <algorithm>
+
+#include "common/logging.h"
 
 namespace tandem::prefiller {
 
@@ -27,6 +30,15 @@ Status StatusFor(const engine::RequestOutput& out) {
 }
 
 }  // namespace
+
+uint64_t ArrivalKey(SteadyClock::time_point now, std::chrono::microseconds waited) {
+  using std::chrono::nanoseconds;
+  const int64_t at = std::chrono::duration_cast<nanoseconds>(now.time_since_epoch()).count();
+  const int64_t back =
+      std::chrono::duration_cast<nanoseconds>(std::clamp(waited, std::chrono::microseconds(0), kMaxWaited))
+          .count();
+  return at - back >= 1 ? static_cast<uint64_t>(at - back) : 1;
+}
 
 Prefiller::Prefiller(engine::Engine& engine, kvtransfer::Transport& transport, DecoderLink& link,
                      PrefillerOptions options)
@@ -106,6 +118,10 @@ void Prefiller::Start() {
     std::lock_guard lock(options_.engine_progress->mu_);
     options_.engine_progress->listener_ = this;
   }
+  link_.SetLateTargetHandler(lifeline_.Guard(
+      [this](const std::string& request_id, ReserveTarget target) {
+        OnLateTarget(request_id, target);
+      }));
   dispatcher_ = std::jthread([this](std::stop_token stop) { DispatchLoop(stop); });
 }
 
@@ -200,8 +216,8 @@ Status Prefiller::Submit(PrefillJob spec, PrefillDone done) {
       return ResourceExhaustedError(fmt::format("prefill queue is full ({} requests)", options_.max_queue));
     }
     jobs_.emplace(job->spec.request_id, job);
-    job->arrival = ++next_arrival_;
     job->queued_at = SteadyClock::now();
+    job->arrival = ArrivalKey(job->queued_at, job->spec.waited);
     fair_.Enqueue(job->spec.tenant, job->spec.tenant_weight);
     queue_.push_back(job);
     LogRequest(spdlog::level::debug, job->spec.request_id,
@@ -433,6 +449,31 @@ void Prefiller::OnReserved(const JobPtr& job, Result<ReserveTarget> target) {
   }
 }
 
+void Prefiller::OnLateTarget(const std::string& request_id, const ReserveTarget& target) {
+  // Its call ended (DEADLINE_EXCEEDED): the job is over, nothing of it can
+  // write into these slots. Without this notice the decoder would keep
+  // them quarantined until this process dies: it is alive and watched.
+  LogRequest(spdlog::level::warn, request_id,
+             "decoder's reservation {} came after our Reserve call had ended; telling it we will "
+             "not write into it",
+             target.reservation_id);
+  auto peer = targets_.PeerFor(target.transport_descriptor);
+  if (!peer.ok()) {
+    LogRequest(spdlog::level::warn, request_id, "cannot tell the decoder we gave up: {}",
+               peer.status().message());
+    return;
+  }
+  NoticeSpec n;
+  n.request_id = request_id;
+  n.reservation_id = target.reservation_id;
+  n.generation = target.generation;
+  n.capability = target.capability;
+  n.error = DeadlineExceededError(fmt::format(
+      "request '{}': the reservation's reply came after the prefiller's Reserve call had ended",
+      request_id));
+  TellGaveUp(*peer, n, target.transport_descriptor);
+}
+
 bool Prefiller::LeaseAllowsPost(const Job& job) const {
   // Leave a margin for the push itself: a write that lands after the
   // lease could corrupt whatever the decoder put in those slots since.
@@ -608,6 +649,11 @@ void Prefiller::SendErrorNotice(const JobPtr& job, const Status& why) {
     n.capability = job->target.capability;
   }
   n.error = why.ok() ? UnknownError() : why;
+  TellGaveUp(peer, n, descriptor);
+}
+
+void Prefiller::TellGaveUp(kvtransfer::PeerId peer, const NoticeSpec& n,
+                           const std::string& descriptor) {
   if (targets_.WasLost(peer)) {
     NoticeAfterLoss(peer, n, descriptor);
   } else {

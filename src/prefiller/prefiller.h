@@ -52,6 +52,14 @@
 
 namespace tandem::prefiller {
 
+// The longest wait a PrefillJob's `waited` counts (a proxy's claim).
+inline constexpr std::chrono::microseconds kMaxWaited = std::chrono::hours(1);
+
+// The service queue's arrival order: the steady clock (ns) at `now` less
+// `waited` (at most kMaxWaited), at least 1. Smaller = earlier; requests
+// with equal keys keep their submission order.
+uint64_t ArrivalKey(std::chrono::steady_clock::time_point now, std::chrono::microseconds waited);
+
 struct PrefillJob {
   std::string request_id;
   std::vector<uint32_t> prompt_ids;
@@ -68,6 +76,11 @@ struct PrefillJob {
   int32_t priority = 0;
   std::string tenant;
   double tenant_weight = 1.0;
+  // How long the request had waited since the proxy received it
+  // (PrefillRequest.waited_us): the service queue orders it as having
+  // arrived that long ago, so a retry keeps its place ahead of requests
+  // that came after it. Counted up to kMaxWaited.
+  std::chrono::microseconds waited{0};
   // This prefill's span (a child of the proxy's; common/tracing.h). The
   // Reserve call carries it to the decoder. Not sampled: no span.
   tracing::SpanContext trace;
@@ -129,6 +142,15 @@ class DecoderLink {
   virtual void Reserve(const PrefillJob& job, const std::string& prefiller_name,
                        ReserveDone done) = 0;
   virtual std::string EncodeNotice(const NoticeSpec& notice) = 0;
+  // A decoder's target that arrived after its call had ended here (past
+  // its deadline, e.g. read only after this process woke from a stop): the
+  // decoder holds a reservation for `request_id` that no one will write
+  // into, quarantined once its lease expires until the writer's word or
+  // death (docs/failure-handling.md, "Quarantine"). Runs on the link's
+  // thread; set before the first Reserve, empty to clear. A link that
+  // cannot read a late reply (gRPC drops it at the deadline) ignores this.
+  using LateTarget = std::function<void(const std::string& request_id, ReserveTarget target)>;
+  virtual void SetLateTargetHandler(LateTarget /*handler*/) {}
 };
 
 class Prefiller;
@@ -262,7 +284,7 @@ class Prefiller {
     uint32_t ranks_pushed = 0;  // sliced push: the prefill ranks sending (KvNotice.ranks_pushed)
     std::chrono::steady_clock::time_point submitted, transfer_started;
     PrefillResult result;
-    uint64_t arrival = 0;  // service-queue order within a tenant
+    uint64_t arrival = 0;  // service-queue order within a tenant: ArrivalKey
     std::chrono::steady_clock::time_point queued_at;  // Submit
   };
   using JobPtr = std::shared_ptr<Job>;
@@ -277,6 +299,10 @@ class Prefiller {
   // With mu_ held: wakes the dispatcher if it sleeps.
   void WakeDispatcherLocked();
   void OnReserved(const JobPtr& job, Result<ReserveTarget> target);
+  // A target whose Reserve call had already ended (DecoderLink::LateTarget):
+  // nothing was or will be written into it, so the decoder is told at once
+  // (an error notice) and frees the reservation.
+  void OnLateTarget(const std::string& request_id, const ReserveTarget& target);
   void OnOutput(const JobPtr& job, const engine::RequestOutput& out);
   void OnTransferDone(const JobPtr& job, kvtransfer::XferStatus status, const Status& detail);
   // Cancel with `why` as the request's status.
@@ -291,6 +317,9 @@ class Prefiller {
   // job's endpoint was declared lost (the decoder may be alive), the notice
   // goes over a fresh one once the lost one is released (PushTargets).
   void SendErrorNotice(const JobPtr& job, const Status& why);
+  // The error notice `n` to `peer` (imported from `descriptor`), over a
+  // fresh endpoint when that one was declared lost.
+  void TellGaveUp(kvtransfer::PeerId peer, const NoticeSpec& n, const std::string& descriptor);
   // Posts `n` to `peer`; on a loss of that endpoint (refused, or the write
   // ended kErrRemoteDisconnect) and `retry_after_loss`, once more over a
   // fresh endpoint for `descriptor`.
@@ -329,7 +358,6 @@ class Prefiller {
   // (engine/fair_share.h, docs/scheduling.md).
   std::deque<JobPtr> queue_;               // guarded by mu_
   engine::FairShare fair_;                 // guarded by mu_: charged prompt tokens at dispatch
-  uint64_t next_arrival_ = 0;              // guarded by mu_
   std::map<std::string, JobPtr> jobs_;     // guarded by mu_: every live job by id
   uint32_t admitting_ = 0;                 // guarded by mu_: reserving, not yet in the engine
   // The dispatcher's sleep (guarded by mu_): whether it sleeps, whether it

@@ -194,6 +194,8 @@ PrefillJob ToPrefillJob(const pb::PrefillRequest& req, std::string_view tracepar
   job.priority = req.priority();
   job.tenant = req.tenant();
   job.tenant_weight = req.tenant_weight() > 0 ? req.tenant_weight() : 1.0;
+  job.waited = std::chrono::microseconds(
+      std::min<uint64_t>(req.waited_us(), static_cast<uint64_t>(kMaxWaited.count())));
   if (req.deadline_unix_ms() > 0) {
     job.deadline = std::chrono::system_clock::time_point(
         std::chrono::milliseconds(req.deadline_unix_ms()));

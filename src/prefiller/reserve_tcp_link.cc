@@ -28,15 +28,39 @@ using ReserveDone = DecoderLink::ReserveDone;
 // no wake-up of its own (its reply wakes the loop anyway).
 constexpr std::chrono::seconds kIdleLook{5};
 
+// Where a target that came after its call ended goes (the prefiller's
+// DecoderLink::LateTarget), shared by the link's connections.
+class LateTargets {
+ public:
+  void Set(DecoderLink::LateTarget handler) {
+    std::lock_guard lock(mu_);
+    handler_ = std::move(handler);
+  }
+  void Deliver(const std::string& request_id, ReserveTarget target) {
+    DecoderLink::LateTarget handler;
+    {
+      std::lock_guard lock(mu_);
+      handler = handler_;
+    }
+    if (handler) handler(request_id, std::move(target));
+  }
+
+ private:
+  std::mutex mu_;
+  DecoderLink::LateTarget handler_;  // guarded by mu_
+};
+
 // One framed connection to one decoder's reserve listener.
 class ReserveConn final : public std::enable_shared_from_this<ReserveConn> {
  public:
-  explicit ReserveConn(std::shared_ptr<FrameConn> conn)
-      : conn_(std::move(conn)), reader_(conn_, &FrameLoop::Shared()) {}
+  ReserveConn(std::shared_ptr<FrameConn> conn, std::shared_ptr<LateTargets> late)
+      : conn_(std::move(conn)), late_(std::move(late)), reader_(conn_, &FrameLoop::Shared()) {}
 
   static std::shared_ptr<ReserveConn> Open(const std::string& address, std::shared_ptr<FrameTls> tls,
-                                           const FrameOptions& options) {
-    auto c = std::make_shared<ReserveConn>(FrameConn::Client(address, std::move(tls), options));
+                                           const FrameOptions& options,
+                                           std::shared_ptr<LateTargets> late) {
+    auto c = std::make_shared<ReserveConn>(FrameConn::Client(address, std::move(tls), options),
+                                           std::move(late));
     ReserveConn* p = c.get();
     FrameReader::Hooks hooks;
     hooks.on_frame = [p](std::string_view payload) { return p->OnFrame(payload); };
@@ -113,7 +137,18 @@ class ReserveConn final : public std::enable_shared_from_this<ReserveConn> {
       std::lock_guard lock(mu_);
       done = TakeLocked(in_.call_id());
     }
-    if (!done) return Status::Ok();  // expired here first: the lease ends its reservation
+    if (!done) {
+      // Expired here first (the call's deadline passed, e.g. while this
+      // process was stopped: after SIGCONT the loop ends the call before it
+      // reads the reply waiting in the socket). A target is a reservation
+      // the decoder holds for us: its lease only quarantines it, so tell
+      // the decoder, or the blocks wait for this process's death.
+      if (in_.kind_case() == pb::ReserveFrame::kResponse && in_.response().has_target()) {
+        auto target = FromReserveResponse(in_.response());
+        if (target.ok()) late_done_.emplace_back(in_.response().target().request_id(), *target);
+      }
+      return Status::Ok();
+    }
     if (in_.kind_case() != pb::ReserveFrame::kResponse) {
       Status st = InvalidArgumentError(
           fmt::format("reserve frame of call {}: not a response", in_.call_id()));
@@ -128,6 +163,8 @@ class ReserveConn final : public std::enable_shared_from_this<ReserveConn> {
   void Run() {
     for (auto& [done, result] : done_) done(std::move(result));
     done_.clear();
+    for (auto& [request_id, target] : late_done_) late_->Deliver(request_id, std::move(target));
+    late_done_.clear();
   }
 
   SteadyClock::time_point BeforeWait() {
@@ -168,6 +205,7 @@ class ReserveConn final : public std::enable_shared_from_this<ReserveConn> {
   }
 
   const std::shared_ptr<FrameConn> conn_;
+  const std::shared_ptr<LateTargets> late_;
   std::mutex mu_;
   bool ended_ = false;                                     // guarded by mu_
   uint64_t next_id_ = 1;                                   // guarded by mu_
@@ -177,6 +215,7 @@ class ReserveConn final : public std::enable_shared_from_this<ReserveConn> {
   SteadyClock::time_point reader_until_ = SteadyClock::time_point::min();  // guarded by mu_
   std::vector<Completion> posted_;  // guarded by mu_: completions for the loop to run
   std::vector<Completion> done_;    // the loop thread only
+  std::vector<std::pair<std::string, ReserveTarget>> late_done_;  // the loop thread only
   pb::ReserveFrame in_;             // the loop thread only
   FrameReader reader_;              // last: it ends before the members above go
 };
@@ -227,7 +266,8 @@ class TcpDecoderLink final : public DecoderLink {
             return true;
           });
           it = conns_.emplace(job.decoder_reserve_address,
-                              ReserveConn::Open(job.decoder_reserve_address, tls_, options_))
+                              ReserveConn::Open(job.decoder_reserve_address, tls_, options_,
+                                                late_))
                    .first;
         }
         conn = it->second;
@@ -243,6 +283,11 @@ class TcpDecoderLink final : public DecoderLink {
 
   std::string EncodeNotice(const NoticeSpec& n) override { return grpc_->EncodeNotice(n); }
 
+  void SetLateTargetHandler(LateTarget handler) override {
+    grpc_->SetLateTargetHandler(handler);
+    late_->Set(std::move(handler));
+  }
+
   ReserveLinkEntries Entries() {
     std::lock_guard lock(mu_);
     ReserveLinkEntries e;
@@ -257,6 +302,7 @@ class TcpDecoderLink final : public DecoderLink {
   const std::string prefiller_descriptor_;
   const parallel::ParallelLayout layout_;
   const FrameOptions options_;
+  const std::shared_ptr<LateTargets> late_ = std::make_shared<LateTargets>();
   std::mutex mu_;
   // One per decoder's reserve address; an ended one is replaced on its next use.
   std::map<std::string, std::shared_ptr<ReserveConn>> conns_;  // guarded by mu_

@@ -11,11 +11,15 @@
 // (common/frame_loop.h: one thread for all of these connections) dials,
 // handshakes, reads the replies and runs each call's `done`; it also ends a
 // call whose deadline (the job's, at most kReserveTimeout) passed with
-// DEADLINE_EXCEEDED, as the gRPC client does. A connection that cannot be
-// dialled or authenticated, or that breaks, ends every call on it with
-// UNAVAILABLE, as a broken gRPC channel does (the prefiller's failure
-// handling then runs: the proxy retries); the next Reserve to that decoder
-// dials a new connection.
+// DEADLINE_EXCEEDED, as the gRPC client does. A reply that arrives after
+// that (the decoder reserved all the same) is not dropped: its target goes
+// to the LateTarget handler (DecoderLink::SetLateTargetHandler), which
+// tells the decoder that no one writes into it; a reservation whose live
+// writer never says so stays quarantined (docs/failure-handling.md). A
+// connection that cannot be dialled or authenticated, or that breaks, ends
+// every call on it with UNAVAILABLE, as a broken gRPC channel does (the
+// prefiller's failure handling then runs: the proxy retries); the next
+// Reserve to that decoder dials a new connection.
 //
 // A job whose decoder advertises no framed address (an older decoder, or
 // decode.reserve_listen: off) is reserved over gRPC, as before.

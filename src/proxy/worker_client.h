@@ -119,6 +119,9 @@ struct PrefillArgs {
   uint32_t attempt = 0;  // as in DecodeArgs: the same for both calls of one attempt
   std::string traceparent;  // as in DecodeArgs
   bool prompt_fixed32 = false;  // as in DecodeArgs
+  // Since the proxy received the request (PrefillRequest.waited_us): a
+  // retry keeps its place in the prefiller's queue.
+  std::chrono::microseconds waited{0};
 };
 
 struct PrefillResult {

@@ -416,6 +416,7 @@ void FillPrefillRequestFields(const PrefillArgs& args, pb::PrefillRequest* req) 
   req->set_priority(args.params.priority);
   req->set_tenant(args.params.tenant);
   req->set_tenant_weight(args.params.tenant_weight);
+  if (args.waited.count() > 0) req->set_waited_us(static_cast<uint64_t>(args.waited.count()));
 }
 
 PrefillResult ToPrefillResult(const pb::PrefillResponse& resp) {

@@ -6,6 +6,7 @@
 
 #include <poll.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cstring>
@@ -65,16 +66,24 @@ void FillWorkerInfo(const WorkerIdentity& id, pb::WorkerInfo* out) {
   for (const auto& [k, v] : id.labels) (*out->mutable_labels())[k] = v;
 }
 
-namespace {
-
 // A failed TLS handshake is not transient: retrying cannot fix a
 // certificate of another CA (gRPC reports it as UNAVAILABLE).
-bool IsTlsFailure(const std::string& message) {
-  std::string m = message;
+bool IsTlsFailure(std::string_view message, std::string_view proxy_address) {
+  std::string m(message);
+  // Every mention of the proxy's address, host or port, is blanked first.
+  const std::string_view host = proxy_address.substr(0, proxy_address.rfind(':'));
+  for (const std::string_view name : {proxy_address, host}) {
+    if (name.empty()) continue;
+    for (size_t at = m.find(name); at != std::string::npos; at = m.find(name, at + name.size())) {
+      m.replace(at, name.size(), name.size(), ' ');
+    }
+  }
   for (char& c : m) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return m.find("handshake") != std::string::npos || m.find("ssl") != std::string::npos ||
          m.find("certificate") != std::string::npos || m.find("tls") != std::string::npos;
 }
+
+namespace {
 
 // A failed attempt that retrying cannot fix, or OK. A connection the proxy
 // accepts and closes at once, again and again (`closed_in_a_row`), is
@@ -83,7 +92,8 @@ bool IsTlsFailure(const std::string& message) {
 // plaintext to a proxy that speaks TLS.
 Status Refusal(const std::string& proxy_address, const RpcCredentials& credentials,
                const Status& st, int closed_in_a_row) {
-  if (credentials.secure() && (IsTlsFailure(st.message()) || closed_in_a_row >= 3)) {
+  if (credentials.secure() &&
+      (IsTlsFailure(st.message(), proxy_address) || closed_in_a_row >= 3)) {
     return UnauthenticatedError(fmt::format(
         "registering with the proxy at {}: the TLS handshake failed or the proxy refused this "
         "worker's certificate ({}); the internal plane uses mutual TLS: this worker's "
@@ -184,15 +194,18 @@ Result<pb::RegisterResponse> Exchange(FrameConn& conn, const pb::RegisterRequest
   TANDEM_RETURN_IF_ERROR(conn.Send(req));
   std::optional<pb::RegisterResponse> got;
   while (!got) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
-    if (left.count() <= 0) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) {
       conn.Close(DeadlineExceededError("no answer to the registration in time"));
       return DeadlineExceededError(
           fmt::format("the proxy at {} did not answer the registration in time", conn.peer()));
     }
+    // Before it opens, Progress also runs at the connection's own deadline
+    // (a pending TCP connect's: it dials the proxy name's next address).
+    const auto until = conn.open() ? deadline : std::min(deadline, conn.progress_deadline());
+    const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(until - now);
     pollfd p{conn.fd(), conn.Events(), 0};
-    if (poll(&p, 1, static_cast<int>(left.count()) + 1) < 0 && errno != EINTR) {
+    if (poll(&p, 1, static_cast<int>(std::max<int64_t>(wait.count(), 0)) + 1) < 0 && errno != EINTR) {
       return UnavailableError(fmt::format("poll: {}", std::strerror(errno)));
     }
     Status st = conn.Progress(p.revents, [&](std::string_view payload) {
@@ -206,6 +219,9 @@ Result<pb::RegisterResponse> Exchange(FrameConn& conn, const pb::RegisterRequest
       got = std::move(resp);
       return Status::Ok();
     });
+    if (st.ok() && !conn.open() && std::chrono::steady_clock::now() >= conn.handshake_deadline()) {
+      st = conn.Expire();
+    }
     if (!st.ok() && !got) return st;
   }
   return *std::move(got);

@@ -36,6 +36,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 
 #include "common/status.h"
 #include "common/tls.h"
@@ -227,6 +228,12 @@ Status RegisterWithProxy(const std::string& proxy_address, const WorkerIdentity&
                          const RpcCredentials& credentials, std::chrono::milliseconds retry_for,
                          std::shared_ptr<grpc::Channel> channel = nullptr,
                          std::chrono::milliseconds* heartbeat = nullptr);
+
+// Whether a failed registration's `message` says the TLS handshake failed
+// (not retried: RegisterWithProxy). The proxy's own address, which the
+// message names, is not read: a proxy called `tls-gw` that is not up yet
+// is an unreachable proxy, not a TLS failure.
+bool IsTlsFailure(std::string_view message, std::string_view proxy_address);
 
 // Registration over kept connections, for the ProxyRegistrar's refresh
 // every interval: one channel per proxy address is kept while its calls

@@ -36,6 +36,7 @@
 #include "common/frame_loop.h"
 #include "common/frame_reader.h"
 #include "common/net.h"
+#include "frame_addr_support.h"
 #include "frame_test_support.h"
 #include "tandem/v1/worker.pb.h"
 
@@ -44,6 +45,9 @@ namespace {
 
 namespace pb = ::tandem::v1;
 using frame_testing::Identity;
+using frame_testing::LocalPort;
+using frame_testing::ManyAddresses;
+using frame_testing::PortOf;
 using frame_testing::Tls;
 
 // What a server session saw.
@@ -739,69 +743,6 @@ TEST_F(FrameConnTest, OnOneLoopANameIsResolvedOffTheLoopThread) {
   EXPECT_EQ(a.WaitHandles(1), std::vector<uint64_t>{9});
   EXPECT_FALSE(a.ended());
 }
-
-// A socket on 127.0.0.1 bound to a free port: listening (non-blocking; it
-// counts the connections made to it) or not (a connect to it is refused).
-class LocalPort {
- public:
-  explicit LocalPort(bool listening) {
-    fd_ = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof(a);
-    EXPECT_EQ(bind(fd_, reinterpret_cast<sockaddr*>(&a), len), 0) << std::strerror(errno);
-    EXPECT_EQ(getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len), 0);
-    port_ = std::to_string(ntohs(a.sin_port));
-    if (listening) {
-      EXPECT_EQ(listen(fd_, 8), 0) << std::strerror(errno);
-    }
-  }
-  ~LocalPort() { ::close(fd_); }
-  LocalPort(const LocalPort&) = delete;
-  LocalPort& operator=(const LocalPort&) = delete;
-  const std::string& port() const { return port_; }
-  // The connections made to it so far (each accepted and closed).
-  int Accepted() {
-    for (int c; (c = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC)) >= 0;) {
-      ::close(c);
-      ++accepted_;
-    }
-    return accepted_;
-  }
-
- private:
-  int fd_ = -1;
-  std::string port_;
-  int accepted_ = 0;
-};
-
-std::string PortOf(const std::string& address) { return address.substr(address.rfind(':') + 1); }
-
-// A name with several addresses: the lookup answers 127.0.0.1 on each of
-// `ports`, in order, whatever the name and port asked.
-struct ManyAddresses {
-  static inline std::vector<std::string> ports;
-  static int Lookup(const char*, const char*, const addrinfo* hints, addrinfo** res) {
-    addrinfo* head = nullptr;
-    addrinfo** tail = &head;
-    for (const std::string& port : ports) {
-      if (int rc = getaddrinfo("127.0.0.1", port.c_str(), hints, tail); rc != 0) {
-        if (head != nullptr) freeaddrinfo(head);
-        return rc;
-      }
-      while (*tail != nullptr) tail = &(*tail)->ai_next;
-    }
-    *res = head;
-    return 0;
-  }
-  static FrameOptions Options(std::vector<std::string> p) {
-    ports = std::move(p);
-    FrameOptions o;
-    o.lookup = &Lookup;
-    return o;
-  }
-};
 
 // Session 15 (conn-addrs): a peer's name that resolves to an address
 // that refuses (::1 first for localhost, a worker on 127.0.0.1) is

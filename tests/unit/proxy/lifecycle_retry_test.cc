@@ -5,6 +5,8 @@
 
 #include "lifecycle_test_util.h"
 #include "proxy/lifecycle.h"
+#include "proxy/prefill_tcp_client.h"
+#include "tandem/v1/worker.pb.h"
 
 namespace tandem::proxy {
 namespace {
@@ -62,6 +64,30 @@ TEST_F(LifecycleTest, CancelledByADrainingPrefillerIsRetried) {
   for (const PrefillArgs& a : workers_.prefill_args) {
     EXPECT_EQ(a.prompt_varints, std::string(40, '\x07'));
   }
+}
+
+// Every prefill attempt tells the prefiller how long the request has
+// waited since the proxy received it (PrefillRequest.waited_us), so that a
+// retry keeps its place in the next prefiller's queue instead of going to
+// the back (docs/scheduling.md).
+TEST_F(LifecycleTest, EveryPrefillAttemptCarriesTheWaitSinceTheRequestArrived) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("p1", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  workers_.completion = tokenizer_->Encode("Amen");
+  workers_.first_prefill_errors = {Status(StatusCode::kCancelled, "")};
+  arrival_ = std::chrono::steady_clock::now() - std::chrono::seconds(3);
+  Collected c;
+  Run(c);
+  ASSERT_TRUE(c.finished) << c.error.ToString();
+  ASSERT_EQ(workers_.prefill_args.size(), 2u);
+  EXPECT_GE(workers_.prefill_args[0].waited, std::chrono::seconds(3));
+  EXPECT_LT(workers_.prefill_args[0].waited, std::chrono::hours(1));
+  EXPECT_GE(workers_.prefill_args[1].waited, workers_.prefill_args[0].waited);
+  // ... and the wire carries it.
+  v1::PrefillRequest req;
+  FillPrefillRequestFields(workers_.prefill_args[1], &req);
+  EXPECT_EQ(req.waited_us(), static_cast<uint64_t>(workers_.prefill_args[1].waited.count()));
 }
 
 // A prefiller that answered that its prefill outlasted the decoder's lease

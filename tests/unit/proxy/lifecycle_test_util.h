@@ -190,7 +190,8 @@ class LifecycleTest : public ::testing::Test {
     };
     sink.on_error = [&c](Status s) { c.error = s; };
     sink.hot = sink_hot_;
-    return RequestLifecycle::Start(deps, req, sink, std::chrono::system_clock::time_point::max());
+    return RequestLifecycle::Start(deps, req, sink, std::chrono::system_clock::time_point::max(),
+                                   arrival_ ? *arrival_ : std::chrono::steady_clock::now());
   }
 
   std::unique_ptr<model::Tokenizer> tokenizer_;
@@ -199,6 +200,8 @@ class LifecycleTest : public ::testing::Test {
   WorkerClient* client_ = nullptr;  // instead of workers_ when set
   uint32_t max_tokens_ = 64;
   std::function<void(std::function<void()>)> defer_launch_;
+  // When the request arrived at the front end (unset: when Run starts it).
+  std::optional<std::chrono::steady_clock::time_point> arrival_;
   ProxyMetrics* metrics_ = nullptr;
   std::array<HotBytes, 2> sink_hot_{};  // the sink's HotBytes
 };

@@ -51,12 +51,27 @@ class FakeLink final : public prefiller::DecoderLink {
     std::lock_guard lock(mu_);
     return pending.size();
   }
+  void SetLateTargetHandler(LateTarget handler) override {
+    std::lock_guard lock(mu_);
+    late = std::move(handler);
+  }
+  // A target that came after its call ended (as the TCP link reports it).
+  void Late(const std::string& request_id, ReserveTarget t) {
+    LateTarget handler;
+    {
+      std::lock_guard lock(mu_);
+      handler = late;
+    }
+    ASSERT_TRUE(handler) << "the prefiller set no late-target handler";
+    std::thread([&] { handler(request_id, std::move(t)); }).join();
+  }
 
   std::mutex mu_;
   int reserves = 0;
   size_t max_pending = 0;  // Reserves in flight at once, at most
   std::vector<ReserveDone> pending;
   std::vector<uint32_t> last_prompt;
+  LateTarget late;
 };
 
 class PrefillerTest : public ::testing::Test {
@@ -252,6 +267,27 @@ TEST_F(PrefillerTest, CancelWhileReservingTellsTheDecoderToFreeTheSlots) {
   EXPECT_TRUE(BlockIsZero(2));
 }
 
+// A decoder's target that came after the Reserve call had ended here (its
+// deadline passed while this process was stopped): the job is over, nothing
+// writes into those slots, and the decoder hears so at once (an error
+// notice), instead of keeping them quarantined until this prefiller dies.
+TEST_F(PrefillerTest, ATargetAfterTheReserveCallEndedIsGivenBackAtOnce) {
+  MakePrefiller();
+  std::promise<Result<PrefillResult>> done;
+  ASSERT_TRUE(prefiller_->Submit(Job("a#1", Prompt(20, 6)), [&](Result<PrefillResult> r) {
+    done.set_value(std::move(r));
+  }).ok());
+  ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1; }));
+  link_.Answer(DeadlineExceededError("Deadline Exceeded"));
+  EXPECT_EQ(done.get_future().get().status().code(), StatusCode::kDeadlineExceeded);
+  link_.Late("a#1", Target({1, 2}, 0, /*reservation=*/9));
+  ASSERT_TRUE(WaitFor([&] { return Notices().size() == 1; }));
+  EXPECT_EQ(Notices()[0], "a#1|9|" + std::to_string(target_->generation()) + "|0|" +
+                              std::to_string(static_cast<int>(StatusCode::kDeadlineExceeded)));
+  EXPECT_TRUE(BlockIsZero(1));
+  EXPECT_TRUE(BlockIsZero(2));
+}
+
 // The prefiller's transport declares the decoder's endpoint lost at its
 // first data write while the decoder is alive (TANDEM_KV_FAULT
 // lose_peer_at=1): that request fails naming the decoder, the decoder still
@@ -431,6 +467,66 @@ TEST_F(PrefillerTest, ServiceQueueOrdersByPriorityThenFairShareThenArrival) {
     EXPECT_EQ(d.get_future().get().status().code(), StatusCode::kResourceExhausted);
   }
   EXPECT_EQ(node_->engine->stats().free_blocks, 64u);
+}
+
+// A retry keeps its place (docs/scheduling.md): a request that the proxy
+// says has waited 5 s (PrefillJob::waited, from PrefillRequest.waited_us)
+// is served before one that reached this prefiller earlier but arrived at
+// the proxy after it; equal keys keep their submission order. Before, the
+// service queue ordered by arrival here only: a request retried after its
+// prefiller died went to the back of the new one's queue.
+TEST_F(PrefillerTest, ARetriedRequestKeepsItsPlaceInTheServiceQueue) {
+  MakePrefiller();
+  struct Spec {
+    std::string id;
+    std::chrono::microseconds waited;
+    uint32_t salt;
+  };
+  const std::vector<Spec> specs = {{"first", {}, 1},
+                                   {"later", {}, 2},
+                                   {"retried", std::chrono::seconds(5), 3},
+                                   {"retried-later", std::chrono::seconds(2), 4},
+                                   {"last", {}, 5}};
+  std::vector<std::promise<Result<PrefillResult>>> done(specs.size());
+  std::map<std::vector<uint32_t>, std::string> by_prompt;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    PrefillJob j = Job(specs[i].id, Prompt(20, specs[i].salt));
+    j.waited = specs[i].waited;
+    by_prompt[j.prompt_ids] = specs[i].id;
+    ASSERT_TRUE(prefiller_->Submit(std::move(j), [&done, i](Result<PrefillResult> r) {
+      done[i].set_value(std::move(r));
+    }).ok());
+    if (i == 0) {
+      ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1; }));
+    }
+  }
+  std::vector<std::string> order;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1; })) << i;
+    {
+      std::lock_guard lock(link_.mu_);
+      order.push_back(by_prompt[link_.last_prompt]);
+    }
+    link_.Answer(ResourceExhaustedError("no room"));
+  }
+  EXPECT_EQ(order,
+            (std::vector<std::string>{"first", "retried", "retried-later", "later", "last"}));
+  for (auto& d : done) {
+    EXPECT_EQ(d.get_future().get().status().code(), StatusCode::kResourceExhausted);
+  }
+}
+
+TEST(ArrivalKey, CountsTheWaitUpToTheBoundAndNeverReachesZero) {
+  using std::chrono::microseconds;
+  const auto now = std::chrono::steady_clock::time_point(std::chrono::hours(3));
+  const uint64_t at = 3ull * 3600 * 1'000'000'000;
+  EXPECT_EQ(prefiller::ArrivalKey(now, microseconds(0)), at);
+  EXPECT_EQ(prefiller::ArrivalKey(now, microseconds(1500)), at - 1'500'000);
+  EXPECT_EQ(prefiller::ArrivalKey(now, microseconds(-7)), at);  // nothing negative
+  // A claim beyond the bound counts as the bound (one hour).
+  EXPECT_EQ(prefiller::ArrivalKey(now, std::chrono::hours(5)), at - 3600ull * 1'000'000'000);
+  const auto early = std::chrono::steady_clock::time_point(std::chrono::seconds(2));
+  EXPECT_EQ(prefiller::ArrivalKey(early, std::chrono::seconds(30)), 1u);
 }
 
 }  // namespace

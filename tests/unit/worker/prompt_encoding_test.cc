@@ -9,6 +9,7 @@
 // serialized and parsed back, as the transports do.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -112,6 +113,7 @@ TEST(PromptEncodingTest, ThePrefillFrameInPartsIsTheFrameTheMessageWayBuilds) {
   args.decoder_reserve_address = "d:2";
   args.traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
   args.params.max_tokens = 17;
+  args.waited = std::chrono::microseconds(2'500'000);  // a retry's (PrefillRequest.waited_us)
   for (const uint64_t timeout_us : {uint64_t{0}, uint64_t{1234567}}) {
     SCOPED_TRACE(timeout_us);
     proxy::PrefillRequestParts parts;
@@ -135,6 +137,13 @@ TEST(PromptEncodingTest, ThePrefillFrameInPartsIsTheFrameTheMessageWayBuilds) {
     const prefiller::PrefillJob job = prefiller::ToPrefillJob(got.request(), "");
     EXPECT_EQ(job.prompt_ids, ids);
     EXPECT_EQ(job.decoder_address, "d:1");
+    EXPECT_EQ(job.waited, args.waited);
+  }
+  // A wait beyond the prefiller's bound counts as the bound.
+  {
+    pb::PrefillRequest long_wait;
+    long_wait.set_waited_us(uint64_t{1} << 60);
+    EXPECT_EQ(prefiller::ToPrefillJob(long_wait, "").waited, prefiller::kMaxWaited);
   }
   proxy::PrefillRequestParts parts;
   EXPECT_FALSE(proxy::PrefillRequestInParts(PrefillArgsFor(ids, false), 0, &parts));

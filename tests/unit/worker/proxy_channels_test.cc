@@ -88,5 +88,26 @@ TEST(ProxyChannels, FailureDialsAfreshNextTime) {
   EXPECT_EQ(second.peers().size(), 1u);
 }
 
+// A registration error names the proxy's address; a proxy whose name
+// reads like TLS ("tls-gw", "ssl-proxy") that is not up yet must be
+// retried as unreachable, not refused as a TLS failure (before session 16
+// the whole message was searched, the name included).
+TEST(ProxyChannels, TheProxysOwnNameIsNoTlsFailure) {
+  EXPECT_FALSE(IsTlsFailure("cannot connect to tls-gw:51000: 10.0.0.7:51000 Connection refused",
+                            "tls-gw:51000"));
+  EXPECT_FALSE(IsTlsFailure("failed to connect to all addresses; last error: UNKNOWN: "
+                            "ipv4:10.0.0.9:443: Failed to connect to remote host: Connection refused"
+                            " (ssl-proxy.example:443)",
+                            "ssl-proxy.example:443"));
+  // Real handshake failures still are, whatever the proxy is called.
+  EXPECT_TRUE(IsTlsFailure("tls-gw:51000: the TLS handshake failed: certificate verify failed",
+                           "tls-gw:51000"));
+  EXPECT_TRUE(IsTlsFailure("SSL_ERROR_SSL: error:0A000086:SSL routines::certificate verify failed",
+                           "10.0.0.7:51000"));
+  EXPECT_TRUE(IsTlsFailure("no authenticated connection to 10.0.0.7:51000 within the timeout "
+                           "(handshake)",
+                           "10.0.0.7:51000"));
+}
+
 }  // namespace
 }  // namespace tandem::worker

@@ -5,6 +5,7 @@
 // fleet's mutual TLS: targets and refusals per call, a deadline, a broken
 // connection (pending calls UNAVAILABLE, a new connection for the next
 // call), a reply that could not be sent (its reservation released at once),
+// a reply that came after its call's deadline (its target handed over),
 // peers without a fleet certificate refused, and the gRPC fallback for a
 // decoder without the listener. The fleet suites run the same code through
 // `tandem launch` (tests/integration: the default transport).
@@ -77,6 +78,43 @@ std::unique_ptr<FrameServer> SilentListener(const TlsPem& pem) {
     return std::make_shared<Silent>();
   });
 }
+
+// A listener whose sessions keep the request frames and answer only when
+// told, with `answer`'s reply (the decoder reserving late).
+class Late final : public FrameSession {
+ public:
+  explicit Late(std::shared_ptr<FrameConn> conn) : conn_(std::move(conn)) {}
+  Status OnFrame(std::string_view payload) override {
+    v1::ReserveFrame f;
+    if (!f.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+      return InvalidArgumentError("not a ReserveFrame");
+    }
+    std::lock_guard lock(mu_);
+    requests_.push_back(std::move(f));
+    return Status::Ok();
+  }
+  void OnClosed(const Status&) override {}
+  size_t NumRequests() {
+    std::lock_guard lock(mu_);
+    return requests_.size();
+  }
+  // Answers the first request with what `serve` makes of it.
+  Status Answer(const std::function<void(const v1::ReserveRequest&, v1::ReserveResponse*)>& serve) {
+    v1::ReserveFrame reply;
+    {
+      std::lock_guard lock(mu_);
+      if (requests_.empty()) return FailedPreconditionError("no request");
+      reply.set_call_id(requests_.front().call_id());
+      serve(requests_.front().request(), reply.mutable_response());
+    }
+    return conn_->Send(reply);
+  }
+
+ private:
+  const std::shared_ptr<FrameConn> conn_;
+  std::mutex mu_;
+  std::vector<v1::ReserveFrame> requests_;  // guarded by mu_
+};
 
 class ReserveTcpTest : public ::testing::Test {
  protected:
@@ -296,6 +334,64 @@ TEST_F(ReserveTcpTest, AReplyThatCannotBeSentReleasesItsReservation) {
   auto retry = Call(Job("a", prompt, server_->address()));
   ASSERT_TRUE(retry.ok()) << retry.status().ToString();
   EXPECT_EQ(Reservations(), 1u);
+}
+
+// The decoder reserved, but its reply came after the call's deadline here
+// (session 15: a prefiller SIGSTOPped past it reads the reply only after its
+// loop ended the call): the call still ends DEADLINE_EXCEEDED, and the
+// target goes to the late-target handler, so the prefiller can tell the
+// decoder (its lease would only quarantine a live writer's reservation).
+// Before, the reply was dropped.
+TEST_F(ReserveTcpTest, AReplyAfterTheDeadlineHandsItsTargetToTheLateTargetHandler) {
+  std::mutex mu;
+  std::vector<std::pair<std::string, ReserveTarget>> late;
+  link_->SetLateTargetHandler([&](const std::string& id, ReserveTarget t) {
+    std::lock_guard lock(mu);
+    late.emplace_back(id, std::move(t));
+  });
+  std::shared_ptr<Late> session;
+  std::mutex session_mu;
+  auto slow = frame_testing::Listen(Tls(Identity(ca_, "decode-1")),
+                                    [&](const std::shared_ptr<FrameConn>& conn) {
+                                      std::lock_guard lock(session_mu);
+                                      session = std::make_shared<Late>(conn);
+                                      return session;
+                                    });
+  ASSERT_NE(slow, nullptr);
+  const auto prompt = Prompt(20, 15);
+  Register("a#1", prompt);
+  PrefillJob job = Job("a#1", prompt, slow->address());
+  job.deadline = std::chrono::system_clock::now() + 300ms;
+  Outcome o;
+  link_->Reserve(job, "prefill-0", o.Done());
+  auto r = o.Get();  // the event: the call ended here
+  EXPECT_EQ(r.status().code(), StatusCode::kDeadlineExceeded) << r.status().ToString();
+  std::shared_ptr<Late> s;
+  {
+    std::lock_guard lock(session_mu);
+    s = session;
+  }
+  ASSERT_NE(s, nullptr);
+  ASSERT_EQ(s->NumRequests(), 1u);
+  uint64_t reservation = 0;
+  ASSERT_TRUE(s->Answer([&](const v1::ReserveRequest& req, v1::ReserveResponse* resp) {
+                 decoder::ServeReserve(*decoder_, req, {}, resp);
+                 reservation = resp->target().reservation_id();
+               }).ok());
+  ASSERT_NE(reservation, 0u);
+  ASSERT_TRUE(WaitFor([&] {
+    std::lock_guard lock(mu);
+    return !late.empty();
+  }));
+  std::lock_guard lock(mu);
+  ASSERT_EQ(late.size(), 1u);
+  EXPECT_EQ(late[0].first, "a#1");
+  EXPECT_EQ(late[0].second.reservation_id, reservation);
+  EXPECT_EQ(late[0].second.generation, node_->transport->generation());
+  EXPECT_EQ(late[0].second.transport_descriptor, node_->transport->LocalDescriptor());
+  EXPECT_FALSE(late[0].second.capability.empty());
+  EXPECT_EQ(o.runs.load(), 1);  // the call's `done` ran once, with the deadline
+  slow->Stop();
 }
 
 TEST_F(ReserveTcpTest, APeerWithoutAFleetClientCertificateIsRefused) {
