@@ -16,7 +16,7 @@ void RegisterWorker(CLI::App& app, GlobalOptions& g, const std::string& role) {
   cmd->add_option("--join", opts->join,
                   "the proxies' internal listeners (proxy.internal) to register with: A,B,...");
   cmd->add_option("--join-dns", opts->join_dns,
-                  "HOST:PORT: register with every proxy HOST resolves to (A records, e.g. a "
+                  "HOST:PORT: register with every proxy HOST resolves to (A records, else AAAA; e.g. a "
                   "headless Service) at PORT, re-resolved every --discovery-interval-ms");
   cmd->add_option("--discovery-interval-ms", opts->discovery_interval_ms,
                   "how often --join-dns is resolved again (default 10000)")

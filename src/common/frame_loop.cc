@@ -202,7 +202,13 @@ void FrameLoop::Run(const char* name) {
           std::chrono::duration_cast<std::chrono::milliseconds>(until - SteadyClock::now()).count() + 1,
           0, int64_t{1} << 30));
     }
-    const int n = epoll_wait(epoll_fd_, evs, 64, timeout_ms);
+    int n = epoll_wait(epoll_fd_, evs, 64, timeout_ms);
+    // Interrupted (a signal; after SIGSTOP and SIGCONT every time, signal(7))
+    // the wait says nothing of what is ready, and the deadlines served below
+    // would run before the frames that came meanwhile were read (a Reserve
+    // reply sitting in its socket ended as DEADLINE_EXCEEDED): ask again
+    // without waiting.
+    if (n < 0 && errno == EINTR) n = epoll_wait(epoll_fd_, evs, 64, 0);
     DeliveryScope scope;
     for (int i = 0; i < n; ++i) {
       auto* r = static_cast<FrameReader*>(evs[i].data.ptr);

@@ -139,7 +139,12 @@ void FrameReader::Run(const char* name) {
           0, int64_t{1} << 30));
     }
     pollfd fds[2] = {{conn_->fd(), conn_->Events(), 0}, {wake_fd_, POLLIN, 0}};
-    if (poll(fds, 2, timeout_ms) < 0 && errno != EINTR) {
+    int n = poll(fds, 2, timeout_ms);
+    // Interrupted (after SIGSTOP and SIGCONT every time, signal(7)), poll
+    // says nothing of what is ready: ask again without waiting, so that a
+    // frame that came meanwhile is read before the owner's deadlines run.
+    if (n < 0 && errno == EINTR) n = poll(fds, 2, 0);
+    if (n < 0 && errno != EINTR) {
       st = InternalError(fmt::format("poll: {}", std::strerror(errno)));
       break;
     }

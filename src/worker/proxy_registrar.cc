@@ -14,23 +14,29 @@
 
 namespace tandem::worker {
 
-Result<std::vector<std::string>> ResolveIpv4(const std::string& host) {
+Result<std::vector<std::string>> ResolveProxyAddresses(const std::string& host) {
   addrinfo hints{};
-  hints.ai_family = AF_INET;  // A records
+  hints.ai_family = AF_UNSPEC;  // A, else AAAA
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* res = nullptr;
   const int rc = getaddrinfo(host.c_str(), nullptr, &hints, &res);
   if (rc != 0) {
     return UnavailableError(fmt::format("resolving '{}': {}", host, gai_strerror(rc)));
   }
-  std::set<std::string> out;
+  std::set<std::string> v4, v6;
   for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
-    char buf[INET_ADDRSTRLEN] = "";
-    const auto* sin = reinterpret_cast<const sockaddr_in*>(a->ai_addr);
-    if (inet_ntop(AF_INET, &sin->sin_addr, buf, sizeof(buf)) != nullptr) out.insert(buf);
+    char buf[INET6_ADDRSTRLEN] = "";
+    if (a->ai_family == AF_INET) {
+      const auto* sin = reinterpret_cast<const sockaddr_in*>(a->ai_addr);
+      if (inet_ntop(AF_INET, &sin->sin_addr, buf, sizeof(buf)) != nullptr) v4.insert(buf);
+    } else if (a->ai_family == AF_INET6) {
+      const auto* sin6 = reinterpret_cast<const sockaddr_in6*>(a->ai_addr);
+      if (inet_ntop(AF_INET6, &sin6->sin6_addr, buf, sizeof(buf)) != nullptr) v6.insert(buf);
+    }
   }
   freeaddrinfo(res);
-  return std::vector<std::string>(out.begin(), out.end());
+  const std::set<std::string>& found = v4.empty() ? v6 : v4;
+  return std::vector<std::string>(found.begin(), found.end());
 }
 
 Result<std::vector<std::string>> ParseJoinList(const std::string& list, const std::string& flag) {
@@ -65,7 +71,7 @@ Result<std::unique_ptr<ProxyRegistrar>> ProxyRegistrar::Create(RegistrarOptions 
     if (!hp.ok() || hp->port == 0 || hp->host.empty()) {
       return InvalidArgumentError(fmt::format(
           "--join-dns: '{}' is not HOST:PORT with a non-zero port (HOST is resolved to its A "
-          "records; PORT is the proxies' internal listener)",
+          "records, else its AAAA records; PORT is the proxies' internal listener)",
           options.join_dns));
     }
     host = hp->host;
@@ -99,7 +105,10 @@ std::vector<std::string> ProxyRegistrar::Resolve() {
     return dns_targets_;
   }
   std::vector<std::string> now;
-  for (const auto& ip : *ips) now.push_back(fmt::format("{}:{}", ip, dns_port_));
+  for (const auto& ip : *ips) {
+    now.push_back(ip.find(':') == std::string::npos ? fmt::format("{}:{}", ip, dns_port_)
+                                                    : fmt::format("[{}]:{}", ip, dns_port_));
+  }
   std::sort(now.begin(), now.end());
   for (const auto& a : now) {
     if (!std::binary_search(dns_targets_.begin(), dns_targets_.end(), a)) {

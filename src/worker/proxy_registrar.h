@@ -47,11 +47,15 @@ struct RegistrarOptions {
 // proxy for up to `retry_for` (RegisterWithProxy).
 using RegisterFn =
     std::function<Status(const std::string& address, std::chrono::milliseconds retry_for)>;
-// The IPv4 addresses HOST resolves to (A records), sorted, no duplicates.
+// The addresses HOST resolves to, sorted, no duplicates: IPs as text
+// ("10.0.0.5", "fd00::5"; an IPv6 one is put in brackets before its port).
 using ResolveFn = std::function<Result<std::vector<std::string>>(const std::string& host)>;
 
-// getaddrinfo(AF_INET) of `host`.
-Result<std::vector<std::string>> ResolveIpv4(const std::string& host);
+// getaddrinfo of `host`: its IPv4 addresses (A records) when it has any,
+// else its IPv6 ones (AAAA), so that an IPv6-only cluster's proxies are
+// found and a dual-stack name is not registered with twice per proxy
+// (once per family, the IPv6 address perhaps not listened on).
+Result<std::vector<std::string>> ResolveProxyAddresses(const std::string& host);
 
 // "a:1, b:2" -> {"a:1", "b:2"}; every entry must be host:port (the error
 // names `flag`).
@@ -62,7 +66,7 @@ class ProxyRegistrar {
   // Checks the addresses (errors name --join / --join-dns).
   static Result<std::unique_ptr<ProxyRegistrar>> Create(RegistrarOptions options,
                                                          RegisterFn register_fn,
-                                                         ResolveFn resolve_fn = ResolveIpv4);
+                                                         ResolveFn resolve_fn = ResolveProxyAddresses);
   ~ProxyRegistrar();  // Stop()
 
   // Registers with every --join proxy (each retried for up to `retry_for`;

@@ -111,6 +111,41 @@ class PrefillerTest : public ::testing::Test {
     j.decoder_name = "fake";
     return j;
   }
+  // Submits `jobs` in order (the first is dispatched at once and the others
+  // queue behind its reservation), refuses each Reserve in turn, and returns
+  // the jobs' ids in the order the service queue dispatched them; every job
+  // then ended RESOURCE_EXHAUSTED, so nothing reached the engine.
+  std::vector<std::string> DispatchOrder(std::vector<PrefillJob> jobs) {
+    // Shared with the callbacks: a job still queued when a check below
+    // fails ends later, in the prefiller's Stop.
+    auto done = std::make_shared<std::vector<std::promise<Result<PrefillResult>>>>(jobs.size());
+    std::map<std::vector<uint32_t>, std::string> by_prompt;
+    std::vector<std::string> order;
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      by_prompt[jobs[i].prompt_ids] = jobs[i].request_id;
+      const Status st = prefiller_->Submit(std::move(jobs[i]), [done, i](Result<PrefillResult> r) {
+        (*done)[i].set_value(std::move(r));
+      });
+      EXPECT_TRUE(st.ok()) << st.ToString();
+      if (!st.ok()) return order;
+      if (i == 0 && !WaitFor([&] { return link_.NumPending() == 1; })) return order;
+    }
+    for (size_t i = 0; i < done->size(); ++i) {
+      if (!WaitFor([&] { return link_.NumPending() == 1; })) {
+        ADD_FAILURE() << "no Reserve for the job dispatched " << i << "th";
+        return order;
+      }
+      {
+        std::lock_guard lock(link_.mu_);
+        order.push_back(by_prompt[link_.last_prompt]);
+      }
+      link_.Answer(ResourceExhaustedError("no room"));
+    }
+    for (auto& d : *done) {
+      EXPECT_EQ(d.get_future().get().status().code(), StatusCode::kResourceExhausted);
+    }
+    return order;
+  }
   ReserveTarget Target(std::vector<uint32_t> slots, uint32_t cached, uint64_t reservation = 42) {
     ReserveTarget t;
     t.reservation_id = reservation;
@@ -439,33 +474,14 @@ TEST_F(PrefillerTest, ServiceQueueOrdersByPriorityThenFairShareThenArrival) {
   const std::vector<Spec> specs = {{"first", 10, "a", 1}, {"a-low", 10, "a", 2},
                                    {"b-low", 10, "b", 3}, {"a-high", 0, "a", 4},
                                    {"a-low2", 10, "a", 5}};
-  std::vector<std::promise<Result<PrefillResult>>> done(specs.size());
-  std::map<std::vector<uint32_t>, std::string> by_prompt;
-  for (size_t i = 0; i < specs.size(); ++i) {
-    PrefillJob j = Job(specs[i].id, Prompt(20, specs[i].salt));
-    j.priority = specs[i].priority;
-    j.tenant = specs[i].tenant;
-    by_prompt[j.prompt_ids] = specs[i].id;
-    ASSERT_TRUE(prefiller_->Submit(std::move(j), [&done, i](Result<PrefillResult> r) {
-      done[i].set_value(std::move(r));
-    }).ok());
-    if (i == 0) {
-      ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1; }));
-    }
+  std::vector<PrefillJob> jobs;
+  for (const Spec& sp : specs) {
+    jobs.push_back(Job(sp.id, Prompt(20, sp.salt)));
+    jobs.back().priority = sp.priority;
+    jobs.back().tenant = sp.tenant;
   }
-  std::vector<std::string> order;
-  for (size_t i = 0; i < specs.size(); ++i) {
-    ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1; })) << i;
-    {
-      std::lock_guard lock(link_.mu_);
-      order.push_back(by_prompt[link_.last_prompt]);
-    }
-    link_.Answer(ResourceExhaustedError("no room"));
-  }
-  EXPECT_EQ(order, (std::vector<std::string>{"first", "a-high", "b-low", "a-low", "a-low2"}));
-  for (auto& d : done) {
-    EXPECT_EQ(d.get_future().get().status().code(), StatusCode::kResourceExhausted);
-  }
+  EXPECT_EQ(DispatchOrder(std::move(jobs)),
+            (std::vector<std::string>{"first", "a-high", "b-low", "a-low", "a-low2"}));
   EXPECT_EQ(node_->engine->stats().free_blocks, 64u);
 }
 
@@ -487,33 +503,13 @@ TEST_F(PrefillerTest, ARetriedRequestKeepsItsPlaceInTheServiceQueue) {
                                    {"retried", std::chrono::seconds(5), 3},
                                    {"retried-later", std::chrono::seconds(2), 4},
                                    {"last", {}, 5}};
-  std::vector<std::promise<Result<PrefillResult>>> done(specs.size());
-  std::map<std::vector<uint32_t>, std::string> by_prompt;
-  for (size_t i = 0; i < specs.size(); ++i) {
-    PrefillJob j = Job(specs[i].id, Prompt(20, specs[i].salt));
-    j.waited = specs[i].waited;
-    by_prompt[j.prompt_ids] = specs[i].id;
-    ASSERT_TRUE(prefiller_->Submit(std::move(j), [&done, i](Result<PrefillResult> r) {
-      done[i].set_value(std::move(r));
-    }).ok());
-    if (i == 0) {
-      ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1; }));
-    }
+  std::vector<PrefillJob> jobs;
+  for (const Spec& sp : specs) {
+    jobs.push_back(Job(sp.id, Prompt(20, sp.salt)));
+    jobs.back().waited = sp.waited;
   }
-  std::vector<std::string> order;
-  for (size_t i = 0; i < specs.size(); ++i) {
-    ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1; })) << i;
-    {
-      std::lock_guard lock(link_.mu_);
-      order.push_back(by_prompt[link_.last_prompt]);
-    }
-    link_.Answer(ResourceExhaustedError("no room"));
-  }
-  EXPECT_EQ(order,
+  EXPECT_EQ(DispatchOrder(std::move(jobs)),
             (std::vector<std::string>{"first", "retried", "retried-later", "later", "last"}));
-  for (auto& d : done) {
-    EXPECT_EQ(d.get_future().get().status().code(), StatusCode::kResourceExhausted);
-  }
 }
 
 TEST(ArrivalKey, CountsTheWaitUpToTheBoundAndNeverReachesZero) {

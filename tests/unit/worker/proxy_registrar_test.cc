@@ -12,6 +12,8 @@
 #include <set>
 #include <thread>
 
+#include "common/net.h"
+
 namespace tandem::worker {
 namespace {
 
@@ -202,9 +204,40 @@ TEST(ProxyRegistrar, DnsWithNoProxyFailsAfterTheRetryWindow) {
 }
 
 TEST(ProxyRegistrar, RealResolverFindsLocalhost) {
-  auto ips = ResolveIpv4("localhost");
+  auto ips = ResolveProxyAddresses("localhost");
   ASSERT_TRUE(ips.ok()) << ips.status().message();
   EXPECT_NE(std::find(ips->begin(), ips->end(), "127.0.0.1"), ips->end());
+}
+
+// Session 16: a name with no A record is read for its AAAA records (an
+// IPv6-only cluster); before, --join-dns found no proxy there. A name with
+// both is read for its A records only.
+TEST(ProxyRegistrar, RealResolverFallsBackToIpv6) {
+  auto v6 = ResolveProxyAddresses("::1");
+  ASSERT_TRUE(v6.ok()) << v6.status().message();
+  EXPECT_EQ(*v6, std::vector<std::string>{"::1"});
+  auto v4 = ResolveProxyAddresses("127.0.0.1");
+  ASSERT_TRUE(v4.ok()) << v4.status().message();
+  EXPECT_EQ(*v4, std::vector<std::string>{"127.0.0.1"});
+}
+
+TEST(ProxyRegistrar, AnIpv6AnswerIsRegisteredWithInBrackets) {
+  FakeProxies f;
+  RegistrarOptions o;
+  o.join_dns = "tandem-proxy.ns.svc:7001";
+  auto r = ProxyRegistrar::Create(
+      o, [&](const std::string& a, std::chrono::milliseconds d) { return f.Register(a, d); },
+      [&](const std::string&) -> Result<std::vector<std::string>> {
+        return std::vector<std::string>{"fd00::5", "fd00::6"};
+      });
+  ASSERT_TRUE(r.ok());
+  ASSERT_TRUE((*r)->RegisterInitial(std::chrono::milliseconds(0)).ok());
+  EXPECT_EQ(f.Calls("[fd00::5]:7001"), 1);
+  EXPECT_EQ(f.Calls("[fd00::6]:7001"), 1);
+  const auto hp = ParseHostPort("[fd00::5]:7001");
+  ASSERT_TRUE(hp.ok());
+  EXPECT_EQ(hp->host, "fd00::5");
+  EXPECT_EQ(hp->port, 7001);
 }
 
 }  // namespace
