@@ -108,11 +108,11 @@ bool SimBackend::Supports(BackendFeature feature) const {
   return false;
 }
 
-uint64_t* SimBackend::Slot(std::span<const uint32_t> block_table, uint32_t pos) const {
+char* SimBackend::Slot(std::span<const uint32_t> block_table, uint32_t pos) const {
   const KvLayout& l = pool_->layout();
   float* block = pool_->block(block_table[pos / l.block_size]);
   // K plane of the only layer and head: [token][head_dim].
-  return reinterpret_cast<uint64_t*>(block + size_t{pos % l.block_size} * l.head_dim);
+  return reinterpret_cast<char*>(block + size_t{pos % l.block_size} * l.head_dim);
 }
 
 uint32_t SimBackend::TokenFor(uint64_t hash) const {
@@ -152,13 +152,13 @@ Status SimBackend::Forward(std::span<const SeqChunk> batch, std::span<float> log
       return InternalError(fmt::format("sim: block table covers {} blocks; positions up to {}",
                                        c.block_table.size(), end));
     }
-    uint64_t h = c.start_pos == 0 ? kSimHashSeed : *Slot(c.block_table, c.start_pos - 1);
+    uint64_t h = kSimHashSeed;
+    if (c.start_pos > 0) std::memcpy(&h, Slot(c.block_table, c.start_pos - 1), sizeof(h));
     for (size_t i = 0; i < c.tokens.size(); ++i) {
       const uint32_t pos = c.start_pos + static_cast<uint32_t>(i);
       h = SimHashStep(h, c.tokens[i], pos);
-      uint64_t* slot = Slot(c.block_table, pos);
-      slot[0] = h;
-      slot[1] = (uint64_t{pos} << 32) | c.tokens[i];
+      const uint64_t words[2] = {h, (uint64_t{pos} << 32) | c.tokens[i]};
+      std::memcpy(Slot(c.block_table, pos), words, sizeof(words));
     }
     // Only the last position's logits are ever sampled; earlier rows (if
     // asked for) repeat it.

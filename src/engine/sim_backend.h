@@ -80,7 +80,11 @@ class SimBackend final : public ComputeBackend {
   }
 
  private:
-  uint64_t* Slot(std::span<const uint32_t> block_table, uint32_t pos) const;
+  // Where position `pos` keeps its two words (its hash, then pos and token)
+  // in the K plane: head_dim f32 (at least 4). Only 4-byte aligned when
+  // head_dim is odd, so the words are copied in and out (memcpy), never
+  // dereferenced as uint64_t.
+  char* Slot(std::span<const uint32_t> block_table, uint32_t pos) const;
   uint32_t TokenFor(uint64_t hash) const;
 
   model::ModelConfig config_;
