@@ -32,11 +32,11 @@ Status StatusFor(const engine::RequestOutput& out) {
 }  // namespace
 
 uint64_t ArrivalKey(SteadyClock::time_point now, std::chrono::microseconds waited) {
+  using std::chrono::microseconds;
   using std::chrono::nanoseconds;
   const int64_t at = std::chrono::duration_cast<nanoseconds>(now.time_since_epoch()).count();
-  const int64_t back =
-      std::chrono::duration_cast<nanoseconds>(std::clamp(waited, std::chrono::microseconds(0), kMaxWaited))
-          .count();
+  const microseconds counted = std::clamp(waited, microseconds(0), kMaxWaited);
+  const int64_t back = std::chrono::duration_cast<nanoseconds>(counted).count();
   return at - back >= 1 ? static_cast<uint64_t>(at - back) : 1;
 }
 

@@ -236,7 +236,8 @@ void RequestLifecycle::OnRegistered(uint32_t attempt) {
   args.decoder_name = route_.decode_name;
   args.tenant_salt = req_.tenant_salt;
   args.attempt = attempt;
-  args.waited = std::chrono::duration_cast<std::chrono::microseconds>(SteadyClock::now() - arrival_);
+  args.waited =
+      std::chrono::duration_cast<std::chrono::microseconds>(SteadyClock::now() - arrival_);
   if (req_.trace.sampled) args.traceparent = tracing::FormatTraceparent(req_.trace);
   const std::string address = route_.prefill_address;
   lock.unlock();

@@ -46,7 +46,8 @@ constexpr int kFrameFirst = 0, kDeadlineFirst = 3, kEnded = 4, kNoFrame = 5;
 // number while it is blocked in one ("running" or absent otherwise).
 long BlockedSyscall(pid_t pid, const std::string& name) {
   std::error_code ec;
-  for (const auto& t : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec)) {
+  const std::string tasks = "/proc/" + std::to_string(pid) + "/task";
+  for (const auto& t : std::filesystem::directory_iterator(tasks, ec)) {
     std::ifstream comm(t.path() / "comm");
     std::string c;
     if (!(comm >> c) || c != name) continue;

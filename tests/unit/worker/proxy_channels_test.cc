@@ -96,8 +96,8 @@ TEST(ProxyChannels, TheProxysOwnNameIsNoTlsFailure) {
   EXPECT_FALSE(IsTlsFailure("cannot connect to tls-gw:51000: 10.0.0.7:51000 Connection refused",
                             "tls-gw:51000"));
   EXPECT_FALSE(IsTlsFailure("failed to connect to all addresses; last error: UNKNOWN: "
-                            "ipv4:10.0.0.9:443: Failed to connect to remote host: Connection refused"
-                            " (ssl-proxy.example:443)",
+                            "ipv4:10.0.0.9:443: Failed to connect to remote host: "
+                            "Connection refused (ssl-proxy.example:443)",
                             "ssl-proxy.example:443"));
   // Real handshake failures still are, whatever the proxy is called.
   EXPECT_TRUE(IsTlsFailure("tls-gw:51000: the TLS handshake failed: certificate verify failed",
