@@ -13,6 +13,7 @@
 #include "common/frame_loop.h"
 #include "common/frame_reader.h"
 #include "common/tracing.h"
+#include "kvtransfer/callback_slot.h"
 #include "prefiller/prefiller_service.h"
 #include "tandem/v1/worker.pb.h"
 
@@ -30,25 +31,7 @@ constexpr std::chrono::seconds kIdleLook{5};
 
 // Where a target that came after its call ended goes (the prefiller's
 // DecoderLink::LateTarget), shared by the link's connections.
-class LateTargets {
- public:
-  void Set(DecoderLink::LateTarget handler) {
-    std::lock_guard lock(mu_);
-    handler_ = std::move(handler);
-  }
-  void Deliver(const std::string& request_id, ReserveTarget target) {
-    DecoderLink::LateTarget handler;
-    {
-      std::lock_guard lock(mu_);
-      handler = handler_;
-    }
-    if (handler) handler(request_id, std::move(target));
-  }
-
- private:
-  std::mutex mu_;
-  DecoderLink::LateTarget handler_;  // guarded by mu_
-};
+using LateTargets = kvtransfer::CallbackSlot<DecoderLink::LateTarget>;
 
 // One framed connection to one decoder's reserve listener.
 class ReserveConn final : public std::enable_shared_from_this<ReserveConn> {
@@ -163,7 +146,9 @@ class ReserveConn final : public std::enable_shared_from_this<ReserveConn> {
   void Run() {
     for (auto& [done, result] : done_) done(std::move(result));
     done_.clear();
-    for (auto& [request_id, target] : late_done_) late_->Deliver(request_id, std::move(target));
+    for (auto& [request_id, target] : late_done_) {
+      late_->Call([] {}, request_id, std::move(target));
+    }
     late_done_.clear();
   }
 
