@@ -275,24 +275,38 @@ void Prefiller::DispatchLoop(std::stop_token stop) {
       continue;
     }
     wake_ = false;
-    if (!queue_.empty() && admitting_ == 0) {
-      // Admit only when the engine would schedule it right away.
+    // The next request in service order, if the ones reserving leave it room
+    // in the engine's next step; otherwise a reservation's answer wakes us.
+    auto pick = [&]() -> std::optional<std::deque<JobPtr>::iterator> {
+      if (queue_.empty()) return std::nullopt;
+      auto next = fair_.PickNext(queue_.begin(), queue_.end(), [](const JobPtr& j) {
+        return engine::QueueKey{j->spec.priority, &j->spec.tenant, j->arrival};
+      });
+      if (admitting_ != 0 && (admitting_ >= options_.max_num_seqs ||
+                              admitting_tokens_ + (*next)->spec.prompt_ids.size() >
+                                  options_.max_batched_tokens)) {
+        return std::nullopt;
+      }
+      return next;
+    };
+    if (pick()) {
+      // Admit only when the engine would schedule it right away: nothing
+      // waiting, and room for every request reserving besides this one.
       engine_moved_ = false;
       lock.unlock();
       const engine::EngineStats st = engine_.stats();
       lock.lock();
-      if (st.num_waiting == 0 && st.num_running < options_.max_num_seqs) {
-        if (queue_.empty() || admitting_ != 0) continue;
-        auto next = fair_.PickNext(queue_.begin(), queue_.end(), [](const JobPtr& j) {
-          return engine::QueueKey{j->spec.priority, &j->spec.tenant, j->arrival};
-        });
-        JobPtr job = *next;
-        queue_.erase(next);
+      if (st.num_waiting == 0 && st.num_running + admitting_ < options_.max_num_seqs) {
+        auto next = pick();  // the queue may have changed meanwhile
+        if (!next) continue;
+        JobPtr job = **next;
+        queue_.erase(*next);
         fair_.Picked(job->spec.tenant);
         fair_.Charge(job->spec.tenant, job->spec.prompt_ids.size());
         job->stage = Stage::kReserving;
         job->reserve_sent = SteadyClock::now();
         ++admitting_;
+        admitting_tokens_ += job->spec.prompt_ids.size();
         lock.unlock();
         link_.Reserve(job->spec, options_.name, lifeline_.Guard([this, job](Result<ReserveTarget> t) {
                         OnReserved(job, std::move(t));
@@ -328,9 +342,10 @@ void Prefiller::DispatchLoop(std::stop_token stop) {
 }
 
 void Prefiller::OnReserved(const JobPtr& job, Result<ReserveTarget> target) {
-  auto admitted = [this] {
+  auto admitted = [this, &job] {
     std::lock_guard lock(mu_);
     --admitting_;
+    admitting_tokens_ -= job->spec.prompt_ids.size();
     if (!queue_.empty()) WakeDispatcherLocked();
   };
   const std::string& id = job->spec.request_id;

@@ -183,6 +183,11 @@ struct PrefillerOptions {
   std::string name;            // this worker, for leases and logs
   uint32_t max_queue = 256;    // service queue; past it: RESOURCE_EXHAUSTED
   uint32_t max_num_seqs = 64;  // the engine's: admit only while it has room
+  // The engine's token budget per step (scheduler.max_batched_tokens): the
+  // requests reserving at once hold at most this many prompt tokens (one
+  // request always), so those a step can take together reach the engine
+  // together instead of one per step.
+  uint32_t max_batched_tokens = 512;
   // The fleet's transport.lease_seconds: a push that could land after the
   // decoder's lease expired (it may have reused the slots) is never posted.
   double lease_seconds = 30.0;
@@ -360,6 +365,7 @@ class Prefiller {
   engine::FairShare fair_;                 // guarded by mu_: charged prompt tokens at dispatch
   std::map<std::string, JobPtr> jobs_;     // guarded by mu_: every live job by id
   uint32_t admitting_ = 0;                 // guarded by mu_: reserving, not yet in the engine
+  uint64_t admitting_tokens_ = 0;          // guarded by mu_: their prompt tokens
   // The dispatcher's sleep (guarded by mu_): whether it sleeps, whether it
   // waits for the engine, until when at most, and whether something woke it.
   bool dispatcher_asleep_ = false;

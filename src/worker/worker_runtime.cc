@@ -478,6 +478,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     popt.name = name;
     popt.max_queue = w.fleet.scheduler.max_waiting;
     popt.max_num_seqs = w.fleet.scheduler.max_num_seqs;
+    popt.max_batched_tokens = w.fleet.scheduler.max_batched_tokens;
     popt.lease_seconds = w.fleet.transport.lease_seconds;
     popt.encrypt = w.fleet.transport.encrypt;
     popt.checksum = checksum;

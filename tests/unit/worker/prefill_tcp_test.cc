@@ -113,6 +113,9 @@ class PrefillTcpTest : public ::testing::Test {
     prefiller::PrefillerOptions po;
     po.name = "prefill-tcp-unit";
     po.engine_progress = progress_;
+    // One request reserving at a time: the tests hold a Reserve while later
+    // calls wait in the service queue behind it.
+    po.max_batched_tokens = 1;
     prefiller_ = std::make_unique<prefiller::Prefiller>(*node_->engine, *node_->transport, link_, po);
     prefiller_->Start();
     prefiller::PrefillTcpOptions so;

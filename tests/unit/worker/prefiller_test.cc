@@ -51,6 +51,10 @@ class FakeLink final : public prefiller::DecoderLink {
     std::lock_guard lock(mu_);
     return pending.size();
   }
+  int Reserves() {
+    std::lock_guard lock(mu_);
+    return reserves;
+  }
   void SetLateTargetHandler(LateTarget handler) override {
     std::lock_guard lock(mu_);
     late = std::move(handler);
@@ -92,12 +96,16 @@ class PrefillerTest : public ::testing::Test {
       notices_.push_back(n.payload);
     });
   }
+  // `max_batched_tokens`: the prompt tokens reserving at once (one request
+  // always); the default, one 20-token test prompt, dispatches one at a time.
   void MakePrefiller(uint32_t max_queue = 8,
-                     prefiller::PushMode mode = prefiller::PushMode::kStreaming) {
+                     prefiller::PushMode mode = prefiller::PushMode::kStreaming,
+                     uint32_t max_batched_tokens = 20) {
     PrefillerOptions o;
     o.name = "prefill-unit";
     o.max_queue = max_queue;
     o.push_mode = mode;
+    o.max_batched_tokens = max_batched_tokens;
     o.engine_progress = progress_;  // the dispatcher waits for the engine's events, no polling
     prefiller_ = std::make_unique<prefiller::Prefiller>(*node_->engine, *node_->transport, link_, o);
     prefiller_->Start();
@@ -282,6 +290,43 @@ TEST_F(PrefillerTest, OneReservationAtATimeAndAFullQueueRefusesAtOnce) {
   link_.Answer(ResourceExhaustedError("no room"));
   EXPECT_EQ(finished.load(), 3);
   EXPECT_EQ(link_.reserves, 2);
+}
+
+// Requests that fit the engine's next step together are reserved together
+// (docs/serving-workers.md): with a budget of 64 tokens, three 20-token
+// prompts reserve at once and the fourth waits for an answer; a prompt
+// larger than the budget is reserved alone. Before, the dispatcher reserved
+// one request at a time, so the engine took one new prefill per step.
+TEST_F(PrefillerTest, ReservesAStepsWorthOfRequestsAtOnce) {
+  MakePrefiller(/*max_queue=*/8, prefiller::PushMode::kStreaming, /*max_batched_tokens=*/64);
+  std::atomic<int> finished{0};
+  auto count = [&](Result<PrefillResult> r) {
+    EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+    ++finished;
+  };
+  for (uint32_t i = 0; i < 4; ++i) {
+    ASSERT_TRUE(prefiller_->Submit(Job("small-" + std::to_string(i), Prompt(20, i + 1)), count).ok());
+  }
+  ASSERT_TRUE(prefiller_->Submit(Job("big", Prompt(100, 9)), count).ok());
+  ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 3; }));
+  EXPECT_EQ(prefiller_->counts().queued, 2u);  // small-3 and big
+  link_.Answer(ResourceExhaustedError("no room"));
+  // small-3 fits beside the two still reserving; big does not.
+  ASSERT_TRUE(WaitFor([&] { return link_.Reserves() == 4; }));
+  EXPECT_EQ(link_.NumPending(), 3u);
+  EXPECT_EQ(link_.last_prompt, Prompt(20, 4));
+  EXPECT_EQ(prefiller_->counts().queued, 1u);
+  for (int answered = 1; answered < 4; ++answered) {
+    EXPECT_EQ(link_.Reserves(), 4) << "big was reserved beside " << 4 - answered << " others";
+    link_.Answer(ResourceExhaustedError("no room"));
+  }
+  // Alone now: larger than the budget, and reserved all the same.
+  ASSERT_TRUE(WaitFor([&] { return link_.Reserves() == 5 && link_.NumPending() == 1; }));
+  EXPECT_EQ(link_.last_prompt, Prompt(100, 9));
+  link_.Answer(ResourceExhaustedError("no room"));
+  EXPECT_EQ(finished.load(), 5);
+  EXPECT_EQ(link_.max_pending, 3u);
+  EXPECT_EQ(node_->engine->stats().prefix_query_tokens, 0u);  // nothing reached the engine
 }
 
 TEST_F(PrefillerTest, CancelWhileReservingTellsTheDecoderToFreeTheSlots) {
