@@ -18,6 +18,7 @@
 #include "common/rpc_server.h"
 #include "decoder/decoder_service.h"
 #include "prefiller/prefiller_service.h"
+#include "reserve_test_util.h"
 #include "worker_test_util.h"
 
 namespace tandem::worker_test {
@@ -111,22 +112,6 @@ class HoldCallsFactory final : public gx::ServerInterceptorFactoryInterface {
   CallGate& gate_;
 };
 
-// One call's outcome (its `done` must run exactly once).
-struct Outcome {
-  std::promise<Result<ReserveTarget>> p;
-  std::future<Result<ReserveTarget>> f = p.get_future();
-  std::atomic<int> runs{0};
-  prefiller::DecoderLink::ReserveDone Done() {
-    return [this](Result<ReserveTarget> r) {
-      if (runs.fetch_add(1) == 0) p.set_value(std::move(r));
-    };
-  }
-  Result<ReserveTarget> Get() {
-    EXPECT_EQ(f.wait_for(20s), std::future_status::ready);
-    return f.get();
-  }
-};
-
 class ReserveGrpcTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -177,13 +162,7 @@ class ReserveGrpcTest : public ::testing::Test {
   }
   std::shared_ptr<RecordingSink> Register(const std::string& id,
                                           const std::vector<uint32_t>& prompt) {
-    auto sink = std::make_shared<RecordingSink>();
-    decoder::DecodeSpec s;
-    s.request_id = id;
-    s.prompt_ids = prompt;
-    s.sampling = Greedy(4);
-    EXPECT_TRUE(decoder_->Register(s, sink).ok());
-    return sink;
+    return RegisterRequest(*decoder_, id, prompt);
   }
   PrefillJob Job(const std::string& id, std::vector<uint32_t> prompt) {
     PrefillJob j;
@@ -192,6 +171,23 @@ class ReserveGrpcTest : public ::testing::Test {
     j.decoder_address = address_;
     j.decoder_name = "decode-0";
     return j;
+  }
+  // Reserves `prompt` for `id` with a 300 ms deadline while the gate holds
+  // the call at `at`; returns the held call's server context once the
+  // client's call has ended DEADLINE_EXCEEDED (the event), null if none was
+  // held.
+  grpc::ServerContextBase* CallPastItsDeadline(const std::string& id,
+                                               const std::vector<uint32_t>& prompt,
+                                               CallGate::Point at) {
+    gate_.Hold(at);
+    PrefillJob job = Job(id, prompt);
+    job.deadline = std::chrono::system_clock::now() + 300ms;
+    Outcome o;
+    link_->Reserve(job, "prefill-0", o.Done());
+    grpc::ServerContextBase* call = gate_.WaitHeld();
+    auto r = o.Get();
+    EXPECT_EQ(r.status().code(), StatusCode::kDeadlineExceeded) << r.status().ToString();
+    return call;
   }
   Result<ReserveTarget> Call(const PrefillJob& job) {
     Outcome o;
@@ -232,17 +228,11 @@ class ReserveGrpcTest : public ::testing::Test {
 TEST_F(ReserveGrpcTest, AReplyAfterTheCallEndedReleasesItsReservationAtOnce) {
   const auto prompt = Prompt(40, 1);  // 3 blocks of 16 tokens
   auto sink = Register("a", prompt);
-  gate_.Hold(CallGate::Point::kReply);
-  PrefillJob job = Job("a", prompt);
-  job.deadline = std::chrono::system_clock::now() + 300ms;
-  Outcome o;
-  link_->Reserve(job, "prefill-0", o.Done());
-  grpc::ServerContextBase* call = gate_.WaitHeld();  // the decoder reserved; its reply waits
+  // The decoder reserved; its reply waits; the call ended here without it.
+  grpc::ServerContextBase* call = CallPastItsDeadline("a", prompt, CallGate::Point::kReply);
   ASSERT_NE(call, nullptr);
   EXPECT_EQ(Reservations(), 1u);
   EXPECT_EQ(FreeBlocks(), kBlocks - 3);
-  auto r = o.Get();  // the event: the call ended here without the reply
-  EXPECT_EQ(r.status().code(), StatusCode::kDeadlineExceeded) << r.status().ToString();
   ASSERT_TRUE(WaitFor([&] { return call->IsCancelled(); }));  // and the server knows
   gate_.ReleaseAll();  // the reply goes out now: gRPC drops it
   // Released at once, as by the prefiller's error notice: not at the lease,
@@ -265,14 +255,10 @@ TEST_F(ReserveGrpcTest, AReplyAfterTheCallEndedReleasesItsReservationAtOnce) {
 TEST_F(ReserveGrpcTest, AReserveHandledAfterTheDeadlineEndsWithoutItsTarget) {
   const auto prompt = Prompt(40, 4);
   auto sink = Register("a", prompt);
-  gate_.Hold(CallGate::Point::kRequest);
-  PrefillJob job = Job("a", prompt);
-  job.deadline = std::chrono::system_clock::now() + 300ms;
-  Outcome o;
-  link_->Reserve(job, "prefill-0", o.Done());
-  grpc::ServerContextBase* call = gate_.WaitHeld();  // not handled yet
+  // Not handled yet; the call ended here.
+  grpc::ServerContextBase* call = CallPastItsDeadline("a", prompt, CallGate::Point::kRequest);
   ASSERT_NE(call, nullptr);
-  EXPECT_EQ(o.Get().status().code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(Reservations(), 0u);
   // The server's own view of the deadline has passed too (checked, not slept).
   ASSERT_TRUE(WaitFor([&] { return std::chrono::system_clock::now() >= call->deadline(); }));
   gate_.ReleaseAll();  // the handler runs now
@@ -304,14 +290,8 @@ TEST_F(ReserveGrpcTest, AReplyTheClientReceivedKeepsItsReservation) {
 TEST_F(ReserveGrpcTest, AnUnreceivedReplyLeavesTheRequestsNewerReservationAlone) {
   const auto prompt = Prompt(40, 3);
   auto sink = Register("a", prompt);
-  gate_.Hold(CallGate::Point::kReply);
-  PrefillJob job = Job("a", prompt);
-  job.deadline = std::chrono::system_clock::now() + 300ms;
-  Outcome first;
-  link_->Reserve(job, "prefill-0", first.Done());
-  grpc::ServerContextBase* call = gate_.WaitHeld();
+  grpc::ServerContextBase* call = CallPastItsDeadline("a", prompt, CallGate::Point::kReply);
   ASSERT_NE(call, nullptr);
-  EXPECT_EQ(first.Get().status().code(), StatusCode::kDeadlineExceeded);
   ASSERT_TRUE(WaitFor([&] { return call->IsCancelled(); }));
   gate_.Hold(CallGate::Point::kNone);
   auto second = Call(Job("a", prompt));
