@@ -32,6 +32,8 @@ mkdir -p "$reports"
 san="log_path=$reports/san:log_exe_name=1"
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:$san"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:$san"
+# Third-party leaks only, each explained in the file.
+export LSAN_OPTIONS="suppressions=$PWD/tools/sanitizers/lsan.supp:print_suppressions=0"
 # UCX (linked for the KV transports) must not install its own crash handler.
 export UCX_HANDLE_ERRORS=none
 rc=0
