@@ -121,6 +121,63 @@ class DecodeReactor final : public grpc::ServerWriteReactor<pb::DecodeResponse> 
   bool registered_ = false;
 };
 
+// Decoder.Reserve's reply. gRPC drops a reply that reaches the client after
+// its deadline, and one lost with a broken connection never arrives; the
+// decoder reserved all the same, and a live prefiller that never heard of
+// the target would leave it quarantined for good once the lease ran out
+// (docs/failure-handling.md "Quarantine"). Two checks release such a
+// reservation at once, as the prefiller's error notice would:
+// - Reply: the call's deadline as this server sees it (the client's
+//   timeout counted from the request's arrival here: never before the
+//   client's own deadline) passed while reserving. The client has given
+//   up (or its timer is late and would still take the target): the call
+//   ends DEADLINE_EXCEEDED without the target, which is released.
+// - OnDone: IsCancelled, gRPC's final word once the call is over, says the
+//   call failed before the server's status reached the client (client
+//   cancel, deadline, connection reset): the client never took the target.
+// A reply that left before the server learnt of the cancel, then reached
+// the client too late or not at all (IsCancelled false), is still the
+// lease's and the quarantine's.
+class ReserveReactor final : public grpc::ServerUnaryReactor {
+ public:
+  // `ctx`, `req` and `resp` are gRPC's, valid until OnDone returns.
+  ReserveReactor(Decoder& decoder, grpc::CallbackServerContext* ctx,
+                 const pb::ReserveRequest* req, pb::ReserveResponse* resp)
+      : decoder_(decoder), ctx_(ctx), req_(req), resp_(resp) {}
+
+  // Finishes the call with `resp` as ServeReserve filled it.
+  void Reply() {
+    if (resp_->has_target() && std::chrono::system_clock::now() >= ctx_->deadline()) {
+      Release("the call's deadline passed before the decoder replied");
+      resp_->Clear();
+      Finish(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                          "the deadline passed before the decoder replied; nothing is reserved"));
+      return;
+    }
+    Finish(grpc::Status::OK);
+  }
+
+  void OnDone() override {
+    if (ctx_->IsCancelled() && resp_->has_target()) {
+      Release("the gRPC call ended first (deadline, cancel or broken connection)");
+    }
+    delete this;
+  }
+
+ private:
+  void Release(std::string_view why) {
+    ReleaseUnreceivedTarget(
+        decoder_, resp_->target(),
+        UnavailableError(fmt::format("prefiller '{}' never received the reserve reply: {}",
+                                     req_->prefiller(), why)));
+  }
+
+  Decoder& decoder_;
+  grpc::CallbackServerContext* const ctx_;
+  const pb::ReserveRequest* const req_;
+  pb::ReserveResponse* const resp_;
+};
+
 class DecoderServiceImpl final : public pb::Decoder::CallbackService {
  public:
   DecoderServiceImpl(Decoder& decoder, kvtransfer::Transport& transport)
@@ -144,8 +201,8 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
                                     const pb::ReserveRequest* req,
                                     pb::ReserveResponse* resp) override {
     ServeReserve(decoder_, *req, TraceOf(ctx), resp);
-    auto* reactor = ctx->DefaultReactor();
-    reactor->Finish(grpc::Status::OK);
+    auto* reactor = new ReserveReactor(decoder_, ctx, req, resp);
+    reactor->Reply();
     return reactor;
   }
 
@@ -215,6 +272,16 @@ void ServeReserve(Decoder& decoder, const v1::ReserveRequest& req, tracing::Span
     }
     b.End();
   }
+}
+
+void ReleaseUnreceivedTarget(Decoder& decoder, const v1::KvTarget& target, const Status& why) {
+  KvNoticeInfo n;
+  n.request_id = target.request_id();
+  n.reservation_id = target.reservation_id();
+  n.generation = target.generation();
+  n.capability = target.capability();
+  n.error = why;
+  decoder.OnKvNotice(n);
 }
 
 std::unique_ptr<grpc::Service> MakeDecoderService(Decoder& decoder,

@@ -5,7 +5,10 @@
 //           with the same code as the stream's status.
 //   Reserve (unary): KvTarget, or ReserveResponse.error (RESOURCE_EXHAUSTED
 //           when there is no room; NOT_FOUND when the request is not
-//           registered); the RPC status itself is OK then.
+//           registered); the RPC status itself is OK then. DEADLINE_EXCEEDED
+//           when the call's deadline passed while reserving (nothing stays
+//           reserved); a target whose reply the client never received is
+//           released (ReleaseUnreceivedTarget).
 // KV notices arrive through the transport's notification callback, which
 // this adapter installs (KvNotice is serialized worker.proto).
 //
@@ -22,6 +25,7 @@
 #include "decoder/decoder.h"
 
 namespace tandem::v1 {
+class KvTarget;
 class ReserveRequest;
 class ReserveResponse;
 }  // namespace tandem::v1
@@ -34,6 +38,15 @@ namespace tandem::decoder {
 // sampled.
 void ServeReserve(Decoder& decoder, const v1::ReserveRequest& req, tracing::SpanContext trace,
                   v1::ReserveResponse* resp);
+
+// A Reserve reply carrying `target` that its prefiller never received (the
+// framed reply could not be sent; the gRPC call ended cancelled: deadline,
+// cancel or broken connection before the status went out): no prefiller
+// will write into that reservation, so it is released at once, as by the
+// prefiller's error notice `why` (docs/failure-handling.md "Quarantine").
+// Only that reservation: one already ended, or replaced by a newer Reserve
+// for the request, is left as it is (Decoder::OnKvNotice's checks).
+void ReleaseUnreceivedTarget(Decoder& decoder, const v1::KvTarget& target, const Status& why);
 
 // The tandem.v1.Decoder callback service around `decoder`; also routes
 // `transport`'s notifications to it. Both are borrowed and must outlive the

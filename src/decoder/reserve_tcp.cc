@@ -33,7 +33,13 @@ class ReserveTcpSession final : public FrameSession {
     ServeReserve(decoder_, in_.request(), trace, out_.mutable_response());
     if (Status st = conn_->Send(out_); !st.ok()) {
       conn_->Close(st);
-      if (out_.response().has_target()) Release(out_.response().target(), st);
+      // The reply did not leave this process.
+      if (out_.response().has_target()) {
+        ReleaseUnreceivedTarget(
+            decoder_, out_.response().target(),
+            UnavailableError(fmt::format("the reserve reply to {} was not sent: {}", conn_->peer(),
+                                         st.message())));
+      }
     }
     return Status::Ok();
   }
@@ -41,19 +47,6 @@ class ReserveTcpSession final : public FrameSession {
   void OnClosed(const Status&) override {}
 
  private:
-  // The reply did not leave this process: the prefiller can never write
-  // into the reservation, which is released as by its error notice.
-  void Release(const pb::KvTarget& t, const Status& why) {
-    KvNoticeInfo n;
-    n.request_id = t.request_id();
-    n.reservation_id = t.reservation_id();
-    n.generation = t.generation();
-    n.capability = t.capability();
-    n.error = UnavailableError(fmt::format("the reserve reply to {} was not sent: {}", conn_->peer(),
-                                           why.message()));
-    decoder_.OnKvNotice(n);
-  }
-
   Decoder& decoder_;
   const std::shared_ptr<FrameConn> conn_;
   pb::ReserveFrame in_;   // reused: the I/O thread only

@@ -16,6 +16,7 @@
 #include "decoder/reserve_tcp.h"
 #include "prefiller/prefiller_service.h"
 #include "prefiller/reserve_tcp_link.h"
+#include "reserve_test_util.h"
 #include "tandem/v1/worker.pb.h"
 #include "worker_test_util.h"
 
@@ -47,22 +48,6 @@ class FallbackLink final : public prefiller::DecoderLink {
  private:
   std::mutex mu_;
   std::vector<std::string> ids_;
-};
-
-// One call's outcome (its `done` must run exactly once).
-struct Outcome {
-  std::promise<Result<ReserveTarget>> p;
-  std::future<Result<ReserveTarget>> f = p.get_future();
-  std::atomic<int> runs{0};
-  prefiller::DecoderLink::ReserveDone Done() {
-    return [this](Result<ReserveTarget> r) {
-      if (runs.fetch_add(1) == 0) p.set_value(std::move(r));
-    };
-  }
-  Result<ReserveTarget> Get() {
-    EXPECT_EQ(f.wait_for(20s), std::future_status::ready);
-    return f.get();
-  }
 };
 
 // A listener whose sessions read every frame and answer none.
@@ -147,14 +132,9 @@ class ReserveTcpTest : public ::testing::Test {
     ASSERT_TRUE(server.ok()) << server.status().ToString();
     server_ = std::move(server).value();
   }
-  std::shared_ptr<RecordingSink> Register(const std::string& id, const std::vector<uint32_t>& prompt) {
-    auto sink = std::make_shared<RecordingSink>();
-    decoder::DecodeSpec s;
-    s.request_id = id;
-    s.prompt_ids = prompt;
-    s.sampling = Greedy(4);
-    EXPECT_TRUE(decoder_->Register(s, sink).ok());
-    return sink;
+  std::shared_ptr<RecordingSink> Register(const std::string& id,
+                                          const std::vector<uint32_t>& prompt) {
+    return RegisterRequest(*decoder_, id, prompt);
   }
   PrefillJob Job(const std::string& id, std::vector<uint32_t> prompt, const std::string& address) {
     PrefillJob j;
