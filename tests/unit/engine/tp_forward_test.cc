@@ -146,17 +146,35 @@ std::vector<std::vector<float>> Run(const LoadedModel& m, ParallelLayout layout,
       }
       std::vector<std::thread> threads;
       std::vector<Status> st(layout.tp);
+      // Each tensor rank writes its stage's output into its own buffer (as
+      // each rank's StageRunner does): tensor rank 0's feeds the next stage,
+      // the others' must equal it. One buffer shared by the ranks' threads
+      // was a data race (ThreadSanitizer: memcpy at llama_forward_stage.cc
+      // from every rank's thread).
+      std::vector<std::vector<float>> outs(layout.tp);
       for (uint32_t t = 0; t < layout.tp; ++t) {
         threads.emplace_back([&, t] {
           Rank& rk = ranks[layout.rank_of(stage, t)];
           StageIo mine = io;
-          if (t != 0) mine.logits = {};  // only tensor rank 0 needs them
+          if (t != 0) {
+            mine.logits = {};  // only tensor rank 0 needs them
+            if (!io.hidden_out.empty()) {
+              outs[t].resize(io.hidden_out.size());
+              mine.hidden_out = outs[t];
+            }
+          }
           st[t] = rk.forward->ForwardStage(batch, *rk.kv, mine, rk.comm.get(), nullptr);
         });
       }
       for (auto& th : threads) th.join();
       for (uint32_t t = 0; t < layout.tp; ++t) {
         EXPECT_TRUE(st[t].ok()) << "tensor rank " << t << ": " << st[t].ToString();
+        if (t != 0 && !io.hidden_out.empty()) {
+          EXPECT_EQ(std::memcmp(outs[t].data(), io.hidden_out.data(),
+                                io.hidden_out.size() * sizeof(float)),
+                    0)
+              << "stage " << stage << ": tensor rank " << t << "'s output differs from rank 0's";
+        }
       }
     }
     if (::testing::Test::HasFailure()) return out;

@@ -59,12 +59,12 @@ struct Seen {
   }
 
  private:
+  // Notifies under the lock: the waiter may destroy this (a stack object)
+  // as soon as it sees the end, which it cannot before the notify is done.
   template <class F>
   void Set(F f) {
-    {
-      std::lock_guard lock(mu);
-      f();
-    }
+    std::lock_guard lock(mu);
+    f();
     cv.notify_all();
   }
 };
