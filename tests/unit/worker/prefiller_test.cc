@@ -305,7 +305,8 @@ TEST_F(PrefillerTest, ReservesAStepsWorthOfRequestsAtOnce) {
     ++finished;
   };
   for (uint32_t i = 0; i < 4; ++i) {
-    ASSERT_TRUE(prefiller_->Submit(Job("small-" + std::to_string(i), Prompt(20, i + 1)), count).ok());
+    const std::string id = "small-" + std::to_string(i);
+    ASSERT_TRUE(prefiller_->Submit(Job(id, Prompt(20, i + 1)), count).ok());
   }
   ASSERT_TRUE(prefiller_->Submit(Job("big", Prompt(100, 9)), count).ok());
   ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 3; }));
