@@ -17,6 +17,7 @@
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -90,9 +91,16 @@ TEST_P(FrameReaderStopTest, AFrameThatCameWhileStoppedIsReadBeforeTheDeadlineWor
   const bool on_loop = GetParam();
   LocalPort listener(true);
   const auto deadline = SteadyClock::now() + std::chrono::seconds(2);
+  const pid_t parent = getpid();
   const pid_t child = fork();
   ASSERT_GE(child, 0);
-  if (child == 0) Client(listener.port(), on_loop, deadline);
+  if (child == 0) {
+    // A test process that dies (crash, or killed by ctest) takes the
+    // client with it, even while the client is stopped.
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(1);
+    Client(listener.port(), on_loop, deadline);
+  }
   struct Reap {
     pid_t pid;
     ~Reap() {
