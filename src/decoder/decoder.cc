@@ -153,6 +153,7 @@ void Decoder::Stop() {
   std::vector<std::shared_ptr<Emitter>> open;
   std::vector<std::string> running;
   std::vector<uint64_t> release;
+  std::vector<std::unique_ptr<Waiter>> waiters;
   {
     std::lock_guard lock(mu_);
     for (const auto& [id, e] : requests_) {
@@ -160,9 +161,14 @@ void Decoder::Stop() {
       if (e.stage == Stage::kRunning) running.push_back(id);
     }
     requests_.clear();
+    seats_taken_ = 0;
     for (const auto& [id, held] : reservations_) release.push_back(id);
     reservations_.clear();
+    for (auto& w : waiting_) waiters.push_back(std::move(w));
+    waiting_.clear();
   }
+  // Nothing parks after the Lifeline ended (ReserveOrWait runs through it).
+  Answer(waiters, UnavailableError("this decoder is shutting down"));
   if (!open.empty() || !release.empty()) {
     spdlog::warn("decoder stopping: {} open requests ended ({} decoding), {} reservations released",
                  open.size(), running.size(), release.size());
@@ -188,6 +194,8 @@ DecoderCounts Decoder::counts() const {
   c.stream_items = stream_tally_->items();
   c.registered = static_cast<uint32_t>(requests_.size());
   c.reservations = static_cast<uint32_t>(reservations_.size());
+  c.seats_taken = seats_taken_;
+  c.reserves_waiting = static_cast<uint32_t>(waiting_.size());
   for (const auto& [id, h] : reservations_) {
     if (!h.quarantined) continue;
     ++c.quarantined_reservations;
@@ -249,16 +257,18 @@ Status Decoder::Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
         }
       }
       superseded = old->second.emitter;
-      requests_.erase(old);
+      EraseLocked(old);
     }
     Entry e;
     e.emitter = std::make_shared<Emitter>(std::move(sink));
     if (local) req = MakeEngineRequest(spec, e.emitter);
     e.spec = std::move(spec);
-    e.stage = local ? Stage::kRunning : Stage::kRegistered;
     e.submitted = SteadyClock::now();
     if (!local && e.spec.deadline) WakeLeaseLoopLocked(*ToSteady(e.spec.deadline));
-    requests_.emplace(id, std::move(e));
+    // A local prefill decodes here at once: it takes a seat without
+    // waiting for one (the engine queues it like any request).
+    if (local) SetStageLocked(requests_.emplace(id, std::move(e)).first->second, Stage::kRunning);
+    else requests_.emplace(id, std::move(e));
   }
   if (superseded) {
     superseded->Error(AbortedError(fmt::format("request '{}': superseded by a new Decode stream", id)));
@@ -269,7 +279,7 @@ Status Decoder::Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
   Status s = engine_.Submit(std::move(req));
   if (!s.ok()) {
     std::lock_guard lock(mu_);
-    requests_.erase(id);
+    if (auto it = requests_.find(id); it != requests_.end()) EraseLocked(it);
   }
   return s;
 }
@@ -280,6 +290,30 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
                                       parallel::ParallelLayout prefill_layout) {
   const auto pass = lifeline_.Enter();
   if (!pass) return UnavailableError("this decoder is shutting down");
+  return *ReserveIn({request_id, prefiller, prompt_ids, prefiller_descriptor, prefill_layout},
+                    /*park=*/nullptr, /*seated=*/false);
+}
+
+std::optional<Result<KvTargetInfo>> Decoder::ReserveIn(const ReserveArgs& a, const Park* park,
+                                                       bool seated) {
+  const std::string& request_id = a.request_id;
+  const std::string& prefiller = a.prefiller;
+  const std::span<const uint32_t> prompt_ids = a.prompt_ids;
+  const parallel::ParallelLayout prefill_layout = a.prefill_layout;
+  // A seat claimed for this call (seats_claimed_) until it is taken by the
+  // reservation or given back on the way out.
+  bool claimed = seated;
+  auto give_back = [&] {  // mu_ held
+    if (!claimed) return;
+    --seats_claimed_;
+    claimed = false;
+    SeatFreedLocked();
+  };
+  auto unclaim = [&] {
+    if (!claimed) return;
+    std::lock_guard lock(mu_);
+    give_back();
+  };
   if (prefill_layout.world() > 1 || options_.layout.world() > 1) {
     // docs/parallelism.md: no rank holds a whole block, so a sliced push is
     // neither sealed nor checksummed.
@@ -287,12 +321,14 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
                       : options_.verify_checksums ? "transport.checksum"
                                                   : nullptr;
     if (key != nullptr) {
+      unclaim();
       return FailedPreconditionError(fmt::format(
           "request '{}': {} is not supported between tensor/pipeline-parallel workers (prefill "
           "{}, decode {})",
           request_id, key, parallel::ToString(prefill_layout), parallel::ToString(options_.layout)));
     }
     if (options_.layout.world() > 1 && options_.rank_descriptors.size() != options_.layout.world()) {
+      unclaim();
       return FailedPreconditionError(fmt::format(
           "request '{}': this decoder ({}) knows {} of its ranks' KV transports", request_id,
           parallel::ToString(options_.layout), options_.rank_descriptors.size()));
@@ -300,8 +336,8 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
   }
   std::string writer_agent;
   uint64_t writer_generation = 0;
-  if (!prefiller_descriptor.empty()) {
-    WatchPrefiller(prefiller_descriptor, &writer_agent, &writer_generation);
+  if (!a.prefiller_descriptor.empty()) {
+    WatchPrefiller(a.prefiller_descriptor, &writer_agent, &writer_generation);
   }
   std::string tag;
   std::string cache_salt;
@@ -309,33 +345,74 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
     std::lock_guard lock(mu_);
     auto it = requests_.find(request_id);
     if (it == requests_.end()) {
+      give_back();
       return NotFoundError(fmt::format(
           "request '{}' is not registered on this decoder (never opened, cancelled or finished)",
           request_id));
     }
     if (it->second.stage == Stage::kRunning) {
+      give_back();
       return FailedPreconditionError(
           fmt::format("request '{}' already has its KV and is decoding", request_id));
     }
     const auto& prompt = it->second.spec.prompt_ids;
     if (!std::equal(prompt.begin(), prompt.end(), prompt_ids.begin(), prompt_ids.end())) {
+      give_back();
       return InvalidArgumentError(fmt::format(
           "request '{}': the prompt to reserve ({} tokens) differs from the registered one ({})",
           request_id, prompt_ids.size(), prompt.size()));
+    }
+    if (Seated(it->second.stage)) {
+      give_back();  // a second prefiller takes over: the request keeps its seat
+    } else if (!claimed && options_.max_seats > 0) {
+      // Arrival order: a call waits while earlier ones do, even if a seat
+      // just came free (the lease thread seats them first).
+      if (seats_taken_ + seats_claimed_ >= options_.max_seats || !waiting_.empty()) {
+        if (park == nullptr) {
+          ++counts_.reservations_refused;
+          return ResourceExhaustedError(fmt::format(
+              "request '{}': every decode seat is taken ({} requests reserved or decoding, "
+              "scheduler.max_num_seqs {})",
+              request_id, seats_taken_ + seats_claimed_, options_.max_seats));
+        }
+        auto w = std::make_unique<Waiter>();
+        w->ticket = next_ticket_++;
+        w->request_id = request_id;
+        w->prefiller = prefiller;
+        w->prompt_ids.assign(prompt_ids.begin(), prompt_ids.end());
+        w->prefiller_descriptor = a.prefiller_descriptor;
+        w->prefill_layout = prefill_layout;
+        w->wait_until = park->wait_until;
+        w->done = std::move(*park->done);
+        *park->ticket = w->ticket;
+        ++counts_.reserve_waits;
+        WakeLeaseLoopLocked(w->wait_until);
+        waiting_.push_back(std::move(w));
+        return std::nullopt;
+      }
+      ++seats_claimed_;
+      claimed = true;
     }
     tag = fmt::format("{}@r{}", request_id, next_tag_++);
     cache_salt = it->second.spec.cache_salt;  // the registered request's, not the prefiller's word
   }
   auto capability = kvtransfer::NewCapability();
-  if (!capability.ok()) return capability.status().WithContext("reserving KV blocks");
+  if (!capability.ok()) {
+    unclaim();
+    return capability.status().WithContext("reserving KV blocks");
+  }
   std::string kv_key;
   if (options_.encrypt) {
     auto key = kvtransfer::NewKvKey();
-    if (!key.ok()) return key.status().WithContext("reserving KV blocks");
+    if (!key.ok()) {
+      unclaim();
+      return key.status().WithContext("reserving KV blocks");
+    }
     kv_key = std::move(*key);
   }
   auto res = engine_.Reserve(tag, prompt_ids, cache_salt);
   if (!res.ok()) {
+    unclaim();
     std::lock_guard lock(mu_);
     ++counts_.reservations_refused;
     return res.status();
@@ -354,7 +431,7 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
           h->second.orphaned = true;
         }
       }
-      e.stage = Stage::kReserved;
+      SetStageLocked(e, Stage::kReserved);
       e.reservation_id = res->reservation_id;
       Held held{request_id, prefiller, SteadyClock::now() + lease, false, *capability};
       held.kv_key = kv_key;  // encrypt; else empty
@@ -367,6 +444,7 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
     } else {
       it = requests_.end();
     }
+    give_back();  // the reservation took the seat, or the request was cancelled meanwhile
     if (it == requests_.end()) {
       // Cancelled while reserving; no prefiller knows these slots yet.
       engine_.ReleaseReservation(res->reservation_id).IgnoreError();
@@ -441,11 +519,11 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
     } else if (!n.error.ok()) {
       // The prefiller gave up; the proxy may retry with another one.
       release = true;
-      it->second.stage = Stage::kRegistered;
+      SetStageLocked(it->second, Stage::kRegistered);
       it->second.reservation_id = 0;
       LogRequest(spdlog::level::info, n.request_id, "prefiller gave up: {}", n.error.message());
     } else {
-      it->second.stage = Stage::kRunning;
+      SetStageLocked(it->second, Stage::kRunning);
       it->second.first_token_seen = true;
       it->second.prefill_cached_prompt_tokens = n.prefill_cached_prompt_tokens;
       emitter = it->second.emitter;
@@ -485,7 +563,7 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
   {
     std::lock_guard lock(mu_);
     auto it = requests_.find(n.request_id);
-    if (it != requests_.end() && it->second.emitter == emitter) requests_.erase(it);
+    if (it != requests_.end() && it->second.emitter == emitter) EraseLocked(it);
   }
   Fail(emitter, s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDataLoss
                     ? s
@@ -561,7 +639,7 @@ void Decoder::OnOutput(const std::string& request_id, Emitter& emitter,
         local_prefill_s =
             std::chrono::duration<double>(SteadyClock::now() - it->second.submitted).count();
       }
-      if (out.finished) requests_.erase(it);
+      if (out.finished) EraseLocked(it);
     }
   }
   if (local_prefill_s >= 0 && options_.on_local_prefill_seconds) {
@@ -587,6 +665,7 @@ void Decoder::OnOutput(const std::string& request_id, Emitter& emitter,
 
 void Decoder::Cancel(const std::string& request_id, const DecodeSink* sink) {
   bool abort = false;
+  std::vector<std::unique_ptr<Waiter>> unseated;
   {
     std::lock_guard lock(mu_);
     auto it = requests_.find(request_id);
@@ -600,8 +679,18 @@ void Decoder::Cancel(const std::string& request_id, const DecodeSink* sink) {
     }
     abort = it->second.stage == Stage::kRunning;
     it->second.emitter->Drop();
-    requests_.erase(it);
+    EraseLocked(it);
+    // Its Reserve calls waiting for a seat have nothing to reserve for.
+    for (auto w = waiting_.begin(); w != waiting_.end();) {
+      if ((*w)->request_id != request_id) {
+        ++w;
+        continue;
+      }
+      unseated.push_back(std::move(*w));
+      w = waiting_.erase(w);
+    }
   }
+  Answer(unseated, CancelledError(fmt::format("request '{}' was cancelled", request_id)));
   if (abort) engine_.Abort(request_id).IgnoreError();  // NOT_FOUND if it just finished
 }
 
@@ -635,6 +724,8 @@ void Decoder::LeaseLoop(std::stop_token stop) {
           next = std::min(next, now + (*e.spec.deadline - wall));
         }
       }
+      for (const auto& w : waiting_) next = std::min(next, w->wait_until);
+      if (serve_kick_) next = now;  // a seat came free for a waiting call
       if (next > now) {
         // A wall-clock deadline is re-read at least every second.
         if (next != SteadyClock::time_point::max()) {
@@ -642,7 +733,7 @@ void Decoder::LeaseLoop(std::stop_token stop) {
         }
         lease_wake_at_ = next;
         lease_kick_ = false;
-        lease_cv_.wait_until(lock, stop, next, [this] { return lease_kick_; });
+        lease_cv_.wait_until(lock, stop, next, [this] { return lease_kick_ || serve_kick_; });
         lease_wake_at_ = SteadyClock::time_point::min();  // awake: no kick needed
         if (stop.stop_requested()) break;
       }
@@ -681,7 +772,7 @@ void Decoder::LeaseLoop(std::stop_token stop) {
                             UnavailableError(fmt::format(
                                 "the KV for request '{}' did not arrive within the {} s lease",
                                 h->second.request_id, options_.lease_seconds)));
-          requests_.erase(it);
+          EraseLocked(it);
         }
         if (dead) {
           if (!unwatched) ++counts_.quarantine_released_dead;
@@ -708,11 +799,13 @@ void Decoder::LeaseLoop(std::stop_token stop) {
         fail.emplace_back(e.emitter, DeadlineExceededError(fmt::format(
                                       "request '{}': deadline passed before its KV arrived",
                                       e.spec.request_id)));
-        it = requests_.erase(it);
+        it = EraseLocked(it);
       }
     }
     for (uint64_t id : release) engine_.ReleaseReservation(id).IgnoreError();
     for (auto& [emitter, status] : fail) Fail(emitter, status);
+    ServeWaiting();
+    ExpireWaiting(SteadyClock::now());
   }
 }
 

@@ -48,6 +48,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -155,6 +157,13 @@ struct DecoderOptions {
   // KvTarget; a prefiller pushes each rank its slices.
   parallel::ParallelLayout layout;
   std::vector<std::string> rank_descriptors;
+  // Decode seats (docs/serving-workers.md "Decode seats"): at most this
+  // many requests reserved or decoding at once (the engine's running
+  // batch, scheduler.max_num_seqs), so that a request waits for its seat
+  // before its prefill (in TTFT) rather than between its first and second
+  // token. Past it ReserveOrWait waits for a seat and Reserve is refused
+  // (RESOURCE_EXHAUSTED). 0: no limit.
+  uint32_t max_seats = 0;
 };
 
 struct DecoderCounts {
@@ -178,6 +187,13 @@ struct DecoderCounts {
   // batch) and the per-request items they carried, totals.
   uint64_t stream_messages = 0;
   uint64_t stream_items = 0;
+  // Decode seats (DecoderOptions::max_seats): requests reserved or decoding
+  // now, Reserve calls waiting for a seat now, calls that waited (total)
+  // and those whose wait ran out (total; answered RESOURCE_EXHAUSTED).
+  uint32_t seats_taken = 0;
+  uint32_t reserves_waiting = 0;
+  uint64_t reserve_waits = 0;
+  uint64_t reserve_waits_expired = 0;
 };
 
 // Decoder.DecodeStream's totals (issue 23): messages sent (one per delivery
@@ -238,6 +254,24 @@ class Decoder {
                                std::span<const uint32_t> prompt_ids,
                                std::string_view prefiller_descriptor = {},
                                parallel::ParallelLayout prefill_layout = {});
+
+  // Reserve's answer when it came after the call (ReserveOrWait).
+  using ReserveDone = std::function<void(const Result<KvTargetInfo>& target)>;
+  // Reserve, except that when every decode seat is taken (max_seats) the
+  // call waits for one, in arrival order, until `wait_until`, and is then
+  // answered RESOURCE_EXHAUSTED. `done` runs exactly once: inline (then 0
+  // is returned), or later on the decoder's lease thread (a ticket for
+  // AbandonReserve is returned), never under the decoder's lock; it must
+  // not block. A waiting call is answered CANCELLED when its request is
+  // cancelled and UNAVAILABLE by Stop.
+  uint64_t ReserveOrWait(const std::string& request_id, const std::string& prefiller,
+                         std::span<const uint32_t> prompt_ids,
+                         std::string_view prefiller_descriptor,
+                         parallel::ParallelLayout prefill_layout,
+                         std::chrono::steady_clock::time_point wait_until, ReserveDone done);
+  // The caller of a waiting ReserveOrWait went away: it is answered
+  // CANCELLED now (nothing was reserved). No-op once answered.
+  void AbandonReserve(uint64_t ticket);
 
   // A KV notice from a prefiller (after its data). One for an unknown or
   // stale reservation is counted in stale_notices; one whose capability is
@@ -301,6 +335,54 @@ class Decoder {
     std::string writer_agent;  // from the prefiller's descriptor ("" when unknown)
     uint64_t writer_generation = 0;
   };
+  // One Reserve call's arguments (borrowed).
+  struct ReserveArgs {
+    const std::string& request_id;
+    const std::string& prefiller;
+    std::span<const uint32_t> prompt_ids;
+    std::string_view prefiller_descriptor;
+    parallel::ParallelLayout prefill_layout;
+  };
+  // A Reserve call waiting for a seat (its arguments copied).
+  struct Waiter {
+    uint64_t ticket = 0;
+    std::string request_id;
+    std::string prefiller;
+    std::vector<uint32_t> prompt_ids;
+    std::string prefiller_descriptor;
+    parallel::ParallelLayout prefill_layout;
+    std::chrono::steady_clock::time_point wait_until;
+    ReserveDone done;
+    ReserveArgs args() const {
+      return {request_id, prefiller, prompt_ids, prefiller_descriptor, prefill_layout};
+    }
+  };
+  // How a call that finds no free seat may wait (ReserveOrWait).
+  struct Park {
+    std::chrono::steady_clock::time_point wait_until;
+    ReserveDone* done;  // moved into the queued Waiter
+    uint64_t* ticket;   // set to the Waiter's ticket
+  };
+  // Reserve's body; the caller holds a Lifeline pass (or is the lease
+  // thread). With `park`, a call that finds no free seat is queued (its
+  // arguments copied) and nullopt is returned; without, it is refused.
+  // `seated`: a seat was claimed for this call already (ServeWaiting); it
+  // is taken or given back here.
+  std::optional<Result<KvTargetInfo>> ReserveIn(const ReserveArgs& a, const Park* park,
+                                                bool seated);
+  // Seats (mu_ held): a request holds one while reserved or decoding.
+  static bool Seated(Stage s) { return s != Stage::kRegistered; }
+  void SetStageLocked(Entry& e, Stage stage);
+  std::map<std::string, Entry>::iterator EraseLocked(std::map<std::string, Entry>::iterator it);
+  // A seat may have come free: the lease thread serves the waiting calls.
+  void SeatFreedLocked();
+  // Lease thread: answers waiting calls while seats are free; then those
+  // whose wait ran out by `now` (RESOURCE_EXHAUSTED).
+  void ServeWaiting();
+  void ExpireWaiting(std::chrono::steady_clock::time_point now);
+  // Answers (outside mu_) the waiting calls taken out of the queue.
+  static void Answer(std::vector<std::unique_ptr<Waiter>>& calls, const Status& status);
+
   // encrypt: checks and decrypts the pushed blocks of a reservation in
   // place; DATA_LOSS (the request must not use them) on any failure.
   Status OpenPushedBlocks(uint64_t reservation_id, const Held& held, const std::string& tags);
@@ -340,6 +422,14 @@ class Decoder {
   uint64_t next_tag_ = 1;                   // guarded by mu_
   bool draining_ = false;                   // guarded by mu_
   DecoderCounts counts_;                    // guarded by mu_ (totals)
+  // Decode seats, guarded by mu_: requests in kReserved or kRunning, seats
+  // claimed by Reserve calls under way, and the calls waiting for one
+  // (arrival order). serve_kick_: a seat came free while calls wait.
+  uint32_t seats_taken_ = 0;
+  uint32_t seats_claimed_ = 0;
+  std::deque<std::unique_ptr<Waiter>> waiting_;
+  uint64_t next_ticket_ = 1;
+  bool serve_kick_ = false;
   std::map<std::string, uint64_t> dead_writers_;  // guarded by mu_: agent -> newest dead generation
   // guarded by mu_: agent -> the generation its endpoint's failure declared
   // dead (OnPrefillerEndpointFailed), until a Reserve of it revives it.

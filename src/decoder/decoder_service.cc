@@ -138,6 +138,9 @@ class DecodeReactor final : public grpc::ServerWriteReactor<pb::DecodeResponse> 
 // A reply that left before the server learnt of the cancel, then reached
 // the client too late or not at all (IsCancelled false), is still the
 // lease's and the quarantine's.
+// A call waiting for a decode seat (Decoder::ReserveOrWait) is answered
+// on the decoder's lease thread; one the client cancels meanwhile is taken
+// out of the queue (OnCancel), nothing reserved.
 class ReserveReactor final : public grpc::ServerUnaryReactor {
  public:
   // `ctx`, `req` and `resp` are gRPC's, valid until OnDone returns.
@@ -145,7 +148,16 @@ class ReserveReactor final : public grpc::ServerUnaryReactor {
                  const pb::ReserveRequest* req, pb::ReserveResponse* resp)
       : decoder_(decoder), ctx_(ctx), req_(req), resp_(resp) {}
 
-  // Finishes the call with `resp` as ServeReserve filled it.
+  void Start(tracing::SpanContext trace) {
+    ticket_.store(ServeReserve(decoder_, *req_, trace, [this](const Result<KvTargetInfo>& target) {
+      FillReserveResponse(target, resp_);
+      Reply();
+    }));
+  }
+
+  void OnCancel() override { decoder_.AbandonReserve(ticket_.load()); }
+
+  // Finishes the call with `resp` as FillReserveResponse filled it.
   void Reply() {
     if (resp_->has_target() && std::chrono::system_clock::now() >= ctx_->deadline()) {
       Release("the call's deadline passed before the decoder replied");
@@ -176,6 +188,7 @@ class ReserveReactor final : public grpc::ServerUnaryReactor {
   grpc::CallbackServerContext* const ctx_;
   const pb::ReserveRequest* const req_;
   pb::ReserveResponse* const resp_;
+  std::atomic<uint64_t> ticket_{0};  // while the call waits for a seat
 };
 
 class DecoderServiceImpl final : public pb::Decoder::CallbackService {
@@ -200,9 +213,9 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
   grpc::ServerUnaryReactor* Reserve(grpc::CallbackServerContext* ctx,
                                     const pb::ReserveRequest* req,
                                     pb::ReserveResponse* resp) override {
-    ServeReserve(decoder_, *req, TraceOf(ctx), resp);
+    // gRPC runs neither OnCancel nor OnDone before this returns.
     auto* reactor = new ReserveReactor(decoder_, ctx, req, resp);
-    reactor->Reply();
+    reactor->Start(TraceOf(ctx));
     return reactor;
   }
 
@@ -229,49 +242,62 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
 
 }  // namespace
 
-void ServeReserve(Decoder& decoder, const v1::ReserveRequest& req, tracing::SpanContext trace,
-                  v1::ReserveResponse* resp) {
-  const uint64_t start = trace.sampled ? tracing::NowUnixNs() : 0;
+uint64_t ServeReserve(Decoder& decoder, const v1::ReserveRequest& req, tracing::SpanContext trace,
+                      ReserveAnswer answer) {
   const parallel::ParallelLayout prefill_layout{
       .tp = std::max(1u, req.prefill_tensor_parallel()),
       .pp = std::max(1u, req.prefill_pipeline_parallel())};
   const std::span<const uint32_t> prompt(req.prompt_token_ids().data(),
                                          static_cast<size_t>(req.prompt_token_ids().size()));
-  auto target = decoder.Reserve(req.request_id(), req.prefiller(), prompt,
-                                req.prefiller_transport_descriptor(), prefill_layout);
-  if (target.ok()) {
-    auto* t = resp->mutable_target();
-    t->set_request_id(target->request_id);
-    t->set_reservation_id(target->reservation_id);
-    t->set_generation(target->generation);
-    t->set_transport_descriptor(target->transport_descriptor);
-    t->mutable_slots()->Add(target->slots.begin(), target->slots.end());
-    t->set_cached_blocks(target->cached_blocks);
-    t->set_lease_expiry_unix_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                    target->lease_expiry.time_since_epoch())
-                                    .count());
-    t->set_capability(target->capability);
-    t->set_kv_key(target->kv_key);
-    t->set_decode_tensor_parallel(target->layout.tp);
-    t->set_decode_pipeline_parallel(target->layout.pp);
-    for (const auto& d : target->rank_descriptors) t->add_rank_transport_descriptors(d);
-  } else {
+  const auto wait_until =
+      std::chrono::steady_clock::now() +
+      std::chrono::milliseconds(std::min<uint32_t>(req.seat_wait_ms(), kMaxSeatWaitMs));
+  if (trace.sampled) {
+    // The prefiller's reservation of KV slots here (its span's child),
+    // a wait for a decode seat included.
+    answer = [answer = std::move(answer), trace, start = tracing::NowUnixNs(),
+              prefiller = req.prefiller(),
+              prompt_tokens = prompt.size()](const Result<KvTargetInfo>& target) {
+      tracing::SpanBuilder b("tandem.decode.reserve", trace, tracing::SpanKind::kServer, start);
+      b.Attr("tandem.prefiller", prefiller)
+          .Attr("tandem.prompt_tokens", static_cast<int64_t>(prompt_tokens));
+      if (target.ok()) {
+        b.Attr("tandem.kv.slots", static_cast<int64_t>(target->slots.size()))
+            .Attr("tandem.kv.cached_blocks", static_cast<int64_t>(target->cached_blocks));
+      } else {
+        b.Error(target.status().ToString());
+      }
+      b.End();
+      answer(target);
+    };
+  }
+  return decoder.ReserveOrWait(
+      req.request_id(), req.prefiller(), prompt, req.prefiller_transport_descriptor(),
+      prefill_layout, wait_until, std::move(answer));
+}
+
+void FillReserveResponse(const Result<KvTargetInfo>& target, v1::ReserveResponse* resp) {
+  resp->Clear();
+  if (!target.ok()) {
     resp->mutable_error()->set_code(static_cast<int>(target.status().code()));
     resp->mutable_error()->set_message(target.status().message());
+    return;
   }
-  if (trace.sampled) {
-    // The prefiller's reservation of KV slots here (its span's child).
-    tracing::SpanBuilder b("tandem.decode.reserve", trace, tracing::SpanKind::kServer, start);
-    b.Attr("tandem.prefiller", req.prefiller())
-        .Attr("tandem.prompt_tokens", static_cast<int64_t>(prompt.size()));
-    if (target.ok()) {
-      b.Attr("tandem.kv.slots", static_cast<int64_t>(target->slots.size()))
-          .Attr("tandem.kv.cached_blocks", static_cast<int64_t>(target->cached_blocks));
-    } else {
-      b.Error(target.status().ToString());
-    }
-    b.End();
-  }
+  auto* t = resp->mutable_target();
+  t->set_request_id(target->request_id);
+  t->set_reservation_id(target->reservation_id);
+  t->set_generation(target->generation);
+  t->set_transport_descriptor(target->transport_descriptor);
+  t->mutable_slots()->Add(target->slots.begin(), target->slots.end());
+  t->set_cached_blocks(target->cached_blocks);
+  t->set_lease_expiry_unix_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                  target->lease_expiry.time_since_epoch())
+                                  .count());
+  t->set_capability(target->capability);
+  t->set_kv_key(target->kv_key);
+  t->set_decode_tensor_parallel(target->layout.tp);
+  t->set_decode_pipeline_parallel(target->layout.pp);
+  for (const auto& d : target->rank_descriptors) t->add_rank_transport_descriptors(d);
 }
 
 void ReleaseUnreceivedTarget(Decoder& decoder, const v1::KvTarget& target, const Status& why) {

@@ -4,7 +4,8 @@
 //           then DecodeFinished — or an in-band ErrorInfo as the last message,
 //           with the same code as the stream's status.
 //   Reserve (unary): KvTarget, or ReserveResponse.error (RESOURCE_EXHAUSTED
-//           when there is no room; NOT_FOUND when the request is not
+//           when there is no room, or no decode seat came free within
+//           ReserveRequest.seat_wait_ms; NOT_FOUND when the request is not
 //           registered); the RPC status itself is OK then. DEADLINE_EXCEEDED
 //           when the call's deadline passed while reserving (nothing stays
 //           reserved); a target whose reply the client never received is
@@ -19,6 +20,7 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/impl/service_type.h>
 
+#include <functional>
 #include <memory>
 
 #include "common/tracing.h"
@@ -33,11 +35,18 @@ class ReserveResponse;
 namespace tandem::decoder {
 
 // Decoder.Reserve, for both transports (this gRPC service and the framed
-// listener, decoder/reserve_tcp.h): reserves on `decoder` and fills `resp`
-// (KvTarget, or ReserveResponse.error); records the span when `trace` is
-// sampled.
-void ServeReserve(Decoder& decoder, const v1::ReserveRequest& req, tracing::SpanContext trace,
-                  v1::ReserveResponse* resp);
+// listener, decoder/reserve_tcp.h): reserves on `decoder`, waiting for a
+// decode seat for up to `req.seat_wait_ms` (at most kMaxSeatWaitMs), and
+// hands `answer` the target or the refusal: inline, or later on the
+// decoder's lease thread (never under its lock). Records the span when
+// `trace` is sampled. `req` need not outlive the call. Returns the
+// decoder's ticket (Decoder::AbandonReserve) while the call waits, else 0.
+using ReserveAnswer = Decoder::ReserveDone;
+inline constexpr uint32_t kMaxSeatWaitMs = 60'000;
+uint64_t ServeReserve(Decoder& decoder, const v1::ReserveRequest& req, tracing::SpanContext trace,
+                      ReserveAnswer answer);
+// The reply to send: KvTarget, or ReserveResponse.error.
+void FillReserveResponse(const Result<KvTargetInfo>& target, v1::ReserveResponse* resp);
 
 // A Reserve reply carrying `target` that its prefiller never received (the
 // framed reply could not be sent; the gRPC call ended cancelled: deadline,

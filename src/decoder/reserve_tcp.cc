@@ -28,29 +28,40 @@ class ReserveTcpSession final : public FrameSession {
     if (!in_.traceparent().empty() && tracing::Tracer::Get().enabled()) {
       trace = tracing::Tracer::Get().ContinueFrom(in_.traceparent());
     }
-    out_.Clear();
-    out_.set_call_id(id);
-    ServeReserve(decoder_, in_.request(), trace, out_.mutable_response());
-    if (Status st = conn_->Send(out_); !st.ok()) {
-      conn_->Close(st);
-      // The reply did not leave this process.
-      if (out_.response().has_target()) {
-        ReleaseUnreceivedTarget(
-            decoder_, out_.response().target(),
-            UnavailableError(fmt::format("the reserve reply to {} was not sent: {}", conn_->peer(),
-                                         st.message())));
-      }
-    }
+    // Answered here, or on the decoder's lease thread after a wait for a
+    // decode seat; a call still waiting when the connection closes is
+    // answered into the closed connection (its target released below).
+    ServeReserve(decoder_, in_.request(), trace,
+                 [&decoder = decoder_, conn = conn_, id](const Result<KvTargetInfo>& target) {
+                   Reply(decoder, *conn, id, target);
+                 });
     return Status::Ok();
   }
 
   void OnClosed(const Status&) override {}
 
  private:
+  static void Reply(Decoder& decoder, FrameConn& conn, uint64_t id,
+                    const Result<KvTargetInfo>& target) {
+    thread_local pb::ReserveFrame out;  // reused: Send copies it out
+    out.Clear();
+    out.set_call_id(id);
+    FillReserveResponse(target, out.mutable_response());
+    if (Status st = conn.Send(out); !st.ok()) {
+      conn.Close(st);
+      // The reply did not leave this process.
+      if (out.response().has_target()) {
+        ReleaseUnreceivedTarget(
+            decoder, out.response().target(),
+            UnavailableError(fmt::format("the reserve reply to {} was not sent: {}", conn.peer(),
+                                         st.message())));
+      }
+    }
+  }
+
   Decoder& decoder_;
   const std::shared_ptr<FrameConn> conn_;
-  pb::ReserveFrame in_;   // reused: the I/O thread only
-  pb::ReserveFrame out_;  // reused: the I/O thread only
+  pb::ReserveFrame in_;  // reused: the I/O thread only
 };
 
 }  // namespace

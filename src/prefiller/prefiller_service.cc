@@ -152,6 +152,12 @@ void FillReserveRequest(const PrefillJob& job, const std::string& prefiller_name
   req->set_prefill_tensor_parallel(layout.tp);
   req->set_prefill_pipeline_parallel(layout.pp);
   req->mutable_prompt_token_ids()->Add(job.prompt_ids.begin(), job.prompt_ids.end());
+  // A decoder whose seats are all taken may hold the call for one: for
+  // most of the call's time, leaving room for its refusal to arrive.
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+      ReserveDeadline(job) - std::chrono::system_clock::now());
+  const auto margin = std::min<std::chrono::milliseconds>(kSeatWaitMargin, left / 4);
+  req->set_seat_wait_ms(static_cast<uint32_t>(std::max<int64_t>(0, (left - margin).count())));
 }
 
 std::chrono::system_clock::time_point ReserveDeadline(const PrefillJob& job) {

@@ -46,8 +46,11 @@ void ToPrefillResponse(const std::string& request_id, const PrefillResult& r,
 // request of `job` from this prefiller (`prefiller_descriptor`: its KV
 // transport descriptor; `layout`: its rank layout); the call's deadline
 // (the job's, at most kReserveTimeout from now); the reply as a target or
-// the decoder's refusal.
+// the decoder's refusal. The request lets a decoder whose seats are all
+// taken hold the call for one until kSeatWaitMargin (at most a quarter of
+// the time left) before its deadline (ReserveRequest.seat_wait_ms).
 inline constexpr std::chrono::seconds kReserveTimeout{10};
+inline constexpr std::chrono::milliseconds kSeatWaitMargin{500};
 void FillReserveRequest(const PrefillJob& job, const std::string& prefiller_name,
                         const std::string& prefiller_descriptor, parallel::ParallelLayout layout,
                         v1::ReserveRequest* req);

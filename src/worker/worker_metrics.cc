@@ -62,7 +62,7 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
       stale_notices_(r.Counter("tandem_kv_stale_notices_total",
                                "KV notices ignored: stale generation or unknown reservation")),
       refused_(r.Counter("tandem_kv_reservations_refused_total",
-                         "Reservations refused for lack of KV blocks")),
+                         "Reservations refused for lack of KV blocks or of a decode seat")),
       notice_refused_capability_(r.Counter("tandem_kv_notice_refused_total", kNoticeRefusedHelp,
                                            {{"reason", "capability"}})),
       notice_refused_unreadable_(r.Counter("tandem_kv_notice_refused_total", kNoticeRefusedHelp,
@@ -85,6 +85,13 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
       stream_items_(r.Counter("tandem_decode_stream_items_total",
                               "Per-request items (registered, tokens, finish, error) in the "
                               "messages of multiplexed decode streams")),
+      seats_taken_(r.Gauge("tandem_decode_seats_taken",
+                           "Decode seats taken: requests reserved or decoding on this decoder "
+                           "(at most scheduler.max_num_seqs)")),
+      seat_waiting_(r.Gauge("tandem_decode_seat_waiting",
+                            "Reserve calls waiting for a decode seat")),
+      seat_waits_(r.Counter("tandem_decode_seat_waits_total",
+                            "Reserve calls that waited for a decode seat")),
       onboard_seconds_(r.Histogram("tandem_kv_tier_onboard_seconds",
                                    "Time to onboard one prefix hit's host/disk-tier blocks into the "
                                    "device tier",
@@ -198,6 +205,9 @@ void WorkerMetrics::Update(const MetricsSample& s) {
   Advance(checksum_failures_, s.checksum_failures, last_.checksum_failures);
   Advance(stream_messages_, s.stream_messages, last_.stream_messages);
   Advance(stream_items_, s.stream_items, last_.stream_items);
+  seats_taken_.Set(s.seats_taken);
+  seat_waiting_.Set(s.seat_waiting);
+  Advance(seat_waits_, s.seat_waits, last_.seat_waits);
   for (uint32_t t = 0; t < engine::kNumKvTiers; ++t) {
     tier_usage_[t]->Set(s.engine.tier_usage_ratio[t]);
     Advance(*tier_hits_[t], s.engine.tier_hit_tokens[t], last_.engine.tier_hit_tokens[t]);

@@ -28,6 +28,9 @@
 //   tandem_kv_tier_onboard_seconds (histogram, no tier label),
 // and for the multiplexed decode stream (issue 23, docs/decode-stream.md):
 //   tandem_decode_stream_messages_total, tandem_decode_stream_items_total
+// and for decode seats (docs/serving-workers.md "Decode seats"):
+//   tandem_decode_seats_taken, tandem_decode_seat_waiting (gauges),
+//   tandem_decode_seat_waits_total (counter)
 //   (counters): messages a decoder sent on its DecodeStreams (one per
 //   delivery batch, e.g. a decode step) and the per-request items in them.
 //
@@ -64,6 +67,9 @@ struct MetricsSample {
   uint64_t checksum_failures = 0;
   uint64_t stream_messages = 0;  // Decoder.DecodeStream (issue 23)
   uint64_t stream_items = 0;
+  uint32_t seats_taken = 0;  // decode seats (docs/serving-workers.md)
+  uint32_t seat_waiting = 0;
+  uint64_t seat_waits = 0;
   // Per tenant: the engine's and the prefiller queue's fair-share deficits, summed.
   std::map<std::string, double> fair_share_deficit_tokens;
 };
@@ -108,6 +114,9 @@ class WorkerMetrics {
   prometheus::Counter& checksum_failures_;
   prometheus::Counter& stream_messages_;
   prometheus::Counter& stream_items_;
+  prometheus::Gauge& seats_taken_;
+  prometheus::Gauge& seat_waiting_;
+  prometheus::Counter& seat_waits_;
   std::array<prometheus::Gauge*, engine::kNumKvTiers> tier_usage_{};
   std::array<prometheus::Counter*, engine::kNumKvTiers> tier_hits_{};
   std::array<prometheus::Counter*, engine::kNumKvTiers> tier_evictions_{};

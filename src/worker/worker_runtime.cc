@@ -172,6 +172,9 @@ struct Worker {
       m.checksum_failures = c.checksum_failures;
       m.stream_messages = c.stream_messages;
       m.stream_items = c.stream_items;
+      m.seats_taken = c.seats_taken;
+      m.seat_waiting = c.reserves_waiting;
+      m.seat_waits = c.reserve_waits;
     }
     m.fair_share_deficit_tokens = m.engine.fair_share_deficit_tokens;
     if (prefiller) {
@@ -459,6 +462,9 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     dopt.on_pending_work = [idle = w.idle_wake] { idle->Notify(); };
     dopt.layout = pl;  // issue 18: the decode ranks' descriptors go in every KvTarget
     if (pl.world() > 1) dopt.rank_descriptors = rank_descriptors;
+    // Decode seats (docs/serving-workers.md): no more requests reserved or
+    // decoding than the running batch takes; a Reserve past it waits.
+    dopt.max_seats = w.fleet.scheduler.max_num_seqs;
     w.decoder = std::make_unique<decoder::Decoder>(*w.engine, *w.transport, dopt);
     w.decoder->Start();
     w.decoder_service = decoder::MakeDecoderService(*w.decoder, *w.transport);

@@ -19,6 +19,7 @@
 #include "decoder/decoder_service.h"
 #include "prefiller/prefiller_service.h"
 #include "reserve_test_util.h"
+#include "tandem/v1/worker.grpc.pb.h"
 #include "worker_test_util.h"
 
 namespace tandem::worker_test {
@@ -130,6 +131,7 @@ class ReserveGrpcTest : public ::testing::Test {
     decoder::DecoderOptions o;
     o.lease_seconds = 30;
     o.verify_checksums = false;  // no KV bytes move here
+    o.max_seats = max_seats_;
     decoder_ = std::make_unique<decoder::Decoder>(*node_->engine, *node_->transport, o);
     decoder_->Start();
     service_ = decoder::MakeDecoderService(*decoder_, *node_->transport);
@@ -213,6 +215,7 @@ class ReserveGrpcTest : public ::testing::Test {
   uint32_t FreeBlocks() { return node_->engine->stats().free_blocks; }
 
   static constexpr uint32_t kBlocks = 32;
+  uint32_t max_seats_ = 0;  // decode seats (ReserveGrpcSeatsTest: 1)
   std::unique_ptr<Node> node_;
   std::unique_ptr<kvtransfer::Transport> writer_;
   std::unique_ptr<decoder::Decoder> decoder_;
@@ -305,6 +308,66 @@ TEST_F(ReserveGrpcTest, AnUnreceivedReplyLeavesTheRequestsNewerReservationAlone)
   EXPECT_EQ(Reservations(), 1u);
   EXPECT_FALSE(sink->Ended());
   ExpectDecodes("a", *second, *sink);
+}
+
+// Decode seats (docs/serving-workers.md): a decoder with one seat.
+class ReserveGrpcSeatsTest : public ReserveGrpcTest {
+ protected:
+  void SetUp() override {
+    max_seats_ = 1;
+    ReserveGrpcTest::SetUp();
+  }
+};
+
+TEST_F(ReserveGrpcSeatsTest, AWaitingCallIsAnsweredWhenASeatFrees) {
+  const auto pa = Prompt(40, 5), pb = Prompt(20, 6);
+  Register("a", pa);
+  auto sink_b = Register("b", pb);
+  ASSERT_TRUE(Call(Job("a", pa)).ok());
+  Outcome b;
+  link_->Reserve(Job("b", pb), "prefill-0", b.Done());
+  ASSERT_TRUE(WaitFor([&] { return decoder_->counts().reserves_waiting == 1; }));
+  EXPECT_NE(b.f.wait_for(0s), std::future_status::ready);
+  decoder_->Cancel("a");  // a's stream went away: its seat is b's
+  auto t = b.Get();
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ(t->slots.size(), 2u);
+  ShutDownServer();  // every OnDone has run: the target stays b's
+  EXPECT_EQ(gate_.statuses(),
+            (std::vector<grpc::StatusCode>{grpc::StatusCode::OK, grpc::StatusCode::OK}));
+  EXPECT_EQ(decoder_->counts().reserve_waits, 1u);
+  ExpectDecodes("b", *t, *sink_b);
+}
+
+// A client that stops waiting (its own deadline, shorter than the seat
+// wait it asked for) takes its call out of the decoder's queue at once:
+// nothing is reserved for it, and the seat that frees later goes to no one.
+TEST_F(ReserveGrpcSeatsTest, ACallCancelledWhileWaitingLeavesTheQueueHoldingNothing) {
+  const auto pa = Prompt(40, 7), pb = Prompt(20, 8);
+  Register("a", pa);
+  Register("b", pb);
+  ASSERT_TRUE(Call(Job("a", pa)).ok());
+  auto stub = v1::Decoder::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+  v1::ReserveRequest req;
+  req.set_request_id("b");
+  req.set_prefiller("prefill-0");
+  req.mutable_prompt_token_ids()->Add(pb.begin(), pb.end());
+  req.set_seat_wait_ms(30'000);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 300ms);
+  v1::ReserveResponse resp;
+  const grpc::Status st = stub->Reserve(&ctx, req, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << st.error_message();
+  // The server learns of it and takes the call out of the queue (not at
+  // the end of its 30 s wait).
+  ASSERT_TRUE(WaitFor([&] { return decoder_->counts().reserves_waiting == 0; }));
+  EXPECT_EQ(decoder_->counts().reserve_waits, 1u);
+  EXPECT_EQ(decoder_->counts().reserve_waits_expired, 0u);
+  decoder_->Cancel("a");  // the seat frees: no one takes it
+  EXPECT_EQ(Reservations(), 1u);  // a's, orphaned, waiting for its prefiller's notice
+  ShutDownServer();
+  EXPECT_EQ(Reservations(), 1u);
+  EXPECT_EQ(decoder_->counts().seats_taken, 0u);
 }
 
 }  // namespace

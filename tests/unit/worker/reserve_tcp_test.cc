@@ -28,6 +28,15 @@ using frame_testing::Tls;
 using prefiller::PrefillJob;
 using prefiller::ReserveTarget;
 
+// Decoder.Reserve as the listener serves it, answered inline (a decoder
+// without decode seats never waits).
+void ServeNow(decoder::Decoder& decoder, const v1::ReserveRequest& req, v1::ReserveResponse* resp) {
+  const uint64_t ticket = decoder::ServeReserve(
+      decoder, req, {},
+      [resp](const Result<decoder::KvTargetInfo>& t) { decoder::FillReserveResponse(t, resp); });
+  EXPECT_EQ(ticket, 0u);
+}
+
 // Records the jobs that went to the gRPC link instead (a decoder without a
 // framed address), answering each NOT_FOUND at once.
 class FallbackLink final : public prefiller::DecoderLink {
@@ -122,6 +131,22 @@ class ReserveTcpTest : public ::testing::Test {
     link_.reset();  // its connections end first
     if (server_) server_->Stop();
     if (decoder_) decoder_->Stop();
+  }
+  // A new decoder with `max_seats` decode seats behind a new listener.
+  void Restart(uint32_t max_seats) {
+    link_.reset();
+    server_->Stop();
+    decoder_->Stop();
+    decoder::DecoderOptions o;
+    o.lease_seconds = 30;
+    o.max_seats = max_seats;
+    decoder_ = std::make_unique<decoder::Decoder>(*node_->engine, *node_->transport, o);
+    decoder_->Start();
+    Serve();
+    auto fallback = std::make_unique<FallbackLink>();
+    fallback_ = fallback.get();
+    link_ = prefiller::MakeTcpDecoderLink(std::move(fallback), Tls(Identity(ca_, "prefill-0")),
+                                          "prefiller-descriptor");
   }
   void Serve(FrameOptions frame = {}) {
     decoder::ReserveTcpOptions so;
@@ -282,7 +307,7 @@ TEST_F(ReserveTcpTest, AReplyThatCannotBeSentReleasesItsReservation) {
   reply.set_call_id(1);
   v1::ReserveRequest probe = request.request();
   probe.set_request_id("probe");
-  decoder::ServeReserve(*decoder_, probe, {}, reply.mutable_response());
+  ServeNow(*decoder_, probe, reply.mutable_response());
   ASSERT_TRUE(reply.response().has_target());
   decoder::KvNoticeInfo release;
   release.request_id = "probe";
@@ -355,7 +380,7 @@ TEST_F(ReserveTcpTest, AReplyAfterTheDeadlineHandsItsTargetToTheLateTargetHandle
   ASSERT_EQ(s->NumRequests(), 1u);
   uint64_t reservation = 0;
   ASSERT_TRUE(s->Answer([&](const v1::ReserveRequest& req, v1::ReserveResponse* resp) {
-                 decoder::ServeReserve(*decoder_, req, {}, resp);
+                 ServeNow(*decoder_, req, resp);
                  reservation = resp->target().reservation_id();
                }).ok());
   ASSERT_NE(reservation, 0u);
@@ -403,6 +428,42 @@ TEST_F(ReserveTcpTest, ADecoderWithoutTheListenerIsReservedOverGrpc) {
   EXPECT_EQ(fallback_->Ids(), std::vector<std::string>{"a"});
   EXPECT_EQ(link_->EncodeNotice({.request_id = "a"}), "notice:a");  // the gRPC link's encoding
   EXPECT_EQ(server_->accepted(), 0u);
+}
+
+// Decode seats (docs/serving-workers.md): a call to a decoder whose one
+// seat is taken waits on the connection, and is answered when the seat
+// frees; one whose wait runs out is refused before the call's deadline
+// (RESOURCE_EXHAUSTED, not DEADLINE_EXCEEDED), nothing reserved.
+TEST_F(ReserveTcpTest, ACallWaitsForADecodeSeatOnTheConnection) {
+  Restart(1);
+  const auto pa = Prompt(40, 11), pb = Prompt(20, 12), pc = Prompt(20, 13);
+  Register("a", pa);
+  Register("b", pb);
+  Register("c", pc);
+  ASSERT_TRUE(Call(Job("a", pa, server_->address())).ok());
+  Outcome b;
+  link_->Reserve(Job("b", pb, server_->address()), "prefill-0", b.Done());
+  ASSERT_TRUE(WaitFor([&] { return decoder_->counts().reserves_waiting == 1; }));
+  EXPECT_NE(b.f.wait_for(0s), std::future_status::ready);
+  // Another call on the same connection is not held up behind the waiting one.
+  auto none = Call(Job("nope", pc, server_->address()));
+  EXPECT_EQ(none.status().code(), StatusCode::kNotFound) << none.status().ToString();
+  decoder_->Cancel("a");
+  auto tb = b.Get();
+  ASSERT_TRUE(tb.ok()) << tb.status().ToString();
+  EXPECT_EQ(tb->slots.size(), 2u);
+  EXPECT_EQ(Reservations(), 2u);  // b's, and a's orphaned one
+  // c: 1 s deadline, so the decoder may hold it 750 ms; refused then.
+  PrefillJob jc = Job("c", pc, server_->address());
+  jc.deadline = std::chrono::system_clock::now() + 1s;
+  auto tc = Call(jc);
+  EXPECT_EQ(tc.status().code(), StatusCode::kResourceExhausted) << tc.status().ToString();
+  const auto counts = decoder_->counts();
+  EXPECT_EQ(counts.reserve_waits, 2u);
+  EXPECT_EQ(counts.reserve_waits_expired, 1u);
+  EXPECT_EQ(counts.reserves_waiting, 0u);
+  EXPECT_EQ(Reservations(), 2u);
+  EXPECT_EQ(server_->accepted(), 1u);
 }
 
 }  // namespace

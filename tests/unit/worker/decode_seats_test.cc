@@ -1,0 +1,261 @@
+// Decode seats (DecoderOptions::max_seats, docs/serving-workers.md "Decode
+// seats"): a Reserve past the running batch waits for a seat, in arrival
+// order, and is answered when one frees; the sync Reserve is refused; a
+// waiting call ends with its request, its caller, its wait bound or Stop,
+// holding nothing. Real engine and loopback transport; the wire paths run
+// in reserve_tcp_test and reserve_grpc_test.
+#include "worker_test_util.h"
+
+#include <optional>
+
+namespace tandem::worker_test {
+namespace {
+
+using decoder::Decoder;
+using decoder::DecoderOptions;
+using decoder::DecodeSpec;
+using decoder::KvNoticeInfo;
+using decoder::KvTargetInfo;
+
+// One ReserveOrWait call's answer, as its transport would get it.
+class Answer {
+ public:
+  Decoder::ReserveDone Done() {
+    return [this](const Result<KvTargetInfo>& r) {
+      std::lock_guard lock(mu_);
+      ++calls_;
+      got_ = r;
+    };
+  }
+  bool Has() {
+    std::lock_guard lock(mu_);
+    return got_.has_value();
+  }
+  int calls() {
+    std::lock_guard lock(mu_);
+    return calls_;
+  }
+  Result<KvTargetInfo> Get() {
+    std::lock_guard lock(mu_);
+    return *got_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::optional<Result<KvTargetInfo>> got_;
+  int calls_ = 0;
+};
+
+class DecodeSeatsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    node_ = Node::Make("seats-unit", 32);
+    ASSERT_NE(node_, nullptr);
+  }
+  void MakeDecoder(uint32_t max_seats) {
+    DecoderOptions o;
+    o.verify_checksums = false;
+    o.max_seats = max_seats;
+    decoder_ = std::make_unique<Decoder>(*node_->engine, *node_->transport, o);
+    decoder_->Start();
+  }
+  std::shared_ptr<RecordingSink> Register(const std::string& id, uint32_t max_tokens = 3) {
+    auto sink = std::make_shared<RecordingSink>();
+    DecodeSpec s;
+    s.request_id = id;
+    s.prompt_ids = PromptOf(id);
+    s.sampling = Greedy(max_tokens);
+    EXPECT_TRUE(decoder_->Register(s, sink).ok());
+    return sink;
+  }
+  // 20 tokens (2 blocks), different per request.
+  static std::vector<uint32_t> PromptOf(const std::string& id) {
+    return Prompt(20, static_cast<uint32_t>(std::hash<std::string>{}(id) % 1000));
+  }
+  uint64_t ReserveOrWait(const std::string& id, Answer& answer,
+                         std::chrono::milliseconds wait = 10s) {
+    const auto prompt = PromptOf(id);
+    return decoder_->ReserveOrWait(id, "p", prompt, {}, {}, std::chrono::steady_clock::now() + wait,
+                                   answer.Done());
+  }
+  KvNoticeInfo Notice(const KvTargetInfo& t, uint32_t first_token) {
+    KvNoticeInfo n;
+    n.request_id = t.request_id;
+    n.reservation_id = t.reservation_id;
+    n.generation = t.generation;
+    n.first_token_id = first_token;
+    n.capability = t.capability;
+    return n;
+  }
+  uint32_t FreeBlocks() { return node_->engine->stats().free_blocks; }
+
+  std::unique_ptr<Node> node_;
+  std::unique_ptr<Decoder> decoder_;
+};
+
+TEST_F(DecodeSeatsTest, AReservePastTheSeatsWaitsAndIsSeatedWhenOneFrees) {
+  MakeDecoder(2);
+  Register("a");
+  Register("b");
+  Register("c");
+  Register("d");
+  Answer a, b, c;
+  EXPECT_EQ(ReserveOrWait("a", a), 0u);  // answered inline
+  EXPECT_EQ(ReserveOrWait("b", b), 0u);
+  ASSERT_TRUE(a.Get().ok());
+  ASSERT_TRUE(b.Get().ok());
+  const uint64_t ticket = ReserveOrWait("c", c);
+  EXPECT_NE(ticket, 0u);
+  EXPECT_FALSE(c.Has());
+  // The sync Reserve does not wait: refused, nothing held.
+  const auto d = decoder_->Reserve("d", "p", PromptOf("d"));
+  EXPECT_EQ(d.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(d.status().message().find("scheduler.max_num_seqs 2"), std::string::npos)
+      << d.status().message();
+  auto counts = decoder_->counts();
+  EXPECT_EQ(counts.seats_taken, 2u);
+  EXPECT_EQ(counts.reserves_waiting, 1u);
+  EXPECT_EQ(counts.reserve_waits, 1u);
+  EXPECT_EQ(counts.reservations, 2u);
+  EXPECT_EQ(FreeBlocks(), 32u - 4u);
+  // a's stream goes away: its seat goes to c (its blocks wait for the
+  // prefiller's notice, as any cancelled reservation's).
+  decoder_->Cancel("a");
+  ASSERT_TRUE(WaitFor([&] { return c.Has(); }));
+  const auto target = c.Get();
+  ASSERT_TRUE(target.ok()) << target.status().ToString();
+  EXPECT_EQ(target->request_id, "c");
+  EXPECT_EQ(target->slots.size(), 2u);
+  counts = decoder_->counts();
+  EXPECT_EQ(counts.seats_taken, 2u);
+  EXPECT_EQ(counts.reserves_waiting, 0u);
+  EXPECT_EQ(counts.reservations, 3u);
+  decoder_->AbandonReserve(ticket);  // answered already: nothing happens
+  EXPECT_EQ(c.calls(), 1);
+  EXPECT_EQ(decoder_->counts().reservations, 3u);
+}
+
+TEST_F(DecodeSeatsTest, SeatsGoInArrivalOrderAsRequestsFinishOrTheirPrefillerGivesUp) {
+  MakeDecoder(1);
+  auto sink_a = Register("a");
+  Register("b");
+  Register("c");
+  Answer a, b, c;
+  ReserveOrWait("a", a);
+  ASSERT_TRUE(a.Has());
+  ASSERT_TRUE(a.Get().ok());
+  EXPECT_NE(ReserveOrWait("b", b), 0u);
+  EXPECT_NE(ReserveOrWait("c", c), 0u);
+  // a decodes to its end: the seat goes to b, the earlier of the two.
+  decoder_->OnKvNotice(Notice(*a.Get(), 9));
+  ASSERT_TRUE(WaitFor([&] { return sink_a->Ended(); }));
+  EXPECT_TRUE(sink_a->finished);
+  ASSERT_TRUE(WaitFor([&] { return b.Has(); }));
+  ASSERT_TRUE(b.Get().ok()) << b.Get().status().ToString();
+  EXPECT_FALSE(c.Has());
+  EXPECT_EQ(decoder_->counts().reserves_waiting, 1u);
+  // b's prefiller gives up (the request waits for the proxy's retry, seatless):
+  // the seat goes to c.
+  KvNoticeInfo gave_up = Notice(*b.Get(), 0);
+  gave_up.error = UnavailableError("prefill failed");
+  decoder_->OnKvNotice(gave_up);
+  ASSERT_TRUE(WaitFor([&] { return c.Has(); }));
+  ASSERT_TRUE(c.Get().ok()) << c.Get().status().ToString();
+  const auto counts = decoder_->counts();
+  EXPECT_EQ(counts.seats_taken, 1u);
+  EXPECT_EQ(counts.reserves_waiting, 0u);
+  EXPECT_EQ(counts.reserve_waits, 2u);
+  EXPECT_EQ(counts.reservations, 1u);  // c's; a's was consumed, b's released
+  EXPECT_EQ(FreeBlocks(), 32u - 2u);
+}
+
+TEST_F(DecodeSeatsTest, ARetryKeepsItsRequestsSeat) {
+  MakeDecoder(1);
+  Register("a");
+  ASSERT_TRUE(decoder_->Reserve("a", "p1", PromptOf("a")).ok());
+  // A second prefiller takes the request over: not refused for want of a seat.
+  auto again = decoder_->Reserve("a", "p2", PromptOf("a"));
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(decoder_->counts().seats_taken, 1u);
+  EXPECT_EQ(decoder_->counts().reservations_refused, 0u);
+}
+
+TEST_F(DecodeSeatsTest, AWaitingCallEndsWithItsRequestOrItsCallerHoldingNothing) {
+  MakeDecoder(1);
+  Register("a");
+  Register("b");
+  Register("c");
+  Answer a, b, c;
+  ReserveOrWait("a", a);
+  ASSERT_TRUE(a.Get().ok());
+  const uint32_t free_blocks = FreeBlocks();
+  EXPECT_NE(ReserveOrWait("b", b), 0u);
+  const uint64_t ticket_c = ReserveOrWait("c", c);
+  EXPECT_NE(ticket_c, 0u);
+  decoder_->Cancel("b");  // its stream went away
+  ASSERT_TRUE(b.Has());
+  EXPECT_EQ(b.Get().status().code(), StatusCode::kCancelled);
+  decoder_->AbandonReserve(ticket_c);  // its caller went away
+  ASSERT_TRUE(c.Has());
+  EXPECT_EQ(c.Get().status().code(), StatusCode::kCancelled);
+  decoder_->AbandonReserve(ticket_c);  // once only
+  EXPECT_EQ(c.calls(), 1);
+  const auto counts = decoder_->counts();
+  EXPECT_EQ(counts.reserves_waiting, 0u);
+  EXPECT_EQ(counts.seats_taken, 1u);
+  EXPECT_EQ(counts.reservations, 1u);
+  EXPECT_EQ(FreeBlocks(), free_blocks);
+  // c is still registered and reserves once a seat frees.
+  decoder_->Cancel("a");
+  auto t = decoder_->Reserve("c", "p", PromptOf("c"));
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
+}
+
+TEST_F(DecodeSeatsTest, AWaitThatRunsOutIsRefusedAndCounted) {
+  MakeDecoder(1);
+  Register("a");
+  Register("b");
+  Answer a, b;
+  ReserveOrWait("a", a);
+  ASSERT_TRUE(a.Get().ok());
+  EXPECT_NE(ReserveOrWait("b", b, 50ms), 0u);
+  ASSERT_TRUE(WaitFor([&] { return b.Has(); }));
+  EXPECT_EQ(b.Get().status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(b.Get().status().message().find("scheduler.max_num_seqs 1"), std::string::npos)
+      << b.Get().status().message();
+  const auto counts = decoder_->counts();
+  EXPECT_EQ(counts.reserve_waits_expired, 1u);
+  EXPECT_EQ(counts.reservations_refused, 1u);
+  EXPECT_EQ(counts.reserves_waiting, 0u);
+  EXPECT_EQ(counts.reservations, 1u);
+}
+
+TEST_F(DecodeSeatsTest, StopAnswersEveryWaitingCallUnavailable) {
+  MakeDecoder(1);
+  Register("a");
+  Register("b");
+  Answer a, b, late;
+  ReserveOrWait("a", a);
+  EXPECT_NE(ReserveOrWait("b", b), 0u);
+  decoder_->Stop();
+  ASSERT_TRUE(b.Has());
+  EXPECT_EQ(b.Get().status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(ReserveOrWait("b", late), 0u);  // after Stop: answered at once
+  EXPECT_EQ(late.Get().status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(FreeBlocks(), 32u);
+}
+
+TEST_F(DecodeSeatsTest, NoLimitWithoutMaxSeats) {
+  MakeDecoder(0);
+  for (const char* id : {"a", "b", "c", "d"}) {
+    Register(id);
+    Answer answer;
+    EXPECT_EQ(ReserveOrWait(id, answer), 0u);
+    EXPECT_TRUE(answer.Get().ok());
+  }
+  EXPECT_EQ(decoder_->counts().seats_taken, 4u);
+  EXPECT_EQ(decoder_->counts().reserve_waits, 0u);
+}
+
+}  // namespace
+}  // namespace tandem::worker_test
