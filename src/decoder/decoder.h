@@ -8,6 +8,9 @@
 //   KV notice, success                            -> kRunning (AddPrefilled)
 //   engine finishes                               -> gone (sink told)
 // prefill_locally requests go straight to kRunning through Engine::Submit.
+// A request in kReserved or kRunning holds a decode seat; with
+// DecoderOptions::max_seats a Reserve past them waits for one
+// (ReserveOrWait, decode_seats.cc) or is refused (Reserve).
 //
 // Safety of one-sided writes (acknowledge-or-dead, docs/failure-handling.md
 // "Quarantine"): a reservation whose prefiller may still be writing is
@@ -127,6 +130,10 @@ struct KvNoticeInfo {
   uint32_t first_token_id = 0;
   uint32_t prefill_cached_prompt_tokens = 0;  // the prefiller's prefix-cache hits
   Status error;  // non-OK: the prefiller gave up on the request
+  // Not from a prefiller: the decoder's own release of a reservation whose
+  // Reserve reply never reached it (ReleaseUnreceivedTarget; `error` says
+  // why). Counted in unreceived_replies_released.
+  bool unreceived_reply = false;
   std::string capability;  // must equal the reservation's (KvTargetInfo::capability)
   std::string kv_tags;     // transport.encrypt: kKvTagBytes per pushed block, prompt order
   // XXH3-64 of each pushed block (slots cached_blocks.. of the reservation).
@@ -183,6 +190,9 @@ struct DecoderCounts {
   uint64_t quarantine_released_ack = 0;   // by the prefiller's notice
   uint64_t quarantine_released_dead = 0;  // by the prefiller's death
   uint64_t checksum_failures = 0;  // requests whose KV failed verification
+  // Reservations released because their Reserve reply never reached the
+  // prefiller (a gRPC call that ended first, a framed reply not sent).
+  uint64_t unreceived_replies_released = 0;
   // Decoder.DecodeStream (issue 23): messages sent (one per delivery
   // batch) and the per-request items they carried, totals.
   uint64_t stream_messages = 0;

@@ -307,6 +307,7 @@ void ReleaseUnreceivedTarget(Decoder& decoder, const v1::KvTarget& target, const
   n.generation = target.generation();
   n.capability = target.capability();
   n.error = why;
+  n.unreceived_reply = true;
   decoder.OnKvNotice(n);
 }
 

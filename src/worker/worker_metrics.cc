@@ -92,6 +92,10 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
                             "Reserve calls waiting for a decode seat")),
       seat_waits_(r.Counter("tandem_decode_seat_waits_total",
                             "Reserve calls that waited for a decode seat")),
+      unreceived_replies_(r.Counter("tandem_kv_reserve_replies_unreceived_total",
+                                    "Reservations released because their Reserve reply never "
+                                    "reached the prefiller (the call ended first, or the reply "
+                                    "could not be sent)")),
       onboard_seconds_(r.Histogram("tandem_kv_tier_onboard_seconds",
                                    "Time to onboard one prefix hit's host/disk-tier blocks into the "
                                    "device tier",
@@ -208,6 +212,7 @@ void WorkerMetrics::Update(const MetricsSample& s) {
   seats_taken_.Set(s.seats_taken);
   seat_waiting_.Set(s.seat_waiting);
   Advance(seat_waits_, s.seat_waits, last_.seat_waits);
+  Advance(unreceived_replies_, s.unreceived_replies_released, last_.unreceived_replies_released);
   for (uint32_t t = 0; t < engine::kNumKvTiers; ++t) {
     tier_usage_[t]->Set(s.engine.tier_usage_ratio[t]);
     Advance(*tier_hits_[t], s.engine.tier_hit_tokens[t], last_.engine.tier_hit_tokens[t]);

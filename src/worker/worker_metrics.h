@@ -30,7 +30,9 @@
 //   tandem_decode_stream_messages_total, tandem_decode_stream_items_total
 // and for decode seats (docs/serving-workers.md "Decode seats"):
 //   tandem_decode_seats_taken, tandem_decode_seat_waiting (gauges),
-//   tandem_decode_seat_waits_total (counter)
+//   tandem_decode_seat_waits_total (counter),
+// and tandem_kv_reserve_replies_unreceived_total (counter): reservations
+// released because their Reserve reply never reached the prefiller
 //   (counters): messages a decoder sent on its DecodeStreams (one per
 //   delivery batch, e.g. a decode step) and the per-request items in them.
 //
@@ -70,6 +72,7 @@ struct MetricsSample {
   uint32_t seats_taken = 0;  // decode seats (docs/serving-workers.md)
   uint32_t seat_waiting = 0;
   uint64_t seat_waits = 0;
+  uint64_t unreceived_replies_released = 0;
   // Per tenant: the engine's and the prefiller queue's fair-share deficits, summed.
   std::map<std::string, double> fair_share_deficit_tokens;
 };
@@ -117,6 +120,7 @@ class WorkerMetrics {
   prometheus::Gauge& seats_taken_;
   prometheus::Gauge& seat_waiting_;
   prometheus::Counter& seat_waits_;
+  prometheus::Counter& unreceived_replies_;
   std::array<prometheus::Gauge*, engine::kNumKvTiers> tier_usage_{};
   std::array<prometheus::Counter*, engine::kNumKvTiers> tier_hits_{};
   std::array<prometheus::Counter*, engine::kNumKvTiers> tier_evictions_{};

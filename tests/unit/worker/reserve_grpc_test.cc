@@ -245,6 +245,7 @@ TEST_F(ReserveGrpcTest, AReplyAfterTheCallEndedReleasesItsReservationAtOnce) {
       << Reservations() << " reservations, " << FreeBlocks() << " free blocks";
   EXPECT_EQ(decoder_->counts().quarantined_reservations, 0u);
   EXPECT_EQ(decoder_->counts().leases_expired, 0u);
+  EXPECT_EQ(decoder_->counts().unreceived_replies_released, 1u);
   // The request is registered again: the proxy's retry reserves it.
   EXPECT_FALSE(sink->Ended());
   auto retry = Call(Job("a", prompt));
@@ -283,6 +284,7 @@ TEST_F(ReserveGrpcTest, AReplyTheClientReceivedKeepsItsReservation) {
   EXPECT_EQ(Reservations(), 1u);
   EXPECT_EQ(FreeBlocks(), kBlocks - t->slots.size());
   EXPECT_EQ(decoder_->counts().stale_notices, 0u);  // nothing tried to release it
+  EXPECT_EQ(decoder_->counts().unreceived_replies_released, 0u);
   // It is still the request's: the prefiller's notice starts the decode.
   ExpectDecodes("a", *t, *sink);
 }

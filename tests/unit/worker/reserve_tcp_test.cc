@@ -334,6 +334,7 @@ TEST_F(ReserveTcpTest, AReplyThatCannotBeSentReleasesItsReservation) {
   EXPECT_TRUE(WaitFor(
       [&] { return Reservations() == 0 && node_->engine->stats().free_blocks == 32u; }));
   EXPECT_EQ(node_->engine->stats().free_blocks, 32u);
+  EXPECT_EQ(decoder_->counts().unreceived_replies_released, 1u);
   server_->Stop();
   Serve();
   auto retry = Call(Job("a", prompt, server_->address()));
