@@ -7,6 +7,7 @@
 // over gRPC with proxy.decode_transport grpc, with the same outputs.
 // With proxy.decode_stream off the proxy uses one Decode RPC per request
 // (the decoder sends nothing on a DecodeStream) and the output is the same.
+// With 4 decode seats the same 32 streams wait for seats on the decoder.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -67,6 +68,24 @@ TEST(DecodeStream, ThirtyTwoStreamsThroughOneDecoderEqualGenerateAndACancelDistu
   }());
   ASSERT_TRUE(again.ok()) << again.status().ToString();
   EXPECT_EQ(again->token_ids, References()[3]);
+}
+
+// Decode seats (docs/serving-workers.md): with 4 seats (max_num_seqs 4)
+// the decoder holds the other streams' Reserves until a seat frees; every
+// stream still equals `tandem generate`, the cancelled one (possibly while
+// its Reserve waits) leaves nothing behind, and no Reserve was refused.
+TEST(DecodeStream, ADecoderWithFourSeatsHoldsTheOtherReservesAndEveryStreamEqualsGenerate) {
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
+  References();
+  FleetOptions o;
+  o.max_num_seqs = 4;
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  RunStreams(**fleet, /*cancel_one=*/true);  // ends with the fleet idle
+  EXPECT_GT(DecoderMetric(**fleet, "tandem_decode_seat_waits_total"), 0);
+  EXPECT_EQ(DecoderMetric(**fleet, "tandem_decode_seats_taken"), 0);
+  EXPECT_EQ(DecoderMetric(**fleet, "tandem_decode_seat_waiting"), 0);
+  EXPECT_EQ(DecoderMetric(**fleet, "tandem_kv_reservations_refused_total"), 0);
 }
 
 TEST(DecodeStream, GrpcTransportCarriesTheSameStreamWithTheSameOutput) {
