@@ -15,6 +15,8 @@ cmake --preset asan -DTANDEM_BUILD_TESTS=ON >/dev/null
 cmake --build --preset asan -j "$jobs" --target unit_tests tandem
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+# Third-party leaks, each named in the file (c-ares's 'localhost' lookup).
+export LSAN_OPTIONS="suppressions=$PWD/tools/sanitizers/lsan.supp:print_suppressions=0"
 # UCX (linked for the KV transports) must not install its own crash handler.
 export UCX_HANDLE_ERRORS=none
 ctest --test-dir build-asan -L unit -j "$jobs" --output-on-failure "$@"
