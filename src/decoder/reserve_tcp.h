@@ -8,8 +8,9 @@
 // Each request is answered on the listener's one I/O thread as it is read
 // (Decoder::Reserve does not block), so a Reserve costs the decoder one
 // wake-up; one that waits for a decode seat (ReserveRequest.seat_wait_ms)
-// is answered on the decoder's lease thread when a seat comes free. A reply that cannot be sent (the connection broke or closed for a
-// slow peer) never reached the prefiller, so its reservation is released at
+// is answered on the decoder's lease thread when a seat comes free. A
+// reply that cannot be sent (the connection broke or closed for a slow
+// peer) never reached the prefiller, so its reservation is released at
 // once, as by the prefiller's error notice (the request goes back to
 // registered for the proxy's retry). A reply that left but was not read
 // before the connection broke is the lease's to end (as a gRPC reply lost

@@ -349,7 +349,8 @@ TEST_F(ReserveGrpcSeatsTest, ACallCancelledWhileWaitingLeavesTheQueueHoldingNoth
   Register("a", pa);
   Register("b", pb);
   ASSERT_TRUE(Call(Job("a", pa)).ok());
-  auto stub = v1::Decoder::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+  auto stub =
+      v1::Decoder::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
   v1::ReserveRequest req;
   req.set_request_id("b");
   req.set_prefiller("prefill-0");
