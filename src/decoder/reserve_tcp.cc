@@ -2,6 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <map>
+#include <mutex>
+#include <vector>
+
 #include "decoder/decoder_service.h"
 #include "tandem/v1/worker.pb.h"
 
@@ -29,16 +33,25 @@ class ReserveTcpSession final : public FrameSession {
       trace = tracing::Tracer::Get().ContinueFrom(in_.traceparent());
     }
     // Answered here, or on the decoder's lease thread after a wait for a
-    // decode seat; a call still waiting when the connection closes is
-    // answered into the closed connection (its target released below).
-    ServeReserve(decoder_, in_.request(), trace,
-                 [&decoder = decoder_, conn = conn_, id](const Result<KvTargetInfo>& target) {
-                   Reply(decoder, *conn, id, target);
-                 });
+    // decode seat (such a call is kept in waiting_ until then, so that the
+    // connection's end takes it out of the decoder's queue).
+    waiting_->Begin(id);
+    const uint64_t ticket = ServeReserve(
+        decoder_, in_.request(), trace,
+        [&decoder = decoder_, conn = conn_, waiting = waiting_, id](
+            const Result<KvTargetInfo>& target) {
+          waiting->Answered(id);
+          Reply(decoder, *conn, id, target);
+        });
+    waiting_->End(id, ticket);
     return Status::Ok();
   }
 
-  void OnClosed(const Status&) override {}
+  // The prefiller will read no reply now: its calls still waiting for a
+  // decode seat leave the decoder's queue (nothing was reserved for them).
+  void OnClosed(const Status&) override {
+    for (uint64_t ticket : waiting_->TakeAll()) decoder_.AbandonReserve(ticket);
+  }
 
  private:
   static void Reply(Decoder& decoder, FrameConn& conn, uint64_t id,
@@ -59,8 +72,48 @@ class ReserveTcpSession final : public FrameSession {
     }
   }
 
+  // This connection's calls waiting for a decode seat: call id -> the
+  // decoder's ticket. Begin/End bracket ServeReserve on the I/O thread; a
+  // call answered within it (inline, or at once on the lease thread) is
+  // never kept. Any thread.
+  class Waiting {
+   public:
+    void Begin(uint64_t id) {
+      std::lock_guard lock(mu_);
+      serving_ = id;
+      serving_answered_ = false;
+    }
+    void End(uint64_t id, uint64_t ticket) {
+      std::lock_guard lock(mu_);
+      if (ticket != 0 && !serving_answered_) tickets_.emplace(id, ticket);
+      serving_ = 0;
+    }
+    void Answered(uint64_t id) {
+      std::lock_guard lock(mu_);
+      if (id == serving_) {
+        serving_answered_ = true;
+      } else {
+        tickets_.erase(id);
+      }
+    }
+    std::vector<uint64_t> TakeAll() {
+      std::lock_guard lock(mu_);
+      std::vector<uint64_t> out;
+      for (const auto& [id, ticket] : tickets_) out.push_back(ticket);
+      tickets_.clear();
+      return out;
+    }
+
+   private:
+    std::mutex mu_;
+    std::map<uint64_t, uint64_t> tickets_;  // guarded by mu_
+    uint64_t serving_ = 0;                  // guarded by mu_: the call in ServeReserve
+    bool serving_answered_ = false;         // guarded by mu_
+  };
+
   Decoder& decoder_;
   const std::shared_ptr<FrameConn> conn_;
+  const std::shared_ptr<Waiting> waiting_ = std::make_shared<Waiting>();
   pb::ReserveFrame in_;  // reused: the I/O thread only
 };
 

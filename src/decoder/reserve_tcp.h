@@ -8,7 +8,8 @@
 // Each request is answered on the listener's one I/O thread as it is read
 // (Decoder::Reserve does not block), so a Reserve costs the decoder one
 // wake-up; one that waits for a decode seat (ReserveRequest.seat_wait_ms)
-// is answered on the decoder's lease thread when a seat comes free. A
+// is answered on the decoder's lease thread when a seat comes free, and
+// leaves the decoder's queue when the connection ends first. A
 // reply that cannot be sent (the connection broke or closed for a slow
 // peer) never reached the prefiller, so its reservation is released at
 // once, as by the prefiller's error notice (the request goes back to

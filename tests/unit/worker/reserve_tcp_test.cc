@@ -467,5 +467,38 @@ TEST_F(ReserveTcpTest, ACallWaitsForADecodeSeatOnTheConnection) {
   EXPECT_EQ(server_->accepted(), 1u);
 }
 
+// The prefiller's connection ends while one of its calls waits for a seat:
+// the call leaves the decoder's queue at once (not at the end of its
+// 9.5 s wait), nothing reserved for it; the seat that frees later goes
+// to a later call.
+TEST_F(ReserveTcpTest, AConnectionThatEndsTakesItsWaitingCallsOutOfTheQueue) {
+  Restart(1);
+  const auto pa = Prompt(40, 14), pb = Prompt(20, 15), pc = Prompt(20, 16);
+  Register("a", pa);
+  Register("b", pb);
+  Register("c", pc);
+  ASSERT_TRUE(Call(Job("a", pa, server_->address())).ok());
+  Outcome b;
+  link_->Reserve(Job("b", pb, server_->address()), "prefill-0", b.Done());
+  ASSERT_TRUE(WaitFor([&] { return decoder_->counts().reserves_waiting == 1; }));
+  link_.reset();  // the prefiller's connection closes
+  const auto tb = b.Get();
+  EXPECT_EQ(tb.status().code(), StatusCode::kUnavailable) << tb.status().ToString();
+  ASSERT_TRUE(WaitFor([&] { return decoder_->counts().reserves_waiting == 0; }));
+  EXPECT_EQ(decoder_->counts().reserve_waits_expired, 0u);
+  EXPECT_EQ(Reservations(), 1u);  // a's only
+  // A new connection's call gets the seat a frees.
+  link_ = prefiller::MakeTcpDecoderLink(std::make_unique<FallbackLink>(),
+                                        Tls(Identity(ca_, "prefill-0")), "prefiller-descriptor");
+  Outcome c;
+  link_->Reserve(Job("c", pc, server_->address()), "prefill-0", c.Done());
+  ASSERT_TRUE(WaitFor([&] { return decoder_->counts().reserves_waiting == 1; }));
+  decoder_->Cancel("a");
+  auto tc = c.Get();
+  ASSERT_TRUE(tc.ok()) << tc.status().ToString();
+  EXPECT_EQ(decoder_->counts().reserve_waits, 2u);
+  EXPECT_EQ(decoder_->counts().unreceived_replies_released, 0u);  // b's was never reserved
+}
+
 }  // namespace
 }  // namespace tandem::worker_test
