@@ -252,8 +252,8 @@ class Decoder {
   Status Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink);
 
   // Reserves blocks for a registered request. RESOURCE_EXHAUSTED when there
-  // is no room (nothing held then), NOT_FOUND when the request is not
-  // registered (cancelled, finished or unknown).
+  // is no room or no free decode seat (nothing held then), NOT_FOUND when
+  // the request is not registered (cancelled, finished or unknown).
   // `prefiller_descriptor` (binary, may be empty): the prefiller's own
   // transport descriptor; the decoder connects to it to learn of its death.
   // `prefill_layout`: the prefiller's rank layout (issue 18); when it or

@@ -78,15 +78,6 @@ class DecodeSeatsTest : public ::testing::Test {
     return decoder_->ReserveOrWait(id, "p", prompt, {}, {}, std::chrono::steady_clock::now() + wait,
                                    answer.Done());
   }
-  KvNoticeInfo Notice(const KvTargetInfo& t, uint32_t first_token) {
-    KvNoticeInfo n;
-    n.request_id = t.request_id;
-    n.reservation_id = t.reservation_id;
-    n.generation = t.generation;
-    n.first_token_id = first_token;
-    n.capability = t.capability;
-    return n;
-  }
   uint32_t FreeBlocks() { return node_->engine->stats().free_blocks; }
 
   std::unique_ptr<Node> node_;
@@ -147,7 +138,7 @@ TEST_F(DecodeSeatsTest, SeatsGoInArrivalOrderAsRequestsFinishOrTheirPrefillerGiv
   EXPECT_NE(ReserveOrWait("b", b), 0u);
   EXPECT_NE(ReserveOrWait("c", c), 0u);
   // a decodes to its end: the seat goes to b, the earlier of the two.
-  decoder_->OnKvNotice(Notice(*a.Get(), 9));
+  decoder_->OnKvNotice(SuccessNotice(*a.Get(), 9));
   ASSERT_TRUE(WaitFor([&] { return sink_a->Ended(); }));
   EXPECT_TRUE(sink_a->finished);
   ASSERT_TRUE(WaitFor([&] { return b.Has(); }));
@@ -156,7 +147,7 @@ TEST_F(DecodeSeatsTest, SeatsGoInArrivalOrderAsRequestsFinishOrTheirPrefillerGiv
   EXPECT_EQ(decoder_->counts().reserves_waiting, 1u);
   // b's prefiller gives up (the request waits for the proxy's retry, seatless):
   // the seat goes to c.
-  KvNoticeInfo gave_up = Notice(*b.Get(), 0);
+  KvNoticeInfo gave_up = SuccessNotice(*b.Get(), 0);
   gave_up.error = UnavailableError("prefill failed");
   decoder_->OnKvNotice(gave_up);
   ASSERT_TRUE(WaitFor([&] { return c.Has(); }));

@@ -44,14 +44,8 @@ class DecoderTest : public ::testing::Test {
     EXPECT_TRUE(decoder_->Register(s, sink).ok());
     return sink;
   }
-  KvNoticeInfo Notice(const decoder::KvTargetInfo& t, uint32_t first_token) {
-    KvNoticeInfo n;
-    n.request_id = t.request_id;
-    n.reservation_id = t.reservation_id;
-    n.generation = t.generation;
-    n.first_token_id = first_token;
-    n.capability = t.capability;
-    return n;
+  static KvNoticeInfo Notice(const decoder::KvTargetInfo& t, uint32_t first_token) {
+    return SuccessNotice(t, first_token);
   }
   uint32_t FreeBlocks() { return node_->engine->stats().free_blocks; }
   // A prefiller's transport the decoder can watch (its descriptor goes with

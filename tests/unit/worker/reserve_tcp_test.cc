@@ -117,11 +117,20 @@ class ReserveTcpTest : public ::testing::Test {
     ASSERT_FALSE(HasFailure());
     node_ = Node::Make("reserve-tcp-unit", 32);
     ASSERT_NE(node_, nullptr);
+    Build(/*max_seats=*/0);
+  }
+  // A decoder with `max_seats` decode seats behind a new listener, and a
+  // prefiller's link to it.
+  void Build(uint32_t max_seats) {
     decoder::DecoderOptions o;
     o.lease_seconds = 30;
+    o.max_seats = max_seats;
     decoder_ = std::make_unique<decoder::Decoder>(*node_->engine, *node_->transport, o);
     decoder_->Start();
     Serve();
+    Link();
+  }
+  void Link() {
     auto fallback = std::make_unique<FallbackLink>();
     fallback_ = fallback.get();
     link_ = prefiller::MakeTcpDecoderLink(std::move(fallback), Tls(Identity(ca_, "prefill-0")),
@@ -132,21 +141,21 @@ class ReserveTcpTest : public ::testing::Test {
     if (server_) server_->Stop();
     if (decoder_) decoder_->Stop();
   }
-  // A new decoder with `max_seats` decode seats behind a new listener.
-  void Restart(uint32_t max_seats) {
+  // Decode seats: a decoder with one seat, requests a, b and c registered
+  // (prompts pa, pb, pc), a's call holding the seat and b's (`b`) waiting.
+  void OneSeatTakenAndACallWaiting(const std::vector<uint32_t>& pa, const std::vector<uint32_t>& pb,
+                                   const std::vector<uint32_t>& pc, Outcome& b) {
     link_.reset();
     server_->Stop();
     decoder_->Stop();
-    decoder::DecoderOptions o;
-    o.lease_seconds = 30;
-    o.max_seats = max_seats;
-    decoder_ = std::make_unique<decoder::Decoder>(*node_->engine, *node_->transport, o);
-    decoder_->Start();
-    Serve();
-    auto fallback = std::make_unique<FallbackLink>();
-    fallback_ = fallback.get();
-    link_ = prefiller::MakeTcpDecoderLink(std::move(fallback), Tls(Identity(ca_, "prefill-0")),
-                                          "prefiller-descriptor");
+    Build(/*max_seats=*/1);
+    Register("a", pa);
+    Register("b", pb);
+    Register("c", pc);
+    ASSERT_TRUE(Call(Job("a", pa, server_->address())).ok());
+    link_->Reserve(Job("b", pb, server_->address()), "prefill-0", b.Done());
+    ASSERT_TRUE(WaitFor([&] { return decoder_->counts().reserves_waiting == 1; }));
+    EXPECT_NE(b.f.wait_for(0s), std::future_status::ready);
   }
   void Serve(FrameOptions frame = {}) {
     decoder::ReserveTcpOptions so;
@@ -436,16 +445,10 @@ TEST_F(ReserveTcpTest, ADecoderWithoutTheListenerIsReservedOverGrpc) {
 // frees; one whose wait runs out is refused before the call's deadline
 // (RESOURCE_EXHAUSTED, not DEADLINE_EXCEEDED), nothing reserved.
 TEST_F(ReserveTcpTest, ACallWaitsForADecodeSeatOnTheConnection) {
-  Restart(1);
   const auto pa = Prompt(40, 11), pb = Prompt(20, 12), pc = Prompt(20, 13);
-  Register("a", pa);
-  Register("b", pb);
-  Register("c", pc);
-  ASSERT_TRUE(Call(Job("a", pa, server_->address())).ok());
   Outcome b;
-  link_->Reserve(Job("b", pb, server_->address()), "prefill-0", b.Done());
-  ASSERT_TRUE(WaitFor([&] { return decoder_->counts().reserves_waiting == 1; }));
-  EXPECT_NE(b.f.wait_for(0s), std::future_status::ready);
+  OneSeatTakenAndACallWaiting(pa, pb, pc, b);
+  ASSERT_FALSE(HasFatalFailure());
   // Another call on the same connection is not held up behind the waiting one.
   auto none = Call(Job("nope", pc, server_->address()));
   EXPECT_EQ(none.status().code(), StatusCode::kNotFound) << none.status().ToString();
@@ -472,15 +475,10 @@ TEST_F(ReserveTcpTest, ACallWaitsForADecodeSeatOnTheConnection) {
 // 9.5 s wait), nothing reserved for it; the seat that frees later goes
 // to a later call.
 TEST_F(ReserveTcpTest, AConnectionThatEndsTakesItsWaitingCallsOutOfTheQueue) {
-  Restart(1);
   const auto pa = Prompt(40, 14), pb = Prompt(20, 15), pc = Prompt(20, 16);
-  Register("a", pa);
-  Register("b", pb);
-  Register("c", pc);
-  ASSERT_TRUE(Call(Job("a", pa, server_->address())).ok());
   Outcome b;
-  link_->Reserve(Job("b", pb, server_->address()), "prefill-0", b.Done());
-  ASSERT_TRUE(WaitFor([&] { return decoder_->counts().reserves_waiting == 1; }));
+  OneSeatTakenAndACallWaiting(pa, pb, pc, b);
+  ASSERT_FALSE(HasFatalFailure());
   link_.reset();  // the prefiller's connection closes
   const auto tb = b.Get();
   EXPECT_EQ(tb.status().code(), StatusCode::kUnavailable) << tb.status().ToString();
@@ -488,8 +486,7 @@ TEST_F(ReserveTcpTest, AConnectionThatEndsTakesItsWaitingCallsOutOfTheQueue) {
   EXPECT_EQ(decoder_->counts().reserve_waits_expired, 0u);
   EXPECT_EQ(Reservations(), 1u);  // a's only
   // A new connection's call gets the seat a frees.
-  link_ = prefiller::MakeTcpDecoderLink(std::make_unique<FallbackLink>(),
-                                        Tls(Identity(ca_, "prefill-0")), "prefiller-descriptor");
+  Link();
   Outcome c;
   link_->Reserve(Job("c", pc, server_->address()), "prefill-0", c.Done());
   ASSERT_TRUE(WaitFor([&] { return decoder_->counts().reserves_waiting == 1; }));

@@ -159,6 +159,17 @@ inline bool WaitFor(const std::function<bool()>& cond, std::chrono::milliseconds
   return true;
 }
 
+// The success notice a prefiller sends for target `t` once its KV landed.
+inline decoder::KvNoticeInfo SuccessNotice(const decoder::KvTargetInfo& t, uint32_t first_token) {
+  decoder::KvNoticeInfo n;
+  n.request_id = t.request_id;
+  n.reservation_id = t.reservation_id;
+  n.generation = t.generation;
+  n.first_token_id = first_token;
+  n.capability = t.capability;
+  return n;
+}
+
 inline engine::SamplingParams Greedy(uint32_t max_tokens) {
   engine::SamplingParams s;
   s.temperature = 0;
