@@ -266,8 +266,8 @@ Status Decoder::Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
     if (!local && e.spec.deadline) WakeLeaseLoopLocked(*ToSteady(e.spec.deadline));
     // A local prefill decodes here at once: it takes a seat without
     // waiting for one (the engine queues it like any request).
-    if (local) SetStageLocked(requests_.emplace(id, std::move(e)).first->second, Stage::kRunning);
-    else requests_.emplace(id, std::move(e));
+    Entry& added = requests_.emplace(id, std::move(e)).first->second;
+    if (local) SetStageLocked(added, Stage::kRunning);
   }
   if (superseded) {
     superseded->Error(AbortedError(fmt::format("request '{}': superseded by a new Decode stream", id)));
