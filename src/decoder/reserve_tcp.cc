@@ -43,7 +43,9 @@ class ReserveTcpSession final : public FrameSession {
           waiting->Answered(id);
           Reply(decoder, *conn, id, target);
         });
-    waiting_->End(id, ticket);
+    // A call that waits: a prefiller that asked is told so before the
+    // reply (it stops counting the call in its admission budget).
+    waiting_->End(id, ticket, in_.request().tell_seat_wait() ? conn_.get() : nullptr);
     return Status::Ok();
   }
 
@@ -83,10 +85,21 @@ class ReserveTcpSession final : public FrameSession {
       serving_ = id;
       serving_answered_ = false;
     }
-    void End(uint64_t id, uint64_t ticket) {
+    // `tell`: where to send the call's ReserveFrame.seat_wait when it waits
+    // (null: not asked for). Sent under mu_, so that it leaves before the
+    // reply (Answered takes mu_ first).
+    void End(uint64_t id, uint64_t ticket, FrameConn* tell) {
       std::lock_guard lock(mu_);
-      if (ticket != 0 && !serving_answered_) tickets_.emplace(id, ticket);
       serving_ = 0;
+      if (ticket == 0 || serving_answered_) return;
+      tickets_.emplace(id, ticket);
+      if (tell == nullptr) return;
+      pb::ReserveFrame out;
+      out.set_call_id(id);
+      out.mutable_seat_wait();
+      // A connection that cannot take it is closed: OnClosed then takes the
+      // call out of the decoder's queue.
+      if (Status st = tell->Send(out); !st.ok()) tell->Close(st);
     }
     void Answered(uint64_t id) {
       std::lock_guard lock(mu_);

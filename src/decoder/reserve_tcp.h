@@ -9,7 +9,9 @@
 // (Decoder::Reserve does not block), so a Reserve costs the decoder one
 // wake-up; one that waits for a decode seat (ReserveRequest.seat_wait_ms)
 // is answered on the decoder's lease thread when a seat comes free, and
-// leaves the decoder's queue when the connection ends first. A
+// leaves the decoder's queue when the connection ends first; a prefiller
+// that asks (ReserveRequest.tell_seat_wait) is sent ReserveFrame.seat_wait
+// for it first. A
 // reply that cannot be sent (the connection broke or closed for a slow
 // peer) never reached the prefiller, so its reservation is released at
 // once, as by the prefiller's error notice (the request goes back to

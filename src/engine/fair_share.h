@@ -50,9 +50,17 @@ class FairShare {
   // QueueKey. end when empty.
   template <class It, class KeyFn>
   It PickNext(It begin, It end, KeyFn key) const {
+    return PickNextIf(begin, end, key, [](const auto&) { return true; });
+  }
+
+  // The first item of [begin, end) in service order among those for which
+  // `eligible(*it)` holds; end when there is none.
+  template <class It, class KeyFn, class Pred>
+  It PickNextIf(It begin, It end, KeyFn key, Pred eligible) const {
     It best = end;
     QueueKey best_key;
     for (It it = begin; it != end; ++it) {
+      if (!eligible(*it)) continue;
       QueueKey k = key(*it);
       if (best == end || Before(k, best_key)) {
         best = it;

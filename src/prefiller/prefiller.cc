@@ -122,6 +122,8 @@ void Prefiller::Start() {
       [this](const std::string& request_id, ReserveTarget target) {
         OnLateTarget(request_id, target);
       }));
+  link_.SetSeatWaitHandler(
+      lifeline_.Guard([this](const std::string& request_id) { OnSeatWait(request_id); }));
   dispatcher_ = std::jthread([this](std::stop_token stop) { DispatchLoop(stop); });
 }
 
@@ -277,11 +279,17 @@ void Prefiller::DispatchLoop(std::stop_token stop) {
     wake_ = false;
     // The next request in service order, if the ones reserving leave it room
     // in the engine's next step; otherwise a reservation's answer wakes us.
+    // A request for a decoder that holds one of our calls waiting for a seat
+    // waits here, in its place, until that call is answered.
     auto pick = [&]() -> std::optional<std::deque<JobPtr>::iterator> {
       if (queue_.empty()) return std::nullopt;
-      auto next = fair_.PickNext(queue_.begin(), queue_.end(), [](const JobPtr& j) {
+      auto key = [](const JobPtr& j) {
         return engine::QueueKey{j->spec.priority, &j->spec.tenant, j->arrival};
+      };
+      auto next = fair_.PickNextIf(queue_.begin(), queue_.end(), key, [this](const JobPtr& j) {
+        return seat_waiting_.empty() || !seat_waiting_.contains(j->spec.decoder_address);
       });
+      if (next == queue_.end()) return std::nullopt;
       if (admitting_ != 0 && (admitting_ >= options_.max_num_seqs ||
                               admitting_tokens_ + (*next)->spec.prompt_ids.size() >
                                   options_.max_batched_tokens)) {
@@ -305,6 +313,7 @@ void Prefiller::DispatchLoop(std::stop_token stop) {
         fair_.Charge(job->spec.tenant, job->spec.prompt_ids.size());
         job->stage = Stage::kReserving;
         job->reserve_sent = SteadyClock::now();
+        job->admission_held = true;
         ++admitting_;
         admitting_tokens_ += job->spec.prompt_ids.size();
         lock.unlock();
@@ -341,11 +350,36 @@ void Prefiller::DispatchLoop(std::stop_token stop) {
   }
 }
 
+void Prefiller::EndAdmissionLocked(Job& job) {
+  if (job.admission_held) {
+    job.admission_held = false;
+    --admitting_;
+    admitting_tokens_ -= job.spec.prompt_ids.size();
+  }
+  if (job.seat_waiting) {
+    job.seat_waiting = false;
+    auto it = seat_waiting_.find(job.spec.decoder_address);
+    if (it != seat_waiting_.end() && --it->second == 0) seat_waiting_.erase(it);
+  }
+}
+
+void Prefiller::OnSeatWait(const std::string& request_id) {
+  std::lock_guard lock(mu_);
+  auto it = jobs_.find(request_id);
+  if (it == jobs_.end()) return;
+  Job& job = *it->second;
+  if (job.stage != Stage::kReserving || !job.admission_held) return;
+  ++totals_.reserve_seat_waits;
+  EndAdmissionLocked(job);
+  job.seat_waiting = true;
+  ++seat_waiting_[job.spec.decoder_address];
+  if (!queue_.empty()) WakeDispatcherLocked();
+}
+
 void Prefiller::OnReserved(const JobPtr& job, Result<ReserveTarget> target) {
   auto admitted = [this, &job] {
     std::lock_guard lock(mu_);
-    --admitting_;
-    admitting_tokens_ -= job->spec.prompt_ids.size();
+    EndAdmissionLocked(*job);
     if (!queue_.empty()) WakeDispatcherLocked();
   };
   const std::string& id = job->spec.request_id;

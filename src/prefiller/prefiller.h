@@ -151,6 +151,13 @@ class DecoderLink {
   // cannot read a late reply (gRPC drops it at the deadline) ignores this.
   using LateTarget = std::function<void(const std::string& request_id, ReserveTarget target)>;
   virtual void SetLateTargetHandler(LateTarget /*handler*/) {}
+  // Decode seats (docs/serving-workers.md): the decoder holds the open
+  // Reserve call for `request_id` until one of its seats frees (its reply
+  // comes later). At most once per call, before its `done`, on the link's
+  // thread; set before the first Reserve, empty to clear. A link that
+  // cannot tell (gRPC: one reply per call) never calls it.
+  using SeatWait = std::function<void(const std::string& request_id)>;
+  virtual void SetSeatWaitHandler(SeatWait /*handler*/) {}
 };
 
 class Prefiller;
@@ -225,6 +232,8 @@ struct PrefillerCounts {
   uint32_t inflight = 0;  // admitted, not yet replied
   uint32_t queued_prompt_tokens = 0;
   uint64_t reservations_refused = 0;
+  // Reserve calls a decoder held waiting for a decode seat (DecoderLink::SeatWait).
+  uint64_t reserve_seat_waits = 0;
   uint64_t expired_in_queue = 0;
   // Requests dropped (blocks freed, nothing written) because the push
   // target vanished (decoder unreachable, push failed) ...
@@ -283,6 +292,11 @@ class Prefiller {
     kvtransfer::PeerId peer = 0;
     bool have_peer = false;
     std::chrono::steady_clock::time_point reserve_sent, lease_deadline;
+    // Reserving: whether the job counts in admitting_ (until its reply, or
+    // until its decoder says that it waits for a seat), and whether it waits
+    // for a seat (counted in seat_waiting_).
+    bool admission_held = false;
+    bool seat_waiting = false;
     // Engine and transfer:
     bool parked = false;  // prefill done: blocks pinned until ReleasePrefill
     std::shared_ptr<PushStream> push;  // set once the peer is known
@@ -304,6 +318,14 @@ class Prefiller {
   // With mu_ held: wakes the dispatcher if it sleeps.
   void WakeDispatcherLocked();
   void OnReserved(const JobPtr& job, Result<ReserveTarget> target);
+  // DecoderLink::SeatWait: the job's Reserve waits on its decoder for a
+  // seat. It leaves the admission budget (so that requests for other
+  // decoders are admitted meanwhile), and no other request for that decoder
+  // is admitted while one waits there.
+  void OnSeatWait(const std::string& request_id);
+  // With mu_ held: the job leaves the admission budget and seat_waiting_
+  // (each once; either may have been left already).
+  void EndAdmissionLocked(Job& job);
   // A target whose Reserve call had already ended (DecoderLink::LateTarget):
   // nothing was or will be written into it, so the decoder is told at once
   // (an error notice) and frees the reservation.
@@ -366,6 +388,9 @@ class Prefiller {
   std::map<std::string, JobPtr> jobs_;     // guarded by mu_: every live job by id
   uint32_t admitting_ = 0;                 // guarded by mu_: reserving, not yet in the engine
   uint64_t admitting_tokens_ = 0;          // guarded by mu_: their prompt tokens
+  // Decoder (gRPC address) -> this prefiller's Reserve calls waiting there
+  // for a decode seat; queued requests for such a decoder are not admitted.
+  std::map<std::string, uint32_t> seat_waiting_;  // guarded by mu_
   // The dispatcher's sleep (guarded by mu_): whether it sleeps, whether it
   // waits for the engine, until when at most, and whether something woke it.
   bool dispatcher_asleep_ = false;

@@ -32,18 +32,23 @@ constexpr std::chrono::seconds kIdleLook{5};
 // Where a target that came after its call ended goes (the prefiller's
 // DecoderLink::LateTarget), shared by the link's connections.
 using LateTargets = kvtransfer::CallbackSlot<DecoderLink::LateTarget>;
+// Where a call's seat wait goes (DecoderLink::SeatWait), likewise.
+using SeatWaits = kvtransfer::CallbackSlot<DecoderLink::SeatWait>;
 
 // One framed connection to one decoder's reserve listener.
 class ReserveConn final : public std::enable_shared_from_this<ReserveConn> {
  public:
-  ReserveConn(std::shared_ptr<FrameConn> conn, std::shared_ptr<LateTargets> late)
-      : conn_(std::move(conn)), late_(std::move(late)), reader_(conn_, &FrameLoop::Shared()) {}
+  ReserveConn(std::shared_ptr<FrameConn> conn, std::shared_ptr<LateTargets> late,
+              std::shared_ptr<SeatWaits> seat_waits)
+      : conn_(std::move(conn)), late_(std::move(late)), seat_waits_(std::move(seat_waits)),
+        reader_(conn_, &FrameLoop::Shared()) {}
 
   static std::shared_ptr<ReserveConn> Open(const std::string& address, std::shared_ptr<FrameTls> tls,
                                            const FrameOptions& options,
-                                           std::shared_ptr<LateTargets> late) {
+                                           std::shared_ptr<LateTargets> late,
+                                           std::shared_ptr<SeatWaits> seat_waits) {
     auto c = std::make_shared<ReserveConn>(FrameConn::Client(address, std::move(tls), options),
-                                           std::move(late));
+                                           std::move(late), std::move(seat_waits));
     ReserveConn* p = c.get();
     FrameReader::Hooks hooks;
     hooks.on_frame = [p](std::string_view payload) { return p->OnFrame(payload); };
@@ -54,9 +59,11 @@ class ReserveConn final : public std::enable_shared_from_this<ReserveConn> {
     return c;
   }
 
-  // Sends `frame` (its call id set here); `done` runs later on the loop.
-  // False (nothing sent, `done` kept) when the connection has ended.
-  bool Start(pb::ReserveFrame& frame, SteadyClock::time_point deadline, ReserveDone& done) {
+  // Sends `frame` (its call id set here) for `request_id`; `done` runs
+  // later on the loop. False (nothing sent, `done` kept) when the
+  // connection has ended.
+  bool Start(pb::ReserveFrame& frame, const std::string& request_id,
+             SteadyClock::time_point deadline, ReserveDone& done) {
     bool wake = false;
     {
       std::lock_guard lock(mu_);
@@ -72,7 +79,7 @@ class ReserveConn final : public std::enable_shared_from_this<ReserveConn> {
           conn_->Close(st);  // the loop ends every call, this one too
           wake = true;
         }
-        calls_.emplace(id, Pending{std::move(done), deadline});
+        calls_.emplace(id, Pending{std::move(done), deadline, request_id});
         deadlines_.emplace(deadline, id);
         if (deadline < reader_until_) wake = true;
       }
@@ -98,6 +105,8 @@ class ReserveConn final : public std::enable_shared_from_this<ReserveConn> {
   struct Pending {
     ReserveDone done;
     SteadyClock::time_point deadline;
+    std::string request_id;
+    bool seat_wait_told = false;  // its ReserveFrame.seat_wait went to the handler
   };
   using Completion = std::pair<ReserveDone, Result<ReserveTarget>>;
 
@@ -114,6 +123,17 @@ class ReserveConn final : public std::enable_shared_from_this<ReserveConn> {
   Status OnFrame(std::string_view payload) {
     if (!in_.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
       return InvalidArgumentError("a reserve frame does not hold a ReserveFrame");
+    }
+    if (in_.kind_case() == pb::ReserveFrame::kSeatWait) {
+      // The call waits for a decode seat; its reply comes later. (One that
+      // is over here already, e.g. past its deadline, is not told.)
+      std::lock_guard lock(mu_);
+      auto it = calls_.find(in_.call_id());
+      if (it != calls_.end() && !it->second.seat_wait_told) {
+        it->second.seat_wait_told = true;
+        seat_waits_done_.push_back(it->second.request_id);
+      }
+      return Status::Ok();
     }
     ReserveDone done;
     {
@@ -142,8 +162,11 @@ class ReserveConn final : public std::enable_shared_from_this<ReserveConn> {
     return Status::Ok();
   }
 
-  // Runs the completions gathered on the loop thread.
+  // Runs the completions gathered on the loop thread: a call's seat wait
+  // before its reply, which may have come in the same read.
   void Run() {
+    for (const std::string& request_id : seat_waits_done_) seat_waits_->Call([] {}, request_id);
+    seat_waits_done_.clear();
     for (auto& [done, result] : done_) done(std::move(result));
     done_.clear();
     for (auto& [request_id, target] : late_done_) {
@@ -191,6 +214,7 @@ class ReserveConn final : public std::enable_shared_from_this<ReserveConn> {
 
   const std::shared_ptr<FrameConn> conn_;
   const std::shared_ptr<LateTargets> late_;
+  const std::shared_ptr<SeatWaits> seat_waits_;
   std::mutex mu_;
   bool ended_ = false;                                     // guarded by mu_
   uint64_t next_id_ = 1;                                   // guarded by mu_
@@ -201,6 +225,7 @@ class ReserveConn final : public std::enable_shared_from_this<ReserveConn> {
   std::vector<Completion> posted_;  // guarded by mu_: completions for the loop to run
   std::vector<Completion> done_;    // the loop thread only
   std::vector<std::pair<std::string, ReserveTarget>> late_done_;  // the loop thread only
+  std::vector<std::string> seat_waits_done_;  // the loop thread only: request ids
   pb::ReserveFrame in_;             // the loop thread only
   FrameReader reader_;              // last: it ends before the members above go
 };
@@ -230,6 +255,7 @@ class TcpDecoderLink final : public DecoderLink {
     }
     pb::ReserveFrame frame;
     FillReserveRequest(job, prefiller_name, prefiller_descriptor_, layout_, frame.mutable_request());
+    frame.mutable_request()->set_tell_seat_wait(true);  // read in ReserveConn::OnFrame
     if (job.trace.sampled) frame.set_traceparent(tracing::FormatTraceparent(job.trace));
     // On the steady clock: the time left to the system-clock deadline.
     const auto deadline = SteadyClock::now() + std::chrono::duration_cast<SteadyClock::duration>(
@@ -252,13 +278,13 @@ class TcpDecoderLink final : public DecoderLink {
           });
           it = conns_.emplace(job.decoder_reserve_address,
                               ReserveConn::Open(job.decoder_reserve_address, tls_, options_,
-                                                late_))
+                                                late_, seat_waits_))
                    .first;
         }
         conn = it->second;
       }
       gone.clear();
-      if (conn->Start(frame, deadline, done)) return;
+      if (conn->Start(frame, job.request_id, deadline, done)) return;
       // That connection has ended: a new one (once per ended connection).
       std::lock_guard lock(mu_);
       auto it = conns_.find(job.decoder_reserve_address);
@@ -272,6 +298,8 @@ class TcpDecoderLink final : public DecoderLink {
     grpc_->SetLateTargetHandler(handler);
     late_->Set(std::move(handler));
   }
+
+  void SetSeatWaitHandler(SeatWait handler) override { seat_waits_->Set(std::move(handler)); }
 
   ReserveLinkEntries Entries() {
     std::lock_guard lock(mu_);
@@ -288,6 +316,7 @@ class TcpDecoderLink final : public DecoderLink {
   const parallel::ParallelLayout layout_;
   const FrameOptions options_;
   const std::shared_ptr<LateTargets> late_ = std::make_shared<LateTargets>();
+  const std::shared_ptr<SeatWaits> seat_waits_ = std::make_shared<SeatWaits>();
   std::mutex mu_;
   // One per decoder's reserve address; an ended one is replaced on its next use.
   std::map<std::string, std::shared_ptr<ReserveConn>> conns_;  // guarded by mu_

@@ -21,6 +21,10 @@
 // prefiller's failure handling then runs: the proxy retries); the next
 // Reserve to that decoder dials a new connection.
 //
+// Every call asks the decoder to say when it waits for a decode seat
+// (ReserveRequest.tell_seat_wait): its ReserveFrame.seat_wait goes to the
+// SeatWait handler (DecoderLink::SetSeatWaitHandler) before the reply.
+//
 // A job whose decoder advertises no framed address (an older decoder, or
 // decode.reserve_listen: off) is reserved over gRPC, as before.
 //

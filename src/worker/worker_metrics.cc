@@ -96,6 +96,10 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
                                     "Reservations released because their Reserve reply never "
                                     "reached the prefiller (the call ended first, or the reply "
                                     "could not be sent)")),
+      prefill_seat_waits_(r.Counter("tandem_prefill_reserve_seat_waits_total",
+                                    "This prefiller's Reserve calls that a decoder held waiting "
+                                    "for a decode seat (not counted in its admission budget "
+                                    "while they wait)")),
       onboard_seconds_(r.Histogram("tandem_kv_tier_onboard_seconds",
                                    "Time to onboard one prefix hit's host/disk-tier blocks into the "
                                    "device tier",
@@ -213,6 +217,7 @@ void WorkerMetrics::Update(const MetricsSample& s) {
   seat_waiting_.Set(s.seat_waiting);
   Advance(seat_waits_, s.seat_waits, last_.seat_waits);
   Advance(unreceived_replies_, s.unreceived_replies_released, last_.unreceived_replies_released);
+  Advance(prefill_seat_waits_, s.prefill_seat_waits, last_.prefill_seat_waits);
   for (uint32_t t = 0; t < engine::kNumKvTiers; ++t) {
     tier_usage_[t]->Set(s.engine.tier_usage_ratio[t]);
     Advance(*tier_hits_[t], s.engine.tier_hit_tokens[t], last_.engine.tier_hit_tokens[t]);

@@ -30,7 +30,9 @@
 //   tandem_decode_stream_messages_total, tandem_decode_stream_items_total
 // and for decode seats (docs/serving-workers.md "Decode seats"):
 //   tandem_decode_seats_taken, tandem_decode_seat_waiting (gauges),
-//   tandem_decode_seat_waits_total (counter),
+//   tandem_decode_seat_waits_total (counter), and on a prefiller
+//   tandem_prefill_reserve_seat_waits_total (counter): its Reserve calls a
+//   decoder held waiting for a seat (framed transport),
 // and tandem_kv_reserve_replies_unreceived_total (counter): reservations
 // released because their Reserve reply never reached the prefiller
 //   (counters): messages a decoder sent on its DecodeStreams (one per
@@ -73,6 +75,7 @@ struct MetricsSample {
   uint32_t seat_waiting = 0;
   uint64_t seat_waits = 0;
   uint64_t unreceived_replies_released = 0;
+  uint64_t prefill_seat_waits = 0;  // the prefiller's calls that waited
   // Per tenant: the engine's and the prefiller queue's fair-share deficits, summed.
   std::map<std::string, double> fair_share_deficit_tokens;
 };
@@ -121,6 +124,7 @@ class WorkerMetrics {
   prometheus::Gauge& seat_waiting_;
   prometheus::Counter& seat_waits_;
   prometheus::Counter& unreceived_replies_;
+  prometheus::Counter& prefill_seat_waits_;
   std::array<prometheus::Gauge*, engine::kNumKvTiers> tier_usage_{};
   std::array<prometheus::Counter*, engine::kNumKvTiers> tier_hits_{};
   std::array<prometheus::Counter*, engine::kNumKvTiers> tier_evictions_{};

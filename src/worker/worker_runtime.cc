@@ -181,6 +181,7 @@ struct Worker {
     if (prefiller) {
       const prefiller::PrefillerCounts pc = prefiller->counts();
       m.queued_prefills = pc.queued;
+      m.prefill_seat_waits = pc.reserve_seat_waits;
       for (const auto& [tenant, tokens] : pc.fair_share_deficit_tokens) {
         m.fair_share_deficit_tokens[tenant] += tokens;
       }

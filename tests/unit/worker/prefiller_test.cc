@@ -27,6 +27,7 @@ class FakeLink final : public prefiller::DecoderLink {
     std::lock_guard lock(mu_);
     ++reserves;
     pending.push_back(std::move(done));
+    pending_ids.push_back(job.request_id);
     max_pending = std::max(max_pending, pending.size());
     last_prompt = job.prompt_ids;
   }
@@ -44,8 +45,40 @@ class FakeLink final : public prefiller::DecoderLink {
       ASSERT_FALSE(pending.empty());
       done = std::move(pending.front());
       pending.erase(pending.begin());
+      pending_ids.erase(pending_ids.begin());
     }
     std::thread([done = std::move(done), r = std::move(r)]() mutable { done(std::move(r)); }).join();
+  }
+  // Answers the pending Reserve of request `id`.
+  void AnswerId(const std::string& id, Result<ReserveTarget> r) {
+    ReserveDone done;
+    {
+      std::lock_guard lock(mu_);
+      auto it = std::find(pending_ids.begin(), pending_ids.end(), id);
+      ASSERT_NE(it, pending_ids.end()) << "no Reserve pending for " << id;
+      done = std::move(pending[it - pending_ids.begin()]);
+      pending.erase(pending.begin() + (it - pending_ids.begin()));
+      pending_ids.erase(it);
+    }
+    std::thread([done = std::move(done), r = std::move(r)]() mutable { done(std::move(r)); }).join();
+  }
+  std::vector<std::string> PendingIds() {
+    std::lock_guard lock(mu_);
+    return pending_ids;
+  }
+  void SetSeatWaitHandler(SeatWait handler) override {
+    std::lock_guard lock(mu_);
+    seat_wait = std::move(handler);
+  }
+  // The decoder holds `id`'s call waiting for a seat (as the TCP link reports it).
+  void SeatWaitFor(const std::string& id) {
+    SeatWait handler;
+    {
+      std::lock_guard lock(mu_);
+      handler = seat_wait;
+    }
+    ASSERT_TRUE(handler) << "the prefiller set no seat-wait handler";
+    std::thread([&] { handler(id); }).join();
   }
   size_t NumPending() {
     std::lock_guard lock(mu_);
@@ -74,8 +107,10 @@ class FakeLink final : public prefiller::DecoderLink {
   int reserves = 0;
   size_t max_pending = 0;  // Reserves in flight at once, at most
   std::vector<ReserveDone> pending;
+  std::vector<std::string> pending_ids;  // pending's request ids
   std::vector<uint32_t> last_prompt;
   LateTarget late;
+  SeatWait seat_wait;
 };
 
 class PrefillerTest : public ::testing::Test {
@@ -328,6 +363,53 @@ TEST_F(PrefillerTest, ReservesAStepsWorthOfRequestsAtOnce) {
   EXPECT_EQ(finished.load(), 5);
   EXPECT_EQ(link_.max_pending, 3u);
   EXPECT_EQ(node_->engine->stats().prefix_query_tokens, 0u);  // nothing reached the engine
+}
+
+// Decode seats (docs/serving-workers.md): a call that waits on its decoder
+// for a seat leaves the admission budget, so that a request for another
+// decoder is reserved meanwhile; a later request for the waiting decoder
+// keeps its place in the queue until that call is answered. Before, the
+// waiting call held the budget (here: one request) and every request behind
+// it waited, whichever its decoder.
+TEST_F(PrefillerTest, ACallWaitingForASeatLeavesTheBudgetAndHoldsBackOnlyItsDecoder) {
+  MakePrefiller(/*max_queue=*/8);  // a budget of one 20-token request
+  std::atomic<int> finished{0};
+  auto count = [&](Result<PrefillResult> r) {
+    EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+    ++finished;
+  };
+  auto job = [&](const std::string& id, uint32_t seed, const std::string& decoder) {
+    PrefillJob j = Job(id, Prompt(20, seed));
+    j.decoder_address = decoder;
+    return j;
+  };
+  ASSERT_TRUE(prefiller_->Submit(job("x1", 1, "decoder-x:1"), count).ok());
+  ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1; }));
+  ASSERT_TRUE(prefiller_->Submit(job("x2", 2, "decoder-x:1"), count).ok());
+  ASSERT_TRUE(prefiller_->Submit(job("y1", 3, "decoder-y:1"), count).ok());
+  ASSERT_TRUE(prefiller_->Submit(job("y2", 4, "decoder-y:1"), count).ok());
+  EXPECT_EQ(prefiller_->counts().queued, 3u);
+  // x1 waits on decoder x: y1 is reserved, x2 (earlier) is held back.
+  link_.SeatWaitFor("x1");
+  ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 2; }));
+  EXPECT_EQ(link_.PendingIds(), (std::vector<std::string>{"x1", "y1"}));
+  EXPECT_EQ(prefiller_->counts().reserve_seat_waits, 1u);
+  link_.SeatWaitFor("x1");  // told twice: counted once
+  EXPECT_EQ(prefiller_->counts().reserve_seat_waits, 1u);
+  // y1's answer frees the budget: y2 goes before x2, whose decoder still
+  // holds x1.
+  link_.AnswerId("y1", ResourceExhaustedError("no room"));
+  ASSERT_TRUE(WaitFor([&] { return link_.Reserves() == 3; }));
+  EXPECT_EQ(link_.PendingIds(), (std::vector<std::string>{"x1", "y2"}));
+  // x1 answered: x2 is reserved once the budget has room (y2's answer).
+  link_.AnswerId("x1", ResourceExhaustedError("no seat came free"));
+  link_.AnswerId("y2", ResourceExhaustedError("no room"));
+  ASSERT_TRUE(WaitFor([&] { return link_.Reserves() == 4; }));
+  EXPECT_EQ(link_.PendingIds(), std::vector<std::string>{"x2"});
+  link_.AnswerId("x2", ResourceExhaustedError("no room"));
+  EXPECT_EQ(finished.load(), 4);
+  EXPECT_EQ(prefiller_->counts().inflight, 0u);
+  EXPECT_EQ(link_.max_pending, 2u);
 }
 
 TEST_F(PrefillerTest, CancelWhileReservingTellsTheDecoderToFreeTheSlots) {

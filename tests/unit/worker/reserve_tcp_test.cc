@@ -135,6 +135,15 @@ class ReserveTcpTest : public ::testing::Test {
     fallback_ = fallback.get();
     link_ = prefiller::MakeTcpDecoderLink(std::move(fallback), Tls(Identity(ca_, "prefill-0")),
                                           "prefiller-descriptor");
+    link_->SetSeatWaitHandler([this](const std::string& request_id) {
+      std::lock_guard lock(seat_waits_mu_);
+      seat_waits_.push_back(request_id);
+    });
+  }
+  // The request ids the link's seat-wait handler was given, in order.
+  std::vector<std::string> SeatWaits() {
+    std::lock_guard lock(seat_waits_mu_);
+    return seat_waits_;
   }
   void TearDown() override {
     link_.reset();  // its connections end first
@@ -192,6 +201,8 @@ class ReserveTcpTest : public ::testing::Test {
   std::unique_ptr<FrameServer> server_;
   FallbackLink* fallback_ = nullptr;
   std::unique_ptr<prefiller::DecoderLink> link_;
+  std::mutex seat_waits_mu_;
+  std::vector<std::string> seat_waits_;  // guarded by seat_waits_mu_
 };
 
 TEST_F(ReserveTcpTest, CallsOnOneConnectionGetTheDecodersTargets) {
@@ -495,6 +506,29 @@ TEST_F(ReserveTcpTest, AConnectionThatEndsTakesItsWaitingCallsOutOfTheQueue) {
   ASSERT_TRUE(tc.ok()) << tc.status().ToString();
   EXPECT_EQ(decoder_->counts().reserve_waits, 2u);
   EXPECT_EQ(decoder_->counts().unreceived_replies_released, 0u);  // b's was never reserved
+}
+
+// The link tells its prefiller when a call waits for a seat
+// (ReserveFrame.seat_wait, which the link asks for): once, before the call's
+// reply, so that the prefiller stops counting the call in its admission
+// budget. A call answered at once (a's, c's) is never told.
+TEST_F(ReserveTcpTest, AWaitingCallIsToldSoBeforeItsReply) {
+  const auto pa = Prompt(40, 17), pb = Prompt(20, 18), pc = Prompt(20, 19);
+  Outcome b;
+  OneSeatTakenAndACallWaiting(pa, pb, pc, b);
+  ASSERT_FALSE(HasFatalFailure());
+  // The handler runs on the link's thread once the decoder's frame is read.
+  ASSERT_TRUE(WaitFor([&] { return !SeatWaits().empty(); }));
+  EXPECT_EQ(SeatWaits(), std::vector<std::string>{"b"});
+  EXPECT_NE(b.f.wait_for(0s), std::future_status::ready);  // the reply comes later
+  decoder_->Cancel("a");
+  auto tb = b.Get();
+  ASSERT_TRUE(tb.ok()) << tb.status().ToString();
+  // c finds a seat (a's freed one went to b; cancelling b frees it again).
+  decoder_->Cancel("b");
+  ASSERT_TRUE(Call(Job("c", pc, server_->address())).ok());
+  EXPECT_EQ(SeatWaits(), std::vector<std::string>{"b"});
+  EXPECT_EQ(decoder_->counts().reserve_waits, 1u);
 }
 
 }  // namespace
