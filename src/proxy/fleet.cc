@@ -73,6 +73,7 @@ Status Fleet::Register(const WorkerRecord& w) {
   info.zone = w.zone.empty() ? defaults.zone : w.zone;
   info.epoch = w.epoch;
   info.num_blocks = w.num_blocks;
+  info.decode_seats = w.decode_seats;
   info.block_bytes = w.block_bytes;
   info.tensor_parallel = std::max(1u, w.tensor_parallel);
   info.pipeline_parallel = std::max(1u, w.pipeline_parallel);

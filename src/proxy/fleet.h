@@ -38,6 +38,7 @@ struct WorkerRecord {
   uint64_t hash_root = 0;              // RootHash of its hash context, tenant salt empty
   uint64_t block_bytes = 0;
   uint32_t num_blocks = 0;
+  uint32_t decode_seats = 0;  // WorkerInfo.decode_seats (0: unknown)
   uint64_t epoch = 0;
   std::string node;
   std::string zone;

@@ -205,6 +205,9 @@ RouterMetrics::RouterMetrics(MetricsRegistry& r, uint32_t block_size_tokens)
       room_by_report_(r.Counter("tandem_router_room_by_report_total",
                                 "Decisions whose decoder had room only by its last load report "
                                 "(the routes since made it look full); its Reserve decides")),
+      seat_deferred_(r.Counter("tandem_router_seat_deferred_total",
+                               "Decode candidates with KV room passed over because more of their "
+                               "decode seats were taken (a higher seat round) than another's")),
       hit_tokens_(r.Histogram("tandem_router_predicted_prefix_hit_tokens",
                               "Prompt tokens the router predicts cached where the prefill runs",
                               {0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
@@ -245,6 +248,7 @@ void RouterMetrics::CountDecision(const router::RouteDecision& d, const std::str
   if (d.hot_prefix_prefill || d.hot_prefix_decode) hot_prefix_guards_.Increment();
   if (d.conditional_local) conditional_local_.Increment();
   if (d.room_by_report) room_by_report_.Increment();
+  if (d.seat_deferred > 0) seat_deferred_.Increment(d.seat_deferred);
   const double hit = static_cast<double>(d.prefill_overlap_blocks) * block_size_tokens_;
   hit_tokens_.Observe(hit);
   if (d.prompt_tokens > 0) hit_ratio_.Observe(hit / d.prompt_tokens);

@@ -230,6 +230,7 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
     rep.active_decode_blocks = l.active_decode_blocks();
     rep.free_blocks = l.free_blocks();
     rep.running_requests = l.running_requests();
+    rep.registered_requests = l.registered_requests();
     rep.prefill_tokens_total = l.prefill_tokens_total();
     rep.prefill_seconds_total = l.prefill_seconds_total();
     router.ApplyLoadReport(id, rep).IgnoreError();
@@ -339,6 +340,7 @@ void RegistryService::HandleRegister(const pb::RegisterRequest& request,
   rec.hash_root = w.hash_root();
   rec.block_bytes = w.block_bytes();
   rec.num_blocks = w.num_blocks();
+  rec.decode_seats = w.decode_seats();
   rec.epoch = w.epoch();
   rec.tensor_parallel = std::max(1u, w.tensor_parallel());
   rec.pipeline_parallel = std::max(1u, w.pipeline_parallel());

@@ -11,6 +11,7 @@ void LoadTracker::Refresh(State& s) {
   e.free_blocks = s.report.free_blocks - s.timed_sum.decode_blocks;
   e.reported_free_blocks = s.report.free_blocks;
   e.running_requests = s.foreign_running + s.open_running + s.timed_sum.running;
+  e.seat_demand = int64_t{s.report.registered_requests} + s.timed_sum.running;
   e.free_known = s.free_known;
 }
 

@@ -44,6 +44,9 @@ struct WorkerLoad {
   int64_t running_requests = 0;
   bool free_known = false;  // false: no report and no pool size yet
   int64_t reported_free_blocks = 0;  // the last report's alone (before one: the pool size)
+  // Decoder: requests registered there (each holds or will need a decode
+  // seat): the report's plus the routes made since that it does not count.
+  int64_t seat_demand = 0;
 };
 
 // The timed part of a prediction.

@@ -37,11 +37,12 @@ std::string WorkerStr(WorkerId w) { return w == kNoWorker ? "-" : std::to_string
 std::string RouteDecision::DebugString() const {
   std::string s;
   s.reserve(96 + 20 * (prefill_scores.size() + decode_scores.size()));
-  Append(&s, "policy=%s p=%s d=%s local=%d%s cost=%.2f(p=%.2f d=%.2f t=%.2f) ovl p=%u d=%u/%u xfer=%u guard=%c%c%s |P",
+  Append(&s, "policy=%s p=%s d=%s local=%d%s cost=%.2f(p=%.2f d=%.2f t=%.2f) ovl p=%u d=%u/%u xfer=%u guard=%c%c%s%s |P",
          std::string(PolicyName(policy)).c_str(), WorkerStr(prefill).c_str(), WorkerStr(decode).c_str(),
          local_prefill ? 1 : 0, conditional_local ? "(cond)" : "", cost, prefill_cost, decode_cost, transfer_cost,
          prefill_overlap_blocks, decode_overlap_blocks, prompt_blocks, transfer_blocks,
-         hot_prefix_prefill ? 'P' : '-', hot_prefix_decode ? 'D' : '-', room_by_report ? " room=report" : "");
+         hot_prefix_prefill ? 'P' : '-', hot_prefix_decode ? 'D' : '-', room_by_report ? " room=report" : "",
+         seat_deferred > 0 ? " seats=deferred" : "");
   for (const WorkerScore& w : prefill_scores) Append(&s, " %u:%.2f/%u", w.worker, w.cost, w.overlap_blocks);
   s += " |D";
   for (const WorkerScore& w : decode_scores) {

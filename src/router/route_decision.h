@@ -74,6 +74,9 @@ struct RouteDecision {
   // predictions since), so the decoder was chosen by its last report alone:
   // its Reserve decides (docs/router.md, "Room").
   bool room_by_report = false;
+  // Decode seats (kv_aware): decoders with room left out because their seat
+  // round (requests registered / seats) was above the lowest one.
+  uint32_t seat_deferred = 0;
 
   // Set by Router::Route (not by Score): the caller ends it with
   // Router::EndPrefill once this route's prefill is over, and with

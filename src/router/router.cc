@@ -290,7 +290,8 @@ void Router::BuildCandidatesLocked(const OverlapBlocks& overlap, const TierOverl
                                     overlap[id], lower.host[id] + lower.disk[id],
                                     lower.host[id] * std::max(0.0, 1.0 - options_.host_tier_onboard_cost) +
                                         lower.disk[id] * std::max(0.0, 1.0 - options_.disk_tier_onboard_cost),
-                                    e.info.num_blocks ? held / e.info.num_blocks : held, e.layout_id});
+                                    e.info.num_blocks ? held / e.info.num_blocks : held, e.layout_id,
+                                    e.info.decode_seats});
   }
 }
 

@@ -51,6 +51,7 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
   out->prefill_overlap_blocks = out->decode_overlap_blocks = out->transfer_blocks = 0;
   out->prefill_cost = out->decode_cost = out->transfer_cost = out->cost = 0;
   out->room_by_report = false;
+  out->seat_deferred = 0;
   out->prefill_scores.clear();
   out->decode_scores.clear();
   const int64_t prompt_blocks = out->prompt_blocks;
@@ -109,6 +110,26 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
                                     " counting the routes made since)");
     }
     out->room_by_report = true;
+  }
+  if (kv) {
+    // Decode seats: the decoders with room in the lowest seat round. A
+    // request there waits fewer generations of decode batches than on any
+    // other, which outweighs any KV cost difference between them.
+    int64_t lowest = INT64_MAX;
+    std::array<int64_t, kMaxWorkers> round;  // [workers]
+    for (uint32_t k = 0; k < ds.n; ++k) {
+      const uint32_t i = ds.idx[k];
+      const uint32_t seats = w[i].decode_seats;
+      round[i] = seats == 0 ? 0 : std::max<int64_t>(0, w[i].load.seat_demand) / seats;
+      if (room[i]) lowest = std::min(lowest, round[i]);
+    }
+    for (uint32_t k = 0; k < ds.n; ++k) {
+      const uint32_t i = ds.idx[k];
+      if (room[i] && round[i] > lowest) {
+        room[i] = false;
+        ++out->seat_deferred;
+      }
+    }
   }
   for (uint32_t k = 0; k < ds.n; ++k) {
     const uint32_t i = ds.idx[k];

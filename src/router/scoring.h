@@ -15,6 +15,12 @@
 //   transfer    = transfer_cost_per_ms * new_blocks_d * block_bytes / bandwidth(p, d) in ms
 //                 (0 when p == d)
 //   cost        = prefill(p) + decode(d) + transfer
+// Decode seats (kv_aware only): a decoder's seat round is
+// load.seat_demand / decode_seats (whole rounds: 0 = the request gets a
+// seat at once, 1 = it waits for one batch of the decoder's requests to
+// end, ...). Only the decoders with room in the lowest round are candidates,
+// so that a decoder whose seats are all taken gets no request while another
+// has one free, and saturated decoders fill in proportion to their seats.
 // The minimum wins; ties go to the pair with fewer running requests, then
 // the prefiller whose cache is least full, then the decoder likewise (so
 // prefixes no worker holds yet spread over the fleet's capacity instead of
@@ -58,6 +64,7 @@ struct Candidate {
   // unknown). Breaks ties between equal-cost pairs, so cold prefixes spread.
   double cache_fill = 0;
   uint32_t layout_id = 0;  // its rank layout, a row/column of ScoringParams::layout_compat
+  uint32_t decode_seats = 0;  // WorkerInfo::decode_seats (0: unknown, seats ignored)
 };
 
 struct ScoringParams {

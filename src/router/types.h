@@ -31,6 +31,9 @@ struct WorkerInfo {
   std::string zone;   // label "zone"
   uint64_t epoch = 0;            // random per process start (KV event epoch)
   uint32_t num_blocks = 0;       // KV pool size; free blocks until the first report (0: unknown)
+  // Decode seats: requests a decoder holds reserved or decoding at once
+  // (its scheduler.max_num_seqs); 0: unknown, seats ignored.
+  uint32_t decode_seats = 0;
   uint64_t block_bytes = 0;      // bytes of one KV block (all layers), for transfer time
   // Its rank layout (issue 18) and the model dimensions it splits: a
   // prefiller is paired only with decoders whose layout
@@ -47,6 +50,9 @@ struct LoadReport {
   uint32_t active_decode_blocks = 0;
   uint32_t free_blocks = 0;
   uint32_t running_requests = 0;
+  // Decoder: requests registered (Decode streams open), each of which holds
+  // or will need one of its decode seats.
+  uint32_t registered_requests = 0;
   // Totals since the worker started: prefill tokens computed and the
   // seconds of the engine steps that computed them (its prefill rate).
   uint64_t prefill_tokens_total = 0;

@@ -48,6 +48,7 @@ void FillWorkerInfo(const WorkerIdentity& id, pb::WorkerInfo* out) {
   out->set_head_dim(id.head_dim);
   out->set_block_bytes(id.block_bytes);
   out->set_num_blocks(id.num_blocks);
+  out->set_decode_seats(id.decode_seats);
   out->set_epoch(id.epoch);
   out->set_transport_backend(id.transport_backend);
   out->set_fleet_salt_fingerprint(id.fleet_salt_fingerprint);

@@ -545,6 +545,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   // A rank group's transport holds rank 0's slice; the fleet compares whole blocks.
   if (pl.world() > 1) id.block_bytes = model_block_bytes;
   id.num_blocks = eo.num_blocks;
+  if (cmd.role != "prefill") id.decode_seats = w.fleet.scheduler.max_num_seqs;
   id.epoch = w.engine->events().epoch();
   id.transport_backend = w.transport->capabilities().backend;
   // Issue 18: the rank layout whose KV slices a transfer moves. A sim

@@ -63,6 +63,7 @@ struct WorkerIdentity {
   uint32_t head_dim = 0;
   uint64_t block_bytes = 0;
   uint32_t num_blocks = 0;
+  uint32_t decode_seats = 0;  // decode/both: scheduler.max_num_seqs (WorkerInfo.decode_seats)
   uint64_t epoch = 0;
   std::string transport_backend;
   std::string fleet_salt_fingerprint;  // FleetSaltFingerprint(cache.salt)

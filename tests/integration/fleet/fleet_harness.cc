@@ -462,12 +462,14 @@ std::optional<size_t> WaitForLogLine(const std::string& path, const std::string&
 
 Result<WorkerAddr> JoinWorker(const Fleet& fleet, const std::string& role, const std::string& name,
                               const std::string& log, const std::vector<std::string>& env,
-                              std::chrono::seconds limit, const std::vector<std::string>& join) {
+                              std::chrono::seconds limit, const std::vector<std::string>& join,
+                              const std::string& config) {
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) return InternalError("pipe failed");
   // Everything the child needs is built before fork (it only execs).
   constexpr int kReadyFd = 100;
-  std::vector<std::string> args = {Tandem(), role, "--config", fleet.config_path(), "--grpc",
+  std::vector<std::string> args = {Tandem(), role, "--config",
+                                   config.empty() ? fleet.config_path() : config, "--grpc",
                                    "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--name", name,
                                    "--ready-fd", std::to_string(kReadyFd)};
   // --join proxy.internal and the state file's identity (the internal mTLS).

@@ -193,11 +193,14 @@ std::optional<size_t> WaitForLogLine(const std::string& path, const std::string&
 // to `log`. Waits (bounded) for its ready line, which it writes once the
 // proxy registered it; registered with the reaper. Stop it with
 // StopProcess (Fleet's destructor does not know it). `join`, when not
-// empty, replaces `--join <proxy>` (e.g. {"--join-dns", "localhost:PORT"}).
+// empty, replaces `--join <proxy>` (e.g. {"--join-dns", "localhost:PORT"});
+// `config`, when not empty, replaces the fleet's file (e.g. a copy with
+// other scheduler settings).
 Result<WorkerAddr> JoinWorker(const Fleet& fleet, const std::string& role, const std::string& name,
                               const std::string& log, const std::vector<std::string>& env = {},
                               std::chrono::seconds limit = std::chrono::seconds(60),
-                              const std::vector<std::string>& join = {});
+                              const std::vector<std::string>& join = {},
+                              const std::string& config = "");
 // The gauges that read 0 on an idle worker: running and waiting sequences,
 // reservations, parked and queued prefills, KV blocks used, quarantined
 // blocks (a build without a gauge reads 0 for it).

@@ -107,6 +107,7 @@ TEST_F(WorkerJoinTest, RegistersItsRealAddressesAndGeometryBeforeReady) {
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
   EXPECT_EQ(w.fleet_salt_fingerprint(), FleetSaltFingerprint(fleet->cache.salt));
   EXPECT_EQ(w.hash_root(), RootHash(HashContextFromFleet(*fleet)));
+  EXPECT_EQ(w.decode_seats(), fleet->scheduler.max_num_seqs);  // docs/router.md, "Decode seats"
   EXPECT_EQ(w.transport_backend(), "ucx");
   EXPECT_EQ(w.protocol_version(), 1u);
   EXPECT_NE(w.epoch(), 0u);

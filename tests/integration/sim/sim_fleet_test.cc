@@ -97,6 +97,68 @@ TEST(SimFleet, OneP1DServesDeterministicallyAndSaysSimulated) {
   EXPECT_EQ(*stopped, 0);
 }
 
+// Decode seats in routing (docs/router.md, "Decode seats"): the launcher's
+// 32-seat decoder and a 4-seat one joined by hand (the same KV pool) share a
+// burst of 72 streams by their seats (about 4 of every 36), not half each as
+// the KV-block cost alone splits it.
+TEST(SimFleet, ABurstFillsDecodersByTheirSeats) {
+  FleetOptions o;
+  o.prefill = 1;
+  o.decode = 1;
+  o.max_num_seqs = 32;
+  o.max_batched_tokens = 512;
+  o.policy = "kv_aware";
+  o.model_yaml = "  backend: sim\n  name: itest\n  max_model_len: 4096\n";
+  o.extra_yaml = fmt::format(
+      "sim:\n  profile: H100\n  model_shape: {}/configs/sim/models/llama-3-8b\n  kv_scale: 256\n",
+      TANDEM_SOURCE_DIR);
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  // The small decoder's file: the fleet's with 4 seats.
+  std::string text = ReadText((*fleet)->config_path());
+  const std::string seats = "max_num_seqs: 32\n";
+  const size_t at = text.find(seats);
+  ASSERT_NE(at, std::string::npos) << text;
+  text.replace(at, seats.size(), "max_num_seqs: 4\n");
+  const std::string small_config = (*fleet)->config_path() + ".small.yaml";
+  {
+    FILE* f = fopen(small_config.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    ASSERT_EQ(fwrite(text.data(), 1, text.size(), f), text.size());
+    fclose(f);
+  }
+  auto small = JoinWorker(**fleet, "decode", "decode-small", (*fleet)->log_path() + ".small", {},
+                          std::chrono::seconds(60), {}, small_config);
+  ASSERT_TRUE(small.ok()) << small.status().ToString();
+
+  constexpr int kStreams = 72;
+  static constexpr uint32_t kTokens = 64;
+  const std::string proxy = (*fleet)->proxy_grpc();
+  std::vector<std::future<Result<Completion>>> futures;
+  for (int i = 0; i < kStreams; ++i) {
+    futures.push_back(std::async(std::launch::async, [&proxy, i] {
+      GenerateArgs a;
+      a.prompt_ids = PromptIds(300 + i, 32, 4000);
+      a.max_tokens = kTokens;
+      return Generate(proxy, a);
+    }));
+  }
+  for (auto& f : futures) {
+    auto c = f.get();
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    EXPECT_EQ(c->completion_tokens, kTokens);
+  }
+  const std::string pm = (*fleet)->proxy_metrics();
+  const double to_small =
+      LabeledMetric(pm, "tandem_router_decisions_total", "chosen_worker=\"decode-small\"");
+  const double to_big = LabeledMetric(pm, "tandem_router_decisions_total", "chosen_worker=\"decode-0\"");
+  EXPECT_GE(to_small + to_big, kStreams);
+  EXPECT_GE(to_small, 1);
+  EXPECT_LE(to_small, 18) << "by KV blocks alone it gets about half (36)";
+  EXPECT_GT(Metric(pm, "tandem_router_seat_deferred_total"), 0);
+  EXPECT_EQ(StopProcess(small->pid, std::chrono::seconds(30)), 0);
+}
+
 struct CmdOut {
   int code = -1;
   std::string out;

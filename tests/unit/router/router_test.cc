@@ -217,6 +217,60 @@ TEST(RouterTest, LoadReportsReplaceTimedPredictionsAndAddOnlyForeignPrefills) {
   EXPECT_EQ(f.router->ApplyLoadReport(7, {}).code(), StatusCode::kNotFound);
 }
 
+// Decode seats (docs/router.md, "Decode seats"): a burst fills decoders in
+// proportion to their seats (scheduler.max_num_seqs), not 50/50 by KV
+// blocks, and a decoder whose seats are all taken (by its report) gets no
+// request while another has one free, even with the prompt cached there.
+TEST(RouterTest, DecodersFillInProportionToTheirSeats) {
+  for (const bool seats_known : {true, false}) {
+    SCOPED_TRACE(seats_known ? "seats advertised" : "seats unknown (0)");
+    Fleet f(RouterConfig{}, RouterOptions{.report_lag_ns = 5'000'000});
+    f.Add("p", WorkerRole::kPrefill);
+    auto add_decoder = [&](const std::string& name, uint32_t seats) {
+      WorkerInfo info;
+      info.name = name;
+      info.role = WorkerRole::kDecode;
+      info.epoch = 1;
+      info.num_blocks = 100000;
+      info.decode_seats = seats_known ? seats : 0;
+      return f.router->AddWorker(info).value();
+    };
+    const WorkerId small = add_decoder("d-small", 8);
+    const WorkerId big = add_decoder("d-big", 128);
+    std::vector<int> routed(2, 0);
+    for (int r = 0; r < 272; ++r) {
+      const RouteDecision d = f.Route(Chain(uint64_t(r) * 1000, 1), 16);
+      ASSERT_TRUE(d.decode == small || d.decode == big);
+      ++routed[d.decode == small ? 0 : 1];
+      f.Advance(1'000);
+    }
+    if (seats_known) {
+      EXPECT_EQ(routed[0], 16);   // two rounds of 8
+      EXPECT_EQ(routed[1], 256);  // two rounds of 128
+    } else {
+      EXPECT_EQ(routed[0], 136);  // by KV blocks alone: half each
+      EXPECT_EQ(routed[1], 136);
+    }
+    // Reports replace the predictions: the small decoder holds 8 requests
+    // (all its seats), the big one 100 of its 128. The small one caches the
+    // next prompt, and loses it to a free seat when seats are known.
+    f.Advance(10'000'000);
+    ASSERT_TRUE(f.router->ApplyLoadReport(small, {.active_decode_blocks = 8, .free_blocks = 99992,
+                                                  .running_requests = 8, .registered_requests = 8})
+                    .ok());
+    ASSERT_TRUE(f.router->ApplyLoadReport(big, {.active_decode_blocks = 100, .free_blocks = 99900,
+                                                .running_requests = 100, .registered_requests = 100})
+                    .ok());
+    EXPECT_EQ(f.router->load(small)->seat_demand, 8);
+    EXPECT_EQ(f.router->load(big)->seat_demand, 100);
+    const std::vector<uint64_t> cached = Chain(9'000'000, 4);
+    f.Store(small, 1, cached);
+    const RouteDecision d = f.Route(cached, 64);
+    EXPECT_EQ(d.decode, seats_known ? big : small) << d.DebugString();
+    EXPECT_EQ(d.seat_deferred, seats_known ? 1u : 0u);
+  }
+}
+
 TEST(RouterTest, PredictionsExpireWithoutReports) {
   Fleet f(RouterConfig{}, RouterOptions{.max_prediction_age_ns = 2'000'000'000});
   const WorkerId p = f.Add("p", WorkerRole::kPrefill);
