@@ -604,16 +604,21 @@ void Prefiller::OnOutput(const JobPtr& job, const engine::RequestOutput& out) {
 void Prefiller::OnTransferDone(const JobPtr& job, kvtransfer::XferStatus status,
                                const Status& detail) {
   const std::string& id = job->spec.request_id;
-  engine_.ReleasePrefill(id).IgnoreError();
   if (status == kvtransfer::XferStatus::kSuccess) {
     PrefillResult r;
+    bool live;
     {
       std::lock_guard lock(mu_);
       job->result.transfer_seconds = SecondsSince(job->transfer_started);
       job->result.transferred_bytes = job->push->bytes_posted();
       job->result.transfers = job->push->transfers_posted();
       r = job->result;
+      live = job->stage != Stage::kDone;
     }
+    // The prefill's numbers before its parked blocks leave the engine: a
+    // scrape that finds this worker idle (no parked prefill) counts it.
+    if (live && options_.on_complete) options_.on_complete(r);
+    engine_.ReleasePrefill(id).IgnoreError();
     LogRequest(spdlog::level::debug, id,
                "pushed {} KV blocks ({} bytes, {} cached on the decoder) in {} transfers, {:.4f} s "
                "of it after the prefill; prefill {:.4f} s, {} prompt tokens cached here",
@@ -622,6 +627,7 @@ void Prefiller::OnTransferDone(const JobPtr& job, kvtransfer::XferStatus status,
     Complete(job, r);
     return;
   }
+  engine_.ReleasePrefill(id).IgnoreError();
   bool cancelled;
   {
     std::lock_guard lock(mu_);
@@ -704,7 +710,6 @@ void Prefiller::Complete(const JobPtr& job, Result<PrefillResult> result) {
   // Its engine request has ended (an abort ends one without a step), be it
   // waiting or running.
   EngineMoved(EngineWait::kNone);
-  if (result.ok() && options_.on_complete) options_.on_complete(*result);
   if (done) done(std::move(result));
 }
 

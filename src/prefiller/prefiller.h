@@ -206,7 +206,9 @@ struct PrefillerOptions {
   PushMode push_mode = PushMode::kStreaming;
   // transport.checksum: the notice carries XXH3-64 of every pushed block.
   bool checksum = true;
-  // Called (on any thread) for every completed prefill with its numbers.
+  // Called (on any thread) for every completed prefill with its numbers,
+  // before its parked blocks are released (so a worker seen idle has
+  // counted it) and before its `done`.
   std::function<void(const PrefillResult&)> on_complete;
   // Issue 18 (docs/parallelism.md, "KV transfer between different
   // layouts"): this prefiller's rank layout and the model's KV dims (zero
