@@ -41,7 +41,7 @@ struct WorkerScore {
   WorkerId worker = kNoWorker;
   double cost = 0;              // side cost, without transfer
   uint32_t overlap_blocks = 0;  // leading prompt blocks it caches
-  bool no_room = false;         // decode side: fewer free blocks than needed
+  bool no_room = false;         // decode side: fewer free blocks than needed, or left out for its seat round
 };
 
 struct RouteDecision {

@@ -111,17 +111,34 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
     }
     out->room_by_report = true;
   }
+  // Whether p's KV can reach d (their rank layouts, issue 18).
+  const uint64_t* compat = params.layout_compat;
+  auto compatible = [&](uint32_t p, uint32_t d) {
+    return compat == nullptr || p == d || ((compat[w[p].layout_id] >> w[d].layout_id) & 1) != 0;
+  };
   if (kv) {
     // Decode seats: the decoders with room in the lowest seat round. A
     // request there waits fewer generations of decode batches than on any
-    // other, which outweighs any KV cost difference between them.
+    // other, which outweighs any KV cost difference between them. Only a
+    // decoder some prefiller here can serve sets the lowest round (one that
+    // none reaches must not leave the others out).
+    bool any_prefill_role = false;
+    for (uint32_t a = 0; a < ps.n; ++a) any_prefill_role |= w[ps.idx[a]].role == WorkerRole::kPrefill;
+    auto reachable = [&](uint32_t d) {
+      if (w[d].role == WorkerRole::kBoth) return true;  // it prefills for itself
+      for (uint32_t a = 0; a < ps.n && any_prefill_role; ++a) {
+        const uint32_t p = ps.idx[a];
+        if (w[p].role == WorkerRole::kPrefill && compatible(p, d)) return true;
+      }
+      return false;
+    };
     int64_t lowest = INT64_MAX;
     std::array<int64_t, kMaxWorkers> round;  // [workers]
     for (uint32_t k = 0; k < ds.n; ++k) {
       const uint32_t i = ds.idx[k];
       const uint32_t seats = w[i].decode_seats;
       round[i] = seats == 0 ? 0 : std::max<int64_t>(0, w[i].load.seat_demand) / seats;
-      if (room[i]) lowest = std::min(lowest, round[i]);
+      if (room[i] && round[i] < lowest && reachable(i)) lowest = round[i];
     }
     for (uint32_t k = 0; k < ds.n; ++k) {
       const uint32_t i = ds.idx[k];
@@ -158,11 +175,6 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
     return w[p].node_id == w[d].node_id ? 0 : (w[p].zone_id == w[d].zone_id ? 1 : 2);
   };
   auto transfer = [&](uint32_t p, uint32_t d) { return p == d ? 0.0 : tcd[d][link(p, d)]; };
-  // Whether p's KV can reach d (their rank layouts, issue 18).
-  const uint64_t* compat = params.layout_compat;
-  auto compatible = [&](uint32_t p, uint32_t d) {
-    return compat == nullptr || p == d || ((compat[w[p].layout_id] >> w[d].layout_id) & 1) != 0;
-  };
   // Whether p may prefill for d: a 'both' prefiller keeps the request.
   auto allowed = [&](uint32_t p, uint32_t d) {
     return room[d] && (w[p].role == WorkerRole::kBoth ? p == d : compatible(p, d));

@@ -296,6 +296,57 @@ TEST(ScoringTest, ComparisonPolicies) {
   }
 }
 
+// Decode seats (docs/router.md): a decoder in a higher seat round is left
+// out while one in the lowest has room, whatever its KV cost; a decoder no
+// prefiller can serve (an incompatible rank layout) sets no round; seats 0
+// (unknown) is round 0.
+TEST(ScoringTest, DecodersInAHigherSeatRoundAreLeftOut) {
+  Fixture f;
+  auto seats = [](std::vector<Candidate> ws, std::vector<std::pair<uint32_t, int64_t>> seats_demand) {
+    for (size_t i = 0; i < ws.size(); ++i) {
+      ws[i].decode_seats = seats_demand[i].first;
+      ws[i].load.seat_demand = seats_demand[i].second;
+    }
+    return ws;
+  };
+  RouteDecision d;
+  // d2 caches 8 of the 10 blocks, but its 8 seats are spoken for.
+  auto ws = seats(Make({{0, P}, {2, D, 8}, {3, D}}), {{0, 0}, {8, 8}, {128, 127}});
+  ASSERT_TRUE(Score(ws, 160, f.params, &f.state, &d).ok());
+  EXPECT_EQ(d.decode, 3u);
+  EXPECT_EQ(d.seat_deferred, 1u);
+  EXPECT_TRUE(d.decode_scores[0].no_room);  // by id: 2 first
+  // Both past their seats: the lower round wins (16/8 = 2 against 130/128 = 1).
+  ws = seats(Make({{0, P}, {2, D, 8}, {3, D}}), {{0, 0}, {8, 16}, {128, 130}});
+  ASSERT_TRUE(Score(ws, 160, f.params, &f.state, &d).ok());
+  EXPECT_EQ(d.decode, 3u);
+  // Same round: cost decides (the cache).
+  ws = seats(Make({{0, P}, {2, D, 8}, {3, D}}), {{0, 0}, {8, 9}, {128, 200}});
+  ASSERT_TRUE(Score(ws, 160, f.params, &f.state, &d).ok());
+  EXPECT_EQ(d.decode, 2u);
+  EXPECT_EQ(d.seat_deferred, 0u);
+  // Seats unknown on d2: round 0, so d3 (round 1) is left out.
+  ws = seats(Make({{0, P}, {2, D}, {3, D}}), {{0, 0}, {0, 500}, {128, 128}});
+  ASSERT_TRUE(Score(ws, 160, f.params, &f.state, &d).ok());
+  EXPECT_EQ(d.decode, 2u);
+  // d2 has a free seat but no prefiller's layout reaches it: it does not
+  // leave d3 out, and the request is routed rather than refused.
+  ws = seats(Make({{0, P}, {2, D}, {3, D}}), {{0, 0}, {8, 0}, {8, 8}});
+  ws[1].layout_id = 1;  // layout 0 (p, d3) reaches only layout 0
+  const uint64_t compat[2] = {0b01, 0b10};
+  f.params.layout_compat = compat;
+  ASSERT_TRUE(Score(ws, 160, f.params, &f.state, &d).ok());
+  EXPECT_EQ(d.decode, 3u);
+  EXPECT_EQ(d.seat_deferred, 0u);
+  // Other policies ignore seats.
+  f.params.layout_compat = nullptr;
+  f.params.policy = Policy::kLeastLoaded;
+  ws = seats(Make({{0, P}, {2, D}, {3, D, 0, 0, 50}}), {{0, 0}, {8, 8}, {128, 0}});
+  ASSERT_TRUE(Score(ws, 160, f.params, &f.state, &d).ok());
+  EXPECT_EQ(d.decode, 2u);
+  EXPECT_EQ(d.seat_deferred, 0u);
+}
+
 TEST(ScoringTest, DecisionRecordsEveryCandidate) {
   Fixture f;
   const std::vector<Candidate> ws = Make({{0, P, 4}, {1, P, 0}, {2, D, 0, 0, 0, 1}, {3, D, 2, 0, 7}});
