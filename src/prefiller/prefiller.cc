@@ -287,7 +287,7 @@ void Prefiller::DispatchLoop(std::stop_token stop) {
         return engine::QueueKey{j->spec.priority, &j->spec.tenant, j->arrival};
       };
       auto next = fair_.PickNextIf(queue_.begin(), queue_.end(), key, [this](const JobPtr& j) {
-        return seat_waiting_.empty() || !seat_waiting_.contains(j->spec.decoder_address);
+        return !seat_waiting_.contains(j->spec.decoder_address);
       });
       if (next == queue_.end()) return std::nullopt;
       if (admitting_ != 0 && (admitting_ >= options_.max_num_seqs ||

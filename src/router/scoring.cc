@@ -116,19 +116,19 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
   auto compatible = [&](uint32_t p, uint32_t d) {
     return compat == nullptr || p == d || ((compat[w[p].layout_id] >> w[d].layout_id) & 1) != 0;
   };
+  // Whether p may prefill for d, room aside: a 'both' prefiller keeps the request.
+  auto serves = [&](uint32_t p, uint32_t d) {
+    return w[p].role == WorkerRole::kBoth ? p == d : compatible(p, d);
+  };
   if (kv) {
     // Decode seats: the decoders with room in the lowest seat round. A
     // request there waits fewer generations of decode batches than on any
     // other, which outweighs any KV cost difference between them. Only a
     // decoder some prefiller here can serve sets the lowest round (one that
     // none reaches must not leave the others out).
-    bool any_prefill_role = false;
-    for (uint32_t a = 0; a < ps.n; ++a) any_prefill_role |= w[ps.idx[a]].role == WorkerRole::kPrefill;
     auto reachable = [&](uint32_t d) {
-      if (w[d].role == WorkerRole::kBoth) return true;  // it prefills for itself
-      for (uint32_t a = 0; a < ps.n && any_prefill_role; ++a) {
-        const uint32_t p = ps.idx[a];
-        if (w[p].role == WorkerRole::kPrefill && compatible(p, d)) return true;
+      for (uint32_t a = 0; a < ps.n; ++a) {
+        if (serves(ps.idx[a], d)) return true;
       }
       return false;
     };
@@ -175,10 +175,7 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
     return w[p].node_id == w[d].node_id ? 0 : (w[p].zone_id == w[d].zone_id ? 1 : 2);
   };
   auto transfer = [&](uint32_t p, uint32_t d) { return p == d ? 0.0 : tcd[d][link(p, d)]; };
-  // Whether p may prefill for d: a 'both' prefiller keeps the request.
-  auto allowed = [&](uint32_t p, uint32_t d) {
-    return room[d] && (w[p].role == WorkerRole::kBoth ? p == d : compatible(p, d));
-  };
+  auto allowed = [&](uint32_t p, uint32_t d) { return room[d] && serves(p, d); };
 
   uint32_t bp = UINT32_MAX, bd = UINT32_MAX;
   if (params.policy == Policy::kKvAware || params.policy == Policy::kLeastLoaded) {
@@ -287,8 +284,7 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
     bool any_pair = false;  // ignoring room: does any prefiller reach any decoder?
     for (uint32_t a = 0; a < ps.n && !any_pair; ++a) {
       for (uint32_t b = 0; b < ds.n && !any_pair; ++b) {
-        const uint32_t p = ps.idx[a], d = ds.idx[b];
-        any_pair = w[p].role == WorkerRole::kBoth ? p == d : compatible(p, d);
+        any_pair = serves(ps.idx[a], ds.idx[b]);
       }
     }
     if (!any_pair) {

@@ -19,7 +19,9 @@ namespace {
 
 constexpr uint32_t kMaxTokens = 24;
 
-TEST(SimFleet, OneP1DServesDeterministicallyAndSaysSimulated) {
+// A sim 1P1D fleet (simulated H100s running Llama-3-8B, kv_aware routing):
+// `sim_lines` go into its `sim` section, `more_yaml` after that section.
+FleetOptions SimOneP1D(const std::string& sim_lines = "", const std::string& more_yaml = "") {
   FleetOptions o;
   o.prefill = 1;
   o.decode = 1;
@@ -27,13 +29,19 @@ TEST(SimFleet, OneP1DServesDeterministicallyAndSaysSimulated) {
   o.policy = "kv_aware";
   o.model_yaml = "  backend: sim\n  name: itest\n  max_model_len: 4096\n";
   o.extra_yaml = fmt::format(
-      "sim:\n  profile: H100\n  model_shape: {}/configs/sim/models/llama-3-8b\n"
-      "  link_gbps: 100\n  link_latency_us: 10\n  kv_scale: 256\n"
-      // The whole push after the prefill, so that tandem_kv_transfer_seconds
-      // times every byte (streaming times only what is left after the first
-      // token; kv_streaming_test covers sim streaming).
-      "transport:\n  push: after_prefill\n",
-      TANDEM_SOURCE_DIR);
+      "sim:\n  profile: H100\n  model_shape: {}/configs/sim/models/llama-3-8b\n  kv_scale: 256\n{}{}",
+      TANDEM_SOURCE_DIR, sim_lines, more_yaml);
+  return o;
+}
+
+TEST(SimFleet, OneP1DServesDeterministicallyAndSaysSimulated) {
+  const FleetOptions o = SimOneP1D("  link_gbps: 100\n  link_latency_us: 10\n",
+                                   // The whole push after the prefill, so that
+                                   // tandem_kv_transfer_seconds times every byte
+                                   // (streaming times only what is left after the
+                                   // first token; kv_streaming_test covers sim
+                                   // streaming).
+                                   "transport:\n  push: after_prefill\n");
   auto fleet = Fleet::Launch(o);
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
   const std::string proxy = (*fleet)->proxy_grpc();
@@ -102,16 +110,8 @@ TEST(SimFleet, OneP1DServesDeterministicallyAndSaysSimulated) {
 // burst of 72 streams by their seats (about 4 of every 36), not half each as
 // the KV-block cost alone splits it.
 TEST(SimFleet, ABurstFillsDecodersByTheirSeats) {
-  FleetOptions o;
-  o.prefill = 1;
-  o.decode = 1;
+  FleetOptions o = SimOneP1D();
   o.max_num_seqs = 32;
-  o.max_batched_tokens = 512;
-  o.policy = "kv_aware";
-  o.model_yaml = "  backend: sim\n  name: itest\n  max_model_len: 4096\n";
-  o.extra_yaml = fmt::format(
-      "sim:\n  profile: H100\n  model_shape: {}/configs/sim/models/llama-3-8b\n  kv_scale: 256\n",
-      TANDEM_SOURCE_DIR);
   auto fleet = Fleet::Launch(o);
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
   // The small decoder's file: the fleet's with 4 seats.
