@@ -61,19 +61,31 @@ void Decoder::SetStageLocked(Entry& e, Stage stage) {
   e.stage = stage;
   if (had == Seated(stage)) return;
   if (had) {
-    --seats_taken_;
-    SeatFreedLocked();
+    GiveSeatBackLocked();
   } else {
-    ++seats_taken_;
+    TakeSeatLocked();
   }
+}
+
+void Decoder::TakeSeatLocked() {
+  const auto now = std::chrono::steady_clock::now();
+  seat_seconds_ += seats_taken_ * std::chrono::duration<double>(now - seats_changed_).count();
+  seats_changed_ = now;
+  ++seats_taken_;
+}
+
+void Decoder::GiveSeatBackLocked() {
+  const auto now = std::chrono::steady_clock::now();
+  seat_seconds_ += seats_taken_ * std::chrono::duration<double>(now - seats_changed_).count();
+  seats_changed_ = now;
+  --seats_taken_;
+  ++counts_.seats_released;
+  SeatFreedLocked();
 }
 
 std::map<std::string, Decoder::Entry>::iterator Decoder::EraseLocked(
     std::map<std::string, Entry>::iterator it) {
-  if (Seated(it->second.stage)) {
-    --seats_taken_;
-    SeatFreedLocked();
-  }
+  if (Seated(it->second.stage)) GiveSeatBackLocked();
   return requests_.erase(it);
 }
 

@@ -194,6 +194,9 @@ DecoderCounts Decoder::counts() const {
   c.registered = static_cast<uint32_t>(requests_.size());
   c.reservations = static_cast<uint32_t>(reservations_.size());
   c.seats_taken = seats_taken_;
+  c.seat_seconds =
+      seat_seconds_ +
+      seats_taken_ * std::chrono::duration<double>(std::chrono::steady_clock::now() - seats_changed_).count();
   c.reserves_waiting = static_cast<uint32_t>(waiting_.size());
   for (const auto& [id, h] : reservations_) {
     if (!h.quarantined) continue;

@@ -204,6 +204,13 @@ struct DecoderCounts {
   uint32_t reserves_waiting = 0;
   uint64_t reserve_waits = 0;
   uint64_t reserve_waits_expired = 0;
+  // Seat turnover (the router's seat-wait prediction, docs/router.md
+  // "Seat waits in the TTFT prediction"): seats given back (total), and
+  // the integral of seats_taken over time in seat-seconds (total). Their
+  // deltas over a window are Little's law: the mean time a request holds a
+  // seat = seat-seconds / seats given back.
+  uint64_t seats_released = 0;
+  double seat_seconds = 0;
 };
 
 // Decoder.DecodeStream's totals (issue 23): messages sent (one per delivery
@@ -382,6 +389,9 @@ class Decoder {
                                                 bool seated);
   // Seats (mu_ held): a request holds one while reserved or decoding.
   static bool Seated(Stage s) { return s != Stage::kRegistered; }
+  // Before seats_taken_ changes: the seat-seconds so far are added up.
+  void TakeSeatLocked();
+  void GiveSeatBackLocked();
   void SetStageLocked(Entry& e, Stage stage);
   std::map<std::string, Entry>::iterator EraseLocked(std::map<std::string, Entry>::iterator it);
   // A seat may have come free: the lease thread serves the waiting calls.
@@ -437,6 +447,9 @@ class Decoder {
   // (arrival order). serve_kick_: a seat came free while calls wait.
   uint32_t seats_taken_ = 0;
   uint32_t seats_claimed_ = 0;
+  // Seat-seconds up to seats_changed_ (DecoderCounts::seat_seconds), mu_.
+  double seat_seconds_ = 0;
+  std::chrono::steady_clock::time_point seats_changed_ = std::chrono::steady_clock::now();
   std::deque<std::unique_ptr<Waiter>> waiting_;
   uint64_t next_ticket_ = 1;
   bool serve_kick_ = false;

@@ -77,6 +77,7 @@ Result<WorkerId> Router::AddWorkerEntry(const WorkerInfo& info, uint64_t* fleet_
   loads_.Reset(id, info.num_blocks);
   report_ns_[id].store(INT64_MIN, std::memory_order_relaxed);
   rates_[id].Reset();
+  turnover_[id].Reset();
   tiers_.Replace(id, info.epoch, {}, {});
   keyed_pending_[id].store(0, std::memory_order_relaxed);
   WorkerCounters& c = worker_counters_[id];
@@ -158,6 +159,7 @@ Status Router::ApplyLoadReport(WorkerId id, const LoadReport& report) {
   loads_.ApplyReport(id, report, now);
   report_ns_[id].store(now, std::memory_order_relaxed);
   rates_[id].Update(report.prefill_tokens_total, report.prefill_seconds_total);
+  turnover_[id].Update(report.seats_released_total, report.seat_seconds_total);
   keyed_pending_[id].store(loads_.keyed_predictions(id), std::memory_order_relaxed);
   return Status::Ok();
 }
@@ -182,12 +184,13 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
   BuildCandidatesLocked(overlap, lower, now, request.exclude);
   const TtftInputs ttft_in{request.prompt_tokens, (request.prompt_tokens + bs - 1) / bs, bs};
   const std::array<double, kMaxWorkers> rates = RatesLocked();
+  const std::array<double, kMaxWorkers> holds = HoldsLocked();
   uint32_t slo_excluded = 0;
   if (request.ttft_slo_ms > 0) {
     // Leave out the prefillers predicted over the SLO, while one meets it
     // (or cannot be predicted yet).
     std::array<std::optional<double>, kMaxWorkers> ms;
-    PredictPerPrefiller(candidates_, rates, ttft_in, options_, std::span(ms).first(candidates_.size()),
+    PredictPerPrefiller(candidates_, rates, holds, ttft_in, options_, std::span(ms).first(candidates_.size()),
                         workers_.layout_compat());
     bool any_meets = false;
     for (size_t i = 0; i < candidates_.size(); ++i) {
@@ -226,8 +229,8 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
       if (c.id == out->decode) d = &c;
     }
     if (p != nullptr && d != nullptr) {
-      if (auto side = PrefillSideMs(*p, rates[p->id], ttft_in)) {
-        out->predicted_ttft_ms = *side + (out->local_prefill ? 0.0 : TransferMs(*p, *d, ttft_in, options_));
+      if (auto t = PairTtftMs(*p, *d, rates[p->id], holds[d->id], ttft_in, options_)) {
+        out->predicted_ttft_ms = *t;
       }
     }
   }
@@ -295,6 +298,12 @@ void Router::BuildCandidatesLocked(const OverlapBlocks& overlap, const TierOverl
   }
 }
 
+std::array<double, kMaxWorkers> Router::HoldsLocked() const {
+  std::array<double, kMaxWorkers> h{};
+  for (WorkerId id : workers_.ids()) h[id] = turnover_[id].hold_seconds();
+  return h;
+}
+
 std::array<double, kMaxWorkers> Router::RatesLocked() const {
   std::array<double, kMaxWorkers> r{};
   for (WorkerId id : workers_.ids()) r[id] = rates_[id].tokens_per_s();
@@ -312,8 +321,8 @@ std::optional<double> Router::PredictTtftMs(const RouteRequest& request) {
   BuildCandidatesLocked(overlap, lower, Now());
   const TtftInputs in{request.prompt_tokens, (request.prompt_tokens + bs - 1) / bs, bs};
   std::array<std::optional<double>, kMaxWorkers> ms;
-  PredictPerPrefiller(candidates_, RatesLocked(), in, options_, std::span(ms).first(candidates_.size()),
-                      workers_.layout_compat());
+  PredictPerPrefiller(candidates_, RatesLocked(), HoldsLocked(), in, options_,
+                      std::span(ms).first(candidates_.size()), workers_.layout_compat());
   std::optional<double> best;
   for (size_t i = 0; i < candidates_.size(); ++i) {
     if (!CanPrefill(candidates_[i].role)) continue;

@@ -157,6 +157,8 @@ class Router {
                              const WorkerMask* exclude = nullptr);
   // Prefill rates by worker id, for router/ttft_predictor.h (with mu_ held).
   std::array<double, kMaxWorkers> RatesLocked() const;
+  // Each worker's mean seat hold in seconds (0: unknown; SeatTurnover).
+  std::array<double, kMaxWorkers> HoldsLocked() const;
   void EndPrefillLocked(const PrefillTicket& ticket);
 
   struct WorkerCounters {
@@ -179,6 +181,7 @@ class Router {
   std::vector<Candidate> candidates_;  // scratch for Route, [workers]
   uint64_t next_ticket_ = 0;           // last PrefillTicket id handed out
   std::array<PrefillRate, kMaxWorkers> rates_;  // measured from load reports
+  std::array<SeatTurnover, kMaxWorkers> turnover_;  // decoders' seat holds, from load reports
 
   std::array<std::atomic<uint64_t>, kNumPolicies> routes_{};
   std::array<std::atomic<uint64_t>, kNumPolicies> route_errors_{};

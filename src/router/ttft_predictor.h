@@ -9,13 +9,16 @@
 // least kMinWindowSeconds of prefill compute).
 //
 // A request's predicted time to first token on a prefiller p and decoder d:
-//   ttft(p, d) = (queued_prefill_tokens_p + uncached_p + onboard_p) / rate_p
-//              + transfer(p, d)
+//   ttft(p, d) = max(queued_prefill_tokens_p / rate_p, seat_wait_d)
+//              + (uncached_p + onboard_p) / rate_p + transfer(p, d)
 //   uncached_p = prompt tokens beyond p's cached prefix (device and lower tiers)
 //   onboard_p  = p's lower-tier blocks x their onboarding cost (in blocks of
 //                prefill work, RouterOptions) x block size
 //   transfer   = blocks the decoder lacks x block bytes / link bandwidth(p, d);
 //                0 for a local prefill (p == d)
+//   seat_wait_d = 0 while d has a decode seat free, else the seat releases
+//                ahead of the request x d's mean seat hold / its seats
+//                (SeatWaitMs); 0 for a local prefill
 // queued_prefill_tokens_p is the router's effective load (the worker's
 // report plus the router's own routed, unfinished prefills): the work ahead.
 // A prefiller whose rate is not measured yet has no prediction (unknown):
@@ -55,6 +58,32 @@ class PrefillRate {
   double rate_ = 0;
 };
 
+// A decoder's mean seat hold time (docs/router.md, "Seat waits in the TTFT
+// prediction"): its load reports carry the decode seats it gave back and
+// the time integral of the seats it held (seat-seconds), totals since
+// start (LoadReport.seats_released_total / seat_seconds_total). Over the
+// window between reports, Little's law gives the mean time a request held
+// its seat = seat-seconds / seats given back; averaged like PrefillRate.
+class SeatTurnover {
+ public:
+  // Windows with fewer releases wait for more (one release says little).
+  static constexpr uint64_t kMinReleases = 4;
+  static constexpr double kAlpha = 0.3;
+
+  void Reset() { *this = SeatTurnover{}; }
+  // The decoder's totals from a load report. Totals that go backwards (a
+  // restarted worker) start the measurement over.
+  void Update(uint64_t released_total, double seat_seconds_total);
+  // Seconds a request holds a seat, on average; 0 while unknown.
+  double hold_seconds() const { return hold_; }
+
+ private:
+  bool have_base_ = false;
+  uint64_t base_released_ = 0;
+  double base_seconds_ = 0;
+  double hold_ = 0;
+};
+
 struct TtftInputs {
   uint32_t prompt_tokens = 0;
   uint32_t prompt_blocks = 0;  // ceil(prompt_tokens / block size)
@@ -66,15 +95,29 @@ struct TtftInputs {
 std::optional<double> PrefillSideMs(const Candidate& p, double rate_tokens_per_s, const TtftInputs& in);
 // KV transfer time in ms from p to d of the blocks d lacks; 0 when p == d.
 double TransferMs(const Candidate& p, const Candidate& d, const TtftInputs& in, const RouterOptions& options);
+// How long in ms a request sent to decoder d now waits for a decode seat:
+// 0 while a seat is free (seat_demand < decode_seats) or d's seats are
+// unknown; otherwise it is number n = seat_demand - decode_seats + 1 in
+// line and a seat comes free every hold / decode_seats seconds on average,
+// so n x hold / decode_seats. `hold_seconds` 0 (not measured yet): 0, the
+// request is admitted as if a seat were free.
+double SeatWaitMs(const Candidate& d, double hold_seconds);
+// The predicted TTFT of the pair: the request waits both for the queue
+// ahead on p and for its seat on d (the prefiller reserves the seat before
+// it prefills the prompt), so the longer of the two, then its own prefill
+// and the transfer. nullopt when p's rate is unknown.
+std::optional<double> PairTtftMs(const Candidate& p, const Candidate& d, double rate_tokens_per_s,
+                                 double hold_seconds, const TtftInputs& in, const RouterOptions& options);
 
 // The best predicted TTFT of each prefill-capable candidate over the
 // decoders it may pair with (`ms[i]` for candidates[i]; nullopt: unknown
 // rate, or not prefill-capable, or no decoder to pair with).
-// `rates[id]`: tokens/s of worker id (0: unknown). `layout_compat`: as
+// `rates[id]`: tokens/s of worker id (0: unknown); `holds[id]`: its mean
+// seat hold in seconds (SeatTurnover; 0: unknown). `layout_compat`: as
 // ScoringParams::layout_compat (a decoder whose rank layout the prefiller's
 // KV cannot reach is not a pair; null: every pair is).
 void PredictPerPrefiller(std::span<const Candidate> candidates, std::span<const double> rates,
-                         const TtftInputs& in, const RouterOptions& options,
+                         std::span<const double> holds, const TtftInputs& in, const RouterOptions& options,
                          std::span<std::optional<double>> ms,
                          const uint64_t* layout_compat = nullptr);
 

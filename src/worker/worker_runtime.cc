@@ -143,6 +143,8 @@ struct Worker {
       const decoder::DecoderCounts c = decoder->counts();
       s.num_reservations = c.reservations;
       s.registered_requests = c.registered;
+      s.seats_released_total = c.seats_released;
+      s.seat_seconds_total = c.seat_seconds;
       s.leases_expired = c.leases_expired;
       s.stale_notices = c.stale_notices;
     }

@@ -98,6 +98,8 @@ struct LoadSample {
   uint64_t stale_notices = 0;
   uint64_t prefill_tokens_total = 0;   // engine: prefill tokens computed, total
   double prefill_seconds_total = 0;    // engine: seconds of steps with prefill tokens, total
+  uint64_t seats_released_total = 0;   // decoder: decode seats given back, total
+  double seat_seconds_total = 0;       // decoder: seats taken x seconds, total
   bool operator==(const LoadSample&) const = default;
   // The fields the proxy's router reads (proxy/registry_service.cc
   // ApplyLoad; router/types.h LoadReport) are equal. A change in the others

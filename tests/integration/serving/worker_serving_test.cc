@@ -483,6 +483,10 @@ TEST_F(WorkerServingTest, WatchDeliversSnapshotEventsAndLoad) {
   ASSERT_EQ(idle.size(), 3u);
   EXPECT_EQ(idle[1].SerializeAsString(), idle[2].SerializeAsString());
   EXPECT_EQ(idle[1].free_blocks() + idle[1].active_decode_blocks(), kDecoderBlocks);
+  // The seat turnover the router's seat-wait prediction reads (docs/router.md):
+  // the two requests above each held a decode seat and gave it back.
+  EXPECT_GE(idle[1].seats_released_total(), 2u);
+  EXPECT_GT(idle[1].seat_seconds_total(), 0.0);
   // Idle, the worker samples its load only every keep-alive period; work
   // arriving wakes it at once (the reservation, the engine's steps), so the
   // report of the busy decoder comes while the request runs.

@@ -177,6 +177,74 @@ TEST(SloAdmission, UnreachableTtftSloIsRefusedAtOnceWithRetryAfter) {
   EXPECT_EQ(*stopped, 0);
 }
 
+const WorkerAddr& Decoder(const Fleet& f) {
+  for (const auto& w : f.workers()) {
+    if (w.role == "decode") return w;
+  }
+  return f.workers().back();
+}
+
+// A decoder whose seats are all spoken for makes a request wait for a seat
+// before its first token: the prediction adds that wait (the decoder's
+// measured seat turnover, docs/router.md "Seat waits in the TTFT
+// prediction"), so a TTFT SLO that the prefill alone would meet is refused
+// while the decoder is saturated, and served once it is not.
+TEST(SloAdmission, ASaturatedDecodersSeatWaitCountsInThePrediction) {
+  FleetOptions o = SimFleet(0.5);
+  o.max_num_seqs = 2;  // two decode seats
+  o.proxy_yaml = "  admission: slo\n";
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  const std::string proxy = (*fleet)->proxy_grpc();
+  // Measured first, one request at a time (never saturated): the
+  // prefiller's rate (2000-token prompts: tens of ms of prefill each) and
+  // the decoder's seat turnover (each request holds its seat for 24 steps).
+  for (uint32_t i = 0; i < 6; ++i) {
+    Reply r = Call(proxy, PromptIds(800 + i, 2000, kVocab), 24, std::nullopt, std::chrono::seconds(30));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  }
+  // A 16-token prompt with a 100 ms TTFT SLO: its prefill is a few ms.
+  const auto probe = [&](uint32_t seed) {
+    return Call(proxy, PromptIds(seed, 16, kVocab), 2, 100, std::chrono::seconds(30));
+  };
+  Reply idle = probe(900);
+  ASSERT_TRUE(idle.status.ok()) << "refused with both seats free: " << idle.status.error_message();
+
+  // Eight long requests on two seats: six wait for a seat.
+  std::vector<std::future<Reply>> longs;
+  for (uint32_t i = 0; i < 8; ++i) {
+    longs.push_back(std::async(std::launch::async, [&, i] {
+      return Call(proxy, PromptIds(820 + i, 32, kVocab), 200, std::nullopt, std::chrono::seconds(60));
+    }));
+  }
+  const WorkerAddr& d = Decoder(**fleet);
+  ASSERT_TRUE(WaitUntil([&] { return Metric(d.metrics, "tandem_decode_seat_waiting") >= 1; },
+                        std::chrono::seconds(30)));
+  // 7th in line for a seat that frees about every half hold (24+ steps of
+  // a few ms): hundreds of ms, over the SLO.
+  Reply saturated = probe(901);
+  EXPECT_EQ(saturated.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << "admitted behind six seat waits: " << saturated.status.error_message();
+  EXPECT_NE(saturated.status.error_message().find("TTFT SLO of 100 ms"), std::string::npos)
+      << saturated.status.error_message();
+  EXPECT_EQ(saturated.tokens, 0u);
+  for (auto& f : longs) {
+    Reply r = f.get();
+    EXPECT_TRUE(r.status.ok()) << r.status.error_message();
+    EXPECT_EQ(r.tokens, 200u);
+  }
+  // Seats free again: the same request is served.
+  ASSERT_TRUE(WaitUntil([&] { return Metric(d.metrics, "tandem_decode_seats_taken") == 0; },
+                        std::chrono::seconds(30)));
+  Reply after = probe(902);
+  EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+  EXPECT_EQ(after.tokens, 2u);
+  EXPECT_EQ(Refused(**fleet, "ttft_slo"), 1);
+  auto stopped = (*fleet)->Stop(std::chrono::seconds(30));
+  ASSERT_TRUE(stopped.ok());
+  EXPECT_EQ(*stopped, 0);
+}
+
 TEST(Deadlines, RequestWhoseDeadlinePassesInThePrefillQueueIsNeverComputed) {
   // A slow prefiller (1 % of the H100's compute) running one sequence at a
   // time: a 1500-token prompt takes seconds; the next waits in the queue.

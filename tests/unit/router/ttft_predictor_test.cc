@@ -33,6 +33,25 @@ TEST(PrefillRateTest, MeasuresDeltasBetweenReports) {
   EXPECT_NEAR(r.tokens_per_s(), 10000, 1e-6);
 }
 
+TEST(SeatTurnoverTest, LittlesLawOverTheWindowsBetweenReports) {
+  SeatTurnover t;
+  EXPECT_EQ(t.hold_seconds(), 0);  // unknown until a window with releases
+  t.Update(10, 5.0);               // the first report is the base only
+  EXPECT_EQ(t.hold_seconds(), 0);
+  t.Update(12, 7.0);  // 2 releases: under kMinReleases, the window grows
+  EXPECT_EQ(t.hold_seconds(), 0);
+  t.Update(18, 17.0);  // 8 releases over 12 seat-seconds since (10, 5.0)
+  EXPECT_NEAR(t.hold_seconds(), 1.5, 1e-9);
+  t.Update(18, 20.0);  // seats held, none given back: the window grows
+  EXPECT_NEAR(t.hold_seconds(), 1.5, 1e-9);
+  t.Update(22, 22.0);  // 4 releases over 5 seat-seconds since (18, 17.0)
+  EXPECT_NEAR(t.hold_seconds(), (1 - SeatTurnover::kAlpha) * 1.5 + SeatTurnover::kAlpha * 1.25, 1e-9);
+  t.Update(3, 0.5);  // totals went back: a restarted decoder, measured anew
+  EXPECT_EQ(t.hold_seconds(), 0);
+  t.Update(7, 2.5);
+  EXPECT_NEAR(t.hold_seconds(), 0.5, 1e-9);
+}
+
 Candidate Prefiller(WorkerId id, int64_t queued_tokens, uint32_t overlap = 0) {
   Candidate c;
   c.id = id;
@@ -87,7 +106,7 @@ TEST(TtftPredictorTest, PerPrefillerTakesTheFastestLinkAndSkipsUnknownRates) {
   c.push_back(d);
   std::vector<double> rates = {1600, 1600, 0, 0};
   std::vector<std::optional<double>> ms(c.size());
-  PredictPerPrefiller(c, rates, in, o, ms);
+  PredictPerPrefiller(c, rates, {}, in, o, ms);
   ASSERT_TRUE(ms[0] && ms[1]);
   EXPECT_DOUBLE_EQ(*ms[0], 100 + 10 * 1e6 / 1e8 * 1e3);         // 160 tokens at 1600/s + cross-node
   EXPECT_DOUBLE_EQ(*ms[1], 1000 + 100 + 10 * 1e6 / 1e9 * 1e3);  // 1600 ahead + same node
@@ -115,11 +134,61 @@ TEST(TtftPredictorTest, PerPrefillerSkipsDecodersOfIncompatibleLayouts) {
   const uint64_t compat[2] = {0b01, 0b10};  // each layout reaches only itself
   std::vector<double> rates = {1600, 0, 0};
   std::vector<std::optional<double>> ms(c.size());
-  PredictPerPrefiller(c, rates, in, o, ms, compat);
+  PredictPerPrefiller(c, rates, {}, in, o, ms, compat);
   ASSERT_TRUE(ms[0]);
   EXPECT_DOUBLE_EQ(*ms[0], 100 + 10 * 1e6 / 1e8 * 1e3);  // the cross-node decoder's link
-  PredictPerPrefiller(c, rates, in, o, ms);               // no table: every pair
+  PredictPerPrefiller(c, rates, {}, in, o, ms);           // no table: every pair
   EXPECT_DOUBLE_EQ(*ms[0], 100 + 10 * 1e6 / 1e9 * 1e3);
+}
+
+Candidate Decoder(WorkerId id, uint32_t seats, int64_t seat_demand) {
+  Candidate d;
+  d.id = id;
+  d.role = WorkerRole::kDecode;
+  d.decode_seats = seats;
+  d.load.seat_demand = seat_demand;
+  return d;
+}
+
+TEST(TtftPredictorTest, SeatWaitIsTheReleasesAheadOverTheTurnover) {
+  // 8 seats, each held 2 s on average: a seat frees every 0.25 s when full.
+  EXPECT_EQ(SeatWaitMs(Decoder(1, 8, 7), 2.0), 0);  // a seat is free
+  EXPECT_DOUBLE_EQ(SeatWaitMs(Decoder(1, 8, 8), 2.0), 250);   // first in line
+  EXPECT_DOUBLE_EQ(SeatWaitMs(Decoder(1, 8, 19), 2.0), 3000);  // 12th in line
+  EXPECT_EQ(SeatWaitMs(Decoder(1, 8, 19), 0), 0);  // turnover not measured: admitted as if free
+  EXPECT_EQ(SeatWaitMs(Decoder(1, 0, 19), 2.0), 0);  // seats unknown (an older decoder)
+}
+
+TEST(TtftPredictorTest, APairWaitsForTheLongerOfItsQueueAndItsSeat) {
+  RouterOptions o;
+  o.same_node_bandwidth_bytes_per_s = 1e9;
+  const TtftInputs in{160, 10, 16};
+  Candidate p = Prefiller(0, 800);  // 500 ms ahead at 1600 tokens/s, its own 100 ms
+  Candidate d = Decoder(1, 4, 5);   // 2nd in line, holds of 0.4 s: 200 ms
+  d.block_bytes = 1000000;
+  const double move = 10 * 1e6 / 1e9 * 1e3;
+  ASSERT_TRUE(PairTtftMs(p, d, 1600, 0.4, in, o).has_value());
+  EXPECT_DOUBLE_EQ(*PairTtftMs(p, d, 1600, 0.4, in, o), 500 + 100 + move);  // the queue is longer
+  d.load.seat_demand = 13;  // 10th in line: 1000 ms
+  EXPECT_DOUBLE_EQ(*PairTtftMs(p, d, 1600, 0.4, in, o), 1000 + 100 + move);
+  EXPECT_FALSE(PairTtftMs(p, d, 0, 0.4, in, o).has_value());  // p's rate unknown
+
+  // Per prefiller, the pair with the shortest total: a free seat across
+  // nodes beats a saturated decoder on the prefiller's own node.
+  Candidate far = Decoder(2, 4, 3);
+  far.block_bytes = 1000000;
+  far.node_id = 1;
+  o.cross_node_bandwidth_bytes_per_s = 1e8;
+  std::vector<Candidate> c = {p, d, far};
+  std::vector<double> rates = {1600, 0, 0};
+  std::vector<double> holds = {0, 0.4, 0.4};
+  std::vector<std::optional<double>> ms(c.size());
+  PredictPerPrefiller(c, rates, holds, in, o, ms);
+  ASSERT_TRUE(ms[0]);
+  EXPECT_DOUBLE_EQ(*ms[0], 500 + 100 + 10 * 1e6 / 1e8 * 1e3);
+  // Without the turnover measured, the saturated near one looks free.
+  PredictPerPrefiller(c, rates, {}, in, o, ms);
+  EXPECT_DOUBLE_EQ(*ms[0], 500 + 100 + move);
 }
 
 // A router on a fake clock with measured rates.
@@ -212,6 +281,44 @@ TEST(TtftRoutingTest, PredictionCountsTheRoutedQueueAndIsUnknownUntilMeasured) {
   // A second prefiller not measured yet: it may be fast, so no prediction.
   f.Add("p2", WorkerRole::kPrefill);
   EXPECT_FALSE(f.router->PredictTtftMs({h, 160}).has_value());
+}
+
+// The seat wait reaches the router's prediction (and so SLO admission)
+// from the decoder's load reports: its seats, the requests registered
+// there and its measured seat turnover.
+TEST(TtftRoutingTest, ASaturatedDecoderAddsItsSeatWaitToThePrediction) {
+  SloFleet f;
+  const WorkerId p = f.Add("p", WorkerRole::kPrefill);
+  WorkerInfo info;
+  info.name = "d";
+  info.role = WorkerRole::kDecode;
+  info.epoch = 1;
+  info.num_blocks = 100000;
+  info.decode_seats = 4;
+  const WorkerId d = f.router->AddWorker(info).value();
+  f.Measure(p, 1600);
+  const std::vector<uint64_t> h = Chain(10);
+  EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160}), 100);  // 160 tokens, nothing ahead
+  // Saturated: 9 requests registered on 4 seats, turnover not measured yet.
+  LoadReport r;
+  r.free_blocks = 100000;
+  r.registered_requests = 9;
+  ASSERT_TRUE(f.router->ApplyLoadReport(d, r).ok());
+  EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160}), 100);
+  // Measured: 8 seats given back over 4 seat-seconds, a hold of 0.5 s.
+  r.seats_released_total = 8;
+  r.seat_seconds_total = 4.0;
+  ASSERT_TRUE(f.router->ApplyLoadReport(d, r).ok());
+  // 6th in line (9 - 4 + 1), a seat every 0.125 s: 750 ms, then its prefill.
+  EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160}), 750 + 100);
+  // The route counts on the decoder at once: the next request is 7th.
+  RouteDecision dec;
+  const std::vector<uint64_t> other = {77};
+  ASSERT_TRUE(f.router->Route({other, 160}, &dec).ok());
+  EXPECT_EQ(dec.decode, d);
+  EXPECT_DOUBLE_EQ(dec.predicted_ttft_ms, 750 + 100);  // its own prediction, made before it counted
+  // (The routed prompt is 100 ms ahead on the prefiller: less than the seat.)
+  EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160}), 875 + 100);
 }
 
 }  // namespace

@@ -160,6 +160,38 @@ TEST_F(DecodeSeatsTest, SeatsGoInArrivalOrderAsRequestsFinishOrTheirPrefillerGiv
   EXPECT_EQ(FreeBlocks(), 32u - 2u);
 }
 
+// The seat turnover the decoder reports (LoadReport.seats_released_total,
+// seat_seconds_total; docs/router.md "Seat waits in the TTFT prediction"):
+// every seat given back is counted, and seat-seconds grow only while seats
+// are taken.
+TEST_F(DecodeSeatsTest, SeatsGivenBackAndSeatSecondsAreCounted) {
+  MakeDecoder(2);
+  const auto start = std::chrono::steady_clock::now();
+  auto sink_a = Register("a");
+  Register("b");
+  Answer a, b;
+  ReserveOrWait("a", a);
+  ReserveOrWait("b", b);
+  ASSERT_TRUE(a.Has() && a.Get().ok());
+  ASSERT_TRUE(b.Has() && b.Get().ok());
+  auto counts = decoder_->counts();
+  EXPECT_EQ(counts.seats_taken, 2u);
+  EXPECT_EQ(counts.seats_released, 0u);
+  // a decodes to its end, b's stream goes away: both seats come back.
+  decoder_->OnKvNotice(SuccessNotice(*a.Get(), 9));
+  ASSERT_TRUE(WaitFor([&] { return sink_a->Ended(); }));
+  ASSERT_TRUE(WaitFor([&] { return decoder_->counts().seats_released == 1; }));
+  decoder_->Cancel("b");
+  ASSERT_TRUE(WaitFor([&] { return decoder_->counts().seats_taken == 0; }));
+  counts = decoder_->counts();
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(counts.seats_released, 2u);
+  EXPECT_GT(counts.seat_seconds, 0.0);
+  EXPECT_LE(counts.seat_seconds, 2 * elapsed);  // two seats at most, never longer than the test
+  // No seat taken: the integral stands still.
+  EXPECT_EQ(decoder_->counts().seat_seconds, counts.seat_seconds);
+}
+
 TEST_F(DecodeSeatsTest, ARetryKeepsItsRequestsSeat) {
   MakeDecoder(1);
   Register("a");
@@ -168,6 +200,7 @@ TEST_F(DecodeSeatsTest, ARetryKeepsItsRequestsSeat) {
   auto again = decoder_->Reserve("a", "p2", PromptOf("a"));
   ASSERT_TRUE(again.ok()) << again.status().ToString();
   EXPECT_EQ(decoder_->counts().seats_taken, 1u);
+  EXPECT_EQ(decoder_->counts().seats_released, 0u);  // nothing given back
   EXPECT_EQ(decoder_->counts().reservations_refused, 0u);
 }
 
