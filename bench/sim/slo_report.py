@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""Summary of bench/sim/slo_admission.sh: goodput of `slo` vs `queue` and
-the TTFT of admitted requests against the SLO.
-    slo_report.py CAPACITY.json QUEUE.json SLO.json TTFT_SLO_MS"""
+"""Summary of bench/sim/slo_admission.sh (and slo_seat_wait.sh): goodput of
+`slo` vs `queue` (or of two builds) and the TTFT of admitted requests
+against the SLO.
+    slo_report.py CAPACITY.json QUEUE.json SLO.json TTFT_SLO_MS [NAME_A NAME_B]
+NAME_A / NAME_B: the rows' names (default queue, slo)."""
 import json, os, sys
 
 cap, q, s = (json.load(open(p)) for p in sys.argv[1:4])
 slo = float(sys.argv[4])
+name_a, name_b = sys.argv[5:7] if len(sys.argv) >= 7 else ("queue", "slo")
 load = os.getloadavg()
 
 
@@ -20,10 +23,10 @@ def row(name, r):
 
 print(f"capacity (saturated, queue): {cap['request_throughput']:.3f} req/s "
       f"({cap['completed']} requests in {cap['duration_s']:.1f} s)")
-print("| admission | sent | completed | refused/failed | duration s | good | goodput req/s | "
+print("| run | sent | completed | refused/failed | duration s | good | goodput req/s | "
       "TTFT p50 ms | TTFT p99 ms | worst admitted TTFT |")
 print("|---|---|---|---|---|---|---|---|---|---|")
-print(row("queue", q))
-print(row("slo", s))
+print(row(name_a, q))
+print(row(name_b, s))
 ratio = s["goodput"] / q["goodput"] if q["goodput"] > 0 else float("inf")
-print(f"goodput slo / queue = {ratio:.2f}; load average now {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+print(f"goodput {name_b} / {name_a} = {ratio:.2f}; load average now {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")

@@ -5,7 +5,7 @@
 # is offered twice its measured capacity; `proxy.admission: slo` with the
 # build BEFORE (its TTFT prediction sees only the prefill) against AFTER
 # (the seat wait added). Writes bench/results/sim_raw/seat_*.{json,...} and
-# prints the table quoted in bench/results/slo_admission.md.
+# prints (bench/sim/slo_report.py) the table quoted in bench/results/slo_admission.md.
 #   bench/sim/slo_seat_wait.sh BEFORE_BUILD_DIR AFTER_BUILD_DIR
 # Knobs (environment): TTFT (the SLO, ms), SEQS (decode seats =
 # scheduler.max_num_seqs), IN / OUT (tokens), DUR (seconds of arrivals).
@@ -36,22 +36,4 @@ for label in before after; do
   run "$build" --set proxy.admission=slo --out $raw/seat_$label -- --label $label \
     --request-rate $rate --duration $DUR --num-requests 100000 $wl --seed 32
 done
-python3 - "$raw/seat_capacity.json" "$raw/seat_before.json" "$raw/seat_after.json" "$TTFT" <<'PY'
-import json, os, sys
-cap, b, a = (json.load(open(p)) for p in sys.argv[1:4])
-slo = float(sys.argv[4])
-print(f"capacity (seats full, queue): {cap['request_throughput']:.3f} req/s "
-      f"({cap['completed']} requests in {cap['duration_s']:.1f} s)")
-print("| build (admission slo) | sent | completed | refused | duration s | met TTFT SLO | goodput req/s | "
-      "TTFT p50 ms | TTFT p99 ms | worst admitted TTFT |")
-print("|---|---|---|---|---|---|---|---|---|---|")
-for name, r in (("before", b), ("after", a)):
-    ok = [x for x in r["per_request"] if x["ok"]]
-    worst = max((x["ttft_ms"] for x in ok), default=float("nan"))
-    print(f"| {name} | {r['requests']} | {r['completed']} | {r['failed_by_status']} | "
-          f"{r['duration_s']:.1f} | {r['good_requests']} | {r['goodput']:.3f} | "
-          f"{r['median_ttft_ms'] or float('nan'):.0f} | {r['p99_ttft_ms'] or float('nan'):.0f} | "
-          f"{worst:.0f} ({worst / slo:.2f}x SLO) |")
-load = os.getloadavg()
-print(f"load average now {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-PY
+python3 bench/sim/slo_report.py $raw/seat_capacity.json $raw/seat_before.json $raw/seat_after.json $TTFT before after
