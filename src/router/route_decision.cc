@@ -43,6 +43,7 @@ std::string RouteDecision::DebugString() const {
          prefill_overlap_blocks, decode_overlap_blocks, prompt_blocks, transfer_blocks,
          hot_prefix_prefill ? 'P' : '-', hot_prefix_decode ? 'D' : '-', room_by_report ? " room=report" : "",
          seat_deferred > 0 ? " seats=deferred" : "");
+  if (predicted_ttft_ms >= 0) Append(&s, " ttft=%.1fms", predicted_ttft_ms);
   for (const WorkerScore& w : prefill_scores) Append(&s, " %u:%.2f/%u", w.worker, w.cost, w.overlap_blocks);
   s += " |D";
   for (const WorkerScore& w : decode_scores) {

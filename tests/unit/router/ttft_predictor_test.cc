@@ -317,6 +317,7 @@ TEST(TtftRoutingTest, ASaturatedDecoderAddsItsSeatWaitToThePrediction) {
   ASSERT_TRUE(f.router->Route({other, 160}, &dec).ok());
   EXPECT_EQ(dec.decode, d);
   EXPECT_DOUBLE_EQ(dec.predicted_ttft_ms, 750 + 100);  // its own prediction, made before it counted
+  EXPECT_NE(dec.DebugString().find(" ttft=850.0ms"), std::string::npos) << dec.DebugString();
   // (The routed prompt is 100 ms ahead on the prefiller: less than the seat.)
   EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160}), 875 + 100);
 }
