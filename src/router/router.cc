@@ -184,14 +184,13 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
   BuildCandidatesLocked(overlap, lower, now, request.exclude);
   const TtftInputs ttft_in{request.prompt_tokens, (request.prompt_tokens + bs - 1) / bs, bs};
   const std::array<double, kMaxWorkers> rates = RatesLocked();
-  const std::array<double, kMaxWorkers> holds = HoldsLocked();
   uint32_t slo_excluded = 0;
   if (request.ttft_slo_ms > 0) {
     // Leave out the prefillers predicted over the SLO, while one meets it
     // (or cannot be predicted yet).
     std::array<std::optional<double>, kMaxWorkers> ms;
-    PredictPerPrefiller(candidates_, rates, holds, ttft_in, options_, std::span(ms).first(candidates_.size()),
-                        workers_.layout_compat());
+    PredictPerPrefiller(candidates_, rates, HoldsLocked(), ttft_in, options_,
+                        std::span(ms).first(candidates_.size()), workers_.layout_compat());
     bool any_meets = false;
     for (size_t i = 0; i < candidates_.size(); ++i) {
       if (CanPrefill(candidates_[i].role) && (!ms[i] || *ms[i] <= request.ttft_slo_ms)) any_meets = true;
@@ -229,7 +228,7 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
       if (c.id == out->decode) d = &c;
     }
     if (p != nullptr && d != nullptr) {
-      if (auto t = PairTtftMs(*p, *d, rates[p->id], holds[d->id], ttft_in, options_)) {
+      if (auto t = PairTtftMs(*p, *d, rates[p->id], turnover_[d->id].hold_seconds(), ttft_in, options_)) {
         out->predicted_ttft_ms = *t;
       }
     }

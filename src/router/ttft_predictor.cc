@@ -5,54 +5,53 @@
 
 namespace tandem::router {
 
-void PrefillRate::Update(uint64_t tokens_total, double seconds_total) {
-  if (!std::isfinite(seconds_total) || seconds_total < 0) return;
-  if (!have_base_ || tokens_total < base_tokens_ || seconds_total < base_seconds_) {
-    const bool restarted = have_base_;
-    have_base_ = true;
-    base_tokens_ = tokens_total;
-    base_seconds_ = seconds_total;
-    if (restarted) rate_ = 0;
+void TotalsRatio::Update(double numerator_total, double denominator_total) {
+  if (!std::isfinite(numerator_total) || !std::isfinite(denominator_total) || numerator_total < 0 ||
+      denominator_total < 0) {
     return;
   }
-  const double ds = seconds_total - base_seconds_;
-  if (ds < kMinWindowSeconds) return;  // keep the base; the window grows
-  const double sample = static_cast<double>(tokens_total - base_tokens_) / ds;
-  base_tokens_ = tokens_total;
-  base_seconds_ = seconds_total;
-  if (sample <= 0) return;
-  rate_ = rate_ == 0 ? sample : (1 - kAlpha) * rate_ + kAlpha * sample;
-}
-
-void SeatTurnover::Update(uint64_t released_total, double seat_seconds_total) {
-  if (!std::isfinite(seat_seconds_total) || seat_seconds_total < 0) return;
-  if (!have_base_ || released_total < base_released_ || seat_seconds_total < base_seconds_) {
+  if (!have_base_ || numerator_total < base_num_ || denominator_total < base_den_) {
     const bool restarted = have_base_;
     have_base_ = true;
-    base_released_ = released_total;
-    base_seconds_ = seat_seconds_total;
-    if (restarted) hold_ = 0;
+    base_num_ = numerator_total;
+    base_den_ = denominator_total;
+    if (restarted) value_ = 0;
     return;
   }
-  const uint64_t released = released_total - base_released_;
-  if (released < kMinReleases) return;  // keep the base; the window grows
-  const double sample = (seat_seconds_total - base_seconds_) / static_cast<double>(released);
-  base_released_ = released_total;
-  base_seconds_ = seat_seconds_total;
+  const double window = denominator_total - base_den_;
+  if (window < min_window_) return;  // keep the base; the window grows
+  const double sample = (numerator_total - base_num_) / window;
+  base_num_ = numerator_total;
+  base_den_ = denominator_total;
   if (!(sample > 0)) return;
-  hold_ = hold_ == 0 ? sample : (1 - kAlpha) * hold_ + kAlpha * sample;
+  value_ = value_ == 0 ? sample : (1 - kAlpha) * value_ + kAlpha * sample;
 }
 
-std::optional<double> PrefillSideMs(const Candidate& p, double rate_tokens_per_s, const TtftInputs& in) {
-  if (!(rate_tokens_per_s > 0)) return std::nullopt;
+namespace {
+
+// The prefill work on p, in tokens: the queue ahead of the request and its
+// own (uncached tokens and the onboarding of lower-tier blocks).
+struct PrefillTokens {
+  double queued = 0;
+  double own = 0;
+};
+
+PrefillTokens PrefillTokensOn(const Candidate& p, const TtftInputs& in) {
   const int64_t covered = int64_t{p.overlap_blocks} + p.tier_blocks;
   const double uncached =
       static_cast<double>(std::max<int64_t>(0, int64_t{in.prompt_tokens} - covered * in.block_size));
   // tier_credit_blocks = tier blocks x (1 - onboarding cost): the rest is
   // the onboarding work, in blocks of prefill.
   const double onboard_tokens = std::max(0.0, p.tier_blocks - p.tier_credit_blocks) * in.block_size;
-  const double queued = static_cast<double>(std::max<int64_t>(0, p.load.queued_prefill_tokens));
-  return (queued + uncached + onboard_tokens) / rate_tokens_per_s * 1e3;
+  return {static_cast<double>(std::max<int64_t>(0, p.load.queued_prefill_tokens)), uncached + onboard_tokens};
+}
+
+}  // namespace
+
+std::optional<double> PrefillSideMs(const Candidate& p, double rate_tokens_per_s, const TtftInputs& in) {
+  if (!(rate_tokens_per_s > 0)) return std::nullopt;
+  const PrefillTokens w = PrefillTokensOn(p, in);
+  return (w.queued + w.own) / rate_tokens_per_s * 1e3;
 }
 
 double TransferMs(const Candidate& p, const Candidate& d, const TtftInputs& in, const RouterOptions& options) {
@@ -77,11 +76,9 @@ std::optional<double> PairTtftMs(const Candidate& p, const Candidate& d, double 
                                  double hold_seconds, const TtftInputs& in, const RouterOptions& options) {
   if (p.id == d.id) return PrefillSideMs(p, rate_tokens_per_s, in);  // a local prefill: no seat wait
   if (!(rate_tokens_per_s > 0)) return std::nullopt;
-  Candidate idle = p;  // p's own work alone: the queue ahead is compared with the seat wait
-  idle.load.queued_prefill_tokens = 0;
-  const double queue_ms =
-      static_cast<double>(std::max<int64_t>(0, p.load.queued_prefill_tokens)) / rate_tokens_per_s * 1e3;
-  return std::max(queue_ms, SeatWaitMs(d, hold_seconds)) + *PrefillSideMs(idle, rate_tokens_per_s, in) +
+  const PrefillTokens w = PrefillTokensOn(p, in);
+  const double ms_per_token = 1e3 / rate_tokens_per_s;
+  return std::max(w.queued * ms_per_token, SeatWaitMs(d, hold_seconds)) + w.own * ms_per_token +
          TransferMs(p, d, in, options);
 }
 

@@ -36,26 +36,52 @@
 
 namespace tandem::router {
 
+// The average of d(numerator) / d(denominator) between successive reports
+// of two totals since a worker started: windows whose denominator grew by
+// less than `min_window` wait for more (the base stays), a window whose
+// numerator did not grow leaves the average as it was, and totals that go
+// backwards (a restarted worker) start the measurement over. Each window's
+// ratio enters an exponential moving average with weight kAlpha.
+class TotalsRatio {
+ public:
+  static constexpr double kAlpha = 0.3;
+
+  explicit TotalsRatio(double min_window) : min_window_(min_window) {}
+  void Reset() { *this = TotalsRatio(min_window_); }
+  void Update(double numerator_total, double denominator_total);
+  // The average; 0 while unknown.
+  double value() const { return value_; }
+
+ private:
+  double min_window_;
+  bool have_base_ = false;
+  double base_num_ = 0;
+  double base_den_ = 0;
+  double value_ = 0;
+};
+
+// A worker's prefill rate: prefill tokens computed over the seconds of the
+// steps that computed them (LoadReport.prefill_tokens_total /
+// prefill_seconds_total).
 class PrefillRate {
  public:
   // Deltas below this much prefill compute wait for more (one short step
   // says little about the rate).
   static constexpr double kMinWindowSeconds = 0.02;
   // Weight of a new window in the average.
-  static constexpr double kAlpha = 0.3;
+  static constexpr double kAlpha = TotalsRatio::kAlpha;
 
-  void Reset() { *this = PrefillRate{}; }
+  void Reset() { ratio_.Reset(); }
   // The worker's totals from a load report. Totals that go backwards (a
   // restarted worker) start the measurement over.
-  void Update(uint64_t tokens_total, double seconds_total);
+  void Update(uint64_t tokens_total, double seconds_total) {
+    ratio_.Update(static_cast<double>(tokens_total), seconds_total);
+  }
   // Tokens per second; 0 while unknown.
-  double tokens_per_s() const { return rate_; }
+  double tokens_per_s() const { return ratio_.value(); }
 
  private:
-  bool have_base_ = false;
-  uint64_t base_tokens_ = 0;
-  double base_seconds_ = 0;
-  double rate_ = 0;
+  TotalsRatio ratio_{kMinWindowSeconds};
 };
 
 // A decoder's mean seat hold time (docs/router.md, "Seat waits in the TTFT
@@ -63,25 +89,24 @@ class PrefillRate {
 // the time integral of the seats it held (seat-seconds), totals since
 // start (LoadReport.seats_released_total / seat_seconds_total). Over the
 // window between reports, Little's law gives the mean time a request held
-// its seat = seat-seconds / seats given back; averaged like PrefillRate.
+// its seat = seat-seconds / seats given back.
 class SeatTurnover {
  public:
   // Windows with fewer releases wait for more (one release says little).
   static constexpr uint64_t kMinReleases = 4;
-  static constexpr double kAlpha = 0.3;
+  static constexpr double kAlpha = TotalsRatio::kAlpha;
 
-  void Reset() { *this = SeatTurnover{}; }
+  void Reset() { ratio_.Reset(); }
   // The decoder's totals from a load report. Totals that go backwards (a
   // restarted worker) start the measurement over.
-  void Update(uint64_t released_total, double seat_seconds_total);
+  void Update(uint64_t released_total, double seat_seconds_total) {
+    ratio_.Update(seat_seconds_total, static_cast<double>(released_total));
+  }
   // Seconds a request holds a seat, on average; 0 while unknown.
-  double hold_seconds() const { return hold_; }
+  double hold_seconds() const { return ratio_.value(); }
 
  private:
-  bool have_base_ = false;
-  uint64_t base_released_ = 0;
-  double base_seconds_ = 0;
-  double hold_ = 0;
+  TotalsRatio ratio_{static_cast<double>(kMinReleases)};
 };
 
 struct TtftInputs {
