@@ -18,14 +18,14 @@ def row(name, r):
     return (f"| {name} | {r['requests']} | {r['completed']} | {r['failed_by_status']} | "
             f"{r['duration_s']:.1f} | {r['good_requests']} | {r['goodput']:.3f} | "
             f"{r['median_ttft_ms'] or float('nan'):.0f} | {r['p99_ttft_ms'] or float('nan'):.0f} | "
-            f"{worst:.0f} ({worst / slo:.2f}x SLO) |")
+            f"{worst:.0f} ({worst / slo:.2f}x SLO) | {r['good_requests'] / max(1, r['completed']):.0%} |")
 
 
 print(f"capacity (saturated, queue): {cap['request_throughput']:.3f} req/s "
       f"({cap['completed']} requests in {cap['duration_s']:.1f} s)")
 print("| run | sent | completed | refused/failed | duration s | good | goodput req/s | "
-      "TTFT p50 ms | TTFT p99 ms | worst admitted TTFT |")
-print("|---|---|---|---|---|---|---|---|---|---|")
+      "TTFT p50 ms | TTFT p99 ms | worst admitted TTFT | good / completed |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
 print(row(name_a, q))
 print(row(name_b, s))
 ratio = s["goodput"] / q["goodput"] if q["goodput"] > 0 else float("inf")

@@ -188,6 +188,7 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
       YamlMap o = m.Sub("slo");
       o.Read("ttft_ms", c.proxy.slo_ttft_ms, 0, 3'600'000);
       o.Read("tpot_ms", c.proxy.slo_tpot_ms, 0, 3'600'000);
+      o.Read("attainment", c.proxy.slo_attainment, 0.0, 0.99);
       o.Finish();
     }
     m.Finish();

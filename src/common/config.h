@@ -91,6 +91,11 @@ struct ProxyConfig {
   // in ms (0: none).
   uint32_t slo_ttft_ms = 0;
   uint32_t slo_tpot_ms = 0;
+  // proxy.slo.attainment (docs/scheduling.md, "Calibrated admission"): under
+  // `slo`, the share of admitted requests meant to meet their TTFT SLO; the
+  // recent prediction error at that quantile is added to the prediction.
+  // 0: the prediction alone.
+  double slo_attainment = 0.9;
   // Issue 21, proxy replicas (docs/serving-workers.md, "Proxy replicas").
   uint32_t replicas = 1;  // `tandem launch` starts this many proxies; ports: port + index
   bool restart = true;    // the launcher restarts a proxy that dies (signal, non-zero exit)

@@ -477,8 +477,7 @@ RequestLifecycle::Calls RequestLifecycle::DeliverLocked(uint32_t first_index,
   if (deps_.metrics) {
     for (size_t i = 0; i < d->token_ids.size(); ++i) {
       if (first_token_at_ == SteadyClock::time_point{}) {
-        first_token_at_ = now;
-        deps_.metrics->ttft.Observe(Seconds(now - arrival_));
+        FirstTokenLocked(now);
       } else {
         // (Never below 0: the first token may have been stamped by another
         // thread's batch clock, microseconds off this one.)
@@ -487,12 +486,21 @@ RequestLifecycle::Calls RequestLifecycle::DeliverLocked(uint32_t first_index,
     }
     deps_.metrics->CountGenerationTokens(d->token_ids.size());
   } else if (first_token_at_ == SteadyClock::time_point{}) {
-    first_token_at_ = now;
+    FirstTokenLocked(now);
   }
   last_token_at_ = now;
   if (sink_.on_delta) sink_.on_delta(d->token_ids, d->text);
   if (d->stopped) return CompleteLocked(Finish::kStop);
   return {};
+}
+
+void RequestLifecycle::FirstTokenLocked(SteadyClock::time_point now) {
+  first_token_at_ = now;
+  if (deps_.metrics) deps_.metrics->ttft.Observe(Seconds(now - arrival_));
+  if (deps_.calibration != nullptr && req_.predicted_ttft_ms >= 0) {
+    deps_.calibration->Observe(req_.predicted_ttft_ms, 1e3 * Seconds(now - arrival_),
+                               req_.ttft_slo_ms, now);
+  }
 }
 
 RequestLifecycle::Calls RequestLifecycle::CompleteLocked(Finish reason) {

@@ -39,6 +39,7 @@
 #include "proxy/proxy_metrics.h"
 #include "proxy/request.h"
 #include "proxy/sent_tokens.h"
+#include "proxy/ttft_calibration.h"
 #include "proxy/worker_client.h"
 
 namespace tandem::proxy {
@@ -66,6 +67,8 @@ struct LifecycleDeps {
   WorkerClient* client = nullptr;
   const model::Tokenizer* tokenizer = nullptr;
   ProxyMetrics* metrics = nullptr;  // may be null (tests)
+  // Told each first token of a request SLO admission predicted (may be null).
+  TtftCalibration* calibration = nullptr;
   uint64_t root_hash = 0;  // RootHash(hash_context): requests without a tenant salt
   HashContext hash_context;  // the fleet's; a request's tenant salt is added to it
   uint32_t block_size = 16;
@@ -109,6 +112,9 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
 
   // With mu_ held. Each returns the calls to cancel once the lock is released.
   Calls DeliverLocked(uint32_t first_index, std::span<const uint32_t> ids);
+  // The request's first token reached the client at `now`: TTFT metric and
+  // the admission's calibration.
+  void FirstTokenLocked(std::chrono::steady_clock::time_point now);
   Calls CompleteLocked(Finish reason);
   // Whether the last token sent ends the request the way the decoder's
   // engine would end it (a stop or EOS token, or max_tokens reached), and

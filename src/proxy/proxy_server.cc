@@ -69,8 +69,14 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
   limits.max_stop_strings = pl.max_stop_strings;
   limits.max_stop_string_bytes = pl.max_stop_string_bytes;
   limits.max_stop_token_ids = pl.max_stop_token_ids;
+  {
+    TtftCalibration::Options co;
+    if (fleet.proxy.admission == "slo") co.attainment = fleet.proxy.slo_attainment;
+    p->ttft_calibration_ = std::make_unique<TtftCalibration>(co, p->metrics_registry_.get());
+  }
   LifecycleDeps deps;
   deps.fleet = p->fleet_.get();
+  deps.calibration = p->ttft_calibration_.get();
   deps.client = p->client_.get();
   deps.tokenizer = p->tokenizer_.get();
   deps.metrics = p->metrics_.get();
@@ -93,6 +99,7 @@ Result<std::unique_ptr<ProxyServer>> ProxyServer::Start(const FleetConfig& fleet
     so.default_tpot_ms = fleet.proxy.slo_tpot_ms;
     so.hash_context = hash_context;
     so.block_size = fleet.cache.block_size;
+    so.calibration = p->ttft_calibration_.get();
     p->frontend_->SetSloAdmission(
         std::make_unique<SloAdmission>(std::move(so), p->fleet_.get(), p->metrics_.get()));
   }

@@ -22,6 +22,7 @@
 #include "proxy/proxy_metrics.h"
 #include "proxy/register_tcp.h"
 #include "proxy/registry_service.h"
+#include "proxy/ttft_calibration.h"
 #include "proxy/worker_client_grpc.h"
 
 namespace tandem::proxy {
@@ -103,6 +104,7 @@ class ProxyServer {
   std::unique_ptr<ProxyMetrics> metrics_;
   std::unique_ptr<RouterMetrics> router_metrics_;  // outlives fleet_, which counts into it
   std::unique_ptr<Fleet> fleet_;
+  std::unique_ptr<TtftCalibration> ttft_calibration_;  // SLO admission's margin; outlives frontend_
   std::unique_ptr<Planner> planner_;  // autoscale (planner.h); stopped before fleet_ goes
   std::unique_ptr<GrpcWorkerClient> client_;
   std::unique_ptr<Frontend> frontend_;

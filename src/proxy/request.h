@@ -100,6 +100,10 @@ struct ValidatedRequest {
   // admission step (proxy/slo_admission.h).
   uint32_t ttft_slo_ms = 0;
   uint32_t tpot_slo_ms = 0;
+  // SLO admission's predicted TTFT in ms when it admitted the request with
+  // a prediction (proxy/ttft_calibration.h compares it with the actual
+  // one); -1: none.
+  double predicted_ttft_ms = -1;
   // Scheduling (docs/scheduling.md), resolved by the front end from the
   // request and its tenant: priority (lower = earlier), the tenant's name
   // and its fair-share weight.

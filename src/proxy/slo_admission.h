@@ -11,7 +11,9 @@
 // default) nothing is refused for its SLO: it waits. In both modes the
 // router leaves out prefillers predicted over the SLO while another one
 // meets it (Router::Route). A prediction that cannot be made (a prefiller
-// whose rate is not measured yet) admits.
+// whose rate is not measured yet) admits. With `proxy.slo.attainment`, the
+// recent prediction error at that quantile is added to the prediction
+// first (proxy/ttft_calibration.h).
 //
 // Thread-safety: Admit may be called from any thread.
 #pragma once
@@ -26,6 +28,7 @@
 #include "proxy/fleet.h"
 #include "proxy/proxy_metrics.h"
 #include "proxy/request.h"
+#include "proxy/ttft_calibration.h"
 
 namespace tandem::proxy {
 
@@ -39,11 +42,13 @@ struct AdmissionVerdict {
 };
 
 // The decision alone. `predicted_ttft_ms`: the best pair's prediction
-// (nullopt: unknown). Refused only under kSlo, with an SLO, and a known
-// prediction above it; retry-after is the predicted excess (the queue
-// ahead must drain that long), rounded up to whole seconds, at least 1.
+// (nullopt: unknown); `margin`: what calibration adds to it, as a fraction
+// of the SLO (TtftCalibration::Margin). Refused only under kSlo, with an
+// SLO, and a known prediction that with its margin is above the SLO;
+// retry-after is that excess (the queue ahead must drain that long),
+// rounded up to whole seconds, at least 1.
 AdmissionVerdict DecideAdmission(AdmissionMode mode, uint32_t ttft_slo_ms,
-                                 std::optional<double> predicted_ttft_ms);
+                                 std::optional<double> predicted_ttft_ms, double margin = 0);
 
 struct SloAdmissionOptions {
   AdmissionMode mode = AdmissionMode::kQueue;
@@ -51,6 +56,9 @@ struct SloAdmissionOptions {
   uint32_t default_tpot_ms = 0;  // proxy.slo.tpot_ms (0: none)
   HashContext hash_context;      // the fleet's (a request's tenant salt is added)
   uint32_t block_size = 16;
+  // Borrowed, may be null (no margin). Admit reads its margin; the request
+  // lifecycle feeds it each admitted request's first token.
+  TtftCalibration* calibration = nullptr;
 };
 
 class SloAdmission {
@@ -59,8 +67,10 @@ class SloAdmission {
   SloAdmission(SloAdmissionOptions options, Fleet* fleet, ProxyMetrics* metrics);
 
   // Fills the request's SLOs from the defaults where it set none, then
-  // decides. RESOURCE_EXHAUSTED names the prediction, the SLO and the key;
-  // `*retry_after_seconds` is set then (when not null).
+  // decides. RESOURCE_EXHAUSTED names the prediction, the margin, the SLO
+  // and the key; `*retry_after_seconds` is set then (when not null). An
+  // admitted request keeps its prediction (`predicted_ttft_ms`) for the
+  // calibration.
   Status Admit(ValidatedRequest& request, double* retry_after_seconds);
 
   AdmissionMode mode() const { return options_.mode; }

@@ -14,6 +14,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <future>
 #include <sstream>
 
@@ -240,6 +241,57 @@ TEST(SloAdmission, ASaturatedDecodersSeatWaitCountsInThePrediction) {
   EXPECT_TRUE(after.status.ok()) << after.status.error_message();
   EXPECT_EQ(after.tokens, 2u);
   EXPECT_EQ(Refused(**fleet, "ttft_slo"), 1);
+  auto stopped = (*fleet)->Stop(std::chrono::seconds(30));
+  ASSERT_TRUE(stopped.ok());
+  EXPECT_EQ(*stopped, 0);
+}
+
+// The calibration (proxy.slo.attainment, docs/scheduling.md "Calibrated
+// admission") hears of real first tokens: no margin while fewer than 16
+// admitted requests predicted near their SLO have had their first token, a
+// margin once they have. Each request's SLO is three times the proxy's own
+// prediction for it (read from a refusal: a 1 ms SLO), so it is admitted
+// whatever margin the first ones leave, and counted.
+TEST(SloAdmission, AdmittedRequestsFirstTokensCalibrateTheMargin) {
+  FleetOptions o = SimFleet(0.5);
+  o.proxy_yaml = "  admission: slo\n  slo:\n    attainment: 0.9\n";
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  const std::string proxy = (*fleet)->proxy_grpc();
+  const std::string margin = "tandem_slo_admission_margin_ratio";
+  // The prefiller's rate, measured first (no SLO: not counted).
+  for (uint32_t i = 0; i < 4; ++i) {
+    Reply r = Call(proxy, PromptIds(700 + i, 2000, kVocab), 2, std::nullopt, std::chrono::seconds(30));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  }
+  EXPECT_EQ(Metric((*fleet)->proxy_metrics(), margin), 0);
+  // A request counts if admission predicted at least a quarter of its SLO
+  // (about a third here): at 16 the margin is set. Until then it is 0.
+  double m = 0;
+  uint32_t admitted = 0;
+  for (uint32_t i = 0; i < 40 && m == 0; ++i) {
+    const std::vector<uint32_t> prompt = PromptIds(720 + i, 2000, kVocab);
+    Reply ask = Call(proxy, prompt, 2, 1, std::chrono::seconds(30));
+    ASSERT_EQ(ask.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+        << ask.status.error_message();
+    const std::string& msg = ask.status.error_message();
+    const std::string lead = "the predicted time to first token is ";
+    ASSERT_EQ(msg.rfind(lead, 0), 0u) << msg;
+    const double predicted = std::stod(msg.substr(lead.size()));
+    ASSERT_GT(predicted, 0) << msg;
+    Reply r = Call(proxy, prompt, 2, static_cast<uint32_t>(3 * predicted) + 1,
+                   std::chrono::seconds(30));
+    ASSERT_TRUE(r.status.ok()) << "refused at three times its prediction: "
+                               << r.status.error_message();
+    ++admitted;
+    m = Metric((*fleet)->proxy_metrics(), margin);
+    if (admitted < 16) {
+      EXPECT_EQ(m, 0) << admitted << " admitted";
+    }
+  }
+  EXPECT_GE(admitted, 16u);
+  EXPECT_NE(m, 0) << "no margin after " << admitted << " admitted";
+  EXPECT_LE(std::abs(m), 0.5);
   auto stopped = (*fleet)->Stop(std::chrono::seconds(30));
   ASSERT_TRUE(stopped.ok());
   EXPECT_EQ(*stopped, 0);

@@ -185,6 +185,45 @@ TEST_F(LifecycleTest, FirstTokenOnceWhenTheStreamWins) {
   EXPECT_EQ(c.usage.cached_prompt_tokens, 16u);
 }
 
+// SLO admission's calibration hears of each admitted request's first token
+// once, with the time since its arrival, whichever side delivers it first.
+TEST_F(LifecycleTest, TheFirstTokenTellsTheCalibrationOnceHowLateItCame) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  TtftCalibration::Options o;
+  o.attainment = 0.9;
+  o.min_samples = 2;
+  TtftCalibration cal(o);
+  calibration_ = &cal;
+  workers_.completion = tokenizer_->Encode("In the beginning was the Word");
+  // Arrived 1.5 s ago, predicted 1 s, SLO 2 s: at least (1500 - 1000) / 2000
+  // late.
+  const auto now = std::chrono::steady_clock::now();
+  arrival_ = now - std::chrono::milliseconds(1500);
+  predicted_ttft_ms_ = 1000;
+  ttft_slo_ms_ = 2000;
+  Collected c;
+  Run(c);  // the first token comes in the prefill reply and again on the stream
+  ASSERT_TRUE(c.finished) << c.error.ToString();
+  EXPECT_EQ(cal.Margin(std::chrono::steady_clock::now()), 0);  // one error known, not two
+  Collected again;
+  Run(again);
+  ASSERT_TRUE(again.finished) << again.error.ToString();
+  const double margin = cal.Margin(std::chrono::steady_clock::now());
+  EXPECT_GE(margin, 0.25);
+  EXPECT_LE(margin, TtftCalibration::kMaxMargin);
+  // A request admission did not predict (no SLO, or queue mode) adds none.
+  TtftCalibration fresh(o);
+  calibration_ = &fresh;
+  predicted_ttft_ms_ = -1;
+  for (int i = 0; i < 2; ++i) {
+    Collected unpredicted;
+    Run(unpredicted);
+    ASSERT_TRUE(unpredicted.finished);
+  }
+  EXPECT_EQ(fresh.Margin(std::chrono::steady_clock::now()), 0);
+}
+
 // A frame's tokens share one clock reading (DeliveryScope::Now) and still
 // get one ITL sample each: the first of a frame the gap since the last
 // frame, the others 0 (they arrived together), as with a reading per token.

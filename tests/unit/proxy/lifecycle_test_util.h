@@ -168,7 +168,10 @@ class LifecycleTest : public ::testing::Test {
     deps.block_size = 16;
     deps.defer_launch = defer_launch_;
     deps.metrics = metrics_;
+    deps.calibration = calibration_;
     ValidatedRequest req;
+    req.predicted_ttft_ms = predicted_ttft_ms_;
+    req.ttft_slo_ms = ttft_slo_ms_;
     req.request_id = "r1";
     req.prompt_ids = std::vector<uint32_t>(40, 7);
     // As the native front end keeps them: the packed field in the body.
@@ -203,6 +206,10 @@ class LifecycleTest : public ::testing::Test {
   // When the request arrived at the front end (unset: when Run starts it).
   std::optional<std::chrono::steady_clock::time_point> arrival_;
   ProxyMetrics* metrics_ = nullptr;
+  // SLO admission's calibration, and what admission left on the request.
+  TtftCalibration* calibration_ = nullptr;
+  double predicted_ttft_ms_ = -1;
+  uint32_t ttft_slo_ms_ = 0;
   std::array<HotBytes, 2> sink_hot_{};  // the sink's HotBytes
 };
 
