@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <string>
+
 namespace tandem::worker {
 
 using engine::BackendFeature;
@@ -39,6 +42,30 @@ Status CheckRoleCapabilities(const engine::ComputeBackend& backend, std::string_
   }
   return refuse(std::string(BackendFeatureName(BackendFeature::kHostKvPool)),
                 fmt::format("the transport cannot {} this backend's KV cache", verb));
+}
+
+uint64_t MaxKvNoticeBytes(uint32_t max_model_len, uint32_t block_size, bool checksums,
+                          bool encrypt) {
+  const uint64_t blocks = (uint64_t{max_model_len} + block_size - 1) / std::max(block_size, 1u);
+  const uint64_t per_block = (checksums ? 8 : 0) + (encrypt ? 16 : 0);
+  return kKvNoticeFixedBytes + blocks * per_block;
+}
+
+Status CheckKvNoticeFits(std::string_view role, uint32_t max_model_len, uint32_t block_size,
+                         bool checksums, bool encrypt, const kvtransfer::Capabilities& transport) {
+  if (role == "both") return Status::Ok();
+  const uint64_t need = MaxKvNoticeBytes(max_model_len, block_size, checksums, encrypt);
+  if (need <= transport.max_notification_bytes) return Status::Ok();
+  std::string fields;
+  if (checksums) fields = "transport.checksum: 8 bytes";
+  if (encrypt) fields += std::string(fields.empty() ? "" : ", ") + "transport.encrypt: 16 bytes";
+  return FailedPreconditionError(fmt::format(
+      "a prompt of model.max_model_len {} tokens is {} blocks of cache.block_size {}; its KV "
+      "notice carries per block {} and would need {} bytes, over the {} bytes transport {} "
+      "sends in one notice: lower model.max_model_len, raise cache.block_size or turn the "
+      "per-block fields off",
+      max_model_len, (uint64_t{max_model_len} + block_size - 1) / std::max(block_size, 1u),
+      block_size, fields, need, transport.max_notification_bytes, transport.backend));
 }
 
 }  // namespace tandem::worker

@@ -433,6 +433,13 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   // No silent fallback: a backend whose KV the transport cannot move is refused here.
   TANDEM_RETURN_IF_ERROR(
       CheckRoleCapabilities(w.engine->backend(), cmd.role, w.transport->capabilities()));
+  // A prompt as long as the context must fit its KV notice (a checksum per
+  // block, read from host pools only, and transport.encrypt's tags), or
+  // every such request would fail at its push.
+  TANDEM_RETURN_IF_ERROR(CheckKvNoticeFits(
+      cmd.role, w.engine->max_model_len(), w.fleet.cache.block_size,
+      w.fleet.transport.checksum && !w.transport->capabilities().device_memory,
+      w.fleet.transport.encrypt, w.transport->capabilities()));
   // Issue 18: every follower has joined (Engine::Create waited); before the
   // first step plan, rank 0 collects every rank's KV transport descriptor
   // (the followers send theirs right after joining).

@@ -98,7 +98,7 @@ class LoopbackTransport final : public detail::TransportBase {
     Capabilities c;
     c.backend = "loopback";
     c.cross_process = false;
-    c.max_notification_bytes = 65536;
+    c.max_notification_bytes = kTransportNoticeBytes;  // as UCX's
     return c;
   }
 

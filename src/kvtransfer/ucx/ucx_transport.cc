@@ -224,8 +224,8 @@ class UcxTransport final : public detail::TransportBase {
     c.device_memory = cuda_pool();
     c.cross_process = true;
     // Sent with UCP_AM_SEND_FLAG_EAGER (multi-fragment eager above one
-    // fragment): room for transport.encrypt's tags of a 4k-block prompt.
-    c.max_notification_bytes = 65536;
+    // fragment), so the receiver gets it whole.
+    c.max_notification_bytes = kTransportNoticeBytes;
     return c;
   }
 

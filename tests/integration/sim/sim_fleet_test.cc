@@ -105,6 +105,43 @@ TEST(SimFleet, OneP1DServesDeterministicallyAndSaysSimulated) {
   EXPECT_EQ(*stopped, 0);
 }
 
+// A prompt as long as a 128k context (8,192 blocks of 16 tokens), with KV
+// checksums (the default) and transport.encrypt: its KV notice carries 8 +
+// 16 bytes per block, ~200 KB. Until session 22 the transports sent at most
+// 64 KiB in a notice, so every such push failed and the request, prefilled
+// three times, ended UNAVAILABLE (found replaying the Mooncake trace).
+TEST(SimFleet, APromptAsLongAs128kOfContextIsServedWithChecksumsAndTags) {
+  FleetOptions o = SimOneP1D("", "transport:\n  encrypt: true\n");
+  o.model_yaml = "  backend: sim\n  name: itest\n  max_model_len: 131072\n";
+  // Llama-3.1-8B's shape: its context is 128k (Llama-3-8B's is 8k).
+  const size_t shape = o.extra_yaml.find("llama-3-8b");
+  ASSERT_NE(shape, std::string::npos);
+  o.extra_yaml.replace(shape, 10, "llama-3.1-8b");
+  o.max_batched_tokens = 8192;
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  GenerateArgs a;
+  a.prompt_ids = PromptIds(300, 131072 - 4, 4000);
+  a.max_tokens = 4;
+  a.timeout = std::chrono::seconds(120);
+  auto c = Generate((*fleet)->proxy_grpc(), a);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->token_ids.size(), 4u);
+  EXPECT_EQ(c->prompt_tokens, 131072u - 4);
+  // The prompt's KV crossed the transport and was checked: one notice, no
+  // mismatch, every block pushed.
+  double pushed = 0, failures = 0;
+  for (const auto& w : (*fleet)->workers()) {
+    pushed += Metric(w.metrics, "tandem_kv_transfer_bytes_total");
+    failures += Metric(w.metrics, "tandem_kv_checksum_failures_total");
+  }
+  EXPECT_GE(pushed, 8192.0 * 8192);  // 8 KiB per block at kv_scale 256
+  EXPECT_EQ(failures, 0);
+  auto stopped = (*fleet)->Stop(std::chrono::seconds(30));
+  ASSERT_TRUE(stopped.ok());
+  EXPECT_EQ(*stopped, 0);
+}
+
 // Decode seats in routing (docs/router.md, "Decode seats"): the launcher's
 // 32-seat decoder and a 4-seat one joined by hand (the same KV pool) share a
 // burst of 72 streams by their seats (about 4 of every 36), not half each as

@@ -192,6 +192,41 @@ TEST_P(ConformanceTest, NotificationArrivesAfterItsData) {
   EXPECT_EQ(b->stats().notifications_received, static_cast<uint64_t>(kRounds));
 }
 
+// A KV notice carries a checksum (and with transport.encrypt a tag) for
+// every pushed block: a 128k-token prompt's is over 64 KiB. One as large as
+// the backend allows arrives whole, after its data.
+TEST_P(ConformanceTest, ANoticeAsLargeAsTheLimitArrivesWhole) {
+  auto a = Make("bignotice-a", 4096, 4);
+  auto b = Make("bignotice-b", 4096, 4);
+  ASSERT_TRUE(a && b);
+  const uint64_t limit = a->capabilities().max_notification_bytes;
+  EXPECT_GE(limit, kTransportNoticeBytes);
+  std::string notice(limit, '\0');
+  uint64_t x = 0x9E3779B97F4A7C15ull;
+  for (char& c : notice) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    c = static_cast<char>(x);
+  }
+  std::mutex mu;
+  std::optional<std::string> got;
+  b->SetNotificationCallback([&](Notification n) {
+    std::lock_guard lock(mu);
+    got = std::move(n.payload);
+  });
+  auto peer = a->ImportPeer(b->LocalDescriptor());
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  FillRandom(a->pool(), 4096, 7);
+  ASSERT_EQ(WriteAndWait(*a, *peer, {{0, 0, 4096}}, notice), XferStatus::kSuccess);
+  ASSERT_TRUE(WaitFor([&] {
+    std::lock_guard lock(mu);
+    return got.has_value();
+  }));
+  std::lock_guard lock(mu);
+  EXPECT_EQ(got->size(), notice.size());
+  EXPECT_TRUE(*got == notice);
+  EXPECT_EQ(Checksum(b->pool(), 4096), Checksum(a->pool(), 4096));
+}
+
 TEST_P(ConformanceTest, ThousandConcurrentRequests) {
   constexpr uint32_t kRequests = 1000;
   const uint64_t bb = 4096;

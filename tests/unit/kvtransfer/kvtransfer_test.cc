@@ -118,7 +118,7 @@ TEST(Transport, RejectsBadOptionsAndArguments) {
   EXPECT_EQ(a->PrepareWrite(*peer, {{100, 0, 64}}, std::nullopt).status().code(),
             StatusCode::kOutOfRange);
   EXPECT_EQ(a->PrepareWrite(*peer, {}, std::nullopt).status().code(), StatusCode::kInvalidArgument);
-  // A notice over the backend's limit (65536: transport.encrypt's tags).
+  // A notice over the backend's limit (kTransportNoticeBytes).
   EXPECT_EQ(a->PrepareWrite(*peer, {}, std::string(a->capabilities().max_notification_bytes + 1, 'n'))
                 .status().code(),
             StatusCode::kInvalidArgument);

@@ -73,5 +73,35 @@ TEST(RoleCapabilities, HostKvOffIsRefusedNamingIt) {
             StatusCode::kInvalidArgument);
 }
 
+// A KV notice carries a checksum (8 bytes) and with transport.encrypt a tag
+// (16) per pushed block: a context whose longest prompt's notice the
+// transport cannot send is refused at start-up, naming the keys.
+TEST(KvNoticeFits, TheLongestPromptsNoticeMustFitTheTransport) {
+  kvtransfer::Capabilities ucx = Transport(false);
+  ucx.max_notification_bytes = kvtransfer::kTransportNoticeBytes;
+  // 128k tokens in 16-token blocks: 8,192 blocks (the 64 KiB the backends
+  // sent before session 22 was too small for the checksums alone).
+  EXPECT_EQ(MaxKvNoticeBytes(131072, 16, true, false), kKvNoticeFixedBytes + 8192 * 8);
+  EXPECT_EQ(MaxKvNoticeBytes(131072, 16, true, true), kKvNoticeFixedBytes + 8192 * 24);
+  EXPECT_EQ(MaxKvNoticeBytes(131073, 16, false, true), kKvNoticeFixedBytes + 8193 * 16);
+  EXPECT_EQ(MaxKvNoticeBytes(131072, 16, false, false), kKvNoticeFixedBytes);
+  EXPECT_TRUE(CheckKvNoticeFits("prefill", 131072, 16, true, true, ucx).ok());
+  EXPECT_TRUE(CheckKvNoticeFits("decode", 1u << 20, 16, true, true, ucx).ok());  // 1.5 MiB
+  kvtransfer::Capabilities small = ucx;
+  small.max_notification_bytes = 65536;
+  const Status st = CheckKvNoticeFits("prefill", 131072, 16, true, false, small);
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+  for (const char* part : {"model.max_model_len 131072", "8192 blocks", "cache.block_size 16",
+                           "transport.checksum: 8 bytes", "69632 bytes", "65536 bytes"}) {
+    EXPECT_NE(st.message().find(part), std::string::npos) << part << ": " << st.message();
+  }
+  // 1M tokens in blocks of 1 with both fields: 24 MiB, over any backend's.
+  const Status huge = CheckKvNoticeFits("decode", 1u << 20, 1, true, true, ucx);
+  EXPECT_EQ(huge.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(huge.message().find("transport.encrypt: 16 bytes"), std::string::npos) << huge.message();
+  EXPECT_TRUE(CheckKvNoticeFits("decode", 1u << 20, 1, false, false, ucx).ok());
+  EXPECT_TRUE(CheckKvNoticeFits("both", 1u << 20, 1, true, true, small).ok());  // no KV leaves
+}
+
 }  // namespace
 }  // namespace tandem::worker
