@@ -85,7 +85,7 @@ struct Notification {
 // checksums (8 bytes per block) and transport.encrypt's tags (16) of a
 // 1M-token prompt in 16-token blocks (65,536 x 24 bytes = 1.5 MiB) and
 // more. A worker whose longest prompt's notice would not fit is refused at
-// start-up (worker_runtime.cc, CheckNoticeFits).
+// start-up (worker/role_capabilities.h, CheckKvNoticeFits).
 inline constexpr uint64_t kTransportNoticeBytes = uint64_t{4} << 20;
 
 struct Capabilities {
