@@ -5,8 +5,12 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <memory>
+#include <thread>
+#include <vector>
 
 #include "common/metrics.h"
 
@@ -126,6 +130,36 @@ TEST(TtftCalibration, TheGaugeShowsTheMarginAtEachCollection) {
   EXPECT_NEAR(std::strtod(text.c_str() + value + 2, nullptr), 0.17, 1e-9) << text;
   c.reset();  // its hook leaves with it
   EXPECT_NE(registry.Render().find("tandem_slo_admission_margin_ratio"), std::string::npos);
+}
+
+// First tokens come on the transports' threads, admissions on the front
+// end's, scrapes on the metrics server's, all at once (run under TSAN by
+// tools/tsan_unit.sh): readers see the margin before or after, never part.
+TEST(TtftCalibration, ObserversReadersAndScrapesAtOnce) {
+  MetricsRegistry registry{MetricLabels{"m", "proxy", "proxy"}};
+  TtftCalibration c(Calibrated(0.9), &registry);
+  const Clock::time_point t0 = Clock::now();
+  std::atomic<int> odd{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 2000; ++i) c.Observe(1000, 1200, 1000, t0);  // 0.2 late
+    });
+  }
+  for (int t = 0; t < 2; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 2000; ++i) {
+        const double m = c.Margin(t0);
+        if (m != 0 && std::abs(m - 0.2) > 1e-12) odd.fetch_add(1);
+      }
+    });
+  }
+  threads.emplace_back([&] {
+    for (int i = 0; i < 100; ++i) registry.Render();
+  });
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(odd.load(), 0);
+  EXPECT_NEAR(c.Margin(t0), 0.2, 1e-12);
 }
 
 const std::string kModel = "m";
