@@ -44,11 +44,19 @@ Status CheckRoleCapabilities(const engine::ComputeBackend& backend, std::string_
                 fmt::format("the transport cannot {} this backend's KV cache", verb));
 }
 
+namespace {
+
+// Blocks of a prompt as long as the context.
+uint64_t ContextBlocks(uint32_t max_model_len, uint32_t block_size) {
+  return (uint64_t{max_model_len} + block_size - 1) / std::max(block_size, 1u);
+}
+
+}  // namespace
+
 uint64_t MaxKvNoticeBytes(uint32_t max_model_len, uint32_t block_size, bool checksums,
                           bool encrypt) {
-  const uint64_t blocks = (uint64_t{max_model_len} + block_size - 1) / std::max(block_size, 1u);
   const uint64_t per_block = (checksums ? 8 : 0) + (encrypt ? 16 : 0);
-  return kKvNoticeFixedBytes + blocks * per_block;
+  return kKvNoticeFixedBytes + ContextBlocks(max_model_len, block_size) * per_block;
 }
 
 Status CheckKvNoticeFits(std::string_view role, uint32_t max_model_len, uint32_t block_size,
@@ -64,8 +72,8 @@ Status CheckKvNoticeFits(std::string_view role, uint32_t max_model_len, uint32_t
       "notice carries per block {} and would need {} bytes, over the {} bytes transport {} "
       "sends in one notice: lower model.max_model_len, raise cache.block_size or turn the "
       "per-block fields off",
-      max_model_len, (uint64_t{max_model_len} + block_size - 1) / std::max(block_size, 1u),
-      block_size, fields, need, transport.max_notification_bytes, transport.backend));
+      max_model_len, ContextBlocks(max_model_len, block_size), block_size, fields, need,
+      transport.max_notification_bytes, transport.backend));
 }
 
 }  // namespace tandem::worker

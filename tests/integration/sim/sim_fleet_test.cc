@@ -19,9 +19,11 @@ namespace {
 
 constexpr uint32_t kMaxTokens = 24;
 
-// A sim 1P1D fleet (simulated H100s running Llama-3-8B, kv_aware routing):
-// `sim_lines` go into its `sim` section, `more_yaml` after that section.
-FleetOptions SimOneP1D(const std::string& sim_lines = "", const std::string& more_yaml = "") {
+// A sim 1P1D fleet (simulated H100s running Llama-3-8B, or the model shape
+// `shape` of configs/sim/models; kv_aware routing): `sim_lines` go into its
+// `sim` section, `more_yaml` after that section.
+FleetOptions SimOneP1D(const std::string& sim_lines = "", const std::string& more_yaml = "",
+                       const std::string& shape = "llama-3-8b") {
   FleetOptions o;
   o.prefill = 1;
   o.decode = 1;
@@ -29,8 +31,8 @@ FleetOptions SimOneP1D(const std::string& sim_lines = "", const std::string& mor
   o.policy = "kv_aware";
   o.model_yaml = "  backend: sim\n  name: itest\n  max_model_len: 4096\n";
   o.extra_yaml = fmt::format(
-      "sim:\n  profile: H100\n  model_shape: {}/configs/sim/models/llama-3-8b\n  kv_scale: 256\n{}{}",
-      TANDEM_SOURCE_DIR, sim_lines, more_yaml);
+      "sim:\n  profile: H100\n  model_shape: {}/configs/sim/models/{}\n  kv_scale: 256\n{}{}",
+      TANDEM_SOURCE_DIR, shape, sim_lines, more_yaml);
   return o;
 }
 
@@ -111,12 +113,9 @@ TEST(SimFleet, OneP1DServesDeterministicallyAndSaysSimulated) {
 // 64 KiB in a notice, so every such push failed and the request, prefilled
 // three times, ended UNAVAILABLE (found replaying the Mooncake trace).
 TEST(SimFleet, APromptAsLongAs128kOfContextIsServedWithChecksumsAndTags) {
-  FleetOptions o = SimOneP1D("", "transport:\n  encrypt: true\n");
-  o.model_yaml = "  backend: sim\n  name: itest\n  max_model_len: 131072\n";
   // Llama-3.1-8B's shape: its context is 128k (Llama-3-8B's is 8k).
-  const size_t shape = o.extra_yaml.find("llama-3-8b");
-  ASSERT_NE(shape, std::string::npos);
-  o.extra_yaml.replace(shape, 10, "llama-3.1-8b");
+  FleetOptions o = SimOneP1D("", "transport:\n  encrypt: true\n", "llama-3.1-8b");
+  o.model_yaml = "  backend: sim\n  name: itest\n  max_model_len: 131072\n";
   o.max_batched_tokens = 8192;
   auto fleet = Fleet::Launch(o);
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
