@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -135,6 +136,40 @@ double HistogramQuantile(const std::vector<std::pair<double, double>>& before,
   return lo;
 }
 
+// Cumulative buckets of `name` summed over several processes' metrics
+// texts (the same boundaries in each: one binary); empty when any lacks it.
+std::vector<std::pair<double, double>> SummedBuckets(const std::vector<std::string>& addrs,
+                                                     const std::string& name) {
+  std::vector<std::pair<double, double>> sum;
+  for (const auto& a : addrs) {
+    const auto b = HistogramBuckets(FetchMetrics(a), name);
+    if (b.empty() || (!sum.empty() && b.size() != sum.size())) return {};
+    if (sum.empty()) sum.assign(b.size(), {0, 0});
+    for (size_t i = 0; i < b.size(); ++i) sum[i] = {b[i].first, sum[i].second + b[i].second};
+  }
+  return sum;
+}
+
+// Quantile q of `samples` counted in the boundaries of `like` (a scraped
+// histogram) and interpolated as HistogramQuantile does: set against that
+// histogram's quantile, both carry the same interpolation error.
+double BucketedQuantile(const std::vector<double>& samples,
+                        const std::vector<std::pair<double, double>>& like, double q) {
+  if (like.empty()) return NAN;
+  std::vector<std::pair<double, double>> zero(like.size()), counts(like.size());
+  for (size_t i = 0; i < like.size(); ++i) {
+    zero[i] = {like[i].first, 0};
+    counts[i] = {like[i].first, 0};
+  }
+  for (double v : samples) {  // v's bucket: the first boundary >= v (the last is +Inf)
+    const auto it = std::lower_bound(counts.begin(), counts.end(), v,
+                                     [](const auto& b, double x) { return b.first < x; });
+    if (it != counts.end()) it->second += 1;
+  }
+  for (size_t i = 1; i < counts.size(); ++i) counts[i].second += counts[i - 1].second;
+  return HistogramQuantile(zero, counts, q);
+}
+
 struct Fleet {
   std::string grpc;
   std::string http;  // proxy.http: the sse workload
@@ -237,7 +272,13 @@ struct Measured {
   lg::Summary s;
   std::map<std::string, std::string> failures;  // status -> its first message
   std::map<std::string, double> cpu;  // role -> CPU seconds over the run
-  double step_p50 = NAN, step_p99 = NAN;  // decoder's tandem_decode_step_seconds
+  double step_p50 = NAN, step_p99 = NAN;  // decoders' tandem_decode_step_seconds
+  // The ITL the decoders emitted (tandem_decoder_inter_token_latency_seconds)
+  // and the client's ITL counted in the same buckets (BucketedQuantile):
+  // the client's p99 minus the decoders' is what the path after the
+  // decoder (its stream, the proxy, the client's end) adds to ITL p99.
+  double dec_itl_p50 = NAN, dec_itl_p99 = NAN;
+  double client_itl_p99_bucketed = NAN;
   double load1 = 0;
 };
 
@@ -261,12 +302,16 @@ Result<Measured> RunOne(lg::Client& client, const lg::ModelInfo& mi, const Fleet
   ro.request_id_prefix = fmt::format("bench-proxy-{}-{}", getpid(), w.name);
   ro.request_timeout = std::chrono::milliseconds(int64_t(duration_s * 1000) + 60000);
 
-  std::string decoder_metrics;
+  std::vector<std::string> decoder_metrics;
   for (const auto& p : f.procs) {
-    if ((p.role == "decode" || p.role == "both") && !p.metrics.empty()) decoder_metrics = p.metrics;
+    if ((p.role == "decode" || p.role == "both") && !p.metrics.empty()) {
+      decoder_metrics.push_back(p.metrics);
+    }
   }
-  const auto step_before =
-      HistogramBuckets(FetchMetrics(decoder_metrics), "tandem_decode_step_seconds");
+  constexpr const char* kStep = "tandem_decode_step_seconds";
+  constexpr const char* kDecItl = "tandem_decoder_inter_token_latency_seconds";
+  const auto step_before = SummedBuckets(decoder_metrics, kStep);
+  const auto itl_before = SummedBuckets(decoder_metrics, kDecItl);
   std::map<int, double> before;
   for (const auto& p : f.procs) before[p.pid] = ProcessCpuSeconds(p.pid);
   Measured m;
@@ -276,10 +321,15 @@ Result<Measured> RunOne(lg::Client& client, const lg::ModelInfo& mi, const Fleet
   if (!run.ok()) return run.status();
   for (const auto& p : f.procs) m.cpu[p.role] += ProcessCpuSeconds(p.pid) - before[p.pid];
   m.load1 = (m.load1 + LoadAverage1()) / 2;
-  const auto step_after =
-      HistogramBuckets(FetchMetrics(decoder_metrics), "tandem_decode_step_seconds");
+  const auto step_after = SummedBuckets(decoder_metrics, kStep);
+  const auto itl_after = SummedBuckets(decoder_metrics, kDecItl);
   m.step_p50 = HistogramQuantile(step_before, step_after, 0.5);
   m.step_p99 = HistogramQuantile(step_before, step_after, 0.99);
+  m.dec_itl_p50 = HistogramQuantile(itl_before, itl_after, 0.5);
+  m.dec_itl_p99 = HistogramQuantile(itl_before, itl_after, 0.99);
+  std::vector<double> gaps;
+  for (const auto& r : run->records) gaps.insert(gaps.end(), r.itl_s.begin(), r.itl_s.end());
+  m.client_itl_p99_bucketed = BucketedQuantile(gaps, itl_after, 0.99);
   m.s = lg::Summarize(run->records, {});
   m.failures = lg::FirstFailureMessages(run->records);
   return m;
@@ -351,10 +401,10 @@ int RunProxyBench(const ProxyBenchArgs& a) {
       return bad(mi.status());
     }
     std::cout << fmt::format("{:<14} {:>5} {:>6} {:>6} {:>4} {:>8} {:>7} {:>9} {:>11} {:>11} "
-                             "{:>10} {:>9} {:>9} {:>9} {:>5}\n",
+                             "{:>10} {:>9} {:>9} {:>11} {:>11} {:>9} {:>5}\n",
                              "load", "reqs", "in", "out", "conc", "out tok", "wall s", "proxy s",
                              "proxy us/tok", "proxy ms/req", "dec us/tok", "ITL p50ms",
-                             "ITL p99ms", "step p99ms", "load1");
+                             "ITL p99ms", "decITL p99", "added p99", "step p99ms", "load1");
     double stream_itl_p50_ms = 0;
     for (const auto& w : todo) {
       if (w.name == "idle") {
@@ -380,12 +430,12 @@ int RunProxyBench(const ProxyBenchArgs& a) {
           const bool grpc = r.grpc;  // the raw TCP rows have no client ITL
           std::cout << fmt::format(
               "{:<14} {:>5} {:>6} {:>6} {:>4} {:>8} {:>7.1f} {:>9.3f} {:>11.2f} {:>11.3f} {:>10} "
-              "{:>9.2f} {:>9.2f} {:>9.2f} {:>5.1f}\n",
+              "{:>9.2f} {:>9.2f} {:>11} {:>11} {:>9.2f} {:>5.1f}\n",
               r.name, r.requests_ok, w.input, w.output, w.concurrency, r.tokens,
               r.summary.duration_s, r.server_cpu_s, tok > 0 ? r.server_cpu_s / tok * 1e6 : NAN,
               r.requests_ok ? r.server_cpu_s / double(r.requests_ok) * 1e3 : NAN, "-",
               grpc ? r.summary.itl_s.p50 * 1e3 : NAN, grpc ? r.summary.itl_s.p99 * 1e3 : NAN,
-              spec.step_ms, r.load1);
+              "-", "-", spec.step_ms, r.load1);
           std::cout.flush();
           out.push_back({{"workload", r.name}, {"requests_ok", r.requests_ok},
                          {"requests_failed", r.requests_failed}, {"input_len", w.input},
@@ -422,11 +472,12 @@ int RunProxyBench(const ProxyBenchArgs& a) {
       const double dec = m->cpu["decode"] + m->cpu["both"];
       std::cout << fmt::format(
           "{:<14} {:>5} {:>6} {:>6} {:>4} {:>8} {:>7.1f} {:>9.3f} {:>11.2f} {:>11.3f} {:>10.2f} "
-          "{:>9.2f} {:>9.2f} {:>9.2f} {:>5.1f}\n",
+          "{:>9.2f} {:>9.2f} {:>11.2f} {:>11.2f} {:>9.2f} {:>5.1f}\n",
           w.name, m->s.ok, w.input, w.output, w.concurrency, m->s.output_tokens,
           m->s.duration_s, proxy, tok > 0 ? proxy / tok * 1e6 : NAN,
           m->s.ok > 0 ? proxy / double(m->s.ok) * 1e3 : NAN, tok > 0 ? dec / tok * 1e6 : NAN,
-          m->s.itl_s.p50 * 1e3, m->s.itl_s.p99 * 1e3, m->step_p99 * 1e3, m->load1);
+          m->s.itl_s.p50 * 1e3, m->s.itl_s.p99 * 1e3, m->dec_itl_p99 * 1e3,
+          (m->client_itl_p99_bucketed - m->dec_itl_p99) * 1e3, m->step_p99 * 1e3, m->load1);
       std::cout.flush();
       nlohmann::json j = {{"workload", w.name},          {"requests_ok", m->s.ok},
                           {"requests_failed", m->s.failed}, {"input_len", w.input},
@@ -438,7 +489,13 @@ int RunProxyBench(const ProxyBenchArgs& a) {
                           {"decoder_us_per_token", tok > 0 ? dec / tok * 1e6 : -1},
                           {"itl_p50_ms", m->s.itl_s.p50 * 1e3}, {"itl_p99_ms", m->s.itl_s.p99 * 1e3},
                           {"decode_step_p50_ms", m->step_p50 * 1e3},
-                          {"decode_step_p99_ms", m->step_p99 * 1e3}, {"load1", m->load1}};
+                          {"decode_step_p99_ms", m->step_p99 * 1e3},
+                          {"decoder_itl_p50_ms", m->dec_itl_p50 * 1e3},
+                          {"decoder_itl_p99_ms", m->dec_itl_p99 * 1e3},
+                          {"itl_p99_ms_in_decoder_buckets", m->client_itl_p99_bucketed * 1e3},
+                          {"itl_p99_added_ms",
+                           (m->client_itl_p99_bucketed - m->dec_itl_p99) * 1e3},
+                          {"load1", m->load1}};
       out.push_back(j);
       if (m->s.failed > 0) {
         std::cerr << fmt::format("tandem bench proxy: workload {}: {} requests failed\n", w.name,

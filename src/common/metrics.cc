@@ -132,6 +132,33 @@ std::vector<double> MetricsRegistry::ExponentialBuckets(double start, double fac
   return b;
 }
 
+HeldHistogram::HeldHistogram(MetricsRegistry& registry, const std::string& name,
+                             const std::string& help, std::vector<double> buckets)
+    : registry_(registry), bounds_(std::move(buckets)),
+      histogram_(registry.Histogram(name, help, bounds_)),
+      counts_(std::make_unique<std::atomic<uint64_t>[]>(bounds_.size() + 1)) {
+  hook_ = registry_.AddCollectHook([this] { Fold(); });
+}
+
+HeldHistogram::~HeldHistogram() {
+  registry_.RemoveCollectHook(hook_);
+  Fold();  // the histogram (the registry's) keeps what was observed
+}
+
+void HeldHistogram::Fold() {
+  std::vector<double> counts(bounds_.size() + 1);
+  bool any = false;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    const uint64_t n = counts_[i].exchange(0, std::memory_order_relaxed);
+    counts[i] = static_cast<double>(n);
+    any = any || n > 0;
+  }
+  // A sample observed during a fold may have its count folded now and its
+  // value by the next fold: each is folded exactly once.
+  const double sum = sum_.exchange(0, std::memory_order_relaxed);
+  if (any || sum != 0) histogram_.ObserveMultiple(counts, sum);
+}
+
 RecentMedianCheck::RecentMedianCheck(Options options) : options_(options) {
   ring_.reserve(std::max<size_t>(options_.window, 1));
 }

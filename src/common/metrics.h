@@ -9,6 +9,8 @@
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <functional>
@@ -88,6 +90,42 @@ class MetricsRegistry {
   std::map<std::string, prometheus::Family<prometheus::Counter>*> counters_;
   std::map<std::string, prometheus::Family<prometheus::Gauge>*> gauges_;
   std::map<std::string, prometheus::Family<prometheus::Histogram>*> histograms_;
+};
+
+// A histogram observed on a hot path (one sample per generated token, on
+// the engine's thread): Observe counts the sample in the atomic of its
+// bucket (relaxed; no lock, no allocation) and every collection of the
+// registry (Render, /metrics, RunCollectHooks: a collect hook) first folds
+// what was counted into the prometheus histogram with one ObserveMultiple,
+// so a scrape shows every sample observed before it began. Buckets as
+// prometheus-cpp counts them: a sample goes to the first boundary >= it,
+// past the last to +Inf. Thread-safe; the registry must outlive it (its
+// destructor folds what is left).
+class HeldHistogram {
+ public:
+  HeldHistogram(MetricsRegistry& registry, const std::string& name, const std::string& help,
+                std::vector<double> buckets);
+  ~HeldHistogram();
+  HeldHistogram(const HeldHistogram&) = delete;
+  HeldHistogram& operator=(const HeldHistogram&) = delete;
+
+  void Observe(double value) {
+    const size_t i = static_cast<size_t>(
+        std::lower_bound(bounds_.begin(), bounds_.end(), value) - bounds_.begin());
+    counts_[i].fetch_add(1, std::memory_order_relaxed);
+    sum_.fetch_add(value, std::memory_order_relaxed);
+  }
+  // Moves what was observed since the last fold into the histogram (the
+  // collect hook does this before every collection).
+  void Fold();
+
+ private:
+  MetricsRegistry& registry_;
+  const std::vector<double> bounds_;
+  prometheus::Histogram& histogram_;
+  std::unique_ptr<std::atomic<uint64_t>[]> counts_;  // [bounds_.size() + 1], the last +Inf
+  std::atomic<double> sum_{0};
+  size_t hook_ = 0;
 };
 
 // The median of the last `window` observations, checked against a threshold

@@ -1,4 +1,6 @@
 #include "decoder/decoder.h"
+#include "common/delivery_scope.h"
+#include "common/metrics.h"
 #include "common/logging.h"
 #include "kvtransfer/kv_cipher.h"
 #include "kvtransfer/kv_secret.h"
@@ -36,7 +38,8 @@ Status StatusFor(const engine::RequestOutput& out) {
 
 class Decoder::Emitter {
  public:
-  explicit Emitter(std::shared_ptr<DecodeSink> sink) : sink_(std::move(sink)) {}
+  Emitter(std::shared_ptr<DecodeSink> sink, HeldHistogram* itl)
+      : sink_(std::move(sink)), itl_(itl) {}
 
   void Tokens(uint32_t first_index, std::span<const uint32_t> tokens) {
     std::lock_guard lock(mu_);
@@ -46,6 +49,7 @@ class Decoder::Emitter {
       // straight to the sink, no copy, no map node per step (issue 23).
       const uint32_t n = static_cast<uint32_t>(tokens.size());
       if (n == 0) return;
+      ObserveHandOffLocked(n);
       sink_->OnTokens(next_index_, tokens);
       next_index_ += n;
       if (final_ && next_index_ >= final_->completion_tokens) {
@@ -101,6 +105,7 @@ class Decoder::Emitter {
       if (first + tokens.size() <= next_index_) continue;  // duplicate
       tokens.erase(tokens.begin(), tokens.begin() + (next_index_ - first));
       const uint32_t n = static_cast<uint32_t>(tokens.size());
+      ObserveHandOffLocked(n);
       sink_->OnTokens(next_index_, tokens);
       next_index_ += n;
     }
@@ -110,8 +115,23 @@ class Decoder::Emitter {
     }
   }
 
+  // The gaps of `n` tokens handed off now: from the previous hand-off to
+  // the first (none before the request's first hand-off here), 0 for the
+  // others. The time is the delivery batch's (one reading per engine step).
+  void ObserveHandOffLocked(uint32_t n) {
+    if (itl_ == nullptr) return;
+    const SteadyClock::time_point now = DeliveryScope::Now();
+    if (last_hand_off_ != SteadyClock::time_point{}) {
+      itl_->Observe(std::max(0.0, std::chrono::duration<double>(now - last_hand_off_).count()));
+    }
+    for (uint32_t k = 1; k < n; ++k) itl_->Observe(0.0);
+    last_hand_off_ = now;
+  }
+
   std::mutex mu_;
   std::shared_ptr<DecodeSink> sink_;
+  HeldHistogram* const itl_;
+  SteadyClock::time_point last_hand_off_{};               // guarded by mu_
   uint32_t next_index_ = 0;                               // guarded by mu_
   std::map<uint32_t, std::vector<uint32_t>> pending_;     // guarded by mu_
   std::optional<DecodeResult> final_;                     // guarded by mu_
@@ -262,7 +282,7 @@ Status Decoder::Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
       EraseLocked(old);
     }
     Entry e;
-    e.emitter = std::make_shared<Emitter>(std::move(sink));
+    e.emitter = std::make_shared<Emitter>(std::move(sink), options_.inter_token_latency);
     if (local) req = MakeEngineRequest(spec, e.emitter);
     e.spec = std::move(spec);
     e.submitted = SteadyClock::now();

@@ -68,6 +68,10 @@
 #include "kvtransfer/transport.h"
 #include "parallel/parallel_layout.h"
 
+namespace tandem {
+class HeldHistogram;  // common/metrics.h
+}  // namespace tandem
+
 namespace tandem::decoder {
 
 struct DecodeSpec {
@@ -171,6 +175,12 @@ struct DecoderOptions {
   // token. Past it ReserveOrWait waits for a seat and Reserve is refused
   // (RESOURCE_EXHAUSTED). 0: no limit.
   uint32_t max_seats = 0;
+  // tandem_decoder_inter_token_latency_seconds (docs/metrics.md): every gap
+  // between consecutive hand-offs of one request's tokens to its sink, as
+  // the proxy and the client count theirs (k tokens handed off together: a
+  // gap and k-1 zeros), stamped with the delivery batch's time. Borrowed,
+  // must outlive the decoder; null: not observed.
+  HeldHistogram* inter_token_latency = nullptr;
 };
 
 struct DecoderCounts {

@@ -33,6 +33,8 @@
 //   tandem_decode_seat_waits_total (counter), and on a prefiller
 //   tandem_prefill_reserve_seat_waits_total (counter): its Reserve calls a
 //   decoder held waiting for a seat (framed transport),
+// and tandem_decoder_inter_token_latency_seconds (histogram): the gaps
+//   between a request's token hand-offs on a decoder (the ITL it emits),
 // and tandem_kv_reserve_replies_unreceived_total (counter): reservations
 // released because their Reserve reply never reached the prefiller
 //   (counters): messages a decoder sent on its DecodeStreams (one per
@@ -92,6 +94,14 @@ class WorkerMetrics {
   // Issue 22 (docs/scheduling.md): tandem_queue_time_seconds{priority,tenant}.
   void ObserveQueueTime(int32_t priority, const std::string& tenant, double seconds);
   void Update(const MetricsSample& s);
+  // Decoder: tandem_decoder_inter_token_latency_seconds, observed by the
+  // Decoder on the engine's thread (DecoderOptions::inter_token_latency).
+  HeldHistogram& decoder_itl() { return decoder_itl_; }
+  // Its boundaries: the proxy's ITL boundaries plus steps of 0.5 ms from
+  // 1 to 8 ms and of 1-2.5 ms to 20 ms, where decode steps lie, so that its
+  // quantiles can be set against the client's (bench proxy) to well under
+  // a step.
+  static std::vector<double> DecoderItlBuckets();
 
  private:
   prometheus::Gauge& kv_usage_;
@@ -129,6 +139,7 @@ class WorkerMetrics {
   std::array<prometheus::Counter*, engine::kNumKvTiers> tier_hits_{};
   std::array<prometheus::Counter*, engine::kNumKvTiers> tier_evictions_{};
   prometheus::Histogram& onboard_seconds_;
+  HeldHistogram decoder_itl_;
   // Label sets made on first use (the default tenant at priority 0 from
   // the start); past kMaxLabelSets, new ones count as "other".
   static constexpr size_t kMaxLabelSets = 64;

@@ -476,6 +476,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     // Decode seats (docs/serving-workers.md): no more requests reserved or
     // decoding than the running batch takes; a Reserve past it waits.
     dopt.max_seats = w.fleet.scheduler.max_num_seqs;
+    dopt.inter_token_latency = &metrics->decoder_itl();
     w.decoder = std::make_unique<decoder::Decoder>(*w.engine, *w.transport, dopt);
     w.decoder->Start();
     w.decoder_service = decoder::MakeDecoderService(*w.decoder, *w.transport);

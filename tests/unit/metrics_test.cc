@@ -145,5 +145,79 @@ TEST(RecentMedianCheck, ConcurrentObserversKeepTheWindowConsistent) {
   EXPECT_EQ(warnings.load(), 1);
 }
 
+// The held histogram's series as prometheus-cpp reports it.
+prometheus::ClientMetric::Histogram Collected(prometheus::Histogram& h) {
+  return h.Collect().histogram;
+}
+
+TEST(HeldHistogram, SamplesAppearAtTheNextCollectionCountedAsPrometheusCountsThem) {
+  MetricsRegistry m({"m", "decode", "decode-0"});
+  const std::vector<double> bounds = {0.001, 0.01};
+  HeldHistogram held(m, "tandem_held_seconds", "held", bounds);
+  prometheus::Histogram& series = m.Histogram("tandem_held_seconds", "held", bounds);
+  prometheus::Histogram plain(bounds);  // the same samples, observed directly
+  for (double v : {0.0005, 0.001, 0.005, 0.01, 1.0}) {  // two on a boundary, one past the last
+    held.Observe(v);
+    plain.Observe(v);
+  }
+  EXPECT_EQ(Collected(series).sample_count, 0u);  // held until a collection
+  m.RunCollectHooks();
+  const auto got = Collected(series);
+  const auto want = plain.Collect().histogram;
+  EXPECT_EQ(got.sample_count, 5u);
+  EXPECT_DOUBLE_EQ(got.sample_sum, want.sample_sum);
+  ASSERT_EQ(got.bucket.size(), want.bucket.size());
+  for (size_t i = 0; i < got.bucket.size(); ++i) {
+    EXPECT_EQ(got.bucket[i].cumulative_count, want.bucket[i].cumulative_count) << "bucket " << i;
+  }
+  EXPECT_EQ(got.bucket[0].cumulative_count, 2u);  // 0.0005 and 0.001 (le="0.001")
+  // A scrape folds first; nothing is counted twice.
+  held.Observe(0.002);
+  EXPECT_NE(m.Render().find(R"(tandem_held_seconds_count{model="m",role="decode",worker="decode-0"} 6)"),
+            std::string::npos);
+  m.RunCollectHooks();
+  EXPECT_EQ(Collected(series).sample_count, 6u);
+}
+
+TEST(HeldHistogram, ObserversOnManyThreadsWhileScrapedLoseNothing) {
+  MetricsRegistry m({"m", "decode", "decode-0"});
+  const std::vector<double> bounds = {0.001, 0.01};
+  HeldHistogram held(m, "tandem_held_seconds", "held", bounds);
+  constexpr int kThreads = 4, kEach = 20000;
+  std::atomic<int> running{kThreads};
+  std::vector<std::thread> observers;
+  for (int t = 0; t < kThreads; ++t) {
+    observers.emplace_back([&, t] {
+      for (int i = 0; i < kEach; ++i) held.Observe(t % 2 == 0 ? 0.0005 : 0.5);
+      running.fetch_sub(1);
+    });
+  }
+  size_t scrapes = 0;
+  while (running.load() > 0 || scrapes == 0) {
+    (void)m.Render();
+    ++scrapes;
+  }
+  for (auto& t : observers) t.join();
+  m.RunCollectHooks();
+  const auto got = Collected(m.Histogram("tandem_held_seconds", "held", bounds));
+  EXPECT_EQ(got.sample_count, uint64_t{kThreads} * kEach);
+  EXPECT_EQ(got.bucket[0].cumulative_count, uint64_t{kThreads / 2} * kEach);
+  EXPECT_NEAR(got.sample_sum, kEach * 2 * (0.0005 + 0.5), 1e-6 * kEach);
+}
+
+TEST(HeldHistogram, WhatIsObservedBeforeItIsDestroyedStaysInTheSeries) {
+  MetricsRegistry m({"m", "decode", "decode-0"});
+  const std::vector<double> bounds = {0.001};
+  {
+    HeldHistogram held(m, "tandem_held_seconds", "held", bounds);
+    held.Observe(0.5);
+    held.Observe(0.5);
+  }
+  // Its hook is gone (a collection after it does not touch it) and its
+  // samples were folded on the way out.
+  EXPECT_NE(m.Render().find(R"(tandem_held_seconds_count{model="m",role="decode",worker="decode-0"} 2)"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace tandem

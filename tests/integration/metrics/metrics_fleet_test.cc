@@ -31,7 +31,7 @@ const std::vector<std::string> kProxyHistograms = {
     "tandem_time_per_output_token_seconds", "tandem_e2e_request_latency_seconds"};
 const std::vector<std::string> kWorkerHistograms = {
     "tandem_kv_transfer_seconds", "tandem_kv_transfer_overhead_ratio", "tandem_prefill_seconds",
-    "tandem_decode_step_seconds"};
+    "tandem_decode_step_seconds", "tandem_decoder_inter_token_latency_seconds"};
 const std::vector<std::string> kWorkerScalars = {
     "tandem_kv_cache_usage_ratio",           "tandem_num_requests_running",
     "tandem_num_requests_waiting",           "tandem_prefix_cache_queries_tokens_total",
@@ -228,6 +228,11 @@ TEST(MetricsFleet, DisaggregatedCountsMatchTheRequestsSent) {
     EXPECT_EQ(delta(p_before, p_after, "tandem_prefill_seconds_count"), 1);
     EXPECT_EQ(delta(p_before, p_after, "tandem_kv_transfer_seconds_count"), 1);
     EXPECT_EQ(delta(p_before, p_after, "tandem_kv_transfer_overhead_ratio_count"), 1);
+    // The decoder hands off every token, the prefiller's first included (its
+    // KV notice): as many gaps as the client's (one per token after the first).
+    EXPECT_EQ(delta(d_before, d_after, "tandem_decoder_inter_token_latency_seconds_count"),
+              r.max_tokens - 1);
+    EXPECT_EQ(delta(p_before, p_after, "tandem_decoder_inter_token_latency_seconds_count"), 0);
     p_before = p_after;
     d_before = d_after;
   }
@@ -241,6 +246,10 @@ TEST(MetricsFleet, DisaggregatedCountsMatchTheRequestsSent) {
   EXPECT_EQ(d_before.Sum("tandem_prefill_seconds_count"), 0);
   EXPECT_GT(d_before.Sum("tandem_decode_step_seconds_count"), 0);
   EXPECT_EQ(p_before.Sum("tandem_decode_step_seconds_count"), 0);
+  // The decoder's gaps are the proxy's, one for one; real durations.
+  EXPECT_EQ(d_before.Sum("tandem_decoder_inter_token_latency_seconds_count"),
+            proxy.Sum("tandem_inter_token_latency_seconds_count"));
+  EXPECT_GT(d_before.Sum("tandem_decoder_inter_token_latency_seconds_sum"), 0);
   EXPECT_EQ(p_before.Sum("tandem_kv_transfer_bytes_total"), static_cast<double>(bytes_expected));
   EXPECT_GT(bytes_expected, 0u);
   EXPECT_EQ(d_before.Sum("tandem_kv_transfer_bytes_total"), 0);
@@ -284,6 +293,9 @@ TEST(MetricsFleet, AggregatedCountsMatchTheRequestsSent) {
     }
     EXPECT_LE(hits, MaxHitTokens(r.prompt.size()));
     EXPECT_EQ(c->cached_prompt_tokens, hits);
+    EXPECT_EQ(after.Sum("tandem_decoder_inter_token_latency_seconds_count") -
+                  before.Sum("tandem_decoder_inter_token_latency_seconds_count"),
+              r.max_tokens - 1);
     before = after;
   }
   const PromText proxy = ScrapeOrDie(f.proxy_metrics());

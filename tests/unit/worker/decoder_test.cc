@@ -1,4 +1,5 @@
 // The decoder core without gRPC: reservations, leases, notices, cancel.
+#include "common/metrics.h"
 #include "kvtransfer/kv_cipher.h"
 #include "worker_test_util.h"
 
@@ -26,11 +27,13 @@ class DecoderTest : public ::testing::Test {
   }
   // Most cases move no KV bytes: checksums are verified only where a case
   // says so.
-  void MakeDecoder(double lease_seconds = 30, bool verify_checksums = false, bool encrypt = false) {
+  void MakeDecoder(double lease_seconds = 30, bool verify_checksums = false, bool encrypt = false,
+                   HeldHistogram* itl = nullptr) {
     DecoderOptions o;
     o.lease_seconds = lease_seconds;
     o.verify_checksums = verify_checksums;
     o.encrypt = encrypt;
+    o.inter_token_latency = itl;
     decoder_ = std::make_unique<Decoder>(*node_->engine, *node_->transport, o);
     decoder_->Start();
   }
@@ -588,6 +591,40 @@ TEST_F(DecoderTest, ANewStreamSupersedesOneStillWaitingForItsKv) {
   decoder_->OnKvNotice(n);  // the old writer finished: released, not used
   EXPECT_EQ(decoder_->counts().reservations, 0u);
   EXPECT_FALSE(second->Ended());
+}
+
+TEST_F(DecoderTest, EachTokenAfterARequestsFirstCountsOneInterTokenGap) {
+  MetricsRegistry registry({"m", "decode", "decode-unit"});
+  const std::vector<double> bounds = {0.001, 0.01, 0.1};
+  HeldHistogram itl(registry, "tandem_decoder_inter_token_latency_seconds", "itl", bounds);
+  MakeDecoder(/*lease_seconds=*/30, /*verify_checksums=*/false, /*encrypt=*/false, &itl);
+  auto& series = registry.Histogram("tandem_decoder_inter_token_latency_seconds", "itl", bounds);
+  uint64_t expected = 0;
+  double sum = 0;
+  for (const auto& [id, max_tokens] : {std::pair{"a", 6u}, std::pair{"b", 3u}}) {
+    const auto start = std::chrono::steady_clock::now();
+    const auto prompt = Prompt(20, max_tokens);
+    auto sink = Register(id, prompt, max_tokens);
+    auto t = decoder_->Reserve(id, "p", prompt);
+    ASSERT_TRUE(t.ok());
+    decoder_->OnKvNotice(Notice(*t, 9));
+    ASSERT_TRUE(WaitFor([&] { return sink->Ended(); }));
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    ASSERT_TRUE(sink->finished);
+    ASSERT_EQ(sink->tokens.size(), max_tokens);
+    // The first token handed off has no gap; every other one has one
+    // (0 for a token handed off with the one before it).
+    expected += max_tokens - 1;
+    registry.RunCollectHooks();
+    const auto h = series.Collect().histogram;
+    EXPECT_EQ(h.sample_count, expected) << id << ": " << sink->hand_offs << " hand-offs";
+    // Real durations: together no longer than the request was here. (Not
+    // > 0: tokens the engine's thread produced before the notice's thread
+    // handed off the first are handed off with it, at one time.)
+    EXPECT_GE(h.sample_sum - sum, 0.0) << id;
+    EXPECT_LE(h.sample_sum - sum, elapsed) << id;
+    sum = h.sample_sum;
+  }
 }
 
 TEST_F(DecoderTest, DrainingRefusesNewStreams) {

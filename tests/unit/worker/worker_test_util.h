@@ -126,6 +126,7 @@ class RecordingSink final : public decoder::DecodeSink {
     std::lock_guard lock(mu_);
     if (first_index != tokens.size()) out_of_order = true;
     tokens.insert(tokens.end(), ids.begin(), ids.end());
+    ++hand_offs;
   }
   void OnFinished(const decoder::DecodeResult& r) override {
     std::lock_guard lock(mu_);
@@ -143,6 +144,7 @@ class RecordingSink final : public decoder::DecodeSink {
   }
   std::mutex mu_;
   std::vector<uint32_t> tokens;
+  size_t hand_offs = 0;  // OnTokens calls
   bool out_of_order = false;
   bool finished = false;
   bool errored = false;
