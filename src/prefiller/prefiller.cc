@@ -633,11 +633,26 @@ void Prefiller::OnTransferDone(const JobPtr& job, kvtransfer::XferStatus status,
     std::lock_guard lock(mu_);
     cancelled = job->cancelled;
   }
+  // ERR_INVALID_ARGUMENT: this prefiller built a push its transport
+  // refuses (a notice over the transport's limit, a slot outside the
+  // decoder's pool, an unsealed block): the same push would be refused
+  // again on any retry, so the request fails INTERNAL, which the proxy does
+  // not retry, instead of UNAVAILABLE, which it would re-route (each retry
+  // a full prefill). Every other failure is the way to the decoder.
+  const bool refused_here = status == kvtransfer::XferStatus::kErrInvalidArgument;
   Status s = cancelled ? job->cancel_status
-                       : UnavailableError(fmt::format(
-                             "KV push to decoder '{}' failed ({}): {}", job->spec.decoder_name,
-                             kvtransfer::XferStatusName(status), detail.message()));
-  if (!cancelled) {
+             : refused_here
+                 ? InternalError(fmt::format(
+                       "KV push to decoder '{}' could not be prepared ({}): {}; not retried: the "
+                       "same push would be refused again",
+                       job->spec.decoder_name, kvtransfer::XferStatusName(status),
+                       detail.message()))
+                 : UnavailableError(fmt::format(
+                       "KV push to decoder '{}' failed ({}): {}", job->spec.decoder_name,
+                       kvtransfer::XferStatusName(status), detail.message()));
+  if (!cancelled && refused_here) {
+    LogRequest(spdlog::level::err, id, "blocks freed, request failed: {}", s.message());
+  } else if (!cancelled) {
     std::lock_guard lock(mu_);
     ++totals_.dropped_target_lost;
     LogRequest(spdlog::level::warn, id, "push target lost; dropped, blocks freed: {}", s.message());

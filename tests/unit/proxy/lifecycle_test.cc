@@ -343,6 +343,27 @@ TEST_F(LifecycleTest, PrefillErrorReachesTheClient) {
   EXPECT_TRUE(workers_.decode_calls.at(0)->cancelled);
 }
 
+// A prefiller whose own transport refused the push (prefiller.cc,
+// OnTransferDone) answers INTERNAL: the same push would be refused again,
+// so the client hears at once, with another pair free to try.
+TEST_F(LifecycleTest, APushThePrefillerCouldNotPrepareIsNotRetried) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("p1", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  AddWorker("d1", router::WorkerRole::kDecode);
+  workers_.completion = tokenizer_->Encode("x");
+  const Status refused = InternalError(
+      "KV push to decoder 'd0' could not be prepared (ERR_INVALID_ARGUMENT): notice has 65638 "
+      "bytes; this transport sends at most 65536; not retried: the same push would be refused "
+      "again");
+  workers_.prefill_error = refused;
+  Collected c;
+  Run(c);
+  EXPECT_EQ(c.error, refused);
+  EXPECT_EQ(workers_.prefill_addresses.size(), 1u);  // one prefill, no retry
+  EXPECT_TRUE(workers_.decode_calls.at(0)->cancelled);
+}
+
 TEST_F(LifecycleTest, AggregatedWorkerPrefillsLocally) {
   AddWorker("b0", router::WorkerRole::kBoth);
   workers_.completion = tokenizer_->Encode("Blessed are the meek");

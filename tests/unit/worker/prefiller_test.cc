@@ -247,6 +247,40 @@ TEST_F(PrefillerTest, PushesOnlyTheBlocksTheDecoderLacksThenTheNotice) {
   EXPECT_EQ(prefiller_->counts().inflight, 0u);
 }
 
+// A push this prefiller's transport refuses to prepare (here: slots past
+// the decoder's pool of 16 blocks) would be refused again however often the
+// proxy retried it: INTERNAL (not retried), not UNAVAILABLE (re-routed, a
+// new prefill each time). The decoder hears, and nothing stays held.
+TEST_F(PrefillerTest, APushRefusedAsInvalidHereFailsInternalAndIsNotAnUnavailableDecoder) {
+  for (const auto mode : {prefiller::PushMode::kStreaming, prefiller::PushMode::kAfterPrefill}) {
+    SCOPED_TRACE(mode == prefiller::PushMode::kStreaming ? "streaming" : "after prefill");
+    MakePrefiller(/*max_queue=*/8, mode);
+    const size_t notices = Notices().size();
+    std::promise<Result<PrefillResult>> done;
+    ASSERT_TRUE(prefiller_->Submit(Job("bad", Prompt(40, 3)), [&](Result<PrefillResult> r) {
+      done.set_value(std::move(r));
+    }).ok());
+    ASSERT_TRUE(WaitFor([&] { return link_.NumPending() == 1; }));
+    link_.Answer(Target({100, 101, 102}, /*cached=*/0, /*reservation=*/9));
+    auto r = done.get_future().get();
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kInternal) << r.status().ToString();
+    for (const char* part : {"decoder 'fake'", "could not be prepared", "ERR_INVALID_ARGUMENT",
+                             "outside the pools", "not retried"}) {
+      EXPECT_NE(r.status().message().find(part), std::string::npos) << part << ": " << r.status().ToString();
+    }
+    // The decoder is told, so that it frees the reservation at once.
+    ASSERT_TRUE(WaitFor([&] { return Notices().size() == notices + 1; }));
+    EXPECT_EQ(Notices().back(), "bad|9|" + std::to_string(target_->generation()) + "|0|" +
+                                    std::to_string(static_cast<int>(StatusCode::kInternal)));
+    ASSERT_TRUE(WaitFor([&] { return node_->engine->stats().num_parked == 0; }));
+    EXPECT_EQ(node_->engine->stats().free_blocks, 64u);
+    EXPECT_EQ(prefiller_->counts().inflight, 0u);
+    EXPECT_EQ(prefiller_->counts().dropped_target_lost, 0u);  // not a lost decoder
+    prefiller_->Stop();
+  }
+}
+
 // A prompt of three 64-token chunks: streamed per chunk and layer group, the
 // decoder's slots end up with the same bytes as one push after the prefill.
 TEST_F(PrefillerTest, StreamingPushWritesTheSameBytesAsAfterPrefill) {
