@@ -278,6 +278,10 @@ struct Measured {
   // the client's p99 minus the decoders' is what the path after the
   // decoder (its stream, the proxy, the client's end) adds to ITL p99.
   double dec_itl_p50 = NAN, dec_itl_p99 = NAN;
+  // The proxy's tandem_inter_token_latency_seconds (the same buckets),
+  // stamped when it hands a request its tokens: proxy - decoder is the
+  // decoder -> proxy hop's share, client - proxy the proxy -> client one's.
+  double proxy_itl_p99 = NAN;
   double client_itl_p99_bucketed = NAN;
   double load1 = 0;
 };
@@ -302,16 +306,18 @@ Result<Measured> RunOne(lg::Client& client, const lg::ModelInfo& mi, const Fleet
   ro.request_id_prefix = fmt::format("bench-proxy-{}-{}", getpid(), w.name);
   ro.request_timeout = std::chrono::milliseconds(int64_t(duration_s * 1000) + 60000);
 
-  std::vector<std::string> decoder_metrics;
+  std::vector<std::string> decoder_metrics, proxy_metrics;
   for (const auto& p : f.procs) {
-    if ((p.role == "decode" || p.role == "both") && !p.metrics.empty()) {
-      decoder_metrics.push_back(p.metrics);
-    }
+    if (p.metrics.empty()) continue;
+    if (p.role == "decode" || p.role == "both") decoder_metrics.push_back(p.metrics);
+    if (p.role == "proxy") proxy_metrics.push_back(p.metrics);
   }
   constexpr const char* kStep = "tandem_decode_step_seconds";
   constexpr const char* kDecItl = "tandem_decoder_inter_token_latency_seconds";
+  constexpr const char* kProxyItl = "tandem_inter_token_latency_seconds";
   const auto step_before = SummedBuckets(decoder_metrics, kStep);
   const auto itl_before = SummedBuckets(decoder_metrics, kDecItl);
+  const auto proxy_itl_before = SummedBuckets(proxy_metrics, kProxyItl);
   std::map<int, double> before;
   for (const auto& p : f.procs) before[p.pid] = ProcessCpuSeconds(p.pid);
   Measured m;
@@ -323,10 +329,12 @@ Result<Measured> RunOne(lg::Client& client, const lg::ModelInfo& mi, const Fleet
   m.load1 = (m.load1 + LoadAverage1()) / 2;
   const auto step_after = SummedBuckets(decoder_metrics, kStep);
   const auto itl_after = SummedBuckets(decoder_metrics, kDecItl);
+  const auto proxy_itl_after = SummedBuckets(proxy_metrics, kProxyItl);
   m.step_p50 = HistogramQuantile(step_before, step_after, 0.5);
   m.step_p99 = HistogramQuantile(step_before, step_after, 0.99);
   m.dec_itl_p50 = HistogramQuantile(itl_before, itl_after, 0.5);
   m.dec_itl_p99 = HistogramQuantile(itl_before, itl_after, 0.99);
+  m.proxy_itl_p99 = HistogramQuantile(proxy_itl_before, proxy_itl_after, 0.99);
   std::vector<double> gaps;
   for (const auto& r : run->records) gaps.insert(gaps.end(), r.itl_s.begin(), r.itl_s.end());
   m.client_itl_p99_bucketed = BucketedQuantile(gaps, itl_after, 0.99);
@@ -401,10 +409,11 @@ int RunProxyBench(const ProxyBenchArgs& a) {
       return bad(mi.status());
     }
     std::cout << fmt::format("{:<14} {:>5} {:>6} {:>6} {:>4} {:>8} {:>7} {:>9} {:>11} {:>11} "
-                             "{:>10} {:>9} {:>9} {:>11} {:>11} {:>9} {:>5}\n",
+                             "{:>10} {:>9} {:>9} {:>11} {:>11} {:>11} {:>9} {:>5}\n",
                              "load", "reqs", "in", "out", "conc", "out tok", "wall s", "proxy s",
                              "proxy us/tok", "proxy ms/req", "dec us/tok", "ITL p50ms",
-                             "ITL p99ms", "decITL p99", "added p99", "step p99ms", "load1");
+                             "ITL p99ms", "decITL p99", "proxyITL p99", "added p99",
+                             "step p99ms", "load1");
     double stream_itl_p50_ms = 0;
     for (const auto& w : todo) {
       if (w.name == "idle") {
@@ -430,12 +439,12 @@ int RunProxyBench(const ProxyBenchArgs& a) {
           const bool grpc = r.grpc;  // the raw TCP rows have no client ITL
           std::cout << fmt::format(
               "{:<14} {:>5} {:>6} {:>6} {:>4} {:>8} {:>7.1f} {:>9.3f} {:>11.2f} {:>11.3f} {:>10} "
-              "{:>9.2f} {:>9.2f} {:>11} {:>11} {:>9.2f} {:>5.1f}\n",
+              "{:>9.2f} {:>9.2f} {:>11} {:>11} {:>11} {:>9.2f} {:>5.1f}\n",
               r.name, r.requests_ok, w.input, w.output, w.concurrency, r.tokens,
               r.summary.duration_s, r.server_cpu_s, tok > 0 ? r.server_cpu_s / tok * 1e6 : NAN,
               r.requests_ok ? r.server_cpu_s / double(r.requests_ok) * 1e3 : NAN, "-",
               grpc ? r.summary.itl_s.p50 * 1e3 : NAN, grpc ? r.summary.itl_s.p99 * 1e3 : NAN,
-              "-", "-", spec.step_ms, r.load1);
+              "-", "-", "-", spec.step_ms, r.load1);
           std::cout.flush();
           out.push_back({{"workload", r.name}, {"requests_ok", r.requests_ok},
                          {"requests_failed", r.requests_failed}, {"input_len", w.input},
@@ -472,12 +481,13 @@ int RunProxyBench(const ProxyBenchArgs& a) {
       const double dec = m->cpu["decode"] + m->cpu["both"];
       std::cout << fmt::format(
           "{:<14} {:>5} {:>6} {:>6} {:>4} {:>8} {:>7.1f} {:>9.3f} {:>11.2f} {:>11.3f} {:>10.2f} "
-          "{:>9.2f} {:>9.2f} {:>11.2f} {:>11.2f} {:>9.2f} {:>5.1f}\n",
+          "{:>9.2f} {:>9.2f} {:>11.2f} {:>11.2f} {:>11.2f} {:>9.2f} {:>5.1f}\n",
           w.name, m->s.ok, w.input, w.output, w.concurrency, m->s.output_tokens,
           m->s.duration_s, proxy, tok > 0 ? proxy / tok * 1e6 : NAN,
           m->s.ok > 0 ? proxy / double(m->s.ok) * 1e3 : NAN, tok > 0 ? dec / tok * 1e6 : NAN,
           m->s.itl_s.p50 * 1e3, m->s.itl_s.p99 * 1e3, m->dec_itl_p99 * 1e3,
-          (m->client_itl_p99_bucketed - m->dec_itl_p99) * 1e3, m->step_p99 * 1e3, m->load1);
+          m->proxy_itl_p99 * 1e3, (m->client_itl_p99_bucketed - m->dec_itl_p99) * 1e3,
+          m->step_p99 * 1e3, m->load1);
       std::cout.flush();
       nlohmann::json j = {{"workload", w.name},          {"requests_ok", m->s.ok},
                           {"requests_failed", m->s.failed}, {"input_len", w.input},
@@ -492,6 +502,7 @@ int RunProxyBench(const ProxyBenchArgs& a) {
                           {"decode_step_p99_ms", m->step_p99 * 1e3},
                           {"decoder_itl_p50_ms", m->dec_itl_p50 * 1e3},
                           {"decoder_itl_p99_ms", m->dec_itl_p99 * 1e3},
+                          {"proxy_itl_p99_ms", m->proxy_itl_p99 * 1e3},
                           {"itl_p99_ms_in_decoder_buckets", m->client_itl_p99_bucketed * 1e3},
                           {"itl_p99_added_ms",
                            (m->client_itl_p99_bucketed - m->dec_itl_p99) * 1e3},

@@ -76,6 +76,12 @@ class MetricsRegistry {
 
   // Bucket helpers: `count` boundaries from `start`, each `factor` times the last.
   static std::vector<double> ExponentialBuckets(double start, double factor, int count);
+  // The boundaries of every inter-token histogram: the proxy's ITL and
+  // TPOT, the decoder's emitted ITL. 20 us to 5 s, in steps of 0.5 ms from
+  // 1 to 8 ms and of 1-2.5 ms to 20 ms, where decode steps lie: one layout,
+  // so that the decoder's and the proxy's quantiles can be set against
+  // each other (and the client's) to well under a step.
+  static std::vector<double> InterTokenBuckets();
 
  private:
   std::map<std::string, std::string> Labels(const std::map<std::string, std::string>& extra) const;

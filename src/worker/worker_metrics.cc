@@ -20,17 +20,6 @@ std::vector<double> RatioBuckets() {
   return {0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0};
 }
 
-}  // namespace
-
-std::vector<double> WorkerMetrics::DecoderItlBuckets() {
-  return {0.00002, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.0025, 0.003,
-          0.0035,  0.004,   0.0045, 0.005,   0.0055, 0.006, 0.0065, 0.007, 0.0075, 0.008,
-          0.009,   0.01,    0.0125, 0.015,   0.0175, 0.02,  0.025,  0.03,   0.04,   0.05,
-          0.075,   0.1,     0.15,   0.2,     0.3,    0.5,   0.75,   1.0,    2.5,    5.0};
-}
-
-namespace {
-
 constexpr const char* kQuarantineHelp =
     "Quarantined KV reservations released, by what proved no write of theirs is outstanding "
     "(acknowledged: the prefiller's notice; peer_dead: the transport declared it dead)";
@@ -118,7 +107,7 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
       decoder_itl_(r, "tandem_decoder_inter_token_latency_seconds",
                    "Decoder: gap between consecutive hand-offs of one request's tokens to its "
                    "decode stream (the inter-token latency the decoder emits)",
-                   DecoderItlBuckets()),
+                   MetricsRegistry::InterTokenBuckets()),
       registry_(r) {
   // Issue 22: the label sets known at start-up exist at zero.
   QueueTime("0", "default");

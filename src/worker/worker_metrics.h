@@ -97,11 +97,6 @@ class WorkerMetrics {
   // Decoder: tandem_decoder_inter_token_latency_seconds, observed by the
   // Decoder on the engine's thread (DecoderOptions::inter_token_latency).
   HeldHistogram& decoder_itl() { return decoder_itl_; }
-  // Its boundaries: the proxy's ITL boundaries plus steps of 0.5 ms from
-  // 1 to 8 ms and of 1-2.5 ms to 20 ms, where decode steps lie, so that its
-  // quantiles can be set against the client's (bench proxy) to well under
-  // a step.
-  static std::vector<double> DecoderItlBuckets();
 
  private:
   prometheus::Gauge& kv_usage_;
