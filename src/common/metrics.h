@@ -116,11 +116,18 @@ class HeldHistogram {
   HeldHistogram& operator=(const HeldHistogram&) = delete;
 
   void Observe(double value) {
-    const size_t i = static_cast<size_t>(
-        std::lower_bound(bounds_.begin(), bounds_.end(), value) - bounds_.begin());
-    counts_[i].fetch_add(1, std::memory_order_relaxed);
-    sum_.fetch_add(value, std::memory_order_relaxed);
+    Add(BucketOf(value), 1);
+    AddSum(value);
   }
+  // For a caller that sums a batch of samples itself (the proxy's token
+  // path): `n` samples in bucket `i` (BucketOf), and their values' sum.
+  size_t BucketOf(double value) const {
+    return static_cast<size_t>(std::lower_bound(bounds_.begin(), bounds_.end(), value) -
+                               bounds_.begin());
+  }
+  size_t num_buckets() const { return bounds_.size() + 1; }  // the last is +Inf
+  void Add(size_t bucket, uint64_t n) { counts_[bucket].fetch_add(n, std::memory_order_relaxed); }
+  void AddSum(double sum) { sum_.fetch_add(sum, std::memory_order_relaxed); }
   // Moves what was observed since the last fold into the histogram (the
   // collect hook does this before every collection).
   void Fold();

@@ -19,6 +19,8 @@ std::vector<double> E2eBuckets() {
   return {0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0};
 }
 
+constexpr const char* kItlHelp =
+    "Gap between consecutive tokens (every gap, also within one message)";
 constexpr const char* kRequests = "tandem_requests_total";
 constexpr const char* kRequestsHelp = "Requests finished, by outcome";
 
@@ -43,10 +45,10 @@ struct TokenBatchState {
     if (itl_count > 0) {
       for (size_t i = 0; i < itl_buckets.size(); ++i) {
         if (itl_buckets[i] == 0) continue;
-        metrics->held_counts_[i].fetch_add(itl_buckets[i], std::memory_order_relaxed);
+        metrics->itl_held_.Add(i, itl_buckets[i]);
         itl_buckets[i] = 0;
       }
-      metrics->held_sum_.fetch_add(itl_sum, std::memory_order_relaxed);
+      metrics->itl_held_.AddSum(itl_sum);
     }
     if (tokens > 0) metrics->held_tokens_.fetch_add(tokens, std::memory_order_relaxed);
     itl_sum = 0;
@@ -72,9 +74,7 @@ ProxyMetrics::ProxyMetrics(MetricsRegistry& r)
     : ttft(r.Histogram("tandem_time_to_first_token_seconds",
                        "First token at the client side of the proxy minus request arrival",
                        TtftBuckets())),
-      itl(r.Histogram("tandem_inter_token_latency_seconds",
-                      "Gap between consecutive tokens (every gap, also within one message)",
-                      ItlBuckets())),
+      itl(r.Histogram("tandem_inter_token_latency_seconds", kItlHelp, ItlBuckets())),
       tpot(r.Histogram("tandem_time_per_output_token_seconds",
                        "(e2e - TTFT) / (output tokens - 1)", ItlBuckets())),
       e2e(r.Histogram("tandem_e2e_request_latency_seconds", "Request arrival to last token",
@@ -97,8 +97,7 @@ ProxyMetrics::ProxyMetrics(MetricsRegistry& r)
                                  "Median KV transfer time over prefill compute time of the "
                                  "last 64 disaggregated requests")),
       registry_(r),
-      itl_bounds_(ItlBuckets()),
-      held_counts_(itl_bounds_.size() + 1),
+      itl_held_(r, "tandem_inter_token_latency_seconds", kItlHelp, ItlBuckets()),
       overhead_check_({kOverheadWindow, kOverheadMinSamples, kOverheadWarnRatio,
                        std::chrono::seconds(60)}) {
   const char* kReasons[kNumRefusals] = {"ttft_slo", "max_inflight", "rate_limit", "deadline"};
@@ -115,15 +114,7 @@ ProxyMetrics::~ProxyMetrics() { registry_.RemoveCollectHook(collect_hook_); }
 void ProxyMetrics::FoldTokenMetrics() {
   // Each atomic is taken whole; a batch adding meanwhile lands in this
   // fold or the next, never in neither.
-  std::vector<double> counts(held_counts_.size());
-  bool any = false;
-  for (size_t i = 0; i < counts.size(); ++i) {
-    const uint64_t n = held_counts_[i].exchange(0, std::memory_order_relaxed);
-    counts[i] = static_cast<double>(n);
-    any = any || n > 0;
-  }
-  const double sum = held_sum_.exchange(0, std::memory_order_relaxed);
-  if (any || sum != 0) itl.ObserveMultiple(counts, sum);
+  itl_held_.Fold();
   const uint64_t tokens = held_tokens_.exchange(0, std::memory_order_relaxed);
   if (tokens > 0) generation_tokens.Increment(static_cast<double>(tokens));
 }
@@ -149,10 +140,8 @@ void ProxyMetrics::ObserveItl(double seconds) {
     itl.Observe(seconds);
     return;
   }
-  b.Hold(this, itl_bounds_.size() + 1);
-  const size_t bucket = static_cast<size_t>(
-      std::lower_bound(itl_bounds_.begin(), itl_bounds_.end(), seconds) - itl_bounds_.begin());
-  b.itl_buckets[bucket] += 1;
+  b.Hold(this, itl_held_.num_buckets());
+  b.itl_buckets[itl_held_.BucketOf(seconds)] += 1;
   b.itl_sum += seconds;
   ++b.itl_count;
 }
@@ -163,7 +152,7 @@ void ProxyMetrics::CountGenerationTokens(size_t n) {
     generation_tokens.Increment(static_cast<double>(n));
     return;
   }
-  b.Hold(this, itl_bounds_.size() + 1);
+  b.Hold(this, itl_held_.num_buckets());
   b.tokens += n;
 }
 

@@ -82,11 +82,9 @@ struct ProxyMetrics {
   friend struct TokenBatchState;
   MetricsRegistry& registry_;
   size_t collect_hook_ = 0;
-  std::vector<double> itl_bounds_;  // itl's bucket boundaries
-  // Added by ended batches, not folded yet: samples per bucket of `itl`
-  // (itl_bounds_.size() + 1, the last +Inf), their sum, tokens.
-  std::vector<std::atomic<uint64_t>> held_counts_;
-  std::atomic<double> held_sum_{0};
+  // What ended batches added, not folded yet: `itl`'s samples (the same
+  // series, folded by its own collect hook as well) and tokens.
+  HeldHistogram itl_held_;
   std::atomic<uint64_t> held_tokens_{0};
   RecentMedianCheck overhead_check_;
 };
