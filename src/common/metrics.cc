@@ -132,6 +132,13 @@ std::vector<double> MetricsRegistry::ExponentialBuckets(double start, double fac
   return b;
 }
 
+std::vector<double> MetricsRegistry::InterTokenBuckets() {
+  return {0.00002, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.0025, 0.003,
+          0.0035,  0.004,   0.0045, 0.005,   0.0055, 0.006, 0.0065, 0.007, 0.0075, 0.008,
+          0.009,   0.01,    0.0125, 0.015,   0.0175, 0.02,  0.025,  0.03,   0.04,   0.05,
+          0.075,   0.1,     0.15,   0.2,     0.3,    0.5,   0.75,   1.0,    2.5,    5.0};
+}
+
 HeldHistogram::HeldHistogram(MetricsRegistry& registry, const std::string& name,
                              const std::string& help, std::vector<double> buckets)
     : registry_(registry), bounds_(std::move(buckets)),
@@ -157,13 +164,6 @@ void HeldHistogram::Fold() {
   // value by the next fold: each is folded exactly once.
   const double sum = sum_.exchange(0, std::memory_order_relaxed);
   if (any || sum != 0) histogram_.ObserveMultiple(counts, sum);
-}
-
-std::vector<double> MetricsRegistry::InterTokenBuckets() {
-  return {0.00002, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.0025, 0.003,
-          0.0035,  0.004,   0.0045, 0.005,   0.0055, 0.006, 0.0065, 0.007, 0.0075, 0.008,
-          0.009,   0.01,    0.0125, 0.015,   0.0175, 0.02,  0.025,  0.03,   0.04,   0.05,
-          0.075,   0.1,     0.15,   0.2,     0.3,    0.5,   0.75,   1.0,    2.5,    5.0};
 }
 
 RecentMedianCheck::RecentMedianCheck(Options options) : options_(options) {

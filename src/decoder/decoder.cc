@@ -1,7 +1,7 @@
 #include "decoder/decoder.h"
 #include "common/delivery_scope.h"
-#include "common/metrics.h"
 #include "common/logging.h"
+#include "common/metrics.h"
 #include "kvtransfer/kv_cipher.h"
 #include "kvtransfer/kv_secret.h"
 
