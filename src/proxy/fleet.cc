@@ -115,14 +115,15 @@ void Fleet::MarkIndexed(const std::string& name) {
   if (auto it = workers_.find(name); it != workers_.end()) it->second.indexed = true;
 }
 
-void Fleet::Remove(const std::string& name) {
+void Fleet::Remove(const std::string& name, bool expected) {
   std::lock_guard lock(mu_);
   if (workers_.erase(name) == 0) return;
   if (auto id = router_->FindWorker(name)) {
     router_->RemoveWorker(*id).IgnoreError();
     names_.erase(*id);
   }
-  spdlog::warn("worker {} left the fleet", name);
+  spdlog::log(expected ? spdlog::level::info : spdlog::level::warn, "worker {} left the fleet",
+              name);
 }
 
 Result<RoutedPair> Fleet::Route(std::span<const uint64_t> hashes, uint32_t prompt_tokens,

@@ -94,7 +94,9 @@ class Fleet {
   // worker re-registering under its name replaces the old entry.
   // FAILED_PRECONDITION says what differs.
   Status Register(const WorkerRecord& w);
-  void Remove(const std::string& name);
+  // `expected`: the worker closed its watch itself, or this proxy is
+  // shutting down (logged at info; a lost worker at warning).
+  void Remove(const std::string& name, bool expected = false);
   // The worker's snapshot has been applied to the router (no-op for an
   // unknown name).
   void MarkIndexed(const std::string& name);

@@ -472,9 +472,12 @@ void RegistryService::WatchEnded(const std::string& name, WorkerWatch* watch,
       return;
     }
     if (!resync || shut_down_) {
-      spdlog::warn("worker {} out of routing: {}", name, why);
+      // A worker that left in order, or this proxy stopping: not an alarm.
+      const bool expected = graceful || shut_down_;
+      spdlog::log(expected ? spdlog::level::info : spdlog::level::warn,
+                  "worker {} out of routing: {}", name, why);
       auto rec = fleet_->Find(name);
-      fleet_->Remove(name);
+      fleet_->Remove(name, expected);
       if (rec && !graceful && !shut_down_) {
         lost_[name] = Lost{*rec, now, now + kProbeInterval};
         housekeeping_kick_ = true;  // a new probe deadline

@@ -122,6 +122,7 @@ std::vector<std::string> ProxyRegistrar::Resolve() {
                    options_.join_dns, a);
       if (std::find(options_.join.begin(), options_.join.end(), a) == options_.join.end()) {
         ok_.erase(a);
+        lost_since_.erase(a);
       }
     }
   }
@@ -192,14 +193,32 @@ void ProxyRegistrar::RefreshOnce(bool resolve, bool only_failing) {
       }
     }
     Status s = register_(a, std::chrono::milliseconds(0));
+    const auto now = std::chrono::steady_clock::now();
     std::lock_guard lock(mu_);
     auto it = ok_.find(a);
     const bool was = it != ok_.end() && it->second;
-    if (s.ok() && !was) {
-      spdlog::info("registered with the proxy at {}", a);
-    } else if (!s.ok() && (was || it == ok_.end())) {
+    auto lost = lost_since_.find(a);
+    if (s.ok()) {
+      if (!was) spdlog::info("registered with the proxy at {}", a);
+      lost_since_.erase(a);
+    } else if (was) {
+      // Most often a proxy stopping in order (RegistrarOptions::lost_warn_after).
+      spdlog::info("registering again with the proxy at {}, registered with until now, "
+                   "failed (retried every {} ms; a warning if it still fails after {} ms): {}",
+                   a, options_.refresh_interval.count(), options_.lost_warn_after.count(),
+                   s.message());
+      lost_since_[a] = now;
+      lost = lost_since_.find(a);
+    } else if (it == ok_.end()) {
       spdlog::warn("registering with the proxy at {} failed (retried every {} ms): {}", a,
                    options_.refresh_interval.count(), s.message());
+    }
+    if (!s.ok() && lost != lost_since_.end() && now - lost->second >= options_.lost_warn_after) {
+      spdlog::warn("registering with the proxy at {}, registered with before, has failed for "
+                   "{} ms (retried every {} ms): {}",
+                   a, std::chrono::duration_cast<std::chrono::milliseconds>(now - lost->second).count(),
+                   options_.refresh_interval.count(), s.message());
+      lost_since_.erase(lost);
     }
     ok_[a] = s.ok();
   }

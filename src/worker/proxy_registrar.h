@@ -41,6 +41,13 @@ struct RegistrarOptions {
   std::chrono::milliseconds discovery_interval{10000};
   std::chrono::milliseconds refresh_interval{1000};
   std::chrono::milliseconds registered_refresh_interval{10000};
+  // A proxy that had accepted the registration and now refuses the
+  // connection is most often one stopping in order (a fleet stop drains
+  // the proxy first, and every worker, kicked by its Watch ending, tries
+  // it before its own SIGTERM comes): logged at info at once, and a
+  // warning only if it still fails this long after. A proxy never
+  // registered with warns at its first failure.
+  std::chrono::milliseconds lost_warn_after{10000};
 };
 
 // Registers the worker with the proxy at `address`, retrying an unreachable
@@ -104,6 +111,9 @@ class ProxyRegistrar {
   mutable std::mutex mu_;
   std::vector<std::string> dns_targets_;  // guarded by mu_
   std::map<std::string, bool> ok_;        // guarded by mu_: address -> last attempt ok
+  // guarded by mu_: a proxy registered with before, failing since (until
+  // its warning is logged or it answers again).
+  std::map<std::string, std::chrono::steady_clock::time_point> lost_since_;
   bool stop_ = false;                     // guarded by mu_
   bool kicked_ = false;                   // guarded by mu_
   std::condition_variable cv_;

@@ -15,6 +15,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include <grpcpp/grpcpp.h>
@@ -312,6 +313,39 @@ TEST(Fleet, SigtermToLaunchStopsEveryProcess) {
   for (pid_t p : pids) {
     EXPECT_NE(kill(p, 0), 0) << "process " << p << " outlived tandem launch";
   }
+}
+
+// An orderly stop is not an alarm: the launcher drains the proxy first, so
+// each worker's registrar (kicked by its Watch ending) finds the proxy gone
+// before its own SIGTERM comes, and the proxy takes every worker out of
+// routing as it shuts down. None of it is logged at warning or above (it
+// was: two lines per worker before session 23). The fleet logs at `warn`,
+// so every line in its log would be one.
+TEST(Fleet, AnOrderlyStopLogsNoWarning) {
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing";
+  FleetOptions o;
+  o.log_level = "warn";
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  GenerateArgs a;
+  a.prompt_ids = PromptIds(950, 40, kVocab);
+  a.max_tokens = 8;
+  auto c = Generate((*fleet)->proxy_grpc(), a);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  auto st = (*fleet)->Stop(std::chrono::seconds(40));
+  ASSERT_TRUE(st.ok()) << st.status().ToString();
+  EXPECT_TRUE(WIFEXITED(*st) && WEXITSTATUS(*st) == 0) << *st;
+  std::ifstream in((*fleet)->log_path());
+  ASSERT_TRUE(in.good()) << (*fleet)->log_path();
+  std::vector<std::string> alarms;
+  for (std::string line; std::getline(in, line);) {
+    // "DATE TIME L [process] message": L is the level's letter.
+    std::istringstream words(line);
+    std::string date, time, level;
+    words >> date >> time >> level;
+    if (level == "W" || level == "E" || level == "C") alarms.push_back(line);
+  }
+  EXPECT_TRUE(alarms.empty()) << alarms.size() << " lines, the first: " << alarms.front();
 }
 
 TEST(Fleet, ProxyWithoutWorkersAnswersUnavailable) {

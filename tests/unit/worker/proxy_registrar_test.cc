@@ -5,11 +5,15 @@
 #include "worker/proxy_registrar.h"
 
 #include <gtest/gtest.h>
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <map>
 #include <mutex>
 #include <set>
+#include <sstream>
 #include <thread>
 
 #include "common/net.h"
@@ -127,6 +131,76 @@ TEST(ProxyRegistrar, OnlyFailingProxiesAreRetriedUntilAKick) {
   EXPECT_TRUE((*r)->targets().at("10.0.0.2:7000"));
   (*r)->Kick();  // after Stop: nothing
   EXPECT_EQ(f.Calls("10.0.0.1:7000"), 3);
+}
+
+// What the default logger writes while it lives, as "LEVEL message" lines.
+class CapturedLog {
+ public:
+  CapturedLog() : sink_(std::make_shared<spdlog::sinks::ostream_sink_mt>(out_)) {
+    sink_->set_pattern("%l %v");
+    spdlog::default_logger()->sinks().push_back(sink_);
+  }
+  ~CapturedLog() {
+    auto& sinks = spdlog::default_logger()->sinks();
+    sinks.erase(std::remove(sinks.begin(), sinks.end(), sink_), sinks.end());
+  }
+  // Lines so far by level ("info", "warning"), then forgets them.
+  std::map<std::string, int> Take() {
+    std::istringstream in(out_.str());
+    out_.str("");
+    std::map<std::string, int> n;
+    for (std::string line; std::getline(in, line);) ++n[line.substr(0, line.find(' '))];
+    return n;
+  }
+
+ private:
+  std::ostringstream out_;
+  std::shared_ptr<spdlog::sinks::ostream_sink_mt> sink_;
+};
+
+// A fleet stop drains the proxy first, and each worker, kicked by its Watch
+// ending, tries the proxy before its own SIGTERM: not a warning per worker.
+// A proxy registered with before that stops answering is logged at info,
+// and warned about only once it has failed for lost_warn_after; one never
+// registered with warns at once.
+TEST(ProxyRegistrar, AProxyThatWasRegisteredWithWarnsOnlyIfItStaysDown) {
+  CapturedLog log;
+  FakeProxies f;
+  RegistrarOptions o;
+  o.join = {"10.0.0.1:7000"};
+  o.lost_warn_after = std::chrono::hours(1);
+  auto patient = ProxyRegistrar::Create(
+      o, [&](const std::string& a, std::chrono::milliseconds d) { return f.Register(a, d); });
+  o.lost_warn_after = std::chrono::milliseconds(0);
+  auto eager = ProxyRegistrar::Create(
+      o, [&](const std::string& a, std::chrono::milliseconds d) { return f.Register(a, d); });
+  ASSERT_TRUE(patient.ok() && eager.ok());
+  ASSERT_TRUE((*patient)->RegisterInitial(std::chrono::milliseconds(0)).ok());
+  ASSERT_TRUE((*eager)->RegisterInitial(std::chrono::milliseconds(0)).ok());
+  log.Take();
+  using Levels = std::map<std::string, int>;
+  f.down.insert("10.0.0.1:7000");
+  for (int i = 0; i < 3; ++i) (*patient)->RefreshOnce(false);
+  EXPECT_EQ(log.Take(), (Levels{{"info", 1}}));  // the first failure, once, at info
+  (*eager)->RefreshOnce(false);  // down for lost_warn_after (0) already
+  EXPECT_EQ(log.Take(), (Levels{{"info", 1}, {"warning", 1}}));
+  (*eager)->RefreshOnce(false);  // warned once, not per retry
+  EXPECT_EQ(log.Take(), Levels{});
+  // Back, then down again: the grace starts over.
+  f.down.clear();
+  (*patient)->RefreshOnce(false);
+  EXPECT_EQ(log.Take(), (Levels{{"info", 1}}));  // registered again
+  f.down.insert("10.0.0.1:7000");
+  (*patient)->RefreshOnce(false);
+  EXPECT_EQ(log.Take(), (Levels{{"info", 1}}));
+  // Never registered with: a warning at the first failure, as before.
+  o.join = {"10.0.0.9:7000"};
+  f.down.insert("10.0.0.9:7000");
+  auto fresh = ProxyRegistrar::Create(
+      o, [&](const std::string& a, std::chrono::milliseconds d) { return f.Register(a, d); });
+  ASSERT_TRUE(fresh.ok());
+  (*fresh)->RefreshOnce(false);
+  EXPECT_EQ(log.Take(), (Levels{{"warning", 1}}));
 }
 
 TEST(ProxyRegistrar, JoinListRefusalFailsStartUp) {
