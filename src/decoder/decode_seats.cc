@@ -6,11 +6,19 @@
 // request's time to first token instead of coming between its first token
 // (the prefiller's) and its second.
 //
+// KV blocks the same way: a Reserve whose prompt the pool could hold but
+// whose blocks are not free now (the engine refused it) waits in the same
+// queue until blocks come free — a request ends, a reservation is released
+// — rather than being refused at once (vLLM's scheduler likewise keeps a
+// request waiting until its blocks can be allocated). Arrival order holds:
+// while the first waiting call is short of blocks, later ones wait behind
+// it. (A prompt larger than the whole pool is refused at Register.)
+//
 // Seats free on many threads (the engine's, the transport's, gRPC's); the
 // waiting calls are seated and answered on the lease thread, which a freed
-// seat wakes. That keeps Reserve's work (the engine's reservation, the
-// prefiller's watch) and the callers' replies off the engine thread, and
-// never runs a reply under the decoder's lock.
+// seat (or freed blocks) wakes. That keeps Reserve's work (the engine's
+// reservation, the prefiller's watch) and the callers' replies off the
+// engine thread, and never runs a reply under the decoder's lock.
 #include <fmt/format.h>
 
 #include "decoder/decoder.h"
@@ -39,6 +47,27 @@ uint64_t Decoder::ReserveOrWait(const std::string& request_id, const std::string
   if (!answer) return ticket;  // waits; `done` moved into the queue
   done(*answer);
   return 0;
+}
+
+void Decoder::ParkLocked(const ReserveArgs& a, const Park& park, std::string kv_why) {
+  auto w = std::make_unique<Waiter>();
+  w->ticket = next_ticket_++;
+  w->request_id = a.request_id;
+  w->prefiller = a.prefiller;
+  w->prompt_ids.assign(a.prompt_ids.begin(), a.prompt_ids.end());
+  w->prefiller_descriptor = a.prefiller_descriptor;
+  w->prefill_layout = a.prefill_layout;
+  w->wait_until = park.wait_until;
+  w->done = std::move(*park.done);
+  *park.ticket = w->ticket;
+  if (!kv_why.empty()) {
+    ++counts_.kv_waits;
+    w->kv_short = true;
+    w->kv_epoch = blocks_freed_;
+    w->kv_why = std::move(kv_why);
+  }
+  WakeLeaseLoopLocked(w->wait_until);
+  waiting_.push_back(std::move(w));
 }
 
 void Decoder::AbandonReserve(uint64_t ticket) {
@@ -80,7 +109,9 @@ void Decoder::GiveSeatBackLocked() {
   seats_changed_ = now;
   --seats_taken_;
   ++counts_.seats_released;
-  SeatFreedLocked();
+  // A request that ended in the engine freed its blocks before its output
+  // came here; a released reservation frees them after (ReleaseInEngine).
+  BlocksFreedLocked();
 }
 
 std::map<std::string, Decoder::Entry>::iterator Decoder::EraseLocked(
@@ -95,25 +126,71 @@ void Decoder::SeatFreedLocked() {
   lease_cv_.notify_all();
 }
 
+void Decoder::BlocksFreedLocked() {
+  ++blocks_freed_;
+  SeatFreedLocked();
+}
+
+void Decoder::ReleaseInEngine(uint64_t reservation_id) {
+  if (!engine_.ReleaseReservation(reservation_id).ok()) return;  // NOT_FOUND: consumed or gone
+  std::lock_guard lock(mu_);
+  BlocksFreedLocked();
+}
+
+void Decoder::AbortInEngine(const std::string& request_id) {
+  if (!engine_.Abort(request_id).ok()) return;  // NOT_FOUND: it just finished
+  std::lock_guard lock(mu_);
+  BlocksFreedLocked();
+}
+
 void Decoder::ServeWaiting() {
   for (;;) {
-    std::vector<std::unique_ptr<Waiter>> seated;
+    std::unique_ptr<Waiter> w;
+    uint64_t epoch = 0;
     {
       std::lock_guard lock(mu_);
       serve_kick_ = false;
-      while (!waiting_.empty() && seats_taken_ + seats_claimed_ < options_.max_seats) {
-        seated.push_back(std::move(waiting_.front()));
-        waiting_.pop_front();
-        ++seats_claimed_;
+      if (waiting_.empty()) return;
+      if (options_.max_seats > 0 && seats_taken_ + seats_claimed_ >= options_.max_seats) return;
+      // Short of blocks when it last tried, and none came free since.
+      const Waiter& first = *waiting_.front();
+      if (first.kv_short && first.kv_epoch == blocks_freed_) return;
+      w = std::move(waiting_.front());
+      waiting_.pop_front();
+      // Claimed: ReserveIn takes it or gives it back (a seat given back
+      // lets the next round seat another call).
+      ++seats_claimed_;
+      epoch = blocks_freed_;
+    }
+    bool kv_short = false;
+    Result<KvTargetInfo> answer = *ReserveIn(w->args(), /*park=*/nullptr, /*seated=*/true, &kv_short);
+    if (kv_short) {
+      std::lock_guard lock(mu_);
+      if (!w->kv_short) ++counts_.kv_waits;  // it waited for a seat until now
+      w->kv_short = true;
+      w->kv_epoch = epoch;  // blocks freed since are tried at the next round
+      w->kv_why = answer.status().message();
+      // Still first in line; the lease thread refuses it when its wait
+      // runs out. One whose request was cancelled meanwhile ends now.
+      if (!requests_.contains(w->request_id)) {
+        answer = CancelledError(fmt::format("request '{}' was cancelled", w->request_id));
+      } else if (w->wait_until > SteadyClock::now()) {
+        waiting_.push_front(std::move(w));
+        continue;
+      } else {
+        ++counts_.reserve_waits_expired;
+        ++counts_.reservations_refused;
+        answer = ResourceExhaustedError(NoBlocksCameFree(*w));
       }
     }
-    if (seated.empty()) return;
-    // Each call's seat is claimed: ReserveIn takes it or gives it back (a
-    // seat given back lets the next round seat another call).
-    for (auto& w : seated) {
-      w->done(*ReserveIn(w->args(), /*park=*/nullptr, /*seated=*/true));
-    }
+    w->done(answer);
   }
+}
+
+std::string Decoder::NoBlocksCameFree(const Waiter& w) {
+  return fmt::format("request '{}': no KV blocks came free for its {}-token prompt while the "
+                     "reserve call could wait ({})",
+                     w.request_id, w.prompt_ids.size(), w.kv_why);
 }
 
 void Decoder::ExpireWaiting(SteadyClock::time_point now) {
@@ -132,6 +209,10 @@ void Decoder::ExpireWaiting(SteadyClock::time_point now) {
     }
   }
   for (auto& w : expired) {
+    if (w->kv_short) {
+      w->done(ResourceExhaustedError(NoBlocksCameFree(*w)));
+      continue;
+    }
     w->done(ResourceExhaustedError(fmt::format(
         "request '{}': no decode seat came free while the reserve call could wait (every one of "
         "scheduler.max_num_seqs {} is reserved or decoding)",

@@ -317,7 +317,7 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
 }
 
 std::optional<Result<KvTargetInfo>> Decoder::ReserveIn(const ReserveArgs& a, const Park* park,
-                                                       bool seated) {
+                                                       bool seated, bool* kv_short) {
   const std::string& request_id = a.request_id;
   const std::string& prefiller = a.prefiller;
   const std::span<const uint32_t> prompt_ids = a.prompt_ids;
@@ -386,30 +386,26 @@ std::optional<Result<KvTargetInfo>> Decoder::ReserveIn(const ReserveArgs& a, con
     }
     if (Seated(it->second.stage)) {
       give_back();  // a second prefiller takes over: the request keeps its seat
-    } else if (!claimed && options_.max_seats > 0) {
+    } else if (!claimed) {
       // Arrival order: a call waits while earlier ones do, even if a seat
-      // just came free (the lease thread seats them first).
-      if (seats_taken_ + seats_claimed_ >= options_.max_seats || !waiting_.empty()) {
+      // or blocks just came free (the lease thread serves them first).
+      const bool seats_full =
+          options_.max_seats > 0 && seats_taken_ + seats_claimed_ >= options_.max_seats;
+      if (seats_full || !waiting_.empty()) {
         if (park == nullptr) {
           ++counts_.reservations_refused;
+          if (seats_full) {
+            return ResourceExhaustedError(fmt::format(
+                "request '{}': every decode seat is taken ({} requests reserved or decoding, "
+                "scheduler.max_num_seqs {})",
+                request_id, seats_taken_ + seats_claimed_, options_.max_seats));
+          }
           return ResourceExhaustedError(fmt::format(
-              "request '{}': every decode seat is taken ({} requests reserved or decoding, "
-              "scheduler.max_num_seqs {})",
-              request_id, seats_taken_ + seats_claimed_, options_.max_seats));
+              "request '{}': {} earlier reserve calls wait here for a decode seat or KV blocks",
+              request_id, waiting_.size()));
         }
-        auto w = std::make_unique<Waiter>();
-        w->ticket = next_ticket_++;
-        w->request_id = request_id;
-        w->prefiller = prefiller;
-        w->prompt_ids.assign(prompt_ids.begin(), prompt_ids.end());
-        w->prefiller_descriptor = a.prefiller_descriptor;
-        w->prefill_layout = prefill_layout;
-        w->wait_until = park->wait_until;
-        w->done = std::move(*park->done);
-        *park->ticket = w->ticket;
-        ++counts_.reserve_waits;
-        WakeLeaseLoopLocked(w->wait_until);
-        waiting_.push_back(std::move(w));
+        if (seats_full) ++counts_.reserve_waits;  // else in line behind calls that wait
+        ParkLocked(a, *park, /*kv_why=*/{});
         return std::nullopt;
       }
       ++seats_claimed_;
@@ -434,9 +430,21 @@ std::optional<Result<KvTargetInfo>> Decoder::ReserveIn(const ReserveArgs& a, con
   }
   auto res = engine_.Reserve(tag, prompt_ids, cache_salt);
   if (!res.ok()) {
-    unclaim();
+    // Too few blocks free now: they free as requests end, so the call may
+    // wait for them like for a seat. (A prompt the whole pool cannot hold
+    // never gets here: Register refuses it, prompt and max_tokens.)
+    const bool short_of_blocks = res.status().code() == StatusCode::kResourceExhausted;
     std::lock_guard lock(mu_);
-    ++counts_.reservations_refused;
+    give_back();
+    if (short_of_blocks && park != nullptr) {
+      ParkLocked(a, *park, std::string(res.status().message()));
+      return std::nullopt;
+    }
+    if (short_of_blocks && kv_short != nullptr) {
+      *kv_short = true;
+    } else {
+      ++counts_.reservations_refused;
+    }
     return res.status();
   }
   const auto lease = std::chrono::duration_cast<SteadyClock::duration>(
@@ -470,6 +478,7 @@ std::optional<Result<KvTargetInfo>> Decoder::ReserveIn(const ReserveArgs& a, con
     if (it == requests_.end()) {
       // Cancelled while reserving; no prefiller knows these slots yet.
       engine_.ReleaseReservation(res->reservation_id).IgnoreError();
+      BlocksFreedLocked();
       return CancelledError(fmt::format("request '{}' was cancelled", request_id));
     }
   }
@@ -562,7 +571,7 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
     }
   }
   if (release) {
-    engine_.ReleaseReservation(n.reservation_id).IgnoreError();
+    ReleaseInEngine(n.reservation_id);
     return;
   }
   if (!add) return;
@@ -585,10 +594,10 @@ void Decoder::OnKvNotice(const KvNoticeInfo& n) {
       auto it = requests_.find(n.request_id);
       cancelled = it == requests_.end() || it->second.emitter != emitter;
     }
-    if (cancelled) engine_.Abort(n.request_id).IgnoreError();  // NOT_FOUND if it finished
+    if (cancelled) AbortInEngine(n.request_id);  // NOT_FOUND if it finished
     return;
   }
-  engine_.ReleaseReservation(n.reservation_id).IgnoreError();  // NOT_FOUND if consumed
+  ReleaseInEngine(n.reservation_id);  // NOT_FOUND if consumed
   {
     std::lock_guard lock(mu_);
     auto it = requests_.find(n.request_id);
@@ -720,7 +729,7 @@ void Decoder::Cancel(const std::string& request_id, const DecodeSink* sink) {
     }
   }
   Answer(unseated, CancelledError(fmt::format("request '{}' was cancelled", request_id)));
-  if (abort) engine_.Abort(request_id).IgnoreError();  // NOT_FOUND if it just finished
+  if (abort) AbortInEngine(request_id);  // NOT_FOUND if it just finished
 }
 
 void Decoder::Fail(const std::shared_ptr<Emitter>& emitter, const Status& status) {

@@ -10,7 +10,9 @@
 // prefill_locally requests go straight to kRunning through Engine::Submit.
 // A request in kReserved or kRunning holds a decode seat; with
 // DecoderOptions::max_seats a Reserve past them waits for one
-// (ReserveOrWait, decode_seats.cc) or is refused (Reserve).
+// (ReserveOrWait, decode_seats.cc) or is refused (Reserve). Likewise a
+// Reserve that finds too few free KV blocks for its prompt waits for them,
+// or is refused.
 //
 // Safety of one-sided writes (acknowledge-or-dead, docs/failure-handling.md
 // "Quarantine"): a reservation whose prefiller may still be writing is
@@ -208,11 +210,14 @@ struct DecoderCounts {
   uint64_t stream_messages = 0;
   uint64_t stream_items = 0;
   // Decode seats (DecoderOptions::max_seats): requests reserved or decoding
-  // now, Reserve calls waiting for a seat now, calls that waited (total)
-  // and those whose wait ran out (total; answered RESOURCE_EXHAUSTED).
+  // now, Reserve calls waiting for a seat or for KV blocks now, calls that
+  // waited for a seat (total), calls that waited for KV blocks to free
+  // (total; one that waited for both counts in both), and the waits that
+  // ran out (total; answered RESOURCE_EXHAUSTED).
   uint32_t seats_taken = 0;
   uint32_t reserves_waiting = 0;
   uint64_t reserve_waits = 0;
+  uint64_t kv_waits = 0;
   uint64_t reserve_waits_expired = 0;
   // Seat turnover (the router's seat-wait prediction, docs/router.md
   // "Seat waits in the TTFT prediction"): seats given back (total), and
@@ -284,10 +289,11 @@ class Decoder {
 
   // Reserve's answer when it came after the call (ReserveOrWait).
   using ReserveDone = std::function<void(const Result<KvTargetInfo>& target)>;
-  // Reserve, except that when every decode seat is taken (max_seats) the
-  // call waits for one, in arrival order, until `wait_until`, and is then
-  // answered RESOURCE_EXHAUSTED. `done` runs exactly once: inline (then 0
-  // is returned), or later on the decoder's lease thread (a ticket for
+  // Reserve, except that when every decode seat is taken (max_seats), or
+  // too few KV blocks are free for the prompt, the call waits for them, in
+  // arrival order, until `wait_until`, and is then answered
+  // RESOURCE_EXHAUSTED. `done` runs exactly once: inline (then 0 is
+  // returned), or later on the decoder's lease thread (a ticket for
   // AbandonReserve is returned), never under the decoder's lock; it must
   // not block. A waiting call is answered CANCELLED when its request is
   // cancelled and UNAVAILABLE by Stop.
@@ -370,7 +376,8 @@ class Decoder {
     std::string_view prefiller_descriptor;
     parallel::ParallelLayout prefill_layout;
   };
-  // A Reserve call waiting for a seat (its arguments copied).
+  // A Reserve call waiting for a seat or for KV blocks (its arguments
+  // copied).
   struct Waiter {
     uint64_t ticket = 0;
     std::string request_id;
@@ -380,23 +387,35 @@ class Decoder {
     parallel::ParallelLayout prefill_layout;
     std::chrono::steady_clock::time_point wait_until;
     ReserveDone done;
+    // The engine had too few free KV blocks when it last tried (why: the
+    // engine's words), at blocks_freed_ == kv_epoch.
+    bool kv_short = false;
+    uint64_t kv_epoch = 0;
+    std::string kv_why;
     ReserveArgs args() const {
       return {request_id, prefiller, prompt_ids, prefiller_descriptor, prefill_layout};
     }
   };
-  // How a call that finds no free seat may wait (ReserveOrWait).
+  // How a call that finds no free seat or too few KV blocks may wait
+  // (ReserveOrWait).
   struct Park {
     std::chrono::steady_clock::time_point wait_until;
     ReserveDone* done;  // moved into the queued Waiter
     uint64_t* ticket;   // set to the Waiter's ticket
   };
   // Reserve's body; the caller holds a Lifeline pass (or is the lease
-  // thread). With `park`, a call that finds no free seat is queued (its
-  // arguments copied) and nullopt is returned; without, it is refused.
-  // `seated`: a seat was claimed for this call already (ServeWaiting); it
-  // is taken or given back here.
+  // thread). With `park`, a call that finds no free seat, or too few free
+  // KV blocks, is queued (its arguments copied) and nullopt is returned;
+  // without, it is refused. `seated`: a seat was claimed for this call
+  // already (ServeWaiting); it is taken or given back here. `kv_short`
+  // (ServeWaiting, no `park`): set when the engine refused for want of free
+  // blocks; the refusal is then not counted.
   std::optional<Result<KvTargetInfo>> ReserveIn(const ReserveArgs& a, const Park* park,
-                                                bool seated);
+                                                bool seated, bool* kv_short = nullptr);
+  // Queues a call (mu_ held); `kv_why`: the engine's refusal when it waits
+  // for KV blocks (counted in kv_waits), empty when it waits for a seat or
+  // in line behind calls that wait.
+  void ParkLocked(const ReserveArgs& a, const Park& park, std::string kv_why);
   // Seats (mu_ held): a request holds one while reserved or decoding.
   static bool Seated(Stage s) { return s != Stage::kRegistered; }
   // Before seats_taken_ changes: the seat-seconds so far are added up.
@@ -406,10 +425,22 @@ class Decoder {
   std::map<std::string, Entry>::iterator EraseLocked(std::map<std::string, Entry>::iterator it);
   // A seat may have come free: the lease thread serves the waiting calls.
   void SeatFreedLocked();
-  // Lease thread: answers waiting calls while seats are free; then those
-  // whose wait ran out by `now` (RESOURCE_EXHAUSTED).
+  // KV blocks came free (mu_ held): blocks_freed_ moves on and the waiting
+  // calls are served. Engine releases that the decoder makes go through
+  // ReleaseInEngine / AbortInEngine (which call it after the engine freed
+  // the blocks); a request the engine ends frees its blocks before its
+  // output reaches the decoder, whose seat release calls it.
+  void BlocksFreedLocked();
+  void ReleaseInEngine(uint64_t reservation_id);
+  void AbortInEngine(const std::string& request_id);
+  // Lease thread: answers waiting calls, in arrival order, while seats are
+  // free and the engine has the first one's KV blocks (one short of blocks
+  // is tried again once blocks came free); then those whose wait ran out
+  // by `now` (RESOURCE_EXHAUSTED).
   void ServeWaiting();
   void ExpireWaiting(std::chrono::steady_clock::time_point now);
+  // Why a call that waited for KV blocks is refused.
+  static std::string NoBlocksCameFree(const Waiter& w);
   // Answers (outside mu_) the waiting calls taken out of the queue.
   static void Answer(std::vector<std::unique_ptr<Waiter>>& calls, const Status& status);
 
@@ -463,6 +494,7 @@ class Decoder {
   std::deque<std::unique_ptr<Waiter>> waiting_;
   uint64_t next_ticket_ = 1;
   bool serve_kick_ = false;
+  uint64_t blocks_freed_ = 0;  // mu_: times KV blocks may have come free (BlocksFreedLocked)
   std::map<std::string, uint64_t> dead_writers_;  // guarded by mu_: agent -> newest dead generation
   // guarded by mu_: agent -> the generation its endpoint's failure declared
   // dead (OnPrefillerEndpointFailed), until a Reserve of it revives it.

@@ -121,7 +121,7 @@ void Decoder::LeaseLoop(std::stop_token stop) {
         it = EraseLocked(it);
       }
     }
-    for (uint64_t id : release) engine_.ReleaseReservation(id).IgnoreError();
+    for (uint64_t id : release) ReleaseInEngine(id);
     for (auto& [emitter, status] : fail) Fail(emitter, status);
     ServeWaiting();
     ExpireWaiting(SteadyClock::now());
@@ -153,7 +153,7 @@ void Decoder::OnPrefillerLost(const std::string& agent, uint64_t generation) {
       h = reservations_.erase(h);
     }
   }
-  for (uint64_t id : release) engine_.ReleaseReservation(id).IgnoreError();
+  for (uint64_t id : release) ReleaseInEngine(id);
 }
 
 void Decoder::OnPrefillerEndpointFailed(const std::string& agent, uint64_t generation) {

@@ -410,6 +410,13 @@ Result<Reservation> Engine::Reserve(const std::string& request_id,
   std::vector<uint32_t> blocks =
       blocks_->AcquireCachedPrefix(hashes, prompt, static_cast<uint32_t>(hashes.size()), &hit);
   const uint32_t cached = static_cast<uint32_t>(blocks.size());
+  if (total > blocks_->num_blocks()) {
+    blocks_->Release(blocks);
+    return ResourceExhaustedError(fmt::format(
+        "a {}-token prompt needs {} KV blocks of {} tokens; this worker's whole pool has {} "
+        "(cache.num_blocks, or its role's num_blocks)",
+        prompt.size(), total, bs, blocks_->num_blocks()));
+  }
   auto fresh = blocks_->Allocate(total - cached);
   if (!fresh.ok()) {
     blocks_->Release(blocks);

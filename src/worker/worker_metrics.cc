@@ -89,9 +89,12 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
                            "Decode seats taken: requests reserved or decoding on this decoder "
                            "(at most scheduler.max_num_seqs)")),
       seat_waiting_(r.Gauge("tandem_decode_seat_waiting",
-                            "Reserve calls waiting for a decode seat")),
+                            "Reserve calls waiting for a decode seat or for KV blocks")),
       seat_waits_(r.Counter("tandem_decode_seat_waits_total",
                             "Reserve calls that waited for a decode seat")),
+      kv_waits_(r.Counter("tandem_decode_kv_waits_total",
+                          "Reserve calls that waited for KV blocks to come free (the prompt "
+                          "fits the pool, but not its free blocks)")),
       unreceived_replies_(r.Counter("tandem_kv_reserve_replies_unreceived_total",
                                     "Reservations released because their Reserve reply never "
                                     "reached the prefiller (the call ended first, or the reply "
@@ -220,6 +223,7 @@ void WorkerMetrics::Update(const MetricsSample& s) {
   seats_taken_.Set(s.seats_taken);
   seat_waiting_.Set(s.seat_waiting);
   Advance(seat_waits_, s.seat_waits, last_.seat_waits);
+  Advance(kv_waits_, s.kv_waits, last_.kv_waits);
   Advance(unreceived_replies_, s.unreceived_replies_released, last_.unreceived_replies_released);
   Advance(prefill_seat_waits_, s.prefill_seat_waits, last_.prefill_seat_waits);
   for (uint32_t t = 0; t < engine::kNumKvTiers; ++t) {

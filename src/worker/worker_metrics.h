@@ -30,7 +30,8 @@
 //   tandem_decode_stream_messages_total, tandem_decode_stream_items_total
 // and for decode seats (docs/serving-workers.md "Decode seats"):
 //   tandem_decode_seats_taken, tandem_decode_seat_waiting (gauges),
-//   tandem_decode_seat_waits_total (counter), and on a prefiller
+//   tandem_decode_seat_waits_total, tandem_decode_kv_waits_total
+//   (counters: calls that waited for a seat, for KV blocks), and on a prefiller
 //   tandem_prefill_reserve_seat_waits_total (counter): its Reserve calls a
 //   decoder held waiting for a seat (framed transport),
 // and tandem_decoder_inter_token_latency_seconds (histogram): the gaps
@@ -76,6 +77,7 @@ struct MetricsSample {
   uint32_t seats_taken = 0;  // decode seats (docs/serving-workers.md)
   uint32_t seat_waiting = 0;
   uint64_t seat_waits = 0;
+  uint64_t kv_waits = 0;  // Reserve calls that waited for KV blocks to free
   uint64_t unreceived_replies_released = 0;
   uint64_t prefill_seat_waits = 0;  // the prefiller's calls that waited
   // Per tenant: the engine's and the prefiller queue's fair-share deficits, summed.
@@ -128,6 +130,7 @@ class WorkerMetrics {
   prometheus::Gauge& seats_taken_;
   prometheus::Gauge& seat_waiting_;
   prometheus::Counter& seat_waits_;
+  prometheus::Counter& kv_waits_;
   prometheus::Counter& unreceived_replies_;
   prometheus::Counter& prefill_seat_waits_;
   std::array<prometheus::Gauge*, engine::kNumKvTiers> tier_usage_{};

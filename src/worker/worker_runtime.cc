@@ -177,6 +177,7 @@ struct Worker {
       m.seats_taken = c.seats_taken;
       m.seat_waiting = c.reserves_waiting;
       m.seat_waits = c.reserve_waits;
+      m.kv_waits = c.kv_waits;
       m.unreceived_replies_released = c.unreceived_replies_released;
     }
     m.fair_share_deficit_tokens = m.engine.fair_share_deficit_tokens;

@@ -7,7 +7,8 @@
 // over gRPC with proxy.decode_transport grpc, with the same outputs.
 // With proxy.decode_stream off the proxy uses one Decode RPC per request
 // (the decoder sends nothing on a DecodeStream) and the output is the same.
-// With 4 decode seats the same 32 streams wait for seats on the decoder.
+// With 4 decode seats the same 32 streams wait for seats on the decoder;
+// with a KV pool that holds a few of them at once, they wait for blocks.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -86,6 +87,27 @@ TEST(DecodeStream, ADecoderWithFourSeatsHoldsTheOtherReservesAndEveryStreamEqual
   EXPECT_EQ(DecoderMetric(**fleet, "tandem_decode_seats_taken"), 0);
   EXPECT_EQ(DecoderMetric(**fleet, "tandem_decode_seat_waiting"), 0);
   EXPECT_EQ(DecoderMetric(**fleet, "tandem_kv_reservations_refused_total"), 0);
+}
+
+// KV blocks (docs/serving-workers.md "Decode seats"): the decoder's pool
+// of 32 blocks holds a few of the 32 streams at once (1-7 blocks each for
+// its prompt), below its 64 seats; the Reserves that find too few blocks
+// free wait for them instead of being refused (the only decoder: the
+// client would get RESOURCE_EXHAUSTED), and every stream equals
+// `tandem generate`.
+TEST(DecodeStream, ADecoderShortOfKvBlocksHoldsTheReservesUntilBlocksFree) {
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
+  References();
+  FleetOptions o;
+  o.max_num_seqs = 64;
+  o.decode_yaml = "  num_blocks: 32\n";
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  RunStreams(**fleet, /*cancel_one=*/true);  // ends with the fleet idle
+  EXPECT_GT(DecoderMetric(**fleet, "tandem_decode_kv_waits_total"), 0);
+  EXPECT_EQ(DecoderMetric(**fleet, "tandem_kv_reservations_refused_total"), 0);
+  EXPECT_EQ(DecoderMetric(**fleet, "tandem_decode_seat_waiting"), 0);
+  EXPECT_EQ(DecoderMetric(**fleet, "tandem_decode_seats_taken"), 0);
 }
 
 TEST(DecodeStream, GrpcTransportCarriesTheSameStreamWithTheSameOutput) {

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 
 #include <atomic>
+#include <future>
 #include <set>
 
 #include "serving_harness.h"
@@ -107,7 +108,8 @@ class WorkerServingTest : public ::testing::Test {
 
   // The proxy's path for one request, disaggregated.
   static Outcome RunDisaggregated(const std::vector<uint32_t>& prompt, uint32_t max_tokens,
-                                  bool ignore_eos = true) {
+                                  bool ignore_eos = true,
+                                  std::chrono::milliseconds prefill_deadline = 60s) {
     const std::string id = NewId("req");
     Outcome out;
     DecodeCall call(*g_fleet->decoder, MakeDecode(id, prompt, max_tokens, ignore_eos));
@@ -117,9 +119,14 @@ class WorkerServingTest : public ::testing::Test {
       return out;
     }
     grpc::ClientContext pctx;
-    pctx.set_deadline(std::chrono::system_clock::now() + 60s);
-    out.prefill_status = g_fleet->prefiller->Prefill(&pctx, MakePrefill(id, prompt, max_tokens, ignore_eos),
-                                                    &out.prefill);
+    const auto deadline = std::chrono::system_clock::now() + prefill_deadline;
+    pctx.set_deadline(deadline);
+    pb::PrefillRequest req = MakePrefill(id, prompt, max_tokens, ignore_eos);
+    // The request's deadline, as the proxy sends it: the prefiller's
+    // Reserve waits for at most the time it leaves.
+    req.set_deadline_unix_ms(
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline.time_since_epoch()).count());
+    out.prefill_status = g_fleet->prefiller->Prefill(&pctx, req, &out.prefill);
     if (!out.prefill_status.ok()) call.Cancel();
     call.ReadInto(out);
     out.decode_status = call.Finish();
@@ -223,7 +230,7 @@ TEST_F(WorkerServingTest, AggregatedWorkerPrefillsLocally) {
   EXPECT_EQ(WaitForIdle(g_fleet->both->metrics), "");
 }
 
-TEST_F(WorkerServingTest, FullDecoderRefusesAndLeasesFreeUnwrittenReservations) {
+TEST_F(WorkerServingTest, FullDecoderHoldsReservesUntilLeasesFreeUnwrittenReservations) {
   // Two registered requests whose reservations this test takes (as a
   // prefiller that never writes) fill the decoder.
   const auto big1 = Prompt(300, 500, Vocab());
@@ -243,18 +250,32 @@ TEST_F(WorkerServingTest, FullDecoderRefusesAndLeasesFreeUnwrittenReservations) 
     ASSERT_TRUE(resp.has_target()) << resp.error().message();
     EXPECT_EQ(resp.target().slots_size(), 19);
   }
-  // A real request now: the prefiller's reservation is refused, nothing held.
-  const auto prompt = Prompt(100, 502, Vocab());
-  const Outcome o = RunDisaggregated(prompt, 4);
-  EXPECT_EQ(o.prefill_status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
-      << o.prefill_status.error_message();
   const std::string& dm = g_fleet->decode->metrics;
+  const double kv_waits = MetricValue(Scrape(dm), "tandem_decode_kv_waits_total").value_or(-1);
+  ASSERT_GE(kv_waits, 0);
+  // A real request whose deadline comes long before the leases end (1.5
+  // s): its reservation waits for blocks, none come free, it is refused
+  // RESOURCE_EXHAUSTED before the deadline; nothing held.
+  const auto short_prompt = Prompt(100, 502, Vocab());
+  const Outcome refused = RunDisaggregated(short_prompt, 4, true, 1500ms);
+  EXPECT_EQ(refused.prefill_status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << refused.prefill_status.error_message();
+  EXPECT_NE(refused.prefill_status.error_message().find("no KV blocks came free"), std::string::npos)
+      << refused.prefill_status.error_message();
   EXPECT_EQ(WaitForMetric(dm, "tandem_kv_reservations", [](double v) { return v == 2; }).value_or(-1), 2);
   EXPECT_GE(WaitForMetric(dm, "tandem_kv_reservations_refused_total", [](double v) { return v >= 1; })
                 .value_or(0), 1);
 
-  // No KV ever comes: the leases expire, the blocks are freed and the
-  // streams end with UNAVAILABLE.
+  // One that may wait (60 s): it waits while the holders' leases run.
+  const auto prompt = Prompt(100, 504, Vocab());
+  auto served = std::async(std::launch::async, [&] { return RunDisaggregated(prompt, 4); });
+  EXPECT_GE(WaitForMetric(dm, "tandem_decode_kv_waits_total",
+                          [&](double v) { return v >= kv_waits + 2; })
+                .value_or(0),
+            kv_waits + 2);
+  // No KV ever comes for the holders: the leases expire, their blocks are
+  // freed and their streams end with UNAVAILABLE; the waiting request gets
+  // the blocks and is served, token-exact.
   for (auto& h : holders) {
     Outcome out;
     h->ReadInto(out);
@@ -263,6 +284,7 @@ TEST_F(WorkerServingTest, FullDecoderRefusesAndLeasesFreeUnwrittenReservations) 
     ASSERT_TRUE(out.error.has_value());
     EXPECT_EQ(out.error->code(), static_cast<int>(grpc::StatusCode::UNAVAILABLE));
   }
+  ExpectMatchesReference(served.get(), prompt, 4);
   EXPECT_EQ(WaitForIdle(g_fleet->decode->metrics), "");
   EXPECT_GE(WaitForMetric(dm, "tandem_kv_lease_expired_total", [](double v) { return v >= 2; })
                 .value_or(0), 2);

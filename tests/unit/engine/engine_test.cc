@@ -549,6 +549,17 @@ TEST(EngineTest, ReserveRefusesWithoutRoomAndHoldsNothing) {
   ASSERT_TRUE(a.ok());
   auto b = e->Reserve("b", Prompt(40, 2));
   EXPECT_EQ(b.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(b.status().message().find("cannot reserve 3 KV blocks for a 40-token prompt: 1 of 4 "
+                                      "blocks free"),
+            std::string::npos)
+      << b.status().message();
+  // Larger than the whole pool: not a matter of waiting for blocks.
+  auto huge = e->Reserve("h", Prompt(70, 3));
+  EXPECT_EQ(huge.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(huge.status().message().find("a 70-token prompt needs 5 KV blocks of 16 tokens; this "
+                                         "worker's whole pool has 4"),
+            std::string::npos)
+      << huge.status().message();
   EXPECT_EQ(e->stats().free_blocks, 1u);
   const std::vector<uint32_t> bad_ids = {1, 2, 600};
   EXPECT_EQ(e->Reserve("c", bad_ids).status().code(), StatusCode::kInvalidArgument);

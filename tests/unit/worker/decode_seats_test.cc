@@ -2,9 +2,12 @@
 // seats"): a Reserve past the running batch waits for a seat, in arrival
 // order, and is answered when one frees; the sync Reserve is refused; a
 // waiting call ends with its request, its caller, its wait bound or Stop,
-// holding nothing. Real engine and loopback transport; the wire paths run
-// in reserve_tcp_test and reserve_grpc_test.
+// holding nothing. A Reserve short of free KV blocks waits the same way
+// for blocks to come free. Real engine and loopback transport; the wire
+// paths run in reserve_tcp_test and reserve_grpc_test.
 #include "worker_test_util.h"
+
+#include <fmt/format.h>
 
 #include <optional>
 
@@ -79,6 +82,25 @@ class DecodeSeatsTest : public ::testing::Test {
                                    answer.Done());
   }
   uint32_t FreeBlocks() { return node_->engine->stats().free_blocks; }
+  // Reserves `n` requests r0.. (2 blocks each), answered at once.
+  std::vector<KvTargetInfo> ReserveMany(int n, std::vector<std::shared_ptr<RecordingSink>>* sinks) {
+    std::vector<KvTargetInfo> targets;
+    for (int i = 0; i < n; ++i) {
+      const std::string id = fmt::format("r{}", i);
+      sinks->push_back(Register(id));
+      Answer answer;
+      EXPECT_EQ(ReserveOrWait(id, answer), 0u) << id;
+      EXPECT_TRUE(answer.Has() && answer.Get().ok()) << id;
+      if (answer.Has() && answer.Get().ok()) targets.push_back(*answer.Get());
+    }
+    return targets;
+  }
+  // The prefiller of `t` gives up: its reservation is released.
+  void GiveUp(const KvTargetInfo& t) {
+    KvNoticeInfo n = SuccessNotice(t, 0);
+    n.error = UnavailableError("prefill failed");
+    decoder_->OnKvNotice(n);
+  }
 
   std::unique_ptr<Node> node_;
   std::unique_ptr<Decoder> decoder_;
@@ -279,6 +301,111 @@ TEST_F(DecodeSeatsTest, NoLimitWithoutMaxSeats) {
   }
   EXPECT_EQ(decoder_->counts().seats_taken, 4u);
   EXPECT_EQ(decoder_->counts().reserve_waits, 0u);
+}
+
+// The noted gap of session 23: with more seats than the pool's blocks hold
+// at once, a burst was refused RESOURCE_EXHAUSTED where vLLM would queue.
+TEST_F(DecodeSeatsTest, AReserveShortOfKvBlocksWaitsAndGetsThemWhenARequestEnds) {
+  MakeDecoder(0);  // no seat limit: only the pool's 32 blocks (2 per prompt)
+  std::vector<std::shared_ptr<RecordingSink>> sinks;
+  const auto targets = ReserveMany(16, &sinks);
+  ASSERT_EQ(targets.size(), 16u);
+  EXPECT_EQ(FreeBlocks(), 0u);
+  Register("w");
+  Answer w;
+  EXPECT_NE(ReserveOrWait("w", w), 0u);
+  EXPECT_FALSE(w.Has());
+  auto counts = decoder_->counts();
+  EXPECT_EQ(counts.kv_waits, 1u);
+  EXPECT_EQ(counts.reserve_waits, 0u);  // no seat wait
+  EXPECT_EQ(counts.reserves_waiting, 1u);
+  EXPECT_EQ(counts.reservations_refused, 0u);
+  // The sync Reserve does not pass the waiting call: refused, nothing held.
+  Register("s");
+  const auto s = decoder_->Reserve("s", "p", PromptOf("s"));
+  EXPECT_EQ(s.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(s.status().message().find("1 earlier reserve calls wait"), std::string::npos)
+      << s.status().message();
+  // r0 decodes to its end: its blocks come free and go to w.
+  decoder_->OnKvNotice(SuccessNotice(targets[0], 9));
+  ASSERT_TRUE(WaitFor([&] { return sinks[0]->Ended(); }));
+  EXPECT_TRUE(sinks[0]->finished);
+  ASSERT_TRUE(WaitFor([&] { return w.Has(); }));
+  const auto target = w.Get();
+  ASSERT_TRUE(target.ok()) << target.status().ToString();
+  EXPECT_EQ(target->request_id, "w");
+  EXPECT_EQ(target->slots.size(), 2u);
+  EXPECT_EQ(w.calls(), 1);
+  counts = decoder_->counts();
+  EXPECT_EQ(counts.reserves_waiting, 0u);
+  EXPECT_EQ(counts.reservations, 16u);  // r1..r15 and w
+  EXPECT_EQ(counts.kv_waits, 1u);
+  EXPECT_EQ(counts.reservations_refused, 1u);  // s
+  EXPECT_EQ(FreeBlocks(), 0u);
+}
+
+TEST_F(DecodeSeatsTest, CallsShortOfKvBlocksGoInArrivalOrderAsReservationsAreReleased) {
+  MakeDecoder(0);
+  std::vector<std::shared_ptr<RecordingSink>> sinks;
+  const auto targets = ReserveMany(16, &sinks);
+  ASSERT_EQ(targets.size(), 16u);
+  Register("x");
+  Register("y");
+  Register("z");
+  Answer x, y, z;
+  EXPECT_NE(ReserveOrWait("x", x), 0u);
+  EXPECT_NE(ReserveOrWait("y", y), 0u);
+  EXPECT_NE(ReserveOrWait("z", z), 0u);
+  // x was refused blocks; y and z wait in line behind it, untried.
+  auto counts = decoder_->counts();
+  EXPECT_EQ(counts.kv_waits, 1u);
+  EXPECT_EQ(counts.reserve_waits, 0u);
+  EXPECT_EQ(counts.reserves_waiting, 3u);
+  // z's stream goes away while it waits: CANCELLED, nothing held.
+  decoder_->Cancel("z");
+  ASSERT_TRUE(z.Has());
+  EXPECT_EQ(z.Get().status().code(), StatusCode::kCancelled);
+  // r0's prefiller gives up: its two blocks go to x, the earlier call.
+  GiveUp(targets[0]);
+  ASSERT_TRUE(WaitFor([&] { return x.Has(); }));
+  ASSERT_TRUE(x.Get().ok()) << x.Get().status().ToString();
+  EXPECT_FALSE(y.Has());
+  EXPECT_EQ(decoder_->counts().reserves_waiting, 1u);
+  // r1's stream goes away while its prefiller may be writing: the blocks
+  // stay held until its notice; then they go to y.
+  decoder_->Cancel("r1");
+  EXPECT_EQ(FreeBlocks(), 0u);
+  EXPECT_FALSE(y.Has());
+  GiveUp(targets[1]);
+  ASSERT_TRUE(WaitFor([&] { return y.Has(); }));
+  ASSERT_TRUE(y.Get().ok()) << y.Get().status().ToString();
+  counts = decoder_->counts();
+  EXPECT_EQ(counts.kv_waits, 2u);  // x, and y once first in line
+  EXPECT_EQ(counts.reserves_waiting, 0u);
+  EXPECT_EQ(counts.reservations, 16u);  // r2..r15, x, y
+  EXPECT_EQ(counts.reservations_refused, 0u);
+  EXPECT_EQ(FreeBlocks(), 0u);
+}
+
+TEST_F(DecodeSeatsTest, AWaitForKvBlocksThatRunsOutIsRefusedNamingTheBlocks) {
+  MakeDecoder(0);
+  std::vector<std::shared_ptr<RecordingSink>> sinks;
+  ASSERT_EQ(ReserveMany(16, &sinks).size(), 16u);
+  Register("w");
+  Answer w;
+  EXPECT_NE(ReserveOrWait("w", w, 50ms), 0u);
+  ASSERT_TRUE(WaitFor([&] { return w.Has(); }));
+  const Status s = w.Get().status();
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("no KV blocks came free for its 20-token prompt"), std::string::npos)
+      << s.message();
+  EXPECT_NE(s.message().find("0 of 32 blocks free"), std::string::npos) << s.message();
+  const auto counts = decoder_->counts();
+  EXPECT_EQ(counts.reserve_waits_expired, 1u);
+  EXPECT_EQ(counts.reservations_refused, 1u);
+  EXPECT_EQ(counts.reserves_waiting, 0u);
+  EXPECT_EQ(counts.reservations, 16u);
+  EXPECT_EQ(FreeBlocks(), 0u);
 }
 
 }  // namespace
