@@ -192,6 +192,9 @@ RouterMetrics::RouterMetrics(MetricsRegistry& r, uint32_t block_size_tokens)
       room_by_report_(r.Counter("tandem_router_room_by_report_total",
                                 "Decisions whose decoder had room only by its last load report "
                                 "(the routes since made it look full); its Reserve decides")),
+      room_by_wait_(r.Counter("tandem_router_room_by_wait_total",
+                              "Decisions whose decoder had no free room even by its last load "
+                              "report: its pool holds the blocks and its Reserve waits for them")),
       seat_deferred_(r.Counter("tandem_router_seat_deferred_total",
                                "Decode candidates with KV room passed over because more of their "
                                "decode seats were taken (a higher seat round) than another's")),
@@ -235,6 +238,7 @@ void RouterMetrics::CountDecision(const router::RouteDecision& d, const std::str
   if (d.hot_prefix_prefill || d.hot_prefix_decode) hot_prefix_guards_.Increment();
   if (d.conditional_local) conditional_local_.Increment();
   if (d.room_by_report) room_by_report_.Increment();
+  if (d.room_by_wait) room_by_wait_.Increment();
   if (d.seat_deferred > 0) seat_deferred_.Increment(d.seat_deferred);
   const double hit = static_cast<double>(d.prefill_overlap_blocks) * block_size_tokens_;
   hit_tokens_.Observe(hit);

@@ -106,7 +106,8 @@ class TokenMetricsBatch {
 //   tandem_router_decisions_total{policy, side=prefill|decode|local, chosen_worker}
 //   tandem_router_routes_total{policy}, tandem_router_route_errors_total{policy}
 //   tandem_router_hot_prefix_guards_total, tandem_router_conditional_local_prefills_total,
-//   tandem_router_room_by_report_total, tandem_router_seat_deferred_total
+//   tandem_router_room_by_report_total, tandem_router_room_by_wait_total,
+//   tandem_router_seat_deferred_total
 //   tandem_router_predicted_prefix_hit_tokens / _ratio (histograms): the
 //     cached prefix the index predicts where the prefill runs.
 // Per-policy series exist from start-up; a worker's series from its
@@ -136,6 +137,7 @@ class RouterMetrics {
   prometheus::Counter& hot_prefix_guards_;
   prometheus::Counter& conditional_local_;
   prometheus::Counter& room_by_report_;
+  prometheus::Counter& room_by_wait_;
   prometheus::Counter& seat_deferred_;
   prometheus::Histogram& hit_tokens_;
   prometheus::Histogram& hit_ratio_;

@@ -41,7 +41,7 @@ std::string RouteDecision::DebugString() const {
          std::string(PolicyName(policy)).c_str(), WorkerStr(prefill).c_str(), WorkerStr(decode).c_str(),
          local_prefill ? 1 : 0, conditional_local ? "(cond)" : "", cost, prefill_cost, decode_cost, transfer_cost,
          prefill_overlap_blocks, decode_overlap_blocks, prompt_blocks, transfer_blocks,
-         hot_prefix_prefill ? 'P' : '-', hot_prefix_decode ? 'D' : '-', room_by_report ? " room=report" : "",
+         hot_prefix_prefill ? 'P' : '-', hot_prefix_decode ? 'D' : '-', room_by_report ? " room=report" : room_by_wait ? " room=wait" : "",
          seat_deferred > 0 ? " seats=deferred" : "");
   if (predicted_ttft_ms >= 0) Append(&s, " ttft=%.1fms", predicted_ttft_ms);
   for (const WorkerScore& w : prefill_scores) Append(&s, " %u:%.2f/%u", w.worker, w.cost, w.overlap_blocks);

@@ -74,6 +74,9 @@ struct RouteDecision {
   // predictions since), so the decoder was chosen by its last report alone:
   // its Reserve decides (docs/router.md, "Room").
   bool room_by_report = false;
+  // No decoder had room by its last report either: the chosen one's whole
+  // pool holds the blocks, and its Reserve waits for them to come free.
+  bool room_by_wait = false;
   // Decode seats (kv_aware): decoders with room left out because their seat
   // round (requests registered / seats) was above the lowest one.
   uint32_t seat_deferred = 0;

@@ -235,6 +235,7 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
   }
   if (slo_excluded > 0) slo_steered_.fetch_add(1, std::memory_order_relaxed);
   if (out->room_by_report) room_by_report_.fetch_add(1, std::memory_order_relaxed);
+  if (out->room_by_wait) room_by_wait_.fetch_add(1, std::memory_order_relaxed);
 
   // Count the request on its workers: its prefill until that ends
   // (EndPrefill, its stored event, or age), its decode blocks and running
@@ -293,7 +294,7 @@ void Router::BuildCandidatesLocked(const OverlapBlocks& overlap, const TierOverl
                                     lower.host[id] * std::max(0.0, 1.0 - options_.host_tier_onboard_cost) +
                                         lower.disk[id] * std::max(0.0, 1.0 - options_.disk_tier_onboard_cost),
                                     e.info.num_blocks ? held / e.info.num_blocks : held, e.layout_id,
-                                    e.info.decode_seats});
+                                    e.info.decode_seats, e.info.num_blocks});
   }
 }
 
@@ -406,6 +407,7 @@ RouterCounters Router::counters() const {
   c.slo_steered = slo_steered_.load(std::memory_order_relaxed);
   c.predictions_withdrawn = predictions_withdrawn_.load(std::memory_order_relaxed);
   c.room_by_report = room_by_report_.load(std::memory_order_relaxed);
+  c.room_by_wait = room_by_wait_.load(std::memory_order_relaxed);
   std::lock_guard lock(mu_);
   for (WorkerId id : workers_.ids()) {
     const WorkerCounters& wc = worker_counters_[id];

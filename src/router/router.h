@@ -64,6 +64,7 @@ struct RouterCounters {
   uint64_t slo_steered = 0;         // decisions that left out prefillers predicted over the TTFT SLO
   uint64_t predictions_withdrawn = 0;  // decode predictions ended by EndAttempt before a report
   uint64_t room_by_report = 0;      // decisions whose decoder had room only by its last report
+  uint64_t room_by_wait = 0;        // decisions whose decoder had no room now: its Reserve waits
   struct Worker {
     WorkerId id = kNoWorker;
     std::string name;
@@ -206,6 +207,7 @@ class Router {
   // report replaced a route's decode prediction.
   std::array<std::atomic<int64_t>, kMaxWorkers> report_ns_{};
   std::atomic<uint64_t> room_by_report_{0};
+  std::atomic<uint64_t> room_by_wait_{0};
 };
 
 }  // namespace tandem::router

@@ -93,23 +93,42 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
   if (with_room == 0) {
     // Only the estimate may be wrong (predictions of routes the workers
     // have not reported yet): the decoders whose last report alone has room
-    // stay candidates, and their Reserve decides. One that really is full
-    // refuses holding nothing, and the request is re-routed or shed then.
-    int64_t most_free = INT64_MIN, most_reported = INT64_MIN;
+    // stay candidates, and their Reserve decides (it waits for blocks in
+    // use to come free, or refuses holding nothing when none do).
     for (uint32_t k = 0; k < ds.n; ++k) {
       const Candidate& c = w[ds.idx[k]];
-      most_free = std::max(most_free, c.load.free_blocks);
-      most_reported = std::max(most_reported, c.load.reported_free_blocks);
       room[ds.idx[k]] = c.load.reported_free_blocks >= need[ds.idx[k]];
       with_room += room[ds.idx[k]] ? 1 : 0;
     }
+    out->room_by_report = with_room > 0;
+  }
+  if (with_room == 0) {
+    // Full by its own report too: a decoder whose whole pool holds the
+    // blocks still takes the request; its Reserve waits for them to come
+    // free (docs/serving-workers.md "Decode seats"), as vLLM's scheduler
+    // keeps a request waiting until its blocks can be allocated. Only a
+    // prompt no decoder's pool could hold (or pools not known) is refused.
+    int64_t largest_pool = 0;
+    for (uint32_t k = 0; k < ds.n; ++k) {
+      const uint32_t i = ds.idx[k];
+      largest_pool = std::max<int64_t>(largest_pool, w[i].pool_blocks);
+      room[i] = w[i].pool_blocks > 0 && w[i].pool_blocks >= need[i];
+      with_room += room[i] ? 1 : 0;
+    }
     if (with_room == 0) {
+      int64_t most_free = INT64_MIN, most_reported = INT64_MIN;
+      for (uint32_t k = 0; k < ds.n; ++k) {
+        most_free = std::max(most_free, w[ds.idx[k]].load.free_blocks);
+        most_reported = std::max(most_reported, w[ds.idx[k]].load.reported_free_blocks);
+      }
+      std::string pools;
+      if (largest_pool > 0) pools = "; the largest decoder holds " + std::to_string(largest_pool) + " in all";
       return ResourceExhaustedError("no decoder has room: the prompt needs up to " + std::to_string(prompt_blocks) +
                                     " blocks; the most free on any decoder is " + std::to_string(most_reported) +
                                     " by its last load report (" + std::to_string(most_free) +
-                                    " counting the routes made since)");
+                                    " counting the routes made since)" + pools);
     }
-    out->room_by_report = true;
+    out->room_by_wait = true;
   }
   // Whether p's KV can reach d (their rank layouts, issue 18).
   const uint64_t* compat = params.layout_compat;

@@ -11,7 +11,9 @@
 //    their number — the decoder onboards them instead of receiving them)
 //                 d is rejected when its free blocks < new_blocks_d (the
 //                 estimate; when that rejects every decoder, the last
-//                 report's free blocks alone: RouteDecision::room_by_report)
+//                 report's free blocks alone: RouteDecision::room_by_report;
+//                 when that rejects every decoder too, its whole pool:
+//                 RouteDecision::room_by_wait, its Reserve waits for blocks)
 //   transfer    = transfer_cost_per_ms * new_blocks_d * block_bytes / bandwidth(p, d) in ms
 //                 (0 when p == d)
 //   cost        = prefill(p) + decode(d) + transfer
@@ -65,6 +67,7 @@ struct Candidate {
   double cache_fill = 0;
   uint32_t layout_id = 0;  // its rank layout, a row/column of ScoringParams::layout_compat
   uint32_t decode_seats = 0;  // WorkerInfo::decode_seats (0: unknown, seats ignored)
+  uint32_t pool_blocks = 0;   // WorkerInfo::num_blocks, its whole KV pool (0: unknown)
 };
 
 struct ScoringParams {
@@ -93,7 +96,8 @@ struct PolicyState {
 };
 
 // Fills `out` (vectors reused). Errors: Unavailable when no worker can
-// prefill or decode; ResourceExhausted when no decoder has room.
+// prefill or decode; ResourceExhausted when no decoder's pool can hold the
+// request's blocks (or no decoder has room and the pools are not known).
 Status Score(std::span<const Candidate> workers, uint32_t prompt_tokens, const ScoringParams& params,
              PolicyState* state, RouteDecision* out);
 

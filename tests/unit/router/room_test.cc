@@ -60,10 +60,10 @@ struct TwoByOne {
                                             .free_blocks = free_blocks})
                     .ok());
   }
-  // A new 400-token prompt (nothing of it cached anywhere).
-  Result<RouteDecision> Route(const WorkerMask* exclude = nullptr) {
-    const std::vector<uint64_t> hashes = Chain(1000 * ++next_prompt, kPromptTokens / kBs);
-    return router->Route({hashes, kPromptTokens, 0, exclude});
+  // A new prompt of `tokens` (nothing of it cached anywhere).
+  Result<RouteDecision> Route(const WorkerMask* exclude = nullptr, uint32_t tokens = kPromptTokens) {
+    const std::vector<uint64_t> hashes = Chain(1000 * ++next_prompt, tokens / kBs);
+    return router->Route({hashes, tokens, 0, exclude});
   }
   int64_t Free(WorkerId w) { return router->load(w)->free_blocks; }
   void AdvanceMs(int64_t ms) { now->fetch_add(ms * 1'000'000); }
@@ -136,7 +136,9 @@ TEST(Room, ExcludedWorkersAreLeftOutOfTheDecision) {
 // Routes in flight the decoder has not reported yet may add up to more than
 // its last report's free blocks: the estimate. It alone does not refuse a
 // request the report has room for; the decision says so and the decoder's
-// Reserve decides. A decoder whose own report has no room refuses.
+// Reserve decides. A decoder whose own report has no room still takes a
+// request its pool holds (session 24): its Reserve waits for blocks to come
+// free. Only a prompt no decoder's pool holds is refused.
 TEST(Room, TheEstimateAloneNeverRefuses) {
   TwoByOne f;
   f.Report(f.d0, 30);
@@ -152,13 +154,26 @@ TEST(Room, TheEstimateAloneNeverRefuses) {
   EXPECT_EQ(f.router->counters().room_by_report, 1u);
 
   f.AdvanceMs(10);
-  f.Report(f.d0, 12);  // it took both: really full for a third
+  f.Report(f.d0, 12);  // it took both: full by its own report for a third
   auto c = f.Route();
-  ASSERT_FALSE(c.ok());
-  EXPECT_EQ(c.status().code(), StatusCode::kResourceExhausted);
-  EXPECT_NE(c.status().message().find("the most free on any decoder is 12 by its last load report"),
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->decode, f.d0);
+  EXPECT_FALSE(c->room_by_report);
+  EXPECT_TRUE(c->room_by_wait);
+  EXPECT_NE(c->DebugString().find("room=wait"), std::string::npos) << c->DebugString();
+  EXPECT_EQ(f.router->counters().room_by_wait, 1u);
+  EXPECT_EQ(f.router->counters().room_by_report, 1u);
+  // 600 blocks: more than the decoder's whole pool (512).
+  auto huge = f.Route(nullptr, 600 * kBs);
+  ASSERT_FALSE(huge.ok());
+  EXPECT_EQ(huge.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(huge.status().message().find("the prompt needs up to 600 blocks; the most free on any "
+                                         "decoder is 12 by its last load report"),
             std::string::npos)
-      << c.status().ToString();
+      << huge.status().ToString();
+  EXPECT_NE(huge.status().message().find("the largest decoder holds 512 in all"), std::string::npos)
+      << huge.status().ToString();
+  EXPECT_EQ(f.router->counters().room_by_wait, 1u);
 }
 
 }  // namespace
