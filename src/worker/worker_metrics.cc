@@ -200,31 +200,35 @@ void WorkerMetrics::Update(const MetricsSample& s) {
   for (const auto& [tenant, tokens] : s.fair_share_deficit_tokens) {
     Deficit(TenantLabel(tenant)).Set(tokens);
   }
-  reservations_.Set(s.reservations);
+  reservations_.Set(s.decoder.reservations);
   parked_.Set(s.engine.num_parked);
   queued_.Set(s.queued_prefills);
   Advance(prefix_queries_, s.engine.prefix_query_tokens, last_.engine.prefix_query_tokens);
   Advance(prefix_hits_, s.engine.prefix_hit_tokens, last_.engine.prefix_hit_tokens);
   Advance(preemptions_, s.engine.preemptions, last_.engine.preemptions);
-  Advance(leases_expired_, s.leases_expired, last_.leases_expired);
-  Advance(stale_notices_, s.stale_notices, last_.stale_notices);
-  Advance(refused_, s.reservations_refused, last_.reservations_refused);
-  Advance(notice_refused_capability_, s.notices_refused_capability,
-          last_.notices_refused_capability);
-  Advance(notice_refused_unreadable_, s.notices_refused_unreadable,
-          last_.notices_refused_unreadable);
-  Advance(notice_refused_decrypt_, s.notices_refused_decrypt, last_.notices_refused_decrypt);
-  quarantined_blocks_.Set(s.quarantined_blocks);
-  Advance(quarantine_released_ack_, s.quarantine_released_ack, last_.quarantine_released_ack);
-  Advance(quarantine_released_dead_, s.quarantine_released_dead, last_.quarantine_released_dead);
-  Advance(checksum_failures_, s.checksum_failures, last_.checksum_failures);
-  Advance(stream_messages_, s.stream_messages, last_.stream_messages);
-  Advance(stream_items_, s.stream_items, last_.stream_items);
-  seats_taken_.Set(s.seats_taken);
-  seat_waiting_.Set(s.seat_waiting);
-  Advance(seat_waits_, s.seat_waits, last_.seat_waits);
-  Advance(kv_waits_, s.kv_waits, last_.kv_waits);
-  Advance(unreceived_replies_, s.unreceived_replies_released, last_.unreceived_replies_released);
+  Advance(leases_expired_, s.decoder.leases_expired, last_.decoder.leases_expired);
+  Advance(stale_notices_, s.decoder.stale_notices, last_.decoder.stale_notices);
+  Advance(refused_, s.decoder.reservations_refused, last_.decoder.reservations_refused);
+  Advance(notice_refused_capability_, s.decoder.notices_refused_capability,
+          last_.decoder.notices_refused_capability);
+  Advance(notice_refused_unreadable_, s.decoder.notices_refused_unreadable,
+          last_.decoder.notices_refused_unreadable);
+  Advance(notice_refused_decrypt_, s.decoder.notices_refused_decrypt,
+          last_.decoder.notices_refused_decrypt);
+  quarantined_blocks_.Set(s.decoder.quarantined_blocks);
+  Advance(quarantine_released_ack_, s.decoder.quarantine_released_ack,
+          last_.decoder.quarantine_released_ack);
+  Advance(quarantine_released_dead_, s.decoder.quarantine_released_dead,
+          last_.decoder.quarantine_released_dead);
+  Advance(checksum_failures_, s.decoder.checksum_failures, last_.decoder.checksum_failures);
+  Advance(stream_messages_, s.decoder.stream_messages, last_.decoder.stream_messages);
+  Advance(stream_items_, s.decoder.stream_items, last_.decoder.stream_items);
+  seats_taken_.Set(s.decoder.seats_taken);
+  seat_waiting_.Set(s.decoder.reserves_waiting);
+  Advance(seat_waits_, s.decoder.reserve_waits, last_.decoder.reserve_waits);
+  Advance(kv_waits_, s.decoder.kv_waits, last_.decoder.kv_waits);
+  Advance(unreceived_replies_, s.decoder.unreceived_replies_released,
+          last_.decoder.unreceived_replies_released);
   Advance(prefill_seat_waits_, s.prefill_seat_waits, last_.prefill_seat_waits);
   for (uint32_t t = 0; t < engine::kNumKvTiers; ++t) {
     tier_usage_[t]->Set(s.engine.tier_usage_ratio[t]);

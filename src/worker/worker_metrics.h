@@ -53,6 +53,7 @@
 #include <utility>
 
 #include "common/metrics.h"
+#include "decoder/decoder.h"
 #include "engine/engine.h"
 
 namespace tandem::worker {
@@ -60,25 +61,8 @@ namespace tandem::worker {
 // Totals and levels sampled once per monitor tick.
 struct MetricsSample {
   engine::EngineStats engine;
-  uint32_t reservations = 0;
+  decoder::DecoderCounts decoder;  // zero on a worker without a decoder
   uint32_t queued_prefills = 0;
-  uint64_t leases_expired = 0;  // totals
-  uint64_t stale_notices = 0;
-  uint64_t reservations_refused = 0;
-  uint64_t notices_refused_capability = 0;
-  uint64_t notices_refused_unreadable = 0;
-  uint64_t notices_refused_decrypt = 0;
-  uint32_t quarantined_blocks = 0;
-  uint64_t quarantine_released_ack = 0;
-  uint64_t quarantine_released_dead = 0;
-  uint64_t checksum_failures = 0;
-  uint64_t stream_messages = 0;  // Decoder.DecodeStream (issue 23)
-  uint64_t stream_items = 0;
-  uint32_t seats_taken = 0;  // decode seats (docs/serving-workers.md)
-  uint32_t seat_waiting = 0;
-  uint64_t seat_waits = 0;
-  uint64_t kv_waits = 0;  // Reserve calls that waited for KV blocks to free
-  uint64_t unreceived_replies_released = 0;
   uint64_t prefill_seat_waits = 0;  // the prefiller's calls that waited
   // Per tenant: the engine's and the prefiller queue's fair-share deficits, summed.
   std::map<std::string, double> fair_share_deficit_tokens;

@@ -159,27 +159,7 @@ struct Worker {
   void UpdateMetrics() const {
     MetricsSample m;
     m.engine = engine->stats();
-    if (decoder) {
-      const decoder::DecoderCounts c = decoder->counts();
-      m.reservations = c.reservations;
-      m.leases_expired = c.leases_expired;
-      m.stale_notices = c.stale_notices;
-      m.reservations_refused = c.reservations_refused;
-      m.notices_refused_capability = c.notices_refused_capability;
-      m.notices_refused_unreadable = c.notices_refused_unreadable;
-      m.notices_refused_decrypt = c.notices_refused_decrypt;
-      m.quarantined_blocks = c.quarantined_blocks;
-      m.quarantine_released_ack = c.quarantine_released_ack;
-      m.quarantine_released_dead = c.quarantine_released_dead;
-      m.checksum_failures = c.checksum_failures;
-      m.stream_messages = c.stream_messages;
-      m.stream_items = c.stream_items;
-      m.seats_taken = c.seats_taken;
-      m.seat_waiting = c.reserves_waiting;
-      m.seat_waits = c.reserve_waits;
-      m.kv_waits = c.kv_waits;
-      m.unreceived_replies_released = c.unreceived_replies_released;
-    }
+    if (decoder) m.decoder = decoder->counts();
     m.fair_share_deficit_tokens = m.engine.fair_share_deficit_tokens;
     if (prefiller) {
       const prefiller::PrefillerCounts pc = prefiller->counts();
