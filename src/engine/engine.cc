@@ -54,6 +54,18 @@ Result<uint64_t> RandomReservationId() {
   return v;
 }
 
+// A real model's pair cost (sim::ModelShape's formula over its sizes).
+double PrefillPairCost(const model::ModelConfig& config) {
+  sim::ModelShape shape;
+  shape.hidden_size = config.hidden_size;
+  shape.intermediate_size = config.intermediate_size;
+  shape.num_layers = config.num_hidden_layers;
+  shape.num_heads = config.num_attention_heads;
+  shape.num_kv_heads = config.num_key_value_heads;
+  shape.head_dim = config.head_dim;
+  return shape.prefill_pair_cost();
+}
+
 }  // namespace
 
 namespace {
@@ -208,6 +220,9 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
   TANDEM_RETURN_IF_ERROR(e->AttachTiers());
   e->scheduler_ = std::make_unique<Scheduler>(o.scheduler, e->blocks_.get());
   e->counters_.num_blocks = o.num_blocks;
+  e->counters_.prefill_pair_cost = o.sim_timing != nullptr
+                                       ? o.sim_timing->params().shape.prefill_pair_cost()
+                                       : PrefillPairCost(config);
   return e;
 }
 

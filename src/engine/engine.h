@@ -147,6 +147,13 @@ struct EngineStats {
   uint64_t steps = 0;
   double prefill_step_seconds = 0;  // total over steps with prefill tokens
   uint64_t prefill_step_tokens = 0;  // prefill tokens of those steps, total
+  // Their causal-attention (query, key) pairs, total (SchedulerOutput::
+  // num_prefill_pairs), and what one pair costs in prefill tokens of
+  // linear-layer compute (sim::ModelShape::prefill_pair_cost of the model,
+  // or of the simulated shape on the sim backend): the TTFT prediction's
+  // attention term.
+  uint64_t prefill_step_pairs = 0;
+  double prefill_pair_cost = 0;
   double decode_step_seconds = 0;   // total over decode-only steps
   uint64_t generated_tokens = 0;
   // By tier (engine/kv_tier.h: device, host, disk). Usage: blocks holding

@@ -280,6 +280,7 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ++counters_.steps;
   counters_.prefill_step_tokens += plan.num_prefill_tokens;
+  counters_.prefill_step_pairs += plan.num_prefill_pairs;
   (plan.num_prefill_tokens > 0 ? counters_.prefill_step_seconds : counters_.decode_step_seconds) +=
       seconds;
   if (options_.on_step) {  // called by DeliverStep after the outputs (no callback object per step)

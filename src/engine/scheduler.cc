@@ -67,6 +67,7 @@ const SchedulerOutput& Scheduler::Schedule() {
   SchedulerOutput& out = out_;
   out.seqs.clear();
   out.num_prefill_tokens = 0;
+  out.num_prefill_pairs = 0;
   out.num_decode_tokens = 0;
   out.num_preempted = 0;
   uint32_t budget = limits_.max_batched_tokens;
@@ -84,7 +85,12 @@ const SchedulerOutput& Scheduler::Schedule() {
   auto add = [&](Sequence* s, uint32_t n) {
     const bool samples = s->num_computed + n == s->tokens.size();
     out.seqs.push_back({s, n, samples});
-    (s->num_pending() > 1 ? out.num_prefill_tokens : out.num_decode_tokens) += n;
+    if (s->num_pending() > 1) {
+      out.num_prefill_tokens += n;
+      out.num_prefill_pairs += uint64_t{n} * s->num_computed + uint64_t{n} * (n + 1) / 2;
+    } else {
+      out.num_decode_tokens += n;
+    }
     budget -= n;
     if (charge_times > 0 && (charge_tokens != n || *charge_tenant != s->req.tenant)) flush_charge();
     charge_tenant = &s->req.tenant;

@@ -50,6 +50,10 @@ struct ScheduledSeq {
 struct SchedulerOutput {
   std::vector<ScheduledSeq> seqs;
   uint32_t num_prefill_tokens = 0;  // tokens of sequences with more than one pending
+  // The causal-attention (query, key) pairs of those tokens: a chunk of n
+  // tokens after c computed ones attends to n*c + n(n+1)/2 (issue 22's
+  // TTFT prediction: attention grows with the context; PrefillPairCost).
+  uint64_t num_prefill_pairs = 0;
   uint32_t num_decode_tokens = 0;
   uint32_t num_preempted = 0;
   bool empty() const { return seqs.empty(); }

@@ -233,6 +233,8 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
     rep.registered_requests = l.registered_requests();
     rep.prefill_tokens_total = l.prefill_tokens_total();
     rep.prefill_seconds_total = l.prefill_seconds_total();
+    rep.prefill_attention_pairs_total = l.prefill_attention_pairs_total();
+    rep.prefill_pair_cost = l.prefill_pair_cost();
     rep.seats_released_total = l.seats_released_total();
     rep.seat_seconds_total = l.seat_seconds_total();
     router.ApplyLoadReport(id, rep).IgnoreError();

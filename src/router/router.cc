@@ -158,7 +158,8 @@ Status Router::ApplyLoadReport(WorkerId id, const LoadReport& report) {
   const int64_t now = Now();
   loads_.ApplyReport(id, report, now);
   report_ns_[id].store(now, std::memory_order_relaxed);
-  rates_[id].Update(report.prefill_tokens_total, report.prefill_seconds_total);
+  rates_[id].Update(report.prefill_tokens_total, report.prefill_seconds_total,
+                    report.prefill_attention_pairs_total, report.prefill_pair_cost);
   turnover_[id].Update(report.seats_released_total, report.seat_seconds_total);
   keyed_pending_[id].store(loads_.keyed_predictions(id), std::memory_order_relaxed);
   return Status::Ok();
@@ -183,7 +184,7 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
   const int64_t now = Now();
   BuildCandidatesLocked(overlap, lower, now, request.exclude);
   const TtftInputs ttft_in{request.prompt_tokens, (request.prompt_tokens + bs - 1) / bs, bs};
-  const std::array<double, kMaxWorkers> rates = RatesLocked();
+  const std::array<PrefillSpeed, kMaxWorkers> rates = RatesLocked();
   uint32_t slo_excluded = 0;
   if (request.ttft_slo_ms > 0) {
     // Leave out the prefillers predicted over the SLO, while one meets it
@@ -304,9 +305,9 @@ std::array<double, kMaxWorkers> Router::HoldsLocked() const {
   return h;
 }
 
-std::array<double, kMaxWorkers> Router::RatesLocked() const {
-  std::array<double, kMaxWorkers> r{};
-  for (WorkerId id : workers_.ids()) r[id] = rates_[id].tokens_per_s();
+std::array<PrefillSpeed, kMaxWorkers> Router::RatesLocked() const {
+  std::array<PrefillSpeed, kMaxWorkers> r{};
+  for (WorkerId id : workers_.ids()) r[id] = rates_[id].speed();
   return r;
 }
 

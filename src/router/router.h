@@ -157,7 +157,7 @@ class Router {
   void BuildCandidatesLocked(const OverlapBlocks& overlap, const TierOverlap& lower, int64_t now,
                              const WorkerMask* exclude = nullptr);
   // Prefill rates by worker id, for router/ttft_predictor.h (with mu_ held).
-  std::array<double, kMaxWorkers> RatesLocked() const;
+  std::array<PrefillSpeed, kMaxWorkers> RatesLocked() const;
   // Each worker's mean seat hold in seconds (0: unknown; SeatTurnover).
   std::array<double, kMaxWorkers> HoldsLocked() const;
   void EndPrefillLocked(const PrefillTicket& ticket);

@@ -30,28 +30,42 @@ void TotalsRatio::Update(double numerator_total, double denominator_total) {
 namespace {
 
 // The prefill work on p, in tokens: the queue ahead of the request and its
-// own (uncached tokens and the onboarding of lower-tier blocks).
-struct PrefillTokens {
+// own (uncached tokens and the onboarding of lower-tier blocks), and the
+// attention pairs of its uncached tokens.
+struct PrefillParts {
   double queued = 0;
   double own = 0;
+  double own_pairs = 0;
 };
 
-PrefillTokens PrefillTokensOn(const Candidate& p, const TtftInputs& in) {
+PrefillParts PrefillPartsOn(const Candidate& p, const TtftInputs& in) {
   const int64_t covered = int64_t{p.overlap_blocks} + p.tier_blocks;
-  const double uncached =
-      static_cast<double>(std::max<int64_t>(0, int64_t{in.prompt_tokens} - covered * in.block_size));
+  const double total = in.prompt_tokens;
+  const double cached = std::min(total, static_cast<double>(covered) * in.block_size);
   // tier_credit_blocks = tier blocks x (1 - onboarding cost): the rest is
   // the onboarding work, in blocks of prefill.
   const double onboard_tokens = std::max(0.0, p.tier_blocks - p.tier_credit_blocks) * in.block_size;
-  return {static_cast<double>(std::max<int64_t>(0, p.load.queued_prefill_tokens)), uncached + onboard_tokens};
+  return {static_cast<double>(std::max<int64_t>(0, p.load.queued_prefill_tokens)),
+          total - cached + onboard_tokens,
+          // Token i (from 0) attends to i + 1 keys: tokens cached..total-1.
+          (total * (total + 1) - cached * (cached + 1)) / 2};
+}
+
+// Milliseconds of the request's own prefill: with its attention at the
+// work rate when the worker reports one, else its tokens at tokens/s.
+double OwnMs(const PrefillParts& w, const PrefillSpeed& speed) {
+  if (speed.pair_cost > 0 && speed.work_per_s > 0) {
+    return (w.own + speed.pair_cost * w.own_pairs) / speed.work_per_s * 1e3;
+  }
+  return w.own / speed.tokens_per_s * 1e3;
 }
 
 }  // namespace
 
-std::optional<double> PrefillSideMs(const Candidate& p, double rate_tokens_per_s, const TtftInputs& in) {
-  if (!(rate_tokens_per_s > 0)) return std::nullopt;
-  const PrefillTokens w = PrefillTokensOn(p, in);
-  return (w.queued + w.own) / rate_tokens_per_s * 1e3;
+std::optional<double> PrefillSideMs(const Candidate& p, const PrefillSpeed& speed, const TtftInputs& in) {
+  if (!(speed.tokens_per_s > 0)) return std::nullopt;
+  const PrefillParts w = PrefillPartsOn(p, in);
+  return w.queued / speed.tokens_per_s * 1e3 + OwnMs(w, speed);
 }
 
 double TransferMs(const Candidate& p, const Candidate& d, const TtftInputs& in, const RouterOptions& options) {
@@ -72,17 +86,16 @@ double SeatWaitMs(const Candidate& d, double hold_seconds) {
   return static_cast<double>(place) * hold_seconds / static_cast<double>(seats) * 1e3;
 }
 
-std::optional<double> PairTtftMs(const Candidate& p, const Candidate& d, double rate_tokens_per_s,
+std::optional<double> PairTtftMs(const Candidate& p, const Candidate& d, const PrefillSpeed& speed,
                                  double hold_seconds, const TtftInputs& in, const RouterOptions& options) {
-  if (p.id == d.id) return PrefillSideMs(p, rate_tokens_per_s, in);  // a local prefill: no seat wait
-  if (!(rate_tokens_per_s > 0)) return std::nullopt;
-  const PrefillTokens w = PrefillTokensOn(p, in);
-  const double ms_per_token = 1e3 / rate_tokens_per_s;
-  return std::max(w.queued * ms_per_token, SeatWaitMs(d, hold_seconds)) + w.own * ms_per_token +
+  if (p.id == d.id) return PrefillSideMs(p, speed, in);  // a local prefill: no seat wait
+  if (!(speed.tokens_per_s > 0)) return std::nullopt;
+  const PrefillParts w = PrefillPartsOn(p, in);
+  return std::max(w.queued / speed.tokens_per_s * 1e3, SeatWaitMs(d, hold_seconds)) + OwnMs(w, speed) +
          TransferMs(p, d, in, options);
 }
 
-void PredictPerPrefiller(std::span<const Candidate> candidates, std::span<const double> rates,
+void PredictPerPrefiller(std::span<const Candidate> candidates, std::span<const PrefillSpeed> speeds,
                          std::span<const double> holds, const TtftInputs& in, const RouterOptions& options,
                          std::span<std::optional<double>> ms, const uint64_t* layout_compat) {
   const auto at = [](std::span<const double> v, WorkerId id) { return id < v.size() ? v[id] : 0.0; };
@@ -90,15 +103,15 @@ void PredictPerPrefiller(std::span<const Candidate> candidates, std::span<const 
     const Candidate& p = candidates[i];
     ms[i] = std::nullopt;
     if (!CanPrefill(p.role)) continue;
-    const double rate = at(rates, p.id);
+    const PrefillSpeed speed = p.id < speeds.size() ? speeds[p.id] : PrefillSpeed();
     if (p.role == WorkerRole::kBoth) {  // a 'both' prefiller keeps the request
-      ms[i] = PrefillSideMs(p, rate, in);
+      ms[i] = PrefillSideMs(p, speed, in);
       continue;
     }
     for (const Candidate& d : candidates) {
       if (d.id == p.id || !CanDecode(d.role)) continue;
       if (layout_compat != nullptr && ((layout_compat[p.layout_id] >> d.layout_id) & 1) == 0) continue;
-      const std::optional<double> t = PairTtftMs(p, d, rate, at(holds, d.id), in, options);
+      const std::optional<double> t = PairTtftMs(p, d, speed, at(holds, d.id), in, options);
       if (!t) break;  // p's rate is unknown
       if (!ms[i] || *t < *ms[i]) ms[i] = t;
     }

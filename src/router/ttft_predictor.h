@@ -10,8 +10,20 @@
 //
 // A request's predicted time to first token on a prefiller p and decoder d:
 //   ttft(p, d) = max(queued_prefill_tokens_p / rate_p, seat_wait_d)
-//              + (uncached_p + onboard_p) / rate_p + transfer(p, d)
+//              + (uncached_p + onboard_p + cost_p * pairs) / work_rate_p
+//              + transfer(p, d)
 //   uncached_p = prompt tokens beyond p's cached prefix (device and lower tiers)
+//   pairs      = the causal-attention (query, key) pairs of those tokens:
+//                (L(L+1) - C(C+1)) / 2 for a prompt of L tokens, C covered
+//   cost_p     = one pair's compute in prefill tokens (LoadReport.
+//                prefill_pair_cost: FLOPs over FLOPs, from the model's shape)
+//   work_rate_p = (prefill tokens + cost_p x their pairs) per second of
+//                prefill compute (LoadReport.prefill_attention_pairs_total);
+//                with no cost reported (an older worker): rate_p, no pairs
+// (attention grows with the context: a 32k-token prompt of an 8B Llama
+// costs 1.6x what its tokens alone would; docs/router.md, "Attention in
+// the TTFT prediction"). The queue ahead is timed at rate_p, the recent
+// mix's tokens per second: its own attention share is that mix's.
 //   onboard_p  = p's lower-tier blocks x their onboarding cost (in blocks of
 //                prefill work, RouterOptions) x block size
 //   transfer   = blocks the decoder lacks x block bytes / link bandwidth(p, d);
@@ -63,6 +75,16 @@ class TotalsRatio {
 // A worker's prefill rate: prefill tokens computed over the seconds of the
 // steps that computed them (LoadReport.prefill_tokens_total /
 // prefill_seconds_total).
+// What the prediction knows of one prefiller's speed (PrefillRate). A plain
+// tokens-per-second number converts: no attention term.
+struct PrefillSpeed {
+  double tokens_per_s = 0;  // 0: unknown
+  double work_per_s = 0;    // (tokens + pair_cost x pairs) per second; 0: unknown
+  double pair_cost = 0;     // 0: not reported
+  PrefillSpeed() = default;
+  PrefillSpeed(double tokens_per_second) : tokens_per_s(tokens_per_second) {}  // NOLINT: implicit
+};
+
 class PrefillRate {
  public:
   // Deltas below this much prefill compute wait for more (one short step
@@ -71,17 +93,38 @@ class PrefillRate {
   // Weight of a new window in the average.
   static constexpr double kAlpha = TotalsRatio::kAlpha;
 
-  void Reset() { ratio_.Reset(); }
-  // The worker's totals from a load report. Totals that go backwards (a
-  // restarted worker) start the measurement over.
-  void Update(uint64_t tokens_total, double seconds_total) {
-    ratio_.Update(static_cast<double>(tokens_total), seconds_total);
+  void Reset() {
+    tokens_.Reset();
+    work_.Reset();
+    pair_cost_ = 0;
+  }
+  // The worker's totals from a load report, and one attention pair's cost
+  // (0: not reported; the work rate is then not measured). Totals that go
+  // backwards (a restarted worker) start the measurement over.
+  void Update(uint64_t tokens_total, double seconds_total, uint64_t pairs_total = 0,
+              double pair_cost = 0) {
+    tokens_.Update(static_cast<double>(tokens_total), seconds_total);
+    pair_cost_ = pair_cost > 0 ? pair_cost : 0;
+    if (pair_cost_ > 0) {
+      work_.Update(static_cast<double>(tokens_total) + pair_cost_ * static_cast<double>(pairs_total),
+                   seconds_total);
+    }
   }
   // Tokens per second; 0 while unknown.
-  double tokens_per_s() const { return ratio_.value(); }
+  double tokens_per_s() const { return tokens_.value(); }
+  PrefillSpeed speed() const {
+    PrefillSpeed s(tokens_.value());
+    if (pair_cost_ > 0) {
+      s.work_per_s = work_.value();
+      s.pair_cost = pair_cost_;
+    }
+    return s;
+  }
 
  private:
-  TotalsRatio ratio_{kMinWindowSeconds};
+  TotalsRatio tokens_{kMinWindowSeconds};
+  TotalsRatio work_{kMinWindowSeconds};
+  double pair_cost_ = 0;
 };
 
 // A decoder's mean seat hold time (docs/router.md, "Seat waits in the TTFT
@@ -116,8 +159,9 @@ struct TtftInputs {
 };
 
 // Prefill-side time in ms of the request on `p` (queue ahead, its own
-// uncached tokens, onboarding), or nullopt when p's rate is unknown.
-std::optional<double> PrefillSideMs(const Candidate& p, double rate_tokens_per_s, const TtftInputs& in);
+// uncached tokens with their attention, onboarding), or nullopt when p's
+// rate is unknown.
+std::optional<double> PrefillSideMs(const Candidate& p, const PrefillSpeed& speed, const TtftInputs& in);
 // KV transfer time in ms from p to d of the blocks d lacks; 0 when p == d.
 double TransferMs(const Candidate& p, const Candidate& d, const TtftInputs& in, const RouterOptions& options);
 // How long in ms a request sent to decoder d now waits for a decode seat:
@@ -131,17 +175,17 @@ double SeatWaitMs(const Candidate& d, double hold_seconds);
 // ahead on p and for its seat on d (the prefiller reserves the seat before
 // it prefills the prompt), so the longer of the two, then its own prefill
 // and the transfer. nullopt when p's rate is unknown.
-std::optional<double> PairTtftMs(const Candidate& p, const Candidate& d, double rate_tokens_per_s,
+std::optional<double> PairTtftMs(const Candidate& p, const Candidate& d, const PrefillSpeed& speed,
                                  double hold_seconds, const TtftInputs& in, const RouterOptions& options);
 
 // The best predicted TTFT of each prefill-capable candidate over the
 // decoders it may pair with (`ms[i]` for candidates[i]; nullopt: unknown
 // rate, or not prefill-capable, or no decoder to pair with).
-// `rates[id]`: tokens/s of worker id (0: unknown); `holds[id]`: its mean
+// `speeds[id]`: worker id's prefill speed (unknown: 0); `holds[id]`: its mean
 // seat hold in seconds (SeatTurnover; 0: unknown). `layout_compat`: as
 // ScoringParams::layout_compat (a decoder whose rank layout the prefiller's
 // KV cannot reach is not a pair; null: every pair is).
-void PredictPerPrefiller(std::span<const Candidate> candidates, std::span<const double> rates,
+void PredictPerPrefiller(std::span<const Candidate> candidates, std::span<const PrefillSpeed> speeds,
                          std::span<const double> holds, const TtftInputs& in, const RouterOptions& options,
                          std::span<std::optional<double>> ms,
                          const uint64_t* layout_compat = nullptr);

@@ -57,6 +57,10 @@ struct LoadReport {
   // seconds of the engine steps that computed them (its prefill rate).
   uint64_t prefill_tokens_total = 0;
   double prefill_seconds_total = 0;
+  // Their causal-attention (query, key) pairs, total, and one pair's cost
+  // in prefill tokens (0: not reported; PrefillRate).
+  uint64_t prefill_attention_pairs_total = 0;
+  double prefill_pair_cost = 0;
   // Decoder: decode seats given back and seat-seconds, totals since the
   // worker started (its mean seat hold time: SeatTurnover).
   uint64_t seats_released_total = 0;

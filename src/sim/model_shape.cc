@@ -19,6 +19,12 @@ uint64_t ModelShape::linear_params() const {
   return num_layers * (q + kv + o + mlp);
 }
 
+double ModelShape::prefill_pair_cost() const {
+  const uint64_t linear = linear_params();
+  if (linear == 0) return 0;
+  return 4.0 * static_cast<double>(num_layers * num_heads * head_dim) / (2.0 * static_cast<double>(linear));
+}
+
 uint64_t ModelShape::total_params() const {
   const uint64_t embed = vocab_size * hidden_size;
   const uint64_t norms = num_layers * 2 * hidden_size + hidden_size;

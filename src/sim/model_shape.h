@@ -29,6 +29,13 @@ struct ModelShape {
   // Parameters of the per-layer matmuls (q, k, v, o, gate, up, down) over
   // all layers: each token costs 2 FLOPs per such parameter.
   uint64_t linear_params() const;
+  // What one causal-attention (query, key) pair of a prefill costs in
+  // tokens of linear-layer compute: its FLOPs (4 * layers * heads *
+  // head_dim: QK^T and AV) over a token's (2 * linear_params). A prompt of
+  // L tokens after C cached ones then costs (L - C) + cost * (L(L+1) -
+  // C(C+1)) / 2 such tokens (the TTFT prediction, docs/router.md
+  // "Attention in the TTFT prediction"); 0 for an empty shape.
+  double prefill_pair_cost() const;
   // Every parameter (embedding, layers, LM head unless tied; norms).
   uint64_t total_params() const;
   // Bytes one forward step reads: the linear layers plus the LM head.

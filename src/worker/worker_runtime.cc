@@ -139,6 +139,8 @@ struct Worker {
     s.num_parked_prefills = st.num_parked;
     s.prefill_tokens_total = st.prefill_step_tokens;
     s.prefill_seconds_total = st.prefill_step_seconds;
+    s.prefill_attention_pairs_total = st.prefill_step_pairs;
+    s.prefill_pair_cost = st.prefill_pair_cost;
     if (decoder) {
       const decoder::DecoderCounts c = decoder->counts();
       s.num_reservations = c.reservations;

@@ -205,6 +205,8 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
     l->set_stale_notices(s.stale_notices);
     l->set_prefill_tokens_total(s.prefill_tokens_total);
     l->set_prefill_seconds_total(s.prefill_seconds_total);
+    l->set_prefill_attention_pairs_total(s.prefill_attention_pairs_total);
+    l->set_prefill_pair_cost(s.prefill_pair_cost);
     l->set_seats_released_total(s.seats_released_total);
     l->set_seat_seconds_total(s.seat_seconds_total);
     return u;

@@ -98,6 +98,8 @@ struct LoadSample {
   uint64_t stale_notices = 0;
   uint64_t prefill_tokens_total = 0;   // engine: prefill tokens computed, total
   double prefill_seconds_total = 0;    // engine: seconds of steps with prefill tokens, total
+  uint64_t prefill_attention_pairs_total = 0;  // engine: their attention pairs, total
+  double prefill_pair_cost = 0;        // engine: one pair's cost in prefill tokens
   uint64_t seats_released_total = 0;   // decoder: decode seats given back, total
   double seat_seconds_total = 0;       // decoder: seats taken x seconds, total
   bool operator==(const LoadSample&) const = default;

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <future>
 #include <sstream>
 
@@ -27,17 +28,18 @@ namespace {
 namespace pb = ::tandem::v1;
 constexpr uint32_t kVocab = 4096;
 
-FleetOptions SimFleet(double compute_efficiency) {
+FleetOptions SimFleet(double compute_efficiency, const std::string& shape = "llama-3-8b",
+                      uint32_t max_model_len = 4096) {
   FleetOptions o;
   o.prefill = 1;
   o.decode = 1;
   o.max_batched_tokens = 512;
   o.policy = "kv_aware";
-  o.model_yaml = "  backend: sim\n  name: itest\n  max_model_len: 4096\n";
+  o.model_yaml = fmt::format("  backend: sim\n  name: itest\n  max_model_len: {}\n", max_model_len);
   o.extra_yaml = fmt::format(
-      "sim:\n  profile: H100\n  model_shape: {}/configs/sim/models/llama-3-8b\n"
+      "sim:\n  profile: H100\n  model_shape: {}/configs/sim/models/{}\n"
       "  compute_efficiency: {}\n  kv_scale: 256\n",
-      TANDEM_SOURCE_DIR, compute_efficiency);
+      TANDEM_SOURCE_DIR, shape, compute_efficiency);
   return o;
 }
 
@@ -292,6 +294,71 @@ TEST(SloAdmission, AdmittedRequestsFirstTokensCalibrateTheMargin) {
   EXPECT_GE(admitted, 16u);
   EXPECT_NE(m, 0) << "no margin after " << admitted << " admitted";
   EXPECT_LE(std::abs(m), 0.5);
+  auto stopped = (*fleet)->Stop(std::chrono::seconds(30));
+  ASSERT_TRUE(stopped.ok());
+  EXPECT_EQ(*stopped, 0);
+}
+
+// What admission predicts for `prompt`, read from its refusal at a 1 ms
+// TTFT SLO (nothing is computed for it); -1 when not refused.
+double PredictedMs(const std::string& proxy, const std::vector<uint32_t>& prompt) {
+  const Reply ask = Call(proxy, prompt, 1, 1, std::chrono::seconds(30));
+  const std::string& msg = ask.status.error_message();
+  const std::string lead = "the predicted time to first token is ";
+  if (ask.status.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED || msg.rfind(lead, 0) != 0) {
+    ADD_FAILURE() << "not refused with a prediction: " << msg;
+    return -1;
+  }
+  return std::stod(msg.substr(lead.size()));
+}
+
+// Attention grows with the context (docs/router.md, "Attention in the TTFT
+// prediction"). The prefiller reports its prefill tokens' attention pairs
+// and what one costs (llama-3.1-8b: 3.76e-5 tokens of linear compute, what
+// the sim charges), so the rate measured on 2000-token prompts predicts a
+// 32k-token prompt at its tokens and their attention, about 1.5x what its
+// tokens alone give (the prediction before session 24). An SLO between the
+// two is refused, and the prompt's real TTFT is indeed over it. The
+// predictions of the other lengths and their TTFTs are printed
+// (bench/results/slo_admission.md, session 24).
+TEST(SloAdmission, ALongPromptsAttentionCountsInThePrediction) {
+  FleetOptions o = SimFleet(0.5, "llama-3.1-8b", 32768);
+  o.proxy_yaml = "  admission: slo\n";
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  const std::string proxy = (*fleet)->proxy_grpc();
+  constexpr uint32_t kShort = 2000;
+  for (uint32_t i = 0; i < 4; ++i) {  // the prefiller's rate, on short prompts
+    Reply r = Call(proxy, PromptIds(1100 + i, kShort, kVocab), 2, std::nullopt, std::chrono::seconds(30));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  }
+  const double short_ms = PredictedMs(proxy, PromptIds(1110, kShort, kVocab));
+  ASSERT_GT(short_ms, 0);
+  std::printf("prompt_tokens predicted_ms tokens_only_ms ttft_ms\n");
+  for (uint32_t n : {4000u, 8000u, 16000u, 32000u}) {
+    const std::vector<uint32_t> prompt = PromptIds(1200 + n / 1000, n, kVocab);
+    const double predicted = PredictedMs(proxy, prompt);
+    // What a rate in tokens alone predicted: the short prompts' time per
+    // token (their attention is 4 % of them) times this prompt's tokens.
+    const double tokens_only = short_ms * n / kShort;
+    if (n == 32000) {
+      EXPECT_GT(predicted, 1.3 * tokens_only) << "attention not counted";
+      // An SLO the tokens-only prediction meets with 20 % to spare.
+      const uint32_t slo = static_cast<uint32_t>(1.2 * tokens_only);
+      const Reply r = Call(proxy, prompt, 1, slo, std::chrono::seconds(60));
+      EXPECT_EQ(r.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+          << "admitted at " << predicted << " ms predicted, SLO " << slo << ": " << r.status.error_message();
+    }
+    const auto start = std::chrono::steady_clock::now();
+    const Reply r = Call(proxy, prompt, 1, std::nullopt, std::chrono::seconds(60));
+    const double ttft_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    std::printf("%u %.1f %.1f %.1f\n", n, predicted, tokens_only, ttft_ms);
+    if (n == 32000) {
+      // The refusal was right: it takes longer than that SLO.
+      EXPECT_GT(ttft_ms, 1.2 * tokens_only) << "predicted " << predicted << " ms";
+    }
+  }
   auto stopped = (*fleet)->Stop(std::chrono::seconds(30));
   ASSERT_TRUE(stopped.ok());
   EXPECT_EQ(*stopped, 0);

@@ -541,6 +541,33 @@ TEST(EngineTest, PrefillReserveAddPrefilledEqualsAggregated) {
   EXPECT_EQ(decoder->stats().free_blocks, 64u);
 }
 
+// The attention pairs of prefill tokens (the TTFT prediction's attention
+// term, docs/router.md): a prompt of L tokens prefilled in chunks counts
+// L(L+1)/2, however it is chunked; its decode steps count none; a prefix
+// hit counts only the uncached tokens' pairs, each over the whole context.
+TEST(EngineTest, PrefillCountsItsAttentionPairsWhateverTheChunks) {
+  EngineOptions o;
+  o.num_blocks = 64;
+  o.scheduler.max_batched_tokens = 32;  // 100 tokens: chunks of 32, 32, 32, 4
+  auto e = MakeEngine(TinyModel(), o);
+  const auto prompt = Prompt(100, 3);
+  Collector a;
+  ASSERT_TRUE(e->Submit(Req("a", prompt, 5, &a)).ok());
+  e->RunUntilIdle();
+  EngineStats st = e->stats();
+  EXPECT_EQ(st.prefill_step_tokens, 100u);
+  EXPECT_EQ(st.prefill_step_pairs, 100u * 101 / 2);
+  EXPECT_GT(st.prefill_pair_cost, 0);  // from the model's shape
+  // The same prompt again: 96 tokens (6 blocks) cached, 4 computed after them.
+  Collector b;
+  ASSERT_TRUE(e->Submit(Req("b", prompt, 5, &b)).ok());
+  e->RunUntilIdle();
+  ASSERT_EQ(b.last.cached_prompt_tokens, 96u);
+  st = e->stats();
+  EXPECT_EQ(st.prefill_step_tokens, 104u);
+  EXPECT_EQ(st.prefill_step_pairs, 100u * 101 / 2 + 4 * 96 + 4 * 5 / 2);
+}
+
 TEST(EngineTest, ReserveRefusesWithoutRoomAndHoldsNothing) {
   EngineOptions o;
   o.num_blocks = 4;

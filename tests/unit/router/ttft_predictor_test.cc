@@ -33,6 +33,26 @@ TEST(PrefillRateTest, MeasuresDeltasBetweenReports) {
   EXPECT_NEAR(r.tokens_per_s(), 10000, 1e-6);
 }
 
+// A worker that reports its attention pairs and their cost: the work rate
+// (tokens + cost x pairs per second) is measured beside the tokens' rate.
+TEST(PrefillRateTest, AttentionPairsGiveTheWorkRate) {
+  PrefillRate r;
+  r.Update(5000, 1.0, 2'000'000, 1e-3);  // base
+  EXPECT_EQ(r.speed().work_per_s, 0);
+  r.Update(6000, 1.1, 2'500'000, 1e-3);  // 1000 tokens, 500k pairs in 0.1 s
+  const PrefillSpeed s = r.speed();
+  EXPECT_NEAR(s.tokens_per_s, 10000, 1e-6);
+  EXPECT_NEAR(s.work_per_s, (1000 + 1e-3 * 500'000) / 0.1, 1e-6);
+  EXPECT_EQ(s.pair_cost, 1e-3);
+  // An older worker reports no cost: tokens only.
+  PrefillRate old;
+  old.Update(5000, 1.0);
+  old.Update(6000, 1.1);
+  EXPECT_NEAR(old.speed().tokens_per_s, 10000, 1e-6);
+  EXPECT_EQ(old.speed().work_per_s, 0);
+  EXPECT_EQ(old.speed().pair_cost, 0);
+}
+
 TEST(SeatTurnoverTest, LittlesLawOverTheWindowsBetweenReports) {
   SeatTurnover t;
   EXPECT_EQ(t.hold_seconds(), 0);  // unknown until a window with releases
@@ -59,6 +79,30 @@ Candidate Prefiller(WorkerId id, int64_t queued_tokens, uint32_t overlap = 0) {
   c.load.queued_prefill_tokens = queued_tokens;
   c.overlap_blocks = overlap;
   return c;
+}
+
+// A long prompt's own prefill counts its attention (the pairs of its
+// uncached tokens, at the work rate); the queue ahead stays at tokens/s.
+TEST(TtftPredictorTest, ALongPromptsAttentionCountsAtTheWorkRate) {
+  PrefillSpeed speed(10000);
+  speed.work_per_s = 15000;
+  speed.pair_cost = 1e-4;
+  const TtftInputs in{4096, 256, 16};
+  const Candidate p = Prefiller(0, 3000);
+  const double pairs = 4096.0 * 4097 / 2;
+  ASSERT_TRUE(PrefillSideMs(p, speed, in).has_value());
+  EXPECT_NEAR(*PrefillSideMs(p, speed, in), 3000.0 / 10000 * 1e3 + (4096 + 1e-4 * pairs) / 15000 * 1e3,
+              1e-9);
+  // Half of it cached: only the pairs of tokens 2048..4095.
+  const Candidate half = Prefiller(0, 0, 128);
+  const double rest = (4096.0 * 4097 - 2048.0 * 2049) / 2;
+  EXPECT_NEAR(*PrefillSideMs(half, speed, in), (2048 + 1e-4 * rest) / 15000 * 1e3, 1e-9);
+  // The cost reported but the work rate not measured yet: tokens only.
+  PrefillSpeed early(10000);
+  early.pair_cost = 1e-4;
+  EXPECT_NEAR(*PrefillSideMs(p, early, in), (3000.0 + 4096) / 10000 * 1e3, 1e-9);
+  // An older worker (no cost): as before, tokens over tokens/s.
+  EXPECT_NEAR(*PrefillSideMs(p, PrefillSpeed(10000), in), (3000.0 + 4096) / 10000 * 1e3, 1e-9);
 }
 
 TEST(TtftPredictorTest, QueueAheadPlusOwnUncachedTokensOverTheRate) {
@@ -104,7 +148,7 @@ TEST(TtftPredictorTest, PerPrefillerTakesTheFastestLinkAndSkipsUnknownRates) {
   d.node_id = 1;  // only worker 1 shares its node
   c[1].node_id = 1;
   c.push_back(d);
-  std::vector<double> rates = {1600, 1600, 0, 0};
+  std::vector<PrefillSpeed> rates = {1600, 1600, 0, 0};
   std::vector<std::optional<double>> ms(c.size());
   PredictPerPrefiller(c, rates, {}, in, o, ms);
   ASSERT_TRUE(ms[0] && ms[1]);
@@ -132,7 +176,7 @@ TEST(TtftPredictorTest, PerPrefillerSkipsDecodersOfIncompatibleLayouts) {
   c[1].layout_id = 1;  // same node as the prefiller, layout 1: unreachable
   c[2].node_id = 1;    // another node, layout 0
   const uint64_t compat[2] = {0b01, 0b10};  // each layout reaches only itself
-  std::vector<double> rates = {1600, 0, 0};
+  std::vector<PrefillSpeed> rates = {1600, 0, 0};
   std::vector<std::optional<double>> ms(c.size());
   PredictPerPrefiller(c, rates, {}, in, o, ms, compat);
   ASSERT_TRUE(ms[0]);
@@ -180,7 +224,7 @@ TEST(TtftPredictorTest, APairWaitsForTheLongerOfItsQueueAndItsSeat) {
   far.node_id = 1;
   o.cross_node_bandwidth_bytes_per_s = 1e8;
   std::vector<Candidate> c = {p, d, far};
-  std::vector<double> rates = {1600, 0, 0};
+  std::vector<PrefillSpeed> rates = {1600, 0, 0};
   std::vector<double> holds = {0, 0.4, 0.4};
   std::vector<std::optional<double>> ms(c.size());
   PredictPerPrefiller(c, rates, holds, in, o, ms);

@@ -3,6 +3,8 @@
 // table and the errors.
 #include <gtest/gtest.h>
 
+#include <span>
+#include <utility>
 #include <vector>
 
 #include "common/config.h"
@@ -101,6 +103,30 @@ TEST(TimingModel, PrefillByHand) {
   const StepCost d = m.Prefill(3, 5);
   EXPECT_DOUBLE_EQ(d.flops, 2480);
   EXPECT_DOUBLE_EQ(d.bytes, 784);
+}
+
+// The pair cost the workers report for the TTFT prediction (docs/router.md,
+// "Attention in the TTFT prediction") is what the timing model charges: a
+// prefill chunk's FLOPs without the LM head = 2 * linear_params * (n +
+// cost * pairs), pairs = n*c + n(n+1)/2.
+TEST(ModelShape, PrefillPairCostIsTheTimingModelsAttentionShare) {
+  const ModelShape toy = Toy();
+  EXPECT_DOUBLE_EQ(toy.prefill_pair_cost(), 32.0 / 576);  // 4*2*2*2 / (2*288)
+  const TimingModel m = ToyModel();
+  for (const auto& [n, c] : std::vector<std::pair<uint64_t, uint64_t>>{{3, 0}, {3, 5}, {40, 17}}) {
+    const SeqWork w{n, c, /*logit_rows=*/0};
+    const double pairs = static_cast<double>(n * c + n * (n + 1) / 2);
+    EXPECT_NEAR(m.Step(std::span(&w, 1)).flops,
+                2.0 * 288 * (static_cast<double>(n) + toy.prefill_pair_cost() * pairs), 1e-6)
+        << n << " after " << c;
+  }
+  // llama-3-8b: 4*32*32*128 / (2 * 6,979,321,856): a 32k-token prompt's
+  // mean context (16k) adds 0.6 of its tokens' linear compute.
+  auto l8 = LoadModelShape(std::string(TANDEM_SOURCE_DIR) + "/configs/sim/models/llama-3-8b");
+  ASSERT_TRUE(l8.ok()) << l8.status().ToString();
+  EXPECT_NEAR(l8->prefill_pair_cost(), 524288.0 / 13958643712.0, 1e-15);
+  EXPECT_NEAR(l8->prefill_pair_cost() * 16384, 0.615, 0.001);
+  EXPECT_EQ(ModelShape{}.prefill_pair_cost(), 0);
 }
 
 TEST(TimingModel, EfficiencyAndTensorParallelScaleTheRoofs) {
