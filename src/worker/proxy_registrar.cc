@@ -207,8 +207,7 @@ void ProxyRegistrar::RefreshOnce(bool resolve, bool only_failing) {
                    "failed (retried every {} ms; a warning if it still fails after {} ms): {}",
                    a, options_.refresh_interval.count(), options_.lost_warn_after.count(),
                    s.message());
-      lost_since_[a] = now;
-      lost = lost_since_.find(a);
+      lost = lost_since_.insert_or_assign(a, now).first;
     } else if (it == ok_.end()) {
       spdlog::warn("registering with the proxy at {} failed (retried every {} ms): {}", a,
                    options_.refresh_interval.count(), s.message());
