@@ -546,7 +546,7 @@ TEST_F(WorkerServingTest, BatchedWatchCarriesEveryEventInOrder) {
   ASSERT_TRUE(u.has_snapshot());
   uint64_t last_id = u.snapshot_event_id();
 
-  const auto fresh = Prompt(80, 702, Vocab());  // 5 full blocks, new to the prefiller
+  const auto fresh = Prompt(80, 710, Vocab());  // 5 full blocks, new to the prefiller
   std::thread t([&] { ExpectMatchesReference(RunDisaggregated(fresh, 2), fresh, 2); });
   const size_t want = fresh.size() / kBlockSize;  // the prompt's full blocks
   std::set<uint64_t> stored;
