@@ -1,7 +1,8 @@
 // A sim 1P1D fleet (simulated H100s running Llama-3-8B) launched with
 // `tandem launch`: the same request gives the same tokens, one at a time or
 // all at once; sequences run to max_tokens; KV crossed the transport at the
-// paced link speed; every worker and the proxy say `simulated`.
+// paced link speed; every worker and the proxy say `simulated`; a fleet
+// full by its decoder's own report queues a request its pool holds.
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
@@ -193,6 +194,54 @@ TEST(SimFleet, ABurstFillsDecodersByTheirSeats) {
   EXPECT_LE(to_small, 18) << "by KV blocks alone it gets about half (36)";
   EXPECT_GT(Metric(pm, "tandem_router_seat_deferred_total"), 0);
   EXPECT_EQ(StopProcess(small->pid, std::chrono::seconds(30)), 0);
+}
+
+// A decoder full by its own load report (docs/router.md "Room", session
+// 24): two long streams fill a 64-block decoder as they decode (31 blocks
+// each at their end); a request whose 25 blocks neither the router's
+// estimate nor the decoder's last report has room for is routed to it all
+// the same, as its pool holds them (`room=wait`), and its Reserve waits
+// there until a stream ends, instead of being refused "no decoder has
+// room" (the router's answer until session 23).
+TEST(SimFleet, AFleetFullByItsDecodersReportQueuesTheRequest) {
+  FleetOptions o = SimOneP1D();
+  o.decode_yaml = "  num_blocks: 64\n";
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  const std::string proxy = (*fleet)->proxy_grpc();
+  const std::string pm = (*fleet)->proxy_metrics();
+  std::string dm;
+  for (const auto& w : (*fleet)->workers()) {
+    if (w.role == "decode") dm = w.metrics;
+  }
+  ASSERT_FALSE(dm.empty());
+  static constexpr uint32_t kLong = 480;
+  std::vector<std::future<Result<Completion>>> longs;
+  for (uint32_t i = 0; i < 2; ++i) {
+    longs.push_back(std::async(std::launch::async, [&proxy, i] {
+      GenerateArgs a;
+      a.prompt_ids = PromptIds(500 + i, 16, 4000);
+      a.max_tokens = kLong;
+      return Generate(proxy, a);
+    }));
+  }
+  // 52 of 64 blocks in use (12 free) by a scrape; the decoder's reports,
+  // sent as its load changes, said 20 or fewer free blocks well before.
+  ASSERT_TRUE(WaitUntil([&] { return Metric(dm, "tandem_kv_cache_usage_ratio") >= 0.8; },
+                        std::chrono::seconds(60)));
+  GenerateArgs a;
+  a.prompt_ids = PromptIds(600, 400, 4000);  // 25 blocks
+  a.max_tokens = 8;
+  auto queued = Generate(proxy, a);
+  ASSERT_TRUE(queued.ok()) << queued.status().ToString();
+  EXPECT_EQ(queued->completion_tokens, 8u);
+  EXPECT_GE(Metric(pm, "tandem_router_room_by_wait_total"), 1);
+  EXPECT_GE(Metric(dm, "tandem_decode_kv_waits_total"), 1);
+  for (auto& f : longs) {
+    auto c = f.get();
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    EXPECT_EQ(c->completion_tokens, kLong);
+  }
 }
 
 struct CmdOut {
