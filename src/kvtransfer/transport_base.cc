@@ -502,8 +502,15 @@ void TransportBase::OnPeerFailed(PeerId peer, const Status& why) {
     agent = it->second->desc.agent_name;
     generation = it->second->desc.generation;
   }
-  spdlog::warn("kvtransfer: peer {} ({} generation {}) failed: {}", peer, agent, generation,
-               why.ToString());
+  // Transfers to it fail: a warning. With none in flight nothing was lost
+  // here (most often a peer that stopped in order, e.g. a fleet's workers
+  // stopped together); the proxy warns of a worker it lost, and a decoder of
+  // the quarantined reservations a dead prefiller leaves: info.
+  size_t lost = 0;
+  for (Xfer* x : active_) lost += x->peer == peer ? 1 : 0;
+  spdlog::log(lost > 0 ? spdlog::level::warn : spdlog::level::info,
+              "kvtransfer: peer {} ({} generation {}) failed with {} transfers in flight: {}", peer,
+              agent, generation, lost, why.ToString());
   for (Xfer* x : active_) {
     if (x->peer == peer) Finish(*x, XferStatus::kErrRemoteDisconnect, why);
   }

@@ -14,6 +14,7 @@
 #include <optional>
 #include <set>
 
+#include "../captured_log.h"
 #include "kv_test_util.h"
 #include "kvtransfer/descriptor.h"
 #include "kvtransfer/loopback/loopback_transport.h"
@@ -435,6 +436,7 @@ TEST_P(ConformanceTest, AbortMidTransfer) {
 // quarantine (docs/failure-handling.md).
 TEST_P(ConformanceTest, IdlePeerKilledIsReportedByTheKeepalive) {
   if (backend() != "ucx") GTEST_SKIP() << "loopback has no keepalive (its peers die only by LoopbackDropPeer)";
+  tandem::testing::CapturedLog log;
   auto a = Make("idle-a", 4096, 4);
   ASSERT_TRUE(a);
   auto child = std::make_unique<ChildProcess>(std::vector<std::string>{
@@ -466,6 +468,11 @@ TEST_P(ConformanceTest, IdlePeerKilledIsReportedByTheKeepalive) {
   ASSERT_EQ(lost.size(), 1u);
   EXPECT_EQ(lost[0].first, desc->agent_name);
   EXPECT_EQ(lost[0].second, desc->generation);
+  // Nothing was in flight to it: logged at info, not as a warning (a fleet
+  // whose workers stop together must not warn, Fleet.AnOrderlyStopLogsNoWarning).
+  auto levels = log.Take("failed with 0 transfers in flight");
+  EXPECT_EQ(levels["warning"], 0);
+  EXPECT_EQ(levels["info"], 1);
 }
 
 // A peer that does not answer the connection handshake (here: stopped
@@ -648,6 +655,7 @@ TEST_P(ConformanceTest, WritesQueuedToAStoppedPeerEndWhenItDies) {
   ASSERT_TRUE(peer.ok()) << peer.status().ToString();
   ASSERT_EQ(WriteAndWait(*a, *peer, {{0, 0, 4096}}, "short"), XferStatus::kSuccess);
 
+  tandem::testing::CapturedLog log;
   ASSERT_TRUE(child.Stop());
   constexpr int kWrites = 256;  // 4x the receive FIFO
   std::vector<XferId> xfers;
@@ -689,6 +697,8 @@ TEST_P(ConformanceTest, WritesQueuedToAStoppedPeerEndWhenItDies) {
     std::lock_guard lock(mu);
     EXPECT_EQ(lost, std::vector<std::string>{"stall-b-" + GetParam()});
   }
+  // Writes were in flight to it and failed: a warning.
+  EXPECT_EQ(log.Take("kvtransfer: peer")["warning"], 1);
   EXPECT_EQ(a->PrepareWrite(*peer, {{0, 0, 4096}}, "again").status().code(),
             StatusCode::kUnavailable);
   for (XferId x : xfers) EXPECT_TRUE(a->Release(x).ok());

@@ -5,7 +5,6 @@
 #include "worker/proxy_registrar.h"
 
 #include <gtest/gtest.h>
-#include <spdlog/sinks/ostream_sink.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -16,6 +15,7 @@
 #include <sstream>
 #include <thread>
 
+#include "../captured_log.h"
 #include "common/net.h"
 
 namespace tandem::worker {
@@ -133,30 +133,7 @@ TEST(ProxyRegistrar, OnlyFailingProxiesAreRetriedUntilAKick) {
   EXPECT_EQ(f.Calls("10.0.0.1:7000"), 3);
 }
 
-// What the default logger writes while it lives, as "LEVEL message" lines.
-class CapturedLog {
- public:
-  CapturedLog() : sink_(std::make_shared<spdlog::sinks::ostream_sink_mt>(out_)) {
-    sink_->set_pattern("%l %v");
-    spdlog::default_logger()->sinks().push_back(sink_);
-  }
-  ~CapturedLog() {
-    auto& sinks = spdlog::default_logger()->sinks();
-    sinks.erase(std::remove(sinks.begin(), sinks.end(), sink_), sinks.end());
-  }
-  // Lines so far by level ("info", "warning"), then forgets them.
-  std::map<std::string, int> Take() {
-    std::istringstream in(out_.str());
-    out_.str("");
-    std::map<std::string, int> n;
-    for (std::string line; std::getline(in, line);) ++n[line.substr(0, line.find(' '))];
-    return n;
-  }
-
- private:
-  std::ostringstream out_;
-  std::shared_ptr<spdlog::sinks::ostream_sink_mt> sink_;
-};
+using testing::CapturedLog;
 
 // A fleet stop drains the proxy first, and each worker, kicked by its Watch
 // ending, tries the proxy before its own SIGTERM: not a warning per worker.
