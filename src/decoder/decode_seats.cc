@@ -62,7 +62,6 @@ void Decoder::ParkLocked(const ReserveArgs& a, const Park& park, std::string kv_
   *park.ticket = w->ticket;
   if (!kv_why.empty()) {
     ++counts_.kv_waits;
-    w->kv_short = true;
     w->kv_epoch = blocks_freed_;
     w->kv_why = std::move(kv_why);
   }
@@ -154,7 +153,7 @@ void Decoder::ServeWaiting() {
       if (options_.max_seats > 0 && seats_taken_ + seats_claimed_ >= options_.max_seats) return;
       // Short of blocks when it last tried, and none came free since.
       const Waiter& first = *waiting_.front();
-      if (first.kv_short && first.kv_epoch == blocks_freed_) return;
+      if (first.short_of_blocks() && first.kv_epoch == blocks_freed_) return;
       w = std::move(waiting_.front());
       waiting_.pop_front();
       // Claimed: ReserveIn takes it or gives it back (a seat given back
@@ -166,8 +165,7 @@ void Decoder::ServeWaiting() {
     Result<KvTargetInfo> answer = *ReserveIn(w->args(), /*park=*/nullptr, /*seated=*/true, &kv_short);
     if (kv_short) {
       std::lock_guard lock(mu_);
-      if (!w->kv_short) ++counts_.kv_waits;  // it waited for a seat until now
-      w->kv_short = true;
+      if (!w->short_of_blocks()) ++counts_.kv_waits;  // it waited for a seat until now
       w->kv_epoch = epoch;  // blocks freed since are tried at the next round
       w->kv_why = answer.status().message();
       // Still first in line; the lease thread refuses it when its wait
@@ -209,7 +207,7 @@ void Decoder::ExpireWaiting(SteadyClock::time_point now) {
     }
   }
   for (auto& w : expired) {
-    if (w->kv_short) {
+    if (w->short_of_blocks()) {
       w->done(ResourceExhaustedError(NoBlocksCameFree(*w)));
       continue;
     }

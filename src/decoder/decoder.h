@@ -387,11 +387,12 @@ class Decoder {
     parallel::ParallelLayout prefill_layout;
     std::chrono::steady_clock::time_point wait_until;
     ReserveDone done;
-    // The engine had too few free KV blocks when it last tried (why: the
-    // engine's words), at blocks_freed_ == kv_epoch.
-    bool kv_short = false;
-    uint64_t kv_epoch = 0;
+    // Set when the engine had too few free KV blocks the last time the call
+    // was tried (its words), at blocks_freed_ == kv_epoch; empty while the
+    // call waits for a seat.
     std::string kv_why;
+    uint64_t kv_epoch = 0;
+    bool short_of_blocks() const { return !kv_why.empty(); }
     ReserveArgs args() const {
       return {request_id, prefiller, prompt_ids, prefiller_descriptor, prefill_layout};
     }
