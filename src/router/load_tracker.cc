@@ -13,6 +13,9 @@ void LoadTracker::Refresh(State& s) {
   e.running_requests = s.foreign_running + s.open_running + s.timed_sum.running;
   e.seat_demand = int64_t{s.report.registered_requests} + s.timed_sum.running;
   e.free_known = s.free_known;
+  e.reservations = s.report.num_reservations;
+  e.pending_reserves = std::max<int64_t>(0, int64_t{s.report.registered_requests} - s.report.running_requests -
+                                                s.report.num_reservations);
 }
 
 void LoadTracker::DropTimedBefore(State& s, int64_t cutoff_ns) {

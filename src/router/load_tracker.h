@@ -47,6 +47,11 @@ struct WorkerLoad {
   // Decoder: requests registered there (each holds or will need a decode
   // seat): the report's plus the routes made since that it does not count.
   int64_t seat_demand = 0;
+  // Decoder, by its last report: reservations held, and the requests
+  // registered that hold no KV blocks there yet (registered - running -
+  // reservations): they take blocks before a request routed now.
+  int64_t reservations = 0;
+  int64_t pending_reserves = 0;
 };
 
 // The timed part of a prediction.

@@ -86,12 +86,25 @@ double SeatWaitMs(const Candidate& d, double hold_seconds) {
   return static_cast<double>(place) * hold_seconds / static_cast<double>(seats) * 1e3;
 }
 
+double KvWaitMs(const Candidate& d, double hold_seconds, const TtftInputs& in) {
+  if (!d.load.free_known || !(hold_seconds > 0)) return 0;
+  const int64_t need = std::max<int64_t>(0, int64_t{in.prompt_blocks} - int64_t{d.overlap_blocks});
+  if (need - d.load.free_blocks <= 0 && d.load.pending_reserves == 0) return 0;
+  const double holders = static_cast<double>(std::max<int64_t>(1, d.load.running_requests + d.load.reservations));
+  const double share = static_cast<double>(std::max<int64_t>(1, d.load.active_decode_blocks)) / holders;
+  const double deficit = static_cast<double>(need - d.load.free_blocks) +
+                         static_cast<double>(d.load.pending_reserves) * share;
+  if (!(deficit > 0)) return 0;
+  return std::ceil(deficit / share) * hold_seconds / holders * 1e3;
+}
+
 std::optional<double> PairTtftMs(const Candidate& p, const Candidate& d, const PrefillSpeed& speed,
                                  double hold_seconds, const TtftInputs& in, const RouterOptions& options) {
   if (p.id == d.id) return PrefillSideMs(p, speed, in);  // a local prefill: no seat wait
   if (!(speed.tokens_per_s > 0)) return std::nullopt;
   const PrefillParts w = PrefillPartsOn(p, in);
-  return std::max(w.queued / speed.tokens_per_s * 1e3, SeatWaitMs(d, hold_seconds)) + OwnMs(w, speed) +
+  const double decoder_wait = std::max(SeatWaitMs(d, hold_seconds), KvWaitMs(d, hold_seconds, in));
+  return std::max(w.queued / speed.tokens_per_s * 1e3, decoder_wait) + OwnMs(w, speed) +
          TransferMs(p, d, in, options);
 }
 

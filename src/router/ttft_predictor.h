@@ -31,6 +31,12 @@
 //   seat_wait_d = 0 while d has a decode seat free, else the seat releases
 //                ahead of the request x d's mean seat hold / its seats
 //                (SeatWaitMs); 0 for a local prefill
+//   kv_wait_d  = 0 while d's free KV blocks hold the prompt's blocks it does
+//                not cache, else the requests that must end there to free
+//                the rest x d's mean seat hold / its running requests
+//                (KvWaitMs); 0 for a local prefill. The request waits for
+//                both in one line: max(seat_wait_d, kv_wait_d) stands for
+//                seat_wait_d above.
 // queued_prefill_tokens_p is the router's effective load (the worker's
 // report plus the router's own routed, unfinished prefills): the work ahead.
 // A prefiller whose rate is not measured yet has no prediction (unknown):
@@ -171,10 +177,22 @@ double TransferMs(const Candidate& p, const Candidate& d, const TtftInputs& in, 
 // so n x hold / decode_seats. `hold_seconds` 0 (not measured yet): 0, the
 // request is admitted as if a seat were free.
 double SeatWaitMs(const Candidate& d, double hold_seconds);
+// How long in ms a request sent to decoder d now waits for the KV blocks
+// its reservation takes there (docs/router.md, "KV-block waits in the TTFT
+// prediction"): 0 while d's free blocks (the router's estimate: its last
+// report less the routes made since) hold the prompt's blocks d does not
+// cache, or they are unknown, or `hold_seconds` is 0 (not measured).
+// Otherwise blocks come free as d's requests end: h = its running requests
+// and reservations hold the blocks in use, b = in use / h each; the
+// deficit is the prompt's blocks less the free ones plus b for each
+// request registered there that holds none yet (pending_reserves: it takes
+// its blocks first); k = ceil(deficit / b) requests must end, one every
+// hold / h seconds on average: k x hold / h (h at least 1).
+double KvWaitMs(const Candidate& d, double hold_seconds, const TtftInputs& in);
 // The predicted TTFT of the pair: the request waits both for the queue
-// ahead on p and for its seat on d (the prefiller reserves the seat before
-// it prefills the prompt), so the longer of the two, then its own prefill
-// and the transfer. nullopt when p's rate is unknown.
+// ahead on p and for its seat and KV blocks on d (the prefiller reserves
+// them before it prefills the prompt), so the longest of those, then its
+// own prefill and the transfer. nullopt when p's rate is unknown.
 std::optional<double> PairTtftMs(const Candidate& p, const Candidate& d, const PrefillSpeed& speed,
                                  double hold_seconds, const TtftInputs& in, const RouterOptions& options);
 

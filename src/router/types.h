@@ -53,6 +53,9 @@ struct LoadReport {
   // Decoder: requests registered (Decode streams open), each of which holds
   // or will need one of its decode seats.
   uint32_t registered_requests = 0;
+  // Decoder: reservations held (their blocks are in use, their requests
+  // not running yet).
+  uint32_t num_reservations = 0;
   // Totals since the worker started: prefill tokens computed and the
   // seconds of the engine steps that computed them (its prefill rate).
   uint64_t prefill_tokens_total = 0;

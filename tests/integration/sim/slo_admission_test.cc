@@ -248,6 +248,119 @@ TEST(SloAdmission, ASaturatedDecodersSeatWaitCountsInThePrediction) {
   EXPECT_EQ(*stopped, 0);
 }
 
+// A request's first-token time and its tokens, sent with no SLO.
+struct Timed {
+  grpc::Status status;
+  uint32_t tokens = 0;
+  double ttft_ms = -1;
+};
+
+Timed TimedCall(const std::string& proxy, const std::vector<uint32_t>& prompt, uint32_t max_tokens) {
+  auto stub = pb::Generation::NewStub(grpc::CreateChannel(proxy, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  pb::GenerateRequest req;
+  for (uint32_t t : prompt) req.add_prompt_token_ids(t);
+  req.set_max_tokens(max_tokens);
+  req.set_ignore_eos(true);
+  const auto start = std::chrono::steady_clock::now();
+  auto reader = stub->Generate(&ctx, req);
+  Timed r;
+  pb::GenerateResponse resp;
+  while (reader->Read(&resp)) {
+    if (r.tokens == 0 && resp.token_ids_size() > 0) {
+      r.ttft_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    }
+    r.tokens += static_cast<uint32_t>(resp.token_ids_size());
+  }
+  r.status = reader->Finish();
+  return r;
+}
+
+double PredictedMs(const std::string& proxy, const std::vector<uint32_t>& prompt);
+
+// A decoder whose seats are free but whose KV blocks are held by running
+// requests makes a request wait for blocks before its first token (its
+// Reserve waits there, docs/serving-workers.md "Decode seats"): the
+// prediction adds that wait (docs/router.md, "KV-block waits in the TTFT
+// prediction": the request ends that free the blocks, at the decoder's
+// measured turnover), so a TTFT SLO the prefill alone would meet is refused
+// while the decoder is full, and served once it is not.
+TEST(SloAdmission, ADecoderShortOfKvBlocksWaitCountsInThePrediction) {
+  FleetOptions o = SimFleet(0.5);
+  o.decode_yaml = "  num_blocks: 64\n";  // 64 seats, 64 blocks of 16 tokens
+  o.proxy_yaml = "  admission: slo\n";
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  const std::string proxy = (*fleet)->proxy_grpc();
+  const WorkerAddr& d = Decoder(**fleet);
+  // Two long streams (16-token prompts, 480 tokens: 31 blocks each at
+  // their end) at a time, twice, then: the decoder's turnover (4 seats
+  // given back) and the prefiller's rate are measured.
+  static constexpr uint32_t kLong = 480;
+  const auto two_longs = [&](uint32_t seed) {
+    std::vector<std::future<Reply>> v;
+    for (uint32_t i = 0; i < 2; ++i) {
+      v.push_back(std::async(std::launch::async, [&, i] {
+        return Call(proxy, PromptIds(seed + i, 16, kVocab), kLong, std::nullopt, std::chrono::seconds(60));
+      }));
+    }
+    return v;
+  };
+  for (uint32_t round = 0; round < 2; ++round) {
+    for (auto& f : two_longs(1000 + 10 * round)) {
+      Reply r = f.get();
+      ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    }
+  }
+  for (uint32_t i = 0; i < 2; ++i) {  // the rate on longer prompts (25 blocks)
+    Reply r = Call(proxy, PromptIds(1030 + i, 400, kVocab), 1, std::nullopt, std::chrono::seconds(30));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  }
+  // A 400-token prompt (25 blocks) on an idle decoder: its prefill alone.
+  const std::vector<uint32_t> probe = PromptIds(1040, 400, kVocab);
+  const double idle = PredictedMs(proxy, probe);
+  ASSERT_GT(idle, 0);
+
+  // Two long streams again; once 45 or more of the 64 blocks are in use
+  // the probe's 25 do not fit until one of them ends.
+  auto longs = two_longs(1050);
+  ASSERT_TRUE(WaitUntil([&] { return Metric(d.metrics, "tandem_kv_cache_usage_ratio") >= 0.7; },
+                        std::chrono::seconds(60)));
+  const double full = PredictedMs(proxy, probe);
+  // One of the two must end: half their measured hold (about 480 steps)
+  // on average, far over the prefill alone.
+  EXPECT_GT(full, 2 * idle + 100) << "the prediction ignores the wait for KV blocks (idle: " << idle << " ms)";
+  const uint32_t slo = static_cast<uint32_t>(std::lround((idle + full) / 2));
+  Reply refused = Call(proxy, probe, 2, slo, std::chrono::seconds(30));
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << "admitted at " << full << " ms predicted, SLO " << slo << ": " << refused.status.error_message();
+  EXPECT_NE(refused.status.error_message().find(fmt::format("TTFT SLO of {} ms", slo)), std::string::npos)
+      << refused.status.error_message();
+  EXPECT_EQ(refused.tokens, 0u);
+  // Sent without an SLO it is served after a stream ends: its Reserve
+  // waited for the blocks.
+  const Timed waited = TimedCall(proxy, probe, 2);
+  ASSERT_TRUE(waited.status.ok()) << waited.status.error_message();
+  EXPECT_EQ(waited.tokens, 2u);
+  EXPECT_GE(Metric(d.metrics, "tandem_decode_kv_waits_total"), 1);
+  std::printf("predicted_idle_ms %.1f predicted_full_ms %.1f ttft_full_ms %.1f\n", idle, full, waited.ttft_ms);
+  for (auto& f : longs) {
+    Reply r = f.get();
+    EXPECT_TRUE(r.status.ok()) << r.status.error_message();
+    EXPECT_EQ(r.tokens, kLong);
+  }
+  // Blocks free again: the same request with the same SLO is served.
+  ASSERT_TRUE(WaitUntil([&] { return Metric(d.metrics, "tandem_kv_cache_usage_ratio") < 0.3; },
+                        std::chrono::seconds(30)));
+  Reply after = Call(proxy, probe, 2, slo, std::chrono::seconds(30));
+  EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+  EXPECT_EQ(after.tokens, 2u);
+  auto stopped = (*fleet)->Stop(std::chrono::seconds(30));
+  ASSERT_TRUE(stopped.ok());
+  EXPECT_EQ(*stopped, 0);
+}
+
 // The calibration (proxy.slo.attainment, docs/scheduling.md "Calibrated
 // admission") hears of real first tokens: no margin while fewer than 16
 // admitted requests predicted near their SLO have had their first token, a

@@ -203,6 +203,47 @@ TEST(TtftPredictorTest, SeatWaitIsTheReleasesAheadOverTheTurnover) {
   EXPECT_EQ(SeatWaitMs(Decoder(1, 0, 19), 2.0), 0);  // seats unknown (an older decoder)
 }
 
+// A decoder holding `in_use` blocks for `running` requests, `free` free.
+Candidate FullDecoder(int64_t free, int64_t in_use, int64_t running) {
+  Candidate d = Decoder(1, 0, running);
+  d.load.free_known = true;
+  d.load.free_blocks = free;
+  d.load.active_decode_blocks = in_use;
+  d.load.running_requests = running;
+  return d;
+}
+
+TEST(TtftPredictorTest, KvWaitIsTheRequestEndsThatFreeTheBlocksOverTheTurnover) {
+  // 4 requests hold 80 blocks (20 each) and 2 s each: one ends every 0.5 s.
+  const TtftInputs in{640, 40, 16};  // 40 blocks
+  EXPECT_EQ(KvWaitMs(FullDecoder(40, 80, 4), 2.0, in), 0);    // they are free
+  EXPECT_DOUBLE_EQ(KvWaitMs(FullDecoder(39, 80, 4), 2.0, in), 500);  // 1 short: one end
+  EXPECT_DOUBLE_EQ(KvWaitMs(FullDecoder(0, 80, 4), 2.0, in), 1000);  // 40 short: two ends
+  EXPECT_DOUBLE_EQ(KvWaitMs(FullDecoder(-5, 80, 4), 2.0, in), 1500);  // routes since the report took 5 more
+  // Blocks the decoder caches are not allocated again: 30 to find, 10 free.
+  Candidate cached = FullDecoder(10, 80, 4);
+  cached.overlap_blocks = 10;
+  EXPECT_DOUBLE_EQ(KvWaitMs(cached, 2.0, in), 500);
+  // Reservations hold blocks as running requests do: 8 holders of 10
+  // blocks, one ending every 0.25 s; 30 short: three ends.
+  Candidate reserved = FullDecoder(10, 80, 4);
+  reserved.load.reservations = 4;
+  EXPECT_DOUBLE_EQ(KvWaitMs(reserved, 2.0, in), 750);
+  // Two requests registered that hold nothing yet go first: 40 blocks
+  // more to free (20 each), 30 + 40 short: four ends.
+  Candidate line = FullDecoder(10, 80, 4);
+  line.load.pending_reserves = 2;
+  EXPECT_DOUBLE_EQ(KvWaitMs(line, 2.0, in), 2000);
+  // ... and make a request wait that the free blocks alone would hold.
+  Candidate roomy = FullDecoder(50, 80, 4);
+  roomy.load.pending_reserves = 1;
+  EXPECT_DOUBLE_EQ(KvWaitMs(roomy, 2.0, in), 500);  // 40 + 20 - 50 = 10 short
+  EXPECT_EQ(KvWaitMs(FullDecoder(0, 80, 4), 0, in), 0);  // turnover not measured: admitted as if free
+  Candidate unknown = FullDecoder(0, 80, 4);
+  unknown.load.free_known = false;  // no report and no pool size
+  EXPECT_EQ(KvWaitMs(unknown, 2.0, in), 0);
+}
+
 TEST(TtftPredictorTest, APairWaitsForTheLongerOfItsQueueAndItsSeat) {
   RouterOptions o;
   o.same_node_bandwidth_bytes_per_s = 1e9;
@@ -233,6 +274,29 @@ TEST(TtftPredictorTest, APairWaitsForTheLongerOfItsQueueAndItsSeat) {
   // Without the turnover measured, the saturated near one looks free.
   PredictPerPrefiller(c, rates, {}, in, o, ms);
   EXPECT_DOUBLE_EQ(*ms[0], 500 + 100 + move);
+
+  // Seats free but KV blocks short: 2 requests hold 40 blocks for 0.4 s
+  // each, 2 free; the prompt's 10 blocks need one to end (every 0.2 s),
+  // under the queue's 500 ms. Two ends: 0.4 s; with 6 waiting for a
+  // seat too, the longer wait (its seat: 1000 ms) counts, not both.
+  Candidate full = Decoder(1, 4, 2);
+  full.block_bytes = 1000000;
+  full.load.free_known = true;
+  full.load.free_blocks = 2;
+  full.load.active_decode_blocks = 40;
+  full.load.running_requests = 2;
+  EXPECT_DOUBLE_EQ(*PairTtftMs(p, full, 1600, 0.4, in, o), 500 + 100 + move);
+  p.load.queued_prefill_tokens = 0;
+  EXPECT_DOUBLE_EQ(*PairTtftMs(p, full, 1600, 0.4, in, o), 200 + 100 + move);
+  full.load.free_blocks = -12;  // 22 short: two ends
+  EXPECT_DOUBLE_EQ(*PairTtftMs(p, full, 1600, 0.4, in, o), 400 + 100 + move);
+  full.load.seat_demand = 13;
+  EXPECT_DOUBLE_EQ(*PairTtftMs(p, full, 1600, 0.4, in, o), 1000 + 100 + move);
+  // A local prefill waits for nothing on the decoder side (its own pool
+  // is the prefill's).
+  full.role = WorkerRole::kBoth;
+  full.id = 0;
+  EXPECT_DOUBLE_EQ(*PairTtftMs(full, full, 1600, 0.4, in, o), 100);
 }
 
 // A router on a fake clock with measured rates.
@@ -364,6 +428,56 @@ TEST(TtftRoutingTest, ASaturatedDecoderAddsItsSeatWaitToThePrediction) {
   EXPECT_NE(dec.DebugString().find(" ttft=850.0ms"), std::string::npos) << dec.DebugString();
   // (The routed prompt is 100 ms ahead on the prefiller: less than the seat.)
   EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160}), 875 + 100);
+}
+
+// The KV-block wait reaches the prediction from the decoder's load reports
+// (free and used blocks, requests running, reservations, requests
+// registered) and its seat turnover; the router's own routes since the
+// report count at once.
+TEST(TtftRoutingTest, ADecoderShortOfKvBlocksAddsItsBlockWaitToThePrediction) {
+  SloFleet f;
+  const WorkerId p = f.Add("p", WorkerRole::kPrefill);
+  WorkerInfo info;
+  info.name = "d";
+  info.role = WorkerRole::kDecode;
+  info.epoch = 1;
+  info.num_blocks = 100;
+  info.decode_seats = 64;  // seats are not what it runs short of
+  const WorkerId d = f.router->AddWorker(info).value();
+  f.Measure(p, 1600);
+  const std::vector<uint64_t> h = Chain(10);  // 160 tokens, 10 blocks
+  // 4 requests running with 23 blocks each, one reservation with 8: 8 free.
+  LoadReport r;
+  r.free_blocks = 8;
+  r.active_decode_blocks = 92;
+  r.running_requests = 4;
+  r.num_reservations = 1;
+  r.registered_requests = 5;
+  ASSERT_TRUE(f.router->ApplyLoadReport(d, r).ok());
+  EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160}), 100);  // turnover not measured yet
+  r.seats_released_total = 8;
+  r.seat_seconds_total = 4.0;  // a hold of 0.5 s: with 5 holders one ends every 0.1 s
+  ASSERT_TRUE(f.router->ApplyLoadReport(d, r).ok());
+  // 2 blocks short of 10, 18.4 blocks per holder: one end, 100 ms.
+  EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160}), 100 + 100);
+  // Two more registered that hold nothing yet: 36.8 more to free, 3 ends.
+  r.registered_requests = 7;
+  ASSERT_TRUE(f.router->ApplyLoadReport(d, r).ok());
+  EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160}), 300 + 100);
+  r.registered_requests = 5;
+  r.free_blocks = 12;  // room for it: no wait
+  r.active_decode_blocks = 88;
+  ASSERT_TRUE(f.router->ApplyLoadReport(d, r).ok());
+  EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160}), 100);
+  // A route to it takes 10 of the 12 at once, before a report says so (its
+  // prefill done, so that the prefiller's queue is empty again): 8 short,
+  // 98 blocks over 6 holders, one end, one every 0.5 / 6 s.
+  RouteDecision dec;
+  const std::vector<uint64_t> other = {77, 78, 79, 80, 81, 82, 83, 84, 85, 86};
+  ASSERT_TRUE(f.router->Route({other, 160}, &dec).ok());
+  EXPECT_EQ(dec.decode, d);
+  f.router->EndPrefill(dec.prefill_ticket);
+  EXPECT_NEAR(*f.router->PredictTtftMs({h, 160}), 500.0 / 6 + 100, 1e-9);
 }
 
 }  // namespace
