@@ -150,9 +150,15 @@ void Decoder::ServeWaiting() {
       std::lock_guard lock(mu_);
       serve_kick_ = false;
       if (waiting_.empty()) return;
-      if (options_.max_seats > 0 && seats_taken_ + seats_claimed_ >= options_.max_seats) return;
-      // Short of blocks when it last tried, and none came free since.
       const Waiter& first = *waiting_.front();
+      // A retry whose request holds its seat (a second prefiller took it
+      // over) needs blocks, not a seat: ReserveIn gives the claim back.
+      const auto held = requests_.find(first.request_id);
+      const bool has_seat = held != requests_.end() && Seated(held->second.stage);
+      if (!has_seat && options_.max_seats > 0 && seats_taken_ + seats_claimed_ >= options_.max_seats) {
+        return;
+      }
+      // Short of blocks when it last tried, and none came free since.
       if (first.short_of_blocks() && first.kv_epoch == blocks_freed_) return;
       w = std::move(waiting_.front());
       waiting_.pop_front();

@@ -387,6 +387,51 @@ TEST_F(DecodeSeatsTest, CallsShortOfKvBlocksGoInArrivalOrderAsReservationsAreRel
   EXPECT_EQ(FreeBlocks(), 0u);
 }
 
+// A retry of a request that holds its seat (a second prefiller takes it
+// over) needs blocks, not a seat: blocks that come free while every seat is
+// taken (a reservation an earlier retry left behind is released) go to it
+// at once (until session 25 it waited for a seat it did not need).
+TEST_F(DecodeSeatsTest, ARetryShortOfKvBlocksIsServedWithoutAFreeSeat) {
+  MakeDecoder(2);
+  const auto reg = [&](const std::string& id, uint32_t seed) {
+    DecodeSpec s;
+    s.request_id = id;
+    s.prompt_ids = Prompt(160, seed);  // 10 blocks
+    s.sampling = Greedy(3);
+    EXPECT_TRUE(decoder_->Register(s, std::make_shared<RecordingSink>()).ok());
+    return s.prompt_ids;
+  };
+  const std::vector<uint32_t> a = reg("a", 1);
+  const std::vector<uint32_t> b = reg("b", 2);
+  auto first = decoder_->Reserve("a", "p1", a);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  ASSERT_TRUE(decoder_->Reserve("b", "p", b).ok());
+  // p2 takes a over: 10 more blocks (p1's stay held until its notice).
+  ASSERT_TRUE(decoder_->Reserve("a", "p2", a).ok());
+  EXPECT_EQ(FreeBlocks(), 2u);
+  // p3 takes a over as well: short of blocks, it waits.
+  Answer third;
+  EXPECT_NE(decoder_->ReserveOrWait("a", "p3", a, {}, {}, std::chrono::steady_clock::now() + 5s,
+                                    third.Done()),
+            0u);
+  EXPECT_FALSE(third.Has());
+  auto counts = decoder_->counts();
+  EXPECT_EQ(counts.kv_waits, 1u);
+  EXPECT_EQ(counts.seats_taken, 2u);
+  // p1's notice releases its reservation: 12 blocks free, no seat.
+  GiveUp(*first);
+  ASSERT_TRUE(WaitFor([&] { return third.Has(); }));
+  const auto target = third.Get();
+  ASSERT_TRUE(target.ok()) << target.status().ToString();
+  EXPECT_EQ(target->slots.size(), 10u);
+  counts = decoder_->counts();
+  EXPECT_EQ(counts.seats_taken, 2u);
+  EXPECT_EQ(counts.reserves_waiting, 0u);
+  EXPECT_EQ(counts.reservations, 3u);  // b, a's by p2 (until its notice) and by p3
+  EXPECT_EQ(counts.reservations_refused, 0u);
+  EXPECT_EQ(FreeBlocks(), 2u);
+}
+
 TEST_F(DecodeSeatsTest, AWaitForKvBlocksThatRunsOutIsRefusedNamingTheBlocks) {
   MakeDecoder(0);
   std::vector<std::shared_ptr<RecordingSink>> sinks;
