@@ -27,6 +27,7 @@
 #include "cli/commands.h"
 #include "common/config.h"
 #include "engine/engine.h"
+#include "engine/llama_forward.h"
 #include "model/model_config.h"
 #include "model/tokenizer.h"
 #include "model/weights.h"
@@ -199,13 +200,7 @@ Status Run(const GenerateArgs& a) {
   const parallel::ParallelLayout layout{a.tensor_parallel, a.pipeline_parallel};
   std::unique_ptr<RankGroup> ranks;
   if (layout.tp != 1 || layout.pp != 1) {
-    parallel::ModelDims dims;
-    dims.num_layers = config.num_hidden_layers;
-    dims.num_heads = config.num_attention_heads;
-    dims.num_kv_heads = config.num_key_value_heads;
-    dims.intermediate = config.intermediate_size;
-    dims.vocab = config.vocab_size;
-    TANDEM_RETURN_IF_ERROR(parallel::CheckLayout(layout, dims));
+    TANDEM_RETURN_IF_ERROR(parallel::CheckLayout(layout, engine::DimsOf(config)));
     if (options.backend != "cpu") {
       return InvalidArgumentError(fmt::format(
           "--tensor-parallel/--pipeline-parallel: backend '{}' has no rank group runtime (cpu only)",

@@ -279,10 +279,7 @@ Result<std::unique_ptr<ComputeBackend>> CreateCudaBackend(const model::ModelConf
         "parallel only; pipeline stages run on cpu ranks)",
         layout.pp));
   }
-  TANDEM_RETURN_IF_ERROR(parallel::CheckLayout(
-      layout, parallel::ModelDims{config.num_hidden_layers, config.num_attention_heads,
-                                  config.num_key_value_heads, config.intermediate_size,
-                                  config.vocab_size}));
+  TANDEM_RETURN_IF_ERROR(parallel::CheckLayout(layout, DimsOf(config)));
   if (opts.shard.rank >= layout.world()) {
     return InvalidArgumentError(fmt::format("backend cuda: rank {} of a {} group (ranks 0..{})",
                                             opts.shard.rank, parallel::ToString(layout),

@@ -90,6 +90,14 @@ std::vector<int> ShardBounds(uint32_t k, uint32_t tp, parallel::Range cols) {
 
 }  // namespace
 
+parallel::ModelDims DimsOf(const model::ModelConfig& c) {
+  return {.num_layers = c.num_hidden_layers,
+          .num_heads = c.num_attention_heads,
+          .num_kv_heads = c.num_key_value_heads,
+          .intermediate = c.intermediate_size,
+          .vocab = c.vocab_size};
+}
+
 Result<std::unique_ptr<LlamaForward>> LlamaForward::Create(const model::ModelConfig& config,
                                                            const model::ModelWeights& w,
                                                            ShardSpec shard) {
@@ -108,8 +116,7 @@ Result<std::unique_ptr<LlamaForward>> LlamaForward::Create(const model::ModelCon
                                             w.layers.size(), config.num_hidden_layers));
   }
   const parallel::ParallelLayout& lay = shard.layout;
-  TANDEM_RETURN_IF_ERROR(parallel::CheckLayout(
-      lay, parallel::ModelDims{config.num_hidden_layers, heads, kvh, inter, vocab}));
+  TANDEM_RETURN_IF_ERROR(parallel::CheckLayout(lay, DimsOf(config)));
   if (shard.rank >= lay.world()) {
     return InvalidArgumentError(fmt::format("rank {} is outside the {} layout ({} ranks)",
                                             shard.rank, parallel::ToString(lay), lay.world()));

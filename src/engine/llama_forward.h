@@ -53,6 +53,10 @@ struct ShardSpec {
 
 // The KV pool geometry of `shard`'s rank: its stage's layers (local layer i
 // = model layer StageLayers(...).begin + i) and its KV heads (TpKvHeads).
+// The dimensions a tensor/pipeline-parallel layout splits
+// (parallel::CheckLayout), from the model's config.
+parallel::ModelDims DimsOf(const model::ModelConfig& config);
+
 KvLayout ShardKvLayout(const model::ModelConfig& config, const ShardSpec& shard,
                        uint32_t block_size);
 

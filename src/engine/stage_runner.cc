@@ -14,16 +14,6 @@ std::span<const std::byte> AsBytes(std::span<const float> v) {
 
 }  // namespace
 
-parallel::ModelDims DimsOf(const model::ModelConfig& c) {
-  parallel::ModelDims d;
-  d.num_layers = c.num_hidden_layers;
-  d.num_heads = c.num_attention_heads;
-  d.num_kv_heads = c.num_key_value_heads;
-  d.intermediate = c.intermediate_size;
-  d.vocab = c.vocab_size;
-  return d;
-}
-
 Result<RankComms> JoinRankComms(const parallel::ParallelLayout& layout, uint32_t rank,
                                 const std::string& group, int64_t join_timeout_ms) {
   RankComms c;

@@ -53,8 +53,6 @@ struct RankComms {
 Result<RankComms> JoinRankComms(const parallel::ParallelLayout& layout, uint32_t rank,
                                 const std::string& group, int64_t join_timeout_ms);
 
-parallel::ModelDims DimsOf(const model::ModelConfig& config);
-
 class StageRunner {
  public:
   // All borrowed; must outlive the runner.

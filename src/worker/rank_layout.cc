@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "engine/llama_forward.h"
+
 namespace tandem::worker {
 
 const RoleConfig& RoleSection(const FleetConfig& fleet, std::string_view role) {
@@ -13,17 +15,9 @@ parallel::ParallelLayout RoleLayout(const FleetConfig& fleet, std::string_view r
   return {rc.tensor_parallel, rc.pipeline_parallel};
 }
 
-parallel::ModelDims ModelDimsOf(const model::ModelConfig& c) {
-  return {.num_layers = c.num_hidden_layers,
-          .num_heads = c.num_attention_heads,
-          .num_kv_heads = c.num_key_value_heads,
-          .intermediate = c.intermediate_size,
-          .vocab = c.vocab_size};
-}
-
 Status CheckRoleLayout(std::string_view role, const parallel::ParallelLayout& layout,
                        const model::ModelConfig& config, std::string_view model_path) {
-  Status s = parallel::CheckLayout(layout, ModelDimsOf(config));
+  Status s = parallel::CheckLayout(layout, engine::DimsOf(config));
   if (s.ok()) return s;
   // CheckLayout's message starts with the key ("tensor_parallel 3 ...").
   return InvalidArgumentError(fmt::format("{}.{} (model {})", role, s.message(), model_path));

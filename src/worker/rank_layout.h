@@ -21,9 +21,6 @@ const RoleConfig& RoleSection(const FleetConfig& fleet, std::string_view role);
 // Its layout as configured (backend sim models it inside one process).
 parallel::ParallelLayout RoleLayout(const FleetConfig& fleet, std::string_view role);
 
-// The dimensions a layout splits.
-parallel::ModelDims ModelDimsOf(const model::ModelConfig& config);
-
 // parallel::CheckLayout with the key named: INVALID_ARGUMENT e.g.
 // "decode.tensor_parallel 3 does not divide num_attention_heads 8 (model
 // DIR)".
