@@ -229,7 +229,7 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
       if (c.id == out->decode) d = &c;
     }
     if (p != nullptr && d != nullptr) {
-      if (auto t = PairTtftMs(*p, *d, rates[p->id], turnover_[d->id].hold_seconds(), ttft_in, options_)) {
+      if (auto t = PairTtftMs(*p, *d, rates[p->id], HoldLocked(d->id), ttft_in, options_)) {
         out->predicted_ttft_ms = *t;
       }
     }
@@ -302,7 +302,28 @@ void Router::BuildCandidatesLocked(const OverlapBlocks& overlap, const TierOverl
 std::array<double, kMaxWorkers> Router::HoldsLocked() const {
   std::array<double, kMaxWorkers> h{};
   for (WorkerId id : workers_.ids()) h[id] = turnover_[id].hold_seconds();
+  const double prior = MeanHoldLocked();
+  for (WorkerId id : workers_.ids()) {
+    if (h[id] == 0) h[id] = prior;
+  }
   return h;
+}
+
+double Router::HoldLocked(WorkerId id) const {
+  const double own = turnover_[id].hold_seconds();
+  return own > 0 ? own : MeanHoldLocked();
+}
+
+double Router::MeanHoldLocked() const {
+  double sum = 0;
+  uint32_t n = 0;
+  for (WorkerId id : workers_.ids()) {
+    if (const double h = turnover_[id].hold_seconds(); h > 0) {
+      sum += h;
+      ++n;
+    }
+  }
+  return n == 0 ? 0 : sum / n;
 }
 
 std::array<PrefillSpeed, kMaxWorkers> Router::RatesLocked() const {

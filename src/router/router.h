@@ -158,8 +158,14 @@ class Router {
                              const WorkerMask* exclude = nullptr);
   // Prefill rates by worker id, for router/ttft_predictor.h (with mu_ held).
   std::array<PrefillSpeed, kMaxWorkers> RatesLocked() const;
-  // Each worker's mean seat hold in seconds (0: unknown; SeatTurnover).
+  // Each worker's mean seat hold in seconds (SeatTurnover). One not measured
+  // yet (fewer than four seats given back since it joined or restarted)
+  // gets the mean of the workers that are — the same model in the same
+  // fleet: a better guess than none; 0 while none is (docs/router.md,
+  // "Seat waits in the TTFT prediction").
   std::array<double, kMaxWorkers> HoldsLocked() const;
+  double HoldLocked(WorkerId id) const;  // HoldsLocked()[id]
+  double MeanHoldLocked() const;
   void EndPrefillLocked(const PrefillTicket& ticket);
 
   struct WorkerCounters {

@@ -430,6 +430,53 @@ TEST(TtftRoutingTest, ASaturatedDecoderAddsItsSeatWaitToThePrediction) {
   EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160}), 875 + 100);
 }
 
+// A decoder whose turnover is not measured yet (it joined, or restarted,
+// and has given back fewer than four seats) is predicted at the mean hold
+// of the decoders that are measured, not as if its seats were free.
+TEST(TtftRoutingTest, AnUnmeasuredDecoderTakesTheFleetsMeanHold) {
+  SloFleet f;
+  const WorkerId p = f.Add("p", WorkerRole::kPrefill);
+  const auto add_decoder = [&](const std::string& name) {
+    WorkerInfo info;
+    info.name = name;
+    info.role = WorkerRole::kDecode;
+    info.epoch = 1;
+    info.num_blocks = 100000;
+    info.decode_seats = 4;
+    return f.router->AddWorker(info).value();
+  };
+  const WorkerId old_one = add_decoder("d-old");
+  const WorkerId new_one = add_decoder("d-new");
+  f.Measure(p, 1600);
+  const std::vector<uint64_t> h = Chain(10);  // 160 tokens: 100 ms of prefill
+  // d-old: a hold of 0.5 s measured, 40 registered on 4 seats (37th in line).
+  LoadReport r;
+  r.free_blocks = 100000;
+  r.registered_requests = 40;
+  ASSERT_TRUE(f.router->ApplyLoadReport(old_one, r).ok());
+  r.seats_released_total = 8;
+  r.seat_seconds_total = 4.0;
+  ASSERT_TRUE(f.router->ApplyLoadReport(old_one, r).ok());
+  // d-new: 9 registered on its 4 seats, nothing given back yet: 6th in line
+  // at d-old's hold, 750 ms (before: as if free, 100 ms in all).
+  LoadReport fresh;
+  fresh.free_blocks = 100000;
+  fresh.registered_requests = 9;
+  ASSERT_TRUE(f.router->ApplyLoadReport(new_one, fresh).ok());
+  EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160}), 750 + 100);
+  RouteDecision dec;
+  ASSERT_TRUE(f.router->Route({h, 160}, &dec).ok());
+  EXPECT_DOUBLE_EQ(dec.predicted_ttft_ms, 750 + 100);
+  EXPECT_EQ(dec.decode, new_one);
+  // Measured itself (a hold of 0.1 s): its own counts. 7th in line now
+  // (the route above counts until a report does): 175 ms.
+  fresh.seats_released_total = 10;
+  fresh.seat_seconds_total = 1.0;
+  ASSERT_TRUE(f.router->ApplyLoadReport(new_one, fresh).ok());
+  f.router->EndPrefill(dec.prefill_ticket);
+  EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160}), 175 + 100);
+}
+
 // The KV-block wait reaches the prediction from the decoder's load reports
 // (free and used blocks, requests running, reservations, requests
 // registered) and its seat turnover; the router's own routes since the
