@@ -316,6 +316,16 @@ struct SloFleet {
     info.num_blocks = 100000;
     return router->AddWorker(info).value();
   }
+  // A decoder of `num_blocks` KV blocks and `seats` decode seats.
+  WorkerId AddDecoder(const std::string& name, uint32_t num_blocks, uint32_t seats) {
+    WorkerInfo info;
+    info.name = name;
+    info.role = WorkerRole::kDecode;
+    info.epoch = 1;
+    info.num_blocks = num_blocks;
+    info.decode_seats = seats;
+    return router->AddWorker(info).value();
+  }
   // Two reports 0.1 s of prefill apart: `tokens_per_s` measured.
   void Measure(WorkerId w, double tokens_per_s) {
     LoadReport r;
@@ -397,13 +407,7 @@ TEST(TtftRoutingTest, PredictionCountsTheRoutedQueueAndIsUnknownUntilMeasured) {
 TEST(TtftRoutingTest, ASaturatedDecoderAddsItsSeatWaitToThePrediction) {
   SloFleet f;
   const WorkerId p = f.Add("p", WorkerRole::kPrefill);
-  WorkerInfo info;
-  info.name = "d";
-  info.role = WorkerRole::kDecode;
-  info.epoch = 1;
-  info.num_blocks = 100000;
-  info.decode_seats = 4;
-  const WorkerId d = f.router->AddWorker(info).value();
+  const WorkerId d = f.AddDecoder("d", 100000, 4);
   f.Measure(p, 1600);
   const std::vector<uint64_t> h = Chain(10);
   EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160}), 100);  // 160 tokens, nothing ahead
@@ -436,17 +440,8 @@ TEST(TtftRoutingTest, ASaturatedDecoderAddsItsSeatWaitToThePrediction) {
 TEST(TtftRoutingTest, AnUnmeasuredDecoderTakesTheFleetsMeanHold) {
   SloFleet f;
   const WorkerId p = f.Add("p", WorkerRole::kPrefill);
-  const auto add_decoder = [&](const std::string& name) {
-    WorkerInfo info;
-    info.name = name;
-    info.role = WorkerRole::kDecode;
-    info.epoch = 1;
-    info.num_blocks = 100000;
-    info.decode_seats = 4;
-    return f.router->AddWorker(info).value();
-  };
-  const WorkerId old_one = add_decoder("d-old");
-  const WorkerId new_one = add_decoder("d-new");
+  const WorkerId old_one = f.AddDecoder("d-old", 100000, 4);
+  const WorkerId new_one = f.AddDecoder("d-new", 100000, 4);
   f.Measure(p, 1600);
   const std::vector<uint64_t> h = Chain(10);  // 160 tokens: 100 ms of prefill
   // d-old: a hold of 0.5 s measured, 40 registered on 4 seats (37th in line).
@@ -484,13 +479,7 @@ TEST(TtftRoutingTest, AnUnmeasuredDecoderTakesTheFleetsMeanHold) {
 TEST(TtftRoutingTest, ADecoderShortOfKvBlocksAddsItsBlockWaitToThePrediction) {
   SloFleet f;
   const WorkerId p = f.Add("p", WorkerRole::kPrefill);
-  WorkerInfo info;
-  info.name = "d";
-  info.role = WorkerRole::kDecode;
-  info.epoch = 1;
-  info.num_blocks = 100;
-  info.decode_seats = 64;  // seats are not what it runs short of
-  const WorkerId d = f.router->AddWorker(info).value();
+  const WorkerId d = f.AddDecoder("d", 100, 64);  // seats are not what it runs short of
   f.Measure(p, 1600);
   const std::vector<uint64_t> h = Chain(10);  // 160 tokens, 10 blocks
   // 4 requests running with 23 blocks each, one reservation with 8: 8 free.
