@@ -51,16 +51,29 @@ void Scheduler::UpdateHashes(Sequence& seq) const {
   }
 }
 
-void Scheduler::Preempt(Sequence* seq) {
+void Scheduler::DropBlocks(Sequence* seq) {
   blocks_->Release(seq->blocks);
   seq->blocks.clear();
   seq->num_computed = 0;
   seq->num_committed = 0;
   seq->commit_stopped = false;
-  seq->state = SeqState::kWaiting;
   ++seq->num_preemptions;
-  waiting_.push_front(seq);
   ++preemptions_;
+}
+
+void Scheduler::Preempt(Sequence* seq) {
+  DropBlocks(seq);
+  seq->state = SeqState::kWaiting;
+  waiting_.push_front(seq);
+}
+
+bool Scheduler::DropNewestWaitingHolder() {
+  for (auto it = waiting_.rbegin(); it != waiting_.rend(); ++it) {
+    if ((*it)->blocks.empty()) continue;
+    DropBlocks(*it);
+    return true;
+  }
+  return false;
 }
 
 const SchedulerOutput& Scheduler::Schedule() {
@@ -223,6 +236,15 @@ const SchedulerOutput& Scheduler::Schedule() {
   done.insert(done.end(), rest_.begin() + static_cast<std::ptrdiff_t>(rest_lo),
               rest_.begin() + static_cast<std::ptrdiff_t>(rest_hi));
   running_.swap(done);  // the old running_ is next step's `done` buffer
+  // Nothing runs and nothing was admitted, yet waiting sequences hold
+  // blocks — a decoder's prefilled requests that each need one more block
+  // for their next token, say, in a pool they fill: no step would ever
+  // free a block. The newest such holder gives its blocks back (it is
+  // recomputed later, counted as a preemption, as vLLM recomputes a
+  // preempted request) and the line is tried again. Each round drops one
+  // holder's blocks, so this ends; a sequence the whole pool holds (the
+  // decoder's Register checks prompt and max_tokens) is then admitted.
+  if (out.seqs.empty() && running_.empty() && DropNewestWaitingHolder()) return Schedule();
   return out;
 }
 

@@ -99,6 +99,12 @@ class Scheduler {
     return (tokens + blocks_->block_size() - 1) / blocks_->block_size();
   }
   void Preempt(Sequence* seq);
+  // `seq` gives its blocks back and will be recomputed (a preemption)
+  // without leaving its place; Preempt's first half.
+  void DropBlocks(Sequence* seq);
+  // With nothing running and nothing admitted, the newest waiting sequence
+  // that holds blocks drops them (DropBlocks); false when none holds any.
+  bool DropNewestWaitingHolder();
   static QueueKey KeyOf(const Sequence* s) {
     return {s->req.priority, &s->req.tenant, s->arrival};
   }

@@ -599,6 +599,38 @@ TEST(EngineTest, ReserveRefusesWithoutRoomAndHoldsNothing) {
   EXPECT_EQ(e->stats().free_blocks, 4u);
 }
 
+// A decoder's pool filled by prefilled requests whose prompts end on a
+// block boundary, so that each needs one more block for its next token,
+// with nothing running: waiting requests holding blocks must not leave the
+// engine idle for ever (the head of the line could never get its block; a
+// decoder's only way out was a cancel). The newest waiting holder gives its
+// blocks back (recomputed later, counted as a preemption) and every request
+// finishes. Found by DecodeStream.ADecoderShortOfKvBlocks... once in a
+// loaded run (124 s, three reserves refused "0 of 32 blocks free").
+TEST(EngineTest, PrefilledRequestsThatFillThePoolAllFinish) {
+  EngineOptions o;
+  o.num_blocks = 8;
+  auto e = MakeEngine(TinyModel(), o);
+  auto ra = e->Reserve("a", Prompt(64, 1));  // 4 full blocks
+  auto rb = e->Reserve("b", Prompt(64, 2));
+  ASSERT_TRUE(ra.ok());
+  ASSERT_TRUE(rb.ok());
+  EXPECT_EQ(e->stats().free_blocks, 0u);
+  Collector a, b;
+  ASSERT_TRUE(e->AddPrefilled(ra->reservation_id, Req("a", {}, 6, &a), 5).ok());
+  ASSERT_TRUE(e->AddPrefilled(rb->reservation_id, Req("b", {}, 6, &b), 6).ok());
+  e->RunUntilIdle();  // returns when nothing can run
+  EXPECT_EQ(a.reason, FinishReason::kLength);
+  EXPECT_EQ(b.reason, FinishReason::kLength);
+  EXPECT_EQ(a.tokens.size(), 6u);
+  EXPECT_EQ(b.tokens.size(), 6u);
+  const EngineStats st = e->stats();
+  EXPECT_GE(st.preemptions, 1u);
+  EXPECT_EQ(st.num_waiting, 0u);
+  EXPECT_EQ(st.num_running, 0u);
+  EXPECT_EQ(st.free_blocks, 8u);
+}
+
 TEST(EngineTest, ContextLimitsGiveBothNumbers) {
   EngineOptions o;
   o.max_model_len = 100;
