@@ -21,6 +21,7 @@
 // engine thread, and never runs a reply under the decoder's lock.
 #include <fmt/format.h>
 
+#include "common/metrics.h"
 #include "decoder/decoder.h"
 
 namespace tandem::decoder {
@@ -45,6 +46,7 @@ uint64_t Decoder::ReserveOrWait(const std::string& request_id, const std::string
     }
   }
   if (!answer) return ticket;  // waits; `done` moved into the queue
+  if (answer->ok()) ObserveReserveWait(0);
   done(*answer);
   return 0;
 }
@@ -58,6 +60,7 @@ void Decoder::ParkLocked(const ReserveArgs& a, const Park& park, std::string kv_
   w->prefiller_descriptor = a.prefiller_descriptor;
   w->prefill_layout = a.prefill_layout;
   w->wait_until = park.wait_until;
+  w->arrived = SteadyClock::now();
   w->done = std::move(*park.done);
   *park.ticket = w->ticket;
   if (!kv_why.empty()) {
@@ -187,8 +190,15 @@ void Decoder::ServeWaiting() {
         answer = ResourceExhaustedError(NoBlocksCameFree(*w));
       }
     }
+    if (answer.ok()) {
+      ObserveReserveWait(std::chrono::duration<double>(SteadyClock::now() - w->arrived).count());
+    }
     w->done(answer);
   }
+}
+
+void Decoder::ObserveReserveWait(double seconds) {
+  if (options_.reserve_wait != nullptr) options_.reserve_wait->Observe(seconds);
 }
 
 std::string Decoder::NoBlocksCameFree(const Waiter& w) {

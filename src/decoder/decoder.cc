@@ -312,8 +312,11 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
                                       parallel::ParallelLayout prefill_layout) {
   const auto pass = lifeline_.Enter();
   if (!pass) return UnavailableError("this decoder is shutting down");
-  return *ReserveIn({request_id, prefiller, prompt_ids, prefiller_descriptor, prefill_layout},
-                    /*park=*/nullptr, /*seated=*/false);
+  Result<KvTargetInfo> t =
+      *ReserveIn({request_id, prefiller, prompt_ids, prefiller_descriptor, prefill_layout},
+                 /*park=*/nullptr, /*seated=*/false);
+  if (t.ok()) ObserveReserveWait(0);
+  return t;
 }
 
 std::optional<Result<KvTargetInfo>> Decoder::ReserveIn(const ReserveArgs& a, const Park* park,

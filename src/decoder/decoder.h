@@ -183,6 +183,11 @@ struct DecoderOptions {
   // gap and k-1 zeros), stamped with the delivery batch's time. Borrowed,
   // must outlive the decoder; null: not observed.
   HeldHistogram* inter_token_latency = nullptr;
+  // tandem_decode_reserve_wait_seconds (docs/metrics.md): how long each
+  // Reserve call that got its reservation waited here for a decode seat or
+  // KV blocks (0 for one reserved at once). Borrowed, must outlive the
+  // decoder; null: not observed.
+  HeldHistogram* reserve_wait = nullptr;
 };
 
 struct DecoderCounts {
@@ -386,6 +391,7 @@ class Decoder {
     std::string prefiller_descriptor;
     parallel::ParallelLayout prefill_layout;
     std::chrono::steady_clock::time_point wait_until;
+    std::chrono::steady_clock::time_point arrived;  // when it was queued
     ReserveDone done;
     // Set when the engine had too few free KV blocks the last time the call
     // was tried (its words), at blocks_freed_ == kv_epoch; empty while the
@@ -442,6 +448,8 @@ class Decoder {
   void ExpireWaiting(std::chrono::steady_clock::time_point now);
   // Why a call that waited for KV blocks is refused.
   static std::string NoBlocksCameFree(const Waiter& w);
+  // options_.reserve_wait, when set: a call that got its reservation.
+  void ObserveReserveWait(double seconds);
   // Answers (outside mu_) the waiting calls taken out of the queue.
   static void Answer(std::vector<std::unique_ptr<Waiter>>& calls, const Status& status);
 

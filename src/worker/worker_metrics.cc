@@ -111,6 +111,10 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
                    "Decoder: gap between consecutive hand-offs of one request's tokens to its "
                    "decode stream (the inter-token latency the decoder emits)",
                    MetricsRegistry::InterTokenBuckets()),
+      reserve_wait_(r, "tandem_decode_reserve_wait_seconds",
+                    "Decoder: how long a Reserve call that got its reservation waited for a decode "
+                    "seat or KV blocks (0: reserved at once); the wait is in the request's TTFT",
+                    SecondsBuckets()),
       registry_(r) {
   // Issue 22: the label sets known at start-up exist at zero.
   QueueTime("0", "default");

@@ -83,6 +83,8 @@ class WorkerMetrics {
   // Decoder: tandem_decoder_inter_token_latency_seconds, observed by the
   // Decoder on the engine's thread (DecoderOptions::inter_token_latency).
   HeldHistogram& decoder_itl() { return decoder_itl_; }
+  // Decoder: tandem_decode_reserve_wait_seconds (DecoderOptions::reserve_wait).
+  HeldHistogram& reserve_wait() { return reserve_wait_; }
 
  private:
   prometheus::Gauge& kv_usage_;
@@ -122,6 +124,7 @@ class WorkerMetrics {
   std::array<prometheus::Counter*, engine::kNumKvTiers> tier_evictions_{};
   prometheus::Histogram& onboard_seconds_;
   HeldHistogram decoder_itl_;
+  HeldHistogram reserve_wait_;
   // Label sets made on first use (the default tenant at priority 0 from
   // the start); past kMaxLabelSets, new ones count as "other".
   static constexpr size_t kMaxLabelSets = 64;

@@ -460,6 +460,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     // decoding than the running batch takes; a Reserve past it waits.
     dopt.max_seats = w.fleet.scheduler.max_num_seqs;
     dopt.inter_token_latency = &metrics->decoder_itl();
+    dopt.reserve_wait = &metrics->reserve_wait();
     w.decoder = std::make_unique<decoder::Decoder>(*w.engine, *w.transport, dopt);
     w.decoder->Start();
     w.decoder_service = decoder::MakeDecoderService(*w.decoder, *w.transport);

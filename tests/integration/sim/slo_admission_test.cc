@@ -344,7 +344,13 @@ TEST(SloAdmission, ADecoderShortOfKvBlocksWaitCountsInThePrediction) {
   ASSERT_TRUE(waited.status.ok()) << waited.status.error_message();
   EXPECT_EQ(waited.tokens, 2u);
   EXPECT_GE(Metric(d.metrics, "tandem_decode_kv_waits_total"), 1);
-  std::printf("predicted_idle_ms %.1f predicted_full_ms %.1f ttft_full_ms %.1f\n", idle, full, waited.ttft_ms);
+  // Most of that TTFT was the Reserve's wait at the decoder (every other
+  // call here was reserved at once, its wait 0), and all of it within it.
+  const double reserve_wait_ms = 1e3 * Metric(d.metrics, "tandem_decode_reserve_wait_seconds_sum");
+  EXPECT_GT(reserve_wait_ms, waited.ttft_ms / 2);
+  EXPECT_LT(reserve_wait_ms, waited.ttft_ms);
+  std::printf("predicted_idle_ms %.1f predicted_full_ms %.1f ttft_full_ms %.1f reserve_wait_ms %.1f\n", idle,
+              full, waited.ttft_ms, reserve_wait_ms);
   for (auto& f : longs) {
     Reply r = f.get();
     EXPECT_TRUE(r.status.ok()) << r.status.error_message();

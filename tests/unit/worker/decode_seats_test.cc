@@ -11,6 +11,8 @@
 
 #include <optional>
 
+#include "common/metrics.h"
+
 namespace tandem::worker_test {
 namespace {
 
@@ -55,10 +57,11 @@ class DecodeSeatsTest : public ::testing::Test {
     node_ = Node::Make("seats-unit", 32);
     ASSERT_NE(node_, nullptr);
   }
-  void MakeDecoder(uint32_t max_seats) {
+  void MakeDecoder(uint32_t max_seats, HeldHistogram* reserve_wait = nullptr) {
     DecoderOptions o;
     o.verify_checksums = false;
     o.max_seats = max_seats;
+    o.reserve_wait = reserve_wait;
     decoder_ = std::make_unique<Decoder>(*node_->engine, *node_->transport, o);
     decoder_->Start();
   }
@@ -430,6 +433,53 @@ TEST_F(DecodeSeatsTest, ARetryShortOfKvBlocksIsServedWithoutAFreeSeat) {
   EXPECT_EQ(counts.reservations, 3u);  // b, a's by p2 (until its notice) and by p3
   EXPECT_EQ(counts.reservations_refused, 0u);
   EXPECT_EQ(FreeBlocks(), 2u);
+}
+
+// tandem_decode_reserve_wait_seconds: every Reserve call that got its
+// reservation, with the time it waited here (0 for one reserved at once);
+// a refused call is not observed.
+TEST_F(DecodeSeatsTest, TheReserveWaitHistogramHasEachReservationsWait) {
+  MetricsRegistry registry({"m", "decode", "seats-unit"});
+  const std::vector<double> bounds = {0.001, 0.01, 0.1, 1, 10};
+  HeldHistogram wait(registry, "tandem_decode_reserve_wait_seconds", "wait", bounds);
+  auto& series = registry.Histogram("tandem_decode_reserve_wait_seconds", "wait", bounds);
+  const auto observed = [&] {
+    registry.RunCollectHooks();
+    return series.Collect().histogram;
+  };
+  MakeDecoder(1, &wait);
+  Register("a");
+  Register("b");
+  Register("c");
+  Answer a, b, c;
+  EXPECT_EQ(ReserveOrWait("a", a), 0u);  // at once
+  ASSERT_TRUE(a.Get().ok());
+  EXPECT_EQ(observed().sample_count, 1u);
+  EXPECT_EQ(observed().sample_sum, 0.0);
+  const auto queued = std::chrono::steady_clock::now();
+  EXPECT_NE(ReserveOrWait("b", b), 0u);  // waits for a's seat
+  EXPECT_NE(ReserveOrWait("c", c, 1ms), 0u);  // waits, then is refused
+  ASSERT_TRUE(WaitFor([&] { return c.Has(); }));
+  EXPECT_EQ(c.Get().status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(observed().sample_count, 1u);  // refused: not observed
+  // A sync Reserve refused (no seat): not observed either.
+  EXPECT_FALSE(decoder_->Reserve("c", "p", PromptOf("c")).ok());
+  EXPECT_EQ(observed().sample_count, 1u);
+  // b's wait, bounded by the test's own clock.
+  decoder_->Cancel("a");
+  ASSERT_TRUE(WaitFor([&] { return b.Has(); }));
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - queued).count();
+  ASSERT_TRUE(b.Get().ok()) << b.Get().status().ToString();
+  const auto h = observed();
+  EXPECT_EQ(h.sample_count, 2u);
+  EXPECT_GT(h.sample_sum, 0.0);
+  EXPECT_LE(h.sample_sum, waited);
+  // A sync Reserve that gets its reservation counts 0.
+  decoder_->Cancel("b");
+  ASSERT_TRUE(WaitFor([&] { return decoder_->counts().seats_taken == 0; }));
+  EXPECT_TRUE(decoder_->Reserve("c", "p", PromptOf("c")).ok());
+  EXPECT_EQ(observed().sample_count, 3u);
+  EXPECT_EQ(observed().sample_sum, h.sample_sum);
 }
 
 TEST_F(DecodeSeatsTest, AWaitForKvBlocksThatRunsOutIsRefusedNamingTheBlocks) {
