@@ -432,6 +432,16 @@ Result<Reservation> Engine::Reserve(const std::string& request_id,
         "(cache.num_blocks, or its role's num_blocks)",
         prompt.size(), total, bs, blocks_->num_blocks()));
   }
+  // First come, first served, as vLLM's waiting queue: requests preempted
+  // here wait for blocks ahead of a new reservation (else the blocks each
+  // ending request frees could go to reservations while they starve).
+  if (const size_t preempted = scheduler_->num_preempted_waiting(); preempted > 0) {
+    blocks_->Release(blocks);
+    return ResourceExhaustedError(fmt::format(
+        "cannot reserve {} KV blocks for a {}-token prompt: {} preempted requests wait for blocks "
+        "first ({} of {} blocks free)",
+        total - cached, prompt.size(), preempted, blocks_->num_free_blocks(), blocks_->num_blocks()));
+  }
   auto fresh = blocks_->Allocate(total - cached);
   if (!fresh.ok()) {
     blocks_->Release(blocks);

@@ -67,6 +67,12 @@ void Scheduler::Preempt(Sequence* seq) {
   waiting_.push_front(seq);
 }
 
+size_t Scheduler::num_preempted_waiting() const {
+  size_t n = 0;
+  for (const Sequence* s : waiting_) n += s->num_preemptions > 0 && s->blocks.empty();
+  return n;
+}
+
 bool Scheduler::DropNewestWaitingHolder() {
   for (auto it = waiting_.rbegin(); it != waiting_.rend(); ++it) {
     if ((*it)->blocks.empty()) continue;

@@ -66,6 +66,9 @@ class Scheduler {
   const SchedulerLimits& limits() const { return limits_; }
   bool waiting_full() const { return waiting_.size() >= limits_.max_waiting; }
   size_t num_waiting() const { return waiting_.size(); }
+  // Waiting sequences that were preempted and hold no blocks: they wait for
+  // blocks ahead of any reservation (Engine::Reserve).
+  size_t num_preempted_waiting() const;
   size_t num_running() const { return running_.size(); }
   const std::deque<Sequence*>& waiting() const { return waiting_; }
   const std::vector<Sequence*>& running() const { return running_; }

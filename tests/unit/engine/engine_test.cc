@@ -631,6 +631,37 @@ TEST(EngineTest, PrefilledRequestsThatFillThePoolAllFinish) {
   EXPECT_EQ(st.free_blocks, 8u);
 }
 
+// First come, first served: a request the engine preempted waits for
+// blocks ahead of a new reservation (vLLM's waiting queue puts a preempted
+// request first); the reservation is refused as short of blocks (a
+// decoder's Reserve waits and tries again) until it has them.
+TEST(EngineTest, AReservationWaitsBehindAPreemptedRequest) {
+  EngineOptions o;
+  o.num_blocks = 8;
+  auto e = MakeEngine(TinyModel(), o);
+  Collector a, b;
+  // Two 48-token prompts (3 blocks) growing to 88 tokens (6 blocks) each:
+  // 12 blocks wanted of 8, so one is preempted on the way.
+  ASSERT_TRUE(e->Submit(Req("a", Prompt(48, 1), 40, &a)).ok());
+  ASSERT_TRUE(e->Submit(Req("b", Prompt(48, 2), 40, &b)).ok());
+  for (int i = 0; i < 200 && e->stats().preemptions == 0; ++i) ASSERT_TRUE(e->Step());
+  ASSERT_EQ(e->stats().preemptions, 1u);
+  ASSERT_EQ(e->stats().num_waiting, 1u);
+  ASSERT_GE(e->stats().free_blocks, 1u);  // room for a 1-block prompt, but not its turn
+  auto r = e->Reserve("r", Prompt(10, 3));
+  EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(r.status().message().find("1 preempted requests wait for blocks first"), std::string::npos)
+      << r.status().message();
+  EXPECT_EQ(e->stats().num_reservations, 0u);
+  e->RunUntilIdle();
+  EXPECT_EQ(a.tokens.size(), 40u);
+  EXPECT_EQ(b.tokens.size(), 40u);
+  auto later = e->Reserve("r", Prompt(10, 3));
+  ASSERT_TRUE(later.ok()) << later.status().ToString();
+  ASSERT_TRUE(e->ReleaseReservation(later->reservation_id).ok());
+  EXPECT_EQ(e->stats().free_blocks, 8u);
+}
+
 TEST(EngineTest, ContextLimitsGiveBothNumbers) {
   EngineOptions o;
   o.max_model_len = 100;
