@@ -51,12 +51,12 @@ struct ShardSpec {
   uint32_t rank = 0;                // 0 .. layout.world() - 1
 };
 
-// The KV pool geometry of `shard`'s rank: its stage's layers (local layer i
-// = model layer StageLayers(...).begin + i) and its KV heads (TpKvHeads).
 // The dimensions a tensor/pipeline-parallel layout splits
 // (parallel::CheckLayout), from the model's config.
 parallel::ModelDims DimsOf(const model::ModelConfig& config);
 
+// The KV pool geometry of `shard`'s rank: its stage's layers (local layer i
+// = model layer StageLayers(...).begin + i) and its KV heads (TpKvHeads).
 KvLayout ShardKvLayout(const model::ModelConfig& config, const ShardSpec& shard,
                        uint32_t block_size);
 

@@ -89,7 +89,6 @@ double SeatWaitMs(const Candidate& d, double hold_seconds) {
 double KvWaitMs(const Candidate& d, double hold_seconds, const TtftInputs& in) {
   if (!d.load.free_known || !(hold_seconds > 0)) return 0;
   const int64_t need = std::max<int64_t>(0, int64_t{in.prompt_blocks} - int64_t{d.overlap_blocks});
-  if (need - d.load.free_blocks <= 0 && d.load.pending_reserves == 0) return 0;
   const double holders = static_cast<double>(std::max<int64_t>(1, d.load.running_requests + d.load.reservations));
   const double share = static_cast<double>(std::max<int64_t>(1, d.load.active_decode_blocks)) / holders;
   const double deficit = static_cast<double>(need - d.load.free_blocks) +
