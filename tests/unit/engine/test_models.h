@@ -102,6 +102,31 @@ struct Collector {
   }
 };
 
+// A request of `prompt` (empty for AddPrefilled: the reserved one) for
+// `max_tokens` tokens, EOS ignored, seed 7; outputs into `c` (may be null).
+inline GenerateRequest MakeRequest(const std::string& id, std::vector<uint32_t> prompt,
+                                   uint32_t max_tokens, Collector* c, float temperature = 0) {
+  GenerateRequest r;
+  r.request_id = id;
+  r.prompt_ids = std::move(prompt);
+  r.sampling.max_tokens = max_tokens;
+  r.sampling.temperature = temperature;
+  r.sampling.seed = 7;
+  r.sampling.ignore_eos = true;
+  if (c) r.on_output = c->Callback();
+  return r;
+}
+
+// The tokens `prompt` gives alone, on a fresh engine of the tiny model.
+inline std::vector<uint32_t> GenerateAlone(const std::vector<uint32_t>& prompt, uint32_t max_tokens,
+                                           float temperature = 0) {
+  auto e = MakeEngine(TinyModel());
+  Collector c;
+  EXPECT_TRUE(e->Submit(MakeRequest("alone", prompt, max_tokens, &c, temperature)).ok());
+  e->RunUntilIdle();
+  return c.tokens;
+}
+
 }  // namespace tandem::engine::testing
 
 namespace tandem::engine::testing {
