@@ -138,6 +138,7 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.Read("max_num_seqs", c.scheduler.max_num_seqs, 1, 4096);
     m.Read("max_batched_tokens", c.scheduler.max_batched_tokens, 1, 1u << 20);
     m.Read("max_waiting", c.scheduler.max_waiting, 0, 1u << 20);
+    m.Read("schedule_conservativeness", c.scheduler.schedule_conservativeness, 0.0, 10.0);
     // A fleet file without `threads` asks for the automatic count (0: the
     // cores shared among the file's workers, engine.cc); FleetConfig's own
     // default stays 1 for configs built in code.

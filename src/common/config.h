@@ -49,6 +49,9 @@ struct SchedulerConfig {
   uint32_t max_batched_tokens = 512;  // tokens per engine step (chunked prefill budget)
   uint32_t max_waiting = 256;         // bounded waiting queue; past it: RESOURCE_EXHAUSTED
   uint32_t threads = 1;               // compute threads per worker
+  // A decoder's growth reserve (docs/engine.md "Growth reserve"): SGLang's
+  // --schedule-conservativeness; 0 turns it off.
+  double schedule_conservativeness = 1.0;
 };
 
 // proxy.limits: what one client may send (docs/configuration.md, "proxy.limits";

@@ -366,6 +366,7 @@ std::optional<Result<KvTargetInfo>> Decoder::ReserveIn(const ReserveArgs& a, con
   }
   std::string tag;
   std::string cache_salt;
+  uint32_t max_tokens = 1;
   {
     std::lock_guard lock(mu_);
     auto it = requests_.find(request_id);
@@ -416,6 +417,7 @@ std::optional<Result<KvTargetInfo>> Decoder::ReserveIn(const ReserveArgs& a, con
     }
     tag = fmt::format("{}@r{}", request_id, next_tag_++);
     cache_salt = it->second.spec.cache_salt;  // the registered request's, not the prefiller's word
+    max_tokens = it->second.spec.sampling.max_tokens;
   }
   auto capability = kvtransfer::NewCapability();
   if (!capability.ok()) {
@@ -431,7 +433,7 @@ std::optional<Result<KvTargetInfo>> Decoder::ReserveIn(const ReserveArgs& a, con
     }
     kv_key = std::move(*key);
   }
-  auto res = engine_.Reserve(tag, prompt_ids, cache_salt);
+  auto res = engine_.Reserve(tag, prompt_ids, cache_salt, max_tokens);
   if (!res.ok()) {
     // Too few blocks free now: they free as requests end, so the call may
     // wait for them like for a seat. (A prompt the whole pool cannot hold

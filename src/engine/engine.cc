@@ -12,6 +12,7 @@
 #include <sys/random.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cerrno>
 #include <cstring>
 #include <random>
@@ -99,6 +100,7 @@ EngineOptions EngineOptions::FromFleetConfig(const FleetConfig& fleet) {
   o.scheduler.max_num_seqs = fleet.scheduler.max_num_seqs;
   o.scheduler.max_batched_tokens = fleet.scheduler.max_batched_tokens;
   o.scheduler.max_waiting = fleet.scheduler.max_waiting;
+  o.scheduler.schedule_conservativeness = fleet.scheduler.schedule_conservativeness;
   o.threads = fleet.scheduler.threads != 0 ? fleet.scheduler.threads : AutoComputeThreads(fleet);
   o.max_model_len = fleet.model.max_model_len;
   o.batch_invariant = fleet.model.batch_invariant;
@@ -401,7 +403,7 @@ uint64_t Engine::RootHashFor(const std::string& cache_salt) const {
 
 Result<Reservation> Engine::Reserve(const std::string& request_id,
                                     std::span<const uint32_t> prompt_ids,
-                                    const std::string& cache_salt) {
+                                    const std::string& cache_salt, uint32_t max_tokens) {
   if (prompt_ids.empty()) return InvalidArgumentError("the prompt has no tokens");
   if (prompt_ids.size() >= max_model_len_) {
     return InvalidArgumentError(fmt::format(
@@ -442,6 +444,17 @@ Result<Reservation> Engine::Reserve(const std::string& request_id,
         "first ({} of {} blocks free)",
         total - cached, prompt.size(), preempted, blocks_->num_free_blocks(), blocks_->num_blocks()));
   }
+  const uint64_t kv_end = prompt.size() + std::max<uint32_t>(max_tokens, 1) - 1;
+  if (const uint32_t keep = GrowthKeepLocked(GrowthTokensPast(kv_end, total, bs));
+      keep > 0 && blocks_->num_free_blocks() < total - cached + keep) {
+    blocks_->Release(blocks);
+    return ResourceExhaustedError(fmt::format(
+        "cannot reserve {} KV blocks for a {}-token prompt: {} more are kept free for the growth of "
+        "the requests holding blocks (growth ratio {:.2f}, scheduler.schedule_conservativeness; {} "
+        "of {} blocks free)",
+        total - cached, prompt.size(), keep, scheduler_->growth_ratio(),
+        blocks_->num_free_blocks(), blocks_->num_blocks()));
+  }
   auto fresh = blocks_->Allocate(total - cached);
   if (!fresh.ok()) {
     blocks_->Release(blocks);
@@ -463,8 +476,18 @@ Result<Reservation> Engine::Reserve(const std::string& request_id,
   st.hashes = std::move(hashes);
   st.blocks = std::move(blocks);
   st.num_cached_blocks = cached;
+  st.kv_end = kv_end;
   reservations_.emplace(r.reservation_id, std::move(st));
   return r;
+}
+
+uint32_t Engine::GrowthKeepLocked(uint64_t own_tokens) const {
+  const double ratio = scheduler_->growth_ratio();
+  if (ratio <= 0 || (reservations_.empty() && !scheduler_->AnyHolder())) return 0;
+  const uint32_t bs = options_.block_size;
+  uint64_t tokens = own_tokens + scheduler_->GrowthTokens();
+  for (const auto& [id, r] : reservations_) tokens += GrowthTokensPast(r.kv_end, r.blocks.size(), bs);
+  return static_cast<uint32_t>(std::ceil(ratio * static_cast<double>(tokens) / bs));
 }
 
 Status Engine::ReleaseReservation(uint64_t reservation_id) {
@@ -545,6 +568,7 @@ EngineStats Engine::stats() const {
   s.prefix_query_tokens = scheduler_->prefix_query_tokens();
   s.prefix_hit_tokens = scheduler_->prefix_hit_tokens();
   s.preemptions = scheduler_->preemptions();
+  s.growth_ratio = scheduler_->growth_ratio();
   s.fair_share_deficit_tokens = scheduler_->FairShareDeficits();
   s.tier_usage_ratio[0] =
       1.0 - static_cast<double>(blocks_->num_empty_blocks()) / s.num_blocks;

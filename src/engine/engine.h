@@ -144,6 +144,8 @@ struct EngineStats {
   uint64_t prefix_query_tokens = 0;
   uint64_t prefix_hit_tokens = 0;
   uint64_t preemptions = 0;
+  // The growth reserve's ratio now (Scheduler::growth_ratio; 0 when off).
+  double growth_ratio = 0;
   uint64_t steps = 0;
   double prefill_step_seconds = 0;  // total over steps with prefill tokens
   uint64_t prefill_step_tokens = 0;  // prefill tokens of those steps, total
@@ -196,9 +198,13 @@ class Engine {
   // Decoder side, see the header comment. RESOURCE_EXHAUSTED when the
   // blocks are not there (nothing is held then).
   // `cache_salt` as in GenerateRequest: the reused prefix must have been
-  // cached under the same salt.
+  // cached under the same salt. `max_tokens`: the request's, for the
+  // growth reserve (docs/engine.md "Growth reserve"): while other requests
+  // hold blocks, the reservation is granted only if the blocks left free
+  // cover the scheduler's growth ratio x the tokens the holders (this one
+  // included) may still write past their blocks.
   Result<Reservation> Reserve(const std::string& request_id, std::span<const uint32_t> prompt_ids,
-                              const std::string& cache_salt = "");
+                              const std::string& cache_salt = "", uint32_t max_tokens = 1);
   Status ReleaseReservation(uint64_t reservation_id);
   // `request.prompt_ids` must equal the reserved prompt (or be empty: the
   // reserved one is used). The first token is delivered to the callback.
@@ -243,7 +249,11 @@ class Engine {
     std::vector<uint64_t> hashes;
     std::vector<uint32_t> blocks;
     uint32_t num_cached_blocks = 0;
+    uint64_t kv_end = 0;  // prompt + max_tokens - 1: where its KV will end (growth reserve)
   };
+  // Blocks the growth reserve keeps free for a reservation whose own
+  // growth is `own_tokens` (0 when off or nothing else holds blocks).
+  uint32_t GrowthKeepLocked(uint64_t own_tokens) const;
   // A step's outputs, in order, for the caller to run without the lock.
   // The slots (and their strings' and vectors' buffers) are kept from one
   // batch to the next: queuing an output copies into them instead of

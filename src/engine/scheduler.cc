@@ -9,7 +9,52 @@
 namespace tandem::engine {
 
 Scheduler::Scheduler(const SchedulerLimits& limits, BlockManager* blocks)
-    : limits_(limits), blocks_(blocks) {}
+    : limits_(limits), blocks_(blocks) {
+  growth_init_ = std::min(1.0, kGrowthInitRatio * std::max(0.0, limits.schedule_conservativeness));
+  growth_min_ = growth_init_ * kGrowthMinFactor;
+  growth_ratio_ = growth_init_;
+}
+
+namespace {
+// Where a sequence's KV ends: its prompt and every output token but the
+// last (which is never fed back); a prefill-only one stops at its prompt.
+uint64_t KvEndOf(const Sequence& s) {
+  const uint64_t max_tokens = std::max<uint32_t>(s.req.sampling.max_tokens, 1);
+  const uint64_t end = s.req.prefill_only ? s.prompt_len : s.prompt_len + max_tokens - 1;
+  return std::max<uint64_t>(end, s.tokens.size() - 1);
+}
+}  // namespace
+
+bool Scheduler::AnyHolder() const {
+  if (!running_.empty()) return true;
+  for (const Sequence* s : waiting_) {
+    if (!s->blocks.empty()) return true;
+  }
+  return false;
+}
+
+uint64_t Scheduler::GrowthTokens() const {
+  const uint32_t bs = blocks_->block_size();
+  uint64_t tokens = 0;
+  for (const Sequence* s : running_) tokens += GrowthTokensPast(KvEndOf(*s), s->blocks.size(), bs);
+  for (const Sequence* s : waiting_) {
+    if (!s->blocks.empty()) tokens += GrowthTokensPast(KvEndOf(*s), s->blocks.size(), bs);
+  }
+  return tokens;
+}
+
+void Scheduler::UpdateGrowthRatio(const SchedulerOutput& out) {
+  if (growth_init_ <= 0) return;
+  if (preemptions_ != growth_seen_preemptions_) {
+    growth_seen_preemptions_ = preemptions_;
+    growth_ratio_ = 1.0;  // as SGLang's estimate after a retraction, at its most
+  } else if (out.num_decode_tokens > 0) {
+    const double step = (growth_init_ - growth_min_) / kGrowthDecaySteps;
+    growth_ratio_ = std::max(growth_min_, growth_ratio_ - step);
+  } else if (running_.empty()) {
+    growth_ratio_ = growth_init_;
+  }
+}
 
 void Scheduler::AddWaiting(Sequence* seq) {
   seq->state = SeqState::kWaiting;
@@ -242,6 +287,7 @@ const SchedulerOutput& Scheduler::Schedule() {
   done.insert(done.end(), rest_.begin() + static_cast<std::ptrdiff_t>(rest_lo),
               rest_.begin() + static_cast<std::ptrdiff_t>(rest_hi));
   running_.swap(done);  // the old running_ is next step's `done` buffer
+  UpdateGrowthRatio(out);
   // Nothing runs and nothing was admitted, yet waiting sequences hold
   // blocks — a decoder's prefilled requests that each need one more block
   // for their next token, say, in a pool they fill: no step would ever

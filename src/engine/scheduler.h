@@ -23,6 +23,7 @@
 // Thread-safety: none; the engine calls it under its lock.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -39,7 +40,31 @@ struct SchedulerLimits {
   uint32_t max_num_seqs = 64;
   uint32_t max_batched_tokens = 512;
   uint32_t max_waiting = 256;
+  // scheduler.schedule_conservativeness (SGLang's --schedule-conservativeness):
+  // scales the growth reserve's initial ratio, kGrowthInitRatio x it (at
+  // most 1); 0 turns the reserve off. docs/engine.md "Growth reserve".
+  double schedule_conservativeness = 1.0;
 };
+
+// The growth reserve (docs/engine.md "Growth reserve", after SGLang's
+// new-token ratio): a decoder's reservation is granted only while the
+// blocks left free cover `ratio` x the tokens the requests holding blocks
+// may still write past them (their max_tokens, each clipped). The ratio
+// starts at kGrowthInitRatio x conservativeness, falls by
+// (init - init x kGrowthMinFactor) / kGrowthDecaySteps each step that
+// decodes without preempting, goes to 1 (at most) on a preemption and
+// back to its start when nothing runs.
+inline constexpr double kGrowthInitRatio = 0.7;
+inline constexpr double kGrowthMinFactor = 0.14;
+inline constexpr uint32_t kGrowthDecaySteps = 600;
+inline constexpr uint32_t kGrowthClipTokens = 4096;  // per request, as SGLang's estimate
+
+// Tokens a holder of `held_blocks` may still write past them when its KV
+// ends at `kv_end` tokens (prompt + max_tokens - 1), at most kGrowthClipTokens.
+inline uint64_t GrowthTokensPast(uint64_t kv_end, size_t held_blocks, uint32_t block_size) {
+  const uint64_t capacity = uint64_t{held_blocks} * block_size;
+  return kv_end > capacity ? std::min<uint64_t>(kv_end - capacity, kGrowthClipTokens) : 0;
+}
 
 struct ScheduledSeq {
   Sequence* seq = nullptr;
@@ -85,6 +110,12 @@ class Scheduler {
   void UpdateHashes(Sequence& seq) const;
 
   uint64_t preemptions() const { return preemptions_; }
+  // The growth reserve's ratio now (0 when off); see kGrowthInitRatio.
+  double growth_ratio() const { return growth_ratio_; }
+  // Whether a waiting or running sequence holds blocks, and the tokens
+  // those may still write past their blocks (GrowthTokensPast of each).
+  bool AnyHolder() const;
+  uint64_t GrowthTokens() const;
   const FairShare& fair_share() const { return fair_; }
   // Per tenant seen: the tokens a tenant with waiting work is behind the
   // queue's virtual time, times its weight (0 for the others).
@@ -108,6 +139,8 @@ class Scheduler {
   // With nothing running and nothing admitted, the newest waiting sequence
   // that holds blocks drops them (DropBlocks); false when none holds any.
   bool DropNewestWaitingHolder();
+  // After a step's plan: the growth ratio's fall, jump or reset.
+  void UpdateGrowthRatio(const SchedulerOutput& out);
   static QueueKey KeyOf(const Sequence* s) {
     return {s->req.priority, &s->req.tenant, s->arrival};
   }
@@ -122,6 +155,10 @@ class Scheduler {
   FairShare fair_;
   uint64_t next_arrival_ = 0;
   uint64_t preemptions_ = 0;
+  uint64_t growth_seen_preemptions_ = 0;
+  double growth_init_ = 0;
+  double growth_min_ = 0;
+  double growth_ratio_ = 0;
   uint64_t prefix_query_tokens_ = 0;
   uint64_t prefix_hit_tokens_ = 0;
 };

@@ -34,6 +34,9 @@ void Advance(prometheus::Counter& c, uint64_t now, uint64_t before) {
 
 WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
     : kv_usage_(r.Gauge("tandem_kv_cache_usage_ratio", "Fraction of KV blocks in use (1 - free/total)")),
+      growth_ratio_(r.Gauge("tandem_kv_growth_reserve_ratio",
+                            "Share of the remaining max_tokens of the requests holding KV blocks "
+                            "that a decoder's reservation leaves free (0: off)")),
       running_(r.Gauge("tandem_num_requests_running", "Requests in the engine's running batch")),
       waiting_(r.Gauge("tandem_num_requests_waiting", "Requests in the engine's waiting queue")),
       prefix_queries_(r.Counter("tandem_prefix_cache_queries_tokens_total",
@@ -199,6 +202,7 @@ void WorkerMetrics::ObserveDecodeStep(double seconds) { decode_step_seconds_.Obs
 void WorkerMetrics::Update(const MetricsSample& s) {
   std::lock_guard lock(update_mu_);
   kv_usage_.Set(s.engine.kv_usage_ratio);
+  growth_ratio_.Set(s.engine.growth_ratio);
   running_.Set(s.engine.num_running);
   waiting_.Set(s.engine.num_waiting);
   for (const auto& [tenant, tokens] : s.fair_share_deficit_tokens) {

@@ -30,6 +30,8 @@
 //   tandem_decode_stream_messages_total, tandem_decode_stream_items_total
 // and for decode seats (docs/serving-workers.md "Decode seats"):
 //   tandem_decode_seats_taken, tandem_decode_seat_waiting (gauges),
+//   tandem_kv_growth_reserve_ratio (gauge: the engine's growth ratio, docs/engine.md
+//   "Growth reserve"),
 //   tandem_decode_seat_waits_total, tandem_decode_kv_waits_total
 //   (counters: calls that waited for a seat, for KV blocks), and on a prefiller
 //   tandem_prefill_reserve_seat_waits_total (counter): its Reserve calls a
@@ -88,6 +90,7 @@ class WorkerMetrics {
 
  private:
   prometheus::Gauge& kv_usage_;
+  prometheus::Gauge& growth_ratio_;
   prometheus::Gauge& running_;
   prometheus::Gauge& waiting_;
   prometheus::Counter& prefix_queries_;

@@ -502,6 +502,18 @@ TEST(Config, CachePrefaultKey) {
             "configs/x.yaml:4: key 'cache.prefault' must be true or false, got 'lazy'");
 }
 
+TEST(Config, ScheduleConservativenessKey) {  // docs/engine.md "Growth reserve"
+  auto d = Parse(kGood);
+  ASSERT_TRUE(d.ok());
+  EXPECT_DOUBLE_EQ(d->scheduler.schedule_conservativeness, 1.0);
+  auto off = Parse("model:\n  path: m\nscheduler:\n  schedule_conservativeness: 0\nboth:\n  replicas: 1\n");
+  ASSERT_TRUE(off.ok()) << off.status().message();
+  EXPECT_DOUBLE_EQ(off->scheduler.schedule_conservativeness, 0.0);
+  EXPECT_EQ(ErrorOf("model:\n  path: m\nscheduler:\n  schedule_conservativeness: -0.5\nboth:\n  replicas: 1\n"),
+            "configs/x.yaml:4: key 'scheduler.schedule_conservativeness' must be a number in [0, 10], "
+            "got '-0.5'");
+}
+
 TEST(Config, AutoscaleKeys) {
   auto d = Parse(kGood);
   ASSERT_TRUE(d.ok());

@@ -8,7 +8,8 @@
 // With proxy.decode_stream off the proxy uses one Decode RPC per request
 // (the decoder sends nothing on a DecodeStream) and the output is the same.
 // With 4 decode seats the same 32 streams wait for seats on the decoder;
-// with a KV pool that holds a few of them at once, they wait for blocks.
+// with a KV pool that holds a few of them at once, they wait for blocks
+// (with the decoder's growth reserve on, the default, and off).
 #include <gtest/gtest.h>
 
 #include <string>
@@ -107,6 +108,31 @@ TEST(DecodeStream, ADecoderShortOfKvBlocksHoldsTheReservesUntilBlocksFree) {
   EXPECT_GT(DecoderMetric(**fleet, "tandem_decode_kv_waits_total"), 0);
   EXPECT_EQ(DecoderMetric(**fleet, "tandem_kv_reservations_refused_total"), 0);
   EXPECT_EQ(DecoderMetric(**fleet, "tandem_decode_seat_waiting"), 0);
+  EXPECT_EQ(DecoderMetric(**fleet, "tandem_decode_seats_taken"), 0);
+  // The growth reserve is on by default (docs/engine.md "Growth reserve").
+  const double ratio = DecoderMetric(**fleet, "tandem_kv_growth_reserve_ratio");
+  EXPECT_GT(ratio, 0.0);
+  EXPECT_LE(ratio, 1.0);
+}
+
+// The same with the growth reserve off (scheduler.schedule_conservativeness
+// 0, the behaviour before session 26): the key reaches the decoder's
+// engine, the Reserves still wait for blocks and every stream equals
+// `tandem generate` (the decoder preempts more: 4-7 per run against 0-1
+// with the reserve, docs/engine.md).
+TEST(DecodeStream, WithTheGrowthReserveOffTheReservesWaitForBlocksAndEqualGenerate) {
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
+  References();
+  FleetOptions o;
+  o.max_num_seqs = 64;
+  o.decode_yaml = "  num_blocks: 32\n";
+  o.scheduler_yaml = "  schedule_conservativeness: 0\n";
+  auto fleet = Fleet::Launch(o);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  RunStreams(**fleet, /*cancel_one=*/false);
+  EXPECT_GT(DecoderMetric(**fleet, "tandem_decode_kv_waits_total"), 0);
+  EXPECT_EQ(DecoderMetric(**fleet, "tandem_kv_reservations_refused_total"), 0);
+  EXPECT_EQ(DecoderMetric(**fleet, "tandem_kv_growth_reserve_ratio"), 0.0);
   EXPECT_EQ(DecoderMetric(**fleet, "tandem_decode_seats_taken"), 0);
 }
 

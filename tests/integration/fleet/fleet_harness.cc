@@ -113,13 +113,13 @@ Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
     std::ofstream y(f->config_path_);
     y << fmt::format(
         "model:\n  path: {}\n{}cache:\n  block_size: 16\n  num_blocks: {}\n{}"
-        "scheduler:\n  max_num_seqs: {}\n  max_batched_tokens: {}\n  max_waiting: {}\n"
+        "scheduler:\n  max_num_seqs: {}\n  max_batched_tokens: {}\n  max_waiting: {}\n{}"
         "proxy:\n  grpc: 127.0.0.1:0\n  http: 127.0.0.1:0\n  metrics: 127.0.0.1:0\n"
         "  max_inflight: {}\n  max_tokens_limit: 512\n{}"
         "router:\n  policy: {}\n{}"
         "logging:\n  level: {}\n  format: {}\n",
         BundledModel(), o.model_yaml, o.num_blocks, o.cache_yaml, o.max_num_seqs, o.max_batched_tokens, o.max_waiting,
-        o.max_inflight, o.proxy_yaml + GrpcServerYaml(o) + PrefillTransportYaml(o) + WatchTransportYaml(o) +
+        o.scheduler_yaml, o.max_inflight, o.proxy_yaml + GrpcServerYaml(o) + PrefillTransportYaml(o) + WatchTransportYaml(o) +
             RegisterTransportYaml(o), o.policy, o.router_yaml, LogLevel(o), o.log_format);
     for (auto [role, n, extra] : {std::tuple{"prefill", o.prefill, &o.prefill_yaml},
                                   {"decode", o.decode, &o.decode_yaml},

@@ -36,6 +36,8 @@ struct FleetOptions {
   std::string model_yaml;
   // Lines added inside the `cache` section, e.g. "  host_tier_blocks: 64\n".
   std::string cache_yaml;
+  // Lines added inside the `scheduler` section, e.g. "  schedule_conservativeness: 0\n".
+  std::string scheduler_yaml;
   // Lines added inside a role section, e.g. "  tensor_parallel: 2\n" (issue 18).
   std::string prefill_yaml, decode_yaml, both_yaml;
   // The `logging` section's level and format (every process logs to log_path()).

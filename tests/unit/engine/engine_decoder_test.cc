@@ -2,7 +2,8 @@
 // prefill-only request's blocks reserved and added on another engine equal
 // an aggregated run; Reserve refuses what does not fit and holds nothing;
 // prefilled requests that fill the pool all finish (no deadlock); a
-// reservation waits behind the requests the engine preempted.
+// reservation waits behind the requests the engine preempted, and leaves
+// room for the decoding requests to grow (the growth reserve).
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -168,6 +169,102 @@ TEST(EngineTest, AReservationWaitsBehindAPreemptedRequest) {
   ASSERT_TRUE(later.ok()) << later.status().ToString();
   ASSERT_TRUE(e->ReleaseReservation(later->reservation_id).ok());
   EXPECT_EQ(e->stats().free_blocks, 8u);
+}
+
+// The growth reserve (docs/engine.md "Growth reserve"): while a request
+// decodes, a reservation is granted only if the blocks left free cover the
+// growth ratio x the tokens the holders may still write past their blocks.
+// Without it (schedule_conservativeness 0) the same reservation is granted
+// and the decoding request, short of blocks to grow into, is preempted.
+TEST(EngineTest, AReservationLeavesRoomForTheDecodingRequestsToGrow) {
+  for (const double conservativeness : {1.0, 0.0}) {
+    SCOPED_TRACE(conservativeness);
+    EngineOptions o;
+    o.num_blocks = 8;
+    o.scheduler.schedule_conservativeness = conservativeness;
+    auto e = MakeEngine(TinyModel(), o);
+    Collector a;
+    // 16 prompt tokens and 64 to generate: its KV ends at 79 tokens, 5 blocks.
+    ASSERT_TRUE(e->Submit(MakeRequest("a", Prompt(16, 1), 64, &a)).ok());
+    ASSERT_TRUE(e->Step());
+    ASSERT_TRUE(e->Step());
+    ASSERT_EQ(e->stats().free_blocks, 6u);  // a holds 2 blocks and grows into 3 more
+    // A 64-token prompt (4 blocks) fits the 6 free blocks, but a would have
+    // 2 left for its 3: the reserve keeps ceil(0.7 x (47 + 1) / 16) = 3 free.
+    auto r = e->Reserve("r", Prompt(64, 2), "", /*max_tokens=*/2);
+    if (conservativeness > 0) {
+      EXPECT_NEAR(e->stats().growth_ratio, 0.7, 0.01);
+      EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+      EXPECT_NE(r.status().message().find("cannot reserve 4 KV blocks for a 64-token prompt: 3 more "
+                                          "are kept free for the growth of the requests holding "
+                                          "blocks"),
+                std::string::npos)
+          << r.status().message();
+      EXPECT_EQ(e->stats().num_reservations, 0u);
+      EXPECT_EQ(e->stats().free_blocks, 6u);  // nothing held by the refusal
+      e->RunUntilIdle();
+      EXPECT_EQ(a.tokens.size(), 64u);
+      EXPECT_EQ(e->stats().preemptions, 0u);
+      r = e->Reserve("r", Prompt(64, 2), "", 2);  // nothing else holds blocks now
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+    } else {
+      EXPECT_EQ(e->stats().growth_ratio, 0.0);
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+      e->RunUntilIdle();  // a cannot grow past 4 blocks: preempted, waits for the reservation's
+      EXPECT_GE(e->stats().preemptions, 1u);
+      EXPECT_LT(a.tokens.size(), 64u);
+      ASSERT_TRUE(e->ReleaseReservation(r->reservation_id).ok());
+      e->RunUntilIdle();
+      EXPECT_EQ(a.tokens.size(), 64u);
+      r = e->Reserve("r", Prompt(64, 2), "", 2);
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+    }
+    EXPECT_EQ(a.tokens, GenerateAlone(Prompt(16, 1), 64));
+    ASSERT_TRUE(e->ReleaseReservation(r->reservation_id).ok());
+    EXPECT_EQ(e->stats().free_blocks, 8u);
+  }
+}
+
+// The growth ratio (after SGLang's new-token ratio): 0.7 x conservativeness
+// (at most 1) at the start, falling by (0.7 - 0.098) / 600 each step that
+// decodes without preempting, 1 after a preemption, back to the start when
+// nothing runs.
+TEST(EngineTest, TheGrowthRatioFallsWhileDecodingJumpsOnAPreemptionAndResetsWhenIdle) {
+  EngineOptions o;
+  o.num_blocks = 8;
+  auto e = MakeEngine(TinyModel(), o);
+  EXPECT_DOUBLE_EQ(e->stats().growth_ratio, 0.7);
+  const double fall = (0.7 - 0.7 * 0.14) / 600;
+  Collector a, b;
+  // Two 48-token prompts (3 blocks) growing to 88 tokens (6 blocks) each:
+  // 12 blocks wanted of 8, so one is preempted on the way.
+  ASSERT_TRUE(e->Submit(MakeRequest("a", Prompt(48, 1), 40, &a)).ok());
+  ASSERT_TRUE(e->Submit(MakeRequest("b", Prompt(48, 2), 40, &b)).ok());
+  ASSERT_TRUE(e->Step());  // both prompts: no decode yet
+  EXPECT_DOUBLE_EQ(e->stats().growth_ratio, 0.7);
+  uint32_t decode_steps = 0;
+  while (e->stats().preemptions == 0) {
+    ASSERT_TRUE(e->Step());
+    ASSERT_LT(++decode_steps, 200u);
+    if (e->stats().preemptions == 0) {
+      EXPECT_NEAR(e->stats().growth_ratio, 0.7 - decode_steps * fall, 1e-9);
+    }
+  }
+  EXPECT_GT(decode_steps, 1u);
+  EXPECT_DOUBLE_EQ(e->stats().growth_ratio, 1.0);
+  ASSERT_TRUE(e->Step());  // a decode step without a new preemption
+  EXPECT_NEAR(e->stats().growth_ratio, 1.0 - fall, 1e-9);
+  e->RunUntilIdle();
+  EXPECT_EQ(a.tokens.size(), 40u);
+  EXPECT_EQ(b.tokens.size(), 40u);
+  EXPECT_FALSE(e->Step());  // nothing to run: the ratio starts over
+  EXPECT_DOUBLE_EQ(e->stats().growth_ratio, 0.7);
+
+  o.scheduler.schedule_conservativeness = 2.0;  // 1.4, capped
+  EXPECT_DOUBLE_EQ(MakeEngine(TinyModel(), o)->stats().growth_ratio, 1.0);
+  o.scheduler.schedule_conservativeness = 0.5;
+  auto half = MakeEngine(TinyModel(), o);
+  EXPECT_DOUBLE_EQ(half->stats().growth_ratio, 0.35);
 }
 
 }  // namespace
