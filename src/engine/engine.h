@@ -144,8 +144,11 @@ struct EngineStats {
   uint64_t prefix_query_tokens = 0;
   uint64_t prefix_hit_tokens = 0;
   uint64_t preemptions = 0;
-  // The growth reserve's ratio now (Scheduler::growth_ratio; 0 when off).
+  // The growth reserve's ratio now (Scheduler::growth_ratio; 0 when off),
+  // and the blocks it keeps free now for the requests holding blocks (a
+  // reservation is granted only with these free beyond its own).
   double growth_ratio = 0;
+  uint32_t growth_reserve_blocks = 0;
   uint64_t steps = 0;
   double prefill_step_seconds = 0;  // total over steps with prefill tokens
   uint64_t prefill_step_tokens = 0;  // prefill tokens of those steps, total

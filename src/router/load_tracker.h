@@ -52,6 +52,7 @@ struct WorkerLoad {
   // reservations): they take blocks before a request routed now.
   int64_t reservations = 0;
   int64_t pending_reserves = 0;
+  int64_t growth_reserve_blocks = 0;  // decoder: blocks its growth reserve keeps free (last report)
 };
 
 // The timed part of a prediction.

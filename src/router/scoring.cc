@@ -67,7 +67,9 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
     prefill_load[i] = static_cast<double>(std::max<int64_t>(0, c.load.queued_prefill_tokens)) / bs;
     decode_load[i] = static_cast<double>(std::max<int64_t>(0, c.load.active_decode_blocks));
     need[i] = std::max<int64_t>(0, prompt_blocks - c.overlap_blocks - (kv ? c.tier_blocks : 0));
-    room[i] = !c.load.free_known || c.load.free_blocks >= need[i];
+    // Blocks the decoder's growth reserve keeps free are not room (its
+    // Reserve would wait for them: docs/engine.md "Growth reserve").
+    room[i] = !c.load.free_known || c.load.free_blocks - c.load.growth_reserve_blocks >= need[i];
     if (CanPrefill(c.role)) ps.idx[ps.n++] = i;
     if (CanDecode(c.role)) {
       ds.idx[ds.n++] = i;
@@ -97,7 +99,7 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
     // use to come free, or refuses holding nothing when none do).
     for (uint32_t k = 0; k < ds.n; ++k) {
       const Candidate& c = w[ds.idx[k]];
-      room[ds.idx[k]] = c.load.reported_free_blocks >= need[ds.idx[k]];
+      room[ds.idx[k]] = c.load.reported_free_blocks - c.load.growth_reserve_blocks >= need[ds.idx[k]];
       with_room += room[ds.idx[k]] ? 1 : 0;
     }
     out->room_by_report = with_room > 0;

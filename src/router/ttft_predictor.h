@@ -184,10 +184,12 @@ double SeatWaitMs(const Candidate& d, double hold_seconds);
 // cache, or they are unknown, or `hold_seconds` is 0 (not measured).
 // Otherwise blocks come free as d's requests end: h = its running requests
 // and reservations hold the blocks in use, b = in use / h each; the
-// deficit is the prompt's blocks less the free ones plus b for each
-// request registered there that holds none yet (pending_reserves: it takes
-// its blocks first); k = ceil(deficit / b) requests must end, one every
-// hold / h seconds on average: k x hold / h (h at least 1).
+// deficit is the prompt's blocks plus those d's growth reserve keeps free
+// (its last report; docs/engine.md, "Growth reserve") less the free ones,
+// plus b for each request registered there that holds none yet
+// (pending_reserves: it takes its blocks first); k = ceil(deficit / b)
+// requests must end, one every hold / h seconds on average: k x hold / h
+// (h at least 1).
 double KvWaitMs(const Candidate& d, double hold_seconds, const TtftInputs& in);
 // The predicted TTFT of the pair: the request waits both for the queue
 // ahead on p and for its seat and KV blocks on d (the prefiller reserves

@@ -56,6 +56,9 @@ struct LoadReport {
   // Decoder: reservations held (their blocks are in use, their requests
   // not running yet).
   uint32_t num_reservations = 0;
+  // Decoder: blocks its growth reserve keeps free now (docs/engine.md,
+  // "Growth reserve"): a reservation needs them free beyond its own.
+  uint32_t kv_growth_reserve_blocks = 0;
   // Totals since the worker started: prefill tokens computed and the
   // seconds of the engine steps that computed them (its prefill rate).
   uint64_t prefill_tokens_total = 0;

@@ -102,6 +102,7 @@ struct LoadSample {
   double prefill_pair_cost = 0;        // engine: one pair's cost in prefill tokens
   uint64_t seats_released_total = 0;   // decoder: decode seats given back, total
   double seat_seconds_total = 0;       // decoder: seats taken x seconds, total
+  uint32_t kv_growth_reserve_blocks = 0;  // decoder: blocks its growth reserve keeps free
   bool operator==(const LoadSample&) const = default;
   // The fields the proxy's router reads (proxy/registry_service.cc
   // ApplyLoad; router/types.h LoadReport) are equal. A change in the others

@@ -202,6 +202,7 @@ TEST(EngineTest, AReservationLeavesRoomForTheDecodingRequestsToGrow) {
           << r.status().message();
       EXPECT_EQ(e->stats().num_reservations, 0u);
       EXPECT_EQ(e->stats().free_blocks, 6u);  // nothing held by the refusal
+      EXPECT_EQ(e->stats().growth_reserve_blocks, 3u);  // a's alone (a decoder's load report)
       e->RunUntilIdle();
       EXPECT_EQ(a.tokens.size(), 64u);
       EXPECT_EQ(e->stats().preemptions, 0u);
@@ -209,6 +210,7 @@ TEST(EngineTest, AReservationLeavesRoomForTheDecodingRequestsToGrow) {
       ASSERT_TRUE(r.ok()) << r.status().ToString();
     } else {
       EXPECT_EQ(e->stats().growth_ratio, 0.0);
+      EXPECT_EQ(e->stats().growth_reserve_blocks, 0u);
       ASSERT_TRUE(r.ok()) << r.status().ToString();
       e->RunUntilIdle();  // a cannot grow past 4 blocks: preempted, waits for the reservation's
       EXPECT_GE(e->stats().preemptions, 1u);

@@ -133,6 +133,33 @@ TEST(Room, ExcludedWorkersAreLeftOutOfTheDecision) {
   EXPECT_EQ(f.router->counters().routes[static_cast<size_t>(Policy::kKvAware)], 4u);
 }
 
+// Blocks a decoder's growth reserve keeps free (docs/engine.md, "Growth
+// reserve") are not room: its Reserve would wait for them. Of two
+// decoders, the one with fewer free blocks but none reserved gets the
+// 25-block prompt; with nothing reserved the less loaded one gets it.
+TEST(Room, BlocksAGrowthReserveKeepsAreNotRoom) {
+  TwoByOne f;
+  const WorkerId d1 = f.Add("d1", WorkerRole::kDecode);
+  const auto report = [&](WorkerId w, uint32_t free_blocks, uint32_t reserve) {
+    LoadReport r;
+    r.active_decode_blocks = kBlocks - free_blocks;
+    r.free_blocks = free_blocks;
+    r.kv_growth_reserve_blocks = reserve;
+    ASSERT_TRUE(f.router->ApplyLoadReport(w, r).ok());
+  };
+  report(f.d0, 100, 90);  // 10 usable
+  report(d1, 40, 0);
+  auto a = f.Route();
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_EQ(a->decode, d1) << a->DebugString();
+  EXPECT_FALSE(a->room_by_report);
+  f.router->EndAttempt(a->prefill_ticket);
+  report(f.d0, 100, 0);
+  auto b = f.Route();
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_EQ(b->decode, f.d0) << b->DebugString();
+}
+
 // Routes in flight the decoder has not reported yet may add up to more than
 // its last report's free blocks: the estimate. It alone does not refuse a
 // request the report has room for; the decision says so and the decoder's

@@ -238,6 +238,14 @@ TEST(TtftPredictorTest, KvWaitIsTheRequestEndsThatFreeTheBlocksOverTheTurnover) 
   Candidate roomy = FullDecoder(50, 80, 4);
   roomy.load.pending_reserves = 1;
   EXPECT_DOUBLE_EQ(KvWaitMs(roomy, 2.0, in), 500);  // 40 + 20 - 50 = 10 short
+  // The decoder's growth reserve keeps blocks free that the prompt cannot
+  // take (docs/engine.md, "Growth reserve"): 40 free hold the prompt, but
+  // with 25 kept free 25 are short: two ends.
+  Candidate growing = FullDecoder(40, 80, 4);
+  growing.load.growth_reserve_blocks = 25;
+  EXPECT_DOUBLE_EQ(KvWaitMs(growing, 2.0, in), 1000);
+  growing.load.growth_reserve_blocks = 0;
+  EXPECT_EQ(KvWaitMs(growing, 2.0, in), 0);
   EXPECT_EQ(KvWaitMs(FullDecoder(0, 80, 4), 0, in), 0);  // turnover not measured: admitted as if free
   Candidate unknown = FullDecoder(0, 80, 4);
   unknown.load.free_known = false;  // no report and no pool size
@@ -505,6 +513,13 @@ TEST(TtftRoutingTest, ADecoderShortOfKvBlocksAddsItsBlockWaitToThePrediction) {
   r.active_decode_blocks = 88;
   ASSERT_TRUE(f.router->ApplyLoadReport(d, r).ok());
   EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160}), 100);
+  // Unless its growth reserve keeps 4 of them free (docs/engine.md,
+  // "Growth reserve"): 2 short, one end.
+  r.kv_growth_reserve_blocks = 4;
+  ASSERT_TRUE(f.router->ApplyLoadReport(d, r).ok());
+  EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160}), 100 + 100);
+  r.kv_growth_reserve_blocks = 0;
+  ASSERT_TRUE(f.router->ApplyLoadReport(d, r).ok());
   // A route to it takes 10 of the 12 at once, before a report says so (its
   // prefill done, so that the prefiller's queue is empty again): 8 short,
   // 98 blocks over 6 holders, one end, one every 0.5 / 6 s.
