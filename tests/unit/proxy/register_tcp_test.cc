@@ -4,12 +4,17 @@
 // 127.0.0.1. One kept connection carries every refresh; the handler sees
 // the certificate's common name; a refusal, a restarted proxy, a
 // certificate of another CA and plaintext to a TLS proxy end as with the
-// gRPC Registry. The whole path with real fleets is the security, join,
-// failure and replica suites (the default transport).
+// gRPC Registry; a proxy that never answers ends each attempt at its
+// deadline. The whole path with real fleets is the security, join, failure
+// and replica suites (the default transport).
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -202,6 +207,63 @@ TEST_F(RegisterTcpTest, ACertificateOfAnotherCaOrPlaintextIsRefusedAndSaysSo) {
   EXPECT_EQ(rec.count(), 0u);
   EXPECT_EQ(server->accepted(), 0u);
   EXPECT_GE(server->refused(), 2u);
+}
+
+// A proxy address that takes the connection but never answers (a hung
+// process, a black hole behind a load balancer): each attempt ends at its
+// own deadline (the TLS handshake's, then the Register exchange's, 5 s
+// each) with an error naming the address, so the registrar goes on to its
+// other proxies and tries this one again later instead of hanging on it.
+TEST_F(RegisterTcpTest, AProxyThatNeverAnswersEndsTheAttemptAtItsDeadline) {
+  // The kernel completes the TCP handshake for a listening socket nobody
+  // accepts on: the TLS handshake never gets an answer.
+  const int silent = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(silent, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(silent, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ASSERT_EQ(listen(silent, 8), 0);
+  socklen_t len = sizeof(a);
+  ASSERT_EQ(getsockname(silent, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  const std::string address = "127.0.0.1:" + std::to_string(ntohs(a.sin_port));
+  worker::ProxyChannels channels(Creds(Files(ca_, "decode-7")), /*tcp=*/true);
+  Status s = channels.Register(address, Worker(), milliseconds(0));
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+  EXPECT_NE(s.message().find("registering with the proxy at " + address + ": no authenticated "
+                             "connection to " + address + " within the timeout"),
+            std::string::npos)
+      << s.ToString();
+  close(silent);
+
+  // A proxy that completes the handshake and reads the request but never
+  // answers it: the exchange's own deadline.
+  Recorder rec;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool release = false;
+  auto tls = InternalFrameTls(Creds(Files(ca_, "proxy")));
+  ASSERT_TRUE(tls.ok()) << tls.status().ToString();
+  auto server = proxy::RegisterTcpServer::Start(
+      "127.0.0.1:0", *tls,
+      [&](const pb::RegisterRequest&, const std::string&, pb::RegisterResponse* resp) {
+        std::unique_lock lock(mu);
+        cv.wait(lock, [&] { return release; });
+        resp->set_heartbeat_interval_ms(500);
+      });
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  Status hung = channels.Register((*server)->address(), Worker(), milliseconds(0));
+  EXPECT_EQ(hung.code(), StatusCode::kDeadlineExceeded) << hung.ToString();
+  EXPECT_NE(hung.message().find("the proxy at " + (*server)->address() +
+                                " did not answer the registration in time"),
+            std::string::npos)
+      << hung.ToString();
+  {
+    std::lock_guard lock(mu);
+    release = true;
+  }
+  cv.notify_all();
+  EXPECT_EQ((*server)->accepted(), 1u);
 }
 
 // A worker with the framed Register against a proxy that serves gRPC's
