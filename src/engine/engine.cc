@@ -12,8 +12,8 @@
 #include <sys/random.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <random>
 

@@ -96,13 +96,17 @@ TEST(DecodeStream, ADecoderWithFourSeatsHoldsTheOtherReservesAndEveryStreamEqual
 // free wait for them instead of being refused (the only decoder: the
 // client would get RESOURCE_EXHAUSTED), and every stream equals
 // `tandem generate`.
-TEST(DecodeStream, ADecoderShortOfKvBlocksHoldsTheReservesUntilBlocksFree) {
-  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
-  References();
+FleetOptions ShortOfKvBlocks() {
   FleetOptions o;
   o.max_num_seqs = 64;
   o.decode_yaml = "  num_blocks: 32\n";
-  auto fleet = Fleet::Launch(o);
+  return o;
+}
+
+TEST(DecodeStream, ADecoderShortOfKvBlocksHoldsTheReservesUntilBlocksFree) {
+  if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
+  References();
+  auto fleet = Fleet::Launch(ShortOfKvBlocks());
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
   RunStreams(**fleet, /*cancel_one=*/true);  // ends with the fleet idle
   EXPECT_GT(DecoderMetric(**fleet, "tandem_decode_kv_waits_total"), 0);
@@ -123,9 +127,7 @@ TEST(DecodeStream, ADecoderShortOfKvBlocksHoldsTheReservesUntilBlocksFree) {
 TEST(DecodeStream, WithTheGrowthReserveOffTheReservesWaitForBlocksAndEqualGenerate) {
   if (!HaveBundledModel()) GTEST_SKIP() << "bundled model missing at " << BundledModel();
   References();
-  FleetOptions o;
-  o.max_num_seqs = 64;
-  o.decode_yaml = "  num_blocks: 32\n";
+  FleetOptions o = ShortOfKvBlocks();
   o.scheduler_yaml = "  schedule_conservativeness: 0\n";
   auto fleet = Fleet::Launch(o);
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
