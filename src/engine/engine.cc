@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cmath>
 #include <cstring>
 #include <random>
 
@@ -221,6 +220,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
   e->hash_context_ = std::move(ctx);
   TANDEM_RETURN_IF_ERROR(e->AttachTiers());
   e->scheduler_ = std::make_unique<Scheduler>(o.scheduler, e->blocks_.get());
+  e->scheduler_->set_outside_growth([raw = e.get()] { return raw->ReservedGrowthLocked(); });
   e->counters_.num_blocks = o.num_blocks;
   e->counters_.prefill_pair_cost = o.sim_timing != nullptr
                                        ? o.sim_timing->params().shape.prefill_pair_cost()
@@ -482,12 +482,20 @@ Result<Reservation> Engine::Reserve(const std::string& request_id,
 }
 
 uint32_t Engine::GrowthKeepLocked(uint64_t own_tokens) const {
-  const double ratio = scheduler_->growth_ratio();
-  if (ratio <= 0 || (reservations_.empty() && !scheduler_->AnyHolder())) return 0;
-  const uint32_t bs = options_.block_size;
-  uint64_t tokens = own_tokens + scheduler_->GrowthTokens();
-  for (const auto& [id, r] : reservations_) tokens += GrowthTokensPast(r.kv_end, r.blocks.size(), bs);
-  return static_cast<uint32_t>(std::ceil(ratio * static_cast<double>(tokens) / bs));
+  if (scheduler_->growth_ratio() <= 0 || (reservations_.empty() && !scheduler_->AnyHolder())) {
+    return 0;
+  }
+  Growth g = scheduler_->HolderGrowth();
+  g.output += own_tokens + ReservedGrowthLocked();
+  return scheduler_->KeepFor(g);
+}
+
+uint64_t Engine::ReservedGrowthLocked() const {
+  uint64_t tokens = 0;
+  for (const auto& [id, r] : reservations_) {
+    tokens += GrowthTokensPast(r.kv_end, r.blocks.size(), options_.block_size);
+  }
+  return tokens;
 }
 
 Status Engine::ReleaseReservation(uint64_t reservation_id) {

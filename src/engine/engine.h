@@ -257,6 +257,8 @@ class Engine {
   // Blocks the growth reserve keeps free for a reservation whose own
   // growth is `own_tokens` (0 when off or nothing else holds blocks).
   uint32_t GrowthKeepLocked(uint64_t own_tokens) const;
+  // What the reservations may still write past their blocks, in tokens.
+  uint64_t ReservedGrowthLocked() const;
   // A step's outputs, in order, for the caller to run without the lock.
   // The slots (and their strings' and vectors' buffers) are kept from one
   // batch to the next: queuing an output copies into them instead of

@@ -1,6 +1,7 @@
 #include "engine/scheduler.h"
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 
 #include "common/block_hash.h"
@@ -33,14 +34,30 @@ bool Scheduler::AnyHolder() const {
   return false;
 }
 
-uint64_t Scheduler::GrowthTokens() const {
-  const uint32_t bs = blocks_->block_size();
-  uint64_t tokens = 0;
-  for (const Sequence* s : running_) tokens += GrowthTokensPast(KvEndOf(*s), s->blocks.size(), bs);
+Growth Scheduler::GrowthOf(const Sequence& s, size_t held_blocks) const {
+  const uint64_t capacity = uint64_t{held_blocks} * blocks_->block_size();
+  const uint64_t kv_end = KvEndOf(s);
+  const uint64_t known_end = std::min<uint64_t>(s.tokens.size(), kv_end);
+  Growth g;
+  g.known = known_end > capacity ? known_end - capacity : 0;
+  const uint64_t from = std::max(known_end, capacity);
+  g.output = kv_end > from ? std::min<uint64_t>(kv_end - from, kGrowthClipTokens) : 0;
+  return g;
+}
+
+Growth Scheduler::HolderGrowth() const {
+  Growth g;
+  for (const Sequence* s : running_) g += GrowthOf(*s, s->blocks.size());
   for (const Sequence* s : waiting_) {
-    if (!s->blocks.empty()) tokens += GrowthTokensPast(KvEndOf(*s), s->blocks.size(), bs);
+    if (!s->blocks.empty()) g += GrowthOf(*s, s->blocks.size());
   }
-  return tokens;
+  return g;
+}
+
+uint32_t Scheduler::KeepFor(const Growth& g) const {
+  if (growth_ratio_ <= 0) return 0;
+  const double tokens = static_cast<double>(g.known) + growth_ratio_ * static_cast<double>(g.output);
+  return static_cast<uint32_t>(std::ceil(tokens / blocks_->block_size()));
 }
 
 void Scheduler::UpdateGrowthRatio(const SchedulerOutput& out) {
@@ -187,6 +204,19 @@ const SchedulerOutput& Scheduler::Schedule() {
   };
 
   const uint32_t bs = blocks_->block_size();
+  // What the holders may still write past their blocks, mid-plan: the
+  // scheduled and unscheduled running, the waiting holding blocks, and
+  // those outside (a decoder's reservations).
+  auto running_growth = [&] {
+    Growth g;
+    if (outside_growth_) g.output = outside_growth_();
+    for (const Sequence* d : done) g += GrowthOf(*d, d->blocks.size());
+    for (size_t i = rest_lo; i < rest_hi; ++i) g += GrowthOf(*rest_[i], rest_[i]->blocks.size());
+    for (const Sequence* w : waiting_) {
+      if (!w->blocks.empty()) g += GrowthOf(*w, w->blocks.size());
+    }
+    return g;
+  };
   // Admits `s` (taken out of waiting_); false (and `s` back in waiting_)
   // when it does not fit.
   auto admit_one = [&](Sequence* s) {
@@ -212,7 +242,16 @@ const SchedulerOutput& Scheduler::Schedule() {
     const uint32_t n = std::min(s->num_pending(), budget);
     const uint32_t want = BlocksFor(s->num_computed + n);
     const uint32_t need = want - std::min<uint32_t>(want, static_cast<uint32_t>(s->blocks.size()));
-    while (!blocks_->CanAllocate(need)) {
+    // The growth reserve, for a new request while others run (none of them
+    // of a worse priority: a better one preempts those as before).
+    uint32_t keep = 0;
+    if (growth_ratio_ > 0 && took_prefix && !s->admitted_once && !worse_running() &&
+        done.size() + (rest_hi - rest_lo) > 0) {
+      Growth g = running_growth();
+      g += GrowthOf(*s, s->blocks.size() + need);
+      keep = KeepFor(g);
+    }
+    while (!blocks_->CanAllocate(need + keep)) {
       if (worse_running()) {
         preempt_back();
         continue;

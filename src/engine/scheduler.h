@@ -13,6 +13,9 @@
 // - a waiting sequence is admitted while budget, max_num_seqs and free
 //   blocks allow; a waiting sequence of a better priority may preempt
 //   running ones of a strictly worse priority for a slot or for blocks.
+//   While others run, a new request (never admitted before) is admitted
+//   only if the blocks left after its own keep the growth reserve free
+//   (KeepFor; none of the running has a worse priority);
 //   Among waiting sequences of one priority, the tenant with the least
 //   virtual time (tokens served / weight) goes first (FairShare), then the
 //   earliest arrival. A sequence admitted without KV first takes its
@@ -26,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -47,9 +51,11 @@ struct SchedulerLimits {
 };
 
 // The growth reserve (docs/engine.md "Growth reserve", after SGLang's
-// new-token ratio): a decoder's reservation is granted only while the
-// blocks left free cover `ratio` x the tokens the requests holding blocks
-// may still write past them (their max_tokens, each clipped). The ratio
+// new-token ratio): a decoder's reservation, and a new request's admission
+// while others run, is granted only while the blocks left free cover what
+// the requests holding blocks may still write past them: the tokens they
+// already have (a chunked prompt's rest) whole, and `ratio` x the tokens
+// they may still generate (their max_tokens, each clipped). The ratio
 // starts at kGrowthInitRatio x conservativeness, falls by
 // (init - init x kGrowthMinFactor) / kGrowthDecaySteps each step that
 // decodes without preempting, goes to 1 (at most) on a preemption and
@@ -65,6 +71,20 @@ inline uint64_t GrowthTokensPast(uint64_t kv_end, size_t held_blocks, uint32_t b
   const uint64_t capacity = uint64_t{held_blocks} * block_size;
   return kv_end > capacity ? std::min<uint64_t>(kv_end - capacity, kGrowthClipTokens) : 0;
 }
+
+// What holders may still write past their blocks: `known` tokens (a prompt
+// or recomputed output not yet in KV), counted whole, and `output` tokens
+// they may still generate (each holder's clipped at kGrowthClipTokens),
+// counted at the growth ratio.
+struct Growth {
+  uint64_t known = 0;
+  uint64_t output = 0;
+  Growth& operator+=(const Growth& o) {
+    known += o.known;
+    output += o.output;
+    return *this;
+  }
+};
 
 struct ScheduledSeq {
   Sequence* seq = nullptr;
@@ -112,10 +132,18 @@ class Scheduler {
   uint64_t preemptions() const { return preemptions_; }
   // The growth reserve's ratio now (0 when off); see kGrowthInitRatio.
   double growth_ratio() const { return growth_ratio_; }
-  // Whether a waiting or running sequence holds blocks, and the tokens
-  // those may still write past their blocks (GrowthTokensPast of each).
+  // Whether a waiting or running sequence holds blocks, and what those may
+  // still write past their blocks (GrowthOf each).
   bool AnyHolder() const;
-  uint64_t GrowthTokens() const;
+  Growth HolderGrowth() const;
+  // What `s` may still write past `held_blocks` blocks.
+  Growth GrowthOf(const Sequence& s, size_t held_blocks) const;
+  // The blocks the reserve keeps free for `g` at the ratio now (0 when off).
+  uint32_t KeepFor(const Growth& g) const;
+  // The growth of holders outside the scheduler (a decoder's reservations,
+  // Engine::Reserve), in output tokens; called during Schedule, under the
+  // caller's lock, only when a new request's admission is weighed.
+  void set_outside_growth(std::function<uint64_t()> f) { outside_growth_ = std::move(f); }
   const FairShare& fair_share() const { return fair_; }
   // Per tenant seen: the tokens a tenant with waiting work is behind the
   // queue's virtual time, times its weight (0 for the others).
@@ -159,6 +187,7 @@ class Scheduler {
   double growth_init_ = 0;
   double growth_min_ = 0;
   double growth_ratio_ = 0;
+  std::function<uint64_t()> outside_growth_;
   uint64_t prefix_query_tokens_ = 0;
   uint64_t prefix_hit_tokens_ = 0;
 };

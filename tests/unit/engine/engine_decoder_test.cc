@@ -147,6 +147,7 @@ TEST(EngineTest, PrefilledRequestsThatFillThePoolAllFinish) {
 TEST(EngineTest, AReservationWaitsBehindAPreemptedRequest) {
   EngineOptions o;
   o.num_blocks = 8;
+  o.scheduler.schedule_conservativeness = 0;  // with the growth reserve b would wait for a
   auto e = MakeEngine(TinyModel(), o);
   Collector a, b;
   // Two 48-token prompts (3 blocks) growing to 88 tokens (6 blocks) each:
@@ -239,11 +240,14 @@ TEST(EngineTest, TheGrowthRatioFallsWhileDecodingJumpsOnAPreemptionAndResetsWhen
   const double fall = (0.7 - 0.7 * 0.14) / 600;
   Collector a, b;
   // Two 48-token prompts (3 blocks) growing to 88 tokens (6 blocks) each:
-  // 12 blocks wanted of 8, so one is preempted on the way.
-  ASSERT_TRUE(e->Submit(MakeRequest("a", Prompt(48, 1), 40, &a)).ok());
-  ASSERT_TRUE(e->Submit(MakeRequest("b", Prompt(48, 2), 40, &b)).ok());
-  ASSERT_TRUE(e->Step());  // both prompts: no decode yet
+  // 12 blocks wanted of 8, so one is preempted on the way. b's better
+  // priority admits it past the growth reserve while a (worse) runs.
+  GenerateRequest ra = MakeRequest("a", Prompt(48, 1), 40, &a);
+  ra.priority = 1;
+  ASSERT_TRUE(e->Submit(std::move(ra)).ok());
+  ASSERT_TRUE(e->Step());  // a's prompt: no decode yet
   EXPECT_DOUBLE_EQ(e->stats().growth_ratio, 0.7);
+  ASSERT_TRUE(e->Submit(MakeRequest("b", Prompt(48, 2), 40, &b)).ok());
   uint32_t decode_steps = 0;
   while (e->stats().preemptions == 0) {
     ASSERT_TRUE(e->Step());
@@ -253,6 +257,7 @@ TEST(EngineTest, TheGrowthRatioFallsWhileDecodingJumpsOnAPreemptionAndResetsWhen
     }
   }
   EXPECT_GT(decode_steps, 1u);
+  EXPECT_EQ(b.tokens.size(), decode_steps);  // admitted at once, never preempted
   EXPECT_DOUBLE_EQ(e->stats().growth_ratio, 1.0);
   ASSERT_TRUE(e->Step());  // a decode step without a new preemption
   EXPECT_NEAR(e->stats().growth_ratio, 1.0 - fall, 1e-9);

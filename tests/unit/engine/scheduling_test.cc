@@ -1,7 +1,8 @@
 // Issue 22 (docs/scheduling.md) in the engine: priorities order the waiting
 // list and let a better priority preempt a worse one's decode (which then
 // resumes with unchanged output); tenants of one priority share the steps
-// by weighted fair queueing on tokens. Also FairShare on its own.
+// by weighted fair queueing on tokens; a new request waits for the growth
+// reserve while others run. Also FairShare on its own.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -121,6 +122,53 @@ TEST(SchedulingTest, EqualPriorityNeverPreempts) {
   e->RunUntilIdle();
   EXPECT_TRUE(b.finished);
   EXPECT_EQ(e->stats().preemptions, 0u);
+}
+
+// The growth reserve at admission (docs/engine.md "Growth reserve"): while
+// `a` decodes in an 8-block pool towards 6 blocks, a new request `b` of 2
+// blocks growing to 5 fits the free blocks but would leave `a` too few to
+// grow into: it waits until `a` ends, and nothing is preempted. Without the
+// reserve (schedule_conservativeness 0) `b` is admitted at once and one of
+// the two is preempted on the way. Both ways each output equals its
+// request generated alone.
+TEST(SchedulingTest, ANewRequestWaitsForTheRunningOnesGrowthInsteadOfPreemptingThem) {
+  for (const double conservativeness : {1.0, 0.0}) {
+    SCOPED_TRACE(conservativeness);
+    EngineOptions o;
+    o.num_blocks = 8;
+    o.scheduler.schedule_conservativeness = conservativeness;
+    auto e = MakeEngine(TinyModel(), o);
+    Collector a, b;
+    // 48 prompt tokens and 40 to generate: a's KV ends at 87 tokens, 6 blocks.
+    ASSERT_TRUE(e->Submit(Req("a", Prompt(48, 1), 40, &a)).ok());
+    ASSERT_TRUE(e->Step());
+    // 32 and 40: b's ends at 71 tokens, 5 blocks.
+    ASSERT_TRUE(e->Submit(Req("b", Prompt(32, 2), 40, &b)).ok());
+    ASSERT_TRUE(e->Step());
+    if (conservativeness > 0) {
+      // a took its 4th block; b's 2 fit the 4 free, but the reserve keeps
+      // ceil(0.7 x (23 + 39) / 16) = 3 of them for a's growth and b's own.
+      EXPECT_EQ(e->stats().num_running, 1u);
+      EXPECT_EQ(e->stats().num_waiting, 1u);
+      EXPECT_TRUE(b.tokens.empty());
+      while (!a.finished) {
+        ASSERT_TRUE(e->Step());
+        if (!a.finished) {
+          EXPECT_TRUE(b.tokens.empty());
+        }
+      }
+      e->RunUntilIdle();
+      EXPECT_EQ(e->stats().preemptions, 0u);
+    } else {
+      EXPECT_EQ(e->stats().num_running, 2u);
+      EXPECT_EQ(b.tokens.size(), 1u);
+      e->RunUntilIdle();
+      EXPECT_GE(e->stats().preemptions, 1u);
+    }
+    EXPECT_EQ(a.tokens, testing::GenerateAlone(Prompt(48, 1), 40));
+    EXPECT_EQ(b.tokens, testing::GenerateAlone(Prompt(32, 2), 40));
+    EXPECT_EQ(e->stats().free_blocks, 8u);
+  }
 }
 
 // Two tenants of weight 1, one queueing 4x the other's requests (submitted
