@@ -577,6 +577,7 @@ EngineStats Engine::stats() const {
   s.prefix_hit_tokens = scheduler_->prefix_hit_tokens();
   s.preemptions = scheduler_->preemptions();
   s.growth_ratio = scheduler_->growth_ratio();
+  s.growth_floor = scheduler_->growth_floor();
   s.growth_reserve_blocks = GrowthKeepLocked(0);
   s.fair_share_deficit_tokens = scheduler_->FairShareDeficits();
   s.tier_usage_ratio[0] =

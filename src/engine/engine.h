@@ -149,6 +149,7 @@ struct EngineStats {
   // reservation is granted only with these free beyond its own).
   double growth_ratio = 0;
   uint32_t growth_reserve_blocks = 0;
+  double growth_floor = 0;  // what the ratio falls to (Scheduler::growth_floor)
   uint64_t steps = 0;
   double prefill_step_seconds = 0;  // total over steps with prefill tokens
   uint64_t prefill_step_tokens = 0;  // prefill tokens of those steps, total

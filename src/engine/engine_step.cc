@@ -388,6 +388,9 @@ void Engine::FillOutput(const Sequence& seq, RequestOutput& o) const {
 
 void Engine::Finish(Sequence& seq, FinishReason reason, Status status, Deliveries& out) {
   scheduler_->Remove(&seq);
+  if (reason == FinishReason::kStop || reason == FinishReason::kLength) {
+    scheduler_->NoteEnded(seq.num_output(), seq.req.sampling.max_tokens);
+  }
   if (reason == FinishReason::kPrefillDone) {
     seq.state = SeqState::kParked;  // blocks stay pinned until ReleasePrefill / Abort
   } else {

@@ -60,16 +60,33 @@ uint32_t Scheduler::KeepFor(const Growth& g) const {
   return static_cast<uint32_t>(std::ceil(tokens / blocks_->block_size()));
 }
 
+double Scheduler::growth_floor() const {
+  if (growth_ended_ < kGrowthLearnAfter || growth_max_tokens_ <= 0) return growth_min_;
+  const double learned = growth_generated_ / growth_max_tokens_ * limits_.schedule_conservativeness;
+  return std::max(growth_min_, std::min(1.0, learned));
+}
+
+void Scheduler::NoteEnded(uint32_t generated, uint32_t max_tokens) {
+  const double g = std::min(generated, kGrowthClipTokens);
+  const double m = std::min(std::max<uint32_t>(max_tokens, 1), kGrowthClipTokens);
+  // The first ones set the means (a mean over what has ended), the later
+  // ones move them by 1 / kGrowthLearnWindow.
+  const double w = 1.0 / std::min<double>(static_cast<double>(++growth_ended_), kGrowthLearnWindow);
+  growth_generated_ += w * (g - growth_generated_);
+  growth_max_tokens_ += w * (m - growth_max_tokens_);
+}
+
 void Scheduler::UpdateGrowthRatio(const SchedulerOutput& out) {
   if (growth_init_ <= 0) return;
+  const double floor = growth_floor();
   if (preemptions_ != growth_seen_preemptions_) {
     growth_seen_preemptions_ = preemptions_;
     growth_ratio_ = 1.0;  // as SGLang's estimate after a retraction, at its most
   } else if (out.num_decode_tokens > 0) {
     const double step = (growth_init_ - growth_min_) / kGrowthDecaySteps;
-    growth_ratio_ = std::max(growth_min_, growth_ratio_ - step);
+    growth_ratio_ = std::max(floor, growth_ratio_ - step);
   } else if (running_.empty()) {
-    growth_ratio_ = growth_init_;
+    growth_ratio_ = std::max(floor, growth_init_);
   }
 }
 

@@ -64,6 +64,14 @@ inline constexpr double kGrowthInitRatio = 0.7;
 inline constexpr double kGrowthMinFactor = 0.14;
 inline constexpr uint32_t kGrowthDecaySteps = 600;
 inline constexpr uint32_t kGrowthClipTokens = 4096;  // per request, as SGLang's estimate
+// The ratio's learned floor: of the requests that ended (EOS, a stop or
+// max_tokens; not an abort, error or deadline), the tokens generated over
+// their max_tokens (each clipped at kGrowthClipTokens), both as running
+// means of weight 1 / kGrowthLearnWindow, once kGrowthLearnAfter have
+// ended; x conservativeness, at most 1. The ratio never falls below the
+// larger of it and SGLang's floor (init x kGrowthMinFactor).
+inline constexpr uint32_t kGrowthLearnAfter = 16;
+inline constexpr double kGrowthLearnWindow = 64;
 
 // Tokens a holder of `held_blocks` may still write past them when its KV
 // ends at `kv_end` tokens (prompt + max_tokens - 1), at most kGrowthClipTokens.
@@ -132,6 +140,11 @@ class Scheduler {
   uint64_t preemptions() const { return preemptions_; }
   // The growth reserve's ratio now (0 when off); see kGrowthInitRatio.
   double growth_ratio() const { return growth_ratio_; }
+  // The floor it falls to: SGLang's, or the learned one when larger (see
+  // kGrowthLearnAfter).
+  double growth_floor() const;
+  // A request ended having generated `generated` of its `max_tokens`.
+  void NoteEnded(uint32_t generated, uint32_t max_tokens);
   // Whether a waiting or running sequence holds blocks, and what those may
   // still write past their blocks (GrowthOf each).
   bool AnyHolder() const;
@@ -187,6 +200,9 @@ class Scheduler {
   double growth_init_ = 0;
   double growth_min_ = 0;
   double growth_ratio_ = 0;
+  uint64_t growth_ended_ = 0;       // requests seen by NoteEnded
+  double growth_generated_ = 0;     // running mean of their generated tokens
+  double growth_max_tokens_ = 0;    // and of their max_tokens
   std::function<uint64_t()> outside_growth_;
   uint64_t prefix_query_tokens_ = 0;
   uint64_t prefix_hit_tokens_ = 0;

@@ -3,11 +3,14 @@
 // an aggregated run; Reserve refuses what does not fit and holds nothing;
 // prefilled requests that fill the pool all finish (no deadlock); a
 // reservation waits behind the requests the engine preempted, and leaves
-// room for the decoding requests to grow (the growth reserve).
+// room for the decoding requests to grow (the growth reserve, whose ratio
+// falls to a floor learned from the requests that ended).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "engine/engine.h"
 #include "test_models.h"
@@ -272,6 +275,57 @@ TEST(EngineTest, TheGrowthRatioFallsWhileDecodingJumpsOnAPreemptionAndResetsWhen
   o.scheduler.schedule_conservativeness = 0.5;
   auto half = MakeEngine(TinyModel(), o);
   EXPECT_DOUBLE_EQ(half->stats().growth_ratio, 0.35);
+}
+
+// The ratio's floor is learned from the requests that ended: the tokens
+// they generated over their max_tokens (means over the first 64), once 16
+// have ended, x conservativeness; SGLang's 0.098 until then or when
+// larger. An aborted request does not count.
+TEST(EngineTest, TheGrowthRatiosFloorIsLearnedFromTheRequestsThatEnded) {
+  EngineOptions o;
+  o.num_blocks = 64;
+  // Each request stops at its own output's 3rd token (or earlier where
+  // that token came before): it generates `ends[i]` of 8.
+  std::vector<std::vector<uint32_t>> alone;
+  std::vector<uint32_t> ends;
+  for (uint32_t i = 0; i < 16; ++i) {
+    alone.push_back(GenerateAlone(Prompt(8, i), 8));
+    const auto& t = alone.back();
+    ends.push_back(static_cast<uint32_t>(std::find(t.begin(), t.end(), t[2]) - t.begin()) + 1);
+  }
+  for (const bool stop_early : {true, false}) {
+    SCOPED_TRACE(stop_early);
+    auto e = MakeEngine(TinyModel(), o);
+    EXPECT_DOUBLE_EQ(e->stats().growth_floor, 0.7 * 0.14);
+    Collector aborted;
+    ASSERT_TRUE(e->Submit(MakeRequest("x", Prompt(8, 99), 8, &aborted)).ok());
+    ASSERT_TRUE(e->Step());
+    ASSERT_TRUE(e->Abort("x").ok());
+    std::vector<Collector> c(16);
+    double generated = 0;
+    for (uint32_t i = 0; i < 16; ++i) {
+      GenerateRequest r = MakeRequest(testing::Id("r", i), Prompt(8, i), 8, &c[i]);
+      if (stop_early) r.sampling.stop_token_ids = {alone[i][2]};
+      ASSERT_TRUE(e->Submit(std::move(r)).ok());
+      generated += stop_early ? ends[i] : 8;
+      EXPECT_DOUBLE_EQ(e->stats().growth_floor, 0.7 * 0.14);  // i < 16 have ended
+      e->RunUntilIdle();
+      EXPECT_EQ(c[i].tokens.size(), stop_early ? ends[i] : 8u);
+    }
+    const double share = generated / (16 * 8);
+    RecordProperty(stop_early ? "share_stop_early" : "share", std::to_string(share));
+    EXPECT_NEAR(e->stats().growth_floor, std::max(0.7 * 0.14, share), 1e-9);
+    EXPECT_FALSE(e->Step());  // idle: the ratio starts at the larger of 0.7 and the floor
+    EXPECT_NEAR(e->stats().growth_ratio, std::max(0.7, share), 1e-9);
+  }
+  o.scheduler.schedule_conservativeness = 0.5;  // the learned share x 0.5
+  auto half = MakeEngine(TinyModel(), o);
+  for (uint32_t i = 0; i < 16; ++i) {
+    Collector c;
+    ASSERT_TRUE(half->Submit(MakeRequest(testing::Id("r", i), Prompt(8, i), 8, &c)).ok());
+    half->RunUntilIdle();
+  }
+  EXPECT_DOUBLE_EQ(half->stats().growth_floor, 0.5);
 }
 
 }  // namespace
