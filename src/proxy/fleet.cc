@@ -127,7 +127,8 @@ void Fleet::Remove(const std::string& name, bool expected) {
 }
 
 Result<RoutedPair> Fleet::Route(std::span<const uint64_t> hashes, uint32_t prompt_tokens,
-                                const std::set<std::string>& exclude, double ttft_slo_ms) {
+                                const std::set<std::string>& exclude, double ttft_slo_ms,
+                                uint32_t max_tokens) {
   // The router leaves the excluded workers out itself: one decision per
   // call. (Routing and dropping the decisions that landed on one used to
   // count each one's decode blocks until the decoder's next report: a few
@@ -145,7 +146,8 @@ Result<RoutedPair> Fleet::Route(std::span<const uint64_t> hashes, uint32_t promp
   // already, not yet out of the router): then without it.
   for (int attempt = 0; attempt < 8; ++attempt) {
     auto d = router_->Route(
-        router::RouteRequest{hashes, prompt_tokens, ttft_slo_ms, mask.Any() ? &mask : nullptr});
+        router::RouteRequest{hashes, prompt_tokens, ttft_slo_ms, mask.Any() ? &mask : nullptr,
+                             max_tokens});
     if (!d.ok()) {
       if (metrics_) metrics_->CountError(router_->policy());
       if (refused) {

@@ -108,9 +108,11 @@ class Fleet {
   // router().EndPrefill(decision.prefill_ticket) once it is over, and the
   // attempt with router().EndAttempt(decision.prefill_ticket) once that is.
   // `ttft_slo_ms` (0: none): prefillers predicted over it are left out while
-  // another one meets it (router/ttft_predictor.h).
+  // another one meets it (router/ttft_predictor.h). `max_tokens` (0:
+  // unknown): a decoder's growth reserve keeps a share of it free.
   Result<RoutedPair> Route(std::span<const uint64_t> hashes, uint32_t prompt_tokens,
-                           const std::set<std::string>& exclude = {}, double ttft_slo_ms = 0);
+                           const std::set<std::string>& exclude = {}, double ttft_slo_ms = 0,
+                           uint32_t max_tokens = 0);
 
   // Counts every decision and error from now on (null: none). Call before
   // workers register (their series are created then).

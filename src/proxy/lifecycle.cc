@@ -112,8 +112,9 @@ void RequestLifecycle::Launch() {
     prompt_len_ = PromptLocked().size();
   }
   const uint64_t route_start = req_.trace.sampled ? tracing::NowUnixNs() : 0;
+  const uint32_t max_tokens = req_.max_tokens > base_ ? req_.max_tokens - base_ : 0;  // left
   auto route = deps_.fleet->Route(hashes_, static_cast<uint32_t>(prompt_len_), excluded_,
-                                  req_.ttft_slo_ms);
+                                  req_.ttft_slo_ms, max_tokens);
   // A deterministic policy may keep choosing an excluded worker that is
   // still registered (a lost decoder's Watch ends at about the same time as
   // its Decode stream): give the registry a moment to drop it (bounded).
@@ -127,7 +128,7 @@ void RequestLifecycle::Launch() {
     lock.lock();
     if (done_ || attempt != attempt_) return;
     route = deps_.fleet->Route(hashes_, static_cast<uint32_t>(prompt_len_), excluded_,
-                               req_.ttft_slo_ms);
+                               req_.ttft_slo_ms, max_tokens);
   }
   // Exclusion is a preference, not a verdict: a worker excluded for a
   // failure that is still in routing after that wait passes the liveness
@@ -141,7 +142,7 @@ void RequestLifecycle::Launch() {
       last_error_.code() != StatusCode::kResourceExhausted &&
       route.status().code() == StatusCode::kResourceExhausted) {
     auto again = deps_.fleet->Route(hashes_, static_cast<uint32_t>(prompt_len_), never_again_,
-                                    req_.ttft_slo_ms);
+                                    req_.ttft_slo_ms, max_tokens);
     if (again.ok()) {
       LogRequest(spdlog::level::info, req_.request_id,
                  "no pair without {}; attempt {} goes to prefiller '{}' and decoder '{}', "

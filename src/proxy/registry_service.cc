@@ -233,6 +233,7 @@ class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
     rep.registered_requests = l.registered_requests();
     rep.num_reservations = l.num_reservations();
     rep.kv_growth_reserve_blocks = l.kv_growth_reserve_blocks();
+    rep.kv_growth_ratio = l.kv_growth_ratio();
     rep.prefill_tokens_total = l.prefill_tokens_total();
     rep.prefill_seconds_total = l.prefill_seconds_total();
     rep.prefill_attention_pairs_total = l.prefill_attention_pairs_total();

@@ -45,7 +45,7 @@ Status SloAdmission::Admit(ValidatedRequest& r, double* retry_after_seconds) {
   r.block_hashes_block_size = options_.block_size;
   const std::optional<double> predicted = fleet_->router().PredictTtftMs(
       router::RouteRequest{r.block_hashes, static_cast<uint32_t>(r.prompt_ids.size()),
-                           static_cast<double>(r.ttft_slo_ms)});
+                           static_cast<double>(r.ttft_slo_ms), nullptr, r.max_tokens});
   TtftCalibration* const cal = options_.calibration;
   const double margin = cal != nullptr ? cal->Margin(TtftCalibration::Clock::now()) : 0;
   const AdmissionVerdict v = DecideAdmission(options_.mode, r.ttft_slo_ms, predicted, margin);

@@ -15,6 +15,7 @@ void LoadTracker::Refresh(State& s) {
   e.free_known = s.free_known;
   e.reservations = s.report.num_reservations;
   e.growth_reserve_blocks = s.report.kv_growth_reserve_blocks;
+  e.growth_ratio = s.report.kv_growth_ratio;
   e.pending_reserves = std::max<int64_t>(0, int64_t{s.report.registered_requests} - s.report.running_requests -
                                                 s.report.num_reservations);
 }

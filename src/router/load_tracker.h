@@ -27,7 +27,9 @@
 // Thread-safety: none. Router owns one and calls it under its mutex.
 #pragma once
 
+#include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <deque>
 #include <span>
@@ -53,7 +55,28 @@ struct WorkerLoad {
   int64_t reservations = 0;
   int64_t pending_reserves = 0;
   int64_t growth_reserve_blocks = 0;  // decoder: blocks its growth reserve keeps free (last report)
+  double growth_ratio = 0;            // decoder: the reserve's ratio (last report; 0: off)
 };
+
+// Tokens a request may generate past its prompt's blocks that a decoder's
+// growth reserve counts, at most (the engine's kGrowthClipTokens,
+// docs/engine.md "Growth reserve").
+inline constexpr uint32_t kGrowthClipTokens = 4096;
+
+// The blocks a decoder's growth reserve keeps free for a new request beyond
+// its prompt's: `ratio` x what it may generate past its prompt's blocks
+// (its KV ends at prompt + max_tokens - 1 tokens; at most kGrowthClipTokens
+// past them), rounded up. 0 when max_tokens is unknown (0) or the reserve
+// is off (ratio 0).
+inline int64_t OwnGrowthBlocks(double ratio, uint32_t prompt_tokens, uint32_t max_tokens,
+                               uint32_t block_size) {
+  if (!(ratio > 0) || max_tokens == 0 || block_size == 0) return 0;
+  const uint64_t end = uint64_t{prompt_tokens} + max_tokens - 1;
+  const uint64_t held = (uint64_t{prompt_tokens} + block_size - 1) / block_size * block_size;
+  if (end <= held) return 0;
+  const double past = static_cast<double>(std::min<uint64_t>(end - held, kGrowthClipTokens));
+  return static_cast<int64_t>(std::ceil(ratio * past / block_size));
+}
 
 // The timed part of a prediction.
 struct LoadDelta {

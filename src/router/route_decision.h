@@ -24,6 +24,9 @@ struct RouteRequest {
   // Workers the request must not go to (the proxy's retry excludes the ones
   // that failed it); null: none. Borrowed for the call.
   const WorkerMask* exclude = nullptr;
+  // The request's max_tokens (less those already sent, on a migration); 0:
+  // unknown. A decoder's growth reserve keeps a share of it free.
+  uint32_t max_tokens = 0;
 };
 
 // Names the load one decision added (docs/router.md, "Load"): the prefill

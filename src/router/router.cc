@@ -183,7 +183,8 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
   std::lock_guard lock(mu_);
   const int64_t now = Now();
   BuildCandidatesLocked(overlap, lower, now, request.exclude);
-  const TtftInputs ttft_in{request.prompt_tokens, (request.prompt_tokens + bs - 1) / bs, bs};
+  const TtftInputs ttft_in{request.prompt_tokens, (request.prompt_tokens + bs - 1) / bs, bs,
+                           request.max_tokens};
   const std::array<PrefillSpeed, kMaxWorkers> rates = RatesLocked();
   uint32_t slo_excluded = 0;
   if (request.ttft_slo_ms > 0) {
@@ -210,9 +211,13 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
       candidates_.resize(n);
     }
   }
-  const ScoringParams params{policy_, config_.prefill_weight, config_.temperature,
-                             config_.local_prefill_threshold_tokens, &options_,
-                             workers_.layout_compat()};
+  const ScoringParams params{policy_,
+                             config_.prefill_weight,
+                             config_.temperature,
+                             config_.local_prefill_threshold_tokens,
+                             &options_,
+                             workers_.layout_compat(),
+                             request.max_tokens};
   const size_t pi = static_cast<size_t>(policy_);
   if (Status st = Score(candidates_, request.prompt_tokens, params, &policy_state_, out); !st.ok()) {
     route_errors_[pi].fetch_add(1, std::memory_order_relaxed);
@@ -341,7 +346,8 @@ std::optional<double> Router::PredictTtftMs(const RouteRequest& request) {
   tiers_.Extend(request.block_hashes, overlap, &lower);
   std::lock_guard lock(mu_);
   BuildCandidatesLocked(overlap, lower, Now());
-  const TtftInputs in{request.prompt_tokens, (request.prompt_tokens + bs - 1) / bs, bs};
+  const TtftInputs in{request.prompt_tokens, (request.prompt_tokens + bs - 1) / bs, bs,
+                      request.max_tokens};
   std::array<std::optional<double>, kMaxWorkers> ms;
   PredictPerPrefiller(candidates_, RatesLocked(), HoldsLocked(), in, options_,
                       std::span(ms).first(candidates_.size()), workers_.layout_compat());

@@ -60,6 +60,7 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
   std::array<double, kMaxWorkers> prefill_load;  // [workers]: queued prefill blocks
   std::array<double, kMaxWorkers> decode_load;   // [workers]: active decode blocks
   std::array<int64_t, kMaxWorkers> need;         // [workers]: blocks the decoder must receive
+  std::array<int64_t, kMaxWorkers> keep;         // [workers]: blocks its growth reserve keeps
   std::array<bool, kMaxWorkers> room;            // [workers]
   uint32_t with_room = 0;                        // decoders with room
   for (uint32_t i = 0; i < w.size(); ++i) {
@@ -67,9 +68,12 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
     prefill_load[i] = static_cast<double>(std::max<int64_t>(0, c.load.queued_prefill_tokens)) / bs;
     decode_load[i] = static_cast<double>(std::max<int64_t>(0, c.load.active_decode_blocks));
     need[i] = std::max<int64_t>(0, prompt_blocks - c.overlap_blocks - (kv ? c.tier_blocks : 0));
-    // Blocks the decoder's growth reserve keeps free are not room (its
-    // Reserve would wait for them: docs/engine.md "Growth reserve").
-    room[i] = !c.load.free_known || c.load.free_blocks - c.load.growth_reserve_blocks >= need[i];
+    // Blocks the decoder's growth reserve keeps free, for the requests
+    // there and for this one's own growth, are not room (its Reserve would
+    // wait for them: docs/engine.md "Growth reserve").
+    keep[i] = c.load.growth_reserve_blocks +
+              OwnGrowthBlocks(c.load.growth_ratio, prompt_tokens, params.max_tokens, bs);
+    room[i] = !c.load.free_known || c.load.free_blocks - keep[i] >= need[i];
     if (CanPrefill(c.role)) ps.idx[ps.n++] = i;
     if (CanDecode(c.role)) {
       ds.idx[ds.n++] = i;
@@ -99,7 +103,7 @@ Status Score(std::span<const Candidate> w, uint32_t prompt_tokens, const Scoring
     // use to come free, or refuses holding nothing when none do).
     for (uint32_t k = 0; k < ds.n; ++k) {
       const Candidate& c = w[ds.idx[k]];
-      room[ds.idx[k]] = c.load.reported_free_blocks - c.load.growth_reserve_blocks >= need[ds.idx[k]];
+      room[ds.idx[k]] = c.load.reported_free_blocks - keep[ds.idx[k]] >= need[ds.idx[k]];
       with_room += room[ds.idx[k]] ? 1 : 0;
     }
     out->room_by_report = with_room > 0;

@@ -80,6 +80,9 @@ struct ScoringParams {
   // prefiller p may send KV to decoder d (WorkerSet::layout_compat); null:
   // every pair is compatible. A worker prefilling for itself needs no transfer.
   const uint64_t* layout_compat = nullptr;
+  // The request's max_tokens (0: unknown): a decoder's growth reserve keeps
+  // a share of what it may generate free too (OwnGrowthBlocks), not room.
+  uint32_t max_tokens = 0;
 };
 
 struct PolicyState {

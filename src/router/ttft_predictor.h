@@ -162,6 +162,7 @@ struct TtftInputs {
   uint32_t prompt_tokens = 0;
   uint32_t prompt_blocks = 0;  // ceil(prompt_tokens / block size)
   uint32_t block_size = 16;
+  uint32_t max_tokens = 0;     // 0: unknown (no growth reserve share counted)
 };
 
 // Prefill-side time in ms of the request on `p` (queue ahead, its own
@@ -185,7 +186,8 @@ double SeatWaitMs(const Candidate& d, double hold_seconds);
 // Otherwise blocks come free as d's requests end: h = its running requests
 // and reservations hold the blocks in use, b = in use / h each; the
 // deficit is the prompt's blocks plus those d's growth reserve keeps free
-// (its last report; docs/engine.md, "Growth reserve") less the free ones,
+// (its last report; docs/engine.md, "Growth reserve") and the request's own
+// share of it (OwnGrowthBlocks at d's reported ratio) less the free ones,
 // plus b for each request registered there that holds none yet
 // (pending_reserves: it takes its blocks first); k = ceil(deficit / b)
 // requests must end, one every hold / h seconds on average: k x hold / h

@@ -59,6 +59,9 @@ struct LoadReport {
   // Decoder: blocks its growth reserve keeps free now (docs/engine.md,
   // "Growth reserve"): a reservation needs them free beyond its own.
   uint32_t kv_growth_reserve_blocks = 0;
+  // Decoder: the reserve's ratio (0: off, or not reported); a new request's
+  // reservation keeps this share of what it may generate free too.
+  float kv_growth_ratio = 0;
   // Totals since the worker started: prefill tokens computed and the
   // seconds of the engine steps that computed them (its prefill rate).
   uint64_t prefill_tokens_total = 0;

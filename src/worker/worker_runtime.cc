@@ -145,6 +145,7 @@ struct Worker {
       const decoder::DecoderCounts c = decoder->counts();
       s.num_reservations = c.reservations;
       s.kv_growth_reserve_blocks = st.growth_reserve_blocks;
+      s.kv_growth_ratio = static_cast<float>(st.growth_ratio);
       s.registered_requests = c.registered;
       s.seats_released_total = c.seats_released;
       s.seat_seconds_total = c.seat_seconds;

@@ -199,6 +199,7 @@ struct WorkerService::Impl final : public pb::Worker::CallbackService {
     l->set_kv_usage_ratio(s.kv_usage_ratio);
     l->set_num_reservations(s.num_reservations);
     l->set_kv_growth_reserve_blocks(s.kv_growth_reserve_blocks);
+    l->set_kv_growth_ratio(s.kv_growth_ratio);
     l->set_num_parked_prefills(s.num_parked_prefills);
     l->set_queued_prefill_requests(s.queued_prefill_requests);
     l->set_registered_requests(s.registered_requests);

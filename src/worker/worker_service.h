@@ -103,6 +103,7 @@ struct LoadSample {
   uint64_t seats_released_total = 0;   // decoder: decode seats given back, total
   double seat_seconds_total = 0;       // decoder: seats taken x seconds, total
   uint32_t kv_growth_reserve_blocks = 0;  // decoder: blocks its growth reserve keeps free
+  float kv_growth_ratio = 0;              // decoder: the reserve's ratio (0: off)
   bool operator==(const LoadSample&) const = default;
   // The fields the proxy's router reads (proxy/registry_service.cc
   // ApplyLoad; router/types.h LoadReport) are equal. A change in the others

@@ -521,11 +521,13 @@ TEST_F(WorkerServingTest, WatchDeliversSnapshotEventsAndLoad) {
   });
   bool seen_busy = false;
   uint32_t growth_reserve = 0;  // the most its growth reserve kept (docs/engine.md)
+  float growth_ratio = 0;       // and its ratio (0.7 at the start)
   int loads_after_done = 0;
   while ((!seen_busy || growth_reserve == 0) && loads_after_done < 3 && reader->Read(&u)) {
     if (!u.has_load()) continue;
     seen_busy |= u.load().running_requests() > 0 || u.load().num_reservations() > 0;
     growth_reserve = std::max(growth_reserve, u.load().kv_growth_reserve_blocks());
+    growth_ratio = std::max(growth_ratio, u.load().kv_growth_ratio());
     if (done) ++loads_after_done;
   }
   busy.join();
@@ -533,6 +535,7 @@ TEST_F(WorkerServingTest, WatchDeliversSnapshotEventsAndLoad) {
   // Its 40-token prompt and 48 tokens end at 87 KV tokens, 6 blocks: while
   // it held fewer, the decoder kept some free for it to grow into.
   EXPECT_GT(growth_reserve, 0u) << "no load report carried the decoder's growth reserve";
+  EXPECT_GT(growth_ratio, 0.0f) << "no load report carried the decoder's growth ratio";
   wctx.TryCancel();
   (void)reader->Finish();
 }

@@ -61,9 +61,10 @@ struct TwoByOne {
                     .ok());
   }
   // A new prompt of `tokens` (nothing of it cached anywhere).
-  Result<RouteDecision> Route(const WorkerMask* exclude = nullptr, uint32_t tokens = kPromptTokens) {
+  Result<RouteDecision> Route(const WorkerMask* exclude = nullptr, uint32_t tokens = kPromptTokens,
+                              uint32_t max_tokens = 0) {
     const std::vector<uint64_t> hashes = Chain(1000 * ++next_prompt, tokens / kBs);
-    return router->Route({hashes, tokens, 0, exclude});
+    return router->Route({hashes, tokens, 0, exclude, max_tokens});
   }
   int64_t Free(WorkerId w) { return router->load(w)->free_blocks; }
   void AdvanceMs(int64_t ms) { now->fetch_add(ms * 1'000'000); }
@@ -158,6 +159,34 @@ TEST(Room, BlocksAGrowthReserveKeepsAreNotRoom) {
   auto b = f.Route();
   ASSERT_TRUE(b.ok()) << b.status().ToString();
   EXPECT_EQ(b->decode, f.d0) << b->DebugString();
+}
+
+// A decoder keeps free, beyond its reserve for the requests there, a share
+// of what the new request may generate (its ratio x the tokens past the
+// prompt's blocks): not room either (session 27). A 400-token prompt (25
+// blocks) that may generate 256 tokens keeps ceil(1.0 x 255 / 16) = 16 at
+// ratio 1: d0's 40 free leave 24. Its max_tokens unknown: d0 (the less
+// loaded) has room and takes it.
+TEST(Room, ARequestsOwnGrowthShareIsNotRoomEither) {
+  TwoByOne f;
+  const WorkerId d1 = f.Add("d1", WorkerRole::kDecode);
+  const auto report = [&](WorkerId w, uint32_t free_blocks, float ratio) {
+    LoadReport r;
+    r.active_decode_blocks = kBlocks - free_blocks;
+    r.free_blocks = free_blocks;
+    r.kv_growth_ratio = ratio;
+    ASSERT_TRUE(f.router->ApplyLoadReport(w, r).ok());
+  };
+  report(f.d0, 40, 1.0f);
+  report(d1, 30, 0.0f);
+  auto a = f.Route(nullptr, kPromptTokens, /*max_tokens=*/0);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_EQ(a->decode, f.d0) << a->DebugString();
+  f.router->EndAttempt(a->prefill_ticket);
+  auto b = f.Route(nullptr, kPromptTokens, /*max_tokens=*/256);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_EQ(b->decode, d1) << b->DebugString();
+  EXPECT_FALSE(b->room_by_report);
 }
 
 // Routes in flight the decoder has not reported yet may add up to more than

@@ -246,6 +246,17 @@ TEST(TtftPredictorTest, KvWaitIsTheRequestEndsThatFreeTheBlocksOverTheTurnover) 
   EXPECT_DOUBLE_EQ(KvWaitMs(growing, 2.0, in), 1000);
   growing.load.growth_reserve_blocks = 0;
   EXPECT_EQ(KvWaitMs(growing, 2.0, in), 0);
+  // ... and the request's own share (session 27): at the decoder's ratio
+  // 0.5, a request that may generate 385 tokens keeps ceil(0.5 x 384 / 16)
+  // = 12 more free (its KV ends at 640 + 384 tokens, its prompt fills 40
+  // blocks): 12 short, one end. Its max_tokens unknown or the reserve off: none.
+  growing.load.growth_ratio = 0.5;
+  const TtftInputs generating{640, 40, 16, 385};
+  EXPECT_EQ(OwnGrowthBlocks(0.5, 640, 385, 16), 12);
+  EXPECT_DOUBLE_EQ(KvWaitMs(growing, 2.0, generating), 500);
+  EXPECT_EQ(KvWaitMs(growing, 2.0, in), 0);
+  growing.load.growth_ratio = 0;
+  EXPECT_EQ(KvWaitMs(growing, 2.0, generating), 0);
   EXPECT_EQ(KvWaitMs(FullDecoder(0, 80, 4), 0, in), 0);  // turnover not measured: admitted as if free
   Candidate unknown = FullDecoder(0, 80, 4);
   unknown.load.free_known = false;  // no report and no pool size
@@ -520,6 +531,18 @@ TEST(TtftRoutingTest, ADecoderShortOfKvBlocksAddsItsBlockWaitToThePrediction) {
   EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160}), 100 + 100);
   r.kv_growth_reserve_blocks = 0;
   ASSERT_TRUE(f.router->ApplyLoadReport(d, r).ok());
+  // Nor the share it keeps for the request's own growth at its ratio
+  // (session 27): 0.5 x the 96 tokens a request with max_tokens 97 may
+  // write past its 10 blocks = 3 blocks, 1 short: one end. Without its
+  // max_tokens, or the ratio not reported, no share.
+  r.kv_growth_ratio = 0.5f;
+  ASSERT_TRUE(f.router->ApplyLoadReport(d, r).ok());
+  EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160, 0, nullptr, 97}), 100 + 100);
+  EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160, 0, nullptr, 65}), 100);  // 2: none short
+  EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160}), 100);
+  r.kv_growth_ratio = 0;
+  ASSERT_TRUE(f.router->ApplyLoadReport(d, r).ok());
+  EXPECT_DOUBLE_EQ(*f.router->PredictTtftMs({h, 160, 0, nullptr, 97}), 100);
   // A route to it takes 10 of the 12 at once, before a report says so (its
   // prefill done, so that the prefiller's queue is empty again): 8 short,
   // 98 blocks over 6 holders, one end, one every 0.5 / 6 s.
