@@ -60,6 +60,15 @@ struct TwoByOne {
                                             .free_blocks = free_blocks})
                     .ok());
   }
+  // A decoder's report with what its growth reserve keeps and its ratio.
+  void ReportGrowth(WorkerId w, uint32_t free_blocks, uint32_t reserve, float ratio) {
+    LoadReport r;
+    r.active_decode_blocks = kBlocks - free_blocks;
+    r.free_blocks = free_blocks;
+    r.kv_growth_reserve_blocks = reserve;
+    r.kv_growth_ratio = ratio;
+    ASSERT_TRUE(router->ApplyLoadReport(w, r).ok());
+  }
   // A new prompt of `tokens` (nothing of it cached anywhere).
   Result<RouteDecision> Route(const WorkerMask* exclude = nullptr, uint32_t tokens = kPromptTokens,
                               uint32_t max_tokens = 0) {
@@ -141,21 +150,14 @@ TEST(Room, ExcludedWorkersAreLeftOutOfTheDecision) {
 TEST(Room, BlocksAGrowthReserveKeepsAreNotRoom) {
   TwoByOne f;
   const WorkerId d1 = f.Add("d1", WorkerRole::kDecode);
-  const auto report = [&](WorkerId w, uint32_t free_blocks, uint32_t reserve) {
-    LoadReport r;
-    r.active_decode_blocks = kBlocks - free_blocks;
-    r.free_blocks = free_blocks;
-    r.kv_growth_reserve_blocks = reserve;
-    ASSERT_TRUE(f.router->ApplyLoadReport(w, r).ok());
-  };
-  report(f.d0, 100, 90);  // 10 usable
-  report(d1, 40, 0);
+  f.ReportGrowth(f.d0, 100, 90, 0);  // 10 usable
+  f.ReportGrowth(d1, 40, 0, 0);
   auto a = f.Route();
   ASSERT_TRUE(a.ok()) << a.status().ToString();
   EXPECT_EQ(a->decode, d1) << a->DebugString();
   EXPECT_FALSE(a->room_by_report);
   f.router->EndAttempt(a->prefill_ticket);
-  report(f.d0, 100, 0);
+  f.ReportGrowth(f.d0, 100, 0, 0);
   auto b = f.Route();
   ASSERT_TRUE(b.ok()) << b.status().ToString();
   EXPECT_EQ(b->decode, f.d0) << b->DebugString();
@@ -170,15 +172,8 @@ TEST(Room, BlocksAGrowthReserveKeepsAreNotRoom) {
 TEST(Room, ARequestsOwnGrowthShareIsNotRoomEither) {
   TwoByOne f;
   const WorkerId d1 = f.Add("d1", WorkerRole::kDecode);
-  const auto report = [&](WorkerId w, uint32_t free_blocks, float ratio) {
-    LoadReport r;
-    r.active_decode_blocks = kBlocks - free_blocks;
-    r.free_blocks = free_blocks;
-    r.kv_growth_ratio = ratio;
-    ASSERT_TRUE(f.router->ApplyLoadReport(w, r).ok());
-  };
-  report(f.d0, 40, 1.0f);
-  report(d1, 30, 0.0f);
+  f.ReportGrowth(f.d0, 40, 0, 1.0f);
+  f.ReportGrowth(d1, 30, 0, 0.0f);
   auto a = f.Route(nullptr, kPromptTokens, /*max_tokens=*/0);
   ASSERT_TRUE(a.ok()) << a.status().ToString();
   EXPECT_EQ(a->decode, f.d0) << a->DebugString();
