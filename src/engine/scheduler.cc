@@ -56,7 +56,8 @@ Growth Scheduler::HolderGrowth() const {
 
 uint32_t Scheduler::KeepFor(const Growth& g) const {
   if (growth_ratio_ <= 0) return 0;
-  const double tokens = static_cast<double>(g.known) + growth_ratio_ * static_cast<double>(g.output);
+  const double tokens =
+      static_cast<double>(g.known) + growth_ratio_ * static_cast<double>(g.output);
   return static_cast<uint32_t>(std::ceil(tokens / blocks_->block_size()));
 }
 

@@ -200,9 +200,9 @@ class Scheduler {
   double growth_init_ = 0;
   double growth_min_ = 0;
   double growth_ratio_ = 0;
-  uint64_t growth_ended_ = 0;       // requests seen by NoteEnded
-  double growth_generated_ = 0;     // running mean of their generated tokens
-  double growth_max_tokens_ = 0;    // and of their max_tokens
+  uint64_t growth_ended_ = 0;     // requests seen by NoteEnded
+  double growth_generated_ = 0;   // running mean of their generated tokens
+  double growth_max_tokens_ = 0;  // and of their max_tokens
   std::function<uint64_t()> outside_growth_;
   uint64_t prefix_query_tokens_ = 0;
   uint64_t prefix_hit_tokens_ = 0;

@@ -145,9 +145,8 @@ Result<RoutedPair> Fleet::Route(std::span<const uint64_t> hashes, uint32_t promp
   // A decision may still land on a worker that is leaving (out of workers_
   // already, not yet out of the router): then without it.
   for (int attempt = 0; attempt < 8; ++attempt) {
-    auto d = router_->Route(
-        router::RouteRequest{hashes, prompt_tokens, ttft_slo_ms, mask.Any() ? &mask : nullptr,
-                             max_tokens});
+    auto d = router_->Route(router::RouteRequest{hashes, prompt_tokens, ttft_slo_ms,
+                                                 mask.Any() ? &mask : nullptr, max_tokens});
     if (!d.ok()) {
       if (metrics_) metrics_->CountError(router_->policy());
       if (refused) {

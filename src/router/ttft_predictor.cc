@@ -91,9 +91,11 @@ double KvWaitMs(const Candidate& d, double hold_seconds, const TtftInputs& in) {
   const int64_t need = std::max<int64_t>(0, int64_t{in.prompt_blocks} - int64_t{d.overlap_blocks});
   const double holders = static_cast<double>(std::max<int64_t>(1, d.load.running_requests + d.load.reservations));
   const double share = static_cast<double>(std::max<int64_t>(1, d.load.active_decode_blocks)) / holders;
-  const int64_t own = OwnGrowthBlocks(d.load.growth_ratio, in.prompt_tokens, in.max_tokens, in.block_size);
-  const double deficit = static_cast<double>(need + d.load.growth_reserve_blocks + own - d.load.free_blocks) +
-                         static_cast<double>(d.load.pending_reserves) * share;
+  const int64_t own =
+      OwnGrowthBlocks(d.load.growth_ratio, in.prompt_tokens, in.max_tokens, in.block_size);
+  const double deficit =
+      static_cast<double>(need + d.load.growth_reserve_blocks + own - d.load.free_blocks) +
+      static_cast<double>(d.load.pending_reserves) * share;
   if (!(deficit > 0)) return 0;
   return std::ceil(deficit / share) * hold_seconds / holders * 1e3;
 }

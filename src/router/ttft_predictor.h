@@ -162,7 +162,7 @@ struct TtftInputs {
   uint32_t prompt_tokens = 0;
   uint32_t prompt_blocks = 0;  // ceil(prompt_tokens / block size)
   uint32_t block_size = 16;
-  uint32_t max_tokens = 0;     // 0: unknown (no growth reserve share counted)
+  uint32_t max_tokens = 0;  // 0: unknown (no growth reserve share counted)
 };
 
 // Prefill-side time in ms of the request on `p` (queue ahead, its own
