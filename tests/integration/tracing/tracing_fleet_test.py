@@ -72,9 +72,11 @@ def _varint(n):
 
 def grpc_generate(f, header=None):
     """tandem.v1.Generation/Generate with a hand-encoded GenerateRequest
-    (prompt = 3, max_tokens = 5); returns the number of response messages."""
+    (prompt = 3, max_tokens = 5, ignore_eos = 9: sampled at the default
+    temperature, an EOS could otherwise end it before its 8 tokens);
+    returns the number of response messages."""
     text = prompt().encode()
-    req = b"\x1a" + _varint(len(text)) + text + b"\x28" + _varint(8)
+    req = b"\x1a" + _varint(len(text)) + text + b"\x28" + _varint(8) + b"\x48\x01"
     with grpc.insecure_channel(f.state["proxy"]["grpc"]) as ch:
         call = ch.unary_stream("/tandem.v1.Generation/Generate")
         md = [("traceparent", header)] if header else None
