@@ -485,8 +485,8 @@ uint32_t Engine::GrowthKeepLocked(uint64_t own_tokens) const {
   if (scheduler_->growth_ratio() <= 0 || (reservations_.empty() && !scheduler_->AnyHolder())) {
     return 0;
   }
-  Growth g = scheduler_->HolderGrowth();
-  g.output += own_tokens + ReservedGrowthLocked();
+  Growth g = scheduler_->HolderGrowth();  // the reservations' included
+  g.output += own_tokens;
   return scheduler_->KeepFor(g);
 }
 

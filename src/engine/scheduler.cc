@@ -45,12 +45,18 @@ Growth Scheduler::GrowthOf(const Sequence& s, size_t held_blocks) const {
   return g;
 }
 
-Growth Scheduler::HolderGrowth() const {
+Growth Scheduler::WaitingAndOutsideGrowth() const {
   Growth g;
-  for (const Sequence* s : running_) g += GrowthOf(*s, s->blocks.size());
+  if (outside_growth_) g.output = outside_growth_();
   for (const Sequence* s : waiting_) {
     if (!s->blocks.empty()) g += GrowthOf(*s, s->blocks.size());
   }
+  return g;
+}
+
+Growth Scheduler::HolderGrowth() const {
+  Growth g = WaitingAndOutsideGrowth();
+  for (const Sequence* s : running_) g += GrowthOf(*s, s->blocks.size());
   return g;
 }
 
@@ -225,14 +231,10 @@ const SchedulerOutput& Scheduler::Schedule() {
   // What the holders may still write past their blocks, mid-plan: the
   // scheduled and unscheduled running, the waiting holding blocks, and
   // those outside (a decoder's reservations).
-  auto running_growth = [&] {
-    Growth g;
-    if (outside_growth_) g.output = outside_growth_();
+  auto holder_growth = [&] {  // HolderGrowth, with running_ split into done and rest_
+    Growth g = WaitingAndOutsideGrowth();
     for (const Sequence* d : done) g += GrowthOf(*d, d->blocks.size());
     for (size_t i = rest_lo; i < rest_hi; ++i) g += GrowthOf(*rest_[i], rest_[i]->blocks.size());
-    for (const Sequence* w : waiting_) {
-      if (!w->blocks.empty()) g += GrowthOf(*w, w->blocks.size());
-    }
     return g;
   };
   // Admits `s` (taken out of waiting_); false (and `s` back in waiting_)
@@ -265,7 +267,7 @@ const SchedulerOutput& Scheduler::Schedule() {
     uint32_t keep = 0;
     if (growth_ratio_ > 0 && took_prefix && !s->admitted_once && !worse_running() &&
         done.size() + (rest_hi - rest_lo) > 0) {
-      Growth g = running_growth();
+      Growth g = holder_growth();
       g += GrowthOf(*s, s->blocks.size() + need);
       keep = KeepFor(g);
     }

@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "common/growth_reserve.h"
 #include "engine/block_manager.h"
 #include "engine/fair_share.h"
 #include "engine/sequence.h"
@@ -63,7 +64,6 @@ struct SchedulerLimits {
 inline constexpr double kGrowthInitRatio = 0.7;
 inline constexpr double kGrowthMinFactor = 0.14;
 inline constexpr uint32_t kGrowthDecaySteps = 600;
-inline constexpr uint32_t kGrowthClipTokens = 4096;  // per request, as SGLang's estimate
 // The ratio's learned floor: of the requests that ended (EOS, a stop or
 // max_tokens; not an abort, error or deadline), the tokens generated over
 // their max_tokens (each clipped at kGrowthClipTokens), both as running
@@ -72,13 +72,6 @@ inline constexpr uint32_t kGrowthClipTokens = 4096;  // per request, as SGLang's
 // larger of it and SGLang's floor (init x kGrowthMinFactor).
 inline constexpr uint32_t kGrowthLearnAfter = 16;
 inline constexpr double kGrowthLearnWindow = 64;
-
-// Tokens a holder of `held_blocks` may still write past them when its KV
-// ends at `kv_end` tokens (prompt + max_tokens - 1), at most kGrowthClipTokens.
-inline uint64_t GrowthTokensPast(uint64_t kv_end, size_t held_blocks, uint32_t block_size) {
-  const uint64_t capacity = uint64_t{held_blocks} * block_size;
-  return kv_end > capacity ? std::min<uint64_t>(kv_end - capacity, kGrowthClipTokens) : 0;
-}
 
 // What holders may still write past their blocks: `known` tokens (a prompt
 // or recomputed output not yet in KV), counted whole, and `output` tokens
@@ -145,8 +138,8 @@ class Scheduler {
   double growth_floor() const;
   // A request ended having generated `generated` of its `max_tokens`.
   void NoteEnded(uint32_t generated, uint32_t max_tokens);
-  // Whether a waiting or running sequence holds blocks, and what those may
-  // still write past their blocks (GrowthOf each).
+  // Whether a waiting or running sequence holds blocks; what those and the
+  // holders outside (set_outside_growth) may still write past their blocks.
   bool AnyHolder() const;
   Growth HolderGrowth() const;
   // What `s` may still write past `held_blocks` blocks.
@@ -180,6 +173,9 @@ class Scheduler {
   // With nothing running and nothing admitted, the newest waiting sequence
   // that holds blocks drops them (DropBlocks); false when none holds any.
   bool DropNewestWaitingHolder();
+  // HolderGrowth's waiting holders and those outside (Schedule adds the
+  // running ones while it moves them).
+  Growth WaitingAndOutsideGrowth() const;
   // After a step's plan: the growth ratio's fall, jump or reset.
   void UpdateGrowthRatio(const SchedulerOutput& out);
   static QueueKey KeyOf(const Sequence* s) {

@@ -27,13 +27,13 @@
 // Thread-safety: none. Router owns one and calls it under its mutex.
 #pragma once
 
-#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
 #include <deque>
 #include <span>
 
+#include "common/growth_reserve.h"
 #include "router/types.h"
 
 namespace tandem::router {
@@ -58,11 +58,6 @@ struct WorkerLoad {
   double growth_ratio = 0;            // decoder: the reserve's ratio (last report; 0: off)
 };
 
-// Tokens a request may generate past its prompt's blocks that a decoder's
-// growth reserve counts, at most (the engine's kGrowthClipTokens,
-// docs/engine.md "Growth reserve").
-inline constexpr uint32_t kGrowthClipTokens = 4096;
-
 // The blocks a decoder's growth reserve keeps free for a new request beyond
 // its prompt's: `ratio` x what it may generate past its prompt's blocks
 // (its KV ends at prompt + max_tokens - 1 tokens; at most kGrowthClipTokens
@@ -71,11 +66,10 @@ inline constexpr uint32_t kGrowthClipTokens = 4096;
 inline int64_t OwnGrowthBlocks(double ratio, uint32_t prompt_tokens, uint32_t max_tokens,
                                uint32_t block_size) {
   if (!(ratio > 0) || max_tokens == 0 || block_size == 0) return 0;
-  const uint64_t end = uint64_t{prompt_tokens} + max_tokens - 1;
-  const uint64_t held = (uint64_t{prompt_tokens} + block_size - 1) / block_size * block_size;
-  if (end <= held) return 0;
-  const double past = static_cast<double>(std::min<uint64_t>(end - held, kGrowthClipTokens));
-  return static_cast<int64_t>(std::ceil(ratio * past / block_size));
+  const uint64_t prompt_blocks = (uint64_t{prompt_tokens} + block_size - 1) / block_size;
+  const uint64_t past =
+      GrowthTokensPast(uint64_t{prompt_tokens} + max_tokens - 1, prompt_blocks, block_size);
+  return static_cast<int64_t>(std::ceil(ratio * static_cast<double>(past) / block_size));
 }
 
 // The timed part of a prediction.

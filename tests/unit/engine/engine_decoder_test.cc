@@ -148,10 +148,7 @@ TEST(EngineTest, PrefilledRequestsThatFillThePoolAllFinish) {
 // request first); the reservation is refused as short of blocks (a
 // decoder's Reserve waits and tries again) until it has them.
 TEST(EngineTest, AReservationWaitsBehindAPreemptedRequest) {
-  EngineOptions o;
-  o.num_blocks = 8;
-  o.scheduler.schedule_conservativeness = 0;  // with the growth reserve b would wait for a
-  auto e = MakeEngine(TinyModel(), o);
+  auto e = testing::MakeSmallPoolEngine(8, 0);  // with the growth reserve b would wait for a
   Collector a, b;
   // Two 48-token prompts (3 blocks) growing to 88 tokens (6 blocks) each:
   // 12 blocks wanted of 8, so one is preempted on the way.
@@ -183,10 +180,7 @@ TEST(EngineTest, AReservationWaitsBehindAPreemptedRequest) {
 TEST(EngineTest, AReservationLeavesRoomForTheDecodingRequestsToGrow) {
   for (const double conservativeness : {1.0, 0.0}) {
     SCOPED_TRACE(conservativeness);
-    EngineOptions o;
-    o.num_blocks = 8;
-    o.scheduler.schedule_conservativeness = conservativeness;
-    auto e = MakeEngine(TinyModel(), o);
+    auto e = testing::MakeSmallPoolEngine(8, conservativeness);
     Collector a;
     // 16 prompt tokens and 64 to generate: its KV ends at 79 tokens, 5 blocks.
     ASSERT_TRUE(e->Submit(MakeRequest("a", Prompt(16, 1), 64, &a)).ok());

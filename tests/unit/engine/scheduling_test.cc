@@ -134,10 +134,7 @@ TEST(SchedulingTest, EqualPriorityNeverPreempts) {
 TEST(SchedulingTest, ANewRequestWaitsForTheRunningOnesGrowthInsteadOfPreemptingThem) {
   for (const double conservativeness : {1.0, 0.0}) {
     SCOPED_TRACE(conservativeness);
-    EngineOptions o;
-    o.num_blocks = 8;
-    o.scheduler.schedule_conservativeness = conservativeness;
-    auto e = MakeEngine(TinyModel(), o);
+    auto e = testing::MakeSmallPoolEngine(8, conservativeness);
     Collector a, b;
     // 48 prompt tokens and 40 to generate: a's KV ends at 87 tokens, 6 blocks.
     ASSERT_TRUE(e->Submit(Req("a", Prompt(48, 1), 40, &a)).ok());

@@ -65,6 +65,15 @@ inline std::unique_ptr<Engine> MakeEngine(const LoadedModel& m, EngineOptions o 
   return std::move(*e);
 }
 
+// The tiny model in a pool of `num_blocks` with the growth reserve at
+// `conservativeness` (scheduler.schedule_conservativeness; 0: off).
+inline std::unique_ptr<Engine> MakeSmallPoolEngine(uint32_t num_blocks, double conservativeness) {
+  EngineOptions o;
+  o.num_blocks = num_blocks;
+  o.scheduler.schedule_conservativeness = conservativeness;
+  return MakeEngine(TinyModel(), std::move(o));
+}
+
 // Deterministic pseudo-random prompt of `n` ids in [3, vocab).
 inline std::vector<uint32_t> Prompt(uint32_t n, uint32_t salt, uint32_t vocab = 512) {
   std::vector<uint32_t> p(n);
