@@ -237,14 +237,15 @@ const SchedulerOutput& Scheduler::Schedule() {
     for (size_t i = rest_lo; i < rest_hi; ++i) g += GrowthOf(*rest_[i], rest_[i]->blocks.size());
     return g;
   };
-  // Admits `s` (taken out of waiting_); false (and `s` back in waiting_)
-  // when it does not fit.
+  // Admits `s` (taken out of waiting_): kAdmitted, or (the caller puts `s`
+  // back) kNoRoom, or kHeldByReserve when it would fit but for the reserve.
+  enum class Admit { kAdmitted, kNoRoom, kHeldByReserve };
   auto admit_one = [&](Sequence* s) {
     auto worse_running = [&] {
       return !rest_empty() && rest_[rest_hi - 1]->req.priority > s->req.priority;
     };
     if (done.size() + (rest_hi - rest_lo) >= limits_.max_num_seqs) {
-      if (!worse_running()) return false;
+      if (!worse_running()) return Admit::kNoRoom;
       preempt_back();
     }
     bool took_prefix = false;
@@ -265,7 +266,7 @@ const SchedulerOutput& Scheduler::Schedule() {
     // The growth reserve, for a new request while others run (none of them
     // of a worse priority: a better one preempts those as before).
     uint32_t keep = 0;
-    if (growth_ratio_ > 0 && took_prefix && !s->admitted_once && !worse_running() &&
+    if (growth_ratio_ > 0 && took_prefix && WeighedByReserve(*s) && !worse_running() &&
         done.size() + (rest_hi - rest_lo) > 0) {
       Growth g = holder_growth();
       g += GrowthOf(*s, s->blocks.size() + need);
@@ -276,13 +277,14 @@ const SchedulerOutput& Scheduler::Schedule() {
         preempt_back();
         continue;
       }
+      const bool held = keep > 0 && blocks_->CanAllocate(need);
       if (took_prefix) {  // give the prefix back; it is looked up again next time
         blocks_->Release(s->blocks);
         s->blocks.clear();
         s->num_computed = 0;
         s->num_committed = 0;
       }
-      return false;
+      return held ? Admit::kHeldByReserve : Admit::kNoRoom;
     }
     if (took_prefix && !s->admitted_once) {
       s->cached_prompt_tokens = std::min(s->num_computed, s->prompt_len);
@@ -298,22 +300,37 @@ const SchedulerOutput& Scheduler::Schedule() {
     fair_.Picked(s->req.tenant);
     done.push_back(s);
     add(s, n);
-    return true;
+    return Admit::kAdmitted;
   };
 
   bool admitting = true;
+  // After a new request is held by the reserve, the new ones behind it
+  // wait too (first come, first served), but not those the reserve does
+  // not weigh: a decoder's prefilled requests, whose blocks are already
+  // held (and counted in the reserve), and preempted ones coming back.
+  bool past_reserve_only = false;
+  const auto past_reserve = [](const Sequence* s) { return !WeighedByReserve(*s); };
   std::optional<int32_t> admit_below;  // after a preemption: only better priorities
   while (budget > 0) {
     if (admitting && !waiting_.empty()) flush_charge();  // the pick reads virtual times
-    auto wit = admitting ? fair_.PickNext(waiting_.begin(), waiting_.end(), KeyOf) : waiting_.end();
+    auto wit = !admitting ? waiting_.end()
+               : past_reserve_only
+                   ? fair_.PickNextIf(waiting_.begin(), waiting_.end(), KeyOf, past_reserve)
+                   : fair_.PickNext(waiting_.begin(), waiting_.end(), KeyOf);
+    if (past_reserve_only && wit == waiting_.end()) admitting = false;  // none left: stop looking
     Sequence* w = wit != waiting_.end() ? *wit : nullptr;
     if (w != nullptr && admit_below && w->req.priority >= *admit_below) w = nullptr;
     Sequence* r = rest_empty() ? nullptr : rest_[rest_lo];
     if (w != nullptr && (r == nullptr || w->req.priority < r->req.priority)) {
       waiting_.erase(wit);
-      if (!admit_one(w)) {
+      const Admit a = admit_one(w);
+      if (a != Admit::kAdmitted) {
         waiting_.push_front(w);
-        admitting = false;
+        if (a == Admit::kHeldByReserve) {
+          past_reserve_only = true;
+        } else {
+          admitting = false;
+        }
       }
       continue;
     }

@@ -178,6 +178,10 @@ class Scheduler {
   Growth WaitingAndOutsideGrowth() const;
   // After a step's plan: the growth ratio's fall, jump or reset.
   void UpdateGrowthRatio(const SchedulerOutput& out);
+  // A request never admitted (every new request on an aggregated or
+  // prefill engine, a decoder's local prefill): the growth reserve weighs
+  // its admission while others run.
+  static bool WeighedByReserve(const Sequence& s) { return !s.admitted_once; }
   static QueueKey KeyOf(const Sequence* s) {
     return {s->req.priority, &s->req.tenant, s->arrival};
   }

@@ -4,7 +4,8 @@
 // prefilled requests that fill the pool all finish (no deadlock); a
 // reservation waits behind the requests the engine preempted, and leaves
 // room for the decoding requests to grow (the growth reserve, whose ratio
-// falls to a floor learned from the requests that ended).
+// falls to a floor learned from the requests that ended); a new request the
+// reserve holds does not hold up the prefilled ones behind it.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -169,6 +170,56 @@ TEST(EngineTest, AReservationWaitsBehindAPreemptedRequest) {
   auto later = e->Reserve("r", Prompt(10, 3));
   ASSERT_TRUE(later.ok()) << later.status().ToString();
   ASSERT_TRUE(e->ReleaseReservation(later->reservation_id).ok());
+  EXPECT_EQ(e->stats().free_blocks, 8u);
+}
+
+// A new request the growth reserve holds does not hold up a decoder's
+// prefilled request queued behind it (docs/engine.md "Growth reserve"):
+// the prefilled one's blocks are already held (and counted in the
+// reserve), so it decodes at once while the new one waits for `a` to end.
+// Admission used to stop at the first request held, the prefilled one
+// waiting with it.
+TEST(EngineTest, APrefilledRequestDoesNotWaitBehindANewRequestTheReserveHolds) {
+  auto e = testing::MakeSmallPoolEngine(8, 1.0);
+  Collector a, b, c;
+  // 48 prompt tokens and 40 to generate: a's KV ends at 87 tokens, 6 blocks.
+  ASSERT_TRUE(e->Submit(MakeRequest("a", Prompt(48, 1), 40, &a)).ok());
+  ASSERT_TRUE(e->Step());
+  ASSERT_TRUE(e->Step());
+  ASSERT_EQ(e->stats().free_blocks, 4u);  // a took its 4th block
+  // c: a 16-token prompt (1 block) to generate 2; the reserve keeps
+  // ceil(0.7 x (23 + 1) / 16) = 2 of the 3 left.
+  const auto pc = Prompt(16, 3);
+  auto res = e->Reserve("c", pc, "", /*max_tokens=*/2);
+  ASSERT_TRUE(res.ok()) << res.status().ToString();
+  // b, new: 32 and 40 (2 blocks growing to 5) fit the 3 free blocks, but
+  // the reserve keeps ceil(0.7 x (23 + 1 + 39) / 16) = 3 of them.
+  ASSERT_TRUE(e->Submit(MakeRequest("b", Prompt(32, 2), 40, &b)).ok());
+  ASSERT_TRUE(e->Step());
+  ASSERT_TRUE(b.tokens.empty());
+  ASSERT_EQ(e->stats().num_waiting, 1u);
+  // c prefilled on another engine, its block pushed, added behind b.
+  auto prefiller = MakeEngine(TinyModel());
+  Collector pcol;
+  auto pr = MakeRequest("c", pc, 2, &pcol);
+  pr.prefill_only = true;
+  ASSERT_TRUE(prefiller->Submit(std::move(pr)).ok());
+  prefiller->RunUntilIdle();
+  ASSERT_EQ(pcol.tokens.size(), 1u);
+  ASSERT_EQ(res->block_ids.size(), 1u);
+  std::memcpy(e->pool().block(res->block_ids[0]), prefiller->pool().block(pcol.last.block_ids[0]),
+              prefiller->pool().layout().block_bytes());
+  ASSERT_TRUE(prefiller->ReleasePrefill("c").ok());
+  ASSERT_TRUE(
+      e->AddPrefilled(res->reservation_id, MakeRequest("c", pc, 2, &c), pcol.tokens[0]).ok());
+  ASSERT_TRUE(e->Step());
+  EXPECT_TRUE(c.finished);
+  EXPECT_EQ(c.tokens, GenerateAlone(pc, 2));
+  EXPECT_TRUE(b.tokens.empty());  // still held: a has not ended
+  e->RunUntilIdle();
+  EXPECT_EQ(e->stats().preemptions, 0u);
+  EXPECT_EQ(a.tokens, GenerateAlone(Prompt(48, 1), 40));
+  EXPECT_EQ(b.tokens, GenerateAlone(Prompt(32, 2), 40));
   EXPECT_EQ(e->stats().free_blocks, 8u);
 }
 
