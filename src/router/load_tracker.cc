@@ -14,7 +14,7 @@ void LoadTracker::Refresh(State& s) {
   e.seat_demand = int64_t{s.report.registered_requests} + s.timed_sum.running;
   e.free_known = s.free_known;
   e.reservations = s.report.num_reservations;
-  e.growth_reserve_blocks = s.report.kv_growth_reserve_blocks;
+  e.growth_reserve_blocks = int64_t{s.report.kv_growth_reserve_blocks} + s.timed_sum.growth_blocks;
   e.growth_ratio = s.report.kv_growth_ratio;
   e.pending_reserves = std::max<int64_t>(0, int64_t{s.report.registered_requests} - s.report.running_requests -
                                                 s.report.num_reservations);
@@ -22,8 +22,7 @@ void LoadTracker::Refresh(State& s) {
 
 void LoadTracker::DropTimedBefore(State& s, int64_t cutoff_ns) {
   while (!s.timed.empty() && s.timed.front().time_ns < cutoff_ns) {
-    s.timed_sum.decode_blocks -= s.timed.front().delta.decode_blocks;
-    s.timed_sum.running -= s.timed.front().delta.running;
+    s.timed_sum -= s.timed.front().delta;
     s.timed.pop_front();
   }
 }
@@ -67,8 +66,7 @@ void LoadTracker::ApplyReport(WorkerId worker, const LoadReport& report, int64_t
 void LoadTracker::Predict(WorkerId worker, const LoadDelta& delta, int64_t now_ns, uint64_t ticket) {
   State& s = workers_[worker];
   s.timed.push_back({now_ns, ticket, delta});
-  s.timed_sum.decode_blocks += delta.decode_blocks;
-  s.timed_sum.running += delta.running;
+  s.timed_sum += delta;
   Refresh(s);
 }
 
@@ -78,9 +76,8 @@ bool LoadTracker::Withdraw(WorkerId worker, uint64_t ticket) {
   auto it = std::lower_bound(s.timed.begin(), s.timed.end(), ticket,
                              [](const Timed& t, uint64_t k) { return t.ticket < k; });
   if (it == s.timed.end() || it->ticket != ticket) return false;
-  if (it->delta.decode_blocks == 0 && it->delta.running == 0) return false;
-  s.timed_sum.decode_blocks -= it->delta.decode_blocks;
-  s.timed_sum.running -= it->delta.running;
+  if (it->delta.empty()) return false;
+  s.timed_sum -= it->delta;
   it->delta = {};  // stays queued until a report or its age drops it
   Refresh(s);
   return true;

@@ -54,7 +54,9 @@ struct WorkerLoad {
   // reservations): they take blocks before a request routed now.
   int64_t reservations = 0;
   int64_t pending_reserves = 0;
-  int64_t growth_reserve_blocks = 0;  // decoder: blocks its growth reserve keeps free (last report)
+  // Decoder: blocks its growth reserve keeps free (the last report's, plus
+  // the own shares of the routes made since that it does not count).
+  int64_t growth_reserve_blocks = 0;
   double growth_ratio = 0;            // decoder: the reserve's ratio (last report; 0: off)
 };
 
@@ -76,6 +78,23 @@ inline int64_t OwnGrowthBlocks(double ratio, uint32_t prompt_tokens, uint32_t ma
 struct LoadDelta {
   int64_t decode_blocks = 0;  // added to active blocks, taken from free blocks
   int64_t running = 0;
+  // Added to a decoder's growth reserve (its own share, OwnGrowthBlocks):
+  // the decoder's reserve counts a reservation's growth from its Reserve on.
+  int64_t growth_blocks = 0;
+
+  LoadDelta& operator+=(const LoadDelta& d) {
+    decode_blocks += d.decode_blocks;
+    running += d.running;
+    growth_blocks += d.growth_blocks;
+    return *this;
+  }
+  LoadDelta& operator-=(const LoadDelta& d) {
+    decode_blocks -= d.decode_blocks;
+    running -= d.running;
+    growth_blocks -= d.growth_blocks;
+    return *this;
+  }
+  bool empty() const { return decode_blocks == 0 && running == 0 && growth_blocks == 0; }
 };
 
 // The prefill a routed request brings to the worker that prefills it.

@@ -256,17 +256,21 @@ Status Router::Route(const RouteRequest& request, RouteDecision* out) {
   // cached there (nothing will be stored).
   const bool all_cached = out->prefill_overlap_blocks >= request.block_hashes.size();
   work.key = request.block_hashes.empty() || all_cached ? 0 : request.block_hashes.back();
+  // The decoder's reserve grows by the request's own share from its
+  // reservation (or local admission) on; its next report counts it.
+  const LoadDelta decode_delta{new_blocks, 1,
+                               OwnGrowthBlocks(loads_.load(out->decode).growth_ratio,
+                                               request.prompt_tokens, request.max_tokens, bs)};
   if (out->local_prefill) {
     // A local prefill waits in the engine, not in a prefill queue that the
     // worker reports; the decode side counts the running request.
     loads_.AddPrefill(out->decode, work, now);
-    loads_.Predict(out->decode, {new_blocks, 1}, now, work.ticket);
   } else {
     work.reported_tokens = prompt_tokens;  // a prefiller reports a waiting request's whole prompt
     work.running = 1;
     loads_.AddPrefill(out->prefill, work, now);
-    loads_.Predict(out->decode, {new_blocks, 1}, now, work.ticket);
   }
+  loads_.Predict(out->decode, decode_delta, now, work.ticket);
   out->prefill_ticket = {out->prefill, work.ticket, out->decode, now};
   if (work.key != 0) {
     keyed_pending_[out->prefill].store(loads_.keyed_predictions(out->prefill), std::memory_order_relaxed);

@@ -184,6 +184,41 @@ TEST(Room, ARequestsOwnGrowthShareIsNotRoomEither) {
   EXPECT_FALSE(b->room_by_report);
 }
 
+// A route's own share counts in the decoder's reserve from the route on,
+// until the decoder's report counts it (its Reserve adds the reservation's
+// growth to the reserve at once) or the attempt ends (session 28). At ratio
+// 1 a 400-token prompt that may generate 256 keeps 16: after `a`, d0 has
+// 55 free with 16 kept, so `b` (25 blocks and 16 of its own) goes to d1,
+// which is more loaded; before, d0 still looked to have room (55 - 16).
+TEST(Room, ARoutesOwnShareCountsInTheDecodersReserveUntilItsReportDoes) {
+  TwoByOne f;
+  const WorkerId d1 = f.Add("d1", WorkerRole::kDecode);
+  f.ReportGrowth(f.d0, 80, 0, 1.0f);
+  f.ReportGrowth(d1, 50, 0, 0.0f);
+  auto a = f.Route(nullptr, kPromptTokens, /*max_tokens=*/256);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  ASSERT_EQ(a->decode, f.d0) << a->DebugString();
+  EXPECT_EQ(f.Free(f.d0), 55);
+  EXPECT_EQ(f.router->load(f.d0)->growth_reserve_blocks, 16);
+  auto b = f.Route(nullptr, kPromptTokens, 256);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_EQ(b->decode, d1) << b->DebugString();
+  EXPECT_EQ(f.router->load(d1)->growth_reserve_blocks, 0);  // its ratio is 0
+  // Ended before a report: the share goes with the blocks.
+  f.router->EndAttempt(b->prefill_ticket);
+  f.router->EndAttempt(a->prefill_ticket);
+  EXPECT_EQ(f.Free(f.d0), 80);
+  EXPECT_EQ(f.router->load(f.d0)->growth_reserve_blocks, 0);
+  // Counted by a report: the report's alone, not twice.
+  auto c = f.Route(nullptr, kPromptTokens, 256);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  ASSERT_EQ(c->decode, f.d0) << c->DebugString();
+  f.AdvanceMs(10);
+  f.ReportGrowth(f.d0, 55, 16, 1.0f);
+  EXPECT_EQ(f.router->load(f.d0)->growth_reserve_blocks, 16);
+  EXPECT_EQ(f.Free(f.d0), 55);
+}
+
 // Routes in flight the decoder has not reported yet may add up to more than
 // its last report's free blocks: the estimate. It alone does not refuse a
 // request the report has room for; the decision says so and the decoder's
