@@ -13,20 +13,28 @@
 # (configs/sim-aggregated.yaml, one `both` replica of 1024 blocks), where
 # the reserve applies to each new request's admission.
 #
+# EOS=p (session 28): requests end at an eos with probability p per token
+# (sim.eos_probability; geometric lengths of mean 1/p, clipped at 256)
+# instead of all running to max_tokens (--ignore-eos is left off).
+#
 #   bash bench/results/growth_reserve.sh            # build/tandem, 2 pairs
 #   TANDEM=build-x/tandem PAIRS=3 bash bench/results/growth_reserve.sh
 #   MODE=aggregated bash bench/results/growth_reserve.sh
+#   EOS=0.015625 MODE=aggregated bash bench/results/growth_reserve.sh
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BIN=${TANDEM:-$ROOT/build/tandem}
 PAIRS=${PAIRS:-2}
 MODE=${MODE:-1p1d}
+EOS=${EOS:-0}
+IGNORE_EOS=--ignore-eos
+[ "$EOS" = 0 ] || IGNORE_EOS=
 W=$(mktemp -d /tmp/tandem-growth-XXXXXX)
 trap 'rm -rf "$W"' EXIT
 for c in 0 1; do
-  python3 - "$ROOT" "$c" "$MODE" > "$W/c$c.yaml" <<'PY'
+  python3 - "$ROOT" "$c" "$MODE" "$EOS" > "$W/c$c.yaml" <<'PY'
 import sys
-root, c, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+root, c, mode, eos = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 s = open(root + ("/configs/sim-aggregated.yaml" if mode == "aggregated" else "/configs/sim-1p1d.yaml")).read()
 s = s.replace("path: ../models/", "path: %s/models/" % root)
 s = s.replace("model_shape: sim/", "model_shape: %s/configs/sim/" % root)
@@ -34,6 +42,8 @@ s = s.replace("  threads: 1\n", "  threads: 1\n  schedule_conservativeness: %s\n
 s = s.replace("decode:\n  replicas: 1\n", "decode:\n  replicas: 1\n  num_blocks: 1024\n")
 s = s.replace("both:\n  replicas: 2\n", "both:\n  replicas: 1\n  num_blocks: 1024\n")
 s = s.replace("level: info", "level: warn")
+if eos != "0":
+    s = s.replace("sim:\n", "sim:\n  eos_probability: %s\n" % eos, 1)
 for a, b in (("50171", "5170"), ("8171", "870"), ("9171", "970")):
     s = s.replace("127.0.0.1:" + a, "127.0.0.1:%s%s" % (b, c))
 print(s)
@@ -49,7 +59,7 @@ run() {  # run TAG CONFIG
   local dm
   dm=$(python3 -c "import json,sys;print([w['metrics'] for w in json.load(open(sys.argv[1]))['workers'] if w['role'] in ('decode','both')][0])" "$d/fleet.json")
   "$BIN" bench serve --state-file "$d/fleet.json" --no-progress --json "$d/serve.json" --label "$1" \
-    --concurrency 32 --num-requests 96 --input-len 1024 --output-len 256 --ignore-eos > "$d/serve.txt" 2>&1
+    --concurrency 32 --num-requests 96 --input-len 1024 --output-len 256 $IGNORE_EOS > "$d/serve.txt" 2>&1
   curl -s "http://$dm/metrics" > "$d/dec.txt"
   kill $lp; wait $lp 2>/dev/null || true
   python3 - "$d" <<'PY'

@@ -269,6 +269,7 @@ void ReadAll(YamlMap& top, FleetConfig& c) {
     m.Read("link_latency_us", c.sim.link_latency_us, 0.0, 1e6);
     m.Read("pcie_gbps", c.sim.pcie_gbps, 0.001, 1e5);
     m.Read("nvme_gbps", c.sim.nvme_gbps, 0.001, 1e5);
+    m.Read("eos_probability", c.sim.eos_probability, 0.0, 1.0);
     m.Finish();
   }
   ReadRole(top.Sub("prefill"), c.prefill);

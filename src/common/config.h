@@ -212,6 +212,11 @@ struct SimConfig {
   // Onboarding from the lower KV tiers (cache.host_tier_blocks, cache.disk_tier).
   double pcie_gbps = 400;        // host memory -> device
   double nvme_gbps = 56;         // disk -> device
+  // Each output token is the model's eos with this probability (a function
+  // of the running hash: deterministic), so requests end before max_tokens
+  // as real ones do (geometric lengths, mean 1 / p); 0: every sequence runs
+  // to max_tokens (a request with ignore_eos runs on past an eos).
+  double eos_probability = 0;
 };
 
 struct LoggingConfig {

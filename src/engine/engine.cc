@@ -175,6 +175,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
     auto sim = std::make_unique<SimBackend>(config, *o.sim_timing, e->pool_.get());
     sim->set_tier_links(o.sim_host_bytes_per_s, o.sim_disk_bytes_per_s,
                         static_cast<double>(layout.block_bytes()) * o.sim_kv_scale);
+    TANDEM_RETURN_IF_ERROR(sim->set_eos_probability(o.sim_eos_probability));
     e->backend_ = std::move(sim);
   } else if (o.backend == "cuda") {
 #ifdef TANDEM_HAVE_CUDA

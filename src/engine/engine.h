@@ -110,6 +110,7 @@ struct EngineOptions {
   double sim_host_bytes_per_s = 0;
   double sim_disk_bytes_per_s = 0;
   double sim_kv_scale = 1;
+  double sim_eos_probability = 0;  // sim.eos_probability
 
   // Lower KV tiers (docs/engine.md, "KV tiers"): cache.host_tier_blocks and
   // cache.disk_tier. The disk tier's files go straight under

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <thread>
 
@@ -115,7 +116,29 @@ char* SimBackend::Slot(std::span<const uint32_t> block_table, uint32_t pos) cons
   return reinterpret_cast<char*>(block + size_t{pos % l.block_size} * l.head_dim);
 }
 
+Status SimBackend::set_eos_probability(double p) {
+  if (!(p >= 0 && p <= 1)) {
+    return InvalidArgumentError(fmt::format("sim.eos_probability {} is outside [0, 1]", p));
+  }
+  eos_below_ = 0;
+  eos_always_ = p >= 1;
+  if (p == 0) return Status::Ok();
+  const auto& eos = config_.eos_token_ids;
+  const auto it =
+      std::find_if(eos.begin(), eos.end(), [&](uint32_t id) { return id < config_.vocab_size; });
+  if (it == eos.end()) {
+    return InvalidArgumentError(fmt::format(
+        "sim.eos_probability {}: the model (fleet.model.path) has no eos token id in its "
+        "vocabulary of {}",
+        p, config_.vocab_size));
+  }
+  eos_id_ = *it;
+  eos_below_ = static_cast<uint64_t>(std::ldexp(p, 64));  // p < 1: below 2^64
+  return Status::Ok();
+}
+
 uint32_t SimBackend::TokenFor(uint64_t hash) const {
+  if (eos_always_ || (eos_below_ != 0 && SplitMix(hash ^ kSimEosSalt) < eos_below_)) return eos_id_;
   if (num_allowed_ == 0) return 0;  // every id is eos or bos
   // The index-th allowed id: step over the excluded ids at or below it.
   uint32_t id = static_cast<uint32_t>(SplitMix(hash) % num_allowed_);

@@ -10,7 +10,8 @@
 // whatever the batch, the chunking, prefix-cache hits or the topology — and
 // a decoder only continues correctly if the prefiller's KV bytes arrived.
 // Token ids are drawn from the engine's vocabulary (the tokenizer model's)
-// minus its bos/eos ids, so a sim sequence runs to max_tokens. Logits are
+// minus its bos/eos ids, so a sim sequence runs to max_tokens, unless
+// sim.eos_probability makes a share of them the model's eos. Logits are
 // one-hot (one_hot_logits()), so every sampling setting that cannot pick a
 // -1e30 logit picks that token; the engine then takes it from hot_tokens()
 // and asks for no logits (an empty span: no row is filled).
@@ -70,6 +71,10 @@ class SimBackend final : public ComputeBackend {
   double last_step_seconds() const { return last_step_seconds_; }
   // Off: Forward returns at once (tests of outputs and of the timing alone).
   void set_sleep(bool sleep) { sleep_ = sleep; }
+  // Each output token is the model's first eos id with probability `p`
+  // (when SplitMix64(hash ^ kSimEosSalt) < p x 2^64; otherwise the token as
+  // without it). p in [0, 1]; p > 0 needs an eos id in the vocabulary.
+  Status set_eos_probability(double p);
   // Onboarding from the lower KV tiers: a step that onboarded blocks lasts
   // max(compute, Σ real block bytes / link bandwidth) — the copies overlap
   // the compute (layer by layer on a GPU). Bytes per second; 0: free.
@@ -95,6 +100,9 @@ class SimBackend final : public ComputeBackend {
   // no vocabulary-sized table (a cache miss per token after a step's sleep).
   std::vector<uint32_t> excluded_;
   uint32_t num_allowed_ = 0;
+  uint32_t eos_id_ = 0;
+  uint64_t eos_below_ = 0;   // SplitMix64(hash ^ kSimEosSalt) under it: eos (0: never)
+  bool eos_always_ = false;  // p = 1
   std::vector<sim::SeqWork> work_;
   std::vector<uint32_t> hot_;  // the last Forward's hot token per logits row
   double last_step_seconds_ = 0;
@@ -106,6 +114,8 @@ class SimBackend final : public ComputeBackend {
 
 // Running hash of a sequence: h(pos) = Mix(h(pos - 1), token, pos), h(-1) = kSeed.
 uint64_t SimHashStep(uint64_t previous, uint32_t token, uint32_t pos);
+// sim.eos_probability's draw is SplitMix64 of the running hash xor this.
+inline constexpr uint64_t kSimEosSalt = 0x656F732D73696D31ull;   // "eos-sim1"
 inline constexpr uint64_t kSimHashSeed = 0x73696d2d74616e64ull;  // "sim-tand"
 
 }  // namespace tandem::engine

@@ -318,6 +318,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     eo.sim_host_bytes_per_s = w.fleet.sim.pcie_gbps * 1e9 / 8;
     eo.sim_disk_bytes_per_s = w.fleet.sim.nvme_gbps * 1e9 / 8;
     eo.sim_kv_scale = w.sim.kv_scale;
+    eo.sim_eos_probability = w.fleet.sim.eos_probability;
   }
   if (rc.num_blocks != 0) eo.num_blocks = rc.num_blocks;
   // One disk-tier directory per worker (its name is stable across restarts).

@@ -1,7 +1,8 @@
 // The sim backend inside a real engine: KV geometry and capacity from the
 // simulated device, deterministic tokens (alone, batched, chunked, with
-// prefix hits), a prefill -> copy KV -> decode hand-off that continues only
-// with the right bytes, and steps that last the modelled time.
+// prefix hits), eos drawn from the hash at sim.eos_probability, a prefill
+// -> copy KV -> decode hand-off that continues only with the right bytes,
+// and steps that last the modelled time.
 #include "engine/sim_backend.h"
 
 #include <gtest/gtest.h>
@@ -153,6 +154,87 @@ TEST(SimBackend, TokensFollowTheRunningHashDefinition) {
     SCOPED_TRACE(kv_scale);
     ExpectTokensFollowTheRunningHash(MakeSetup(kv_scale), kv_scale == 3500 ? 5u : 64u);
   }
+}
+
+// sim.eos_probability (session 28): an output token is the model's first
+// eos id when SplitMix64(hash ^ kSimEosSalt) < p x 2^64, else the token as
+// without it; the request ends there (kStop) unless it ignores eos (then it
+// runs to max_tokens, eos among its tokens). Computed here from that
+// definition for 32 requests at p = 1/8, where some end early and some run
+// to max_tokens; p = 1 ends every request at its first token; a model with
+// no eos id is refused.
+TEST(SimBackend, EosProbabilityEndsRequestsAtTheHashesDraw) {
+  const SimSetup s = MakeSetup();
+  const sim::TimingModel fast = Instant();
+  const model::ModelConfig& mc = s.storage_config;
+  ASSERT_FALSE(mc.eos_token_ids.empty());
+  const uint32_t eos = mc.eos_token_ids[0];
+  std::vector<uint32_t> allowed;
+  for (uint32_t id = 0; id < mc.vocab_size; ++id) {
+    const bool special =
+        std::find(mc.eos_token_ids.begin(), mc.eos_token_ids.end(), id) != mc.eos_token_ids.end() ||
+        (mc.bos_token_id >= 0 && id == static_cast<uint32_t>(mc.bos_token_id));
+    if (!special) allowed.push_back(id);
+  }
+  auto make = [&](double p) {
+    EngineOptions o;
+    o.backend = "sim";
+    o.sim_timing = &fast;
+    o.num_blocks = 512;
+    o.sim_eos_probability = p;
+    return Engine::Create(s.storage_config, model::ModelWeights{}, o);
+  };
+  constexpr uint32_t kMax = 24;
+  auto e = make(1.0 / 8);
+  ASSERT_TRUE(e.ok()) << e.status().ToString();
+  std::map<std::string, Outcome> runs;
+  uint32_t ended_early = 0, ran_out = 0;
+  for (uint32_t r = 0; r < 32; ++r) {
+    const std::vector<uint32_t> prompt = Prompt(20 + r, 300 + r);
+    for (const bool ignore : {false, true}) {
+      std::string id = ignore ? "i" : "p";
+      id += std::to_string(r);
+      GenerateRequest req = Req(id, prompt, kMax, &runs);
+      req.sampling.ignore_eos = ignore;
+      ASSERT_TRUE((*e)->Submit(std::move(req)).ok());
+      (*e)->RunUntilIdle();
+      uint64_t h = kSimHashSeed;
+      uint32_t pos = 0;
+      for (uint32_t t : prompt) h = SimHashStep(h, t, pos++);
+      std::vector<uint32_t> want;
+      while (want.size() < kMax) {
+        const bool is_eos = SplitMix64(h ^ kSimEosSalt) < (uint64_t{1} << 61);  // 2^64 / 8
+        const uint32_t t = is_eos ? eos : allowed[SplitMix64(h) % allowed.size()];
+        want.push_back(t);
+        if (is_eos && !ignore) break;
+        h = SimHashStep(h, t, pos++);
+      }
+      EXPECT_EQ(runs[id].tokens, want) << id;
+      const bool early = want.back() == eos && !ignore;
+      EXPECT_EQ(runs[id].last.finish_reason, early ? FinishReason::kStop : FinishReason::kLength)
+          << id;
+      if (!ignore) (early ? ended_early : ran_out) += 1;
+    }
+  }
+  EXPECT_GT(ended_early, 0u);
+  EXPECT_GT(ran_out, 0u);
+  auto always = make(1.0);
+  ASSERT_TRUE(always.ok()) << always.status().ToString();
+  ASSERT_TRUE((*always)->Submit(Req("a", Prompt(30, 1), kMax, &runs)).ok());
+  (*always)->RunUntilIdle();
+  EXPECT_EQ(runs["a"].tokens, std::vector<uint32_t>{eos});
+  model::ModelConfig no_eos = s.storage_config;
+  no_eos.eos_token_ids.clear();
+  EngineOptions o;
+  o.backend = "sim";
+  o.sim_timing = &fast;
+  o.num_blocks = 64;
+  o.sim_eos_probability = 0.1;
+  auto refused = Engine::Create(no_eos, model::ModelWeights{}, o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("sim.eos_probability 0.1: the model"),
+            std::string::npos)
+      << refused.status().ToString();
 }
 
 TEST(SimBackend, SameRequestSameTokensAloneBatchedChunkedCached) {
