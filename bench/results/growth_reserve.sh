@@ -16,6 +16,7 @@
 # EOS=p (session 28): requests end at an eos with probability p per token
 # (sim.eos_probability; geometric lengths of mean 1/p, clipped at 256)
 # instead of all running to max_tokens (--ignore-eos is left off).
+# NUM=n: n requests instead of 96.
 #
 #   bash bench/results/growth_reserve.sh            # build/tandem, 2 pairs
 #   TANDEM=build-x/tandem PAIRS=3 bash bench/results/growth_reserve.sh
@@ -26,6 +27,7 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BIN=${TANDEM:-$ROOT/build/tandem}
 PAIRS=${PAIRS:-2}
 MODE=${MODE:-1p1d}
+NUM=${NUM:-96}
 EOS=${EOS:-0}
 IGNORE_EOS=--ignore-eos
 [ "$EOS" = 0 ] || IGNORE_EOS=
@@ -59,7 +61,7 @@ run() {  # run TAG CONFIG
   local dm
   dm=$(python3 -c "import json,sys;print([w['metrics'] for w in json.load(open(sys.argv[1]))['workers'] if w['role'] in ('decode','both')][0])" "$d/fleet.json")
   "$BIN" bench serve --state-file "$d/fleet.json" --no-progress --json "$d/serve.json" --label "$1" \
-    --concurrency 32 --num-requests 96 --input-len 1024 --output-len 256 $IGNORE_EOS > "$d/serve.txt" 2>&1
+    --concurrency 32 --num-requests "$NUM" --input-len 1024 --output-len 256 $IGNORE_EOS > "$d/serve.txt" 2>&1
   curl -s "http://$dm/metrics" > "$d/dec.txt"
   kill $lp; wait $lp 2>/dev/null || true
   python3 - "$d" <<'PY'
