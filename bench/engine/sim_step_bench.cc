@@ -7,6 +7,11 @@
 // admission and finishing are included at the workload's rate. The output
 // callback reads each delivery as the decoder's does.
 //
+// Args: batch, backlog, tenants. With a backlog (session 28) that many more
+// requests wait behind a full batch (max_num_seqs = batch), spread over
+// `tenants` tenants, as on a worker under overload: each step's scheduler
+// then also weighs the waiting queue (fair-share pick) against the running.
+//
 //   build/bench/engine/bench_sim_step [--benchmark_filter=...]
 #include <benchmark/benchmark.h>
 
@@ -32,6 +37,8 @@ double ThreadCpuSeconds() {
 
 void BM_SimDecodeStep(benchmark::State& state) {
   const uint32_t batch = static_cast<uint32_t>(state.range(0));
+  const uint32_t backlog = static_cast<uint32_t>(state.range(1));
+  const uint32_t tenants = static_cast<uint32_t>(state.range(2));
   auto tokenizer = model::LoadModelConfig(std::string(TANDEM_SOURCE_DIR) + "/models/tandem-kjv");
   if (!tokenizer.ok()) {
     state.SkipWithError(tokenizer.status().ToString().c_str());
@@ -49,7 +56,8 @@ void BM_SimDecodeStep(benchmark::State& state) {
   EngineOptions o;
   o.backend = "sim";
   o.sim_timing = sim->timing.get();
-  o.num_blocks = batch * 128;
+  o.num_blocks = (batch + backlog) * 128;
+  o.scheduler.max_waiting = backlog + batch;
   o.scheduler.max_num_seqs = batch;
   o.scheduler.max_batched_tokens = 2048;
   uint64_t step_observations = 0;
@@ -64,7 +72,8 @@ void BM_SimDecodeStep(benchmark::State& state) {
 
   uint64_t tokens = 0;
   uint64_t next_id = 0;
-  std::vector<bool> finished(batch, false);
+  const uint32_t slots = batch + backlog;
+  std::vector<bool> finished(slots, false);
   auto submit = [&](uint32_t slot) {
     GenerateRequest r;
     // As long as the proxy's ids (a 36-character UUID and a suffix).
@@ -74,6 +83,7 @@ void BM_SimDecodeStep(benchmark::State& state) {
     r.sampling.temperature = 0;
     r.sampling.ignore_eos = true;
     r.sampling.max_tokens = 1000;
+    r.tenant = "tenant-" + std::to_string(slot % tenants);
     r.on_output = [&, slot](const RequestOutput& out) {
       tokens += out.token_ids.size();
       benchmark::DoNotOptimize(out.completion_tokens);
@@ -81,7 +91,7 @@ void BM_SimDecodeStep(benchmark::State& state) {
     };
     return engine->Submit(std::move(r));
   };
-  for (uint32_t i = 0; i < batch; ++i) {
+  for (uint32_t i = 0; i < slots; ++i) {
     if (!submit(i).ok()) {
       state.SkipWithError("submit failed");
       return;
@@ -94,7 +104,7 @@ void BM_SimDecodeStep(benchmark::State& state) {
   for (auto _ : state) {
     engine->Step();
     ++steps;
-    for (uint32_t i = 0; i < batch; ++i) {
+    for (uint32_t i = 0; i < slots; ++i) {
       if (!finished[i]) continue;
       finished[i] = false;
       if (!submit(i).ok()) state.SkipWithError("resubmit failed");
@@ -105,7 +115,13 @@ void BM_SimDecodeStep(benchmark::State& state) {
   state.counters["cpu_us_per_token"] = tokens > 0 ? cpu * 1e6 / static_cast<double>(tokens) : 0;
   benchmark::DoNotOptimize(step_observations);
 }
-BENCHMARK(BM_SimDecodeStep)->Arg(16)->Arg(128)->MinTime(2.0);
+BENCHMARK(BM_SimDecodeStep)
+    ->Args({16, 0, 1})
+    ->Args({128, 0, 1})
+    ->Args({128, 1024, 1})
+    ->Args({128, 1024, 8})
+    ->ArgNames({"batch", "backlog", "tenants"})
+    ->MinTime(2.0);
 
 }  // namespace
 }  // namespace tandem::engine

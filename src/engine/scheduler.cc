@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 
 #include "common/block_hash.h"
@@ -221,9 +222,12 @@ const SchedulerOutput& Scheduler::Schedule() {
   size_t rest_hi = rest_.size();
   const auto rest_empty = [&] { return rest_lo == rest_hi; };
   running_.clear();
+  // The best priority among the waiting (nullopt: waiting_ changed since).
+  std::optional<int32_t> best_waiting;
   auto preempt_back = [&] {
     Sequence* victim = rest_[--rest_hi];
     Preempt(victim);
+    best_waiting.reset();
     ++out.num_preempted;
   };
 
@@ -311,18 +315,38 @@ const SchedulerOutput& Scheduler::Schedule() {
   bool past_reserve_only = false;
   const auto past_reserve = [](const Sequence* s) { return !WeighedByReserve(*s); };
   std::optional<int32_t> admit_below;  // after a preemption: only better priorities
+  // The best priority among the waiting bounds any pick's: while it is no
+  // better than the next running sequence's, that one is scheduled without
+  // a pick (a pass over the waiting queue, reading the tenants' virtual
+  // times; before session 28 a step under a backlog made one per running
+  // sequence: bench_sim_step's backlog rows).
+  auto best_waiting_priority = [&] {
+    if (!best_waiting) {
+      int32_t best = std::numeric_limits<int32_t>::max();
+      for (const Sequence* s : waiting_) best = std::min(best, s->req.priority);
+      best_waiting = best;
+    }
+    return *best_waiting;
+  };
+  constexpr int32_t kNone = std::numeric_limits<int32_t>::max();
   while (budget > 0) {
-    if (admitting && !waiting_.empty()) flush_charge();  // the pick reads virtual times
-    auto wit = !admitting ? waiting_.end()
-               : past_reserve_only
-                   ? fair_.PickNextIf(waiting_.begin(), waiting_.end(), KeyOf, past_reserve)
-                   : fair_.PickNext(waiting_.begin(), waiting_.end(), KeyOf);
-    if (past_reserve_only && wit == waiting_.end()) admitting = false;  // none left: stop looking
+    Sequence* r = rest_empty() ? nullptr : rest_[rest_lo];
+    // A pick is admitted only if better than r and than admit_below.
+    const int32_t below = std::min(r != nullptr ? r->req.priority : kNone, admit_below.value_or(kNone));
+    auto wit = waiting_.end();
+    if (admitting && !waiting_.empty() &&
+        ((r == nullptr && !admit_below) || best_waiting_priority() < below)) {
+      flush_charge();  // the pick reads virtual times
+      wit = past_reserve_only
+                ? fair_.PickNextIf(waiting_.begin(), waiting_.end(), KeyOf, past_reserve)
+                : fair_.PickNext(waiting_.begin(), waiting_.end(), KeyOf);
+      if (past_reserve_only && wit == waiting_.end()) admitting = false;  // none left: stop looking
+    }
     Sequence* w = wit != waiting_.end() ? *wit : nullptr;
     if (w != nullptr && admit_below && w->req.priority >= *admit_below) w = nullptr;
-    Sequence* r = rest_empty() ? nullptr : rest_[rest_lo];
     if (w != nullptr && (r == nullptr || w->req.priority < r->req.priority)) {
       waiting_.erase(wit);
+      best_waiting.reset();
       const Admit a = admit_one(w);
       if (a != Admit::kAdmitted) {
         waiting_.push_front(w);
