@@ -682,7 +682,17 @@ void Decoder::OnOutput(const std::string& request_id, Emitter& emitter,
         local_prefill_s =
             std::chrono::duration<double>(SteadyClock::now() - it->second.submitted).count();
       }
-      if (out.finished) EraseLocked(it);
+      if (out.finished) EraseLocked(it);  // gives its seat back: blocks freed
+    } else if (out.finished) {
+      // Its blocks are free now (the engine released them before this
+      // output). A cancelled request was erased at its cancel, possibly
+      // while its step was in flight: Engine::Abort then releases the
+      // blocks only after that step, so the waiting Reserves tried at the
+      // cancel found them still held and wait for this moment (before
+      // session 28 nothing woke them: a waiting Reserve sat until its wait
+      // ran out and was refused, DecodeStream's KV-short tests once in
+      // about ten loaded runs).
+      BlocksFreedLocked();
     }
   }
   if (local_prefill_s >= 0 && options_.on_local_prefill_seconds) {
