@@ -133,6 +133,11 @@ void Decoder::BlocksFreedLocked() {
   SeatFreedLocked();
 }
 
+void Decoder::EndGrowthLocked(uint64_t reservation_id) {
+  // Lock order: the decoder's, then the engine's (as ReserveIn's release).
+  if (engine_.EndReservationGrowth(reservation_id).ok()) BlocksFreedLocked();
+}
+
 void Decoder::ReleaseInEngine(uint64_t reservation_id) {
   if (!engine_.ReleaseReservation(reservation_id).ok()) return;  // NOT_FOUND: consumed or gone
   std::lock_guard lock(mu_);

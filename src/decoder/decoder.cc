@@ -276,6 +276,7 @@ Status Decoder::Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
       if (old->second.stage == Stage::kReserved) {
         if (auto h = reservations_.find(old->second.reservation_id); h != reservations_.end()) {
           h->second.orphaned = true;
+          EndGrowthLocked(h->first);
         }
       }
       superseded = old->second.emitter;
@@ -464,6 +465,7 @@ std::optional<Result<KvTargetInfo>> Decoder::ReserveIn(const ReserveArgs& a, con
         // into its slots, so they wait for its notice or lease.
         if (auto h = reservations_.find(e.reservation_id); h != reservations_.end()) {
           h->second.orphaned = true;
+          EndGrowthLocked(h->first);
         }
       }
       SetStageLocked(e, Stage::kReserved);
@@ -728,6 +730,7 @@ void Decoder::Cancel(const std::string& request_id, const DecodeSink* sink) {
       // The prefiller may be writing: the slots wait for its notice or lease.
       if (auto h = reservations_.find(it->second.reservation_id); h != reservations_.end()) {
         h->second.orphaned = true;
+        EndGrowthLocked(h->first);
       }
     }
     abort = it->second.stage == Stage::kRunning;

@@ -438,6 +438,12 @@ class Decoder {
   // the blocks); a request the engine ends frees its blocks before its
   // output reaches the decoder, whose seat release calls it.
   void BlocksFreedLocked();
+  // (mu_ held) The reservation will not decode here (its request was
+  // cancelled or taken over, or its lease expired): `orphaned` or
+  // `quarantined` is set by the caller; its blocks stay held until no write
+  // can land, but its growth leaves the engine's growth reserve at once,
+  // and the waiting Reserve calls try again.
+  void EndGrowthLocked(uint64_t reservation_id);
   void ReleaseInEngine(uint64_t reservation_id);
   void AbortInEngine(const std::string& request_id);
   // Lease thread: answers waiting calls, in arrival order, while seats are

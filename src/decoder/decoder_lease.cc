@@ -99,6 +99,7 @@ void Decoder::LeaseLoop(std::stop_token stop) {
           h = reservations_.erase(h);
         } else {
           h->second.quarantined = true;
+          EndGrowthLocked(h->first);
           ++h;
         }
       }
@@ -113,6 +114,7 @@ void Decoder::LeaseLoop(std::stop_token stop) {
         if (e.stage == Stage::kReserved) {
           if (auto h = reservations_.find(e.reservation_id); h != reservations_.end()) {
             h->second.orphaned = true;
+            EndGrowthLocked(h->first);
           }
         }
         fail.emplace_back(e.emitter, DeadlineExceededError(fmt::format(

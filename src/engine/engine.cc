@@ -514,6 +514,20 @@ Status Engine::ReleaseReservation(uint64_t reservation_id) {
   return Status::Ok();
 }
 
+Status Engine::EndReservationGrowth(uint64_t reservation_id) {
+  {
+    std::lock_guard lock(mu_);
+    auto it = reservations_.find(reservation_id);
+    if (it == reservations_.end()) {
+      return NotFoundError(fmt::format("no reservation {}", reservation_id));
+    }
+    it->second.kv_end = 0;  // GrowthTokensPast: nothing past its blocks
+    Poke();                 // a local prefill the reserve held may fit now
+  }
+  cv_.notify_all();
+  return Status::Ok();
+}
+
 Status Engine::AddPrefilled(uint64_t reservation_id, GenerateRequest request,
                             uint32_t first_token) {
   if (first_token >= config_.vocab_size) {

@@ -211,6 +211,11 @@ class Engine {
   Result<Reservation> Reserve(const std::string& request_id, std::span<const uint32_t> prompt_ids,
                               const std::string& cache_salt = "", uint32_t max_tokens = 1);
   Status ReleaseReservation(uint64_t reservation_id);
+  // The reservation will not decode (a decoder keeps its blocks only until
+  // no write into them can land: its request was cancelled or taken over,
+  // or its lease expired): it stops counting its growth in the growth
+  // reserve. NOT_FOUND when there is none.
+  Status EndReservationGrowth(uint64_t reservation_id);
   // `request.prompt_ids` must equal the reserved prompt (or be empty: the
   // reserved one is used). The first token is delivered to the callback.
   // On an error the reservation stays (release it); on success it is gone.

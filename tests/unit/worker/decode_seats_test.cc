@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include <deque>
 #include <optional>
 
 #include "common/metrics.h"
@@ -501,6 +502,46 @@ TEST_F(DecodeSeatsTest, AWaitForKvBlocksThatRunsOutIsRefusedNamingTheBlocks) {
   EXPECT_EQ(counts.reserves_waiting, 0u);
   EXPECT_EQ(counts.reservations, 16u);
   EXPECT_EQ(FreeBlocks(), 0u);
+}
+
+// A reservation that will not decode stops counting its growth in the
+// growth reserve at once (session 28), though its blocks stay held until
+// its prefiller's notice (docs/failure-handling.md "Quarantine"): `a`, to
+// generate 200 tokens, makes the reserve keep blocks free; once the other
+// reservations leave too few beside them, `w` waits though its 2 blocks are
+// free. Cancelling `a` (orphaned: its prefiller may still write) lets `w`
+// reserve at once, before `a`'s blocks come back. Before, `w` waited for
+// `a`'s notice (or its own wait's end, then refused).
+TEST_F(DecodeSeatsTest, AReservationThatWillNotDecodeLeavesTheGrowthReserve) {
+  MakeDecoder(0);
+  Register("a", /*max_tokens=*/200);
+  Answer a;
+  EXPECT_EQ(ReserveOrWait("a", a), 0u);
+  ASSERT_TRUE(a.Has() && a.Get().ok());
+  const uint32_t reserve = node_->engine->stats().growth_reserve_blocks;
+  ASSERT_GT(reserve, 2u);  // ratio x (219 - 32) tokens
+  // 2-block reservations (3 tokens to generate: no growth) until one, w,
+  // waits.
+  std::vector<std::shared_ptr<RecordingSink>> sinks;
+  std::deque<Answer> answers;  // stable: a waiting call holds its Answer
+  for (int i = 0; i < 16; ++i) {
+    const std::string id = fmt::format("r{}", i);
+    sinks.push_back(Register(id));
+    if (ReserveOrWait(id, answers.emplace_back()) != 0) break;
+    ASSERT_TRUE(answers.back().Has() && answers.back().Get().ok()) << id;
+  }
+  Answer& w = answers.back();
+  ASSERT_FALSE(w.Has());
+  const uint32_t free_blocks = FreeBlocks();
+  EXPECT_GE(free_blocks, 2u);  // it fits but for the reserve
+  decoder_->Cancel("a");
+  ASSERT_TRUE(WaitFor([&] { return w.Has(); }));
+  ASSERT_TRUE(w.Get().ok()) << w.Get().status().ToString();
+  EXPECT_EQ(FreeBlocks(), free_blocks - 2);  // a's blocks still held
+  EXPECT_EQ(node_->engine->stats().growth_reserve_blocks, 0u);
+  // a's prefiller gives up: its blocks come back.
+  GiveUp(*a.Get());
+  EXPECT_EQ(FreeBlocks(), free_blocks);
 }
 
 }  // namespace
