@@ -332,7 +332,8 @@ const SchedulerOutput& Scheduler::Schedule() {
   while (budget > 0) {
     Sequence* r = rest_empty() ? nullptr : rest_[rest_lo];
     // A pick is admitted only if better than r and than admit_below.
-    const int32_t below = std::min(r != nullptr ? r->req.priority : kNone, admit_below.value_or(kNone));
+    const int32_t below =
+        std::min(r != nullptr ? r->req.priority : kNone, admit_below.value_or(kNone));
     auto wit = waiting_.end();
     if (admitting && !waiting_.empty() &&
         ((r == nullptr && !admit_below) || best_waiting_priority() < below)) {

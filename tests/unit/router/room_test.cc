@@ -69,6 +69,15 @@ struct TwoByOne {
     r.kv_growth_ratio = ratio;
     ASSERT_TRUE(router->ApplyLoadReport(w, r).ok());
   }
+  // Adds a second decoder, d1, and reports both with their reserves and
+  // ratios (d0's first); returns d1.
+  WorkerId AddD1Reporting(uint32_t d0_free, uint32_t d0_reserve, float d0_ratio, uint32_t d1_free,
+                          float d1_ratio) {
+    const WorkerId d1 = Add("d1", WorkerRole::kDecode);
+    ReportGrowth(d0, d0_free, d0_reserve, d0_ratio);
+    ReportGrowth(d1, d1_free, 0, d1_ratio);
+    return d1;
+  }
   // A new prompt of `tokens` (nothing of it cached anywhere).
   Result<RouteDecision> Route(const WorkerMask* exclude = nullptr, uint32_t tokens = kPromptTokens,
                               uint32_t max_tokens = 0) {
@@ -149,9 +158,7 @@ TEST(Room, ExcludedWorkersAreLeftOutOfTheDecision) {
 // 25-block prompt; with nothing reserved the less loaded one gets it.
 TEST(Room, BlocksAGrowthReserveKeepsAreNotRoom) {
   TwoByOne f;
-  const WorkerId d1 = f.Add("d1", WorkerRole::kDecode);
-  f.ReportGrowth(f.d0, 100, 90, 0);  // 10 usable
-  f.ReportGrowth(d1, 40, 0, 0);
+  const WorkerId d1 = f.AddD1Reporting(100, 90, 0, 40, 0);  // d0: 10 usable
   auto a = f.Route();
   ASSERT_TRUE(a.ok()) << a.status().ToString();
   EXPECT_EQ(a->decode, d1) << a->DebugString();
@@ -171,9 +178,7 @@ TEST(Room, BlocksAGrowthReserveKeepsAreNotRoom) {
 // loaded) has room and takes it.
 TEST(Room, ARequestsOwnGrowthShareIsNotRoomEither) {
   TwoByOne f;
-  const WorkerId d1 = f.Add("d1", WorkerRole::kDecode);
-  f.ReportGrowth(f.d0, 40, 0, 1.0f);
-  f.ReportGrowth(d1, 30, 0, 0.0f);
+  const WorkerId d1 = f.AddD1Reporting(40, 0, 1.0f, 30, 0.0f);
   auto a = f.Route(nullptr, kPromptTokens, /*max_tokens=*/0);
   ASSERT_TRUE(a.ok()) << a.status().ToString();
   EXPECT_EQ(a->decode, f.d0) << a->DebugString();
@@ -192,9 +197,7 @@ TEST(Room, ARequestsOwnGrowthShareIsNotRoomEither) {
 // which is more loaded; before, d0 still looked to have room (55 - 16).
 TEST(Room, ARoutesOwnShareCountsInTheDecodersReserveUntilItsReportDoes) {
   TwoByOne f;
-  const WorkerId d1 = f.Add("d1", WorkerRole::kDecode);
-  f.ReportGrowth(f.d0, 80, 0, 1.0f);
-  f.ReportGrowth(d1, 50, 0, 0.0f);
+  const WorkerId d1 = f.AddD1Reporting(80, 0, 1.0f, 50, 0.0f);
   auto a = f.Route(nullptr, kPromptTokens, /*max_tokens=*/256);
   ASSERT_TRUE(a.ok()) << a.status().ToString();
   ASSERT_EQ(a->decode, f.d0) << a->DebugString();
