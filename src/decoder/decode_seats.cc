@@ -138,6 +138,13 @@ void Decoder::EndGrowthLocked(uint64_t reservation_id) {
   if (engine_.EndReservationGrowth(reservation_id).ok()) BlocksFreedLocked();
 }
 
+void Decoder::OrphanLocked(uint64_t reservation_id) {
+  auto h = reservations_.find(reservation_id);
+  if (h == reservations_.end()) return;
+  h->second.orphaned = true;
+  EndGrowthLocked(reservation_id);
+}
+
 void Decoder::ReleaseInEngine(uint64_t reservation_id) {
   if (!engine_.ReleaseReservation(reservation_id).ok()) return;  // NOT_FOUND: consumed or gone
   std::lock_guard lock(mu_);

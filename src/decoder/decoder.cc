@@ -274,10 +274,7 @@ Status Decoder::Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
         return AlreadyExistsError(fmt::format("request '{}' is already decoding here", id));
       }
       if (old->second.stage == Stage::kReserved) {
-        if (auto h = reservations_.find(old->second.reservation_id); h != reservations_.end()) {
-          h->second.orphaned = true;
-          EndGrowthLocked(h->first);
-        }
+        OrphanLocked(old->second.reservation_id);
       }
       superseded = old->second.emitter;
       EraseLocked(old);
@@ -463,10 +460,7 @@ std::optional<Result<KvTargetInfo>> Decoder::ReserveIn(const ReserveArgs& a, con
       if (e.stage == Stage::kReserved) {
         // A second prefiller took over (retry): the first may still write
         // into its slots, so they wait for its notice or lease.
-        if (auto h = reservations_.find(e.reservation_id); h != reservations_.end()) {
-          h->second.orphaned = true;
-          EndGrowthLocked(h->first);
-        }
+        OrphanLocked(e.reservation_id);
       }
       SetStageLocked(e, Stage::kReserved);
       e.reservation_id = res->reservation_id;
@@ -728,10 +722,7 @@ void Decoder::Cancel(const std::string& request_id, const DecodeSink* sink) {
     if (sink != nullptr && !it->second.emitter->Uses(sink)) return;  // superseded
     if (it->second.stage == Stage::kReserved) {
       // The prefiller may be writing: the slots wait for its notice or lease.
-      if (auto h = reservations_.find(it->second.reservation_id); h != reservations_.end()) {
-        h->second.orphaned = true;
-        EndGrowthLocked(h->first);
-      }
+      OrphanLocked(it->second.reservation_id);
     }
     abort = it->second.stage == Stage::kRunning;
     it->second.emitter->Drop();

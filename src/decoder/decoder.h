@@ -444,6 +444,9 @@ class Decoder {
   // can land, but its growth leaves the engine's growth reserve at once,
   // and the waiting Reserve calls try again.
   void EndGrowthLocked(uint64_t reservation_id);
+  // (mu_ held) Its request was cancelled, taken over or timed out: the
+  // reservation (if still held) is orphaned, and EndGrowthLocked.
+  void OrphanLocked(uint64_t reservation_id);
   void ReleaseInEngine(uint64_t reservation_id);
   void AbortInEngine(const std::string& request_id);
   // Lease thread: answers waiting calls, in arrival order, while seats are

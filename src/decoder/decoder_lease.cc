@@ -112,10 +112,7 @@ void Decoder::LeaseLoop(std::stop_token stop) {
           continue;
         }
         if (e.stage == Stage::kReserved) {
-          if (auto h = reservations_.find(e.reservation_id); h != reservations_.end()) {
-            h->second.orphaned = true;
-            EndGrowthLocked(h->first);
-          }
+          OrphanLocked(e.reservation_id);
         }
         fail.emplace_back(e.emitter, DeadlineExceededError(fmt::format(
                                       "request '{}': deadline passed before its KV arrived",

@@ -66,14 +66,22 @@ GenerateRequest Req(const std::string& id, std::vector<uint32_t> prompt, uint32_
   return r;
 }
 
-std::unique_ptr<Engine> MakeSimEngine(const SimSetup& s, const sim::TimingModel* timing,
-                                      uint32_t max_batched_tokens = 2048, uint32_t blocks = 512) {
+EngineOptions SimOptions(const sim::TimingModel* timing, uint32_t max_batched_tokens = 2048,
+                         uint32_t blocks = 512, double eos_probability = 0) {
   EngineOptions o;
   o.backend = "sim";
   o.sim_timing = timing;
   o.num_blocks = blocks;
   o.scheduler.max_batched_tokens = max_batched_tokens;
-  auto e = Engine::Create(s.storage_config, model::ModelWeights{}, o);
+  o.sim_eos_probability = eos_probability;
+  return o;
+}
+
+std::unique_ptr<Engine> MakeSimEngine(const SimSetup& s, const sim::TimingModel* timing,
+                                      uint32_t max_batched_tokens = 2048, uint32_t blocks = 512,
+                                      double eos_probability = 0) {
+  auto e = Engine::Create(s.storage_config, model::ModelWeights{},
+                          SimOptions(timing, max_batched_tokens, blocks, eos_probability));
   EXPECT_TRUE(e.ok()) << e.status().ToString();
   return std::move(e).value();
 }
@@ -109,10 +117,9 @@ TEST(SimSetup, GeometryAndCapacityFromTheSimulatedDevice) {
   EXPECT_TRUE(PrepareSim(big, Tokenizer(), 16).ok());
 }
 
-void ExpectTokensFollowTheRunningHash(const SimSetup& s, uint32_t head_dim) {
-  ASSERT_EQ(s.storage_config.head_dim, head_dim);
-  const sim::TimingModel fast = Instant();
-  const model::ModelConfig& mc = s.storage_config;
+// The ids the sim may draw from the hash: the vocabulary less eos and bos,
+// ascending.
+std::vector<uint32_t> AllowedIds(const model::ModelConfig& mc) {
   std::vector<uint32_t> allowed;
   for (uint32_t id = 0; id < mc.vocab_size; ++id) {
     const bool eos = std::find(mc.eos_token_ids.begin(), mc.eos_token_ids.end(), id) !=
@@ -120,6 +127,14 @@ void ExpectTokensFollowTheRunningHash(const SimSetup& s, uint32_t head_dim) {
     const bool bos = mc.bos_token_id >= 0 && id == static_cast<uint32_t>(mc.bos_token_id);
     if (!eos && !bos) allowed.push_back(id);
   }
+  return allowed;
+}
+
+void ExpectTokensFollowTheRunningHash(const SimSetup& s, uint32_t head_dim) {
+  ASSERT_EQ(s.storage_config.head_dim, head_dim);
+  const sim::TimingModel fast = Instant();
+  const model::ModelConfig& mc = s.storage_config;
+  const std::vector<uint32_t> allowed = AllowedIds(mc);
   ASSERT_LT(allowed.size(), mc.vocab_size);  // some ids are excluded
   std::map<std::string, Outcome> runs;
   auto e = MakeSimEngine(s, &fast);
@@ -169,24 +184,9 @@ TEST(SimBackend, EosProbabilityEndsRequestsAtTheHashesDraw) {
   const model::ModelConfig& mc = s.storage_config;
   ASSERT_FALSE(mc.eos_token_ids.empty());
   const uint32_t eos = mc.eos_token_ids[0];
-  std::vector<uint32_t> allowed;
-  for (uint32_t id = 0; id < mc.vocab_size; ++id) {
-    const bool special =
-        std::find(mc.eos_token_ids.begin(), mc.eos_token_ids.end(), id) != mc.eos_token_ids.end() ||
-        (mc.bos_token_id >= 0 && id == static_cast<uint32_t>(mc.bos_token_id));
-    if (!special) allowed.push_back(id);
-  }
-  auto make = [&](double p) {
-    EngineOptions o;
-    o.backend = "sim";
-    o.sim_timing = &fast;
-    o.num_blocks = 512;
-    o.sim_eos_probability = p;
-    return Engine::Create(s.storage_config, model::ModelWeights{}, o);
-  };
+  const std::vector<uint32_t> allowed = AllowedIds(mc);
   constexpr uint32_t kMax = 24;
-  auto e = make(1.0 / 8);
-  ASSERT_TRUE(e.ok()) << e.status().ToString();
+  auto e = MakeSimEngine(s, &fast, 2048, 512, 1.0 / 8);
   std::map<std::string, Outcome> runs;
   uint32_t ended_early = 0, ran_out = 0;
   for (uint32_t r = 0; r < 32; ++r) {
@@ -196,8 +196,8 @@ TEST(SimBackend, EosProbabilityEndsRequestsAtTheHashesDraw) {
       id += std::to_string(r);
       GenerateRequest req = Req(id, prompt, kMax, &runs);
       req.sampling.ignore_eos = ignore;
-      ASSERT_TRUE((*e)->Submit(std::move(req)).ok());
-      (*e)->RunUntilIdle();
+      ASSERT_TRUE(e->Submit(std::move(req)).ok());
+      e->RunUntilIdle();
       uint64_t h = kSimHashSeed;
       uint32_t pos = 0;
       for (uint32_t t : prompt) h = SimHashStep(h, t, pos++);
@@ -218,19 +218,13 @@ TEST(SimBackend, EosProbabilityEndsRequestsAtTheHashesDraw) {
   }
   EXPECT_GT(ended_early, 0u);
   EXPECT_GT(ran_out, 0u);
-  auto always = make(1.0);
-  ASSERT_TRUE(always.ok()) << always.status().ToString();
-  ASSERT_TRUE((*always)->Submit(Req("a", Prompt(30, 1), kMax, &runs)).ok());
-  (*always)->RunUntilIdle();
+  auto always = MakeSimEngine(s, &fast, 2048, 512, 1.0);
+  ASSERT_TRUE(always->Submit(Req("a", Prompt(30, 1), kMax, &runs)).ok());
+  always->RunUntilIdle();
   EXPECT_EQ(runs["a"].tokens, std::vector<uint32_t>{eos});
   model::ModelConfig no_eos = s.storage_config;
   no_eos.eos_token_ids.clear();
-  EngineOptions o;
-  o.backend = "sim";
-  o.sim_timing = &fast;
-  o.num_blocks = 64;
-  o.sim_eos_probability = 0.1;
-  auto refused = Engine::Create(no_eos, model::ModelWeights{}, o);
+  auto refused = Engine::Create(no_eos, model::ModelWeights{}, SimOptions(&fast, 2048, 64, 0.1));
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("sim.eos_probability 0.1: the model"),
             std::string::npos)
