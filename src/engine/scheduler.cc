@@ -105,12 +105,30 @@ void Scheduler::AddWaiting(Sequence* seq) {
     seq->queued_since = seq->req.queued_since.value_or(std::chrono::steady_clock::now());
   }
   fair_.Enqueue(seq->req.tenant, seq->req.tenant_weight);
+  PushWaitingBack(seq);
+}
+
+void Scheduler::PushWaitingBack(Sequence* seq) {
+  ++waiting_priorities_[seq->req.priority];
   waiting_.push_back(seq);
+}
+
+void Scheduler::PushWaitingFront(Sequence* seq) {
+  ++waiting_priorities_[seq->req.priority];
+  waiting_.push_front(seq);
+}
+
+void Scheduler::EraseWaiting(std::deque<Sequence*>::iterator it) {
+  const auto count = waiting_priorities_.find((*it)->req.priority);
+  TANDEM_CHECK(count != waiting_priorities_.end() && count->second > 0,
+               "waiting sequence {} of an uncounted priority", (*it)->req.request_id);
+  if (--count->second == 0) waiting_priorities_.erase(count);
+  waiting_.erase(it);
 }
 
 void Scheduler::Remove(Sequence* seq) {
   if (auto it = std::find(waiting_.begin(), waiting_.end(), seq); it != waiting_.end()) {
-    waiting_.erase(it);
+    EraseWaiting(it);
   }
   if (auto it = std::find(running_.begin(), running_.end(), seq); it != running_.end()) {
     running_.erase(it);
@@ -151,7 +169,7 @@ void Scheduler::DropBlocks(Sequence* seq) {
 void Scheduler::Preempt(Sequence* seq) {
   DropBlocks(seq);
   seq->state = SeqState::kWaiting;
-  waiting_.push_front(seq);
+  PushWaitingFront(seq);
 }
 
 size_t Scheduler::num_preempted_waiting() const {
@@ -222,12 +240,9 @@ const SchedulerOutput& Scheduler::Schedule() {
   size_t rest_hi = rest_.size();
   const auto rest_empty = [&] { return rest_lo == rest_hi; };
   running_.clear();
-  // The best priority among the waiting (nullopt: waiting_ changed since).
-  std::optional<int32_t> best_waiting;
   auto preempt_back = [&] {
     Sequence* victim = rest_[--rest_hi];
     Preempt(victim);
-    best_waiting.reset();
     ++out.num_preempted;
   };
 
@@ -315,18 +330,21 @@ const SchedulerOutput& Scheduler::Schedule() {
   bool past_reserve_only = false;
   const auto past_reserve = [](const Sequence* s) { return !WeighedByReserve(*s); };
   std::optional<int32_t> admit_below;  // after a preemption: only better priorities
-  // The best priority among the waiting bounds any pick's: while it is no
-  // better than the next running sequence's, that one is scheduled without
-  // a pick (a pass over the waiting queue, reading the tenants' virtual
-  // times; before session 28 a step under a backlog made one per running
-  // sequence: bench_sim_step's backlog rows).
-  auto best_waiting_priority = [&] {
-    if (!best_waiting) {
-      int32_t best = std::numeric_limits<int32_t>::max();
-      for (const Sequence* s : waiting_) best = std::min(best, s->req.priority);
-      best_waiting = best;
-    }
-    return *best_waiting;
+  // A pick is a pass over the waiting queue that reads the tenants' virtual
+  // times; the best priority among the waiting (counted, no pass) bounds
+  // any pick's, so the step picks only when one could be admitted:
+  // - while that priority is no better than the next running sequence's,
+  //   that one is scheduled without a pick (before session 28 a step under
+  //   a backlog made one pick per running sequence);
+  // - with the batch full and no running sequence of a worse priority to
+  //   preempt for it, none can be admitted in this step (a seat frees only
+  //   by preempting for a running sequence, which then bounds admission to
+  //   priorities better than its own, no better than the waiting's best),
+  //   so admission stops without the pick (session 29; bench_sim_step's
+  //   backlog rows: the pick a step under a backlog made at its end).
+  const auto no_seat_for_best = [&] {
+    return done.size() + (rest_hi - rest_lo) >= limits_.max_num_seqs &&
+           (rest_empty() || rest_[rest_hi - 1]->req.priority <= BestWaitingPriority());
   };
   constexpr int32_t kNone = std::numeric_limits<int32_t>::max();
   while (budget > 0) {
@@ -336,7 +354,11 @@ const SchedulerOutput& Scheduler::Schedule() {
         std::min(r != nullptr ? r->req.priority : kNone, admit_below.value_or(kNone));
     auto wit = waiting_.end();
     if (admitting && !waiting_.empty() &&
-        ((r == nullptr && !admit_below) || best_waiting_priority() < below)) {
+        ((r == nullptr && !admit_below) || BestWaitingPriority() < below)) {
+      if (no_seat_for_best()) {
+        admitting = false;
+        continue;
+      }
       flush_charge();  // the pick reads virtual times
       wit = past_reserve_only
                 ? fair_.PickNextIf(waiting_.begin(), waiting_.end(), KeyOf, past_reserve)
@@ -346,11 +368,10 @@ const SchedulerOutput& Scheduler::Schedule() {
     Sequence* w = wit != waiting_.end() ? *wit : nullptr;
     if (w != nullptr && admit_below && w->req.priority >= *admit_below) w = nullptr;
     if (w != nullptr && (r == nullptr || w->req.priority < r->req.priority)) {
-      waiting_.erase(wit);
-      best_waiting.reset();
+      EraseWaiting(wit);
       const Admit a = admit_one(w);
       if (a != Admit::kAdmitted) {
-        waiting_.push_front(w);
+        PushWaitingFront(w);
         if (a == Admit::kHeldByReserve) {
           past_reserve_only = true;
         } else {

@@ -167,6 +167,13 @@ class Scheduler {
     return (tokens + blocks_->block_size() - 1) / blocks_->block_size();
   }
   void Preempt(Sequence* seq);
+  // waiting_'s priorities counted: every push and erase of waiting_ goes
+  // through one of these.
+  void PushWaitingBack(Sequence* seq);
+  void PushWaitingFront(Sequence* seq);
+  void EraseWaiting(std::deque<Sequence*>::iterator it);
+  // The best (lowest) priority among the waiting; waiting_ not empty.
+  int32_t BestWaitingPriority() const { return waiting_priorities_.begin()->first; }
   // `seq` gives its blocks back and will be recomputed (a preemption)
   // without leaving its place; Preempt's first half.
   void DropBlocks(Sequence* seq);
@@ -189,6 +196,9 @@ class Scheduler {
   SchedulerLimits limits_;
   BlockManager* blocks_;  // borrowed
   std::deque<Sequence*> waiting_;
+  // How many of waiting_ have each priority (no zero counts): the best one
+  // without a pass over the queue (session 29).
+  std::map<int32_t, uint32_t> waiting_priorities_;
   std::vector<Sequence*> running_;
   std::vector<Sequence*> done_;  // Schedule()'s scratch, kept for its capacity
   std::vector<Sequence*> rest_;  // Schedule()'s scratch: running, not (yet) scheduled
