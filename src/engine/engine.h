@@ -128,6 +128,10 @@ struct EngineOptions {
   // request, at its first scheduled step, with the seconds it waited
   // (GenerateRequest::queued_since on) and its priority and tenant.
   std::function<void(int32_t priority, const std::string& tenant, double seconds)> on_queue_time;
+  // Tests only: called on the engine thread as each step's forward starts,
+  // the engine's lock released (what other threads do then meets a step in
+  // flight: an Abort is finished after the step). Null in every server.
+  std::function<void()> on_forward_for_tests;
 
   // The fleet file's model/cache/scheduler sections.
   static EngineOptions FromFleetConfig(const FleetConfig& fleet);

@@ -218,6 +218,7 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
   // the next boundary (issue 23: one Watch wake-up per step at most while
   // the engine steps, not one per request start and end).
   FlushEvents();
+  if (options_.on_forward_for_tests) options_.on_forward_for_tests();
   Status status =
       backend_->Forward(chunks_, hot_only ? std::span<float>() : std::span<float>(logits_));
   const std::span<const uint32_t> hot = backend_->hot_tokens();
