@@ -9,9 +9,12 @@
 
 namespace tandem {
 
+// The stream's increment (the golden gamma).
+inline constexpr uint64_t kSplitMix64Gamma = 0x9E3779B97F4A7C15ull;
+
 // The mix of x + golden gamma (stateless form).
 constexpr uint64_t SplitMix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
+  x += kSplitMix64Gamma;
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
   return x ^ (x >> 31);
@@ -21,7 +24,7 @@ constexpr uint64_t SplitMix64(uint64_t x) {
 // (SplitMix64Next(s) == SplitMix64(s_before)).
 inline uint64_t SplitMix64Next(uint64_t& state) {
   const uint64_t out = SplitMix64(state);
-  state += 0x9E3779B97F4A7C15ull;
+  state += kSplitMix64Gamma;
   return out;
 }
 

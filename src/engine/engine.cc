@@ -2,6 +2,7 @@
 // itself (schedule, forward, sample) is in engine_step.cc.
 #include "engine/engine.h"
 #include "common/delivery_scope.h"
+#include "common/splitmix.h"
 #include "engine/parallel_backend.h"
 #include "engine/sim_backend.h"
 #include "engine/stage_runner.h"
@@ -112,7 +113,10 @@ EngineOptions EngineOptions::FromFleetConfig(const FleetConfig& fleet) {
 }
 
 Engine::Engine(const model::ModelConfig& config, EngineOptions options)
-    : config_(config), options_(std::move(options)) {}
+    : config_(config), options_(std::move(options)), seed_base_([] {
+        std::random_device rd;
+        return (static_cast<uint64_t>(rd()) << 32) ^ rd();
+      }()) {}
 
 Engine::~Engine() {
   if (thread_.joinable()) Stop();
@@ -310,8 +314,8 @@ std::unique_ptr<Sequence> Engine::NewSequence(GenerateRequest request) {
   if (seq->req.sampling.seed) {
     seq->seed = *seq->req.sampling.seed;
   } else {
-    std::random_device rd;
-    seq->seed = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+    const uint64_t n = seeds_drawn_.fetch_add(1, std::memory_order_relaxed);
+    seq->seed = SplitMix64(seed_base_ + n * kSplitMix64Gamma);
   }
   seq->root_hash = RootHashFor(seq->req.cache_salt);
   seq->tokens = seq->req.prompt_ids;

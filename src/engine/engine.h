@@ -25,6 +25,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -364,6 +365,12 @@ class Engine {
   // (blocks released, work queued, a request aborted); the engine thread
   // waits for it to move instead of polling (issue 23).
   uint64_t changes_ = 0;
+  // An unseeded request's sampling seed: SplitMix64's stream from a base
+  // the OS drew once per engine (session 29: a std::random_device per
+  // request cost 15 us of CPU on these VMs, a tenth of a backlogged decode
+  // step's scheduling).
+  const uint64_t seed_base_;
+  std::atomic<uint64_t> seeds_drawn_{0};
   EngineStats counters_;                    // guarded by mu_ (steps, seconds, tokens)
   std::jthread thread_;
 };

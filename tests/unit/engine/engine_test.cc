@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <future>
+#include <optional>
 #include <set>
 
 #include "test_models.h"
@@ -670,6 +671,32 @@ TEST(EngineTest, CpuBackendRefusesBf16Weights) {
   ASSERT_FALSE(e.ok());
   EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument) << e.status().ToString();
   EXPECT_NE(e.status().message().find("loaded as bf16"), std::string::npos) << e.status().ToString();
+}
+
+// A request without a seed samples with its own: the engine draws it from a
+// stream the OS seeds once per engine (session 29; before, a
+// std::random_device per request). Same prompt, temperature 1.5: four
+// unseeded requests on one engine and one on another all differ, while two
+// with one seed agree (so the difference is the seeds').
+TEST(EngineTest, UnseededRequestsSampleWithSeedsOfTheirOwn) {
+  const auto prompt = Prompt(12, 5);
+  auto run = [&](Engine& e, const std::string& id, std::optional<uint64_t> seed) {
+    Collector c;
+    GenerateRequest r = MakeRequest(id, prompt, 24, &c, /*temperature=*/1.5f);
+    r.sampling.seed = seed;
+    EXPECT_TRUE(e.Submit(std::move(r)).ok());
+    e.RunUntilIdle();
+    EXPECT_EQ(c.tokens.size(), 24u);
+    return c.tokens;
+  };
+  auto a = MakeEngine(TinyModel());
+  auto b = MakeEngine(TinyModel());
+  ASSERT_TRUE(a && b);
+  std::set<std::vector<uint32_t>> outputs;
+  for (int i = 0; i < 4; ++i) outputs.insert(run(*a, testing::Id("a", i), std::nullopt));
+  outputs.insert(run(*b, "b", std::nullopt));
+  EXPECT_EQ(outputs.size(), 5u);
+  EXPECT_EQ(run(*a, "s1", 11), run(*b, "s2", 11));
 }
 
 }  // namespace
