@@ -5,19 +5,72 @@
 namespace tandem::engine {
 
 PrefixCache::PrefixCache(uint32_t num_blocks)
-    : prev_(num_blocks, kNone), next_(num_blocks, kNone), in_lru_(num_blocks, false) {}
+    : prev_(num_blocks, kNone), next_(num_blocks, kNone), in_lru_(num_blocks, false) {
+  size_t n = 16;
+  while (n < 2 * size_t{num_blocks}) n *= 2;
+  slots_.resize(n);
+  mask_ = n - 1;
+}
+
+size_t PrefixCache::SlotOf(uint64_t hash) const {
+  size_t i = hash & mask_;
+  while (slots_[i].key != 0 && slots_[i].key != hash) i = (i + 1) & mask_;
+  return i;
+}
 
 std::optional<uint32_t> PrefixCache::Lookup(uint64_t hash) const {
-  auto it = by_hash_.find(hash);
-  if (it == by_hash_.end()) return std::nullopt;
-  return it->second;
+  if (hash == 0) return has_zero_ ? std::optional<uint32_t>(zero_block_) : std::nullopt;
+  const Slot& s = slots_[SlotOf(hash)];
+  if (s.key == 0) return std::nullopt;
+  return s.block;
 }
 
 bool PrefixCache::Insert(uint64_t hash, uint32_t block) {
-  return by_hash_.emplace(hash, block).second;
+  if (hash == 0) {
+    if (has_zero_) return false;
+    has_zero_ = true;
+    zero_block_ = block;
+    return true;
+  }
+  size_t i = SlotOf(hash);
+  if (slots_[i].key == hash) return false;
+  if (2 * (size_ + 1) > slots_.size()) {
+    Grow();
+    i = SlotOf(hash);
+  }
+  slots_[i] = {hash, block};
+  ++size_;
+  return true;
 }
 
-void PrefixCache::Erase(uint64_t hash) { by_hash_.erase(hash); }
+void PrefixCache::Erase(uint64_t hash) {
+  if (hash == 0) {
+    has_zero_ = false;
+    return;
+  }
+  size_t i = SlotOf(hash);
+  if (slots_[i].key == 0) return;
+  // Backward shift: move each later entry of the run whose home slot does
+  // not lie in (i, j] into the hole, until the run ends.
+  for (size_t j = (i + 1) & mask_; slots_[j].key != 0; j = (j + 1) & mask_) {
+    const size_t home = slots_[j].key & mask_;
+    const bool stays = i < j ? (home > i && home <= j) : (home > i || home <= j);
+    if (stays) continue;
+    slots_[i] = slots_[j];
+    i = j;
+  }
+  slots_[i] = Slot{};
+  --size_;
+}
+
+void PrefixCache::Grow() {
+  std::vector<Slot> old(slots_.size() * 2);
+  old.swap(slots_);
+  mask_ = slots_.size() - 1;
+  for (const Slot& s : old) {
+    if (s.key != 0) slots_[SlotOf(s.key)] = s;
+  }
+}
 
 void PrefixCache::PushEvictable(uint32_t block) {
   TANDEM_CHECK(!in_lru_[block], "block {} already evictable", block);
