@@ -408,12 +408,12 @@ int RunProxyBench(const ProxyBenchArgs& a) {
       Stop(*fleet);
       return bad(mi.status());
     }
-    std::cout << fmt::format("{:<14} {:>5} {:>6} {:>6} {:>4} {:>8} {:>7} {:>9} {:>11} {:>11} "
-                             "{:>10} {:>9} {:>9} {:>11} {:>11} {:>11} {:>9} {:>5}\n",
-                             "load", "reqs", "in", "out", "conc", "out tok", "wall s", "proxy s",
-                             "proxy us/tok", "proxy ms/req", "dec us/tok", "ITL p50ms",
-                             "ITL p99ms", "decITL p99", "proxyITL p99", "added p99",
-                             "step p99ms", "load1");
+    std::cout << fmt::format(
+        "{:<14} {:>5} {:>6} {:>6} {:>4} {:>8} {:>7} {:>9} {:>11} {:>11} "
+        "{:>10} {:>10} {:>9} {:>9} {:>11} {:>11} {:>11} {:>9} {:>5}\n",
+        "load", "reqs", "in", "out", "conc", "out tok", "wall s", "proxy s", "proxy us/tok",
+        "proxy ms/req", "dec us/tok", "pre ms/req", "ITL p50ms", "ITL p99ms", "decITL p99",
+        "proxyITL p99", "added p99", "step p99ms", "load1");
     double stream_itl_p50_ms = 0;
     for (const auto& w : todo) {
       if (w.name == "idle") {
@@ -439,12 +439,12 @@ int RunProxyBench(const ProxyBenchArgs& a) {
           const bool grpc = r.grpc;  // the raw TCP rows have no client ITL
           std::cout << fmt::format(
               "{:<14} {:>5} {:>6} {:>6} {:>4} {:>8} {:>7.1f} {:>9.3f} {:>11.2f} {:>11.3f} {:>10} "
-              "{:>9.2f} {:>9.2f} {:>11} {:>11} {:>11} {:>9.2f} {:>5.1f}\n",
+              "{:>10} {:>9.2f} {:>9.2f} {:>11} {:>11} {:>11} {:>9.2f} {:>5.1f}\n",
               r.name, r.requests_ok, w.input, w.output, w.concurrency, r.tokens,
               r.summary.duration_s, r.server_cpu_s, tok > 0 ? r.server_cpu_s / tok * 1e6 : NAN,
-              r.requests_ok ? r.server_cpu_s / double(r.requests_ok) * 1e3 : NAN, "-",
-              grpc ? r.summary.itl_s.p50 * 1e3 : NAN, grpc ? r.summary.itl_s.p99 * 1e3 : NAN,
-              "-", "-", "-", spec.step_ms, r.load1);
+              r.requests_ok ? r.server_cpu_s / double(r.requests_ok) * 1e3 : NAN, "-", "-",
+              grpc ? r.summary.itl_s.p50 * 1e3 : NAN, grpc ? r.summary.itl_s.p99 * 1e3 : NAN, "-",
+              "-", "-", spec.step_ms, r.load1);
           std::cout.flush();
           out.push_back({{"workload", r.name}, {"requests_ok", r.requests_ok},
                          {"requests_failed", r.requests_failed}, {"input_len", w.input},
@@ -479,33 +479,39 @@ int RunProxyBench(const ProxyBenchArgs& a) {
       const double tok = double(m->s.output_tokens);
       const double proxy = m->cpu["proxy"];
       const double dec = m->cpu["decode"] + m->cpu["both"];
+      const double pre = m->cpu["prefill"];  // a `both` worker's is in dec
       std::cout << fmt::format(
           "{:<14} {:>5} {:>6} {:>6} {:>4} {:>8} {:>7.1f} {:>9.3f} {:>11.2f} {:>11.3f} {:>10.2f} "
-          "{:>9.2f} {:>9.2f} {:>11.2f} {:>11.2f} {:>11.2f} {:>9.2f} {:>5.1f}\n",
-          w.name, m->s.ok, w.input, w.output, w.concurrency, m->s.output_tokens,
-          m->s.duration_s, proxy, tok > 0 ? proxy / tok * 1e6 : NAN,
+          "{:>10.3f} {:>9.2f} {:>9.2f} {:>11.2f} {:>11.2f} {:>11.2f} {:>9.2f} {:>5.1f}\n",
+          w.name, m->s.ok, w.input, w.output, w.concurrency, m->s.output_tokens, m->s.duration_s,
+          proxy, tok > 0 ? proxy / tok * 1e6 : NAN,
           m->s.ok > 0 ? proxy / double(m->s.ok) * 1e3 : NAN, tok > 0 ? dec / tok * 1e6 : NAN,
-          m->s.itl_s.p50 * 1e3, m->s.itl_s.p99 * 1e3, m->dec_itl_p99 * 1e3,
-          m->proxy_itl_p99 * 1e3, (m->client_itl_p99_bucketed - m->dec_itl_p99) * 1e3,
-          m->step_p99 * 1e3, m->load1);
+          m->s.ok > 0 ? pre / double(m->s.ok) * 1e3 : NAN, m->s.itl_s.p50 * 1e3,
+          m->s.itl_s.p99 * 1e3, m->dec_itl_p99 * 1e3, m->proxy_itl_p99 * 1e3,
+          (m->client_itl_p99_bucketed - m->dec_itl_p99) * 1e3, m->step_p99 * 1e3, m->load1);
       std::cout.flush();
-      nlohmann::json j = {{"workload", w.name},          {"requests_ok", m->s.ok},
-                          {"requests_failed", m->s.failed}, {"input_len", w.input},
-                          {"output_len", w.output},      {"concurrency", w.concurrency},
+      nlohmann::json j = {{"workload", w.name},
+                          {"requests_ok", m->s.ok},
+                          {"requests_failed", m->s.failed},
+                          {"input_len", w.input},
+                          {"output_len", w.output},
+                          {"concurrency", w.concurrency},
                           {"output_tokens", m->s.output_tokens},
-                          {"duration_s", m->s.duration_s}, {"cpu_s", m->cpu},
+                          {"duration_s", m->s.duration_s},
+                          {"cpu_s", m->cpu},
                           {"proxy_us_per_token", tok > 0 ? proxy / tok * 1e6 : -1},
                           {"proxy_ms_per_request", m->s.ok ? proxy / double(m->s.ok) * 1e3 : -1},
                           {"decoder_us_per_token", tok > 0 ? dec / tok * 1e6 : -1},
-                          {"itl_p50_ms", m->s.itl_s.p50 * 1e3}, {"itl_p99_ms", m->s.itl_s.p99 * 1e3},
+                          {"prefiller_ms_per_request", m->s.ok ? pre / double(m->s.ok) * 1e3 : -1},
+                          {"itl_p50_ms", m->s.itl_s.p50 * 1e3},
+                          {"itl_p99_ms", m->s.itl_s.p99 * 1e3},
                           {"decode_step_p50_ms", m->step_p50 * 1e3},
                           {"decode_step_p99_ms", m->step_p99 * 1e3},
                           {"decoder_itl_p50_ms", m->dec_itl_p50 * 1e3},
                           {"decoder_itl_p99_ms", m->dec_itl_p99 * 1e3},
                           {"proxy_itl_p99_ms", m->proxy_itl_p99 * 1e3},
                           {"itl_p99_ms_in_decoder_buckets", m->client_itl_p99_bucketed * 1e3},
-                          {"itl_p99_added_ms",
-                           (m->client_itl_p99_bucketed - m->dec_itl_p99) * 1e3},
+                          {"itl_p99_added_ms", (m->client_itl_p99_bucketed - m->dec_itl_p99) * 1e3},
                           {"load1", m->load1}};
       out.push_back(j);
       if (m->s.failed > 0) {

@@ -145,6 +145,11 @@ TEST(BenchProxy, PromptFloorCallsABareServerOverEveryChannel) {
   ASSERT_EQ(j.size(), 1 + 2 * kPerMode) << j.dump();
   EXPECT_EQ(j[0]["workload"], "prompt");
   EXPECT_EQ(j[0]["requests_ok"], 4);
+  // The prefiller's CPU per request (session 29): it ran every prompt.
+  ASSERT_TRUE(j[0]["cpu_s"].contains("prefill")) << j[0].dump();
+  const double prefill_s = j[0]["cpu_s"]["prefill"].get<double>();
+  EXPECT_GT(prefill_s, 0.0);
+  EXPECT_DOUBLE_EQ(j[0]["prefiller_ms_per_request"].get<double>(), prefill_s / 4 * 1e3);
   const char* modes[] = {"back-to-back", "paced"};
   const char* channels[] = {"plaintext", "mtls", "framed-mtls"};
   for (size_t m = 0; m < 2; ++m) {
