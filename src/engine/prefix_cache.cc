@@ -1,5 +1,7 @@
 #include "engine/prefix_cache.h"
 
+#include <utility>
+
 #include "common/check.h"
 
 namespace tandem::engine {
@@ -64,8 +66,7 @@ void PrefixCache::Erase(uint64_t hash) {
 }
 
 void PrefixCache::Grow() {
-  std::vector<Slot> old(slots_.size() * 2);
-  old.swap(slots_);
+  const std::vector<Slot> old = std::exchange(slots_, std::vector<Slot>(slots_.size() * 2));
   mask_ = slots_.size() - 1;
   for (const Slot& s : old) {
     if (s.key != 0) slots_[SlotOf(s.key)] = s;

@@ -9,7 +9,6 @@
 
 #include <fmt/format.h>
 
-#include <condition_variable>
 #include <deque>
 #include <optional>
 
@@ -545,42 +544,6 @@ TEST_F(DecodeSeatsTest, AReservationThatWillNotDecodeLeavesTheGrowthReserve) {
   EXPECT_EQ(FreeBlocks(), free_blocks);
 }
 
-// Holds the engine's next step in flight (EngineOptions::
-// on_forward_for_tests) until the test opens it again.
-class StepGate {
- public:
-  void Arm() {
-    std::lock_guard lock(mu_);
-    armed_ = true;
-    held_ = false;
-  }
-  // On the engine thread.
-  void Pass() {
-    std::unique_lock lock(mu_);
-    if (!armed_) return;
-    armed_ = false;
-    held_ = true;
-    cv_.notify_all();
-    cv_.wait(lock, [&] { return !held_; });
-  }
-  bool WaitHeld() {
-    std::unique_lock lock(mu_);
-    return cv_.wait_for(lock, 10s, [&] { return held_; });
-  }
-  void Open() {
-    std::lock_guard lock(mu_);
-    armed_ = false;
-    held_ = false;
-    cv_.notify_all();
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool armed_ = false;
-  bool held_ = false;
-};
-
 // A request cancelled while its step is in flight: Engine::Abort frees its
 // blocks only after the step, so the waiting Reserves the cancel tried
 // found none; the request's final output, which the decoder no longer
@@ -590,13 +553,10 @@ TEST_F(DecodeSeatsTest, BlocksOfARequestCancelledDuringItsStepGoToTheWaitingRese
   auto gate = std::make_shared<StepGate>();
   decoder_.reset();
   node_ = Node::Make("seats-unit-gate", 32, nullptr, [gate](engine::EngineOptions& o) {
-    o.on_forward_for_tests = [gate] { gate->Pass(); };
+    o.on_forward_for_tests = [gate] { gate->AtStep(); };
   });
   ASSERT_NE(node_, nullptr);
-  struct OpenAtEnd {
-    std::shared_ptr<StepGate> g;
-    ~OpenAtEnd() { g->Open(); }  // never leave the engine thread held
-  } open_at_end{gate};
+  GateRelease release{*gate};  // never leave the engine thread held
   MakeDecoder(0);
   std::vector<std::shared_ptr<RecordingSink>> sinks;
   const auto targets = ReserveMany(16, &sinks);  // the whole pool
@@ -606,14 +566,14 @@ TEST_F(DecodeSeatsTest, BlocksOfARequestCancelledDuringItsStepGoToTheWaitingRese
   EXPECT_NE(ReserveOrWait("w", w, 60s), 0u);
   EXPECT_FALSE(w.Has());
   // r0's KV lands: it decodes, and its first step is held in flight.
-  gate->Arm();
+  gate->Hold();
   decoder_->OnKvNotice(SuccessNotice(targets[0], 9));
-  ASSERT_TRUE(gate->WaitHeld());
+  ASSERT_TRUE(gate->WaitParked());
   decoder_->Cancel("r0");  // the engine finishes it after the step
   EXPECT_FALSE(w.Has());
   EXPECT_EQ(FreeBlocks(), 0u);
   EXPECT_EQ(decoder_->counts().reserves_waiting, 1u);
-  gate->Open();
+  gate->Release();
   ASSERT_TRUE(WaitFor([&] { return w.Has(); }));
   ASSERT_TRUE(w.Get().ok()) << w.Get().status().ToString();
   EXPECT_EQ(w.Get()->slots.size(), 2u);

@@ -19,46 +19,6 @@ namespace {
 using decoder::Decoder;
 using decoder::DecodeSpec;
 
-// Holds the engine thread between two steps (EngineOptions::on_step, after
-// the step's outputs): no request is in a forward pass then, so an Abort
-// finishes it on the caller's thread.
-class StepGate {
- public:
-  void Hold() {
-    std::lock_guard lock(mu_);
-    hold_ = true;
-  }
-  void Release() {
-    std::lock_guard lock(mu_);
-    hold_ = false;
-    cv_.notify_all();
-  }
-  void AtStep() {
-    std::unique_lock lock(mu_);
-    if (!hold_) return;
-    parked_ = true;
-    cv_.notify_all();
-    cv_.wait(lock, [this] { return !hold_; });
-    parked_ = false;
-  }
-  bool WaitParked() {
-    std::unique_lock lock(mu_);
-    return cv_.wait_for(lock, 10s, [this] { return parked_; });
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool hold_ = false;    // guarded by mu_
-  bool parked_ = false;  // guarded by mu_
-};
-
-// Releases the gate however the test ends (the engine's Stop joins its thread).
-struct GateRelease {
-  StepGate& gate;
-  ~GateRelease() { gate.Release(); }
-};
-
 // A decode stream's output whose writes stay in flight until the test says
 // they are done (as gRPC's are): later batches wait in the session.
 class HeldOutput final : public decoder::MuxOutput {
@@ -90,6 +50,7 @@ class HeldOutput final : public decoder::MuxOutput {
 class DecoderStopTest : public ::testing::Test {
  protected:
   void MakeNode() {
+    // The gate holds the engine between two steps.
     node_ = Node::Make("decode-stop", 32, nullptr, [gate = gate_](engine::EngineOptions& o) {
       o.on_step = [gate](const engine::StepStats&) { gate->AtStep(); };
     });

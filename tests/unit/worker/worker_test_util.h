@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <filesystem>
 #include <functional>
 #include <memory>
@@ -160,6 +161,48 @@ inline bool WaitFor(const std::function<bool()>& cond, std::chrono::milliseconds
   }
   return true;
 }
+
+// Holds the engine thread wherever a hook of its calls AtStep while the
+// gate is held: after a step (EngineOptions::on_step: no request in a
+// forward pass, so an Abort finishes it on the caller's thread) or as a
+// step's forward starts (on_forward_for_tests: an Abort is finished after
+// the step).
+class StepGate {
+ public:
+  void Hold() {
+    std::lock_guard lock(mu_);
+    hold_ = true;
+  }
+  void Release() {
+    std::lock_guard lock(mu_);
+    hold_ = false;
+    cv_.notify_all();
+  }
+  void AtStep() {
+    std::unique_lock lock(mu_);
+    if (!hold_) return;
+    parked_ = true;
+    cv_.notify_all();
+    cv_.wait(lock, [this] { return !hold_; });
+    parked_ = false;
+  }
+  bool WaitParked() {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, 10s, [this] { return parked_; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool hold_ = false;    // guarded by mu_
+  bool parked_ = false;  // guarded by mu_
+};
+
+// Releases the gate however the test ends (the engine's Stop joins its thread).
+struct GateRelease {
+  StepGate& gate;
+  ~GateRelease() { gate.Release(); }
+};
 
 // The success notice a prefiller sends for target `t` once its KV landed.
 inline decoder::KvNoticeInfo SuccessNotice(const decoder::KvTargetInfo& t, uint32_t first_token) {
