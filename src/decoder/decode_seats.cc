@@ -180,26 +180,30 @@ void Decoder::ServeWaiting() {
       // Claimed: ReserveIn takes it or gives it back (a seat given back
       // lets the next round seat another call).
       ++seats_claimed_;
+      ++waiters_trying_;  // still waiting while it tries (counts())
       epoch = blocks_freed_;
     }
     bool kv_short = false;
     Result<KvTargetInfo> answer = *ReserveIn(w->args(), /*park=*/nullptr, /*seated=*/true, &kv_short);
-    if (kv_short) {
+    {
       std::lock_guard lock(mu_);
-      if (!w->short_of_blocks()) ++counts_.kv_waits;  // it waited for a seat until now
-      w->kv_epoch = epoch;  // blocks freed since are tried at the next round
-      w->kv_why = answer.status().message();
-      // Still first in line; the lease thread refuses it when its wait
-      // runs out. One whose request was cancelled meanwhile ends now.
-      if (!requests_.contains(w->request_id)) {
-        answer = CancelledError(fmt::format("request '{}' was cancelled", w->request_id));
-      } else if (w->wait_until > SteadyClock::now()) {
-        waiting_.push_front(std::move(w));
-        continue;
-      } else {
-        ++counts_.reserve_waits_expired;
-        ++counts_.reservations_refused;
-        answer = ResourceExhaustedError(NoBlocksCameFree(*w));
+      --waiters_trying_;
+      if (kv_short) {
+        if (!w->short_of_blocks()) ++counts_.kv_waits;  // it waited for a seat until now
+        w->kv_epoch = epoch;  // blocks freed since are tried at the next round
+        w->kv_why = answer.status().message();
+        // Still first in line; the lease thread refuses it when its wait
+        // runs out. One whose request was cancelled meanwhile ends now.
+        if (!requests_.contains(w->request_id)) {
+          answer = CancelledError(fmt::format("request '{}' was cancelled", w->request_id));
+        } else if (w->wait_until > SteadyClock::now()) {
+          waiting_.push_front(std::move(w));
+          continue;
+        } else {
+          ++counts_.reserve_waits_expired;
+          ++counts_.reservations_refused;
+          answer = ResourceExhaustedError(NoBlocksCameFree(*w));
+        }
       }
     }
     if (answer.ok()) {

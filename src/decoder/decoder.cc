@@ -217,7 +217,7 @@ DecoderCounts Decoder::counts() const {
   c.seat_seconds =
       seat_seconds_ +
       seats_taken_ * std::chrono::duration<double>(std::chrono::steady_clock::now() - seats_changed_).count();
-  c.reserves_waiting = static_cast<uint32_t>(waiting_.size());
+  c.reserves_waiting = static_cast<uint32_t>(waiting_.size()) + waiters_trying_;
   for (const auto& [id, h] : reservations_) {
     if (!h.quarantined) continue;
     ++c.quarantined_reservations;

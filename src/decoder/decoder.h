@@ -506,6 +506,9 @@ class Decoder {
   // (arrival order). serve_kick_: a seat came free while calls wait.
   uint32_t seats_taken_ = 0;
   uint32_t seats_claimed_ = 0;
+  // Waiting calls ServeWaiting took off waiting_ to try (mu_): they count
+  // as waiting until answered or put back.
+  uint32_t waiters_trying_ = 0;
   // Seat-seconds up to seats_changed_ (DecoderCounts::seat_seconds), mu_.
   double seat_seconds_ = 0;
   std::chrono::steady_clock::time_point seats_changed_ = std::chrono::steady_clock::now();
