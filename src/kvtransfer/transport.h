@@ -116,6 +116,11 @@ struct TransportStats {
   // alive on this host (stopped): the handshake kept waiting
   // (docs/kvtransfer.md, "Connection handshake").
   uint64_t handshakes_waiting_on_live_peers = 0;
+  // The progress thread with nothing in flight (docs/kvtransfer.md,
+  // "Progress without burning a core"): rounds it polled because a notice
+  // had just arrived, and times it went to sleep on the backend's events.
+  uint64_t progress_idle_polls = 0;
+  uint64_t progress_sleeps = 0;
 };
 
 // Fault injection for tests (docs/failure-handling.md, "KV fault

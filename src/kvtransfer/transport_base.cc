@@ -28,11 +28,14 @@ T GetInt(std::string_view in, size_t pos) {
 // Idle rounds (nothing completed, nothing issued) spent spinning before the
 // progress thread starts sleeping 1 ms at a time while transfers wait.
 constexpr int kSpinRoundsBeforeSleep = 2000;
-// With nothing in flight, keep polling this long after the last event before
-// sleeping: a stream of incoming notices is then drained without one
-// sleep/wake-up per notice (which, on a busy host, lets the sender's
-// shared-memory queue fill and stall it).
-constexpr auto kPollAfterActivity = std::chrono::microseconds(200);
+// With nothing in flight, keep polling this long after the last notice
+// arrived before sleeping: a stream of incoming notices is then drained
+// without one sleep/wake-up per notice (which, on a busy host, lets the
+// sender's shared-memory queue fill and stall it). Only arrivals open the
+// window: a writer whose own transfers completed sleeps at once, and its
+// next Post wakes it (issue 23: the window after every completed write was
+// most of a prefiller's progress-thread CPU).
+constexpr auto kPollAfterNotice = std::chrono::microseconds(200);
 constexpr auto kReleaseDeadline = std::chrono::seconds(5);
 
 }  // namespace
@@ -470,6 +473,8 @@ TransportStats TransportBase::stats() const {
   s.stale_notifications_dropped = stale_notifications_dropped_;
   s.faults_injected = faults_injected_.load();
   s.handshakes_waiting_on_live_peers = handshakes_waiting_on_live_peers_.load();
+  s.progress_idle_polls = idle_polls_.load(std::memory_order_relaxed);
+  s.progress_sleeps = idle_sleeps_.load(std::memory_order_relaxed);
   return s;
 }
 
@@ -522,6 +527,7 @@ void TransportBase::SetPeerFailureCallback(PeerFailureCallback cb) {
 }
 
 void TransportBase::DeliverNotice(std::string_view wire) {
+  notices_arrived_.fetch_add(1, std::memory_order_relaxed);
   auto decoded = DecodeNotice(wire);
   if (!decoded.ok()) {
     spdlog::warn("kvtransfer: dropping malformed notice: {}", decoded.status().ToString());
@@ -650,7 +656,8 @@ int TransportBase::IdleWaitMs() const {
 
 void TransportBase::ProgressLoop(std::stop_token stop) {
   int idle_rounds = 0;
-  auto last_activity = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point last_notice{};  // none yet
+  uint64_t notices_seen = notices_arrived_.load(std::memory_order_relaxed);
   while (!stop.stop_requested()) {
     RunCommands();
     ReleaseDuePaced();
@@ -667,16 +674,22 @@ void TransportBase::ProgressLoop(std::stop_token stop) {
       std::lock_guard lock(mu_);
       pending_commands = !commands_.empty();
     }
+    const uint64_t notices = notices_arrived_.load(std::memory_order_relaxed);
+    if (notices != notices_seen) {
+      notices_seen = notices;
+      last_notice = std::chrono::steady_clock::now();
+    }
     if (busy || pending_commands) {
       idle_rounds = 0;
-      last_activity = std::chrono::steady_clock::now();
       continue;
     }
     if (active_.empty()) {
-      if (std::chrono::steady_clock::now() - last_activity < kPollAfterActivity) {
+      if (std::chrono::steady_clock::now() - last_notice < kPollAfterNotice) {
+        idle_polls_.fetch_add(1, std::memory_order_relaxed);
         std::this_thread::yield();
         continue;
       }
+      idle_sleeps_.fetch_add(1, std::memory_order_relaxed);
       int wait_ms = IdleWaitMs();
       if (!paced_.empty()) {  // wake for the earliest paced write
         auto due = paced_.front().first;

@@ -337,6 +337,35 @@ TEST(Fork, ChildOfAProcessWithATransportIsRefused) {
   EXPECT_TRUE(self.ok()) << self.status().ToString();
 }
 
+// The progress thread polls after a notice arrives (a burst is drained
+// without a wake-up per notice) but a writer whose own writes completed,
+// with nothing arriving, goes to sleep at once: it never polls.
+TEST(Progress, AWriterSleepsOnceItsWritesCompleteAndAReceiverPollsAfterNotices) {
+  auto a = Make("ucx", "poll-a", 4096, 4);
+  auto b = Make("ucx", "poll-b", 4096, 4);
+  ASSERT_TRUE(a && b);
+  std::atomic<int> received{0};
+  b->SetNotificationCallback([&](Notification) { received.fetch_add(1); });
+  auto peer = a->ImportPeer(b->LocalDescriptor());
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  constexpr int kWrites = 8;
+  for (int i = 0; i < kWrites; ++i) {
+    const std::vector<BlockPair> pairs = {{static_cast<uint32_t>(i % 4), 0}};
+    auto x = a->PrepareBlockWrite(*peer, pairs, "n");
+    ASSERT_TRUE(x.ok()) << x.status().ToString();
+    ASSERT_TRUE(a->Post(*x).ok());
+    ASSERT_TRUE(WaitFor([&] { return received.load() == i + 1; })) << "write " << i;
+    EXPECT_EQ(a->Poll(*x), XferStatus::kSuccess);
+    EXPECT_TRUE(a->Release(*x).ok());
+  }
+  // The writer's thread went to sleep after its last write.
+  const uint64_t sleeps = a->stats().progress_sleeps;
+  ASSERT_TRUE(WaitFor([&] { return a->stats().progress_sleeps > sleeps; }));
+  EXPECT_EQ(a->stats().progress_idle_polls, 0u);
+  EXPECT_GT(b->stats().progress_idle_polls, 0u);
+  EXPECT_TRUE(a->ReleasePeer(*peer).ok());
+}
+
 // How much CPU idle transports use (their progress threads sleep on the
 // worker's event fd) is measured by bench/kvtransfer/idle_bench.cc.
 
