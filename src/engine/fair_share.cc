@@ -4,16 +4,16 @@
 
 namespace tandem::engine {
 
-void FairShare::Enqueue(const std::string& tenant, double weight) {
-  TenantState& t = tenants_[tenant];
+FairTenant* FairShare::Enqueue(const std::string& tenant, double weight) {
+  FairTenant& t = tenants_[tenant];
   t.weight = weight > 0 ? weight : 1.0;
   t.virtual_time = std::max(t.virtual_time, system_time_);
+  return &t;
 }
 
-void FairShare::Charge(const std::string& tenant, uint64_t tokens, uint64_t times) {
-  TenantState& t = tenants_[tenant];
+void FairShare::Charge(FairTenant& t, uint64_t tokens, uint64_t times) {
   for (uint64_t i = 0; i < times; ++i) t.virtual_time += static_cast<double>(tokens) / t.weight;
-  served_[tenant] += tokens * times;
+  t.served += tokens * times;
 }
 
 double FairShare::VirtualTime(const std::string& tenant) const {
@@ -21,16 +21,20 @@ double FairShare::VirtualTime(const std::string& tenant) const {
   return it == tenants_.end() ? system_time_ : it->second.virtual_time;
 }
 
-void FairShare::Picked(const std::string& tenant) {
-  system_time_ = std::max(system_time_, VirtualTime(tenant));
+void FairShare::Picked(const FairTenant& t) {
+  system_time_ = std::max(system_time_, t.virtual_time);
 }
 
-bool FairShare::Before(const QueueKey& a, const QueueKey& b) const {
+std::map<std::string, uint64_t> FairShare::served() const {
+  std::map<std::string, uint64_t> out;
+  for (const auto& [name, t] : tenants_) out.emplace_hint(out.end(), name, t.served);
+  return out;
+}
+
+bool FairShare::Before(const QueueKey& a, const QueueKey& b) {
   if (a.priority != b.priority) return a.priority < b.priority;
-  if (*a.tenant != *b.tenant) {
-    const double va = VirtualTime(*a.tenant);
-    const double vb = VirtualTime(*b.tenant);
-    if (va != vb) return va < vb;
+  if (a.tenant != b.tenant && a.tenant->virtual_time != b.tenant->virtual_time) {
+    return a.tenant->virtual_time < b.tenant->virtual_time;
   }
   return a.arrival < b.arrival;
 }

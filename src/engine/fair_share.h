@@ -19,44 +19,54 @@
 
 namespace tandem::engine {
 
+// A tenant's standing in one FairShare: what the order reads per item, by
+// pointer (FairShare::Enqueue gives it; it lives as long as the FairShare:
+// tenants are never forgotten), so a pass over a queue of many tenants
+// compares numbers, not names (issue 23).
+struct FairTenant {
+  double weight = 1;
+  double virtual_time = 0;
+  uint64_t served = 0;  // tokens, total
+};
+
 // What the ordering needs of a queued item.
 struct QueueKey {
   int32_t priority = 0;
-  const std::string* tenant = nullptr;  // never null when given to FairShare
-  uint64_t arrival = 0;                 // smaller = earlier
+  const FairTenant* tenant = nullptr;  // never null when given to FairShare
+  uint64_t arrival = 0;                // smaller = earlier
 };
 
 class FairShare {
  public:
-  // A tenant's item was queued; `weight` <= 0 counts as 1.
-  void Enqueue(const std::string& tenant, double weight);
-  // The tenant was served `tokens` tokens, `times` times over (one lookup
-  // for a run of sequences of one tenant; the virtual time moves exactly as
-  // by `times` single charges).
-  void Charge(const std::string& tenant, uint64_t tokens, uint64_t times = 1);
+  // A tenant's item was queued; `weight` <= 0 counts as 1. Returns the
+  // tenant's entry, for the item's QueueKey, Charge and Picked.
+  FairTenant* Enqueue(const std::string& tenant, double weight);
+  // The tenant was served `tokens` tokens, `times` times over (the virtual
+  // time moves exactly as by `times` single charges).
+  static void Charge(FairTenant& tenant, uint64_t tokens, uint64_t times = 1);
   double VirtualTime(const std::string& tenant) const;
   // The queue's virtual time: the largest virtual time of a tenant when it
   // was picked.
   double SystemTime() const { return system_time_; }
   // Marks `tenant` as served next (moves the system time forward).
-  void Picked(const std::string& tenant);
+  void Picked(const FairTenant& tenant);
   // Tokens served per tenant, totals.
-  const std::map<std::string, uint64_t>& served() const { return served_; }
+  std::map<std::string, uint64_t> served() const;
 
   // Whether `a` is served before `b`.
-  bool Before(const QueueKey& a, const QueueKey& b) const;
+  static bool Before(const QueueKey& a, const QueueKey& b);
 
   // The first item of [begin, end) in service order; `key(*it)` gives its
   // QueueKey. end when empty.
   template <class It, class KeyFn>
-  It PickNext(It begin, It end, KeyFn key) const {
+  static It PickNext(It begin, It end, KeyFn key) {
     return PickNextIf(begin, end, key, [](const auto&) { return true; });
   }
 
   // The first item of [begin, end) in service order among those for which
   // `eligible(*it)` holds; end when there is none.
   template <class It, class KeyFn, class Pred>
-  It PickNextIf(It begin, It end, KeyFn key, Pred eligible) const {
+  static It PickNextIf(It begin, It end, KeyFn key, Pred eligible) {
     It best = end;
     QueueKey best_key;
     for (It it = begin; it != end; ++it) {
@@ -71,12 +81,7 @@ class FairShare {
   }
 
  private:
-  struct TenantState {
-    double weight = 1;
-    double virtual_time = 0;
-  };
-  std::map<std::string, TenantState> tenants_;
-  std::map<std::string, uint64_t> served_;
+  std::map<std::string, FairTenant> tenants_;  // node-based: entries never move
   double system_time_ = 0;
 };
 

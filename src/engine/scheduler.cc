@@ -104,7 +104,7 @@ void Scheduler::AddWaiting(Sequence* seq) {
     seq->arrival = ++next_arrival_;
     seq->queued_since = seq->req.queued_since.value_or(std::chrono::steady_clock::now());
   }
-  fair_.Enqueue(seq->req.tenant, seq->req.tenant_weight);
+  seq->fair_tenant = fair_.Enqueue(seq->req.tenant, seq->req.tenant_weight);
   PushWaitingBack(seq);
 }
 
@@ -139,7 +139,7 @@ std::map<std::string, double> Scheduler::FairShareDeficits() const {
   std::map<std::string, double> out;
   for (const auto& [tenant, tokens] : fair_.served()) out[tenant] = 0;
   for (const Sequence* s : waiting_) {
-    const double behind = fair_.SystemTime() - fair_.VirtualTime(s->req.tenant);
+    const double behind = fair_.SystemTime() - s->fair_tenant->virtual_time;
     const double w = s->req.tenant_weight > 0 ? s->req.tenant_weight : 1.0;
     out[s->req.tenant] = std::max(0.0, behind * w);
   }
@@ -195,14 +195,14 @@ const SchedulerOutput& Scheduler::Schedule() {
   out.num_decode_tokens = 0;
   out.num_preempted = 0;
   uint32_t budget = limits_.max_batched_tokens;
-  // Tokens served are charged to a tenant in runs (one map lookup per run
-  // of sequences of one tenant and chunk size, not per sequence per step);
-  // the run is charged before anything reads a virtual time (a waiting pick).
-  const std::string* charge_tenant = nullptr;
+  // Tokens served are charged to a tenant in runs (of sequences of one
+  // tenant and chunk size); the run is charged before anything reads a
+  // virtual time (a waiting pick).
+  FairTenant* charge_tenant = nullptr;
   uint32_t charge_tokens = 0;
   uint64_t charge_times = 0;
   auto flush_charge = [&] {
-    if (charge_times > 0) fair_.Charge(*charge_tenant, charge_tokens, charge_times);
+    if (charge_times > 0) FairShare::Charge(*charge_tenant, charge_tokens, charge_times);
     charge_tenant = nullptr;
     charge_times = 0;
   };
@@ -216,8 +216,8 @@ const SchedulerOutput& Scheduler::Schedule() {
       out.num_decode_tokens += n;
     }
     budget -= n;
-    if (charge_times > 0 && (charge_tokens != n || *charge_tenant != s->req.tenant)) flush_charge();
-    charge_tenant = &s->req.tenant;
+    if (charge_times > 0 && (charge_tokens != n || charge_tenant != s->fair_tenant)) flush_charge();
+    charge_tenant = s->fair_tenant;
     charge_tokens = n;
     ++charge_times;
   };
@@ -316,7 +316,7 @@ const SchedulerOutput& Scheduler::Schedule() {
     TANDEM_CHECK(fresh.ok(), "allocation after CanAllocate failed");
     s->blocks.insert(s->blocks.end(), fresh->begin(), fresh->end());
     s->state = SeqState::kRunning;
-    fair_.Picked(s->req.tenant);
+    fair_.Picked(*s->fair_tenant);
     done.push_back(s);
     add(s, n);
     return Admit::kAdmitted;
@@ -361,8 +361,8 @@ const SchedulerOutput& Scheduler::Schedule() {
       }
       flush_charge();  // the pick reads virtual times
       wit = past_reserve_only
-                ? fair_.PickNextIf(waiting_.begin(), waiting_.end(), KeyOf, past_reserve)
-                : fair_.PickNext(waiting_.begin(), waiting_.end(), KeyOf);
+                ? FairShare::PickNextIf(waiting_.begin(), waiting_.end(), KeyOf, past_reserve)
+                : FairShare::PickNext(waiting_.begin(), waiting_.end(), KeyOf);
       if (past_reserve_only && wit == waiting_.end()) admitting = false;  // none left: stop looking
     }
     Sequence* w = wit != waiting_.end() ? *wit : nullptr;

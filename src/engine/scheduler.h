@@ -189,9 +189,7 @@ class Scheduler {
   // prefill engine, a decoder's local prefill): the growth reserve weighs
   // its admission while others run.
   static bool WeighedByReserve(const Sequence& s) { return !s.admitted_once; }
-  static QueueKey KeyOf(const Sequence* s) {
-    return {s->req.priority, &s->req.tenant, s->arrival};
-  }
+  static QueueKey KeyOf(const Sequence* s) { return {s->req.priority, s->fair_tenant, s->arrival}; }
 
   SchedulerLimits limits_;
   BlockManager* blocks_;  // borrowed

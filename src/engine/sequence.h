@@ -16,6 +16,8 @@
 
 namespace tandem::engine {
 
+struct FairTenant;  // engine/fair_share.h
+
 enum class SeqState { kWaiting, kRunning, kParked, kFinished };
 
 struct Sequence {
@@ -40,6 +42,7 @@ struct Sequence {
   bool admitted_once = false;
   uint32_t num_preemptions = 0;   // KvProgress::attempt
   uint64_t arrival = 0;           // the scheduler's arrival number (0 = not yet queued)
+  FairTenant* fair_tenant = nullptr;  // its tenant in the scheduler's FairShare, once queued
   std::chrono::steady_clock::time_point queued_since{};  // set with `arrival`
   bool queue_time_reported = false;
   SeqState state = SeqState::kWaiting;

@@ -186,7 +186,7 @@ PrefillerCounts Prefiller::counts() const {
   for (const auto& j : queue_) c.queued_prompt_tokens += static_cast<uint32_t>(j->spec.prompt_ids.size());
   for (const auto& [tenant, tokens] : fair_.served()) c.fair_share_deficit_tokens[tenant] = 0;
   for (const auto& j : queue_) {
-    const double behind = fair_.SystemTime() - fair_.VirtualTime(j->spec.tenant);
+    const double behind = fair_.SystemTime() - j->fair_tenant->virtual_time;
     c.fair_share_deficit_tokens[j->spec.tenant] = std::max(0.0, behind * j->spec.tenant_weight);
   }
   return c;
@@ -220,7 +220,7 @@ Status Prefiller::Submit(PrefillJob spec, PrefillDone done) {
     jobs_.emplace(job->spec.request_id, job);
     job->queued_at = SteadyClock::now();
     job->arrival = ArrivalKey(job->queued_at, job->spec.waited);
-    fair_.Enqueue(job->spec.tenant, job->spec.tenant_weight);
+    job->fair_tenant = fair_.Enqueue(job->spec.tenant, job->spec.tenant_weight);
     queue_.push_back(job);
     LogRequest(spdlog::level::debug, job->spec.request_id,
                "queued ({} prompt tokens, {} ahead) for decoder '{}'",
@@ -284,11 +284,11 @@ void Prefiller::DispatchLoop(std::stop_token stop) {
     auto pick = [&]() -> std::optional<std::deque<JobPtr>::iterator> {
       if (queue_.empty()) return std::nullopt;
       auto key = [](const JobPtr& j) {
-        return engine::QueueKey{j->spec.priority, &j->spec.tenant, j->arrival};
+        return engine::QueueKey{j->spec.priority, j->fair_tenant, j->arrival};
       };
-      auto next = fair_.PickNextIf(queue_.begin(), queue_.end(), key, [this](const JobPtr& j) {
-        return !seat_waiting_.contains(j->spec.decoder_address);
-      });
+      auto next = engine::FairShare::PickNextIf(
+          queue_.begin(), queue_.end(), key,
+          [this](const JobPtr& j) { return !seat_waiting_.contains(j->spec.decoder_address); });
       if (next == queue_.end()) return std::nullopt;
       if (admitting_ != 0 && (admitting_ >= options_.max_num_seqs ||
                               admitting_tokens_ + (*next)->spec.prompt_ids.size() >
@@ -309,8 +309,8 @@ void Prefiller::DispatchLoop(std::stop_token stop) {
         if (!next) continue;
         JobPtr job = **next;
         queue_.erase(*next);
-        fair_.Picked(job->spec.tenant);
-        fair_.Charge(job->spec.tenant, job->spec.prompt_ids.size());
+        fair_.Picked(*job->fair_tenant);
+        engine::FairShare::Charge(*job->fair_tenant, job->spec.prompt_ids.size());
         job->stage = Stage::kReserving;
         job->reserve_sent = SteadyClock::now();
         job->admission_held = true;

@@ -285,6 +285,7 @@ class Prefiller {
     PrefillJob spec;
     PrefillDone done;
     Stage stage = Stage::kQueued;
+    engine::FairTenant* fair_tenant = nullptr;  // in fair_, set when queued
     bool cancelled = false;
     Status cancel_status;  // why, when cancelled (CANCELLED, or UNAVAILABLE at Stop)
     std::optional<std::chrono::steady_clock::time_point> deadline;

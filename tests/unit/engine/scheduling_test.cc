@@ -40,24 +40,28 @@ GenerateRequest Req(const std::string& id, std::vector<uint32_t> prompt, uint32_
 
 TEST(FairShareTest, OrdersByPriorityThenVirtualTimeThenArrival) {
   FairShare f;
-  const std::string a = "a", b = "b";
-  f.Enqueue(a, 1);
-  f.Enqueue(b, 1);
-  EXPECT_TRUE(f.Before({0, &b, 9}, {10, &a, 1}));  // priority first
-  EXPECT_TRUE(f.Before({0, &a, 1}, {0, &b, 2}));   // equal virtual time: arrival
-  f.Charge(a, 100);
-  EXPECT_TRUE(f.Before({0, &b, 2}, {0, &a, 1}));   // a was served more
-  EXPECT_DOUBLE_EQ(f.VirtualTime(a), 100);
-  // Weight 4: 100 tokens cost a quarter.
-  const std::string c = "c";
-  f.Enqueue(c, 4);
-  f.Charge(c, 100);
-  EXPECT_DOUBLE_EQ(f.VirtualTime(c), 25);
+  FairTenant* a = f.Enqueue("a", 1);
+  FairTenant* b = f.Enqueue("b", 1);
+  EXPECT_EQ(f.Enqueue("a", 1), a);               // one entry per tenant
+  EXPECT_TRUE(f.Before({0, b, 9}, {10, a, 1}));  // priority first
+  EXPECT_TRUE(f.Before({0, a, 1}, {0, b, 2}));   // equal virtual time: arrival
+  FairShare::Charge(*a, 100);
+  EXPECT_TRUE(f.Before({0, b, 2}, {0, a, 1}));  // a was served more
+  EXPECT_TRUE(f.Before({0, a, 1}, {0, a, 2}));  // one tenant: arrival
+  EXPECT_DOUBLE_EQ(f.VirtualTime("a"), 100);
+  // Weight 4: 100 tokens cost a quarter; a run of 3 charges at once moves
+  // the virtual time as 3 single charges.
+  FairTenant* c = f.Enqueue("c", 4);
+  FairShare::Charge(*c, 100);
+  EXPECT_DOUBLE_EQ(f.VirtualTime("c"), 25);
+  FairShare::Charge(*c, 8, 3);
+  EXPECT_DOUBLE_EQ(f.VirtualTime("c"), 31);
+  EXPECT_EQ(f.served(), (std::map<std::string, uint64_t>{{"a", 100}, {"b", 0}, {"c", 124}}));
   // A tenant that comes back after idling starts at the system time.
-  f.Picked(a);
-  const std::string d = "d";
-  f.Enqueue(d, 1);
-  EXPECT_DOUBLE_EQ(f.VirtualTime(d), 100);
+  f.Picked(*a);
+  f.Enqueue("d", 1);
+  EXPECT_DOUBLE_EQ(f.VirtualTime("d"), 100);
+  EXPECT_DOUBLE_EQ(f.VirtualTime("never queued"), 100);
 }
 
 // max_num_seqs 2 full of priority-10 decodes: a priority-0 request preempts
