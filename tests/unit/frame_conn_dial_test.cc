@@ -4,12 +4,15 @@
 // next address, so an address that drops SYNs silently (a firewall, a dead
 // host's IP) costs that share, not the whole deadline; a refused one moves
 // on at once; when every address fails, the error names each with its
-// error (refused / timed out) at the deadline. On a reader thread of its
-// own and on a frame loop (whose epoll registration follows the new
-// socket). Real sockets on 127.0.0.1; the name's addresses come from a
-// lookup the test injects (FrameOptions::lookup).
+// error (refused / timed out) at the deadline; a TLS handshake that fails
+// moves on to no other address; localhost reaches a server on 127.0.0.1
+// where it resolves to ::1 first. On a reader thread of its own and on a
+// frame loop (whose epoll registration follows the new socket). Real
+// sockets on 127.0.0.1; the name's addresses come from a lookup the test
+// injects (FrameOptions::lookup).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -183,6 +186,82 @@ TEST_F(FrameConnDialTest, ARefusedAddressMovesOnAtOnceAndASilentOneAtItsShare) {
   EXPECT_EQ(end.code(), StatusCode::kUnavailable) << end.ToString();
   EXPECT_EQ(end.message(), fmt::format("cannot connect to {}: {}; {}", named, Refused(refusing.port()),
                                        Timed(silent.port())));
+}
+
+// Session 15 (conn-addrs): a peer's name that resolves to an address
+// that refuses (::1 first for localhost, a worker on 127.0.0.1) is
+// connected to on its next address, on the same Connect, on a reader
+// thread of its own and on a frame loop (whose epoll registration follows
+// the new socket).
+TEST_F(FrameConnDialTest, ANameWhoseFirstAddressRefusesConnectsToTheNext) {
+  LocalPort refusing(/*listening=*/false);
+  auto server = Echo(Tls(Identity(ca_, "decode-0")));
+  ASSERT_NE(server, nullptr);
+  const FrameOptions o = ManyAddresses::Options({refusing.port(), PortOf(server->address())});
+  auto proxy_tls = Tls(Identity(ca_, "proxy"));
+  const std::string named = "localhost:" + refusing.port();
+  FrameLoop loop("test-loop");
+  frame_testing::FrameClient own(named, proxy_tls, o);
+  frame_testing::FrameClient looped(named, proxy_tls, o, &loop);
+  ASSERT_TRUE(own.conn().SendParts({"own"}).ok());
+  ASSERT_TRUE(looped.conn().SendParts({"looped"}).ok());
+  EXPECT_EQ(own.WaitFrames(1), std::vector<std::string>{"own"});
+  EXPECT_EQ(looped.WaitFrames(1), std::vector<std::string>{"looped"});
+  EXPECT_FALSE(own.ended());
+  EXPECT_FALSE(looped.ended());
+  EXPECT_EQ(own.conn().dials(), 2u);
+  EXPECT_EQ(looped.conn().dials(), 2u);
+}
+
+TEST_F(FrameConnDialTest, ANameWhoseAddressesAllRefuseFailsNamingEach) {
+  LocalPort a(/*listening=*/false), b(/*listening=*/false);
+  frame_testing::FrameClient client("localhost:" + a.port(), nullptr,
+                                    ManyAddresses::Options({a.port(), b.port()}));
+  const Status end = client.WaitEnd();
+  EXPECT_EQ(end.code(), StatusCode::kUnavailable);
+  EXPECT_EQ(end.message(), fmt::format("cannot connect to localhost:{}: {}; {}", a.port(),
+                                       Refused(a.port()), Refused(b.port())));
+}
+
+// A TLS handshake that fails after TCP connected is not an address's
+// problem: the next address is not dialled.
+TEST_F(FrameConnDialTest, ATlsHandshakeFailureMovesOnToNoOtherAddress) {
+  auto impostor = Echo(Tls(frame_testing::Stranger(ca_, "impostor")));
+  ASSERT_NE(impostor, nullptr);
+  LocalPort next(/*listening=*/true);
+  frame_testing::FrameClient client(
+      "localhost:" + PortOf(impostor->address()), Tls(Identity(ca_, "proxy")),
+      ManyAddresses::Options({PortOf(impostor->address()), next.port()}));
+  const Status end = client.WaitEnd();
+  EXPECT_EQ(end.code(), StatusCode::kUnavailable);
+  EXPECT_NE(end.message().find("TLS handshake"), std::string::npos) << end.message();
+  EXPECT_EQ(client.conn().dials(), 1u);
+  EXPECT_EQ(next.Accepted(), 0);
+}
+
+// The real thing, where the host resolves localhost to an IPv6 address
+// before 127.0.0.1 (Debian's /etc/hosts): a worker on 127.0.0.1 is reached.
+TEST_F(FrameConnDialTest, LocalhostReachesAServerOn127001WhenItResolvesToIpv6First) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  bool v6_first = false;
+  if (getaddrinfo("localhost", "1", &hints, &res) == 0) {
+    v6_first = res->ai_family == AF_INET6;
+    bool v4 = false;
+    for (const addrinfo* ai = res; ai != nullptr; ai = ai->ai_next)
+      v4 = v4 || ai->ai_family == AF_INET;
+    v6_first = v6_first && v4;
+    freeaddrinfo(res);
+  }
+  if (!v6_first)
+    GTEST_SKIP() << "localhost does not resolve to an IPv6 address before an IPv4 one here";
+  auto server = Echo(nullptr);
+  ASSERT_NE(server, nullptr);
+  frame_testing::FrameClient client("localhost:" + PortOf(server->address()), nullptr);
+  ASSERT_TRUE(client.conn().SendParts({"v4"}).ok());
+  EXPECT_EQ(client.WaitFrames(1), std::vector<std::string>{"v4"});
+  EXPECT_FALSE(client.ended());
 }
 
 }  // namespace

@@ -9,11 +9,9 @@
 // once while the reader reads interleave no frame nor record. On one frame loop, a
 // connection that breaks ends alone, a peer that never answers holds up
 // no other connection's frames, and a deadline given without a wake-up
-// (WakeBy) holds. A name whose first address refuses is connected to on
-// its next one (not after a failed TLS handshake), and one whose addresses
-// all refuse fails naming each. Real sockets on 127.0.0.1.
+// (WakeBy) holds; a name is resolved off the loop's thread. Real sockets on
+// 127.0.0.1. (A name's several addresses: frame_conn_dial_test.cc.)
 #include <arpa/inet.h>
-#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -36,7 +34,6 @@
 #include "common/frame_loop.h"
 #include "common/frame_reader.h"
 #include "common/net.h"
-#include "frame_addr_support.h"
 #include "frame_test_support.h"
 #include "tandem/v1/worker.pb.h"
 
@@ -45,9 +42,6 @@ namespace {
 
 namespace pb = ::tandem::v1;
 using frame_testing::Identity;
-using frame_testing::LocalPort;
-using frame_testing::ManyAddresses;
-using frame_testing::PortOf;
 using frame_testing::Tls;
 
 // What a server session saw.
@@ -742,82 +736,6 @@ TEST_F(FrameConnTest, OnOneLoopANameIsResolvedOffTheLoopThread) {
   ASSERT_TRUE(a.conn().Send(Cancel(9)).ok());
   EXPECT_EQ(a.WaitHandles(1), std::vector<uint64_t>{9});
   EXPECT_FALSE(a.ended());
-}
-
-// Session 15 (conn-addrs): a peer's name that resolves to an address
-// that refuses (::1 first for localhost, a worker on 127.0.0.1) is
-// connected to on its next address, on the same Connect, on a reader
-// thread of its own and on a frame loop (whose epoll registration follows
-// the new socket).
-TEST_F(FrameConnTest, ANameWhoseFirstAddressRefusesConnectsToTheNext) {
-  LocalPort refusing(/*listening=*/false);
-  Seen seen;
-  auto server = Serve(Tls(Identity(ca_, "decode-0")), &seen);
-  ASSERT_NE(server, nullptr);
-  const FrameOptions o = ManyAddresses::Options({refusing.port(), PortOf(server->address())});
-  auto proxy_tls = Tls(Identity(ca_, "proxy"));
-  const std::string named = "localhost:" + refusing.port();
-  FrameLoop loop("test-loop");
-  Client own(named, proxy_tls, o);
-  Client looped(named, proxy_tls, o, &loop);
-  ASSERT_TRUE(own.conn().Send(Cancel(3)).ok());
-  ASSERT_TRUE(looped.conn().Send(Cancel(4)).ok());
-  EXPECT_EQ(own.WaitHandles(1), std::vector<uint64_t>{3});
-  EXPECT_EQ(looped.WaitHandles(1), std::vector<uint64_t>{4});
-  EXPECT_FALSE(own.ended());
-  EXPECT_FALSE(looped.ended());
-  EXPECT_EQ(own.conn().dials(), 2u);
-  EXPECT_EQ(looped.conn().dials(), 2u);
-}
-
-TEST_F(FrameConnTest, ANameWhoseAddressesAllRefuseFailsNamingEach) {
-  LocalPort a(/*listening=*/false), b(/*listening=*/false);
-  Client client("localhost:" + a.port(), nullptr, ManyAddresses::Options({a.port(), b.port()}));
-  const Status end = client.WaitEnd();
-  EXPECT_EQ(end.code(), StatusCode::kUnavailable);
-  const std::string refused = std::strerror(ECONNREFUSED);
-  EXPECT_EQ(end.message(), fmt::format("cannot connect to localhost:{}: 127.0.0.1:{} {}; 127.0.0.1:{} {}",
-                                       a.port(), a.port(), refused, b.port(), refused));
-}
-
-// A TLS handshake that fails after TCP connected is not an address's
-// problem: the next address is not dialled.
-TEST_F(FrameConnTest, ATlsHandshakeFailureMovesOnToNoOtherAddress) {
-  Seen seen;
-  auto impostor = Serve(Tls(frame_testing::Stranger(ca_, "impostor")), &seen);
-  ASSERT_NE(impostor, nullptr);
-  LocalPort next(/*listening=*/true);
-  Client client("localhost:" + PortOf(impostor->address()), Tls(Identity(ca_, "proxy")),
-                ManyAddresses::Options({PortOf(impostor->address()), next.port()}));
-  const Status end = client.WaitEnd();
-  EXPECT_EQ(end.code(), StatusCode::kUnavailable);
-  EXPECT_NE(end.message().find("TLS handshake"), std::string::npos) << end.message();
-  EXPECT_EQ(client.conn().dials(), 1u);
-  EXPECT_EQ(next.Accepted(), 0);
-}
-
-// The real thing, where the host resolves localhost to an IPv6 address
-// before 127.0.0.1 (Debian's /etc/hosts): a worker on 127.0.0.1 is reached.
-TEST_F(FrameConnTest, LocalhostReachesAServerOn127001WhenItResolvesToIpv6First) {
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  bool v6_first = false;
-  if (getaddrinfo("localhost", "1", &hints, &res) == 0) {
-    v6_first = res->ai_family == AF_INET6;
-    bool v4 = false;
-    for (const addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) v4 = v4 || ai->ai_family == AF_INET;
-    v6_first = v6_first && v4;
-    freeaddrinfo(res);
-  }
-  if (!v6_first) GTEST_SKIP() << "localhost does not resolve to an IPv6 address before an IPv4 one here";
-  Seen seen;
-  auto server = Serve(nullptr, &seen);
-  ASSERT_NE(server, nullptr);
-  Client client("localhost:" + PortOf(server->address()), nullptr);
-  ASSERT_TRUE(client.conn().Send(Cancel(5)).ok());
-  EXPECT_EQ(client.WaitHandles(1), std::vector<uint64_t>{5});
-  EXPECT_FALSE(client.ended());
 }
 
 }  // namespace
