@@ -31,11 +31,13 @@ constexpr int kSpinRoundsBeforeSleep = 2000;
 // With nothing in flight, keep polling this long after the last notice
 // arrived before sleeping: a stream of incoming notices is then drained
 // without one sleep/wake-up per notice (which, on a busy host, lets the
-// sender's shared-memory queue fill and stall it). Only arrivals open the
-// window: a writer whose own transfers completed sleeps at once, and its
-// next Post wakes it (issue 23: the window after every completed write was
-// most of a prefiller's progress-thread CPU).
-constexpr auto kPollAfterNotice = std::chrono::microseconds(200);
+// sender's shared-memory queue fill and stall it; with no window, 4
+// transfers in flight lose ~20 % of their bandwidth here). Only arrivals
+// open the window: a writer whose own transfers completed sleeps at once,
+// and its next Post wakes it (issue 23: the window after every completed
+// write was most of a prefiller's progress-thread CPU). 50 us moves as
+// much as the 200 it was (bench/results/proxy_cost/session-30.md).
+constexpr auto kPollAfterNotice = std::chrono::microseconds(50);
 constexpr auto kReleaseDeadline = std::chrono::seconds(5);
 
 }  // namespace
@@ -689,7 +691,6 @@ void TransportBase::ProgressLoop(std::stop_token stop) {
         std::this_thread::yield();
         continue;
       }
-      idle_sleeps_.fetch_add(1, std::memory_order_relaxed);
       int wait_ms = IdleWaitMs();
       if (!paced_.empty()) {  // wake for the earliest paced write
         auto due = paced_.front().first;
@@ -703,6 +704,7 @@ void TransportBase::ProgressLoop(std::stop_token stop) {
             static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(left).count()) - 1;
         wait_ms = wait_ms < 0 ? paced_ms : std::min<int>(wait_ms, paced_ms);
       }
+      idle_sleeps_.fetch_add(1, std::memory_order_relaxed);
       WaitForEvents(wait_ms);
     } else if (++idle_rounds > kSpinRoundsBeforeSleep) {
       WaitForEvents(1);  // transfers wait on the peer (e.g. TCP acks): don't burn a core
