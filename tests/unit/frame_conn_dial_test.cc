@@ -100,6 +100,32 @@ class FrameConnDialTest : public ::testing::Test {
   std::string Refused(const std::string& port) {
     return fmt::format("127.0.0.1:{} {}", port, std::strerror(ECONNREFUSED));
   }
+  // A name (localhost) whose first address is port `first` and whose
+  // second is a server: the TLS handshake runs on the second, on a reader
+  // thread of its own and on a frame loop, within the default deadline.
+  void ExpectTheSecondAddressReached(const std::string& first) {
+    auto server = Echo(Tls(Identity(ca_, "decode-0")));
+    ASSERT_NE(server, nullptr);
+    const FrameOptions o = ManyAddresses::Options({first, PortOf(server->address())});
+    ASSERT_EQ(o.handshake_timeout, std::chrono::seconds(10));
+    auto proxy_tls = Tls(Identity(ca_, "proxy"));
+    const std::string named = "localhost:" + first;
+    FrameLoop loop("test-loop");
+    frame_testing::FrameClient own(named, proxy_tls, o);
+    frame_testing::FrameClient looped(named, proxy_tls, o, &loop);
+    ASSERT_TRUE(own.conn().SendParts({"own"}).ok());
+    ASSERT_TRUE(looped.conn().SendParts({"looped"}).ok());
+    // The echo comes only over an open (authenticated) connection, and a
+    // connection not open by the deadline ends: an echo and no end is a
+    // connection made within the deadline.
+    EXPECT_EQ(own.WaitFrames(1), std::vector<std::string>{"own"});
+    EXPECT_EQ(looped.WaitFrames(1), std::vector<std::string>{"looped"});
+    EXPECT_FALSE(own.ended());
+    EXPECT_FALSE(looped.ended());
+    EXPECT_EQ(own.conn().dials(), 2u);
+    EXPECT_EQ(looped.conn().dials(), 2u);
+    EXPECT_EQ(own.conn().PeerCommonName(), "decode-0");
+  }
   CertKeyPem ca_ = frame_testing::MakeCa("dial-test-ca");
 };
 
@@ -113,27 +139,7 @@ class FrameConnDialTest : public ::testing::Test {
 TEST_F(FrameConnDialTest, ASilentFirstAddressGivesWayToTheNextWithinTheDeadline) {
   SilentPort silent;
   SKIP_UNLESS_SILENT(silent);
-  auto server = Echo(Tls(Identity(ca_, "decode-0")));
-  ASSERT_NE(server, nullptr);
-  const FrameOptions o = ManyAddresses::Options({silent.port(), PortOf(server->address())});
-  ASSERT_EQ(o.handshake_timeout, std::chrono::seconds(10));
-  auto proxy_tls = Tls(Identity(ca_, "proxy"));
-  const std::string named = "localhost:" + silent.port();
-  FrameLoop loop("test-loop");
-  frame_testing::FrameClient own(named, proxy_tls, o);
-  frame_testing::FrameClient looped(named, proxy_tls, o, &loop);
-  ASSERT_TRUE(own.conn().SendParts({"own"}).ok());
-  ASSERT_TRUE(looped.conn().SendParts({"looped"}).ok());
-  // The echo comes only over an open (authenticated) connection, and a
-  // connection not open by the deadline ends: an echo and no end is a
-  // connection made within the deadline.
-  EXPECT_EQ(own.WaitFrames(1), std::vector<std::string>{"own"});
-  EXPECT_EQ(looped.WaitFrames(1), std::vector<std::string>{"looped"});
-  EXPECT_FALSE(own.ended());
-  EXPECT_FALSE(looped.ended());
-  EXPECT_EQ(own.conn().dials(), 2u);
-  EXPECT_EQ(looped.conn().dials(), 2u);
-  EXPECT_EQ(own.conn().PeerCommonName(), "decode-0");
+  ExpectTheSecondAddressReached(silent.port());
 }
 
 // Three silent addresses and a deadline of 1.5 s: each gets its share
@@ -195,22 +201,7 @@ TEST_F(FrameConnDialTest, ARefusedAddressMovesOnAtOnceAndASilentOneAtItsShare) {
 // the new socket).
 TEST_F(FrameConnDialTest, ANameWhoseFirstAddressRefusesConnectsToTheNext) {
   LocalPort refusing(/*listening=*/false);
-  auto server = Echo(Tls(Identity(ca_, "decode-0")));
-  ASSERT_NE(server, nullptr);
-  const FrameOptions o = ManyAddresses::Options({refusing.port(), PortOf(server->address())});
-  auto proxy_tls = Tls(Identity(ca_, "proxy"));
-  const std::string named = "localhost:" + refusing.port();
-  FrameLoop loop("test-loop");
-  frame_testing::FrameClient own(named, proxy_tls, o);
-  frame_testing::FrameClient looped(named, proxy_tls, o, &loop);
-  ASSERT_TRUE(own.conn().SendParts({"own"}).ok());
-  ASSERT_TRUE(looped.conn().SendParts({"looped"}).ok());
-  EXPECT_EQ(own.WaitFrames(1), std::vector<std::string>{"own"});
-  EXPECT_EQ(looped.WaitFrames(1), std::vector<std::string>{"looped"});
-  EXPECT_FALSE(own.ended());
-  EXPECT_FALSE(looped.ended());
-  EXPECT_EQ(own.conn().dials(), 2u);
-  EXPECT_EQ(looped.conn().dials(), 2u);
+  ExpectTheSecondAddressReached(refusing.port());
 }
 
 TEST_F(FrameConnDialTest, ANameWhoseAddressesAllRefuseFailsNamingEach) {
