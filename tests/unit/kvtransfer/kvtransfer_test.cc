@@ -354,7 +354,8 @@ TEST(Progress, AWriterSleepsOnceItsWritesCompleteAndAReceiverPollsAfterNotices) 
     auto x = a->PrepareBlockWrite(*peer, pairs, "n");
     ASSERT_TRUE(x.ok()) << x.status().ToString();
     ASSERT_TRUE(a->Post(*x).ok());
-    ASSERT_TRUE(WaitFor([&] { return received.load() == i + 1; })) << "write " << i;
+    ASSERT_TRUE(WaitFor([&] { return received.load() == i + 1 && IsTerminal(a->Poll(*x)); }))
+        << "write " << i;
     EXPECT_EQ(a->Poll(*x), XferStatus::kSuccess);
     EXPECT_TRUE(a->Release(*x).ok());
   }
