@@ -529,7 +529,6 @@ void TransportBase::SetPeerFailureCallback(PeerFailureCallback cb) {
 }
 
 void TransportBase::DeliverNotice(std::string_view wire) {
-  notices_arrived_.fetch_add(1, std::memory_order_relaxed);
   auto decoded = DecodeNotice(wire);
   if (!decoded.ok()) {
     spdlog::warn("kvtransfer: dropping malformed notice: {}", decoded.status().ToString());
@@ -659,7 +658,7 @@ int TransportBase::IdleWaitMs() const {
 void TransportBase::ProgressLoop(std::stop_token stop) {
   int idle_rounds = 0;
   std::chrono::steady_clock::time_point last_notice{};  // none yet
-  uint64_t notices_seen = notices_arrived_.load(std::memory_order_relaxed);
+  uint64_t notices_seen = 0;  // received or dropped as stale, as counted in stats()
   while (!stop.stop_requested()) {
     RunCommands();
     ReleaseDuePaced();
@@ -672,11 +671,12 @@ void TransportBase::ProgressLoop(std::stop_token stop) {
     busy = busy || puts_posted_.load(std::memory_order_relaxed) != puts_before ||
            active_.size() != active_before;
     bool pending_commands = false;
+    uint64_t notices = 0;
     {
       std::lock_guard lock(mu_);
       pending_commands = !commands_.empty();
+      notices = notifications_received_ + stale_notifications_dropped_;
     }
-    const uint64_t notices = notices_arrived_.load(std::memory_order_relaxed);
     if (notices != notices_seen) {
       notices_seen = notices;
       last_notice = std::chrono::steady_clock::now();

@@ -207,9 +207,6 @@ class TransportBase : public Transport {
   uint64_t fault_blocks_ = 0;  // guarded by mu_: remote blocks they touched
   uint64_t fault_imports_ = 0;  // guarded by mu_: imports that made a new endpoint
 
-  // Notices that reached DeliverNotice (from any thread: loopback delivers
-  // on the writer's progress thread).
-  std::atomic<uint64_t> notices_arrived_{0};
   // Rounds of the progress thread with nothing in flight: spent polling
   // after a notice, or asleep waiting for events (TransportStats).
   std::atomic<uint64_t> idle_polls_{0};
