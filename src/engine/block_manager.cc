@@ -41,8 +41,8 @@ void BlockManager::CountHit(const PrefixHit& hit) {
   for (size_t t = 0; t < kNumKvTiers; ++t) hit_tokens_[t] += uint64_t{hit.blocks[t]} * block_size_;
 }
 
-void BlockManager::FlushTierEvents() {
-  if (tiers_) tiers_->Flush();
+void BlockManager::FlushTierEvents(bool quiet) {
+  if (tiers_) tiers_->Flush(quiet);
 }
 
 uint32_t BlockManager::CountCachedPrefix(std::span<const uint64_t> hashes,
@@ -146,7 +146,7 @@ uint32_t BlockManager::TakeBlock(std::vector<uint64_t>& removed) {
   return block;
 }
 
-Result<std::vector<uint32_t>> BlockManager::Allocate(uint32_t n) {
+Result<std::vector<uint32_t>> BlockManager::Allocate(uint32_t n, bool quiet_evictions) {
   if (!CanAllocate(n)) {
     return ResourceExhaustedError(fmt::format("KV cache: {} blocks needed, {} of {} free", n,
                                               num_free_blocks(), num_blocks_));
@@ -159,8 +159,10 @@ Result<std::vector<uint32_t>> BlockManager::Allocate(uint32_t n) {
     blocks_[block].ref = 1;
     out.push_back(block);
   }
-  if (events_ != nullptr) events_->PublishRemoved(std::move(removed));
-  FlushTierEvents();
+  if (events_ != nullptr) {
+    events_->PublishRemoved(std::move(removed), KvTier::kDevice, quiet_evictions);
+  }
+  FlushTierEvents(quiet_evictions);
   return out;
 }
 

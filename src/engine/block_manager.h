@@ -92,8 +92,11 @@ class BlockManager {
 
   bool CanAllocate(uint32_t n) const { return n <= num_free_blocks(); }
   // `n` fresh blocks (ref 1), all or nothing: evicts least recently used
-  // cached blocks when the free list runs out.
-  Result<std::vector<uint32_t>> Allocate(uint32_t n);
+  // cached blocks when the free list runs out. `quiet_evictions`: the
+  // evictions' events (and their lower tiers' moves) are quiet
+  // (KvEventPublisher::PublishRemoved): the scheduler's room for a
+  // prompt's prefill chunk, whose events leave with the prompt's blocks.
+  Result<std::vector<uint32_t>> Allocate(uint32_t n, bool quiet_evictions = false);
   // Raises the reference count of held blocks (sharing).
   void Retain(std::span<const uint32_t> blocks);
   // Drops one reference from each block, last block first, so a released
@@ -128,7 +131,7 @@ class BlockManager {
   void Evict(uint32_t block, std::vector<uint64_t>& removed);
   // One block off the free list or evicted (requires CanAllocate(1)).
   uint32_t TakeBlock(std::vector<uint64_t>& removed);
-  void FlushTierEvents();
+  void FlushTierEvents(bool quiet = false);
 
   const uint32_t num_blocks_;
   const uint32_t block_size_;

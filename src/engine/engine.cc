@@ -359,6 +359,7 @@ Status Engine::Abort(const std::string& request_id) {
       if (it->second.request_id == request_id) {
         blocks_->Release(it->second.blocks);
         it = reservations_.erase(it);
+        events_->WakeIfQuiet();  // its quiet evictions (Reserve) leave now
         found = true;
       } else {
         ++it;
@@ -460,7 +461,11 @@ Result<Reservation> Engine::Reserve(const std::string& request_id,
         total - cached, prompt.size(), keep, scheduler_->growth_ratio(),
         blocks_->num_free_blocks(), blocks_->num_blocks()));
   }
-  auto fresh = blocks_->Allocate(total - cached);
+  // The evictions that make the reservation's room are quiet: they leave
+  // with the prompt's blocks when its KV has landed (AddPrefilled), or when
+  // the reservation ends without it, or with the Watch loop's next load
+  // sample (kv_events.h): one update per pushed prompt instead of two.
+  auto fresh = blocks_->Allocate(total - cached, /*quiet_evictions=*/true);
   if (!fresh.ok()) {
     blocks_->Release(blocks);
     return ResourceExhaustedError(fmt::format(
@@ -512,6 +517,7 @@ Status Engine::ReleaseReservation(uint64_t reservation_id) {
     }
     blocks_->Release(it->second.blocks);
     reservations_.erase(it);
+    events_->WakeIfQuiet();  // its quiet evictions (Reserve) leave now
     Poke();
   }
   cv_.notify_all();
@@ -565,7 +571,14 @@ Status Engine::AddPrefilled(uint64_t reservation_id, GenerateRequest request,
     seq->num_committed = res.num_cached_blocks;
     seq->cached_prompt_tokens = std::min(res.num_cached_blocks * options_.block_size, seq->prompt_len);
     seq->admitted_once = true;
+    // The prompt's blocks (a stored event for the run's first block, then
+    // one for the rest) and the reservation's quiet evictions wake the
+    // Watch loop once, together (the evictions alone when every full block
+    // was cached and nothing is stored).
+    events_->Hold();
     CommitFullBlocks(*seq);
+    events_->WakeIfQuiet();
+    events_->Release();
     Sequence* raw = seq.get();
     auto [pos, inserted] = seqs_.emplace(raw->req.request_id, std::move(seq));
     if (AppendToken(*raw, first_token, out)) {

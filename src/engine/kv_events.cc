@@ -73,39 +73,39 @@ std::vector<KvEvent> KvEventPublisher::Drain(size_t max_events) {
 }
 
 void KvEventPublisher::PublishStored(std::vector<uint64_t> hashes, uint64_t parent_hash,
-                                     KvTier tier) {
+                                     KvTier tier, bool quiet) {
   if (hashes.empty()) return;
   KvEvent e;
   e.tier = tier;
   e.kind = KvEventKind::kStored;
   e.hashes = std::move(hashes);
   e.parent_hash = parent_hash;
-  Publish(std::move(e));
+  Publish(std::move(e), quiet);
 }
 
-void KvEventPublisher::PublishRemoved(std::vector<uint64_t> hashes, KvTier tier) {
+void KvEventPublisher::PublishRemoved(std::vector<uint64_t> hashes, KvTier tier, bool quiet) {
   if (hashes.empty()) return;
   KvEvent e;
   e.tier = tier;
   e.kind = KvEventKind::kRemoved;
   e.hashes = std::move(hashes);
-  Publish(std::move(e));
+  Publish(std::move(e), quiet);
 }
 
 void KvEventPublisher::PublishCleared() {
   KvEvent e;
   e.kind = KvEventKind::kCleared;
-  Publish(std::move(e));
+  Publish(std::move(e), /*quiet=*/false);
 }
 
-void KvEventPublisher::Publish(KvEvent event) {
+void KvEventPublisher::Publish(KvEvent event, bool quiet) {
   // Ids are assigned and subscribers called under one lock so that every
   // subscriber sees events in id order.
   std::lock_guard lock(mu_);
   event.event_id = next_id_++;
   event.epoch = epoch_;
   for (auto& [id, cb] : subscribers_) cb(event);
-  if (quiet_) {
+  if (quiet_ || quiet) {
     // Queued only: leaves with the drainer's next wake-up.
     quiet_queued_ = true;
   } else if (holds_ > 0) {

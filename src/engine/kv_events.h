@@ -33,7 +33,10 @@
 // per run per sequence. The stored events of a long prompt's chunk steps
 // before its last are quiet too; the last chunk's step wakes the drainer
 // (WakeIfQuiet) even when it stores no block, so a prompt's blocks leave
-// at once when its prefill is done (docs/kv-routing.md, "Freshness").
+// at once when its prefill is done (docs/router.md, "Freshness"). So are
+// the evictions that make room for a prompt's chunks (session 31): they
+// leave with the prompt's blocks, in one update per prompt instead of one
+// per chunk.
 #pragma once
 
 #include <cstdint>
@@ -105,13 +108,17 @@ class KvEventPublisher {
   std::vector<KvEvent> Drain(size_t max_events = SIZE_MAX);
 
   // Assigns the next id and delivers the event (called by the block manager).
+  // `quiet`: this event alone is quiet (as under SetQuiet), whatever the
+  // mode: the evictions that make room for a prompt's prefill chunk
+  // (BlockManager::Allocate), which leave with that prompt's blocks.
   void PublishStored(std::vector<uint64_t> hashes, uint64_t parent_hash,
-                     KvTier tier = KvTier::kDevice);
-  void PublishRemoved(std::vector<uint64_t> hashes, KvTier tier = KvTier::kDevice);
+                     KvTier tier = KvTier::kDevice, bool quiet = false);
+  void PublishRemoved(std::vector<uint64_t> hashes, KvTier tier = KvTier::kDevice,
+                      bool quiet = false);
   void PublishCleared();
 
  private:
-  void Publish(KvEvent event);
+  void Publish(KvEvent event, bool quiet);
 
   const uint64_t epoch_;
   const size_t queue_capacity_;

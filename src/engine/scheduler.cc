@@ -312,7 +312,11 @@ const SchedulerOutput& Scheduler::Schedule() {
       blocks_->CountHit(hit);
     }
     s->admitted_once = true;
-    auto fresh = blocks_->Allocate(need);
+    // A prompt's chunk (admission computes the prompt, or a preempted
+    // sequence's recompute, from where its cache ends): the evictions that
+    // make its room are quiet and leave with the prompt's blocks when its
+    // last chunk is computed (kv_events.h).
+    auto fresh = blocks_->Allocate(need, /*quiet_evictions=*/s->num_computed < s->prompt_len);
     TANDEM_CHECK(fresh.ok(), "allocation after CanAllocate failed");
     s->blocks.insert(s->blocks.end(), fresh->begin(), fresh->end());
     s->state = SeqState::kRunning;
@@ -399,7 +403,9 @@ const SchedulerOutput& Scheduler::Schedule() {
       preempt_back();
     }
     if (self_preempted) break;
-    auto fresh = blocks_->Allocate(need);
+    // A later chunk of a prompt: quiet evictions, as at admission; a decode
+    // step's (or an output recompute's) wake the Watch loop at once.
+    auto fresh = blocks_->Allocate(need, /*quiet_evictions=*/r->num_computed < r->prompt_len);
     TANDEM_CHECK(fresh.ok(), "allocation after CanAllocate failed");
     r->blocks.insert(r->blocks.end(), fresh->begin(), fresh->end());
     done.push_back(r);

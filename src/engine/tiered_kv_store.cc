@@ -18,13 +18,13 @@ void TieredKvStore::Note(KvEventKind kind, KvTier tier, uint64_t hash, uint64_t 
   pending_.push_back({kind, tier, parent, {hash}});
 }
 
-void TieredKvStore::Flush() {
+void TieredKvStore::Flush(bool quiet) {
   if (events_ == nullptr) return;
   for (Pending& p : pending_) {
     if (p.kind == KvEventKind::kStored) {
-      events_->PublishStored(std::move(p.hashes), p.parent, p.tier);
+      events_->PublishStored(std::move(p.hashes), p.parent, p.tier, quiet);
     } else {
-      events_->PublishRemoved(std::move(p.hashes), p.tier);
+      events_->PublishRemoved(std::move(p.hashes), p.tier, quiet);
     }
   }
   pending_.clear();

@@ -51,8 +51,9 @@ class TieredKvStore {
   void DropHostCopy(uint64_t hash);
   // Drops every block of both tiers (disk files deleted).
   void Clear();
-  // Publishes the events of the moves since the last Flush, in order.
-  void Flush();
+  // Publishes the events of the moves since the last Flush, in order
+  // (quiet: KvEventPublisher::PublishStored).
+  void Flush(bool quiet = false);
   // Appends every block of both tiers to a snapshot.
   void AppendTo(KvSnapshot* snapshot) const;
 

@@ -112,6 +112,65 @@ TEST(EngineTest, ReserveRefusesWithoutRoomAndHoldsNothing) {
   EXPECT_EQ(e->stats().free_blocks, 4u);
 }
 
+// Issue 23 (session 31): the evictions that make a reservation's room wake
+// no drainer (the Watch loop); they leave with the prompt's blocks when its
+// KV lands (AddPrefilled), in one wake-up, removals first; or when the
+// reservation is released or aborted without them.
+TEST(EngineTest, AReservationsEvictionsLeaveWithItsBlocksOrItsEnd) {
+  EngineOptions o;
+  o.num_blocks = 4;
+  auto e = MakeEngine(TinyModel(), o);
+  int wakes = 0, removals = 0;
+  e->events().SubscribeWake([&] { ++wakes; });
+  e->events().Subscribe([&](const KvEvent& x) { removals += x.kind == KvEventKind::kRemoved; });
+  // Fill the cache: 3 committed blocks of a first request, all released.
+  Collector first;
+  ASSERT_TRUE(e->Submit(MakeRequest("first", Prompt(60, 1), 1, &first)).ok());
+  e->RunUntilIdle();
+  ASSERT_EQ(e->stats().cached_blocks, 3u);
+  (void)e->events().Drain();
+
+  auto evicting_reserve = [&](const std::string& id, const std::vector<uint32_t>& prompt) {
+    const int before = wakes, removed_before = removals;
+    auto r = e->Reserve(id, prompt);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(removals, removed_before + 1) << "the reservation evicted nothing";
+    EXPECT_EQ(wakes, before) << "a reservation's evictions woke the drainer";
+    return r.ok() ? r->reservation_id : 0;
+  };
+  auto drained_kinds = [&] {
+    std::vector<KvEventKind> kinds;
+    for (const auto& x : e->events().Drain()) kinds.push_back(x.kind);
+    return kinds;
+  };
+
+  // Landed: one wake-up for the removals (1 block free, 2 evicted) and the
+  // prompt's 2 full blocks (stored as the run's first block, then the rest).
+  const uint64_t a = evicting_reserve("a", Prompt(40, 2));
+  int before = wakes;
+  Collector ac;
+  ASSERT_TRUE(e->AddPrefilled(a, MakeRequest("a", Prompt(40, 2), 1, &ac), 5).ok());
+  EXPECT_EQ(wakes, before + 1);
+  EXPECT_EQ(drained_kinds(), (std::vector<KvEventKind>{KvEventKind::kRemoved, KvEventKind::kStored,
+                                                       KvEventKind::kStored}));
+  e->RunUntilIdle();
+
+  // Released without its KV: the removals leave at the release.
+  const uint64_t b = evicting_reserve("b", Prompt(40, 3));
+  before = wakes;
+  ASSERT_TRUE(e->ReleaseReservation(b).ok());
+  EXPECT_EQ(wakes, before + 1);
+  EXPECT_EQ(drained_kinds(), (std::vector<KvEventKind>{KvEventKind::kRemoved}));
+
+  // Aborted: the same (4 blocks: 3 free, the last cached one evicted).
+  evicting_reserve("c", Prompt(60, 4));
+  before = wakes;
+  ASSERT_TRUE(e->Abort("c").ok());
+  EXPECT_EQ(wakes, before + 1);
+  EXPECT_EQ(drained_kinds(), (std::vector<KvEventKind>{KvEventKind::kRemoved}));
+  EXPECT_EQ(e->stats().free_blocks, 4u);
+}
+
 // A decoder's pool filled by prefilled requests whose prompts end on a
 // block boundary, so that each needs one more block for its next token,
 // with nothing running: waiting requests holding blocks must not leave the

@@ -279,6 +279,77 @@ TEST(EngineTest, PrefillChunkEventsLeaveWithTheLastChunk) {
   EXPECT_EQ(wakes, before + 1);
 }
 
+// Issue 23 (session 31): the evictions that make room for a long prompt's
+// chunks are quiet as well, so a prompt that evicts at every chunk still
+// wakes the drainer once, at its last chunk, with its removals and blocks in
+// order; a decode step's eviction wakes it at once, as before.
+TEST(EngineTest, EvictionsForAPromptsChunksLeaveWithItsBlocks) {
+  EngineOptions o;
+  o.num_blocks = 8;
+  o.scheduler.max_batched_tokens = 32;
+  auto e = MakeEngine(TinyModel(), o);
+  int wakes = 0;
+  e->events().SubscribeWake([&] { ++wakes; });
+  // A first prompt leaves 6 committed blocks cached (96 of its 100 tokens)
+  // and 2 blocks free.
+  Collector warm;
+  ASSERT_TRUE(e->Submit(Req("warm", Prompt(100, 7), 1, &warm)).ok());
+  e->RunUntilIdle();
+  const std::vector<uint64_t> warm_hashes =
+      HashBlocks(e->root_hash(), std::span<const uint32_t>(Prompt(100, 7)).first(96), 16);
+  ASSERT_EQ(e->stats().free_blocks, 8u);
+  (void)e->events().Drain();
+
+  // 100 more tokens in chunks of 32, 32, 32, 4 (blocks 2, 2, 2, 1): the
+  // first chunk takes the free blocks, the others evict the cached ones,
+  // least recently used first (the first prompt's tail).
+  Collector a;
+  ASSERT_TRUE(e->Submit(Req("a", Prompt(100, 4), 1, &a)).ok());
+  const int before = wakes;
+  for (int chunk = 1; chunk <= 3; ++chunk) {
+    ASSERT_TRUE(e->Step());
+    EXPECT_EQ(wakes, before) << "chunk " << chunk;
+  }
+  ASSERT_TRUE(e->Step());  // the last chunk
+  ASSERT_EQ(a.tokens.size(), 1u);
+  EXPECT_EQ(wakes, before + 1);
+  std::vector<uint64_t> removed, stored;
+  uint64_t last_id = 0;
+  for (const auto& x : e->events().Drain()) {
+    EXPECT_EQ(x.event_id, last_id == 0 ? x.event_id : last_id + 1);
+    last_id = x.event_id;
+    ASSERT_NE(x.kind, KvEventKind::kCleared);
+    auto& into = x.kind == KvEventKind::kRemoved ? removed : stored;
+    into.insert(into.end(), x.hashes.begin(), x.hashes.end());
+  }
+  EXPECT_EQ(removed, (std::vector<uint64_t>{warm_hashes[5], warm_hashes[4], warm_hashes[3],
+                                            warm_hashes[2], warm_hashes[1]}));
+  EXPECT_EQ(stored,
+            HashBlocks(e->root_hash(), std::span<const uint32_t>(Prompt(100, 4)).first(96), 16));
+  e->RunUntilIdle();
+  EXPECT_EQ(a.tokens, GenerateAlone(Prompt(100, 4), 1));
+  (void)e->events().Drain();
+
+  // A decode step that needs a block evicts (nothing is free but cached
+  // blocks): that removal wakes the drainer in its own step.
+  Collector c;
+  ASSERT_TRUE(e->Submit(Req("c", Prompt(20, 6), 40, &c)).ok());
+  bool saw_decode_eviction = false;
+  for (int step = 0; step < 100 && !saw_decode_eviction; ++step) {
+    const int at = wakes;
+    if (!e->Step()) break;
+    bool evicted = false;
+    for (const auto& x : e->events().Drain()) evicted |= x.kind == KvEventKind::kRemoved;
+    if (evicted && c.tokens.size() >= 2) {  // past the prompt's step
+      saw_decode_eviction = true;
+      EXPECT_EQ(wakes, at + 1) << "woken in the step that evicted";
+    }
+  }
+  ASSERT_TRUE(saw_decode_eviction);
+  e->RunUntilIdle();
+  EXPECT_EQ(c.tokens, GenerateAlone(Prompt(20, 6), 40));
+}
+
 // Issue 23: work that does not fit waits for a release without polling;
 // a release, and a queued request's deadline, end the wait.
 TEST(EngineTest, BlockedWorkWaitsForAReleaseOrItsDeadline) {
