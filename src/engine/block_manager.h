@@ -94,8 +94,9 @@ class BlockManager {
   // `n` fresh blocks (ref 1), all or nothing: evicts least recently used
   // cached blocks when the free list runs out. `quiet_evictions`: the
   // evictions' events (and their lower tiers' moves) are quiet
-  // (KvEventPublisher::PublishRemoved): the scheduler's room for a
-  // prompt's prefill chunk, whose events leave with the prompt's blocks.
+  // (KvEventPublisher::PublishRemoved): the room for a prompt's prefill
+  // chunk (the scheduler) or a reservation (Engine::Reserve), whose
+  // events leave with the prompt's blocks.
   Result<std::vector<uint32_t>> Allocate(uint32_t n, bool quiet_evictions = false);
   // Raises the reference count of held blocks (sharing).
   void Retain(std::span<const uint32_t> blocks);

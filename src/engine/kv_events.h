@@ -34,9 +34,9 @@
 // before its last are quiet too; the last chunk's step wakes the drainer
 // (WakeIfQuiet) even when it stores no block, so a prompt's blocks leave
 // at once when its prefill is done (docs/router.md, "Freshness"). So are
-// the evictions that make room for a prompt's chunks (session 31): they
-// leave with the prompt's blocks, in one update per prompt instead of one
-// per chunk.
+// the evictions that make room for a prompt's chunks and for a decoder's
+// reservation (session 31; `quiet` below): they leave with the prompt's
+// blocks, in one update per prompt instead of one per chunk.
 #pragma once
 
 #include <cstdint>
@@ -109,8 +109,9 @@ class KvEventPublisher {
 
   // Assigns the next id and delivers the event (called by the block manager).
   // `quiet`: this event alone is quiet (as under SetQuiet), whatever the
-  // mode: the evictions that make room for a prompt's prefill chunk
-  // (BlockManager::Allocate), which leave with that prompt's blocks.
+  // mode: the evictions that make room for a prompt's prefill chunk or a
+  // reservation (BlockManager::Allocate), which leave with that prompt's
+  // blocks.
   void PublishStored(std::vector<uint64_t> hashes, uint64_t parent_hash,
                      KvTier tier = KvTier::kDevice, bool quiet = false);
   void PublishRemoved(std::vector<uint64_t> hashes, KvTier tier = KvTier::kDevice,
