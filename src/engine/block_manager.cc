@@ -189,11 +189,13 @@ void BlockManager::Release(std::span<const uint32_t> blocks) {
 
 void BlockManager::Commit(std::span<const uint32_t> blocks, std::span<const uint64_t> hashes,
                           std::span<const uint32_t> tokens, uint32_t first, uint32_t count,
-                          uint64_t root_hash) {
+                          uint64_t root_hash, bool quiet) {
   std::vector<uint64_t> run;
   uint64_t run_parent = 0;
   auto flush = [&] {
-    if (events_ != nullptr && !run.empty()) events_->PublishStored(std::move(run), run_parent);
+    if (events_ != nullptr && !run.empty()) {
+      events_->PublishStored(std::move(run), run_parent, KvTier::kDevice, quiet);
+    }
     run.clear();
   };
   for (uint32_t i = first; i < first + count; ++i) {
@@ -216,7 +218,7 @@ void BlockManager::Commit(std::span<const uint32_t> blocks, std::span<const uint
     run.push_back(hashes[i]);
   }
   flush();
-  FlushTierEvents();
+  FlushTierEvents(quiet);
 }
 
 void BlockManager::ClearCache() {

@@ -108,9 +108,11 @@ class BlockManager {
   // [i*block_size, (i+1)*block_size) of `tokens`, hashed as hashes[i]; the
   // chain parent of hashes[first] is hashes[first-1] or `root_hash`. Blocks
   // already committed are skipped; a block whose hash another block already
-  // holds stays private. One stored event per contiguous run.
+  // holds stays private. One stored event per contiguous run; `quiet`: the
+  // events (and the lower tiers' moves) are quiet (KvEventPublisher).
   void Commit(std::span<const uint32_t> blocks, std::span<const uint64_t> hashes,
-              std::span<const uint32_t> tokens, uint32_t first, uint32_t count, uint64_t root_hash);
+              std::span<const uint32_t> tokens, uint32_t first, uint32_t count, uint64_t root_hash,
+              bool quiet = false);
 
   // Drops every cached block nobody holds and publishes `cleared`. Blocks in
   // use lose their hashes too (they return to the free list when released).

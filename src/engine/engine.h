@@ -307,7 +307,7 @@ class Engine {
   void FillOutput(const Sequence& seq, RequestOutput& o) const;
   // Registers the sequence's full blocks past num_committed in the prefix
   // cache (stored events), when at least `min_new` are waiting. `quiet`:
-  // the events wake no Watch loop (KvEventPublisher::SetQuiet).
+  // the events wake no Watch loop (KvEventPublisher, "quiet").
   void CommitFullBlocks(Sequence& seq, uint32_t min_new = 1, bool quiet = false);
 
   void DropExpired(Deliveries& out);

@@ -305,15 +305,6 @@ void Engine::CommitFullBlocks(Sequence& seq, uint32_t min_new, bool quiet) {
   const uint32_t full = std::min<uint32_t>(seq.num_computed / options_.block_size,
                                            static_cast<uint32_t>(seq.blocks.size()));
   if (full < seq.num_committed + std::max<uint32_t>(min_new, 1) || seq.commit_stopped) return;
-  struct QuietScope {
-    KvEventPublisher* events;
-    explicit QuietScope(KvEventPublisher* e) : events(e) {
-      if (events != nullptr) events->SetQuiet(true);
-    }
-    ~QuietScope() {
-      if (events != nullptr) events->SetQuiet(false);
-    }
-  } quiet_scope(quiet ? events_.get() : nullptr);
   scheduler_->UpdateHashes(seq);
   // Keep every cached chain prefix-closed on the device (a committed
   // block's parent is committed too), which the router's prefix search
@@ -329,13 +320,13 @@ void Engine::CommitFullBlocks(Sequence& seq, uint32_t min_new, bool quiet) {
     seq.commit_stopped = true;
     return;
   }
-  blocks_->Commit(seq.blocks, seq.hashes, seq.tokens, c, 1, seq.root_hash);
+  blocks_->Commit(seq.blocks, seq.hashes, seq.tokens, c, 1, seq.root_hash, quiet);
   if (!blocks_->is_committed(seq.blocks[c])) {
     seq.commit_stopped = true;
     return;
   }
   if (full > c + 1) {
-    blocks_->Commit(seq.blocks, seq.hashes, seq.tokens, c + 1, full - c - 1, seq.root_hash);
+    blocks_->Commit(seq.blocks, seq.hashes, seq.tokens, c + 1, full - c - 1, seq.root_hash, quiet);
   }
   seq.num_committed = full;
 }

@@ -45,11 +45,6 @@ void KvEventPublisher::Release() {
   for (auto& [id, cb] : wake_subscribers_) cb();
 }
 
-void KvEventPublisher::SetQuiet(bool quiet) {
-  std::lock_guard lock(mu_);
-  quiet_ = quiet;
-}
-
 void KvEventPublisher::WakeIfQuiet() {
   std::lock_guard lock(mu_);
   if (!quiet_queued_) return;
@@ -105,7 +100,7 @@ void KvEventPublisher::Publish(KvEvent event, bool quiet) {
   event.event_id = next_id_++;
   event.epoch = epoch_;
   for (auto& [id, cb] : subscribers_) cb(event);
-  if (quiet_ || quiet) {
+  if (quiet) {
     // Queued only: leaves with the drainer's next wake-up.
     quiet_queued_ = true;
   } else if (holds_ > 0) {

@@ -25,8 +25,8 @@
 // forward starts; docs/engine.md), the wake waits for the release, so one
 // step's events reach the proxy in one update. Events are
 // queued (Drain) at once either way; nothing is held past the release.
-// Quiet events (SetQuiet: the runs of output blocks a decode step commits,
-// Engine::kDecodeCommitBlocks) wake nobody: they are queued and leave with
+// Quiet events (published with `quiet`: the runs of output blocks a decode
+// step commits, Engine::kDecodeCommitBlocks) wake nobody: queued, they leave with
 // the drainer's next wake-up — any other event, or the Watch loop's next
 // load sample (worker.load_interval while the worker is busy; docs/
 // engine.md). Issue 23: a wake-up, a message and the proxy's answer to it
@@ -95,10 +95,6 @@ class KvEventPublisher {
   // Holds wake subscribers until the matching Release (holds nest).
   void Hold();
   void Release();
-  // While on, published events are queued without waking wake subscribers
-  // (see above). The publishing thread turns it on and off around one
-  // publish, under the lock that orders its publishes (the engine's).
-  void SetQuiet(bool quiet);
   // Wakes the wake subscribers (as a publish does: at the release while
   // held) when quiet events were queued since the last wake-up; nothing
   // otherwise.
@@ -108,10 +104,10 @@ class KvEventPublisher {
   std::vector<KvEvent> Drain(size_t max_events = SIZE_MAX);
 
   // Assigns the next id and delivers the event (called by the block manager).
-  // `quiet`: this event alone is quiet (as under SetQuiet), whatever the
-  // mode: the evictions that make room for a prompt's prefill chunk or a
-  // reservation (BlockManager::Allocate), which leave with that prompt's
-  // blocks.
+  // `quiet`: queued without waking the wake subscribers (see above): a
+  // decode step's run of output blocks and a prompt's chunks before its
+  // last (BlockManager::Commit), the evictions that make room for a
+  // prompt's chunk or a reservation (BlockManager::Allocate).
   void PublishStored(std::vector<uint64_t> hashes, uint64_t parent_hash,
                      KvTier tier = KvTier::kDevice, bool quiet = false);
   void PublishRemoved(std::vector<uint64_t> hashes, KvTier tier = KvTier::kDevice,
@@ -131,7 +127,6 @@ class KvEventPublisher {
   std::map<uint64_t, WakeCallback> wake_subscribers_;
   uint32_t holds_ = 0;       // guarded by mu_
   bool wake_pending_ = false;  // guarded by mu_: published during the current hold
-  bool quiet_ = false;         // guarded by mu_
   bool quiet_queued_ = false;  // guarded by mu_: quiet events since the last wake-up
 };
 
