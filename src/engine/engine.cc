@@ -371,6 +371,7 @@ Status Engine::Abort(const std::string& request_id) {
       if (seq.state == SeqState::kParked) {  // already delivered its last output
         blocks_->Release(seq.blocks);
         seqs_.erase(it);
+        events_->WakeNow();  // its prompt's quiet blocks (engine_step.cc) leave now
       } else if (seq.in_flight) {
         seq.abort_requested = true;  // the engine thread finishes it after the step
       } else {
@@ -394,6 +395,10 @@ Status Engine::ReleasePrefill(const std::string& request_id) {
     }
     blocks_->Release(it->second->blocks);
     seqs_.erase(it);
+    // Its prompt's blocks were committed quietly (engine_step.cc): they
+    // leave now, as the prefiller replies, not at the next step boundary
+    // of the prompt computing meanwhile (the engine's hold).
+    events_->WakeNow();
     Poke();
   }
   cv_.notify_all();

@@ -56,6 +56,16 @@ void KvEventPublisher::WakeIfQuiet() {
   for (auto& [id, cb] : wake_subscribers_) cb();
 }
 
+void KvEventPublisher::WakeNow() {
+  std::lock_guard lock(mu_);
+  if (!quiet_queued_ && !wake_pending_) return;
+  // A hold's later release has nothing left to announce for these; what
+  // is published after this wake-up sets wake_pending_ again.
+  quiet_queued_ = false;
+  wake_pending_ = false;
+  for (auto& [id, cb] : wake_subscribers_) cb();
+}
+
 std::vector<KvEvent> KvEventPublisher::Drain(size_t max_events) {
   std::lock_guard lock(mu_);
   std::vector<KvEvent> out;

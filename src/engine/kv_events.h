@@ -36,7 +36,10 @@
 // at once when its prefill is done (docs/router.md, "Freshness"). So are
 // the evictions that make room for a prompt's chunks and for a decoder's
 // reservation (session 31; `quiet` below): they leave with the prompt's
-// blocks, in one update per prompt instead of one per chunk.
+// blocks, in one update per prompt instead of one per chunk. A
+// prefill-only prompt's last chunk is quiet too (session 32): its blocks
+// leave when the prefiller releases it after the push (WakeNow in
+// Engine::ReleasePrefill / Abort), with the Prefill reply.
 #pragma once
 
 #include <cstdint>
@@ -99,6 +102,12 @@ class KvEventPublisher {
   // held) when quiet events were queued since the last wake-up; nothing
   // otherwise.
   void WakeIfQuiet();
+  // Wakes the wake subscribers now, inside a hold too, when queued events
+  // have not been announced by a wake-up yet (quiet ones, or ones a hold
+  // defers); nothing otherwise. For what the drainer should send at once:
+  // a prefiller's parked prompt released as it replies (Engine::
+  // ReleasePrefill), not at the engine's next step boundary.
+  void WakeNow();
 
   // Takes up to `max_events` queued events, oldest first.
   std::vector<KvEvent> Drain(size_t max_events = SIZE_MAX);
