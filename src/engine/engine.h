@@ -202,7 +202,9 @@ class Engine {
   Status Submit(GenerateRequest request);
   // Any stage; NOT_FOUND when the id is unknown. The callback gets kAbort.
   Status Abort(const std::string& request_id);
-  // Unpins a finished prefill-only request's blocks.
+  // Unpins a finished prefill-only request's blocks; its prompt's stored
+  // events, quiet until now, wake the Watch loop at once (so does an Abort
+  // of it; docs/engine.md "KV events").
   Status ReleasePrefill(const std::string& request_id);
 
   // Decoder side, see the header comment. RESOURCE_EXHAUSTED when the

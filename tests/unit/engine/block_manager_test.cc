@@ -243,6 +243,40 @@ TEST(KvEventsTest, WakeSubscribersOncePerHold) {
   EXPECT_EQ(wakes, 2);
 }
 
+// WakeNow (session 32): wakes at once, inside a hold too, for events no
+// wake-up has announced (quiet ones, or ones a hold defers), and leaves the
+// hold's release nothing to announce for them; nothing otherwise.
+TEST(KvEventsTest, WakeNowAnnouncesQueuedEventsThroughAHold) {
+  KvEventPublisher events(1);
+  int wakes = 0;
+  events.SubscribeWake([&] { ++wakes; });
+  events.WakeNow();
+  EXPECT_EQ(wakes, 0);  // nothing queued
+  events.PublishStored({1}, 0, KvTier::kDevice, /*quiet=*/true);
+  EXPECT_EQ(wakes, 0);
+  events.WakeNow();
+  EXPECT_EQ(wakes, 1);  // the quiet event, outside a hold
+  events.WakeNow();
+  EXPECT_EQ(wakes, 1);  // announced already
+  events.Hold();
+  events.PublishStored({2}, 1, KvTier::kDevice, /*quiet=*/true);
+  events.WakeIfQuiet();
+  EXPECT_EQ(wakes, 1);  // WakeIfQuiet waits for the release
+  events.WakeNow();
+  EXPECT_EQ(wakes, 2);         // WakeNow does not
+  events.PublishRemoved({1});  // deferred by the hold
+  events.WakeNow();
+  EXPECT_EQ(wakes, 3);
+  events.Release();
+  EXPECT_EQ(wakes, 3);  // nothing left for the release to announce
+  events.Hold();
+  events.WakeNow();
+  events.PublishStored({3}, 2);  // after the wake-up: the release announces it
+  events.Release();
+  EXPECT_EQ(wakes, 4);
+  EXPECT_EQ(events.Drain().size(), 4u);
+}
+
 TEST(KvEventsTest, IdsMonotonicStoredRemovedClearedAndSnapshot) {
   KvEventPublisher events(42);
   std::vector<KvEvent> seen;
