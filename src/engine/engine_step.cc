@@ -244,13 +244,13 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
     // A chunk step of a prompt still being prefilled (its last chunk not
     // yet computed): the blocks only extend that request's chain.
     const bool partial_prefill = !decode_step && seq.num_computed < seq.prompt_len;
+    const bool last_chunk = !decode_step && !partial_prefill;
     // A prefill-only prompt's last chunk (a prefiller's request, which
     // parks here until its push is done): its blocks leave when it is
     // released (ReleasePrefill, Abort), with the Prefill reply, which the
     // proxy can then read on the same wake-up (issue 23). Not when an abort
     // came during the step: that request ends below, without parking.
-    const bool parks =
-        !decode_step && !partial_prefill && seq.req.prefill_only && !seq.abort_requested;
+    const bool parks = last_chunk && seq.req.prefill_only && !seq.abort_requested;
     // A run of output blocks, or a prefill chunk before the prompt's last:
     // its stored event wakes nobody (kv_events.h, "quiet"); it leaves with
     // the Watch loop's next update (the prompt's last chunk, any other
@@ -259,7 +259,7 @@ bool Engine::StepLocked(std::unique_lock<std::mutex>& lock, Deliveries& out) {
                      /*quiet=*/decode_step || partial_prefill || parks);
     // The prompt's last chunk: its earlier chunks' quiet events leave now
     // (with this step's), even when this chunk filled no block.
-    if (!decode_step && !partial_prefill && !parks && events_ != nullptr) events_->WakeIfQuiet();
+    if (last_chunk && !parks && events_ != nullptr) events_->WakeIfQuiet();
     if (seq.abort_requested) {
       Finish(seq, FinishReason::kAbort, CancelledError("request aborted"), out);
       if (s.samples) ++row;

@@ -40,9 +40,7 @@ void KvEventPublisher::Hold() {
 void KvEventPublisher::Release() {
   std::lock_guard lock(mu_);
   if (holds_ == 0 || --holds_ > 0 || !wake_pending_) return;
-  wake_pending_ = false;
-  quiet_queued_ = false;
-  for (auto& [id, cb] : wake_subscribers_) cb();
+  WakeLocked();
 }
 
 void KvEventPublisher::WakeIfQuiet() {
@@ -52,8 +50,7 @@ void KvEventPublisher::WakeIfQuiet() {
     wake_pending_ = true;
     return;
   }
-  quiet_queued_ = false;
-  for (auto& [id, cb] : wake_subscribers_) cb();
+  WakeLocked();
 }
 
 void KvEventPublisher::WakeNow() {
@@ -61,6 +58,11 @@ void KvEventPublisher::WakeNow() {
   if (!quiet_queued_ && !wake_pending_) return;
   // A hold's later release has nothing left to announce for these; what
   // is published after this wake-up sets wake_pending_ again.
+  WakeLocked();
+}
+
+void KvEventPublisher::WakeLocked() {
+  // Every queued event is announced (outside a hold nothing is pending).
   quiet_queued_ = false;
   wake_pending_ = false;
   for (auto& [id, cb] : wake_subscribers_) cb();
@@ -116,8 +118,7 @@ void KvEventPublisher::Publish(KvEvent event, bool quiet) {
   } else if (holds_ > 0) {
     wake_pending_ = true;
   } else {
-    quiet_queued_ = false;
-    for (auto& [id, cb] : wake_subscribers_) cb();
+    WakeLocked();
   }
   if (queue_capacity_ == 0) return;
   if (queue_.size() >= queue_capacity_) queue_.pop_front();

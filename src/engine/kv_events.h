@@ -125,6 +125,8 @@ class KvEventPublisher {
 
  private:
   void Publish(KvEvent event, bool quiet);
+  // Calls the wake subscribers; nothing queued is left unannounced.
+  void WakeLocked();
 
   const uint64_t epoch_;
   const size_t queue_capacity_;
