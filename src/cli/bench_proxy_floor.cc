@@ -602,9 +602,13 @@ Result<std::vector<FloorRow>> RunProxyFloors(const std::string& self, const Floo
   TANDEM_ASSIGN_OR_RETURN(FloorRow t, RunTcpFloor(self, spec));
   rows.push_back(std::move(t));
   for (const bool ack : {false, true}) {
-    TANDEM_ASSIGN_OR_RETURN(FloorRow r, RunStepFloor(self, spec, ack));
+    TANDEM_ASSIGN_OR_RETURN(FloorRow r,
+                            RunStepFloor(self, spec, ack, /*reader_per_connection=*/false));
     rows.push_back(std::move(r));
   }
+  TANDEM_ASSIGN_OR_RETURN(FloorRow r,
+                          RunStepFloor(self, spec, /*ack=*/true, /*reader_per_connection=*/true));
+  rows.push_back(std::move(r));
   return rows;
 }
 

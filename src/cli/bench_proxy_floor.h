@@ -18,7 +18,9 @@
 //              reader that sleeps in epoll_wait between steps;
 //   floor-step, floor-step+ack: the floor of the proxy's structure, woken
 //              once per step by a feeder and sending once per client
-//              connection per step (bench_proxy_floor_step.h).
+//              connection per step (bench_proxy_floor_step.h);
+//   floor-4r+ack: floor-step+ack with a reader thread per client
+//              connection, so that each send wakes a thread of its own.
 // The load generator's client is the one the proxy's rows use (4 channels).
 // Docs: docs/bench-serve.md, "tandem bench proxy".
 #pragma once

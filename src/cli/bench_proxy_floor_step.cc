@@ -59,7 +59,34 @@ int ServeStepFloor(int listen_fd, uint32_t connections, uint32_t streams, uint64
   return 0;
 }
 
-Result<FloorRow> RunStepFloor(const std::string& self, const FloorSpec& spec, bool ack) {
+namespace {
+
+// One reader thread per connection (as the gRPC client's pollers): every
+// connection's bytes and whether each closed in time; the longest reader's
+// duration.
+floor_detail::ReadResult ReadEachOnItsOwn(const std::vector<int>& fds, double duration_s,
+                                          uint32_t ack_bytes) {
+  std::vector<floor_detail::ReadResult> got(fds.size());
+  std::vector<std::thread> readers;
+  for (size_t i = 0; i < fds.size(); ++i) {
+    readers.emplace_back(
+        [&, i] { got[i] = floor_detail::ReadUntilClosed({fds[i]}, duration_s, ack_bytes); });
+  }
+  for (auto& t : readers) t.join();
+  floor_detail::ReadResult all;
+  all.all_closed = true;
+  for (const auto& g : got) {
+    all.bytes += g.bytes;
+    all.all_closed = all.all_closed && g.all_closed;
+    all.duration_s = std::max(all.duration_s, g.duration_s);
+  }
+  return all;
+}
+
+}  // namespace
+
+Result<FloorRow> RunStepFloor(const std::string& self, const FloorSpec& spec, bool ack,
+                              bool reader_per_connection) {
   const uint32_t bytes = floor_detail::TokenWireBytes();
   const uint64_t messages = uint64_t(spec.requests) * spec.output;
   const uint64_t steps = (messages + spec.concurrency - 1) / spec.concurrency;
@@ -70,7 +97,8 @@ Result<FloorRow> RunStepFloor(const std::string& self, const FloorSpec& spec, bo
                  std::to_string(kConnections), "--streams", std::to_string(spec.concurrency),
                  "--messages", std::to_string(messages), "--bytes", std::to_string(bytes)}));
   FloorRow row;
-  row.name = ack ? "floor-step+ack" : "floor-step";
+  row.name = reader_per_connection ? (ack ? "floor-4r+ack" : "floor-4r")
+                                   : (ack ? "floor-step+ack" : "floor-step");
   row.grpc = false;
   std::vector<int> fds;
   auto feed = floor_detail::ConnectLoopback(child.port, 1);
@@ -101,7 +129,10 @@ Result<FloorRow> RunStepFloor(const std::string& self, const FloorSpec& spec, bo
       if (send(feed_fd, msg.data(), msg.size(), MSG_NOSIGNAL) != ssize_t(msg.size())) return;
     }
   });
-  const auto got = floor_detail::ReadUntilClosed(fds, spec.duration_s, ack ? kAckBytes : 0);
+  const uint32_t ack_bytes = ack ? kAckBytes : 0;
+  const auto got = reader_per_connection
+                       ? ReadEachOnItsOwn(fds, spec.duration_s, ack_bytes)
+                       : floor_detail::ReadUntilClosed(fds, spec.duration_s, ack_bytes);
   row.server_cpu_s = ProcessCpuSeconds(child.pid) - cpu0;
   row.load1 = (load0 + LoadAverage1()) / 2;
   stop = true;

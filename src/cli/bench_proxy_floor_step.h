@@ -38,7 +38,12 @@ int ServeStepFloor(int listen_fd, uint32_t connections, uint32_t streams, uint64
                    uint32_t bytes, bool ack);
 
 // The bench's side: spawns the server, feeds it, reads every token; a row
-// named floor-step (ack: floor-step+ack).
-Result<FloorRow> RunStepFloor(const std::string& self, const FloorSpec& spec, bool ack);
+// named floor-step (ack: floor-step+ack). `reader_per_connection`: each
+// client connection has a reader thread of its own, as the load
+// generator's gRPC client wakes a poller thread per connection, so each of
+// the server's sends per step wakes a thread of its own (the loopback
+// charges that wake-up to the sender); rows floor-4r and floor-4r+ack.
+Result<FloorRow> RunStepFloor(const std::string& self, const FloorSpec& spec, bool ack,
+                              bool reader_per_connection);
 
 }  // namespace tandem::cli

@@ -190,8 +190,9 @@ TEST(BenchProxy, PromptFloorCallsABareServerOverEveryChannel) {
 }
 
 // floor: each bare server (callback, async, async + callback, raw TCP per
-// token, raw TCP per step with and without the clients' acks) in its own
-// process streams every token of every request to the client.
+// token, raw TCP per step with and without the clients' acks, and with a
+// reader thread per client connection) in its own process streams every
+// token of every request to the client.
 TEST(BenchProxy, FloorServersStreamEveryToken) {
   if (!fs::exists(BundledModel() + "/model.safetensors")) GTEST_SKIP() << "bundled model missing";
   auto fleet = Fleet::Launch(FleetOptions{});
@@ -204,8 +205,8 @@ TEST(BenchProxy, FloorServersStreamEveryToken) {
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
   const auto& j = run.rows;
   ASSERT_TRUE(j.is_array()) << r.out;
-  const char* rows[] = {"floor-cb",  "floor-cq",   "floor-cq+cb",
-                        "floor-tcp", "floor-step", "floor-step+ack"};
+  const char* rows[] = {"floor-cb",   "floor-cq",       "floor-cq+cb", "floor-tcp",
+                        "floor-step", "floor-step+ack", "floor-4r+ack"};
   ASSERT_EQ(j.size(), std::size(rows)) << j.dump();
   for (size_t i = 0; i < std::size(rows); ++i) {
     const auto& w = j[i];
@@ -237,13 +238,16 @@ TEST(BenchProxy, FloorStepCountsEveryTokenOfAPartialLastStep) {
   ASSERT_TRUE(j.is_array()) << r.out;
   size_t seen = 0;
   for (const auto& w : j) {
-    if (w["workload"] != "floor-step" && w["workload"] != "floor-step+ack") continue;
+    if (w["workload"] != "floor-step" && w["workload"] != "floor-step+ack" &&
+        w["workload"] != "floor-4r+ack") {
+      continue;
+    }
     SCOPED_TRACE(w.dump());
     ++seen;
     EXPECT_EQ(w["requests_ok"], 3);
     EXPECT_EQ(w["output_tokens"], 3 * 7);
   }
-  EXPECT_EQ(seen, 2u) << j.dump();
+  EXPECT_EQ(seen, 3u) << j.dump();
 }
 
 }  // namespace
