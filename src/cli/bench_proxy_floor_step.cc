@@ -61,9 +61,9 @@ int ServeStepFloor(int listen_fd, uint32_t connections, uint32_t streams, uint64
 
 namespace {
 
-// One reader thread per connection (as the gRPC client's pollers): every
-// connection's bytes and whether each closed in time; the longest reader's
-// duration.
+// One reader thread per connection (RunStepFloor's reader_per_connection):
+// every connection's bytes, whether each closed in time, and the longest
+// reader's duration.
 floor_detail::ReadResult ReadEachOnItsOwn(const std::vector<int>& fds, double duration_s,
                                           uint32_t ack_bytes) {
   std::vector<floor_detail::ReadResult> got(fds.size());

@@ -39,10 +39,12 @@ int ServeStepFloor(int listen_fd, uint32_t connections, uint32_t streams, uint64
 
 // The bench's side: spawns the server, feeds it, reads every token; a row
 // named floor-step (ack: floor-step+ack). `reader_per_connection`: each
-// client connection has a reader thread of its own, as the load
-// generator's gRPC client wakes a poller thread per connection, so each of
-// the server's sends per step wakes a thread of its own (the loopback
-// charges that wake-up to the sender); rows floor-4r and floor-4r+ack.
+// client connection has a reader thread of its own, so that each of the
+// server's sends per step wakes a thread of its own (the loopback charges
+// that wake-up to the sender), nearer the load generator's gRPC client
+// (two polling threads that wake ~7 times per step between them) than one
+// reader for all; named floor-4r+ack (without ack floor-4r, which the
+// floor workload does not run).
 Result<FloorRow> RunStepFloor(const std::string& self, const FloorSpec& spec, bool ack,
                               bool reader_per_connection);
 
