@@ -97,8 +97,7 @@ Result<FloorRow> RunStepFloor(const std::string& self, const FloorSpec& spec, bo
                  std::to_string(kConnections), "--streams", std::to_string(spec.concurrency),
                  "--messages", std::to_string(messages), "--bytes", std::to_string(bytes)}));
   FloorRow row;
-  row.name = reader_per_connection ? (ack ? "floor-4r+ack" : "floor-4r")
-                                   : (ack ? "floor-step+ack" : "floor-step");
+  row.name = std::string(reader_per_connection ? "floor-4r" : "floor-step") + (ack ? "+ack" : "");
   row.grpc = false;
   std::vector<int> fds;
   auto feed = floor_detail::ConnectLoopback(child.port, 1);

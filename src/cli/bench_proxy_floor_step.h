@@ -43,8 +43,8 @@ int ServeStepFloor(int listen_fd, uint32_t connections, uint32_t streams, uint64
 // server's sends per step wakes a thread of its own (the loopback charges
 // that wake-up to the sender), nearer the load generator's gRPC client
 // (two polling threads that wake ~7 times per step between them) than one
-// reader for all; named floor-4r+ack (without ack floor-4r, which the
-// floor workload does not run).
+// reader for all: floor-4r, +ack with acks (the floor workload runs
+// floor-4r+ack only).
 Result<FloorRow> RunStepFloor(const std::string& self, const FloorSpec& spec, bool ack,
                               bool reader_per_connection);
 
