@@ -4,8 +4,8 @@
 // cli/proc_stats.h) to the tokens and prompts they served. CPU time, not wall
 // time, so the result holds on a loaded machine. Docs: docs/bench-serve.md,
 // "tandem bench proxy".
-#include <fmt/format.h>
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <netdb.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -28,6 +28,7 @@
 #include "cli/bench_proxy_idle.h"
 #include "cli/bench_proxy_native.h"
 #include "cli/bench_proxy_prompt_floor.h"
+#include "cli/bench_proxy_relay_floor.h"
 #include "cli/bench_proxy_sse.h"
 #include "cli/commands.h"
 #include "cli/proc_stats.h"
@@ -343,6 +344,59 @@ Result<Measured> RunOne(lg::Client& client, const lg::ModelInfo& mi, const Fleet
   return m;
 }
 
+// prompt-floor's relay-tcp channel (bench_proxy_relay_floor.h), back to
+// back and, when `rate` > 0, paced as prompt-floor's other channels; each
+// prompt as many bytes as the framed-mtls channel's request. Appends a JSON
+// row per mode to `out`; the exit code.
+int RunRelayRows(const std::string& self, const ProxyBenchArgs& a, double rate,
+                 nlohmann::json& out) {
+  uint32_t bytes = 0;
+  for (const auto& j : out) {
+    if (j.value("channel", "") == "framed-mtls") bytes = j["request_bytes"].get<uint32_t>();
+  }
+  if (bytes == 0) {
+    std::cerr << "tandem bench proxy: prompt-floor: no framed request size for relay-tcp\n";
+    return 1;
+  }
+  std::vector<double> rates = {0};
+  if (rate > 0) rates.push_back(rate);
+  for (const double r : rates) {
+    const uint32_t n = r > 0 ? std::min(a.prompt_requests, 64u) : a.prompt_requests;
+    auto pass = RunRelayFloor(self, n, bytes, r);
+    if (!pass.ok()) {
+      std::cerr << "tandem bench proxy: prompt-floor (relay-tcp): " << pass.status().message()
+                << "\n";
+      return 1;
+    }
+    const std::string mode = r > 0 ? fmt::format("paced {:.2f}/s", r) : "back-to-back";
+    const double server_us = pass->ok > 0 ? pass->server_s / pass->ok * 1e6 : NAN;
+    std::cout << fmt::format(
+        "pfloor {:>6} {:>6} {:>6} {:>4}  {:<11} {:<13} wall {:.2f} s  server {:.1f} us/call  "
+        "request {} B (raw TCP, 2 wake-ups)\n",
+        n, a.prompt_input, 1, 1, "relay-tcp", mode, pass->wall_s, server_us, bytes);
+    std::cout.flush();
+    out.push_back({{"workload", "prompt-floor"},
+                   {"channel", "relay-tcp"},
+                   {"mode", r > 0 ? "paced" : "back-to-back"},
+                   {"requests_ok", pass->ok},
+                   {"requests_failed", n - pass->ok},
+                   {"input_len", a.prompt_input},
+                   {"concurrency", 1},
+                   {"paced_per_s", r},
+                   {"wall_s", pass->wall_s},
+                   {"server_us_per_call", server_us},
+                   {"request_bytes", bytes}});
+    if (pass->ok != n) {
+      std::cerr << fmt::format(
+          "tandem bench proxy: prompt-floor (relay-tcp): {} of {} calls "
+          "failed\n",
+          n - pass->ok, n);
+      return 3;
+    }
+  }
+  return 0;
+}
+
 int RunProxyBench(const ProxyBenchArgs& a) {
   const auto bad = [](const Status& s) {
     std::cerr << "tandem bench proxy: " << s.message() << "\n";
@@ -536,6 +590,9 @@ int RunProxyBench(const ProxyBenchArgs& a) {
         rc = bad(rows.status());
       } else {
         for (auto& r : *rows) out.push_back(std::move(r));
+        std::error_code ec;
+        rc = std::max(rc,
+                      RunRelayRows(fs::read_symlink("/proc/self/exe", ec).string(), a, rate, out));
       }
     }
   }

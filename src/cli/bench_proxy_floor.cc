@@ -3,7 +3,6 @@
 // canned tokens at the sim's cadence. See bench_proxy_floor.h.
 #include "cli/bench_proxy_floor.h"
 
-#include <CLI/CLI.hpp>
 #include <arpa/inet.h>
 #include <fmt/format.h>
 #include <grpcpp/alarm.h>
@@ -18,6 +17,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -29,6 +29,7 @@
 #include <thread>
 
 #include "cli/bench_proxy_floor_step.h"
+#include "cli/bench_proxy_relay_floor.h"
 #include "cli/proc_stats.h"
 #include "common/stream_writer.h"
 #include "common/token_merge.h"
@@ -331,7 +332,7 @@ struct ServerArgs {
 
 int RunFloorServer(const ServerArgs& a) {
   prctl(PR_SET_PDEATHSIG, SIGKILL);
-  if (a.mode == "tcp" || a.mode == "step" || a.mode == "step-ack") {
+  if (a.mode == "tcp" || a.mode == "step" || a.mode == "step-ack" || a.mode == "relay") {
     const int fd = socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
@@ -343,6 +344,7 @@ int RunFloorServer(const ServerArgs& a) {
       return 1;
     }
     std::cout << "PORT " << ntohs(addr.sin_port) << std::endl;
+    if (a.mode == "relay") return ServeRelayFloor(fd, a.messages, a.bytes);
     if (a.mode == "tcp") {
       return ServeTcp(fd, a.connections, a.streams, a.messages, a.bytes, a.step_ms);
     }
@@ -379,8 +381,8 @@ int RunFloorServer(const ServerArgs& a) {
     std::cout << "PORT " << port << std::endl;
     return ServeAsync(service, cq.get(), a.step_ms);
   }
-  std::cerr << "proxy-floor-server: --mode must be callback, async, async-cb, tcp, step or "
-               "step-ack\n";
+  std::cerr << "proxy-floor-server: --mode must be callback, async, async-cb, tcp, step, "
+               "step-ack or relay\n";
   return 2;
 }
 
@@ -617,12 +619,12 @@ void RegisterBenchProxyFloorServer(CLI::App& bench, int& exit_code) {
                                    "a floor server of tandem bench proxy (internal)");
   cmd->group("");  // hidden
   auto a = std::make_shared<ServerArgs>();
-  cmd->add_option("--mode", a->mode, "callback, async, async-cb, tcp, step or step-ack");
+  cmd->add_option("--mode", a->mode, "callback, async, async-cb, tcp, step, step-ack or relay");
   cmd->add_option("--step-ms", a->step_ms, "one token per stream per step (step: the feeder's)");
   cmd->add_option("--connections", a->connections, "tcp, step: client connections to accept");
   cmd->add_option("--streams", a->streams, "tcp, step: messages per step");
-  cmd->add_option("--messages", a->messages, "tcp, step: messages in all");
-  cmd->add_option("--bytes", a->bytes, "tcp, step: bytes per message");
+  cmd->add_option("--messages", a->messages, "tcp, step: messages in all (relay: prompts)");
+  cmd->add_option("--bytes", a->bytes, "tcp, step: bytes per message (relay: per prompt)");
   cmd->callback([a, &exit_code] { exit_code = RunFloorServer(*a); });
 }
 

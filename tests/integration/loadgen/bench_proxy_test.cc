@@ -126,7 +126,8 @@ TEST(BenchProxy, StreamAndSseCountEveryTokenOnBothApis) {
 
 // prompt-floor: a bare Prefill server in a child process, called over
 // plaintext and mutual TLS, back to back and at the prompt workload's
-// cadence; every call succeeds and both sides are charged CPU.
+// cadence; every call succeeds and both sides are charged CPU. Then the
+// raw TCP relay relays and answers every prompt.
 TEST(BenchProxy, PromptFloorCallsABareServerOverEveryChannel) {
   if (!fs::exists(BundledModel() + "/model.safetensors")) GTEST_SKIP() << "bundled model missing";
   auto fleet = Fleet::Launch(FleetOptions{});
@@ -140,9 +141,10 @@ TEST(BenchProxy, PromptFloorCallsABareServerOverEveryChannel) {
   const auto& j = run.rows;
   ASSERT_TRUE(j.is_array()) << r.out;
   // prompt, then per mode (back-to-back, paced): plaintext, mtls,
-  // framed-mtls, then the estimates (framed worker calls, gRPC worker calls).
+  // framed-mtls, then the estimates (framed worker calls, gRPC worker calls);
+  // then relay-tcp, back to back and paced.
   constexpr size_t kPerMode = 5;
-  ASSERT_EQ(j.size(), 1 + 2 * kPerMode) << j.dump();
+  ASSERT_EQ(j.size(), 1 + 2 * kPerMode + 2) << j.dump();
   EXPECT_EQ(j[0]["workload"], "prompt");
   EXPECT_EQ(j[0]["requests_ok"], 4);
   // The prefiller's CPU per request (session 29): it ran every prompt.
@@ -186,7 +188,23 @@ TEST(BenchProxy, PromptFloorCallsABareServerOverEveryChannel) {
                 (server + 2 * j[at + 1]["client_us_per_call"].get<double>()) / 1e3, 1e-9);
   }
   EXPECT_GT(j[1 + kPerMode]["paced_per_s"].get<double>(), 0.0);
+  // relay-tcp: every prompt relayed (each as many bytes as a framed
+  // request, all of them read by the bench's prefiller before it answers)
+  // and answered; the relay's process is charged CPU.
+  for (size_t m = 0; m < 2; ++m) {
+    const auto& w = j[1 + 2 * kPerMode + m];
+    SCOPED_TRACE(w.dump());
+    EXPECT_EQ(w["workload"], "prompt-floor");
+    EXPECT_EQ(w["channel"], "relay-tcp");
+    EXPECT_EQ(w["mode"], modes[m]);
+    EXPECT_EQ(w["requests_ok"], 4);
+    EXPECT_EQ(w["requests_failed"], 0);
+    EXPECT_EQ(w["request_bytes"], j[1 + m * kPerMode + 2]["request_bytes"]);
+    EXPECT_EQ(w["paced_per_s"], j[1 + m * kPerMode]["paced_per_s"]);
+    EXPECT_GT(w["server_us_per_call"].get<double>(), 0.0);
+  }
   EXPECT_NE(r.out.find("\npfloor "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(" relay-tcp "), std::string::npos) << r.out;
 }
 
 // floor: each bare server (callback, async, async + callback, raw TCP per
