@@ -346,21 +346,26 @@ Result<Measured> RunOne(lg::Client& client, const lg::ModelInfo& mi, const Fleet
 
 // prompt-floor's relay-tcp channel (bench_proxy_relay_floor.h), back to
 // back and, when `rate` > 0, paced as prompt-floor's other channels; each
-// prompt as many bytes as the framed-mtls channel's request. Appends a JSON
+// prompt as many bytes as the framed-mtls channel's request in the same
+// mode (its request ids, and so its size, differ by mode). Appends a JSON
 // row per mode to `out`; the exit code.
 int RunRelayRows(const std::string& self, const ProxyBenchArgs& a, double rate,
                  nlohmann::json& out) {
-  uint32_t bytes = 0;
-  for (const auto& j : out) {
-    if (j.value("channel", "") == "framed-mtls") bytes = j["request_bytes"].get<uint32_t>();
-  }
-  if (bytes == 0) {
-    std::cerr << "tandem bench proxy: prompt-floor: no framed request size for relay-tcp\n";
-    return 1;
-  }
   std::vector<double> rates = {0};
   if (rate > 0) rates.push_back(rate);
   for (const double r : rates) {
+    const char* mode_name = r > 0 ? "paced" : "back-to-back";
+    uint32_t bytes = 0;
+    for (const auto& j : out) {
+      if (j.value("channel", "") == "framed-mtls" && j.value("mode", "") == mode_name) {
+        bytes = j.value("request_bytes", uint32_t{0});
+      }
+    }
+    if (bytes == 0) {
+      std::cerr << fmt::format(
+          "tandem bench proxy: prompt-floor: no {} framed request size for relay-tcp\n", mode_name);
+      return 1;
+    }
     const uint32_t n = r > 0 ? std::min(a.prompt_requests, 64u) : a.prompt_requests;
     auto pass = RunRelayFloor(self, n, bytes, r);
     if (!pass.ok()) {
@@ -377,7 +382,7 @@ int RunRelayRows(const std::string& self, const ProxyBenchArgs& a, double rate,
     std::cout.flush();
     out.push_back({{"workload", "prompt-floor"},
                    {"channel", "relay-tcp"},
-                   {"mode", r > 0 ? "paced" : "back-to-back"},
+                   {"mode", mode_name},
                    {"requests_ok", pass->ok},
                    {"requests_failed", n - pass->ok},
                    {"input_len", a.prompt_input},

@@ -1,8 +1,9 @@
 // The floors of `tandem bench proxy` (issue 23): what streaming one token per
 // stream per step costs a server on this machine without any of the proxy's
-// work, measured in the same run as the proxy. Six servers, each in its
-// own process (`tandem bench proxy-floor-server`, hidden) so that its CPU
-// time is its own:
+// work, measured in the same run as the proxy. Seven rows, each a server in
+// its own process (`tandem bench proxy-floor-server`, hidden) so that its
+// CPU time is its own (the same subcommand also serves prompt-floor's
+// relay-tcp channel, bench_proxy_relay_floor.h):
 //   floor-cb:  a bare tandem.v1.Generation/Generate server on gRPC's
 //              callback API (as the proxy's), streaming canned tokens: a
 //              callback alarm (run on gRPC's callback thread, where the
