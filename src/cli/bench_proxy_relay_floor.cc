@@ -103,22 +103,19 @@ Result<RelayPass> RunRelayFloor(const std::string& self, uint32_t calls, uint32_
       floor_detail::Child child,
       floor_detail::SpawnServer(self, {"--mode", "relay", "--messages", std::to_string(calls + 1),
                                        "--bytes", std::to_string(prompt_bytes)}));
-  // In the order the server accepts them; each connect returns once its
-  // handshake is done, so the accept queue holds them in this order.
-  std::vector<int> fds;
-  for (int i = 0; i < 3; ++i) {
-    auto c = floor_detail::ConnectLoopback(child.port, 1);
-    if (!c.ok()) break;
-    fds.push_back((*c)[0]);
+  // Prefiller, decoder, client: in the order the server accepts them
+  // (ConnectLoopback connects one at a time, each once its handshake is
+  // done, so the accept queue holds them in this order).
+  auto conns = floor_detail::ConnectLoopback(child.port, 3);
+  if (!conns.ok()) {
+    floor_detail::StopChild(child);
+    return UnavailableError("relay floor: cannot connect to the floor server");
   }
+  const std::vector<int> fds = std::move(*conns);
   const auto close_all = [&] {
     for (int f : fds) close(f);
     floor_detail::StopChild(child);
   };
-  if (fds.size() != 3) {
-    close_all();
-    return UnavailableError("relay floor: cannot connect to the floor server");
-  }
   // A server that stops relaying fails the pass instead of hanging it.
   const timeval timeout{10, 0};
   for (int f : fds) setsockopt(f, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
