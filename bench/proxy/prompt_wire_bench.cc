@@ -8,7 +8,12 @@
 //                     hashes (an 8k prompt's stored events from the
 //                     prefiller and the decoder) into the reused message
 //                     (arena=0, the reader before issue 23's session 9) or
-//                     with the Watch reader's WorkerUpdateParser (arena=1).
+//                     with the Watch reader's WorkerUpdateParser (arena=1);
+//   BM_ParseGenerateRequest  the native front end's parse of a client's
+//                     GenerateRequest of 8,000 prompt ids drawn from a
+//                     vocabulary of `vocab` ids (4,096: the bundled model's,
+//                     2-byte varints; 32,000: mostly 2 and 3 bytes; 128,256:
+//                     Llama-3's, mostly 3), the body's copy included.
 // Ids are spread over a Llama-3 vocabulary (128,256: mostly 3-byte varints);
 // hashes are random 64-bit values (10-byte varints).
 #include <benchmark/benchmark.h>
@@ -19,8 +24,10 @@
 #include <vector>
 
 #include "proxy/decode_mux_client.h"
+#include "proxy/generate_convert.h"
 #include "proxy/prefill_tcp_client.h"
 #include "proxy/watch_tcp_client.h"
+#include "tandem/v1/generation.pb.h"
 #include "tandem/v1/worker.pb.h"
 
 namespace tandem::proxy {
@@ -103,6 +110,33 @@ void BM_ParseEvents(benchmark::State& state) {
 BENCHMARK(BM_ParseEvents)
     ->ArgNames({"fixed64", "arena"})
     ->Args({0, 0})->Args({1, 0})->Args({1, 1})
+    ->Unit(benchmark::kMicrosecond);
+
+void BM_ParseGenerateRequest(benchmark::State& state) {
+  const auto vocab = static_cast<uint32_t>(state.range(0));
+  std::mt19937 rng(5);
+  pb::GenerateRequest req;
+  req.set_request_id("req-0123456789");
+  req.set_max_tokens(1);
+  for (int i = 0; i < 8000; ++i) req.add_prompt_token_ids(rng() % vocab);
+  const std::string wire = req.SerializeAsString();
+  GenerateRequestParts parts;
+  for (auto _ : state) {
+    std::string body = wire;
+    const Status st = ParseGenerateRequest(std::move(body), parts);
+    if (!st.ok() || parts.prompt_token_ids.size() != 8000 || parts.prompt_varints.size == 0) {
+      state.SkipWithError("the request did not parse into 8,000 forwardable ids");
+      break;
+    }
+    benchmark::DoNotOptimize(parts.prompt_token_ids.data());
+  }
+  state.counters["wire_bytes"] = static_cast<double>(wire.size());
+}
+BENCHMARK(BM_ParseGenerateRequest)
+    ->ArgName("vocab")
+    ->Arg(4096)
+    ->Arg(32000)
+    ->Arg(128256)
     ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
