@@ -27,17 +27,23 @@ namespace {
 // Allocates big tables on 2 MiB boundaries and asks for huge pages: lookups
 // touch random slots of a table of tens of MiB, and with 4 KiB pages nearly
 // every one would also miss the TLB. (A hint; without THP it changes nothing.)
+// From 1 MiB on, rounded up to whole huge pages (at most twice the bytes):
+// the 131,072-block pool's shards are 1.5 MiB each, and an event's stores
+// into them went from 44.3 to 32.9 ns per hash with huge pages (medians of
+// four alternated bench_router BM_ApplyColdEvents runs; issue 23, session
+// 35).
 template <typename T>
 struct HugePageAllocator {
   using value_type = T;
   static constexpr size_t kHugeBytes = size_t{2} << 20;
+  static constexpr size_t kMinBytes = size_t{1} << 20;  // smaller: plain operator new
   HugePageAllocator() = default;
   template <typename U>
   HugePageAllocator(const HugePageAllocator<U>&) {}  // NOLINT: rebinding
 
   T* allocate(size_t n) {
     const size_t bytes = n * sizeof(T);
-    if (bytes < kHugeBytes) return static_cast<T*>(::operator new(bytes));
+    if (bytes < kMinBytes) return static_cast<T*>(::operator new(bytes));
     const size_t rounded = (bytes + kHugeBytes - 1) / kHugeBytes * kHugeBytes;
     void* p = std::aligned_alloc(kHugeBytes, rounded);
     if (p == nullptr) throw std::bad_alloc();
@@ -45,7 +51,7 @@ struct HugePageAllocator {
     return static_cast<T*>(p);
   }
   void deallocate(T* p, size_t n) {
-    if (n * sizeof(T) < kHugeBytes) {
+    if (n * sizeof(T) < kMinBytes) {
       ::operator delete(p);
     } else {
       std::free(p);
@@ -208,6 +214,12 @@ class PrefixIndex::Shard {
 
   uint64_t capacity() const { return slots_.size(); }
 
+  // The table's bytes, readable without `mu` (a relaxed atomic: exact
+  // except during a rehash, which only makes it stale).
+  uint64_t table_bytes_hint() const {
+    return (hint_mask_.load(std::memory_order_relaxed) + 1) * sizeof(Slot);
+  }
+
  private:
   struct Slot {
     uint64_t key = 0;
@@ -298,6 +310,24 @@ namespace {
 // Positions of up to kMaxChunk hashes grouped by shard (a counting sort),
 // so that each shard's lock is taken once per chunk.
 constexpr size_t kMaxChunk = 512;
+
+// How a stored or removed event is written (ForEachByShard), issue 23
+// (session 35). Prefetching a whole chunk of 512 slots and then writing
+// them grouped by shard left most slots out of the cache again by the time
+// they were written (the prefetches outrun the cache's outstanding
+// misses): 39.4 ns per stored hash and 27.6 per removed one on the sim
+// fleet's cold tables (3 MiB; medians of six alternated bench_router
+// BM_ApplyColdEvents runs). Writing the hashes in their order, each slot
+// prefetched kWriteAhead hashes earlier, under every shard's lock for a
+// chunk of kWriteChunk: 26.1 and 20.1. But on tables past the TLB's reach,
+// in order is slower (58-65 against 40 per stored hash on the 131,072-
+// block pool's 24 MiB with 4 KiB pages: every write a page walk in another
+// shard's table; 35-42 against 32-33 on huge pages), so it is used only
+// while all tables together fit in kInOrderMaxTableBytes.
+constexpr size_t kWriteChunk = 256;  // a lookup waits for at most one (~7 us cold)
+constexpr size_t kWriteAhead = 16;
+constexpr uint64_t kInOrderMaxTableBytes = uint64_t{4} << 20;
+
 struct ShardGroups {
   std::array<uint16_t, kMaxChunk> order;                    // [len]: positions, by shard
   std::array<uint16_t, PrefixIndex::kNumShards + 1> start;  // [shards + 1]: offsets into order
@@ -445,19 +475,56 @@ void PrefixIndex::ForEachByShard(std::span<const uint64_t> hashes, F&& f) {
     }
     return;
   }
-  ShardGroups groups;
-  for (size_t begin = 0; begin < hashes.size(); begin += kMaxChunk) {
-    const size_t len = std::min(hashes.size() - begin, kMaxChunk);
+  if (!InOrderWrites()) {
+    // Prefetch a whole chunk, then write it grouped by shard, one shard's
+    // lock at a time.
+    ShardGroups groups;
+    for (size_t begin = 0; begin < hashes.size(); begin += kMaxChunk) {
+      const size_t len = std::min(hashes.size() - begin, kMaxChunk);
+      const uint64_t* h = hashes.data() + begin;
+      for (size_t i = 0; i < len; ++i) shards_[ShardOf(h[i])]->PrefetchHint(h[i]);
+      groups.Build(h, len, &ShardOf);
+      for (uint32_t s = 0; s < kNumShards; ++s) {
+        if (groups.start[s] == groups.start[s + 1]) continue;
+        Shard& shard = *shards_[s];
+        std::unique_lock lock(shard.mu);
+        for (uint32_t k = groups.start[s]; k < groups.start[s + 1]; ++k)
+          f(shard, h[groups.order[k]]);
+      }
+    }
+    return;
+  }
+  // Every shard's lock for a chunk, taken in shard order (so two writers
+  // never deadlock; readers hold one shard's lock at a time), and the
+  // hashes written in their own order, each slot prefetched kWriteAhead
+  // hashes before it is written.
+  struct AllLocked {
+    const std::array<std::unique_ptr<Shard>, kNumShards>& shards;
+    explicit AllLocked(const std::array<std::unique_ptr<Shard>, kNumShards>& s) : shards(s) {
+      for (const auto& shard : shards) shard->mu.lock();
+    }
+    ~AllLocked() {
+      for (const auto& shard : shards) shard->mu.unlock();
+    }
+  };
+  for (size_t begin = 0; begin < hashes.size(); begin += kWriteChunk) {
+    const size_t len = std::min(hashes.size() - begin, kWriteChunk);
     const uint64_t* h = hashes.data() + begin;
-    for (size_t i = 0; i < len; ++i) shards_[ShardOf(h[i])]->PrefetchHint(h[i]);
-    groups.Build(h, len, &ShardOf);
-    for (uint32_t s = 0; s < kNumShards; ++s) {
-      if (groups.start[s] == groups.start[s + 1]) continue;
-      Shard& shard = *shards_[s];
-      std::unique_lock lock(shard.mu);
-      for (uint32_t k = groups.start[s]; k < groups.start[s + 1]; ++k) f(shard, h[groups.order[k]]);
+    for (size_t i = 0; i < std::min(len, kWriteAhead); ++i)
+      shards_[ShardOf(h[i])]->PrefetchHint(h[i]);
+    AllLocked locked(shards_);
+    for (size_t i = 0; i < len; ++i) {
+      if (i + kWriteAhead < len)
+        shards_[ShardOf(h[i + kWriteAhead])]->PrefetchHint(h[i + kWriteAhead]);
+      f(*shards_[ShardOf(h[i])], h[i]);
     }
   }
+}
+
+bool PrefixIndex::InOrderWrites() const {
+  uint64_t bytes = 0;
+  for (const auto& shard : shards_) bytes += shard->table_bytes_hint();
+  return bytes <= kInOrderMaxTableBytes;
 }
 
 void PrefixIndex::DropWorkerEntries(WorkerId worker) {

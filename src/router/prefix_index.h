@@ -22,12 +22,14 @@
 //
 // Thread-safety: every method may be called from any thread, concurrently.
 // Entries are sharded by hash, each shard behind a std::shared_mutex;
-// writers hold a shard's lock for one chunk of an event's blocks (or one
-// slice of 8192 slots when a worker is dropped), lookups take each shard's
-// shared lock once per round of probes (three rounds for 512 blocks).
-// Events of one worker are applied in the order the calls are made (a per-worker mutex); different workers proceed in parallel.
-// A lookup concurrent with writes sees each block either before or after
-// the write: the index is a routing hint, not a transaction.
+// writers hold every shard's lock (taken in shard order) for one chunk of
+// up to 256 of an event's blocks, written in the event's order (or one
+// shard's lock for a slice of 8192 slots when a worker is dropped), lookups
+// take each shard's shared lock once per round of probes (three rounds for
+// 512 blocks), one at a time.
+// Events of one worker are applied in the order the calls are made (a per-worker mutex); different
+// workers proceed in parallel. A lookup concurrent with writes sees each block either before or
+// after the write: the index is a routing hint, not a transaction.
 #pragma once
 
 #include <array>
@@ -81,6 +83,10 @@ class PrefixIndex {
   // Slots of all tables (24 bytes each) and rehashes so far (tests, debugging).
   uint64_t TableSlots() const;
   uint64_t Rehashes() const;
+  // Whether an event's blocks are written in their order under every
+  // shard's lock (while the tables take at most 4 MiB together) rather
+  // than grouped by shard (prefix_index.cc, kWriteChunk; tests).
+  bool InOrderWrites() const;
 
   // Applies one event. Error (NotFound) only for an unregistered worker.
   Result<EventResult> Apply(WorkerId worker, const KvEventView& event);
@@ -143,8 +149,8 @@ class PrefixIndex {
   static uint32_t ShardOf(uint64_t hash) {
     return static_cast<uint32_t>(hash >> (64 - kShardBits));
   }
-  // Calls f(shard, hash) for each hash under that shard's write lock,
-  // taking each lock once per chunk of hashes.
+  // Calls f(shard, hash) for each hash, in order, under that shard's write
+  // lock: every shard's lock is taken once per chunk of hashes.
   template <typename F>
   void ForEachByShard(std::span<const uint64_t> hashes, F&& f);
   void StoreBlocks(WorkerId worker, std::span<const uint64_t> hashes);

@@ -174,12 +174,17 @@ TEST(PrefixIndexTest, ReserveSizesTheTablesSoStoresDoNotGrowThem) {
 // removals leave tombstones that force rehashes at the same capacity
 // (rebuilt in place). Differential check against a plain model every 100
 // rounds: holders of every key ever used, sizes, per-worker counts.
-TEST(PrefixIndexTest, ChurnOnReservedTablesMatchesAModel) {
+// Random stores and removals of 1 to 64 blocks (every tenth of up to 600,
+// several write chunks) by three workers on tables reserved for
+// `reserve` hashes, checked against a model every 100 rounds.
+void ChurnAgainstAModel(uint64_t reserve, bool in_order) {
   constexpr WorkerId kWorkers = kModelWorkers;
   constexpr uint64_t kWindow = 2000, kSlide = 20;
   PrefixIndex index;
   for (WorkerId w = 0; w < kWorkers; ++w) ASSERT_TRUE(index.AddWorker(w, 1).ok());
-  index.Reserve(kWorkers * kWindow);
+  index.Reserve(reserve);
+  // Which of the two write paths (prefix_index.cc, ForEachByShard) runs.
+  ASSERT_EQ(index.InOrderWrites(), in_order);
   const uint64_t slots = index.TableSlots();
   const uint64_t rehashes = index.Rehashes();
   const auto hash = [](uint64_t k) { return k == 7 ? 0 : H(k); };  // the hash 0 too
@@ -200,7 +205,8 @@ TEST(PrefixIndexTest, ChurnOnReservedTablesMatchesAModel) {
     const uint64_t base = round * kSlide;  // the window is [base, base + kWindow)
     const WorkerId w = static_cast<WorkerId>(rng() % kWorkers);
     const uint64_t first = base + rng() % kWindow;
-    apply(w, rng() % 3 != 0, first, first + 1 + rng() % 64);
+    const uint64_t blocks = 1 + (round % 10 == 9 ? rng() % 600 : rng() % 64);
+    apply(w, rng() % 3 != 0, first, first + blocks);
     if (base >= kSlide) {
       for (WorkerId x = 0; x < kWorkers; ++x) apply(x, false, base - kSlide, base);  // left the window
     }
@@ -211,6 +217,18 @@ TEST(PrefixIndexTest, ChurnOnReservedTablesMatchesAModel) {
   // rebuilds no table.
   EXPECT_EQ(index.Rehashes(), rehashes);
   EXPECT_EQ(index.TableSlots(), slots);
+  EXPECT_EQ(index.InOrderWrites(), in_order);
+}
+
+// Small tables (written in order, a chunk under every shard's lock).
+TEST(PrefixIndexTest, ChurnOnReservedTablesMatchesAModel) {
+  ChurnAgainstAModel(kModelWorkers * 3000, /*in_order=*/true);
+}
+
+// Tables past 4 MiB together (the largest reservation: 16 of 1.5 MiB) are
+// written grouped by shard.
+TEST(PrefixIndexTest, ChurnOnTheLargestReservationMatchesAModel) {
+  ChurnAgainstAModel(PrefixIndex::kReserveMaxHashes, /*in_order=*/false);
 }
 
 // The proxy's steady state (sim 1P1D): a prefiller and a decoder store each
@@ -543,10 +561,12 @@ TEST(PrefixIndexTest, TenantsWithTheSamePromptDoNotShareBlocks) {
 // thread keeps adding and removing a worker (shard scans). Chains are
 // stored in order and never removed, so each reader must see every
 // writer's overlap never decrease, and the end state must be complete.
-TEST(PrefixIndexTest, ConcurrentApplyAndLookup) {
+void ConcurrentApplyAndLookup(uint64_t reserve, bool in_order) {
   constexpr uint64_t kBlocks = 3000, kPerEvent = 10;
   constexpr WorkerId kWriters = 3, kChurn = 10;
   PrefixIndex index;
+  index.Reserve(reserve);
+  ASSERT_EQ(index.InOrderWrites(), in_order);
   const std::vector<uint64_t> chain = Chain(0, kBlocks);
   for (WorkerId w = 0; w < kWriters; ++w) ASSERT_TRUE(index.AddWorker(w, 1).ok());
   std::atomic<int> writers_left{kWriters};
@@ -589,6 +609,13 @@ TEST(PrefixIndexTest, ConcurrentApplyAndLookup) {
   EXPECT_EQ(out[kChurn], 0u);
   EXPECT_EQ(index.BlocksOf(kChurn), 0u);
   EXPECT_EQ(index.size(), kBlocks);
+}
+
+// Both write paths: writes in order under every shard's lock (small
+// tables) and grouped by shard (the largest reservation).
+TEST(PrefixIndexTest, ConcurrentApplyAndLookup) { ConcurrentApplyAndLookup(0, true); }
+TEST(PrefixIndexTest, ConcurrentApplyAndLookupOnTheLargestReservation) {
+  ConcurrentApplyAndLookup(PrefixIndex::kReserveMaxHashes, false);
 }
 
 }  // namespace
