@@ -26,10 +26,11 @@
 // up to 256 of an event's blocks, written in the event's order (or one
 // shard's lock for a slice of 8192 slots when a worker is dropped), lookups
 // take each shard's shared lock once per round of probes (three rounds for
-// 512 blocks), one at a time.
-// Events of one worker are applied in the order the calls are made (a per-worker mutex); different
-// workers proceed in parallel. A lookup concurrent with writes sees each block either before or
-// after the write: the index is a routing hint, not a transaction.
+// 512 blocks), one at a time. Events of one worker are applied in the
+// order the calls are made (a per-worker mutex); different workers proceed
+// in parallel. A lookup concurrent with writes sees each block either
+// before or after the write: the index is a routing hint, not a
+// transaction.
 #pragma once
 
 #include <array>
@@ -79,7 +80,8 @@ class PrefixIndex {
   // on demand. The router calls it at AddWorker with the registered
   // workers' KV capacity (blocks) summed.
   void Reserve(uint64_t hashes);
-  static constexpr uint64_t kReserveMaxHashes = uint64_t{1} << 18;  // ~25 MiB of tables
+  // At most 24 MiB of tables (32 where huge pages back them).
+  static constexpr uint64_t kReserveMaxHashes = uint64_t{1} << 18;
   // Slots of all tables (24 bytes each) and rehashes so far (tests, debugging).
   uint64_t TableSlots() const;
   uint64_t Rehashes() const;

@@ -170,13 +170,12 @@ TEST(PrefixIndexTest, ReserveSizesTheTablesSoStoresDoNotGrowThem) {
   EXPECT_GE(big.TableSlots(), 2 * PrefixIndex::kReserveMaxHashes);
 }
 
-// Store/remove churn on reserved tables: a window of keys slides on, so
-// removals leave tombstones that force rehashes at the same capacity
-// (rebuilt in place). Differential check against a plain model every 100
-// rounds: holders of every key ever used, sizes, per-worker counts.
-// Random stores and removals of 1 to 64 blocks (every tenth of up to 600,
-// several write chunks) by three workers on tables reserved for
-// `reserve` hashes, checked against a model every 100 rounds.
+// Store/remove churn by three workers on tables reserved for `reserve`
+// hashes: a window of keys slides on, stores and removals of 1 to 64
+// blocks (every tenth of up to 600: several write chunks). Differential
+// check against a plain model every 100 rounds: holders of every key ever
+// used, sizes, per-worker counts. Removals shift entries back, so no table
+// is rebuilt.
 void ChurnAgainstAModel(uint64_t reserve, bool in_order) {
   constexpr WorkerId kWorkers = kModelWorkers;
   constexpr uint64_t kWindow = 2000, kSlide = 20;
