@@ -307,10 +307,6 @@ class PrefixIndex::Shard {
 
 namespace {
 
-// Positions of up to kMaxChunk hashes grouped by shard (a counting sort),
-// so that each shard's lock is taken once per chunk.
-constexpr size_t kMaxChunk = 512;
-
 // How a stored or removed event is written (ForEachByShard), issue 23
 // (session 35). Prefetching a whole chunk of 512 slots and then writing
 // them grouped by shard left most slots out of the cache again by the time
@@ -327,6 +323,10 @@ constexpr size_t kMaxChunk = 512;
 constexpr size_t kWriteChunk = 256;  // a lookup waits for at most one (~7 us cold)
 constexpr size_t kWriteAhead = 16;
 constexpr uint64_t kInOrderMaxTableBytes = uint64_t{4} << 20;
+
+// Positions of up to kMaxChunk hashes grouped by shard (a counting sort),
+// so that each shard's lock is taken once per chunk.
+constexpr size_t kMaxChunk = 512;
 
 struct ShardGroups {
   std::array<uint16_t, kMaxChunk> order;                    // [len]: positions, by shard
