@@ -89,12 +89,15 @@ class DecodeMux : public GrpcWorkerClient::Tracked, public std::enable_shared_fr
   void SetTokenTable(const model::TokenBytesTable* table);
 
  protected:
-  // Sends `msg` on the stream, in the order of the calls (mu_ is held; an
-  // implementation may release it).
+  // Sends `msg` on the stream (mu_ is held; an implementation may release
+  // it, and one that sends inline should: a batch read meanwhile then does
+  // not wait behind the send). A request's Call is returned only after its
+  // start's send, so its cancel always follows its start; starts and
+  // cancels of different requests may reach the wire in either order.
   virtual void SendLocked(std::unique_lock<std::mutex>& lock, v1::DecodeStreamRequest msg) = 0;
   // A transport that writes frames from parts (SendsParts()) gets a start
-  // as DecodeStartInParts' parts (SendPartsLocked, mu_ held), the rest as
-  // messages.
+  // as DecodeStartInParts' parts (SendPartsLocked, mu_ held and released
+  // as by SendLocked), the rest as messages.
   virtual bool SendsParts() const { return false; }
   virtual void SendPartsLocked(std::unique_lock<std::mutex>& /*lock*/,
                                std::initializer_list<std::string_view> /*parts*/) {}

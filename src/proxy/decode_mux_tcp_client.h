@@ -9,8 +9,9 @@
 // thread when the public front end is gRPC C++ (see Post: the client writes
 // they start must be made from gRPC's own threads to leave in one flush),
 // else (the native front end) on the reader thread itself; starts and
-// cancels are written inline by the thread that makes them (never
-// blocking: what the socket does not take waits for the reader's POLLOUT).
+// cancels are written inline by the thread that makes them, without the
+// stream's handle lock that the reader's batches take (never blocking:
+// what the socket does not take waits for the reader's POLLOUT).
 // A connection that cannot be dialled or authenticated, or that breaks,
 // ends every request on it with UNAVAILABLE (from_worker = false), as a
 // broken gRPC stream does: retry before the first token, migration after.
