@@ -24,11 +24,10 @@
 // of a cached 8k prompt costs at least; BM_Overlap compares the search with
 // that block-by-block walk in the same run).
 #include <benchmark/benchmark.h>
-
-#include <algorithm>
 #include <sys/mman.h>
 #include <time.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdint>
@@ -37,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "router/load_tracker.h"
 #include "router/router.h"
 
 namespace tandem::router {
@@ -432,6 +432,30 @@ void BM_RouterApplyEvents(benchmark::State& state) {
 BENCHMARK(BM_RouterApplyEvents)
     ->ArgNames({"blocks_per_event", "pending"})
     ->Args({1, 0})->Args({1, 8})->Args({16, 0})->Args({16, 8})->Args({64, 8});
+
+// LoadTracker::Complete alone: one prefiller with `open` prefills queued
+// (each keyed by its prompt's last full block), and stored events of 85
+// hashes (a sim prefiller's usual chunk event) that end none of them,
+// which is what every chunk but a prompt's last does. Per event.
+void BM_LoadTrackerComplete(benchmark::State& state) {
+  const uint32_t open = static_cast<uint32_t>(state.range(0));
+  LoadTracker t(5'000'000, INT64_MAX / 4);
+  t.Reset(0, 10'000);
+  for (uint32_t i = 0; i < open; ++i) {
+    t.AddPrefill(0, {.ticket = i + 1, .key = Mix(40'000'000'000ull + i), .tokens = 8000}, 0);
+  }
+  std::vector<std::vector<uint64_t>> events(64, std::vector<uint64_t>(85));
+  for (size_t e = 0; e < events.size(); ++e) {
+    for (size_t i = 0; i < 85; ++i) events[e][i] = Mix(50'000'000'000ull + e * 85 + i);
+  }
+  size_t e = 0;
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(t.Complete(0, events[e]));
+    e = (e + 1) % events.size();
+  }
+  state.counters["keyed"] = t.keyed_predictions(0);
+}
+BENCHMARK(BM_LoadTrackerComplete)->ArgName("open")->Arg(16)->Arg(256)->Arg(1024);
 
 }  // namespace
 }  // namespace tandem::router

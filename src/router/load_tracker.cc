@@ -1,6 +1,7 @@
 #include "router/load_tracker.h"
 
 #include <algorithm>
+#include <bit>
 
 namespace tandem::router {
 
@@ -106,10 +107,30 @@ bool LoadTracker::End(WorkerId worker, uint64_t ticket) {
 
 uint32_t LoadTracker::Complete(WorkerId worker, std::span<const uint64_t> hashes) {
   State& s = workers_[worker];
-  if (s.keyed == 0) return 0;
+  if (s.keyed == 0 || hashes.empty()) return 0;
+  // Issue 23 (session 36): the event was scanned once per open prefill, k
+  // x its hashes under the router's lock for every stored event of a
+  // prefiller with k prompts queued. Now: a bit filter of the open keys
+  // (at least 64 bits per key, so a hash passes by chance at most once in
+  // 64), one pass over the event, and the oldest open prefill whose key is
+  // one of the hashes that passed (exact: every open key is in the filter).
+  constexpr size_t kMinFilterBits = 1024;
+  const size_t bits = std::bit_ceil(std::max<size_t>(kMinFilterBits, size_t{s.keyed} * 64));
+  const uint64_t mask = bits - 1;
+  key_filter_.assign(bits / 64, 0);
+  for (const Prefill& p : s.prefills) {
+    if (p.open && p.work.key != 0)
+      key_filter_[(p.work.key & mask) >> 6] |= uint64_t{1} << (p.work.key & 63);
+  }
+  passed_.clear();
+  for (const uint64_t h : hashes) {
+    if ((key_filter_[(h & mask) >> 6] >> (h & 63)) & 1) passed_.push_back(h);
+  }
+  if (passed_.empty()) return 0;
+  std::sort(passed_.begin(), passed_.end());
   for (Prefill& p : s.prefills) {
     if (!p.open || p.work.key == 0) continue;
-    if (std::find(hashes.begin(), hashes.end(), p.work.key) == hashes.end()) continue;
+    if (!std::binary_search(passed_.begin(), passed_.end(), p.work.key)) continue;
     EndAt(s, p);
     PopEnded(s);
     Refresh(s);

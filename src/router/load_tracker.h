@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <deque>
 #include <span>
+#include <vector>
 
 #include "common/growth_reserve.h"
 #include "router/types.h"
@@ -129,7 +130,9 @@ class LoadTracker {
   // The worker stored the blocks `hashes` (a KV event). The oldest open
   // prefill whose key is among them has finished. Returns how many ended
   // (0 or 1): one stored event is one sequence's commit, not a second
-  // identical prompt still computing.
+  // identical prompt still computing. One pass over `hashes` and two over
+  // the worker's prefills, whatever their number (a filter of the open
+  // keys, then the hashes that pass it).
   uint32_t Complete(WorkerId worker, std::span<const uint64_t> hashes);
   // Open prefills with a key (a hint for callers: 0 = Complete is a no-op).
   uint32_t keyed_predictions(WorkerId worker) const { return workers_[worker].keyed; }
@@ -176,6 +179,10 @@ class LoadTracker {
   const int64_t report_lag_ns_;
   const int64_t max_prediction_age_ns_;
   std::array<State, kMaxWorkers> workers_;
+  // Complete's scratch, kept between calls: the open keys' bit filter and
+  // the event's hashes that pass it.
+  std::vector<uint64_t> key_filter_;
+  std::vector<uint64_t> passed_;
 };
 
 }  // namespace tandem::router
