@@ -130,9 +130,9 @@ class LoadTracker {
   // The worker stored the blocks `hashes` (a KV event). The oldest open
   // prefill whose key is among them has finished. Returns how many ended
   // (0 or 1): one stored event is one sequence's commit, not a second
-  // identical prompt still computing. One pass over `hashes` and two over
-  // the worker's prefills, whatever their number (a filter of the open
-  // keys, then the hashes that pass it).
+  // identical prompt still computing. One pass over `hashes` and at most
+  // two over the worker's prefills, whatever their number (a filter of the
+  // open keys, then the hashes that pass it).
   uint32_t Complete(WorkerId worker, std::span<const uint64_t> hashes);
   // Open prefills with a key (a hint for callers: 0 = Complete is a no-op).
   uint32_t keyed_predictions(WorkerId worker) const { return workers_[worker].keyed; }
