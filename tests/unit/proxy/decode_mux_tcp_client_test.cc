@@ -6,19 +6,25 @@
 // UNAVAILABLE and from_worker = false (the lifecycle then retries or
 // migrates, as for a broken gRPC stream); a start to a decoder that reads
 // the fixed32 prompt, written in parts, is the message's bytes. Real sockets on 127.0.0.1; the
-// whole path with real decoders is decode_stream_test.
+// whole path with real decoders is decode_stream_test. And (issue 23
+// session 36, DecodeMuxSend) the stream's side of a transport that releases
+// the handle lock for its send, as framed TCP does: a batch read meanwhile
+// reaches its request, on a transport whose sends the test holds.
+#include "proxy/decode_mux_tcp_client.h"
+
 #include <gtest/gtest.h>
 
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "../frame_test_support.h"
 #include "common/frame_server.h"
 #include "common/net.h"
-#include "../frame_test_support.h"
-#include "proxy/decode_mux_tcp_client.h"
 #include "tandem/v1/worker.pb.h"
 
 namespace tandem::proxy {
@@ -374,6 +380,78 @@ TEST(DecodeMuxTcpClient, ADecoderOutsideTheFleetCaIsRefused) {
   EXPECT_FALSE(s.from_worker);
   EXPECT_FALSE(s.registered);
   mux->Stop();
+}
+
+// Records every send ("start 1", "cancel 1", ...). While held, a start
+// waits in its send (the handle lock released, as framed TCP does) until
+// the test lets it go.
+class HeldMux final : public DecodeMux {
+ public:
+  using DecodeMux::Deliver;
+
+  void Hold() {
+    std::lock_guard lock(test_mu_);
+    hold_ = true;
+  }
+  // Waits until a start is held in its send.
+  void WaitHeld() {
+    std::unique_lock lock(test_mu_);
+    cv_.wait(lock, [this] { return held_; });
+  }
+  void Release() {
+    std::lock_guard lock(test_mu_);
+    hold_ = held_ = false;
+    cv_.notify_all();
+  }
+  std::vector<std::string> sent() {
+    std::lock_guard lock(test_mu_);
+    return sent_;
+  }
+
+ private:
+  void SendLocked(std::unique_lock<std::mutex>& lock, pb::DecodeStreamRequest msg) override {
+    lock.unlock();
+    std::unique_lock t(test_mu_);
+    if (msg.has_start() && hold_) {
+      held_ = true;
+      cv_.notify_all();
+      cv_.wait(t, [this] { return !hold_; });
+    }
+    sent_.push_back(msg.has_start() ? "start " + std::to_string(msg.start().handle())
+                                    : "cancel " + std::to_string(msg.cancel()));
+  }
+  void CancelRpc() override {}
+
+  std::mutex test_mu_;
+  std::condition_variable cv_;
+  bool hold_ = false;
+  bool held_ = false;
+  std::vector<std::string> sent_;
+};
+
+TEST(DecodeMuxSend, ABatchIsDeliveredWhileAStartIsOnTheWire) {
+  auto mux = std::make_shared<HeldMux>();
+  Seen a, b;
+  DecodeEvents ea = a.Events(), eb = b.Events();
+  ASSERT_NE(mux->Start(Args(4), ea), nullptr);  // handle 1, sent at once
+  mux->Hold();
+  std::thread starter([&] { ASSERT_NE(mux->Start(Args(4), eb), nullptr); });  // handle 2, held
+  mux->WaitHeld();
+  // Handle 1's tokens arrive while handle 2's start is being sent.
+  const std::vector<uint32_t> ids = {7, 8};
+  DecodeItem item;
+  item.handle = 1;
+  item.first_index = 1;
+  item.token_ids = ids;
+  mux->Deliver(std::span<const DecodeItem>(&item, 1));
+  {
+    std::lock_guard lock(a.mu);
+    EXPECT_EQ(a.tokens, ids);
+  }
+  EXPECT_EQ(mux->sent(), (std::vector<std::string>{"start 1"}));  // still held
+  mux->Release();
+  starter.join();
+  EXPECT_EQ(mux->sent(), (std::vector<std::string>{"start 1", "start 2"}));
 }
 
 }  // namespace
