@@ -1,8 +1,11 @@
-// Argmax and seeded sampling, one CTA per row. Candidates are ranked by a
-// 64-bit key (order-preserving bits of the logit above, ~id below), so "k-th
-// largest" and "first token whose cumulative mass crosses x" are radix
-// selections: 8 passes of 8-bit digits, each a histogram in shared memory
-// over the row. Masses are 64-bit fixed point, so every sum is exact.
+// Argmax and seeded sampling, one CTA per row, in the CPU Sampler's order:
+// with a top-k or top-p cut the candidates are ranked (value desc, id asc),
+// without one they are walked in id order. Ranking uses a 64-bit key
+// (order-preserving bits of the logit above, ~id below), so "k-th largest"
+// and "first token whose cumulative mass crosses x" are radix selections: 8
+// passes of 8-bit digits, each a histogram in shared memory over the row;
+// the id-order walk is a block prefix sum. Masses are 64-bit fixed point, so
+// every sum is exact.
 #include <cmath>
 
 #include "kernels/cuda/device_util.cuh"
@@ -72,6 +75,33 @@ __device__ uint64_t BlockSumU64(uint64_t v, uint64_t* scratch) {
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
   return WarpSumU64(lane < (kThreads >> 5) ? scratch[lane] : 0);
+}
+
+// Block-wide exclusive prefix sum of uint64 in thread order.
+__device__ uint64_t BlockExclusiveScanU64(uint64_t v, uint64_t* scratch) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  uint64_t inc = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint64_t n = __shfl_up_sync(detail::kFullMask, inc, o);
+    if (lane >= o) inc += n;
+  }
+  __syncthreads();
+  if (lane == 31) scratch[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    const uint64_t w = lane < (kThreads >> 5) ? scratch[lane] : 0;
+    uint64_t winc = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const uint64_t n = __shfl_up_sync(detail::kFullMask, winc, o);
+      if (lane >= o) winc += n;
+    }
+    if (lane < (kThreads >> 5)) scratch[lane] = winc - w;
+  }
+  __syncthreads();
+  return scratch[warp] + inc - v;
 }
 
 struct RowCtx {
@@ -210,8 +240,46 @@ __global__ void __launch_bounds__(kThreads)
     c.min_key = cut;
   }
   const double u = UniformDrawImpl(p.seed, p.index) * static_cast<double>(total);
-  const uint64_t pick = RadixSelect(c, Cross::kMassAbove, u, &above, hist, bcast);
-  if (threadIdx.x == 0) out[blockIdx.x] = KeyId(pick);
+  if (c.min_key != 1 || p.top_p < 1.0f) {
+    // A top-k or top-p cut ranks the candidates (the CPU sampler sorts them):
+    // walk them by value desc, id asc.
+    const uint64_t pick = RadixSelect(c, Cross::kMassAbove, u, &above, hist, bcast);
+    if (threadIdx.x == 0) out[blockIdx.x] = KeyId(pick);
+    return;
+  }
+  // No cut: the CPU sampler walks the candidates in id order. Each thread
+  // owns a contiguous range of ids; the one whose cumulative mass crosses u
+  // walks its range. Nothing crossing (rounding at the very end) picks the
+  // last candidate, as the CPU sampler does.
+  const int per = (vocab + kThreads - 1) / kThreads;
+  const int lo = min(vocab, static_cast<int>(threadIdx.x) * per);
+  const int hi = min(vocab, lo + per);
+  uint64_t mine = 0;
+  uint64_t last = 0;  // 1 + the largest non-NaN id
+  for (int j = lo; j < hi; ++j) {
+    const float v = c.row[j];
+    if (isnan(v)) continue;
+    mine += Weight(c, v);
+    last = static_cast<uint64_t>(j) + 1;
+  }
+  uint64_t cum = BlockExclusiveScanU64(mine, scratch);
+  last = BlockMaxU64(last, scratch);
+  __shared__ int picked;
+  if (threadIdx.x == 0) picked = static_cast<int>(last) - 1;
+  __syncthreads();
+  if (!(static_cast<double>(cum) > u) && static_cast<double>(cum + mine) > u) {
+    for (int j = lo; j < hi; ++j) {
+      const float v = c.row[j];
+      if (isnan(v)) continue;
+      cum += Weight(c, v);
+      if (static_cast<double>(cum) > u) {
+        picked = j;
+        break;
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) out[blockIdx.x] = picked;
 }
 
 }  // namespace

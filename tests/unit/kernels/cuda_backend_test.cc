@@ -185,22 +185,45 @@ TEST_P(CudaBackendGolden, GreedyTokensMatchTheFixture) {
     std::printf("[   INFO   ] %s, prompt of %zu tokens: worst |logit diff| vs f32 %.3g\n",
                 GetParam().c_str(), prompt.size(), worst);
     EXPECT_LE(worst, kBf16LogitTolerance) << GetParam();
-    // Greedy decode one token per step (the decode kernel).
-    std::vector<uint32_t> got = {Greedy(&logits[(prompt.size() - 1) * vocab], vocab)};
+    // Decode one token per step (the decode kernel), teacher-forced: each
+    // step is fed the fixture's previous token, so every step is compared
+    // with transformers' f32 greedy choice at the same context. bf16 may
+    // pick another token only where f32's choice is a near tie: with every
+    // logit within kBf16LogitTolerance of f32's (checked above on the
+    // prompt), the bf16 pick's logit can exceed that of f32's choice by at
+    // most twice the tolerance. (A free-running bf16 greedy decode leaves
+    // f32's path at the first such tie and is not comparable after it.)
     std::vector<uint32_t> seq = prompt;
-    while (got.size() < want.size()) {
-      seq.push_back(got.back());
-      SeqChunk d;
-      d.tokens = std::span<const uint32_t>(seq).subspan(seq.size() - 1, 1);
-      d.start_pos = static_cast<uint32_t>(seq.size() - 1);
-      d.block_table = blocks;
-      d.num_logits = 1;
-      got.push_back(Greedy(h.Run({d}).data(), vocab));
-    }
     size_t same = 0;
-    while (same < want.size() && got[same] == want[same]) ++same;
-    EXPECT_EQ(got, want) << GetParam() << ": the first " << same << " of " << want.size()
-                         << " greedy tokens match";
+    for (size_t i = 0; i < want.size(); ++i) {
+      std::vector<float> row;
+      if (i == 0) {
+        row.assign(&logits[(prompt.size() - 1) * vocab], &logits[prompt.size() * vocab]);
+      } else {
+        seq.push_back(want[i - 1]);
+        SeqChunk d;
+        d.tokens = std::span<const uint32_t>(seq).subspan(seq.size() - 1, 1);
+        d.start_pos = static_cast<uint32_t>(seq.size() - 1);
+        d.block_table = blocks;
+        d.num_logits = 1;
+        row = h.Run({d});
+      }
+      ASSERT_EQ(row.size(), size_t{vocab});
+      const uint32_t pick = Greedy(row.data(), vocab);
+      if (pick == want[i]) {
+        ++same;
+        continue;
+      }
+      const double gap = double(row[pick]) - double(row[want[i]]);
+      EXPECT_LE(gap, 2 * kBf16LogitTolerance)
+          << GetParam() << ", prompt of " << prompt.size() << " tokens, step " << i
+          << ": bf16 picks " << pick << ", f32 picked " << want[i] << ", which bf16 puts " << gap
+          << " below";
+    }
+    std::printf(
+        "[   INFO   ] %s, prompt of %zu tokens: %zu of %zu teacher-forced greedy tokens equal "
+        "f32's\n",
+        GetParam().c_str(), prompt.size(), same, want.size());
   }
 }
 
