@@ -30,6 +30,9 @@
 #   fleet_1p1d  tests/gpu/fleet_check.py: configs/cuda-1p1d.yaml launched
 #               (prefiller and decoder on the same GPU), 16 prompts at once,
 #               greedy text == `tandem generate --config` for each
+#   memcheck    compute-sanitizer --tool memcheck (where the toolkit has it)
+#               over the kernels' own tests and one whole model's decode
+#               (tandem-kjv's golden test, CUDA graphs on); any error fails
 #   kernels     bench_kernels_cuda: device copy (D2D) bandwidth, cuBLASLt bf16
 #               GEMM rate, decode attention bandwidth, prefill attention TFLOP/s
 #   kvtransfer  tandem bench kvtransfer --memory host: the host-memory UCX path
@@ -43,11 +46,18 @@
 # Exit: 0 when every stage passed; 1 when any failed or mismatched; 2 when
 # there is no GPU (nothing built or measured; the summary says so).
 #
-# Time: sized for about 8 minutes on one H200 with 16 cores (build ~4-5 min
-# from scratch, the rest ~3-4 min) -- an estimate: no GPU has run it yet.
+# Time: 69 s on one H100 with 16 cores from a bundle (below; 2026-12-06,
+# bench/results/gpu_device_check.md); a build there adds ~4-5 min (an
+# estimate: no device with a package registry has run it).
 # DEVICE_CHECK_BUDGET_S (default 470) caps the whole run: a stage gets at
 # most what is left, and stages with no time left are recorded as skipped
 # (which fails the run). A rerun on the same machine finds build/ warm.
+#
+# Where the GPU machine has no package registry (the device machines lent
+# here: no apt, so no gRPC, UCX, ... to build with), build here and pack:
+#   tools/device_bundle.sh build .devbundle/bundle.tar.gz
+# and run with DEVICE_CHECK_BUNDLE=.devbundle/bundle.tar.gz: stage `unpack`
+# (tools/device_bundle.sh --unpack) replaces deps and build.
 #
 # Environment: DEVICE_CHECK_FORCE=1 runs the stages even when no GPU is
 # seen (to test this script); DEVICE_CHECK_SKIP_BUILD=1 skips deps and
@@ -68,7 +78,7 @@ rm -rf "$WORK"
 mkdir -p "$WORK"
 BUILD="$ROOT/build"
 BUDGET="${DEVICE_CHECK_BUDGET_S:-470}"
-STAGES="${DEVICE_CHECK_STAGES:-deps build gpu_tests nccl_two_devices cuda_tp_two_devices fleet_1p1d kernels kvtransfer kvtransfer_device e2e}"
+STAGES="${DEVICE_CHECK_STAGES:-unpack deps build gpu_tests nccl_two_devices cuda_tp_two_devices fleet_1p1d memcheck kernels kvtransfer kvtransfer_device e2e}"
 # Never under $OUT (whatever is there is shipped back): 16 GB.
 MODEL_DIR="${TMPDIR:-/tmp}/tandem-device-check-model.$$"
 T0=$(date +%s)
@@ -135,7 +145,11 @@ if wanted e2e; then
     > "$WORK/make_random_model.log" 2>&1 &
   model_pid=$!
 fi
-if [ "${DEVICE_CHECK_SKIP_BUILD:-0}" != 1 ]; then
+if [ -n "${DEVICE_CHECK_BUNDLE:-}" ]; then
+  # A build made elsewhere (tools/device_bundle.sh): a machine with no
+  # package registry cannot run install_deps.sh.
+  stage unpack 90 bash "$ROOT/tools/device_bundle.sh" --unpack "$DEVICE_CHECK_BUNDLE"
+elif [ "${DEVICE_CHECK_SKIP_BUILD:-0}" != 1 ]; then
   stage deps 150 bash "$ROOT/tools/install_deps.sh"
   stage build 360 env TANDEM_BUILD_TARGETS="tandem kernels_cuda_test engine_cuda_test nccl_communicator_test cuda_tp_forward_test bench_kernels_cuda bench_cuda_engine" \
     bash "$ROOT/tools/build.sh"
@@ -166,6 +180,23 @@ stage fleet_1p1d 150 env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" \
   python3 "$ROOT/tests/gpu/fleet_check.py" --tandem "$BUILD/tandem" \
   --config "$ROOT/configs/cuda-1p1d.yaml" --out "$WORK/fleet" --prompts 16 --max-tokens 32 \
   --timeout 140
+# Out-of-bounds and misaligned accesses, leaks, API errors: the kernels'
+# tests (but the GEMM shapes' CPU references, slow under the tool) and one
+# model end to end. Not every machine's toolkit has the tool.
+sanitizer="$(command -v compute-sanitizer || find /usr/local/cuda*/bin -name compute-sanitizer 2>/dev/null | head -1)"
+if [ -n "$sanitizer" ]; then
+  # shellcheck disable=SC2016  # the inner script's variables are its own
+  stage memcheck 150 bash -c '. "$1/device-env.sh" 2>/dev/null
+    s="$2"; b="$1/tests/unit/kernels"
+    k=kernels_cuda_test; e=engine_cuda_test
+    [ -x "$b/$k.bin" ] && k="$k.bin" && e="$e.bin"
+    "$s" --tool memcheck --leak-check full --error-exitcode 99 "$b/$k" \
+      --gtest_filter="CudaOps.*:CudaSampling.*:CudaAttentionSmallHeads.*:CudaAttentionInvariance.*:CudaGemm.BatchInvariant*:CudaGemm.LoadsCublasLt*" || exit
+    "$s" --tool memcheck --error-exitcode 99 "$b/$e" \
+      --gtest_filter="Fixtures/CudaBackendGolden.*/tandem_kjv"' memcheck "$BUILD" "$sanitizer"
+elif wanted memcheck; then
+  log "memcheck: not run, no compute-sanitizer on this machine"
+fi
 
 # ---- speed, each next to its yardstick from the same run ----
 stage kernels 120 "$BUILD/bench/kernels/bench_kernels_cuda" --benchmark_repetitions=2 \
