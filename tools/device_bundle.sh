@@ -49,7 +49,11 @@ if [ "${1:-}" = --unpack ]; then
   cp -a "$tmp/lib/." "$B/device-lib/"
   cp "$tmp/bundle.json" "$B/device-bundle.json"
   rm -rf "$tmp"
-  src_root="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["root"])' "$B/device-bundle.json")"
+  # The build's checkout, build folder and commit, one per line.
+  { read -r src_root; read -r build_dir; read -r commit; } < <(python3 -c '
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(d["root"], d["build_dir"], d["commit"], sep="\n")' "$B/device-bundle.json")
   if [ "$src_root" != "$ROOT" ]; then
     if [ -e "$src_root" ] && [ "$(cd "$src_root" && pwd -P)" != "$(cd "$ROOT" && pwd -P)" ]; then
       echo "device_bundle: the build's root $src_root exists here and is not this checkout" >&2
@@ -59,7 +63,6 @@ if [ "${1:-}" = --unpack ]; then
     ln -sfn "$ROOT" "$src_root"
     echo "device_bundle: linked $src_root -> $ROOT"
   fi
-  build_dir="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["build_dir"])' "$B/device-bundle.json")"
   if [ ! -e "$build_dir" ]; then
     mkdir -p "$(dirname "$build_dir")"
     ln -sfn "$B" "$build_dir"
@@ -100,7 +103,7 @@ if [ "${1:-}" = --unpack ]; then
       missing=1
     fi
   done < <(find "$B" -name '*.bin' -type f)
-  echo "device_bundle: unpacked $(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["commit"])' "$B/device-bundle.json") into $B"
+  echo "device_bundle: unpacked $commit into $B"
   exit "$missing"
 fi
 
