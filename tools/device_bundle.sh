@@ -42,6 +42,10 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 if [ "${1:-}" = --unpack ]; then
   BUNDLE="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"
   B="$ROOT/build"
+  if [ -e "$B/CMakeCache.txt" ]; then
+    echo "device_bundle: $B holds a build of its own (CMakeCache.txt), which the unpack would overwrite; unpack into a checkout without one" >&2
+    exit 1
+  fi
   mkdir -p "$B/device-lib"
   tmp="$(mktemp -d)"
   tar -C "$tmp" -xzf "$BUNDLE"
@@ -77,7 +81,7 @@ print(d["root"], d["build_dir"], d["commit"], sep="\n")' "$B/device-bundle.json"
       if [ -e "$d/$want" ]; then found="$d"; break; fi
     done
     if [ -z "$found" ]; then
-      found="$(find / -xdev -name "$want" -not -path '*/proc/*' 2>/dev/null | head -1 | xargs -r dirname)"
+      found="$(find / -xdev -name "$want" -not -path '*/proc/*' -printf '%h\n' -quit 2>/dev/null)"
     fi
     if [ -z "$found" ]; then
       echo "device_bundle: $want is not on this machine (CUDA 13's NCCL and cuBLAS are needed)" >&2
@@ -87,7 +91,9 @@ print(d["root"], d["build_dir"], d["commit"], sep="\n")' "$B/device-bundle.json"
     case ":$cuda_dirs:" in *":$found:"*) ;; *) cuda_dirs="${cuda_dirs:+$cuda_dirs:}$found" ;; esac
   done
   libs="$B/device-lib"
-  sys_cxx="$(ldconfig -p 2>/dev/null | awk '/libstdc\+\+\.so\.6 .*x86-64/ { print $NF; exit }')"
+  # awk reads to the end: an early exit would end ldconfig by SIGPIPE, which
+  # pipefail turns into this script's failure.
+  sys_cxx="$(ldconfig -p 2>/dev/null | awk '!f && /libstdc\+\+\.so\.6 .*x86-64/ { print $NF; f = 1 }')"
   if [ -z "$sys_cxx" ] || ! grep -qa "GLIBCXX_3.4.30" "$sys_cxx"; then
     libs="$libs:$B/device-lib/fallback"
     echo "device_bundle: this machine's libstdc++ (${sys_cxx:-none}) is older than the build's; using the bundled one"
@@ -176,7 +182,7 @@ SRC="$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$BUILD/CMakeCache.txt")"
 printf '{"build_dir": "%s", "root": "%s", "commit": "%s", "version": "%s", "made": "%s", "host_glibc": "%s"}\n' \
   "$BUILD" "$SRC" "$(git -C "$SRC" rev-parse HEAD 2>/dev/null || echo unknown)" \
   "$("$BUILD/tandem" version 2>/dev/null | sed -n 's/^git revision: //p')" \
-  "$(date -u +%FT%TZ)" "$(ldd --version | head -1 | awk '{print $NF}')" > "$STAGE/bundle.json"
+  "$(date -u +%FT%TZ)" "$(ldd --version | awk 'NR == 1 {print $NF}')" > "$STAGE/bundle.json"
 
 mkdir -p "$(dirname "$OUT")"
 tar -C "$STAGE" -cf - . | gzip -9 > "$OUT"

@@ -183,7 +183,7 @@ stage fleet_1p1d 150 env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" \
 # Out-of-bounds and misaligned accesses, leaks, API errors: the kernels'
 # tests (but the GEMM shapes' CPU references, slow under the tool) and one
 # model end to end. Not every machine's toolkit has the tool.
-sanitizer="$(command -v compute-sanitizer || find /usr/local/cuda*/bin -name compute-sanitizer 2>/dev/null | head -1)"
+sanitizer="$(command -v compute-sanitizer || find /usr/local/cuda*/bin -name compute-sanitizer -print -quit 2>/dev/null)"
 if [ -n "$sanitizer" ]; then
   # shellcheck disable=SC2016  # the inner script's variables are its own
   stage memcheck 150 bash -c '. "$1/device-env.sh" 2>/dev/null
