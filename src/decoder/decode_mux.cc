@@ -60,9 +60,13 @@ namespace {
 class MuxSink final : public DecodeSink {
  public:
   MuxSink(std::shared_ptr<MuxState> state, uint64_t handle, std::string request_id,
-          tracing::SpanContext trace)
-      : handle_(handle), state_(std::move(state)), request_id_(std::move(request_id)),
-        trace_(trace), start_unix_ns_(trace.sampled ? tracing::NowUnixNs() : 0) {}
+          tracing::SpanContext trace, bool fold_registered)
+      : handle_(handle),
+        fold_registered_(fold_registered),
+        state_(std::move(state)),
+        request_id_(std::move(request_id)),
+        trace_(trace),
+        start_unix_ns_(trace.sampled ? tracing::NowUnixNs() : 0) {}
 
   void OnTokens(uint32_t first_index, std::span<const uint32_t> token_ids) override;
   void OnFinished(const DecodeResult& r) override;
@@ -79,7 +83,11 @@ class MuxSink final : public DecodeSink {
   };
 
   const uint64_t handle_;
-  bool open_ = false;    // `registered` is in the batch
+  // DecodeStreamStart.registered_with_first_item: `registered` goes with
+  // the request's first item instead of alone (registered_due_ until then).
+  const bool fold_registered_;
+  bool registered_due_ = false;
+  bool open_ = false;    // registered (its item in the batch, or due)
   bool closed_ = false;  // ended, cancelled, or the stream is over
   std::vector<Early> early_;
 
@@ -117,6 +125,7 @@ class MuxState final : public Flushable, public std::enable_shared_from_this<Mux
                           std::nullopt, Status::Ok()});
       return;
     }
+    RegisteredIfDue(s);
     pending_.Tokens(s.handle_, first_index, ids);
     Schedule(lock);
   }
@@ -163,6 +172,10 @@ class MuxState final : public Flushable, public std::enable_shared_from_this<Mux
     if (final_) return false;
     s.open_ = true;
     if (s.closed_) return true;  // cancelled by the proxy meanwhile
+    if (s.fold_registered_ && s.early_.empty()) {
+      s.registered_due_ = true;  // with the request's first item
+      return true;
+    }
     pending_.Registered(s.handle_);
     for (auto& e : s.early_) {
       if (e.end) {
@@ -217,6 +230,7 @@ class MuxState final : public Flushable, public std::enable_shared_from_this<Mux
  private:
   void EndLocked(MuxSink& s, const std::optional<pb::DecodeFinished>& finished,
                  const Status& status) {
+    RegisteredIfDue(s);
     s.closed_ = true;
     if (finished) {
       pending_.Finished(s.handle_, *finished);
@@ -224,6 +238,12 @@ class MuxState final : public Flushable, public std::enable_shared_from_this<Mux
       pending_.Error(s.handle_, status);
     }
     live_.erase(s.handle_);
+  }
+  // A folded `registered` goes first in the request's first item.
+  void RegisteredIfDue(MuxSink& s) {
+    if (!s.registered_due_) return;
+    s.registered_due_ = false;
+    pending_.Registered(s.handle_);
   }
   // Sends the batch at the end of this thread's delivery (one message per
   // step), or now outside a delivery.
@@ -372,8 +392,9 @@ void MuxSession::Close() {
 void MuxSession::Start(const pb::DecodeStreamStart& start) {
   DecodeSpec spec = DecodeSpecFromProto(start.request());
   const std::string key = spec.request_id;
-  auto sink = std::make_shared<MuxSink>(state_, start.handle(), start.request().request_id(),
-                                        TraceOf(start.traceparent()));
+  auto sink =
+      std::make_shared<MuxSink>(state_, start.handle(), start.request().request_id(),
+                                TraceOf(start.traceparent()), start.registered_with_first_item());
   if (!state_->Claim(start.handle(), Registration{key, sink})) return;
   Status s = decoder_.Register(std::move(spec), sink);
   if (!s.ok()) {

@@ -32,7 +32,8 @@ uint64_t Decoder::ReserveOrWait(const std::string& request_id, const std::string
                                 std::span<const uint32_t> prompt_ids,
                                 std::string_view prefiller_descriptor,
                                 parallel::ParallelLayout prefill_layout,
-                                SteadyClock::time_point wait_until, ReserveDone done) {
+                                SteadyClock::time_point wait_until, ReserveDone done,
+                                bool* for_registration) {
   std::optional<Result<KvTargetInfo>> answer;
   uint64_t ticket = 0;
   {
@@ -40,7 +41,7 @@ uint64_t Decoder::ReserveOrWait(const std::string& request_id, const std::string
     if (!pass) {
       answer = UnavailableError("this decoder is shutting down");
     } else {
-      const Park park{wait_until, &done, &ticket};
+      const Park park{wait_until, &done, &ticket, for_registration};
       answer = ReserveIn({request_id, prefiller, prompt_ids, prefiller_descriptor, prefill_layout},
                          &park, /*seated=*/false);
     }
@@ -72,6 +73,83 @@ void Decoder::ParkLocked(const ReserveArgs& a, const Park& park, std::string kv_
   waiting_.push_back(std::move(w));
 }
 
+// Before its registration (docs/decode-stream.md "Prefill with the start"):
+// the proxy writes the decode start before the Prefill, but the start
+// reaches the decoder on another connection and thread than the
+// prefiller's Reserve, which may come first. Such a call waits apart from
+// the seat queue (it is not in line until its request is registered) and
+// joins the line, by its arrival, when the registration comes.
+void Decoder::ParkUnregisteredLocked(const ReserveArgs& a, const Park& park) {
+  auto w = std::make_unique<Waiter>();
+  w->ticket = next_ticket_++;
+  w->request_id = a.request_id;
+  w->prefiller = a.prefiller;
+  w->prompt_ids.assign(a.prompt_ids.begin(), a.prompt_ids.end());
+  w->prefiller_descriptor = a.prefiller_descriptor;
+  w->prefill_layout = a.prefill_layout;
+  w->arrived = SteadyClock::now();
+  w->wait_until = std::min(park.wait_until, w->arrived + kRegistrationWait);
+  w->done = std::move(*park.done);
+  *park.ticket = w->ticket;
+  if (park.for_registration != nullptr) *park.for_registration = true;
+  ++counts_.registration_waits;
+  WakeLeaseLoopLocked(w->wait_until);
+  unregistered_.push_back(std::move(w));
+}
+
+void Decoder::AdmitUnregisteredLocked(const std::string& id) {
+  ended_.erase(id);
+  bool admitted = false;
+  for (auto w = unregistered_.begin(); w != unregistered_.end();) {
+    if ((*w)->request_id != id) {
+      ++w;
+      continue;
+    }
+    // In line by arrival: behind the calls that came before it.
+    auto at = waiting_.begin();
+    while (at != waiting_.end() && (*at)->arrived <= (*w)->arrived) ++at;
+    waiting_.insert(at, std::move(*w));
+    w = unregistered_.erase(w);
+    admitted = true;
+  }
+  if (admitted) SeatFreedLocked();  // the lease thread serves the line
+}
+
+void Decoder::RefuseUnregistered(const std::string& id, const Status& why) {
+  std::vector<std::unique_ptr<Waiter>> refused;
+  {
+    std::lock_guard lock(mu_);
+    for (auto w = unregistered_.begin(); w != unregistered_.end();) {
+      if ((*w)->request_id != id) {
+        ++w;
+        continue;
+      }
+      refused.push_back(std::move(*w));
+      w = unregistered_.erase(w);
+    }
+  }
+  Answer(refused, Status(why.code(), fmt::format("request '{}': its registration on this "
+                                                 "decoder was refused: {}",
+                                                 id, why.message())));
+}
+
+void Decoder::NoteEndedLocked(const std::string& id) {
+  const auto now = SteadyClock::now();
+  while (!ended_order_.empty() &&
+         (now - ended_order_.front().first > kEndedMemory || ended_order_.size() >= kEndedKept)) {
+    auto& [when, old] = ended_order_.front();
+    if (auto it = ended_.find(old); it != ended_.end() && it->second == when) ended_.erase(it);
+    ended_order_.pop_front();
+  }
+  ended_[id] = now;
+  ended_order_.emplace_back(now, id);
+}
+
+bool Decoder::EndedRecentlyLocked(const std::string& id) const {
+  auto it = ended_.find(id);
+  return it != ended_.end() && SteadyClock::now() - it->second <= kEndedMemory;
+}
+
 void Decoder::AbandonReserve(uint64_t ticket) {
   if (ticket == 0) return;
   std::vector<std::unique_ptr<Waiter>> gone;
@@ -83,8 +161,15 @@ void Decoder::AbandonReserve(uint64_t ticket) {
       waiting_.erase(w);
       break;
     }
+    for (auto w = unregistered_.begin(); gone.empty() && w != unregistered_.end(); ++w) {
+      if ((*w)->ticket != ticket) continue;
+      gone.push_back(std::move(*w));
+      unregistered_.erase(w);
+      break;
+    }
   }
-  Answer(gone, CancelledError("the reserve call went away while it waited for a decode seat"));
+  Answer(gone, CancelledError("the reserve call went away while it waited (for a decode seat, KV "
+                              "blocks or its request's registration)"));
 }
 
 void Decoder::SetStageLocked(Entry& e, Stage stage) {
@@ -119,6 +204,7 @@ void Decoder::GiveSeatBackLocked() {
 std::map<std::string, Decoder::Entry>::iterator Decoder::EraseLocked(
     std::map<std::string, Entry>::iterator it) {
   if (Seated(it->second.stage)) GiveSeatBackLocked();
+  NoteEndedLocked(it->first);
   return requests_.erase(it);
 }
 
@@ -225,8 +311,17 @@ std::string Decoder::NoBlocksCameFree(const Waiter& w) {
 
 void Decoder::ExpireWaiting(SteadyClock::time_point now) {
   std::vector<std::unique_ptr<Waiter>> expired;
+  std::vector<std::unique_ptr<Waiter>> never_registered;
   {
     std::lock_guard lock(mu_);
+    for (auto w = unregistered_.begin(); w != unregistered_.end();) {
+      if ((*w)->wait_until > now) {
+        ++w;
+        continue;
+      }
+      never_registered.push_back(std::move(*w));
+      w = unregistered_.erase(w);
+    }
     for (auto w = waiting_.begin(); w != waiting_.end();) {
       if ((*w)->wait_until > now) {
         ++w;
@@ -237,6 +332,14 @@ void Decoder::ExpireWaiting(SteadyClock::time_point now) {
       expired.push_back(std::move(*w));
       w = waiting_.erase(w);
     }
+  }
+  for (auto& w : never_registered) {
+    w->done(NotFoundError(fmt::format(
+        "request '{}' is not registered on this decoder: it did not register within {} ms of the "
+        "reserve call (never opened, cancelled or finished)",
+        w->request_id,
+        std::chrono::duration_cast<std::chrono::milliseconds>(w->wait_until - w->arrived)
+            .count())));
   }
   for (auto& w : expired) {
     if (w->short_of_blocks()) {

@@ -185,6 +185,8 @@ void Decoder::Stop() {
     reservations_.clear();
     for (auto& w : waiting_) waiters.push_back(std::move(w));
     waiting_.clear();
+    for (auto& w : unregistered_) waiters.push_back(std::move(w));
+    unregistered_.clear();
   }
   // Nothing parks after the Lifeline ended (ReserveOrWait runs through it).
   Answer(waiters, UnavailableError("this decoder is shutting down"));
@@ -218,6 +220,7 @@ DecoderCounts Decoder::counts() const {
       seat_seconds_ +
       seats_taken_ * std::chrono::duration<double>(std::chrono::steady_clock::now() - seats_changed_).count();
   c.reserves_waiting = static_cast<uint32_t>(waiting_.size()) + waiters_trying_;
+  c.reserves_awaiting_registration = static_cast<uint32_t>(unregistered_.size());
   for (const auto& [id, h] : reservations_) {
     if (!h.quarantined) continue;
     ++c.quarantined_reservations;
@@ -256,6 +259,13 @@ engine::GenerateRequest Decoder::MakeEngineRequest(const DecodeSpec& spec,
 }
 
 Status Decoder::Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
+  std::string id = spec.request_id;
+  Status s = RegisterIn(std::move(spec), std::move(sink));
+  if (!s.ok() && !id.empty()) RefuseUnregistered(id, s);
+  return s;
+}
+
+Status Decoder::RegisterIn(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
   const auto pass = lifeline_.Enter();
   if (!pass) return UnavailableError("this decoder is shutting down");
   if (spec.request_id.empty()) return InvalidArgumentError("request_id is empty");
@@ -289,6 +299,9 @@ Status Decoder::Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
     // waiting for one (the engine queues it like any request).
     Entry& added = requests_.emplace(id, std::move(e)).first->second;
     if (local) SetStageLocked(added, Stage::kRunning);
+    // Reserve calls that came first (the Prefill went out with the start)
+    // are served now, in line.
+    AdmitUnregisteredLocked(id);
   }
   if (superseded) {
     superseded->Error(AbortedError(fmt::format("request '{}': superseded by a new Decode stream", id)));
@@ -370,6 +383,13 @@ std::optional<Result<KvTargetInfo>> Decoder::ReserveIn(const ReserveArgs& a, con
     auto it = requests_.find(request_id);
     if (it == requests_.end()) {
       give_back();
+      // The proxy sends the Prefill with the decode start (docs/decode-stream.md
+      // "Prefill with the start"): this call may have overtaken the
+      // registration. It waits for it, unless the request ended here.
+      if (park != nullptr && !draining_ && !EndedRecentlyLocked(request_id)) {
+        ParkUnregisteredLocked(a, *park);
+        return std::nullopt;
+      }
       return NotFoundError(fmt::format(
           "request '{}' is not registered on this decoder (never opened, cancelled or finished)",
           request_id));

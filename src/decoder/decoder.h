@@ -62,6 +62,8 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "common/lifeline.h"
@@ -224,6 +226,12 @@ struct DecoderCounts {
   uint64_t reserve_waits = 0;
   uint64_t kv_waits = 0;
   uint64_t reserve_waits_expired = 0;
+  // Reserve calls that came before their request's registration and
+  // waited for it (total; the proxy sends the Prefill with the decode
+  // start, so its prefiller may ask first: docs/decode-stream.md "Prefill
+  // with the start"), and those waiting for it now.
+  uint64_t registration_waits = 0;
+  uint32_t reserves_awaiting_registration = 0;
   // Seat turnover (the router's seat-wait prediction, docs/router.md
   // "Seat waits in the TTFT prediction"): seats given back (total), and
   // the integral of seats_taken over time in seat-seconds (total). Their
@@ -302,11 +310,24 @@ class Decoder {
   // AbandonReserve is returned), never under the decoder's lock; it must
   // not block. A waiting call is answered CANCELLED when its request is
   // cancelled and UNAVAILABLE by Stop.
+  // A call for a request not registered here (yet) waits for its
+  // registration, until `wait_until` but at most kRegistrationWait (then
+  // NOT_FOUND), unless the request ended here within kEndedMemory (NOT_FOUND
+  // at once, as Reserve answers); `for_registration` (may be null) is set
+  // when the call waits for that rather than for a seat or blocks. A
+  // registration refused answers its waiting calls with the refusal.
   uint64_t ReserveOrWait(const std::string& request_id, const std::string& prefiller,
                          std::span<const uint32_t> prompt_ids,
                          std::string_view prefiller_descriptor,
                          parallel::ParallelLayout prefill_layout,
-                         std::chrono::steady_clock::time_point wait_until, ReserveDone done);
+                         std::chrono::steady_clock::time_point wait_until, ReserveDone done,
+                         bool* for_registration = nullptr);
+  // How long a Reserve call may wait for its request's registration, and
+  // how long an ended request is remembered so that a late call for it is
+  // refused at once.
+  static constexpr std::chrono::seconds kRegistrationWait{5};
+  static constexpr std::chrono::seconds kEndedMemory{60};
+  static constexpr size_t kEndedKept = 65536;  // and at most this many
   // The caller of a waiting ReserveOrWait went away: it is answered
   // CANCELLED now (nothing was reserved). No-op once answered.
   void AbandonReserve(uint64_t ticket);
@@ -409,6 +430,7 @@ class Decoder {
     std::chrono::steady_clock::time_point wait_until;
     ReserveDone* done;  // moved into the queued Waiter
     uint64_t* ticket;   // set to the Waiter's ticket
+    bool* for_registration = nullptr;  // set when it waits for its registration
   };
   // Reserve's body; the caller holds a Lifeline pass (or is the lease
   // thread). With `park`, a call that finds no free seat, or too few free
@@ -423,6 +445,19 @@ class Decoder {
   // for KV blocks (counted in kv_waits), empty when it waits for a seat or
   // in line behind calls that wait.
   void ParkLocked(const ReserveArgs& a, const Park& park, std::string kv_why);
+  // Queues a call whose request is not registered (yet) in unregistered_
+  // (mu_ held), until its registration or its wait's end.
+  void ParkUnregisteredLocked(const ReserveArgs& a, const Park& park);
+  // `id` registered (mu_ held): its calls in unregistered_ join waiting_ in
+  // arrival order and the lease thread serves them.
+  void AdmitUnregisteredLocked(const std::string& id);
+  // `id`'s registration was refused: its waiting calls are answered so.
+  void RefuseUnregistered(const std::string& id, const Status& why);
+  // An entry left requests_ (mu_ held): remembered for kEndedMemory.
+  void NoteEndedLocked(const std::string& id);
+  bool EndedRecentlyLocked(const std::string& id) const;
+  // Register's body (Register refuses the waiting calls on its error).
+  Status RegisterIn(DecodeSpec spec, std::shared_ptr<DecodeSink> sink);
   // Seats (mu_ held): a request holds one while reserved or decoding.
   static bool Seated(Stage s) { return s != Stage::kRegistered; }
   // Before seats_taken_ changes: the seat-seconds so far are added up.
@@ -513,6 +548,13 @@ class Decoder {
   double seat_seconds_ = 0;
   std::chrono::steady_clock::time_point seats_changed_ = std::chrono::steady_clock::now();
   std::deque<std::unique_ptr<Waiter>> waiting_;
+  // Calls that came before their request's registration (mu_), and the
+  // requests that ended here lately: id -> when (mu_), oldest first in
+  // ended_order_ (an id ended again has a later entry; only the map's time
+  // is current).
+  std::vector<std::unique_ptr<Waiter>> unregistered_;
+  std::unordered_map<std::string, std::chrono::steady_clock::time_point> ended_;
+  std::deque<std::pair<std::chrono::steady_clock::time_point, std::string>> ended_order_;
   uint64_t next_ticket_ = 1;
   bool serve_kick_ = false;
   uint64_t blocks_freed_ = 0;  // mu_: times KV blocks may have come free (BlocksFreedLocked)

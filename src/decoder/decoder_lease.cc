@@ -44,6 +44,7 @@ void Decoder::LeaseLoop(std::stop_token stop) {
         }
       }
       for (const auto& w : waiting_) next = std::min(next, w->wait_until);
+      for (const auto& w : unregistered_) next = std::min(next, w->wait_until);
       if (serve_kick_) next = now;  // a seat came free for a waiting call
       if (next > now) {
         // A wall-clock deadline is re-read at least every second.

@@ -243,7 +243,7 @@ class DecoderServiceImpl final : public pb::Decoder::CallbackService {
 }  // namespace
 
 uint64_t ServeReserve(Decoder& decoder, const v1::ReserveRequest& req, tracing::SpanContext trace,
-                      ReserveAnswer answer) {
+                      ReserveAnswer answer, bool* for_registration) {
   const parallel::ParallelLayout prefill_layout{
       .tp = std::max(1u, req.prefill_tensor_parallel()),
       .pp = std::max(1u, req.prefill_pipeline_parallel())};
@@ -271,9 +271,9 @@ uint64_t ServeReserve(Decoder& decoder, const v1::ReserveRequest& req, tracing::
       answer(target);
     };
   }
-  return decoder.ReserveOrWait(
-      req.request_id(), req.prefiller(), prompt, req.prefiller_transport_descriptor(),
-      prefill_layout, wait_until, std::move(answer));
+  return decoder.ReserveOrWait(req.request_id(), req.prefiller(), prompt,
+                               req.prefiller_transport_descriptor(), prefill_layout, wait_until,
+                               std::move(answer), for_registration);
 }
 
 void FillReserveResponse(const Result<KvTargetInfo>& target, v1::ReserveResponse* resp) {

@@ -40,11 +40,13 @@ namespace tandem::decoder {
 // hands `answer` the target or the refusal: inline, or later on the
 // decoder's lease thread (never under its lock). Records the span when
 // `trace` is sampled. `req` need not outlive the call. Returns the
-// decoder's ticket (Decoder::AbandonReserve) while the call waits, else 0.
+// decoder's ticket (Decoder::AbandonReserve) while the call waits, else 0;
+// `for_registration` (may be null) is set when it waits for its request's
+// registration rather than for a seat (Decoder::ReserveOrWait).
 using ReserveAnswer = Decoder::ReserveDone;
 inline constexpr uint32_t kMaxSeatWaitMs = 60'000;
 uint64_t ServeReserve(Decoder& decoder, const v1::ReserveRequest& req, tracing::SpanContext trace,
-                      ReserveAnswer answer);
+                      ReserveAnswer answer, bool* for_registration = nullptr);
 // The reply to send: KvTarget, or ReserveResponse.error.
 void FillReserveResponse(const Result<KvTargetInfo>& target, v1::ReserveResponse* resp);
 

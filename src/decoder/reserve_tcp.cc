@@ -36,16 +36,21 @@ class ReserveTcpSession final : public FrameSession {
     // decode seat (such a call is kept in waiting_ until then, so that the
     // connection's end takes it out of the decoder's queue).
     waiting_->Begin(id);
+    bool for_registration = false;
     const uint64_t ticket = ServeReserve(
         decoder_, in_.request(), trace,
-        [&decoder = decoder_, conn = conn_, waiting = waiting_, id](
-            const Result<KvTargetInfo>& target) {
+        [&decoder = decoder_, conn = conn_, waiting = waiting_,
+         id](const Result<KvTargetInfo>& target) {
           waiting->Answered(id);
           Reply(decoder, *conn, id, target);
-        });
-    // A call that waits: a prefiller that asked is told so before the
-    // reply (it stops counting the call in its admission budget).
-    waiting_->End(id, ticket, in_.request().tell_seat_wait() ? conn_.get() : nullptr);
+        },
+        &for_registration);
+    // A call that waits for a seat: a prefiller that asked is told so before
+    // the reply (it stops counting the call in its admission budget). Not
+    // one that waits for its request's registration (milliseconds, as a
+    // rule: the start left the proxy before the Prefill).
+    waiting_->End(id, ticket,
+                  in_.request().tell_seat_wait() && !for_registration ? conn_.get() : nullptr);
     return Status::Ok();
   }
 

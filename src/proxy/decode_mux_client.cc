@@ -122,10 +122,12 @@ bool DecodeStartInParts(const DecodeArgs& args, DecodeStartParts* out) {
       prompt.bytes.size(), &out->head);
   out->prompt = prompt.bytes;
   out->tail.clear();
-  if (!args.traceparent.empty()) {
-    pb::DecodeStreamStart traced;  // only its traceparent: the field after the request
-    traced.set_traceparent(args.traceparent);
-    traced.AppendToString(&out->tail);
+  if (!args.traceparent.empty() || args.registered_with_first_item) {
+    // Only the fields after the request.
+    pb::DecodeStreamStart after;
+    after.set_traceparent(args.traceparent);
+    after.set_registered_with_first_item(args.registered_with_first_item);
+    after.AppendToString(&out->tail);
   }
   out->bytes += out->tail.size();
   return true;
@@ -153,6 +155,7 @@ std::shared_ptr<Call> DecodeMux::Start(const DecodeArgs& args, DecodeEvents& eve
     auto* start = msg.mutable_start();
     FillDecodeRequest(args, start->mutable_request());
     start->set_traceparent(args.traceparent);
+    start->set_registered_with_first_item(args.registered_with_first_item);
   }
   std::unique_lock lock(mu_);
   if (ended_) return nullptr;

@@ -185,6 +185,12 @@ void RequestLifecycle::Launch() {
   args.tenant_salt = req_.tenant_salt;
   args.attempt = attempt;
   if (req_.trace.sampled) args.traceparent = tracing::FormatTraceparent(req_.trace);
+  // Session 38 (docs/decode-stream.md, "Prefill with the start"): to a
+  // decoder whose Reserve waits for the registration, the Prefill goes out
+  // right after the start instead of a round trip later, and the decoder
+  // says `registered` with the request's first item.
+  prefill_with_start_ = !route_.local && deps_.client->PrefillWithStart(route_.decode_address);
+  args.registered_with_first_item = prefill_with_start_;
   std::weak_ptr<RequestLifecycle> weak = weak_from_this();
   DecodeEvents ev;
   // What a token reads first: the reference count and deps_ (make_shared
@@ -219,13 +225,18 @@ void RequestLifecycle::Launch() {
     return;
   }
   decode_call_ = std::move(call);
+  if (prefill_with_start_) StartPrefill(lock, attempt);
 }
 
 void RequestLifecycle::OnRegistered(uint32_t attempt) {
   std::unique_lock lock(mu_);
   if (done_ || attempt != attempt_) return;
   registered_ = true;
-  if (route_.local) return;
+  if (route_.local || prefill_with_start_) return;  // no Prefill, or it went out already
+  StartPrefill(lock, attempt);
+}
+
+void RequestLifecycle::StartPrefill(std::unique_lock<std::mutex>& lock, uint32_t attempt) {
   PrefillArgs args;
   args.request_id = req_.request_id;
   args.prompt_ids = PromptRefLocked();

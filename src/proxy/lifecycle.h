@@ -104,6 +104,8 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   void Launch();  // one routing attempt
   void Relaunch();  // Launch, through deps_.defer_launch when set
   void OnRegistered(uint32_t attempt);
+  // Starts this attempt's Prefill; `lock` holds mu_ and is released.
+  void StartPrefill(std::unique_lock<std::mutex>& lock, uint32_t attempt);
   void OnPrefillDone(uint32_t attempt, Result<PrefillResult> r);
   void OnTokens(uint32_t attempt, uint32_t first_index, std::span<const uint32_t> ids);
   void OnFinished(uint32_t attempt, Finish reason, uint32_t decoder_cached_tokens,
@@ -168,6 +170,9 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   uint32_t route_attempts_ = 0;      // guarded by mu_: routes tried since the last migration
   uint32_t migrations_ = 0;          // guarded by mu_
   bool registered_ = false;          // guarded by mu_: this attempt's decoder registered it
+  // guarded by mu_: this attempt's Prefill went out with the decode start
+  // (WorkerClient::PrefillWithStart), not after `registered`
+  bool prefill_with_start_ = false;
   // This attempt's prompt: the request's own ids, or after a migration
   // those + the tokens already sent (migrated_, immutable once made).
   PromptIds migrated_;               // guarded by mu_: null before any migration

@@ -62,6 +62,10 @@ void FillWorkerInfo(const WorkerIdentity& id, pb::WorkerInfo* out) {
   // fixed32 prompt (docs/serving-workers.md, "Prompt and hash encoding").
   out->set_reads_fixed32_prompt(true);
   out->set_reserve_address(id.reserve_address);
+  // Session 38: every decoder of this version holds a Reserve that comes
+  // before its request's registration (decode_seats.cc), so the proxy may
+  // send the Prefill with the decode start (docs/decode-stream.md).
+  out->set_reserve_waits_for_registration(id.role == "decode" || id.role == "both");
   out->set_tensor_parallel(id.tensor_parallel);
   out->set_pipeline_parallel(id.pipeline_parallel);
   for (const auto& [k, v] : id.labels) (*out->mutable_labels())[k] = v;

@@ -33,7 +33,8 @@ void Advance(prometheus::Counter& c, uint64_t now, uint64_t before) {
 }  // namespace
 
 WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
-    : kv_usage_(r.Gauge("tandem_kv_cache_usage_ratio", "Fraction of KV blocks in use (1 - free/total)")),
+    : kv_usage_(
+          r.Gauge("tandem_kv_cache_usage_ratio", "Fraction of KV blocks in use (1 - free/total)")),
       growth_ratio_(r.Gauge("tandem_kv_growth_reserve_ratio",
                             "Share of the remaining max_tokens of the requests holding KV blocks "
                             "that a decoder's reservation leaves free (0: off)")),
@@ -54,12 +55,14 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
                                    "Prefill compute time per request (to the first token)",
                                    SecondsBuckets())),
       decode_step_seconds_(r.Histogram("tandem_decode_step_seconds",
-                                       "Duration of one decode-only engine step", SecondsBuckets())),
+                                       "Duration of one decode-only engine step",
+                                       SecondsBuckets())),
       reservations_(r.Gauge("tandem_kv_reservations",
                             "Decoder reservations held (incl. ones awaiting a late notice)")),
       parked_(r.Gauge("tandem_kv_parked_prefills",
                       "Finished prefills whose blocks stay pinned until their push ends")),
-      queued_(r.Gauge("tandem_prefill_queue_requests", "Requests in the prefiller's service queue")),
+      queued_(
+          r.Gauge("tandem_prefill_queue_requests", "Requests in the prefiller's service queue")),
       leases_expired_(r.Counter("tandem_kv_lease_expired_total",
                                 "Reservations freed because their KV never arrived")),
       stale_notices_(r.Counter("tandem_kv_stale_notices_total",
@@ -70,8 +73,8 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
                                            {{"reason", "capability"}})),
       notice_refused_unreadable_(r.Counter("tandem_kv_notice_refused_total", kNoticeRefusedHelp,
                                            {{"reason", "unreadable"}})),
-      notice_refused_decrypt_(r.Counter("tandem_kv_notice_refused_total", kNoticeRefusedHelp,
-                                        {{"reason", "decrypt"}})),
+      notice_refused_decrypt_(
+          r.Counter("tandem_kv_notice_refused_total", kNoticeRefusedHelp, {{"reason", "decrypt"}})),
       quarantined_blocks_(r.Gauge("tandem_kv_quarantined_blocks",
                                   "KV blocks of expired reservations held until their prefiller "
                                   "confirms no write is outstanding or is declared dead")),
@@ -98,6 +101,9 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
       kv_waits_(r.Counter("tandem_decode_kv_waits_total",
                           "Reserve calls that waited for KV blocks to come free (the prompt "
                           "fits the pool, but not its free blocks)")),
+      registration_waits_(r.Counter("tandem_decode_registration_waits_total",
+                                    "Reserve calls that came before their request's "
+                                    "registration and waited for it")),
       unreceived_replies_(r.Counter("tandem_kv_reserve_replies_unreceived_total",
                                     "Reservations released because their Reserve reply never "
                                     "reached the prefiller (the call ended first, or the reply "
@@ -106,10 +112,11 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r)
                                     "This prefiller's Reserve calls that a decoder held waiting "
                                     "for a decode seat (not counted in its admission budget "
                                     "while they wait)")),
-      onboard_seconds_(r.Histogram("tandem_kv_tier_onboard_seconds",
-                                   "Time to onboard one prefix hit's host/disk-tier blocks into the "
-                                   "device tier",
-                                   TransferBuckets())),
+      onboard_seconds_(
+          r.Histogram("tandem_kv_tier_onboard_seconds",
+                      "Time to onboard one prefix hit's host/disk-tier blocks into the "
+                      "device tier",
+                      TransferBuckets())),
       decoder_itl_(r, "tandem_decoder_inter_token_latency_seconds",
                    "Decoder: gap between consecutive hand-offs of one request's tokens to its "
                    "decode stream (the inter-token latency the decoder emits)",
@@ -235,6 +242,7 @@ void WorkerMetrics::Update(const MetricsSample& s) {
   seat_waiting_.Set(s.decoder.reserves_waiting);
   Advance(seat_waits_, s.decoder.reserve_waits, last_.decoder.reserve_waits);
   Advance(kv_waits_, s.decoder.kv_waits, last_.decoder.kv_waits);
+  Advance(registration_waits_, s.decoder.registration_waits, last_.decoder.registration_waits);
   Advance(unreceived_replies_, s.decoder.unreceived_replies_released,
           last_.decoder.unreceived_replies_released);
   Advance(prefill_seat_waits_, s.prefill_seat_waits, last_.prefill_seat_waits);

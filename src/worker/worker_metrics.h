@@ -33,7 +33,9 @@
 //   tandem_kv_growth_reserve_ratio (gauge: the engine's growth ratio, docs/engine.md
 //   "Growth reserve"),
 //   tandem_decode_seat_waits_total, tandem_decode_kv_waits_total
-//   (counters: calls that waited for a seat, for KV blocks), and on a prefiller
+//   (counters: calls that waited for a seat, for KV blocks),
+//   tandem_decode_registration_waits_total (counter: calls that came before
+//   their request's registration and waited for it), and on a prefiller
 //   tandem_prefill_reserve_seat_waits_total (counter): its Reserve calls a
 //   decoder held waiting for a seat (framed transport),
 // and tandem_decoder_inter_token_latency_seconds (histogram): the gaps
@@ -120,6 +122,7 @@ class WorkerMetrics {
   prometheus::Gauge& seat_waiting_;
   prometheus::Counter& seat_waits_;
   prometheus::Counter& kv_waits_;
+  prometheus::Counter& registration_waits_;
   prometheus::Counter& unreceived_replies_;
   prometheus::Counter& prefill_seat_waits_;
   std::array<prometheus::Gauge*, engine::kNumKvTiers> tier_usage_{};

@@ -47,6 +47,63 @@ TEST_F(LifecycleTest, CallsThatEndedAreNotCancelledAtTheEnd) {
   client_ = nullptr;
 }
 
+// Prefill with the start (docs/decode-stream.md): to a decoder whose Reserve
+// waits for the registration, the Prefill goes out right after the start,
+// which asks for `registered` with the first item; the `registered` that
+// comes later starts nothing more. To any other decoder the Prefill waits
+// for `registered`, as before.
+TEST_F(LifecycleTest, ThePrefillGoesWithTheStartWhereTheDecoderWaitsForTheRegistration) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  for (const bool with_start : {true, false}) {
+    SCOPED_TRACE(with_start);
+    HeldWorkers held;
+    held.prefill_with_start = with_start;
+    client_ = &held;
+    Collected c;
+    auto lifecycle = Run(c);
+    ASSERT_TRUE(held.decode_args.has_value());
+    EXPECT_EQ(held.decode_args->registered_with_first_item, with_start);
+    if (with_start) {
+      EXPECT_EQ(held.calls, (std::vector<std::string>{"decode", "prefill"}));
+      ASSERT_TRUE(held.prefill_done);
+    } else {
+      EXPECT_EQ(held.calls, std::vector<std::string>{"decode"});
+      EXPECT_FALSE(held.prefill_done);
+    }
+    // `registered` with the first token (with the start), or alone before.
+    held.events.on_registered();
+    EXPECT_EQ(held.calls, (std::vector<std::string>{"decode", "prefill"}));
+    held.prefill_done(PrefillResult{.first_token_id = 5});
+    const std::vector<uint32_t> ids = {5, 6};
+    held.events.on_tokens(0, ids);
+    held.events.on_finished(Finish::kLength, 2, 0, 0);
+    EXPECT_TRUE(c.finished);
+    EXPECT_EQ(c.ids, ids);
+  }
+  client_ = nullptr;
+}
+
+// A decoder that refuses a start whose Prefill went with it: the Prefill is
+// cancelled (its prefiller's Reserve, waiting for the registration, is
+// answered with the refusal by the decoder) and the request ends or moves on.
+TEST_F(LifecycleTest, ARefusedStartCancelsThePrefillThatWentWithIt) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode);
+  HeldWorkers held;
+  held.prefill_with_start = true;
+  client_ = &held;
+  Collected c;
+  auto lifecycle = Run(c);
+  ASSERT_TRUE(held.prefill_done);
+  EXPECT_FALSE(held.prefill_call->cancelled);
+  held.events.on_error(InvalidArgumentError("prompt too long for this decoder"), true);
+  EXPECT_TRUE(held.prefill_call->cancelled);
+  EXPECT_FALSE(c.finished);
+  EXPECT_EQ(c.error.code(), StatusCode::kInvalidArgument) << c.error.ToString();
+  client_ = nullptr;
+}
+
 // The decode call names what its token callback reads first, for the reader to prefetch:
 // its state inside the lifecycle (make_shared's count just before it), and its sink's.
 TEST_F(LifecycleTest, TheDecodeCallNamesWhatItsTokensReadFirst) {

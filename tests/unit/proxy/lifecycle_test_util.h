@@ -220,15 +220,23 @@ class HeldWorkers : public WorkerClient {
   std::function<void(Result<PrefillResult>)> prefill_done;
   std::shared_ptr<FakeCall> decode_call = std::make_shared<FakeCall>();
   std::shared_ptr<FakeCall> prefill_call = std::make_shared<FakeCall>();
-  std::shared_ptr<Call> Decode(const std::string&, DecodeArgs, DecodeEvents ev) override {
+  bool prefill_with_start = false;  // PrefillWithStart's answer
+  // What happened, in order ("decode", "prefill"), and the decode call's args.
+  std::vector<std::string> calls;
+  std::optional<DecodeArgs> decode_args;
+  std::shared_ptr<Call> Decode(const std::string&, DecodeArgs args, DecodeEvents ev) override {
+    calls.push_back("decode");
+    decode_args = std::move(args);
     events = std::move(ev);
     return decode_call;
   }
   std::shared_ptr<Call> Prefill(const std::string&, PrefillArgs,
                                 std::function<void(Result<PrefillResult>)> done) override {
+    calls.push_back("prefill");
     prefill_done = std::move(done);
     return prefill_call;
   }
+  bool PrefillWithStart(const std::string&) override { return prefill_with_start; }
 };
 
 // Calls that ended by themselves (the prefill replied, or the decoder finished: it had the KV;

@@ -232,6 +232,10 @@ TEST_F(ReserveTcpTest, TheDecodersRefusalsKeepTheirStatus) {
   Register("a", big);
   Register("b", Prompt(300, 4));
   ASSERT_TRUE(Call(Job("a", big, server_->address())).ok());
+  // A request that ended here (a call for one never seen waits for its
+  // registration: registration_wait_test).
+  Register("nope", big);
+  decoder_->Cancel("nope");
   auto none = Call(Job("nope", big, server_->address()));
   EXPECT_EQ(none.status().code(), StatusCode::kNotFound) << none.status().ToString();
   auto full = Call(Job("b", Prompt(300, 4), server_->address()));
@@ -461,6 +465,8 @@ TEST_F(ReserveTcpTest, ACallWaitsForADecodeSeatOnTheConnection) {
   OneSeatTakenAndACallWaiting(pa, pb, pc, b);
   ASSERT_FALSE(HasFatalFailure());
   // Another call on the same connection is not held up behind the waiting one.
+  Register("nope", pc);
+  decoder_->Cancel("nope");
   auto none = Call(Job("nope", pc, server_->address()));
   EXPECT_EQ(none.status().code(), StatusCode::kNotFound) << none.status().ToString();
   decoder_->Cancel("a");
@@ -529,6 +535,32 @@ TEST_F(ReserveTcpTest, AWaitingCallIsToldSoBeforeItsReply) {
   ASSERT_TRUE(Call(Job("c", pc, server_->address())).ok());
   EXPECT_EQ(SeatWaits(), std::vector<std::string>{"b"});
   EXPECT_EQ(decoder_->counts().reserve_waits, 1u);
+}
+
+// Prefill with the start (docs/decode-stream.md): a call that reaches the
+// decoder before its request's registration waits on the connection and is
+// answered once the registration comes; the prefiller is not told it waits
+// for a seat (it does not: the start is on its way). Later calls on the
+// connection are not held up behind it.
+TEST_F(ReserveTcpTest, ACallBeforeItsRegistrationIsAnsweredWhenTheRegistrationComes) {
+  const auto pa = Prompt(20, 21), pb = Prompt(20, 22);
+  Outcome a;
+  link_->Reserve(Job("a", pa, server_->address()), "prefill-0", a.Done());
+  ASSERT_TRUE(WaitFor([&] { return decoder_->counts().reserves_awaiting_registration == 1; }));
+  EXPECT_NE(a.f.wait_for(0s), std::future_status::ready);
+  Register("b", pb);
+  ASSERT_TRUE(Call(Job("b", pb, server_->address())).ok());
+  EXPECT_NE(a.f.wait_for(0s), std::future_status::ready);
+  Register("a", pa);
+  auto ta = a.Get();
+  ASSERT_TRUE(ta.ok()) << ta.status().ToString();
+  EXPECT_EQ(ta->slots.size(), 2u);
+  EXPECT_EQ(Reservations(), 2u);
+  EXPECT_TRUE(SeatWaits().empty());
+  const auto counts = decoder_->counts();
+  EXPECT_EQ(counts.registration_waits, 1u);
+  EXPECT_EQ(counts.reserve_waits, 0u);
+  EXPECT_EQ(counts.reserves_awaiting_registration, 0u);
 }
 
 }  // namespace
