@@ -9,6 +9,7 @@
 #include <atomic>
 #include <future>
 #include <set>
+#include <tuple>
 
 #include "serving_harness.h"
 
@@ -418,6 +419,71 @@ TEST_F(WorkerServingTest, CancelsAtRandomPointsLeaveNothingBehind) {
   EXPECT_EQ(WaitForIdle(g_fleet->prefill->metrics), "");
   const auto again = Prompt(33, 899, Vocab());
   ExpectMatchesReference(RunDisaggregated(again, 6), again, 6);
+}
+
+// Prefill with the start (docs/decode-stream.md): the proxy sends the Prefill
+// right after the decode start, so the prefiller's Reserve may reach the
+// decoder first. Forced here: the Prefill goes alone, the decoder holds its
+// Reserve (counted in tandem_decode_registration_waits_total) until the
+// Decode stream registers the request, and the output equals the engine's.
+// A start the decoder refuses answers the held Reserve with its refusal: the
+// Prefill fails with it and nothing is left reserved or queued.
+TEST_F(WorkerServingTest, AReserveBeforeTheRegistrationIsHeldUntilTheStartRegisters) {
+  const std::string kWaits = "tandem_decode_registration_waits_total";
+  const auto waits_now = [&] {
+    return MetricValue(Scrape(g_fleet->decode->metrics), kWaits).value_or(-1);
+  };
+  // Prefill alone; its status and reply.
+  const auto prefill_alone = [](const std::string& id, const std::vector<uint32_t>& prompt,
+                                uint32_t max_tokens) {
+    return std::async(std::launch::async, [id, prompt, max_tokens] {
+      grpc::ClientContext pctx;
+      const auto deadline = std::chrono::system_clock::now() + 60s;
+      pctx.set_deadline(deadline);
+      pb::PrefillRequest req = MakePrefill(id, prompt, max_tokens);
+      req.set_deadline_unix_ms(
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline.time_since_epoch())
+              .count());
+      pb::PrefillResponse resp;
+      grpc::Status st = g_fleet->prefiller->Prefill(&pctx, req, &resp);
+      return std::make_pair(st, resp);
+    });
+  };
+
+  const double before = waits_now();
+  ASSERT_GE(before, 0) << "the decoder exports no " << kWaits;
+  const auto prompt = Prompt(37, 950, Vocab());
+  const std::string id = NewId("early");
+  auto prefill = prefill_alone(id, prompt, 6);
+  const auto waited = WaitForMetric(
+      g_fleet->decode->metrics, kWaits, [&](double v) { return v >= before + 1; }, 20s);
+  ASSERT_TRUE(waited && *waited == before + 1) << "the Reserve did not wait for the registration";
+  Outcome o;
+  DecodeCall call(*g_fleet->decoder, MakeDecode(id, prompt, 6));
+  o.registered = call.ReadRegistered();
+  std::tie(o.prefill_status, o.prefill) = prefill.get();
+  call.ReadInto(o);
+  o.decode_status = call.Finish();
+  ExpectMatchesReference(o, prompt, 6);
+
+  // The start refused (more tokens than the context holds): so is the Reserve.
+  const auto other = Prompt(20, 951, Vocab());
+  const std::string refused_id = NewId("early-refused");
+  auto refused = prefill_alone(refused_id, other, 4);
+  const auto waited2 = WaitForMetric(
+      g_fleet->decode->metrics, kWaits, [&](double v) { return v >= before + 2; }, 20s);
+  ASSERT_TRUE(waited2 && *waited2 == before + 2);
+  DecodeCall bad(*g_fleet->decoder,
+                 MakeDecode(refused_id, other, g_fleet->ref.config.max_position_embeddings));
+  EXPECT_FALSE(bad.ReadRegistered());
+  EXPECT_EQ(bad.Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  const auto [st, resp] = refused.get();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_NE(st.error_message().find("its registration on this decoder was refused"),
+            std::string::npos)
+      << st.error_message();
+  EXPECT_EQ(WaitForIdle(g_fleet->decode->metrics), "");
+  EXPECT_EQ(WaitForIdle(g_fleet->prefill->metrics), "");
 }
 
 TEST_F(WorkerServingTest, BadInputIsRefusedBeforeAnythingIsReserved) {
