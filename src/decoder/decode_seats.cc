@@ -52,7 +52,7 @@ uint64_t Decoder::ReserveOrWait(const std::string& request_id, const std::string
   return 0;
 }
 
-void Decoder::ParkLocked(const ReserveArgs& a, const Park& park, std::string kv_why) {
+std::unique_ptr<Decoder::Waiter> Decoder::NewWaiterLocked(const ReserveArgs& a, const Park& park) {
   auto w = std::make_unique<Waiter>();
   w->ticket = next_ticket_++;
   w->request_id = a.request_id;
@@ -64,6 +64,11 @@ void Decoder::ParkLocked(const ReserveArgs& a, const Park& park, std::string kv_
   w->arrived = SteadyClock::now();
   w->done = std::move(*park.done);
   *park.ticket = w->ticket;
+  return w;
+}
+
+void Decoder::ParkLocked(const ReserveArgs& a, const Park& park, std::string kv_why) {
+  std::unique_ptr<Waiter> w = NewWaiterLocked(a, park);
   if (!kv_why.empty()) {
     ++counts_.kv_waits;
     w->kv_epoch = blocks_freed_;
@@ -80,17 +85,8 @@ void Decoder::ParkLocked(const ReserveArgs& a, const Park& park, std::string kv_
 // the seat queue (it is not in line until its request is registered) and
 // joins the line, by its arrival, when the registration comes.
 void Decoder::ParkUnregisteredLocked(const ReserveArgs& a, const Park& park) {
-  auto w = std::make_unique<Waiter>();
-  w->ticket = next_ticket_++;
-  w->request_id = a.request_id;
-  w->prefiller = a.prefiller;
-  w->prompt_ids.assign(a.prompt_ids.begin(), a.prompt_ids.end());
-  w->prefiller_descriptor = a.prefiller_descriptor;
-  w->prefill_layout = a.prefill_layout;
-  w->arrived = SteadyClock::now();
-  w->wait_until = std::min(park.wait_until, w->arrived + kRegistrationWait);
-  w->done = std::move(*park.done);
-  *park.ticket = w->ticket;
+  std::unique_ptr<Waiter> w = NewWaiterLocked(a, park);
+  w->wait_until = std::min(w->wait_until, w->arrived + kRegistrationWait);
   if (park.for_registration != nullptr) *park.for_registration = true;
   ++counts_.registration_waits;
   WakeLeaseLoopLocked(w->wait_until);

@@ -445,6 +445,9 @@ class Decoder {
   // for KV blocks (counted in kv_waits), empty when it waits for a seat or
   // in line behind calls that wait.
   void ParkLocked(const ReserveArgs& a, const Park& park, std::string kv_why);
+  // The queued form of a call (mu_ held): its arguments copied, `park`'s
+  // answer moved in, its ticket numbered and handed out.
+  std::unique_ptr<Waiter> NewWaiterLocked(const ReserveArgs& a, const Park& park);
   // Queues a call whose request is not registered (yet) in unregistered_
   // (mu_ held), until its registration or its wait's end.
   void ParkUnregisteredLocked(const ReserveArgs& a, const Park& park);

@@ -26,35 +26,6 @@ using decoder::DecoderOptions;
 using decoder::DecodeSpec;
 using decoder::KvTargetInfo;
 
-// One ReserveOrWait call's answer, as its transport would get it.
-class Answer {
- public:
-  Decoder::ReserveDone Done() {
-    return [this](const Result<KvTargetInfo>& r) {
-      std::lock_guard lock(mu_);
-      ++calls_;
-      got_ = r;
-    };
-  }
-  bool Has() {
-    std::lock_guard lock(mu_);
-    return got_.has_value();
-  }
-  int calls() {
-    std::lock_guard lock(mu_);
-    return calls_;
-  }
-  Result<KvTargetInfo> Get() {
-    std::lock_guard lock(mu_);
-    return *got_;
-  }
-
- private:
-  std::mutex mu_;
-  std::optional<Result<KvTargetInfo>> got_;
-  int calls_ = 0;
-};
-
 // A decode stream's output written at once; keeps every batch.
 class Batches final : public decoder::MuxOutput {
  public:

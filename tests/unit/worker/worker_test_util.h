@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -214,6 +215,35 @@ inline decoder::KvNoticeInfo SuccessNotice(const decoder::KvTargetInfo& t, uint3
   n.capability = t.capability;
   return n;
 }
+
+// One ReserveOrWait call's answer, as its transport would get it.
+class Answer {
+ public:
+  decoder::Decoder::ReserveDone Done() {
+    return [this](const Result<decoder::KvTargetInfo>& r) {
+      std::lock_guard lock(mu_);
+      ++calls_;
+      got_ = r;
+    };
+  }
+  bool Has() {
+    std::lock_guard lock(mu_);
+    return got_.has_value();
+  }
+  int calls() {
+    std::lock_guard lock(mu_);
+    return calls_;
+  }
+  Result<decoder::KvTargetInfo> Get() {
+    std::lock_guard lock(mu_);
+    return *got_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::optional<Result<decoder::KvTargetInfo>> got_;
+  int calls_ = 0;
+};
 
 inline engine::SamplingParams Greedy(uint32_t max_tokens) {
   engine::SamplingParams s;
