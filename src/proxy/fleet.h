@@ -28,6 +28,9 @@ struct WorkerRecord {
   router::WorkerRole role = router::WorkerRole::kBoth;
   std::string grpc_address;
   std::string reserve_address;  // issue 23: WorkerInfo.reserve_address (decoders; "" = none)
+  // Session 38: WorkerInfo.reserve_waits_for_registration (decoders): the
+  // Prefill may go out with the decode start (docs/decode-stream.md).
+  bool reserve_waits_for_registration = false;
   std::string metrics_address;
   uint32_t protocol_version = 0;
   std::string model;
@@ -77,6 +80,7 @@ struct RoutedPair {
   std::string decode_name;
   std::string decode_address;
   std::string decode_reserve_address;  // issue 23: its framed Reserve listener ("" = none)
+  bool decode_waits_for_registration = false;  // session 38: its WorkerRecord's
   bool local = false;
   router::RouteDecision decision;
 };

@@ -189,7 +189,7 @@ void RequestLifecycle::Launch() {
   // decoder whose Reserve waits for the registration, the Prefill goes out
   // right after the start instead of a round trip later, and the decoder
   // says `registered` with the request's first item.
-  prefill_with_start_ = !route_.local && deps_.client->PrefillWithStart(route_.decode_address);
+  prefill_with_start_ = !route_.local && route_.decode_waits_for_registration;
   args.registered_with_first_item = prefill_with_start_;
   std::weak_ptr<RequestLifecycle> weak = weak_from_this();
   DecodeEvents ev;

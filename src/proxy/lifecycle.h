@@ -171,7 +171,8 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   uint32_t migrations_ = 0;          // guarded by mu_
   bool registered_ = false;          // guarded by mu_: this attempt's decoder registered it
   // guarded by mu_: this attempt's Prefill went out with the decode start
-  // (WorkerClient::PrefillWithStart), not after `registered`
+  // (its decoder's WorkerInfo.reserve_waits_for_registration), not after
+  // `registered`
   bool prefill_with_start_ = false;
   // This attempt's prompt: the request's own ids, or after a migration
   // those + the tokens already sent (migrated_, immutable once made).

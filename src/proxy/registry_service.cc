@@ -337,6 +337,7 @@ void RegistryService::HandleRegister(const pb::RegisterRequest& request,
   rec.role = RoleFromProto(w.role());
   rec.grpc_address = w.grpc_address();
   rec.reserve_address = w.reserve_address();
+  rec.reserve_waits_for_registration = w.reserve_waits_for_registration();
   rec.metrics_address = w.metrics_address();
   rec.protocol_version = w.protocol_version();
   rec.model = w.model();
@@ -396,7 +397,6 @@ void RegistryService::HandleRegister(const pb::RegisterRequest& request,
     channels_->SetDecodeMuxAddress(rec.grpc_address, w.decode_mux_address());  // framed TCP
     channels_->SetPrefillFrameAddress(rec.grpc_address, w.prefill_frame_address());  // framed TCP
     channels_->SetPromptFixed32(rec.grpc_address, w.reads_fixed32_prompt());
-    channels_->SetReserveWaitsForRegistration(rec.grpc_address, w.reserve_waits_for_registration());
   }
   if (!st.ok()) {
     spdlog::warn("{}", st.message());

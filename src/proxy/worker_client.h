@@ -66,8 +66,9 @@ struct DecodeArgs {
   // The worker reads the prompt as fixed32 (WorkerInfo.reads_fixed32_prompt;
   // set by the worker client from the worker's registration).
   bool prompt_fixed32 = false;
-  // The Prefill goes out with the start, not after `registered`
-  // (WorkerClient::PrefillWithStart): the decode stream's start asks for
+  // The Prefill goes out with the start, not after `registered` (the
+  // decoder advertised WorkerInfo.reserve_waits_for_registration:
+  // docs/decode-stream.md, "Prefill with the start"): the decode stream's start asks for
   // `registered` with the request's first item
   // (DecodeStreamStart.registered_with_first_item). Other transports ignore it.
   bool registered_with_first_item = false;
@@ -155,14 +156,6 @@ class WorkerClient {
   // `done` runs once.
   virtual std::shared_ptr<Call> Prefill(const std::string& address, PrefillArgs args,
                                         std::function<void(Result<PrefillResult>)> done) = 0;
-  // Whether a request's Prefill may go out together with its start on the
-  // decoder at `decoder_address` instead of after its `registered` (the
-  // decoder advertised WorkerInfo.reserve_waits_for_registration:
-  // docs/decode-stream.md, "Prefill with the start"). False by default.
-  virtual bool PrefillWithStart(const std::string& decoder_address) {
-    (void)decoder_address;
-    return false;
-  }
 };
 
 }  // namespace tandem::proxy

@@ -321,20 +321,6 @@ void GrpcWorkerClient::SetPromptFixed32(const std::string& address, bool reads) 
   }
 }
 
-void GrpcWorkerClient::SetReserveWaitsForRegistration(const std::string& address, bool waits) {
-  std::lock_guard lock(mu_);
-  if (waits) {
-    prefill_with_start_addresses_.insert(address);
-  } else {
-    prefill_with_start_addresses_.erase(address);
-  }
-}
-
-bool GrpcWorkerClient::PrefillWithStart(const std::string& decoder_address) {
-  std::lock_guard lock(mu_);
-  return prefill_with_start_addresses_.count(decoder_address) > 0;
-}
-
 bool GrpcWorkerClient::PromptFixed32(const std::string& address) {
   std::lock_guard lock(mu_);
   return fixed32_prompt_addresses_.count(address) > 0;

@@ -69,11 +69,6 @@ class GrpcWorkerClient final : public WorkerClient {
   // encoding"): Decode and Prefill to it then send
   // prompt_token_ids_fixed32 instead of the packed varints.
   void SetPromptFixed32(const std::string& address, bool reads);
-  // Whether the decoder at `address` holds a Reserve that comes before its
-  // request's registration (WorkerInfo.reserve_waits_for_registration):
-  // PrefillWithStart.
-  void SetReserveWaitsForRegistration(const std::string& address, bool waits);
-  bool PrefillWithStart(const std::string& decoder_address) override;
 
   std::shared_ptr<Call> Decode(const std::string& address, DecodeArgs args,
                                DecodeEvents events) override;
@@ -141,8 +136,6 @@ class GrpcWorkerClient final : public WorkerClient {
   std::unordered_set<std::string> mux_addresses_;  // guarded by mu_: serve DecodeStream
   // guarded by mu_: read the fixed32 prompt (WorkerInfo.reads_fixed32_prompt)
   std::unordered_set<std::string> fixed32_prompt_addresses_;
-  // guarded by mu_: decoders whose Reserve waits for the registration
-  std::unordered_set<std::string> prefill_with_start_addresses_;
   std::unordered_map<std::string, std::string> tcp_addresses_;  // guarded by mu_: gRPC -> framed TCP
   std::unordered_map<std::string, std::shared_ptr<DecodeMux>> muxes_;  // guarded by mu_
   // Every TCP stream opened (stopped and joined with the client).

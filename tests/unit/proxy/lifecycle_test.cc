@@ -54,11 +54,10 @@ TEST_F(LifecycleTest, CallsThatEndedAreNotCancelledAtTheEnd) {
 // for `registered`, as before.
 TEST_F(LifecycleTest, ThePrefillGoesWithTheStartWhereTheDecoderWaitsForTheRegistration) {
   AddWorker("p0", router::WorkerRole::kPrefill);
-  AddWorker("d0", router::WorkerRole::kDecode);
   for (const bool with_start : {true, false}) {
     SCOPED_TRACE(with_start);
+    AddWorker("d0", router::WorkerRole::kDecode, with_start);  // registers again: replaced
     HeldWorkers held;
-    held.prefill_with_start = with_start;
     client_ = &held;
     Collected c;
     auto lifecycle = Run(c);
@@ -89,9 +88,8 @@ TEST_F(LifecycleTest, ThePrefillGoesWithTheStartWhereTheDecoderWaitsForTheRegist
 // answered with the refusal by the decoder) and the request ends or moves on.
 TEST_F(LifecycleTest, ARefusedStartCancelsThePrefillThatWentWithIt) {
   AddWorker("p0", router::WorkerRole::kPrefill);
-  AddWorker("d0", router::WorkerRole::kDecode);
+  AddWorker("d0", router::WorkerRole::kDecode, /*waits_for_registration=*/true);
   HeldWorkers held;
-  held.prefill_with_start = true;
   client_ = &held;
   Collected c;
   auto lifecycle = Run(c);

@@ -143,10 +143,13 @@ class LifecycleTest : public ::testing::Test {
     fleet_ = std::make_unique<Fleet>(req, std::move(router).value());
   }
 
-  void AddWorker(const std::string& name, router::WorkerRole role) {
+  // `waits_for_registration`: a decoder's WorkerInfo.reserve_waits_for_registration.
+  void AddWorker(const std::string& name, router::WorkerRole role,
+                 bool waits_for_registration = false) {
     WorkerRecord w;
     w.name = name;
     w.role = role;
+    w.reserve_waits_for_registration = waits_for_registration;
     w.grpc_address = name + ":1";
     w.protocol_version = 1;
     w.model = "m";
@@ -220,7 +223,6 @@ class HeldWorkers : public WorkerClient {
   std::function<void(Result<PrefillResult>)> prefill_done;
   std::shared_ptr<FakeCall> decode_call = std::make_shared<FakeCall>();
   std::shared_ptr<FakeCall> prefill_call = std::make_shared<FakeCall>();
-  bool prefill_with_start = false;  // PrefillWithStart's answer
   // What happened, in order ("decode", "prefill"), and the decode call's args.
   std::vector<std::string> calls;
   std::optional<DecodeArgs> decode_args;
@@ -236,7 +238,6 @@ class HeldWorkers : public WorkerClient {
     prefill_done = std::move(done);
     return prefill_call;
   }
-  bool PrefillWithStart(const std::string&) override { return prefill_with_start; }
 };
 
 // Calls that ended by themselves (the prefill replied, or the decoder finished: it had the KV;
