@@ -56,4 +56,10 @@ uint64_t HashBlock(uint64_t parent, std::span<const uint32_t> tokens);
 std::vector<uint64_t> HashBlocks(uint64_t root, std::span<const uint32_t> tokens,
                                  uint32_t block_size);
 
+// A whole prompt's digest (DecodeRequest.prompt_digest, session 39): XXH3_64
+// (seed 0) of `tokens` as little-endian u32, i.e. HashBlock(0, tokens). It
+// names a prompt the decoder takes from the prefiller's Reserve; not a block
+// hash (no context, any length).
+inline uint64_t PromptDigest(std::span<const uint32_t> tokens) { return HashBlock(0, tokens); }
+
 }  // namespace tandem

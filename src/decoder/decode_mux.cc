@@ -30,6 +30,9 @@ DecodeSpec DecodeSpecFromProto(const pb::DecodeRequest& req) {
   // Either encoding (common/wire_ids.h): a proxy of this version sends fixed32.
   const std::span<const uint32_t> prompt = PromptIdsOf(req);
   spec.prompt_ids.assign(prompt.begin(), prompt.end());
+  if (req.prompt_length() != 0 || req.prompt_digest() != 0) {
+    spec.prompt_ref = DecodeSpec::PromptRef{req.prompt_length(), req.prompt_digest()};
+  }
   spec.sampling = worker::ToSampling(req.params());
   if (req.deadline_unix_ms() > 0) {
     spec.deadline =

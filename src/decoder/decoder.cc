@@ -1,15 +1,17 @@
 #include "decoder/decoder.h"
-#include "common/delivery_scope.h"
-#include "common/logging.h"
-#include "common/metrics.h"
-#include "kvtransfer/kv_cipher.h"
-#include "kvtransfer/kv_secret.h"
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <xxhash.h>
 
 #include <algorithm>
+
+#include "common/block_hash.h"
+#include "common/delivery_scope.h"
+#include "common/logging.h"
+#include "common/metrics.h"
+#include "kvtransfer/kv_cipher.h"
+#include "kvtransfer/kv_secret.h"
 
 namespace tandem::decoder {
 
@@ -265,13 +267,33 @@ Status Decoder::Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
   return s;
 }
 
+Status Decoder::CheckRegisteredPrompt(const DecodeSpec& spec) const {
+  if (!spec.prompt_ref) {
+    return engine_.CheckPrompt(spec.prompt_ids, spec.sampling, /*prefill_only=*/false);
+  }
+  // The prompt by reference (docs/decode-stream.md, "The prompt goes once"):
+  // what its length tells now; the tokens' range when the Reserve brings them.
+  if (!spec.prompt_ids.empty()) {
+    return InvalidArgumentError(fmt::format(
+        "request '{}' carries both the prompt's {} tokens and a prompt reference (prompt_length "
+        "{}); send one",
+        spec.request_id, spec.prompt_ids.size(), spec.prompt_ref->length));
+  }
+  if (spec.prefill_locally) {
+    return InvalidArgumentError(fmt::format(
+        "request '{}': prefill_locally needs the prompt's tokens, not a reference (prompt_length "
+        "{})",
+        spec.request_id, spec.prompt_ref->length));
+  }
+  return engine_.CheckPromptLength(spec.prompt_ref->length, spec.sampling, /*prefill_only=*/false);
+}
+
 Status Decoder::RegisterIn(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
   const auto pass = lifeline_.Enter();
   if (!pass) return UnavailableError("this decoder is shutting down");
   if (spec.request_id.empty()) return InvalidArgumentError("request_id is empty");
   // Fail before any prefiller works for it.
-  TANDEM_RETURN_IF_ERROR(
-      engine_.CheckPrompt(spec.prompt_ids, spec.sampling, /*prefill_only=*/false));
+  TANDEM_RETURN_IF_ERROR(CheckRegisteredPrompt(spec));
   const std::string id = spec.request_id;
   const bool local = spec.prefill_locally;
   engine::GenerateRequest req;
@@ -328,6 +350,27 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
                  /*park=*/nullptr, /*seated=*/false);
   if (t.ok()) ObserveReserveWait(0);
   return t;
+}
+
+Status Decoder::SamePrompt(const DecodeSpec& spec, std::span<const uint32_t> prompt_ids) {
+  if (spec.prompt_ref) {
+    // Length first: a digest is read only over a prompt of the right length.
+    const DecodeSpec::PromptRef& ref = *spec.prompt_ref;
+    if (prompt_ids.size() == ref.length && PromptDigest(prompt_ids) == ref.digest) {
+      return Status::Ok();
+    }
+    return InvalidArgumentError(fmt::format(
+        "request '{}': the prompt to reserve ({} tokens) differs from the registered one ({} "
+        "tokens, digest {:016x})",
+        spec.request_id, prompt_ids.size(), ref.length, ref.digest));
+  }
+  const auto& prompt = spec.prompt_ids;
+  if (std::equal(prompt.begin(), prompt.end(), prompt_ids.begin(), prompt_ids.end())) {
+    return Status::Ok();
+  }
+  return InvalidArgumentError(fmt::format(
+      "request '{}': the prompt to reserve ({} tokens) differs from the registered one ({})",
+      spec.request_id, prompt_ids.size(), prompt.size()));
 }
 
 std::optional<Result<KvTargetInfo>> Decoder::ReserveIn(const ReserveArgs& a, const Park* park,
@@ -399,12 +442,9 @@ std::optional<Result<KvTargetInfo>> Decoder::ReserveIn(const ReserveArgs& a, con
       return FailedPreconditionError(
           fmt::format("request '{}' already has its KV and is decoding", request_id));
     }
-    const auto& prompt = it->second.spec.prompt_ids;
-    if (!std::equal(prompt.begin(), prompt.end(), prompt_ids.begin(), prompt_ids.end())) {
+    if (Status same = SamePrompt(it->second.spec, prompt_ids); !same.ok()) {
       give_back();
-      return InvalidArgumentError(fmt::format(
-          "request '{}': the prompt to reserve ({} tokens) differs from the registered one ({})",
-          request_id, prompt_ids.size(), prompt.size()));
+      return same;
     }
     if (Seated(it->second.stage)) {
       give_back();  // a second prefiller takes over: the request keeps its seat

@@ -81,6 +81,15 @@ namespace tandem::decoder {
 struct DecodeSpec {
   std::string request_id;
   std::vector<uint32_t> prompt_ids;
+  // Session 39 (docs/decode-stream.md, "The prompt goes once"): the prompt by
+  // reference instead of prompt_ids (DecodeRequest.prompt_length and
+  // prompt_digest): its tokens come with the prefiller's Reserve, which
+  // must match both. Never with prefill_locally.
+  struct PromptRef {
+    uint32_t length = 0;
+    uint64_t digest = 0;  // PromptDigest (common/block_hash.h)
+  };
+  std::optional<PromptRef> prompt_ref;
   engine::SamplingParams sampling;
   std::optional<std::chrono::system_clock::time_point> deadline;
   bool prefill_locally = false;
@@ -432,6 +441,12 @@ class Decoder {
     uint64_t* ticket;   // set to the Waiter's ticket
     bool* for_registration = nullptr;  // set when it waits for its registration
   };
+  // Register's checks of the prompt: all of the engine's on its tokens, or
+  // those its length allows on a reference (DecodeSpec::prompt_ref).
+  Status CheckRegisteredPrompt(const DecodeSpec& spec) const;
+  // A Reserve's prompt is the registered request's: its tokens, or the
+  // reference's length and digest. INVALID_ARGUMENT naming both otherwise.
+  static Status SamePrompt(const DecodeSpec& spec, std::span<const uint32_t> prompt_ids);
   // Reserve's body; the caller holds a Lifeline pass (or is the lease
   // thread). With `park`, a call that finds no free seat, or too few free
   // KV blocks, is queued (its arguments copied) and nullopt is returned;

@@ -281,11 +281,16 @@ Status Engine::CheckPrompt(std::span<const uint32_t> prompt_ids, const SamplingP
           "prompt token id {} is out of range; the vocabulary has {} tokens", id, config_.vocab_size));
     }
   }
+  return CheckPromptLength(prompt_ids.size(), sampling, prefill_only);
+}
+
+Status Engine::CheckPromptLength(uint64_t prompt, const SamplingParams& sampling,
+                                 bool prefill_only) const {
+  if (prompt == 0) return InvalidArgumentError("the prompt has no tokens");
   TANDEM_RETURN_IF_ERROR(ValidateSamplingParams(sampling));
   if (!sampling.stop.empty() && options_.tokenizer == nullptr) {
     return InvalidArgumentError("stop strings need a tokenizer, and this engine has none");
   }
-  const uint64_t prompt = prompt_ids.size();
   if (prompt > max_model_len_) {
     return InvalidArgumentError(fmt::format("prompt has {} tokens; this model accepts at most {}",
                                             prompt, max_model_len_));

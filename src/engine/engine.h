@@ -237,6 +237,11 @@ class Engine {
   // bad input before they commit resources. Any thread.
   Status CheckPrompt(std::span<const uint32_t> prompt_ids, const SamplingParams& sampling,
                      bool prefill_only) const;
+  // CheckPrompt's checks that need only the prompt's length (everything but
+  // the token ids' range): for a decoder that has the prompt by reference
+  // until the prefiller's Reserve brings its tokens (session 39).
+  Status CheckPromptLength(uint64_t prompt_tokens, const SamplingParams& sampling,
+                           bool prefill_only) const;
 
   EngineStats stats() const;
   KvEventPublisher& events() { return *events_; }

@@ -109,6 +109,7 @@ class DecodeMux::Request final : public Call {
 };
 
 bool DecodeStartInParts(const DecodeArgs& args, DecodeStartParts* out) {
+  if (args.prompt_by_reference) return false;  // no prompt to send apart: a small message
   const PackedPrompt prompt =
       PromptForParts(args.prompt_ids, args.prompt_varints, args.prompt_fixed32);
   if (prompt.bytes.empty()) return false;

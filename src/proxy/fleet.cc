@@ -178,6 +178,7 @@ Result<RoutedPair> Fleet::Route(std::span<const uint64_t> hashes, uint32_t promp
     out.decode_address = dec->grpc_address;
     out.decode_reserve_address = dec->reserve_address;
     out.decode_waits_for_registration = dec->reserve_waits_for_registration;
+    out.decode_takes_prompt_from_reserve = dec->takes_prompt_from_reserve;
     if (!out.local) {
       out.prefill_name = pre->name;
       out.prefill_address = pre->grpc_address;

@@ -31,6 +31,9 @@ struct WorkerRecord {
   // Session 38: WorkerInfo.reserve_waits_for_registration (decoders): the
   // Prefill may go out with the decode start (docs/decode-stream.md).
   bool reserve_waits_for_registration = false;
+  // Session 39: WorkerInfo.takes_prompt_from_reserve (decoders): the decode
+  // start names the prompt by length and digest (docs/decode-stream.md).
+  bool takes_prompt_from_reserve = false;
   std::string metrics_address;
   uint32_t protocol_version = 0;
   std::string model;
@@ -81,6 +84,7 @@ struct RoutedPair {
   std::string decode_address;
   std::string decode_reserve_address;  // issue 23: its framed Reserve listener ("" = none)
   bool decode_waits_for_registration = false;  // session 38: its WorkerRecord's
+  bool decode_takes_prompt_from_reserve = false;  // session 39: its WorkerRecord's
   bool local = false;
   router::RouteDecision decision;
 };

@@ -191,6 +191,10 @@ void RequestLifecycle::Launch() {
   // says `registered` with the request's first item.
   prefill_with_start_ = !route_.local && route_.decode_waits_for_registration;
   args.registered_with_first_item = prefill_with_start_;
+  // Session 39 (docs/decode-stream.md, "The prompt goes once"): a decoder
+  // that takes the prompt from the prefiller's Reserve gets its length and
+  // digest, not its tokens: the proxy sends the prompt once, to the prefiller.
+  args.prompt_by_reference = !route_.local && route_.decode_takes_prompt_from_reserve;
   std::weak_ptr<RequestLifecycle> weak = weak_from_this();
   DecodeEvents ev;
   // What a token reads first: the reference count and deps_ (make_shared

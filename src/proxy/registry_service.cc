@@ -338,6 +338,7 @@ void RegistryService::HandleRegister(const pb::RegisterRequest& request,
   rec.grpc_address = w.grpc_address();
   rec.reserve_address = w.reserve_address();
   rec.reserve_waits_for_registration = w.reserve_waits_for_registration();
+  rec.takes_prompt_from_reserve = w.takes_prompt_from_reserve();
   rec.metrics_address = w.metrics_address();
   rec.protocol_version = w.protocol_version();
   rec.model = w.model();

@@ -72,6 +72,12 @@ struct DecodeArgs {
   // `registered` with the request's first item
   // (DecodeStreamStart.registered_with_first_item). Other transports ignore it.
   bool registered_with_first_item = false;
+  // Session 39 (docs/decode-stream.md, "The prompt goes once"): the decoder
+  // takes the prompt from the prefiller's Reserve (it advertised
+  // WorkerInfo.takes_prompt_from_reserve; never with prefill_locally): the
+  // request names it by length and digest (DecodeRequest.prompt_length,
+  // prompt_digest) instead of carrying its tokens.
+  bool prompt_by_reference = false;
 };
 
 // Memory a callback reads first (issue 23, mux-deliver): a caller that

@@ -3,11 +3,11 @@
 #include "proxy/worker_client_grpc.h"
 
 #include <grpcpp/grpcpp.h>
-
 #include <spdlog/spdlog.h>
 
 #include <atomic>
 
+#include "common/block_hash.h"
 #include "common/rpc_server.h"
 #include "proxy/decode_mux_client.h"
 #include "proxy/decode_mux_tcp_client.h"
@@ -58,12 +58,16 @@ void AddPrompt(const PromptIds& ids, bool fixed32, Req* req) {
 }
 
 void FillDecodeRequest(const DecodeArgs& args, pb::DecodeRequest* req) {
-  AddPrompt(args.prompt_ids, args.prompt_fixed32, req);
+  if (!args.prompt_by_reference) AddPrompt(args.prompt_ids, args.prompt_fixed32, req);
   FillDecodeRequestFields(args, req);
 }
 
 void FillDecodeRequestFields(const DecodeArgs& args, pb::DecodeRequest* req) {
   req->set_request_id(args.request_id);
+  if (args.prompt_by_reference && args.prompt_ids) {
+    req->set_prompt_length(static_cast<uint32_t>(args.prompt_ids->size()));
+    req->set_prompt_digest(PromptDigest(*args.prompt_ids));
+  }
   FillParams(args.params, req->mutable_params());
   req->set_deadline_unix_ms(UnixMs(args.deadline));
   req->set_prefill_locally(args.prefill_locally);

@@ -66,6 +66,9 @@ void FillWorkerInfo(const WorkerIdentity& id, pb::WorkerInfo* out) {
   // before its request's registration (decode_seats.cc), so the proxy may
   // send the Prefill with the decode start (docs/decode-stream.md).
   out->set_reserve_waits_for_registration(id.role == "decode" || id.role == "both");
+  // Session 39: and it takes a prompt by reference from the prefiller's
+  // Reserve (DecodeSpec::prompt_ref; docs/decode-stream.md "The prompt goes once").
+  out->set_takes_prompt_from_reserve(id.role == "decode" || id.role == "both");
   out->set_tensor_parallel(id.tensor_parallel);
   out->set_pipeline_parallel(id.pipeline_parallel);
   for (const auto& [k, v] : id.labels) (*out->mutable_labels())[k] = v;

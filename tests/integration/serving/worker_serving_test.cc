@@ -2,6 +2,7 @@
 // loopback with real gRPC and real UCX; this test plays the proxy
 // (DESIGN.md section 2): Decode (registered) -> Prefill(decoder) -> tokens.
 // Outputs must equal the in-process engine, token for token.
+#include <fmt/format.h>
 #include <signal.h>
 #include <sys/wait.h>
 
@@ -11,6 +12,7 @@
 #include <set>
 #include <tuple>
 
+#include "common/block_hash.h"
 #include "serving_harness.h"
 
 namespace tandem::serving_test {
@@ -97,6 +99,16 @@ class WorkerServingTest : public ::testing::Test {
     *r.mutable_params() = Greedy(max_tokens, ignore_eos);
     return r;
   }
+  // As a proxy of session 39 sends it to a decoder that takes the prompt
+  // from the prefiller's Reserve: its length and digest, none of its tokens.
+  static pb::DecodeRequest MakeDecodeByReference(const std::string& id,
+                                                 const std::vector<uint32_t>& prompt,
+                                                 uint32_t max_tokens) {
+    pb::DecodeRequest r = MakeDecode(id, {}, max_tokens);
+    r.set_prompt_length(static_cast<uint32_t>(prompt.size()));
+    r.set_prompt_digest(PromptDigest(prompt));
+    return r;
+  }
   static pb::PrefillRequest MakePrefill(const std::string& id, const std::vector<uint32_t>& prompt,
                                         uint32_t max_tokens, bool ignore_eos = true) {
     pb::PrefillRequest r;
@@ -109,12 +121,18 @@ class WorkerServingTest : public ::testing::Test {
   }
 
   // The proxy's path for one request, disaggregated.
+  // `prefill_prompt`: what the Prefill carries, when not `prompt` (a start
+  // by reference to another prompt).
   static Outcome RunDisaggregated(const std::vector<uint32_t>& prompt, uint32_t max_tokens,
                                   bool ignore_eos = true,
-                                  std::chrono::milliseconds prefill_deadline = 60s) {
+                                  std::chrono::milliseconds prefill_deadline = 60s,
+                                  bool by_reference = false,
+                                  const std::vector<uint32_t>* prefill_prompt = nullptr) {
     const std::string id = NewId("req");
     Outcome out;
-    DecodeCall call(*g_fleet->decoder, MakeDecode(id, prompt, max_tokens, ignore_eos));
+    DecodeCall call(*g_fleet->decoder, by_reference
+                                           ? MakeDecodeByReference(id, prompt, max_tokens)
+                                           : MakeDecode(id, prompt, max_tokens, ignore_eos));
     out.registered = call.ReadRegistered();
     if (!out.registered) {
       out.decode_status = call.Finish();
@@ -123,7 +141,8 @@ class WorkerServingTest : public ::testing::Test {
     grpc::ClientContext pctx;
     const auto deadline = std::chrono::system_clock::now() + prefill_deadline;
     pctx.set_deadline(deadline);
-    pb::PrefillRequest req = MakePrefill(id, prompt, max_tokens, ignore_eos);
+    pb::PrefillRequest req =
+        MakePrefill(id, prefill_prompt ? *prefill_prompt : prompt, max_tokens, ignore_eos);
     // The request's deadline, as the proxy sends it: the prefiller's
     // Reserve waits for at most the time it leaves.
     req.set_deadline_unix_ms(
@@ -482,6 +501,39 @@ TEST_F(WorkerServingTest, AReserveBeforeTheRegistrationIsHeldUntilTheStartRegist
   EXPECT_NE(st.error_message().find("its registration on this decoder was refused"),
             std::string::npos)
       << st.error_message();
+  EXPECT_EQ(WaitForIdle(g_fleet->decode->metrics), "");
+  EXPECT_EQ(WaitForIdle(g_fleet->prefill->metrics), "");
+}
+
+// The prompt goes once (docs/decode-stream.md): the decoder advertises that
+// it takes the prompt from the prefiller's Reserve; a start that names the
+// prompt by length and digest decodes exactly what the engine does (several
+// prefill chunks, pushed over UCX). A Prefill for another prompt of the same
+// length is refused at its Reserve, naming the registered digest, and
+// nothing is left reserved on either worker.
+TEST_F(WorkerServingTest, AStartByReferenceTakesThePromptFromThePrefillersReserve) {
+  auto worker = pb::Worker::NewStub(InternalChannel(g_fleet->fleet_file, g_fleet->decode->grpc));
+  grpc::ClientContext ictx;
+  pb::WorkerInfo info;
+  ASSERT_TRUE(worker->GetInfo(&ictx, pb::GetInfoRequest(), &info).ok());
+  EXPECT_TRUE(info.takes_prompt_from_reserve());
+
+  const auto prompt = Prompt(150, 960, Vocab());
+  const Outcome o = RunDisaggregated(prompt, 8, true, 60s, /*by_reference=*/true);
+  ExpectMatchesReference(o, prompt, 8);
+  EXPECT_GT(o.prefill.transferred_bytes(), 0u);
+
+  const auto other = Prompt(150, 961, Vocab());
+  const Outcome bad = RunDisaggregated(prompt, 8, true, 60s, true, &other);
+  ASSERT_TRUE(bad.registered);
+  EXPECT_EQ(bad.prefill_status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+      << bad.prefill_status.error_message();
+  EXPECT_NE(
+      bad.prefill_status.error_message().find(fmt::format(
+          "differs from the registered one (150 tokens, digest {:016x})", PromptDigest(prompt))),
+      std::string::npos)
+      << bad.prefill_status.error_message();
+  EXPECT_TRUE(bad.tokens.empty());
   EXPECT_EQ(WaitForIdle(g_fleet->decode->metrics), "");
   EXPECT_EQ(WaitForIdle(g_fleet->prefill->metrics), "");
 }

@@ -83,6 +83,36 @@ TEST_F(LifecycleTest, ThePrefillGoesWithTheStartWhereTheDecoderWaitsForTheRegist
   client_ = nullptr;
 }
 
+// The prompt goes once (docs/decode-stream.md): to a decoder that takes the
+// prompt from the prefiller's Reserve, the start names it by reference (the
+// worker client then sends its length and digest instead of its tokens);
+// the Prefill carries the prompt either way. Any other decoder gets it.
+TEST_F(LifecycleTest, TheStartNamesThePromptWhereTheDecoderTakesItFromTheReserve) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  for (const bool by_reference : {true, false}) {
+    SCOPED_TRACE(by_reference);
+    AddWorker("d0", router::WorkerRole::kDecode, true, by_reference);  // registers again: replaced
+    HeldWorkers held;
+    client_ = &held;
+    Collected c;
+    auto lifecycle = Run(c);
+    ASSERT_TRUE(held.decode_args.has_value());
+    EXPECT_EQ(held.decode_args->prompt_by_reference, by_reference);
+    EXPECT_FALSE(held.decode_args->prefill_locally);
+    ASSERT_TRUE(held.decode_args->prompt_ids);
+    ASSERT_TRUE(held.prefill_args.has_value());
+    ASSERT_TRUE(held.prefill_args->prompt_ids);
+    EXPECT_EQ(*held.prefill_args->prompt_ids, *held.decode_args->prompt_ids);
+    held.prefill_done(PrefillResult{.first_token_id = 5});
+    held.events.on_registered();
+    const std::vector<uint32_t> ids = {5, 6};
+    held.events.on_tokens(0, ids);
+    held.events.on_finished(Finish::kLength, 2, 0, 0);
+    EXPECT_TRUE(c.finished);
+  }
+  client_ = nullptr;
+}
+
 // A decoder that refuses a start whose Prefill went with it: the Prefill is
 // cancelled (its prefiller's Reserve, waiting for the registration, is
 // answered with the refusal by the decoder) and the request ends or moves on.

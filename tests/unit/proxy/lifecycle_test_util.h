@@ -145,11 +145,12 @@ class LifecycleTest : public ::testing::Test {
 
   // `waits_for_registration`: a decoder's WorkerInfo.reserve_waits_for_registration.
   void AddWorker(const std::string& name, router::WorkerRole role,
-                 bool waits_for_registration = false) {
+                 bool waits_for_registration = false, bool takes_prompt_from_reserve = false) {
     WorkerRecord w;
     w.name = name;
     w.role = role;
     w.reserve_waits_for_registration = waits_for_registration;
+    w.takes_prompt_from_reserve = takes_prompt_from_reserve;
     w.grpc_address = name + ":1";
     w.protocol_version = 1;
     w.model = "m";
@@ -223,18 +224,20 @@ class HeldWorkers : public WorkerClient {
   std::function<void(Result<PrefillResult>)> prefill_done;
   std::shared_ptr<FakeCall> decode_call = std::make_shared<FakeCall>();
   std::shared_ptr<FakeCall> prefill_call = std::make_shared<FakeCall>();
-  // What happened, in order ("decode", "prefill"), and the decode call's args.
+  // What happened, in order ("decode", "prefill"), and the calls' args.
   std::vector<std::string> calls;
   std::optional<DecodeArgs> decode_args;
+  std::optional<PrefillArgs> prefill_args;
   std::shared_ptr<Call> Decode(const std::string&, DecodeArgs args, DecodeEvents ev) override {
     calls.push_back("decode");
     decode_args = std::move(args);
     events = std::move(ev);
     return decode_call;
   }
-  std::shared_ptr<Call> Prefill(const std::string&, PrefillArgs,
+  std::shared_ptr<Call> Prefill(const std::string&, PrefillArgs args,
                                 std::function<void(Result<PrefillResult>)> done) override {
     calls.push_back("prefill");
+    prefill_args = std::move(args);
     prefill_done = std::move(done);
     return prefill_call;
   }

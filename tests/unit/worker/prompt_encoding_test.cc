@@ -8,6 +8,7 @@
 // start in parts (dec-parts) the same bytes. Over the wire: the messages are
 // serialized and parsed back, as the transports do.
 #include <gtest/gtest.h>
+#include <xxhash.h>
 
 #include <chrono>
 #include <cstdint>
@@ -16,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "common/block_hash.h"
 #include "common/wire_ids.h"
 #include "decoder/decode_mux.h"
 #include "prefiller/prefiller_service.h"
@@ -203,6 +205,50 @@ TEST(PromptEncodingTest, TheDecodeStartInPartsIsTheMessagesSerialization) {
   EXPECT_FALSE(proxy::DecodeStartInParts(args, &parts));
   EXPECT_TRUE(parts.head.empty());
   EXPECT_EQ(parts.bytes, 0u);
+}
+
+// Session 39 (docs/decode-stream.md, "The prompt goes once"): a start by
+// reference carries the prompt's length and digest and none of its tokens,
+// in either field and in parts or not; the digest is XXH3-64 (seed 0) of the
+// ids' little-endian bytes, so a decoder computes it from the Reserve's
+// ids; the decoder's spec holds the reference and no ids. A start not by
+// reference carries no reference.
+TEST(PromptEncodingTest, AStartByReferenceCarriesTheLengthAndDigestInsteadOfThePrompt) {
+  const std::vector<uint32_t> ids = Ids();
+  std::string le;
+  for (uint32_t id : ids) {
+    for (int b = 0; b < 4; ++b) le.push_back(static_cast<char>(id >> (8 * b)));
+  }
+  const uint64_t want_digest = XXH3_64bits_withSeed(le.data(), le.size(), 0);
+  EXPECT_EQ(PromptDigest(ids), want_digest);
+  for (const bool fixed32 : {true, false}) {
+    SCOPED_TRACE(fixed32);
+    proxy::DecodeArgs args = DecodeArgsFor(ids, fixed32);
+    args.prompt_varints = "\x01\x02";  // a client's own varints are not sent either
+    args.prompt_by_reference = true;
+    proxy::DecodeStartParts parts;
+    EXPECT_FALSE(proxy::DecodeStartInParts(args, &parts));  // nothing to send apart
+    pb::DecodeRequest req;
+    proxy::FillDecodeRequest(args, &req);
+    const pb::DecodeRequest got = OverTheWire(req);
+    EXPECT_EQ(got.prompt_token_ids_size(), 0);
+    EXPECT_EQ(got.prompt_token_ids_fixed32_size(), 0);
+    EXPECT_EQ(got.prompt_length(), ids.size());
+    EXPECT_EQ(got.prompt_digest(), want_digest);
+    EXPECT_LT(req.ByteSizeLong(), 64u);  // against 32 kB for the prompt's ids
+    const decoder::DecodeSpec spec = decoder::DecodeSpecFromProto(got);
+    EXPECT_TRUE(spec.prompt_ids.empty());
+    ASSERT_TRUE(spec.prompt_ref.has_value());
+    EXPECT_EQ(spec.prompt_ref->length, ids.size());
+    EXPECT_EQ(spec.prompt_ref->digest, want_digest);
+
+    args.prompt_by_reference = false;
+    pb::DecodeRequest plain;
+    proxy::FillDecodeRequest(args, &plain);
+    EXPECT_EQ(plain.prompt_length(), 0u);
+    EXPECT_EQ(plain.prompt_digest(), 0u);
+    EXPECT_FALSE(decoder::DecodeSpecFromProto(OverTheWire(plain)).prompt_ref.has_value());
+  }
 }
 
 // Session 14 (issue 23): a client's GenerateRequest of 8k ids (1- to
