@@ -35,7 +35,30 @@ void LoadTracker::EndAt(State& s, Prefill& p) {
   s.open_reported -= p.work.reported_tokens;
   s.ended_reported += p.work.reported_tokens;
   s.ended_running += p.work.running;
-  if (p.work.key != 0) --s.keyed;
+  if (p.work.key != 0) {
+    --s.keyed;
+    ++s.filter_stale;  // its bit stays set until the filter is rebuilt
+    auto it = s.open_keys.find(p.work.key);
+    if (it != s.open_keys.end() && --it->second == 0) s.open_keys.erase(it);
+  }
+}
+
+size_t LoadTracker::FilterBits(uint32_t keyed) {
+  constexpr size_t kMinFilterBits = 1024;
+  return std::bit_ceil(std::max<size_t>(kMinFilterBits, size_t{keyed} * 64));
+}
+
+void LoadTracker::SetFilterBit(std::vector<uint64_t>& filter, uint64_t key) {
+  const uint64_t mask = filter.size() * 64 - 1;
+  filter[(key & mask) >> 6] |= uint64_t{1} << (key & 63);
+}
+
+void LoadTracker::BuildFilter(State& s) {
+  s.key_filter.assign(FilterBits(s.keyed) / 64, 0);
+  for (const Prefill& p : s.prefills) {
+    if (p.open && p.work.key != 0) SetFilterBit(s.key_filter, p.work.key);
+  }
+  s.filter_stale = 0;
 }
 
 void LoadTracker::PopEnded(State& s) {
@@ -90,7 +113,17 @@ void LoadTracker::AddPrefill(WorkerId worker, const PrefillWork& work, int64_t n
   s.open_tokens += work.tokens;
   s.open_running += work.running;
   s.open_reported += work.reported_tokens;
-  if (work.key != 0) ++s.keyed;
+  if (work.key != 0) {
+    ++s.keyed;
+    ++s.open_keys[work.key];
+    // Into the kept filter while it has its 64 bits per key; else it is
+    // built again, larger, at the next Complete.
+    if (s.key_filter.size() * 64 >= FilterBits(s.keyed)) {
+      SetFilterBit(s.key_filter, work.key);
+    } else {
+      s.key_filter.clear();
+    }
+  }
   Refresh(s);
 }
 
@@ -114,18 +147,17 @@ uint32_t LoadTracker::Complete(WorkerId worker, std::span<const uint64_t> hashes
   // (at least 64 bits per key, so a hash passes by chance at most once in
   // 64), one pass over the event, and the oldest open prefill whose key is
   // one of the hashes that passed (exact: every open key is in the filter).
-  constexpr size_t kMinFilterBits = 1024;
-  const size_t bits = std::bit_ceil(std::max<size_t>(kMinFilterBits, size_t{s.keyed} * 64));
-  const uint64_t mask = bits - 1;
-  key_filter_.assign(bits / 64, 0);
-  for (const Prefill& p : s.prefills) {
-    if (p.open && p.work.key != 0)
-      key_filter_[(p.work.key & mask) >> 6] |= uint64_t{1} << (p.work.key & 63);
-  }
+  // Session 39: the filter is kept (see the header); rebuilt, one pass over
+  // the prefills, only once as many keys ended as are open.
+  if (s.key_filter.empty() || s.filter_stale > s.keyed) BuildFilter(s);
+  const std::vector<uint64_t>& filter = s.key_filter;
+  const uint64_t mask = filter.size() * 64 - 1;
   passed_.clear();
   for (const uint64_t h : hashes) {
-    if ((key_filter_[(h & mask) >> 6] >> (h & 63)) & 1) passed_.push_back(h);
+    if ((filter[(h & mask) >> 6] >> (h & 63)) & 1) passed_.push_back(h);
   }
+  // Only open keys go on: a chance pass or an ended key's stale bit ends here.
+  std::erase_if(passed_, [&s](uint64_t h) { return !s.open_keys.contains(h); });
   if (passed_.empty()) return 0;
   std::sort(passed_.begin(), passed_.end());
   for (Prefill& p : s.prefills) {

@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <deque>
 #include <span>
+#include <unordered_map>
 #include <vector>
 
 #include "common/growth_reserve.h"
@@ -132,7 +133,13 @@ class LoadTracker {
   // (0 or 1): one stored event is one sequence's commit, not a second
   // identical prompt still computing. One pass over `hashes` and at most
   // two over the worker's prefills, whatever their number (a filter of the
-  // open keys, then the hashes that pass it).
+  // open keys, then the hashes that pass it). The filter is kept between
+  // calls (session 39): a new prefill's key is added to it, an ended one's
+  // bit stays until the filter is rebuilt, once as many keys ended as are
+  // open; and a hash that passes it is looked up among the open keys
+  // before any prefill is: so an event that ends none (the filter passes
+  // a hash by chance at most once in 32) costs one pass over its hashes
+  // and a lookup or two, not passes over the open prefills as well.
   uint32_t Complete(WorkerId worker, std::span<const uint64_t> hashes);
   // Open prefills with a key (a hint for callers: 0 = Complete is a no-op).
   uint32_t keyed_predictions(WorkerId worker) const { return workers_[worker].keyed; }
@@ -163,6 +170,12 @@ class LoadTracker {
     std::deque<Timed> timed;      // oldest first (so by ticket too)
     std::deque<Prefill> prefills;  // by ticket, oldest first
     uint32_t keyed = 0;            // open prefills with a key
+    // Complete's filter of the open keys (a bit per key hash, at least 64
+    // bits per key; empty: to be built) and the keys ended since it was
+    // built, whose bits may still be set.
+    std::vector<uint64_t> key_filter;
+    uint32_t filter_stale = 0;
+    std::unordered_map<uint64_t, uint32_t> open_keys;  // key -> open prefills with it
     // Sums over the live entries, kept as they change (no rescans: a
     // worker may hold many, e.g. a router fed by a benchmark).
     LoadDelta timed_sum;
@@ -175,13 +188,16 @@ class LoadTracker {
   static void DropTimedBefore(State& s, int64_t cutoff_ns);
   void EndAt(State& s, Prefill& p);
   static void PopEnded(State& s);
+  // The filter's size for `keyed` open keys, in bits (a power of two).
+  static size_t FilterBits(uint32_t keyed);
+  static void SetFilterBit(std::vector<uint64_t>& filter, uint64_t key);
+  static void BuildFilter(State& s);
 
   const int64_t report_lag_ns_;
   const int64_t max_prediction_age_ns_;
   std::array<State, kMaxWorkers> workers_;
-  // Complete's scratch, kept between calls: the open keys' bit filter and
-  // the event's hashes that pass it.
-  std::vector<uint64_t> key_filter_;
+  // Complete's scratch, kept between calls: the event's hashes that pass
+  // the filter.
   std::vector<uint64_t> passed_;
 };
 
