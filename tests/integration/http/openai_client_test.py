@@ -378,19 +378,39 @@ def status_503_while_starting():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
-    http = f"127.0.0.1:{free_port()}"
     cfg = os.path.join(F.dir, "alone.yaml")
     with open(cfg, "w") as f:
         f.write(fl.config_text(proxy_extra="  http_idle_timeout_seconds: 1"))
-    # Started by hand, the proxy needs an internal-plane identity (mutual TLS by default).
-    p = subprocess.Popen([fl.BINARY, "proxy", "--config", cfg, "--http", http, "--grpc", "127.0.0.1:0",
-                          "--metrics", "127.0.0.1:0", *fl.tls_args(F.state)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    fl.reap_on_exit(p.pid)
+    log_path = os.path.join(F.dir, "alone-proxy.log")
+
+    def start():
+        # The port was free a moment ago; another test's connection may take
+        # it before the proxy binds it (then the proxy exits, and the check
+        # starts it again on another port, at most three times).
+        http = f"127.0.0.1:{free_port()}"
+        # Started by hand, the proxy needs an internal-plane identity (mutual TLS by default).
+        with open(log_path, "w") as log:
+            p = subprocess.Popen([fl.BINARY, "proxy", "--config", cfg, "--http", http, "--grpc",
+                                  "127.0.0.1:0", "--metrics", "127.0.0.1:0", *fl.tls_args(F.state)],
+                                 stdout=subprocess.DEVNULL, stderr=log)
+        fl.reap_on_exit(p.pid)
+        return http, p
+
+    http, p = start()
+    starts = 1
     try:
         deadline = time.time() + 30
         status, body = None, ""
         while time.time() < deadline:
+            if p.poll() is not None:
+                fl.forget(p.pid)
+                with open(log_path) as log:
+                    why = log.read()[-2000:]
+                assert starts < 3, f"the proxy exited ({p.returncode}) {starts} times; last log:\n{why}"
+                print(f"proxy on {http} exited ({p.returncode}), started again:\n{why}")
+                http, p = start()
+                starts += 1
+                continue
             try:
                 with urllib.request.urlopen(f"http://{http}/health", timeout=2) as r:
                     status, body = r.status, r.read().decode()
@@ -400,6 +420,10 @@ def status_503_while_starting():
                 time.sleep(0.1)
                 continue
             break
+        if status is None:
+            with open(log_path) as log:
+                raise AssertionError(f"the proxy on {http} did not answer /health within 30 s; its "
+                                     f"log:\n{log.read()[-2000:]}")
         assert status == 503 and "starting" in body, (status, body)
         try:
             openai.OpenAI(base_url=f"http://{http}/v1", api_key="x", max_retries=0).completions.create(
