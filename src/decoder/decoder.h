@@ -267,11 +267,6 @@ class StreamTally {
   std::atomic<uint64_t> items_{0};
 };
 
-// Checks a request as the engine will (token ids, sampling, context
-// length), so that bad input fails before any KV is reserved or moved.
-Status ValidateSpec(const engine::Engine& engine, const std::vector<uint32_t>& prompt,
-                    const engine::SamplingParams& sampling);
-
 class Decoder {
  public:
   // `engine` and `transport` are borrowed and must outlive the decoder.
