@@ -6,7 +6,6 @@
 
 #include <algorithm>
 
-#include "common/block_hash.h"
 #include "common/delivery_scope.h"
 #include "common/logging.h"
 #include "common/metrics.h"
@@ -267,27 +266,6 @@ Status Decoder::Register(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
   return s;
 }
 
-Status Decoder::CheckRegisteredPrompt(const DecodeSpec& spec) const {
-  if (!spec.prompt_ref) {
-    return engine_.CheckPrompt(spec.prompt_ids, spec.sampling, /*prefill_only=*/false);
-  }
-  // The prompt by reference (docs/decode-stream.md, "The prompt goes once"):
-  // what its length tells now; the tokens' range when the Reserve brings them.
-  if (!spec.prompt_ids.empty()) {
-    return InvalidArgumentError(fmt::format(
-        "request '{}' carries both the prompt's {} tokens and a prompt reference (prompt_length "
-        "{}); send one",
-        spec.request_id, spec.prompt_ids.size(), spec.prompt_ref->length));
-  }
-  if (spec.prefill_locally) {
-    return InvalidArgumentError(fmt::format(
-        "request '{}': prefill_locally needs the prompt's tokens, not a reference (prompt_length "
-        "{})",
-        spec.request_id, spec.prompt_ref->length));
-  }
-  return engine_.CheckPromptLength(spec.prompt_ref->length, spec.sampling, /*prefill_only=*/false);
-}
-
 Status Decoder::RegisterIn(DecodeSpec spec, std::shared_ptr<DecodeSink> sink) {
   const auto pass = lifeline_.Enter();
   if (!pass) return UnavailableError("this decoder is shutting down");
@@ -350,27 +328,6 @@ Result<KvTargetInfo> Decoder::Reserve(const std::string& request_id, const std::
                  /*park=*/nullptr, /*seated=*/false);
   if (t.ok()) ObserveReserveWait(0);
   return t;
-}
-
-Status Decoder::SamePrompt(const DecodeSpec& spec, std::span<const uint32_t> prompt_ids) {
-  if (spec.prompt_ref) {
-    // Length first: a digest is read only over a prompt of the right length.
-    const DecodeSpec::PromptRef& ref = *spec.prompt_ref;
-    if (prompt_ids.size() == ref.length && PromptDigest(prompt_ids) == ref.digest) {
-      return Status::Ok();
-    }
-    return InvalidArgumentError(fmt::format(
-        "request '{}': the prompt to reserve ({} tokens) differs from the registered one ({} "
-        "tokens, digest {:016x})",
-        spec.request_id, prompt_ids.size(), ref.length, ref.digest));
-  }
-  const auto& prompt = spec.prompt_ids;
-  if (std::equal(prompt.begin(), prompt.end(), prompt_ids.begin(), prompt_ids.end())) {
-    return Status::Ok();
-  }
-  return InvalidArgumentError(fmt::format(
-      "request '{}': the prompt to reserve ({} tokens) differs from the registered one ({})",
-      spec.request_id, prompt_ids.size(), prompt.size()));
 }
 
 std::optional<Result<KvTargetInfo>> Decoder::ReserveIn(const ReserveArgs& a, const Park* park,
