@@ -46,6 +46,13 @@ constexpr int kP = PackedWeights::kPanel;
 // nothing to reuse: stream each panel once, whole.
 constexpr int kKc = 128;
 constexpr int kFewRows = 4;
+// With fewer than kFewRows rows every weight is read once, from memory:
+// the AVX-512 tiles then ask for each panel's row kAheadRows ahead of the
+// one they load (8 x 64 B = 512 B per panel stream), which the hardware
+// prefetcher alone did not keep up with on one core (issue 23; measured in
+// bench/results/cpu_vs_llamacpp.md, "Session 40"). A hint only: no bit of
+// any result depends on it.
+constexpr int kAheadRows = 8;
 
 struct GemmArgs {
   const float* x;       // [m][ldx], the chain reads x[i][0 .. k)
@@ -83,6 +90,14 @@ void TilePortable(const GemmArgs& a, int i0, int rows, int p0, int panels, int k
 }
 
 // ----------------------------------------------------------------- AVX-512
+// Row kk of each of the P panels into L1 ahead of its load (kAheadRows).
+template <int P>
+inline void PrefetchRows(const float* const* wp, int kk) {
+  for (int p = 0; p < P; ++p) {
+    _mm_prefetch(reinterpret_cast<const char*>(wp[p] + static_cast<size_t>(kk) * kP), _MM_HINT_T0);
+  }
+}
+
 template <int R, int P>
 __attribute__((target("avx512f"))) void TileAvx512(const GemmArgs& a, int i0, int p0, int k0,
                                                    int k1) {
@@ -105,6 +120,7 @@ __attribute__((target("avx512f"))) void TileAvx512(const GemmArgs& a, int i0, in
   for (int p = 0; p < P; ++p) wp[p] = a.packed + static_cast<size_t>(p0 + p) * a.pstride;
   for (int kk = k0; kk < k1; ++kk) {
     __m512 w[P];
+    if (R < kFewRows && kk + kAheadRows < k1) PrefetchRows<P>(wp, kk + kAheadRows);
     for (int p = 0; p < P; ++p) w[p] = _mm512_load_ps(wp[p] + static_cast<size_t>(kk) * kP);
     for (int r = 0; r < R; ++r) {
       const __m512 xb = _mm512_set1_ps(xr[r][kk]);
@@ -212,6 +228,7 @@ __attribute__((target("avx512f"))) void TileAvx512Split(const GemmArgs* sa, int 
     for (int p = 0; p < P; ++p) wp[p] = a.packed + static_cast<size_t>(p0 + p) * a.pstride;
     for (int kk = 0; kk < a.k; ++kk) {
       __m512 w[P];
+      if (kk + kAheadRows < a.k) PrefetchRows<P>(wp, kk + kAheadRows);
       for (int p = 0; p < P; ++p) w[p] = _mm512_load_ps(wp[p] + static_cast<size_t>(kk) * kP);
       for (int r = 0; r < R; ++r) {
         const __m512 xb = _mm512_set1_ps(xr[r][kk]);
