@@ -118,9 +118,12 @@ __attribute__((target("avx512f"))) void TileAvx512(const GemmArgs& a, int i0, in
   for (int r = 0; r < R; ++r) xr[r] = a.x + static_cast<size_t>(i0 + r) * a.ldx;
   const float* wp[P];
   for (int p = 0; p < P; ++p) wp[p] = a.packed + static_cast<size_t>(p0 + p) * a.pstride;
+  // Streaming (few rows): ahead of the loads. Otherwise the k-block's
+  // weights are in cache for the row blocks after the first.
+  const bool streams = a.m < kFewRows;
   for (int kk = k0; kk < k1; ++kk) {
     __m512 w[P];
-    if (R < kFewRows && kk + kAheadRows < k1) PrefetchRows<P>(wp, kk + kAheadRows);
+    if (streams && kk + kAheadRows < k1) PrefetchRows<P>(wp, kk + kAheadRows);
     for (int p = 0; p < P; ++p) w[p] = _mm512_load_ps(wp[p] + static_cast<size_t>(kk) * kP);
     for (int r = 0; r < R; ++r) {
       const __m512 xb = _mm512_set1_ps(xr[r][kk]);
