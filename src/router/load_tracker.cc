@@ -38,57 +38,10 @@ void LoadTracker::EndAt(State& s, Prefill& p) {
   if (p.work.key != 0) {
     --s.keyed;
     ++s.filter_stale;  // its bit stays set until the filter is rebuilt
-    s.open_keys.Remove(p.work.key);
-  }
-}
-
-size_t LoadTracker::OpenKeys::Find(uint64_t key) const {
-  const size_t mask = slots_.size() - 1;
-  size_t i = Home(key);
-  while (slots_[i].key != 0 && slots_[i].key != key) i = (i + 1) & mask;
-  return i;
-}
-
-bool LoadTracker::OpenKeys::Contains(uint64_t key) const {
-  return !slots_.empty() && slots_[Find(key)].key == key;
-}
-
-void LoadTracker::OpenKeys::Grow() {
-  std::vector<Slot> old = std::move(slots_);
-  const size_t capacity = std::max<size_t>(16, old.size() * 2);
-  slots_.assign(capacity, Slot{});
-  shift_ = 64 - static_cast<uint32_t>(std::countr_zero(capacity));
-  for (const Slot& s : old) {
-    if (s.key != 0) slots_[Find(s.key)] = s;
-  }
-}
-
-void LoadTracker::OpenKeys::Add(uint64_t key) {
-  if ((size_ + 1) * 2 > slots_.size()) Grow();
-  Slot& s = slots_[Find(key)];
-  if (s.key == 0) {
-    s.key = key;
-    ++size_;
-  }
-  ++s.count;
-}
-
-void LoadTracker::OpenKeys::Remove(uint64_t key) {
-  if (slots_.empty()) return;
-  size_t i = Find(key);
-  if (slots_[i].key != key || --slots_[i].count > 0) return;
-  // Backward shift: a later entry of the run moves into the hole unless
-  // its home lies cyclically in (hole, its slot].
-  const size_t mask = slots_.size() - 1;
-  for (size_t j = (i + 1) & mask; slots_[j].key != 0; j = (j + 1) & mask) {
-    const size_t home = Home(slots_[j].key);
-    if (((j - home) & mask) >= ((j - i) & mask)) {
-      slots_[i] = slots_[j];
-      i = j;
+    if (uint32_t* n = s.open_keys.Find(p.work.key); n != nullptr && --*n == 0) {
+      s.open_keys.Take(p.work.key);
     }
   }
-  slots_[i] = Slot{};
-  --size_;
 }
 
 size_t LoadTracker::FilterBits(uint32_t keyed) {
@@ -163,7 +116,11 @@ void LoadTracker::AddPrefill(WorkerId worker, const PrefillWork& work, int64_t n
   s.open_reported += work.reported_tokens;
   if (work.key != 0) {
     ++s.keyed;
-    s.open_keys.Add(work.key);
+    if (uint32_t* n = s.open_keys.Find(work.key)) {
+      ++*n;
+    } else {
+      s.open_keys.Insert(work.key, 1);
+    }
     // Into the kept filter while it has its 64 bits per key; else it is
     // built again, larger, at the next Complete.
     if (s.key_filter.size() * 64 >= FilterBits(s.keyed)) {
@@ -205,7 +162,7 @@ uint32_t LoadTracker::Complete(WorkerId worker, std::span<const uint64_t> hashes
     if ((filter[(h & mask) >> 6] >> (h & 63)) & 1) passed_.push_back(h);
   }
   // Only open keys go on: a chance pass or an ended key's stale bit ends here.
-  std::erase_if(passed_, [&s](uint64_t h) { return !s.open_keys.Contains(h); });
+  std::erase_if(passed_, [&s](uint64_t h) { return s.open_keys.Find(h) == nullptr; });
   if (passed_.empty()) return 0;
   std::sort(passed_.begin(), passed_.end());
   for (Prefill& p : s.prefills) {

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "common/growth_reserve.h"
+#include "common/handle_table.h"
 #include "router/types.h"
 
 namespace tandem::router {
@@ -136,7 +137,7 @@ class LoadTracker {
   // calls (session 39): a new prefill's key is added to it, an ended one's
   // bit stays until the filter is rebuilt, once as many keys ended as are
   // open; and a hash that passes it is looked up among the open keys
-  // (OpenKeys) before any prefill is: so an event that ends none (the
+  // (`open_keys`) before any prefill is: so an event that ends none (the
   // filter passes a hash by chance at most once in 32) costs one pass over
   // its hashes and a lookup or two, not passes over the open prefills.
   uint32_t Complete(WorkerId worker, std::span<const uint64_t> hashes);
@@ -163,27 +164,6 @@ class LoadTracker {
     PrefillWork work;
     bool open = true;
   };
-  // The open prefills' keys and how many open prefills have each: a flat
-  // table (linear probing, deletion by backward shift), so that a routed
-  // prefill's key costs no allocation. Keys are never 0.
-  class OpenKeys {
-   public:
-    void Add(uint64_t key);
-    void Remove(uint64_t key);  // one prefill with `key` ended
-    bool Contains(uint64_t key) const;
-
-   private:
-    struct Slot {
-      uint64_t key = 0;  // 0: empty
-      uint32_t count = 0;
-    };
-    size_t Home(uint64_t key) const { return (key * 0x9E3779B97F4A7C15ull) >> shift_; }
-    size_t Find(uint64_t key) const;  // its slot, or the empty one where it would go
-    void Grow();
-    std::vector<Slot> slots_;  // a power of two, at most half full
-    uint32_t shift_ = 64;
-    uint32_t size_ = 0;
-  };
   struct State {
     LoadReport report;
     bool free_known = false;
@@ -195,7 +175,10 @@ class LoadTracker {
     // built, whose bits may still be set.
     std::vector<uint64_t> key_filter;
     uint32_t filter_stale = 0;
-    OpenKeys open_keys;  // key -> open prefills with it
+    // key -> open prefills with it: open addressing (common/handle_table.h;
+    // a block hash's low bits serve as its home slot), so that a routed
+    // prefill's key costs no allocation. Keys are never 0.
+    HandleTable<uint32_t> open_keys;
     // Sums over the live entries, kept as they change (no rescans: a
     // worker may hold many, e.g. a router fed by a benchmark).
     LoadDelta timed_sum;
