@@ -7,7 +7,8 @@
 //
 //   tandem bench engine [--model DIR] [--threads 1,2] [--batch 1,8]
 //       [--prompt-tokens 512] [--decode-tokens 128] [--decode-prompt 16]
-//       [--reps 3] [--bandwidth-mib 1024] [--json FILE]
+//       [--reps 3] [--bandwidth-mib 1024] [--isa best|avx512|avx2|portable]
+//       [--json FILE]
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -25,6 +26,7 @@
 
 #include "cli/commands.h"
 #include "engine/engine.h"
+#include "kernels/cpu/ops.h"
 #include "kernels/cpu/thread_pool.h"
 #include "model/model_config.h"
 #include "model/weights.h"
@@ -43,8 +45,29 @@ struct EngineBenchArgs {
   uint32_t decode_prompt = 16;
   uint32_t reps = 3;
   uint32_t bandwidth_mib = 1024;
+  // The kernels' instruction set: "best" (what the engine picks by itself)
+  // or a lower one, to measure the other vector paths on this CPU.
+  std::string isa = "best";
   std::string json;
 };
+
+// --isa: the kernels' instruction set for this run. The results do not
+// change with it (kernels/cpu/ops.h); only the speed does.
+Result<kernels::cpu::Isa> ParseIsa(const std::string& text) {
+  using kernels::cpu::Isa;
+  const Isa best = kernels::cpu::BestIsa();
+  if (text == "best") return best;
+  for (Isa isa : {Isa::kAvx512, Isa::kAvx2, Isa::kPortable}) {
+    if (text != kernels::cpu::IsaName(isa)) continue;
+    if (static_cast<int>(isa) > static_cast<int>(best)) {
+      return InvalidArgumentError(
+          fmt::format("--isa {}: this CPU supports at most {}", text, kernels::cpu::IsaName(best)));
+    }
+    return isa;
+  }
+  return InvalidArgumentError(
+      fmt::format("--isa: '{}' is not one of best, avx512, avx2, portable", text));
+}
 
 Result<std::vector<uint32_t>> ParseList(const std::string& flag, const std::string& text) {
   std::vector<uint32_t> out;
@@ -211,6 +234,7 @@ Result<double> DecodeOnce(engine::Engine& eng, const model::ModelConfig& config,
 Status Run(const EngineBenchArgs& a) {
   TANDEM_ASSIGN_OR_RETURN(auto thread_list, ParseList("--threads", a.threads));
   TANDEM_ASSIGN_OR_RETURN(auto batch_list, ParseList("--batch", a.batch));
+  TANDEM_ASSIGN_OR_RETURN(const kernels::cpu::Isa isa, ParseIsa(a.isa));
   if (a.reps == 0 || a.prompt_tokens == 0 || a.decode_tokens == 0 || a.decode_prompt == 0) {
     return InvalidArgumentError(
         "--reps, --prompt-tokens, --decode-tokens and --decode-prompt must be >= 1");
@@ -232,6 +256,9 @@ Status Run(const EngineBenchArgs& a) {
   out["decode_tokens"] = a.decode_tokens;
   out["decode_prompt"] = a.decode_prompt;
   out["reps"] = a.reps;
+  kernels::cpu::SetIsa(isa);
+  out["isa"] = kernels::cpu::IsaName(isa);
+  std::cout << fmt::format("kernels: {}\n", kernels::cpu::IsaName(isa));
 
   // The physical limit, measured first (before the model's pages are hot).
   {
@@ -317,6 +344,8 @@ void RegisterBenchEngine(CLI::App& bench, GlobalOptions& g) {
   cmd->add_option("--decode-prompt", a->decode_prompt, "Prompt length before decoding");
   cmd->add_option("--reps", a->reps, "Repetitions (after one warm-up)");
   cmd->add_option("--bandwidth-mib", a->bandwidth_mib, "Buffer for the bandwidth measurement");
+  cmd->add_option("--isa", a->isa,
+                  "Kernels' instruction set: best (default), avx512, avx2 or portable");
   cmd->add_option("--json", a->json, "Also write the results as JSON to this file");
   cmd->callback([a, &g] {
     const Status st = Run(*a);
