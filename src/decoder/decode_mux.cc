@@ -63,9 +63,10 @@ namespace {
 class MuxSink final : public DecodeSink {
  public:
   MuxSink(std::shared_ptr<MuxState> state, uint64_t handle, std::string request_id,
-          tracing::SpanContext trace, bool fold_registered)
+          tracing::SpanContext trace, bool fold_registered, bool quiet_first)
       : handle_(handle),
         fold_registered_(fold_registered),
+        quiet_first_(quiet_first),
         state_(std::move(state)),
         request_id_(std::move(request_id)),
         trace_(trace),
@@ -89,6 +90,9 @@ class MuxSink final : public DecodeSink {
   // DecodeStreamStart.registered_with_first_item: `registered` goes with
   // the request's first item instead of alone (registered_due_ until then).
   const bool fold_registered_;
+  // DecodeStreamStart.quiet_end_on_first_token: ending on the first token
+  // (the prefiller's) with that token's item still unsent, nothing is sent.
+  const bool quiet_first_;
   bool registered_due_ = false;
   bool open_ = false;    // registered (its item in the batch, or due)
   bool closed_ = false;  // ended, cancelled, or the stream is over
@@ -233,6 +237,17 @@ class MuxState final : public Flushable, public std::enable_shared_from_this<Mux
  private:
   void EndLocked(MuxSink& s, const std::optional<pb::DecodeFinished>& finished,
                  const Status& status) {
+    // The quiet end: the proxy ended the request on the prefiller's reply
+    // and forgot the handle; the first token's item (and a folded
+    // `registered` in it) would reach nobody. Only while that item is
+    // still in the batch being built (AddPrefilled delivers the token and
+    // the end together); once sent, the end follows it as usual.
+    if (finished && s.quiet_first_ && finished->completion_tokens() == 1 &&
+        pending_.DropFirstTokenItem(s.handle_)) {
+      s.closed_ = true;
+      live_.erase(s.handle_);
+      return;
+    }
     RegisteredIfDue(s);
     s.closed_ = true;
     if (finished) {
@@ -395,9 +410,9 @@ void MuxSession::Close() {
 void MuxSession::Start(const pb::DecodeStreamStart& start) {
   DecodeSpec spec = DecodeSpecFromProto(start.request());
   const std::string key = spec.request_id;
-  auto sink =
-      std::make_shared<MuxSink>(state_, start.handle(), start.request().request_id(),
-                                TraceOf(start.traceparent()), start.registered_with_first_item());
+  auto sink = std::make_shared<MuxSink>(
+      state_, start.handle(), start.request().request_id(), TraceOf(start.traceparent()),
+      start.registered_with_first_item(), start.quiet_end_on_first_token());
   if (!state_->Claim(start.handle(), Registration{key, sink})) return;
   Status s = decoder_.Register(std::move(spec), sink);
   if (!s.ok()) {

@@ -55,6 +55,23 @@ void MuxBatcher::Error(uint64_t handle, const Status& status) {
   open_.Take(handle);
 }
 
+bool MuxBatcher::DropFirstTokenItem(uint64_t handle) {
+  const int* found = open_.Find(handle);
+  if (found == nullptr) return false;
+  const int index = *found;
+  const pb::DecodeStreamItem& item = batch_.items(index);
+  if (item.token_ids_size() != 1 || item.first_index() != 0) return false;
+  open_.Take(handle);
+  const bool last = index + 1 == batch_.items_size();
+  batch_.mutable_items()->DeleteSubrange(index, 1);
+  if (!last) {  // the open items after it moved up by one
+    open_.ForEach([index](uint64_t, int& i) {
+      if (i > index) --i;
+    });
+  }
+  return true;
+}
+
 pb::DecodeStreamResponse MuxBatcher::Take() {
   pb::DecodeStreamResponse out;
   out.Swap(&batch_);

@@ -27,6 +27,11 @@ class MuxBatcher {
   void Tokens(uint64_t handle, uint32_t first_index, std::span<const uint32_t> token_ids);
   void Finished(uint64_t handle, const v1::DecodeFinished& finished);
   void Error(uint64_t handle, const Status& status);
+  // Removes the handle's open item from the batch when it holds the
+  // request's first token (index 0) alone (and perhaps `registered`):
+  // true then, and the handle has no item in this batch. False (nothing
+  // changed) for any other item, or none (DecodeStreamStart.quiet_end_on_first_token).
+  bool DropFirstTokenItem(uint64_t handle);
 
   bool empty() const { return batch_.items_size() == 0; }
   size_t num_items() const { return static_cast<size_t>(batch_.items_size()); }

@@ -73,6 +73,10 @@ class DecodeMux::Request final : public Call {
   void Cancel() override {
     if (auto m = mux_.lock()) m->CancelRequest(handle_);
   }
+  void Forget() override {
+    done_.store(true, std::memory_order_relaxed);  // an item read meanwhile
+    if (auto m = mux_.lock()) m->ForgetRequest(handle_);
+  }
 
   // One item of a batch, on the reader thread.
   void Deliver(const DecodeItem& item) {
@@ -123,11 +127,13 @@ bool DecodeStartInParts(const DecodeArgs& args, DecodeStartParts* out) {
       prompt.bytes.size(), &out->head);
   out->prompt = prompt.bytes;
   out->tail.clear();
-  if (!args.traceparent.empty() || args.registered_with_first_item) {
+  if (!args.traceparent.empty() || args.registered_with_first_item ||
+      args.quiet_end_on_first_token) {
     // Only the fields after the request.
     pb::DecodeStreamStart after;
     after.set_traceparent(args.traceparent);
     after.set_registered_with_first_item(args.registered_with_first_item);
+    after.set_quiet_end_on_first_token(args.quiet_end_on_first_token);
     after.AppendToString(&out->tail);
   }
   out->bytes += out->tail.size();
@@ -157,6 +163,7 @@ std::shared_ptr<Call> DecodeMux::Start(const DecodeArgs& args, DecodeEvents& eve
     FillDecodeRequest(args, start->mutable_request());
     start->set_traceparent(args.traceparent);
     start->set_registered_with_first_item(args.registered_with_first_item);
+    start->set_quiet_end_on_first_token(args.quiet_end_on_first_token);
   }
   std::unique_lock lock(mu_);
   if (ended_) return nullptr;
@@ -196,6 +203,15 @@ void DecodeMux::CancelRequest(uint64_t handle) {
   // locks (the caller holds none of the lifecycle's: see lifecycle.h).
   if (lock.owns_lock()) lock.unlock();
   req->Fail(CancelledError("cancelled by the proxy"), /*from_worker=*/false);
+}
+
+void DecodeMux::ForgetRequest(uint64_t handle) {
+  std::shared_ptr<Request> req;
+  {
+    std::lock_guard lock(mu_);
+    req = requests_.Take(handle);  // null: it ended already
+  }
+  // Released outside the lock: the last reference may be this one.
 }
 
 void DecodeMux::Deliver(const pb::DecodeStreamResponse& batch) {

@@ -6,7 +6,8 @@
 // request's Call; each batch read is split by handle and handed to the
 // requests' DecodeEvents in order (registered, tokens, then exactly one of
 // finished / error, an error item counting as `from_worker`). Cancel()
-// sends a cancel item; nothing more reaches that request's events. When the
+// sends a cancel item; nothing more reaches that request's events (nor
+// after Call::Forget, which sends nothing: the quiet end). When the
 // stream ends (the decoder or the connection is lost, or AbandonCalls),
 // every request still on it gets on_error(UNAVAILABLE or the stream's
 // status, from_worker = false), as its own Decode stream breaking would.
@@ -114,6 +115,7 @@ class DecodeMux : public GrpcWorkerClient::Tracked, public std::enable_shared_fr
  private:
   class Request;
   void CancelRequest(uint64_t handle);
+  void ForgetRequest(uint64_t handle);
 
   uint64_t next_handle_ = 1;  // guarded by mu_
   const model::TokenBytesTable* token_table_ = nullptr;  // guarded by mu_

@@ -195,6 +195,12 @@ void RequestLifecycle::Launch() {
   // that takes the prompt from the prefiller's Reserve gets its length and
   // digest, not its tokens: the proxy sends the prompt once, to the prefiller.
   args.prompt_by_reference = !route_.local && route_.decode_takes_prompt_from_reserve;
+  // Session 41 (docs/decode-stream.md, "The quiet end"): with one token to
+  // go, the Prefill's reply ends the request here (OnPrefillDone), so the
+  // decoder need not say anything about it: no item, no wake-up of the
+  // stream's reader. Never after a local prefill (no Prefill reply).
+  quiet_end_ = !route_.local && max_tokens == 1;
+  args.quiet_end_on_first_token = quiet_end_;
   std::weak_ptr<RequestLifecycle> weak = weak_from_this();
   DecodeEvents ev;
   // What a token reads first: the reference count and deps_ (make_shared
@@ -332,12 +338,17 @@ void RequestLifecycle::OnPrefillDone(uint32_t attempt, Result<PrefillResult> r) 
     // token and the end in one write now instead of a write now and one
     // when the decoder's finished item comes (issue 23). The decode call
     // is left to end on its own (cancelling it would cost a message to
-    // the decoder); its events find this lifecycle done.
+    // the decoder); its events find this lifecycle done. After a quiet
+    // start it is forgotten instead: no events come.
     ending = std::move(decode_call_);
     decode_call_.reset();
     to_cancel = CompleteLocked(reason);
   }
+  const bool forget = ending && quiet_end_;
   lock.unlock();
+  // The quiet end: the decoder sends nothing more for it; the call keeps
+  // nothing (a decode stream's handle), without a message.
+  if (forget) ending->Forget();
   CancelAll(to_cancel);
 }
 

@@ -174,6 +174,9 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   // (its decoder's WorkerInfo.reserve_waits_for_registration), not after
   // `registered`
   bool prefill_with_start_ = false;
+  // guarded by mu_: this attempt's decode start asked for the quiet end
+  // (DecodeArgs::quiet_end_on_first_token)
+  bool quiet_end_ = false;
   // This attempt's prompt: the request's own ids, or after a migration
   // those + the tokens already sent (migrated_, immutable once made).
   PromptIds migrated_;               // guarded by mu_: null before any migration

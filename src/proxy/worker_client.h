@@ -78,6 +78,12 @@ struct DecodeArgs {
   // request names it by length and digest (DecodeRequest.prompt_length,
   // prompt_digest) instead of carrying its tokens.
   bool prompt_by_reference = false;
+  // Session 41 (docs/decode-stream.md, "The quiet end"): the proxy ends
+  // the request on the prefiller's reply (max_tokens 1, remote prefill)
+  // and then Forget()s the call, so the decode stream's start asks the
+  // decoder to send nothing for a request that ends on that first token
+  // (DecodeStreamStart.quiet_end_on_first_token). Other transports ignore it.
+  bool quiet_end_on_first_token = false;
 };
 
 // Memory a callback reads first (issue 23, mux-deliver): a caller that
@@ -151,6 +157,11 @@ class Call {
  public:
   virtual ~Call() = default;
   virtual void Cancel() = 0;
+  // The request ended at the proxy and the worker ends it by itself (a
+  // decode stream's quiet end): its events stop and the call keeps nothing
+  // for it, with no message to the worker (a Cancel would be one). Calls
+  // that end on their own anyway (a per-request RPC) do nothing.
+  virtual void Forget() {}
 };
 
 class WorkerClient {

@@ -7,9 +7,10 @@
 // over gRPC with proxy.decode_transport grpc, with the same outputs.
 // With proxy.decode_stream off the proxy uses one Decode RPC per request
 // (the decoder sends nothing on a DecodeStream) and the output is the same.
-// With 4 decode seats the same 32 streams wait for seats on the decoder;
-// with a KV pool that holds a few of them at once, they wait for blocks
-// (with the decoder's growth reserve on, the default, and off).
+// Requests of one token end on the prefiller's reply with nothing sent on
+// the stream (the quiet end). With 4 decode seats the same 32 streams wait for seats on the
+// decoder; with a KV pool that holds a few of them at once, they wait for blocks (with the
+// decoder's growth reserve on, the default, and off).
 #include <gtest/gtest.h>
 
 #include <string>
@@ -70,6 +71,37 @@ TEST(DecodeStream, ThirtyTwoStreamsThroughOneDecoderEqualGenerateAndACancelDistu
   }());
   ASSERT_TRUE(again.ok()) << again.status().ToString();
   EXPECT_EQ(again->token_ids, References()[3]);
+
+  // The quiet end (session 41, docs/decode-stream.md): requests of one
+  // token end on the prefiller's reply and their decoder sends nothing on
+  // the stream for them: no message, no item; each answer is the reference's
+  // first token, and nothing stays held on the decoder.
+  const double quiet_messages0 = DecoderMetric(**fleet, "tandem_decode_stream_messages_total");
+  const double quiet_items0 = DecoderMetric(**fleet, "tandem_decode_stream_items_total");
+  for (uint32_t i = 0; i < 8; ++i) {
+    GenerateArgs a;
+    a.prompt_ids = Prompt(100 + i);
+    a.max_tokens = 1;
+    auto one = Generate((*fleet)->proxy_grpc(), a);
+    ASSERT_TRUE(one.ok()) << i << ": " << one.status().ToString();
+    auto want = ReferenceGenerate(a.prompt_ids, 1);
+    ASSERT_TRUE(want.ok()) << want.status().ToString();
+    EXPECT_EQ(one->token_ids, *want) << i;
+    EXPECT_EQ(one->finish_reason, 2) << i;  // LENGTH
+  }
+  EXPECT_EQ(DecoderMetric(**fleet, "tandem_decode_stream_messages_total"), quiet_messages0);
+  EXPECT_EQ(DecoderMetric(**fleet, "tandem_decode_stream_items_total"), quiet_items0);
+  EXPECT_TRUE(WaitUntil([&] { return DecoderMetric(**fleet, "tandem_decode_seats_taken") == 0; },
+                        std::chrono::seconds(30)));
+  // Two tokens: the decoder's items come as before, and the stream still works.
+  GenerateArgs two;
+  two.prompt_ids = Prompt(3);
+  two.max_tokens = 2;
+  auto second = Generate((*fleet)->proxy_grpc(), two);
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  EXPECT_EQ(second->token_ids,
+            std::vector<uint32_t>(References()[3].begin(), References()[3].begin() + 2));
+  EXPECT_GT(DecoderMetric(**fleet, "tandem_decode_stream_items_total"), quiet_items0);
 }
 
 // Decode seats (docs/serving-workers.md): with 4 seats (max_num_seqs 4)

@@ -332,6 +332,64 @@ TEST_P(DecodeMuxTcpClientTest, TheClientsVarintsReachTheDecoderAsItsPromptField)
   mux_->Stop();
 }
 
+// The quiet end (session 41, docs/decode-stream.md): a start for it says
+// so, in parts or as a message; a forgotten request leaves the stream's
+// table with no message to the decoder and gets no event after; an item
+// for its handle that comes anyway (a decoder that does not know the flag)
+// is dropped.
+TEST_P(DecodeMuxTcpClientTest, AForgottenRequestSendsNothingAndGetsNoEvents) {
+  ASSERT_NO_FATAL_FAILURE(OpenOverTls());
+  DecodeArgs parts = Args(1);
+  parts.prompt_ids = std::make_shared<const std::vector<uint32_t>>(std::vector<uint32_t>(64, 9));
+  parts.prompt_fixed32 = true;     // a start in parts: the flag in its tail
+  DecodeArgs message = Args(100);  // the message way; the script holds it
+  message.prompt_by_reference = true;
+  for (DecodeArgs* a : {&parts, &message}) a->quiet_end_on_first_token = true;
+
+  // The scripted decoder answers max_tokens 1 at once: forgotten before or
+  // after its item is read, the request sees no finish.
+  Seen answered, held, cancelled;
+  DecodeEvents e1 = answered.Events();
+  auto c1 = mux_->Start(parts, e1);
+  ASSERT_NE(c1, nullptr);
+  c1->Forget();
+  DecodeEvents e2 = held.Events();
+  auto c2 = mux_->Start(message, e2);
+  ASSERT_NE(c2, nullptr);
+  c2->Forget();
+  EXPECT_EQ(mux_->num_requests(), 0u);
+  // A request cancelled after them: its cancel is the only one the decoder reads.
+  DecodeEvents e3 = cancelled.Events();
+  auto c3 = mux_->Start(Args(100), e3);
+  ASSERT_NE(c3, nullptr);
+  c3->Cancel();
+  ASSERT_TRUE(cancelled.WaitEnd());
+  {
+    std::unique_lock lock(script_.mu);
+    ASSERT_TRUE(script_.cv.wait_for(lock, std::chrono::seconds(20),
+                                    [&] { return !script_.cancels.empty(); }));
+    EXPECT_EQ(script_.cancels, std::vector<uint64_t>{3});
+  }
+  // And a request after that one, answered: the stream reads on, in order,
+  // so the forgotten request's item (read before it) reached nobody.
+  ASSERT_NO_FATAL_FAILURE(StartAndFinish(Args(1)));
+  for (Seen* s : {&answered, &held}) {
+    std::lock_guard lock(s->mu);
+    EXPECT_FALSE(s->finished || s->errored);
+  }
+  const std::vector<std::string> starts = Starts();
+  ASSERT_EQ(starts.size(), 4u);
+  for (int i : {0, 1}) {
+    pb::DecodeStreamRequest got;
+    ASSERT_TRUE(got.ParseFromString(starts[i]));
+    EXPECT_TRUE(got.start().quiet_end_on_first_token()) << i;
+  }
+  pb::DecodeStreamRequest plain;
+  ASSERT_TRUE(plain.ParseFromString(starts[2]));
+  EXPECT_FALSE(plain.start().quiet_end_on_first_token());
+  mux_->Stop();
+}
+
 INSTANTIATE_TEST_SUITE_P(DeliveryThread, DecodeMuxTcpClientTest, ::testing::Bool(),
                          [](const auto& info) { return info.param ? "grpc" : "reader"; });
 

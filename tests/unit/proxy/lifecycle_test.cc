@@ -449,6 +449,58 @@ TEST_F(LifecycleTest, APushThePrefillerCouldNotPrepareIsNotRetried) {
   EXPECT_TRUE(workers_.decode_calls.at(0)->cancelled);
 }
 
+// The quiet end (session 41, docs/decode-stream.md): with one token to go
+// and a remote prefill, the start asks the decoder for silence and the
+// Prefill's reply ends the request, forgetting the decode call (no cancel,
+// no wait for the decoder); with more to go the start does not ask and the
+// call ends with the decoder's items, as before.
+TEST_F(LifecycleTest, WithOneTokenToGoThePrefillReplyEndsTheRequestAndForgetsTheDecodeCall) {
+  AddWorker("p0", router::WorkerRole::kPrefill);
+  AddWorker("d0", router::WorkerRole::kDecode, /*waits_for_registration=*/true);
+  for (const uint32_t max_tokens : {1u, 2u}) {
+    SCOPED_TRACE(max_tokens);
+    max_tokens_ = max_tokens;
+    HeldWorkers held;
+    client_ = &held;
+    Collected c;
+    auto lifecycle = Run(c);
+    ASSERT_TRUE(held.decode_args.has_value());
+    EXPECT_EQ(held.decode_args->quiet_end_on_first_token, max_tokens == 1);
+    ASSERT_TRUE(held.prefill_done);
+    held.prefill_done(PrefillResult{.first_token_id = 5});
+    if (max_tokens == 1) {
+      EXPECT_TRUE(c.finished);
+      EXPECT_EQ(c.ids, std::vector<uint32_t>{5});
+      EXPECT_TRUE(held.decode_call->forgotten);
+    } else {
+      EXPECT_FALSE(c.finished);
+      const std::vector<uint32_t> ids = {5, 6};
+      held.events.on_tokens(0, ids);
+      held.events.on_finished(Finish::kLength, 2, 0, 0);
+      EXPECT_TRUE(c.finished);
+      EXPECT_EQ(c.ids, ids);
+      EXPECT_FALSE(held.decode_call->forgotten);
+    }
+    EXPECT_FALSE(held.decode_call->cancelled);
+    EXPECT_FALSE(held.prefill_call->cancelled);
+  }
+  client_ = nullptr;
+}
+
+// A local prefill has no Prefill reply to end on: its start never asks.
+TEST_F(LifecycleTest, ALocalPrefillIsNeverQuiet) {
+  AddWorker("b0", router::WorkerRole::kBoth);
+  max_tokens_ = 1;
+  workers_.completion = {5};
+  Collected c;
+  Run(c);
+  ASSERT_TRUE(c.finished) << c.error.ToString();
+  ASSERT_EQ(workers_.decode_args.size(), 1u);
+  EXPECT_TRUE(workers_.decode_args[0].prefill_locally);
+  EXPECT_FALSE(workers_.decode_args[0].quiet_end_on_first_token);
+  EXPECT_FALSE(workers_.decode_calls[0]->forgotten);
+}
+
 TEST_F(LifecycleTest, AggregatedWorkerPrefillsLocally) {
   AddWorker("b0", router::WorkerRole::kBoth);
   workers_.completion = tokenizer_->Encode("Blessed are the meek");

@@ -20,7 +20,9 @@ namespace tandem::proxy::lifecycle_testing {
 class FakeCall : public Call {
  public:
   void Cancel() override { cancelled = true; }
+  void Forget() override { forgotten = true; }
   std::atomic<bool> cancelled{false};
+  std::atomic<bool> forgotten{false};
 };
 
 // Decoders answer `registered` at once. A Prefill returns the first token,

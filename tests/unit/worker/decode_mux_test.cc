@@ -167,6 +167,45 @@ TEST(MuxBatcher, HandleZeroAndItemsAcrossBatches) {
   EXPECT_FALSE(m.items(1).has_finished());
 }
 
+// The quiet end (docs/decode-stream.md): a handle's item holding its first
+// token alone (with `registered`) leaves the batch; the items after it keep
+// taking their own events; any other item stays.
+TEST(MuxBatcher, DropFirstTokenItemRemovesOnlyAFirstTokenAlone) {
+  MuxBatcher b;
+  b.Tokens(1, 0, std::vector<uint32_t>{10});
+  b.Registered(2);
+  b.Tokens(2, 0, std::vector<uint32_t>{20});
+  b.Tokens(3, 4, std::vector<uint32_t>{34});
+  b.Tokens(4, 0, std::vector<uint32_t>{40, 41});
+  b.Tokens(5, 0, std::vector<uint32_t>{50});
+  EXPECT_FALSE(b.DropFirstTokenItem(3));  // not the first token
+  EXPECT_FALSE(b.DropFirstTokenItem(4));  // the first token and more
+  EXPECT_FALSE(b.DropFirstTokenItem(6));  // no item
+  EXPECT_TRUE(b.DropFirstTokenItem(2));   // `registered` and its first token: in the middle
+  EXPECT_FALSE(b.DropFirstTokenItem(2));  // gone
+  EXPECT_TRUE(b.DropFirstTokenItem(5));   // the last item
+  // The items after the dropped one still continue where they were.
+  b.Tokens(3, 5, std::vector<uint32_t>{35});
+  b.Finished(4, Fin(2));
+  b.Tokens(1, 1, std::vector<uint32_t>{11});
+  const pb::DecodeStreamResponse m = RoundTrip(b);
+  ASSERT_EQ(m.items_size(), 3);
+  EXPECT_EQ(m.items(0).handle(), 1u);
+  EXPECT_EQ(std::vector<uint32_t>(m.items(0).token_ids().begin(), m.items(0).token_ids().end()),
+            (std::vector<uint32_t>{10, 11}));
+  EXPECT_EQ(m.items(1).handle(), 3u);
+  EXPECT_EQ(m.items(1).first_index(), 4u);
+  EXPECT_EQ(m.items(1).token_ids_size(), 2);
+  EXPECT_EQ(m.items(2).handle(), 4u);
+  EXPECT_TRUE(m.items(2).has_finished());
+  EXPECT_EQ(m.items(2).token_ids_size(), 2);
+  // An item already taken is not in the next batch to drop.
+  b.Tokens(7, 0, std::vector<uint32_t>{70});
+  RoundTrip(b);
+  EXPECT_FALSE(b.DropFirstTokenItem(7));
+  EXPECT_TRUE(b.empty());
+}
+
 TEST(MuxBatcher, RandomInterleavingsReadBackAsEachRequestsOwnStream) {
   std::mt19937 rng(23);
   for (int round = 0; round < 50; ++round) {

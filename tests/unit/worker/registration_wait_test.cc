@@ -347,5 +347,97 @@ TEST_F(FoldedRegisteredTest, AnErrorAfterAFoldedRegistrationCarriesRegistered) {
   session.Close();
 }
 
+// The quiet end (docs/decode-stream.md, session 41): a start that asks for
+// it and ends on the prefiller's token sends no item at all (not the token,
+// `registered` or `finished`) and holds nothing after; the same start
+// without asking sends its one item; a quiet start that decodes on, or
+// fails, is sent as any other.
+class QuietEndTest : public FoldedRegisteredTest {
+ protected:
+  static v1::DecodeStreamRequest Quiet(uint64_t handle, const std::string& id,
+                                       uint32_t max_tokens) {
+    v1::DecodeStreamRequest req = Start(handle, id, /*fold=*/true, max_tokens);
+    req.mutable_start()->set_quiet_end_on_first_token(true);
+    return req;
+  }
+  void Prefilled(const std::string& id, uint32_t first_token) {
+    auto t = decoder_->Reserve(id, "p", PromptOf(id));
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    decoder_->OnKvNotice(SuccessNotice(*t, first_token));
+  }
+  static std::vector<v1::DecodeStreamItem> Of(const std::vector<v1::DecodeStreamItem>& items,
+                                              uint64_t handle) {
+    std::vector<v1::DecodeStreamItem> out;
+    for (const auto& item : items) {
+      if (item.handle() == handle) out.push_back(item);
+    }
+    return out;
+  }
+};
+
+TEST_F(QuietEndTest, ARequestThatEndsOnThePrefillersTokenSendsNothing) {
+  MakeDecoder();
+  auto out = std::make_shared<Batches>();
+  decoder::MuxSession session(*decoder_, out.get(), out);
+  session.OnRequest(Quiet(1, "quiet", 1));
+  Prefilled("quiet", 11);
+  ASSERT_TRUE(WaitFor([&] { return decoder_->counts().registered == 0; }));
+  // The same request without asking, after it on the same stream: its
+  // item is the stream's only one, so nothing went for the quiet one.
+  session.OnRequest(Start(2, "loud", /*fold=*/true, 1));
+  Prefilled("loud", 12);
+  ASSERT_TRUE(WaitFor([&] { return out->Ended(2); }));
+  const auto items = out->items();
+  ASSERT_EQ(items.size(), 1u) << items[0].DebugString();
+  EXPECT_EQ(items[0].handle(), 2u);
+  EXPECT_TRUE(items[0].registered());
+  EXPECT_EQ(items[0].first_index(), 0u);
+  ASSERT_EQ(items[0].token_ids_size(), 1);
+  EXPECT_EQ(items[0].token_ids(0), 12u);
+  ASSERT_TRUE(items[0].has_finished());
+  EXPECT_EQ(items[0].finished().completion_tokens(), 1u);
+  EXPECT_EQ(decoder_->counts().stream_messages, 1u);
+  EXPECT_EQ(decoder_->counts().stream_items, 1u);
+  // Nothing held for either: no registration, no reservation.
+  EXPECT_EQ(decoder_->counts().registered, 0u);
+  EXPECT_EQ(decoder_->counts().reservations, 0u);
+  session.Close();
+}
+
+TEST_F(QuietEndTest, AQuietStartThatDecodesOnOrFailsIsSentAsAnyOther) {
+  MakeDecoder();
+  auto out = std::make_shared<Batches>();
+  decoder::MuxSession session(*decoder_, out.get(), out);
+  // Three tokens: the first (the prefiller's) goes, then the rest and the end.
+  session.OnRequest(Quiet(1, "on", 3));
+  Prefilled("on", 11);
+  ASSERT_TRUE(WaitFor([&] { return out->Ended(1); }));
+  const auto on = Of(out->items(), 1);
+  ASSERT_FALSE(on.empty());
+  EXPECT_TRUE(on[0].registered());
+  EXPECT_EQ(on[0].first_index(), 0u);
+  ASSERT_GT(on[0].token_ids_size(), 0);
+  EXPECT_EQ(on[0].token_ids(0), 11u);
+  uint32_t tokens = 0;
+  for (const auto& item : on) tokens += static_cast<uint32_t>(item.token_ids_size());
+  EXPECT_EQ(tokens, 3u);
+  ASSERT_TRUE(on.back().has_finished());
+  EXPECT_EQ(on.back().finished().completion_tokens(), 3u);
+  // Its deadline passes while it waits for its KV: the error goes in band.
+  v1::DecodeStreamRequest late = Quiet(2, "late", 1);
+  late.mutable_start()->mutable_request()->set_deadline_unix_ms(
+      std::chrono::duration_cast<std::chrono::milliseconds>(
+          (std::chrono::system_clock::now() + 50ms).time_since_epoch())
+          .count());
+  session.OnRequest(late);
+  ASSERT_TRUE(WaitFor([&] { return out->Ended(2); }));
+  const auto failed = Of(out->items(), 2);
+  ASSERT_EQ(failed.size(), 1u);
+  EXPECT_TRUE(failed[0].registered());
+  ASSERT_TRUE(failed[0].has_error());
+  EXPECT_EQ(failed[0].error().code(), static_cast<int>(StatusCode::kDeadlineExceeded));
+  session.Close();
+}
+
 }  // namespace
 }  // namespace tandem::worker_test
