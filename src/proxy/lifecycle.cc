@@ -199,8 +199,7 @@ void RequestLifecycle::Launch() {
   // go, the Prefill's reply ends the request here (OnPrefillDone), so the
   // decoder need not say anything about it: no item, no wake-up of the
   // stream's reader. Never after a local prefill (no Prefill reply).
-  quiet_end_ = !route_.local && max_tokens == 1;
-  args.quiet_end_on_first_token = quiet_end_;
+  args.quiet_end_on_first_token = QuietEndLocked();
   std::weak_ptr<RequestLifecycle> weak = weak_from_this();
   DecodeEvents ev;
   // What a token reads first: the reference count and deps_ (make_shared
@@ -344,12 +343,16 @@ void RequestLifecycle::OnPrefillDone(uint32_t attempt, Result<PrefillResult> r) 
     decode_call_.reset();
     to_cancel = CompleteLocked(reason);
   }
-  const bool forget = ending && quiet_end_;
+  const bool forget = ending && QuietEndLocked();
   lock.unlock();
   // The quiet end: the decoder sends nothing more for it; the call keeps
   // nothing (a decode stream's handle), without a message.
   if (forget) ending->Forget();
   CancelAll(to_cancel);
+}
+
+bool RequestLifecycle::QuietEndLocked() const {
+  return !route_.local && req_.max_tokens > base_ && req_.max_tokens - base_ == 1;
 }
 
 bool RequestLifecycle::EndsAfterLastTokenLocked(Finish* reason) const {

@@ -122,6 +122,11 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   // engine would end it (a stop or EOS token, or max_tokens reached), and
   // with which reason.
   bool EndsAfterLastTokenLocked(Finish* reason) const;
+  // This attempt's decode start asks for the quiet end
+  // (DecodeArgs::quiet_end_on_first_token): a remote prefill with one token
+  // to go, so the Prefill's reply ends the request. Fixed for an attempt
+  // (a migration, which moves base_, is a new attempt).
+  bool QuietEndLocked() const;
   Calls FailLocked(Status st);
   // Re-routes when nothing reached the client yet and attempts remain.
   bool RetryLocked(const Status& st, const std::string& exclude, Calls& to_cancel);
@@ -174,9 +179,6 @@ class RequestLifecycle : public std::enable_shared_from_this<RequestLifecycle> {
   // (its decoder's WorkerInfo.reserve_waits_for_registration), not after
   // `registered`
   bool prefill_with_start_ = false;
-  // guarded by mu_: this attempt's decode start asked for the quiet end
-  // (DecodeArgs::quiet_end_on_first_token)
-  bool quiet_end_ = false;
   // This attempt's prompt: the request's own ids, or after a migration
   // those + the tokens already sent (migrated_, immutable once made).
   PromptIds migrated_;               // guarded by mu_: null before any migration

@@ -263,6 +263,12 @@ TEST_F(RegistrationWaitTest, AWaitingCallEndsWithItsCallerOrStopHoldingNothing) 
 // it alone at once, and a refused start is an error item without it.
 class FoldedRegisteredTest : public RegistrationWaitTest {
  protected:
+  // A deadline `d` from now, as DecodeRequest.deadline_unix_ms.
+  static int64_t UnixMsIn(std::chrono::milliseconds d) {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(
+               (std::chrono::system_clock::now() + d).time_since_epoch())
+        .count();
+  }
   static v1::DecodeStreamRequest Start(uint64_t handle, const std::string& id, bool fold,
                                        uint32_t max_tokens = 3) {
     v1::DecodeStreamRequest req;
@@ -322,10 +328,7 @@ TEST_F(FoldedRegisteredTest, AnErrorAfterAFoldedRegistrationCarriesRegistered) {
   // Its deadline passes while it waits for its KV: it ends in band, and the
   // item says it was registered (the proxy's culprit rule reads that).
   v1::DecodeStreamRequest start = Start(1, "a", /*fold=*/true);
-  start.mutable_start()->mutable_request()->set_deadline_unix_ms(
-      std::chrono::duration_cast<std::chrono::milliseconds>(
-          (std::chrono::system_clock::now() + 50ms).time_since_epoch())
-          .count());
+  start.mutable_start()->mutable_request()->set_deadline_unix_ms(UnixMsIn(50ms));
   session.OnRequest(start);
   EXPECT_TRUE(out->items().empty());
   ASSERT_TRUE(WaitFor([&] { return out->Ended(1); }));
@@ -425,10 +428,7 @@ TEST_F(QuietEndTest, AQuietStartThatDecodesOnOrFailsIsSentAsAnyOther) {
   EXPECT_EQ(on.back().finished().completion_tokens(), 3u);
   // Its deadline passes while it waits for its KV: the error goes in band.
   v1::DecodeStreamRequest late = Quiet(2, "late", 1);
-  late.mutable_start()->mutable_request()->set_deadline_unix_ms(
-      std::chrono::duration_cast<std::chrono::milliseconds>(
-          (std::chrono::system_clock::now() + 50ms).time_since_epoch())
-          .count());
+  late.mutable_start()->mutable_request()->set_deadline_unix_ms(UnixMsIn(50ms));
   session.OnRequest(late);
   ASSERT_TRUE(WaitFor([&] { return out->Ended(2); }));
   const auto failed = Of(out->items(), 2);
