@@ -49,6 +49,7 @@ void ReadRole(YamlMap m, RoleConfig& r) {
   m.Read("frame_listen", r.frame_listen);  // issue 23 (Prefill over TCP); checked in CrossCheck
   m.Read("reserve_listen", r.reserve_listen);  // issue 23 (Reserve over TCP); checked in CrossCheck
   m.ReadEnum("reserve_transport", r.reserve_transport, {"tcp", "grpc"});  // issue 23
+  m.Read("load_interval_ms", r.load_interval_ms, 10, 5000);               // issue 23
   m.Finish();
 }
 

@@ -275,6 +275,12 @@ struct RoleConfig {
   // decoders' Reserve: tcp (over a decoder's reserve_listen; gRPC with a
   // decoder that advertises none) | grpc (Decoder.Reserve always).
   std::string reserve_transport = "tcp";
+  // Issue 23, every role: how often a busy worker samples its load for its
+  // Watch streams (docs/serving-workers.md "Load reports"): each sample that
+  // changed what the router reads goes out with the KV events queued since.
+  // What the router must see at once (a prompt's stored blocks, a request's
+  // end, a decode step's evictions) goes at once regardless.
+  uint32_t load_interval_ms = 150;
 };
 
 // autoscale: the proxy's planner (src/proxy/planner.h) and `tandem launch`

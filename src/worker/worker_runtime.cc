@@ -558,7 +558,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   Worker* self = &w;
   w.worker_service = std::make_unique<WorkerService>(
       id, *w.engine, [self] { return self->Load(); }, [self] { self->UpdateMetrics(); },
-      std::chrono::milliseconds(150), w.idle_wake);
+      std::chrono::milliseconds(rc.load_interval_ms), w.idle_wake);
   services.push_back(w.worker_service->service());
   w.UpdateMetrics();  // every series exists (at zero) before anyone scrapes
   // And every scrape samples afresh: it includes what happened just before

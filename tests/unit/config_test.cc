@@ -145,6 +145,26 @@ TEST(Config, ReserveListenAndTransport) {  // issue 23, reserve-tcp
             std::string::npos);
 }
 
+// How often a busy worker samples its load for its Watch streams.
+TEST(Config, LoadIntervalPerRole) {  // issue 23
+  auto defaults = Parse("model:\n  path: m\nprefill:\n  replicas: 1\ndecode:\n  replicas: 1\n");
+  ASSERT_TRUE(defaults.ok()) << defaults.status().message();
+  EXPECT_EQ(defaults->prefill.load_interval_ms, 150u);
+  EXPECT_EQ(defaults->decode.load_interval_ms, 150u);
+  auto set = Parse(
+      "model:\n  path: m\nprefill:\n  replicas: 1\n  load_interval_ms: 300\n"
+      "decode:\n  replicas: 1\n  load_interval_ms: 10\n");
+  ASSERT_TRUE(set.ok()) << set.status().message();
+  EXPECT_EQ(set->prefill.load_interval_ms, 300u);
+  EXPECT_EQ(set->decode.load_interval_ms, 10u);
+  EXPECT_EQ(
+      ErrorOf("model:\n  path: m\nboth:\n  replicas: 1\n  load_interval_ms: 9\n"),
+      "configs/x.yaml:5: key 'both.load_interval_ms' must be an integer in [10, 5000], got '9'");
+  EXPECT_EQ(
+      ErrorOf("model:\n  path: m\nboth:\n  replicas: 1\n  load_interval_ms: 5001\n"),
+      "configs/x.yaml:5: key 'both.load_interval_ms' must be an integer in [10, 5000], got '5001'");
+}
+
 TEST(Config, WatchListenAndWatchTransport) {  // issue 23
   auto r = Parse(kGood);
   ASSERT_TRUE(r.ok()) << r.status().message();
