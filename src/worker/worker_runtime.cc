@@ -388,6 +388,13 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
 
   w.registry = std::make_unique<MetricsRegistry>(MetricLabels{w.fleet.model.name, cmd.role, name});
   w.metrics = std::make_unique<WorkerMetrics>(*w.registry);
+  // The cadence this worker's Watch loop samples its load at while busy,
+  // from its role's load_interval_ms (docs/serving-workers.md "Load reports").
+  w.registry
+      ->Gauge("tandem_worker_load_interval_seconds",
+              "how often this worker samples its load for its Watch streams while busy (its "
+              "role's load_interval_ms)")
+      .Set(rc.load_interval_ms / 1000.0);
   if (simulated) {
     w.registry
         ->Gauge("tandem_simulated_info",

@@ -38,13 +38,16 @@ FleetOptions SimOneP1D(const std::string& sim_lines = "", const std::string& mor
 }
 
 TEST(SimFleet, OneP1DServesDeterministicallyAndSaysSimulated) {
-  const FleetOptions o = SimOneP1D("  link_gbps: 100\n  link_latency_us: 10\n",
-                                   // The whole push after the prefill, so that
-                                   // tandem_kv_transfer_seconds times every byte
-                                   // (streaming times only what is left after the
-                                   // first token; kv_streaming_test covers sim
-                                   // streaming).
-                                   "transport:\n  push: after_prefill\n");
+  FleetOptions o = SimOneP1D("  link_gbps: 100\n  link_latency_us: 10\n",
+                             // The whole push after the prefill, so that
+                             // tandem_kv_transfer_seconds times every byte
+                             // (streaming times only what is left after the
+                             // first token; kv_streaming_test covers sim
+                             // streaming).
+                             "transport:\n  push: after_prefill\n");
+  // A setting of one role reaches that role's workers only (the decoder keeps
+  // the default 150 ms): tandem_worker_load_interval_seconds below.
+  o.prefill_yaml = "  load_interval_ms: 300\n";
   auto fleet = Fleet::Launch(o);
   ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
   const std::string proxy = (*fleet)->proxy_grpc();
@@ -93,6 +96,9 @@ TEST(SimFleet, OneP1DServesDeterministicallyAndSaysSimulated) {
     auto m = Scrape(w.metrics);
     ASSERT_TRUE(m.ok()) << m.status().ToString();
     EXPECT_EQ(MetricValue(*m, "tandem_simulated_info"), 1.0) << w.name;
+    EXPECT_DOUBLE_EQ(MetricValue(*m, "tandem_worker_load_interval_seconds"),
+                     w.role == "prefill" ? 0.3 : 0.15)
+        << w.name;
     EXPECT_NE(m->find("profile=\"H100\""), std::string::npos) << w.name;
     EXPECT_NE(m->find("kv_scale=\"256\""), std::string::npos) << w.name;
     EXPECT_NE(m->find("model=\"itest-simulated\""), std::string::npos) << w.name;
