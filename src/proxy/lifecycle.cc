@@ -352,7 +352,7 @@ void RequestLifecycle::OnPrefillDone(uint32_t attempt, Result<PrefillResult> r) 
 }
 
 bool RequestLifecycle::QuietEndLocked() const {
-  return !route_.local && req_.max_tokens > base_ && req_.max_tokens - base_ == 1;
+  return !route_.local && req_.max_tokens == base_ + 1;  // base_ < max_tokens: no wrap
 }
 
 bool RequestLifecycle::EndsAfterLastTokenLocked(Finish* reason) const {
