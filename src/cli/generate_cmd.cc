@@ -222,7 +222,7 @@ Status Run(const GenerateArgs& a) {
   auto created = engine::Engine::Create(config, weights, options);
   if (!created.ok()) return with_rank(created.status());
   auto eng = std::move(created).value();
-  weights = {};  // packed copies live in the backend
+  model::ReleaseHostWeights(weights);  // packed copies live in the backend
 
   engine::GenerateRequest req;
   req.request_id = "generate";

@@ -1,5 +1,7 @@
 #include "model/weights.h"
 
+#include <malloc.h>
+
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -145,6 +147,32 @@ Result<ModelWeights> LoadWeights(const std::string& dir, const ModelConfig& c,
     TANDEM_ASSIGN_OR_RETURN(l.down_proj, src.ReadMatrix(p + "mlp.down_proj.weight", hidden, inter));
   }
   return w;
+}
+
+uint64_t HostBytes(const ModelWeights& w) {
+  auto matrix = [](const Matrix& m) {
+    return m.data.size() * sizeof(float) + m.bf16.size() * sizeof(uint16_t);
+  };
+  auto vec = [](const std::vector<float>& v) { return v.size() * sizeof(float); };
+  uint64_t n = matrix(w.embed_tokens) + matrix(w.lm_head) + vec(w.norm);
+  for (const LayerWeights& l : w.layers) {
+    n += vec(l.input_layernorm) + vec(l.post_attention_layernorm) + vec(l.q_bias) + vec(l.k_bias) +
+         vec(l.v_bias) + vec(l.o_bias);
+    for (const Matrix* m :
+         {&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj}) {
+      n += matrix(*m);
+    }
+  }
+  return n;
+}
+
+uint64_t ReleaseHostWeights(ModelWeights& w) {
+  const uint64_t bytes = HostBytes(w);
+  w = ModelWeights{};  // (assignment from a fresh object frees every vector)
+  // Tensors below glibc's mmap threshold came from the heap; their pages
+  // stay resident after free() unless trimmed.
+  malloc_trim(0);
+  return bytes;
 }
 
 }  // namespace tandem::model

@@ -65,4 +65,14 @@ struct ModelWeights {
 Result<ModelWeights> LoadWeights(const std::string& dir, const ModelConfig& config,
                                  WeightFormat format = WeightFormat::kF32);
 
+// Host bytes the loaded tensors hold (matrices and vectors).
+uint64_t HostBytes(const ModelWeights& w);
+
+// Frees every tensor of `w` (it is left empty) and hands the freed heap
+// pages back to the kernel (malloc_trim): once a backend holds its own copy
+// (the cpu backend's packs, the cuda backend's device buffers), the loaded
+// one is the model's size again in resident memory for nothing. Returns
+// HostBytes before.
+uint64_t ReleaseHostWeights(ModelWeights& w);
+
 }  // namespace tandem::model

@@ -39,7 +39,8 @@ Status RunFollowerRank(const FollowerOptions& o) {
                             model::LoadWeights(o.model_dir, config, model::WeightFormat::kF32));
     TANDEM_ASSIGN_OR_RETURN(model,
                             engine::LlamaForward::Create(config, weights, {o.layout, o.rank}));
-  }  // the packed shard is all this rank keeps
+    model::ReleaseHostWeights(weights);  // the packed shard is all this rank keeps
+  }
   const engine::ShardSpec shard{o.layout, o.rank};
   std::unique_ptr<engine::AlignedKvPoolAllocator> own_allocator;
   engine::KvPoolAllocator* allocator = o.allocator;

@@ -85,7 +85,7 @@ struct Worker {
   FleetConfig fleet;
   RpcCredentials credentials;  // the internal plane's
   model::ModelConfig model_config;
-  model::ModelWeights weights;
+  model::ModelWeights weights;  // as loaded; empty once the engine holds its own copy
   engine::SimSetup sim;  // backend sim only
   std::unique_ptr<kvtransfer::Transport> transport;
   std::unique_ptr<TransportPoolAllocator> allocator;
@@ -423,6 +423,13 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     if (st.num_prefill_tokens == 0 && st.num_decode_tokens > 0) metrics->ObserveDecodeStep(st.seconds);
   };
   TANDEM_ASSIGN_OR_RETURN(w.engine, engine::Engine::Create(w.model_config, w.weights, eo));
+  // The backend holds its own copy now (the cpu backend's packed weights,
+  // the cuda backend's device buffers): the loaded one would keep the
+  // model's size resident a second time for the worker's life.
+  if (const uint64_t freed = model::ReleaseHostWeights(w.weights); freed > 0) {
+    spdlog::info("{}: freed the loaded weights ({:.1f} MiB; the {} backend keeps its own copy)",
+                 name, freed / 1048576.0, w.fleet.model.backend);
+  }
   // No silent fallback: a backend whose KV the transport cannot move is refused here.
   TANDEM_RETURN_IF_ERROR(
       CheckRoleCapabilities(w.engine->backend(), cmd.role, w.transport->capabilities()));

@@ -118,9 +118,12 @@ Result<std::unique_ptr<Fleet>> Fleet::Launch(const FleetOptions& o) {
         "  max_inflight: {}\n  max_tokens_limit: 512\n{}"
         "router:\n  policy: {}\n{}"
         "logging:\n  level: {}\n  format: {}\n",
-        BundledModel(), o.model_yaml, o.num_blocks, o.cache_yaml, o.max_num_seqs, o.max_batched_tokens, o.max_waiting,
-        o.scheduler_yaml, o.max_inflight, o.proxy_yaml + GrpcServerYaml(o) + PrefillTransportYaml(o) + WatchTransportYaml(o) +
-            RegisterTransportYaml(o), o.policy, o.router_yaml, LogLevel(o), o.log_format);
+        o.model_path.empty() ? BundledModel() : o.model_path, o.model_yaml, o.num_blocks,
+        o.cache_yaml, o.max_num_seqs, o.max_batched_tokens, o.max_waiting, o.scheduler_yaml,
+        o.max_inflight,
+        o.proxy_yaml + GrpcServerYaml(o) + PrefillTransportYaml(o) + WatchTransportYaml(o) +
+            RegisterTransportYaml(o),
+        o.policy, o.router_yaml, LogLevel(o), o.log_format);
     for (auto [role, n, extra] : {std::tuple{"prefill", o.prefill, &o.prefill_yaml},
                                   {"decode", o.decode, &o.decode_yaml},
                                   {"both", o.both, &o.both_yaml}}) {
@@ -322,9 +325,12 @@ Result<std::vector<uint32_t>> ReferenceGenerate(const std::vector<uint32_t>& pro
   return ReferenceGenerate(prompt_ids, max_tokens, 0.0f, 0);
 }
 
-Result<std::vector<uint32_t>> ReferenceGenerate(const std::vector<uint32_t>& prompt_ids,
-                                                uint32_t max_tokens, float temperature,
-                                                uint64_t seed) {
+namespace {
+
+Result<std::vector<uint32_t>> ReferenceGenerateOn(const std::string& model_dir,
+                                                  const std::vector<uint32_t>& prompt_ids,
+                                                  uint32_t max_tokens, float temperature,
+                                                  uint64_t seed) {
   const std::string sampling =
       temperature == 0.0f ? std::string("--temperature 0")
                           : fmt::format("--temperature {} --seed {}", temperature, seed);
@@ -335,7 +341,7 @@ Result<std::vector<uint32_t>> ReferenceGenerate(const std::vector<uint32_t>& pro
   }
   const std::string cmd = fmt::format(
       "{} generate --model {} --prompt-ids {} --max-tokens {} {} --ignore-eos --json 2>/dev/null",
-      Tandem(), BundledModel(), ids, max_tokens, sampling);
+      Tandem(), model_dir, ids, max_tokens, sampling);
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return InternalError("popen failed");
   std::string out;
@@ -349,6 +355,20 @@ Result<std::vector<uint32_t>> ReferenceGenerate(const std::vector<uint32_t>& pro
   } catch (const std::exception& e) {
     return InternalError(fmt::format("bad JSON from tandem generate: {}: {}", e.what(), out));
   }
+}
+
+}  // namespace
+
+Result<std::vector<uint32_t>> ReferenceGenerate(const std::vector<uint32_t>& prompt_ids,
+                                                uint32_t max_tokens, float temperature,
+                                                uint64_t seed) {
+  return ReferenceGenerateOn(BundledModel(), prompt_ids, max_tokens, temperature, seed);
+}
+
+Result<std::vector<uint32_t>> ReferenceGenerateWith(const std::string& model_dir,
+                                                    const std::vector<uint32_t>& prompt_ids,
+                                                    uint32_t max_tokens) {
+  return ReferenceGenerateOn(model_dir, prompt_ids, max_tokens, 0.0f, 0);
 }
 
 Result<std::string> Scrape(const std::string& address) {

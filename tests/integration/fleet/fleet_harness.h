@@ -34,6 +34,8 @@ struct FleetOptions {
   std::string router_yaml;
   // Lines added inside the `model` section, e.g. "  backend: sim\n".
   std::string model_yaml;
+  // The model folder (empty: the bundled model).
+  std::string model_path;
   // Lines added inside the `cache` section, e.g. "  host_tier_blocks: 64\n".
   std::string cache_yaml;
   // Lines added inside the `scheduler` section, e.g. "  schedule_conservativeness: 0\n".
@@ -157,6 +159,10 @@ Result<std::vector<uint32_t>> ReferenceGenerate(const std::vector<uint32_t>& pro
 Result<std::vector<uint32_t>> ReferenceGenerate(const std::vector<uint32_t>& prompt_ids,
                                                 uint32_t max_tokens, float temperature,
                                                 uint64_t seed);
+// Greedy, on the model in `model_dir`.
+Result<std::vector<uint32_t>> ReferenceGenerateWith(const std::string& model_dir,
+                                                    const std::vector<uint32_t>& prompt_ids,
+                                                    uint32_t max_tokens);
 
 // GET http://ADDRESS/metrics.
 Result<std::string> Scrape(const std::string& address);
