@@ -219,7 +219,7 @@ Status Run(const GenerateArgs& a) {
     const std::string death = ranks->death();
     return death.empty() ? st : st.WithContext(death);
   };
-  auto created = engine::Engine::Create(config, weights, options);
+  auto created = engine::Engine::Create(config, std::move(weights), options);
   if (!created.ok()) return with_rank(created.status());
   auto eng = std::move(created).value();
   model::ReleaseHostWeights(weights);  // packed copies live in the backend

@@ -100,10 +100,11 @@ Status BackendSupports(std::string_view name, const model::ModelConfig& config);
 
 // Builds backend `name` ("cpu") for the model; weights are copied (packed)
 // and may be dropped afterwards. `pool` is borrowed. `threads`: compute
-// threads (1 = the engine thread only).
+// threads (1 = the engine thread only). `consume`: as LlamaForward::Create's.
 Result<std::unique_ptr<ComputeBackend>> CreateBackend(std::string_view name,
                                                       const model::ModelConfig& config,
                                                       const model::ModelWeights& weights,
-                                                      KvPool* pool, int threads);
+                                                      KvPool* pool, int threads,
+                                                      model::ModelWeights* consume = nullptr);
 
 }  // namespace tandem::engine

@@ -62,7 +62,8 @@ Status BackendSupports(std::string_view name, const model::ModelConfig& config) 
 Result<std::unique_ptr<ComputeBackend>> CreateBackend(std::string_view name,
                                                       const model::ModelConfig& config,
                                                       const model::ModelWeights& weights,
-                                                      KvPool* pool, int threads) {
+                                                      KvPool* pool, int threads,
+                                                      model::ModelWeights* consume) {
   TANDEM_RETURN_IF_ERROR(BackendSupports(name, config));
   const KvLayout& kv = pool->layout();
   if (kv.num_layers != config.num_hidden_layers || kv.num_kv_heads != config.num_key_value_heads ||
@@ -73,7 +74,7 @@ Result<std::unique_ptr<ComputeBackend>> CreateBackend(std::string_view name,
         kv.num_layers, kv.num_kv_heads, kv.head_dim, config.num_hidden_layers,
         config.num_key_value_heads, config.head_dim));
   }
-  TANDEM_ASSIGN_OR_RETURN(auto model, LlamaForward::Create(config, weights));
+  TANDEM_ASSIGN_OR_RETURN(auto model, LlamaForward::Create(config, weights, {}, consume));
   return std::unique_ptr<ComputeBackend>(new CpuBackend(std::move(model), pool, threads));
 }
 

@@ -125,6 +125,19 @@ Engine::~Engine() {
 Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
                                                const model::ModelWeights& weights,
                                                EngineOptions options) {
+  return CreateImpl(config, weights, std::move(options), nullptr);
+}
+
+Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
+                                               model::ModelWeights&& weights,
+                                               EngineOptions options) {
+  return CreateImpl(config, weights, std::move(options), &weights);
+}
+
+Result<std::unique_ptr<Engine>> Engine::CreateImpl(const model::ModelConfig& config,
+                                                   const model::ModelWeights& weights,
+                                                   EngineOptions options,
+                                                   model::ModelWeights* consume) {
   if (options.block_size == 0 || options.num_blocks == 0) {
     return InvalidArgumentError(fmt::format("block_size ({}) and num_blocks ({}) must be > 0",
                                             options.block_size, options.num_blocks));
@@ -200,10 +213,11 @@ Result<std::unique_ptr<Engine>> Engine::Create(const model::ModelConfig& config,
     po.group = o.parallel_group;
     po.threads = static_cast<int>(o.threads);
     po.join_timeout_ms = o.parallel_join_timeout_ms;
-    TANDEM_ASSIGN_OR_RETURN(e->backend_, CreateParallelBackend(config, weights, e->pool_.get(), po));
+    TANDEM_ASSIGN_OR_RETURN(e->backend_,
+                            CreateParallelBackend(config, weights, e->pool_.get(), po, consume));
   } else {
     TANDEM_ASSIGN_OR_RETURN(e->backend_, CreateBackend(o.backend, config, weights, e->pool_.get(),
-                                                       static_cast<int>(o.threads)));
+                                                       static_cast<int>(o.threads), consume));
   }
   // Only a pool the backend computes in: the cuda backend keeps its KV in
   // device memory and reads this host pool's geometry only.

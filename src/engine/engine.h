@@ -182,6 +182,13 @@ class Engine {
   static Result<std::unique_ptr<Engine>> Create(const model::ModelConfig& config,
                                                 const model::ModelWeights& weights,
                                                 EngineOptions options);
+  // The same, freeing `weights`' tensors as the backend copies them (the
+  // cpu backend packs a layer, then frees it): a load peaks near one copy
+  // of the model instead of two. `weights` is left empty or partly freed;
+  // model::ReleaseHostWeights frees what remains (the cuda backend's).
+  static Result<std::unique_ptr<Engine>> Create(const model::ModelConfig& config,
+                                                model::ModelWeights&& weights,
+                                                EngineOptions options);
   ~Engine();  // Stop()s a started engine
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -265,6 +272,10 @@ class Engine {
   static constexpr uint32_t kDecodeCommitBlocks = 8;
 
  private:
+  static Result<std::unique_ptr<Engine>> CreateImpl(const model::ModelConfig& config,
+                                                    const model::ModelWeights& weights,
+                                                    EngineOptions options,
+                                                    model::ModelWeights* consume);
   struct ReservationState {
     std::string request_id;
     std::vector<uint32_t> prompt;

@@ -100,7 +100,8 @@ parallel::ModelDims DimsOf(const model::ModelConfig& c) {
 
 Result<std::unique_ptr<LlamaForward>> LlamaForward::Create(const model::ModelConfig& config,
                                                            const model::ModelWeights& w,
-                                                           ShardSpec shard) {
+                                                           ShardSpec shard,
+                                                           model::ModelWeights* consume) {
   const uint32_t hidden = config.hidden_size, hd = config.head_dim;
   const uint32_t heads = config.num_attention_heads, kvh = config.num_key_value_heads;
   const uint32_t inter = config.intermediate_size, vocab = config.vocab_size;
@@ -160,6 +161,12 @@ Result<std::unique_ptr<LlamaForward>> LlamaForward::Create(const model::ModelCon
     f->embed_.assign(w.embed_tokens.data.begin() + size_t{f->vocab_.begin} * hidden,
                      w.embed_tokens.data.begin() + size_t{f->vocab_.end} * hidden);
   }
+  // `consume` (the same object as `w`): every tensor is freed as soon as
+  // its copy is made, so loading peaks at about one copy of the model plus
+  // one layer's packs, not two copies. An untied lm_head leaves the
+  // embedding needed by nothing else.
+  const bool tied = w.lm_head.rows == 0;
+  if (consume != nullptr && !tied) consume->embed_tokens = {};
   for (uint32_t i = 0; i < config.num_hidden_layers; ++i) {
     const model::LayerWeights& lw = w.layers[i];
     const std::string p = fmt::format("model.layers.{}.", i);
@@ -181,7 +188,10 @@ Result<std::unique_ptr<LlamaForward>> LlamaForward::Create(const model::ModelCon
     if (!lw.o_bias.empty()) {
       TANDEM_RETURN_IF_ERROR(CheckVector(lw.o_bias, hidden, p + "self_attn.o_proj.bias"));
     }
-    if (i < f->layers_range_.begin || i >= f->layers_range_.end) continue;  // another stage's
+    if (i < f->layers_range_.begin || i >= f->layers_range_.end) {  // another stage's
+      if (consume != nullptr) consume->layers[i] = model::LayerWeights{};
+      continue;
+    }
     Layer L;
     L.input_norm = lw.input_layernorm;
     L.post_norm = lw.post_attention_layernorm;
@@ -200,12 +210,18 @@ Result<std::unique_ptr<LlamaForward>> LlamaForward::Create(const model::ModelCon
     f->weight_bytes_ += (L.input_norm.size() + L.post_norm.size() + L.q_bias.size() +
                          L.k_bias.size() + L.v_bias.size() + L.o_bias.size()) * sizeof(float);
     f->layers_.push_back(std::move(L));
+    if (consume != nullptr) consume->layers[i] = model::LayerWeights{};  // (`lw` with it)
   }
   if (f->last_stage_) {
     f->final_norm_ = w.norm;
-    f->lm_head_ = PackRows(w.lm_head.rows != 0 ? w.lm_head : w.embed_tokens, f->vocab_);
+    f->lm_head_ = PackRows(tied ? w.embed_tokens : w.lm_head, f->vocab_);
     count(f->lm_head_);
     f->weight_bytes_ += f->final_norm_.size() * sizeof(float);
+  }
+  if (consume != nullptr) {
+    consume->lm_head = {};
+    consume->embed_tokens = {};
+    consume->norm = {};
   }
 
   f->inv_freq_.resize(hd / 2);

@@ -80,10 +80,14 @@ class LlamaForward {
  public:
   // Checks shapes against the config and the layout (CheckLayout's message
   // for a layout that cannot split the model, GQA alignment of the rank's Q
-  // heads onto its KV heads) and packs `shard`'s weights only.
+  // heads onto its KV heads) and packs `shard`'s weights only. `consume`:
+  // null, or `&weights` itself, whose tensors are then freed one by one as
+  // they are copied (a load peaks near one copy of the model, not two);
+  // after an error it may be partly freed.
   static Result<std::unique_ptr<LlamaForward>> Create(const model::ModelConfig& config,
                                                       const model::ModelWeights& weights,
-                                                      ShardSpec shard = {});
+                                                      ShardSpec shard = {},
+                                                      model::ModelWeights* consume = nullptr);
 
   const model::ModelConfig& config() const { return config_; }
   const ShardSpec& shard() const { return shard_; }

@@ -99,9 +99,11 @@ Status ParallelBackend::Forward(std::span<const SeqChunk> batch, std::span<float
   return Status::Ok();
 }
 
-Result<std::unique_ptr<ComputeBackend>> CreateParallelBackend(
-    const model::ModelConfig& config, const model::ModelWeights& weights, KvPool* pool,
-    const ParallelBackendOptions& options) {
+Result<std::unique_ptr<ComputeBackend>> CreateParallelBackend(const model::ModelConfig& config,
+                                                              const model::ModelWeights& weights,
+                                                              KvPool* pool,
+                                                              const ParallelBackendOptions& options,
+                                                              model::ModelWeights* consume) {
   const parallel::ParallelLayout& layout = options.layout;
   TANDEM_RETURN_IF_ERROR(parallel::CheckLayout(layout, DimsOf(config)));
   if (options.group.empty()) {
@@ -121,7 +123,7 @@ Result<std::unique_ptr<ComputeBackend>> CreateParallelBackend(
   std::unique_ptr<ParallelBackend> b(new ParallelBackend());
   b->options_ = options;
   b->pool_ = pool;
-  TANDEM_ASSIGN_OR_RETURN(b->model_, LlamaForward::Create(config, weights, shard));
+  TANDEM_ASSIGN_OR_RETURN(b->model_, LlamaForward::Create(config, weights, shard, consume));
   b->threads_ = std::make_unique<kernels::cpu::ThreadPool>(options.threads < 1 ? 1 : options.threads);
   TANDEM_ASSIGN_OR_RETURN(b->comms_,
                           JoinRankComms(layout, 0, options.group, options.join_timeout_ms));

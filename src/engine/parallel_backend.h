@@ -77,8 +77,8 @@ class ParallelBackend final : public ComputeBackend {
 
  private:
   friend Result<std::unique_ptr<ComputeBackend>> CreateParallelBackend(
-      const model::ModelConfig&, const model::ModelWeights&, KvPool*,
-      const ParallelBackendOptions&);
+      const model::ModelConfig&, const model::ModelWeights&, KvPool*, const ParallelBackendOptions&,
+      model::ModelWeights*);
   ParallelBackend() = default;
   Status Broken(Status status);
 
@@ -99,9 +99,9 @@ class ParallelBackend final : public ComputeBackend {
 // {layout, 0}, block_size) (Engine::Create makes it so). Refuses a layout
 // the model cannot be split by (CheckLayout's message) and a cuda/sim build
 // path (CPU ranks only). Blocks until every follower joined.
-Result<std::unique_ptr<ComputeBackend>> CreateParallelBackend(const model::ModelConfig& config,
-                                                              const model::ModelWeights& weights,
-                                                              KvPool* pool,
-                                                              const ParallelBackendOptions& options);
+// `consume`: as LlamaForward::Create's.
+Result<std::unique_ptr<ComputeBackend>> CreateParallelBackend(
+    const model::ModelConfig& config, const model::ModelWeights& weights, KvPool* pool,
+    const ParallelBackendOptions& options, model::ModelWeights* consume = nullptr);
 
 }  // namespace tandem::engine

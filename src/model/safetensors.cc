@@ -210,6 +210,21 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string
   return f;
 }
 
+namespace {
+
+// Takes the whole pages of [p, p + n) out of this process's resident
+// memory once a tensor has been copied out of the mapping (they stay in the
+// page cache; a second read faults them back in with the same bytes). A
+// load then holds the converted tensors, not them plus the file.
+void DropPages(const uint8_t* p, uint64_t n) {
+  static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~(page - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n) & ~(page - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
+}  // namespace
+
 Result<const SafetensorsTensor*> SafetensorsFile::Check(
     const std::string& name, std::span<const uint64_t> expected_shape) const {
   const SafetensorsTensor* t = Find(name);
@@ -248,6 +263,7 @@ Result<std::vector<uint16_t>> SafetensorsFile::ReadBf16(
       std::memcpy(out.data(), src, n * 2);
       break;
   }
+  DropPages(src, t->end_bytes - t->begin_bytes);
   return out;
 }
 
@@ -276,6 +292,7 @@ Result<std::vector<float>> SafetensorsFile::ReadF32(
       }
       break;
   }
+  DropPages(src, t->end_bytes - t->begin_bytes);
   return out;
 }
 

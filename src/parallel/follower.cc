@@ -37,8 +37,8 @@ Status RunFollowerRank(const FollowerOptions& o) {
   {
     TANDEM_ASSIGN_OR_RETURN(model::ModelWeights weights,
                             model::LoadWeights(o.model_dir, config, model::WeightFormat::kF32));
-    TANDEM_ASSIGN_OR_RETURN(model,
-                            engine::LlamaForward::Create(config, weights, {o.layout, o.rank}));
+    TANDEM_ASSIGN_OR_RETURN(model, engine::LlamaForward::Create(config, weights, {o.layout, o.rank},
+                                                                /*consume=*/&weights));
     model::ReleaseHostWeights(weights);  // the packed shard is all this rank keeps
   }
   const engine::ShardSpec shard{o.layout, o.rank};

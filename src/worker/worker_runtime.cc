@@ -422,13 +422,16 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     if (engine_progress) engine_progress->StepEnded();
     if (st.num_prefill_tokens == 0 && st.num_decode_tokens > 0) metrics->ObserveDecodeStep(st.seconds);
   };
-  TANDEM_ASSIGN_OR_RETURN(w.engine, engine::Engine::Create(w.model_config, w.weights, eo));
-  // The backend holds its own copy now (the cpu backend's packed weights,
-  // the cuda backend's device buffers): the loaded one would keep the
-  // model's size resident a second time for the worker's life.
-  if (const uint64_t freed = model::ReleaseHostWeights(w.weights); freed > 0) {
-    spdlog::info("{}: freed the loaded weights ({:.1f} MiB; the {} backend keeps its own copy)",
-                 name, freed / 1048576.0, w.fleet.model.backend);
+  // The backend makes its own copy (the cpu backend's packed weights, freeing
+  // each loaded tensor once copied; the cuda backend's device buffers): the
+  // loaded one would keep the model's size resident a second time.
+  const uint64_t loaded = model::HostBytes(w.weights);
+  TANDEM_ASSIGN_OR_RETURN(w.engine,
+                          engine::Engine::Create(w.model_config, std::move(w.weights), eo));
+  model::ReleaseHostWeights(w.weights);  // what the backend did not free (cuda: all of it)
+  if (loaded > 0) {
+    spdlog::info("{}: freed the loaded weights ({:.1f} MiB); the {} backend keeps its own copy",
+                 name, loaded / 1048576.0, w.fleet.model.backend);
   }
   // No silent fallback: a backend whose KV the transport cannot move is refused here.
   TANDEM_RETURN_IF_ERROR(
