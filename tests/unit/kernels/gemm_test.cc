@@ -3,6 +3,7 @@
 // positions and thread counts).
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <vector>
 
@@ -99,6 +100,26 @@ TEST(GemmTest, UnpackedEqualsPacked) {
   const auto packed = cpu::PackWeights(w.data(), n, k);
   cpu::Gemm(x.data(), packed, nullptr, b.data(), m);
   EXPECT_TRUE(BitEqual(a.data(), b.data(), a.size()));
+}
+
+// A pack of 2 MiB or more is allocated on a 2 MiB boundary (advised for
+// transparent huge pages, session 43) and holds the same weights: a decode
+// (m < 4) and a prefill-shaped GEMM on it equal the unpacked GEMM's bits.
+TEST(GemmTest, LargePackStartsOnA2MiBBoundaryAndEqualsUnpacked) {
+  const int n = 1030, k = 1024;  // 65 panels x 1024 x 16 floats: 4.26 MB
+  const auto w = Random(static_cast<size_t>(n) * k, 5);
+  const auto packed = cpu::PackWeights(w.data(), n, k);
+  ASSERT_GE(packed.bytes(), size_t{2} << 20);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(packed.data()) % (uintptr_t{2} << 20), 0u);
+  const auto small = cpu::PackWeights(w.data(), 17, 64);  // 8 KB: 64-byte aligned only
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(small.data()) % 64, 0u);
+  for (int m : {1, 3, 9}) {
+    const auto x = Random(static_cast<size_t>(m) * k, 6 + m);
+    std::vector<float> a(static_cast<size_t>(m) * n), b(a.size());
+    cpu::Gemm(x.data(), w.data(), nullptr, a.data(), m, n, k);
+    cpu::Gemm(x.data(), packed, nullptr, b.data(), m);
+    EXPECT_TRUE(BitEqual(a.data(), b.data(), a.size())) << "m " << m;
+  }
 }
 
 TEST(GemmTest, NanInputPropagatesOnlyToItsRow) {
