@@ -81,6 +81,13 @@ TEST(WorkerMemory, CpuWorkerHoldsOneCopyOfTheWeights) {
   char tmpl[] = "/tmp/tandem-model-XXXXXX";
   ASSERT_NE(mkdtemp(tmpl), nullptr);
   const std::string dir = tmpl;
+  struct RemoveAtExit {  // the ~100 MB model goes whichever way the test ends
+    std::string path;
+    ~RemoveAtExit() {
+      std::error_code ec;
+      fs::remove_all(path, ec);
+    }
+  } remove_at_exit{dir};
   // ~50M parameters (198 MB as f32), the bundled tokenizer's vocabulary.
   const std::string cmd = fmt::format(
       "python3 {}/tools/make_random_model.py {} --layers 4 --hidden 1024 --intermediate 2496 "
@@ -126,7 +133,6 @@ TEST(WorkerMemory, CpuWorkerHoldsOneCopyOfTheWeights) {
       "(generated); one copy of the difference in weights %.1f MiB\n",
       small.rss / 1048576.0, small.peak / 1048576.0, large.rss / 1048576.0, large.peak / 1048576.0,
       one_copy / 1048576.0);
-  fs::remove_all(dir);
 }
 
 }  // namespace
