@@ -166,13 +166,11 @@ uint64_t HostBytes(const ModelWeights& w) {
   return n;
 }
 
-uint64_t ReleaseHostWeights(ModelWeights& w) {
-  const uint64_t bytes = HostBytes(w);
+void ReleaseHostWeights(ModelWeights& w) {
   w = ModelWeights{};  // (assignment from a fresh object frees every vector)
   // Tensors below glibc's mmap threshold came from the heap; their pages
   // stay resident after free() unless trimmed.
   malloc_trim(0);
-  return bytes;
 }
 
 }  // namespace tandem::model

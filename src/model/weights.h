@@ -71,8 +71,7 @@ uint64_t HostBytes(const ModelWeights& w);
 // Frees every tensor of `w` (it is left empty) and hands the freed heap
 // pages back to the kernel (malloc_trim): once a backend holds its own copy
 // (the cpu backend's packs, the cuda backend's device buffers), the loaded
-// one is the model's size again in resident memory for nothing. Returns
-// HostBytes before.
-uint64_t ReleaseHostWeights(ModelWeights& w);
+// one is the model's size again in resident memory for nothing.
+void ReleaseHostWeights(ModelWeights& w);
 
 }  // namespace tandem::model

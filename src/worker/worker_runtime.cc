@@ -85,7 +85,6 @@ struct Worker {
   FleetConfig fleet;
   RpcCredentials credentials;  // the internal plane's
   model::ModelConfig model_config;
-  model::ModelWeights weights;  // as loaded; empty once the engine holds its own copy
   engine::SimSetup sim;  // backend sim only
   std::unique_ptr<kvtransfer::Transport> transport;
   std::unique_ptr<TransportPoolAllocator> allocator;
@@ -296,6 +295,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   const bool prefills = cmd.role == "prefill" || cmd.role == "both";
   TANDEM_ASSIGN_OR_RETURN(w.model_config, model::LoadModelConfig(w.fleet.model.path));
   const bool simulated = w.fleet.model.backend == "sim";
+  model::ModelWeights weights;  // as loaded; the engine makes its own copy
   if (simulated) {
     // No weights: a timing model stands in for the GPU; model.path gives
     // the tokenizer's vocabulary (docs/sim.md).
@@ -307,7 +307,7 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
     // cuda: matrices straight to bf16 (half the host memory; docs/cuda.md).
     const auto format = w.fleet.model.backend == "cuda" ? model::WeightFormat::kBf16
                                                         : model::WeightFormat::kF32;
-    TANDEM_ASSIGN_OR_RETURN(w.weights,
+    TANDEM_ASSIGN_OR_RETURN(weights,
                             model::LoadWeights(w.fleet.model.path, w.model_config, format));
   }
 
@@ -425,10 +425,9 @@ Status Build(const WorkerCommand& cmd, const std::string& name, const RoleConfig
   // The backend makes its own copy (the cpu backend's packed weights, freeing
   // each loaded tensor once copied; the cuda backend's device buffers): the
   // loaded one would keep the model's size resident a second time.
-  const uint64_t loaded = model::HostBytes(w.weights);
-  TANDEM_ASSIGN_OR_RETURN(w.engine,
-                          engine::Engine::Create(w.model_config, std::move(w.weights), eo));
-  model::ReleaseHostWeights(w.weights);  // what the backend did not free (cuda: all of it)
+  const uint64_t loaded = model::HostBytes(weights);
+  TANDEM_ASSIGN_OR_RETURN(w.engine, engine::Engine::Create(w.model_config, std::move(weights), eo));
+  model::ReleaseHostWeights(weights);  // what the backend did not free (cuda: all of it)
   if (loaded > 0) {
     spdlog::info("{}: freed the loaded weights ({:.1f} MiB); the {} backend keeps its own copy",
                  name, loaded / 1048576.0, w.fleet.model.backend);
