@@ -9,16 +9,23 @@
 #   3. the models: the bundled models/tandem-kjv and a generated ~189M-param
 #      Llama (tools/make_random_model.py, bf16 safetensors: both engines load
 #      it as f32), each converted to an f32 GGUF (bench/peers/convert_to_gguf.py);
-#   4. the run, per model and thread count, interleaved so both engines see
-#      the same machine: memory bandwidth (memcpy and a parallel read, in
-#      `tandem bench engine`), then tandem, then llama-bench (pp512, tg128)
-#      and llama-batched-bench (16-token prompts, 128 generated, batch 1 and 8);
-#      `uptime` before and after each engine;
+#   4. the run, per model in ROUNDS rounds, each round every thread count,
+#      interleaved so both engines see the same machine: memory bandwidth
+#      (memcpy and a parallel read, in `tandem bench engine`), then tandem,
+#      then llama-bench (pp512, tg128) and llama-batched-bench (16-token
+#      prompts, 128 generated, batch 1 and 8); `uptime` before and after each
+#      engine. This host's memory bandwidth moves by a third from minute to
+#      minute (bench/results/cpu_vs_llamacpp.md, sessions 41-43), so one
+#      engine's part a minute after the other's can land in another phase:
+#      rounds of REPS repetitions each, alternated, give every comparison
+#      (tandem / llama.cpp, 2 threads / 1 thread) pairs measured minutes
+#      apart at most, and the report gives each round's ratio beside the
+#      ratio of the means;
 #   5. bench/peers/report.py turns the results into the markdown tables of
 #      bench/results/cpu_vs_llamacpp.md.
 #
 #   bench/peers/run.sh                      # everything (first run: ~30 min)
-#   PEERS=/tmp/peers THREADS="1 2" REPS=3 bench/peers/run.sh
+#   PEERS=/tmp/peers THREADS="1 2" ROUNDS=3 REPS=2 bench/peers/run.sh
 #   SKIP_SETUP=1 bench/peers/run.sh         # steps 4-5 only (1-3 done before)
 #
 # Needs: a tandem build (TANDEM, default build/tandem), cmake, a C++ compiler,
@@ -29,7 +36,8 @@ REPO=$(cd "$(dirname "$0")/../.." && pwd)
 PEERS=${PEERS:-/tmp/peers}
 TANDEM=${TANDEM:-$REPO/build/tandem}
 THREADS=${THREADS:-"1 2"}
-REPS=${REPS:-3}
+REPS=${REPS:-2}
+ROUNDS=${ROUNDS:-3}
 LCP_VERSION=${LCP_VERSION:-0.3.36}   # llama-cpp-python sdist
 OUT=${OUT:-$PEERS/results/$(date -u +%Y%m%dT%H%M%SZ)}
 case "$PEERS" in "$REPO"|"$REPO"/*) echo "PEERS must be outside the repository" >&2; exit 2 ;; esac
@@ -96,30 +104,51 @@ measured() {
     >> "$OUT/others.txt"
 }
 
+# run_tandem MODEL THREADS ROUND DIR / run_llama MODEL THREADS ROUND: one
+# engine's part of a round; results in $OUT/<engine>-MODEL-tTHREADS-rROUND.*
+run_tandem() {
+  local m=$1 t=$2 r=$3 dir=$4
+  echo "$m $t tandem start $(load) $r" >> "$OUT/load.txt"
+  measured "$m $t r$r tandem" "$TANDEM" bench engine --model "$dir" --threads "$t" --batch 1,8 \
+    --prompt-tokens 512 --decode-tokens 128 --decode-prompt 16 --reps "$REPS" --json "$OUT/tandem-$m-t$t-r$r.json"
+  echo "$m $t tandem end $(load) $r" >> "$OUT/load.txt"
+}
+
+run_llama() {
+  local m=$1 t=$2 r=$3
+  echo "$m $t llama.cpp start $(load) $r" >> "$OUT/load.txt"
+  measured "$m $t r$r llama-bench" "$LBUILD/bin/llama-bench" -m "$MODELS/$m-f32.gguf" -t "$t" -p 512 \
+    -n 128 -r "$REPS" -o json > "$OUT/llamabench-$m-t$t-r$r.json"
+  measured "$m $t r$r llama-batched-bench" "$LBUILD/bin/llama-batched-bench" -m "$MODELS/$m-f32.gguf" \
+    -t "$t" -tb "$t" -c 4096 -b 2048 -ub 512 -npp 16 -ntg 128 -npl 1,8 --output-format jsonl \
+    > "$OUT/batched-$m-t$t-r$r.jsonl" 2> "$OUT/batched-$m-t$t-r$r.log"
+  echo "$m $t llama.cpp end $(load) $r" >> "$OUT/load.txt"
+}
+
 run() {
   mkdir -p "$OUT"
   {
     echo "tandem: $("$TANDEM" version 2>/dev/null | head -1) ($(git -C "$REPO" rev-parse --short HEAD))"
     echo "llama.cpp: llama-cpp-python $LCP_VERSION sdist, vendor/llama.cpp"
     echo "cpu: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cpus"
-    echo "threads: $THREADS; reps: $REPS"
+    echo "threads: $THREADS; rounds: $ROUNDS; reps per round: $REPS"
   } > "$OUT/meta.txt"
   for m in kjv llama189m; do
     local dir=$REPO/models/tandem-kjv
     [[ $m == llama189m ]] && dir=$MODELS/llama189m
-    for t in $THREADS; do
-      echo "== $m, $t thread(s)"
-      echo "$m $t tandem start $(load)" >> "$OUT/load.txt"
-      measured "$m $t tandem" "$TANDEM" bench engine --model "$dir" --threads "$t" --batch 1,8 --prompt-tokens 512 \
-        --decode-tokens 128 --decode-prompt 16 --reps "$REPS" --json "$OUT/tandem-$m-t$t.json"
-      echo "$m $t tandem end $(load)" >> "$OUT/load.txt"
-      echo "$m $t llama.cpp start $(load)" >> "$OUT/load.txt"
-      measured "$m $t llama-bench" "$LBUILD/bin/llama-bench" -m "$MODELS/$m-f32.gguf" -t "$t" -p 512 -n 128 -r "$REPS" \
-        -o json > "$OUT/llamabench-$m-t$t.json"
-      measured "$m $t llama-batched-bench" "$LBUILD/bin/llama-batched-bench" -m "$MODELS/$m-f32.gguf" -t "$t" -tb "$t" -c 4096 \
-        -b 2048 -ub 512 -npp 16 -ntg 128 -npl 1,8 --output-format jsonl \
-        > "$OUT/batched-$m-t$t.jsonl" 2> "$OUT/batched-$m-t$t.log"
-      echo "$m $t llama.cpp end $(load)" >> "$OUT/load.txt"
+    for r in $(seq 1 "$ROUNDS"); do
+      for t in $THREADS; do
+        echo "== $m, $t thread(s), round $r of $ROUNDS"
+        # Odd rounds tandem first, even rounds llama.cpp first: a drift
+        # within a round favours neither engine.
+        if ((r % 2)); then
+          run_tandem "$m" "$t" "$r" "$dir"
+          run_llama "$m" "$t" "$r"
+        else
+          run_llama "$m" "$t" "$r"
+          run_tandem "$m" "$t" "$r" "$dir"
+        fi
+      done
     done
   done
   python3 "$REPO/bench/peers/report.py" "$OUT" | tee "$OUT/report.md"
