@@ -145,15 +145,21 @@ def main() -> int:
     print()
     print("Decode scaling, batch 1 (2 threads / 1 thread): the ratio of the means, then each round's "
           "(its 1- and 2-thread parts run back to back); the read probe's ratio is this host's "
-          "limit for a decode that reads its weights at memory bandwidth:")
+          "limit for a decode that reads its weights at memory bandwidth (`paired`: the probes taken "
+          "after each decode repetition, runs since session 44):")
     print()
     print("| model | tandem | per round | llama.cpp (llama-bench tg128) | per round "
-          "| read probe 2 / 1 thread | per round |")
-    print("|---|---|---|---|---|---|---|")
+          "| read probe 2 / 1 thread | per round | paired probe 2 / 1 | per round |")
+    print("|---|---|---|---|---|---|---|---|---|")
 
     def probe(m, t, r):
         j = tandem.get((m, t), {}).get(r)
         return j["read_GBps"][str(t)] if j else None
+
+    def paired_probe(m, t, r):
+        run = tandem_run(m, t, r)
+        d = run["decode_tps"]["1"] if run else {}
+        return d["paired_read_GBps"]["mean"] if "paired_read_GBps" in d else None
 
     for m in models:
         if not (tandem.get((m, 1)) and tandem.get((m, 2))):
@@ -161,7 +167,7 @@ def main() -> int:
         rs = sorted(set(rounds(m, 1)) & set(rounds(m, 2)))
         cols = []
         for f in (lambda t, r: tandem_decode(m, t, r, 1), lambda t, r: llama_ts(m, t, r, 0, 128),
-                  lambda t, r: probe(m, t, r)):
+                  lambda t, r: probe(m, t, r), lambda t, r: paired_probe(m, t, r)):
             v2 = [f(2, r) for r in rs]
             v1 = [f(1, r) for r in rs]
             m2, _ = mean_sd(v2)
@@ -174,9 +180,12 @@ def main() -> int:
     print("Batch-1 decode against memory bandwidth (same run; weights read per token × tokens/s; "
           "means over the rounds):")
     print()
+    print("`paired`: tandem's decode against the read probe taken right after each of its repetitions "
+          "(the mean of the per-repetition fractions; runs since session 44).")
+    print()
     print("| model | threads | weight MB | tandem weight GB/s | read bandwidth GB/s | fraction "
-          "| llama.cpp weight GB/s | fraction | memcpy GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| paired read GB/s | paired fraction | llama.cpp weight GB/s | fraction | memcpy GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for m in models:
         for t in sorted(k[1] for k in tandem if k[0] == m):
             js = [tandem[(m, t)][r] for r in sorted(tandem[(m, t)])]
@@ -184,13 +193,17 @@ def main() -> int:
             bw, _ = mean_sd([j["read_GBps"][str(t)] for j in js])
             tg, _ = mean_sd([j["runs"][0]["decode_tps"]["1"]["weight_GBps"] for j in js])
             mc, _ = mean_sd([j["memcpy_GBps"] for j in js])
+            d1s = [j["runs"][0]["decode_tps"]["1"] for j in js]
+            pr, _ = mean_sd([x["paired_read_GBps"]["mean"] for x in d1s if "paired_read_GBps" in x])
+            pf, _ = mean_sd([x["paired_fraction"]["mean"] for x in d1s if "paired_fraction" in x])
+            pcols = f"{pr:.2f} | {pf:.2f}" if pr else "– | –"
             # llama.cpp reads the same f32 matrices (its model_size adds the
             # token embedding table, of which a decode reads one row).
             ll, _ = mean_sd([llama_ts(m, t, r, 0, 128) for r in rounds(m, t)])
             lg = ll * wb / 1e9 if ll else None
             lcols = f"{fmt(lg)} | {lg / bw:.2f}" if lg else "– | –"
-            print(f"| {m} | {t} | {wb / 1e6:,.1f} | {tg:.2f} | {bw:.2f} | {tg / bw:.2f} | {lcols} | "
-                  f"{mc:.2f} |")
+            print(f"| {m} | {t} | {wb / 1e6:,.1f} | {tg:.2f} | {bw:.2f} | {tg / bw:.2f} | {pcols} | "
+                  f"{lcols} | {mc:.2f} |")
     op = os.path.join(d, "others.txt")
     if os.path.exists(op):
         print()

@@ -260,9 +260,10 @@ Status Run(const EngineBenchArgs& a) {
   out["isa"] = kernels::cpu::IsaName(isa);
   std::cout << fmt::format("kernels: {}\n", kernels::cpu::IsaName(isa));
 
-  // The physical limit, measured first (before the model's pages are hot).
+  // The physical limit, measured first (before the model's pages are hot),
+  // and again beside each batch-1 decode repetition (below).
+  std::vector<uint64_t> buf(size_t{a.bandwidth_mib} << 17, 1);  // MiB / 8 bytes
   {
-    std::vector<uint64_t> buf(size_t{a.bandwidth_mib} << 17, 1);  // MiB / 8 bytes
     out["memcpy_GBps"] = MemcpyBandwidth(buf) / 1e9;
     std::cout << fmt::format("memcpy: {:.2f} GB/s (bytes copied per second, {} MiB)\n",
                              out["memcpy_GBps"].get<double>(), a.bandwidth_mib / 2);
@@ -301,10 +302,21 @@ Status Run(const EngineBenchArgs& a) {
       TANDEM_ASSIGN_OR_RETURN(double warm, DecodeOnce(*eng, config, b, a.decode_prompt, 8, 1));
       (void)warm;
       std::vector<double> tps;
+      // Batch 1: the read probe right after each repetition, so that each
+      // decode has the bandwidth of its own seconds beside it (this host's
+      // bandwidth moves within a minute; bench/results/cpu_vs_llamacpp.md).
+      // The next repetition's untimed prompt step reads every weight again
+      // before its timed steps, so the probe leaves no cold cache in them.
+      std::vector<double> paired_read, paired_fraction;
       for (uint32_t r = 0; r < a.reps; ++r) {
         TANDEM_ASSIGN_OR_RETURN(
             double s, DecodeOnce(*eng, config, b, a.decode_prompt, a.decode_tokens, 10 + r));
         tps.push_back(static_cast<double>(b) * a.decode_tokens / s);
+        if (b == 1) {
+          const double read = ReadBandwidth(buf, static_cast<int>(t)) / 1e9;
+          paired_read.push_back(read);
+          paired_fraction.push_back(tps.back() * weight_bytes / 1e9 / read);
+        }
       }
       const Stats st = Summarize(tps);
       auto& d = row["decode_tps"][std::to_string(b)];
@@ -314,7 +326,13 @@ Status Run(const EngineBenchArgs& a) {
         // Every step reads all weights once: weight bytes per second.
         const double gbps = st.mean * weight_bytes / 1e9;
         d["weight_GBps"] = gbps;
-        extra = fmt::format("  (weights read at {:.2f} GB/s)", gbps);
+        const Stats pr = Summarize(paired_read);
+        const Stats pf = Summarize(paired_fraction);
+        d["paired_read_GBps"] = {{"mean", pr.mean}, {"values", pr.values}};
+        d["paired_fraction"] = {{"mean", pf.mean}, {"values", pf.values}};
+        extra = fmt::format("  (weights read at {:.2f} GB/s; {:.2f} of the read probe after "
+                            "each repetition, {:.2f} GB/s)",
+                            gbps, pf.mean, pr.mean);
       }
       std::cout << fmt::format("threads {}  decode batch {:>3}: {:9.1f} ± {:.1f} tokens/s{}\n", t,
                                b, st.mean, st.sd, extra);
