@@ -330,9 +330,10 @@ Status Run(const EngineBenchArgs& a) {
         const Stats pf = Summarize(paired_fraction);
         d["paired_read_GBps"] = {{"mean", pr.mean}, {"values", pr.values}};
         d["paired_fraction"] = {{"mean", pf.mean}, {"values", pf.values}};
-        extra = fmt::format("  (weights read at {:.2f} GB/s; {:.2f} of the read probe after "
-                            "each repetition, {:.2f} GB/s)",
-                            gbps, pf.mean, pr.mean);
+        extra = fmt::format(
+            "  (weights read at {:.2f} GB/s; {:.2f} of the read probe after "
+            "each repetition, {:.2f} GB/s)",
+            gbps, pf.mean, pr.mean);
       }
       std::cout << fmt::format("threads {}  decode batch {:>3}: {:9.1f} ± {:.1f} tokens/s{}\n", t,
                                b, st.mean, st.sd, extra);

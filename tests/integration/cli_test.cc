@@ -1,10 +1,13 @@
 // Runs the real `tandem` binary.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
 
@@ -162,6 +165,46 @@ TEST(Cli, BenchEngineRunsTheChosenKernelsAndRefusesAnUnknownOne) {
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("kernels: portable\n"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("threads 1  decode batch   1:"), std::string::npos) << r.out;
+}
+
+// `bench engine` measures the read bandwidth again after each batch-1
+// decode repetition (issue 23: this host's bandwidth moves within a
+// minute), and its JSON pairs every repetition with its probe; other batch
+// sizes get no probe.
+TEST(Cli, BenchEnginePairsEachBatch1RepetitionWithAReadProbe) {
+  char dir[] = "/tmp/tandem-cli-bench-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string json_path = std::string(dir) + "/engine.json";
+  const CmdResult r = Tandem(std::string("bench engine --model ") + TANDEM_SOURCE_DIR +
+                             "/models/tandem-kjv --threads 1 --batch 1,2 --prompt-tokens 8"
+                             " --decode-tokens 4 --decode-prompt 4 --reps 3 --bandwidth-mib 8"
+                             " --json " +
+                             json_path);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("of the read probe after each repetition"), std::string::npos) << r.out;
+  std::ifstream f(json_path);
+  const nlohmann::json j = nlohmann::json::parse(f);
+  const double weight_bytes = j.at("weight_bytes").get<double>();
+  ASSERT_GT(weight_bytes, 0);
+  const auto& d1 = j.at("runs").at(0).at("decode_tps").at("1");
+  const auto& tps = d1.at("values");
+  const auto& read = d1.at("paired_read_GBps").at("values");
+  const auto& fraction = d1.at("paired_fraction").at("values");
+  ASSERT_EQ(tps.size(), 3u);
+  ASSERT_EQ(read.size(), 3u);
+  ASSERT_EQ(fraction.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_GT(read[i].get<double>(), 0) << i;
+    EXPECT_NEAR(fraction[i].get<double>(),
+                tps[i].get<double>() * weight_bytes / 1e9 / read[i].get<double>(),
+                1e-9 * fraction[i].get<double>())
+        << i;
+  }
+  const auto& d2 = j.at("runs").at(0).at("decode_tps").at("2");
+  EXPECT_EQ(d2.at("values").size(), 3u);
+  EXPECT_FALSE(d2.contains("paired_read_GBps"));
+  std::remove(json_path.c_str());
+  rmdir(dir);
 }
 
 TEST(Cli, UnknownSubcommandFails) {
