@@ -78,7 +78,7 @@ def main() -> int:
 
     def ld(m, t, engine):
         v = loads.get((m, t, engine))
-        return f"{min(v)}–{max(v)}" if v else "?"
+        return f"{min(v, key=float)}–{max(v, key=float)}" if v else "?"
 
     def llama_ts(m, t, r, n_prompt, n_gen):
         for row in lb.get((m, t), {}).get(r, []):
