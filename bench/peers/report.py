@@ -92,8 +92,11 @@ def main() -> int:
                 return row["speed_tg"]
         return None
 
+    def tandem_json(m, t, r):
+        return tandem.get((m, t), {}).get(r)
+
     def tandem_run(m, t, r):
-        j = tandem.get((m, t), {}).get(r)
+        j = tandem_json(m, t, r)
         return j["runs"][0] if j else None
 
     def tandem_prefill(m, t, r):
@@ -153,7 +156,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|")
 
     def probe(m, t, r):
-        j = tandem.get((m, t), {}).get(r)
+        j = tandem_json(m, t, r)
         return j["read_GBps"][str(t)] if j else None
 
     def paired_probe(m, t, r):
