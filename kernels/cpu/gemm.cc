@@ -20,26 +20,18 @@ namespace tandem::kernels::cpu {
 
 void PackedWeights::Free::operator()(float* p) const { std::free(p); }
 
-namespace {
-
-// Packs of 2 MiB and more start on a 2 MiB boundary and are advised for
-// transparent huge pages before they are written (the first touch then maps
-// huge pages where the kernel has them): a batch-1 decode streams every pack
-// once per token, one TLB miss per 4 KiB page otherwise (issue 23,
-// bench/results/cpu_vs_llamacpp.md "Session 43"). Smaller ones stay 64-byte
-// aligned. The advice is best effort: without it (THP off, or no huge page
-// free) the pack is the same bytes on small pages.
-constexpr size_t kHugePage = size_t{2} << 20;
-
-float* AllocatePack(size_t bytes) {
-  if (bytes < kHugePage) return static_cast<float*>(std::aligned_alloc(64, bytes));
+// Packs of 2 MiB and more go on huge pages where the kernel has them
+// (AllocateStreamed): a batch-1 decode streams every pack once per token, one
+// TLB miss per 4 KiB page otherwise (issue 23,
+// bench/results/cpu_vs_llamacpp.md "Session 43").
+void* AllocateStreamed(size_t bytes) {
+  constexpr size_t kHugePage = size_t{2} << 20;
+  if (bytes < kHugePage) return std::aligned_alloc(64, (bytes + 63) / 64 * 64);
   void* p = nullptr;
   if (posix_memalign(&p, kHugePage, bytes) != 0) return nullptr;
   madvise(p, bytes & ~(size_t{4095}), MADV_HUGEPAGE);
-  return static_cast<float*>(p);
+  return p;
 }
-
-}  // namespace
 
 PackedWeights PackWeights(const float* w, int n, int k) {
   PackedWeights out;
@@ -47,7 +39,7 @@ PackedWeights PackWeights(const float* w, int n, int k) {
   out.k_ = k;
   const size_t floats = static_cast<size_t>(out.panels()) * k * PackedWeights::kPanel;
   const size_t bytes = ((floats * sizeof(float) + 63) / 64) * 64;
-  out.data_.reset(AllocatePack(bytes == 0 ? 64 : bytes));
+  out.data_.reset(static_cast<float*>(AllocateStreamed(bytes == 0 ? 64 : bytes)));
   float* dst = out.data_.get();
   for (int p = 0; p < out.panels(); ++p) {
     for (int kk = 0; kk < k; ++kk) {

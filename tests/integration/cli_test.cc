@@ -167,6 +167,16 @@ TEST(Cli, BenchEngineRunsTheChosenKernelsAndRefusesAnUnknownOne) {
   EXPECT_NE(r.out.find("threads 1  decode batch   1:"), std::string::npos) << r.out;
 }
 
+// A read probe needs a buffer: `--bandwidth-mib 0` is refused naming the
+// flag, before any model is loaded.
+TEST(Cli, BenchEngineRefusesAnEmptyProbeBuffer) {
+  const CmdResult r = Tandem("bench engine --model /nonexistent --bandwidth-mib 0");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_EQ(r.out,
+            "tandem bench engine: --reps, --prompt-tokens, --decode-tokens, --decode-prompt and "
+            "--bandwidth-mib must be >= 1\n");
+}
+
 // `bench engine` measures the read bandwidth again after each batch-1
 // decode repetition (issue 23: this host's bandwidth moves within a
 // minute), and its JSON pairs every repetition with its probe; other batch

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "kernels/cpu/ops.h"
@@ -119,6 +121,22 @@ TEST(GemmTest, LargePackStartsOnA2MiBBoundaryAndEqualsUnpacked) {
     cpu::Gemm(x.data(), w.data(), nullptr, a.data(), m, n, k);
     cpu::Gemm(x.data(), packed, nullptr, b.data(), m);
     EXPECT_TRUE(BitEqual(a.data(), b.data(), a.size())) << "m " << m;
+  }
+}
+
+// The allocator of the packs, also the read probe's of `tandem bench
+// engine`: from 2 MiB on a 2 MiB boundary, below on 64 bytes, writable to
+// the last byte.
+TEST(GemmTest, StreamedMemoryIsAlignedForItsSize) {
+  for (size_t bytes :
+       {size_t{1}, size_t{100}, (size_t{2} << 20) - 1, size_t{2} << 20, (size_t{5} << 20) + 8}) {
+    auto* p = static_cast<unsigned char*>(cpu::AllocateStreamed(bytes));
+    ASSERT_NE(p, nullptr) << bytes;
+    const uintptr_t align = bytes >= (size_t{2} << 20) ? uintptr_t{2} << 20 : 64;
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % align, 0u) << bytes;
+    std::memset(p, 0xab, bytes);
+    EXPECT_EQ(p[bytes - 1], 0xab) << bytes;
+    std::free(p);
   }
 }
 
