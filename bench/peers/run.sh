@@ -15,14 +15,14 @@
 #      then llama-bench (pp512, tg128) and llama-batched-bench (16-token
 #      prompts, 128 generated, batch 1 and 8); `uptime` before and after each
 #      engine. This host's memory bandwidth moves by a third from minute to
-#      minute (bench/results/cpu_vs_llamacpp.md, sessions 41-43), so one
+#      minute (bench/results/cpu_vs_llamacpp/session-41.md to -43.md), so one
 #      engine's part a minute after the other's can land in another phase:
 #      rounds of REPS repetitions each, alternated, give every comparison
 #      (tandem / llama.cpp, 2 threads / 1 thread) pairs measured minutes
 #      apart at most, and the report gives each round's ratio beside the
 #      ratio of the means;
 #   5. bench/peers/report.py turns the results into the markdown tables of
-#      bench/results/cpu_vs_llamacpp.md.
+#      bench/results/cpu_vs_llamacpp/ (one file per run or session).
 #
 #   bench/peers/run.sh                      # everything (first run: ~30 min)
 #   PEERS=/tmp/peers THREADS="1 2" ROUNDS=3 REPS=2 bench/peers/run.sh

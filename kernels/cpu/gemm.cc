@@ -23,7 +23,7 @@ void PackedWeights::Free::operator()(float* p) const { std::free(p); }
 // Packs of 2 MiB and more go on huge pages where the kernel has them
 // (AllocateStreamed): a batch-1 decode streams every pack once per token, one
 // TLB miss per 4 KiB page otherwise (issue 23,
-// bench/results/cpu_vs_llamacpp.md "Session 43").
+// bench/results/cpu_vs_llamacpp/session-43.md).
 void* AllocateStreamed(size_t bytes) {
   constexpr size_t kHugePage = size_t{2} << 20;
   if (bytes < kHugePage) return std::aligned_alloc(64, (bytes + 63) / 64 * 64);
@@ -64,7 +64,7 @@ constexpr int kFewRows = 4;
 // the AVX-512 tiles then ask for each panel's row kAheadRows ahead of the
 // one they load (8 x 64 B = 512 B per panel stream), which the hardware
 // prefetcher alone did not keep up with on one core (issue 23; measured in
-// bench/results/cpu_vs_llamacpp.md, "Session 40"). A hint only: no bit of
+// bench/results/cpu_vs_llamacpp/session-40.md). A hint only: no bit of
 // any result depends on it.
 constexpr int kAheadRows = 8;
 
