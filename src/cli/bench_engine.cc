@@ -143,8 +143,9 @@ uint64_t SumRange(const uint64_t* p, size_t n) {
 
 // A probe buffer allocated as the packed weights are
 // (kernels::cpu::AllocateStreamed: huge pages where the kernel has them), so
-// the probe reads memory the way a decode reads its weights; on small pages
-// the probe read ~10 % less here than the same loop on huge pages.
+// the probe reads memory the way a decode reads its weights (on small pages,
+// after a decode repetition, it read ~10 % less here than on huge pages:
+// bench/results/cpu_vs_llamacpp/session-45.md).
 class StreamedWords {
  public:
   static std::unique_ptr<StreamedWords> Allocate(size_t words) {
