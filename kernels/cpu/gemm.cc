@@ -26,7 +26,8 @@ void PackedWeights::Free::operator()(float* p) const { std::free(p); }
 // bench/results/cpu_vs_llamacpp/session-43.md).
 void* AllocateStreamed(size_t bytes) {
   constexpr size_t kHugePage = size_t{2} << 20;
-  if (bytes < kHugePage) return std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  if (bytes < kHugePage)
+    return std::aligned_alloc(64, std::max<size_t>(64, (bytes + 63) / 64 * 64));
   void* p = nullptr;
   if (posix_memalign(&p, kHugePage, bytes) != 0) return nullptr;
   madvise(p, bytes & ~(size_t{4095}), MADV_HUGEPAGE);
@@ -38,8 +39,7 @@ PackedWeights PackWeights(const float* w, int n, int k) {
   out.n_ = n;
   out.k_ = k;
   const size_t floats = static_cast<size_t>(out.panels()) * k * PackedWeights::kPanel;
-  const size_t bytes = ((floats * sizeof(float) + 63) / 64) * 64;
-  out.data_.reset(static_cast<float*>(AllocateStreamed(bytes == 0 ? 64 : bytes)));
+  out.data_.reset(static_cast<float*>(AllocateStreamed(floats * sizeof(float))));
   float* dst = out.data_.get();
   for (int p = 0; p < out.panels(); ++p) {
     for (int kk = 0; kk < k; ++kk) {

@@ -48,9 +48,10 @@ const char* IsaName(Isa isa);
 // Memory that is read whole and in order, again and again (packed weights,
 // a benchmark's read probe): from 2 MiB up it starts on a 2 MiB boundary and
 // is advised for transparent huge pages before it is written, so the first
-// touch maps huge pages where the kernel has them; smaller blocks are 64-byte
-// aligned. The advice is best effort (THP off, or no huge page free: the same
-// bytes on small pages). nullptr when out of memory; release with std::free.
+// touch maps huge pages where the kernel has them; smaller blocks (0 bytes
+// included) are at least 64 bytes, 64-byte aligned. The advice is best
+// effort (THP off, or no huge page free: the same bytes on small pages).
+// nullptr when out of memory; release with std::free.
 void* AllocateStreamed(size_t bytes);
 
 // GEMM weights in HF Linear layout [n][k], packed once at load time into

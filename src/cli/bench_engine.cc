@@ -145,24 +145,14 @@ uint64_t SumRange(const uint64_t* p, size_t n) {
 // (kernels::cpu::AllocateStreamed: huge pages where the kernel has them), so
 // the probe reads memory the way a decode reads its weights (on small pages,
 // after a decode repetition, it read ~10 % less here than on huge pages:
-// bench/results/cpu_vs_llamacpp/session-45.md).
-class StreamedWords {
- public:
-  static std::unique_ptr<StreamedWords> Allocate(size_t words) {
-    auto* p = static_cast<uint64_t*>(kernels::cpu::AllocateStreamed(words * sizeof(uint64_t)));
-    if (p == nullptr) return nullptr;
-    return std::unique_ptr<StreamedWords>(new StreamedWords(p, words));
-  }
-  std::span<uint64_t> words() { return {data_.get(), size_}; }
-
- private:
-  struct Free {
-    void operator()(uint64_t* p) const { std::free(p); }
-  };
-  StreamedWords(uint64_t* p, size_t n) : data_(p), size_(n) {}
-  std::unique_ptr<uint64_t[], Free> data_;
-  size_t size_;
+// bench/results/cpu_vs_llamacpp/session-45.md). Null when out of memory.
+struct FreeWords {
+  void operator()(uint64_t* p) const { std::free(p); }
 };
+using Words = std::unique_ptr<uint64_t[], FreeWords>;
+Words AllocateWords(size_t n) {
+  return Words(static_cast<uint64_t*>(kernels::cpu::AllocateStreamed(n * sizeof(uint64_t))));
+}
 
 double ReadBandwidth(std::span<const uint64_t> buf, int threads) {
   kernels::cpu::ThreadPool pool(threads);
@@ -288,22 +278,22 @@ Status Run(const EngineBenchArgs& a) {
   // The physical limit, measured first (before the model's pages are hot),
   // and again beside each batch-1 decode repetition (below).
   const size_t probe_words = size_t{a.bandwidth_mib} << 17;  // MiB / 8 bytes
-  auto probe = StreamedWords::Allocate(probe_words);
+  const Words probe = AllocateWords(probe_words);
   if (probe == nullptr) {
     return InvalidArgumentError(
         fmt::format("bench engine: --bandwidth-mib {}: cannot allocate the {} MiB probe buffer",
                     a.bandwidth_mib, a.bandwidth_mib));
   }
-  const std::span<uint64_t> buf = probe->words();
+  const std::span<uint64_t> buf(probe.get(), probe_words);
   std::fill(buf.begin(), buf.end(), uint64_t{1});
   {
-    auto copy = StreamedWords::Allocate(probe_words / 2);
+    const Words copy = AllocateWords(probe_words / 2);
     if (copy == nullptr) {
       return InvalidArgumentError(
           fmt::format("bench engine: --bandwidth-mib {}: cannot allocate the {} MiB memcpy target",
                       a.bandwidth_mib, a.bandwidth_mib / 2));
     }
-    out["memcpy_GBps"] = MemcpyBandwidth(buf, copy->words()) / 1e9;
+    out["memcpy_GBps"] = MemcpyBandwidth(buf, {copy.get(), probe_words / 2}) / 1e9;
     std::cout << fmt::format("memcpy: {:.2f} GB/s (bytes copied per second, {} MiB)\n",
                              out["memcpy_GBps"].get<double>(), a.bandwidth_mib / 2);
     for (uint32_t t : thread_list) {
