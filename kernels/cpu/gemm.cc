@@ -420,6 +420,30 @@ void GemmPanels(const GemmArgs& a, Isa isa, int panel_begin, int panel_end) {
   }
 }
 
+// Splits a GEMM's panels between the pool's threads. Where every thread
+// gets at least three units, each streams its own contiguous home range and
+// the last units even out between threads that got unequal bandwidth
+// (ParallelForStealing; session 46: the 189M model's batch-1 decode at 2
+// threads read 1-4 % more of the paired probe,
+// bench/results/cpu_vs_llamacpp/session-46.md). A unit is the smallest
+// whole number of tiles of at least 8 panels, so every tile but a matrix's
+// last is full width. Smaller matrices keep one range per thread, whose
+// few microseconds do not repay the claims. Any cut gives the same bits:
+// every output column is one chain over k.
+template <class F>
+void ForPanels(ThreadPool* pool, int panels, int pb, int64_t grain, F&& fn) {
+  if (pool == nullptr || pool->threads() == 1) {
+    if (panels > 0) fn(int64_t{0}, int64_t{panels});
+    return;
+  }
+  const int64_t unit = pb * ((8 + pb - 1) / pb);
+  if (ThreadPool::StealingUnits(panels, unit) >= 3 * pool->threads()) {
+    pool->ParallelForStealing(panels, unit, fn);
+    return;
+  }
+  pool->ParallelFor(panels, grain, fn);
+}
+
 }  // namespace
 
 void Gemm(const float* x, const PackedWeights& w, const float* bias, float* y, int m,
@@ -430,7 +454,9 @@ void Gemm(const float* x, const PackedWeights& w, const float* bias, float* y, i
   // Threads split the panels (columns): each keeps its own weights hot and
   // no chain is split. Grain: about 32 KiB of weights per range.
   const int64_t grain = std::max<int64_t>(1, 2048 / std::max(1, w.k()));
-  ParallelFor(pool, w.panels(), grain, [&](int64_t b, int64_t e) {
+  int rb, pb;
+  Blocking(isa, m, &rb, &pb);
+  ForPanels(pool, w.panels(), pb, grain, [&](int64_t b, int64_t e) {
     GemmPanels(a, isa, static_cast<int>(b), static_cast<int>(e));
   });
 }
@@ -456,7 +482,7 @@ void GemmSplitK(const float* x, const PackedWeights& w, const int* k_bounds, int
   Blocking(isa, m, &rb, &pb);
   if (m < kFewRows && isa != Isa::kPortable) {
     static_assert(kFewRows - 1 == kSplitRows);
-    ParallelFor(pool, w.panels(), grain, [&](int64_t b, int64_t e) {
+    ForPanels(pool, w.panels(), pb, grain, [&](int64_t b, int64_t e) {
       for (int p0 = static_cast<int>(b); p0 < e; p0 += pb) {
         const int np = std::min(pb, static_cast<int>(e) - p0);
         const SplitTileFn fn = isa == Isa::kAvx512 ? kAvx512SplitTable.fn[m - 1][np - 1]

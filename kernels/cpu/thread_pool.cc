@@ -9,11 +9,17 @@
 namespace tandem::kernels::cpu {
 namespace {
 
-// claim_ word: tag (bits 63..32) | parts (31..16) | next range (15..0).
+// claim_ word: tag (bits 63..32) | stealing (31) | parts (30..16) | next
+// range (15..0).
 constexpr int kMaxThreads = 1024;
+constexpr uint64_t kStealing = uint64_t{1} << 31;
 inline uint32_t TagOf(uint64_t c) { return static_cast<uint32_t>(c >> 32); }
-inline int PartsOf(uint64_t c) { return static_cast<int>((c >> 16) & 0xFFFF); }
+inline int PartsOf(uint64_t c) { return static_cast<int>((c >> 16) & 0x7FFF); }
 inline int NextOf(uint64_t c) { return static_cast<int>(c & 0xFFFF); }
+
+// home_ word: tag (bits 63..32) | front unit (31..16) | end unit (15..0).
+inline int64_t FrontOf(uint64_t h) { return static_cast<int64_t>((h >> 16) & 0xFFFF); }
+inline int64_t EndOf(uint64_t h) { return static_cast<int64_t>(h & 0xFFFF); }
 
 // About 2,000 pauses (tens of microseconds) before a spinning thread starts
 // yielding its core on every round.
@@ -50,6 +56,7 @@ ThreadPool::ThreadPool(int threads, Options options)
   // Worker i takes the i-th CPU; the owner thread is left alone (its
   // affinity belongs to the process), which leaves it the first CPU.
   pinned_ = options_.pin && threads_ > 1 && static_cast<int>(cpus_.size()) == threads_;
+  home_ = std::make_unique<HomeRange[]>(static_cast<size_t>(threads_));
   workers_.reserve(static_cast<size_t>(threads_ - 1));
   for (int i = 1; i < threads_; ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
 }
@@ -117,13 +124,89 @@ void ThreadPool::Run(int64_t n, int parts, ThunkFn thunk, void* ctx) {
   if (++tag_ == 0) ++tag_;  // workers start having seen tag 0
   claim_.store((uint64_t{tag_} << 32) | (static_cast<uint64_t>(parts) << 16),
                std::memory_order_release);
-  Work(tag_);
+  Work(tag_, 0);
   int spins = 0;
   while (done_.load(std::memory_order_acquire) < parts) Backoff(spins);
 }
 
-void ThreadPool::Work(uint32_t tag) {
+int64_t ThreadPool::StealingUnit(int64_t n, int64_t unit) {
+  return std::max<int64_t>({1, unit, (n + kMaxUnits - 1) / kMaxUnits});
+}
+
+int64_t ThreadPool::StealingUnits(int64_t n, int64_t unit) {
+  if (n <= 0) return 0;
+  unit = StealingUnit(n, unit);
+  return (n + unit - 1) / unit;
+}
+
+void ThreadPool::RunStealing(int64_t n, int64_t unit, ThunkFn thunk, void* ctx) {
+  if (n <= 0) return;
+  unit = StealingUnit(n, unit);
+  const int64_t units = (n + unit - 1) / unit;
+  const int parts = static_cast<int>(std::min<int64_t>(units, threads_));
+  if (parts == 1) {
+    for (int64_t b = 0; b < n; b += unit) thunk(ctx, b, std::min(n, b + unit));
+    return;
+  }
+  StepScope implicit(step_depth_ == 0 ? this : nullptr);
+  thunk_ = thunk;
+  ctx_ = ctx;
+  n_ = n;
+  unit_ = unit;
+  done_.store(0, std::memory_order_relaxed);
+  if (++tag_ == 0) ++tag_;
+  for (int r = 0; r < parts; ++r) {
+    const auto front = static_cast<uint64_t>(units * r / parts);
+    const auto end = static_cast<uint64_t>(units * (r + 1) / parts);
+    home_[r].word.store((uint64_t{tag_} << 32) | (front << 16) | end, std::memory_order_relaxed);
+  }
+  claim_.store((uint64_t{tag_} << 32) | kStealing | (static_cast<uint64_t>(parts) << 16),
+               std::memory_order_release);
+  WorkStealing(tag_, 0, parts);
+  int spins = 0;
+  while (done_.load(std::memory_order_acquire) < units) Backoff(spins);
+}
+
+void ThreadPool::WorkStealing(uint32_t tag, int home, int parts) {
+  // The units this thread ran, counted into done_ once at the end: done_ is
+  // shared by every thread, one add per unit would move its cache line
+  // between the cores as often. The job cannot end before the add.
+  int64_t ran = 0;
+  auto run = [&](int64_t u) {
+    const int64_t b = u * unit_;
+    thunk_(ctx_, b, std::min(n_, b + unit_));
+    ++ran;
+  };
+  if (home < parts) {  // the own range, from the front
+    std::atomic<uint64_t>& w = home_[home].word;
+    uint64_t h = w.load(std::memory_order_acquire);
+    while (TagOf(h) == tag && FrontOf(h) < EndOf(h)) {
+      if (w.compare_exchange_weak(h, h + (uint64_t{1} << 16), std::memory_order_acq_rel,
+                                  std::memory_order_acquire)) {
+        run(FrontOf(h));
+        h = w.load(std::memory_order_acquire);
+      }
+    }
+  }
+  for (int i = 1; i <= parts; ++i) {  // the others', from the back
+    std::atomic<uint64_t>& w = home_[(home + i) % parts].word;
+    uint64_t h = w.load(std::memory_order_acquire);
+    while (TagOf(h) == tag && FrontOf(h) < EndOf(h)) {
+      if (w.compare_exchange_weak(h, h - 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
+        run(EndOf(h) - 1);
+        h = w.load(std::memory_order_acquire);
+      }
+    }
+  }
+  if (ran > 0) done_.fetch_add(ran, std::memory_order_acq_rel);
+}
+
+void ThreadPool::Work(uint32_t tag, int home) {
   uint64_t c = claim_.load(std::memory_order_acquire);
+  if (TagOf(c) == tag && (c & kStealing) != 0) {
+    WorkStealing(tag, home, PartsOf(c));
+    return;
+  }
   for (;;) {
     if (TagOf(c) != tag || NextOf(c) >= PartsOf(c)) return;
     if (!claim_.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel,
@@ -149,7 +232,7 @@ void ThreadPool::WorkerLoop(int index) {
     const uint64_t c = claim_.load(std::memory_order_acquire);
     if (TagOf(c) != seen) {
       seen = TagOf(c);
-      Work(seen);
+      Work(seen, index);
       spins = 0;
       continue;
     }

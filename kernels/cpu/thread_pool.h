@@ -20,6 +20,11 @@
 // fixed by n, grain and threads() only (never by timing); the threads then
 // claim ranges from a shared counter, so a worker that is late (asleep,
 // descheduled) does not stall the caller, which simply runs more ranges.
+// ParallelForStealing gives each thread a home range of whole units that it
+// walks front to back (one contiguous stream, as a DRAM-bound GEMM wants)
+// and lets a thread whose home range is done take units from the back of
+// another's, so threads that got unequal memory bandwidth, or a late
+// worker, even out at the end to within one unit.
 // Kernels keep their results independent of the split (no reduction is
 // ever divided between ranges), so the bits never depend on the thread
 // count — see kernels/cpu/ops.h.
@@ -102,11 +107,29 @@ class ThreadPool {
   // chunk) ranges (at most kMaxParts), same range formula, claimed one at a
   // time so the threads balance. Use only where no result depends on how
   // [0, n) is cut (the part count here does not depend on threads()).
-  static constexpr int kMaxParts = 65535;
+  static constexpr int kMaxParts = 32767;
   static int ChunkedParts(int64_t n, int64_t chunk);
   template <class F>
   void ParallelForChunked(int64_t n, int64_t chunk, F&& fn) {
     Run(n, ChunkedParts(n, chunk), Thunk<F>, const_cast<void*>(static_cast<const void*>(&fn)));
+  }
+
+  // For work of even cost per index that each thread should stream in
+  // order (a GEMM's weight panels): [0, n) is cut into units of `unit`
+  // indices (the last may be shorter; `unit` grows so that there are at
+  // most kMaxUnits), unit u = [u * unit, min(n, (u + 1) * unit)), and fn is
+  // called once per unit. Thread t (the caller is 0, worker i is i) owns the
+  // home range of units [t * U / parts, (t + 1) * U / parts) for parts =
+  // min(threads(), U) and runs it in ascending order; once its own is empty
+  // it takes the highest unit left in another's, one at a time. Which
+  // thread runs a unit depends on timing, the cut into units does not: use
+  // only where no result depends on which thread runs what.
+  static constexpr int64_t kMaxUnits = 65535;
+  static int64_t StealingUnit(int64_t n, int64_t unit);   // the unit used
+  static int64_t StealingUnits(int64_t n, int64_t unit);  // how many there are
+  template <class F>
+  void ParallelForStealing(int64_t n, int64_t unit, F&& fn) {
+    RunStealing(n, unit, Thunk<F>, const_cast<void*>(static_cast<const void*>(&fn)));
   }
 
  private:
@@ -116,8 +139,11 @@ class ThreadPool {
     (*static_cast<std::remove_reference_t<F>*>(ctx))(b, e);
   }
   void Run(int64_t n, int parts, ThunkFn thunk, void* ctx);
-  // Claims and runs ranges of the job tagged `tag` until none is left.
-  void Work(uint32_t tag);
+  void RunStealing(int64_t n, int64_t unit, ThunkFn thunk, void* ctx);
+  // Claims and runs ranges of the job tagged `tag` until none is left;
+  // `home` is the calling thread's index (owner 0, worker i).
+  void Work(uint32_t tag, int home);
+  void WorkStealing(uint32_t tag, int home, int parts);
   void WorkerLoop(int index);
   void PinCurrentThread(int index);
 
@@ -127,16 +153,27 @@ class ThreadPool {
   std::atomic<bool> pinned_{false};
   int step_depth_ = 0;  // owner thread only
 
-  // Published job: (tag << 32) | next range to claim. A new tag publishes a
-  // job whose fields below were written first (release); claiming a range
-  // is a CAS that keeps the tag, so a late worker never claims from a job
-  // other than the one it saw.
+  // Published job: (tag << 32) | stealing (bit 31) | parts (30..16) | next
+  // range to claim (15..0). A new tag publishes a job whose fields below
+  // were written first (release); claiming a range is a CAS that keeps the
+  // tag, so a late worker never claims from a job other than the one it
+  // saw. A stealing job claims from home_ instead.
   alignas(64) std::atomic<uint64_t> claim_{0};
-  alignas(64) std::atomic<int> done_{0};  // ranges finished in the current job
+  alignas(64) std::atomic<int64_t> done_{0};  // ranges (units) finished in the current job
   alignas(64) ThunkFn thunk_ = nullptr;
   void* ctx_ = nullptr;
   int64_t n_ = 0;
+  int64_t unit_ = 0;  // stealing jobs
   uint32_t tag_ = 0;  // owner thread only
+
+  // A stealing job's home ranges, one cache line each: (tag << 32) | front
+  // unit (31..16) | end unit (15..0). The owner of a range claims its front
+  // (front + 1), any thread its back (end - 1), both by a CAS that keeps the
+  // tag.
+  struct alignas(64) HomeRange {
+    std::atomic<uint64_t> word{0};
+  };
+  std::unique_ptr<HomeRange[]> home_;
 
   alignas(64) std::atomic<bool> step_open_{false};
   std::atomic<int64_t> step_closed_ns_{0};  // steady clock at the last EndStep

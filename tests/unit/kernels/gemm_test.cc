@@ -207,6 +207,45 @@ TEST(GemmTest, BatchInvariantModelShapes) {
   CheckBatchInvariance(256, 688, {1, 2, 7, 16, 33, 512}, false);
 }
 
+// Matrices wide enough that every thread of 2, 3 and 4 gets three or more
+// units (ParallelForStealing, gemm.cc ForPanels): 97 panels, the last
+// ragged. Whichever thread runs a unit, Gemm and GemmSplitK give the bits
+// of one thread, for decode and prefill row counts.
+TEST(GemmTest, StolenPanelUnitsGiveTheBitsOfOneThread) {
+  IsaGuard guard;
+  const int n = 96 * 16 + 5, k = 72;
+  ASSERT_GE(cpu::ThreadPool::StealingUnits((n + 15) / 16, 8), 3 * 4);
+  const auto w = Random(static_cast<size_t>(n) * k, 901);
+  const auto bias = Random(n, 902);
+  const auto packed = cpu::PackWeights(w.data(), n, k);
+  const int bounds[3] = {0, 40, k};
+  for (cpu::Isa isa : kIsas) {
+    cpu::SetIsa(isa);
+    if (cpu::ActiveIsa() != isa) continue;
+    for (int m : {1, 2, 3, 5, 8, 33}) {
+      const auto x = Random(static_cast<size_t>(m) * k, 903 + m);
+      std::vector<float> one(static_cast<size_t>(m) * n), one_split(one.size());
+      std::vector<float> scratch(one.size());
+      cpu::Gemm(x.data(), packed, bias.data(), one.data(), m);
+      cpu::GemmSplitK(x.data(), packed, bounds, 2, one_split.data(), scratch.data(), m, nullptr);
+      for (int threads : {2, 3, 4}) {
+        cpu::ThreadPool pool(threads);
+        for (int rep = 0; rep < 3; ++rep) {
+          Guarded y(one.size()), ys(one.size());
+          cpu::Gemm(x.data(), packed, bias.data(), y.data(), m, &pool);
+          cpu::GemmSplitK(x.data(), packed, bounds, 2, ys.data(), scratch.data(), m, &pool);
+          ASSERT_TRUE(y.GuardsIntact());
+          ASSERT_TRUE(ys.GuardsIntact());
+          EXPECT_TRUE(BitEqual(y.data(), one.data(), one.size()))
+              << "Gemm m=" << m << " threads=" << threads << " " << cpu::IsaName(isa);
+          EXPECT_TRUE(BitEqual(ys.data(), one_split.data(), one.size()))
+              << "GemmSplitK m=" << m << " threads=" << threads << " " << cpu::IsaName(isa);
+        }
+      }
+    }
+  }
+}
+
 // GemmSplitK (tensor parallelism, issue 18): each shard's partial is the
 // plain Gemm of that k range, and the shards add as the fixed tree — equal
 // bits to doing it by hand, on every instruction set, for 1 and 2 threads and
