@@ -118,12 +118,15 @@ class ThreadPool {
   // order (a GEMM's weight panels): [0, n) is cut into units of `unit`
   // indices (the last may be shorter; `unit` grows so that there are at
   // most kMaxUnits), unit u = [u * unit, min(n, (u + 1) * unit)), and fn is
-  // called once per unit. Thread t (the caller is 0, worker i is i) owns the
-  // home range of units [t * U / parts, (t + 1) * U / parts) for parts =
-  // min(threads(), U) and runs it in ascending order; once its own is empty
-  // it takes the highest unit left in another's, one at a time. Which
-  // thread runs a unit depends on timing, the cut into units does not: use
-  // only where no result depends on which thread runs what.
+  // called once per unit. With U units and parts = min(threads(), U),
+  // thread t (the caller is 0, worker i is i) owns the home range of units
+  // [t * U / parts, (t + 1) * U / parts) and runs it in ascending order;
+  // once its own is empty it takes the highest unit left in another's, one
+  // at a time. Cost: one CAS per unit on a cache line that only the range's
+  // thread touches until another comes to take from its back, and one add
+  // per thread to join. Which thread runs a unit depends on timing, the cut
+  // into units does not: use only where no result depends on which thread
+  // runs what.
   static constexpr int64_t kMaxUnits = 65535;
   static int64_t StealingUnit(int64_t n, int64_t unit);   // the unit used
   static int64_t StealingUnits(int64_t n, int64_t unit);  // how many there are
