@@ -432,16 +432,13 @@ void GemmPanels(const GemmArgs& a, Isa isa, int panel_begin, int panel_end) {
 // every output column is one chain over k.
 template <class F>
 void ForPanels(ThreadPool* pool, int panels, int pb, int64_t grain, F&& fn) {
-  if (pool == nullptr || pool->threads() == 1) {
-    if (panels > 0) fn(int64_t{0}, int64_t{panels});
-    return;
-  }
   const int64_t unit = pb * ((8 + pb - 1) / pb);
-  if (ThreadPool::StealingUnits(panels, unit) >= 3 * pool->threads()) {
+  if (pool != nullptr && pool->threads() > 1 &&
+      ThreadPool::StealingUnits(panels, unit) >= 3 * pool->threads()) {
     pool->ParallelForStealing(panels, unit, fn);
     return;
   }
-  pool->ParallelFor(panels, grain, fn);
+  ParallelFor(pool, panels, grain, fn);
 }
 
 }  // namespace

@@ -110,6 +110,14 @@ int ThreadPool::ChunkedParts(int64_t n, int64_t chunk) {
   return static_cast<int>(std::clamp<int64_t>((n + chunk - 1) / chunk, 1, kMaxParts));
 }
 
+void ThreadPool::Prepare(int64_t n, ThunkFn thunk, void* ctx) {
+  thunk_ = thunk;
+  ctx_ = ctx;
+  n_ = n;
+  done_.store(0, std::memory_order_relaxed);
+  if (++tag_ == 0) ++tag_;  // workers start having seen tag 0
+}
+
 void ThreadPool::Run(int64_t n, int parts, ThunkFn thunk, void* ctx) {
   if (n <= 0) return;
   if (parts == 1 || threads_ == 1) {
@@ -117,11 +125,7 @@ void ThreadPool::Run(int64_t n, int parts, ThunkFn thunk, void* ctx) {
     return;
   }
   StepScope implicit(step_depth_ == 0 ? this : nullptr);
-  thunk_ = thunk;
-  ctx_ = ctx;
-  n_ = n;
-  done_.store(0, std::memory_order_relaxed);
-  if (++tag_ == 0) ++tag_;  // workers start having seen tag 0
+  Prepare(n, thunk, ctx);
   claim_.store((uint64_t{tag_} << 32) | (static_cast<uint64_t>(parts) << 16),
                std::memory_order_release);
   Work(tag_, 0);
@@ -149,12 +153,8 @@ void ThreadPool::RunStealing(int64_t n, int64_t unit, ThunkFn thunk, void* ctx) 
     return;
   }
   StepScope implicit(step_depth_ == 0 ? this : nullptr);
-  thunk_ = thunk;
-  ctx_ = ctx;
-  n_ = n;
+  Prepare(n, thunk, ctx);
   unit_ = unit;
-  done_.store(0, std::memory_order_relaxed);
-  if (++tag_ == 0) ++tag_;
   for (int r = 0; r < parts; ++r) {
     const auto front = static_cast<uint64_t>(units * r / parts);
     const auto end = static_cast<uint64_t>(units * (r + 1) / parts);
@@ -177,27 +177,20 @@ void ThreadPool::WorkStealing(uint32_t tag, int home, int parts) {
     thunk_(ctx_, b, std::min(n_, b + unit_));
     ++ran;
   };
-  if (home < parts) {  // the own range, from the front
-    std::atomic<uint64_t>& w = home_[home].word;
+  // Takes units from one home range until it is empty (or a newer job's):
+  // from its front, in order, or from its back.
+  auto drain = [&](std::atomic<uint64_t>& w, bool from_front) {
     uint64_t h = w.load(std::memory_order_acquire);
     while (TagOf(h) == tag && FrontOf(h) < EndOf(h)) {
-      if (w.compare_exchange_weak(h, h + (uint64_t{1} << 16), std::memory_order_acq_rel,
-                                  std::memory_order_acquire)) {
-        run(FrontOf(h));
+      const uint64_t taken = from_front ? h + (uint64_t{1} << 16) : h - 1;
+      if (w.compare_exchange_weak(h, taken, std::memory_order_acq_rel, std::memory_order_acquire)) {
+        run(from_front ? FrontOf(h) : EndOf(h) - 1);
         h = w.load(std::memory_order_acquire);
       }
     }
-  }
-  for (int i = 1; i <= parts; ++i) {  // the others', from the back
-    std::atomic<uint64_t>& w = home_[(home + i) % parts].word;
-    uint64_t h = w.load(std::memory_order_acquire);
-    while (TagOf(h) == tag && FrontOf(h) < EndOf(h)) {
-      if (w.compare_exchange_weak(h, h - 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
-        run(EndOf(h) - 1);
-        h = w.load(std::memory_order_acquire);
-      }
-    }
-  }
+  };
+  if (home < parts) drain(home_[home].word, true);
+  for (int i = 1; i <= parts; ++i) drain(home_[(home + i) % parts].word, false);
   if (ran > 0) done_.fetch_add(ran, std::memory_order_acq_rel);
 }
 

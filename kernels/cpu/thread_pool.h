@@ -141,6 +141,9 @@ class ThreadPool {
   static void Thunk(void* ctx, int64_t b, int64_t e) {
     (*static_cast<std::remove_reference_t<F>*>(ctx))(b, e);
   }
+  // The owner's part of publishing a job: its fields, a zeroed done_ and
+  // the next tag (published by the caller's release store of claim_).
+  void Prepare(int64_t n, ThunkFn thunk, void* ctx);
   void Run(int64_t n, int parts, ThunkFn thunk, void* ctx);
   void RunStealing(int64_t n, int64_t unit, ThunkFn thunk, void* ctx);
   // Claims and runs ranges of the job tagged `tag` until none is left;
