@@ -242,9 +242,12 @@ void OnRequestHeaders(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
                           s->grpc_timeout)));
       return;
     }
-    s->deadline = std::chrono::steady_clock::now() +
-                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(*t);
-    c.server()->AddDeadline(c.shared_from_this(), s);
+    // A deadline past what the clock holds is none (gRPC: infinite).
+    const auto now = std::chrono::steady_clock::now();
+    if (*t < std::chrono::steady_clock::time_point::max() - now) {
+      s->deadline = now + std::chrono::duration_cast<std::chrono::steady_clock::duration>(*t);
+      c.server()->AddDeadline(c.shared_from_this(), s);
+    }
   }
   static const std::pair<std::string_view, Method> kMethods[] = {
       {"/tandem.v1.Generation/Generate", Method::kGenerate},

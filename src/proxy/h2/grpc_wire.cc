@@ -1,5 +1,7 @@
 #include "proxy/h2/grpc_wire.h"
 
+#include <limits>
+
 namespace tandem::proxy::h2 {
 
 std::optional<std::chrono::nanoseconds> ParseGrpcTimeout(std::string_view v) {
@@ -9,16 +11,20 @@ std::optional<std::chrono::nanoseconds> ParseGrpcTimeout(std::string_view v) {
     if (c < '0' || c > '9') return std::nullopt;
     n = n * 10 + (c - '0');
   }
-  using namespace std::chrono;
+  int64_t unit_ns = 0;
   switch (v.back()) {
-    case 'H': return duration_cast<nanoseconds>(hours(n));
-    case 'M': return duration_cast<nanoseconds>(minutes(n));
-    case 'S': return duration_cast<nanoseconds>(seconds(n));
-    case 'm': return duration_cast<nanoseconds>(milliseconds(n));
-    case 'u': return duration_cast<nanoseconds>(microseconds(n));
-    case 'n': return nanoseconds(n);
+    case 'H': unit_ns = 3'600'000'000'000; break;
+    case 'M': unit_ns = 60'000'000'000; break;
+    case 'S': unit_ns = 1'000'000'000; break;
+    case 'm': unit_ns = 1'000'000; break;
+    case 'u': unit_ns = 1'000; break;
+    case 'n': unit_ns = 1; break;
     default: return std::nullopt;
   }
+  // Eight digits of hours pass int64 nanoseconds (from 2,562,048 H, ~292
+  // years): the longest timeout, as gRPC reads such a value as infinite.
+  if (n > std::numeric_limits<int64_t>::max() / unit_ns) return std::chrono::nanoseconds::max();
+  return std::chrono::nanoseconds(n * unit_ns);
 }
 
 std::string PercentEncode(std::string_view text) {

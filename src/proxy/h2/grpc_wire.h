@@ -13,7 +13,8 @@
 namespace tandem::proxy::h2 {
 
 // "grpc-timeout": 1 to 8 ASCII digits and a unit (H M S m u n); nullopt when
-// malformed.
+// malformed; nanoseconds::max() when longer than int64 nanoseconds hold
+// (~292 years: gRPC reads it as no deadline).
 std::optional<std::chrono::nanoseconds> ParseGrpcTimeout(std::string_view value);
 
 // "grpc-message": bytes outside 0x20-0x7E, and '%', as %XX.

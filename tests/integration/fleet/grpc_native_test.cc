@@ -118,11 +118,16 @@ TEST_F(GrpcNative, WhatGrpcClientsNeverSendGetsAStatusNamingTheProblem) {
   auto timeout_headers = kGrpcHeaders;
   timeout_headers.push_back({"grpc-timeout", "10 seconds"});
   const int32_t bad_timeout = c.Post(gen, timeout_headers, RawH2Client::Frame(small));
+  // The longest timeout the header can say (~11,400 years: past int64
+  // nanoseconds) is no deadline, not an overflowed one (session 47).
+  auto longest_headers = kGrpcHeaders;
+  longest_headers.push_back({"grpc-timeout", "99999999H"});
+  const int32_t longest = c.Post(gen, longest_headers, RawH2Client::Frame(small));
   const int32_t health = c.Post("/grpc.health.v1.Health/Check", kGrpcHeaders, RawH2Client::Frame(""));
   const int32_t fine = c.Post(gen, kGrpcHeaders, RawH2Client::Frame(small));
   const int32_t watch = c.Post("/grpc.health.v1.Health/Watch", kGrpcHeaders, RawH2Client::Frame(""));
-  const std::vector<int32_t> all = {text_plain, oversized, compressed, truncated, empty,
-                                    two,        unknown,   bad_timeout, health,   fine};
+  const std::vector<int32_t> all = {text_plain, oversized,   compressed, truncated, empty, two,
+                                    unknown,    bad_timeout, longest,    health,    fine};
   ASSERT_TRUE(c.RunUntil(
       [&] {
         for (int32_t id : all) {
@@ -159,6 +164,8 @@ TEST_F(GrpcNative, WhatGrpcClientsNeverSendGetsAStatusNamingTheProblem) {
   EXPECT_FALSE(c.response(watch).closed);
   EXPECT_EQ(c.response(fine).GrpcStatus(), "0") << c.response(fine).GrpcMessage();
   EXPECT_EQ(GenerateTokens(c.response(fine)).size(), 4u);
+  EXPECT_EQ(c.response(longest).GrpcStatus(), "0") << c.response(longest).GrpcMessage();
+  EXPECT_EQ(GenerateTokens(c.response(longest)).size(), 4u);
   EXPECT_EQ(WaitFleetIdle(fleet_->workers(), fleet_->proxy_metrics(), std::chrono::seconds(20)), "");
 }
 

@@ -20,6 +20,12 @@ TEST(GrpcWire, GrpcTimeoutUnitsAndMalformedValues) {
   EXPECT_EQ(ParseGrpcTimeout("250m"), nanoseconds(milliseconds(250)));
   EXPECT_EQ(ParseGrpcTimeout("99999999u"), nanoseconds(microseconds(99999999)));
   EXPECT_EQ(ParseGrpcTimeout("7n"), nanoseconds(7));
+  // The longest values of each unit: only hours pass int64 nanoseconds
+  // (until session 47 they overflowed into a garbage deadline).
+  EXPECT_EQ(ParseGrpcTimeout("99999999M"), nanoseconds(minutes(99999999)));
+  EXPECT_EQ(ParseGrpcTimeout("2562047H"), nanoseconds(hours(2562047)));
+  EXPECT_EQ(ParseGrpcTimeout("2562048H"), nanoseconds::max());
+  EXPECT_EQ(ParseGrpcTimeout("99999999H"), nanoseconds::max());
   EXPECT_FALSE(ParseGrpcTimeout(""));
   EXPECT_FALSE(ParseGrpcTimeout("S"));
   EXPECT_FALSE(ParseGrpcTimeout("10"));
