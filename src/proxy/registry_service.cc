@@ -5,37 +5,17 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
-
 #include <atomic>
 
 #include "common/rpc_server.h"
 #include "common/tls.h"
 #include "common/wire_ids.h"
+#include "proxy/watch_batch.h"
 #include "proxy/watch_tcp_client.h"
 
 namespace tandem::proxy {
 
 namespace pb = ::tandem::v1;
-
-router::KvEventView KvEventViewFromProto(const pb::KvEvent& e) {
-  router::KvEventView v;
-  v.epoch = e.epoch();
-  v.event_id = e.event_id();
-  // The view reads the message's hashes in place (no copy per event).
-  if (e.has_stored()) {
-    v.kind = router::KvEventKind::kStored;
-    v.parent_hash = e.stored().parent_hash();
-    v.tier = static_cast<router::KvTier>(e.stored().tier());
-    v.hashes = BlockHashesOf(e.stored());
-  } else if (e.has_removed()) {
-    v.kind = router::KvEventKind::kRemoved;
-    v.tier = static_cast<router::KvTier>(e.removed().tier());
-    v.hashes = BlockHashesOf(e.removed());
-  } else {
-    v.kind = router::KvEventKind::kCleared;
-  }
-  return v;
-}
 
 class WorkerWatch final : public grpc::ClientReadReactor<pb::WorkerUpdate> {
  public:

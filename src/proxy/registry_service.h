@@ -44,10 +44,6 @@ namespace tandem::proxy {
 
 class WorkerWatch;
 
-// The router's view of a worker's KV event (the hashes read in place, from
-// whichever field carries them: common/wire_ids.h); valid while `e` is.
-router::KvEventView KvEventViewFromProto(const tandem::v1::KvEvent& e);
-
 class RegistryService final : public tandem::v1::Registry::CallbackService {
  public:
   // `watch_tcp` (proxy.watch_transport tcp; issue 23): a worker that

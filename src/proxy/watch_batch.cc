@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "common/wire_ids.h"
 #include "proxy/wire_scan.h"
 
 namespace tandem::proxy {
@@ -95,6 +96,26 @@ bool ParseWatchBatch(std::string_view payload, WatchBatch& out) {
     }
   }
   return true;
+}
+
+router::KvEventView KvEventViewFromProto(const tandem::v1::KvEvent& e) {
+  router::KvEventView v;
+  v.epoch = e.epoch();
+  v.event_id = e.event_id();
+  // The view reads the message's hashes in place (no copy per event).
+  if (e.has_stored()) {
+    v.kind = router::KvEventKind::kStored;
+    v.parent_hash = e.stored().parent_hash();
+    v.tier = static_cast<router::KvTier>(e.stored().tier());
+    v.hashes = BlockHashesOf(e.stored());
+  } else if (e.has_removed()) {
+    v.kind = router::KvEventKind::kRemoved;
+    v.tier = static_cast<router::KvTier>(e.removed().tier());
+    v.hashes = BlockHashesOf(e.removed());
+  } else {
+    v.kind = router::KvEventKind::kCleared;
+  }
+  return v;
 }
 
 }  // namespace tandem::proxy

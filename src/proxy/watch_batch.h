@@ -36,4 +36,9 @@ struct WatchBatch {
 // next call. False: parse the payload with protobuf (`out` is unspecified).
 bool ParseWatchBatch(std::string_view payload, WatchBatch& out);
 
+// The router's view of a worker's KV event parsed by protobuf (the hashes
+// read in place, from whichever field carries them: common/wire_ids.h);
+// valid while `e` is. What ParseWatchBatch's events must equal.
+router::KvEventView KvEventViewFromProto(const tandem::v1::KvEvent& e);
+
 }  // namespace tandem::proxy

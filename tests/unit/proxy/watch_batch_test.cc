@@ -11,8 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "proxy/registry_service.h"
-
 #include "wire_corrupt.h"
 
 namespace tandem::proxy {

@@ -6,6 +6,8 @@
 // watcher carries the worker's load as sampled in that round, whatever the
 // load interval, so a busy worker sends one update per batch of events
 // instead of a batch and a separate report.
+#include "worker/worker_service.h"
+
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -17,10 +19,9 @@
 
 #include "../engine/test_models.h"
 #include "common/wire_ids.h"
-#include "proxy/registry_service.h"
+#include "proxy/watch_batch.h"
 #include "router/prefix_index.h"
 #include "tandem/v1/worker.pb.h"
-#include "worker/worker_service.h"
 
 namespace tandem::worker {
 namespace {
