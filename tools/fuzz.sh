@@ -9,7 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-targets=(safetensors tokenizer config request http_request kv_notice descriptor)
+targets=(safetensors tokenizer config request http_request kv_notice descriptor grpc_request h2_client
+  worker_frames)
 
 need_clang() {
   if ! command -v clang++-14 >/dev/null 2>&1; then
@@ -61,6 +62,7 @@ case "${1:-}" in
     done
     for f in "$root"/configs/*.yaml; do cp "$f" "$c/config/"; done
     UCX_HANDLE_ERRORS=none "$root/build-fuzz/tests/fuzz/fuzz_make_seeds" "$c/kv_notice" "$c/descriptor"
+    UCX_HANDLE_ERRORS=none "$root/build-fuzz/tests/fuzz/fuzz_make_seeds" --wire "$c"
     ;;
   *)
     echo "usage: tools/fuzz.sh ci | long TARGET RUNS | seeds | run BIN SEEDS RUNS" >&2

@@ -1,5 +1,7 @@
 #include "proxy/decode_mux_wire.h"
 
+#include "proxy/wire_scan.h"
+
 namespace tandem::proxy {
 namespace {
 
@@ -18,25 +20,14 @@ struct Cursor {
   bool done() const { return p == end; }
 
   // At most 10 bytes, as protobuf reads them.
-  bool Varint(uint64_t* v) {
-    uint64_t r = 0;
-    for (int shift = 0; shift < 70; shift += 7) {
-      if (p == end) return false;
-      const uint8_t b = *p++;
-      r |= uint64_t{b & 0x7fu} << shift;
-      if ((b & 0x80u) == 0) {
-        *v = r;
-        return true;
-      }
-    }
-    return false;
-  }
-  // A field's tag: its number (1 and up) and wire type.
+  bool Varint(uint64_t* v) { return wire::ReadVarint(p, end, v); }
+  // A field's tag: its number (1 and up) and wire type, where protobuf
+  // reads the same tag (wire::ReadTag).
   bool Tag(uint32_t* field, uint32_t* wire_type) {
-    uint64_t t = 0;
-    if (!Varint(&t) || t > 0xffffffffu || (t >> 3) == 0) return false;
-    *field = static_cast<uint32_t>(t >> 3);
-    *wire_type = static_cast<uint32_t>(t & 7);
+    uint32_t t = 0;
+    if (!wire::ReadTag(p, end, &t)) return false;
+    *field = t >> 3;
+    *wire_type = t & 7;
     return true;
   }
   // A field this reader does not use (protobuf keeps it as an unknown
@@ -60,7 +51,7 @@ struct Cursor {
   // A length-delimited field's bytes.
   bool Len(Cursor* inner) {
     uint64_t n = 0;
-    if (!Varint(&n) || n > static_cast<uint64_t>(end - p)) return false;
+    if (!wire::ReadSize(p, end, &n) || n > static_cast<uint64_t>(end - p)) return false;
     *inner = Cursor{p, p + n};
     p += n;
     return true;

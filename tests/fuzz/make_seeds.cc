@@ -2,6 +2,10 @@
 // fuzz_kv_notice and fuzz_descriptor (binary formats with checksums, so
 // they are made by the code that defines them): transport descriptors,
 // framed notices and KvNotice payloads of the kinds a decoder receives.
+// fuzz_make_seeds --wire CORPUS_DIR: the seeds of fuzz_grpc_request,
+// fuzz_h2_client and fuzz_worker_frames (CORPUS_DIR/<target>/): Generate
+// bodies and header values, a client's HTTP/2 bytes, decode stream and
+// Watch batches.
 // The version-1 descriptor seeds (v1_*) are committed as session 13's code
 // wrote them and not regenerated. The other targets' seeds are the
 // repository's fixtures (tools/fuzz.sh seeds).
@@ -12,6 +16,7 @@
 #include "kvtransfer/descriptor.h"
 #include "kvtransfer/staging/staging_notice.h"
 #include "kvtransfer/transport_base.h"
+#include "tandem/v1/wire/generation_wire.pb.h"
 #include "tandem/v1/worker.pb.h"
 
 namespace {
@@ -27,11 +32,136 @@ void Write(const std::string& dir, const std::string& name, const std::string& b
   }
 }
 
+void PutVarint(std::string& out, uint64_t v) {
+  while (v >= 0x80) {
+    out.push_back(static_cast<char>(v | 0x80));
+    v >>= 7;
+  }
+  out.push_back(static_cast<char>(v));
+}
+
+// An HTTP/2 frame: 9-byte header, then the payload.
+std::string Frame(uint8_t type, uint8_t flags, uint32_t stream_id, const std::string& payload) {
+  std::string f;
+  const uint32_t n = static_cast<uint32_t>(payload.size());
+  for (int shift : {16, 8, 0}) f.push_back(static_cast<char>(n >> shift));
+  f.push_back(static_cast<char>(type));
+  f.push_back(static_cast<char>(flags));
+  for (int shift : {24, 16, 8, 0}) f.push_back(static_cast<char>(stream_id >> shift));
+  return f + payload;
+}
+
+std::string WindowUpdate(uint32_t stream_id, uint32_t increment) {
+  std::string p;
+  for (int shift : {24, 16, 8, 0}) p.push_back(static_cast<char>(increment >> shift));
+  return Frame(0x8, 0, stream_id, p);
+}
+
+void WriteWireSeeds(const std::string& root) {
+  namespace pb = ::tandem::v1;
+  // Generate bodies: ids (1-3 byte varints), text, ids unpacked, ids in two packed fields.
+  pb::wire::GenerateRequestBytes ids;
+  ids.set_request_id("req-1");
+  for (uint32_t i = 0; i < 40; ++i) ids.add_prompt_token_ids(i * i * 97);
+  ids.set_max_tokens(16);
+  ids.mutable_sampling()->set_temperature(0.7f);
+  ids.add_stop("\n\n");
+  ids.add_stop_token_ids(2);
+  ids.set_priority(-1);
+  Write(root + "/grpc_request", "ids", ids.SerializeAsString());
+  pb::wire::GenerateRequestBytes text;
+  text.set_model("tandem-kjv");
+  text.set_prompt("In the beginning");
+  text.set_ignore_eos(true);
+  text.set_ttft_slo_ms(500);
+  Write(root + "/grpc_request", "text", text.SerializeAsString());
+  std::string unpacked, two_packed, packed_a, packed_b;
+  for (uint32_t id : {5u, 300u, 70000u}) {
+    PutVarint(unpacked, (4 << 3) | 0);
+    PutVarint(unpacked, id);
+  }
+  PutVarint(packed_a, 1);
+  PutVarint(packed_a, 128);
+  PutVarint(packed_b, 1u << 21);
+  for (const std::string* p : {&packed_a, &packed_b}) {
+    PutVarint(two_packed, (4 << 3) | 2);
+    PutVarint(two_packed, p->size());
+    two_packed += *p;
+  }
+  Write(root + "/grpc_request", "ids_unpacked", unpacked);
+  Write(root + "/grpc_request", "ids_two_packed", two_packed);
+  // The call's header values the same target reads.
+  Write(root + "/grpc_request", "timeout_ms", "250m");
+  Write(root + "/grpc_request", "timeout_longest", "99999999H");
+  Write(root + "/grpc_request", "traceparent",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+
+  // What a gRPC client sends: preface, SETTINGS, a window, a request's
+  // HEADERS and DATA; a step's acknowledgements; a PING.
+  const std::string preface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+  const std::string settings = Frame(0x4, 0, 0, std::string("\x00\x04\x00\x40\x00\x00", 6));
+  std::string grpc_message(1, '\0');  // not compressed, then the length (big-endian)
+  const uint32_t length = static_cast<uint32_t>(ids.ByteSizeLong());
+  for (int shift : {24, 16, 8, 0}) grpc_message.push_back(static_cast<char>(length >> shift));
+  grpc_message += ids.SerializeAsString();
+  const std::string request =
+      Frame(0x1, 0x4, 1, "\x83\x86\x44\x8b") + Frame(0x0, 0x1, 1, grpc_message);
+  std::string acks;
+  for (uint32_t s = 1; s <= 31; s += 2) acks += WindowUpdate(s, 14);
+  acks += WindowUpdate(0, 224);
+  Write(root + "/h2_client", "request", preface + settings + WindowUpdate(0, 983041) + request);
+  Write(root + "/h2_client", "acks",
+        preface + settings + acks + Frame(0x6, 0, 0, "pingping") + acks);
+
+  // A decode stream batch: tokens, a registration, a finish.
+  pb::DecodeStreamResponse batch;
+  for (uint64_t h = 1; h <= 4; ++h) {
+    auto* it = batch.add_items();
+    it->set_handle(h * 1000);
+    it->set_first_index(static_cast<uint32_t>(h * 7));
+    it->add_token_ids(static_cast<uint32_t>(h * 4099));
+    if (h == 2) it->set_registered(true);
+    if (h == 4) {
+      it->mutable_finished()->set_finish_reason(pb::FINISH_REASON_LENGTH);
+      it->mutable_finished()->set_completion_tokens(64);
+      it->mutable_finished()->set_decoder_cached_prompt_tokens(16);
+    }
+  }
+  Write(root + "/worker_frames", "decode_batch", batch.SerializeAsString());
+  // A Watch batch: stored, removed and cleared events, the round's load.
+  pb::WorkerUpdate u;
+  u.set_epoch(77);
+  auto* stored = u.add_events();
+  stored->set_event_id(10);
+  stored->set_epoch(77);
+  stored->mutable_stored()->set_parent_hash(0xabcdef);
+  for (uint64_t h = 1; h <= 8; ++h) {
+    stored->mutable_stored()->add_block_hashes_fixed64(h * 0x9e3779b97f4a7c15ull);
+  }
+  auto* removed = u.add_events();
+  removed->set_event_id(11);
+  removed->set_epoch(77);
+  removed->mutable_removed()->set_tier(pb::KV_TIER_HOST);
+  removed->mutable_removed()->add_block_hashes_fixed64(3);
+  auto* cleared = u.add_events();
+  cleared->set_event_id(12);
+  cleared->set_epoch(77);
+  cleared->mutable_cleared();
+  u.mutable_batched_load()->set_queued_prefill_tokens(8000);
+  u.mutable_batched_load()->set_free_blocks(1234);
+  Write(root + "/worker_frames", "watch_batch", u.SerializeAsString());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 3 && std::string(argv[1]) == "--wire") {
+    WriteWireSeeds(argv[2]);
+    return g_failed ? 1 : 0;
+  }
   if (argc != 2 && argc != 3) {
-    std::fprintf(stderr, "usage: fuzz_make_seeds KV_NOTICE_DIR [DESCRIPTOR_DIR]\n");
+    std::fprintf(stderr,
+                 "usage: fuzz_make_seeds KV_NOTICE_DIR [DESCRIPTOR_DIR] | --wire CORPUS_DIR\n");
     return 2;
   }
   const std::string dir = argv[1];

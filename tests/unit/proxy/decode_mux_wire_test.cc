@@ -234,6 +234,35 @@ TEST(DecodeMuxWireTest, SkipsUnknownFieldsAsProtobufDoes) {
   EXPECT_EQ(items[0].finish_reason, 0);
 }
 
+// A tag or a length of more than 5 bytes (zero-padded) is refused by
+// protobuf; this reader took such a batch (an unknown field skipped) until
+// session 47, found by fuzz_worker_frames. Now it refuses it too, and
+// takes the same fields in at most 5 bytes as protobuf does.
+TEST(DecodeMuxWireTest, TagsAndLengthsPastFiveBytesAreLeftToProtobuf) {
+  std::string item;
+  PutTag(item, 1, 0);
+  PutVarint(item, 77);
+  for (size_t bytes = 1; bytes <= 7; ++bytes) {
+    auto padded = [bytes](uint8_t first) {
+      std::string s(1, static_cast<char>(bytes == 1 ? first : first | 0x80));
+      if (bytes > 1) s += std::string(bytes - 2, '\x80') + std::string(1, '\0');
+      return s;
+    };
+    const std::string long_tag =
+        padded(0x0a) + std::string(1, static_cast<char>(item.size())) + item;
+    const std::string long_size =
+        std::string(1, '\x0a') + padded(static_cast<uint8_t>(item.size())) + item;
+    const std::string long_unknown_tag = padded(0x7a) + std::string(1, '\0');  // field 15, empty
+    SCOPED_TRACE(bytes);
+    pb::DecodeStreamResponse msg;
+    for (const std::string& batch : {long_tag, long_size, long_unknown_tag}) {
+      EXPECT_EQ(msg.ParseFromString(batch), bytes <= 5);
+      EXPECT_EQ(Fast(batch), bytes <= 5);
+      if (bytes <= 5) ExpectSameAsProtobuf(batch);
+    }
+  }
+}
+
 TEST(DecodeMuxWireTest, TokenViewsSurviveManyItems) {
   // Spans into one id buffer that grows with the batch stay valid.
   pb::DecodeStreamResponse msg;

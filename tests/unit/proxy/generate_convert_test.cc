@@ -173,6 +173,31 @@ TEST(ParseGenerateRequestTest, CorruptedRequestsAsProtobufReadsThem) {
   EXPECT_LT(accepted, 19000);
 }
 
+// Protobuf reads a tag and a length of at most 5 bytes each and refuses a
+// longer (zero-padded) encoding; the prompt's field so encoded was taken
+// apart here and the request accepted (session 47, found by the fuzz
+// targets' differential check): now refused as protobuf refuses it.
+TEST(ParseGenerateRequestTest, TagsAndLengthsPastFiveBytesAreRefusedAsProtobufRefusesThem) {
+  const std::string payload = Varint(5) + Varint(300);  // 3 bytes
+  for (size_t bytes = 1; bytes <= 7; ++bytes) {
+    // Tag 34 (field 4, wire type 2) and length 3, each in `bytes` bytes.
+    auto padded = [bytes](char first) {
+      std::string s(1, bytes == 1 ? first : static_cast<char>(first | 0x80));
+      if (bytes > 1) s += std::string(bytes - 2, '\x80') + std::string(1, '\0');
+      return s;
+    };
+    const std::string long_tag = padded(34) + Varint(payload.size()) + payload;
+    const std::string long_size = Varint(34) + padded(3) + payload;
+    SCOPED_TRACE(bytes);
+    EXPECT_EQ(Reference(long_tag).ok, bytes <= 5);
+    EXPECT_EQ(Reference(long_size).ok, bytes <= 5);
+    ExpectSame(long_tag);
+    ExpectSame(long_size);
+    // And another field's tag so encoded, before the prompt's.
+    ExpectSame(padded(static_cast<char>(5 << 3)) + Varint(7) + PackedIds({5, 300}));
+  }
+}
+
 // Session 14: the client's packed varints are kept, in the body, when they
 // are one run of shortest varints (3-byte ones included), and not kept for
 // any other encoding of the same ids, which then go to the workers as the

@@ -112,6 +112,22 @@ TEST(WatchBatchTest, OtherShapesAreLeftToProtobuf) {
   EXPECT_FALSE(ParseWatchBatch(Batch(1, false).SerializeAsString() + unknown, b));
 }
 
+// An epoch field whose tag is zero-padded past 5 bytes: protobuf refuses
+// the frame, and so does this reader (it took it until session 47).
+TEST(WatchBatchTest, ATagPastFiveBytesIsLeftToProtobuf) {
+  WatchBatch b;
+  const std::string batch = Batch(1, true).SerializeAsString();
+  for (size_t bytes = 1; bytes <= 7; ++bytes) {
+    std::string epoch(1, static_cast<char>(bytes == 1 ? 5 << 3 : (5 << 3) | 0x80));
+    if (bytes > 1) epoch += std::string(bytes - 2, '\x80') + std::string(1, '\0');
+    epoch.push_back(77);
+    SCOPED_TRACE(bytes);
+    pb::WorkerUpdate u;
+    EXPECT_EQ(u.ParseFromString(epoch + batch), bytes <= 5);
+    EXPECT_EQ(ExpectSame(epoch + batch, b), bytes <= 5);
+  }
+}
+
 TEST(WatchBatchTest, CorruptedBatchesAreTakenOnlyAsProtobufReadsThem) {
   const std::string valid = Batch(9, true).SerializeAsString();
   std::mt19937 rng(23);
