@@ -7,7 +7,6 @@
 // accepted and what comes out stay protobuf's.
 #pragma once
 
-#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <string_view>
