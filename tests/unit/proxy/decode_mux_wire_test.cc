@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "wire_corrupt.h"
+
 namespace tandem::proxy {
 namespace {
 
@@ -243,11 +245,7 @@ TEST(DecodeMuxWireTest, TagsAndLengthsPastFiveBytesAreLeftToProtobuf) {
   PutTag(item, 1, 0);
   PutVarint(item, 77);
   for (size_t bytes = 1; bytes <= 7; ++bytes) {
-    auto padded = [bytes](uint8_t first) {
-      std::string s(1, static_cast<char>(bytes == 1 ? first : first | 0x80));
-      if (bytes > 1) s += std::string(bytes - 2, '\x80') + std::string(1, '\0');
-      return s;
-    };
+    auto padded = [bytes](uint8_t value) { return wire_test::PaddedVarint(value, bytes); };
     const std::string long_tag =
         padded(0x0a) + std::string(1, static_cast<char>(item.size())) + item;
     const std::string long_size =

@@ -181,11 +181,7 @@ TEST(ParseGenerateRequestTest, TagsAndLengthsPastFiveBytesAreRefusedAsProtobufRe
   const std::string payload = Varint(5) + Varint(300);  // 3 bytes
   for (size_t bytes = 1; bytes <= 7; ++bytes) {
     // Tag 34 (field 4, wire type 2) and length 3, each in `bytes` bytes.
-    auto padded = [bytes](char first) {
-      std::string s(1, bytes == 1 ? first : static_cast<char>(first | 0x80));
-      if (bytes > 1) s += std::string(bytes - 2, '\x80') + std::string(1, '\0');
-      return s;
-    };
+    auto padded = [bytes](uint8_t value) { return wire_test::PaddedVarint(value, bytes); };
     const std::string long_tag = padded(34) + Varint(payload.size()) + payload;
     const std::string long_size = Varint(34) + padded(3) + payload;
     SCOPED_TRACE(bytes);
@@ -194,7 +190,7 @@ TEST(ParseGenerateRequestTest, TagsAndLengthsPastFiveBytesAreRefusedAsProtobufRe
     ExpectSame(long_tag);
     ExpectSame(long_size);
     // And another field's tag so encoded, before the prompt's.
-    ExpectSame(padded(static_cast<char>(5 << 3)) + Varint(7) + PackedIds({5, 300}));
+    ExpectSame(padded(5 << 3) + Varint(7) + PackedIds({5, 300}));
   }
 }
 

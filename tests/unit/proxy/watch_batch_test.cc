@@ -118,9 +118,7 @@ TEST(WatchBatchTest, ATagPastFiveBytesIsLeftToProtobuf) {
   WatchBatch b;
   const std::string batch = Batch(1, true).SerializeAsString();
   for (size_t bytes = 1; bytes <= 7; ++bytes) {
-    std::string epoch(1, static_cast<char>(bytes == 1 ? 5 << 3 : (5 << 3) | 0x80));
-    if (bytes > 1) epoch += std::string(bytes - 2, '\x80') + std::string(1, '\0');
-    epoch.push_back(77);
+    const std::string epoch = wire_test::PaddedVarint(5 << 3, bytes) + std::string(1, 77);
     SCOPED_TRACE(bytes);
     pb::WorkerUpdate u;
     EXPECT_EQ(u.ParseFromString(epoch + batch), bytes <= 5);
