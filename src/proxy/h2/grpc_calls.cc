@@ -52,12 +52,8 @@ Status Authorize(Frontend& fe, H2Stream& s, long long* retry_after_s) {
 }
 
 std::chrono::system_clock::time_point SystemDeadline(const H2Stream& s) {
-  if (s.deadline == std::chrono::steady_clock::time_point::max()) {
-    return std::chrono::system_clock::time_point::max();
-  }
-  const auto left = s.deadline - std::chrono::steady_clock::now();
-  return std::chrono::system_clock::now() +
-         std::chrono::duration_cast<std::chrono::system_clock::duration>(left);
+  return SystemDeadlineOf(s.deadline, std::chrono::steady_clock::now(),
+                          std::chrono::system_clock::now());
 }
 
 // On the event thread or a work-pool thread: starts the lifecycle unless

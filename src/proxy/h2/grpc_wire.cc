@@ -27,6 +27,18 @@ std::optional<std::chrono::nanoseconds> ParseGrpcTimeout(std::string_view v) {
   return std::chrono::nanoseconds(n * unit_ns);
 }
 
+std::chrono::system_clock::time_point SystemDeadlineOf(
+    std::chrono::steady_clock::time_point deadline,
+    std::chrono::steady_clock::time_point steady_now,
+    std::chrono::system_clock::time_point system_now) {
+  using SystemClock = std::chrono::system_clock;
+  if (deadline == std::chrono::steady_clock::time_point::max())
+    return SystemClock::time_point::max();
+  const auto left = std::chrono::duration_cast<SystemClock::duration>(deadline - steady_now);
+  if (left > SystemClock::time_point::max() - system_now) return SystemClock::time_point::max();
+  return system_now + left;
+}
+
 std::string PercentEncode(std::string_view text) {
   static constexpr char kHex[] = "0123456789ABCDEF";
   std::string out;

@@ -17,6 +17,16 @@ namespace tandem::proxy::h2 {
 // (~292 years: gRPC reads it as no deadline).
 std::optional<std::chrono::nanoseconds> ParseGrpcTimeout(std::string_view value);
 
+// A call's deadline on the steady clock (time_point::max(): none) as the
+// system-clock deadline the request carries to the workers, given both
+// clocks' now. The steady clock counts from boot, the system clock from
+// 1970: a deadline the first holds (a timeout up to ~292 years) may pass
+// the second's range (from ~236 years in 2026), and is none then too.
+std::chrono::system_clock::time_point SystemDeadlineOf(
+    std::chrono::steady_clock::time_point deadline,
+    std::chrono::steady_clock::time_point steady_now,
+    std::chrono::system_clock::time_point system_now);
+
 // "grpc-message": bytes outside 0x20-0x7E, and '%', as %XX.
 std::string PercentEncode(std::string_view text);
 

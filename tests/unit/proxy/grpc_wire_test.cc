@@ -13,6 +13,29 @@ namespace {
 
 using namespace std::chrono;
 
+// The deadline handed to the workers: the steady deadline's time left, on
+// the system clock; none stays none, and a deadline past the system
+// clock's range (a ~274-year timeout in 2026) is none instead of an
+// overflowed time (session 47: it wrapped into the past).
+TEST(GrpcWire, SystemDeadlineOfASteadyDeadline) {
+  using std::chrono::steady_clock;
+  using std::chrono::system_clock;
+  const steady_clock::time_point steady_now{hours(5)};
+  const system_clock::time_point system_now{hours(24 * 365 * 57)};  // ~2026
+  EXPECT_EQ(SystemDeadlineOf(steady_clock::time_point::max(), steady_now, system_now),
+            system_clock::time_point::max());
+  EXPECT_EQ(SystemDeadlineOf(steady_now + seconds(30), steady_now, system_now),
+            system_now + seconds(30));
+  EXPECT_EQ(SystemDeadlineOf(steady_now - seconds(1), steady_now, system_now),
+            system_now - seconds(1));
+  const auto timeout = ParseGrpcTimeout("2400000H");
+  ASSERT_TRUE(timeout);
+  EXPECT_EQ(SystemDeadlineOf(steady_now + *timeout, steady_now, system_now),
+            system_clock::time_point::max());
+  EXPECT_EQ(SystemDeadlineOf(steady_now + hours(24 * 365 * 100), steady_now, system_now),
+            system_now + hours(24 * 365 * 100));
+}
+
 TEST(GrpcWire, GrpcTimeoutUnitsAndMalformedValues) {
   EXPECT_EQ(ParseGrpcTimeout("1H"), nanoseconds(hours(1)));
   EXPECT_EQ(ParseGrpcTimeout("2M"), nanoseconds(minutes(2)));
