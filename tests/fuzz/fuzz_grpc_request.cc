@@ -9,6 +9,8 @@
 // header's grammar and the value it names, saturated where int64
 // nanoseconds end) and `traceparent` (tracing::ParseTraceparent: what it
 // takes is the input's ids, and survives a round trip).
+#include <google/protobuf/io/coded_stream.h>
+
 #include <cctype>
 #include <chrono>
 #include <cstddef>
@@ -25,14 +27,13 @@
 
 namespace {
 
+// The ids as protobuf writes packed varints (its shortest encoding).
 std::string ShortestVarints(const std::vector<uint32_t>& ids) {
   std::string out;
+  uint8_t buf[5];  // a 32-bit varint takes at most 5 bytes
   for (uint32_t v : ids) {
-    while (v >= 0x80) {
-      out.push_back(static_cast<char>(v | 0x80));
-      v >>= 7;
-    }
-    out.push_back(static_cast<char>(v));
+    const uint8_t* end = google::protobuf::io::CodedOutputStream::WriteVarint32ToArray(v, buf);
+    out.append(reinterpret_cast<const char*>(buf), static_cast<size_t>(end - buf));
   }
   return out;
 }

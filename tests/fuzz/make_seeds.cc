@@ -9,6 +9,8 @@
 // The version-1 descriptor seeds (v1_*) are committed as session 13's code
 // wrote them and not regenerated. The other targets' seeds are the
 // repository's fixtures (tools/fuzz.sh seeds).
+#include <google/protobuf/io/coded_stream.h>
+
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -33,11 +35,9 @@ void Write(const std::string& dir, const std::string& name, const std::string& b
 }
 
 void PutVarint(std::string& out, uint64_t v) {
-  while (v >= 0x80) {
-    out.push_back(static_cast<char>(v | 0x80));
-    v >>= 7;
-  }
-  out.push_back(static_cast<char>(v));
+  uint8_t buf[10];  // a varint takes at most 10 bytes
+  const uint8_t* end = google::protobuf::io::CodedOutputStream::WriteVarint64ToArray(v, buf);
+  out.append(reinterpret_cast<const char*>(buf), static_cast<size_t>(end - buf));
 }
 
 // An HTTP/2 frame: 9-byte header, then the payload.

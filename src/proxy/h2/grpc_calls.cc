@@ -51,11 +51,6 @@ Status Authorize(Frontend& fe, H2Stream& s, long long* retry_after_s) {
   return r.status;
 }
 
-std::chrono::system_clock::time_point SystemDeadline(const H2Stream& s) {
-  return SystemDeadlineOf(s.deadline, std::chrono::steady_clock::now(),
-                          std::chrono::system_clock::now());
-}
-
 // On the event thread or a work-pool thread: starts the lifecycle unless
 // the stream is gone.
 void Validated(const std::shared_ptr<H2Connection>& conn, const std::shared_ptr<H2Stream>& s,
@@ -103,8 +98,11 @@ void Validated(const std::shared_ptr<H2Connection>& conn, const std::shared_ptr<
     ReleaseSlot(fe, *s);
     return;
   }
-  s->lifecycle = RequestLifecycle::Start(fe.deps(), std::move(v).value(), std::move(sink),
-                                         SystemDeadline(*s), arrival);
+  s->lifecycle =
+      RequestLifecycle::Start(fe.deps(), std::move(v).value(), std::move(sink),
+                              SystemDeadlineOf(s->deadline, std::chrono::steady_clock::now(),
+                                               std::chrono::system_clock::now()),
+                              arrival);
 }
 
 void Generate(H2Connection& c, const std::shared_ptr<H2Stream>& s) {
