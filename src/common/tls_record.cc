@@ -268,6 +268,12 @@ Status TlsRecordCipher::Open(std::span<uint8_t> record, size_t* content_bytes,
   }
   uint8_t* c = record.data() + kTlsRecordHeaderBytes;
   const size_t clen = record.size() - kTlsRecordHeaderBytes - kTlsRecordTagBytes;
+  if (clen > kTlsMaxInnerPlaintextBytes) {
+    return DataLossError(
+        fmt::format("a TLS record of {} bytes would decrypt to {} bytes; the limit is {} bytes "
+                    "(content, type and padding; RFC 8446 5.4, record_overflow)",
+                    record.size() - kTlsRecordHeaderBytes, clen, kTlsMaxInnerPlaintextBytes));
+  }
   uint8_t nonce[kIvBytes];
   Nonce(nonce);
   // The expected tag goes in with the nonce (no separate call to set it).

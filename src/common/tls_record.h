@@ -40,6 +40,10 @@ inline constexpr size_t kTlsRecordTagBytes = 16;
 inline constexpr size_t kTlsMaxPlaintextBytes = size_t{1} << 14;  // RFC 8446 5.1
 // RFC 8446 5.2: a TLSCiphertext body over 2^14 + 256 is a record_overflow.
 inline constexpr size_t kTlsMaxCiphertextBytes = kTlsMaxPlaintextBytes + 256;
+// RFC 8446 5.4: the whole TLSInnerPlaintext (content, type and padding) is
+// at most 2^14 + 1 bytes; a record decrypting to more is a record_overflow.
+// With AES-GCM's 16-byte tag the body is then at most 2^14 + 17 bytes.
+inline constexpr size_t kTlsMaxInnerPlaintextBytes = kTlsMaxPlaintextBytes + 1;
 // The bytes one record of `plain` bytes takes on the wire.
 inline constexpr size_t TlsRecordBytes(size_t plain) {
   return kTlsRecordHeaderBytes + plain + 1 + kTlsRecordTagBytes;
@@ -95,8 +99,9 @@ class TlsRecordCipher {
   // kOpen: `record` is one whole record (header and body, the body at most
   // kTlsMaxCiphertextBytes, checked by the caller). Decrypts in place:
   // the content is then record[5, 5 + *content_bytes) and *type its inner
-  // type. A record that fails authentication is an error (nothing of it may
-  // be used).
+  // type. A record that fails authentication, whose inner plaintext would
+  // be over kTlsMaxInnerPlaintextBytes (refused before decrypting) or is all
+  // padding is an error (nothing of it may be used).
   Status Open(std::span<uint8_t> record, size_t* content_bytes, TlsContentType* type);
 
  private:

@@ -199,6 +199,41 @@ TEST(TlsRecordTest, TenThousandRecordsOfVaryingLengthMatchOpenSslsAesGcm) {
   EXPECT_EQ(open->sequence(), 10'000u);
 }
 
+TEST(TlsRecordTest, AnInnerPlaintextOver2To14Plus1BytesIsRefused) {
+  // RFC 8446 5.4: content, type and padding together at most 2^14 + 1
+  // bytes; 5.2's limit of 2^14 + 256 on the body is for every AEAD, so an
+  // AES-GCM body can pass it and still decrypt to too much.
+  const std::vector<uint8_t> key(16, 3), iv(12, 4);
+  auto open = TlsRecordCipher::FromKeyIv(key, iv, TlsRecordCipher::Direction::kOpen);
+  ASSERT_TRUE(open.ok());
+  uint64_t seq = 0;
+  size_t n = 0;
+  TlsContentType type{};
+  const std::vector<uint8_t> full(kTlsMaxPlaintextBytes, 'a');
+  // At the limit: 2^14 of content, and 2^14 of padding after no content.
+  std::vector<uint8_t> rec = EvpRecord(key, iv, seq++, full, 23, 0);
+  ASSERT_TRUE(open->Open(rec, &n, &type).ok());
+  EXPECT_EQ(n, kTlsMaxPlaintextBytes);
+  rec = EvpRecord(key, iv, seq++, {}, 23, kTlsMaxPlaintextBytes);
+  ASSERT_TRUE(open->Open(rec, &n, &type).ok());
+  EXPECT_EQ(n, 0u);
+  // One byte past it, by content or by padding; and 5.2's largest body.
+  const std::vector<uint8_t> over(kTlsMaxPlaintextBytes + 1, 'b');
+  for (const auto& bad :
+       {EvpRecord(key, iv, seq, over, 23, 0), EvpRecord(key, iv, seq, full, 23, 1),
+        EvpRecord(key, iv, seq, over, 23, 238)}) {
+    ASSERT_LE(bad.size() - kTlsRecordHeaderBytes, kTlsMaxCiphertextBytes);
+    std::vector<uint8_t> r = bad;
+    const Status st = open->Open(r, &n, &type);
+    EXPECT_EQ(st.code(), StatusCode::kDataLoss) << bad.size();
+    EXPECT_NE(st.message().find("the limit is 16385 bytes"), std::string::npos) << st.ToString();
+  }
+  // Refused records leave the sequence where it was.
+  rec = EvpRecord(key, iv, seq, {'o', 'k'}, 23, 0);
+  ASSERT_TRUE(open->Open(rec, &n, &type).ok());
+  EXPECT_EQ(n, 2u);
+}
+
 TEST(TlsRecordTest, TheSequenceNumberNeverWraps) {
   const std::vector<uint8_t> key(16, 1), iv(12, 2);
   constexpr uint64_t kLast = std::numeric_limits<uint64_t>::max() - 1;  // the last one used
