@@ -4,13 +4,15 @@
 #                                     each target TANDEM_FUZZ_RUNS (2000) executions over its seeds
 #   tools/fuzz.sh long TARGET RUNS    one long run (e.g. 1000000) of fuzz_TARGET; findings and
 #                                     the grown corpus go to build-fuzz/long/TARGET
+#                                     (h2_server, http_server: configured and built first;
+#                                     not in `ci`)
 #   tools/fuzz.sh seeds               rewrites tests/fuzz/corpus/* from the repository's fixtures
 #   tools/fuzz.sh run BIN SEEDS RUNS  (what ctest calls) BIN over a scratch copy of SEEDS
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 targets=(safetensors tokenizer config request http_request kv_notice descriptor grpc_request h2_client
-  worker_frames)
+  worker_frames tls_records api_key)
 
 need_clang() {
   if ! command -v clang++-14 >/dev/null 2>&1; then
@@ -42,6 +44,13 @@ case "${1:-}" in
     ;;
   long)
     target=$2 runs=$3
+    if [[ $target == h2_server || $target == http_server ]]; then
+      # Not in CI's fuzz build (tests/fuzz/CMakeLists.txt): configure it in.
+      need_clang
+      export CCACHE_BASEDIR="$root"
+      cmake --preset fuzz -DTANDEM_FUZZ_SERVER=ON >/dev/null
+      cmake --build --preset fuzz -j "${TANDEM_BUILD_JOBS:-$(nproc)}" --target "fuzz_$target"
+    fi
     out="$root/build-fuzz/long/$target"
     mkdir -p "$out/corpus" "$out/artifacts"
     cd "$out"
@@ -52,7 +61,7 @@ case "${1:-}" in
     ;;
   seeds)
     c="$root/tests/fuzz/corpus"
-    mkdir -p "${targets[@]/#/$c/}"
+    mkdir -p "${targets[@]/#/$c/}" "$c/h2_server" "$c/http_server"
     fx="$root/tests/fixtures/model"
     for f in "$fx"/models/*/*.safetensors; do
       cp "$f" "$c/safetensors/$(basename "$(dirname "$f")")_$(basename "$f")"

@@ -122,6 +122,13 @@ Result<std::unique_ptr<FrameTlsRecords>> FrameTlsRecords::Start(SSL* ssl, bool i
       new FrameTlsRecords(std::move(*seal), std::move(*open), peer));
 }
 
+std::unique_ptr<FrameTlsRecords> FrameTlsRecords::FromCiphers(TlsRecordCipher seal,
+                                                              TlsRecordCipher open,
+                                                              std::string peer) {
+  return std::unique_ptr<FrameTlsRecords>(
+      new FrameTlsRecords(std::move(seal), std::move(open), std::move(peer)));
+}
+
 Status FrameTlsRecords::Seal(const uint8_t* plain, size_t plain_bytes, std::vector<uint8_t>* out,
                              size_t* out_len) {
   const size_t records = (plain_bytes + kTlsMaxPlaintextBytes - 1) / kTlsMaxPlaintextBytes;

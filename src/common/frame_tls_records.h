@@ -22,8 +22,9 @@
 // NewSessionTicket, ...) or any content type but application data ends it
 // with an error naming what came; a record that fails authentication ends
 // it with an error naming the peer, and none of its bytes is delivered; a
-// record over 2^14 + 256 bytes is refused; the sequence numbers never wrap
-// (the connection closes first).
+// record over 2^14 + 256 bytes, or one whose inner plaintext would be over
+// 2^14 + 1 bytes (RFC 8446 5.4), is refused; the sequence numbers never
+// wrap (the connection closes first).
 //
 // Thread-safety: sealing under FrameConn's mutex (from a sender's thread),
 // opening by the connection's I/O thread alone, without it: the two
@@ -71,6 +72,11 @@ class FrameTlsRecords {
   static Result<std::unique_ptr<FrameTlsRecords>> Start(SSL* ssl, bool is_server,
                                                          FrameTlsSecrets* secrets,
                                                          const std::string& peer);
+
+  // The record layer from two ciphers keyed directly, without a handshake
+  // (the unit tests' and fuzz_tls_records' way to reach Open and Seal).
+  static std::unique_ptr<FrameTlsRecords> FromCiphers(TlsRecordCipher seal, TlsRecordCipher open,
+                                                      std::string peer);
 
   // Seals `plain` (any length: split into records of at most 2^14 bytes)
   // and appends the records to out[*out_len, ...), growing `out` when

@@ -3,9 +3,10 @@
 // they are made by the code that defines them): transport descriptors,
 // framed notices and KvNotice payloads of the kinds a decoder receives.
 // fuzz_make_seeds --wire CORPUS_DIR: the seeds of fuzz_grpc_request,
-// fuzz_h2_client and fuzz_worker_frames (CORPUS_DIR/<target>/): Generate
+// fuzz_h2_client, fuzz_worker_frames, fuzz_tls_records, fuzz_api_key,
+// fuzz_h2_server and fuzz_http_server (CORPUS_DIR/<target>/): Generate
 // bodies and header values, a client's HTTP/2 bytes, decode stream and
-// Watch batches.
+// Watch batches, record scripts, API keys, whole client connections.
 // The version-1 descriptor seeds (v1_*) are committed as session 13's code
 // wrote them and not regenerated. The other targets' seeds are the
 // repository's fixtures (tools/fuzz.sh seeds).
@@ -150,6 +151,145 @@ void WriteWireSeeds(const std::string& root) {
   u.mutable_batched_load()->set_queued_prefill_tokens(8000);
   u.mutable_batched_load()->set_free_blocks(1234);
   Write(root + "/worker_frames", "watch_batch", u.SerializeAsString());
+
+  // fuzz_h2_server: whole connections after the preface and SETTINGS the
+  // target sends (first byte 1; 3: the rest one byte per write; 5: the
+  // calls end before the client's end closes). Headers
+  // as HPACK literals without indexing (RFC 7541 6.2.2), no Huffman.
+  const std::string h2 = root + "/h2_server";
+  auto literal = [](const std::string& name, const std::string& value) {
+    return std::string(1, '\0') + static_cast<char>(name.size()) + name +
+           static_cast<char>(value.size()) + value;
+  };
+  auto call = [&](uint32_t stream, const std::string& path, const std::string& extra) {
+    return Frame(0x1, 0x4, stream,
+                 "\x83" + literal(":scheme", "http") + literal(":path", path) +
+                     literal(":authority", "fuzz") + literal("content-type", "application/grpc") +
+                     literal("te", "trailers") + extra);
+  };
+  auto message = [](const std::string& body, char compressed = 0) {
+    std::string m(1, compressed);
+    const uint32_t n = static_cast<uint32_t>(body.size());
+    for (int shift : {24, 16, 8, 0}) m.push_back(static_cast<char>(n >> shift));
+    return m + body;
+  };
+  auto end = [](uint32_t stream, const std::string& m) { return Frame(0x0, 0x1, stream, m); };
+  const std::string generate = "/tandem.v1.Generation/Generate";
+  // Ids the bundled model's vocabulary (4096) holds: the call reaches routing.
+  pb::wire::GenerateRequestBytes fits = ids;
+  fits.clear_prompt_token_ids();
+  for (uint32_t i = 0; i < 40; ++i) fits.add_prompt_token_ids(i * 97 % 4096);
+  Write(h2, "generate_ids",
+        "\x01" + call(1, generate, "") + end(1, message(fits.SerializeAsString())));
+  Write(h2, "generate_ids_answered",
+        "\x05" + call(1, generate, "") + end(1, message(fits.SerializeAsString())));
+  Write(h2, "generate_ids_bytewise",
+        "\x03" + call(1, generate, "") + end(1, message(fits.SerializeAsString())));
+  Write(h2, "generate_text",
+        "\x05" + call(1, generate, literal("grpc-timeout", "5S")) +
+            end(1, message(text.SerializeAsString())));
+  Write(h2, "three_calls",
+        "\x05" + call(1, generate, "") + call(3, generate, "") +
+            end(3, message(fits.SerializeAsString())) + end(1, message(text.SerializeAsString())) +
+            call(5, "/tandem.v1.Generation/ListModels", "") + end(5, message("")));
+  Write(h2, "health_check",
+        "\x01" + call(1, "/grpc.health.v1.Health/Check", "") + end(1, message("")));
+  Write(h2, "health_watch",
+        "\x01" + call(1, "/grpc.health.v1.Health/Watch", "") + end(1, message("")));
+  Write(h2, "reflection_list",
+        "\x01" + call(1, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", "") +
+            end(1, message(std::string("\x3a\x00", 2))));
+  Write(h2, "unknown_method",
+        "\x01" + call(1, "/tandem.v1.Generation/Nope", "") + end(1, message("")));
+  Write(h2, "compressed",
+        "\x01" + call(1, generate, "") + end(1, message(fits.SerializeAsString(), 1)));
+  Write(h2, "bad_timeout",
+        "\x01" + call(1, generate, literal("grpc-timeout", "12x")) +
+            end(1, message(fits.SerializeAsString())));
+  Write(h2, "authorization",
+        "\x01" + call(1, generate, literal("authorization", "Bearer nope")) +
+            end(1, message(fits.SerializeAsString())));
+  const std::string half = message(fits.SerializeAsString()).substr(0, 20);
+  Write(h2, "reset_mid_call",
+        "\x01" + call(1, generate, "") + Frame(0x0, 0, 1, half) +
+            Frame(0x3, 0, 1, std::string("\x00\x00\x00\x08", 4)));
+  Write(h2, "ping_window_goaway",
+        "\x01" + Frame(0x4, 0x1, 0, "") + Frame(0x6, 0, 0, "pingping") + WindowUpdate(0, 1 << 20) +
+            call(1, generate, "") + WindowUpdate(1, 4096) +
+            end(1, message(fits.SerializeAsString())) + Frame(0x7, 0, 0, std::string(8, '\0')));
+
+  // fuzz_http_server: whole connections (first byte 0; 2: one byte per
+  // write; 4: the requests end before the client's end closes).
+  const std::string http = root + "/http_server";
+  auto post = [](const std::string& path, const std::string& body, const std::string& extra = "") {
+    return "POST " + path + " HTTP/1.1\r\nHost: fuzz\r\nContent-Type: application/json\r\n" +
+           extra + "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+  };
+  const std::string completion =
+      R"({"model":"tandem-kjv","prompt":"In the beginning","max_tokens":4})";
+  const std::string chat =
+      R"({"model":"tandem-kjv","messages":[{"role":"user","content":"hi"}],"stream":true,)"
+      R"("stream_options":{"include_usage":true},"max_tokens":4})";
+  Write(http, "completion", "\x04" + post("/v1/completions", completion));
+  Write(http, "completion_bytewise", "\x06" + post("/v1/completions", completion));
+  Write(http, "chat_stream", "\x04" + post("/v1/chat/completions", chat));
+  Write(http, "token_ids",
+        "\x04" + post("/v1/completions",
+                      R"({"model":"tandem-kjv","prompt":[1,2,3],"max_tokens":2,"stop":["\n"]})"));
+  Write(http, "models", std::string(1, '\0') + "GET /v1/models HTTP/1.1\r\nHost: fuzz\r\n\r\n");
+  Write(http, "head", std::string(1, '\0') + "HEAD /v1/models HTTP/1.1\r\nHost: fuzz\r\n\r\n");
+  Write(http, "pipelined",
+        "\x04GET /health HTTP/1.1\r\nHost: fuzz\r\n\r\n" + post("/v1/completions", completion) +
+            "GET /metrics HTTP/1.1\r\nHost: fuzz\r\n\r\n");
+  // Two chunks: 0x10 and 0x31 bytes.
+  Write(http, "chunked",
+        "\x04POST /v1/completions HTTP/1.1\r\nHost: fuzz\r\nTransfer-Encoding: chunked\r\n\r\n"
+        "10\r\n{\"model\":\"tandem\r\n"
+        "31\r\n-kjv\",\"prompt\":\"In the beginning\",\"max_tokens\":4}\r\n"
+        "0\r\n\r\n");
+  Write(http, "bad_json", "\x04" + post("/v1/completions", R"({"model":"tandem-kjv","prompt":)"));
+  Write(http, "authorization",
+        "\x04" + post("/v1/completions", completion, "Authorization: Bearer nope\r\n"));
+  Write(http, "expect_continue",
+        "\x04" + post("/v1/completions", completion, "Expect: 100-continue\r\n"));
+}
+
+// fuzz_tls_records' scripts (the ops are listed above its
+// LLVMFuzzerTestOneInput): one byte for the first sequence number, then ops.
+void WriteTlsRecordScripts(const std::string& dir) {
+  const std::string app = std::string("\x00\x05", 2) + "hello";
+  auto script = [](uint8_t first, const std::string& ops) {
+    return std::string(1, static_cast<char>(first)) + ops;
+  };
+  const std::string full = std::string("\x01\x40\x00", 3);  // 2^14 bytes
+  const std::string padded = std::string("\x03\x03\x00\x20\x17", 5) + "abc";
+  const std::string seal_two = std::string("\x08\x15\x56", 3);  // 16386 bytes: 2 records
+  Write(dir, "records", script(0, app + full + padded + std::string("\x08\x00\x10", 3) + seal_two));
+  Write(dir, "close_notify", script(0, app + std::string("\x02\x15\x02\x01\x00", 5)));
+  Write(dir, "alert", script(0, app + std::string("\x02\x15\x02\x02\x28", 5)));
+  Write(dir, "key_update", script(0, app + std::string("\x02\x16\x05\x18\x00\x00\x01\x00", 8)));
+  Write(dir, "flipped_byte", script(0, app + std::string("\x04\x00\x07\x01", 4) + app));
+  Write(dir, "skipped_sequence", script(0, app + std::string("\x06", 1) + app));
+  Write(dir, "unprotected", script(0, app + std::string("\x05\x05\x16\x03\x03\x00\x01", 7)));
+  Write(dir, "too_long", script(0, app + std::string("\x05\x05\x17\x03\x03\x41\x01", 7)));
+  Write(dir, "inner_over_limit", script(0, app + std::string("\x01\x40\x01", 3)));
+  Write(dir, "only_padding", script(0, app + std::string("\x03\x00\x00\x10\x00", 5)));
+  Write(dir, "legacy_version", script(0, std::string("\x07\x03\x01", 3) + app + app));
+  Write(dir, "short", script(0, std::string("\x05\x0a\x17\x03\x03\x00\x05", 7) + "12345"));
+  Write(dir, "sequence_wraps", script(1, app + app + std::string("\x08\x00\x01", 3)));
+}
+
+// fuzz_api_key's inputs: two keys (a length byte, then the bytes), then the
+// header value.
+void WriteApiKeySeeds(const std::string& dir) {
+  const std::string keys = std::string("\x03", 1) + "abc" + std::string("\x04", 1) + "wxyz";
+  Write(dir, "first_key", keys + "Bearer abc");
+  Write(dir, "second_key_any_case", keys + "bEaReR    wxyz");
+  Write(dir, "wrong_key", keys + "Bearer abd");
+  Write(dir, "no_scheme", keys + "wxyz");
+  Write(dir, "missing", keys);
+  Write(dir, "file_key_only", std::string("\x00\x04", 2) + "wxyzBearer wxyz");
+  Write(dir, "same_key_twice", std::string("\x03", 1) + "abc" + std::string("\x03", 1) + "abc");
 }
 
 }  // namespace
@@ -157,6 +297,8 @@ void WriteWireSeeds(const std::string& root) {
 int main(int argc, char** argv) {
   if (argc == 3 && std::string(argv[1]) == "--wire") {
     WriteWireSeeds(argv[2]);
+    WriteTlsRecordScripts(std::string(argv[2]) + "/tls_records");
+    WriteApiKeySeeds(std::string(argv[2]) + "/api_key");
     return g_failed ? 1 : 0;
   }
   if (argc != 2 && argc != 3) {

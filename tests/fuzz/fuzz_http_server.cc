@@ -1,0 +1,98 @@
+// libFuzzer target: the OpenAI HTTP API's connection as a whole (http/:
+// Boost.Beast's parser under tandem's session, the routes, the request
+// bodies, the replies and SSE streams, pipelining, the close). One
+// HttpServer on 127.0.0.1 for the process over the same Frontend and empty
+// fleet as fuzz_h2_server (server_fuzz.h: a completion that passes every
+// check ends 503 at routing); each input is what one client sends on one
+// connection, then the client's end of the TCP stream is closed. What must
+// hold for every input:
+//   - no crash or sanitizer report (the server runs in this process);
+//   - the server closes the connection after the client's end (within 8 s,
+//     else a trap), and its count of open connections is back to 0;
+//   - every admitted request's slot is freed (Frontend::inflight() back
+//     to 0 within 8 s, else a trap);
+//   - what the server sends starts as an HTTP/1.1 response;
+//   - the server still answers: every 256th input, and after any input that
+//     it cut short, GET /v1/models on a new connection gets the model list.
+// The first input byte: bit 1 sends the rest one byte per write, bit 2
+// sends `GET /fuzz-wait` after the rest and keeps the client's end open
+// until its 404 (which names the path) has come and every admitted request
+// has ended (their replies written; else the close cancels them, as a
+// client that goes away does). Not built in CI, as fuzz_h2_server
+// (tests/fuzz/CMakeLists.txt); `tools/fuzz.sh long http_server RUNS`
+// configures and builds it.
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "common/config.h"
+#include "common/metrics.h"
+#include "fuzz_util.h"
+#include "http/http_server.h"
+#include "proxy/proxy_server.h"
+#include "server_fuzz.h"
+
+namespace {
+
+using namespace tandem;
+using namespace tandem::fuzz;
+
+const std::string kWait = "GET /fuzz-wait HTTP/1.1\r\nHost: fuzz\r\n\r\n";
+const std::string kWaitAnswer = "/fuzz-wait";
+
+struct Server {
+  FuzzProxy* proxy = nullptr;
+  FleetConfig config;
+  std::unique_ptr<MetricsRegistry> metrics;
+  std::unique_ptr<http::HttpServer> http;
+  uint16_t port = 0;
+};
+
+Server& Get() {
+  static Server* s = [] {
+    auto* s = new Server();  // never destroyed: its threads outlive the inputs
+    s->proxy = StartFuzzProxy();
+    s->config.model.path = TANDEM_SOURCE_DIR "/models/tandem-kjv";
+    s->metrics = std::make_unique<MetricsRegistry>(MetricLabels{"tandem-kjv", "proxy", "proxy"});
+    proxy::HttpContext ctx;
+    ctx.config = &s->config;
+    ctx.frontend = s->proxy->frontend.get();
+    ctx.fleet = s->proxy->fleet.get();
+    ctx.metrics = s->metrics.get();
+    http::ServerOptions options;
+    options.max_connections = 64;
+    auto server = http::HttpServer::Start("127.0.0.1:0", ctx, options);
+    if (!server.ok()) std::abort();
+    s->http = std::move(server).value();
+    s->port = PortOf(s->http->address());
+    return s;
+  }();
+  return *s;
+}
+
+void CheckAlive(const Server& s) {
+  ExpectAnswer(s.port, "GET /v1/models HTTP/1.1\r\nHost: fuzz\r\n\r\n", "\"tandem-kjv\"");
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  tandem::fuzz::QuietLogs();
+  static uint64_t inputs = 0;
+  Server& s = Get();
+  if (size == 0) return 0;
+  const uint8_t flags = data[0];
+  std::string out(reinterpret_cast<const char*>(data + 1), size - 1);
+  if (flags & 4) out += kWait;
+  const int fd = ConnectLoopback(s.port);
+  std::string got;
+  const bool whole = Exchange(fd, out, (flags & 2) ? 1 : out.size(),
+                              (flags & 4) ? &kWaitAnswer : nullptr, *s.proxy->frontend, &got);
+  close(fd);
+  if (!got.empty() && !got.starts_with("HTTP/1.1 ")) __builtin_trap();
+  WaitUntil([&] { return s.proxy->frontend->inflight() == 0; });  // else a slot leaked
+  WaitUntil([&] { return s.http->open_connections() == 0; });     // else a connection leaked
+  if (!whole || ++inputs % 256 == 0) CheckAlive(s);
+  return 0;
+}
