@@ -74,7 +74,7 @@ class FrameTlsRecords {
                                                          const std::string& peer);
 
   // The record layer from two ciphers keyed directly, without a handshake
-  // (the unit tests' and fuzz_tls_records' way to reach Open and Seal).
+  // (fuzz_tls_records' way to reach Open and Seal).
   static std::unique_ptr<FrameTlsRecords> FromCiphers(TlsRecordCipher seal, TlsRecordCipher open,
                                                       std::string peer);
 
