@@ -116,14 +116,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   out.append(reinterpret_cast<const char*>(data + 1), size - 1);
   if (flags & 4) Frame(&out, 0x6, 0, 0, kPingPayload);
-  const int fd = ConnectLoopback(s.port);
-  std::string got;
-  const bool whole = Exchange(fd, out, (flags & 2) ? 1 : out.size(),
-                              (flags & 4) ? &kPingAck : nullptr, *s.proxy->frontend, &got);
-  close(fd);
+  const Connection c =
+      OneConnection(s.port, out, flags & 2, (flags & 4) ? &kPingAck : nullptr, *s.proxy->frontend);
   // After a client preface the server's first frame is its SETTINGS.
-  if ((flags & 1) && !got.empty() && (got.size() < 9 || got[3] != 0x4)) __builtin_trap();
-  WaitUntil([&] { return s.proxy->frontend->inflight() == 0; });  // else a slot leaked
-  if (!whole || ++inputs % 256 == 0) CheckAlive(s);
+  if ((flags & 1) && !c.got.empty() && (c.got.size() < 9 || c.got[3] != 0x4)) __builtin_trap();
+  if (!c.whole || ++inputs % 256 == 0) CheckAlive(s);
   return 0;
 }

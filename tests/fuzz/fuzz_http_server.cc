@@ -85,14 +85,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const uint8_t flags = data[0];
   std::string out(reinterpret_cast<const char*>(data + 1), size - 1);
   if (flags & 4) out += kWait;
-  const int fd = ConnectLoopback(s.port);
-  std::string got;
-  const bool whole = Exchange(fd, out, (flags & 2) ? 1 : out.size(),
-                              (flags & 4) ? &kWaitAnswer : nullptr, *s.proxy->frontend, &got);
-  close(fd);
-  if (!got.empty() && !got.starts_with("HTTP/1.1 ")) __builtin_trap();
-  WaitUntil([&] { return s.proxy->frontend->inflight() == 0; });  // else a slot leaked
-  WaitUntil([&] { return s.http->open_connections() == 0; });     // else a connection leaked
-  if (!whole || ++inputs % 256 == 0) CheckAlive(s);
+  const Connection c = OneConnection(s.port, out, flags & 2, (flags & 4) ? &kWaitAnswer : nullptr,
+                                     *s.proxy->frontend);
+  if (!c.got.empty() && !c.got.starts_with("HTTP/1.1 ")) __builtin_trap();
+  WaitUntil([&] { return s.http->open_connections() == 0; });  // else a connection leaked
+  if (!c.whole || ++inputs % 256 == 0) CheckAlive(s);
   return 0;
 }

@@ -167,6 +167,34 @@ inline bool Exchange(int fd, const std::string& out, size_t chunk, const std::st
   }
 }
 
+// Waits until `done()`; a trap after kPatience. (Polled: the states waited
+// on, a slot count and a connection count, have no event to wait on.)
+template <typename Done>
+void WaitUntil(Done done) {
+  const auto until = std::chrono::steady_clock::now() + kPatience;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > until) __builtin_trap();
+    std::this_thread::sleep_for(1ms);
+  }
+}
+
+// One input's connection: connects to `port`, exchanges `out` (one byte
+// per write when `bytewise`; `marker` as for Exchange), closes, and waits
+// until every admission slot is free again (else a trap: a slot leaked).
+struct Connection {
+  bool whole = false;  // Exchange's result
+  std::string got;     // what the server sent
+};
+inline Connection OneConnection(uint16_t port, const std::string& out, bool bytewise,
+                                const std::string* marker, const proxy::Frontend& fe) {
+  Connection c;
+  const int fd = ConnectLoopback(port);
+  c.whole = Exchange(fd, out, bytewise ? 1 : out.size(), marker, fe, &c.got);
+  close(fd);
+  WaitUntil([&] { return fe.inflight() == 0; });
+  return c;
+}
+
 // Sends `request` on a new connection and reads until `reply` has come
 // (a trap when the server closes first or takes longer than kPatience).
 inline void ExpectAnswer(uint16_t port, const std::string& request, const std::string& reply) {
@@ -189,16 +217,6 @@ inline void ExpectAnswer(uint16_t port, const std::string& request, const std::s
     got.append(buf, static_cast<size_t>(n));
   }
   close(fd);
-}
-
-// Waits until `done()`; a trap after kPatience.
-template <typename Done>
-void WaitUntil(Done done) {
-  const auto until = std::chrono::steady_clock::now() + kPatience;
-  while (!done()) {
-    if (std::chrono::steady_clock::now() > until) __builtin_trap();
-    std::this_thread::sleep_for(1ms);
-  }
 }
 
 }  // namespace tandem::fuzz
