@@ -1,16 +1,18 @@
 // libFuzzer target: the native front end's connection as a whole
 // (proxy/h2: nghttp2's session, tandem's streams, the gRPC message
 // assembly, the calls' own checks, the outboxes and the close). One
-// H2Server on 127.0.0.1 for the process, with a real Frontend and an empty
-// fleet (server_fuzz.h: a Generate that passes every check ends UNAVAILABLE
-// at routing); each input is what one client sends on one connection, then
-// the client's end of the TCP stream is closed. What must hold for every
-// input:
+// H2Server on 127.0.0.1 for the process, with a real Frontend over scripted
+// workers in this process (server_fuzz.h, fuzz_workers.h: a Generate that
+// passes every check is routed and runs its lifecycle: tokens, retries,
+// migrations, the workers' errors and stalls, chosen by its prompt); each
+// input is what one client sends on one connection, then the client's end
+// of the TCP stream is closed. What must hold for every input:
 //   - no crash or sanitizer report (the server runs in this process);
 //   - the server closes the connection after the client's end (a read of
 //     the connection that waits more than 8 s is a hang, and a trap);
-//   - every admitted call's slot is freed once its connection is gone
-//     (Frontend::inflight() back to 0 within 8 s, else a trap);
+//   - every admitted call's slot is freed and every worker call has ended
+//     once its connection is gone (Frontend::inflight() and
+//     FuzzWorkers::live() back to 0 within 8 s each, else a trap);
 //   - after the client's preface, the server's first frame is SETTINGS;
 //   - the server still answers: every 256th input, and after any input
 //     that it cut short, a health Check on a new connection gets SERVING.
@@ -117,7 +119,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   out.append(reinterpret_cast<const char*>(data + 1), size - 1);
   if (flags & 4) Frame(&out, 0x6, 0, 0, kPingPayload);
   const Connection c =
-      OneConnection(s.port, out, flags & 2, (flags & 4) ? &kPingAck : nullptr, *s.proxy->frontend);
+      OneConnection(s.port, out, flags & 2, (flags & 4) ? &kPingAck : nullptr, *s.proxy);
   // After a client preface the server's first frame is its SETTINGS.
   if ((flags & 1) && !c.got.empty() && (c.got.size() < 9 || c.got[3] != 0x4)) __builtin_trap();
   if (!c.whole || ++inputs % 256 == 0) CheckAlive(s);

@@ -1,11 +1,11 @@
 // libFuzzer target: the OpenAI HTTP API's connection as a whole (http/:
 // Boost.Beast's parser under tandem's session, the routes, the request
 // bodies, the replies and SSE streams, pipelining, the close). One
-// HttpServer on 127.0.0.1 for the process over the same Frontend and empty
-// fleet as fuzz_h2_server (server_fuzz.h: a completion that passes every
-// check ends 503 at routing); each input is what one client sends on one
-// connection, then the client's end of the TCP stream is closed. What must
-// hold for every input:
+// HttpServer on 127.0.0.1 for the process over the same Frontend and
+// scripted workers as fuzz_h2_server (server_fuzz.h: a completion that
+// passes every check runs its lifecycle); each input is what one client
+// sends on one connection, then the client's end of the TCP stream is
+// closed. What must hold for every input:
 //   - no crash or sanitizer report (the server runs in this process);
 //   - the server closes the connection after the client's end (within 8 s,
 //     else a trap), and its count of open connections is back to 0;
@@ -85,8 +85,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const uint8_t flags = data[0];
   std::string out(reinterpret_cast<const char*>(data + 1), size - 1);
   if (flags & 4) out += kWait;
-  const Connection c = OneConnection(s.port, out, flags & 2, (flags & 4) ? &kWaitAnswer : nullptr,
-                                     *s.proxy->frontend);
+  const Connection c =
+      OneConnection(s.port, out, flags & 2, (flags & 4) ? &kWaitAnswer : nullptr, *s.proxy);
   if (!c.got.empty() && !c.got.starts_with("HTTP/1.1 ")) __builtin_trap();
   WaitUntil([&] { return s.http->open_connections() == 0; });  // else a connection leaked
   if (!c.whole || ++inputs % 256 == 0) CheckAlive(s);

@@ -13,9 +13,12 @@
 #include <google/protobuf/io/coded_stream.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <string>
+#include <vector>
 
+#include "fuzz_worker_script.h"
 #include "kvtransfer/descriptor.h"
 #include "kvtransfer/staging/staging_notice.h"
 #include "kvtransfer/transport_base.h"
@@ -56,6 +59,22 @@ std::string WindowUpdate(uint32_t stream_id, uint32_t increment) {
   std::string p;
   for (int shift : {24, 16, 8, 0}) p.push_back(static_cast<char>(increment >> shift));
   return Frame(0x8, 0, stream_id, p);
+}
+
+// `g` with its prompt's last id changed so that the scripted workers give it
+// `script` (fuzz_worker_script.h; the first routing attempt).
+tandem::v1::wire::GenerateRequestBytes ForScript(tandem::v1::wire::GenerateRequestBytes g,
+                                                 int script) {
+  std::vector<uint32_t> prompt(g.prompt_token_ids().begin(), g.prompt_token_ids().end());
+  for (uint32_t last = 1; last < 4096; ++last) {
+    prompt.back() = last;
+    if (tandem::fuzz::ScriptOf(prompt, 1) == script) {
+      g.set_prompt_token_ids(g.prompt_token_ids_size() - 1, last);
+      return g;
+    }
+  }
+  std::fprintf(stderr, "no last id gives script %d\n", script);
+  std::abort();
 }
 
 void WriteWireSeeds(const std::string& root) {
@@ -213,6 +232,22 @@ void WriteWireSeeds(const std::string& root) {
   Write(h2, "reset_mid_call",
         "\x01" + call(1, generate, "") + Frame(0x0, 0, 1, half) +
             Frame(0x3, 0, 1, std::string("\x00\x00\x00\x08", 4)));
+  // One call for each of the scripted workers' scripts (fuzz_worker_script.h),
+  // the prompt's last id chosen for it; a stalled decode cancelled by the
+  // client (RST_STREAM CANCEL); a completion into a window of 0 (SETTINGS
+  // INITIAL_WINDOW_SIZE 0: the proxy may send no DATA).
+  for (int script = 0; script < tandem::fuzz::kWorkerScripts; ++script) {
+    const pb::wire::GenerateRequestBytes g = ForScript(fits, script);
+    Write(h2, "script_" + std::to_string(script),
+          "\x05" + call(1, generate, "") + end(1, message(g.SerializeAsString())));
+  }
+  Write(h2, "cancel_stalled",
+        "\x05" + call(1, generate, "") +
+            end(1, message(ForScript(fits, tandem::fuzz::kDecodeStalls).SerializeAsString())) +
+            Frame(0x3, 0, 1, std::string("\x00\x00\x00\x08", 4)));
+  Write(h2, "zero_window",
+        "\x05" + Frame(0x4, 0, 0, std::string("\x00\x04\x00\x00\x00\x00", 6)) +
+            call(1, generate, "") + end(1, message(ForScript(fits, 0).SerializeAsString())));
   Write(h2, "ping_window_goaway",
         "\x01" + Frame(0x4, 0x1, 0, "") + Frame(0x6, 0, 0, "pingping") + WindowUpdate(0, 1 << 20) +
             call(1, generate, "") + WindowUpdate(1, 4096) +
@@ -250,6 +285,17 @@ void WriteWireSeeds(const std::string& root) {
   Write(http, "bad_json", "\x04" + post("/v1/completions", R"({"model":"tandem-kjv","prompt":)"));
   Write(http, "authorization",
         "\x04" + post("/v1/completions", completion, "Authorization: Bearer nope\r\n"));
+  // One completion for each script of the scripted workers, with token ids;
+  // the odd ones streamed.
+  for (int script = 0; script < tandem::fuzz::kWorkerScripts; ++script) {
+    const pb::wire::GenerateRequestBytes g = ForScript(fits, script);
+    std::string body = R"({"model":"tandem-kjv","max_tokens":16,"prompt":[)";
+    for (int i = 0; i < g.prompt_token_ids_size(); ++i) {
+      body += (i ? "," : "") + std::to_string(g.prompt_token_ids(i));
+    }
+    body += script % 2 ? R"(],"stream":true})" : "]}";
+    Write(http, "script_" + std::to_string(script), "\x04" + post("/v1/completions", body));
+  }
   Write(http, "expect_continue",
         "\x04" + post("/v1/completions", completion, "Expect: 100-continue\r\n"));
 }

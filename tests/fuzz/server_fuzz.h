@@ -1,7 +1,8 @@
-// What fuzz_h2_server and fuzz_http_server share: a proxy Frontend over an
-// empty fleet (no worker: a request that passes every check ends
-// UNAVAILABLE at routing), and one client connection's exchange with a
-// server on 127.0.0.1, read all along, with the checks both targets make.
+// What fuzz_h2_server and fuzz_http_server share: a proxy Frontend over a
+// fleet of scripted workers in this process (fuzz_workers.h: a request that
+// passes every check is routed and runs its whole lifecycle), and one
+// client connection's exchange with a server on 127.0.0.1, read all along,
+// with the checks both targets make.
 #pragma once
 
 #include <arpa/inet.h>
@@ -22,6 +23,7 @@
 #include <string>
 #include <thread>
 
+#include "fuzz_workers.h"
 #include "model/tokenizer.h"
 #include "proxy/fleet.h"
 #include "proxy/frontend.h"
@@ -38,11 +40,13 @@ inline constexpr auto kPatience = 8s;
 struct FuzzProxy {
   std::unique_ptr<model::Tokenizer> tokenizer;
   std::unique_ptr<proxy::Fleet> fleet;
+  std::unique_ptr<FuzzWorkers> workers;
   std::unique_ptr<proxy::Frontend> frontend;
 };
 
-// The bundled model's tokenizer, an empty fleet, a Frontend of 64 slots
-// and an open API. Never destroyed (the servers' threads outlive inputs).
+// The bundled model's tokenizer, a fleet of two prefillers and two decoders
+// (FuzzWorkers), a Frontend of 64 slots and an open API. Never destroyed
+// (the servers' threads outlive inputs).
 inline FuzzProxy* StartFuzzProxy() {
   auto* p = new FuzzProxy();
   auto tok = model::Tokenizer::Load(TANDEM_SOURCE_DIR "/models/tandem-kjv/tokenizer.json");
@@ -53,6 +57,8 @@ inline FuzzProxy* StartFuzzProxy() {
   proxy::FleetRequirements req;
   req.model = "tandem-kjv";
   p->fleet = std::make_unique<proxy::Fleet>(req, std::move(router).value());
+  p->workers = std::make_unique<FuzzWorkers>(p->tokenizer->vocab_size());
+  if (!FuzzWorkers::Register(*p->fleet, req.model)) std::abort();
   proxy::ServingLimits limits;
   limits.model = "tandem-kjv";
   limits.vocab_size = p->tokenizer->vocab_size();
@@ -60,9 +66,12 @@ inline FuzzProxy* StartFuzzProxy() {
   limits.max_request_bytes = 64 << 10;
   proxy::LifecycleDeps deps;
   deps.fleet = p->fleet.get();
+  deps.client = p->workers.get();
   deps.tokenizer = p->tokenizer.get();
   deps.eos_token_ids = {0};
   p->frontend = std::make_unique<proxy::Frontend>(limits, deps, /*max_inflight=*/64, "");
+  static FuzzWorkers* workers = p->workers.get();
+  std::atexit([] { std::fprintf(stderr, "%s\n", workers->Summary().c_str()); });
   return p;
 }
 
@@ -117,8 +126,10 @@ inline int ConnectLoopback(uint16_t port) {
 // who does not read its replies from looking hung. With `marker`: the
 // client's end stays open after the last byte until the server has sent
 // `marker` (the answer to something sent last, so everything before it
-// was read) and the frontend's calls have all ended; when the marker does
-// not come within 50 ms (an input that leaves something unfinished swallows
+// was read) and the frontend's calls have all ended, or for 100 ms after
+// the marker (a call that waits on a stalled worker or on the client's
+// flow-control window does not end by itself); when the marker does not
+// come within 50 ms (an input that leaves something unfinished swallows
 // what was sent last) the client closes as without it. A server that keeps
 // the connection open past kPatience is a trap. False: the server closed
 // or reset the connection before everything was sent.
@@ -126,7 +137,7 @@ inline bool Exchange(int fd, const std::string& out, size_t chunk, const std::st
                      const proxy::Frontend& fe, std::string* got) {
   const auto until = std::chrono::steady_clock::now() + kPatience;
   constexpr auto kNever = std::chrono::steady_clock::time_point::max();
-  auto all_sent = kNever;
+  auto all_sent = kNever, marker_seen = kNever;
   size_t sent = 0;
   bool whole = true, half_closed = false;
   char buf[16384];
@@ -136,8 +147,9 @@ inline bool Exchange(int fd, const std::string& out, size_t chunk, const std::st
     if (!half_closed && (!whole || sent == out.size())) {
       bool close_now = true;
       if (marker != nullptr && whole) {
-        close_now =
-            got->find(*marker) != std::string::npos ? fe.inflight() == 0 : now - all_sent > 50ms;
+        if (marker_seen == kNever && got->find(*marker) != std::string::npos) marker_seen = now;
+        close_now = marker_seen != kNever ? fe.inflight() == 0 || now - marker_seen > 100ms
+                                          : now - all_sent > 50ms;
       }
       if (close_now) {
         shutdown(fd, SHUT_WR);
@@ -180,18 +192,25 @@ void WaitUntil(Done done) {
 
 // One input's connection: connects to `port`, exchanges `out` (one byte
 // per write when `bytewise`; `marker` as for Exchange), closes, and waits
-// until every admission slot is free again (else a trap: a slot leaked).
+// until every admission slot is free again and every worker call has
+// ended (else a trap: a slot leaked, or a call left a worker's
+// registration and KV blocks reserved).
 struct Connection {
   bool whole = false;  // Exchange's result
   std::string got;     // what the server sent
 };
 inline Connection OneConnection(uint16_t port, const std::string& out, bool bytewise,
-                                const std::string* marker, const proxy::Frontend& fe) {
+                                const std::string* marker, const FuzzProxy& p) {
   Connection c;
   const int fd = ConnectLoopback(port);
-  c.whole = Exchange(fd, out, bytewise ? 1 : out.size(), marker, fe, &c.got);
+  c.whole = Exchange(fd, out, bytewise ? 1 : out.size(), marker, *p.frontend, &c.got);
   close(fd);
-  WaitUntil([&] { return fe.inflight() == 0; });
+  WaitUntil([&] { return p.frontend->inflight() == 0; });
+  WaitUntil([&] { return p.workers->live() == 0; });
+  // TANDEM_FUZZ_SHOW=1: what the server sent, for reading a seed's run.
+  static const bool show = std::getenv("TANDEM_FUZZ_SHOW") != nullptr;
+  if (show)
+    std::fprintf(stderr, "--- the server sent %zu bytes:\n%s\n", c.got.size(), c.got.c_str());
   return c;
 }
 
