@@ -21,10 +21,12 @@
 // rest one byte per write, bit 2 sends a PING after the rest and keeps the
 // client's end open until the server has answered it and every admitted
 // call has ended (their replies written; else the close cancels them, as
-// a client that goes away does). Not built in CI (it compiles the
+// a client that goes away does). Not in CI's fuzz build (it compiles the
 // proxy, the router and the RPC layer, 51 more files, with coverage and
 // ASan: ~4 minutes of one core here); `tools/fuzz.sh long h2_server RUNS`
-// configures and builds it (docs/security.md, "Fuzzing").
+// configures and builds it (docs/security.md, "Fuzzing"). CI's unit suite
+// runs its seeds through it, built without libFuzzer against the normal
+// build's proxy (fuzz_seeds_h2_server: tests/CMakeLists.txt).
 #include <cstddef>
 #include <cstdint>
 #include <memory>

@@ -18,9 +18,10 @@
 // sends `GET /fuzz-wait` after the rest and keeps the client's end open
 // until its 404 (which names the path) has come and every admitted request
 // has ended (their replies written; else the close cancels them, as a
-// client that goes away does). Not built in CI, as fuzz_h2_server
+// client that goes away does). Not in CI's fuzz build, as fuzz_h2_server
 // (tests/fuzz/CMakeLists.txt); `tools/fuzz.sh long http_server RUNS`
-// configures and builds it.
+// configures and builds it; CI's unit suite runs its seeds
+// (fuzz_seeds_http_server: tests/CMakeLists.txt).
 #include <cstddef>
 #include <cstdint>
 #include <memory>

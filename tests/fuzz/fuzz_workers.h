@@ -24,6 +24,9 @@
 // on it.
 #pragma once
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -87,11 +90,12 @@ class FuzzWorkers : public proxy::WorkerClient {
   // What the inputs reached, for a run's record: calls by kind, tokens
   // sent, and calls by what they met (ScriptOf(), 0 to 11).
   std::string Summary() const {
-    std::string s = "fuzz workers: " + std::to_string(decodes_made_.load()) + " decode calls, " +
-                    std::to_string(prefills_made_.load()) + " prefill calls, " +
-                    std::to_string(tokens_sent_.load()) + " tokens sent; by script:";
-    for (const auto& n : by_script_) s += " " + std::to_string(n.load());
-    return s;
+    std::vector<uint64_t> by_script;
+    for (const auto& n : by_script_) by_script.push_back(n.load());
+    return fmt::format(
+        "fuzz workers: {} decode calls, {} prefill calls, {} tokens sent; by script: {}",
+        decodes_made_.load(), prefills_made_.load(), tokens_sent_.load(),
+        fmt::join(by_script, " "));
   }
 
   std::shared_ptr<proxy::Call> Decode(const std::string&, proxy::DecodeArgs args,
