@@ -159,7 +159,9 @@ void Session::OnRead(ErrorCode ec) {
 
 void Session::OnReadError(ErrorCode ec) {
   reading_ = false;
-  if (gone_) return EndLinger();  // closing, and the client closed too
+  // Closing, and the client closed too; after our close_notify a TLS read
+  // ends at once, so the TCP socket says whether the client has closed.
+  if (gone_) return notified_ ? Linger(0) : EndLinger();
   const bool parse_error = ec.category() == ErrorCode(bhttp::error::end_of_stream).category() &&
                            ec != bhttp::error::end_of_stream && ec != bhttp::error::partial_message;
   if (parse_error && !busy_) {
@@ -167,6 +169,9 @@ void Session::OnReadError(ErrorCode ec) {
     pending_.clear();
     close_after_ = true;
     busy_ = true;
+    // No read holds the session now: hold it until it closes (else it went
+    // with this handler, before its answer was flushed or its linger ran).
+    hold_ = shared_from_this();
     const int code = ec == bhttp::error::body_limit     ? 413
                      : ec == bhttp::error::header_limit ? 431
                                                         : 400;
@@ -241,16 +246,22 @@ void Session::Finished() {
 }
 
 void Session::Flush() {
-  if (gone_) return;
+  if (gone_ || writing_) return;
   if (!outbox_->TakePending(flushing_)) return OnWritten();
+  writing_ = true;
   net::async_write(socket_, net::buffer(flushing_),
                    [self = shared_from_this()](ErrorCode ec, size_t) { self->OnFlushed(ec); });
 }
 
 void Session::OnFlushed(ErrorCode ec) {
+  writing_ = false;
   // A completed write's handler may run after the read side already saw
-  // the client go (Gone/Close): then there is nothing more to write.
-  if (gone_) return;
+  // the client go (Gone/Close): then there is nothing more to write, and a
+  // close_notify may wait for this write to end.
+  if (gone_) {
+    if (after_write_) CloseNotifyThen(std::exchange(after_write_, nullptr));
+    return;
+  }
   if (ec) return Gone();
   Flush();
 }
@@ -271,19 +282,25 @@ void Session::Gone() {
   outbox_->Close();
   pending_.clear();
   ErrorCode ignored;
+  if (socket_.tls()) {
+    // close_notify before the close (after the write in flight, if any).
+    ArmCloseTimer();
+    if (reading_) {
+      // The read waiting for the next request (an idle timeout): cancelled,
+      // its handler sees gone_ and ends here (EndLinger).
+      socket_.socket().cancel(ignored);
+      return;
+    }
+    return CloseNotifyThen([self = shared_from_this()] {
+      ErrorCode ignored;
+      self->idle_timer_.cancel();
+      self->socket_.socket().close(ignored);
+    });
+  }
   socket_.socket().close(ignored);
 }
 
-void Session::Close() {
-  hold_.reset();  // the linger's handlers hold it from here
-  outbox_->Close();
-  ErrorCode ignored;
-  socket_.socket().shutdown(tcp::socket::shutdown_send, ignored);
-  gone_ = true;
-  if (active_) {
-    CancelLifecycle();
-    EndGeneration();
-  }
+void Session::ArmCloseTimer() {
   idle_timer_.cancel();
   idle_timer_.expires_after(kLingerTime);
   idle_timer_.async_wait([self = shared_from_this()](ErrorCode ec) {
@@ -291,23 +308,68 @@ void Session::Close() {
     ErrorCode ignored;
     self->socket_.socket().close(ignored);
   });
-  // A read in flight (the parser's) ends with the client's close too.
-  if (!reading_) Linger(0);
+}
+
+void Session::CloseNotifyThen(std::function<void()> then) {
+  if (!socket_.tls() || notified_) return then();
+  if (writing_) {
+    // After the write in flight (OnFlushed); both run when two wait.
+    if (after_write_) {
+      then = [first = std::move(after_write_), second = std::move(then)] {
+        first();
+        second();
+      };
+    }
+    after_write_ = std::move(then);
+    return;
+  }
+  notified_ = true;
+  socket_.async_close_notify(
+      [self = shared_from_this(), then = std::move(then)](ErrorCode) { then(); });
+}
+
+void Session::Close() {
+  hold_.reset();  // the linger's handlers hold it from here
+  outbox_->Close();
+  gone_ = true;
+  if (active_) {
+    CancelLifecycle();
+    EndGeneration();
+  }
+  ArmCloseTimer();
+  auto half_close = [self = shared_from_this()] {
+    ErrorCode ignored;
+    self->socket_.socket().shutdown(tcp::socket::shutdown_send, ignored);
+    // A read in flight (the parser's) ends with the client's close too.
+    if (!self->reading_) self->Linger(0);
+  };
+  // TLS: our close_notify first (a write, which may go beside the parser's
+  // read in flight), then the half-close.
+  CloseNotifyThen(std::move(half_close));
 }
 
 void Session::Linger(size_t discarded) {
   if (discarded >= kLingerBytes) return EndLinger();
-  socket_.async_read_some(net::buffer(linger_buf_),
-                          [self = shared_from_this(), discarded](ErrorCode ec, size_t n) {
-                            if (ec) return self->EndLinger();
-                            self->Linger(discarded + n);
-                          });
+  if (socket_.tls() && !notified_) {  // (Gone's path: a read ended as it closed)
+    return CloseNotifyThen([self = shared_from_this()] {
+      ErrorCode ignored;
+      self->socket_.socket().shutdown(tcp::socket::shutdown_send, ignored);
+      self->Linger(0);
+    });
+  }
+  socket_.socket().async_read_some(net::buffer(linger_buf_),
+                                   [self = shared_from_this(), discarded](ErrorCode ec, size_t n) {
+                                     if (ec) return self->EndLinger();
+                                     self->Linger(discarded + n);
+                                   });
 }
 
 void Session::EndLinger() {
-  ErrorCode ignored;
-  idle_timer_.cancel();
-  socket_.socket().close(ignored);
+  CloseNotifyThen([self = shared_from_this()] {
+    ErrorCode ignored;
+    self->idle_timer_.cancel();
+    self->socket_.socket().close(ignored);
+  });
 }
 
 }  // namespace tandem::http::detail

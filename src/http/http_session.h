@@ -29,6 +29,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -153,10 +154,20 @@ class Session : public std::enable_shared_from_this<Session> {
   static constexpr size_t kLingerBytes = 1u << 20;
   static constexpr auto kLingerTime = std::chrono::seconds(2);
   void Close();
-  // Under TLS the discarded bytes are read (and decrypted) through the TLS
-  // stream; the client's close_notify or TCP close ends the linger.
+  // Under TLS our close_notify goes first (RFC 8446 6.1), then the TCP
+  // half-close; the discarded bytes are read from the TCP socket (TLS is
+  // over for us), so the client's TCP close ends the linger.
   void Linger(size_t discarded);
   void EndLinger();
+  // TLS, after the handshake: sends close_notify once (after the write in
+  // flight, if one is), then runs `then`; otherwise `then` at once. Every
+  // end of a TLS connection goes through it: the client's close (Gone,
+  // EndLinger), ours (Close), the idle timeout (Gone, which cancels the
+  // read waiting for the next request first).
+  void CloseNotifyThen(std::function<void()> then);
+  // The socket closes after kLingerTime whatever else waits (a linger, a
+  // close_notify behind a write the client does not read).
+  void ArmCloseTimer();
 
   HttpStream socket_;  // TCP, or TLS over it
   Shared* sh_;
@@ -173,6 +184,9 @@ class Session : public std::enable_shared_from_this<Session> {
   std::shared_ptr<Outbox> outbox_;  // shared with the lifecycle's sink
   std::string flushing_;            // the bytes of the async_write in flight
   bool reading_ = false, busy_ = false, gone_ = false;
+  bool writing_ = false;               // an async_write (Flush) is in flight
+  bool notified_ = false;              // TLS: our close_notify has been sent (or tried)
+  std::function<void()> after_write_;  // CloseNotifyThen's, behind the write in flight
   bool keep_alive_ = true, close_after_ = false, close_when_written_ = false;
   std::string request_id_header_;
   std::string traceparent_header_;

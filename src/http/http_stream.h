@@ -52,6 +52,27 @@ class HttpStream {
     }
   }
 
+  // Ends TLS on our side: sends close_notify (RFC 8446 6.1: each side sends
+  // it before closing its write side) without waiting for the client's,
+  // then runs `handler` (the alert written, or the write failed). The
+  // client's close_notify is marked as received first, so the shutdown
+  // only writes (as async_write_some: never beside another write) and
+  // afterwards a TLS read ends at once; what the client still sends is
+  // read from socket() if at all. Before the handshake is done, and in
+  // plaintext, `handler` runs at once (posted).
+  template <class Handler>
+  void async_close_notify(Handler&& handler) {
+    if (tls_ && SSL_is_init_finished(tls_->native_handle())) {
+      SSL* ssl = tls_->native_handle();
+      SSL_set_shutdown(ssl, SSL_get_shutdown(ssl) | SSL_RECEIVED_SHUTDOWN);
+      tls_->async_shutdown(std::forward<Handler>(handler));
+    } else {
+      boost::asio::post(socket_.get_executor(), [h = std::forward<Handler>(handler)]() mutable {
+        h(boost::system::error_code());
+      });
+    }
+  }
+
   template <class Buffers, class Handler>
   void async_read_some(const Buffers& buffers, Handler&& handler) {
     if (tls_) {

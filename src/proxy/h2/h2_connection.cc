@@ -318,6 +318,7 @@ void H2Connection::Close() {
     for (auto& [id, s] : streams) s->in_session = false;
     sending_.clear();
     recent_.fill(nullptr);
+    io_.CloseNotify();
     close(fd_);
   }
   {

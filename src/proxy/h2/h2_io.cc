@@ -159,6 +159,18 @@ H2Io::Got H2Io::Read(uint8_t* buf, size_t cap) {
   }
 }
 
+void H2Io::CloseNotify() {
+  if (ssl_ == nullptr || wbio_ == nullptr) return;
+  ERR_clear_error();
+  // After a fatal alert (sent or received) SSL_shutdown sends nothing.
+  if (SSL_is_init_finished(ssl_) && (SSL_get_shutdown(ssl_) & SSL_SENT_SHUTDOWN) == 0) {
+    SSL_shutdown(ssl_);
+  }
+  ERR_clear_error();
+  bool blocked = false;
+  SendRecords(&blocked);
+}
+
 bool H2Io::pending() const {
   return out_off_ < out_.size() || (wbio_ != nullptr && BIO_ctrl_pending(wbio_) > 0);
 }

@@ -55,6 +55,14 @@ class H2Io {
   ssize_t Write(const uint8_t* data, size_t len, bool* blocked);
   // TLS records not yet handed to the socket (handshake replies included).
   bool pending() const;
+  // Before the socket closes. TLS: after the handshake, queues close_notify
+  // (RFC 8446 6.1: each side sends it before closing its write side, unless
+  // it sent an error alert; a client reading to the end then tells a
+  // complete stream from a cut one), then hands every record still waiting
+  // (it, or the fatal alert OpenSSL queued on a bad record) to the socket
+  // in one send that does not block: what a full socket does not take is
+  // dropped with the connection. Plaintext: nothing.
+  void CloseNotify();
 
   // Bytes one TLS record adds to what it carries (the quiet-reading
   // low-water mark counts a client write as one record); 0 in plaintext.
