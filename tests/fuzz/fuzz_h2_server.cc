@@ -1,7 +1,9 @@
 // libFuzzer target: the native front end's connection as a whole
 // (proxy/h2: nghttp2's session, tandem's streams, the gRPC message
-// assembly, the calls' own checks, the outboxes and the close). One
-// H2Server on 127.0.0.1 for the process, with a real Frontend over scripted
+// assembly, the calls' own checks, the outboxes and the close). Two
+// H2Servers on 127.0.0.1 for the process, one plaintext and one with
+// security.public_tls (h2_tls.cc: OpenSSL under tandem's reads and writes),
+// over one real Frontend over scripted
 // workers in this process (server_fuzz.h, fuzz_workers.h: a Generate that
 // passes every check is routed and runs its lifecycle: tokens, retries,
 // migrations, the workers' errors and stalls, chosen by its prompt); each
@@ -15,13 +17,16 @@
 //     FuzzWorkers::live() back to 0 within 8 s each, else a trap);
 //   - after the client's preface, the server's first frame is SETTINGS;
 //   - the server still answers: every 256th input, and after any input
-//     that it cut short, a health Check on a new connection gets SERVING.
+//     that it cut short, a health Check on a new connection to the same
+//     server gets SERVING.
 // The first input byte: bit 0 sends the client preface and an empty
 // SETTINGS before the rest (most seeds start from there), bit 1 sends the
 // rest one byte per write, bit 2 sends a PING after the rest and keeps the
 // client's end open until the server has answered it and every admitted
 // call has ended (their replies written; else the close cancels them, as
-// a client that goes away does). Not in CI's fuzz build (it compiles the
+// a client that goes away does), bit 3 speaks TLS (ALPN h2) to the TLS
+// server, the input inside TLS records (one per byte with bit 1). Not in
+// CI's fuzz build (it compiles the
 // proxy, the router and the RPC layer, 51 more files, with coverage and
 // ASan: ~4 minutes of one core here); `tools/fuzz.sh long h2_server RUNS`
 // configures and builds it (docs/security.md, "Fuzzing"). CI's unit suite
@@ -46,10 +51,13 @@ const std::string kPreface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 const std::string kPingPayload = "fuzzwait";
 const std::string kPingAck = std::string("\0\0\x08\x06\x01\0\0\0\0", 9) + kPingPayload;
 
+const std::string kAlpn = "\x02h2";
+
 struct Server {
   FuzzProxy* proxy = nullptr;
-  std::unique_ptr<proxy::h2::H2Server> h2;
-  uint16_t port = 0;
+  // [0] plaintext, [1] with security.public_tls (h2_tls.cc), one Frontend.
+  std::unique_ptr<proxy::h2::H2Server> h2[2];
+  uint16_t port[2] = {0, 0};
 };
 
 Server& Get() {
@@ -59,11 +67,14 @@ Server& Get() {
     proxy::h2::H2ServerLimits limits;
     limits.max_connections = 64;
     limits.handshake_timeout = 2000ms;
-    auto h2 = proxy::h2::H2Server::Start("127.0.0.1:0", s->proxy->frontend.get(), {}, limits);
-    if (!h2.ok()) std::abort();
-    s->h2 = std::move(h2).value();
-    s->h2->SetServing(true);
-    s->port = PortOf(s->h2->address());
+    const TlsFiles tls[2] = {{}, FuzzTlsFiles()};
+    for (int i : {0, 1}) {
+      auto h2 = proxy::h2::H2Server::Start("127.0.0.1:0", s->proxy->frontend.get(), tls[i], limits);
+      if (!h2.ok()) std::abort();
+      s->h2[i] = std::move(h2).value();
+      s->h2[i]->SetServing(true);
+      s->port[i] = PortOf(s->h2[i]->address());
+    }
     return s;
   }();
   return *s;
@@ -93,7 +104,7 @@ std::string Literal(const std::string& name, const std::string& value) {
 
 // A health Check on a fresh connection gets its reply: the message
 // HealthCheckResponse{status: SERVING} (08 01) after its 5-byte prefix.
-void CheckAlive(const Server& s) {
+void CheckAlive(const Server& s, bool tls) {
   std::string c = kPreface;
   Frame(&c, 0x4, 0, 0, "");
   std::string h = "\x83";  // :method POST (RFC 7541's static table)
@@ -102,7 +113,8 @@ void CheckAlive(const Server& s) {
        Literal("te", "trailers");
   Frame(&c, 0x1, 0x4, 1, h);
   Frame(&c, 0x0, 0x1, 1, std::string(5, '\0'));  // an empty HealthCheckRequest
-  ExpectAnswer(s.port, c, std::string("\x00\x00\x00\x00\x02\x08\x01", 7));
+  ExpectAnswer(s.port[tls], tls ? &kAlpn : nullptr, c,
+               std::string("\x00\x00\x00\x00\x02\x08\x01", 7));
 }
 
 }  // namespace
@@ -120,10 +132,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   out.append(reinterpret_cast<const char*>(data + 1), size - 1);
   if (flags & 4) Frame(&out, 0x6, 0, 0, kPingPayload);
-  const Connection c =
-      OneConnection(s.port, out, flags & 2, (flags & 4) ? &kPingAck : nullptr, *s.proxy);
+  const bool tls = flags & 8;
+  const Connection c = OneConnection(s.port[tls], tls ? &kAlpn : nullptr, out, flags & 2,
+                                     (flags & 4) ? &kPingAck : nullptr, *s.proxy);
   // After a client preface the server's first frame is its SETTINGS.
   if ((flags & 1) && !c.got.empty() && (c.got.size() < 9 || c.got[3] != 0x4)) __builtin_trap();
-  if (!c.whole || ++inputs % 256 == 0) CheckAlive(s);
+  if (!c.whole || ++inputs % 256 == 0) CheckAlive(s, tls);
   return 0;
 }

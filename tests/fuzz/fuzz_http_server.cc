@@ -1,7 +1,8 @@
 // libFuzzer target: the OpenAI HTTP API's connection as a whole (http/:
 // Boost.Beast's parser under tandem's session, the routes, the request
-// bodies, the replies and SSE streams, pipelining, the close). One
-// HttpServer on 127.0.0.1 for the process over the same Frontend and
+// bodies, the replies and SSE streams, pipelining, the close). Two
+// HttpServers on 127.0.0.1 for the process, one plaintext and one with
+// security.public_tls (Beast's TLS stream), over the same Frontend and
 // scripted workers as fuzz_h2_server (server_fuzz.h: a completion that
 // passes every check runs its lifecycle); each input is what one client
 // sends on one connection, then the client's end of the TCP stream is
@@ -18,7 +19,8 @@
 // sends `GET /fuzz-wait` after the rest and keeps the client's end open
 // until its 404 (which names the path) has come and every admitted request
 // has ended (their replies written; else the close cancels them, as a
-// client that goes away does). Not in CI's fuzz build, as fuzz_h2_server
+// client that goes away does), bit 3 speaks TLS to the TLS server. Not in
+// CI's fuzz build, as fuzz_h2_server
 // (tests/fuzz/CMakeLists.txt); `tools/fuzz.sh long http_server RUNS`
 // configures and builds it; CI's unit suite runs its seeds
 // (fuzz_seeds_http_server: tests/CMakeLists.txt).
@@ -46,9 +48,12 @@ struct Server {
   FuzzProxy* proxy = nullptr;
   FleetConfig config;
   std::unique_ptr<MetricsRegistry> metrics;
-  std::unique_ptr<http::HttpServer> http;
-  uint16_t port = 0;
+  // [0] plaintext, [1] with security.public_tls, one Frontend.
+  std::unique_ptr<http::HttpServer> http[2];
+  uint16_t port[2] = {0, 0};
 };
+
+const std::string kAlpn = "\x08http/1.1";
 
 Server& Get() {
   static Server* s = [] {
@@ -61,19 +66,24 @@ Server& Get() {
     ctx.frontend = s->proxy->frontend.get();
     ctx.fleet = s->proxy->fleet.get();
     ctx.metrics = s->metrics.get();
+    // The server's limits come from the fleet file's proxy section.
+    s->config.proxy.limits.max_connections = 64;
     http::ServerOptions options;
-    options.max_connections = 64;
-    auto server = http::HttpServer::Start("127.0.0.1:0", ctx, options);
-    if (!server.ok()) std::abort();
-    s->http = std::move(server).value();
-    s->port = PortOf(s->http->address());
+    for (int i : {0, 1}) {
+      if (i == 1) ctx.public_tls = FuzzTlsFiles();
+      auto server = http::HttpServer::Start("127.0.0.1:0", ctx, options);
+      if (!server.ok()) std::abort();
+      s->http[i] = std::move(server).value();
+      s->port[i] = PortOf(s->http[i]->address());
+    }
     return s;
   }();
   return *s;
 }
 
-void CheckAlive(const Server& s) {
-  ExpectAnswer(s.port, "GET /v1/models HTTP/1.1\r\nHost: fuzz\r\n\r\n", "\"tandem-kjv\"");
+void CheckAlive(const Server& s, bool tls) {
+  ExpectAnswer(s.port[tls], tls ? &kAlpn : nullptr, "GET /v1/models HTTP/1.1\r\nHost: fuzz\r\n\r\n",
+               "\"tandem-kjv\"");
 }
 
 }  // namespace
@@ -86,10 +96,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const uint8_t flags = data[0];
   std::string out(reinterpret_cast<const char*>(data + 1), size - 1);
   if (flags & 4) out += kWait;
-  const Connection c =
-      OneConnection(s.port, out, flags & 2, (flags & 4) ? &kWaitAnswer : nullptr, *s.proxy);
+  const bool tls = flags & 8;
+  const Connection c = OneConnection(s.port[tls], tls ? &kAlpn : nullptr, out, flags & 2,
+                                     (flags & 4) ? &kWaitAnswer : nullptr, *s.proxy);
   if (!c.got.empty() && !c.got.starts_with("HTTP/1.1 ")) __builtin_trap();
-  WaitUntil([&] { return s.http->open_connections() == 0; });  // else a connection leaked
-  if (!c.whole || ++inputs % 256 == 0) CheckAlive(s);
+  // Else a connection leaked.
+  WaitUntil([&] { return s.http[tls]->open_connections() == 0; });
+  if (!c.whole || ++inputs % 256 == 0) CheckAlive(s, tls);
   return 0;
 }

@@ -245,6 +245,16 @@ void WriteWireSeeds(const std::string& root) {
         "\x05" + call(1, generate, "") +
             end(1, message(ForScript(fits, tandem::fuzz::kDecodeStalls).SerializeAsString())) +
             Frame(0x3, 0, 1, std::string("\x00\x00\x00\x08", 4)));
+  // The same over TLS (bit 3: the TLS server, ALPN h2), whole and one
+  // record per byte.
+  auto script_call = [&](int script) {
+    return call(1, generate, "") + end(1, message(ForScript(fits, script).SerializeAsString()));
+  };
+  Write(h2, "tls_script_0", "\x0d" + script_call(0));
+  Write(h2, "tls_script_7_bytewise", "\x0f" + script_call(tandem::fuzz::kDecodeBreaks));
+  Write(h2, "tls_cancel_stalled",
+        "\x0d" + script_call(tandem::fuzz::kDecodeStalls) +
+            Frame(0x3, 0, 1, std::string("\x00\x00\x00\x08", 4)));
   Write(h2, "zero_window",
         "\x05" + Frame(0x4, 0, 0, std::string("\x00\x04\x00\x00\x00\x00", 6)) +
             call(1, generate, "") + end(1, message(ForScript(fits, 0).SerializeAsString())));
@@ -298,6 +308,12 @@ void WriteWireSeeds(const std::string& root) {
   }
   Write(http, "expect_continue",
         "\x04" + post("/v1/completions", completion, "Expect: 100-continue\r\n"));
+  // Over TLS (bit 3): a completion, a streamed chat, a pipelined pair one
+  // record per byte.
+  Write(http, "tls_completion", "\x0c" + post("/v1/completions", completion));
+  Write(http, "tls_chat_stream", "\x0c" + post("/v1/chat/completions", chat));
+  Write(http, "tls_pipelined_bytewise",
+        "\x0eGET /health HTTP/1.1\r\nHost: fuzz\r\n\r\n" + post("/v1/completions", completion));
 }
 
 // fuzz_tls_records' scripts (the ops are listed above its
