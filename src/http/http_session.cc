@@ -285,9 +285,11 @@ void Session::Gone() {
   if (socket_.tls()) {
     // close_notify before the close (after the write in flight, if any).
     ArmCloseTimer();
-    if (reading_) {
+    if (reading_ && !writing_) {
       // The read waiting for the next request (an idle timeout): cancelled,
-      // its handler sees gone_ and ends here (EndLinger).
+      // its handler sees gone_ and ends here (EndLinger). (With a write in
+      // flight nothing is cancelled, which would cut its record: the
+      // close_notify follows the write and the close ends the read.)
       socket_.socket().cancel(ignored);
       return;
     }
