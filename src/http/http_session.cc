@@ -293,11 +293,7 @@ void Session::Gone() {
       socket_.socket().cancel(ignored);
       return;
     }
-    return CloseNotifyThen([self = shared_from_this()] {
-      ErrorCode ignored;
-      self->idle_timer_.cancel();
-      self->socket_.socket().close(ignored);
-    });
+    return EndLinger();  // close_notify, then the close
   }
   socket_.socket().close(ignored);
 }
@@ -339,26 +335,24 @@ void Session::Close() {
     EndGeneration();
   }
   ArmCloseTimer();
-  auto half_close = [self = shared_from_this()] {
+  HalfClose();
+}
+
+void Session::HalfClose() {
+  // TLS: our close_notify first (a write, which may go beside the parser's
+  // read in flight), then the half-close.
+  CloseNotifyThen([self = shared_from_this()] {
     ErrorCode ignored;
     self->socket_.socket().shutdown(tcp::socket::shutdown_send, ignored);
     // A read in flight (the parser's) ends with the client's close too.
     if (!self->reading_) self->Linger(0);
-  };
-  // TLS: our close_notify first (a write, which may go beside the parser's
-  // read in flight), then the half-close.
-  CloseNotifyThen(std::move(half_close));
+  });
 }
 
 void Session::Linger(size_t discarded) {
   if (discarded >= kLingerBytes) return EndLinger();
-  if (socket_.tls() && !notified_) {  // (Gone's path: a read ended as it closed)
-    return CloseNotifyThen([self = shared_from_this()] {
-      ErrorCode ignored;
-      self->socket_.socket().shutdown(tcp::socket::shutdown_send, ignored);
-      self->Linger(0);
-    });
-  }
+  // (Gone's path: a read that ended as it closed. No read is in flight.)
+  if (socket_.tls() && !notified_) return HalfClose();
   socket_.socket().async_read_some(net::buffer(linger_buf_),
                                    [self = shared_from_this(), discarded](ErrorCode ec, size_t n) {
                                      if (ec) return self->EndLinger();

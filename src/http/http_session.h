@@ -154,6 +154,9 @@ class Session : public std::enable_shared_from_this<Session> {
   static constexpr size_t kLingerBytes = 1u << 20;
   static constexpr auto kLingerTime = std::chrono::seconds(2);
   void Close();
+  // Our close_notify (TLS), the TCP half-close, then the linger unless the
+  // parser's read is in flight (it lingers when it ends).
+  void HalfClose();
   // Under TLS our close_notify goes first (RFC 8446 6.1), then the TCP
   // half-close; the discarded bytes are read from the TCP socket (TLS is
   // over for us), so the client's TCP close ends the linger.

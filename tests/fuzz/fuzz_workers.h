@@ -86,6 +86,12 @@ class FuzzWorkers : public proxy::WorkerClient {
   }
 
   int live() const { return live_.load(); }
+  // Waits until no call is live (the last one's end wakes it); false when
+  // `patience` passed first.
+  bool WaitIdle(std::chrono::milliseconds patience) {
+    std::unique_lock lock(idle_mu_);
+    return idle_cv_.wait_for(lock, patience, [this] { return live_.load() == 0; });
+  }
 
   // What the inputs reached, for a run's record: calls by kind, tokens
   // sent, and calls by what they met (ScriptOf(), 0 to 11).
@@ -178,7 +184,7 @@ class FuzzWorkers : public proxy::WorkerClient {
         if (!ended && events.on_error) {
           ended = true;
           events.on_error(CancelledError("cancelled by the proxy"), false);
-          owner->live_.fetch_sub(1);
+          owner->Ended();
         }
         return;
       }
@@ -188,9 +194,17 @@ class FuzzWorkers : public proxy::WorkerClient {
       std::lock_guard l(ev_mu);
       if (ended) return;
       ended = true;
-      owner->live_.fetch_sub(1);
+      owner->Ended();
     }
   };
+
+  // A call's last event has run (or it was forgotten).
+  void Ended() {
+    if (live_.fetch_sub(1) == 1) {
+      std::lock_guard lock(idle_mu_);  // a waiter is in wait_for or sees 0
+      idle_cv_.notify_all();
+    }
+  }
 
   // The completion's token at index i of this attempt (ids 1..vocab-1, and
   // now and then the eos id 0).
@@ -225,7 +239,7 @@ class FuzzWorkers : public proxy::WorkerClient {
   void EndDecode(FakeCall& c, const Status& st, bool from_worker) {
     c.ended = true;
     if (c.events.on_error) c.events.on_error(st, from_worker);
-    live_.fetch_sub(1);
+    Ended();
   }
 
   // One step of `c` on the worker thread; true: run it again later.
@@ -262,7 +276,7 @@ class FuzzWorkers : public proxy::WorkerClient {
       const bool decode_first = d != nullptr && c->script % 2 == 1;
       bool again = decode_first && Run(d);
       c->done(std::move(r));
-      live_.fetch_sub(1);
+      Ended();
       if (d != nullptr && (again || !decode_first)) {
         std::lock_guard lock(mu_);
         runnable_.push_back(std::move(d));
@@ -329,7 +343,7 @@ class FuzzWorkers : public proxy::WorkerClient {
       if (c->events.on_finished) {
         c->events.on_finished(stop ? proxy::Finish::kStop : proxy::Finish::kLength, c->next, 0, 0);
       }
-      live_.fetch_sub(1);
+      Ended();
       return false;
     }
     return true;
@@ -366,6 +380,8 @@ class FuzzWorkers : public proxy::WorkerClient {
 
   const uint32_t vocab_;
   std::atomic<int> live_{0};
+  std::mutex idle_mu_;  // WaitIdle's; taken by the last call's end to wake it
+  std::condition_variable idle_cv_;
   std::atomic<uint64_t> decodes_made_{0}, prefills_made_{0}, tokens_sent_{0};
   std::array<std::atomic<uint64_t>, kWorkerScripts> by_script_{};
   std::thread thread_;

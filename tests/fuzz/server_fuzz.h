@@ -336,7 +336,7 @@ inline Connection OneConnection(uint16_t port, const std::string* alpn, const st
     }
   }
   WaitUntil([&] { return p.frontend->inflight() == 0; });
-  WaitUntil([&] { return p.workers->live() == 0; });
+  if (!p.workers->WaitIdle(kPatience)) __builtin_trap();
   // TANDEM_FUZZ_SHOW=1: what the server sent, for reading a seed's run.
   static const bool show = std::getenv("TANDEM_FUZZ_SHOW") != nullptr;
   if (show) {
