@@ -67,13 +67,12 @@ Result<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string& address
   sh.fe = context.frontend;
   sh.fleet = context.fleet;
   sh.metrics = context.metrics;
-  sh.opts = options;
-  sh.opts.idle_timeout_seconds = context.config->proxy.http_idle_timeout_seconds;
+  sh.limits.idle_timeout_seconds = context.config->proxy.http_idle_timeout_seconds;
   const ProxyLimitsConfig& limits = context.config->proxy.limits;
-  sh.opts.max_body_bytes = limits.max_http_body_bytes;
-  sh.opts.max_header_bytes = limits.max_http_header_bytes;
-  sh.opts.max_pipelined = limits.max_pipelined_requests;
-  sh.opts.max_connections = limits.max_connections;
+  sh.limits.max_body_bytes = limits.max_http_body_bytes;
+  sh.limits.max_header_bytes = limits.max_http_header_bytes;
+  sh.limits.max_pipelined = limits.max_pipelined_requests;
+  sh.limits.max_connections = limits.max_connections;
   sh.started = static_cast<int64_t>(std::time(nullptr));
   sh.tls_files = context.public_tls;
   if (!sh.tls_files.empty()) {

@@ -25,15 +25,12 @@
 
 namespace tandem::http {
 
-// Start takes the limits from proxy.limits and the idle timeout from
-// proxy.http_idle_timeout_seconds; the values here are the defaults'.
+// What the caller chooses. The limits (body, header, pipelined requests,
+// connections) come from the fleet file's proxy.limits and the idle timeout
+// from proxy.http_idle_timeout_seconds (HttpContext::config), so that one
+// place sets them.
 struct ServerOptions {
   int io_threads = 2;
-  size_t max_body_bytes = 4u << 20;    // a larger request body gets 413
-  size_t max_header_bytes = 16u << 10;  // a larger header gets 431
-  size_t max_pipelined = 8;  // requests waiting on one connection; one more gets 429
-  size_t max_connections = 1024;  // open connections; a connection past it gets 429
-  double idle_timeout_seconds = 60;
 };
 
 class HttpServer final : public proxy::HttpFrontEnd {

@@ -77,7 +77,7 @@ void Session::Start() {
     std::lock_guard lock(sh_->mu);
     // Over proxy.limits.max_connections: the connection's first request
     // is read (so that the answer is not lost to a reset) and answered 429.
-    over_connections_ = sh_->sessions.size() >= sh_->opts.max_connections;
+    over_connections_ = sh_->sessions.size() >= sh_->limits.max_connections;
     sh_->sessions.insert(this);
   }
   Touch();
@@ -99,7 +99,7 @@ void Session::CancelLifecycle() {
 
 Session::SteadyClock::duration Session::Idle() const {
   return std::chrono::duration_cast<SteadyClock::duration>(
-      std::chrono::duration<double>(sh_->opts.idle_timeout_seconds));
+      std::chrono::duration<double>(sh_->limits.idle_timeout_seconds));
 }
 void Session::ArmIdleTimer(SteadyClock::duration after) {
   idle_timer_.expires_after(after);
@@ -120,8 +120,8 @@ void Session::OnIdleTimer() {
 void Session::DoRead() {
   reading_ = true;
   parser_.emplace();
-  parser_->body_limit(sh_->opts.max_body_bytes);
-  parser_->header_limit(static_cast<uint32_t>(sh_->opts.max_header_bytes));
+  parser_->body_limit(sh_->limits.max_body_bytes);
+  parser_->header_limit(static_cast<uint32_t>(sh_->limits.max_header_bytes));
   bhttp::async_read_header(
       socket_, buf_, *parser_,
       [self = shared_from_this()](ErrorCode ec, size_t) { self->OnHeader(ec); });
@@ -145,7 +145,7 @@ void Session::OnRead(ErrorCode ec) {
   if (gone_) return Linger(0);
   // A request read ahead past proxy.limits.max_pipelined_requests waiting
   // ones is answered 429 in its turn, and the connection closes after it.
-  const bool over = pending_.size() >= sh_->opts.max_pipelined;
+  const bool over = pending_.size() >= sh_->limits.max_pipelined;
   pending_.push_back(Pending{parser_->release(), over});
   if (over) {
     stop_reading_ = true;  // nothing after it is read
@@ -179,11 +179,11 @@ void Session::OnReadError(ErrorCode ec) {
         code, "application/json",
         ErrorBody(code, code == 413 ? fmt::format("the request body exceeds the limit of {} bytes "
                                                   "(proxy.limits.max_http_body_bytes)",
-                                                  sh_->opts.max_body_bytes)
+                                                  sh_->limits.max_body_bytes)
                         : code == 431
                             ? fmt::format("the request's header exceeds the limit of {} bytes "
                                           "(proxy.limits.max_http_header_bytes)",
-                                          sh_->opts.max_header_bytes)
+                                          sh_->limits.max_header_bytes)
                             : fmt::format("malformed HTTP request: {}", ec.message())));
     return;
   }
@@ -207,12 +207,12 @@ void Session::MaybeServe() {
                                 ? fmt::format(
                                       "the proxy has its limit of {} open HTTP connections "
                                       "(proxy.limits.max_connections); retry later",
-                                      sh_->opts.max_connections)
+                                      sh_->limits.max_connections)
                                 : fmt::format(
                                       "more than {} requests pipelined on one connection "
                                       "(proxy.limits.max_pipelined_requests); send them after the "
                                       "earlier answers",
-                                      sh_->opts.max_pipelined);
+                                      sh_->limits.max_pipelined);
     if (auto* m = sh_->fe->deps().metrics) m->CountOutcome("rejected");
     return Respond(429, "application/json", ErrorBody(429, why));
   }

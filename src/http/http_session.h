@@ -63,7 +63,14 @@ struct Shared {
   std::optional<model::ChatTemplate> chat;
   std::string chat_error;  // why chat is refused when `chat` is empty
   int64_t started = 0;
-  ServerOptions opts;
+  // From the fleet file's proxy section (HttpServer::Start).
+  struct Limits {
+    size_t max_body_bytes = 0;    // a larger request body gets 413
+    size_t max_header_bytes = 0;  // a larger header gets 431
+    size_t max_pipelined = 0;     // requests waiting on one connection; one more gets 429
+    size_t max_connections = 0;   // open connections; a connection past it gets 429
+    double idle_timeout_seconds = 0;
+  } limits;
 
   TlsFiles tls_files;        // security.public_tls; empty: plaintext
   std::atomic<int> jobs{0};  // requests on the work pool (Shutdown waits for them)
