@@ -55,7 +55,10 @@ case "${1:-}" in
     mkdir -p "$out/corpus" "$out/artifacts"
     cd "$out"
     export UCX_HANDLE_ERRORS=none
-    "$root/build-fuzz/tests/fuzz/fuzz_$target" -runs="$runs" -max_total_time="${TANDEM_FUZZ_MAX_SECONDS:-0}" -timeout=10 -rss_limit_mb=2048 \
+    dict=()
+    # A target's dictionary, when it has one (tests/fuzz/dict/).
+    if [[ -f $root/tests/fuzz/dict/$target.dict ]]; then dict=(-dict="$root/tests/fuzz/dict/$target.dict"); fi
+    "$root/build-fuzz/tests/fuzz/fuzz_$target" "${dict[@]}" -runs="$runs" -max_total_time="${TANDEM_FUZZ_MAX_SECONDS:-0}" -timeout=10 -rss_limit_mb=2048 \
       -print_final_stats=1 -artifact_prefix="$out/artifacts/" \
       corpus "$root/tests/fuzz/corpus/$target"
     ;;

@@ -19,15 +19,22 @@
 // sends `GET /fuzz-wait` after the rest and keeps the client's end open
 // until its 404 (which names the path) has come and every admitted request
 // has ended (their replies written; else the close cancels them, as a
-// client that goes away does), bit 3 speaks TLS to the TLS server. Not in
+// client that goes away does), bit 3 speaks TLS to the TLS server, bit 4
+// sets the first request's Content-Length to the bytes after its header
+// (added when it has none), so that a mutation that changes the body's
+// length still reaches the body's parser and the request's lifecycle
+// instead of a short or overlong body (tests/fuzz/dict/http_server.dict
+// gives such mutations the API's names). Not in
 // CI's fuzz build, as fuzz_h2_server
 // (tests/fuzz/CMakeLists.txt); `tools/fuzz.sh long http_server RUNS`
 // configures and builds it; CI's unit suite runs its seeds
 // (fuzz_seeds_http_server: tests/CMakeLists.txt).
+#include <cctype>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "common/config.h"
 #include "common/metrics.h"
@@ -81,6 +88,30 @@ Server& Get() {
   return *s;
 }
 
+// Bit 4: the first request's Content-Length names the bytes after its
+// header's end, to the end of the input (a pipelined request after it is
+// its body).
+void FitContentLength(std::string& s) {
+  const size_t end = s.find("\r\n\r\n");
+  if (end == std::string::npos) return;
+  const std::string n = std::to_string(s.size() - (end + 4));
+  for (size_t line = s.find("\r\n"); line < end; line = s.find("\r\n", line + 2)) {
+    constexpr std::string_view kName = "content-length:";
+    const size_t at = line + 2;
+    if (s.size() - at < kName.size()) break;
+    bool match = true;
+    for (size_t i = 0; i < kName.size() && match; ++i) {
+      match = static_cast<char>(std::tolower(static_cast<unsigned char>(s[at + i]))) == kName[i];
+    }
+    if (!match) continue;
+    const size_t value = at + kName.size();
+    const size_t value_end = s.find("\r\n", value);
+    s.replace(value, value_end - value, " " + n);
+    return;
+  }
+  s.insert(end + 2, "Content-Length: " + n + "\r\n");
+}
+
 void CheckAlive(const Server& s, bool tls) {
   ExpectAnswer(s.port[tls], tls ? &kAlpn : nullptr, "GET /v1/models HTTP/1.1\r\nHost: fuzz\r\n\r\n",
                "\"tandem-kjv\"");
@@ -95,6 +126,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const uint8_t flags = data[0];
   std::string out(reinterpret_cast<const char*>(data + 1), size - 1);
+  if (flags & 16) FitContentLength(out);
   if (flags & 4) out += kWait;
   const bool tls = flags & 8;
   const Connection c = OneConnection(s.port[tls], tls ? &kAlpn : nullptr, out, flags & 2,

@@ -264,7 +264,8 @@ void WriteWireSeeds(const std::string& root) {
             end(1, message(fits.SerializeAsString())) + Frame(0x7, 0, 0, std::string(8, '\0')));
 
   // fuzz_http_server: whole connections (first byte 0; 2: one byte per
-  // write; 4: the requests end before the client's end closes).
+  // write; 4: the requests end before the client's end closes; 16: the
+  // first request's Content-Length fitted to its body).
   const std::string http = root + "/http_server";
   auto post = [](const std::string& path, const std::string& body, const std::string& extra = "") {
     return "POST " + path + " HTTP/1.1\r\nHost: fuzz\r\nContent-Type: application/json\r\n" +
@@ -306,6 +307,13 @@ void WriteWireSeeds(const std::string& root) {
     body += script % 2 ? R"(],"stream":true})" : "]}";
     Write(http, "script_" + std::to_string(script), "\x04" + post("/v1/completions", body));
   }
+  // Bit 4: a Content-Length that does not fit (1) and none at all, both
+  // fitted by the target.
+  Write(http, "fit_length",
+        "\x14POST /v1/completions HTTP/1.1\r\nHost: fuzz\r\nContent-Length: 1\r\n\r\n" +
+            completion);
+  Write(http, "fit_no_length",
+        "\x14POST /v1/chat/completions HTTP/1.1\r\nHost: fuzz\r\n\r\n" + chat);
   Write(http, "expect_continue",
         "\x04" + post("/v1/completions", completion, "Expect: 100-continue\r\n"));
   // Over TLS (bit 3): a completion, a streamed chat, a pipelined pair one
