@@ -58,6 +58,12 @@ size_t HttpServer::open_connections() const {
   return impl_->shared.sessions.size();
 }
 
+bool HttpServer::WaitForNoConnections(double seconds) const {
+  std::unique_lock lock(impl_->shared.mu);
+  return impl_->shared.sessions_changed.wait_for(lock, std::chrono::duration<double>(seconds),
+                                                 [&] { return impl_->shared.sessions.empty(); });
+}
+
 Result<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string& address,
                                                       const proxy::HttpContext& context,
                                                       const ServerOptions& options) {
@@ -73,6 +79,8 @@ Result<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string& address
   sh.limits.max_header_bytes = limits.max_http_header_bytes;
   sh.limits.max_pipelined = limits.max_pipelined_requests;
   sh.limits.max_connections = limits.max_connections;
+  sh.limits.linger = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(options.linger_seconds));
   sh.started = static_cast<int64_t>(std::time(nullptr));
   sh.tls_files = context.public_tls;
   if (!sh.tls_files.empty()) {
@@ -142,6 +150,17 @@ void HttpServer::Shutdown() {
     ErrorCode ignored;
     impl->acceptor->close(ignored);
   });
+  {
+    // Every open connection ends as an idle timeout ends it, so that a TLS
+    // client reads our close_notify rather than a bare TCP close (RFC 8446
+    // 6.1); then the I/O threads stop. Bounded: a session still there after
+    // the linger time (one whose close waits for the client's) ends with the
+    // io_context, as before.
+    std::unique_lock lock(impl_->shared.mu);
+    for (Session* s : impl_->shared.sessions) s->Stop();
+    impl_->shared.sessions_changed.wait_for(lock, impl_->shared.limits.linger,
+                                            [&] { return impl_->shared.sessions.empty(); });
+  }
   impl_->ioc.stop();
   for (auto& t : impl_->threads) t.join();
   impl_->threads.clear();

@@ -31,6 +31,10 @@ namespace tandem::http {
 // place sets them.
 struct ServerOptions {
   int io_threads = 2;
+  // A connection we close waits this long at most for the client's close
+  // (reading and discarding what it still sends) before its socket closes
+  // anyway; Shutdown waits as long at most for the open connections' ends.
+  double linger_seconds = 2;
 };
 
 class HttpServer final : public proxy::HttpFrontEnd {
@@ -49,6 +53,9 @@ class HttpServer final : public proxy::HttpFrontEnd {
   Status ReloadTls() override;
   // Connections open now (tests and the load test's report).
   size_t open_connections() const;
+  // Tests: waits until no connection is open, at most `seconds`; false if
+  // one still is.
+  bool WaitForNoConnections(double seconds) const;
 
   struct Impl;
 

@@ -3,8 +3,10 @@
 #include "http/http_session.h"
 
 #include <fmt/format.h>
+#include <sys/socket.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 
 namespace tandem::http::detail {
@@ -52,6 +54,7 @@ Session::~Session() {
   {
     std::lock_guard lock(sh_->mu);
     sh_->sessions.erase(this);
+    sh_->sessions_changed.notify_all();  // under mu: Shutdown's wait may end the server
   }
   CancelLifecycle();
   if (admitted_) sh_->fe->Release();
@@ -95,6 +98,12 @@ void Session::CancelLifecycle() {
     lc = std::move(lc_);
   }
   if (lc) lc->Cancel();
+}
+
+void Session::Stop() {
+  net::post(socket_.get_executor(), [w = weak_from_this()] {
+    if (auto s = w.lock()) s->Gone();
+  });
 }
 
 Session::SteadyClock::duration Session::Idle() const {
@@ -300,7 +309,7 @@ void Session::Gone() {
 
 void Session::ArmCloseTimer() {
   idle_timer_.cancel();
-  idle_timer_.expires_after(kLingerTime);
+  idle_timer_.expires_after(sh_->limits.linger);
   idle_timer_.async_wait([self = shared_from_this()](ErrorCode ec) {
     if (ec) return;
     ErrorCode ignored;
@@ -353,6 +362,24 @@ void Session::Linger(size_t discarded) {
   if (discarded >= kLingerBytes) return EndLinger();
   // (Gone's path: a read that ended as it closed. No read is in flight.)
   if (socket_.tls() && !notified_) return HalfClose();
+  // What is there already is read here, without the reactor: asio reads at
+  // once only while the socket's last read filled its buffer, and otherwise
+  // waits for the next readiness edge. When the read before this one (the
+  // TLS layer's, under our close_notify) already met the client's close,
+  // that edge never comes, and the socket stayed open until the close
+  // timer (ArmCloseTimer).
+  const int fd = socket_.socket().native_handle();
+  for (;;) {
+    const ssize_t n = ::recv(fd, linger_buf_.data(), linger_buf_.size(), MSG_DONTWAIT);
+    if (n == 0) return EndLinger();  // the client has closed
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) break;  // nothing yet: wait for it
+      return EndLinger();
+    }
+    discarded += static_cast<size_t>(n);
+    if (discarded >= kLingerBytes) return EndLinger();
+  }
   socket_.socket().async_read_some(net::buffer(linger_buf_),
                                    [self = shared_from_this(), discarded](ErrorCode ec, size_t n) {
                                      if (ec) return self->EndLinger();

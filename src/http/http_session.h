@@ -27,6 +27,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -70,6 +71,7 @@ struct Shared {
     size_t max_pipelined = 0;     // requests waiting on one connection; one more gets 429
     size_t max_connections = 0;   // open connections; a connection past it gets 429
     double idle_timeout_seconds = 0;
+    std::chrono::steady_clock::duration linger{};  // ServerOptions::linger_seconds
   } limits;
 
   TlsFiles tls_files;        // security.public_tls; empty: plaintext
@@ -80,6 +82,7 @@ struct Shared {
 
   std::mutex mu;
   std::set<Session*> sessions;  // guarded by mu
+  std::condition_variable sessions_changed;  // a session left `sessions`
   bool stopping = false;        // guarded by mu
   // New connections' TLS context (null: plaintext); replaced by a reload.
   std::shared_ptr<net::ssl::context> tls;  // guarded by mu
@@ -104,6 +107,9 @@ class Session : public std::enable_shared_from_this<Session> {
   // Any thread (shutdown): the active request is cancelled; nothing more
   // reaches this session from its lifecycle.
   void CancelLifecycle();
+  // Any thread (shutdown): the connection ends on its strand as an idle
+  // timeout ends it (Gone: under TLS our close_notify, then the close).
+  void Stop();
 
  private:
   // ---- idle connections (http_session.cc) ----------------------------------
@@ -155,11 +161,10 @@ class Session : public std::enable_shared_from_this<Session> {
   void Gone();
   // Our side is done: half-close, then read and discard what the client
   // still sends (a body we refused, requests pipelined past a limit) until
-  // its close, kLingerBytes or kLingerTime, whichever first. Closing with
+  // its close, kLingerBytes or Limits::linger, whichever first. Closing with
   // unread bytes would make the kernel answer with a reset, which destroys
   // our last response before the client has read it.
   static constexpr size_t kLingerBytes = 1u << 20;
-  static constexpr auto kLingerTime = std::chrono::seconds(2);
   void Close();
   // Our close_notify (TLS), the TCP half-close, then the linger unless the
   // parser's read is in flight (it lingers when it ends).
@@ -175,7 +180,7 @@ class Session : public std::enable_shared_from_this<Session> {
   // EndLinger), ours (Close), the idle timeout (Gone, which cancels the
   // read waiting for the next request first).
   void CloseNotifyThen(std::function<void()> then);
-  // The socket closes after kLingerTime whatever else waits (a linger, a
+  // The socket closes after Limits::linger whatever else waits (a linger, a
   // close_notify behind a write the client does not read).
   void ArmCloseTimer();
 

@@ -30,6 +30,7 @@
 // configures and builds it; CI's unit suite runs its seeds
 // (fuzz_seeds_http_server: tests/CMakeLists.txt).
 #include <cctype>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -132,8 +133,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const Connection c = OneConnection(s.port[tls], tls ? &kAlpn : nullptr, out, flags & 2,
                                      (flags & 4) ? &kWaitAnswer : nullptr, *s.proxy);
   if (!c.got.empty() && !c.got.starts_with("HTTP/1.1 ")) __builtin_trap();
-  // Else a connection leaked.
-  WaitUntil([&] { return s.http[tls]->open_connections() == 0; });
+  // Else a connection leaked (woken by the server's last session's end).
+  if (!s.http[tls]->WaitForNoConnections(std::chrono::duration<double>(kPatience).count())) {
+    __builtin_trap();
+  }
   if (!c.whole || ++inputs % 256 == 0) CheckAlive(s, tls);
   return 0;
 }

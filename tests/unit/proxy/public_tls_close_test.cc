@@ -197,7 +197,7 @@ class PublicTlsCloseTest : public ::testing::Test {
     return PortOf(h2_->address());
   }
   // The HTTP API's limits come from config_.proxy (set them before).
-  uint16_t StartHttp() {
+  uint16_t StartHttp(const http::ServerOptions& options = {}) {
     config_.model.path = std::string(TANDEM_SOURCE_DIR) + "/models/tandem-kjv";
     metrics_ = std::make_unique<MetricsRegistry>(MetricLabels{"tandem-kjv", "proxy", "proxy"});
     proxy::HttpContext ctx;
@@ -206,7 +206,7 @@ class PublicTlsCloseTest : public ::testing::Test {
     ctx.fleet = fleet_.get();
     ctx.metrics = metrics_.get();
     ctx.public_tls = tls_;
-    auto s = http::HttpServer::Start("127.0.0.1:0", ctx);
+    auto s = http::HttpServer::Start("127.0.0.1:0", ctx, options);
     EXPECT_TRUE(s.ok()) << s.status().ToString();
     if (!s.ok()) return 0;
     http_ = std::move(s).value();
@@ -273,6 +273,26 @@ TEST_F(PublicTlsCloseTest, HttpClosesAConnectionCloseRequestWithCloseNotify) {
   EXPECT_NE(c.got().find("\"tandem-kjv\""), std::string::npos) << c.got();
 }
 
+// Since session 50: after our close_notify, the client's close ends the
+// connection on the server at once. Before, the TLS layer's read took the
+// client's close (EOF) and the linger's read of the raw socket waited for
+// a readiness edge that never came, so the socket stayed open until the
+// linger time (2 s) closed it. Here that time is 60 s and the wait for the
+// server's side to close has a 30 s bound: only the client's close can end
+// it in time.
+TEST_F(PublicTlsCloseTest, HttpEndsAConnectionCloseRequestAtTheClientsClose) {
+  http::ServerOptions options;
+  options.linger_seconds = 60;
+  const uint16_t port = StartHttp(options);
+  {
+    TlsClient c(port, kAlpnHttp);
+    ASSERT_TRUE(c.connected());
+    ASSERT_TRUE(c.Send("GET /v1/models HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"));
+    EXPECT_EQ(Name(c.ReadToEnd()), Name(End::kCloseNotify)) << c.end();
+  }  // the client closes its socket
+  EXPECT_TRUE(http_->WaitForNoConnections(30)) << http_->open_connections() << " open";
+}
+
 // Also: before session 49 the 413 itself never left under TLS (its bytes
 // wait for the strand's flush, and the session went with the handler of the
 // read that failed, before the flush ran: http_session.cc, OnReadError).
@@ -295,6 +315,28 @@ TEST_F(PublicTlsCloseTest, HttpClosesAnIdleConnectionWithCloseNotify) {
   ASSERT_TRUE(c.Send("GET /v1/models HTTP/1.1\r\nHost: t\r\n\r\n"));
   ASSERT_TRUE(c.ReadUntil("\"tandem-kjv\""));
   // Nothing more: the server ends the keep-alive connection at its timeout.
+  EXPECT_EQ(Name(c.ReadToEnd()), Name(End::kCloseNotify)) << c.end();
+}
+
+// Since session 50: a connection still open when the server stops (after
+// the proxy's drain) ends with close_notify, as an idle one does; before,
+// the I/O threads stopped and the socket closed bare when the server went.
+TEST_F(PublicTlsCloseTest, HttpStopsAnOpenConnectionWithCloseNotify) {
+  TlsClient c(StartHttp(), kAlpnHttp);
+  ASSERT_TRUE(c.connected());
+  ASSERT_TRUE(c.Send("GET /v1/models HTTP/1.1\r\nHost: t\r\n\r\n"));
+  ASSERT_TRUE(c.ReadUntil("\"tandem-kjv\""));
+  http_->Shutdown();
+  EXPECT_EQ(Name(c.ReadToEnd()), Name(End::kCloseNotify)) << c.end();
+}
+
+// The native front end's stop: its GOAWAY, then close_notify.
+TEST_F(PublicTlsCloseTest, NativeGrpcStopsAnOpenConnectionWithCloseNotify) {
+  TlsClient c(StartH2(), kAlpnH2);
+  ASSERT_TRUE(c.connected());
+  ASSERT_TRUE(c.Send(kPreface + kEmptySettings));
+  ASSERT_TRUE(c.ReadUntil(std::string("\0\0\0\x04\x01\0\0\0\0", 9)));
+  h2_->Shutdown();
   EXPECT_EQ(Name(c.ReadToEnd()), Name(End::kCloseNotify)) << c.end();
 }
 
