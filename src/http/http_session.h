@@ -64,7 +64,8 @@ struct Shared {
   std::optional<model::ChatTemplate> chat;
   std::string chat_error;  // why chat is refused when `chat` is empty
   int64_t started = 0;
-  // From the fleet file's proxy section (HttpServer::Start).
+  // Set by HttpServer::Start: the first five from the fleet file's proxy
+  // section, `linger` from ServerOptions.
   struct Limits {
     size_t max_body_bytes = 0;    // a larger request body gets 413
     size_t max_header_bytes = 0;  // a larger header gets 431
