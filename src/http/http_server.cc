@@ -142,25 +142,23 @@ void HttpServer::Shutdown() {
   if (!impl_ || impl_->stopped) return;
   impl_->stopped = true;
   {
+    // Every open connection ends as an idle timeout ends it (Stop), so that
+    // a TLS client reads our close_notify rather than a bare TCP close (RFC
+    // 8446 6.1); then the I/O threads stop.
     std::lock_guard lock(impl_->shared.mu);
     impl_->shared.stopping = true;
-    for (Session* s : impl_->shared.sessions) s->CancelLifecycle();
+    for (Session* s : impl_->shared.sessions) {
+      s->CancelLifecycle();
+      s->Stop();
+    }
   }
   net::post(impl_->ioc, [impl = impl_.get()] {
     ErrorCode ignored;
     impl->acceptor->close(ignored);
   });
-  {
-    // Every open connection ends as an idle timeout ends it, so that a TLS
-    // client reads our close_notify rather than a bare TCP close (RFC 8446
-    // 6.1); then the I/O threads stop. Bounded: a session still there after
-    // the linger time (one whose close waits for the client's) ends with the
-    // io_context, as before.
-    std::unique_lock lock(impl_->shared.mu);
-    for (Session* s : impl_->shared.sessions) s->Stop();
-    impl_->shared.sessions_changed.wait_for(lock, impl_->shared.limits.linger,
-                                            [&] { return impl_->shared.sessions.empty(); });
-  }
+  // Bounded: a session still there after the linger time (one whose close
+  // waits for the client's) ends with the io_context, as before.
+  WaitForNoConnections(std::chrono::duration<double>(impl_->shared.limits.linger).count());
   impl_->ioc.stop();
   for (auto& t : impl_->threads) t.join();
   impl_->threads.clear();

@@ -29,7 +29,8 @@
 // (tests/fuzz/CMakeLists.txt); `tools/fuzz.sh long http_server RUNS`
 // configures and builds it; CI's unit suite runs its seeds
 // (fuzz_seeds_http_server: tests/CMakeLists.txt).
-#include <cctype>
+#include <strings.h>
+
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -96,15 +97,13 @@ void FitContentLength(std::string& s) {
   const size_t end = s.find("\r\n\r\n");
   if (end == std::string::npos) return;
   const std::string n = std::to_string(s.size() - (end + 4));
+  constexpr std::string_view kName = "content-length:";
   for (size_t line = s.find("\r\n"); line < end; line = s.find("\r\n", line + 2)) {
-    constexpr std::string_view kName = "content-length:";
     const size_t at = line + 2;
-    if (s.size() - at < kName.size()) break;
-    bool match = true;
-    for (size_t i = 0; i < kName.size() && match; ++i) {
-      match = static_cast<char>(std::tolower(static_cast<unsigned char>(s[at + i]))) == kName[i];
+    if (s.size() - at < kName.size() ||
+        strncasecmp(s.data() + at, kName.data(), kName.size()) != 0) {
+      continue;
     }
-    if (!match) continue;
     const size_t value = at + kName.size();
     const size_t value_end = s.find("\r\n", value);
     s.replace(value, value_end - value, " " + n);
