@@ -30,6 +30,18 @@ def block_hashes(root, tokens, block_size):
     return out
 
 
+def kv_pattern(n, offset):
+    """Bytes offset..offset+n-1 of the KV checksum test's pattern."""
+    return bytes(((i * 167 + 13) ^ (i >> 7)) & 0xFF for i in range(offset, offset + n))
+
+
+# (bytes, offset) pairs pinned in tests/unit/kv_checksum_test.cc: every XXH3
+# length class (0, 1-3, 4-8, 9-16, 17-128, 129-240, then the striped long
+# path with and without a partial stripe and block) and an unaligned start.
+KV_CASES = [(0, 0), (3, 0), (8, 0), (16, 0), (100, 0), (240, 0), (241, 0),
+            (1023, 1), (8192, 0), (8192, 3), (65541, 0), (2 << 20, 0)]
+
+
 if __name__ == "__main__":
     r = root_hash("tandem-kjv", "", 16, "f32", "", "")
     print("root", hex(r))
@@ -37,3 +49,5 @@ if __name__ == "__main__":
     print("root bs32", hex(root_hash("tandem-kjv", "", 32, "f32", "", "")))
     print("chain", [hex(h) for h in block_hashes(r, list(range(1, 41)), 16)])
     print("le", hex(xxhash.xxh3_64_intdigest(struct.pack("<4I", 0, 1, 0xFFFFFFFF, 70000), 0)))
+    for n, off in KV_CASES:
+        print("kv", n, off, hex(xxhash.xxh3_64_intdigest(kv_pattern(n, off), 0)))

@@ -2,11 +2,11 @@
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
-#include <xxhash.h>
 
 #include <algorithm>
 
 #include "common/delivery_scope.h"
+#include "common/kv_checksum.h"
 #include "common/logging.h"
 #include "common/metrics.h"
 #include "kvtransfer/kv_cipher.h"
@@ -772,7 +772,7 @@ Status Decoder::VerifyChecksums(const Held& h, const std::vector<uint64_t>& chec
   }
   for (size_t i = 0; i < pushed; ++i) {
     const uint32_t slot = h.slots[h.cached_blocks + i];
-    const uint64_t got = XXH3_64bits(transport_.block(slot), transport_.block_bytes());
+    const uint64_t got = KvChecksum(transport_.block(slot), transport_.block_bytes());
     if (got != checksums[i]) {
       return DataLossError(fmt::format("block {} of the prompt (slot {}): XXH3 {:016x}, expected {:016x}",
                                        h.cached_blocks + i, slot, got, checksums[i]));

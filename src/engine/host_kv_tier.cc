@@ -2,13 +2,13 @@
 
 #include <fmt/format.h>
 #include <sys/mman.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 
 #include "common/check.h"
+#include "common/kv_checksum.h"
 
 namespace tandem::engine {
 
@@ -79,13 +79,13 @@ void HostKvTier::Insert(const TierBlockMeta& meta, std::span<const std::byte> by
   meta_[slot].parent = meta.parent;
   meta_[slot].tokens.assign(meta.tokens.begin(), meta.tokens.end());
   if (sums_.size() < capacity_) sums_.resize(capacity_, 0);
-  sums_[slot] = XXH3_64bits(base_ + size_t{slot} * block_bytes_, block_bytes_);
+  sums_[slot] = KvChecksum(base_ + size_t{slot} * block_bytes_, block_bytes_);
   index_.PushEvictable(slot);
 }
 
 bool HostKvTier::Verify(uint32_t slot) const {
   return slot < sums_.size() &&
-         XXH3_64bits(base_ + size_t{slot} * block_bytes_, block_bytes_) == sums_[slot];
+         KvChecksum(base_ + size_t{slot} * block_bytes_, block_bytes_) == sums_[slot];
 }
 
 std::optional<uint32_t> HostKvTier::LeastRecent() const { return index_.LeastRecent(); }

@@ -1,9 +1,10 @@
 #include "prefiller/push_stream.h"
 
 #include <fmt/format.h>
-#include <xxhash.h>
 
 #include <algorithm>
+
+#include "common/kv_checksum.h"
 
 namespace tandem::prefiller {
 
@@ -49,7 +50,7 @@ void PushStream::ChecksumFinal(std::span<const uint32_t> block_table) {
   const uint32_t n = static_cast<uint32_t>(std::min(block_table.size(), pushed_.size()));
   for (uint32_t b = plan_.cached_blocks; b < n; ++b) {
     if (summed_[b] || pushed_[b] < plan_.num_layers) continue;
-    sums_[b] = XXH3_64bits(transport_.block(block_table[b]), plan_.block_bytes);
+    sums_[b] = KvChecksum(transport_.block(block_table[b]), plan_.block_bytes);
     summed_[b] = true;
   }
 }
