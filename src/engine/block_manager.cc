@@ -133,6 +133,21 @@ void BlockManager::Evict(uint32_t block, std::vector<uint64_t>& removed) {
   b.tokens.clear();
 }
 
+void BlockManager::EvictBatch(std::span<const uint32_t> victims, std::vector<uint64_t>& removed) {
+  // The victims' records and their hashes' table slots are cold when a
+  // prompt's allocation evicts hundreds of blocks (session 51: ~0.2 us per
+  // block): ask for them kPrefetchLead blocks ahead (the record two leads
+  // ahead, so its hash is there when its slot is asked for).
+  removed.reserve(removed.size() + victims.size());
+  for (size_t i = 0; i < victims.size(); ++i) {
+    if (i + 2 * kPrefetchLead < victims.size())
+      __builtin_prefetch(&blocks_[victims[i + 2 * kPrefetchLead]], 1);
+    if (i + kPrefetchLead < victims.size())
+      cache_.Prefetch(blocks_[victims[i + kPrefetchLead]].hash);
+    Evict(victims[i], removed);
+  }
+}
+
 uint32_t BlockManager::TakeBlock(std::vector<uint64_t>& removed) {
   uint32_t block;
   if (!free_.empty()) {
@@ -154,10 +169,21 @@ Result<std::vector<uint32_t>> BlockManager::Allocate(uint32_t n, bool quiet_evic
   std::vector<uint32_t> out;
   out.reserve(n);
   std::vector<uint64_t> removed;
-  for (uint32_t i = 0; i < n; ++i) {
-    const uint32_t block = TakeBlock(removed);
+  // Free blocks first, then the least recently used cached ones (what n
+  // TakeBlock calls take, in the same order), evicted as one batch.
+  const uint32_t from_free = std::min<uint32_t>(n, static_cast<uint32_t>(free_.size()));
+  for (uint32_t i = 0; i < from_free; ++i) {
+    out.push_back(free_.back());
+    free_.pop_back();
+  }
+  if (n > from_free) {
+    cache_.PopLeastRecent(n - from_free, out);
+    EvictBatch(std::span<const uint32_t>(out).subspan(from_free), removed);
+  }
+  for (uint32_t block : out) {
+    TANDEM_CHECK(blocks_[block].ref == 0, "allocating block {} with ref {}", block,
+                 blocks_[block].ref);
     blocks_[block].ref = 1;
-    out.push_back(block);
   }
   if (events_ != nullptr) {
     events_->PublishRemoved(std::move(removed), KvTier::kDevice, quiet_evictions);
@@ -199,6 +225,12 @@ void BlockManager::Commit(std::span<const uint32_t> blocks, std::span<const uint
     run.clear();
   };
   for (uint32_t i = first; i < first + count; ++i) {
+    // The later blocks' records and hash slots, asked for ahead (EvictBatch).
+    if (const size_t ahead = size_t{i} + kPrefetchLead;
+        ahead < size_t{first} + count && ahead < blocks.size() && ahead < hashes.size()) {
+      cache_.Prefetch(hashes[ahead]);
+      __builtin_prefetch(&blocks_[blocks[ahead]], 1);
+    }
     TANDEM_CHECK(i < blocks.size() && i < hashes.size() &&
                      (size_t{i} + 1) * block_size_ <= tokens.size(),
                  "commit of block {} out of range", i);

@@ -132,6 +132,9 @@ class BlockManager {
   };
   bool Matches(uint32_t block, std::span<const uint32_t> tokens) const;
   void Evict(uint32_t block, std::vector<uint64_t>& removed);
+  // Evict of each victim in order, their memory asked for ahead.
+  void EvictBatch(std::span<const uint32_t> victims, std::vector<uint64_t>& removed);
+  static constexpr size_t kPrefetchLead = 8;
   // One block off the free list or evicted (requires CanAllocate(1)).
   uint32_t TakeBlock(std::vector<uint64_t>& removed);
   void FlushTierEvents(bool quiet = false);

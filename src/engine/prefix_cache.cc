@@ -101,4 +101,24 @@ std::optional<uint32_t> PrefixCache::PopLeastRecent() {
   return b;
 }
 
+void PrefixCache::PopLeastRecent(uint32_t n, std::vector<uint32_t>& out) {
+  TANDEM_CHECK(n <= num_evictable_, "{} blocks asked of {} evictable", n, num_evictable_);
+  // Unlinked as one run off the head: only the run's last block's successor
+  // changes, instead of each block's.
+  uint32_t b = head_;
+  for (uint32_t i = 0; i < n; ++i) {
+    out.push_back(b);
+    const uint32_t next = next_[b];
+    prev_[b] = next_[b] = kNone;
+    in_lru_[b] = false;
+    b = next;
+  }
+  head_ = b;
+  if (b != kNone)
+    prev_[b] = kNone;
+  else
+    tail_ = kNone;
+  num_evictable_ -= n;
+}
+
 }  // namespace tandem::engine

@@ -21,6 +21,9 @@ class PrefixCache {
   // False (and no change) when `hash` is already registered.
   bool Insert(uint64_t hash, uint32_t block);
   void Erase(uint64_t hash);
+  // Asks for the cache line of `hash`'s home slot ahead of an Insert, Erase or
+  // Lookup of it (a batch's later entries while this one is worked on).
+  void Prefetch(uint64_t hash) const { __builtin_prefetch(&slots_[hash & mask_], 1); }
   size_t size() const { return size_ + (has_zero_ ? 1 : 0); }
 
   // LRU of evictable blocks: PushEvictable makes `block` the most recent.
@@ -29,6 +32,9 @@ class PrefixCache {
   bool IsEvictable(uint32_t block) const { return in_lru_[block]; }
   // Least recently used evictable block, removed from the LRU.
   std::optional<uint32_t> PopLeastRecent();
+  // The `n` least recently used evictable blocks (n <= num_evictable()), in
+  // that order, removed from the LRU: what n PopLeastRecent calls return.
+  void PopLeastRecent(uint32_t n, std::vector<uint32_t>& out);
   // The same without removing it.
   std::optional<uint32_t> LeastRecent() const {
     if (head_ == kNone) return std::nullopt;

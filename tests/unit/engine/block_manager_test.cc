@@ -99,6 +99,58 @@ TEST(BlockManagerTest, LruEvictsLeastRecentAndTailFirst) {
   EXPECT_EQ(bm.num_free_blocks(), 4u);
 }
 
+// An allocation larger than the free list takes the free blocks, then evicts
+// the least recently used cached ones in one batch (session 51): the same
+// blocks, in the same order, with the same removed event, as one-block
+// allocations take one at a time.
+TEST(BlockManagerTest, AllocationOfManyEvictsWhatOneAtATimeEvicts) {
+  KvEventPublisher ev_many(1), ev_one(1);
+  BlockManager many(12, kBs, &ev_many), one(12, kBs, &ev_one);
+  const uint64_t root = 3;
+  for (BlockManager* bm : {&many, &one}) {
+    // Three sequences of three blocks cached in the order c, a, b (c's tail
+    // first); three blocks stay free.
+    for (uint32_t start : {300u, 100u, 200u}) {
+      auto t = Seq(12, start);
+      auto h = HashBlocks(root, t, kBs);
+      auto blocks = *bm->Allocate(3);
+      bm->Commit(blocks, h, t, 0, 3, root);
+      bm->Release(blocks);
+    }
+  }
+  ev_many.Drain();
+  ev_one.Drain();
+  auto got = *many.Allocate(8);  // 3 free, then 5 evictions
+  std::vector<uint32_t> want;
+  std::vector<uint64_t> removed_one;
+  for (int i = 0; i < 8; ++i) {
+    want.push_back((*one.Allocate(1))[0]);
+    for (const auto& e : ev_one.Drain()) {
+      if (e.kind == KvEventKind::kRemoved)
+        removed_one.insert(removed_one.end(), e.hashes.begin(), e.hashes.end());
+    }
+  }
+  EXPECT_EQ(got, want);
+  const auto ev = ev_many.Drain();
+  ASSERT_EQ(ev.size(), 1u);
+  EXPECT_EQ(ev[0].kind, KvEventKind::kRemoved);
+  EXPECT_EQ(ev[0].hashes, removed_one);
+  ASSERT_EQ(removed_one.size(), 5u);
+  EXPECT_EQ(many.evictions(KvTier::kDevice), 5u);
+  EXPECT_EQ(many.num_free_blocks(), one.num_free_blocks());
+  EXPECT_EQ(many.num_cached_blocks(), 4u);
+  for (uint32_t b : got) EXPECT_EQ(many.ref_count(b), 1u);
+  // What is left cached is the same, and still found by its tokens.
+  for (uint32_t start : {300u, 100u, 200u}) {
+    auto t = Seq(12, start);
+    auto h = HashBlocks(root, t, kBs);
+    EXPECT_EQ(many.CountCachedPrefix(h, t, 3), one.CountCachedPrefix(h, t, 3)) << start;
+  }
+  many.Release(got);
+  one.Release(want);
+  EXPECT_EQ(many.num_free_blocks(), 12u);
+}
+
 TEST(BlockManagerTest, HeldBlocksAreNeverEvicted) {
   BlockManager bm(3, kBs, nullptr);
   auto t = Seq(8, 1);

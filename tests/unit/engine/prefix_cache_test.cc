@@ -79,5 +79,44 @@ TEST(PrefixCache, AgreesWithAMapThroughInsertsErasesAndGrowth) {
   }
 }
 
+// PopLeastRecent(n, out) (session 51: an allocation's evictions in one
+// batch) takes what n single pops take, and leaves the LRU as they leave it:
+// driven alongside a cache that pops one at a time through pushes, removals
+// and batches of every size, the empty list included.
+TEST(PrefixCache, BatchPopAgreesWithSinglePops) {
+  constexpr uint32_t kBlocks = 40;
+  PrefixCache batch(kBlocks), single(kBlocks);
+  uint64_t s = 5;
+  for (int op = 0; op < 4000; ++op) {
+    const uint64_t r = SplitMix64Next(s);
+    const uint32_t block = static_cast<uint32_t>(r % kBlocks);
+    switch ((r >> 20) % 3) {
+      case 0:
+      case 1:  // make a block the most recent (removing it first when listed)
+        if (batch.IsEvictable(block)) {
+          batch.RemoveEvictable(block);
+          single.RemoveEvictable(block);
+        }
+        batch.PushEvictable(block);
+        single.PushEvictable(block);
+        break;
+      default: {  // pop a batch: sometimes all of them, sometimes none
+        const uint32_t n = static_cast<uint32_t>((r >> 32) % (batch.num_evictable() + 1));
+        std::vector<uint32_t> got = {777};  // appended to, not replaced
+        batch.PopLeastRecent(n, got);
+        std::vector<uint32_t> want = {777};
+        for (uint32_t i = 0; i < n; ++i) want.push_back(*single.PopLeastRecent());
+        ASSERT_EQ(got, want) << "op " << op;
+      }
+    }
+    ASSERT_EQ(batch.num_evictable(), single.num_evictable());
+    ASSERT_EQ(batch.LeastRecent(), single.LeastRecent());
+    for (uint32_t b = 0; b < kBlocks; ++b) ASSERT_EQ(batch.IsEvictable(b), single.IsEvictable(b));
+  }
+  // The whole order is the same: single pops of what is left agree.
+  while (auto b = single.PopLeastRecent()) EXPECT_EQ(batch.PopLeastRecent(), b);
+  EXPECT_FALSE(batch.PopLeastRecent().has_value());
+}
+
 }  // namespace
 }  // namespace tandem::engine
