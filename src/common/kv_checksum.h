@@ -1,7 +1,9 @@
 // The end-to-end checksum of a KV block (transport.checksum,
 // docs/failure-handling.md "KV checksums"; the host tier's spill check): the
-// XXH3-64 of its bytes, seed 0. Every place that sums KV bytes calls this and
-// nothing else, so a prefiller and a decoder always agree.
+// XXH3-64 of its bytes, seed 0. The prefiller's sums, the decoder's check and
+// the host tier call this and nothing else, so a prefiller and a decoder
+// always agree. (The disk tier's file checksum, over its header and payload,
+// is streamed through the library's XXH3 state; its cost is the file's I/O.)
 //
 // Where libxxhash exports its x86 dispatcher (Debian's 0.8.1 does), the sum is
 // computed by the widest vector path this CPU runs (AVX-512, AVX2 or SSE2,
