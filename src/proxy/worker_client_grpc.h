@@ -2,6 +2,7 @@
 // address, reused by every call.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -11,6 +12,7 @@
 
 #include "common/frame_conn.h"
 #include "common/tls.h"
+#include "proxy/reactor_drain.h"
 #include "proxy/worker_client.h"
 
 namespace tandem::model {
@@ -141,6 +143,11 @@ class GrpcWorkerClient final : public WorkerClient {
   // Every TCP stream opened (stopped and joined with the client).
   std::vector<std::weak_ptr<DecodeMuxTcpClient>> tcp_muxes_;  // guarded by mu_
   std::unordered_map<std::string, std::shared_ptr<grpc::Channel>> channels_;  // guarded by mu_
+  // The Decode and Prefill RPCs' reactors (not the gRPC decode streams,
+  // which live until their decoder ends them): the destructor waits for
+  // them, at most kReactorDrainBound, before the channels go.
+  ReactorDrain drain_;
+  static constexpr std::chrono::milliseconds kReactorDrainBound{2000};
   // Calls in flight per worker address (expired entries pruned as we go).
   std::unordered_map<std::string, std::vector<std::weak_ptr<Tracked>>> calls_;  // guarded by mu_
   // Addresses given up by AbandonCalls and not Reachable since -> why.
