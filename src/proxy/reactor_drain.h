@@ -8,9 +8,10 @@
 // call lives. When the process's last such channel is destroyed on one of
 // those threads (a reactor's OnDone, or a unary callback's functor, holding
 // the last stub or ClientContext), its release shuts the queue down, joins
-// every nexting thread (the calling one included: the join of itself fails
-// and is ignored) and deletes the queue while that thread still runs on it
-// (seen as `ref_counted.h:183 assertion failed: prior > 0` and an abort).
+// every nexting thread (the calling one among them) and deletes the queue
+// while that thread still runs on it (as gRPC's CallbackAlternativeCQ::Unref
+// reads; seen as `ref_counted.h:183 assertion failed: prior > 0` and an
+// abort, tests/integration/failure/client_teardown_test.cc).
 // A reactor holds a Token as its first member, so that the token goes last,
 // after the stub and the context that hold the channel.
 #pragma once
