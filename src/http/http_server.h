@@ -53,8 +53,8 @@ class HttpServer final : public proxy::HttpFrontEnd {
   Status ReloadTls() override;
   // Connections open now (tests and the load test's report).
   size_t open_connections() const;
-  // Tests: waits until no connection is open, at most `seconds`; false if
-  // one still is.
+  // Waits until no connection is open, at most `seconds`; false if one
+  // still is (Shutdown's wait for the connections it stopped; tests).
   bool WaitForNoConnections(double seconds) const;
 
   struct Impl;

@@ -14,6 +14,11 @@
 // abort, tests/integration/failure/client_teardown_test.cc).
 // A reactor holds a Token as its first member, so that the token goes last,
 // after the stub and the context that hold the channel.
+//
+// Not common/lifeline.h: a Lifeline's Pass must not outlive its component
+// and its End waits without a bound; here the owner waits a bounded time
+// and a reactor still in flight then may outlive it (the tokens share the
+// count's state).
 #pragma once
 
 #include <chrono>
